@@ -1,0 +1,33 @@
+# tiercake: `make test` installs everything and runs the suite; `make run` runs the main job.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test run bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Torch first and pinned, so the project's own range resolves to it instead of a multi-GB download.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+run: install
+	$(VENV)/bin/tiercake demo
+
+bench: install
+	$(VENV)/bin/tiercake bench store --quick --json bench-results/store.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results

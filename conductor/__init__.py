@@ -1,0 +1,1 @@
+"""Control plane: placement index, etcd persistence, membership, routing, HTTP API (issue 4)."""

@@ -1,0 +1,93 @@
+"""The one policy registry: built-ins by name, plug-ins from entry points, and ``module:Class``.
+
+Third-party packages expose policies in the entry-point group ``tiercake.policies``::
+
+    [project.entry-points."tiercake.policies"]
+    my_lru = "my_package.policies:MyLRU"
+
+and any importable class works by path: ``"my_package.policies:MyLRU"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from . import admission, eviction
+from .base import AdmissionPolicy, EvictionPolicy
+
+ENTRY_POINT_GROUP = "tiercake.policies"
+
+P = TypeVar("P", EvictionPolicy, AdmissionPolicy)
+
+_BUILTINS: dict[str, type] = {
+    cls.name: cls
+    for cls in (
+        eviction.LRU,
+        eviction.FIFO,
+        eviction.LFU,
+        eviction.S3FIFO,
+        eviction.ARC,
+        eviction.LeafFirstLRU,
+        admission.AlwaysAdmit,
+        admission.AdmitOnNth,
+    )
+}
+
+
+class PolicyNotFoundError(LookupError):
+    """No built-in, entry point or importable class has that name."""
+
+
+def _load_path(spec: str) -> type:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PolicyNotFoundError(f"policy {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise PolicyNotFoundError(f"policy {spec!r}: module {module_name!r} has no {attr!r}") from exc
+
+
+def resolve(spec: str) -> type:
+    """The policy class named by ``spec``: a built-in name, an entry point, or ``module:Class``."""
+    if spec in _BUILTINS:
+        return _BUILTINS[spec]
+    if ":" in spec:
+        return _load_path(spec)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == spec:
+            return ep.load()
+    raise PolicyNotFoundError(
+        f"unknown policy {spec!r}: not a built-in ({', '.join(sorted(_BUILTINS))}), not an entry point "
+        f"in group {ENTRY_POINT_GROUP!r}, and not a 'module:Class' path"
+    )
+
+
+def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
+    cls = resolve(spec)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"policy {spec!r} resolves to {cls!r}, which is not a {base.__name__}")
+    try:
+        return cls(**(params or {}))
+    except TypeError as exc:
+        raise TypeError(f"policy {spec!r} rejected its parameters {params!r}: {exc}") from exc
+
+
+def create_eviction(spec: str, params: dict[str, Any] | None = None) -> EvictionPolicy:
+    return _create(spec, EvictionPolicy, params)
+
+
+def create_admission(spec: str, params: dict[str, Any] | None = None) -> AdmissionPolicy:
+    return _create(spec, AdmissionPolicy, params)
+
+
+def available() -> dict[str, str]:
+    """Every policy name that resolves without a path, with its kind."""
+    found = {name: ("eviction" if issubclass(cls, EvictionPolicy) else "admission") for name, cls in _BUILTINS.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, "plug-in")
+    return found

@@ -1,0 +1,147 @@
+"""Block identity: the one hashing function every part of tiercake uses.
+
+A block is ``block_size`` tokens. Its key is a chained hash ``h_i = H(h_{i-1}, tokens_i)`` whose
+root ``h_{-1}`` is derived from the namespace (model, KV layout, block size, tenant salt), so a key
+names the block *and its whole prefix*, and two namespaces never share a key. ``H`` is BLAKE2b-256
+with a fixed personalisation: stable across processes, machines and Python versions (never
+``hash()``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+KEY_BYTES = 32
+_PERSON_ROOT = b"tiercake.ns.v1"
+_PERSON_BLOCK = b"tiercake.blk.v1"
+_MAX_TOKEN = 2**32 - 1
+
+
+class BlockKey(bytes):
+    """A 32-byte block key. Prints as hex; compares and hashes as bytes."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: bytes) -> BlockKey:
+        if len(value) != KEY_BYTES:
+            raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(value)}")
+        return super().__new__(cls, value)
+
+    @classmethod
+    def from_hex(cls, text: str) -> BlockKey:
+        try:
+            raw = bytes.fromhex(text)
+        except ValueError as exc:
+            raise ValueError(f"not a hex block key: {text!r}") from exc
+        return cls(raw)
+
+    def __repr__(self) -> str:
+        return f"BlockKey({self.hex()[:16]}…)"
+
+    def __str__(self) -> str:
+        return self.hex()
+
+
+class Namespace(BaseModel):
+    """Everything that makes two identical token blocks hold different KV.
+
+    Two tenants share cache hits only if they are configured with the same ``tenant_salt``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str = Field(min_length=1, description="model name and revision")
+    kv_layout: str = Field(min_length=1, description="KV layout and dtype, e.g. 'L2.H2.D16.float16'")
+    block_size: int = Field(default=16, gt=0, le=1 << 20, description="tokens per block")
+    tenant_salt: str = Field(default="", description="per-tenant salt; equal salts share a cache")
+
+    def root(self) -> bytes:
+        """h_{-1}: the chain's seed, from a canonical encoding of every field."""
+        canonical = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES, person=_PERSON_ROOT).digest()
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iu"):
+        raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_key(parent: bytes, block_tokens: Sequence[int] | np.ndarray) -> BlockKey:
+    """h_i = H(h_{i-1} || tokens_i as little-endian uint32)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON_BLOCK)
+    h.update(parent)
+    h.update(_token_bytes(block_tokens))
+    return BlockKey(h.digest())
+
+
+def block_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
+    """Keys of every *full* block of ``tokens``; a trailing partial block is never keyed."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    size = namespace.block_size
+    full = arr.shape[0] // size
+    keys: list[BlockKey] = []
+    parent = namespace.root()
+    for i in range(full):
+        key = chain_key(parent, arr[i * size : (i + 1) * size])
+        keys.append(key)
+        parent = key
+    return keys
+
+
+def block_parents(keys: Iterable[BlockKey]) -> list[tuple[BlockKey, BlockKey | None]]:
+    """(key, parent key) pairs for a chain: the first block's parent is None (the namespace root)."""
+    pairs: list[tuple[BlockKey, BlockKey | None]] = []
+    parent: BlockKey | None = None
+    for key in keys:
+        pairs.append((key, parent))
+        parent = key
+    return pairs
+
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1}
+
+
+class BlockLayout(BaseModel):
+    """The KV payload of one block: ``[layers, 2 (k, v), block_size, kv_heads, head_dim]``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layers: int = Field(gt=0)
+    kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    block_size: int = Field(default=16, gt=0)
+    dtype: str = Field(default="float16", pattern="^(" + "|".join(_DTYPE_BYTES) + ")$")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n * _DTYPE_BYTES[self.dtype]
+
+    @property
+    def tag(self) -> str:
+        """The layout's part of a namespace (``Namespace.kv_layout``)."""
+        return f"L{self.layers}.H{self.kv_heads}.D{self.head_dim}.B{self.block_size}.{self.dtype}"
+
+    def torch_dtype(self):  # torch is imported lazily: block identity must not need it
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -1,0 +1,118 @@
+"""The one configuration model. The CLI, the node agent and the Kubernetes ConfigMap all use it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+
+from .blocks import BlockLayout, Namespace
+
+
+class TierConfig(BaseModel):
+    """One storage tier. Fields that do not apply to a tier's ``kind`` must be left unset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["gpu", "pool", "ssd"]
+    name: str | None = Field(default=None, description="defaults to the kind")
+    capacity: ByteSize = Field(description="bytes, or a size such as '512MiB'")
+    eviction: str = Field(default="lru", description="policy name, entry point or module:Class")
+    eviction_params: dict[str, Any] = Field(default_factory=dict)
+    admission: str = "always"
+    admission_params: dict[str, Any] = Field(default_factory=dict)
+    high_watermark: float = Field(default=0.9, gt=0, le=1)
+    evict_fraction: float = Field(default=0.05, gt=0, lt=1)
+    # gpu
+    device: str | None = Field(default=None, description="gpu: torch device; default cuda if present, else cpu")
+    # pool
+    path: str | None = Field(default=None, description="pool: shm/file/DAX path; ssd: directory")
+    page_size: int = Field(default=4096, ge=4096, description="pool: allocation granularity")
+    prefault: bool = Field(default=True, description="pool: touch every page at start")
+    # ssd
+    compression: bool = False
+    shuffle: bool = True
+    zstd_level: int = Field(default=1, ge=-7, le=22)
+    fsync: bool = False
+    direct_io: bool | None = Field(default=None, description="ssd: O_DIRECT; default: probe the file system")
+    io_threads: int = Field(default=4, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> TierConfig:
+        if self.kind == "ssd" and not self.path:
+            raise ValueError("an ssd tier needs a 'path' (a directory)")
+        if self.kind == "gpu" and self.path:
+            raise ValueError("a gpu tier has no 'path'")
+        return self
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    layout: BlockLayout = Field(default_factory=lambda: BlockLayout(layers=4, kv_heads=2, head_dim=32))
+    tiers: list[TierConfig] = Field(min_length=1)
+    promote_on_hit: bool = True
+    lease_ttl_s: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> StoreConfig:
+        names = [t.tier_name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique: {names}")
+        order = {"gpu": 0, "pool": 1, "ssd": 2}
+        kinds = [order[t.kind] for t in self.tiers]
+        if kinds != sorted(kinds):
+            raise ValueError("tiers must be listed fastest first: gpu, then pool, then ssd")
+        return self
+
+
+class TiercakeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = Field(default_factory=socket.gethostname)
+    model_id: str = "tiercake-reference"
+    store: StoreConfig
+
+    def namespace(self, tenant_salt: str = "") -> Namespace:
+        layout = self.store.layout
+        return Namespace(
+            model_id=self.model_id, kv_layout=layout.tag, block_size=layout.block_size, tenant_salt=tenant_salt
+        )
+
+
+def default_config(data_dir: str | Path = ".tiercake") -> TiercakeConfig:
+    """The embedded default: every tier on one machine, small enough for a laptop or CI."""
+    data_dir = Path(data_dir)
+    return TiercakeConfig(
+        store=StoreConfig(
+            tiers=[
+                TierConfig(kind="gpu", capacity="4MiB"),
+                TierConfig(kind="pool", capacity="16MiB", path=f"/dev/shm/tiercake-{socket.gethostname()}"),
+                TierConfig(kind="ssd", capacity="256MiB", path=str(data_dir / "ssd"), compression=True),
+            ]
+        )
+    )
+
+
+def load_config(path: str | Path) -> TiercakeConfig:
+    """Read YAML, JSON or TOML (by extension) and validate it."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data = tomllib.loads(text)
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a mapping, got {type(data).__name__}")
+    return TiercakeConfig.model_validate(data)

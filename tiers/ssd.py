@@ -1,0 +1,392 @@
+"""The ssd tier: one file per block under a directory, written and read off the event loop.
+
+File format (little-endian): a 512-byte header (magic, version, flags, key, parent key, raw and
+stored lengths, an xxh3-64 checksum of the stored payload, and a checksum of the header itself),
+then the stored payload, padded to the direct-I/O alignment. A block is written to a temporary name
+and renamed into place, so a process killed mid-write never leaves a half-written block under a
+block's name; the checksums catch what a torn device write would leave. On start the tier scans its
+directory and rebuilds its index from the headers (Mooncake loses its SSD data on restart; we keep
+it). A block that fails a check is deleted, reported and counted, and the read is a miss.
+
+Compression is zstd, optionally after a byte-plane shuffle of 16-bit values (fp16/bf16 KV puts the
+exponent bytes together, which compresses far better). Blocks that do not shrink are stored raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from .buffers import PAGE, aligned_buffer, round_up
+from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
+
+log = logging.getLogger(__name__)
+
+HEADER_SIZE = 512
+MAX_KEY = 64
+_MAGIC = b"TCKV"
+_VERSION = 1
+_FLAG_ZSTD = 1
+_FLAG_SHUFFLE16 = 2
+# magic, version, flags, key_len, parent_len, raw_len, stored_len, payload_xxh, created_ns, key, parent
+_HEAD = struct.Struct(f"<4sHHHHQQQQ{MAX_KEY}s{MAX_KEY}s")
+_HEAD_CHECK = struct.Struct("<Q")
+assert _HEAD.size + _HEAD_CHECK.size <= HEADER_SIZE
+
+
+class SsdLockedError(StoreError):
+    """Another process already owns this SSD directory."""
+
+
+@dataclass(slots=True)
+class SsdSlot:
+    nbytes: int  # raw payload bytes
+    reserved: int  # bytes counted against capacity: raw size before the write, file size after
+    path: Path | None = None
+    staging: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class RecoveredBlock:
+    key: bytes
+    parent: bytes | None
+    nbytes: int
+    slot: SsdSlot
+    mtime: float
+
+
+def shuffle16(data: np.ndarray) -> np.ndarray:
+    """Byte planes of 16-bit values: all low bytes, then all high bytes."""
+    return np.ascontiguousarray(data.reshape(-1, 2).T).reshape(-1)
+
+
+def unshuffle16(planes: np.ndarray, out: np.ndarray) -> None:
+    out.reshape(-1, 2)[:] = planes.reshape(2, -1).T
+
+
+class _ThreadBuffers(threading.local):
+    """Per-I/O-thread aligned staging memory and zstd contexts, reused across calls."""
+
+    def __init__(self) -> None:
+        self.mem = None
+        self.view: memoryview | None = None
+        self.array: np.ndarray | None = None
+        self.compressor: zstandard.ZstdCompressor | None = None
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self.array is None or self.array.size < nbytes:
+            if self.view is not None:
+                self.array = None
+                self.view.release()
+                self.mem.close()
+            self.mem, self.view = aligned_buffer(max(nbytes, 1 << 20))
+            self.array = np.frombuffer(self.view, dtype=np.uint8)
+        return self.array
+
+
+class SsdTier:
+    """Blocks as files under ``root``; every file operation runs in the tier's I/O threads."""
+
+    kind = "ssd"
+    in_memory = False
+
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int | None = None,
+        compression: bool = False,
+        shuffle: bool = True,
+        zstd_level: int = 1,
+        direct_io: bool | None = None,
+        fsync: bool = False,
+        io_threads: int = 4,
+        name: str = "ssd",
+    ) -> None:
+        self.name = name
+        self.root = Path(root)
+        self.blocks_dir = self.root / "blocks"
+        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise SsdLockedError(f"SSD directory {self.root} is in use by another process") from None
+        self.capacity_bytes = capacity_bytes if capacity_bytes is not None else _disk_size(self.root)
+        self.compression = compression
+        self.shuffle = shuffle
+        self.zstd_level = zstd_level
+        self.fsync = fsync
+        self.direct_io = _probe_direct_io(self.blocks_dir) if direct_io is None else direct_io
+        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"tiercake-{name}")
+        self._tls = _ThreadBuffers()
+        self._tmp_seq = 0
+        self.used_bytes = 0
+        self.stored_bytes = 0  # bytes of committed files (for the compression ratio)
+        self.raw_bytes = 0  # raw payload bytes of committed files
+        self.corrupt_dropped = 0
+
+    # Capacity -------------------------------------------------------------------------------------
+
+    def accepts(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self.capacity_bytes
+
+    def allocate(self, nbytes: int) -> SsdSlot | None:
+        if not self.accepts(nbytes):
+            raise PayloadError(f"tier {self.name!r}: cannot hold {nbytes} bytes (capacity {self.capacity_bytes})")
+        reserve = HEADER_SIZE + round_up(nbytes)
+        if self.used_bytes + reserve > self.capacity_bytes:
+            return None
+        self.used_bytes += reserve
+        return SsdSlot(nbytes=nbytes, reserved=reserve)
+
+    def in_use(self, slot: SsdSlot) -> bool:
+        return False
+
+    def staging(self, slot: SsdSlot) -> torch.Tensor:
+        """A host buffer that a two-phase put writes into before ``persist``."""
+        if slot.staging is None:
+            slot.staging = torch.empty(slot.nbytes, dtype=torch.uint8)
+        return slot.staging
+
+    # I/O ------------------------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _path_for(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.blocks_dir / hexkey[:2] / f"{hexkey}.blk"
+
+    async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None) -> None:
+        """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible."""
+        if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
+            raise PayloadError(f"keys stored on SSD are at most {MAX_KEY} bytes")
+        data = slot.staging if src is None else src
+        if data is None:
+            raise PayloadError("nothing to persist: no source and no staging buffer")
+        if data.device.type != "cpu":
+            data = data.cpu()
+        if data.numel() != slot.nbytes:
+            raise PayloadError(f"block is {data.numel()} bytes, slot holds {slot.nbytes}")
+        self._tmp_seq += 1
+        path = self._path_for(key)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{self._tmp_seq}")
+        size = await self._run(self._write_file, path, tmp, key, parent, data.numpy())
+        self.used_bytes += size - slot.reserved
+        slot.reserved = size
+        slot.path = path
+        slot.staging = None
+        self.stored_bytes += size - HEADER_SIZE
+        self.raw_bytes += slot.nbytes
+
+    def _encode(self, payload: np.ndarray) -> tuple[np.ndarray, int]:
+        if not self.compression:
+            return payload, 0
+        flags = _FLAG_ZSTD
+        data = payload
+        if self.shuffle and payload.size % 2 == 0:
+            data = shuffle16(payload)
+            flags |= _FLAG_SHUFFLE16
+        if self._tls.compressor is None:
+            self._tls.compressor = zstandard.ZstdCompressor(level=self.zstd_level)
+        packed = self._tls.compressor.compress(data)
+        if len(packed) >= payload.size:
+            return payload, 0
+        return np.frombuffer(packed, dtype=np.uint8), flags
+
+    def _write_file(self, path: Path, tmp: Path, key: bytes, parent: bytes | None, payload: np.ndarray) -> int:
+        stored, flags = self._encode(payload)
+        head = _HEAD.pack(
+            _MAGIC, _VERSION, flags, len(key), len(parent or b""), payload.size, stored.size,
+            xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"",
+        )
+        length = HEADER_SIZE + stored.size
+        total = round_up(length) if self.direct_io else length
+        buf = self._tls.get(total)
+        buf[: _HEAD.size] = np.frombuffer(head, dtype=np.uint8)
+        buf[_HEAD.size : _HEAD.size + 8] = np.frombuffer(_HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)), np.uint8)
+        buf[_HEAD.size + 8 : HEADER_SIZE] = 0
+        buf[HEADER_SIZE:length] = stored
+        buf[length:total] = 0
+        path.parent.mkdir(exist_ok=True)
+        flags_open = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct_io else 0)
+        try:
+            fd = os.open(tmp, flags_open, 0o644)
+            try:
+                view = memoryview(buf)[:total]
+                written = 0
+                while written < total:
+                    written += os.write(fd, view[written:])
+                if self.fsync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise DiskFullError(f"tier {self.name!r}: {self.root}: {os.strerror(exc.errno)}") from exc
+            raise
+        return total
+
+    async def read_into(self, slot: SsdSlot, key: bytes, dst: torch.Tensor) -> None:
+        """Fill ``dst`` with the block; CorruptBlockError when any check fails."""
+        if dst.numel() != slot.nbytes:
+            raise PayloadError(f"destination is {dst.numel()} bytes, block is {slot.nbytes}")
+        if slot.path is None:  # still staged: a two-phase put not yet persisted
+            raise PayloadError("block is not on disk yet")
+        target = dst if dst.device.type == "cpu" else torch.empty(slot.nbytes, dtype=torch.uint8)
+        try:
+            await self._run(self._read_file, slot.path, key, slot.nbytes, target.numpy())
+        except CorruptBlockError:
+            self.corrupt_dropped += 1  # the store drops the copy, which deletes the file
+            raise
+        if target is not dst:
+            dst.copy_(target)
+
+    def _read_file(self, path: Path, key: bytes, nbytes: int, out: np.ndarray) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0))
+        except FileNotFoundError:
+            raise CorruptBlockError(f"{path}: file is gone") from None
+        try:
+            size = os.fstat(fd).st_size
+            buf = self._tls.get(round_up(size))
+            got = os.preadv(fd, [memoryview(buf)[: round_up(size) if self.direct_io else size]], 0)
+        finally:
+            os.close(fd)
+        flags, raw_len, stored_len, checksum, _parent, file_key = _parse_header(path, bytes(buf[:HEADER_SIZE]), got)
+        if file_key != key or raw_len != nbytes:
+            raise CorruptBlockError(f"{path}: header names another block")
+        stored = buf[HEADER_SIZE : HEADER_SIZE + stored_len]
+        if xxhash.xxh3_64_intdigest(stored) != checksum:
+            raise CorruptBlockError(f"{path}: payload checksum mismatch")
+        if not flags & _FLAG_ZSTD:
+            out[:] = stored
+            return
+        try:
+            raw = self._tls.decompressor.decompress(stored, max_output_size=raw_len)
+        except zstandard.ZstdError as exc:
+            raise CorruptBlockError(f"{path}: {exc}") from exc
+        planes = np.frombuffer(raw, dtype=np.uint8)
+        if planes.size != raw_len:
+            raise CorruptBlockError(f"{path}: decompressed to {planes.size} bytes, expected {raw_len}")
+        if flags & _FLAG_SHUFFLE16:
+            unshuffle16(planes, out)
+        else:
+            out[:] = planes
+
+    async def release(self, slot: SsdSlot) -> None:
+        if slot.path is not None:
+            await self._run(_unlink, slot.path)
+            self.stored_bytes -= slot.reserved - HEADER_SIZE
+            self.raw_bytes -= slot.nbytes
+        self.used_bytes -= slot.reserved
+        slot.staging = None
+
+    # Recovery -------------------------------------------------------------------------------------
+
+    async def recover(self) -> list[RecoveredBlock]:
+        """Index every intact block on disk (oldest first); delete temporaries and broken files."""
+        found = await self._run(self._scan)
+        for block in found:
+            self.used_bytes += block.slot.reserved
+            self.stored_bytes += block.slot.reserved - HEADER_SIZE
+            self.raw_bytes += block.nbytes
+        return found
+
+    def _scan(self) -> list[RecoveredBlock]:
+        found: list[RecoveredBlock] = []
+        for sub in self.blocks_dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                if ".tmp-" in path.name:
+                    path.unlink(missing_ok=True)  # a write that never finished
+                    continue
+                if not path.name.endswith(".blk"):
+                    continue
+                try:
+                    st = path.stat()
+                    with open(path, "rb") as f:
+                        head = f.read(HEADER_SIZE)
+                    _flags, raw_len, stored_len, _sum, parent, key = _parse_header(path, head, st.st_size)
+                    if path.name != f"{key.hex()}.blk":
+                        raise CorruptBlockError(f"{path}: header names another block")
+                except (CorruptBlockError, OSError) as exc:
+                    log.warning("ssd tier %s: dropping %s", self.name, exc)
+                    self.corrupt_dropped += 1
+                    path.unlink(missing_ok=True)
+                    continue
+                slot = SsdSlot(nbytes=raw_len, reserved=st.st_size, path=path)
+                found.append(RecoveredBlock(key, parent, raw_len, slot, st.st_mtime))
+        found.sort(key=lambda b: b.mtime)
+        return found
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        os.close(self._lock_fd)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+def _parse_header(path: Path, head: bytes, file_size: int) -> tuple[int, int, int, int, bytes | None, bytes]:
+    if len(head) < HEADER_SIZE or file_size < HEADER_SIZE:
+        raise CorruptBlockError(f"{path}: truncated header")
+    fields = _HEAD.unpack_from(head)
+    (check,) = _HEAD_CHECK.unpack_from(head, _HEAD.size)
+    if xxhash.xxh3_64_intdigest(head[: _HEAD.size]) != check:
+        raise CorruptBlockError(f"{path}: header checksum mismatch")
+    magic, version, flags, key_len, parent_len, raw_len, stored_len, checksum, _created, key, parent = fields
+    if magic != _MAGIC or version != _VERSION:
+        raise CorruptBlockError(f"{path}: not a tiercake block (magic {magic!r}, version {version})")
+    if HEADER_SIZE + stored_len > file_size:
+        raise CorruptBlockError(f"{path}: truncated: {file_size} bytes, header promises {HEADER_SIZE + stored_len}")
+    return flags, raw_len, stored_len, checksum, (parent[:parent_len] if parent_len else None), key[:key_len]
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def _disk_size(root: Path) -> int:
+    st = os.statvfs(root)
+    return st.f_blocks * st.f_frsize
+
+
+def _probe_direct_io(directory: Path) -> bool:
+    """Whether the file system under ``directory`` takes O_DIRECT (tmpfs, for one, does not)."""
+    probe = directory / f".direct-probe-{os.getpid()}"
+    mem, view = aligned_buffer(PAGE)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            os.write(fd, view)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+        view.release()
+        mem.close()

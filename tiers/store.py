@@ -1,0 +1,755 @@
+"""The tiered block store of one node: gpu, pool and ssd tiers composed under policies.
+
+Object semantics follow Mooncake Store:
+- two-phase put: ``put_start`` reserves space (evicting if it must), the caller writes, then
+  ``commit`` makes the object visible or ``revoke`` gives the space back; nothing half-written is
+  ever visible;
+- committed objects are immutable; a second put of a committed key is refused;
+- read leases: a copy that a reader holds is never evicted, freed or removed under it;
+- soft pins (with a TTL) are evicted last; hard pins are never evicted;
+- high-watermark eviction: once a tier passes ``high_watermark`` of its capacity, a background round
+  frees ``evict_fraction`` of it, so puts rarely wait on eviction.
+
+A get is served by the fastest tier that holds the key and may promote the block one tier up if that
+tier's admission policy says so. An evicted block spills to the next tier down that admits it and
+has room; only a block leaving the last tier is dropped. When a tier is full and nothing in it may be
+evicted, the put fails at once with ``TierFullError``.
+
+All metadata changes happen on the event loop without an await in between, so there are no torn
+states; copies that run in threads hold a lease for their duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from tiercake.policies import AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy, LRU
+
+from .buffers import Payload, as_bytes
+from .errors import (
+    CorruptBlockError,
+    InvalidStateError,
+    ObjectExistsError,
+    ObjectLeasedError,
+    ObjectNotFoundError,
+    ObjectPinnedError,
+    PayloadError,
+    PutInProgressError,
+    StoreError,
+    TierFullError,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_BYTES = 64
+
+
+class TierBackend(Protocol):
+    """What the store needs of a tier's storage; policies and object state stay in the store."""
+
+    name: str
+    kind: str
+    in_memory: bool
+
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def accepts(self, nbytes: int) -> bool: ...
+    def allocate(self, nbytes: int) -> Any | None: ...
+    def in_use(self, slot: Any) -> bool: ...
+    async def release(self, slot: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+class State(Enum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+
+
+@dataclass(slots=True)
+class Copy:
+    """One tier's copy of an object."""
+
+    tier: Tier
+    slot: Any
+    state: State = State.PENDING
+    leases: dict[int, float] = field(default_factory=dict)  # lease id -> monotonic expiry
+    evicting: bool = False
+    free_on_release: bool = False
+
+    def leased(self, now: float) -> bool:
+        if not self.leases:
+            return False
+        expired = [lease for lease, until in self.leases.items() if until <= now]
+        for lease in expired:
+            del self.leases[lease]
+        return bool(self.leases)
+
+
+@dataclass(slots=True)
+class Entry:
+    key: bytes
+    nbytes: int
+    meta: BlockMeta
+    copies: dict[int, Copy] = field(default_factory=dict)  # tier index -> copy
+    hard_pin: bool = False
+    soft_pin_until: float = 0.0
+
+    def committed(self) -> list[int]:
+        return sorted(i for i, c in self.copies.items() if c.state is State.COMMITTED)
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0
+    puts: int = 0
+    evictions: int = 0
+    spills_in: int = 0
+    promotions_in: int = 0
+    drops: int = 0
+    corrupt: int = 0
+    full_refusals: int = 0
+    admission_refusals: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Tier:
+    """A backend with its policies, thresholds and counters, at one level of the store."""
+
+    def __init__(
+        self,
+        backend: TierBackend,
+        eviction: EvictionPolicy | None = None,
+        admission: AdmissionPolicy | None = None,
+        high_watermark: float = 0.9,
+        evict_fraction: float = 0.05,
+    ) -> None:
+        if not 0 < high_watermark <= 1:
+            raise ValueError("high_watermark must be in (0, 1]")
+        if not 0 < evict_fraction < 1:
+            raise ValueError("evict_fraction must be in (0, 1)")
+        self.backend = backend
+        self.name = backend.name
+        self.eviction = eviction or LRU()
+        self.admission = admission or AlwaysAdmit()
+        self.high_watermark = high_watermark
+        self.evict_fraction = evict_fraction
+        self.stats = TierStats()
+        self.index = 0
+        self.evict_lock = asyncio.Lock()
+        self.background: asyncio.Task | None = None
+
+    @property
+    def usage(self) -> float:
+        cap = self.backend.capacity_bytes
+        return self.backend.used_bytes / cap if cap else 1.0
+
+
+@dataclass(slots=True)
+class PutHandle:
+    """A started put. Write through ``write`` (or into ``buffer`` and call ``note_written``)."""
+
+    store: TieredStore
+    entry: Entry
+    copy: Copy
+    buffer: torch.Tensor
+    written: int = 0
+    done: bool = False
+
+    @property
+    def key(self) -> bytes:
+        return self.entry.key
+
+    @property
+    def tier(self) -> str:
+        return self.copy.tier.name
+
+    def write(self, data: Payload, offset: int = 0) -> None:
+        if self.done:
+            raise InvalidStateError(f"put of {self.key.hex()[:16]}… is already committed or revoked")
+        src = as_bytes(data)
+        if offset < 0 or offset + src.numel() > self.entry.nbytes:
+            raise PayloadError(
+                f"write of {src.numel()} bytes at offset {offset} overflows the object's {self.entry.nbytes} bytes"
+            )
+        self.buffer[offset : offset + src.numel()].copy_(src)
+        self.written += src.numel()
+
+    def note_written(self, nbytes: int) -> None:
+        """Record bytes written straight into ``buffer`` (a zero-copy receive)."""
+        self.written += nbytes
+
+
+@dataclass(slots=True)
+class BlockView:
+    """A leased block: ``data`` is valid until the ``read`` context exits."""
+
+    key: bytes
+    tier: str
+    data: torch.Tensor
+
+
+class TieredStore:
+    """Tiers ordered fastest first. See the module docstring for the semantics."""
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        *,
+        payload_nbytes: int | None = None,
+        payload_dtype: torch.dtype | None = None,
+        promote_on_hit: bool = True,
+        inline_copy_max: int = 4 << 20,
+        lease_ttl: float = 5.0,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.tiers = tiers
+        for i, tier in enumerate(tiers):
+            tier.index = i
+        self.payload_nbytes = payload_nbytes
+        self.payload_dtype = payload_dtype
+        self.promote_on_hit = promote_on_hit
+        self.inline_copy_max = inline_copy_max
+        self.lease_ttl = lease_ttl
+        self._entries: dict[bytes, Entry] = {}
+        self._lease_ids = itertools.count(1)
+        self.misses = 0
+        self._closed = False
+
+    # Lifecycle ------------------------------------------------------------------------------------
+
+    async def open(self) -> TieredStore:
+        """Rebuild the index from tiers that persist (ssd) and return the store."""
+        for tier in self.tiers:
+            recover = getattr(tier.backend, "recover", None)
+            if recover is None:
+                continue
+            for block in await recover():
+                entry = self._entries.get(block.key)
+                if entry is None:
+                    entry = Entry(block.key, block.nbytes, BlockMeta(parent=block.parent, size=block.nbytes))
+                    self._entries[block.key] = entry
+                entry.copies[tier.index] = Copy(tier, block.slot, State.COMMITTED)
+                tier.eviction.on_insert(block.key, entry.meta)
+        return self
+
+    async def drain(self) -> None:
+        """Wait for background eviction rounds to finish."""
+        for tier in self.tiers:
+            while tier.background is not None and not tier.background.done():
+                await asyncio.shield(tier.background)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        await self.drain()
+        self._closed = True
+        for tier in self.tiers:
+            tier.backend.close()
+
+    async def __aenter__(self) -> TieredStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # Lookup ---------------------------------------------------------------------------------------
+
+    def tier(self, name: str) -> Tier:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+    def _committed_entry(self, key: bytes) -> Entry:
+        entry = self._entries.get(key)
+        if entry is None or not entry.committed():
+            raise ObjectNotFoundError(f"no committed block {_short(key)}")
+        return entry
+
+    def contains(self, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and bool(entry.committed())
+
+    def where(self, key: bytes) -> list[str]:
+        """Names of the tiers holding a committed copy, fastest first; [] when absent."""
+        entry = self._entries.get(key)
+        return [self.tiers[i].name for i in entry.committed()] if entry else []
+
+    def keys(self, tier: str | None = None) -> list[bytes]:
+        index = None if tier is None else self.tier(tier).index
+        return [
+            k for k, e in self._entries.items()
+            if any(c.state is State.COMMITTED and (index is None or i == index) for i, c in e.copies.items())
+        ]
+
+    def prefix_length(self, keys: list[bytes]) -> int:
+        """How many leading keys of a chain are held (the walk stops at the first miss)."""
+        for n, key in enumerate(keys):
+            if not self.contains(key):
+                return n
+        return len(keys)
+
+    # Put ------------------------------------------------------------------------------------------
+
+    def _check_key(self, key: bytes) -> None:
+        if not isinstance(key, bytes):
+            raise TypeError(f"block keys are bytes, got {type(key).__name__}")
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"block keys are 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+
+    def _check_payload(self, data: Payload) -> torch.Tensor:
+        if self.payload_dtype is not None and isinstance(data, torch.Tensor) and data.dtype != self.payload_dtype:
+            raise PayloadError(f"payload dtype is {data.dtype}, this store holds {self.payload_dtype}")
+        src = as_bytes(data)
+        self._check_size(src.numel())
+        return src
+
+    def _check_size(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise PayloadError("payload is empty")
+        if self.payload_nbytes is not None and nbytes != self.payload_nbytes:
+            raise PayloadError(f"payload is {nbytes} bytes, this store's blocks are {self.payload_nbytes} bytes")
+
+    async def put_start(
+        self, key: bytes, nbytes: int, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0
+    ) -> PutHandle:
+        """Reserve space for ``key`` in ``tier`` (default: the fastest tier that admits it)."""
+        self._check_key(key)
+        self._check_size(nbytes)
+        if tier is not None and not self.tier(tier).backend.accepts(nbytes):
+            raise PayloadError(f"tier {tier!r} cannot hold a block of {nbytes} bytes")
+        existing = self._entries.get(key)
+        if existing is not None:
+            if existing.committed():
+                raise ObjectExistsError(f"block {_short(key)} is already committed (objects are immutable)")
+            raise PutInProgressError(f"a put of block {_short(key)} is already in progress")
+        meta = BlockMeta(parent=parent, size=nbytes, cost=cost)
+        entry = Entry(key, nbytes, meta)
+        self._entries[key] = entry  # claims the key while we wait for room
+        try:
+            start = 0 if tier is None else self.tier(tier).index
+            copy = await self._place(entry, start, offer=True)
+            if copy is None:
+                raise TierFullError(f"no tier from {self.tiers[start].name!r} down admitted block {_short(key)}")
+        except BaseException:
+            if not entry.copies:
+                self._entries.pop(key, None)
+            raise
+        backend = copy.tier.backend
+        buffer = backend.view(copy.slot, nbytes) if backend.in_memory else backend.staging(copy.slot)
+        return PutHandle(self, entry, copy, buffer)
+
+    async def _place(self, entry: Entry, start: int, *, offer: bool, src: torch.Tensor | None = None) -> Copy | None:
+        """A pending copy in the first tier from ``start`` down that admits the block and has room.
+
+        With ``src`` the copy is also filled (a spill). Admission refusals and full tiers pass the
+        block on down; the last such error is raised if no tier takes it and one was full.
+        """
+        full: TierFullError | None = None
+        for tier in self.tiers[start:]:
+            if tier.index in entry.copies:
+                continue
+            if not tier.backend.accepts(entry.nbytes):
+                continue
+            if offer and not tier.admission.admit(entry.key, entry.meta):
+                tier.stats.admission_refusals += 1
+                continue
+            try:
+                slot = await self._allocate(tier, entry.nbytes)
+            except TierFullError as exc:
+                full = exc
+                continue
+            copy = Copy(tier, slot)
+            entry.copies[tier.index] = copy
+            return copy
+        if full is not None:
+            raise full
+        return None
+
+    async def _allocate(self, tier: Tier, nbytes: int) -> Any:
+        slot = tier.backend.allocate(nbytes)
+        if slot is not None:
+            return slot
+        async with tier.evict_lock:
+            for _ in range(64):  # each round frees at least one block or gives up
+                slot = tier.backend.allocate(nbytes)
+                if slot is not None:
+                    return slot
+                if not await self._evict_some(tier, nbytes):
+                    break
+            slot = tier.backend.allocate(nbytes)
+            if slot is not None:
+                return slot
+        tier.stats.full_refusals += 1
+        raise TierFullError(
+            f"tier {tier.name!r} is full ({tier.backend.used_bytes}/{tier.backend.capacity_bytes} bytes) and "
+            f"nothing in it may be evicted (leased, pinned or in use); cannot place {nbytes} bytes"
+        )
+
+    async def commit(self, handle: PutHandle) -> None:
+        """Make the object visible. Fails if the handle was committed, revoked or not fully written."""
+        if handle.done:
+            raise InvalidStateError(f"put of {_short(handle.key)} is already committed or revoked")
+        if handle.written < handle.entry.nbytes:
+            raise PayloadError(
+                f"put of {_short(handle.key)}: {handle.written} of {handle.entry.nbytes} bytes written"
+            )
+        copy, entry = handle.copy, handle.entry
+        if not copy.tier.backend.in_memory:
+            try:
+                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent)
+            except BaseException:
+                await self.revoke(handle)
+                raise
+        handle.done = True
+        self._commit_copy(entry, copy)
+        copy.tier.stats.puts += 1
+
+    async def revoke(self, handle: PutHandle) -> None:
+        """Abandon a started put and give its space back. Revoking twice is a no-op."""
+        if handle.done:
+            if handle.copy.state is State.COMMITTED:
+                raise InvalidStateError(f"put of {_short(handle.key)} is committed; remove it instead")
+            return
+        handle.done = True
+        entry = handle.entry
+        entry.copies.pop(handle.copy.tier.index, None)
+        if not entry.copies and self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        await handle.copy.tier.backend.release(handle.copy.slot)
+
+    def _commit_copy(self, entry: Entry, copy: Copy) -> None:
+        copy.state = State.COMMITTED
+        tier = copy.tier
+        tier.eviction.on_insert(entry.key, entry.meta)
+        if tier.usage > tier.high_watermark and (tier.background is None or tier.background.done()):
+            tier.background = asyncio.get_running_loop().create_task(self._watermark_round(tier))
+
+    async def put(
+        self, key: bytes, data: Payload, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0
+    ) -> str:
+        """Start, write and commit in one call; returns the tier that took the block."""
+        src = self._check_payload(data)
+        handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost)
+        try:
+            await self._copy(handle.buffer, src)
+            handle.written = src.numel()
+        except BaseException:
+            await self.revoke(handle)
+            raise
+        await self.commit(handle)
+        return handle.tier
+
+    # Get ------------------------------------------------------------------------------------------
+
+    async def get(self, key: bytes) -> torch.Tensor:
+        """A private copy of the block's bytes (``.view(dtype)`` to reinterpret)."""
+        entry = self._committed_entry(key)
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        await self.get_into(key, out)
+        return out
+
+    async def get_into(self, key: bytes, dst: Payload) -> str:
+        """Copy the block into ``dst`` (exactly the block's size); returns the tier that served it."""
+        out = as_bytes(dst)
+        while True:
+            entry = self._entries.get(key)
+            if entry is None or not entry.committed():
+                self.misses += 1
+                raise ObjectNotFoundError(f"no committed block {_short(key)}")
+            if out.numel() != entry.nbytes:
+                raise PayloadError(f"destination is {out.numel()} bytes, block {_short(key)} is {entry.nbytes}")
+            index = entry.committed()[0]
+            copy = entry.copies[index]
+            tier = copy.tier
+            try:
+                await self._read_copy(entry, copy, out)
+            except CorruptBlockError as exc:
+                log.warning("store: %s", exc)
+                tier.stats.corrupt += 1
+                await self._drop_copy(entry, index)
+                continue  # another tier may still hold it; otherwise the loop reports a miss
+            tier.stats.hits += 1
+            tier.eviction.on_access(key)
+            if self.promote_on_hit and index > 0:
+                await self._promote(entry, index, out)
+            return tier.name
+
+    async def _read_copy(self, entry: Entry, copy: Copy, out: torch.Tensor) -> None:
+        backend = copy.tier.backend
+        if backend.in_memory and entry.nbytes <= self.inline_copy_max:
+            out.copy_(backend.view(copy.slot, entry.nbytes))  # no await: nothing can free it meanwhile
+            return
+        lease = self._lease(copy, math.inf)
+        try:
+            if backend.in_memory:
+                await asyncio.to_thread(out.copy_, backend.view(copy.slot, entry.nbytes))
+            else:
+                await backend.read_into(copy.slot, entry.key, out)
+        finally:
+            await self._release(entry, copy, lease)
+
+    async def _promote(self, entry: Entry, index: int, data: torch.Tensor) -> None:
+        """Best effort: copy a block that was hit in tier ``index`` one tier up, if admitted."""
+        up = self.tiers[index - 1]
+        if up.index in entry.copies or not up.backend.accepts(entry.nbytes):
+            return
+        if not up.admission.admit(entry.key, entry.meta):
+            up.stats.admission_refusals += 1
+            return
+        try:
+            slot = await self._allocate(up, entry.nbytes)
+        except TierFullError:
+            return
+        if self._entries.get(entry.key) is not entry or up.index in entry.copies:
+            await up.backend.release(slot)  # removed or promoted by someone else while we waited
+            return
+        copy = Copy(up, slot)
+        entry.copies[up.index] = copy
+        await self._copy(up.backend.view(slot, entry.nbytes), data)
+        if self._entries.get(entry.key) is not entry:  # removed while we copied
+            entry.copies.pop(up.index, None)
+            await up.backend.release(slot)
+            return
+        self._commit_copy(entry, copy)
+        up.stats.promotions_in += 1
+
+    @contextlib.asynccontextmanager
+    async def read(self, key: bytes) -> AsyncIterator[BlockView]:
+        """Lease the block for in-place reading. Blocks only on disk are read into a private buffer
+        (promoting them first when admitted, so later reads are in place)."""
+        entry = self._committed_entry(key)
+        index = entry.committed()[0]
+        copy = entry.copies[index]
+        if not copy.tier.backend.in_memory:
+            data = await self.get(key)
+            yield BlockView(key, copy.tier.name, data)
+            return
+        lease = self._lease(copy, math.inf)
+        copy.tier.stats.hits += 1
+        copy.tier.eviction.on_access(key)
+        try:
+            yield BlockView(key, copy.tier.name, copy.tier.backend.view(copy.slot, entry.nbytes))
+        finally:
+            await self._release(entry, copy, lease)
+
+    def acquire_lease(self, key: bytes, ttl: float | None = None) -> tuple[int, str, torch.Tensor]:
+        """A lease with a TTL for readers outside this process (the transfer server): returns the
+        lease id, the tier and the in-place bytes. Release it with ``release_lease``; if the reader
+        dies, it expires after ``ttl`` seconds and stops protecting the block."""
+        entry = self._committed_entry(key)
+        for index in entry.committed():
+            copy = entry.copies[index]
+            if copy.tier.backend.in_memory:
+                lease = self._lease(copy, time.monotonic() + (ttl or self.lease_ttl))
+                return lease, copy.tier.name, copy.tier.backend.view(copy.slot, entry.nbytes)
+        raise ObjectNotFoundError(f"block {_short(key)} is not in a memory tier")
+
+    async def release_lease(self, key: bytes, lease: int) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        for copy in list(entry.copies.values()):
+            if lease in copy.leases:
+                await self._release(entry, copy, lease)
+                return
+
+    def _lease(self, copy: Copy, until: float) -> int:
+        lease = next(self._lease_ids)
+        copy.leases[lease] = until
+        return lease
+
+    async def _release(self, entry: Entry, copy: Copy, lease: int) -> None:
+        copy.leases.pop(lease, None)
+        if copy.free_on_release and not copy.leased(time.monotonic()):
+            copy.free_on_release = False
+            await copy.tier.backend.release(copy.slot)
+
+    # Remove and pins ------------------------------------------------------------------------------
+
+    async def remove(self, key: bytes) -> None:
+        """Remove every copy. Refused while a reader holds a lease or the object is hard-pinned."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise ObjectNotFoundError(f"no block {_short(key)}")
+        if not entry.committed():
+            raise PutInProgressError(f"block {_short(key)} has a put in progress; revoke it instead")
+        now = time.monotonic()
+        if any(c.leased(now) for c in entry.copies.values()):
+            raise ObjectLeasedError(f"block {_short(key)} is being read (leased); retry after the lease ends")
+        if entry.hard_pin:
+            raise ObjectPinnedError(f"block {_short(key)} is hard-pinned; unpin it first")
+        del self._entries[key]
+        for copy in list(entry.copies.values()):
+            copy.tier.eviction.on_remove(key)
+            # A copy being evicted, or a pending copy a spill or promotion is filling, is freed by
+            # that operation when it sees the entry gone.
+            if copy.state is State.COMMITTED and not copy.evicting:
+                await copy.tier.backend.release(copy.slot)
+
+    def pin(self, key: bytes, *, hard: bool = False, ttl: float | None = None) -> None:
+        """Hard pin: never evicted. Soft pin: evicted only when nothing else can be, for ``ttl`` s."""
+        entry = self._committed_entry(key)
+        if hard:
+            entry.hard_pin = True
+        else:
+            entry.soft_pin_until = max(entry.soft_pin_until, time.monotonic() + (ttl if ttl is not None else 60.0))
+
+    def unpin(self, key: bytes) -> None:
+        entry = self._committed_entry(key)
+        entry.hard_pin = False
+        entry.soft_pin_until = 0.0
+
+    # Eviction -------------------------------------------------------------------------------------
+
+    def _evictable(self, tier: Tier, *, soft_ok: bool):
+        now = time.monotonic()
+        index = tier.index
+
+        def can_evict(key: Any) -> bool:
+            entry = self._entries.get(key)
+            if entry is None or entry.hard_pin:
+                return False
+            copy = entry.copies.get(index)
+            if copy is None or copy.state is not State.COMMITTED or copy.evicting:
+                return False
+            if copy.leased(now) or tier.backend.in_use(copy.slot):
+                return False
+            return soft_ok or entry.soft_pin_until <= now
+
+        return can_evict
+
+    async def _evict_some(self, tier: Tier, nbytes: int) -> bool:
+        """Evict blocks worth about ``nbytes`` from ``tier``; False when nothing may be evicted."""
+        avg = max(1, tier.backend.used_bytes // max(1, len(tier.eviction)))
+        want = max(1, min(64, -(-nbytes // avg)))
+        victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False))
+        if not victims:
+            victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True))
+        for key in victims:
+            await self._demote(tier, key)
+        return bool(victims)
+
+    async def _watermark_round(self, tier: Tier) -> None:
+        """Bring the tier down to ``high_watermark - evict_fraction`` of its capacity."""
+        target = (tier.high_watermark - tier.evict_fraction) * tier.backend.capacity_bytes
+        try:
+            async with tier.evict_lock:
+                while tier.backend.used_bytes > target:
+                    need = int(tier.backend.used_bytes - target)
+                    if not await self._evict_some(tier, need):
+                        break
+        except Exception:  # a background round must never die silently
+            log.exception("store: watermark eviction of tier %s failed", tier.name)
+
+    async def _demote(self, tier: Tier, key: bytes) -> None:
+        """Move ``key``'s copy out of ``tier``: spill it down unless a lower tier has it already."""
+        entry = self._entries.get(key)
+        copy = entry.copies.get(tier.index) if entry else None
+        if copy is None:
+            return
+        tier.stats.evictions += 1
+        copy.evicting = True
+        try:
+            has_lower = any(i > tier.index for i in entry.committed())
+            if not has_lower:
+                spilled = await self._spill(entry, tier, copy)
+                if not spilled:
+                    tier.stats.drops += 1
+        finally:
+            copy.evicting = False
+        if self._entries.get(key) is not entry:
+            await tier.backend.release(copy.slot)  # removed during the spill; remove() left it to us
+            return
+        del entry.copies[tier.index]
+        if not entry.copies:
+            del self._entries[key]
+        if copy.leased(time.monotonic()):
+            copy.free_on_release = True  # a reader arrived during the spill; free when it is done
+        else:
+            await tier.backend.release(copy.slot)
+
+    async def _spill(self, entry: Entry, tier: Tier, copy: Copy) -> bool:
+        if tier.index + 1 >= len(self.tiers):
+            return False
+        src = tier.backend.view(copy.slot, entry.nbytes)
+        try:
+            lower = await self._place(entry, tier.index + 1, offer=True)
+        except TierFullError as exc:
+            log.info("store: dropping %s from %s: %s", _short(entry.key), tier.name, exc)
+            return False
+        if lower is None:
+            return False
+        try:
+            if lower.tier.backend.in_memory:
+                await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
+            else:
+                await lower.tier.backend.persist(lower.slot, entry.key, entry.meta.parent, src)
+        except StoreError as exc:
+            entry.copies.pop(lower.tier.index, None)
+            await lower.tier.backend.release(lower.slot)
+            log.warning("store: spill of %s to %s failed: %s", _short(entry.key), lower.tier.name, exc)
+            return False
+        if self._entries.get(entry.key) is not entry:  # removed while we wrote
+            entry.copies.pop(lower.tier.index, None)
+            await lower.tier.backend.release(lower.slot)
+            return False
+        self._commit_copy(entry, lower)
+        lower.tier.stats.spills_in += 1
+        return True
+
+    async def _drop_copy(self, entry: Entry, index: int) -> None:
+        copy = entry.copies.pop(index)
+        copy.tier.eviction.on_remove(entry.key)
+        if not entry.copies:
+            self._entries.pop(entry.key, None)
+        await copy.tier.backend.release(copy.slot)
+
+    async def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.numel() <= self.inline_copy_max:
+            dst.copy_(src)
+        else:
+            await asyncio.to_thread(dst.copy_, src)
+
+    # Reporting ------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "objects": sum(1 for e in self._entries.values() if e.committed()),
+            "misses": self.misses,
+            "tiers": {
+                t.name: {
+                    "kind": t.backend.kind,
+                    "capacity_bytes": t.backend.capacity_bytes,
+                    "used_bytes": t.backend.used_bytes,
+                    "blocks": len(t.eviction),
+                    **t.stats.as_dict(),
+                    "eviction": t.eviction.describe(),
+                    "admission": t.admission.describe(),
+                }
+                for t in self.tiers
+            },
+        }
+
+
+def _short(key: bytes) -> str:
+    return key.hex()[:16] + "…"

@@ -1,0 +1,1 @@
+"""Moving bytes between tiers, processes and nodes: transports, batching, the transfer server (issue 3)."""
