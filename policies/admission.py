@@ -36,13 +36,11 @@ class AdmitOnNth(AdmissionPolicy):
         self._offers: OrderedDict[Key, int] = OrderedDict()
 
     def admit(self, key: Key, meta: BlockMeta = BlockMeta()) -> bool:
-        count = self._offers.pop(key, 0) + 1
-        if count >= self.n:
-            return True
+        count = min(self._offers.pop(key, 0) + 1, self.n)
         self._offers[key] = count
         if len(self._offers) > self.memory:
             self._offers.popitem(last=False)
-        return False
+        return count >= self.n
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "n": self.n, "remembered": len(self._offers)}

@@ -146,11 +146,13 @@ class S3FIFO(EvictionPolicy):
         self._total_bytes = 0
 
     def on_insert(self, key: Key, meta: BlockMeta = BlockMeta()) -> None:
-        self.on_remove(key)
+        was_ghost = self._ghost.pop(key, False) is None
+        if key in self._freq:
+            self._forget(key)
         self._freq[key] = 0
         self._size[key] = meta.size
         self._total_bytes += meta.size
-        if self._ghost.pop(key, False) is None:
+        if was_ghost:
             self._main[key] = None
         else:
             self._small[key] = None

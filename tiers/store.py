@@ -144,8 +144,8 @@ class Tier:
             raise ValueError("evict_fraction must be in (0, 1)")
         self.backend = backend
         self.name = backend.name
-        self.eviction = eviction or LRU()
-        self.admission = admission or AlwaysAdmit()
+        self.eviction = eviction if eviction is not None else LRU()  # an empty policy is falsy
+        self.admission = admission if admission is not None else AlwaysAdmit()
         self.high_watermark = high_watermark
         self.evict_fraction = evict_fraction
         self.stats = TierStats()

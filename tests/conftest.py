@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiercake.blocks import BlockLayout
+from tiercake.policies import LRU
+from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+
+LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_size=16)  # 4 KiB blocks
+
+
+@pytest.fixture
+def shm_path():
+    path = Path(f"/dev/shm/tiercake-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def block(i: int, layout: BlockLayout = LAYOUT) -> torch.Tensor:
+    """Deterministic, distinct KV-shaped content for block ``i``."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(layout.shape, generator=g).to(torch.float16)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 4
+
+
+@pytest.fixture
+def make_store(tmp_path, shm_path):
+    """Build a three-tier store with capacities in blocks; closes everything it built."""
+    built: list[TieredStore] = []
+
+    async def make(
+        gpu: int | None = 4,
+        pool: int | None = 8,
+        ssd: int | None = 64,
+        ssd_dir: Path | None = None,
+        policies: dict | None = None,
+        admission: dict | None = None,
+        **store_kwargs,
+    ) -> TieredStore:
+        policies = policies or {}
+        admission = admission or {}
+        nbytes = LAYOUT.nbytes
+        tiers = []
+        if gpu:
+            pool_ = GpuBlockPool(gpu, LAYOUT.shape, torch.float16, "cpu")
+            tiers.append(Tier(GpuTier(pool_), policies.get("gpu", LRU()), admission.get("gpu")))
+        if pool:
+            region = PoolRegion.create(shm_path, pool * nbytes)
+            tiers.append(Tier(PoolTier(region), policies.get("pool", LRU()), admission.get("pool")))
+        if ssd:
+            backend = SsdTier(ssd_dir or tmp_path / "ssd", capacity_bytes=ssd * (nbytes + 512))
+            tiers.append(Tier(backend, policies.get("ssd", LRU()), admission.get("ssd")))
+        store = TieredStore(tiers, payload_nbytes=nbytes, payload_dtype=torch.float16, **store_kwargs)
+        built.append(store)
+        return await store.open()
+
+    yield make
+    for store in built:
+        if not store._closed:
+            for tier in store.tiers:
+                tier.backend.close()
