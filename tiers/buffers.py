@@ -26,7 +26,9 @@ def as_bytes(payload: Any) -> torch.Tensor:
     if isinstance(payload, np.ndarray):
         if not payload.flags.c_contiguous:
             raise PayloadError("payload array must be C-contiguous")
-        return torch.from_numpy(payload.reshape(-1).view(np.uint8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only arrays are only copied from
+            return torch.from_numpy(payload.reshape(-1).view(np.uint8))
     if isinstance(payload, bytes | bytearray | memoryview | mmap.mmap):
         view = memoryview(payload)
         if view.nbytes == 0:

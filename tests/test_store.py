@@ -1,0 +1,400 @@
+"""The tiered store's object semantics, spill and promotion, and its refusals."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from conftest import LAYOUT, block, key
+
+from tiercake.policies import AdmitOnNth, LeafFirstLRU
+from tiercake.tiers import (
+    InvalidStateError,
+    ObjectExistsError,
+    ObjectLeasedError,
+    ObjectNotFoundError,
+    ObjectPinnedError,
+    PayloadError,
+    PutInProgressError,
+    TierFullError,
+)
+
+
+def same(data: torch.Tensor, i: int) -> bool:
+    return torch.equal(data.view(torch.float16).view(LAYOUT.shape), block(i))
+
+
+async def test_put_get_roundtrip_each_tier(make_store):
+    store = await make_store()
+    for i, tier in enumerate(["gpu", "pool", "ssd"]):
+        assert await store.put(key(i), block(i), tier=tier) == tier
+        assert store.where(key(i)) == [tier]
+    for i in range(3):
+        assert same(await store.get(key(i)), i)
+
+
+async def test_payload_kinds(make_store):
+    store = await make_store(gpu=None)
+    raw = block(1).numpy().tobytes()
+    await store.put(key(1), raw)
+    await store.put(key(2), np.frombuffer(raw, dtype=np.uint8))
+    await store.put(key(3), bytearray(raw))
+    out = bytearray(LAYOUT.nbytes)
+    await store.get_into(key(2), out)
+    assert bytes(out) == raw and same(await store.get(key(3)), 1)
+
+
+async def test_two_phase_put(make_store):
+    store = await make_store()
+    handle = await store.put_start(key(1), LAYOUT.nbytes, tier="pool")
+    assert not store.contains(key(1))  # invisible until commit
+    with pytest.raises(ObjectNotFoundError):
+        await store.get(key(1))
+    with pytest.raises(PutInProgressError):
+        await store.put_start(key(1), LAYOUT.nbytes)
+    handle.write(block(1).view(-1)[: LAYOUT.nbytes // 4], offset=0)
+    with pytest.raises(PayloadError, match="written"):
+        await store.commit(handle)  # only a quarter written
+    handle.write(block(1).view(torch.uint8).view(-1)[LAYOUT.nbytes // 2 :], offset=LAYOUT.nbytes // 2)
+    handle.write(block(1).view(torch.uint8).view(-1)[LAYOUT.nbytes // 4 : LAYOUT.nbytes // 2], offset=LAYOUT.nbytes // 4)
+    await store.commit(handle)
+    assert same(await store.get(key(1)), 1)
+    with pytest.raises(InvalidStateError):
+        await store.commit(handle)  # double commit
+    with pytest.raises(InvalidStateError):
+        handle.write(b"x")
+    with pytest.raises(ObjectExistsError):
+        await store.put(key(1), block(2))  # immutable
+    assert same(await store.get(key(1)), 1)
+
+
+async def test_revoke_frees_space_and_the_key(make_store):
+    store = await make_store(gpu=None, ssd=None, pool=2)
+    pool = store.tier("pool").backend
+    handle = await store.put_start(key(1), LAYOUT.nbytes)
+    assert pool.used_bytes == LAYOUT.nbytes
+    await store.revoke(handle)
+    await store.revoke(handle)  # revoking twice is a no-op
+    assert pool.used_bytes == 0 and not store.contains(key(1))
+    with pytest.raises(InvalidStateError):
+        handle.write(block(1))  # put after revoke
+    with pytest.raises(InvalidStateError):
+        await store.commit(handle)
+    await store.put(key(1), block(5))  # the key is free again
+    assert same(await store.get(key(1)), 5)
+
+
+async def test_two_phase_put_into_ssd(make_store):
+    store = await make_store()
+    handle = await store.put_start(key(9), LAYOUT.nbytes, tier="ssd")
+    handle.write(block(9))
+    await store.commit(handle)
+    assert store.where(key(9)) == ["ssd"]
+    assert same(await store.get(key(9)), 9)
+
+
+async def test_bad_input(make_store):
+    store = await make_store()
+    with pytest.raises(PayloadError, match="bytes"):
+        await store.put(key(1), torch.zeros(10, dtype=torch.float16))
+    with pytest.raises(PayloadError, match="dtype"):
+        await store.put(key(1), block(1).to(torch.bfloat16))
+    with pytest.raises(PayloadError, match="empty"):
+        await store.put(key(1), b"")
+    with pytest.raises(TypeError):
+        await store.put("a string key", block(1))
+    with pytest.raises(ValueError):
+        await store.put(b"", block(1))
+    with pytest.raises(ValueError):
+        await store.put(b"x" * 65, block(1))
+    with pytest.raises(KeyError, match="no tier named"):
+        await store.put(key(1), block(1), tier="nvme")
+    with pytest.raises(ObjectNotFoundError):
+        await store.get(key(42))
+    with pytest.raises(ObjectNotFoundError):
+        await store.remove(key(42))
+    await store.put(key(1), block(1))
+    with pytest.raises(PayloadError, match="destination"):
+        await store.get_into(key(1), bytearray(10))
+    with pytest.raises(PayloadError, match="contiguous"):
+        await store.put(key(2), block(2).transpose(0, 1))
+    assert not store.contains(key(2))
+
+
+async def test_gpu_tier_takes_exact_blocks_only(make_store):
+    store = await make_store(gpu=4, pool=None, ssd=None)
+    store.payload_nbytes = None  # a generic store: the gpu tier itself must refuse
+    with pytest.raises(PayloadError, match="cannot hold"):
+        await store.put(key(1), b"x" * 100, tier="gpu")
+
+
+async def test_spill_down_instead_of_drop(make_store):
+    store = await make_store(gpu=2, pool=2, ssd=64)
+    for i in range(10):
+        await store.put(key(i), block(i))
+    await store.drain()
+    assert all(store.contains(key(i)) for i in range(10))  # nothing lost: spilled down to ssd
+    assert store.tier("ssd").stats.spills_in > 0 and store.tier("pool").stats.spills_in > 0
+    assert store.where(key(9)) == ["gpu"]
+    assert store.where(key(0)) == ["ssd"]
+    for i in range(10):
+        assert same(await store.get(key(i)), i)
+
+
+async def test_drop_only_from_last_tier(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=3)
+    for i in range(8):
+        await store.put(key(i), block(i))
+    await store.drain()
+    held = [i for i in range(8) if store.contains(key(i))]
+    assert len(held) <= 5 and held[-1] == 7
+    assert store.tier("ssd").stats.drops > 0 and store.tier("pool").stats.drops == 0
+
+
+async def test_promotion_on_hit_and_inclusive_copies(make_store):
+    store = await make_store(gpu=None, pool=4, ssd=16)
+    await store.put(key(1), block(1), tier="ssd")
+    assert await store.get_into(key(1), torch.empty(LAYOUT.nbytes, dtype=torch.uint8)) == "ssd"
+    assert store.where(key(1)) == ["pool", "ssd"]  # promoted, and the disk copy is kept
+    assert await store.get_into(key(1), torch.empty(LAYOUT.nbytes, dtype=torch.uint8)) == "pool"
+    assert store.tier("pool").stats.promotions_in == 1
+    # evicting the pool copy again needs no write: the ssd copy is still there
+    writes_before = store.tier("ssd").stats.spills_in
+    for i in range(2, 8):
+        await store.put(key(i), block(i), tier="pool")
+    await store.drain()
+    assert "pool" not in store.where(key(1)) and store.where(key(1)) == ["ssd"]
+    assert store.tier("ssd").stats.spills_in > writes_before  # others spilled, key 1 did not rewrite
+    assert same(await store.get(key(1)), 1)
+
+
+async def test_admission_gates_promotion(make_store):
+    store = await make_store(gpu=None, pool=4, ssd=16, admission={"pool": AdmitOnNth(n=3)})
+    await store.put(key(1), block(1), tier="ssd")
+    out = torch.empty(LAYOUT.nbytes, dtype=torch.uint8)
+    assert await store.get_into(key(1), out) == "ssd"
+    assert await store.get_into(key(1), out) == "ssd"
+    assert store.tier("pool").stats.admission_refusals == 2
+    assert await store.get_into(key(1), out) == "ssd"  # the third offer is admitted
+    assert await store.get_into(key(1), out) == "pool"
+
+
+async def test_admission_refusal_passes_put_down(make_store):
+    store = await make_store(gpu=None, pool=4, ssd=16, admission={"pool": AdmitOnNth(n=2)})
+    assert await store.put(key(1), block(1)) == "ssd"
+
+
+async def test_full_tier_with_everything_pinned_fails_at_once(make_store):
+    store = await make_store(gpu=None, pool=3, ssd=None)
+    for i in range(2):
+        await store.put(key(i), block(i))
+        store.pin(key(i), hard=True)
+    await store.put(key(2), block(2))
+    store.pin(key(2), hard=True)
+    with pytest.raises(TierFullError, match="nothing in it may be evicted"):
+        await asyncio.wait_for(store.put(key(3), block(3)), timeout=5)
+    assert not store.contains(key(3))
+    assert store.tier("pool").stats.full_refusals >= 1
+    # a failed put leaves no trace: the key can be put once there is room
+    store.unpin(key(0))
+    await store.put(key(3), block(3))
+    assert store.contains(key(3)) and not store.contains(key(0))
+
+
+async def test_full_tier_with_everything_leased_fails_at_once(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=None, lease_ttl=30)
+    store.tier("pool").high_watermark = 1.0  # no background round: the put itself must find room
+    await store.put(key(0), block(0))
+    await store.put(key(1), block(1))
+    await store.drain()
+    async with store.read(key(0)):
+        async with store.read(key(1)) as view1:
+            with pytest.raises(TierFullError):
+                await asyncio.wait_for(store.put(key(2), block(2)), timeout=5)
+            assert same(view1.data.clone(), 1)
+    await store.put(key(2), block(2))
+
+
+async def test_leases_block_removal_and_eviction(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=None)
+    await store.put(key(0), block(0))
+    async with store.read(key(0)) as view:
+        assert view.tier == "pool"
+        with pytest.raises(ObjectLeasedError):
+            await store.remove(key(0))
+        await store.put(key(1), block(1))
+        await store.put(key(2), block(2))  # evicts key 1, not the leased key 0
+        await store.drain()
+        assert store.contains(key(0))
+        assert same(view.data, 0)  # read in place, intact
+    await store.remove(key(0))
+    assert not store.contains(key(0))
+
+
+async def test_remote_lease_expires(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=None)
+    await store.put(key(0), block(0))
+    lease, tier, data = store.acquire_lease(key(0), ttl=0.05)
+    assert tier == "pool" and same(data, 0)
+    with pytest.raises(ObjectLeasedError):
+        await store.remove(key(0))
+    await asyncio.sleep(0.1)  # the reader died: its lease runs out
+    await store.remove(key(0))
+    lease, _, _ = (None, None, None)
+    await store.put(key(1), block(1))
+    lease, _, _ = store.acquire_lease(key(1), ttl=30)
+    await store.release_lease(key(1), lease)
+    await store.remove(key(1))
+
+
+async def test_hard_pin_never_evicted_soft_pin_last(make_store):
+    store = await make_store(gpu=None, pool=4, ssd=None)
+    store.tier("pool").high_watermark = 1.0  # evict on demand only, so the order is exact
+    for i in range(4):
+        await store.put(key(i), block(i))
+    held = [0, 1]
+    store.pin(key(held[0]), hard=True)
+    store.pin(key(held[1]), ttl=60)
+    for i in range(10, 20):
+        await store.put(key(i), block(i))
+    await store.drain()
+    assert store.contains(key(held[0]))  # hard pin: never evicted
+    assert store.contains(key(held[1]))  # soft pin: outlived ten newer blocks
+    with pytest.raises(ObjectPinnedError):
+        await store.remove(key(held[0]))
+    # when only pinned blocks are left, the soft-pinned one goes before a put fails
+    store.pin(key(19), hard=True)
+    store.pin(key(18), hard=True)
+    await store.put(key(30), block(30))
+    await store.drain()
+    assert not store.contains(key(held[1])) and store.contains(key(held[0]))
+
+
+async def test_soft_pin_expires(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=None)
+    await store.put(key(0), block(0))
+    store.pin(key(0), ttl=0.01)
+    await asyncio.sleep(0.05)
+    await store.put(key(1), block(1))
+    await store.put(key(2), block(2))
+    await store.drain()
+    assert not store.contains(key(0))  # expired: evicted in plain LRU order
+
+
+async def test_high_watermark_round(make_store):
+    store = await make_store(gpu=None, pool=40, ssd=200)
+    pool = store.tier("pool")
+    for i in range(36):  # exactly 90%: no round yet
+        await store.put(key(i), block(i))
+    await store.drain()
+    assert pool.stats.evictions == 0
+    await store.put(key(36), block(36))  # past 90%
+    await store.drain()
+    assert pool.usage <= 0.85 + 1e-9
+    assert pool.stats.evictions == 37 - 34
+    assert all(store.contains(key(i)) for i in range(37))  # spilled, not lost
+
+
+async def test_remove_everywhere(make_store):
+    store = await make_store()
+    await store.put(key(1), block(1), tier="ssd")
+    await store.get(key(1))  # promoted: now in pool and ssd
+    assert len(store.where(key(1))) == 2
+    used = {t.name: t.backend.used_bytes for t in store.tiers}
+    await store.remove(key(1))
+    assert store.where(key(1)) == []
+    assert store.tier("pool").backend.used_bytes < used["pool"]
+    assert store.tier("ssd").backend.used_bytes < used["ssd"]
+    assert not list((store.tier("ssd").backend.blocks_dir).rglob("*.blk"))
+
+
+async def test_block_shared_with_a_sequence_is_not_evicted(make_store):
+    store = await make_store(gpu=2, pool=8, ssd=None)
+    await store.put(key(0), block(0))
+    gpu = store.tier("gpu").backend
+    slot = store._entries[key(0)].copies[0].slot
+    gpu.pool.add_sequence("req-1", [slot])  # a running sequence uses the cached block
+    for i in range(1, 6):
+        await store.put(key(i), block(i))
+    await store.drain()
+    assert "gpu" in store.where(key(0))
+    gpu.pool.free_sequence("req-1")
+    for i in range(6, 9):
+        await store.put(key(i), block(i))
+    await store.drain()
+    assert "gpu" not in store.where(key(0))
+
+
+async def test_leaf_first_in_the_store_keeps_prefixes_whole(make_store):
+    store = await make_store(gpu=None, pool=6, ssd=None, policies={"pool": LeafFirstLRU()})
+    chain = [key(i) for i in range(4)]
+    for i, k in enumerate(chain):
+        await store.put(k, block(i), parent=chain[i - 1] if i else None)
+    for i in range(10, 13):
+        await store.put(key(i), block(i))
+    await store.drain()
+    # whatever was evicted, what is held of the chain is a prefix of it
+    held = [store.contains(k) for k in chain]
+    assert held == sorted(held, reverse=True)
+    assert store.prefix_length(chain) == sum(held)
+
+
+async def test_concurrent_readers_and_writers(make_store):
+    """Many tasks put, get and remove at once over a small store: every read is whole and right."""
+    # inline_copy_max=0: every memory copy runs in a thread, so tasks interleave at every copy
+    store = await make_store(gpu=4, pool=6, ssd=40, inline_copy_max=0)
+    errors = []
+
+    async def writer(base):
+        for i in range(base, base + 15):
+            try:
+                await store.put(key(i), block(i))
+            except TierFullError:
+                pass
+
+    async def reader(base):
+        for _ in range(3):
+            for i in range(base, base + 15):
+                try:
+                    data = await store.get(key(i))
+                except ObjectNotFoundError:
+                    continue
+                if not same(data, i):
+                    errors.append(i)
+
+    async def leaser(base):
+        for i in range(base, base + 15):
+            try:
+                async with store.read(key(i)) as view:
+                    snapshot = view.data.clone()
+                    await asyncio.sleep(0)
+                    if not torch.equal(snapshot, view.data) or not same(snapshot, i):
+                        errors.append(("torn", i))
+            except ObjectNotFoundError:
+                continue
+
+    async def remover(base):
+        for i in range(base, base + 15, 3):
+            try:
+                await store.remove(key(i))
+            except (ObjectNotFoundError, ObjectLeasedError, PutInProgressError):
+                pass
+
+    tasks = []
+    for b in range(0, 60, 15):
+        tasks += [writer(b), reader(b), leaser(b), remover(b), reader(b)]
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    await store.drain()
+    assert errors == []
+    # accounting is consistent: every tier's used bytes match the copies the store believes it has
+    for tier in store.tiers:
+        copies = sum(1 for e in store._entries.values() if tier.index in e.copies)
+        assert len(tier.eviction) == copies
+        if tier.name == "pool":
+            assert tier.backend.used_bytes == copies * LAYOUT.nbytes
+        if tier.name == "gpu":
+            assert tier.backend.used_bytes == copies * LAYOUT.nbytes
+    store.promote_on_hit = False  # a promotion could evict (drop) a key this loop has yet to read
+    for k in store.keys():
+        i = int.from_bytes(k[:8], "big")
+        assert same(await store.get(k), i)
