@@ -58,6 +58,7 @@ class SsdSlot:
     nbytes: int  # raw payload bytes
     reserved: int  # bytes counted against capacity: raw size before the write, file size after
     path: Path | None = None
+    stored: int = 0  # payload bytes in the file (compressed size when compressed)
     staging: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -114,6 +115,7 @@ class SsdTier:
         shuffle: bool = True,
         zstd_level: int = 1,
         direct_io: bool | None = None,
+        direct_min: int = 256 << 10,
         fsync: bool = False,
         io_threads: int = 4,
         name: str = "ssd",
@@ -134,6 +136,8 @@ class SsdTier:
         self.zstd_level = zstd_level
         self.fsync = fsync
         self.direct_io = _probe_direct_io(self.blocks_dir) if direct_io is None else direct_io
+        # Below this size the page padding O_DIRECT needs would cost more space than it saves time.
+        self.direct_min = direct_min
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"tiercake-{name}")
         self._tls = _ThreadBuffers()
         self._tmp_seq = 0
@@ -188,12 +192,13 @@ class SsdTier:
         self._tmp_seq += 1
         path = self._path_for(key)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{self._tmp_seq}")
-        size = await self._run(self._write_file, path, tmp, key, parent, data.numpy())
+        size, stored = await self._run(self._write_file, path, tmp, key, parent, data.numpy())
         self.used_bytes += size - slot.reserved
         slot.reserved = size
+        slot.stored = stored
         slot.path = path
         slot.staging = None
-        self.stored_bytes += size - HEADER_SIZE
+        self.stored_bytes += stored
         self.raw_bytes += slot.nbytes
 
     def _encode(self, payload: np.ndarray) -> tuple[np.ndarray, int]:
@@ -211,14 +216,21 @@ class SsdTier:
             return payload, 0
         return np.frombuffer(packed, dtype=np.uint8), flags
 
-    def _write_file(self, path: Path, tmp: Path, key: bytes, parent: bytes | None, payload: np.ndarray) -> int:
+    def _direct(self, nbytes: int) -> bool:
+        return self.direct_io and nbytes >= self.direct_min
+
+    def _write_file(
+        self, path: Path, tmp: Path, key: bytes, parent: bytes | None, payload: np.ndarray
+    ) -> tuple[int, int]:
+        """Write the file; returns its size on disk and the stored payload length."""
         stored, flags = self._encode(payload)
         head = _HEAD.pack(
             _MAGIC, _VERSION, flags, len(key), len(parent or b""), payload.size, stored.size,
             xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"",
         )
         length = HEADER_SIZE + stored.size
-        total = round_up(length) if self.direct_io else length
+        direct = self._direct(payload.size)
+        total = round_up(length) if direct else length
         buf = self._tls.get(total)
         buf[: _HEAD.size] = np.frombuffer(head, dtype=np.uint8)
         buf[_HEAD.size : _HEAD.size + 8] = np.frombuffer(_HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head)), np.uint8)
@@ -226,7 +238,7 @@ class SsdTier:
         buf[HEADER_SIZE:length] = stored
         buf[length:total] = 0
         path.parent.mkdir(exist_ok=True)
-        flags_open = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct_io else 0)
+        flags_open = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
         try:
             fd = os.open(tmp, flags_open, 0o644)
             try:
@@ -244,7 +256,7 @@ class SsdTier:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise DiskFullError(f"tier {self.name!r}: {self.root}: {os.strerror(exc.errno)}") from exc
             raise
-        return total
+        return total, stored.size
 
     async def read_into(self, slot: SsdSlot, key: bytes, dst: torch.Tensor) -> None:
         """Fill ``dst`` with the block; CorruptBlockError when any check fails."""
@@ -263,13 +275,14 @@ class SsdTier:
 
     def _read_file(self, path: Path, key: bytes, nbytes: int, out: np.ndarray) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct_io else 0))
+            direct = self._direct(nbytes)
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise CorruptBlockError(f"{path}: file is gone") from None
         try:
             size = os.fstat(fd).st_size
             buf = self._tls.get(round_up(size))
-            got = os.preadv(fd, [memoryview(buf)[: round_up(size) if self.direct_io else size]], 0)
+            got = os.preadv(fd, [memoryview(buf)[: round_up(size) if direct else size]], 0)
         finally:
             os.close(fd)
         flags, raw_len, stored_len, checksum, _parent, file_key = _parse_header(path, bytes(buf[:HEADER_SIZE]), got)
@@ -296,7 +309,7 @@ class SsdTier:
     async def release(self, slot: SsdSlot) -> None:
         if slot.path is not None:
             await self._run(_unlink, slot.path)
-            self.stored_bytes -= slot.reserved - HEADER_SIZE
+            self.stored_bytes -= slot.stored
             self.raw_bytes -= slot.nbytes
         self.used_bytes -= slot.reserved
         slot.staging = None
@@ -308,7 +321,7 @@ class SsdTier:
         found = await self._run(self._scan)
         for block in found:
             self.used_bytes += block.slot.reserved
-            self.stored_bytes += block.slot.reserved - HEADER_SIZE
+            self.stored_bytes += block.slot.stored
             self.raw_bytes += block.nbytes
         return found
 
@@ -335,7 +348,7 @@ class SsdTier:
                     self.corrupt_dropped += 1
                     path.unlink(missing_ok=True)
                     continue
-                slot = SsdSlot(nbytes=raw_len, reserved=st.st_size, path=path)
+                slot = SsdSlot(nbytes=raw_len, reserved=st.st_size, path=path, stored=stored_len)
                 found.append(RecoveredBlock(key, parent, raw_len, slot, st.st_mtime))
         found.sort(key=lambda b: b.mtime)
         return found

@@ -1,0 +1,121 @@
+"""The pool tier across real processes: one writes, another reads the same bytes in place."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from conftest import LAYOUT, block, key
+
+from tiercake.tiers import PoolRegion, PoolTier
+from tiercake.tiers.pool import ExtentAllocator, PoolFormatError
+
+
+def _reader(path, offset, nbytes, conn):
+    region = PoolRegion.attach(path)
+    view = region.view(offset, nbytes)
+    conn.send(bytes(view.numpy()))  # what this process sees at that offset
+    # write an answer in place, next to the block
+    region.view(offset + nbytes, 4).copy_(torch.tensor([7, 7, 7, 7], dtype=torch.uint8))
+    conn.send(view.data_ptr() != 0)
+    conn.close()
+
+
+def test_two_processes_share_the_region(shm_path):
+    region = PoolRegion.create(shm_path, 1 << 20)
+    tier = PoolTier(region)
+    slot = tier.allocate(LAYOUT.nbytes)
+    payload = block(3).view(torch.uint8).view(-1)
+    tier.view(slot, LAYOUT.nbytes).copy_(payload)
+    ctx = mp.get_context("spawn")  # a fresh interpreter: nothing inherited but the path
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_reader, args=(str(shm_path), slot[0], LAYOUT.nbytes, child))
+    proc.start()
+    seen = parent.recv()
+    assert parent.recv() is True
+    proc.join(30)
+    assert proc.exitcode == 0
+    assert seen == bytes(payload.numpy())
+    # the other process's in-place write is visible here without any copy or message
+    assert region.view(slot[0] + LAYOUT.nbytes, 4).tolist() == [7, 7, 7, 7]
+    region.close()
+    assert not shm_path.exists()
+
+
+def test_store_block_read_in_place_by_another_process(shm_path, make_store):
+    import asyncio
+
+    async def go():
+        store = await make_store(gpu=None, pool=8, ssd=None)
+        await store.put(key(5), block(5))
+        lease, tier, data = store.acquire_lease(key(5), ttl=30)
+        offset = store._entries[key(5)].copies[0].slot[0]
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_reader, args=(str(shm_path), offset, LAYOUT.nbytes, child))
+        proc.start()
+        seen = await asyncio.to_thread(parent.recv)
+        await asyncio.to_thread(parent.recv)
+        proc.join(30)
+        await store.release_lease(key(5), lease)
+        assert seen == bytes(block(5).view(torch.uint8).view(-1).numpy())
+
+    asyncio.run(go())
+
+
+def test_attach_checks_what_it_maps(tmp_path):
+    bogus = tmp_path / "not-a-pool"
+    bogus.write_bytes(b"hello" * 100)
+    with pytest.raises(PoolFormatError):
+        PoolRegion.attach(bogus)
+    with pytest.raises(FileNotFoundError):
+        PoolRegion.attach(tmp_path / "missing")
+
+
+def test_file_backed_region_for_cxl_style_paths(tmp_path):
+    path = tmp_path / "dax-like-file"
+    region = PoolRegion.create(path, 64 << 10, prefault=False)
+    region.view(0, 3).copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    other = PoolRegion.attach(path)
+    assert other.view(0, 3).tolist() == [1, 2, 3]
+    other.close()
+    assert path.exists()  # an attacher never removes the region
+    region.close()
+    with pytest.raises(Exception):
+        region.view(0, 1)
+
+
+def test_view_bounds_and_bad_sizes(shm_path):
+    from tiercake.tiers import PayloadError
+
+    with pytest.raises(ValueError):
+        PoolRegion.create(shm_path, 0)
+    region = PoolRegion.create(shm_path, 8192)
+    with pytest.raises(PayloadError, match="outside"):
+        region.view(4096, 8192)
+    with pytest.raises(PayloadError, match="outside"):
+        region.view(-1, 10)
+    tier = PoolTier(region)
+    with pytest.raises(PayloadError, match="cannot hold"):
+        tier.allocate(1 << 20)
+    region.close()
+
+
+def test_extent_allocator_first_fit_and_coalescing():
+    a = ExtentAllocator(10 * 4096)
+    x = a.allocate(4096)
+    y = a.allocate(3 * 4096)
+    z = a.allocate(4096 + 1)  # rounds up to two pages
+    assert (x, y, z) == (0, 4096, 4 * 4096)
+    assert a.used_pages == 6
+    a.free(y, 3 * 4096)
+    assert a.allocate(4 * 4096) == 6 * 4096  # the freed hole is too small for four pages
+    a.free(x, 4096)
+    a.free(z, 4096 + 1)  # frees both of its pages; merges with x's and y's holes
+    assert a.free_extents == 1
+    assert a.allocate(6 * 4096) == 0
+    assert a.allocate(4096) is None  # full
+    a.free(6 * 4096, 4 * 4096)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(6 * 4096, 4 * 4096)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(7 * 4096, 4096)  # inside a free extent
