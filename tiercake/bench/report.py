@@ -1,0 +1,55 @@
+"""Benchmark figures: one JSON format for every bench, and a table for people."""
+
+from __future__ import annotations
+
+import json
+import platform
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+from rich.console import Console
+from rich.table import Table
+
+
+class Figure(BaseModel):
+    name: str
+    value: float
+    unit: str
+    limit: float = Field(description="the bound measured in the same run (memcpy, raw disk, ...)")
+    ratio: float = Field(description="value / limit, or limit / value for latencies")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class Report(BaseModel):
+    bench: str
+    machine: dict[str, Any] = Field(default_factory=dict)
+    figures: list[Figure] = Field(default_factory=list)
+
+    def add(self, name: str, value: float, unit: str, limit: float, **params: Any) -> Figure:
+        figure = Figure(name=name, value=value, unit=unit, limit=limit, ratio=value / limit if limit else 0.0, params=params)
+        self.figures.append(figure)
+        return figure
+
+    def print(self, console: Console | None = None) -> None:
+        console = console or Console()
+        table = Table(title=f"tiercake bench {self.bench}")
+        for column in ("figure", "params", "value", "limit", "ratio"):
+            table.add_column(column, justify="right" if column in ("value", "limit", "ratio") else "left")
+        for f in self.figures:
+            params = " ".join(f"{k}={v}" for k, v in f.params.items() if k != "limit_name")
+            table.add_row(
+                f.name, params, f"{f.value:.3f} {f.unit}", f"{f.limit:.3f} {f.params.get('limit_name', '')}",
+                f"{f.ratio:.2f}",
+            )
+        console.print(table)
+
+    def write(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}

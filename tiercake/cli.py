@@ -1,0 +1,127 @@
+"""The `tiercake` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+
+console = Console()
+
+
+def _load(config_path: str | None, data_dir: str):
+    from tiercake.config import default_config, load_config
+
+    return load_config(config_path) if config_path else default_config(data_dir)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tiercake.demo import run_demo
+
+    asyncio.run(run_demo(_load(args.config, args.data_dir), console))
+    return 0
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    from tiercake.bench import store
+
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    with console.status("benchmarking the store (memcpy and raw-disk limits first)..."):
+        report = asyncio.run(store.run(quick=args.quick, ssd_dir=args.ssd_dir, sizes=sizes))
+    report.print(console)
+    if args.json:
+        report.write(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_policy_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from tiercake.policies import available, resolve
+
+    table = Table(title="policies (by name; any module:Class path works too)")
+    table.add_column("name")
+    table.add_column("kind")
+    table.add_column("what it does")
+    for name, kind in sorted(available().items(), key=lambda x: (x[1], x[0])):
+        doc = (resolve(name).__doc__ or "").strip().splitlines()
+        table.add_row(name, kind, doc[0] if doc else "")
+    console.print(table)
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = _load(args.config, args.data_dir)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiercake",
+        description="Hybrid-tier KV-cache orchestration for LLM serving: a GPU tier, a node-wide shared "
+        "pool and an SSD tier under pluggable eviction and admission policies.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the store does")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", metavar="PATH", help="YAML, JSON or TOML config (default: the embedded default)")
+        p.add_argument("--data-dir", default=".tiercake", metavar="DIR", help="where the default config keeps SSD data")
+
+    demo = sub.add_parser(
+        "demo", help="run the store on the embedded default and show what it did",
+        description="Compute KV with the reference model for prompts that share a prefix, store it in "
+        "the tiers, reuse it, and restart onto the SSD tier. Runs twice in a row to see the restart.",
+    )
+    with_config(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks, each as a ratio to a limit measured in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    store = bench_sub.add_parser(
+        "store", help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
+        description="Put and get throughput of the gpu (on this device), pool and ssd tiers for blocks "
+        "of 64 KiB to 16 MiB, each as a ratio to memcpy or raw sequential file I/O measured in the same run.",
+    )
+    store.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
+    store.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    store.add_argument("--ssd-dir", metavar="DIR", help="file system to test the ssd tier on (default: temp dir)")
+    store.add_argument("--sizes", metavar="BYTES,...", help="block sizes in bytes (default: 64 KiB to 16 MiB)")
+    store.set_defaults(func=cmd_bench_store)
+
+    policy = sub.add_parser("policy", help="eviction and admission policies")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
+    plist = policy_sub.add_parser("list", help="the policies that resolve by name, built-in and plug-in")
+    plist.set_defaults(func=cmd_policy_list)
+
+    config = sub.add_parser("config", help="configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="validate a config and print it with every default filled in")
+    with_config(show)
+    show.set_defaults(func=cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValidationError as exc:
+        console.print(f"[red]invalid configuration[/red]\n{exc}")
+        return 2
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
