@@ -244,3 +244,38 @@ async def test_process_killed_mid_write_never_serves_half_a_block(tmp_path):
         assert torch.equal(await store.get(i.to_bytes(8, "big")), expected)
     assert not list((tmp_path / "blocks").rglob("*.tmp-*"))
     await store.close()
+
+
+def _aligned(nbytes: int, offset: int = 0) -> torch.Tensor:
+    from tiercake.tiers.buffers import aligned_buffer
+
+    _mem, view = aligned_buffer(nbytes + offset)
+    return torch.frombuffer(view, dtype=torch.uint8)[offset : offset + nbytes]
+
+
+@pytest.mark.parametrize("nbytes", [3 * 4096, 3 * 4096 + 100, 5000])
+@pytest.mark.parametrize("src_offset", [0, 64])  # page-aligned (zero-copy) and not (staged)
+@pytest.mark.parametrize("compression", [False, True])
+async def test_direct_io_paths(tmp_path, nbytes, src_offset, compression):
+    backend = SsdTier(tmp_path, capacity_bytes=1 << 24, direct_min=0, compression=compression)
+    if not backend.direct_io:
+        pytest.skip("this file system refuses O_DIRECT; the buffered path is tested everywhere else")
+    store = await TieredStore([Tier(backend)]).open()
+    src = _aligned(nbytes, src_offset)
+    src.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8))
+    await store.put(b"k", src)
+    for dst_offset in (0, 64):
+        dst = _aligned(nbytes, dst_offset)
+        await store.get_into(b"k", dst)
+        assert torch.equal(dst, src)
+    path = store._entries[b"k"].copies[0].slot.path
+    assert path.stat().st_size % 4096 == 0
+    await store.close()
+    # a damaged last byte is caught on the zero-copy read path too
+    raw = bytearray(path.read_bytes())
+    raw[4096 if compression else 4096 + nbytes - 1] ^= 0x5A
+    path.write_bytes(bytes(raw))
+    store = await TieredStore([Tier(SsdTier(tmp_path, capacity_bytes=1 << 24, direct_min=0))]).open()
+    with pytest.raises(ObjectNotFoundError):
+        await store.get_into(b"k", _aligned(nbytes))
+    await store.close()

@@ -166,9 +166,18 @@ class PutHandle:
     store: TieredStore
     entry: Entry
     copy: Copy
-    buffer: torch.Tensor
     written: int = 0
     done: bool = False
+    _buffer: torch.Tensor | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """Where the object's bytes go: the slot itself in a memory tier, a staging buffer on disk."""
+        if self._buffer is None:
+            backend = self.copy.tier.backend
+            nbytes = self.entry.nbytes
+            self._buffer = backend.view(self.copy.slot, nbytes) if backend.in_memory else backend.staging(self.copy.slot)
+        return self._buffer
 
     @property
     def key(self) -> bytes:
@@ -354,9 +363,7 @@ class TieredStore:
             if not entry.copies:
                 self._entries.pop(key, None)
             raise
-        backend = copy.tier.backend
-        buffer = backend.view(copy.slot, nbytes) if backend.in_memory else backend.staging(copy.slot)
-        return PutHandle(self, entry, copy, buffer)
+        return PutHandle(self, entry, copy)
 
     async def _place(self, entry: Entry, start: int, *, offer: bool, src: torch.Tensor | None = None) -> Copy | None:
         """A pending copy in the first tier from ``start`` down that admits the block and has room.
@@ -407,6 +414,10 @@ class TieredStore:
 
     async def commit(self, handle: PutHandle) -> None:
         """Make the object visible. Fails if the handle was committed, revoked or not fully written."""
+        await self._commit(handle)
+
+    async def _commit(self, handle: PutHandle, src: torch.Tensor | None = None) -> None:
+        """Commit; a disk tier writes its file from ``src`` when given (no staging copy)."""
         if handle.done:
             raise InvalidStateError(f"put of {_short(handle.key)} is already committed or revoked")
         if handle.written < handle.entry.nbytes:
@@ -416,7 +427,7 @@ class TieredStore:
         copy, entry = handle.copy, handle.entry
         if not copy.tier.backend.in_memory:
             try:
-                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent)
+                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent, src)
             except BaseException:
                 await self.revoke(handle)
                 raise
@@ -450,6 +461,10 @@ class TieredStore:
         """Start, write and commit in one call; returns the tier that took the block."""
         src = self._check_payload(data)
         handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost)
+        if not handle.copy.tier.backend.in_memory:
+            handle.written = src.numel()
+            await self._commit(handle, src)  # the file is written straight from src
+            return handle.tier
         try:
             await self._copy(handle.buffer, src)
             handle.written = src.numel()

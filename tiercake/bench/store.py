@@ -37,8 +37,10 @@ def _key(i: int) -> bytes:
 
 
 def _warm(n: int, size: int) -> torch.Tensor:
-    t = torch.empty((n, size), dtype=torch.uint8)
-    t.random_(0, 256)  # writes every page: pre-faulted and realistic content
+    """``n`` rows of ``size`` bytes, page-aligned as pool slots are, every page touched."""
+    _mem, view = aligned_buffer(n * size)
+    t = torch.frombuffer(view, dtype=torch.uint8)[: n * size].view(n, size)
+    t.random_(0, 256)
     return t
 
 
