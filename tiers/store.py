@@ -474,6 +474,34 @@ class TieredStore:
         await self.commit(handle)
         return handle.tier
 
+    async def put_many(
+        self, items: list[tuple[bytes, Payload]], *, tier: str | None = None, chain: bool = False,
+        concurrency: int = 16,
+    ) -> list[str | BaseException]:
+        """Put a batch with up to ``concurrency`` puts in flight (disk tiers overlap their I/O).
+        With ``chain``, each item's parent is the item before it. Returns, per item, the tier that
+        took it or the error that refused it: one refused block does not fail the batch."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, key: bytes, data: Payload) -> str:
+            async with gate:
+                return await self.put(key, data, tier=tier, parent=items[i - 1][0] if chain and i else None)
+
+        return await asyncio.gather(*(one(i, k, d) for i, (k, d) in enumerate(items)), return_exceptions=True)
+
+    async def get_many(
+        self, items: list[tuple[bytes, Payload]], *, concurrency: int = 16
+    ) -> list[str | BaseException]:
+        """``get_into`` for a batch of (key, destination), up to ``concurrency`` in flight. Returns, per
+        item, the tier that served it or the error (a miss is an ``ObjectNotFoundError``)."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(key: bytes, dst: Payload) -> str:
+            async with gate:
+                return await self.get_into(key, dst)
+
+        return await asyncio.gather(*(one(k, d) for k, d in items), return_exceptions=True)
+
     # Get ------------------------------------------------------------------------------------------
 
     async def get(self, key: bytes) -> torch.Tensor:
