@@ -119,3 +119,14 @@ def test_extent_allocator_first_fit_and_coalescing():
         a.free(6 * 4096, 4 * 4096)
     with pytest.raises(ValueError, match="double free"):
         a.free(7 * 4096, 4096)  # inside a free extent
+
+
+def test_one_owner_per_region(shm_path):
+    from tiercake.tiers.pool import PoolInUseError
+
+    region = PoolRegion.create(shm_path, 1 << 16)
+    with pytest.raises(PoolInUseError):
+        PoolRegion.create(shm_path, 1 << 16)
+    PoolRegion.attach(shm_path).close()  # attaching is always allowed
+    region.close()
+    PoolRegion.create(shm_path, 1 << 16).close()  # free once the owner is gone

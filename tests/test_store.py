@@ -398,3 +398,18 @@ async def test_concurrent_readers_and_writers(make_store):
     for k in store.keys():
         i = int.from_bytes(k[:8], "big")
         assert same(await store.get(k), i)
+
+
+async def test_batches_report_per_item(make_store):
+    store = await make_store(gpu=None, pool=4, ssd=40)
+    items = [(key(i), block(i)) for i in range(12)]
+    items.append((key(99), torch.zeros(3, dtype=torch.float16)))  # wrong size: refused alone
+    done = await store.put_many(items, chain=True)
+    assert all(isinstance(d, str) for d in done[:12]) and isinstance(done[12], PayloadError)
+    await store.drain()
+    assert store._entries[key(5)].meta.parent == key(4)
+    outs = [torch.empty(LAYOUT.nbytes, dtype=torch.uint8) for _ in range(13)]
+    got = await store.get_many([(key(i), outs[i]) for i in range(12)] + [(key(77), outs[12])])
+    assert isinstance(got[12], ObjectNotFoundError)
+    assert {g for g in got[:12]} <= {"pool", "ssd"}
+    assert all(same(outs[i], i) for i in range(12))

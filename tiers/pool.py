@@ -9,6 +9,7 @@ offsets the owner hands out. A small header at the start lets an attacher check 
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
 import stat
@@ -28,6 +29,10 @@ DATA_OFFSET = PAGE
 
 class PoolFormatError(RuntimeError):
     """The mapped path is not a tiercake pool region (wrong magic or size)."""
+
+
+class PoolInUseError(RuntimeError):
+    """Another live process owns the pool region at this path."""
 
 
 class PoolRegion:
@@ -53,6 +58,10 @@ class PoolRegion:
         total = DATA_OFFSET + round_up(size, page_size)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            try:  # one owner per region: a second node agent must not reformat a live pool
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise PoolInUseError(f"pool region {path} is owned by another live process") from None
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 os.ftruncate(fd, total)
             mem = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from tiercake.config import StoreConfig, TierConfig, TiercakeConfig, default_config, load_config
+from tiercake.tiers.build import build_store
+
+YAML = """
+node_id: node-a
+store:
+  layout: {layers: 2, kv_heads: 2, head_dim: 16, block_size: 16}
+  tiers:
+    - {kind: gpu, capacity: 64KiB, device: cpu, eviction: arc}
+    - {kind: pool, capacity: 256KiB, path: %(shm)s, eviction: s3fifo}
+    - {kind: ssd, capacity: 1MiB, path: %(ssd)s, admission: nth, admission_params: {n: 2}, compression: true}
+"""
+
+
+def test_load_yaml_json_toml(tmp_path, shm_path):
+    text = YAML % {"shm": shm_path, "ssd": tmp_path / "ssd"}
+    (tmp_path / "c.yaml").write_text(text)
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.store.tiers[0].capacity == 64 * 1024 and cfg.store.tiers[2].admission_params == {"n": 2}
+    (tmp_path / "c.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    assert load_config(tmp_path / "c.json") == cfg
+    (tmp_path / "c.toml").write_text(
+        'node_id = "n"\n[store]\n[[store.tiers]]\nkind = "pool"\ncapacity = "1MiB"\n'
+    )
+    assert load_config(tmp_path / "c.toml").store.tiers[0].kind == "pool"
+
+
+async def test_config_builds_a_working_store(tmp_path, shm_path):
+    cfg = TiercakeConfig.model_validate(
+        __import__("yaml").safe_load(YAML % {"shm": shm_path, "ssd": tmp_path / "ssd"})
+    )
+    store = await build_store(cfg.store).open()
+    assert [t.eviction.name for t in store.tiers] == ["arc", "s3fifo", "lru"]
+    assert store.tiers[2].admission.n == 2
+    assert store.tier("gpu").backend.pool.num_blocks == 64 * 1024 // cfg.store.layout.nbytes
+    await store.close()
+
+
+@pytest.mark.parametrize(
+    "tiers, message",
+    [
+        ([{"kind": "ssd", "capacity": "1MiB"}], "needs a 'path'"),
+        ([{"kind": "gpu", "capacity": "1MiB", "path": "/x"}], "has no 'path'"),
+        ([{"kind": "pool", "capacity": "1MiB"}, {"kind": "gpu", "capacity": "1MiB"}], "fastest first"),
+        ([{"kind": "pool", "capacity": "1MiB"}, {"kind": "pool", "capacity": "1MiB"}], "unique"),
+        ([{"kind": "tape", "capacity": "1MiB"}], "kind"),
+        ([{"kind": "pool", "capacity": "lots"}], "capacity"),
+        ([{"kind": "pool", "capacity": "1MiB", "high_watermark": 1.5}], "high_watermark"),
+        ([{"kind": "pool", "capacity": "1MiB", "colour": "red"}], "colour"),
+        ([], "at least 1"),
+    ],
+)
+def test_bad_configs_are_clear(tiers, message):
+    with pytest.raises(ValidationError, match=message):
+        StoreConfig(tiers=tiers)
+
+
+async def test_bad_policy_name_fails_at_build(tmp_path):
+    from tiercake.policies import PolicyNotFoundError
+
+    cfg = StoreConfig(tiers=[TierConfig(kind="gpu", capacity="64KiB", device="cpu", eviction="belady-oracle")])
+    with pytest.raises(PolicyNotFoundError, match="belady-oracle"):
+        build_store(cfg)
+
+
+def test_not_a_mapping(tmp_path):
+    (tmp_path / "c.yaml").write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_default_config_namespace(tmp_path):
+    cfg = default_config(tmp_path)
+    ns = cfg.namespace("tenant-a")
+    assert ns.block_size == cfg.store.layout.block_size and ns.kv_layout == cfg.store.layout.tag
+    assert ns.root() != cfg.namespace("tenant-b").root()
