@@ -413,3 +413,37 @@ async def test_batches_report_per_item(make_store):
     assert isinstance(got[12], ObjectNotFoundError)
     assert {g for g in got[:12]} <= {"pool", "ssd"}
     assert all(same(outs[i], i) for i in range(12))
+
+
+async def test_reader_arriving_during_a_spill_keeps_the_copy_until_done(make_store):
+    """A spill to disk takes time; a reader that leases the copy meanwhile must never see it freed."""
+    store = await make_store(gpu=None, pool=2, ssd=16)
+    pool = store.tier("pool")
+    pool.high_watermark = 1.0
+    ssd = store.tier("ssd").backend
+    gate = asyncio.Event()
+    original_persist = ssd.persist
+
+    async def slow_persist(*args, **kwargs):
+        await gate.wait()  # the spill is in flight until the test opens the gate
+        return await original_persist(*args, **kwargs)
+
+    ssd.persist = slow_persist
+    await store.put(key(0), block(0))
+    await store.put(key(1), block(1))
+    put = asyncio.create_task(store.put(key(2), block(2)))  # must evict key 0 (LRU) to the ssd
+    for _ in range(100):
+        await asyncio.sleep(0)
+        if store._entries[key(0)].copies[pool.index].evicting:
+            break
+    assert store._entries[key(0)].copies[pool.index].evicting
+    async with store.read(key(0)) as view:  # a reader arrives during the spill
+        gate.set()
+        await put  # the spill finishes and the new block is placed...
+        assert store.where(key(0)) == ["ssd"] and store.where(key(2)) == ["pool"]
+        # ...but the leased pool copy was not freed under the reader: key 1 had to go instead
+        assert same(view.data, 0)
+        assert store.where(key(1)) == ["ssd"]
+        assert pool.backend.used_bytes == 2 * LAYOUT.nbytes
+    assert pool.backend.used_bytes == 1 * LAYOUT.nbytes  # freed when the lease ended
+    assert same(await store.get(key(0)), 0)
