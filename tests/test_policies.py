@@ -97,90 +97,77 @@ def test_s3fifo_one_hit_wonders_leave_through_small_queue():
     assert p.queue_of(1000) == "small"
 
 
+class Cache:
+    """A block-count cache of ``capacity`` driven by one policy: the simulator's loop in miniature."""
+
+    def __init__(self, policy, capacity):
+        self.policy, self.capacity = policy, capacity
+        self.resident: set = set()
+        self.hits = self.refs = 0
+
+    def ref(self, k):
+        self.refs += 1
+        if k in self.resident:
+            self.hits += 1
+            self.policy.on_access(k)
+            return
+        if len(self.resident) >= self.capacity:
+            for v in self.policy.victims(1):
+                self.resident.discard(v)
+        self.policy.on_insert(k)
+        self.resident.add(k)
+
+
+def hot_set_with_scan(seed, hot, hot_share, refs):
+    """A hot set reused throughout, the rest a one-pass scan of never-repeated keys."""
+    rng = random.Random(seed)
+    scan = 10**6
+    for _ in range(refs):
+        if rng.random() < hot_share:
+            yield rng.randrange(hot)
+        else:
+            scan += 1
+            yield scan
+
+
+def hits(policy, capacity, workload) -> int:
+    cache = Cache(policy, capacity)
+    for k in workload:
+        cache.ref(k)
+    return cache.hits
+
+
 def test_s3fifo_resists_scans_better_than_lru():
-    """A hot set reused throughout, with a long one-pass scan: S3-FIFO keeps the hot set."""
-
-    def hit_ratio(policy, capacity=100):
-        hits = total = 0
-        resident = set()
-        rng = random.Random(1)
-        scan = iter(range(10_000, 100_000))
-        for _ in range(20_000):
-            k = rng.randrange(60) if rng.random() < 0.5 else next(scan)
-            total += 1
-            if k in resident:
-                hits += 1
-                policy.on_access(k)
-                continue
-            if len(resident) >= capacity:
-                for v in policy.victims(1):
-                    resident.discard(v)
-            policy.on_insert(k)
-            resident.add(k)
-        return hits / total
-
-    assert hit_ratio(S3FIFO()) > hit_ratio(LRU()) + 0.05
+    s3 = hits(S3FIFO(), 100, hot_set_with_scan(1, 60, 0.5, 20_000))
+    lru = hits(LRU(), 100, hot_set_with_scan(1, 60, 0.5, 20_000))
+    assert s3 > lru + 0.05 * 20_000
 
 
 def test_arc_adapts_between_recency_and_frequency():
-    c = 10
-    p = ARC(capacity=c)
-    resident = set()
-
-    def ref(k):
-        if k in resident:
-            p.on_access(k)
-            return
-        if len(resident) >= c:
-            for v in p.victims(1):
-                resident.discard(v)
-        p.on_insert(k)
-        resident.add(k)
-
+    p = ARC(capacity=10)
+    cache = Cache(p, 10)
     # Recency phase: keys come back shortly after being evicted from T1 -> B1 hits raise p.
     for k in range(100, 105):  # a few keys seen twice fill part of the cache (T2)
-        ref(k)
-        ref(k)
+        cache.ref(k)
+        cache.ref(k)
     for _ in range(3):  # then a loop larger than what is left: misses come back from B1
         for k in range(10):
-            ref(k)
+            cache.ref(k)
     p_recency = p.p
     assert p_recency > 0
     # Frequency phase: a small hot set reused again and again, interleaved with one-off keys that
     # push the hot set out of T2 into B2; B2 hits shrink p again.
     for rnd in range(30):
         for k in range(100, 106):
-            ref(k)
-            ref(k)
+            cache.ref(k)
+            cache.ref(k)
         for k in range(1000 + rnd * 12, 1000 + rnd * 12 + 12):
-            ref(k)
+            cache.ref(k)
     assert p.p < p_recency
 
 
 def test_arc_beats_lru_on_mixed_workload():
-    def run(policy, capacity=50):
-        hits = 0
-        resident = set()
-        rng = random.Random(3)
-        scan = 10**6
-        for i in range(30_000):
-            if rng.random() < 0.6:
-                k = rng.randrange(40)
-            else:
-                scan += 1
-                k = scan
-            if k in resident:
-                hits += 1
-                policy.on_access(k)
-                continue
-            if len(resident) >= capacity:
-                for v in policy.victims(1):
-                    resident.discard(v)
-            policy.on_insert(k)
-            resident.add(k)
-        return hits
-
-    assert run(ARC()) > run(LRU())
+    assert hits(ARC(), 50, hot_set_with_scan(3, 40, 0.6, 30_000)) > hits(LRU(), 50, hot_set_with_scan(3, 40, 0.6, 30_000))
 
 
 def _chains(rng, n_chains=60, depth=8, branch=0.3):
