@@ -47,8 +47,8 @@ def test_store_block_read_in_place_by_another_process(shm_path, make_store):
     async def go():
         store = await make_store(gpu=None, pool=8, ssd=None)
         await store.put(key(5), block(5))
-        lease, tier, data = store.acquire_lease(key(5), ttl=30)
-        offset = store._entries[key(5)].copies[0].slot[0]
+        lease = store.acquire_lease(key(5), ttl=30, tier="pool")
+        offset = lease.slot[0]
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_reader, args=(str(shm_path), offset, LAYOUT.nbytes, child))
@@ -56,7 +56,7 @@ def test_store_block_read_in_place_by_another_process(shm_path, make_store):
         seen = await asyncio.to_thread(parent.recv)
         await asyncio.to_thread(parent.recv)
         proc.join(30)
-        await store.release_lease(key(5), lease)
+        await store.release_lease(key(5), lease.id)
         assert seen == bytes(block(5).view(torch.uint8).view(-1).numpy())
 
     asyncio.run(go())

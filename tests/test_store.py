@@ -234,16 +234,15 @@ async def test_leases_block_removal_and_eviction(make_store):
 async def test_remote_lease_expires(make_store):
     store = await make_store(gpu=None, pool=2, ssd=None)
     await store.put(key(0), block(0))
-    lease, tier, data = store.acquire_lease(key(0), ttl=0.05)
-    assert tier == "pool" and same(data, 0)
+    lease = store.acquire_lease(key(0), ttl=0.05)
+    assert lease.tier == "pool" and same(lease.data, 0)
     with pytest.raises(ObjectLeasedError):
         await store.remove(key(0))
     await asyncio.sleep(0.1)  # the reader died: its lease runs out
     await store.remove(key(0))
-    lease, _, _ = (None, None, None)
     await store.put(key(1), block(1))
-    lease, _, _ = store.acquire_lease(key(1), ttl=30)
-    await store.release_lease(key(1), lease)
+    lease = store.acquire_lease(key(1), ttl=30)
+    await store.release_lease(key(1), lease.id)
     await store.remove(key(1))
 
 

@@ -41,6 +41,31 @@ def cmd_bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from tiercake.bench import transfer
+
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    with console.status("benchmarking transfers (raw socket and memcpy limits first)..."):
+        report = asyncio.run(transfer.run(quick=args.quick, sizes=sizes, batches=batches, streams=args.streams))
+    report.print(console)
+    if args.json:
+        report.write(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from tiercake.workers.node_agent import NodeAgent
+
+    config = _load(args.config, args.data_dir)
+    if args.listen:
+        host, _, port = args.listen.rpartition(":")
+        config.transfer.host, config.transfer.port = host or config.transfer.host, int(port)
+    asyncio.run(NodeAgent(config).serve_forever())
+    return 0
+
+
 def cmd_policy_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -96,6 +121,29 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--ssd-dir", metavar="DIR", help="file system to test the ssd tier on (default: temp dir)")
     store.add_argument("--sizes", metavar="BYTES,...", help="block sizes in bytes (default: 64 KiB to 16 MiB)")
     store.set_defaults(func=cmd_bench_store)
+
+    transfer = bench_sub.add_parser(
+        "transfer", help="transfer engine between two processes vs raw socket and memcpy",
+        description="Read and write batches of blocks between this process and a node agent in another "
+        "process, over TCP and through the shared pool, each as a ratio to a plain blocking-socket stream "
+        "or memcpy of the same bytes measured in the same run.",
+    )
+    transfer.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
+    transfer.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    transfer.add_argument("--sizes", metavar="BYTES,...", help="block sizes (default: 64 KiB to 64 MiB)")
+    transfer.add_argument("--batches", metavar="N,...", help="batch sizes (default: 1, 4, 16, 64)")
+    transfer.add_argument("--streams", type=int, default=2, help="connections per peer (default 2)")
+    transfer.set_defaults(func=cmd_bench_transfer)
+
+    node = sub.add_parser(
+        "node", help="run a node agent: the node's tiers behind a transfer server",
+        description="Open the store of the config (rebuilding the SSD index), serve it to peers that know "
+        "the cluster secret ($TIERCAKE_SECRET or transfer.secret_file), print the address as JSON, and run "
+        "until SIGINT or SIGTERM.",
+    )
+    with_config(node)
+    node.add_argument("--listen", metavar="HOST:PORT", help="override transfer.host and transfer.port")
+    node.set_defaults(func=cmd_node)
 
     policy = sub.add_parser("policy", help="eviction and admission policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="ACTION")

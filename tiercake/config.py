@@ -58,7 +58,10 @@ class TierConfig(BaseModel):
 class StoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    layout: BlockLayout = Field(default_factory=lambda: BlockLayout(layers=4, kv_heads=2, head_dim=32))
+    layout: BlockLayout | None = Field(
+        default_factory=lambda: BlockLayout(layers=4, kv_heads=2, head_dim=32),
+        description="the KV block every put must match; null: any size (a node pool shared by models)",
+    )
     tiers: list[TierConfig] = Field(min_length=1)
     promote_on_hit: bool = True
     lease_ttl_s: float = Field(default=5.0, gt=0)
@@ -72,7 +75,38 @@ class StoreConfig(BaseModel):
         kinds = [order[t.kind] for t in self.tiers]
         if kinds != sorted(kinds):
             raise ValueError("tiers must be listed fastest first: gpu, then pool, then ssd")
+        if self.layout is None and any(t.kind == "gpu" for t in self.tiers):
+            raise ValueError("a gpu tier needs the block layout (store.layout)")
         return self
+
+
+class TransferConfig(BaseModel):
+    """The node's transfer server and engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="address the transfer server listens on")
+    port: int = Field(default=0, ge=0, le=65535, description="0: any free port (printed at start)")
+    secret_file: str | None = Field(default=None, description="file holding the cluster secret")
+    secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
+    transports: list[Literal["local", "shm", "tcp"]] = Field(default_factory=lambda: ["local", "shm", "tcp"])
+    streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
+    checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
+    buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")
+    max_block_bytes: ByteSize = Field(default=ByteSize(1 << 30), description="largest block a peer may write")
+
+    def secret(self) -> bytes:
+        """The cluster secret from the environment or the secret file; at least 16 bytes."""
+        import os
+
+        value: bytes | None = os.environ.get(self.secret_env, "").encode() or None
+        if value is None and self.secret_file:
+            value = Path(self.secret_file).read_bytes().strip()
+        if not value:
+            raise ValueError(f"no cluster secret: set ${self.secret_env} or transfer.secret_file")
+        if len(value) < 16:
+            raise ValueError("the cluster secret must be at least 16 bytes")
+        return value
 
 
 class TiercakeConfig(BaseModel):
@@ -81,9 +115,12 @@ class TiercakeConfig(BaseModel):
     node_id: str = Field(default_factory=socket.gethostname)
     model_id: str = "tiercake-reference"
     store: StoreConfig
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
 
     def namespace(self, tenant_salt: str = "") -> Namespace:
         layout = self.store.layout
+        if layout is None:
+            raise ValueError("a namespace needs the block layout (store.layout)")
         return Namespace(
             model_id=self.model_id, kv_layout=layout.tag, block_size=layout.block_size, tenant_salt=tenant_salt
         )

@@ -19,6 +19,8 @@ Payload = torch.Tensor | np.ndarray | bytes | bytearray | memoryview
 def as_bytes(payload: Any) -> torch.Tensor:
     """A flat uint8 tensor sharing memory with ``payload`` (tensor, ndarray or buffer)."""
     if isinstance(payload, torch.Tensor):
+        if payload.dtype == torch.uint8 and payload.dim() == 1 and payload.is_contiguous():
+            return payload  # already flat bytes: the hot path of every transfer
         if not payload.is_contiguous():
             raise PayloadError("payload tensor must be contiguous")
         flat = payload.reshape(-1)

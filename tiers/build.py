@@ -56,8 +56,8 @@ def build_store(cfg: StoreConfig) -> TieredStore:
         raise
     return TieredStore(
         tiers,
-        payload_nbytes=cfg.layout.nbytes,
-        payload_dtype=cfg.layout.torch_dtype(),
+        payload_nbytes=cfg.layout.nbytes if cfg.layout else None,
+        payload_dtype=cfg.layout.torch_dtype() if cfg.layout else None,
         promote_on_hit=cfg.promote_on_hit,
         lease_ttl=cfg.lease_ttl_s,
     )

@@ -119,6 +119,7 @@ class GpuTier:
     def __init__(self, pool: GpuBlockPool, name: str = "gpu") -> None:
         self.pool = pool
         self.name = name
+        self._host = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -142,6 +143,14 @@ class GpuTier:
 
     def view(self, slot: int, nbytes: int) -> torch.Tensor:
         return self.pool.byte_view(slot)
+
+    def host_array(self, slot: int, nbytes: int):
+        """A numpy view of the block when it lives in host memory; None on a device."""
+        if self.pool.device.type != "cpu":
+            return None
+        if self._host is None:
+            self._host = self.pool._bytes.numpy()
+        return self._host[slot]
 
     def in_use(self, slot: int) -> bool:
         return self.pool.refcount(slot) > 1

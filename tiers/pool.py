@@ -46,6 +46,7 @@ class PoolRegion:
         self._fd = fd
         self._mem = mem
         self.bytes = torch.frombuffer(mem, dtype=torch.uint8)  # one view over the whole region
+        self.array = np.frombuffer(mem, dtype=np.uint8)  # the same bytes for numpy and sockets
 
     @classmethod
     def create(cls, path: str | Path, size: int, page_size: int = PAGE, prefault: bool = True) -> PoolRegion:
@@ -107,11 +108,18 @@ class PoolRegion:
         start = DATA_OFFSET + offset
         return self.bytes[start : start + nbytes]
 
+    def host_array(self, offset: int, nbytes: int) -> np.ndarray:
+        """The same bytes as ``view`` as a numpy array (slicing it is about 10x cheaper)."""
+        if offset < 0 or nbytes < 0 or DATA_OFFSET + offset + nbytes > self.size:
+            raise PayloadError(f"pool view [{offset}, {offset + nbytes}) is outside the region")
+        start = DATA_OFFSET + offset
+        return self.array[start : start + nbytes]
+
     def close(self, unlink: bool | None = None) -> None:
         """Unmap; the owner also removes a regular file it created unless ``unlink=False``."""
         if self._mem.closed:
             return
-        del self.bytes
+        del self.bytes, self.array
         try:
             self._mem.close()
         except BufferError:
@@ -201,6 +209,9 @@ class PoolTier:
 
     def view(self, slot: tuple[int, int], nbytes: int) -> torch.Tensor:
         return self.region.view(slot[0], nbytes)
+
+    def host_array(self, slot: tuple[int, int], nbytes: int) -> np.ndarray:
+        return self.region.host_array(slot[0], nbytes)
 
     def in_use(self, slot: tuple[int, int]) -> bool:
         return False

@@ -108,6 +108,10 @@ class Entry:
     soft_pin_until: float = 0.0
 
     def committed(self) -> list[int]:
+        """Indexes of the tiers holding a committed copy, fastest first."""
+        if len(self.copies) == 1:  # the common case, on every read path
+            for index, copy in self.copies.items():
+                return [index] if copy.state is State.COMMITTED else []
         return sorted(i for i, c in self.copies.items() if c.state is State.COMMITTED)
 
 
@@ -170,6 +174,14 @@ class PutHandle:
     done: bool = False
     _buffer: torch.Tensor | None = None
 
+    def host_target(self):
+        """Where a socket may write the bytes in place: a numpy view of the slot (memory tier in host
+        memory) or of the staging buffer (disk tier); None for device memory (stage and copy)."""
+        backend = self.copy.tier.backend
+        if backend.in_memory:
+            return backend.host_array(self.copy.slot, self.entry.nbytes)
+        return self.buffer.numpy()
+
     @property
     def buffer(self) -> torch.Tensor:
         """Where the object's bytes go: the slot itself in a memory tier, a staging buffer on disk."""
@@ -201,6 +213,27 @@ class PutHandle:
     def note_written(self, nbytes: int) -> None:
         """Record bytes written straight into ``buffer`` (a zero-copy receive)."""
         self.written += nbytes
+
+
+@dataclass(slots=True)
+class Lease:
+    """A held lease on the block's copy in ``tier``, at ``slot`` of that tier's backend."""
+
+    id: int
+    key: bytes
+    tier: str
+    slot: Any
+    backend: Any
+    nbytes: int
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The block in place, as a flat uint8 tensor."""
+        return self.backend.view(self.slot, self.nbytes)
+
+    def host_array(self):
+        """The block in place as a numpy array (for sockets), or None if it is in device memory."""
+        return self.backend.host_array(self.slot, self.nbytes)
 
 
 @dataclass(slots=True)
@@ -595,17 +628,23 @@ class TieredStore:
         finally:
             await self._release(entry, copy, lease)
 
-    def acquire_lease(self, key: bytes, ttl: float | None = None) -> tuple[int, str, torch.Tensor]:
-        """A lease with a TTL for readers outside this process (the transfer server): returns the
-        lease id, the tier and the in-place bytes. Release it with ``release_lease``; if the reader
-        dies, it expires after ``ttl`` seconds and stops protecting the block."""
+    def acquire_lease(self, key: bytes, ttl: float | None = None, *, tier: str | None = None) -> Lease:
+        """A lease for a reader outside this call (the transfer server, a process mapping the pool):
+        the block's copy in ``tier`` (default: the fastest memory tier holding it) cannot be evicted,
+        freed or removed until ``release_lease``, or until ``ttl`` seconds pass (``math.inf`` for a
+        reader in this process that always releases), so a reader that dies cannot pin it forever."""
         entry = self._committed_entry(key)
+        wanted = None if tier is None else self.tier(tier).index
         for index in entry.committed():
             copy = entry.copies[index]
-            if copy.tier.backend.in_memory:
-                lease = self._lease(copy, time.monotonic() + (ttl or self.lease_ttl))
-                return lease, copy.tier.name, copy.tier.backend.view(copy.slot, entry.nbytes)
-        raise ObjectNotFoundError(f"block {_short(key)} is not in a memory tier")
+            if copy.tier.backend.in_memory and wanted in (None, index):
+                ttl = self.lease_ttl if ttl is None else ttl
+                lease = self._lease(copy, math.inf if ttl == math.inf else time.monotonic() + ttl)
+                copy.tier.stats.hits += 1
+                copy.tier.eviction.on_access(key)
+                return Lease(lease, key, copy.tier.name, copy.slot, copy.tier.backend, entry.nbytes)
+        where = "a memory tier" if tier is None else f"tier {tier!r}"
+        raise ObjectNotFoundError(f"block {_short(key)} is not in {where}")
 
     async def release_lease(self, key: bytes, lease: int) -> None:
         entry = self._entries.get(key)

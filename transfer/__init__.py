@@ -1,1 +1,11 @@
-"""Moving bytes between tiers, processes and nodes: transports, batching, the transfer server (issue 3)."""
+"""Moving bytes between tiers, processes and nodes: the engine, its transports, the transfer server."""
+
+from .engine import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
+from .protocol import AuthenticationError, ItemError, PeerClosedError, ProtocolError, Status, TransferError
+from .server import TransferServer
+from .transports import TRANSPORTS, Transport
+
+__all__ = [
+    "TRANSPORTS", "AuthenticationError", "BlockLoc", "BufferLoc", "ItemError", "PeerClosedError", "ProtocolError",
+    "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport",
+]

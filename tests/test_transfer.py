@@ -1,0 +1,374 @@
+"""The transfer engine and server over real loopback sockets (both ends in this process)."""
+
+import asyncio
+import struct
+
+import pytest
+import torch
+from transfer_helpers import (
+    SECRET,
+    authenticated_socket,
+    closed,
+    payload,
+    raw_frame,
+    read_frame,
+    start_node,
+    stop_node,
+)
+
+from tiercake.transfer import (
+    TRANSPORTS,
+    AuthenticationError,
+    BlockLoc,
+    BufferLoc,
+    ItemError,
+    Status,
+    Transfer,
+    TransferEngine,
+)
+from tiercake.transfer import protocol as p
+from tiercake.transfer.transports import TcpTransport
+
+KB = 1024
+
+
+@pytest.fixture
+async def node():
+    store, server = await start_node("node-b")
+    yield store, server
+    await stop_node(store, server)
+
+
+def engine_for(server, transports=("tcp",), **kw) -> TransferEngine:
+    engine = TransferEngine("node-a", SECRET, transports=transports, **kw)
+    engine.add_peer("node-b", *server.address)
+    return engine
+
+
+@pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")])
+@pytest.mark.parametrize("checksum", [False, True])
+async def test_write_then_read_back(node, transports, checksum):
+    store, server = node
+    engine = engine_for(server, transports, checksum=checksum)
+    sizes = [4 * KB, 64 * KB, 1 << 20, 3 * 1000 + 7]
+    keys = [f"blk-{i}".encode() for i in range(len(sizes))]
+    srcs = [payload(i, n) for i, n in enumerate(sizes)]
+    written = await engine.write_blocks("node-b", keys, srcs, chain=True)
+    assert [r.ok for r in written] == [True] * 4
+    assert {r.transport for r in written} == {transports[0]}
+    assert store._entries[keys[2]].meta.parent == keys[1]  # the chain travelled with the blocks
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    read = await engine.read_blocks("node-b", keys, dsts)
+    assert all(r.ok for r in read)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert engine.bytes_moved[transports[0]] == 2 * sum(sizes)
+    await engine.close()
+
+
+async def test_per_item_errors_leave_the_rest_alone(node):
+    store, server = node
+    await store.put(b"exists", payload(1, 4 * KB))
+    engine = engine_for(server)
+    got = await engine.transfer([
+        Transfer(BlockLoc("node-b", b"exists"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
+        Transfer(BlockLoc("node-b", b"missing"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
+        Transfer(BlockLoc("node-b", b"exists"), BufferLoc(torch.empty(100, dtype=torch.uint8)), 100),
+        Transfer(BufferLoc(payload(2, 4 * KB)), BlockLoc("node-b", b"exists"), 4 * KB),
+        Transfer(BufferLoc(payload(3, 4 * KB)), BlockLoc("node-b", b"new"), 4 * KB),
+        Transfer(BlockLoc("node-x", b"exists"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
+        Transfer(BufferLoc(torch.empty(10, dtype=torch.uint8)), BlockLoc("node-b", b"neg"), -5),
+        Transfer(BufferLoc(torch.empty(10, dtype=torch.uint8)), BlockLoc("node-b", b"big"), 11),
+    ])
+    assert got[0].ok and got[4].ok
+    assert isinstance(got[1].error, ItemError) and got[1].error.status is Status.NOT_FOUND
+    assert got[2].error.status is Status.LENGTH_MISMATCH and "100 were asked" in str(got[2].error)
+    assert got[3].error.status is Status.EXISTS
+    assert isinstance(got[5].error, ItemError) and "unknown node" in str(got[5].error)
+    assert isinstance(got[6].error, ValueError) and "positive" in str(got[6].error)
+    assert isinstance(got[7].error, ValueError) and "has no" in str(got[7].error)
+    assert torch.equal(await store.get(b"exists"), payload(1, 4 * KB))  # the refused write changed nothing
+    await engine.close()
+
+
+async def test_pull_into_local_store_and_local_transport(node, make_store):
+    store_b, server = node
+    local = await make_store(gpu=None, pool=64, ssd=None)
+    local.payload_nbytes = None
+    engine = TransferEngine("node-a", SECRET, local, transports=("local", "tcp"))
+    engine.add_peer("node-b", *server.address)
+    await store_b.put(b"hot", payload(7, 64 * KB))
+    (pulled,) = await engine.transfer([Transfer(BlockLoc("node-b", b"hot"), BlockLoc("node-a", b"hot"), 64 * KB)])
+    assert pulled.ok and pulled.transport == "tcp"
+    assert torch.equal(await local.get(b"hot"), payload(7, 64 * KB))  # replicated here
+    out = torch.empty(64 * KB, dtype=torch.uint8)
+    (res,) = await engine.read_blocks("node-a", [b"hot"], [out])
+    assert res.ok and res.transport == "local" and torch.equal(out, payload(7, 64 * KB))
+    # a failed pull leaves nothing behind in the local store
+    (bad,) = await engine.transfer([Transfer(BlockLoc("node-b", b"nope"), BlockLoc("node-a", b"nope"), 64 * KB)])
+    assert not bad.ok and not local.contains(b"nope") and b"nope" not in local._entries
+    # memory to memory in this process
+    dst = torch.zeros(10, dtype=torch.uint8)
+    (copy,) = await engine.transfer([Transfer(BufferLoc(torch.arange(20, dtype=torch.uint8), 5), BufferLoc(dst), 10)])
+    assert copy.ok and dst.tolist() == list(range(5, 15))
+    await engine.close()
+
+
+async def test_reads_from_the_peers_ssd_tier(tmp_path):
+    store, server = await start_node("node-b", pool_bytes=256 * KB, ssd_dir=tmp_path)
+    await store.put(b"cold", payload(9, 128 * KB), tier="ssd")
+    for transports in (("tcp",), ("shm", "tcp")):
+        engine = engine_for(server, transports)
+        out = torch.empty(128 * KB, dtype=torch.uint8)
+        (res,) = await engine.read_blocks("node-b", [b"cold"], [out])
+        assert res.ok and torch.equal(out, payload(9, 128 * KB))
+        await engine.close()
+    await stop_node(store, server)
+
+
+async def test_wrong_secret_is_refused_and_disconnected(node):
+    store, server = node
+    await store.put(b"k", payload(1, 4 * KB))
+    engine = TransferEngine("intruder", b"not-the-cluster-secret!!", transports=("tcp",))
+    engine.add_peer("node-b", *server.address)
+    (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4 * KB, dtype=torch.uint8)])
+    assert isinstance(res.error, AuthenticationError)
+    assert server.refused == 1
+
+    def by_hand():
+        # a client that skips authentication and asks for data straight away
+        import socket
+
+        sock = socket.create_connection(server.address, timeout=5)
+        op, _nonce = read_frame(sock)
+        assert op == p.Op.HELLO
+        sock.sendall(raw_frame(p.Op.READ, p.encode_read([(b"k", 4 * KB)])))
+        op, body = read_frame(sock)
+        return op, body, closed(sock)
+
+    op, body, was_closed = await asyncio.to_thread(by_hand)
+    assert op == p.Op.ERROR and b"authentication failed" in body and was_closed
+    assert server.refused == 2
+    await engine.close()
+
+
+async def test_server_checks_that_the_client_knows_the_secret_too(node):
+    """Mutual: a client is told if the server it reached cannot prove the secret."""
+    store, server = node
+    server.secret = b"some-other-secret-of-the-imposter"
+    engine = engine_for(server)
+    (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4, dtype=torch.uint8)])
+    assert isinstance(res.error, AuthenticationError)
+    await engine.close()
+
+
+@pytest.mark.parametrize(
+    "frame, expect",
+    [
+        (raw_frame(p.Op.READ, magic=b"HTTP"), b"not a tiercake transfer stream"),
+        (raw_frame(p.Op.READ, version=9), b"version 9"),
+        (raw_frame(p.Op.READ, length=p.MAX_BODY + 1), b"over the limit"),
+        (raw_frame(99, b""), b"unknown operation"),
+        (raw_frame(p.Op.WELCOME, b""), b"not a request"),
+        (raw_frame(p.Op.READ, struct.pack("<I", 5) + b"\x01"), b"truncated table"),
+        (raw_frame(p.Op.READ, struct.pack("<I", 10**6)), b"over the limit"),
+        (raw_frame(p.Op.READ, p.encode_read([(b"k", 4)]) + b"junk"), b"do not match"),
+    ],
+)
+async def test_malformed_frames_get_an_error_and_a_closed_connection(node, frame, expect):
+    store, server = node
+
+    def by_hand():
+        sock = authenticated_socket(server.address)
+        sock.sendall(frame)
+        op, body = read_frame(sock)
+        return op, body, closed(sock)
+
+    op, body, was_closed = await asyncio.to_thread(by_hand)
+    assert op == p.Op.ERROR and expect in body, body
+    assert was_closed
+    # and the server goes on serving everyone else
+    engine = engine_for(server)
+    await store.put(b"still", payload(3, 100))
+    (res,) = await engine.read_blocks("node-b", [b"still"], [torch.empty(100, dtype=torch.uint8)])
+    assert res.ok
+    await engine.close()
+
+
+async def test_truncated_frames_and_oversized_writes(node):
+    store, server = node
+
+    def cut_off():
+        sock = authenticated_socket(server.address)
+        sock.sendall(raw_frame(p.Op.READ, p.encode_read([(b"k", 4)]))[:13])  # half a header, then gone
+        sock.close()
+        sock = authenticated_socket(server.address)
+        frame = raw_frame(p.Op.READ, p.encode_read([(b"k", 4)] * 3))
+        sock.sendall(frame[: len(frame) - 3])  # header whole, table cut
+        sock.close()
+
+    await asyncio.to_thread(cut_off)
+
+    def oversized():
+        sock = authenticated_socket(server.address)
+        table = p.encode_write([p.WriteItem(b"huge", 2**63), p.WriteItem(b"fine", 10)])
+        sock.sendall(raw_frame(p.Op.WRITE, table))
+        op, body = read_frame(sock)
+        ready = p.decode_lease_reply(body)
+        sock.sendall(b"0123456789")  # data only for the accepted item
+        op2, body2 = read_frame(sock)
+        return ready, p.decode_statuses(body2)
+
+    ready, done = await asyncio.to_thread(oversized)
+    assert ready[0].status is Status.LENGTH_MISMATCH and "over this node's limit" in ready[0].message
+    assert ready[1].status is Status.OK and done[1].status is Status.OK
+    assert bytes((await store.get(b"fine")).numpy()) == b"0123456789"
+    assert not store.contains(b"huge")
+    with pytest.raises(ValueError, match="negative"):
+        p.encode_read([(b"k", -1)])
+
+
+async def test_client_gone_mid_write_leaves_nothing_visible(node):
+    store, server = node
+    used = store.tier("pool").backend.used_bytes
+
+    def half_write():
+        sock = authenticated_socket(server.address)
+        sock.sendall(raw_frame(p.Op.WRITE, p.encode_write([p.WriteItem(b"a", 64 * KB), p.WriteItem(b"b", 64 * KB)])))
+        read_frame(sock)  # WRITE_READY: both reserved
+        sock.sendall(bytes(64 * KB + 100))  # all of a, a little of b, then the client dies
+        sock.close()
+
+    await asyncio.to_thread(half_write)
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if store.tier("pool").backend.used_bytes == used:
+            break
+    assert not store.contains(b"a") and not store.contains(b"b")  # a was whole, but its batch was not
+    assert store.tier("pool").backend.used_bytes == used
+    assert b"a" not in store._entries
+
+
+async def test_checksum_catches_corruption_in_transit(node):
+    store, server = node
+
+    def corrupt_write():
+        sock = authenticated_socket(server.address)
+        good = payload(1, 4 * KB).numpy().tobytes()
+        import xxhash
+
+        item = p.WriteItem(b"c", len(good), None, xxhash.xxh3_64_intdigest(good))
+        sock.sendall(raw_frame(p.Op.WRITE, p.encode_write([item]), flags=p.FLAG_CHECKSUM))
+        read_frame(sock)
+        sock.sendall(b"\xff" + good[1:])  # one byte flipped on the way
+        _, body = read_frame(sock)
+        return p.decode_statuses(body)
+
+    (done,) = await asyncio.to_thread(corrupt_write)
+    assert done.status is Status.CHECKSUM
+    assert not store.contains(b"c")
+
+
+async def test_removed_after_lookup_is_a_clear_miss(node):
+    store, server = node
+    await store.put(b"gone", payload(1, 4 * KB))
+    engine = engine_for(server, ("shm", "tcp"))
+    assert store.contains(b"gone")  # the lookup
+    await store.remove(b"gone")  # evicted or removed before the read arrives
+    (res,) = await engine.read_blocks("node-b", [b"gone"], [torch.empty(4 * KB, dtype=torch.uint8)])
+    assert res.error.status is Status.NOT_FOUND
+    await engine.close()
+
+
+async def test_shm_leases_hold_blocks_until_released(node):
+    store, server = node
+    store.tier("pool").high_watermark = 1.0
+    await store.put(b"leased", payload(1, 1 << 20))
+    engine = engine_for(server, ("shm", "tcp"))
+    peer = await engine._peer("node-b")
+    async with peer.channel.connection() as conn:
+        (reply,) = await conn.lease([(b"leased", 1 << 20, 30.0)])
+        assert reply.status is Status.OK
+        # fill the pool: the leased block must survive, whatever the eviction policy wants
+        for i in range(12):
+            await store.put(f"filler-{i}".encode(), payload(100 + i, 1 << 20))
+        assert store.contains(b"leased")
+        with pytest.raises(Exception, match="leased"):
+            await store.remove(b"leased")
+        await conn.release([(b"leased", reply.lease)])
+    await store.remove(b"leased")
+    await engine.close()
+
+
+async def test_many_concurrent_batches_from_several_peers(node):
+    store, server = node
+    engines = [TransferEngine(f"client-{n}", SECRET, transports=("tcp",), streams=2) for n in range(4)]
+    for engine in engines:
+        engine.add_peer("node-b", *server.address)
+
+    async def worker(n: int, engine: TransferEngine):
+        for round_ in range(5):
+            keys = [f"c{n}-r{round_}-{i}".encode() for i in range(8)]
+            srcs = [payload(n * 1000 + round_ * 10 + i, (i + 1) * 3 * KB) for i in range(8)]
+            assert all(r.ok for r in await engine.write_blocks("node-b", keys, srcs))
+            dsts = [torch.empty_like(s) for s in srcs]
+            assert all(r.ok for r in await engine.read_blocks("node-b", keys, dsts))
+            assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))  # no reply went to the wrong caller
+
+    # two workers per engine: several batches in flight on each engine's connections at once
+    await asyncio.wait_for(asyncio.gather(*(worker(2 * n + j, e) for n, e in enumerate(engines) for j in range(2))), 60)
+    for engine in engines:
+        await engine.close()
+
+
+async def test_timeout_reports_every_unfinished_item(node):
+    store, server = node
+    await store.put(b"k", payload(1, 4 * KB))
+    engine = engine_for(server)
+    gate = asyncio.Event()
+    original = server._read
+
+    async def stalled(*args):
+        await gate.wait()
+        return await original(*args)
+
+    server._read = stalled
+    results = await engine.read_blocks("node-b", [b"k", b"k"], [torch.empty(4 * KB, dtype=torch.uint8)] * 2,
+                                       timeout=0.3)
+    assert all(isinstance(r.error, TimeoutError) for r in results)
+    gate.set()
+    server._read = original
+    (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4 * KB, dtype=torch.uint8)])
+    assert res.ok  # the stalled connection was dropped; a fresh one works
+    await engine.close()
+
+
+async def test_a_new_transport_plugs_in_without_touching_callers(node):
+    store, server = node
+    await store.put(b"k", payload(1, 4 * KB))
+    calls = []
+
+    class CountingTcp(TcpTransport):
+        name = "counting"
+
+        async def read(self, peer, items):
+            calls.append(len(items))
+            return await super().read(peer, items)
+
+    TRANSPORTS["counting"] = CountingTcp
+    try:
+        engine = engine_for(server, ("counting",))
+        (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4 * KB, dtype=torch.uint8)])
+        assert res.ok and res.transport == "counting" and calls == [1]
+        await engine.close()
+    finally:
+        del TRANSPORTS["counting"]
+    with pytest.raises(ValueError, match="unknown transports"):
+        TransferEngine("x", SECRET, transports=("carrier-pigeon",))
+
+
+async def test_server_rejects_a_short_secret(node):
+    store, _ = node
+    from tiercake.transfer import TransferServer
+
+    with pytest.raises(ValueError, match="16 bytes"):
+        TransferServer(store, b"short", "n")

@@ -1,0 +1,164 @@
+"""`tiercake bench transfer`: the transfer engine between two processes, against limits measured in
+the same run between the same two processes.
+
+- tcp: batches of blocks read from and written to a node agent in another process, over loopback,
+  against a plain blocking-socket stream of the same bytes in the same block-sized calls;
+- shm: the same through the shared pool (same host), against memcpy of the same bytes.
+
+Figures: throughput per block size and batch size; per-batch latency (median) against the raw
+stream's time for the same bytes; and at 64 KiB, the per-block overhead of a batch of 64 over the raw
+stream's time per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import torch
+
+from tiercake.transfer import TransferEngine
+
+from .report import Report, machine
+from .store import KiB, MiB, _memcpy_seconds, _raise_first, _warm
+from .transfer_peer import RAW_REQUEST
+
+PEER = "bench-peer"
+
+
+def _raw_seconds(port: int, op: bytes, total: int, rows: torch.Tensor) -> float:
+    """A plain blocking-socket stream of ``total`` bytes, one ``recv_into``/``sendall`` per block,
+    cycling over the same rows of warm memory the engine uses (b"R": the peer sends to us)."""
+    chunk = rows.shape[1]
+    views = [memoryview(row.numpy()) for row in rows]
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        start = time.perf_counter()
+        sock.sendall(RAW_REQUEST.pack(op, total, chunk))
+        left, i = total, 0
+        while left > 0:
+            view = views[i % len(views)][: min(left, chunk)]
+            if op == b"R":
+                sock.recv_into(view, len(view), socket.MSG_WAITALL)
+            else:
+                sock.sendall(view)
+            left -= len(view)
+            i += 1
+        if op == b"W":
+            sock.recv(1)
+        return time.perf_counter() - start
+
+
+class Peer:
+    def __init__(self, pool_bytes: int) -> None:
+        self.secret = secrets.token_hex(16).encode()
+        self.pool_path = f"/dev/shm/tiercake-bench-peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercake.bench.transfer_peer", "--pool-bytes", str(pool_bytes),
+             "--pool-path", self.pool_path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": self.secret.decode()},
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the bench peer process did not start")
+        self.address = json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _measure(engine: TransferEngine, size: int, batch: int, nblocks: int, reps: int,
+                   src: torch.Tensor, dst: torch.Tensor, tag: str) -> tuple[float, float, list[float]]:
+    """(best write seconds, best read seconds, read latencies per batch) for nblocks blocks."""
+    k = src.shape[0]
+    best_write = best_read = float("inf")
+    latencies: list[float] = []
+    keys: list[bytes] = []
+    for rep in range(reps):
+        keys = [f"{tag}-{size}-{batch}-{rep}-{i}".encode() for i in range(nblocks)]
+        start = time.perf_counter()
+        for lo in range(0, nblocks, batch):
+            chunk = range(lo, min(nblocks, lo + batch))
+            done = await engine.write_blocks(PEER, [keys[i] for i in chunk], [src[i % k] for i in chunk])
+            _raise_first([r.error for r in done if r.error is not None])
+        best_write = min(best_write, time.perf_counter() - start)
+        rep_latencies = []
+        start = time.perf_counter()
+        for lo in range(0, nblocks, batch):
+            chunk = range(lo, min(nblocks, lo + batch))
+            t0 = time.perf_counter()
+            done = await engine.read_blocks(PEER, [keys[i] for i in chunk], [dst[i % k] for i in chunk])
+            rep_latencies.append(time.perf_counter() - t0)
+            _raise_first([r.error for r in done if r.error is not None])
+        read_s = time.perf_counter() - start
+        if read_s < best_read:
+            best_read, latencies = read_s, rep_latencies
+    if not torch.equal(dst[(nblocks - 1) % k], src[(nblocks - 1) % k]):
+        raise RuntimeError("the bench read back other bytes than it wrote")
+    return best_write, best_read, latencies
+
+
+async def run(quick: bool = False, sizes: list[int] | None = None, batches: list[int] | None = None,
+              streams: int = 2) -> Report:
+    report = Report(bench="transfer", machine=machine())
+    sizes = sizes or ([64 * KiB, 1 * MiB, 16 * MiB] if quick else [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB])
+    batches = batches or ([1, 8, 64] if quick else [1, 4, 16, 64])
+    total = (64 if quick else 256) * MiB
+    reps = 2 if quick else 3
+    peer = Peer(pool_bytes=3 * total + 64 * MiB)
+    engines = {
+        "tcp": TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams),
+        "shm": TransferEngine("bench", peer.secret, transports=("shm", "tcp"), streams=streams),
+    }
+    for engine in engines.values():
+        engine.add_peer(PEER, peer.address["host"], peer.address["port"])
+    try:
+        for size in sizes:
+            nblocks = max(1, total // size)
+            k = min(nblocks, max(2, (64 * MiB) // size))
+            src, dst = _warm(k, size), _warm(k, size)
+            nbytes = nblocks * size
+            raw_read = min([await asyncio.to_thread(_raw_seconds, peer.address["raw_port"], b"R", nbytes, dst)
+                            for _ in range(reps)])
+            raw_write = min([await asyncio.to_thread(_raw_seconds, peer.address["raw_port"], b"W", nbytes, src)
+                             for _ in range(reps)])
+            area = _warm(min(nblocks, max(2, (256 * MiB) // size)), size)
+            memcpy = min(_memcpy_seconds(src, area, area.shape[0]) for _ in range(reps)) * nblocks / area.shape[0]
+            del area
+            for name, engine in engines.items():
+                for batch in batches:
+                    if batch > nblocks or (name == "shm" and batch not in (1, max(b for b in batches if b <= nblocks))):
+                        continue
+                    write_s, read_s, lat = await _measure(engine, size, batch, nblocks, reps, src, dst, name)
+                    limit_name = "raw socket" if name == "tcp" else "memcpy"
+                    limits = (raw_write, raw_read) if name == "tcp" else (memcpy, memcpy)
+                    params = {"block_bytes": size, "batch": batch, "blocks": nblocks, "streams": streams}
+                    report.add(f"{name}.write", nbytes / write_s / 1e9, "GB/s", nbytes / limits[0] / 1e9,
+                               **params, limit_name=limit_name)
+                    report.add(f"{name}.read", nbytes / read_s / 1e9, "GB/s", nbytes / limits[1] / 1e9,
+                               **params, limit_name=limit_name)
+                    raw_batch_us = limits[1] / nblocks * min(batch, nblocks) * 1e6
+                    report.add(f"{name}.read.batch_latency_p50", statistics.median(lat) * 1e6, "us", raw_batch_us,
+                               **params, limit_name=f"{limit_name} time")
+                    if name == "tcp" and size == 64 * KiB and batch == max(batches):
+                        per_block = read_s / nblocks * 1e6
+                        raw_block = raw_read / nblocks * 1e6
+                        report.add("tcp.read.per_block", per_block, "us", raw_block, **params,
+                                   overhead_us=round(per_block - raw_block, 2), limit_name="raw socket time")
+    finally:
+        for engine in engines.values():
+            await engine.close()
+        peer.close()
+    return report

@@ -1,0 +1,70 @@
+"""The far side of `tiercake bench transfer`: a node agent plus a raw blocking-socket stream server,
+in one process, so the engine and its limit are measured between the same two processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import struct
+import sys
+import threading
+
+import numpy as np
+
+from tiercake.config import StoreConfig, TierConfig, TiercakeConfig, TransferConfig
+from tiercake.workers.node_agent import NodeAgent
+
+RAW_REQUEST = struct.Struct("<cQQ")  # b"R": send n bytes; b"W": receive n bytes; chunk size
+
+
+def _serve_raw(listener: socket.socket, buffer: np.ndarray) -> None:
+    view = memoryview(buffer)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            while True:
+                head = conn.recv(RAW_REQUEST.size, socket.MSG_WAITALL)
+                if len(head) < RAW_REQUEST.size:
+                    break
+                op, n, chunk = RAW_REQUEST.unpack(head)
+                chunk = min(chunk, len(view))
+                slots = len(view) // chunk  # cycle over the whole buffer, as the engine's blocks do
+                i = 0
+                while n > 0:
+                    step = min(n, chunk)
+                    at = (i % slots) * chunk
+                    if op == b"R":
+                        conn.sendall(view[at : at + step])
+                    else:
+                        conn.recv_into(view[at : at + step], step, socket.MSG_WAITALL)
+                    n -= step
+                    i += 1
+                if op == b"W":
+                    conn.sendall(b"k")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pool-bytes", type=int, required=True)
+    parser.add_argument("--pool-path", required=True)
+    parser.add_argument("--raw-buffer", type=int, default=256 << 20)
+    args = parser.parse_args()
+    config = TiercakeConfig(
+        node_id="bench-peer",
+        store=StoreConfig(layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path)]),
+        transfer=TransferConfig(),
+    )
+    agent = await NodeAgent(config).start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    buffer = np.ones(args.raw_buffer, dtype=np.uint8)  # touched: pre-faulted
+    threading.Thread(target=_serve_raw, args=(listener, buffer), daemon=True).start()
+    host, port = agent.server.address
+    print(json.dumps({"host": host, "port": port, "raw_port": listener.getsockname()[1]}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin
+    await agent.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,229 @@
+"""The client side of the transfer protocol: authenticated connections and a pool of them per peer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from . import protocol as p
+from .protocol import Op, ReplyItem, Status
+from .sockio import recv_frame, recv_into_all, send_all, send_frame, tune
+
+_request_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    node_id: str
+    host: str
+    port: int
+
+
+def item_error(reply: ReplyItem, peer: str) -> p.ItemError:
+    return p.ItemError(f"{peer}: {reply.status.name.lower().replace('_', ' ')}: {reply.message}", reply.status)
+
+
+class PeerConnection:
+    """One authenticated stream to a peer's transfer server; one request at a time.
+
+    Any failure in the middle of a request (peer death, timeout, cancellation, a reply that does not
+    fit what was asked) leaves the stream in an unknown state, so the connection is closed and marked
+    broken; the pool never hands it out again.
+    """
+
+    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, buffer_bytes: int | None = None) -> None:
+        self.address = address
+        self.secret = secret
+        self.node_id = node_id
+        self.buffer_bytes = buffer_bytes
+        self.sock: socket.socket | None = None
+        self.info: p.PeerInfo | None = None
+        self.broken = False
+
+    async def open(self) -> PeerConnection:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.address.host, self.address.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        tune(sock, self.buffer_bytes)
+        try:
+            await loop.sock_connect(sock, sockaddr)
+            self.sock = sock
+            await self._handshake()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    async def _handshake(self) -> None:
+        try:
+            _, _, _, nonce = await recv_frame(self.sock, expect=[Op.HELLO])
+        except p.ProtocolError as exc:
+            raise p.AuthenticationError(f"{self.address.node_id}: {exc}") from exc
+        mine = os.urandom(p.NONCE_BYTES)
+        claim = p.proof(self.secret, b"client", bytes(nonce), mine)
+        await send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
+        try:
+            _, _, _, body = await recv_frame(self.sock, expect=[Op.WELCOME])
+        except (p.ProtocolError, p.PeerClosedError) as exc:
+            raise p.AuthenticationError(f"{self.address.node_id} refused us: {exc}") from exc
+        if not p.verify(self.secret, b"server", mine, bytes(nonce), bytes(body[:32])):
+            raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the cluster secret")
+        self.info = p.PeerInfo.model_validate_json(bytes(body[32:]))
+
+    def close(self) -> None:
+        self.broken = True
+        if self.sock is not None:
+            self.sock.close()
+
+    @contextlib.asynccontextmanager
+    async def _request(self) -> AsyncIterator[int]:
+        if self.broken or self.sock is None:
+            raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
+        try:
+            yield next(_request_ids)
+        except BaseException:
+            self.close()  # mid-request failure: the stream can no longer be trusted
+            raise
+
+    async def _reply(self, request: int, op: Op) -> bytearray:
+        _, _, got, body = await recv_frame(self.sock, expect=[op])
+        if got != request:
+            raise p.ProtocolError(f"reply to request {got}, expected {request}")
+        return body
+
+    # Operations -----------------------------------------------------------------------------------
+
+    async def read(self, items: list[tuple[bytes, np.ndarray]], checksum: bool = False) -> list[p.ItemError | None]:
+        """Fill each destination with its block, in place; per-item errors."""
+        flags = p.FLAG_CHECKSUM if checksum else 0
+        async with self._request() as request:
+            await send_frame(self.sock, Op.READ, request, p.encode_read([(k, d.size) for k, d in items]), flags)
+            replies = p.decode_read_reply(await self._reply(request, Op.READ_REPLY))
+            if len(replies) != len(items):
+                raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+            targets = []
+            for (_, dst), reply in zip(items, replies):
+                if reply.status is Status.OK:
+                    if reply.length != dst.size:
+                        raise p.ProtocolError(f"peer sends {reply.length} bytes for a {dst.size}-byte destination")
+                    targets.append(dst)
+            await recv_into_all(self.sock, targets)
+        results: list[p.ItemError | None] = []
+        for (_, dst), reply in zip(items, replies):
+            if reply.status is not Status.OK:
+                results.append(item_error(reply, self.address.node_id))
+            elif checksum and xxhash.xxh3_64_intdigest(dst) != reply.checksum:
+                results.append(p.ItemError(f"{self.address.node_id}: checksum mismatch in transit", Status.CHECKSUM))
+            else:
+                results.append(None)
+        return results
+
+    async def write(
+        self,
+        items: list[tuple[p.WriteItem, np.ndarray]],
+        checksum: bool = False,
+        copy_into_pool: Callable[[int, np.ndarray], None] | None = None,
+    ) -> list[p.ItemError | None]:
+        """Store each source as a block on the peer. With ``copy_into_pool`` (same host), the bytes
+        are copied into the peer's shared pool at the offsets it reserved instead of streamed."""
+        flags = (p.FLAG_CHECKSUM if checksum else 0) | (p.FLAG_SHM if copy_into_pool else 0)
+        for it, src in items:
+            it.length = src.size
+            it.checksum = xxhash.xxh3_64_intdigest(src) if checksum else 0
+        async with self._request() as request:
+            await send_frame(self.sock, Op.WRITE, request, p.encode_write([it for it, _ in items]), flags)
+            ready = p.decode_lease_reply(await self._reply(request, Op.WRITE_READY))
+            if len(ready) != len(items):
+                raise p.ProtocolError(f"{len(ready)} replies to {len(items)} items")
+            accepted = [(src, r) for (_, src), r in zip(items, ready) if r.status is Status.OK]
+            if copy_into_pool is not None:
+                for src, r in accepted:
+                    copy_into_pool(r.offset, src)
+                await send_frame(self.sock, Op.WRITE_COMMIT, request)
+            else:
+                await send_all(self.sock, [src for src, _ in accepted])
+            done = p.decode_statuses(await self._reply(request, Op.WRITE_DONE))
+        results: list[p.ItemError | None] = []
+        for r, d in zip(ready, done):
+            failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
+            results.append(None if failed is None else item_error(failed, self.address.node_id))
+        return results
+
+    async def lease(self, items: list[tuple[bytes, int, float]]) -> list[ReplyItem]:
+        async with self._request() as request:
+            await send_frame(self.sock, Op.LEASE, request, p.encode_lease(items))
+            replies = p.decode_lease_reply(await self._reply(request, Op.LEASE_REPLY))
+        if len(replies) != len(items):
+            self.close()
+            raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+        return replies
+
+    async def release(self, items: list[tuple[bytes, int]]) -> None:
+        async with self._request() as request:
+            await send_frame(self.sock, Op.RELEASE, request, p.encode_release(items))
+            await self._reply(request, Op.RELEASE_REPLY)
+
+
+class PeerChannel:
+    """Up to ``streams`` connections to one peer, opened on demand and reused."""
+
+    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, streams: int = 2,
+                 buffer_bytes: int | None = None, connect_timeout: float = 5.0) -> None:
+        if streams < 1:
+            raise ValueError("streams must be >= 1")
+        self.address = address
+        self.secret = secret
+        self.node_id = node_id
+        self.streams = streams
+        self.buffer_bytes = buffer_bytes
+        self.connect_timeout = connect_timeout
+        self._idle: list[PeerConnection] = []
+        self._slots = asyncio.Semaphore(streams)
+        self.info: p.PeerInfo | None = None
+
+    async def _open(self) -> PeerConnection:
+        conn = PeerConnection(self.address, self.secret, self.node_id, self.buffer_bytes)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await conn.open()
+        except TimeoutError:
+            conn.close()
+            raise p.PeerClosedError(f"{self.address.node_id} at {self.address.host}:{self.address.port} did not "
+                                    f"answer within {self.connect_timeout} s") from None
+        except OSError as exc:
+            if isinstance(exc, p.TransferError):
+                raise
+            raise p.PeerClosedError(f"cannot reach {self.address.node_id} at {self.address.host}:"
+                                    f"{self.address.port}: {exc}") from exc
+        self.info = conn.info
+        return conn
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[PeerConnection]:
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else await self._open()
+            try:
+                yield conn
+            finally:
+                if not conn.broken:
+                    self._idle.append(conn)
+
+    async def peer_info(self) -> p.PeerInfo:
+        if self.info is None:
+            async with self.connection():
+                pass
+        return self.info
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()

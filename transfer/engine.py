@@ -1,0 +1,243 @@
+"""The transfer engine: submit a batch of transfers, await it, get a status per item.
+
+A transfer moves ``length`` bytes from a source location to a destination location. A location is
+either a block in some node's store (``BlockLoc``: node and key) or memory in this process
+(``BufferLoc``: a tensor and an offset). Per pair of endpoints the engine picks a transport
+(``transports.py``): the local store for this node, the shared pool for another process on the same
+host, TCP between hosts. Writes into a store go through its two-phase put, so a block becomes
+visible only when it is whole; on a timeout or cancellation nothing half-written is ever visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from tiercake.tiers import StoreError, TieredStore
+from tiercake.tiers.buffers import as_bytes
+
+from . import protocol as p
+from .connection import PeerAddress, PeerChannel
+from .protocol import Status
+from .transports import TRANSPORTS, LocalTransport, Peer, ReadReq, Transport, WriteReq
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoc:
+    """A block in ``node``'s store. ``parent`` is its chain parent (used when it is written)."""
+
+    node: str
+    key: bytes
+    parent: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BufferLoc:
+    """``length`` bytes at byte ``offset`` of a tensor in this process (host or device memory)."""
+
+    tensor: torch.Tensor
+    offset: int = 0
+
+
+@dataclass(slots=True)
+class Transfer:
+    src: BlockLoc | BufferLoc
+    dst: BlockLoc | BufferLoc
+    length: int
+
+
+@dataclass(slots=True)
+class TransferResult:
+    ok: bool
+    transport: str = ""
+    error: BaseException | None = None
+    nbytes: int = 0
+
+    def raise_for_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass(slots=True)
+class _Group:
+    reads: list[tuple[int, ReadReq]] = field(default_factory=list)
+    writes: list[tuple[int, WriteReq]] = field(default_factory=list)
+
+
+class TransferEngine:
+    def __init__(
+        self,
+        node_id: str,
+        secret: bytes,
+        store: TieredStore | None = None,
+        *,
+        transports: tuple[str, ...] = ("local", "shm", "tcp"),
+        streams: int = 2,
+        checksum: bool = False,
+        buffer_bytes: int | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        unknown = [t for t in transports if t not in TRANSPORTS]
+        if unknown:
+            raise ValueError(f"unknown transports {unknown}; known: {sorted(TRANSPORTS)}")
+        self.node_id = node_id
+        self.secret = secret
+        self.store = store
+        self.streams = streams
+        self.buffer_bytes = buffer_bytes
+        self.connect_timeout = connect_timeout
+        self._order = transports
+        self._transports: dict[str, Transport] = {
+            name: (LocalTransport(store) if name == "local" else TRANSPORTS[name](checksum=checksum))
+            for name in transports
+        }
+        self._channels: dict[str, PeerChannel] = {}
+        self.bytes_moved: dict[str, int] = defaultdict(int)
+
+    def add_peer(self, node_id: str, host: str, port: int) -> None:
+        old = self._channels.pop(node_id, None)
+        if old is not None:
+            old.close()
+        self._channels[node_id] = PeerChannel(
+            PeerAddress(node_id, host, port), self.secret, self.node_id, self.streams, self.buffer_bytes,
+            self.connect_timeout,
+        )
+
+    async def _peer(self, node: str) -> Peer:
+        if node == self.node_id:
+            return Peer(node, None, None)
+        channel = self._channels.get(node)
+        if channel is None:
+            raise p.ItemError(f"unknown node {node!r}: add it with add_peer()", Status.NOT_FOUND)
+        return Peer(node, channel, await channel.peer_info())
+
+    def transport_for(self, peer: Peer) -> Transport:
+        for name in self._order:
+            transport = self._transports[name]
+            if type(transport).usable(peer, self.node_id):
+                return transport
+        raise p.ItemError(f"no transport reaches {peer.node_id} (enabled: {', '.join(self._order)})")
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        for transport in self._transports.values():
+            await transport.close()
+
+    # The batch API --------------------------------------------------------------------------------
+
+    async def transfer(self, batch: list[Transfer], timeout: float | None = None) -> list[TransferResult]:
+        """Run a batch; one result per item, in order. Items fail alone, with a typed error; on a
+        timeout, every unfinished item reports ``TimeoutError``."""
+        results = [TransferResult(False) for _ in batch]
+        groups: dict[str, _Group] = defaultdict(_Group)
+        pulls: list[tuple[int, BlockLoc, BlockLoc]] = []
+        for i, item in enumerate(batch):
+            try:
+                self._plan(i, item, groups, pulls, results)
+            except (p.TransferError, StoreError, ValueError, TypeError) as exc:
+                results[i].error = exc
+        jobs = [self._run_group(node, group, results) for node, group in groups.items()]
+        jobs += [self._pull(i, src, dst, batch[i].length, results) for i, src, dst in pulls]
+        try:
+            async with asyncio.timeout(timeout):
+                if len(jobs) == 1:
+                    await jobs[0]  # the common case: no task to create and schedule
+                else:
+                    await asyncio.gather(*jobs)
+        except TimeoutError:
+            for result in results:
+                if not result.ok and result.error is None:
+                    result.error = TimeoutError(f"transfer did not finish within {timeout} s")
+        return results
+
+    def _plan(self, i, item: Transfer, groups, pulls, results) -> None:
+        if item.length <= 0:
+            raise ValueError(f"item {i}: length must be positive, got {item.length}")
+        src, dst = item.src, item.dst
+        if isinstance(src, BufferLoc) and isinstance(dst, BufferLoc):
+            _slice(dst, item.length).copy_(_slice(src, item.length))
+            results[i] = TransferResult(True, "local", nbytes=item.length)
+        elif isinstance(src, BlockLoc) and isinstance(dst, BufferLoc):
+            groups[src.node].reads.append((i, ReadReq(src.key, _slice(dst, item.length))))
+        elif isinstance(src, BufferLoc) and isinstance(dst, BlockLoc):
+            groups[dst.node].writes.append((i, WriteReq(dst.key, _slice(src, item.length), dst.parent)))
+        elif isinstance(src, BlockLoc) and isinstance(dst, BlockLoc) and dst.node == self.node_id != src.node:
+            pulls.append((i, src, dst))
+        else:
+            raise ValueError(f"item {i}: unsupported transfer {type(src).__name__}({getattr(src, 'node', '')}) -> "
+                             f"{type(dst).__name__}({getattr(dst, 'node', '')}); a block moves between this "
+                             "process and one node, or from a node into this node's store")
+
+    async def _run_group(self, node: str, group: _Group, results: list[TransferResult]) -> None:
+        try:
+            peer = await self._peer(node)
+            transport = self.transport_for(peer)
+        except (p.TransferError, OSError) as exc:
+            for i, _ in group.reads + group.writes:
+                results[i].error = exc
+            return
+        for pairs, op in ((group.reads, transport.read), (group.writes, transport.write)):
+            if not pairs:
+                continue
+            done = await op(peer, [req for _, req in pairs])
+            for (i, req), err in zip(pairs, done):
+                nbytes = (req.dst if isinstance(req, ReadReq) else req.src).numel()
+                results[i] = TransferResult(err is None, transport.name, err, 0 if err else nbytes)
+                if err is None:
+                    self.bytes_moved[transport.name] += nbytes
+
+    async def _pull(self, i: int, src: BlockLoc, dst: BlockLoc, length: int, results) -> None:
+        """A block from another node into this node's store: reserve, read into the slot, commit."""
+        if self.store is None:
+            results[i].error = p.ItemError("this engine has no local store to pull into", Status.NOT_FOUND)
+            return
+        try:
+            handle = await self.store.put_start(dst.key, length, parent=dst.parent)
+        except (StoreError, ValueError, TypeError) as exc:
+            results[i].error = exc
+            return
+        try:
+            peer = await self._peer(src.node)
+            transport = self.transport_for(peer)
+            (err,) = await transport.read(peer, [ReadReq(src.key, handle.buffer)])
+            if err is not None:
+                raise err
+            handle.note_written(length)
+            await self.store.commit(handle)
+            results[i] = TransferResult(True, transport.name, nbytes=length)
+            self.bytes_moved[transport.name] += length
+        except (p.TransferError, StoreError, OSError) as exc:
+            results[i].error = exc
+        finally:
+            if not handle.done:
+                await self.store.revoke(handle)
+
+    # Conveniences ---------------------------------------------------------------------------------
+
+    async def read_blocks(self, node: str, keys: list[bytes], dsts: list, timeout: float | None = None) -> list[TransferResult]:
+        views = [as_bytes(d) for d in dsts]
+        return await self.transfer(
+            [Transfer(BlockLoc(node, k), BufferLoc(v), v.numel()) for k, v in zip(keys, views)], timeout
+        )
+
+    async def write_blocks(self, node: str, keys: list[bytes], srcs: list, *, chain: bool = False,
+                           timeout: float | None = None) -> list[TransferResult]:
+        items = []
+        for n, (k, s) in enumerate(zip(keys, srcs)):
+            parent = keys[n - 1] if chain and n else None
+            view = as_bytes(s)
+            items.append(Transfer(BufferLoc(view), BlockLoc(node, k, parent), view.numel()))
+        return await self.transfer(items, timeout)
+
+
+def _slice(loc: BufferLoc, length: int) -> torch.Tensor:
+    flat = as_bytes(loc.tensor)
+    if loc.offset == 0 and length == flat.numel():
+        return flat
+    if loc.offset < 0 or loc.offset + length > flat.numel():
+        raise ValueError(f"buffer of {flat.numel()} bytes has no [{loc.offset}, {loc.offset + length})")
+    return flat[loc.offset : loc.offset + length]

@@ -1,0 +1,322 @@
+"""The transfer wire protocol: versioned frames, batch tables, statuses and errors.
+
+Every message is a 20-byte frame header (magic, version, op, flags, request id, body length) and a
+body. Batches travel as one table of fixed-size entries (plus variable keys and messages) followed
+by the bulk data of every accepted item back to back, so a batch of 64 blocks is a handful of
+``sendmsg``/``recvmsg_into`` calls that scatter straight into the destination buffers.
+
+Connection start (mutual HMAC-SHA256 over fresh nonces; the secret never crosses the wire):
+
+    server -> HELLO   {nonce_s}
+    client -> AUTH    {nonce_c, HMAC(secret, "client" | nonce_s | nonce_c), client node}
+    server -> WELCOME {HMAC(secret, "server" | nonce_c | nonce_s), PeerInfo JSON}   or ERROR + close
+
+Operations (one request in flight per connection; the client keeps several connections):
+
+    READ        table of (key, expected length)  ->  READ_REPLY table of (status, length, xxh3) + data
+    WRITE       table of (key, parent, length, xxh3)  ->  WRITE_READY table of (status, pool offset)
+                then the data of accepted items (or, with FLAG_SHM, a copy into the shared pool at
+                those offsets and WRITE_COMMIT)  ->  WRITE_DONE table of (status)
+    LEASE       table of (key, expected length, ttl)  ->  LEASE_REPLY (status, pool offset, lease id):
+                same-host peers then copy from the shared pool in place, and RELEASE the leases
+    RELEASE     table of (key, lease id)  ->  RELEASE_REPLY
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from pydantic import BaseModel, ConfigDict
+
+MAGIC = b"TCXF"
+VERSION = 1
+NONCE_BYTES = 32
+MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
+MAX_ITEMS = 4096
+MAX_KEY = 64
+
+FRAME = struct.Struct("<4sBBHIQ")  # magic, version, op, flags, request id, body length
+
+FLAG_CHECKSUM = 1  # the sender computes xxh3-64 of every item, the receiver verifies it
+FLAG_SHM = 2  # WRITE on the same host: the data is copied into the shared pool, not streamed
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    ERROR = 4
+    READ = 10
+    READ_REPLY = 11
+    WRITE = 12
+    WRITE_READY = 13
+    WRITE_DONE = 14
+    LEASE = 15
+    LEASE_REPLY = 16
+    RELEASE = 17
+    RELEASE_REPLY = 18
+    WRITE_COMMIT = 19
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    LENGTH_MISMATCH = 2
+    EXISTS = 3
+    FULL = 4
+    CHECKSUM = 5
+    BAD_REQUEST = 6
+    IN_PROGRESS = 7
+    NOT_IN_MEMORY = 8  # a lease asked for a block that is only on disk: read it over the stream
+    INTERNAL = 9
+
+
+class TransferError(Exception):
+    """Base of the transfer engine's errors. ``status`` says what went wrong for one item."""
+
+    status: Status = Status.INTERNAL
+
+    def __init__(self, message: str, status: Status | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class ProtocolError(TransferError):
+    """The peer sent something this protocol does not allow; the connection is closed."""
+
+    status = Status.BAD_REQUEST
+
+
+class AuthenticationError(TransferError):
+    """The peer could not prove it knows the cluster secret (or we could not)."""
+
+
+class PeerClosedError(TransferError, ConnectionError):
+    """The peer closed the connection or died in the middle of a transfer."""
+
+
+class ItemError(TransferError):
+    """One item of a batch failed; the others are unaffected."""
+
+
+# Tables --------------------------------------------------------------------------------------------
+#
+# A table is: item count (u32), one fixed-size record per item (a packed numpy dtype, decoded for the
+# whole batch in one call), then the variable bytes (keys, parents, messages) back to back in item
+# order. Every length is checked against the body: a malformed table is a ProtocolError.
+
+def _dt(*fields: tuple[str, str]) -> np.dtype:
+    return np.dtype(list(fields))  # packed: no alignment padding
+
+
+READ_DT = _dt(("klen", "u1"), ("length", "<u8"))
+READ_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("length", "<u8"), ("checksum", "<u8"))
+WRITE_DT = _dt(("klen", "u1"), ("plen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
+STATUS_DT = _dt(("status", "u1"), ("mlen", "<u2"))
+LEASE_DT = _dt(("klen", "u1"), ("length", "<u8"), ("ttl", "<f8"))
+LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("offset", "<u8"), ("length", "<u8"), ("lease", "<u8"))
+RELEASE_DT = _dt(("klen", "u1"), ("lease", "<u8"))
+
+_STATUSES = {int(s): s for s in Status}
+
+
+def _status(value: int) -> Status:
+    try:
+        return _STATUSES[value]
+    except KeyError:
+        raise ProtocolError(f"unknown status {value}") from None
+
+
+def _encode(dtype: np.dtype, rows: list[tuple], blobs: list[bytes]) -> bytes:
+    if len(rows) > MAX_ITEMS:
+        raise ValueError(f"a batch holds at most {MAX_ITEMS} items, got {len(rows)}")
+    fixed = np.array(rows, dtype=dtype).tobytes() if rows else b""
+    return len(rows).to_bytes(4, "little") + fixed + b"".join(blobs)
+
+
+def _decode(dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]) -> tuple[np.ndarray, list[list[bytes]]]:
+    """The fixed records and, per item, the variable fields named by the length columns ``var``."""
+    view = memoryview(body)
+    if len(view) < 4:
+        raise ProtocolError("truncated table")
+    n = int.from_bytes(view[:4], "little")
+    if n > MAX_ITEMS:
+        raise ProtocolError(f"batch of {n} items is over the limit of {MAX_ITEMS}")
+    end = 4 + n * dtype.itemsize
+    if end > len(view):
+        raise ProtocolError("truncated table")
+    records = np.frombuffer(view[4:end], dtype=dtype)
+    sizes = [records[f].astype(np.int64) for f in var]
+    if sum(int(x.sum()) for x in sizes) != len(view) - end:
+        raise ProtocolError("table lengths do not match its body")
+    blob = bytes(view[end:])
+    fields: list[list[bytes]] = []
+    pos = 0
+    columns = [x.tolist() for x in sizes]
+    for i in range(n):
+        item = []
+        for column in columns:
+            item.append(blob[pos : pos + column[i]])
+            pos += column[i]
+        fields.append(item)
+    return records, fields
+
+
+def _key(key: bytes) -> bytes:
+    if not 0 < len(key) <= MAX_KEY:
+        raise ValueError(f"keys are 1 to {MAX_KEY} bytes, got {len(key)}")
+    return key
+
+
+def _length(n: int) -> int:
+    if n < 0:
+        raise ValueError(f"negative length {n}")
+    return n
+
+
+def _message(text: str) -> bytes:
+    return text.encode()[:1000]
+
+
+def encode_read(items: list[tuple[bytes, int]]) -> bytes:
+    return _encode(READ_DT, [(len(_key(k)), _length(n)) for k, n in items], [k for k, _ in items])
+
+
+def decode_read(body: bytes) -> list[tuple[bytes, int]]:
+    records, fields = _decode(READ_DT, body, ("klen",))
+    return [(f[0], n) for f, n in zip(fields, records["length"].tolist())]
+
+
+@dataclass(slots=True)
+class ReplyItem:
+    status: Status
+    length: int = 0
+    checksum: int = 0
+    message: str = ""
+    offset: int = 0  # LEASE_REPLY and WRITE_READY: where the block lies in the pool's data space
+    lease: int = 0
+
+
+def encode_read_reply(items: list[ReplyItem]) -> bytes:
+    messages = [_message(it.message) for it in items]
+    rows = [(it.status, len(m), it.length, it.checksum) for it, m in zip(items, messages)]
+    return _encode(READ_REPLY_DT, rows, messages)
+
+
+def decode_read_reply(body: bytes) -> list[ReplyItem]:
+    records, fields = _decode(READ_REPLY_DT, body, ("mlen",))
+    return [
+        ReplyItem(_status(s), n, c, f[0].decode(errors="replace"))
+        for s, n, c, f in zip(records["status"].tolist(), records["length"].tolist(), records["checksum"].tolist(), fields)
+    ]
+
+
+@dataclass(slots=True)
+class WriteItem:
+    key: bytes
+    length: int
+    parent: bytes | None = None
+    checksum: int = 0
+
+
+def encode_write(items: list[WriteItem]) -> bytes:
+    rows, blobs = [], []
+    for it in items:
+        parent = it.parent or b""
+        if len(parent) > MAX_KEY:
+            raise ValueError(f"parent keys are at most {MAX_KEY} bytes")
+        rows.append((len(_key(it.key)), len(parent), _length(it.length), it.checksum))
+        blobs += [it.key, parent]
+    return _encode(WRITE_DT, rows, blobs)
+
+
+def decode_write(body: bytes) -> list[WriteItem]:
+    records, fields = _decode(WRITE_DT, body, ("klen", "plen"))
+    return [
+        WriteItem(f[0], n, f[1] or None, c)
+        for f, n, c in zip(fields, records["length"].tolist(), records["checksum"].tolist())
+    ]
+
+
+def encode_statuses(items: list[ReplyItem]) -> bytes:
+    messages = [_message(it.message) for it in items]
+    return _encode(STATUS_DT, [(it.status, len(m)) for it, m in zip(items, messages)], messages)
+
+
+def decode_statuses(body: bytes) -> list[ReplyItem]:
+    records, fields = _decode(STATUS_DT, body, ("mlen",))
+    return [ReplyItem(_status(s), message=f[0].decode(errors="replace")) for s, f in zip(records["status"].tolist(), fields)]
+
+
+def encode_lease(items: list[tuple[bytes, int, float]]) -> bytes:
+    return _encode(LEASE_DT, [(len(_key(k)), _length(n), ttl) for k, n, ttl in items], [k for k, _, _ in items])
+
+
+def decode_lease(body: bytes) -> list[tuple[bytes, int, float]]:
+    records, fields = _decode(LEASE_DT, body, ("klen",))
+    return [(f[0], n, t) for f, n, t in zip(fields, records["length"].tolist(), records["ttl"].tolist())]
+
+
+def encode_lease_reply(items: list[ReplyItem]) -> bytes:
+    messages = [_message(it.message) for it in items]
+    rows = [(it.status, len(m), it.offset, it.length, it.lease) for it, m in zip(items, messages)]
+    return _encode(LEASE_REPLY_DT, rows, messages)
+
+
+def decode_lease_reply(body: bytes) -> list[ReplyItem]:
+    records, fields = _decode(LEASE_REPLY_DT, body, ("mlen",))
+    columns = (records[c].tolist() for c in ("status", "offset", "length", "lease"))
+    return [
+        ReplyItem(_status(s), n, 0, f[0].decode(errors="replace"), o, lease)
+        for s, o, n, lease, f in zip(*columns, fields)
+    ]
+
+
+def encode_release(items: list[tuple[bytes, int]]) -> bytes:
+    return _encode(RELEASE_DT, [(len(_key(k)), lease) for k, lease in items], [k for k, _ in items])
+
+
+def decode_release(body: bytes) -> list[tuple[bytes, int]]:
+    records, fields = _decode(RELEASE_DT, body, ("klen",))
+    return [(f[0], lease) for f, lease in zip(fields, records["lease"].tolist())]
+
+
+# Authentication ------------------------------------------------------------------------------------
+
+
+class PeerInfo(BaseModel):
+    """What a transfer server tells an authenticated client about itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str
+    boot_id: str  # equal boot ids: same kernel, so the shared pool can be mapped
+    pool_path: str | None = None
+    pool_size: int = 0
+    max_block_bytes: int
+
+
+def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, role: bytes, first: bytes, second: bytes, claimed: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, role, first, second), claimed)
+
+
+def boot_id() -> str:
+    """This kernel's boot id: two processes share memory only if theirs are equal."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()

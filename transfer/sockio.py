@@ -1,0 +1,192 @@
+"""Scatter-gather I/O on non-blocking sockets under asyncio.
+
+asyncio's own ``sock_sendall``/``sock_recv_into`` take one buffer; a batch of blocks wants one
+``sendmsg`` of many buffers and one ``recvmsg_into`` that lands each block in its destination. These
+helpers try the system call first and wait for the socket only when it would block, so a ready
+socket costs no event-loop round trip. No data is copied in Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+
+from .protocol import FRAME, MAGIC, MAX_BODY, VERSION, Op, PeerClosedError, ProtocolError
+
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+
+
+def tune(sock: socket.socket, buffer_bytes: int | None) -> None:
+    """Non-blocking, no Nagle delay; fixed buffers when asked (else the kernel autotunes)."""
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+async def _ready(sock: socket.socket, writable: bool) -> None:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    fd = sock.fileno()
+    if fd < 0:
+        raise PeerClosedError("socket is closed")
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    (loop.add_writer if writable else loop.add_reader)(fd, wake)
+    try:
+        await fut
+    finally:
+        (loop.remove_writer if writable else loop.remove_reader)(fd)
+
+
+def _views(buffers: Sequence) -> list[memoryview]:
+    views = []
+    for b in buffers:
+        v = memoryview(b)
+        if v.ndim != 1 or v.itemsize != 1:
+            v = v.cast("B")
+        if len(v):
+            views.append(v)
+    return views
+
+
+def _advance(views: list[memoryview], done: int) -> None:
+    while views and done >= len(views[0]):
+        done -= len(views.pop(0))
+    if views and done:
+        views[0] = views[0][done:]
+
+
+# Above this many bytes, bulk data moves in a worker thread on a blocking socket: one thread blocked
+# in sendmsg / recvmsg_into(MSG_WAITALL) with the GIL released beats an event-loop wake-up per
+# socket-buffer's worth of data. A bounded pool: when every bulk thread is busy, the event loop does
+# the work itself, so no number of concurrent transfers (even both ends in one process) can deadlock.
+BULK_THREAD_BYTES = int(os.environ.get("TIERCAKE_BULK_THREAD_BYTES", 512 << 10))
+BULK_THREADS = 32
+_bulk_pool = ThreadPoolExecutor(max_workers=BULK_THREADS, thread_name_prefix="tiercake-bulk")
+_bulk_free = threading.BoundedSemaphore(BULK_THREADS)
+
+
+def _blocking(sock: socket.socket, views: list[memoryview], send: bool) -> None:
+    sock.setblocking(True)
+    try:
+        while views:
+            try:
+                if send:
+                    done = sock.sendmsg(views[:IOV_MAX])
+                else:
+                    done = sock.recvmsg_into(views[:IOV_MAX], 0, socket.MSG_WAITALL)[0]
+                    if done == 0:
+                        raise PeerClosedError("peer closed the connection mid-transfer")
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise PeerClosedError(f"peer closed the connection mid-transfer: {exc}") from exc
+            _advance(views, done)
+    finally:
+        if sock.fileno() >= 0:
+            sock.setblocking(False)
+
+
+async def _bulk(sock: socket.socket, views: list[memoryview], send: bool) -> bool:
+    """Move large payloads in a bulk thread; False when the payload is small or no thread is free."""
+    if sum(len(v) for v in views) < BULK_THREAD_BYTES or not _bulk_free.acquire(blocking=False):
+        return False
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(_bulk_pool, _blocking, sock, views, send)
+    future.add_done_callback(lambda _: _bulk_free.release())
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        # A timeout or cancellation: unblock the thread, and let it finish before anyone closes
+        # (and the OS reuses) the socket's descriptor.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(BaseException):
+            await future
+        raise
+    return True
+
+
+async def send_all(sock: socket.socket, buffers: Sequence) -> None:
+    views = _views(buffers)
+    if await _bulk(sock, views, send=True):
+        return
+    while views:
+        try:
+            sent = sock.sendmsg(views[:IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            await _ready(sock, writable=True)
+            continue
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise PeerClosedError(f"peer closed the connection while we sent: {exc}") from exc
+        _advance(views, sent)
+
+
+async def recv_into_all(sock: socket.socket, buffers: Sequence) -> None:
+    """Fill every buffer in order; PeerClosedError if the stream ends first."""
+    views = _views(buffers)
+    if await _bulk(sock, views, send=False):
+        return
+    while views:
+        try:
+            got = sock.recvmsg_into(views[:IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError):
+            await _ready(sock, writable=False)
+            continue
+        except ConnectionResetError as exc:
+            raise PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
+        if got == 0:
+            raise PeerClosedError("peer closed the connection mid-transfer")
+        _advance(views, got)
+
+
+async def recv_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    await recv_into_all(sock, [buf])
+    return buf
+
+
+async def discard(sock: socket.socket, n: int, chunk: int = 1 << 20) -> None:
+    """Read and drop ``n`` bytes (data for an item that was refused after it was sent)."""
+    scratch = bytearray(min(n, chunk))
+    while n > 0:
+        step = min(n, len(scratch))
+        await recv_into_all(sock, [memoryview(scratch)[:step]])
+        n -= step
+
+
+async def send_frame(
+    sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0, data: Sequence = ()
+) -> None:
+    await send_all(sock, [FRAME.pack(MAGIC, VERSION, op, flags, request, len(body)), body, *data])
+
+
+async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None) -> tuple[Op, int, int, bytearray]:
+    """(op, flags, request id, body). ProtocolError on a bad magic, version, op or size."""
+    head = await recv_exactly(sock, FRAME.size)
+    magic, version, op, flags, request, length = FRAME.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if length > MAX_BODY:
+        raise ProtocolError(f"frame body of {length} bytes is over the limit of {MAX_BODY}")
+    try:
+        op = Op(op)
+    except ValueError:
+        raise ProtocolError(f"unknown operation {op}") from None
+    body = await recv_exactly(sock, length)
+    if op is Op.ERROR:
+        raise ProtocolError(f"peer refused: {body.decode(errors='replace')}")
+    if expect is not None and op not in expect:
+        raise ProtocolError(f"expected {'/'.join(o.name for o in expect)}, got {op.name}")
+    return op, flags, request, body

@@ -1,0 +1,264 @@
+"""Transports: one small interface, one plug-in per substrate.
+
+A transport moves a batch of blocks between this process and one peer: ``read`` fills local
+destination buffers from the peer's blocks, ``write`` stores local source buffers as blocks on the
+peer. It reports a per-item error (or None) and never returns bytes that failed a check. The engine
+picks, per peer, the first transport in its preference order whose ``usable`` says yes; adding a
+transport means registering it here, and no caller changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from tiercake.tiers import PoolRegion, StoreError, TieredStore
+
+from . import protocol as p
+from .connection import PeerChannel, item_error
+from .protocol import Status
+
+Results = list[BaseException | None]
+
+
+@dataclass(slots=True)
+class ReadReq:
+    key: bytes
+    dst: torch.Tensor  # flat uint8, exactly the block's size
+
+
+@dataclass(slots=True)
+class WriteReq:
+    key: bytes
+    src: torch.Tensor  # flat uint8
+    parent: bytes | None = None
+
+
+@dataclass(slots=True)
+class Peer:
+    """What a transport knows of the other side."""
+
+    node_id: str
+    channel: PeerChannel | None  # None for this process itself
+    info: p.PeerInfo | None
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def usable(cls, peer: Peer, local_node: str) -> bool:
+        """Whether this transport can reach ``peer`` from here."""
+
+    @abstractmethod
+    async def read(self, peer: Peer, items: list[ReadReq]) -> Results: ...
+
+    @abstractmethod
+    async def write(self, peer: Peer, items: list[WriteReq]) -> Results: ...
+
+    async def close(self) -> None:
+        pass
+
+
+def _host_src(t: torch.Tensor) -> np.ndarray:
+    """Host bytes to send from (a device tensor is copied to the host first)."""
+    t = t.contiguous()
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def _host(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:
+    """A host numpy view to receive into; for a device tensor, a staging buffer to copy over after."""
+    if t.device.type == "cpu":
+        return t.numpy(), None
+    staging = torch.empty(t.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return staging.numpy(), staging
+
+
+class LocalTransport(Transport):
+    """Same process: the local store's own get and put (memcpy / ``Tensor.copy_``)."""
+
+    name = "local"
+
+    def __init__(self, store: TieredStore | None) -> None:
+        self.store = store
+
+    @classmethod
+    def usable(cls, peer: Peer, local_node: str) -> bool:
+        return peer.node_id == local_node
+
+    def _need_store(self) -> TieredStore:
+        if self.store is None:
+            raise p.ItemError("this engine has no local store", Status.NOT_FOUND)
+        return self.store
+
+    async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
+        store = self._need_store()
+        return [_error_of(r) for r in await store.get_many([(it.key, it.dst) for it in items])]
+
+    async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
+        store = self._need_store()
+        done = []
+        for it in items:  # in order: a chain's parents go first
+            try:
+                await store.put(it.key, it.src, parent=it.parent)
+                done.append(None)
+            except (StoreError, ValueError, TypeError) as exc:
+                done.append(exc)
+        return done
+
+
+def _error_of(result: object) -> BaseException | None:
+    return result if isinstance(result, BaseException) else None
+
+
+def _split(items: list, streams: int, size) -> list[list]:
+    """Contiguous runs of about equal bytes, one per stream (order within a run is kept)."""
+    if streams <= 1 or len(items) <= 1:
+        return [items]
+    total = sum(size(it) for it in items)
+    runs, current, acc = [], [], 0
+    target = total / min(streams, len(items))
+    for it in items:
+        current.append(it)
+        acc += size(it)
+        if acc >= target * (len(runs) + 1) and len(runs) < streams - 1:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+class TcpTransport(Transport):
+    """Between nodes: the batch is split over the peer's connections, each one ``sendmsg`` of the
+    whole run out and one ``recvmsg_into`` straight into the destinations."""
+
+    name = "tcp"
+
+    def __init__(self, checksum: bool = False) -> None:
+        self.checksum = checksum
+
+    @classmethod
+    def usable(cls, peer: Peer, local_node: str) -> bool:
+        return peer.channel is not None
+
+    async def _run(self, peer: Peer, runs: list[list], op) -> Results:
+        async def one(run: list) -> Results:
+            try:
+                async with peer.channel.connection() as conn:
+                    return await op(conn, run)
+            except p.TransferError as exc:
+                return [exc] * len(run)
+            except OSError as exc:
+                return [p.PeerClosedError(f"{peer.node_id}: {exc}")] * len(run)
+
+        if len(runs) == 1:
+            return await one(runs[0])
+        out: Results = []
+        for part in await asyncio.gather(*(one(run) for run in runs)):
+            out.extend(part)
+        return out
+
+    async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
+        staged = [_host(it.dst) for it in items]
+
+        async def op(conn, run):
+            return await conn.read([(items[i].key, staged[i][0]) for i in run], self.checksum)
+
+        runs = _split(list(range(len(items))), peer.channel.streams, lambda i: items[i].dst.numel())
+        results = await self._run(peer, runs, op)
+        for it, (_, staging), err in zip(items, staged, results):
+            if staging is not None and err is None:
+                it.dst.copy_(staging)
+        return results
+
+    async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
+        async def op(conn, run):
+            return await conn.write(
+                [(p.WriteItem(items[i].key, 0, items[i].parent), _host_src(items[i].src)) for i in run],
+                self.checksum,
+            )
+
+        # one stream: a chain's blocks must commit in order on the peer
+        return await self._run(peer, [list(range(len(items)))], op)
+
+
+class ShmTransport(TcpTransport):
+    """Another process on the same host: control over the peer's stream, bytes through the shared
+    pool mapped here, copied in place (memcpy speed). Blocks that are only on the peer's disk are
+    read over the stream instead."""
+
+    name = "shm"
+    lease_ttl = 30.0
+
+    def __init__(self, checksum: bool = False) -> None:
+        super().__init__(checksum)
+        self._regions: dict[str, PoolRegion] = {}
+
+    @classmethod
+    def usable(cls, peer: Peer, local_node: str) -> bool:
+        info = peer.info
+        return (
+            peer.channel is not None and info is not None and info.pool_path is not None
+            and info.boot_id == p.boot_id()
+        )
+
+    def _region(self, peer: Peer) -> PoolRegion:
+        region = self._regions.get(peer.node_id)
+        if region is None:
+            region = PoolRegion.attach(peer.info.pool_path)
+            self._regions[peer.node_id] = region
+        return region
+
+    async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
+        region = self._region(peer)
+        results: Results = [None] * len(items)
+        over_stream: list[int] = []
+        async with peer.channel.connection() as conn:
+            replies = await conn.lease([(it.key, it.dst.numel(), self.lease_ttl) for it in items])
+            held = []
+            try:
+                for i, (it, reply) in enumerate(zip(items, replies)):
+                    if reply.status is Status.OK:
+                        it.dst.copy_(region.view(reply.offset, reply.length))
+                        held.append((it.key, reply.lease))
+                    elif reply.status is Status.NOT_IN_MEMORY:
+                        over_stream.append(i)
+                    else:
+                        results[i] = item_error(reply, peer.node_id)
+            finally:
+                if held:
+                    await conn.release(held)
+        if over_stream:
+            streamed = await super().read(peer, [items[i] for i in over_stream])
+            for i, err in zip(over_stream, streamed):
+                results[i] = err
+        return results
+
+    async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
+        region = self._region(peer)
+
+        def copy_into_pool(offset: int, src: np.ndarray) -> None:
+            region.view(offset, src.size).copy_(torch.from_numpy(src))
+
+        async def op(conn, run):
+            return await conn.write(
+                [(p.WriteItem(items[i].key, 0, items[i].parent), _host_src(items[i].src)) for i in run],
+                self.checksum, copy_into_pool,
+            )
+
+        return await self._run(peer, [list(range(len(items)))], op)
+
+    async def close(self) -> None:
+        for region in self._regions.values():
+            region.close(unlink=False)
+        self._regions.clear()
+
+
+TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (LocalTransport, ShmTransport, TcpTransport)}
