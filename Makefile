@@ -15,7 +15,7 @@ $(PY):
 # Torch first and pinned, so the project's own range resolves to it instead of a multi-GB download.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet -e ".[dev,ucx]"
 	touch $(STAMP)
 
 install: $(STAMP)

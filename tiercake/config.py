@@ -89,7 +89,7 @@ class TransferConfig(BaseModel):
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port (printed at start)")
     secret_file: str | None = Field(default=None, description="file holding the cluster secret")
     secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
-    transports: list[Literal["local", "shm", "tcp"]] = Field(default_factory=lambda: ["local", "shm", "tcp"])
+    transports: list[Literal["local", "shm", "ucx", "tcp"]] = Field(default_factory=lambda: ["local", "shm", "tcp"])
     streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")

@@ -4,8 +4,9 @@ from .engine import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResul
 from .protocol import AuthenticationError, ItemError, PeerClosedError, ProtocolError, Status, TransferError
 from .server import TransferServer
 from .transports import TRANSPORTS, Transport
+from .ucx import UcxTransport
 
 __all__ = [
     "TRANSPORTS", "AuthenticationError", "BlockLoc", "BufferLoc", "ItemError", "PeerClosedError", "ProtocolError",
-    "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport",
+    "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport", "UcxTransport",
 ]

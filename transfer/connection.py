@@ -47,6 +47,8 @@ class PeerConnection:
         self.sock: socket.socket | None = None
         self.info: p.PeerInfo | None = None
         self.broken = False
+        self.ucx = None  # a transport's per-connection state (UCX endpoints)
+        self.on_close: Callable[[], object] | None = None
 
     async def open(self) -> PeerConnection:
         loop = asyncio.get_running_loop()
@@ -81,6 +83,9 @@ class PeerConnection:
 
     def close(self) -> None:
         self.broken = True
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
         if self.sock is not None:
             self.sock.close()
 

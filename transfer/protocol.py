@@ -45,6 +45,7 @@ FRAME = struct.Struct("<4sBBHIQ")  # magic, version, op, flags, request id, body
 
 FLAG_CHECKSUM = 1  # the sender computes xxh3-64 of every item, the receiver verifies it
 FLAG_SHM = 2  # WRITE on the same host: the data is copied into the shared pool, not streamed
+FLAG_UCX = 4  # READ/WRITE whose bulk bytes travel over the connection's UCX endpoints
 
 
 class Op(enum.IntEnum):
@@ -62,6 +63,7 @@ class Op(enum.IntEnum):
     RELEASE = 17
     RELEASE_REPLY = 18
     WRITE_COMMIT = 19
+    UCX_HELLO = 20  # exchange UCX worker addresses (both directions use the same op)
 
 
 class Status(enum.IntEnum):
@@ -301,6 +303,7 @@ class PeerInfo(BaseModel):
     pool_path: str | None = None
     pool_size: int = 0
     max_block_bytes: int
+    ucx: bool = False  # the server speaks UCX_HELLO (ucxx installed there)
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import socket
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from tiercake.tiers import (
 from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
+from . import ucx as ucx_module
 from .protocol import Op, ReplyItem, Status
 from .sockio import recv_frame, recv_into_all, send_frame, tune
 
@@ -71,6 +73,7 @@ class TransferServer:
         pool_tier: str | None = "pool",
         max_block_bytes: int = 1 << 30,
         buffer_bytes: int | None = None,
+        ucx: bool | None = None,
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
@@ -82,6 +85,9 @@ class TransferServer:
         self.max_block_bytes = max_block_bytes
         self.buffer_bytes = buffer_bytes
         self.pool_tier = pool_tier if pool_tier in {t.name for t in store.tiers} else None
+        self.ucx = ucx_module.available() if ucx is None else ucx
+        if self.ucx and not ucx_module.available():
+            raise ValueError("ucx=True, but the ucxx package is not installed (pip install 'tiercake[ucx]')")
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
@@ -95,7 +101,7 @@ class TransferServer:
             pool_path, pool_size = str(region.path), region.size
         return p.PeerInfo(
             node_id=self.node_id, boot_id=p.boot_id(), pool_path=pool_path, pool_size=pool_size,
-            max_block_bytes=self.max_block_bytes,
+            max_block_bytes=self.max_block_bytes, ucx=self.ucx,
         )
 
     @property
@@ -176,11 +182,21 @@ class TransferServer:
         return peer.decode(errors="replace")
 
     async def _requests(self, conn: socket.socket, peer: str) -> None:
+        session = _Session(conn, ucx_module.UcxServerSide() if self.ucx else None)
+        try:
+            await self._serve_requests(session, peer)
+        finally:
+            if session.ucx is not None:
+                await session.ucx.close()
+
+    async def _serve_requests(self, session: _Session, peer: str) -> None:
+        conn = session.conn
         handlers = {
             Op.READ: self._read,
             Op.WRITE: self._write,
             Op.LEASE: self._lease,
             Op.RELEASE: self._release,
+            Op.UCX_HELLO: self._ucx_hello,
         }
         while True:
             try:
@@ -196,7 +212,7 @@ class TransferServer:
             try:
                 if handler is None:
                     raise p.ProtocolError(f"{op.name} is not a request")
-                await handler(conn, flags, request, body)
+                await handler(session, flags, request, body)
             except p.PeerClosedError as exc:
                 log.info("transfer server %s: %s left mid-request: %s", self.node_id, peer, exc)
                 return
@@ -208,7 +224,22 @@ class TransferServer:
 
     # READ -----------------------------------------------------------------------------------------
 
-    async def _read(self, conn: socket.socket, flags: int, request: int, body: bytearray) -> None:
+    async def _ucx_hello(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
+        if session.ucx is None:
+            raise p.ProtocolError("this node does not speak UCX")
+        await session.ucx.hello(session.conn, request, body)
+
+    def _ucx(self, session: _Session, flags: int):
+        if not flags & p.FLAG_UCX:
+            return None
+        if session.ucx is None:
+            raise p.ProtocolError("this node does not speak UCX")
+        session.ucx.require()  # before any reply: a UCX request without endpoints is refused whole
+        return session.ucx
+
+    async def _read(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
+        conn = session.conn
+        ucx = self._ucx(session, flags)
         items = p.decode_read(body)
         replies: list[ReplyItem] = []
         data = []
@@ -228,9 +259,14 @@ class TransferServer:
                     continue
                 checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
                 replies.append(ReplyItem(Status.OK, view.size, checksum))
-                data.append(view)
-            await send_frame(conn, Op.READ_REPLY, request, p.encode_read_reply(replies), flags, data)
-            self.served_bytes += sum(a.size for a in data)
+                data.append((len(replies) - 1, view))
+            table = p.encode_read_reply(replies)
+            if ucx is not None:
+                await send_frame(conn, Op.READ_REPLY, request, table, flags)
+                await ucx.send_items(request, data)
+            else:
+                await send_frame(conn, Op.READ_REPLY, request, table, flags, [view for _, view in data])
+            self.served_bytes += sum(view.size for _, view in data)
         finally:
             for key, lease in leases:
                 await self.store.release_lease(key, lease)
@@ -248,7 +284,9 @@ class TransferServer:
 
     # WRITE ----------------------------------------------------------------------------------------
 
-    async def _write(self, conn: socket.socket, flags: int, request: int, body: bytearray) -> None:
+    async def _write(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
+        conn = session.conn
+        ucx = self._ucx(session, flags)
         items = p.decode_write(body)
         shm = bool(flags & p.FLAG_SHM)
         if shm and self.pool_tier is None:
@@ -274,11 +312,17 @@ class TransferServer:
                 offset = handle.copy.slot[0] if shm else 0
                 ready.append(ReplyItem(Status.OK, it.length, offset=offset))
             await send_frame(conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
-            accepted = [(it, h) for it, h in zip(items, handles) if h is not None]
+            accepted = [(i, h) for i, h in enumerate(handles) if h is not None]
             if shm:
                 await recv_frame(conn, expect=[Op.WRITE_COMMIT])  # the peer copied into the pool
             else:
-                await self._receive(conn, [h for _, h in accepted])
+                targets, staged = _receive_targets([h for _, h in accepted])
+                if ucx is not None:
+                    await ucx.receive_items(conn, request, [(i, t) for (i, _), t in zip(accepted, targets)])
+                else:
+                    await recv_into_all(conn, targets)
+                for handle, host in staged:
+                    handle.buffer.copy_(host)
             done: list[ReplyItem] = []
             for it, handle in zip(items, handles):
                 if handle is None:
@@ -300,24 +344,10 @@ class TransferServer:
                 if handle is not None and not handle.done:
                     await self.store.revoke(handle)
 
-    async def _receive(self, conn: socket.socket, handles: list[PutHandle]) -> None:
-        """Receive the data of every accepted item straight into its reserved slot."""
-        staged: list[tuple[PutHandle, torch.Tensor]] = []
-        targets = []
-        for handle in handles:
-            target = handle.host_target()
-            if target is None:  # a device tier: land in host memory, then copy over
-                host = torch.empty(handle.entry.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                staged.append((handle, host))
-                target = host.numpy()
-            targets.append(target)
-        await recv_into_all(conn, targets)
-        for handle, host in staged:
-            handle.buffer.copy_(host)
-
     # LEASE / RELEASE (same host) ------------------------------------------------------------------
 
-    async def _lease(self, conn: socket.socket, flags: int, request: int, body: bytearray) -> None:
+    async def _lease(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
+        conn = session.conn
         replies = []
         for key, expected, ttl in p.decode_lease(body):
             if self.pool_tier is None:
@@ -337,8 +367,31 @@ class TransferServer:
             replies.append(ReplyItem(Status.OK, expected, offset=lease.slot[0], lease=lease.id))
         await send_frame(conn, Op.LEASE_REPLY, request, p.encode_lease_reply(replies), flags)
 
-    async def _release(self, conn: socket.socket, flags: int, request: int, body: bytearray) -> None:
+    async def _release(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
         for key, lease in p.decode_release(body):
             await self.store.release_lease(key, lease)
-        await send_frame(conn, Op.RELEASE_REPLY, request, b"", flags)
+        await send_frame(session.conn, Op.RELEASE_REPLY, request, b"", flags)
+
+
+@dataclass(slots=True)
+class _Session:
+    """One authenticated connection and what it has set up."""
+
+    conn: socket.socket
+    ucx: ucx_module.UcxServerSide | None = None
+
+
+def _receive_targets(handles: list[PutHandle]) -> tuple[list[np.ndarray], list[tuple[PutHandle, torch.Tensor]]]:
+    """Where each accepted item's bytes land in place: its reserved slot, or, for a device tier, a
+    host staging buffer copied over afterwards (the second list)."""
+    staged: list[tuple[PutHandle, torch.Tensor]] = []
+    targets = []
+    for handle in handles:
+        target = handle.host_target()
+        if target is None:
+            host = torch.empty(handle.entry.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            staged.append((handle, host))
+            target = host.numpy()
+        targets.append(target)
+    return targets, staged
 

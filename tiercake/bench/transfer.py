@@ -3,7 +3,9 @@ the same run between the same two processes.
 
 - tcp: batches of blocks read from and written to a node agent in another process, over loopback,
   against a plain blocking-socket stream of the same bytes in the same block-sized calls;
-- shm: the same through the shared pool (same host), against memcpy of the same bytes.
+- shm: the same through the shared pool (same host), against memcpy of the same bytes;
+- ucx (where ucxx is installed): the same with the bytes over UCX endpoints made from exchanged worker
+  addresses without peer-failure handling, so UCX uses shared memory; against memcpy.
 
 Figures: throughput per block size and batch size; per-batch latency (median) against the raw
 stream's time for the same bytes; and at 64 KiB, the per-block overhead of a batch of 64 over the raw
@@ -26,6 +28,7 @@ import uuid
 import torch
 
 from tiercake.transfer import TransferEngine
+from tiercake.transfer.ucx import available as ucx_available
 
 from .report import Report, machine
 from .store import KiB, MiB, _memcpy_seconds, _raise_first, _warm
@@ -122,6 +125,8 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
         "tcp": TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams),
         "shm": TransferEngine("bench", peer.secret, transports=("shm", "tcp"), streams=streams),
     }
+    if ucx_available():  # same host: UCX's shared-memory transports, so memcpy is its limit
+        engines["ucx"] = TransferEngine("bench", peer.secret, transports=("ucx",), streams=streams)
     for engine in engines.values():
         engine.add_peer(PEER, peer.address["host"], peer.address["port"])
     try:
@@ -139,7 +144,7 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
             del area
             for name, engine in engines.items():
                 for batch in batches:
-                    if batch > nblocks or (name == "shm" and batch not in (1, max(b for b in batches if b <= nblocks))):
+                    if batch > nblocks or (name != "tcp" and batch not in (1, max(b for b in batches if b <= nblocks))):
                         continue
                     write_s, read_s, lat = await _measure(engine, size, batch, nblocks, reps, src, dst, name)
                     limit_name = "raw socket" if name == "tcp" else "memcpy"

@@ -1,0 +1,117 @@
+"""The UCX transport (the optional `ucx` extra, which `make test` installs)."""
+
+import asyncio
+import os
+import sys
+
+import pytest
+import torch
+from transfer_helpers import SECRET, authenticated_socket, payload, raw_frame, read_frame, start_node, stop_node
+
+pytest.importorskip("ucxx", reason="the optional 'ucx' extra (ucxx) is not installed")
+
+from tiercake.transfer import Status, TransferEngine  # noqa: E402
+from tiercake.transfer import protocol as p  # noqa: E402
+from tiercake.transfer.ucx import tag  # noqa: E402
+
+MB = 1 << 20
+
+
+@pytest.fixture
+async def node():
+    store, server = await start_node("node-b", pool_bytes=64 * MB)
+    yield store, server
+    await stop_node(store, server)
+
+
+async def test_ucx_roundtrip_and_item_errors(node):
+    store, server = node
+    assert server.info().ucx
+    engine = TransferEngine("node-a", SECRET, transports=("ucx", "tcp"))
+    engine.add_peer("node-b", *server.address)
+    sizes = [4096, MB, 3 * MB + 5]
+    keys = [f"u{i}".encode() for i in range(3)]
+    srcs = [payload(i, n) for i, n in enumerate(sizes)]
+    wrote = await engine.write_blocks("node-b", keys + [keys[0]], srcs + [srcs[0]])
+    # the same key twice in one batch: the second finds the first still in progress
+    assert [r.ok for r in wrote] == [True, True, True, False] and wrote[3].error.status is Status.IN_PROGRESS
+    assert {r.transport for r in wrote} == {"ucx"}
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    read = await engine.read_blocks("node-b", keys + [b"missing"], dsts + [torch.empty(8, dtype=torch.uint8)])
+    assert [r.ok for r in read] == [True, True, True, False] and read[3].error.status is Status.NOT_FOUND
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    await engine.close()
+
+
+async def test_ucx_without_hello_is_a_protocol_error(node):
+    store, server = node
+
+    def by_hand():
+        sock = authenticated_socket(server.address)
+        sock.sendall(raw_frame(p.Op.READ, p.encode_read([(b"k", 4)]), flags=p.FLAG_UCX))
+        return read_frame(sock)
+
+    op, body = await asyncio.to_thread(by_hand)
+    assert op == p.Op.ERROR and b"before UCX_HELLO" in body
+
+
+async def test_ucx_writer_that_hangs_up_leaves_nothing(node):
+    """The client announces a UCX write, then drops the stream without sending: the server cancels
+    the receives, revokes the reservations, and frees the space."""
+    store, server = node
+    engine = TransferEngine("node-a", SECRET, transports=("ucx",))
+    engine.add_peer("node-b", *server.address)
+    peer = await engine._peer("node-b")
+    transport = engine.transport_for(peer)
+    used = store.tier("pool").backend.used_bytes
+    async with peer.channel.connection() as conn:
+        await transport._endpoint(conn, peer)  # UCX_HELLO done
+        async with conn._request() as request:
+            table = p.encode_write([p.WriteItem(b"w", MB)])
+            await p_send(conn, request, table)
+            await conn._reply(request, p.Op.WRITE_READY)
+        conn.close()  # gone before any byte of data
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if store.tier("pool").backend.used_bytes == used:
+            break
+    assert store.tier("pool").backend.used_bytes == used and not store.contains(b"w")
+    await engine.close()
+
+
+async def p_send(conn, request, table):
+    from tiercake.transfer.sockio import send_frame
+
+    await send_frame(conn.sock, p.Op.WRITE, request, table, p.FLAG_UCX)
+
+
+def test_tags_do_not_collide():
+    seen = {tag(c, r, i) for c in (1, 2) for r in (1, 2**32 + 1, 7) for i in (0, 1, 4095)}
+    assert len(seen) == 2 * 2 * 3  # request ids wrap at 2**32 (1 and 2**32 + 1 share a tag by design)
+    assert tag(1, 1, 0) != tag(2, 1, 0) and tag(1, 1, 0) != tag(1, 2, 0) and tag(1, 1, 0) != tag(1, 1, 1)
+
+
+async def test_ucx_across_processes(tmp_path):
+    """A node agent in another process: same host, so the endpoints skip failure handling and UCX
+    moves the bytes through shared memory."""
+    from test_transfer_processes import node_config
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tiercake.cli", "node", "--config",
+        node_config(tmp_path, "node-u"), stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "TIERCAKE_SECRET": SECRET.decode(), "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
+    import json
+
+    address = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+    engine = TransferEngine("node-a", SECRET, transports=("ucx",))
+    engine.add_peer("node-u", address["host"], address["port"])
+    srcs = [payload(i, 4 * MB) for i in range(6)]
+    keys = [f"x{i}".encode() for i in range(6)]
+    assert all(r.ok and r.transport == "ucx" for r in await engine.write_blocks("node-u", keys, srcs))
+    dsts = [torch.empty(4 * MB, dtype=torch.uint8) for _ in srcs]
+    assert all(r.ok for r in await engine.read_blocks("node-u", keys, dsts))
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    await engine.close()
+    proc.terminate()
+    assert await asyncio.wait_for(proc.wait(), 30) == 0

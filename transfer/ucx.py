@@ -1,0 +1,204 @@
+"""The UCX transport (``ucxx``, the optional ``ucx`` extra): the RDMA-capable path for real clusters.
+
+Control stays on the authenticated TCP stream (tables, statuses, leases, commits); only the bulk bytes
+move over UCX, as tagged messages between endpoints that both sides create from each other's worker
+address, exchanged over that stream (UCX_HELLO). Per pair of endpoints the configuration differs:
+
+- same host (equal boot ids): endpoints *without* UCX peer-failure handling, which lets UCX pick its
+  shared-memory transports (posix, sysv, cma) -- with failure handling on, UCX refuses them ("no peer
+  failure handler") and falls back to TCP;
+- other hosts: endpoints *with* failure handling; UCX picks RDMA where the fabric has it, else TCP.
+
+Liveness comes from the TCP stream and the engine's timeouts: when a transfer fails or is cancelled
+the UCX endpoint is closed, which cancels its outstanding receives before any buffer is reused or any
+reserved slot is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from . import protocol as p
+from .connection import PeerConnection, item_error
+from .protocol import Op, Status
+from .sockio import recv_frame, send_frame
+from .transports import TRANSPORTS, Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
+
+log = logging.getLogger(__name__)
+
+# ucxx sets UCX variables that this UCX build does not know; its warning about them is noise
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+try:  # optional: the rest of tiercake never needs it
+    import ucxx
+except ImportError:  # pragma: no cover - exercised where the extra is not installed
+    ucxx = None
+
+_connection_ids = itertools.count(1)
+
+
+def available() -> bool:
+    return ucxx is not None
+
+
+def tag(connection: int, request: int, index: int) -> int:
+    """A 64-bit tag unique per receiving worker: connection (20 bits), request (32), item (12)."""
+    return ((connection & 0xFFFFF) << 44) | ((request & 0xFFFFFFFF) << 12) | (index & 0xFFF)
+
+
+def worker_address() -> bytes:
+    return bytes(ucxx.get_worker_address())
+
+
+async def endpoint_to(address: bytes, same_host: bool) -> Any:
+    return await ucxx.create_endpoint_from_worker_address(
+        ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=not same_host
+    )
+
+
+async def close_endpoint(ep: Any) -> None:
+    """Close and cancel whatever the endpoint still has in flight."""
+    if ep is None:
+        return
+    with contextlib.suppress(Exception):
+        ep.abort()
+
+
+# Server side ---------------------------------------------------------------------------------------
+
+
+class UcxServerSide:
+    """The UCX half of one server connection: created by UCX_HELLO, closed with the connection."""
+
+    def __init__(self) -> None:
+        self.ep: Any = None
+        self.connection = next(_connection_ids)
+
+    async def hello(self, conn, request: int, body: bytearray) -> None:
+        if len(body) < 2:
+            raise p.ProtocolError("short UCX_HELLO")
+        same_host = body[0] == 1
+        await close_endpoint(self.ep)
+        self.ep = await endpoint_to(bytes(body[1:]), same_host)
+        reply = self.connection.to_bytes(4, "little") + worker_address()
+        await send_frame(conn, Op.UCX_HELLO, request, reply)
+
+    def require(self) -> Any:
+        if self.ep is None:
+            raise p.ProtocolError("UCX transfer before UCX_HELLO")
+        return self.ep
+
+    async def send_items(self, request: int, arrays: list[tuple[int, np.ndarray]]) -> None:
+        ep = self.require()
+        await asyncio.gather(*(ep.send(a, tag=tag(self.connection, request, i), force_tag=True) for i, a in arrays))
+
+    async def receive_items(self, conn, request: int, targets: list[tuple[int, np.ndarray]]) -> None:
+        """Receive each item into its slot; a peer that hangs up on the stream cancels them all."""
+        ep = self.require()
+        receives = asyncio.gather(
+            *(ep.recv(t, tag=tag(self.connection, request, i), force_tag=True) for i, t in targets)
+        )
+        hangup = asyncio.ensure_future(recv_frame(conn))  # the client sends nothing until it is done
+        try:
+            done, _ = await asyncio.wait({receives, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if hangup in done:
+                raise p.PeerClosedError("peer left during a UCX write") from hangup.exception()
+            receives.result()
+        except BaseException:
+            await close_endpoint(ep)  # cancels the receives before their slots can be freed
+            self.ep = None
+            with contextlib.suppress(BaseException):
+                await receives
+            raise
+        finally:
+            hangup.cancel()
+            with contextlib.suppress(BaseException):
+                await hangup
+
+    async def close(self) -> None:
+        await close_endpoint(self.ep)
+        self.ep = None
+
+
+# Client side ---------------------------------------------------------------------------------------
+
+
+class UcxTransport(TcpTransport):
+    """Tables over the peer's TCP stream, bytes over UCX (shared memory on one host, RDMA or TCP across)."""
+
+    name = "ucx"
+
+    @classmethod
+    def usable(cls, peer: Peer, local_node: str) -> bool:
+        return available() and peer.channel is not None and peer.info is not None and peer.info.ucx
+
+    async def _endpoint(self, conn: PeerConnection, peer: Peer) -> tuple[Any, int]:
+        state = getattr(conn, "ucx", None)
+        if state is None:
+            same_host = peer.info.boot_id == p.boot_id()
+            async with conn._request() as request:
+                await send_frame(conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + worker_address())
+                body = await conn._reply(request, Op.UCX_HELLO)
+                ep = await endpoint_to(bytes(body[4:]), same_host)
+            state = (ep, int.from_bytes(body[:4], "little"))
+            conn.ucx = state
+            conn.on_close = lambda: asyncio.ensure_future(close_endpoint(ep))
+        return state
+
+    async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
+        staged = [_host(it.dst) for it in items]
+        async with peer.channel.connection() as conn:
+            ep, connection = await self._endpoint(conn, peer)
+            async with conn._request() as request:
+                body = p.encode_read([(it.key, it.dst.numel()) for it in items])
+                await send_frame(conn.sock, Op.READ, request, body, p.FLAG_UCX)
+                replies = p.decode_read_reply(await conn._reply(request, Op.READ_REPLY))
+                if len(replies) != len(items):
+                    raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+                receives = []
+                for i, ((target, _), reply) in enumerate(zip(staged, replies)):
+                    if reply.status is Status.OK:
+                        if reply.length != target.size:
+                            raise p.ProtocolError(f"peer sends {reply.length} bytes for a {target.size}-byte buffer")
+                        receives.append(ep.recv(target, tag=tag(connection, request, i), force_tag=True))
+                await asyncio.gather(*receives)
+        results: Results = []
+        for it, (target, staging), reply in zip(items, staged, replies):
+            if reply.status is not Status.OK:
+                results.append(item_error(reply, peer.node_id))
+                continue
+            if staging is not None:
+                it.dst.copy_(staging)
+            results.append(None)
+        return results
+
+    async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
+        sources = [_host_src(it.src) for it in items]
+        async with peer.channel.connection() as conn:
+            ep, connection = await self._endpoint(conn, peer)
+            async with conn._request() as request:
+                table = p.encode_write([p.WriteItem(it.key, s.size, it.parent) for it, s in zip(items, sources)])
+                await send_frame(conn.sock, Op.WRITE, request, table, p.FLAG_UCX)
+                ready = p.decode_lease_reply(await conn._reply(request, Op.WRITE_READY))
+                if len(ready) != len(items):
+                    raise p.ProtocolError(f"{len(ready)} replies to {len(items)} items")
+                await asyncio.gather(*(
+                    ep.send(s, tag=tag(connection, request, i), force_tag=True)
+                    for i, (s, r) in enumerate(zip(sources, ready)) if r.status is Status.OK
+                ))
+                done = p.decode_statuses(await conn._reply(request, Op.WRITE_DONE))
+        results: Results = []
+        for r, d in zip(ready, done):
+            failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
+            results.append(None if failed is None else item_error(failed, peer.node_id))
+        return results
+
+
+TRANSPORTS["ucx"] = UcxTransport
