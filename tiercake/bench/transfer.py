@@ -117,7 +117,7 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
               streams: int = 2) -> Report:
     report = Report(bench="transfer", machine=machine())
     sizes = sizes or ([64 * KiB, 1 * MiB, 16 * MiB] if quick else [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB])
-    batches = batches or ([1, 8, 64] if quick else [1, 4, 16, 64])
+    batches = batches or ([1, 64] if quick else [1, 4, 16, 64])
     total = (64 if quick else 256) * MiB
     reps = 2 if quick else 3
     peer = Peer(pool_bytes=3 * total + 64 * MiB)
