@@ -28,31 +28,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_store(args: argparse.Namespace) -> int:
-    from tiercake.bench import store
+def _ints(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
 
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
-    with console.status("benchmarking the store (memcpy and raw-disk limits first)..."):
-        report = asyncio.run(store.run(quick=args.quick, ssd_dir=args.ssd_dir, sizes=sizes))
+
+def _bench(args: argparse.Namespace, what: str, run) -> int:
+    """Run a bench coroutine under a status line, print its table, write its JSON when asked."""
+    with console.status(f"benchmarking {what}..."):
+        report = asyncio.run(run)
     report.print(console)
     if args.json:
         report.write(args.json)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    from tiercake.bench import store
+
+    run = store.run(quick=args.quick, ssd_dir=args.ssd_dir, sizes=_ints(args.sizes))
+    return _bench(args, "the store (memcpy and raw-disk limits first)", run)
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
     from tiercake.bench import transfer
 
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
-    with console.status("benchmarking transfers (raw socket and memcpy limits first)..."):
-        report = asyncio.run(transfer.run(quick=args.quick, sizes=sizes, batches=batches, streams=args.streams))
-    report.print(console)
-    if args.json:
-        report.write(args.json)
-        console.print(f"wrote {args.json}")
-    return 0
+    run = transfer.run(quick=args.quick, sizes=_ints(args.sizes), batches=_ints(args.batches), streams=args.streams)
+    return _bench(args, "transfers (raw socket and memcpy limits first)", run)
 
 
 def cmd_node(args: argparse.Namespace) -> int:

@@ -31,6 +31,21 @@ def item_error(reply: ReplyItem, peer: str) -> p.ItemError:
     return p.ItemError(f"{peer}: {reply.status.name.lower().replace('_', ' ')}: {reply.message}", reply.status)
 
 
+def check_count(replies: list, items: list) -> None:
+    if len(replies) != len(items):
+        raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+
+
+def write_results(ready: list[ReplyItem], done: list[ReplyItem], peer: str) -> list[p.ItemError | None]:
+    """Per item of a write: refused at reservation (WRITE_READY), or at commit (WRITE_DONE), or None."""
+    check_count(done, ready)
+    results: list[p.ItemError | None] = []
+    for r, d in zip(ready, done):
+        failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
+        results.append(None if failed is None else item_error(failed, peer))
+    return results
+
+
 class PeerConnection:
     """One authenticated stream to a peer's transfer server; one request at a time.
 
@@ -113,8 +128,7 @@ class PeerConnection:
         async with self._request() as request:
             await send_frame(self.sock, Op.READ, request, p.encode_read([(k, d.size) for k, d in items]), flags)
             replies = p.decode_read_reply(await self._reply(request, Op.READ_REPLY))
-            if len(replies) != len(items):
-                raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+            check_count(replies, items)
             targets = []
             for (_, dst), reply in zip(items, replies):
                 if reply.status is Status.OK:
@@ -147,8 +161,7 @@ class PeerConnection:
         async with self._request() as request:
             await send_frame(self.sock, Op.WRITE, request, p.encode_write([it for it, _ in items]), flags)
             ready = p.decode_lease_reply(await self._reply(request, Op.WRITE_READY))
-            if len(ready) != len(items):
-                raise p.ProtocolError(f"{len(ready)} replies to {len(items)} items")
+            check_count(ready, items)
             accepted = [(src, r) for (_, src), r in zip(items, ready) if r.status is Status.OK]
             if copy_into_pool is not None:
                 for src, r in accepted:
@@ -157,19 +170,13 @@ class PeerConnection:
             else:
                 await send_all(self.sock, [src for src, _ in accepted])
             done = p.decode_statuses(await self._reply(request, Op.WRITE_DONE))
-        results: list[p.ItemError | None] = []
-        for r, d in zip(ready, done):
-            failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
-            results.append(None if failed is None else item_error(failed, self.address.node_id))
-        return results
+        return write_results(ready, done, self.address.node_id)
 
     async def lease(self, items: list[tuple[bytes, int, float]]) -> list[ReplyItem]:
         async with self._request() as request:
             await send_frame(self.sock, Op.LEASE, request, p.encode_lease(items))
             replies = p.decode_lease_reply(await self._reply(request, Op.LEASE_REPLY))
-        if len(replies) != len(items):
-            self.close()
-            raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+            check_count(replies, items)
         return replies
 
     async def release(self, items: list[tuple[bytes, int]]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import protocol as p
-from .connection import PeerConnection, item_error
+from .connection import PeerConnection, check_count, item_error, write_results
 from .protocol import Op, Status
 from .sockio import recv_frame, send_frame
 from .transports import TRANSPORTS, Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
@@ -160,8 +160,7 @@ class UcxTransport(TcpTransport):
                 body = p.encode_read([(it.key, it.dst.numel()) for it in items])
                 await send_frame(conn.sock, Op.READ, request, body, p.FLAG_UCX)
                 replies = p.decode_read_reply(await conn._reply(request, Op.READ_REPLY))
-                if len(replies) != len(items):
-                    raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
+                check_count(replies, items)
                 receives = []
                 for i, ((target, _), reply) in enumerate(zip(staged, replies)):
                     if reply.status is Status.OK:
@@ -187,18 +186,13 @@ class UcxTransport(TcpTransport):
                 table = p.encode_write([p.WriteItem(it.key, s.size, it.parent) for it, s in zip(items, sources)])
                 await send_frame(conn.sock, Op.WRITE, request, table, p.FLAG_UCX)
                 ready = p.decode_lease_reply(await conn._reply(request, Op.WRITE_READY))
-                if len(ready) != len(items):
-                    raise p.ProtocolError(f"{len(ready)} replies to {len(items)} items")
+                check_count(ready, items)
                 await asyncio.gather(*(
                     ep.send(s, tag=tag(connection, request, i), force_tag=True)
                     for i, (s, r) in enumerate(zip(sources, ready)) if r.status is Status.OK
                 ))
                 done = p.decode_statuses(await conn._reply(request, Op.WRITE_DONE))
-        results: Results = []
-        for r, d in zip(ready, done):
-            failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
-            results.append(None if failed is None else item_error(failed, peer.node_id))
-        return results
+        return write_results(ready, done, peer.node_id)
 
 
 TRANSPORTS["ucx"] = UcxTransport
