@@ -115,3 +115,30 @@ async def test_ucx_across_processes(tmp_path):
     await engine.close()
     proc.terminate()
     assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_ucx_reader_that_hangs_up_releases_its_leases(node):
+    """The server holds leases while UCX sends; a reader that vanishes must not pin the blocks."""
+    store, server = node
+    await store.put(b"big", payload(5, 8 * MB))
+    engine = TransferEngine("node-a", SECRET, transports=("ucx",))
+    engine.add_peer("node-b", *server.address)
+    peer = await engine._peer("node-b")
+    transport = engine.transport_for(peer)
+    async with peer.channel.connection() as conn:
+        await transport._endpoint(conn, peer)
+        async with conn._request() as request:
+            from tiercake.transfer.sockio import send_frame
+
+            await send_frame(conn.sock, p.Op.READ, request, p.encode_read([(b"big", 8 * MB)]), p.FLAG_UCX)
+            await conn._reply(request, p.Op.READ_REPLY)  # the server now sends; we never receive
+        conn.close()
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        try:
+            await store.remove(b"big")  # refused while a lease is held
+            break
+        except Exception:
+            continue
+    assert not store.contains(b"big")
+    await engine.close()

@@ -273,6 +273,7 @@ class TieredStore:
         self.lease_ttl = lease_ttl
         self._entries: dict[bytes, Entry] = {}
         self._lease_ids = itertools.count(1)
+        self._leases: dict[int, Copy] = {}  # every lease handed out, by id (a copy may leave its entry)
         self.misses = 0
         self._closed = False
 
@@ -582,7 +583,7 @@ class TieredStore:
             else:
                 await backend.read_into(copy.slot, entry.key, out)
         finally:
-            await self._release(entry, copy, lease)
+            await self.release_lease(entry.key, lease)
 
     async def _promote(self, entry: Entry, index: int, data: torch.Tensor) -> None:
         """Best effort: copy a block that was hit in tier ``index`` one tier up, if admitted."""
@@ -626,7 +627,7 @@ class TieredStore:
         try:
             yield BlockView(key, copy.tier.name, copy.tier.backend.view(copy.slot, entry.nbytes))
         finally:
-            await self._release(entry, copy, lease)
+            await self.release_lease(key, lease)
 
     def acquire_lease(self, key: bytes, ttl: float | None = None, *, tier: str | None = None) -> Lease:
         """A lease for a reader outside this call (the transfer server, a process mapping the pool):
@@ -647,23 +648,53 @@ class TieredStore:
         raise ObjectNotFoundError(f"block {_short(key)} is not in {where}")
 
     async def release_lease(self, key: bytes, lease: int) -> None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return
-        for copy in list(entry.copies.values()):
-            if lease in copy.leases:
-                await self._release(entry, copy, lease)
-                return
+        """End a lease (unknown or already ended leases are ignored). A copy that was evicted while
+        leased is freed when its last lease ends."""
+        copy = self.end_lease(lease)
+        if copy is not None:
+            await copy.tier.backend.release(copy.slot)
+
+    async def release_leases(self, leases: list[int]) -> None:
+        """``release_lease`` for a batch, awaiting only where a slot must be freed."""
+        for lease in leases:
+            copy = self.end_lease(lease)
+            if copy is not None:
+                await copy.tier.backend.release(copy.slot)
+
+    def end_lease(self, lease: int) -> Copy | None:
+        """``release_lease`` without the await: returns a copy whose slot the caller must release
+        (rare: only a copy evicted while leased), else None."""
+        copy = self._leases.pop(lease, None)
+        if copy is None:
+            return None
+        copy.leases.pop(lease, None)
+        if copy.free_on_release and not copy.leased(time.monotonic()):
+            copy.free_on_release = False
+            return copy
+        return None
 
     def _lease(self, copy: Copy, until: float) -> int:
         lease = next(self._lease_ids)
         copy.leases[lease] = until
+        self._leases[lease] = copy
+        if lease % 1024 == 0:
+            self._sweep_leases()
         return lease
 
-    async def _release(self, entry: Entry, copy: Copy, lease: int) -> None:
-        copy.leases.pop(lease, None)
-        if copy.free_on_release and not copy.leased(time.monotonic()):
-            copy.free_on_release = False
+    def _sweep_leases(self) -> None:
+        """Forget leases that expired unreleased (a reader that died), and free copies they held."""
+        now = time.monotonic()
+        stale = [lease for lease, copy in self._leases.items() if copy.leases.get(lease, 0.0) <= now]
+        orphans = []
+        for lease in stale:
+            copy = self.end_lease(lease)
+            if copy is not None:
+                orphans.append(copy)
+        if orphans:
+            asyncio.get_running_loop().create_task(self._release_slots(orphans))
+
+    async def _release_slots(self, copies: list[Copy]) -> None:
+        for copy in copies:
             await copy.tier.backend.release(copy.slot)
 
     # Remove and pins ------------------------------------------------------------------------------

@@ -140,8 +140,12 @@ class TransferEngine:
                 self._plan(i, item, groups, pulls, results)
             except (p.TransferError, StoreError, ValueError, TypeError) as exc:
                 results[i].error = exc
-        jobs = [self._run_group(node, group, results) for node, group in groups.items()]
-        jobs += [self._pull(i, src, dst, batch[i].length, results) for i, src, dst in pulls]
+        jobs = [self._pull(i, src, dst, batch[i].length, results) for i, src, dst in pulls]
+        return await self._execute(groups, results, timeout, jobs)
+
+    async def _execute(self, groups: dict[str, _Group], results: list[TransferResult], timeout: float | None,
+                       jobs: list | None = None) -> list[TransferResult]:
+        jobs = [self._run_group(node, group, results) for node, group in groups.items()] + (jobs or [])
         try:
             async with asyncio.timeout(timeout):
                 if len(jobs) == 1:
@@ -218,20 +222,25 @@ class TransferEngine:
 
     # Conveniences ---------------------------------------------------------------------------------
 
+    # The two common batches skip the general planning: each whole destination (or source) buffer
+    # is one block of ``node``.
+
     async def read_blocks(self, node: str, keys: list[bytes], dsts: list, timeout: float | None = None) -> list[TransferResult]:
-        views = [as_bytes(d) for d in dsts]
-        return await self.transfer(
-            [Transfer(BlockLoc(node, k), BufferLoc(v), v.numel()) for k, v in zip(keys, views)], timeout
-        )
+        """Read each key of ``node`` into the buffer beside it (exactly the block's size)."""
+        if len(keys) != len(dsts):
+            raise ValueError(f"{len(keys)} keys for {len(dsts)} buffers")
+        group = _Group(reads=[(i, ReadReq(k, as_bytes(d))) for i, (k, d) in enumerate(zip(keys, dsts))])
+        return await self._execute({node: group}, [TransferResult(False) for _ in keys], timeout)
 
     async def write_blocks(self, node: str, keys: list[bytes], srcs: list, *, chain: bool = False,
                            timeout: float | None = None) -> list[TransferResult]:
-        items = []
-        for n, (k, s) in enumerate(zip(keys, srcs)):
-            parent = keys[n - 1] if chain and n else None
-            view = as_bytes(s)
-            items.append(Transfer(BufferLoc(view), BlockLoc(node, k, parent), view.numel()))
-        return await self.transfer(items, timeout)
+        """Store each buffer as the block of the key beside it on ``node`` (``chain``: each block's
+        parent is the previous key)."""
+        if len(keys) != len(srcs):
+            raise ValueError(f"{len(keys)} keys for {len(srcs)} buffers")
+        writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None))
+                  for i, (k, s) in enumerate(zip(keys, srcs))]
+        return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
 
 
 def _slice(loc: BufferLoc, length: int) -> torch.Tensor:

@@ -243,16 +243,18 @@ class TransferServer:
         items = p.decode_read(body)
         replies: list[ReplyItem] = []
         data = []
-        leases: list[tuple[bytes, int]] = []
+        leases: list[int] = []
         try:
             for key, expected in items:
                 try:
-                    view, lease = await self._block_for_read(key)
+                    view, lease = self._leased_block(key)
+                    if view is None:  # only on disk: read (and maybe promote) it
+                        view = (await self.store.get(key)).numpy()
                 except (StoreError, ValueError, TypeError) as exc:
                     replies.append(ReplyItem(status_of(exc), message=str(exc)))
                     continue
                 if lease is not None:
-                    leases.append((key, lease))
+                    leases.append(lease)
                 if view.size != expected:
                     replies.append(ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {view.size} bytes, "
                                              f"{expected} were asked"))
@@ -263,24 +265,24 @@ class TransferServer:
             table = p.encode_read_reply(replies)
             if ucx is not None:
                 await send_frame(conn, Op.READ_REPLY, request, table, flags)
-                await ucx.send_items(request, data)
+                await ucx.send_items(conn, request, data)
             else:
                 await send_frame(conn, Op.READ_REPLY, request, table, flags, [view for _, view in data])
             self.served_bytes += sum(view.size for _, view in data)
         finally:
-            for key, lease in leases:
-                await self.store.release_lease(key, lease)
+            await self.store.release_leases(leases)
 
-    async def _block_for_read(self, key: bytes) -> tuple[np.ndarray, int | None]:
-        """The block's bytes (host memory) and the lease that keeps them in place (None: a copy)."""
+    def _leased_block(self, key: bytes) -> tuple[np.ndarray | None, int | None]:
+        """The block's bytes in host memory under a lease (released by the caller), or (None, None)
+        when it is only on disk. ObjectNotFoundError when it is nowhere."""
         try:
-            lease = self.store.acquire_lease(key, math.inf)  # released in _read's finally
-            array = lease.host_array()
-            return (host_bytes(lease.data) if array is None else array), lease.id
+            lease = self.store.acquire_lease(key, math.inf)
         except ObjectNotFoundError:
             if not self.store.contains(key):
                 raise
-        return (await self.store.get(key)).numpy(), None  # only on disk: read (and maybe promote) it
+            return None, None
+        array = lease.host_array()
+        return (host_bytes(lease.data) if array is None else array), lease.id
 
     # WRITE ----------------------------------------------------------------------------------------
 
@@ -318,7 +320,15 @@ class TransferServer:
             else:
                 targets, staged = _receive_targets([h for _, h in accepted])
                 if ucx is not None:
-                    await ucx.receive_items(conn, request, [(i, t) for (i, _), t in zip(accepted, targets)])
+                    try:
+                        await ucx.receive_items(conn, request, [(i, t) for (i, _), t in zip(accepted, targets)])
+                    except ucx_module.UcxStuckError:
+                        # UCX may still write into these slots: keep them reserved forever rather
+                        # than free memory that a stray receive could overwrite.
+                        log.error("transfer server %s: quarantining %d reserved blocks", self.node_id, len(accepted))
+                        for _, handle in accepted:
+                            handle.done = True
+                        raise
                 else:
                     await recv_into_all(conn, targets)
                 for handle, host in staged:

@@ -164,6 +164,22 @@ async def discard(sock: socket.socket, n: int, chunk: int = 1 << 20) -> None:
         n -= step
 
 
+async def wait_hangup(sock: socket.socket) -> None:
+    """Return when the peer closes the stream; consume nothing. If the peer sends data instead (its
+    next request: it is alive), wait until cancelled."""
+    while True:
+        await _ready(sock, writable=False)
+        try:
+            peek = sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            continue
+        except OSError:
+            return
+        if not peek:
+            return
+        await asyncio.Event().wait()  # alive: never set; the caller cancels us
+
+
 async def send_frame(
     sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0, data: Sequence = ()
 ) -> None:

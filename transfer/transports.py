@@ -157,6 +157,8 @@ class TcpTransport(Transport):
                 return [exc] * len(run)
             except OSError as exc:
                 return [p.PeerClosedError(f"{peer.node_id}: {exc}")] * len(run)
+            except (StoreError, ValueError) as exc:  # e.g. a pool offset from the peer outside the pool
+                return [p.ItemError(f"{peer.node_id}: {exc}", Status.BAD_REQUEST)] * len(run)
 
         if len(runs) == 1:
             return await one(runs[0])
@@ -220,13 +222,14 @@ class ShmTransport(TcpTransport):
         region = self._region(peer)
         results: Results = [None] * len(items)
         over_stream: list[int] = []
-        async with peer.channel.connection() as conn:
+
+        async def in_place(conn, run) -> Results:
             replies = await conn.lease([(it.key, it.dst.numel(), self.lease_ttl) for it in items])
             held = []
             try:
                 for i, (it, reply) in enumerate(zip(items, replies)):
                     if reply.status is Status.OK:
-                        it.dst.copy_(region.view(reply.offset, reply.length))
+                        it.dst.copy_(region.view(reply.offset, reply.length))  # checked against the pool
                         held.append((it.key, reply.lease))
                     elif reply.status is Status.NOT_IN_MEMORY:
                         over_stream.append(i)
@@ -235,7 +238,10 @@ class ShmTransport(TcpTransport):
             finally:
                 if held:
                     await conn.release(held)
-        if over_stream:
+            return results
+
+        results = await self._run(peer, [list(range(len(items)))], in_place)
+        if over_stream:  # only on the peer's disk: read those over the stream
             streamed = await super().read(peer, [items[i] for i in over_stream])
             for i, err in zip(over_stream, streamed):
                 results[i] = err

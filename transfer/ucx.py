@@ -28,7 +28,7 @@ import numpy as np
 from . import protocol as p
 from .connection import PeerConnection, check_count, item_error, write_results
 from .protocol import Op, Status
-from .sockio import recv_frame, send_frame
+from .sockio import send_frame, wait_hangup
 from .transports import TRANSPORTS, Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,23 @@ async def endpoint_to(address: bytes, same_host: bool) -> Any:
     )
 
 
+CANCEL_WAIT = 2.0  # seconds to wait for an aborted endpoint's requests to be cancelled
+
+
+class UcxStuckError(p.PeerClosedError):
+    """Receives into reserved memory could not be cancelled: that memory must never be reused."""
+
+
+def abort_endpoint(ep: Any) -> None:
+    """Abort the endpoint, which cancels what it still has in flight. ``abort`` blocks the calling
+    thread while UCX closes, so it is bounded to 100 ms."""
+    if ep is not None:
+        with contextlib.suppress(Exception):
+            ep.abort(period=100_000_000, max_attempts=1)
+
+
 async def close_endpoint(ep: Any) -> None:
-    """Close and cancel whatever the endpoint still has in flight."""
-    if ep is None:
-        return
-    with contextlib.suppress(Exception):
-        ep.abort()
+    abort_endpoint(ep)
 
 
 # Server side ---------------------------------------------------------------------------------------
@@ -95,32 +106,50 @@ class UcxServerSide:
             raise p.ProtocolError("UCX transfer before UCX_HELLO")
         return self.ep
 
-    async def send_items(self, request: int, arrays: list[tuple[int, np.ndarray]]) -> None:
+    async def send_items(self, conn, request: int, arrays: list[tuple[int, np.ndarray]]) -> None:
+        """Send each item (under the caller's leases); a peer that hangs up cancels them all."""
         ep = self.require()
-        await asyncio.gather(*(ep.send(a, tag=tag(self.connection, request, i), force_tag=True) for i, a in arrays))
+        sends = [ep.send(a, tag=tag(self.connection, request, i), force_tag=True) for i, a in arrays]
+        if not await self._until_done_or_hangup(conn, ep, asyncio.gather(*sends)):
+            # nobody will ever receive these; the leased blocks may go (at worst UCX reads them late)
+            log.warning("UCX sends to a departed peer were not cancelled within %s s", CANCEL_WAIT)
+            raise p.PeerClosedError("peer left during a UCX read")
 
     async def receive_items(self, conn, request: int, targets: list[tuple[int, np.ndarray]]) -> None:
         """Receive each item into its slot; a peer that hangs up on the stream cancels them all."""
         ep = self.require()
-        receives = asyncio.gather(
-            *(ep.recv(t, tag=tag(self.connection, request, i), force_tag=True) for i, t in targets)
-        )
-        hangup = asyncio.ensure_future(recv_frame(conn))  # the client sends nothing until it is done
+        receives = [ep.recv(t, tag=tag(self.connection, request, i), force_tag=True) for i, t in targets]
+        if not await self._until_done_or_hangup(conn, ep, asyncio.gather(*receives)):
+            raise UcxStuckError("UCX receives from a departed peer could not be cancelled")
+
+    async def _until_done_or_hangup(self, conn, ep, work: asyncio.Future) -> bool:
+        """Wait for the work; if the peer hangs up on the stream first (same-host endpoints have no
+        UCX failure handling, so the stream is what tells), abort the endpoint and wait for the work
+        to be cancelled. True when the work is over (done or cancelled); False when it may still run.
+        Raises PeerClosedError after a hang-up."""
+        hangup = asyncio.ensure_future(wait_hangup(conn))
         try:
-            done, _ = await asyncio.wait({receives, hangup}, return_when=asyncio.FIRST_COMPLETED)
-            if hangup in done:
-                raise p.PeerClosedError("peer left during a UCX write") from hangup.exception()
-            receives.result()
+            done, _ = await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                work.result()
+                return True
         except BaseException:
-            await close_endpoint(ep)  # cancels the receives before their slots can be freed
-            self.ep = None
-            with contextlib.suppress(BaseException):
-                await receives
+            await self._abort(ep, work)
             raise
         finally:
             hangup.cancel()
             with contextlib.suppress(BaseException):
                 await hangup
+        if not await self._abort(ep, work):
+            return False
+        raise p.PeerClosedError("peer left during a UCX transfer")
+
+    async def _abort(self, ep, work: asyncio.Future) -> bool:
+        await close_endpoint(ep)
+        self.ep = None
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(work), CANCEL_WAIT)
+        return work.done()
 
     async def close(self) -> None:
         await close_endpoint(self.ep)
@@ -149,7 +178,7 @@ class UcxTransport(TcpTransport):
                 ep = await endpoint_to(bytes(body[4:]), same_host)
             state = (ep, int.from_bytes(body[:4], "little"))
             conn.ucx = state
-            conn.on_close = lambda: asyncio.ensure_future(close_endpoint(ep))
+            conn.on_close = lambda: abort_endpoint(ep)
         return state
 
     async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
