@@ -446,3 +446,31 @@ async def test_reader_arriving_during_a_spill_keeps_the_copy_until_done(make_sto
         assert pool.backend.used_bytes == 2 * LAYOUT.nbytes
     assert pool.backend.used_bytes == 1 * LAYOUT.nbytes  # freed when the lease ended
     assert same(await store.get(key(0)), 0)
+
+
+async def test_copy_evicted_under_a_remote_lease_is_freed_when_the_lease_ends(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=16)
+    pool = store.tier("pool")
+    pool.high_watermark = 1.0
+    await store.put(key(0), block(0))
+    lease = store.acquire_lease(key(0), ttl=30)
+    await store._demote(pool, key(0))  # evicted (spilled to ssd) while a remote reader holds it
+    assert store.where(key(0)) == ["ssd"]
+    assert pool.backend.used_bytes == LAYOUT.nbytes  # the leased copy is still there for the reader
+    assert same(lease.data, 0)
+    await store.release_lease(key(0), lease.id)
+    assert pool.backend.used_bytes == 0
+
+
+async def test_expired_remote_leases_are_swept_and_their_copies_freed(make_store):
+    store = await make_store(gpu=None, pool=2, ssd=16)
+    pool = store.tier("pool")
+    await store.put(key(0), block(0))
+    store.acquire_lease(key(0), ttl=0.01)  # a reader that dies without releasing
+    await store._demote(pool, key(0))
+    assert pool.backend.used_bytes == LAYOUT.nbytes
+    await asyncio.sleep(0.05)
+    store._sweep_leases()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert pool.backend.used_bytes == 0 and not store._leases
