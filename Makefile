@@ -6,7 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test run bench clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install system-deps test run bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +22,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-test: install
+# The tests start their own etcd servers from Debian's etcd-server (no daemon is started here).
+system-deps:
+	@command -v etcd >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
+
+test: install system-deps
 	$(PY) -m pytest -q
 
 run: install

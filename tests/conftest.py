@@ -67,3 +67,13 @@ def make_store(tmp_path, shm_path):
         if not store._closed:
             for tier in store.tiers:
                 tier.backend.close()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """One real single-member etcd for the session; tests keep to their own key prefixes."""
+    from etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
+    yield cluster
+    cluster.stop()

@@ -1,0 +1,162 @@
+"""The etcd metadata backend, through the asyncio etcd v3 client ``etcd3aio``.
+
+Chosen for its watch, which resumes from the last revision it delivered after etcd restarts or a
+member fails over; ``aetcd``'s watch dies on restart, and ``etcd3`` and ``etcetra`` do not work with
+current grpcio/protobuf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import grpc
+from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError
+from etcd3aio.client import Etcd3Client
+from etcd3aio.kv import KVService
+
+from .metadata import (
+    TXN_OPS,
+    CompactedError,
+    Delete,
+    KeyValue,
+    LeaseNotFoundError,
+    MetadataBackend,
+    MetadataError,
+    MetadataUnavailableError,
+    Put,
+    WatchEvent,
+    chunks,
+    prefix_end,
+)
+
+T = TypeVar("T")
+
+
+class EtcdBackend(MetadataBackend):
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0, attempts: int = 2) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint (host:port) is needed")
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self.attempts = attempts
+        self._client: Etcd3Client | None = None
+
+    async def start(self) -> EtcdBackend:
+        self._client = Etcd3Client(self.endpoints, rpc_max_attempts=self.attempts)
+        await self._call(self._client.connect)
+        return self
+
+    async def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
+            self._client = None
+
+    @property
+    def client(self) -> Etcd3Client:
+        if self._client is None:
+            raise MetadataError("the etcd backend is not started")
+        return self._client
+
+    async def _call(self, fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except (EtcdConnectionError, EtcdTransientError) as exc:
+            raise MetadataUnavailableError(f"etcd at {', '.join(self.endpoints)} is unavailable: {exc}") from exc
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise MetadataUnavailableError(f"etcd is unavailable: {exc.details()}") from exc
+            if exc.code() is grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or ""):
+                raise LeaseNotFoundError(exc.details()) from exc
+            raise MetadataError(f"etcd refused: {exc.code().name}: {exc.details()}") from exc
+        except EtcdError as exc:
+            raise MetadataError(str(exc)) from exc
+
+    # Reads ----------------------------------------------------------------------------------------
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        resp = await self._call(self.client.kv.get, key, timeout=self.timeout)
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    async def range(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        resp = await self._call(self.client.kv.get, prefix, prefix_end(prefix), timeout=self.timeout)
+        return sorted((_kv(kv) for kv in resp.kvs), key=lambda kv: kv.key), resp.header.revision
+
+    # Writes ---------------------------------------------------------------------------------------
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        resp = await self._call(self.client.kv.put, key, value, lease, timeout=self.timeout)
+        return resp.header.revision
+
+    async def delete(self, key: bytes) -> bool:
+        resp = await self._call(self.client.kv.delete, key, timeout=self.timeout)
+        return resp.deleted > 0
+
+    async def commit(self, ops: Sequence[Put | Delete]) -> int:
+        revision = 0
+        for chunk in chunks(ops, TXN_OPS):
+            requests = [
+                KVService.txn_op_put(op.key, op.value, lease=op.lease) if isinstance(op, Put)
+                else KVService.txn_op_delete(op.key)
+                for op in chunk
+            ]
+            resp = await self._call(self.client.kv.txn, [], requests, timeout=self.timeout)
+            revision = resp.header.revision
+        return revision
+
+    async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
+        absent = KVService.txn_compare_create_revision(key, 0)
+        resp = await self._call(
+            self.client.kv.txn, [absent], [KVService.txn_op_put(key, value, lease=lease)], timeout=self.timeout
+        )
+        return bool(resp.succeeded)
+
+    # Leases ---------------------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl: int) -> int:
+        if ttl < 1:
+            raise ValueError("a lease TTL is at least 1 second")
+        resp = await self._call(self.client.lease.grant, ttl, timeout=self.timeout)
+        return resp.ID
+
+    async def refresh_lease(self, lease: int) -> int:
+        async def once() -> int:
+            stream = self.client.lease.keep_alive(lease)
+            try:
+                async for resp in stream:
+                    return resp.TTL
+                return 0
+            finally:
+                stream.cancel()
+
+        ttl = await self._call(once)
+        if ttl <= 0:
+            raise LeaseNotFoundError(f"lease {lease:x} expired or was revoked")
+        return ttl
+
+    async def revoke_lease(self, lease: int) -> None:
+        with contextlib.suppress(LeaseNotFoundError):
+            await self._call(self.client.lease.revoke, lease, timeout=self.timeout)
+
+    # Watches --------------------------------------------------------------------------------------
+
+    async def watch(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
+        stream = self.client.watch.watch(prefix, prefix_end(prefix), start_revision=start_revision)
+        try:
+            async for resp in stream:
+                if resp.compact_revision > 0 and start_revision and start_revision < resp.compact_revision:
+                    raise CompactedError(f"revision {start_revision} was compacted (now {resp.compact_revision})")
+                for ev in resp.events:
+                    kind = "delete" if ev.type == 1 else "put"
+                    yield WatchEvent(kind, ev.kv.key, ev.kv.value if kind == "put" else b"", ev.kv.mod_revision)
+        except grpc.aio.AioRpcError as exc:
+            raise MetadataUnavailableError(f"etcd watch failed: {exc.details()}") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+
+def _kv(kv) -> KeyValue:
+    return KeyValue(kv.key, kv.value, kv.lease, kv.mod_revision)

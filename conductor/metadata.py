@@ -1,0 +1,130 @@
+"""Metadata backends: the conductor's durable key-value view, on etcd or in process.
+
+One interface, two implementations that pass one conformance suite (``tests/test_metadata.py``):
+
+- ``EtcdBackend``: a real etcd v3 cluster through the asyncio client ``etcd3aio``;
+- ``EmbeddedBackend``: the same semantics in this process, so one machine needs nothing else.
+
+Semantics the conductor relies on: a global revision that every change increments; ``commit`` of a
+batch of puts and deletes in transactions of at most ``TXN_OPS`` operations (etcd's default limit),
+each transaction atomic; leases whose keys vanish when they expire; ``create`` that succeeds only
+for an absent key (leader election); and watches from a revision, so a follower that rebuilt its
+state at revision R misses nothing after it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+class MetadataError(Exception):
+    """Base of the metadata backends' errors."""
+
+
+class MetadataUnavailableError(MetadataError):
+    """The backend cannot be reached now; the operation may be retried (nothing was applied, or a
+    retry is idempotent)."""
+
+
+class LeaseNotFoundError(MetadataError):
+    """The lease expired or was revoked."""
+
+
+class CompactedError(MetadataError):
+    """A watch asked for history older than what the backend still keeps."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    lease: int = 0
+    mod_revision: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    key: bytes
+    value: bytes
+    revision: int
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's range_end)."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\x00"  # every key
+
+
+def chunks(ops: Sequence, size: int = TXN_OPS) -> list[Sequence]:
+    return [ops[i : i + size] for i in range(0, len(ops), size)]
+
+
+class MetadataBackend(ABC):
+    """The operations the conductor needs. Keys and values are bytes."""
+
+    @abstractmethod
+    async def start(self) -> MetadataBackend: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    async def get(self, key: bytes) -> KeyValue | None: ...
+
+    @abstractmethod
+    async def range(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key with ``prefix``, sorted, and the revision the answer is consistent at."""
+
+    @abstractmethod
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Returns the revision of the change."""
+
+    @abstractmethod
+    async def delete(self, key: bytes) -> bool:
+        """True when the key existed."""
+
+    @abstractmethod
+    async def commit(self, ops: Sequence[Put | Delete]) -> int:
+        """Apply a batch in transactions of at most ``TXN_OPS`` operations; each transaction is
+        atomic, the batch as a whole is not. Returns the revision of the last transaction."""
+
+    @abstractmethod
+    async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
+        """Put only if ``key`` does not exist; False (and no change) if it does."""
+
+    @abstractmethod
+    async def grant_lease(self, ttl: int) -> int: ...
+
+    @abstractmethod
+    async def refresh_lease(self, lease: int) -> int:
+        """Renew once; returns the remaining TTL. LeaseNotFoundError once it has expired."""
+
+    @abstractmethod
+    async def revoke_lease(self, lease: int) -> None:
+        """Revoke now (its keys are deleted). Revoking an unknown lease is not an error."""
+
+    @abstractmethod
+    def watch(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
+        """Events for keys with ``prefix`` from ``start_revision`` (0: from now), in order."""
