@@ -63,8 +63,8 @@ class EtcdBackend(MetadataBackend):
     async def _call(self, fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
         try:
             return await fn(*args, **kwargs)
-        except (EtcdConnectionError, EtcdTransientError) as exc:
-            raise MetadataUnavailableError(f"etcd at {', '.join(self.endpoints)} is unavailable: {exc}") from exc
+        except (EtcdConnectionError, EtcdTransientError, TimeoutError) as exc:
+            raise MetadataUnavailableError(f"etcd at {', '.join(self.endpoints)} is unavailable: {exc!r}") from exc
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise MetadataUnavailableError(f"etcd is unavailable: {exc.details()}") from exc

@@ -3,8 +3,10 @@ loopback ports, with temporary data directories; stopped afterwards."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
+import urllib.request
 import subprocess
 import time
 from pathlib import Path
@@ -51,16 +53,19 @@ class EtcdMember:
         )
 
     def wait_ready(self, timeout: float = 20.0) -> None:
+        """Until the member reports itself healthy (it has a leader and serves requests)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd {self.name} exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"etcd {self.name} did not listen within {timeout} s")
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=0.5) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"etcd {self.name} was not healthy within {timeout} s")
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
