@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import warnings
 from typing import Any
@@ -40,6 +41,18 @@ def as_bytes(payload: Any) -> torch.Tensor:
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(view, dtype=torch.uint8)
     raise PayloadError(f"unsupported payload type {type(payload).__name__}: use a tensor, ndarray or buffer")
+
+
+INLINE_COPY_MAX = 4 << 20
+
+
+async def copy_async(dst: torch.Tensor, src: torch.Tensor, inline_max: int = INLINE_COPY_MAX) -> None:
+    """``dst.copy_(src)``, in a thread when it is large: a multi-millisecond memcpy must not stall
+    the event loop, and a small one is cheaper than the thread hand-off."""
+    if src.numel() <= inline_max:
+        dst.copy_(src)
+    else:
+        await asyncio.to_thread(dst.copy_, src)
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:

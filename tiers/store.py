@@ -36,7 +36,7 @@ import torch
 
 from tiercake.policies import AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy, LRU
 
-from .buffers import Payload, as_bytes
+from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_async
 from .errors import (
     CorruptBlockError,
     InvalidStateError,
@@ -255,7 +255,7 @@ class TieredStore:
         payload_nbytes: int | None = None,
         payload_dtype: torch.dtype | None = None,
         promote_on_hit: bool = True,
-        inline_copy_max: int = 4 << 20,
+        inline_copy_max: int = INLINE_COPY_MAX,
         lease_ttl: float = 5.0,
     ) -> None:
         if not tiers:
@@ -838,10 +838,7 @@ class TieredStore:
         await copy.tier.backend.release(copy.slot)
 
     async def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.numel() <= self.inline_copy_max:
-            dst.copy_(src)
-        else:
-            await asyncio.to_thread(dst.copy_, src)
+        await copy_async(dst, src, self.inline_copy_max)
 
     # Reporting ------------------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from tiercake.tiers.buffers import INLINE_COPY_MAX
+
 from . import protocol as p
 from .protocol import Op, ReplyItem, Status
 from .sockio import recv_frame, recv_into_all, send_all, send_frame, tune
@@ -164,8 +166,14 @@ class PeerConnection:
             check_count(ready, items)
             accepted = [(src, r) for (_, src), r in zip(items, ready) if r.status is Status.OK]
             if copy_into_pool is not None:
-                for src, r in accepted:
-                    copy_into_pool(r.offset, src)
+                def copy_all() -> None:
+                    for src, r in accepted:
+                        copy_into_pool(r.offset, src)
+
+                if sum(src.size for src, _ in accepted) > INLINE_COPY_MAX:
+                    await asyncio.to_thread(copy_all)  # large copies off the event loop
+                else:
+                    copy_all()
                 await send_frame(self.sock, Op.WRITE_COMMIT, request)
             else:
                 await send_all(self.sock, [src for src, _ in accepted])

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tiercake.tiers import PoolRegion, StoreError, TieredStore
+from tiercake.tiers.buffers import copy_async
 
 from . import protocol as p
 from .connection import PeerChannel, item_error
@@ -229,8 +230,8 @@ class ShmTransport(TcpTransport):
             try:
                 for i, (it, reply) in enumerate(zip(items, replies)):
                     if reply.status is Status.OK:
-                        it.dst.copy_(region.view(reply.offset, reply.length))  # checked against the pool
                         held.append((it.key, reply.lease))
+                        await copy_async(it.dst, region.view(reply.offset, reply.length))  # bounds-checked
                     elif reply.status is Status.NOT_IN_MEMORY:
                         over_stream.append(i)
                     else:
@@ -251,7 +252,7 @@ class ShmTransport(TcpTransport):
         region = self._region(peer)
 
         def copy_into_pool(offset: int, src: np.ndarray) -> None:
-            region.view(offset, src.size).copy_(torch.from_numpy(src))
+            region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop
 
         async def op(conn, run):
             return await conn.write(
