@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 
 def tiercake(*args, cwd=None, timeout=120):
     return subprocess.run(

@@ -15,7 +15,7 @@ async def test_three_member_cluster_survives_a_dead_member(tmp_path):
         meta = await EtcdBackend(cluster.endpoints, timeout=2.0).start()
         await meta.put(b"/k/1", b"before")
         cluster.members[0].stop(kill=True)  # SIGKILL one member: two of three keep the quorum
-        for attempt in range(40):
+        for _ in range(40):
             try:
                 await meta.put(b"/k/2", b"after")
                 break

@@ -80,7 +80,7 @@ def test_file_backed_region_for_cxl_style_paths(tmp_path):
     other.close()
     assert path.exists()  # an attacher never removes the region
     region.close()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="closed"):
         region.view(0, 1)
 
 

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
 import yaml
 from pydantic import ValidationError

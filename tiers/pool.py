@@ -103,6 +103,8 @@ class PoolRegion:
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of the data space, in place."""
+        if self._mem.closed:
+            raise ValueError(f"pool region {self.path} is closed")
         if offset < 0 or nbytes < 0 or DATA_OFFSET + offset + nbytes > self.size:
             raise PayloadError(f"pool view [{offset}, {offset + nbytes}) is outside the region")
         start = DATA_OFFSET + offset

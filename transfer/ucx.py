@@ -198,7 +198,7 @@ class UcxTransport(TcpTransport):
                         receives.append(ep.recv(target, tag=tag(connection, request, i), force_tag=True))
                 await asyncio.gather(*receives)
         results: Results = []
-        for it, (target, staging), reply in zip(items, staged, replies):
+        for it, (_, staging), reply in zip(items, staged, replies):
             if reply.status is not Status.OK:
                 results.append(item_error(reply, peer.node_id))
                 continue
