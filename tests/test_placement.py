@@ -1,0 +1,126 @@
+"""The placement index on both metadata backends."""
+
+import asyncio
+import uuid
+
+import pytest
+
+from tiercake.conductor.embedded import EmbeddedBackend
+from tiercake.conductor.etcd import EtcdBackend
+from tiercake.conductor.placement import PlacementIndex, Replica
+
+
+@pytest.fixture(params=["embedded", "etcd"])
+async def meta(request):
+    if request.param == "etcd":
+        backend = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
+    else:
+        backend = await EmbeddedBackend().start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture
+def prefix():
+    return f"/t/{uuid.uuid4().hex[:10]}/placements/".encode()
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+async def test_add_is_durable_and_a_new_index_rebuilds_it(meta, prefix):
+    index = await PlacementIndex(meta, prefix).start()
+    await index.add("t1", k(1), "node-a", "pool", 4096)
+    await index.add("t1", k(1), "node-b", "ssd", 4096)
+    assert index.holders("t1", k(1)) == {Replica("node-a", "pool"): 4096, Replica("node-b", "ssd"): 4096}
+    fresh = await PlacementIndex(meta, prefix).start(follow=False)  # a standby taking over
+    assert fresh.holders("t1", k(1)) == index.holders("t1", k(1)) and len(fresh) == 2
+    await index.remove("t1", k(1), "node-a", "pool")
+    again = await PlacementIndex(meta, prefix).start(follow=False)
+    assert again.holders("t1", k(1)) == {Replica("node-b", "ssd"): 4096}
+    for i in (index, fresh, again):
+        await i.close()
+
+
+async def test_group_commit_batches_concurrent_adds(meta, prefix):
+    index = await PlacementIndex(meta, prefix).start(follow=False)
+    await asyncio.gather(*(index.add("t", k(i), "node-a", "pool", 1) for i in range(1000)))
+    assert len(index) == 1000
+    assert index.stats.commits < 50 and index.stats.largest_batch > 20  # far fewer round trips than adds
+    fresh = await PlacementIndex(meta, prefix).start(follow=False)
+    assert len(fresh) == 1000
+    await index.close()
+    await fresh.close()
+
+
+async def test_longest_prefix_per_node_and_tenants_apart(meta, prefix):
+    index = await PlacementIndex(meta, prefix).start(follow=False)
+    chain = [k(i) for i in range(6)]
+    for key in chain[:4]:
+        await index.add("t", key, "node-a", "pool", 1)
+    for key in chain[:2]:
+        await index.add("t", key, "node-b", "gpu", 1)
+        await index.add("t", key, "node-b", "ssd", 1)
+    await index.add("t", chain[5], "node-c", "pool", 1)  # a deep block without its prefix: useless
+    found = index.lookup("t", chain)
+    assert {n: p.length for n, p in found.items()} == {"node-a": 4, "node-b": 2}
+    assert found["node-b"].tiers == {"gpu": 2, "ssd": 2}
+    assert index.lookup("other-tenant", chain) == {}
+    assert index.lookup("t", []) == {}
+    with pytest.raises(ValueError):
+        await index.add("bad/tenant", k(1), "n", "pool", 1)
+    await index.close()
+
+
+async def test_a_dead_nodes_placements_vanish_from_followers(meta, prefix):
+    leader = await PlacementIndex(meta, prefix).start()
+    follower = await PlacementIndex(meta, prefix).start()
+    lease = await meta.grant_lease(30)
+    await leader.add("t", k(1), "node-a", "pool", 1, lease=lease)
+    await leader.add("t", k(1), "node-b", "pool", 1)
+    for _ in range(100):  # the follower learns through the watch
+        await asyncio.sleep(0.02)
+        if len(follower.holders("t", k(1))) == 2:
+            break
+    assert len(follower.holders("t", k(1))) == 2
+    await meta.revoke_lease(lease)  # node-a's lease ends (expiry does the same, just later)
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if len(follower.holders("t", k(1))) == 1 and len(leader.holders("t", k(1))) == 1:
+            break
+    assert follower.holders("t", k(1)) == {Replica("node-b", "pool"): 1}
+    assert leader.holders("t", k(1)) == {Replica("node-b", "pool"): 1}
+    assert follower.node_blocks("node-a") == []
+    await leader.close()
+    await follower.close()
+
+
+async def test_lookups_served_while_etcd_is_down(tmp_path):
+    from etcd_cluster import EtcdCluster
+
+    from tiercake.conductor.metadata import MetadataUnavailableError
+
+    cluster = EtcdCluster(tmp_path, size=1).start()
+    try:
+        meta = await EtcdBackend(cluster.endpoints, timeout=1.0, attempts=1).start()
+        index = await PlacementIndex(meta, b"/p/").start()
+        await index.add("t", k(1), "node-a", "pool", 1)
+        cluster.members[0].stop()
+        assert index.lookup("t", [k(1)])["node-a"].length == 1  # from memory
+        with pytest.raises(MetadataUnavailableError):
+            await index.add("t", k(2), "node-a", "pool", 1)  # clear and retryable
+        assert index.holders("t", k(2)) == {}  # not durable, so not visible
+        cluster.members[0].start()
+        cluster.members[0].wait_ready()
+        for _ in range(40):
+            try:
+                await index.add("t", k(2), "node-a", "pool", 1)
+                break
+            except MetadataUnavailableError:
+                await asyncio.sleep(0.25)
+        assert index.lookup("t", [k(1), k(2)])["node-a"].length == 2
+        await index.close()
+        await meta.close()
+    finally:
+        cluster.stop()
