@@ -1,0 +1,96 @@
+"""Leader election through the metadata backend: the leader key is created only if absent and is
+attached to the candidate's lease, so a leader that stops keeping its lease alive (killed, paused,
+partitioned) loses the key within the TTL, and a standby that is waiting on the key's deletion takes
+over. A leader that finds its lease gone steps down at once: it must not act after its term."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError
+
+log = logging.getLogger(__name__)
+
+ELECTION = b"/tiercake/leader/"
+
+
+class LeaderElection:
+    def __init__(self, meta: MetadataBackend, candidate: str, name: str = "conductor", ttl: int = 3,
+                 prefix: bytes = ELECTION) -> None:
+        self.meta = meta
+        self.candidate = candidate
+        self.key = prefix + name.encode()
+        self.ttl = ttl
+        self.lease = 0
+        self.leading = asyncio.Event()
+        self.terms = 0
+        self._task: asyncio.Task | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leading.is_set()
+
+    async def leader(self) -> str | None:
+        """Who leads now, as the backend says (any candidate or client may ask)."""
+        kv = await self.meta.get(self.key)
+        return kv.value.decode() if kv else None
+
+    async def start(self) -> LeaderElection:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._campaign()
+                await self._hold()
+            except MetadataUnavailableError as exc:
+                log.warning("election %s: backend unavailable (%s)", self.candidate, exc)
+            self.leading.clear()
+            await asyncio.sleep(0.2)
+
+    async def _campaign(self) -> None:
+        while True:
+            self.lease = await self.meta.grant_lease(self.ttl)
+            if await self.meta.create(self.key, self.candidate.encode(), lease=self.lease):
+                self.terms += 1
+                self.leading.set()
+                log.info("election: %s leads (term %d)", self.candidate, self.terms)
+                return
+            await self.meta.revoke_lease(self.lease)
+            await self._wait_vacant()
+
+    async def _wait_vacant(self) -> None:
+        kvs, revision = await self.meta.range(self.key)
+        if not kvs:
+            return
+        async for event in self.meta.watch(self.key, revision + 1):
+            if event.key == self.key and event.kind == "delete":
+                return
+
+    async def _hold(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.ttl / 3, 0.2))
+            try:
+                await self.meta.refresh_lease(self.lease)
+            except LeaseNotFoundError:
+                log.warning("election: %s lost its lease; stepping down", self.candidate)
+                return
+            except MetadataUnavailableError:
+                # Cannot renew: once the TTL may have run out, someone else may lead. Step down.
+                log.warning("election: %s cannot renew; stepping down", self.candidate)
+                return
+
+    def crash(self) -> None:
+        """Stop everything without resigning, as a killed process would."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self.leading.clear()
+
+    async def resign(self) -> None:
+        self.crash()
+        with contextlib.suppress(MetadataUnavailableError):
+            await self.meta.revoke_lease(self.lease)

@@ -1,0 +1,94 @@
+"""Membership and leader election on both metadata backends."""
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from tiercake.conductor.election import LeaderElection
+from tiercake.conductor.embedded import EmbeddedBackend
+from tiercake.conductor.etcd import EtcdBackend
+from tiercake.conductor.membership import MemberInfo, Membership, Registration
+
+
+@pytest.fixture(params=["embedded", "etcd"])
+async def meta(request):
+    if request.param == "etcd":
+        backend = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
+    else:
+        backend = await EmbeddedBackend().start()
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture
+def prefix():
+    return f"/t/{uuid.uuid4().hex[:10]}/".encode()
+
+
+async def test_members_come_and_go(meta, prefix):
+    view = await Membership(meta, prefix + b"members/").start()
+    a = await Registration(meta, MemberInfo(node_id="node-a", port=7450, tiers={"pool": 1 << 30}), ttl=1,
+                           prefix=prefix + b"members/").start()
+    b = await Registration(meta, MemberInfo(node_id="node-b", role="decode"), ttl=1,
+                           prefix=prefix + b"members/").start()
+    await view.wait_for(lambda v: len(v.members) == 2, 10)
+    assert view.members["node-a"].tiers == {"pool": 1 << 30} and [m.node_id for m in view.alive("decode")] == ["node-b"]
+    await b.stop()  # a clean leave: gone at once
+    await view.wait_for(lambda v: "node-b" not in v.members, 10)
+    started = time.monotonic()
+    a.crash()  # no more keep-alives: gone within the TTL (etcd rounds leases up to about 1-2 s)
+    await view.wait_for(lambda v: "node-a" not in v.members, 10)
+    assert time.monotonic() - started < 4
+    late = await Membership(meta, prefix + b"members/").start()  # a conductor starting now sees nobody
+    assert late.members == {}
+    await view.close()
+    await late.close()
+
+
+async def test_a_member_whose_lease_expired_registers_again_and_reports(meta, prefix):
+    reports = []
+
+    async def report(lease):
+        reports.append(lease)
+
+    reg = await Registration(meta, MemberInfo(node_id="node-a"), ttl=1, prefix=prefix, on_register=report).start()
+    await meta.revoke_lease(reg.lease)  # as if it had been partitioned past its TTL
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if reg.registrations == 2:
+            break
+    assert reg.registrations == 2 and len(reports) == 2 and reports[0] != reports[1]
+    assert await meta.get(prefix + b"node-a") is not None  # back, under the new lease
+    await reg.stop()
+
+
+async def test_one_leader_and_a_standby_takes_over(meta, prefix):
+    first = await LeaderElection(meta, "conductor-1", ttl=1, prefix=prefix).start()
+    await asyncio.wait_for(first.leading.wait(), 10)
+    second = await LeaderElection(meta, "conductor-2", ttl=1, prefix=prefix).start()
+    await asyncio.sleep(0.5)
+    assert first.is_leader and not second.is_leader
+    assert await second.leader() == "conductor-1"
+    started = time.monotonic()
+    first.crash()  # killed: no resignation, its lease runs out
+    await asyncio.wait_for(second.leading.wait(), 10)
+    assert time.monotonic() - started < 2 * 1 + 2.5  # within two TTLs (plus etcd's lease granularity)
+    assert await first.leader() == "conductor-2"
+    await second.resign()
+    assert await second.leader() is None
+
+
+async def test_a_leader_that_loses_its_lease_steps_down(meta, prefix):
+    leader = await LeaderElection(meta, "conductor-1", ttl=1, prefix=prefix).start()
+    await asyncio.wait_for(leader.leading.wait(), 10)
+    old_lease = leader.lease
+    await meta.revoke_lease(old_lease)  # its term ended behind its back (a pause past the TTL)
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if leader.terms == 2:
+            break
+    # it noticed at its next keep-alive, stepped down, and (alone) won a new term under a new lease
+    assert leader.terms == 2 and leader.lease != old_lease and leader.is_leader
+    await leader.resign()
