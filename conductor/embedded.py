@@ -118,7 +118,7 @@ class EmbeddedBackend(MetadataBackend):
         self._apply([Delete(key)])
         return True
 
-    async def commit(self, ops: Sequence[Put | Delete]) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1) -> int:
         revision = self._revision
         for chunk in chunks(ops, TXN_OPS):
             revision = self._apply(chunk)

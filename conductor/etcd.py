@@ -7,6 +7,7 @@ current grpcio/protobuf.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -94,17 +95,26 @@ class EtcdBackend(MetadataBackend):
         resp = await self._call(self.client.kv.delete, key, timeout=self.timeout)
         return resp.deleted > 0
 
-    async def commit(self, ops: Sequence[Put | Delete]) -> int:
-        revision = 0
-        for chunk in chunks(ops, TXN_OPS):
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1) -> int:
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(chunk: Sequence[Put | Delete]) -> int:
             requests = [
                 KVService.txn_op_put(op.key, op.value, lease=op.lease) if isinstance(op, Put)
                 else KVService.txn_op_delete(op.key)
                 for op in chunk
             ]
-            resp = await self._call(self.client.kv.txn, [], requests, timeout=self.timeout)
-            revision = resp.header.revision
-        return revision
+            async with gate:
+                resp = await self._call(self.client.kv.txn, [], requests, timeout=self.timeout)
+            return resp.header.revision
+
+        parts = chunks(ops, TXN_OPS)
+        if concurrency <= 1:
+            revision = 0
+            for chunk in parts:
+                revision = await one(chunk)
+            return revision
+        return max(await asyncio.gather(*(one(chunk) for chunk in parts)), default=0)
 
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
         absent = KVService.txn_compare_create_revision(key, 0)

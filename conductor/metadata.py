@@ -106,9 +106,11 @@ class MetadataBackend(ABC):
         """True when the key existed."""
 
     @abstractmethod
-    async def commit(self, ops: Sequence[Put | Delete]) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1) -> int:
         """Apply a batch in transactions of at most ``TXN_OPS`` operations; each transaction is
-        atomic, the batch as a whole is not. Returns the revision of the last transaction."""
+        atomic, the batch as a whole is not. With ``concurrency`` above 1, up to that many
+        transactions are in flight and may apply in any order: pass each key once. Returns the
+        highest revision the batch reached."""
 
     @abstractmethod
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:

@@ -15,8 +15,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
+from itertools import chain
 from dataclasses import dataclass, field
 
 from .metadata import Delete, MetadataBackend, MetadataUnavailableError, Put, WatchEvent
@@ -55,13 +56,16 @@ def _check(name: str, value: str) -> str:
 
 
 class PlacementIndex:
-    def __init__(self, meta: MetadataBackend, prefix: bytes = PREFIX, max_batch: int = 1024) -> None:
+    def __init__(self, meta: MetadataBackend, prefix: bytes = PREFIX, max_batch: int = 2048,
+                 concurrency: int = 8) -> None:
         self.meta = meta
         self.prefix = prefix
         self.max_batch = max_batch
-        # (tenant, block key) -> replica -> size
-        self._replicas: dict[tuple[str, bytes], dict[Replica, int]] = defaultdict(dict)
-        self._queue: list[tuple[Put | Delete, asyncio.Future]] = []
+        self.concurrency = concurrency  # transactions of one batch in flight at once
+        # tenant -> block key -> node -> tier -> size: a lookup walks one dict per block and tests
+        # node membership directly
+        self._tenants: dict[str, dict[bytes, dict[str, dict[str, int]]]] = defaultdict(dict)
+        self._queue: list[tuple[list[Put | Delete], asyncio.Future]] = []  # group-commit items
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
@@ -132,38 +136,51 @@ class PlacementIndex:
         self.revision = max(self.revision, event.revision)
 
     def _set(self, tenant: str, key: bytes, replica: Replica, size: int) -> None:
-        held = self._replicas[(tenant, key)]
-        if replica not in held:
+        tiers = self._tenants[tenant].setdefault(key, {}).setdefault(replica.node, {})
+        if replica.tier not in tiers:
             self.stats.replicas += 1
-        held[replica] = size
+        tiers[replica.tier] = size
 
     def _unset(self, tenant: str, key: bytes, replica: Replica) -> None:
-        held = self._replicas.get((tenant, key))
-        if held and held.pop(replica, None) is not None:
+        blocks = self._tenants.get(tenant)
+        nodes = blocks.get(key) if blocks else None
+        tiers = nodes.get(replica.node) if nodes else None
+        if tiers and tiers.pop(replica.tier, None) is not None:
             self.stats.replicas -= 1
-            if not held:
-                del self._replicas[(tenant, key)]
+            if not tiers:
+                del nodes[replica.node]
+                if not nodes:
+                    del blocks[key]
 
     # Writes (group commit) ------------------------------------------------------------------------
 
     async def add(self, tenant: str, key: bytes, node: str, tier: str, size: int, lease: int = 0) -> None:
         """Record a committed replica; returns once durable. ``lease``: the node's lease."""
+        await self.add_many(tenant, [key], node, tier, [size], lease)
+
+    async def add_many(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int],
+                       lease: int = 0) -> None:
+        """Record replicas of many blocks on one node and tier (a request's new blocks); returns
+        once all are durable. They travel as one item of the group commit."""
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys for {len(sizes)} sizes")
         replica = Replica(node, tier)
-        value = json.dumps({"size": size}).encode()
-        await self._submit(Put(self._meta_key(tenant, key, replica), value, lease))
-        self._set(tenant, key, replica, size)
+        ops = [Put(self._meta_key(tenant, key, replica), b'{"size": %d}' % size, lease) for key, size in zip(keys, sizes)]
+        await self._submit(ops)
+        for key, size in zip(keys, sizes):
+            self._set(tenant, key, replica, size)
 
     async def remove(self, tenant: str, key: bytes, node: str, tier: str) -> None:
         """Forget a replica (evicted, demoted or removed on its node); returns once durable."""
         replica = Replica(node, tier)
-        await self._submit(Delete(self._meta_key(tenant, key, replica)))
+        await self._submit([Delete(self._meta_key(tenant, key, replica))])
         self._unset(tenant, key, replica)
 
-    async def _submit(self, op: Put | Delete) -> None:
+    async def _submit(self, ops: list[Put | Delete]) -> None:
         if self._flusher is None:
             raise RuntimeError("the placement index is not started")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append((op, future))
+        self._queue.append((ops, future))
         self._wakeup.set()
         await future
 
@@ -172,9 +189,16 @@ class PlacementIndex:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+                batch, taken = [], 0
+                while self._queue and (not batch or taken + len(self._queue[0][0]) <= self.max_batch):
+                    item = self._queue.pop(0)
+                    batch.append(item)
+                    taken += len(item[0])
+                # The last change of each key wins (a put then a delete is a delete), so every key
+                # appears once and the batch's transactions may run concurrently in any order.
+                latest = {op.key: op for ops, _ in batch for op in ops}
                 try:
-                    revision = await self.meta.commit([op for op, _ in batch])
+                    revision = await self.meta.commit(list(latest.values()), concurrency=self.concurrency)
                 except Exception as exc:  # noqa: BLE001 - every waiter gets the error, none hangs
                     for _, future in batch:
                         if not future.done():
@@ -182,8 +206,8 @@ class PlacementIndex:
                     continue
                 self.revision = max(self.revision, revision)
                 self.stats.commits += 1
-                self.stats.ops += len(batch)
-                self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+                self.stats.ops += taken
+                self.stats.largest_batch = max(self.stats.largest_batch, taken)
                 for _, future in batch:
                     if not future.done():
                         future.set_result(None)
@@ -191,37 +215,36 @@ class PlacementIndex:
     # Reads (memory only) --------------------------------------------------------------------------
 
     def holders(self, tenant: str, key: bytes) -> dict[Replica, int]:
-        return dict(self._replicas.get((tenant, key), {}))
+        nodes = self._tenants.get(tenant, {}).get(key, {})
+        return {Replica(node, tier): size for node, tiers in nodes.items() for tier, size in tiers.items()}
 
     def lookup(self, tenant: str, keys: Iterable[bytes]) -> dict[str, NodePrefix]:
         """For each node holding the chain's first block: the longest prefix of ``keys`` it holds
         (in any of its tiers), walking until the last node drops out."""
+        blocks = self._tenants.get(tenant)
+        keys = list(keys)
+        if not blocks or not keys or keys[0] not in blocks:
+            return {}
         result: dict[str, NodePrefix] = {}
-        alive: dict[str, NodePrefix] | None = None
-        position = 0
-        for position, key in enumerate(keys):
-            held = self._replicas.get((tenant, key), {})
-            nodes: dict[str, list[str]] = defaultdict(list)
-            for replica in held:
-                nodes[replica.node].append(replica.tier)
-            if alive is None:
-                alive = {node: NodePrefix(0) for node in nodes}
-            for node in list(alive):
-                if node not in nodes:
-                    result[node] = alive.pop(node)
-                    continue
-                prefix = alive[node]
-                prefix.length = position + 1
-                for tier in nodes[node]:
-                    prefix.tiers[tier] = prefix.tiers.get(tier, 0) + 1
-            if not alive:
-                break
-        result.update(alive or {})
+        for node in blocks[keys[0]]:  # one tight walk per candidate node (usually one to three)
+            seen = []
+            for key in keys:
+                nodes = blocks.get(key)
+                tiers = nodes.get(node) if nodes is not None else None
+                if tiers is None:
+                    break
+                seen.append(tiers)
+            result[node] = NodePrefix(len(seen), dict(Counter(chain.from_iterable(seen))))
         return result
 
     def node_blocks(self, node: str) -> list[tuple[str, bytes, str]]:
         """(tenant, block key, tier) of every replica on ``node``."""
-        return [(t, k, r.tier) for (t, k), held in self._replicas.items() for r in held if r.node == node]
+        return [
+            (tenant, key, tier)
+            for tenant, blocks in self._tenants.items()
+            for key, nodes in blocks.items()
+            for tier in nodes.get(node, ())
+        ]
 
     def __len__(self) -> int:
         return self.stats.replicas

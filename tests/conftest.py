@@ -72,7 +72,7 @@ def make_store(tmp_path, shm_path):
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory):
     """One real single-member etcd for the session; tests keep to their own key prefixes."""
-    from etcd_cluster import EtcdCluster
+    from tiercake.conductor.etcd_process import EtcdCluster
 
     cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
     yield cluster

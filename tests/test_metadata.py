@@ -137,7 +137,7 @@ def test_prefix_end():
 
 
 async def test_unreachable_etcd_is_a_clear_retryable_error():
-    from etcd_cluster import free_port
+    from tiercake.conductor.etcd_process import free_port
 
     meta = EtcdBackend([f"127.0.0.1:{free_port()}"], timeout=0.5, attempts=1)
     with pytest.raises(MetadataUnavailableError):

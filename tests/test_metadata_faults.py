@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from etcd_cluster import EtcdCluster
+from tiercake.conductor.etcd_process import EtcdCluster
 
 from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.metadata import MetadataUnavailableError

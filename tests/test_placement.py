@@ -97,7 +97,7 @@ async def test_a_dead_nodes_placements_vanish_from_followers(meta, prefix):
 
 
 async def test_lookups_served_while_etcd_is_down(tmp_path):
-    from etcd_cluster import EtcdCluster
+    from tiercake.conductor.etcd_process import EtcdCluster
 
     from tiercake.conductor.metadata import MetadataUnavailableError
 
@@ -124,3 +124,17 @@ async def test_lookups_served_while_etcd_is_down(tmp_path):
         await meta.close()
     finally:
         cluster.stop()
+
+
+async def test_add_many_and_last_change_wins_within_a_batch(meta, prefix):
+    index = await PlacementIndex(meta, prefix).start(follow=False)
+    await index.add_many("t", [k(i) for i in range(300)], "node-a", "pool", [7] * 300)
+    assert len(index) == 300 and index.lookup("t", [k(i) for i in range(300)])["node-a"].length == 300
+    # an add and a remove of the same replica queued together: the later one decides
+    await asyncio.gather(index.add("t", k(999), "node-b", "pool", 1), index.remove("t", k(999), "node-b", "pool"))
+    fresh = await PlacementIndex(meta, prefix).start(follow=False)
+    assert fresh.holders("t", k(999)) == {} and len(fresh) == 300
+    with pytest.raises(ValueError, match="keys for"):
+        await index.add_many("t", [k(1)], "node-a", "pool", [])
+    await index.close()
+    await fresh.close()

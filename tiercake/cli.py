@@ -56,6 +56,12 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     return _bench(args, "transfers (raw socket and memcpy limits first)", run)
 
 
+def cmd_bench_metadata(args: argparse.Namespace) -> int:
+    from tiercake.bench import metadata
+
+    return _bench(args, "the placement index (a local etcd starts for it)", metadata.run(quick=args.quick))
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     from tiercake.workers.node_agent import NodeAgent
 
@@ -135,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--batches", metavar="N,...", help="batch sizes (default: 1, 4, 16, 64)")
     transfer.add_argument("--streams", type=int, default=2, help="connections per peer (default 2)")
     transfer.set_defaults(func=cmd_bench_transfer)
+
+    meta = bench_sub.add_parser(
+        "metadata", help="placement index lookups and durable commits vs dict probes and raw etcd",
+        description="Lookups of 64-block chains in an index of 1M blocks against the same dictionary probes, "
+        "and placements made durable in a local etcd (started from the installed binary) through group "
+        "commit against raw batched etcd transactions of the same operations; metadata bytes per block.",
+    )
+    meta.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
+    meta.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    meta.set_defaults(func=cmd_bench_metadata)
 
     node = sub.add_parser(
         "node", help="run a node agent: the node's tiers behind a transfer server",

@@ -1,5 +1,6 @@
-"""Real etcd servers for the tests: started from the binary that `make test` installs, on free
-loopback ports, with temporary data directories; stopped afterwards."""
+"""Local etcd server processes: started from the installed `etcd` binary (Debian's etcd-server) on
+free loopback ports with their own data directories. The tests and `tiercake bench metadata` use it
+to run against a real etcd; a one-machine deployment can too."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 def etcd_binary() -> str:
     path = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
     if path is None:
-        raise RuntimeError("no etcd binary: `make test` installs Debian's etcd-server (apt-get install etcd-server)")
+        raise FileNotFoundError("no etcd binary on PATH: install Debian's etcd-server (`make test` does)")
     return path
 
 
