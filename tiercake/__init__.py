@@ -20,6 +20,8 @@ _LAZY = {
     "EvictionPolicy": "tiercake.policies",
     "AdmissionPolicy": "tiercake.policies",
     "BlockMeta": "tiercake.policies",
+    "Client": "tiercake.conductor.client",
+    "TransferEngine": "tiercake.transfer",
 }
 
 

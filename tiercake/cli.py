@@ -62,6 +62,18 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
     return _bench(args, "the placement index (a local etcd starts for it)", metadata.run(quick=args.quick))
 
 
+def cmd_conductor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tiercake.conductor.api import serve
+
+    host, _, port = args.listen.rpartition(":")
+    tokens = Path(args.token_file).read_text().split() if args.token_file else None
+    etcd = [e for e in (args.etcd or "").split(",") if e]
+    asyncio.run(serve(etcd, host or "127.0.0.1", int(port), tokens, ttl=args.ttl, conductor_id=args.id))
+    return 0
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     from tiercake.workers.node_agent import NodeAgent
 
@@ -151,6 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
     meta.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
     meta.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     meta.set_defaults(func=cmd_bench_metadata)
+
+    conductor = sub.add_parser(
+        "conductor", help="run a conductor: placement index, membership and election behind an HTTP API",
+        description="Serve the control API on --listen. With --etcd, the state lives in etcd and several "
+        "conductors elect one leader (followers serve lookups and point writers at the leader); without it, "
+        "an embedded in-process backend. Prints its id and URL as JSON, then runs until SIGINT or SIGTERM.",
+    )
+    conductor.add_argument("--etcd", metavar="HOST:PORT,...", help="etcd endpoints (default: embedded backend)")
+    conductor.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="API address (port 0: any)")
+    conductor.add_argument("--token-file", metavar="PATH", help="bearer tokens, whitespace-separated")
+    conductor.add_argument("--ttl", type=int, default=3, help="leader lease TTL in seconds (default 3)")
+    conductor.add_argument("--id", help="conductor id (default: random)")
+    conductor.set_defaults(func=cmd_conductor)
 
     node = sub.add_parser(
         "node", help="run a node agent: the node's tiers behind a transfer server",

@@ -1,0 +1,202 @@
+"""The conductor's HTTP API (aiohttp): placement control, membership, health, readiness, metrics.
+
+Bodies are pydantic models; a malformed body is a 400 with the validation message, an oversized
+one a 413. Every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` when tokens are
+configured. Writes go to the leader: a follower answers 503 with the leader's URL in the body and in
+the ``X-Tiercake-Leader`` header, so clients move on by themselves.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .metadata import MetadataUnavailableError
+from .service import Conductor, NotLeaderError
+
+MAX_BODY = 8 << 20
+MAX_KEYS = 65536
+
+
+class LookupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, pattern=r"^[^/]+$")
+    keys: list[str] = Field(max_length=MAX_KEYS, description="block keys of one chain, hex, in order")
+
+
+class BlockSize(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(pattern=r"^([0-9a-f]{2}){1,64}$")
+    size: int = Field(ge=0)
+
+
+class CommitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, pattern=r"^[^/]+$")
+    node: str = Field(min_length=1, pattern=r"^[^/]+$")
+    tier: str = Field(min_length=1, pattern=r"^[^/]+$")
+    blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
+    lease: int = Field(default=0, ge=0, description="the node's lease, so its replicas go when it dies")
+
+
+class RemoveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, pattern=r"^[^/]+$")
+    node: str = Field(min_length=1, pattern=r"^[^/]+$")
+    tier: str = Field(min_length=1, pattern=r"^[^/]+$")
+    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+def _keys(hexes: list[str]) -> list[bytes]:
+    try:
+        return [bytes.fromhex(h) for h in hexes]
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"keys must be hex: {exc}"}),
+                                 content_type="application/json") from None
+
+
+def _error(status: type[web.HTTPException], message: str, **extra) -> web.HTTPException:
+    return status(text=json.dumps({"error": message, **extra}), content_type="application/json")
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=MAX_BODY, actual_size=request.content_length or 0,
+            text=json.dumps({"error": f"body over {MAX_BODY} bytes"}), content_type="application/json",
+        ) from None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _error(web.HTTPBadRequest, "invalid body", details=json.loads(exc.json(include_url=False))) from None
+
+
+def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Application:
+    registry = CollectorRegistry()
+    index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
+    ops = Gauge("tiercake_placement_ops_durable", "placement changes made durable", registry=registry)
+    batches = Gauge("tiercake_group_commit_batches", "group-commit batches flushed", registry=registry)
+    leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
+    terms = Gauge("tiercake_leader_terms", "terms this conductor has won", registry=registry)
+    requests = Counter("tiercake_api_requests", "API requests", ["endpoint"], registry=registry)
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if tokens and request.path != "/health":
+            header = request.headers.get("Authorization", "")
+            given = header[7:] if header.startswith("Bearer ") else ""
+            if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):
+                raise _error(web.HTTPUnauthorized, "a valid bearer token is required")
+        requests.labels(request.path).inc()
+        try:
+            return await handler(request)
+        except NotLeaderError as exc:
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": str(exc), "leader": exc.leader}), content_type="application/json",
+                headers={"X-Tiercake-Leader": exc.leader or ""},
+            ) from None
+        except MetadataUnavailableError as exc:
+            raise _error(web.HTTPServiceUnavailable, f"{exc}; retry", retryable=True) from None
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
+
+    async def ready(_: web.Request) -> web.Response:
+        ok, why = await conductor.ready()
+        return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
+
+    async def lookup(request: web.Request) -> web.Response:
+        body = await _body(request, LookupRequest)
+        found = conductor.index.lookup(body.tenant, _keys(body.keys))
+        return web.json_response({"nodes": {n: {"length": p.length, "tiers": p.tiers} for n, p in found.items()}})
+
+    async def commit(request: web.Request) -> web.Response:
+        body = await _body(request, CommitRequest)
+        conductor.require_leader(await conductor.leader())
+        keys = _keys([b.key for b in body.blocks])
+        await conductor.index.add_many(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks],
+                                       lease=body.lease)
+        return web.json_response({"committed": len(keys)})
+
+    async def remove(request: web.Request) -> web.Response:
+        body = await _body(request, RemoveRequest)
+        conductor.require_leader(await conductor.leader())
+        for key in _keys(body.keys):
+            await conductor.index.remove(body.tenant, key, body.node, body.tier)
+        return web.json_response({"removed": len(body.keys)})
+
+    async def members(_: web.Request) -> web.Response:
+        return web.json_response({"members": [m.model_dump() for m in conductor.members.alive()]})
+
+    async def leader_info(_: web.Request) -> web.Response:
+        info = await conductor.leader()
+        return web.json_response({"leader": info.model_dump() if info else None, "self": conductor.conductor_id})
+
+    async def metrics(_: web.Request) -> web.Response:
+        index_size.set(len(conductor.index))
+        ops.set(conductor.index.stats.ops)
+        batches.set(conductor.index.stats.commits)
+        leader.set(1 if conductor.is_leader else 0)
+        terms.set(conductor.election.terms)
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    app = web.Application(middlewares=[auth], client_max_size=MAX_BODY)
+    app.add_routes([
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/metrics", metrics),
+        web.get("/v1/leader", leader_info),
+        web.get("/v1/members", members),
+        web.post("/v1/placements/lookup", lookup),
+        web.post("/v1/placements/commit", commit),
+        web.post("/v1/placements/remove", remove),
+    ])
+    return app
+
+
+async def serve(etcd: list[str], host: str, port: int, tokens: list[str] | None = None, ttl: int = 3,
+                conductor_id: str | None = None, announce=None) -> None:
+    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are given, else embedded."""
+    import asyncio
+    import signal
+    import socket
+    import sys
+
+    from .embedded import EmbeddedBackend
+    from .etcd import EtcdBackend
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))  # bound first: the URL the conductor publishes is the one it serves
+    bound = sock.getsockname()
+    url = f"http://{bound[0]}:{bound[1]}"
+    meta = await (EtcdBackend(etcd).start() if etcd else EmbeddedBackend().start())
+    conductor = runner = None
+    try:
+        conductor = await Conductor(meta, conductor_id, url=url, ttl=ttl).start()
+        runner = web.AppRunner(build_app(conductor, tokens))
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        print(json.dumps({"conductor": conductor.conductor_id, "url": url}), file=announce or sys.stdout, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if conductor is not None:
+            await conductor.close()
+        await meta.close()
+        sock.close()

@@ -1,0 +1,98 @@
+"""The async Python client of the conductor's HTTP API. It finds the leader by itself: a follower
+that refuses a write names the leader, and a conductor that does not answer is skipped."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+class ConductorError(Exception):
+    """The conductor refused the request (4xx) or none could serve it in time."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    length: int
+    tiers: dict[str, int]
+
+
+class Client:
+    def __init__(self, urls: list[str], token: str | None = None, timeout: float = 5.0, retries: int = 20) -> None:
+        if not urls:
+            raise ValueError("at least one conductor URL is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.token = token
+        self.timeout = timeout
+        self.retries = retries
+        self._current = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+        last = "no conductor answered"
+        for attempt in range(self.retries):
+            url = self.urls[self._current % len(self.urls)]
+            try:
+                async with self._http().request(method, url + path, json=body) as resp:
+                    data = await resp.json(content_type=None)
+                    if resp.status < 400:
+                        return data
+                    if resp.status == 503:  # a follower, or no leader / backend yet: move on
+                        leader = resp.headers.get("X-Tiercake-Leader")
+                        last = data.get("error", "unavailable")
+                        if leader:
+                            if leader not in self.urls:
+                                self.urls.append(leader.rstrip("/"))
+                            self._current = self.urls.index(leader.rstrip("/"))
+                            continue
+                    else:
+                        raise ConductorError(resp.status, data.get("error", str(data)))
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                last = f"{url}: {exc!r}"
+            self._current += 1
+            await asyncio.sleep(min(0.05 * 2 ** (attempt // len(self.urls)), 1.0))
+        raise ConductorError(503, last)
+
+    async def lookup(self, tenant: str, keys: list[bytes]) -> dict[str, Prefix]:
+        data = await self._call("POST", "/v1/placements/lookup", {"tenant": tenant, "keys": [k.hex() for k in keys]})
+        return {node: Prefix(p["length"], p["tiers"]) for node, p in data["nodes"].items()}
+
+    async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int],
+                     lease: int = 0) -> int:
+        blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes)]
+        body = {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks, "lease": lease}
+        return (await self._call("POST", "/v1/placements/commit", body))["committed"]
+
+    async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
+        body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
+        return (await self._call("POST", "/v1/placements/remove", body))["removed"]
+
+    async def members(self) -> list[dict]:
+        return (await self._call("GET", "/v1/members"))["members"]
+
+    async def leader(self) -> dict | None:
+        return (await self._call("GET", "/v1/leader"))["leader"]

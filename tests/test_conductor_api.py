@@ -1,0 +1,140 @@
+"""The conductor's HTTP API and client: in process, and as real processes with a leader killed."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tiercake.conductor.api import build_app
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.embedded import EmbeddedBackend
+from tiercake.conductor.service import Conductor
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+@pytest.fixture
+async def api():
+    meta = await EmbeddedBackend().start()
+    conductor = await Conductor(meta, "c1", ttl=1).start()
+    runner = web.AppRunner(build_app(conductor, tokens=["s3cret-token"]))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    await asyncio.wait_for(conductor.election.leading.wait(), 10)
+    yield f"http://{host}:{port}", conductor
+    await runner.cleanup()
+    await conductor.close()
+    await meta.close()
+
+
+async def test_client_commit_lookup_remove(api):
+    url, conductor = api
+    async with Client([url], token="s3cret-token") as client:
+        assert await client.commit("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 4
+        await client.commit("t", "node-b", "ssd", [k(0), k(1)], [4096] * 2)
+        found = await client.lookup("t", [k(i) for i in range(5)])
+        assert {n: p.length for n, p in found.items()} == {"node-a": 4, "node-b": 2}
+        assert found["node-b"].tiers == {"ssd": 2}
+        assert await client.remove("t", "node-a", "pool", [k(3)]) == 1
+        assert (await client.lookup("t", [k(i) for i in range(5)]))["node-a"].length == 3
+        assert (await client.leader())["conductor_id"] == "c1"
+        assert await client.members() == []
+
+
+async def test_bad_requests_are_clear_4xx(api):
+    url, _ = api
+    headers = {"Authorization": "Bearer s3cret-token"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/health") as resp:  # health needs no token
+            assert resp.status == 200
+        async with http.post(url + "/v1/placements/lookup", json={"tenant": "t", "keys": []}) as resp:
+            assert resp.status == 401 and "bearer token" in (await resp.json())["error"]
+        async with http.post(url + "/v1/placements/lookup", headers={"Authorization": "Bearer wrong"},
+                             json={"tenant": "t", "keys": []}) as resp:
+            assert resp.status == 401
+        cases = [
+            ("/v1/placements/lookup", b"{not json"),
+            ("/v1/placements/lookup", json.dumps({"tenant": "t"}).encode()),
+            ("/v1/placements/lookup", json.dumps({"tenant": "a/b", "keys": []}).encode()),
+            ("/v1/placements/lookup", json.dumps({"tenant": "t", "keys": ["zz"]}).encode()),
+            ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool", "blocks": []}).encode()),
+            ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool",
+                                                  "blocks": [{"key": "abc", "size": 1}]}).encode()),
+            ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool",
+                                                  "blocks": [{"key": "ab", "size": -1}]}).encode()),
+        ]
+        for path, body in cases:
+            async with http.post(url + path, headers=headers, data=body) as resp:
+                assert resp.status == 400, (path, body, await resp.text())
+                assert "error" in await resp.json()
+        async with http.post(url + "/v1/placements/lookup", headers=headers, data=b"x" * (9 << 20)) as resp:
+            assert resp.status == 413
+        async with http.get(url + "/v1/nope", headers=headers) as resp:
+            assert resp.status == 404
+        async with http.get(url + "/ready", headers=headers) as resp:
+            assert resp.status == 200 and (await resp.json())["ready"]
+        async with http.get(url + "/metrics", headers=headers) as resp:
+            text = await resp.text()
+            assert "tiercake_is_leader 1.0" in text and "tiercake_index_replicas" in text
+    async with Client([url], token="s3cret-token") as client:
+        with pytest.raises(ConductorError) as err:
+            await client.lookup("a/b", [k(1)])
+        assert err.value.status == 400
+
+
+@pytest.fixture
+def conductors(etcd, tmp_path):
+    procs = []
+
+    def start(name: str):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercake.cli", "conductor", "--etcd", ",".join(etcd.endpoints), "--ttl", "1",
+             "--id", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read().decode()[-2000:]
+        return proc, json.loads(line)["url"]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+async def test_leader_killed_standby_takes_over_with_every_placement(conductors, etcd):
+    # a clean slate for this test's election and index on the shared etcd
+    from tiercake.conductor.etcd import EtcdBackend
+
+    meta = await EtcdBackend(etcd.endpoints).start()
+    for prefix in (b"/tiercake/leader/", b"/tiercake/placements/"):
+        for kv in (await meta.range(prefix))[0]:
+            await meta.delete(kv.key)
+    await meta.close()
+
+    first, url1 = conductors("c-one")
+    await asyncio.sleep(1.0)  # c-one wins the election
+    second, url2 = conductors("c-two")
+    async with Client([url2, url1]) as client:  # starts at the follower: must find the leader itself
+        for n in range(10):
+            await client.commit("t", "node-a", "pool", [k(n * 10 + i) for i in range(10)], [1] * 10)
+        assert (await client.leader())["conductor_id"] == "c-one"
+        first.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        await client.commit("t", "node-a", "pool", [k(1000)], [1])  # waits through the failover
+        assert time.monotonic() - started < 2 * 1 + 3  # two lease TTLs, plus etcd's lease rounding
+        assert (await client.leader())["conductor_id"] == "c-two"
+        found = await client.lookup("t", [k(i) for i in range(100)])
+        assert found["node-a"].length == 100  # every placement committed before the kill
