@@ -11,7 +11,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field
 
 from .election import LeaderElection
-from .membership import MemberInfo, Membership
+from .membership import Membership
 from .metadata import MetadataBackend, MetadataUnavailableError
 from .placement import PlacementIndex
 
