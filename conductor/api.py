@@ -22,11 +22,22 @@ MAX_BODY = 8 << 20
 MAX_KEYS = 65536
 
 
+NAME = Field(min_length=1, pattern=r"^[^/]+$")  # tenants, nodes, tiers: no '/' (they are key parts)
+
+
 class LookupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tenant: str = Field(min_length=1, pattern=r"^[^/]+$")
+    tenant: str = NAME
     keys: list[str] = Field(max_length=MAX_KEYS, description="block keys of one chain, hex, in order")
+
+
+class ReplicaRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = NAME
+    node: str = NAME
+    tier: str = NAME
 
 
 class BlockSize(BaseModel):
@@ -36,22 +47,12 @@ class BlockSize(BaseModel):
     size: int = Field(ge=0)
 
 
-class CommitRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = Field(min_length=1, pattern=r"^[^/]+$")
-    node: str = Field(min_length=1, pattern=r"^[^/]+$")
-    tier: str = Field(min_length=1, pattern=r"^[^/]+$")
+class CommitRequest(ReplicaRequest):
     blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
     lease: int = Field(default=0, ge=0, description="the node's lease, so its replicas go when it dies")
 
 
-class RemoveRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = Field(min_length=1, pattern=r"^[^/]+$")
-    node: str = Field(min_length=1, pattern=r"^[^/]+$")
-    tier: str = Field(min_length=1, pattern=r"^[^/]+$")
+class RemoveRequest(ReplicaRequest):
     keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
 
 

@@ -69,6 +69,20 @@ def make_store(tmp_path, shm_path):
                 tier.backend.close()
 
 
+@pytest.fixture(params=["embedded", "etcd"])
+async def meta(request):
+    """Each metadata backend in turn: the tests that use it run against both (one conformance)."""
+    from tiercake.conductor.embedded import EmbeddedBackend
+    from tiercake.conductor.etcd import EtcdBackend
+
+    if request.param == "etcd":
+        backend = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
+    else:
+        backend = await EmbeddedBackend().start()
+    yield backend
+    await backend.close()
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory):
     """One real single-member etcd for the session; tests keep to their own key prefixes."""

@@ -7,19 +7,7 @@ import uuid
 import pytest
 
 from tiercake.conductor.election import LeaderElection
-from tiercake.conductor.embedded import EmbeddedBackend
-from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.membership import MemberInfo, Membership, Registration
-
-
-@pytest.fixture(params=["embedded", "etcd"])
-async def meta(request):
-    if request.param == "etcd":
-        backend = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
-    else:
-        backend = await EmbeddedBackend().start()
-    yield backend
-    await backend.close()
 
 
 @pytest.fixture

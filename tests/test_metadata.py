@@ -5,7 +5,6 @@ import uuid
 
 import pytest
 
-from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.metadata import (
     TXN_OPS,
@@ -17,14 +16,9 @@ from tiercake.conductor.metadata import (
 )
 
 
-@pytest.fixture(params=["embedded", "etcd"])
-async def backend(request):
-    if request.param == "etcd":
-        meta = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
-    else:
-        meta = await EmbeddedBackend().start()
-    yield meta
-    await meta.close()
+@pytest.fixture
+def backend(meta):
+    return meta
 
 
 @pytest.fixture

@@ -5,19 +5,8 @@ import uuid
 
 import pytest
 
-from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.placement import PlacementIndex, Replica
-
-
-@pytest.fixture(params=["embedded", "etcd"])
-async def meta(request):
-    if request.param == "etcd":
-        backend = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
-    else:
-        backend = await EmbeddedBackend().start()
-    yield backend
-    await backend.close()
 
 
 @pytest.fixture

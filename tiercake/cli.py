@@ -130,38 +130,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, each as a ratio to a limit measured in the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    store = bench_sub.add_parser(
+
+    def bench_parser(name: str, **kwargs) -> argparse.ArgumentParser:
+        """A bench command: every bench takes --quick and --json."""
+        p = bench_sub.add_parser(name, **kwargs)
+        p.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
+        p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+        return p
+    store = bench_parser(
         "store", help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
         description="Put and get throughput of the gpu (on this device), pool and ssd tiers for blocks "
         "of 64 KiB to 16 MiB, each as a ratio to memcpy or raw sequential file I/O measured in the same run.",
     )
-    store.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
-    store.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     store.add_argument("--ssd-dir", metavar="DIR", help="file system to test the ssd tier on (default: temp dir)")
     store.add_argument("--sizes", metavar="BYTES,...", help="block sizes in bytes (default: 64 KiB to 16 MiB)")
     store.set_defaults(func=cmd_bench_store)
 
-    transfer = bench_sub.add_parser(
+    transfer = bench_parser(
         "transfer", help="transfer engine between two processes vs raw socket and memcpy",
         description="Read and write batches of blocks between this process and a node agent in another "
         "process, over TCP and through the shared pool, each as a ratio to a plain blocking-socket stream "
         "or memcpy of the same bytes measured in the same run.",
     )
-    transfer.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
-    transfer.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     transfer.add_argument("--sizes", metavar="BYTES,...", help="block sizes (default: 64 KiB to 64 MiB)")
     transfer.add_argument("--batches", metavar="N,...", help="batch sizes (default: 1, 4, 16, 64)")
     transfer.add_argument("--streams", type=int, default=2, help="connections per peer (default 2)")
     transfer.set_defaults(func=cmd_bench_transfer)
 
-    meta = bench_sub.add_parser(
+    meta = bench_parser(
         "metadata", help="placement index lookups and durable commits vs dict probes and raw etcd",
         description="Lookups of 64-block chains in an index of 1M blocks against the same dictionary probes, "
         "and placements made durable in a local etcd (started from the installed binary) through group "
         "commit against raw batched etcd transactions of the same operations; metadata bytes per block.",
     )
-    meta.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
-    meta.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     meta.set_defaults(func=cmd_bench_metadata)
 
     conductor = sub.add_parser(
