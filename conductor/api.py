@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .metadata import MetadataUnavailableError
-from .service import Conductor, NotLeaderError
+from .service import Conductor, NoRoomError, NotLeaderError, PlacementError
 
 MAX_BODY = 8 << 20
 MAX_KEYS = 65536
@@ -50,6 +50,15 @@ class BlockSize(BaseModel):
 class CommitRequest(ReplicaRequest):
     blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
     lease: int = Field(default=0, ge=0, description="the node's lease, so its replicas go when it dies")
+
+
+class BeginRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = NAME
+    tier: str = NAME
+    blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
+    local: str | None = Field(default=None, description="the writer's node, for the local_first strategy")
 
 
 class RemoveRequest(ReplicaRequest):
@@ -108,6 +117,10 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
             ) from None
         except MetadataUnavailableError as exc:
             raise _error(web.HTTPServiceUnavailable, f"{exc}; retry", retryable=True) from None
+        except NoRoomError as exc:
+            raise _error(web.HTTPInsufficientStorage, str(exc)) from None
+        except PlacementError as exc:
+            raise _error(web.HTTPConflict, str(exc)) from None
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
@@ -121,13 +134,34 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
         found = conductor.index.lookup(body.tenant, _keys(body.keys))
         return web.json_response({"nodes": {n: {"length": p.length, "tiers": p.tiers} for n, p in found.items()}})
 
+    async def begin(request: web.Request) -> web.Response:
+        body = await _body(request, BeginRequest)
+        conductor.require_leader(await conductor.leader())
+        keys = _keys([b.key for b in body.blocks])
+        targets = conductor.begin_put(body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local)
+        return web.json_response({"targets": {k.hex(): nodes for k, nodes in targets.items()}})
+
     async def commit(request: web.Request) -> web.Response:
+        body = await _body(request, CommitRequest)
+        conductor.require_leader(await conductor.leader())
+        keys = _keys([b.key for b in body.blocks])
+        await conductor.commit_put(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks], body.lease)
+        return web.json_response({"committed": len(keys)})
+
+    async def revoke(request: web.Request) -> web.Response:
+        body = await _body(request, RemoveRequest)
+        conductor.require_leader(await conductor.leader())
+        conductor.revoke_put(body.tenant, _keys(body.keys), body.node, body.tier)
+        return web.json_response({"revoked": len(body.keys)})
+
+    async def report(request: web.Request) -> web.Response:
+        """A node declares blocks it holds (after a restart, its SSD tier's): no put needed."""
         body = await _body(request, CommitRequest)
         conductor.require_leader(await conductor.leader())
         keys = _keys([b.key for b in body.blocks])
         await conductor.index.add_many(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks],
                                        lease=body.lease)
-        return web.json_response({"committed": len(keys)})
+        return web.json_response({"reported": len(keys)})
 
     async def remove(request: web.Request) -> web.Response:
         body = await _body(request, RemoveRequest)
@@ -159,7 +193,10 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
         web.get("/v1/leader", leader_info),
         web.get("/v1/members", members),
         web.post("/v1/placements/lookup", lookup),
+        web.post("/v1/placements/begin", begin),
         web.post("/v1/placements/commit", commit),
+        web.post("/v1/placements/revoke", revoke),
+        web.post("/v1/placements/report", report),
         web.post("/v1/placements/remove", remove),
     ])
     return app

@@ -81,11 +81,32 @@ class Client:
         data = await self._call("POST", "/v1/placements/lookup", {"tenant": tenant, "keys": [k.hex() for k in keys]})
         return {node: Prefix(p["length"], p["tiers"]) for node, p in data["nodes"].items()}
 
+    async def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
+                        local: str | None = None) -> dict[bytes, list[str]]:
+        """Where each new block goes (as many nodes as the replication policy wants)."""
+        blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
+        body = {"tenant": tenant, "tier": tier, "blocks": blocks, "local": local}
+        targets = (await self._call("POST", "/v1/placements/begin", body))["targets"]
+        return {bytes.fromhex(k): nodes for k, nodes in targets.items()}
+
     async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int],
                      lease: int = 0) -> int:
-        blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes)]
+        """The node stored blocks begun for it; returns once their placement is durable."""
+        return await self._replicas("commit", tenant, node, tier, keys, sizes, lease)
+
+    async def report(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int],
+                     lease: int = 0) -> int:
+        """The node holds these blocks (e.g. its SSD tier's after a restart); no put needed."""
+        return await self._replicas("report", tenant, node, tier, keys, sizes, lease)
+
+    async def _replicas(self, op: str, tenant, node, tier, keys, sizes, lease) -> int:
+        blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
         body = {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks, "lease": lease}
-        return (await self._call("POST", "/v1/placements/commit", body))["committed"]
+        return next(iter((await self._call("POST", f"/v1/placements/{op}", body)).values()))
+
+    async def revoke(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
+        body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
+        return (await self._call("POST", "/v1/placements/revoke", body))["revoked"]
 
     async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}

@@ -71,6 +71,7 @@ class PlacementIndex:
         self._follower: asyncio.Task | None = None
         self.revision = 0
         self.stats = IndexStats()
+        self.used: dict[tuple[str, str], int] = defaultdict(int)  # (node, tier) -> bytes placed there
 
     # Keys -----------------------------------------------------------------------------------------
 
@@ -139,14 +140,17 @@ class PlacementIndex:
         tiers = self._tenants[tenant].setdefault(key, {}).setdefault(replica.node, {})
         if replica.tier not in tiers:
             self.stats.replicas += 1
+        self.used[(replica.node, replica.tier)] += size - tiers.get(replica.tier, 0)
         tiers[replica.tier] = size
 
     def _unset(self, tenant: str, key: bytes, replica: Replica) -> None:
         blocks = self._tenants.get(tenant)
         nodes = blocks.get(key) if blocks else None
         tiers = nodes.get(replica.node) if nodes else None
-        if tiers and tiers.pop(replica.tier, None) is not None:
+        size = tiers.pop(replica.tier, None) if tiers else None
+        if size is not None:
             self.stats.replicas -= 1
+            self.used[(replica.node, replica.tier)] -= size
             if not tiers:
                 del nodes[replica.node]
                 if not nodes:

@@ -14,12 +14,15 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
-from . import admission, eviction
+from . import admission, eviction, placement
 from .base import AdmissionPolicy, EvictionPolicy
+from .placement import PlacementStrategy, ReplicationPolicy
 
 ENTRY_POINT_GROUP = "tiercake.policies"
 
-P = TypeVar("P", EvictionPolicy, AdmissionPolicy)
+P = TypeVar("P", EvictionPolicy, AdmissionPolicy, PlacementStrategy, ReplicationPolicy)
+_KINDS = {EvictionPolicy: "eviction", AdmissionPolicy: "admission", PlacementStrategy: "placement",
+          ReplicationPolicy: "replication"}
 
 _BUILTINS: dict[str, type] = {
     cls.name: cls
@@ -32,6 +35,11 @@ _BUILTINS: dict[str, type] = {
         eviction.LeafFirstLRU,
         admission.AlwaysAdmit,
         admission.AdmitOnNth,
+        placement.LeastUsed,
+        placement.LocalFirst,
+        placement.RandomPlacement,
+        placement.FixedReplicas,
+        placement.HotReplicas,
     )
 }
 
@@ -85,9 +93,17 @@ def create_admission(spec: str, params: dict[str, Any] | None = None) -> Admissi
     return _create(spec, AdmissionPolicy, params)
 
 
+def create_placement(spec: str, params: dict[str, Any] | None = None) -> PlacementStrategy:
+    return _create(spec, PlacementStrategy, params)
+
+
+def create_replication(spec: str, params: dict[str, Any] | None = None) -> ReplicationPolicy:
+    return _create(spec, ReplicationPolicy, params)
+
+
 def available() -> dict[str, str]:
     """Every policy name that resolves without a path, with its kind."""
-    found = {name: ("eviction" if issubclass(cls, EvictionPolicy) else "admission") for name, cls in _BUILTINS.items()}
+    found = {name: next(kind for base, kind in _KINDS.items() if issubclass(cls, base)) for name, cls in _BUILTINS.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, "plug-in")
     return found

@@ -40,8 +40,8 @@ async def api():
 async def test_client_commit_lookup_remove(api):
     url, conductor = api
     async with Client([url], token="s3cret-token") as client:
-        assert await client.commit("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 4
-        await client.commit("t", "node-b", "ssd", [k(0), k(1)], [4096] * 2)
+        assert await client.report("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 4
+        await client.report("t", "node-b", "ssd", [k(0), k(1)], [4096] * 2)
         found = await client.lookup("t", [k(i) for i in range(5)])
         assert {n: p.length for n, p in found.items()} == {"node-a": 4, "node-b": 2}
         assert found["node-b"].tiers == {"ssd": 2}
@@ -67,7 +67,7 @@ async def test_bad_requests_are_clear_4xx(api):
             ("/v1/placements/lookup", json.dumps({"tenant": "t"}).encode()),
             ("/v1/placements/lookup", json.dumps({"tenant": "a/b", "keys": []}).encode()),
             ("/v1/placements/lookup", json.dumps({"tenant": "t", "keys": ["zz"]}).encode()),
-            ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool", "blocks": []}).encode()),
+            ("/v1/placements/report", json.dumps({"tenant": "t", "node": "n", "tier": "pool", "blocks": []}).encode()),
             ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool",
                                                   "blocks": [{"key": "abc", "size": 1}]}).encode()),
             ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool",
@@ -128,12 +128,59 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
     second, url2 = conductors("c-two")
     async with Client([url2, url1]) as client:  # starts at the follower: must find the leader itself
         for n in range(10):
-            await client.commit("t", "node-a", "pool", [k(n * 10 + i) for i in range(10)], [1] * 10)
+            await client.report("t", "node-a", "pool", [k(n * 10 + i) for i in range(10)], [1] * 10)
         assert (await client.leader())["conductor_id"] == "c-one"
         first.send_signal(signal.SIGKILL)
         started = time.monotonic()
-        await client.commit("t", "node-a", "pool", [k(1000)], [1])  # waits through the failover
+        await client.report("t", "node-a", "pool", [k(1000)], [1])  # waits through the failover
         assert time.monotonic() - started < 2 * 1 + 3  # two lease TTLs, plus etcd's lease rounding
         assert (await client.leader())["conductor_id"] == "c-two"
         found = await client.lookup("t", [k(i) for i in range(100)])
         assert found["node-a"].length == 100  # every placement committed before the kill
+
+
+async def test_begin_commit_revoke_and_their_refusals(api):
+    url, conductor = api
+    from tiercake.conductor.membership import MemberInfo, Registration
+
+    regs = [await Registration(conductor.meta, MemberInfo(node_id=f"node-{n}", tiers={"pool": 10_000}), ttl=5).start()
+            for n in "abc"]
+    await conductor.members.wait_for(lambda m: len(m.alive("node")) == 3, 10)
+    async with Client([url], token="s3cret-token") as client:
+        targets = await client.begin_put("t", [k(1), k(2), k(3)], [4000, 4000, 4000])
+        # least used: three blocks spread over three empty nodes, one replica each
+        assert sorted(n for nodes in targets.values() for n in nodes) == ["node-a", "node-b", "node-c"]
+        node = targets[k(1)][0]
+        assert await client.commit("t", node, "pool", [k(1)], [4000]) == 1
+        assert (await client.lookup("t", [k(1)]))[node].length == 1
+        with pytest.raises(ConductorError) as err:
+            await client.commit("t", node, "pool", [k(1)], [4000])  # double commit
+        assert err.value.status == 409 and "no put in progress" in str(err.value)
+        with pytest.raises(ConductorError) as err:
+            await client.commit("t", "node-z", "pool", [k(9)], [1])  # commit of an unknown put
+        assert err.value.status == 409
+        other = targets[k(2)][0]
+        assert await client.revoke("t", other, "pool", [k(2)]) == 1
+        with pytest.raises(ConductorError) as err:
+            await client.commit("t", other, "pool", [k(2)], [4000])  # commit after revoke
+        assert err.value.status == 409
+        assert (await client.begin_put("t", [k(1)], [4000]))[k(1)] == [node]  # placed: stays where it is
+        with pytest.raises(ConductorError) as err:
+            await client.begin_put("t", [k(50)], [20_000])  # bigger than any node's free space
+        assert err.value.status == 507
+    for reg in regs:
+        await reg.stop()
+
+
+def test_placement_strategies_and_replication():
+    from tiercake.policies import HotReplicas, LeastUsed, LocalFirst, NodeLoad, RandomPlacement, create_placement
+
+    loads = [NodeLoad("a", 100, 90), NodeLoad("b", 100, 10), NodeLoad("c", 200, 100)]
+    assert LeastUsed().choose(loads, 5, 2) == ["b", "c"]
+    assert LeastUsed().choose(loads, 50, 3) == ["b", "c"]  # a has no room for 50
+    assert LocalFirst().choose(loads, 5, 2, local="a") == ["a", "b"]
+    assert sorted(RandomPlacement(seed=1).choose(loads, 5, 3)) == ["a", "b", "c"]
+    assert isinstance(create_placement("local_first"), LocalFirst)
+    hot = HotReplicas(base=1, threshold=10, maximum=3)
+    # up as it heats; down one level at a time, only once clearly below the level that raised it
+    assert [hot.replicas("k", r) for r in (0, 12, 25, 40, 18, 14, 9, 2)] == [1, 2, 3, 3, 3, 3, 2, 1]
