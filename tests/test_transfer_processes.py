@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +18,16 @@ from tiercake.transfer import PeerClosedError, TransferEngine
 MB = 1 << 20
 
 
+def pool_path(name: str) -> Path:
+    return Path(f"/dev/shm/tiercake-proc-test-{name}-{os.getpid()}")
+
+
 def node_config(tmp_path, name: str, pool: str = "256MiB") -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(
         f"node_id: {name}\n"
         "store:\n  layout: null\n  tiers:\n"
-        f"    - {{kind: pool, capacity: {pool}, path: /dev/shm/tiercake-proc-test-{name}-{os.getpid()}}}\n"
+        f"    - {{kind: pool, capacity: {pool}, path: {pool_path(name)}}}\n"
     )
     return str(path)
 
@@ -31,7 +36,10 @@ def node_config(tmp_path, name: str, pool: str = "256MiB") -> str:
 def node_process(tmp_path):
     procs = []
 
+    names = []
+
     def start(name: str = "node-b", secret: bytes = SECRET, pool: str = "256MiB"):
+        names.append(name)
         proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, name, pool)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": secret.decode()},
@@ -47,6 +55,8 @@ def node_process(tmp_path):
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
         proc.wait(10)
+    for name in names:  # a killed node agent leaves its pool behind (a restart would take it over)
+        pool_path(name).unlink(missing_ok=True)
 
 
 async def test_node_agent_serves_and_stops_cleanly(node_process):
