@@ -14,10 +14,13 @@ state at revision R misses nothing after it.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
 
 TXN_OPS = 128  # etcd's default --max-txn-ops
 
@@ -75,6 +78,17 @@ def prefix_end(prefix: bytes) -> bytes:
             end[i] += 1
             return bytes(end[: i + 1])
     return b"\x00"  # every key
+
+
+async def retry_unavailable(op: Callable[[], Awaitable[T]], attempts: int = 40, delay: float = 0.25) -> T:
+    """Run ``op`` until the backend answers: ``MetadataUnavailableError`` is retryable by contract.
+    The last error is raised after ``attempts`` tries."""
+    for _ in range(attempts - 1):
+        try:
+            return await op()
+        except MetadataUnavailableError:
+            await asyncio.sleep(delay)
+    return await op()
 
 
 def chunks(ops: Sequence, size: int = TXN_OPS) -> list[Sequence]:

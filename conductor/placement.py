@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from itertools import chain
 from dataclasses import dataclass, field
@@ -65,7 +65,7 @@ class PlacementIndex:
         # tenant -> block key -> node -> tier -> size: a lookup walks one dict per block and tests
         # node membership directly
         self._tenants: dict[str, dict[bytes, dict[str, dict[str, int]]]] = defaultdict(dict)
-        self._queue: list[tuple[list[Put | Delete], asyncio.Future]] = []  # group-commit items
+        self._queue: deque[tuple[list[Put | Delete], asyncio.Future]] = deque()  # group-commit items
         self._wakeup = asyncio.Event()
         self._flusher: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
@@ -195,7 +195,7 @@ class PlacementIndex:
             while self._queue:
                 batch, taken = [], 0
                 while self._queue and (not batch or taken + len(self._queue[0][0]) <= self.max_batch):
-                    item = self._queue.pop(0)
+                    item = self._queue.popleft()
                     batch.append(item)
                     taken += len(item[0])
                 # The last change of each key wins (a put then a delete is a delete), so every key

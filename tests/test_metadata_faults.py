@@ -6,7 +6,7 @@ import pytest
 from tiercake.conductor.etcd_process import EtcdCluster
 
 from tiercake.conductor.etcd import EtcdBackend
-from tiercake.conductor.metadata import MetadataUnavailableError
+from tiercake.conductor.metadata import MetadataUnavailableError, retry_unavailable
 
 
 async def test_three_member_cluster_survives_a_dead_member(tmp_path):
@@ -15,12 +15,7 @@ async def test_three_member_cluster_survives_a_dead_member(tmp_path):
         meta = await EtcdBackend(cluster.endpoints, timeout=2.0).start()
         await meta.put(b"/k/1", b"before")
         cluster.members[0].stop(kill=True)  # SIGKILL one member: two of three keep the quorum
-        for _ in range(40):
-            try:
-                await meta.put(b"/k/2", b"after")
-                break
-            except MetadataUnavailableError:
-                await asyncio.sleep(0.25)
+        await retry_unavailable(lambda: meta.put(b"/k/2", b"after"))
         assert (await meta.get(b"/k/1")).value == b"before"
         assert (await meta.get(b"/k/2")).value == b"after"
         await meta.close()
@@ -49,12 +44,7 @@ async def test_etcd_down_then_back_recovers_by_itself(tmp_path):
             await meta.put(b"/k/x", b"lost")
         member.start()  # same data directory: a restart, not a new cluster
         member.wait_ready()
-        for _ in range(60):
-            try:
-                await meta.put(b"/k/b", b"2")
-                break
-            except MetadataUnavailableError:
-                await asyncio.sleep(0.25)
+        await retry_unavailable(lambda: meta.put(b"/k/b", b"2"), attempts=60)
         assert (await meta.get(b"/k/a")).value == b"1"  # durable across the restart
         await asyncio.wait_for(watcher, 20)  # and the watch resumed on its own
         assert seen[-1] == b"/k/b"

@@ -88,7 +88,7 @@ async def test_a_dead_nodes_placements_vanish_from_followers(meta, prefix):
 async def test_lookups_served_while_etcd_is_down(tmp_path):
     from tiercake.conductor.etcd_process import EtcdCluster
 
-    from tiercake.conductor.metadata import MetadataUnavailableError
+    from tiercake.conductor.metadata import MetadataUnavailableError, retry_unavailable
 
     cluster = EtcdCluster(tmp_path, size=1).start()
     try:
@@ -102,12 +102,7 @@ async def test_lookups_served_while_etcd_is_down(tmp_path):
         assert index.holders("t", k(2)) == {}  # not durable, so not visible
         cluster.members[0].start()
         cluster.members[0].wait_ready()
-        for _ in range(40):
-            try:
-                await index.add("t", k(2), "node-a", "pool", 1)
-                break
-            except MetadataUnavailableError:
-                await asyncio.sleep(0.25)
+        await retry_unavailable(lambda: index.add("t", k(2), "node-a", "pool", 1))
         assert index.lookup("t", [k(1), k(2)])["node-a"].length == 2
         await index.close()
         await meta.close()
