@@ -26,6 +26,7 @@ class BlockMeta:
     parent: Key | None = None  # the previous block of the chain; None for a chain's first block
     size: int = 1  # bytes (or 1 in the block-count simulator)
     cost: float = 1.0  # relative cost of recomputing the block (cost-aware policies)
+    tenant: str = ""  # the namespace the block belongs to (the conductor indexes blocks per tenant)
 
 
 class EvictionPolicy(ABC):

@@ -474,3 +474,23 @@ async def test_expired_remote_leases_are_swept_and_their_copies_freed(make_store
     for _ in range(10):
         await asyncio.sleep(0)
     assert pool.backend.used_bytes == 0 and not store._leases
+
+
+async def test_listeners_see_every_copy_come_and_go_with_its_tenant(make_store, tmp_path):
+    store = await make_store(gpu=2, pool=None, ssd=8, ssd_dir=tmp_path / "d")
+    seen = []
+    store.listeners.append(lambda c: seen.append((c.key, c.tier, c.tenant, c.added)))
+    for i in range(3):
+        await store.put(key(i), block(i), tenant="acme")
+    # the third put pushed the least recent block down to ssd: it left gpu and arrived on ssd
+    assert (key(0), "ssd", "acme", True) in seen and (key(0), "gpu", "acme", False) in seen
+    await store.remove(key(2))
+    assert seen[-1] == (key(2), "gpu", "acme", False)
+    await store.drain()
+    for tier in store.tiers:
+        tier.backend.close()
+    store._closed = True
+    # after a restart the ssd tier still knows each block's tenant
+    reopened = await make_store(gpu=None, pool=None, ssd=8, ssd_dir=tmp_path / "d")
+    held = {(c.key, c.tier, c.tenant) for c in reopened.holdings()}
+    assert held == {(key(0), "ssd", "acme")}  # key(1) was only ever on the gpu tier

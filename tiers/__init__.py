@@ -16,10 +16,10 @@ from .errors import (
 from .gpu import GpuBlockPool, GpuTier
 from .pool import PoolRegion, PoolTier
 from .ssd import SsdTier
-from .store import BlockView, Lease, PutHandle, Tier, TieredStore
+from .store import BlockChange, BlockView, Lease, PutHandle, Tier, TieredStore
 
 __all__ = [
-    "BlockView", "Lease", "CorruptBlockError", "DiskFullError", "GpuBlockPool", "GpuTier", "InvalidStateError",
+    "BlockChange", "BlockView", "Lease", "CorruptBlockError", "DiskFullError", "GpuBlockPool", "GpuTier", "InvalidStateError",
     "ObjectExistsError", "ObjectLeasedError", "ObjectNotFoundError", "ObjectPinnedError", "PayloadError",
     "PoolRegion", "PoolTier", "PutHandle", "PutInProgressError", "SsdTier", "StoreError", "Tier",
     "TierFullError", "TieredStore",

@@ -40,12 +40,13 @@ log = logging.getLogger(__name__)
 HEADER_SIZE = 512  # the header's own bytes; the payload starts at ``data_offset`` (512, or a page)
 MAX_KEY = 64
 _MAGIC = b"TCKV"
-_VERSION = 1
+_VERSION = 2  # 2: the block's tenant is in the header, so a restarted node can re-report it
 _FLAG_ZSTD = 1
 _FLAG_SHUFFLE16 = 2
-# magic, version, flags, key_len, parent_len, data_offset, raw_len, stored_len, payload_xxh, created_ns,
-# key, parent
-_HEAD = struct.Struct(f"<4sHHHHIQQQQ{MAX_KEY}s{MAX_KEY}s")
+MAX_TENANT = 128
+# magic, version, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, payload_xxh,
+# created_ns, key, parent, tenant
+_HEAD = struct.Struct(f"<4sHHHHHIQQQQ{MAX_KEY}s{MAX_KEY}s{MAX_TENANT}s")
 _HEAD_CHECK = struct.Struct("<Q")
 assert _HEAD.size + _HEAD_CHECK.size <= HEADER_SIZE
 
@@ -70,6 +71,7 @@ class RecoveredBlock:
     nbytes: int
     slot: SsdSlot
     mtime: float
+    tenant: str = ""
 
 
 def shuffle16(data: np.ndarray) -> np.ndarray:
@@ -190,10 +192,13 @@ class SsdTier:
         hexkey = key.hex()
         return self.blocks_dir / hexkey[:2] / f"{hexkey}.blk"
 
-    async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None) -> None:
+    async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
+                      tenant: str = "") -> None:
         """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible."""
         if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
             raise PayloadError(f"keys stored on SSD are at most {MAX_KEY} bytes")
+        if len(tenant.encode()) > MAX_TENANT:
+            raise PayloadError(f"tenant names stored on SSD are at most {MAX_TENANT} bytes")
         data = slot.staging if src is None else src
         if data is None:
             raise PayloadError("nothing to persist: no source and no staging buffer")
@@ -204,7 +209,7 @@ class SsdTier:
         self._tmp_seq += 1
         path = self._path_for(key)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{self._tmp_seq}")
-        size, stored = await self._run(self._write_file, path, tmp, key, parent, data.numpy())
+        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), data.numpy())
         self.used_bytes += size - slot.reserved
         slot.reserved = size
         slot.stored = stored
@@ -232,7 +237,7 @@ class SsdTier:
         return self.direct_io and nbytes >= self.direct_min
 
     def _write_file(
-        self, path: Path, tmp: Path, key: bytes, parent: bytes | None, payload: np.ndarray
+        self, path: Path, tmp: Path, key: bytes, parent: bytes | None, tenant: bytes, payload: np.ndarray
     ) -> tuple[int, int]:
         """Write the file; returns its size on disk and the stored payload length.
 
@@ -245,8 +250,8 @@ class SsdTier:
         direct = self._direct(payload.size)
         data_offset = PAGE if direct else HEADER_SIZE
         head = _HEAD.pack(
-            _MAGIC, _VERSION, flags, len(key), len(parent or b""), data_offset, payload.size, stored.size,
-            xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"",
+            _MAGIC, _VERSION, flags, len(key), len(parent or b""), len(tenant), data_offset, payload.size,
+            stored.size, xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"", tenant,
         )
         head += _HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head))
         tls = self._tls
@@ -389,7 +394,7 @@ class SsdTier:
                     path.unlink(missing_ok=True)
                     continue
                 slot = SsdSlot(nbytes=header.raw_len, reserved=st.st_size, path=path, stored=header.stored_len)
-                found.append(RecoveredBlock(header.key, header.parent, header.raw_len, slot, st.st_mtime))
+                found.append(RecoveredBlock(header.key, header.parent, header.raw_len, slot, st.st_mtime, header.tenant))
         found.sort(key=lambda b: b.mtime)
         return found
 
@@ -411,6 +416,7 @@ class _Header:
     checksum: int
     key: bytes
     parent: bytes | None
+    tenant: str
 
 
 def _parse_header(path: Path, head: bytes, file_size: int) -> _Header:
@@ -419,15 +425,14 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> _Header:
     (check,) = _HEAD_CHECK.unpack_from(head, _HEAD.size)
     if xxhash.xxh3_64_intdigest(head[: _HEAD.size]) != check:
         raise CorruptBlockError(f"{path}: header checksum mismatch")
-    magic, version, flags, key_len, parent_len, data_offset, raw_len, stored_len, checksum, _, key, parent = (
-        _HEAD.unpack_from(head)
-    )
+    (magic, version, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, checksum, _, key,
+     parent, tenant) = _HEAD.unpack_from(head)
     if magic != _MAGIC or version != _VERSION:
         raise CorruptBlockError(f"{path}: not a tiercake block (magic {magic!r}, version {version})")
     if data_offset + stored_len > file_size:
         raise CorruptBlockError(f"{path}: truncated: {file_size} bytes, header promises {data_offset + stored_len}")
     return _Header(flags, data_offset, raw_len, stored_len, checksum, key[:key_len],
-                   parent[:parent_len] if parent_len else None)
+                   parent[:parent_len] if parent_len else None, tenant[:tenant_len].decode(errors="replace"))
 
 
 def _check_block(path: Path, head: _Header, key: bytes, nbytes: int, stored: np.ndarray) -> None:

@@ -27,7 +27,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -71,6 +71,17 @@ class TierBackend(Protocol):
     def in_use(self, slot: Any) -> bool: ...
     async def release(self, slot: Any) -> None: ...
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChange:
+    """A committed copy of ``key`` appeared in (``added``) or left ``tier``."""
+
+    key: bytes
+    tier: str
+    nbytes: int
+    tenant: str
+    added: bool
 
 
 class State(Enum):
@@ -276,6 +287,9 @@ class TieredStore:
         self._leases: dict[int, Copy] = {}  # every lease handed out, by id (a copy may leave its entry)
         self.misses = 0
         self._closed = False
+        # called with every committed copy that appears in or leaves a tier (a node agent reports
+        # them to the conductor); called synchronously, so a listener must only queue
+        self.listeners: list[Callable[[BlockChange], None]] = []
 
     # Lifecycle ------------------------------------------------------------------------------------
 
@@ -288,7 +302,8 @@ class TieredStore:
             for block in await recover():
                 entry = self._entries.get(block.key)
                 if entry is None:
-                    entry = Entry(block.key, block.nbytes, BlockMeta(parent=block.parent, size=block.nbytes))
+                    meta = BlockMeta(parent=block.parent, size=block.nbytes, tenant=block.tenant)
+                    entry = Entry(block.key, block.nbytes, meta)
                     self._entries[block.key] = entry
                 entry.copies[tier.index] = Copy(tier, block.slot, State.COMMITTED)
                 tier.eviction.on_insert(block.key, entry.meta)
@@ -344,6 +359,13 @@ class TieredStore:
             if any(c.state is State.COMMITTED and (index is None or i == index) for i, c in e.copies.items())
         ]
 
+    def holdings(self) -> list[BlockChange]:
+        """Every committed copy, as the change that made it appear (what a restarted node reports)."""
+        return [
+            BlockChange(e.key, c.tier.name, e.nbytes, e.meta.tenant, True)
+            for e in self._entries.values() for c in e.copies.values() if c.state is State.COMMITTED
+        ]
+
     def prefix_length(self, keys: list[bytes]) -> int:
         """How many leading keys of a chain are held (the walk stops at the first miss)."""
         for n, key in enumerate(keys):
@@ -373,7 +395,8 @@ class TieredStore:
             raise PayloadError(f"payload is {nbytes} bytes, this store's blocks are {self.payload_nbytes} bytes")
 
     async def put_start(
-        self, key: bytes, nbytes: int, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0
+        self, key: bytes, nbytes: int, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
+        tenant: str = "",
     ) -> PutHandle:
         """Reserve space for ``key`` in ``tier`` (default: the fastest tier that admits it)."""
         self._check_key(key)
@@ -385,7 +408,7 @@ class TieredStore:
             if existing.committed():
                 raise ObjectExistsError(f"block {_short(key)} is already committed (objects are immutable)")
             raise PutInProgressError(f"a put of block {_short(key)} is already in progress")
-        meta = BlockMeta(parent=parent, size=nbytes, cost=cost)
+        meta = BlockMeta(parent=parent, size=nbytes, cost=cost, tenant=tenant)
         entry = Entry(key, nbytes, meta)
         self._entries[key] = entry  # claims the key while we wait for room
         try:
@@ -461,7 +484,7 @@ class TieredStore:
         copy, entry = handle.copy, handle.entry
         if not copy.tier.backend.in_memory:
             try:
-                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent, src)
+                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant)
             except BaseException:
                 await self.revoke(handle)
                 raise
@@ -482,19 +505,27 @@ class TieredStore:
             del self._entries[entry.key]
         await handle.copy.tier.backend.release(handle.copy.slot)
 
+    def _notify(self, entry: Entry, tier: Tier, added: bool) -> None:
+        if self.listeners:
+            change = BlockChange(entry.key, tier.name, entry.nbytes, entry.meta.tenant, added)
+            for listener in self.listeners:
+                listener(change)
+
     def _commit_copy(self, entry: Entry, copy: Copy) -> None:
         copy.state = State.COMMITTED
         tier = copy.tier
         tier.eviction.on_insert(entry.key, entry.meta)
+        self._notify(entry, tier, True)
         if tier.usage > tier.high_watermark and (tier.background is None or tier.background.done()):
             tier.background = asyncio.get_running_loop().create_task(self._watermark_round(tier))
 
     async def put(
-        self, key: bytes, data: Payload, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0
+        self, key: bytes, data: Payload, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
+        tenant: str = "",
     ) -> str:
         """Start, write and commit in one call; returns the tier that took the block."""
         src = self._check_payload(data)
-        handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost)
+        handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost, tenant=tenant)
         if not handle.copy.tier.backend.in_memory:
             handle.written = src.numel()
             await self._commit(handle, src)  # the file is written straight from src
@@ -510,7 +541,7 @@ class TieredStore:
 
     async def put_many(
         self, items: list[tuple[bytes, Payload]], *, tier: str | None = None, chain: bool = False,
-        concurrency: int = 16,
+        concurrency: int = 16, tenant: str = "",
     ) -> list[str | BaseException]:
         """Put a batch with up to ``concurrency`` puts in flight (disk tiers overlap their I/O).
         With ``chain``, each item's parent is the item before it. Returns, per item, the tier that
@@ -519,7 +550,8 @@ class TieredStore:
 
         async def one(i: int, key: bytes, data: Payload) -> str:
             async with gate:
-                return await self.put(key, data, tier=tier, parent=items[i - 1][0] if chain and i else None)
+                return await self.put(key, data, tier=tier, parent=items[i - 1][0] if chain and i else None,
+                                      tenant=tenant)
 
         return await asyncio.gather(*(one(i, k, d) for i, (k, d) in enumerate(items)), return_exceptions=True)
 
@@ -714,6 +746,8 @@ class TieredStore:
         del self._entries[key]
         for copy in list(entry.copies.values()):
             copy.tier.eviction.on_remove(key)
+            if copy.state is State.COMMITTED:
+                self._notify(entry, copy.tier, False)
             # A copy being evicted, or a pending copy a spill or promotion is filling, is freed by
             # that operation when it sees the entry gone.
             if copy.state is State.COMMITTED and not copy.evicting:
@@ -794,6 +828,7 @@ class TieredStore:
             await tier.backend.release(copy.slot)  # removed during the spill; remove() left it to us
             return
         del entry.copies[tier.index]
+        self._notify(entry, tier, False)
         if not entry.copies:
             del self._entries[key]
         if copy.leased(time.monotonic()):
@@ -816,7 +851,7 @@ class TieredStore:
             if lower.tier.backend.in_memory:
                 await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
             else:
-                await lower.tier.backend.persist(lower.slot, entry.key, entry.meta.parent, src)
+                await lower.tier.backend.persist(lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant)
         except StoreError as exc:
             entry.copies.pop(lower.tier.index, None)
             await lower.tier.backend.release(lower.slot)
@@ -833,6 +868,7 @@ class TieredStore:
     async def _drop_copy(self, entry: Entry, index: int) -> None:
         copy = entry.copies.pop(index)
         copy.tier.eviction.on_remove(entry.key)
+        self._notify(entry, copy.tier, False)
         if not entry.copies:
             self._entries.pop(entry.key, None)
         await copy.tier.backend.release(copy.slot)

@@ -27,11 +27,13 @@ from .transports import TRANSPORTS, LocalTransport, Peer, ReadReq, Transport, Wr
 
 @dataclass(frozen=True, slots=True)
 class BlockLoc:
-    """A block in ``node``'s store. ``parent`` is its chain parent (used when it is written)."""
+    """A block in ``node``'s store. ``parent`` (its chain parent) and ``tenant`` are used when it is
+    written."""
 
     node: str
     key: bytes
     parent: bytes | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,7 @@ class TransferEngine:
         elif isinstance(src, BlockLoc) and isinstance(dst, BufferLoc):
             groups[src.node].reads.append((i, ReadReq(src.key, _slice(dst, item.length))))
         elif isinstance(src, BufferLoc) and isinstance(dst, BlockLoc):
-            groups[dst.node].writes.append((i, WriteReq(dst.key, _slice(src, item.length), dst.parent)))
+            groups[dst.node].writes.append((i, WriteReq(dst.key, _slice(src, item.length), dst.parent, dst.tenant)))
         elif isinstance(src, BlockLoc) and isinstance(dst, BlockLoc) and dst.node == self.node_id != src.node:
             pulls.append((i, src, dst))
         else:
@@ -200,7 +202,7 @@ class TransferEngine:
             results[i].error = p.ItemError("this engine has no local store to pull into", Status.NOT_FOUND)
             return
         try:
-            handle = await self.store.put_start(dst.key, length, parent=dst.parent)
+            handle = await self.store.put_start(dst.key, length, parent=dst.parent, tenant=dst.tenant)
         except (StoreError, ValueError, TypeError) as exc:
             results[i].error = exc
             return
@@ -233,12 +235,12 @@ class TransferEngine:
         return await self._execute({node: group}, [TransferResult(False) for _ in keys], timeout)
 
     async def write_blocks(self, node: str, keys: list[bytes], srcs: list, *, chain: bool = False,
-                           timeout: float | None = None) -> list[TransferResult]:
+                           tenant: str = "", timeout: float | None = None) -> list[TransferResult]:
         """Store each buffer as the block of the key beside it on ``node`` (``chain``: each block's
         parent is the previous key)."""
         if len(keys) != len(srcs):
             raise ValueError(f"{len(keys)} keys for {len(srcs)} buffers")
-        writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None))
+        writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None, tenant))
                   for i, (k, s) in enumerate(zip(keys, srcs))]
         return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
 

@@ -120,7 +120,7 @@ def _dt(*fields: tuple[str, str]) -> np.dtype:
 
 READ_DT = _dt(("klen", "u1"), ("length", "<u8"))
 READ_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("length", "<u8"), ("checksum", "<u8"))
-WRITE_DT = _dt(("klen", "u1"), ("plen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
+WRITE_DT = _dt(("klen", "u1"), ("plen", "u1"), ("tlen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
 STATUS_DT = _dt(("status", "u1"), ("mlen", "<u2"))
 LEASE_DT = _dt(("klen", "u1"), ("length", "<u8"), ("ttl", "<f8"))
 LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("offset", "<u8"), ("length", "<u8"), ("lease", "<u8"))
@@ -226,6 +226,7 @@ class WriteItem:
     length: int
     parent: bytes | None = None
     checksum: int = 0
+    tenant: str = ""
 
 
 def encode_write(items: list[WriteItem]) -> bytes:
@@ -234,15 +235,18 @@ def encode_write(items: list[WriteItem]) -> bytes:
         parent = it.parent or b""
         if len(parent) > MAX_KEY:
             raise ValueError(f"parent keys are at most {MAX_KEY} bytes")
-        rows.append((len(_key(it.key)), len(parent), _length(it.length), it.checksum))
-        blobs += [it.key, parent]
+        tenant = it.tenant.encode()
+        if len(tenant) > 255:
+            raise ValueError("tenant names are at most 255 bytes")
+        rows.append((len(_key(it.key)), len(parent), len(tenant), _length(it.length), it.checksum))
+        blobs += [it.key, parent, tenant]
     return _encode(WRITE_DT, rows, blobs)
 
 
 def decode_write(body: bytes) -> list[WriteItem]:
-    records, fields = _decode(WRITE_DT, body, ("klen", "plen"))
+    records, fields = _decode(WRITE_DT, body, ("klen", "plen", "tlen"))
     return [
-        WriteItem(f[0], n, f[1] or None, c)
+        WriteItem(f[0], n, f[1] or None, c, f[2].decode(errors="replace"))
         for f, n, c in zip(fields, records["length"].tolist(), records["checksum"].tolist())
     ]
 

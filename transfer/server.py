@@ -304,7 +304,7 @@ class TransferServer:
                     continue
                 try:
                     handle = await self.store.put_start(
-                        it.key, it.length, parent=it.parent, tier=self.pool_tier if shm else None
+                        it.key, it.length, parent=it.parent, tenant=it.tenant, tier=self.pool_tier if shm else None
                     )
                 except (StoreError, ValueError, TypeError) as exc:
                     handles.append(None)

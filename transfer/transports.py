@@ -38,6 +38,7 @@ class WriteReq:
     key: bytes
     src: torch.Tensor  # flat uint8
     parent: bytes | None = None
+    tenant: str = ""
 
 
 @dataclass(slots=True)
@@ -107,7 +108,7 @@ class LocalTransport(Transport):
         done = []
         for it in items:  # in order: a chain's parents go first
             try:
-                await store.put(it.key, it.src, parent=it.parent)
+                await store.put(it.key, it.src, parent=it.parent, tenant=it.tenant)
                 done.append(None)
             except (StoreError, ValueError, TypeError) as exc:
                 done.append(exc)
@@ -184,7 +185,7 @@ class TcpTransport(Transport):
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         async def op(conn, run):
             return await conn.write(
-                [(p.WriteItem(items[i].key, 0, items[i].parent), _host_src(items[i].src)) for i in run],
+                [(p.WriteItem(items[i].key, 0, items[i].parent, tenant=items[i].tenant), _host_src(items[i].src)) for i in run],
                 self.checksum,
             )
 
@@ -256,7 +257,7 @@ class ShmTransport(TcpTransport):
 
         async def op(conn, run):
             return await conn.write(
-                [(p.WriteItem(items[i].key, 0, items[i].parent), _host_src(items[i].src)) for i in run],
+                [(p.WriteItem(items[i].key, 0, items[i].parent, tenant=items[i].tenant), _host_src(items[i].src)) for i in run],
                 self.checksum, copy_into_pool,
             )
 
