@@ -12,11 +12,12 @@ import hmac
 import json
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .membership import MemberInfo
 from .metadata import MetadataUnavailableError
-from .service import Conductor, NoRoomError, NotLeaderError, PlacementError
+from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
 
 MAX_BODY = 8 << 20
 MAX_KEYS = 65536
@@ -48,8 +49,9 @@ class BlockSize(BaseModel):
 
 
 class CommitRequest(ReplicaRequest):
+    """Replicas of ``node``; they are attached to the node's member lease (they go when it dies)."""
+
     blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
-    lease: int = Field(default=0, ge=0, description="the node's lease, so its replicas go when it dies")
 
 
 class BeginRequest(BaseModel):
@@ -63,6 +65,28 @@ class BeginRequest(BaseModel):
 
 class RemoveRequest(ReplicaRequest):
     keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+class PinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = NAME
+    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+    ttl: int | None = Field(default=None, ge=1, description="seconds; default: until unpinned")
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    member: MemberInfo
+    ttl: int = Field(default=5, ge=1, le=3600, description="seconds without a keep-alive before it is dead")
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str = NAME
+    lease: int = Field(gt=0)
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
@@ -94,11 +118,28 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
 def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Application:
     registry = CollectorRegistry()
     index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
-    ops = Gauge("tiercake_placement_ops_durable", "placement changes made durable", registry=registry)
-    batches = Gauge("tiercake_group_commit_batches", "group-commit batches flushed", registry=registry)
+    ops = Counter("tiercake_placement_ops", "placement changes made durable (rate: ops per second)",
+                  registry=registry)
+    batch_ops = Histogram("tiercake_group_commit_batch_ops", "placement changes per group-commit batch",
+                          buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048), registry=registry)
+    commit_seconds = Histogram("tiercake_metadata_commit_seconds", "time to make one batch durable in the backend",
+                               buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5),
+                               registry=registry)
     leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
     terms = Gauge("tiercake_leader_terms", "terms this conductor has won", registry=registry)
+    changes = Gauge("tiercake_leader_changes", "leader changes this conductor has seen", registry=registry)
+    members_gauge = Gauge("tiercake_members", "live members", ["role"], registry=registry)
+    pins_gauge = Gauge("tiercake_pins", "pinned blocks", registry=registry)
     requests = Counter("tiercake_api_requests", "API requests", ["endpoint"], registry=registry)
+    lookup_seconds = Histogram("tiercake_lookup_seconds", "placement lookup time in the conductor",
+                               buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
+
+    def on_batch(n: int, seconds: float) -> None:
+        ops.inc(n)
+        batch_ops.observe(n)
+        commit_seconds.observe(seconds)
+
+    conductor.index.stats.on_batch = on_batch
 
     @web.middleware
     async def auth(request: web.Request, handler):
@@ -107,7 +148,8 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
             given = header[7:] if header.startswith("Bearer ") else ""
             if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):
                 raise _error(web.HTTPUnauthorized, "a valid bearer token is required")
-        requests.labels(request.path).inc()
+        requests.labels(request.match_info.route.resource.canonical if request.match_info.route.resource
+                        else "unmatched").inc()
         try:
             return await handler(request)
         except NotLeaderError as exc:
@@ -117,6 +159,8 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
             ) from None
         except MetadataUnavailableError as exc:
             raise _error(web.HTTPServiceUnavailable, f"{exc}; retry", retryable=True) from None
+        except LeaseExpiredError as exc:
+            raise _error(web.HTTPNotFound, str(exc)) from None
         except NoRoomError as exc:
             raise _error(web.HTTPInsufficientStorage, str(exc)) from None
         except PlacementError as exc:
@@ -131,7 +175,9 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
 
     async def lookup(request: web.Request) -> web.Response:
         body = await _body(request, LookupRequest)
-        found = conductor.index.lookup(body.tenant, _keys(body.keys))
+        keys = _keys(body.keys)
+        with lookup_seconds.time():
+            found = conductor.lookup(body.tenant, keys)
         return web.json_response({"nodes": {n: {"length": p.length, "tiers": p.tiers} for n, p in found.items()}})
 
     async def begin(request: web.Request) -> web.Response:
@@ -145,7 +191,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
         body = await _body(request, CommitRequest)
         conductor.require_leader(await conductor.leader())
         keys = _keys([b.key for b in body.blocks])
-        await conductor.commit_put(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks], body.lease)
+        await conductor.commit_put(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks])
         return web.json_response({"committed": len(keys)})
 
     async def revoke(request: web.Request) -> web.Response:
@@ -155,20 +201,66 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
         return web.json_response({"revoked": len(body.keys)})
 
     async def report(request: web.Request) -> web.Response:
-        """A node declares blocks it holds (after a restart, its SSD tier's): no put needed."""
+        """A node declares blocks it holds (spilled, promoted, or its SSD tier's after a restart)."""
         body = await _body(request, CommitRequest)
         conductor.require_leader(await conductor.leader())
         keys = _keys([b.key for b in body.blocks])
-        await conductor.index.add_many(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks],
-                                       lease=body.lease)
-        return web.json_response({"reported": len(keys)})
+        new = await conductor.report(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks])
+        return web.json_response({"reported": len(keys), "new": new})
 
     async def remove(request: web.Request) -> web.Response:
         body = await _body(request, RemoveRequest)
         conductor.require_leader(await conductor.leader())
-        for key in _keys(body.keys):
-            await conductor.index.remove(body.tenant, key, body.node, body.tier)
-        return web.json_response({"removed": len(body.keys)})
+        removed, unknown = await conductor.remove(body.tenant, _keys(body.keys), body.node, body.tier)
+        return web.json_response({"removed": removed, "unknown": unknown})
+
+    async def pin(request: web.Request) -> web.Response:
+        body = await _body(request, PinRequest)
+        conductor.require_leader(await conductor.leader())
+        await conductor.pin(body.tenant, _keys(body.keys), body.ttl)
+        return web.json_response({"pinned": len(body.keys)})
+
+    async def unpin(request: web.Request) -> web.Response:
+        body = await _body(request, PinRequest)
+        conductor.require_leader(await conductor.leader())
+        await conductor.unpin(body.tenant, _keys(body.keys))
+        return web.json_response({"unpinned": len(body.keys)})
+
+    async def register(request: web.Request) -> web.Response:
+        body = await _body(request, RegisterRequest)
+        return web.json_response({"lease": await conductor.register(body.member, body.ttl)})
+
+    async def keep_alive(request: web.Request) -> web.Response:
+        """Renew a member's lease; the answer carries the pins version (fetch the node's pins when
+        it changes) and, from the leader, the node's replication tasks."""
+        body = await _body(request, LeaseRequest)
+        await conductor.keep_alive(body.lease)
+        tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
+        return web.json_response({
+            "pins_version": conductor.pins_version,
+            "tasks": [{"tenant": t.tenant, "key": t.key.hex(), "tier": t.tier, "size": t.size, "source": t.source}
+                      for t in tasks],
+        })
+
+    async def leave(request: web.Request) -> web.Response:
+        body = await _body(request, LeaseRequest)
+        await conductor.leave(body.lease)
+        return web.json_response({"left": body.node_id})
+
+    async def node_blocks(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+        pins = conductor.pins
+        return web.json_response({"blocks": [
+            {"tenant": t, "key": k.hex(), "tier": tier, "size": size, "pinned": (t, k) in pins}
+            for t, k, tier, size in conductor.index.node_blocks(node)
+        ]})
+
+    async def node_pins(request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+        version = conductor.pins_version
+        return web.json_response({"version": version, "pins": [
+            {"tenant": t, "key": k.hex()} for t, k in conductor.node_pins(node)
+        ]})
 
     async def members(_: web.Request) -> web.Response:
         return web.json_response({"members": [m.model_dump() for m in conductor.members.alive()]})
@@ -179,10 +271,12 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
 
     async def metrics(_: web.Request) -> web.Response:
         index_size.set(len(conductor.index))
-        ops.set(conductor.index.stats.ops)
-        batches.set(conductor.index.stats.commits)
         leader.set(1 if conductor.is_leader else 0)
         terms.set(conductor.election.terms)
+        changes.set(conductor.election.changes_seen)
+        pins_gauge.set(len(conductor.pins))
+        for role in ("node", "prefill", "decode", "worker"):
+            members_gauge.labels(role).set(len(conductor.members.alive(role)))
         return web.Response(body=generate_latest(registry), content_type="text/plain")
 
     app = web.Application(middlewares=[auth], client_max_size=MAX_BODY)
@@ -198,6 +292,13 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
         web.post("/v1/placements/revoke", revoke),
         web.post("/v1/placements/report", report),
         web.post("/v1/placements/remove", remove),
+        web.post("/v1/placements/pin", pin),
+        web.post("/v1/placements/unpin", unpin),
+        web.post("/v1/members/register", register),
+        web.post("/v1/members/keepalive", keep_alive),
+        web.post("/v1/members/leave", leave),
+        web.get("/v1/nodes/{node}/blocks", node_blocks),
+        web.get("/v1/nodes/{node}/pins", node_pins),
     ])
     return app
 

@@ -89,28 +89,59 @@ class Client:
         targets = (await self._call("POST", "/v1/placements/begin", body))["targets"]
         return {bytes.fromhex(k): nodes for k, nodes in targets.items()}
 
-    async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int],
-                     lease: int = 0) -> int:
+    async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
         """The node stored blocks begun for it; returns once their placement is durable."""
-        return await self._replicas("commit", tenant, node, tier, keys, sizes, lease)
+        return (await self._replicas("commit", tenant, node, tier, keys, sizes))["committed"]
 
-    async def report(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int],
-                     lease: int = 0) -> int:
-        """The node holds these blocks (e.g. its SSD tier's after a restart); no put needed."""
-        return await self._replicas("report", tenant, node, tier, keys, sizes, lease)
+    async def report(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
+        """The node holds these blocks (spilled, promoted, or its SSD tier's after a restart); no put
+        needed. Returns how many the index did not have yet."""
+        return (await self._replicas("report", tenant, node, tier, keys, sizes))["new"]
 
-    async def _replicas(self, op: str, tenant, node, tier, keys, sizes, lease) -> int:
+    async def _replicas(self, op: str, tenant, node, tier, keys, sizes) -> dict:
         blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
-        body = {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks, "lease": lease}
-        return next(iter((await self._call("POST", f"/v1/placements/{op}", body)).values()))
+        body = {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks}
+        return await self._call("POST", f"/v1/placements/{op}", body)
 
     async def revoke(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
         return (await self._call("POST", "/v1/placements/revoke", body))["revoked"]
 
-    async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
+    async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> tuple[int, int]:
+        """The node no longer holds these blocks; returns (removed, unknown to the index)."""
         body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
-        return (await self._call("POST", "/v1/placements/remove", body))["removed"]
+        data = await self._call("POST", "/v1/placements/remove", body)
+        return data["removed"], data["unknown"]
+
+    async def pin(self, tenant: str, keys: list[bytes], ttl: int | None = None) -> int:
+        """Keep these blocks wherever they are held, until unpinned (or for ``ttl`` seconds)."""
+        body = {"tenant": tenant, "keys": [k.hex() for k in keys], "ttl": ttl}
+        return (await self._call("POST", "/v1/placements/pin", body))["pinned"]
+
+    async def unpin(self, tenant: str, keys: list[bytes]) -> int:
+        body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
+        return (await self._call("POST", "/v1/placements/unpin", body))["unpinned"]
+
+    async def node_blocks(self, node: str) -> list[dict]:
+        """Every replica the index places on ``node``: tenant, key (hex), tier, size, pinned."""
+        return (await self._call("GET", f"/v1/nodes/{node}/blocks"))["blocks"]
+
+    async def node_pins(self, node: str) -> tuple[int, list[tuple[str, bytes]]]:
+        """(pins version, the pinned blocks ``node`` holds)."""
+        data = await self._call("GET", f"/v1/nodes/{node}/pins")
+        return data["version"], [(p["tenant"], bytes.fromhex(p["key"])) for p in data["pins"]]
+
+    async def register(self, member: dict, ttl: int = 5) -> int:
+        """Register a node or worker (``MemberInfo`` fields); returns its lease."""
+        return (await self._call("POST", "/v1/members/register", {"member": member, "ttl": ttl}))["lease"]
+
+    async def keep_alive(self, node_id: str, lease: int) -> dict:
+        """Renew the lease. Raises ``ConductorError`` with status 404 once it has expired (register
+        again). Returns the pins version and the node's replication tasks."""
+        return await self._call("POST", "/v1/members/keepalive", {"node_id": node_id, "lease": lease})
+
+    async def leave(self, node_id: str, lease: int) -> None:
+        await self._call("POST", "/v1/members/leave", {"node_id": node_id, "lease": lease})
 
     async def members(self) -> list[dict]:
         return (await self._call("GET", "/v1/members"))["members"]

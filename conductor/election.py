@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError
 
@@ -26,11 +27,15 @@ class LeaderElection:
         self.lease = 0
         self.leading = asyncio.Event()
         self.terms = 0
+        self.changes_seen = 0  # leader changes this candidate saw: its own wins and vacancies
+        self._valid_until = 0.0  # monotonic: the lease surely lives until then
         self._task: asyncio.Task | None = None
 
     @property
     def is_leader(self) -> bool:
-        return self.leading.is_set()
+        """Leading, and the lease surely still alive: a process paused past its TTL (SIGSTOP, a long
+        stall) is not the leader when it resumes, even before its next renewal fails."""
+        return self.leading.is_set() and time.monotonic() < self._valid_until
 
     async def leader(self) -> str | None:
         """Who leads now, as the backend says (any candidate or client may ask)."""
@@ -53,9 +58,12 @@ class LeaderElection:
 
     async def _campaign(self) -> None:
         while True:
+            granted = time.monotonic()
             self.lease = await self.meta.grant_lease(self.ttl)
             if await self.meta.create(self.key, self.candidate.encode(), lease=self.lease):
+                self._valid_until = granted + self.ttl
                 self.terms += 1
+                self.changes_seen += 1
                 self.leading.set()
                 log.info("election: %s leads (term %d)", self.candidate, self.terms)
                 return
@@ -68,13 +76,16 @@ class LeaderElection:
             return
         async for event in self.meta.watch(self.key, revision + 1):
             if event.key == self.key and event.kind == "delete":
+                self.changes_seen += 1
                 return
 
     async def _hold(self) -> None:
         while True:
             await asyncio.sleep(max(self.ttl / 3, 0.2))
+            asked = time.monotonic()
             try:
                 await self.meta.refresh_lease(self.lease)
+                self._valid_until = asked + self.ttl
             except LeaseNotFoundError:
                 log.warning("election: %s lost its lease; stepping down", self.candidate)
                 return

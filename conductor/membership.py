@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError
+from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, WatchEvent, follow
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class MemberInfo(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
     tiers: dict[str, int] = Field(default_factory=dict, description="tier name -> capacity in bytes")
+    lease: int = Field(default=0, ge=0, description="the lease the member is registered under (set on registration)")
 
 
 class Registration:
@@ -58,6 +59,7 @@ class Registration:
 
     async def _register(self) -> None:
         self.lease = await self.meta.grant_lease(self.ttl)
+        self.info = self.info.model_copy(update={"lease": self.lease})
         await self.meta.put(self.key, self.info.model_dump_json().encode(), lease=self.lease)
         self.registrations += 1
         if self.on_register is not None:
@@ -96,39 +98,35 @@ class Membership:
         self.prefix = prefix
         self.members: dict[str, MemberInfo] = {}
         self._task: asyncio.Task | None = None
-        self.changed = asyncio.Condition()
+        self._changed = asyncio.Event()
+        self.version = 0  # bumped on every change seen
 
     async def start(self) -> Membership:
         kvs, revision = await self.meta.range(self.prefix)
         for kv in kvs:
             info = MemberInfo.model_validate_json(kv.value)
             self.members[info.node_id] = info
-        self._task = asyncio.get_running_loop().create_task(self._follow(revision + 1))
+        self._task = asyncio.get_running_loop().create_task(
+            follow(self.meta, self.prefix, revision + 1, self._apply, "membership"))
         return self
 
-    async def _follow(self, start: int) -> None:
-        while True:
-            try:
-                async for event in self.meta.watch(self.prefix, start):
-                    node = event.key[len(self.prefix):].decode()
-                    if event.kind == "put":
-                        self.members[node] = MemberInfo.model_validate_json(event.value)
-                    else:
-                        self.members.pop(node, None)
-                    start = event.revision + 1
-                    async with self.changed:
-                        self.changed.notify_all()
-            except MetadataUnavailableError as exc:
-                log.warning("membership: watch interrupted (%s); resuming", exc)
-                await asyncio.sleep(0.5)
+    def _apply(self, event: WatchEvent) -> None:
+        node = event.key[len(self.prefix):].decode()
+        if event.kind == "put":
+            self.members[node] = MemberInfo.model_validate_json(event.value)
+        else:
+            self.members.pop(node, None)
+        self.version += 1
+        self._changed.set()  # wakes every waiter; later waiters wait on a fresh event
+        self._changed = asyncio.Event()
 
     def alive(self, role: str | None = None) -> list[MemberInfo]:
         return [m for m in self.members.values() if role is None or m.role == role]
 
     async def wait_for(self, predicate: Callable[[Membership], bool], timeout: float) -> None:
         async with asyncio.timeout(timeout):
-            async with self.changed:
-                await self.changed.wait_for(lambda: predicate(self))
+            while not predicate(self):
+                await self._changed.wait()
 
     async def close(self) -> None:
         if self._task is not None:

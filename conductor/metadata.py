@@ -15,12 +15,14 @@ state at revision R misses nothing after it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 TXN_OPS = 128  # etcd's default --max-txn-ops
 
@@ -144,3 +146,17 @@ class MetadataBackend(ABC):
     @abstractmethod
     def watch(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
         """Events for keys with ``prefix`` from ``start_revision`` (0: from now), in order."""
+
+
+async def follow(meta: MetadataBackend, prefix: bytes, start_revision: int,
+                 apply: Callable[[WatchEvent], None], what: str) -> None:
+    """Apply every change under ``prefix`` from ``start_revision`` on, forever; a watch cut by an
+    unreachable backend resumes where it stopped, so no change is missed."""
+    while True:
+        try:
+            async for event in meta.watch(prefix, start_revision):
+                apply(event)
+                start_revision = event.revision + 1
+        except MetadataUnavailableError as exc:
+            log.warning("%s: watch interrupted (%s); resuming", what, exc)
+            await asyncio.sleep(0.5)

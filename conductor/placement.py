@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import chain
 from dataclasses import dataclass, field
 
-from .metadata import Delete, MetadataBackend, MetadataUnavailableError, Put, WatchEvent
+from .metadata import Delete, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow as follow_changes
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class IndexStats:
     commits: int = 0  # group-commit batches flushed
     ops: int = 0  # placement changes made durable
     largest_batch: int = 0
+    # called with (operations, seconds) of every flushed batch (the API feeds its histograms)
+    on_batch: Callable[[int, float], None] | None = None
 
 
 def _check(name: str, value: str) -> str:
@@ -101,7 +104,8 @@ class PlacementIndex:
         loop = asyncio.get_running_loop()
         self._flusher = loop.create_task(self._flush_forever())
         if follow:
-            self._follower = loop.create_task(self._follow(self.revision + 1))
+            self._follower = loop.create_task(follow_changes(self.meta, self.prefix, self.revision + 1, self._apply,
+                                                     "placement index"))
         return self
 
     async def close(self) -> None:
@@ -114,16 +118,6 @@ class PlacementIndex:
             if not future.done():
                 future.set_exception(MetadataUnavailableError("placement index closed"))
         self._queue.clear()
-
-    async def _follow(self, start_revision: int) -> None:
-        while True:
-            try:
-                async for event in self.meta.watch(self.prefix, start_revision):
-                    self._apply(event)
-                    start_revision = event.revision + 1
-            except MetadataUnavailableError as exc:
-                log.warning("placement index: watch interrupted (%s); resuming", exc)
-                await asyncio.sleep(0.5)
 
     def _apply(self, event: WatchEvent) -> None:
         parsed = self._parse(event.key)
@@ -201,6 +195,7 @@ class PlacementIndex:
                 # The last change of each key wins (a put then a delete is a delete), so every key
                 # appears once and the batch's transactions may run concurrently in any order.
                 latest = {op.key: op for ops, _ in batch for op in ops}
+                started = time.perf_counter()
                 try:
                     revision = await self.meta.commit(list(latest.values()), concurrency=self.concurrency)
                 except Exception as exc:  # noqa: BLE001 - every waiter gets the error, none hangs
@@ -212,6 +207,8 @@ class PlacementIndex:
                 self.stats.commits += 1
                 self.stats.ops += taken
                 self.stats.largest_batch = max(self.stats.largest_batch, taken)
+                if self.stats.on_batch is not None:
+                    self.stats.on_batch(taken, time.perf_counter() - started)
                 for _, future in batch:
                     if not future.done():
                         future.set_result(None)
@@ -241,13 +238,13 @@ class PlacementIndex:
             result[node] = NodePrefix(len(seen), dict(Counter(chain.from_iterable(seen))))
         return result
 
-    def node_blocks(self, node: str) -> list[tuple[str, bytes, str]]:
-        """(tenant, block key, tier) of every replica on ``node``."""
+    def node_blocks(self, node: str) -> list[tuple[str, bytes, str, int]]:
+        """(tenant, block key, tier, size) of every replica on ``node``."""
         return [
-            (tenant, key, tier)
+            (tenant, key, tier, size)
             for tenant, blocks in self._tenants.items()
             for key, nodes in blocks.items()
-            for tier in nodes.get(node, ())
+            for tier, size in nodes.get(node, {}).items()
         ]
 
     def __len__(self) -> int:

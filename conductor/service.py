@@ -6,17 +6,23 @@ memory; the one that wins the election also accepts placement writes. The HTTP f
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tiercake.policies import NodeLoad, create_placement, create_replication
 
 from .election import LeaderElection
-from .membership import Membership
-from .metadata import MetadataBackend, MetadataUnavailableError
-from .placement import PlacementIndex
+from .heat import AccessRates
+from .membership import MEMBERS, MemberInfo, Membership
+from .metadata import (
+    Delete, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
+)
+from .placement import PlacementIndex, Replica
 
 
 class NotLeaderError(Exception):
@@ -38,17 +44,35 @@ class ConductorInfo(BaseModel):
 
 class PlacementError(Exception):
     """A commit or revoke names a put the conductor does not know (never begun, timed out, revoked,
-    already committed)."""
+    already committed), or a node that is not a live member."""
 
 
 class NoRoomError(PlacementError):
     """No live node has room for the block in the asked tier."""
 
 
+class LeaseExpiredError(Exception):
+    """A keep-alive for a lease that is gone: the member must register again (and re-report)."""
+
+
+PINS = b"/tiercake/pins/"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationTask:
+    """Ask ``node`` to copy a hot block from ``source`` (``source`` set) or drop its copy (None)."""
+
+    tenant: str
+    key: bytes
+    tier: str
+    size: int
+    source: str | None
+
+
 class Conductor:
     def __init__(self, meta: MetadataBackend, conductor_id: str | None = None, url: str = "", ttl: int = 3,
                  placement: str = "least_used", replication: str = "fixed", replication_params: dict | None = None,
-                 put_timeout: float = 60.0) -> None:
+                 put_timeout: float = 60.0, heat_half_life: float = 10.0) -> None:
         self.meta = meta
         self.placement = create_placement(placement)
         self.replication = create_replication(replication, replication_params)
@@ -60,15 +84,29 @@ class Conductor:
         self.members = Membership(meta)
         self.election = LeaderElection(meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(),
                                        ttl=ttl)
+        self.heat = AccessRates(half_life=heat_half_life)
+        self.pins: set[tuple[str, bytes]] = set()
+        self.pins_version = 0
+        self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
+        self._pin_follower: asyncio.Task | None = None
 
     async def start(self) -> Conductor:
         await self.index.start()
         await self.members.start()
+        kvs, revision = await self.meta.range(PINS)
+        for kv in kvs:
+            self._apply_pin(WatchEvent("put", kv.key, kv.value, revision))
+        self._pin_follower = asyncio.get_running_loop().create_task(
+            follow(self.meta, PINS, revision + 1, self._apply_pin, "pins"))
         await self.election.start()
         return self
 
     async def close(self) -> None:
         await self.election.resign()
+        if self._pin_follower is not None:
+            self._pin_follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pin_follower
         await self.members.close()
         await self.index.close()
 
@@ -94,12 +132,39 @@ class Conductor:
         if not self.is_leader:
             raise NotLeaderError(leader.url if leader else None)
 
+    # Membership -----------------------------------------------------------------------------------
+
+    async def register(self, info: MemberInfo, ttl: int) -> int:
+        """Register a member (node or worker) under a new lease; returns the lease. Any conductor may
+        do this: the lease lives in the backend, not in this process."""
+        lease = await self.meta.grant_lease(ttl)
+        info = info.model_copy(update={"lease": lease})
+        await self.meta.put(MEMBERS + info.node_id.encode(), info.model_dump_json().encode(), lease=lease)
+        return lease
+
+    async def keep_alive(self, lease: int) -> None:
+        try:
+            await self.meta.refresh_lease(lease)
+        except LeaseNotFoundError:
+            raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report") from None
+
+    async def leave(self, lease: int) -> None:
+        await self.meta.revoke_lease(lease)
+
+    def _member(self, node: str, tier: str) -> MemberInfo:
+        member = self.members.members.get(node)
+        if member is None:
+            raise PlacementError(f"{node!r} is not a live member: register it first")
+        if tier not in member.tiers:
+            raise PlacementError(f"node {node!r} has no tier {tier!r} (it has {sorted(member.tiers)})")
+        return member
+
     # Puts -----------------------------------------------------------------------------------------
 
-    def _loads(self, tier: str) -> list[NodeLoad]:
+    def _loads(self, tier: str, exclude: set[str] = frozenset()) -> list[NodeLoad]:
         return [
             NodeLoad(m.node_id, m.tiers[tier], self.index.used.get((m.node_id, tier), 0))
-            for m in self.members.alive("node") if tier in m.tiers
+            for m in self.members.alive("node") if tier in m.tiers and m.node_id not in exclude
         ]
 
     def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
@@ -116,11 +181,11 @@ class Conductor:
             if held:
                 targets[key] = held
                 continue
-            count = self.replication.replicas(key, 0.0)
+            count = self.replication.replicas((tenant, key), 0.0)
             chosen = self.placement.choose(list(loads.values()), size, count, local)
             if not chosen:
                 raise NoRoomError(f"no node has {size} bytes free in tier {tier!r} "
-                                     f"({len(loads)} candidate nodes)")
+                                  f"({len(loads)} candidate nodes)")
             for node in chosen:
                 self._pending[(tenant, key, node)] = (tier, now + self.put_timeout)
                 load = loads[node]
@@ -139,11 +204,110 @@ class Conductor:
         for key in keys:
             del self._pending[(tenant, key, node)]
 
-    async def commit_put(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int],
-                         lease: int = 0) -> None:
-        """The node stored the blocks begun for it: durable placement, then acknowledged."""
+    async def commit_put(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int]) -> None:
+        """The node stored the blocks begun for it: durable placement (under the node's lease, so it
+        goes when the node dies), then acknowledged."""
+        member = self._member(node, tier)
         self._take_pending(tenant, keys, node, tier)
-        await self.index.add_many(tenant, keys, node, tier, sizes, lease)
+        await self.index.add_many(tenant, keys, node, tier, sizes, member.lease)
 
     def revoke_put(self, tenant: str, keys: list[bytes], node: str, tier: str) -> None:
         self._take_pending(tenant, keys, node, tier)
+
+    # What nodes report ----------------------------------------------------------------------------
+
+    async def report(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int]) -> int:
+        """A live node holds these blocks (it spilled or promoted them, or its SSD tier still has them
+        after a restart): record what is new; returns how many were. Only members may report, and
+        only into tiers they registered."""
+        member = self._member(node, tier)
+        new = [(k, s) for k, s in zip(keys, sizes, strict=True)
+               if self.index.holders(tenant, k).get(Replica(node, tier)) != s]
+        if new:
+            await self.index.add_many(tenant, [k for k, _ in new], node, tier, [s for _, s in new], member.lease)
+        return len(new)
+
+    async def remove(self, tenant: str, keys: list[bytes], node: str, tier: str) -> tuple[int, int]:
+        """The node no longer holds these blocks in ``tier``: returns (removed, unknown), unknown being
+        replicas the index never had (nothing to do for them)."""
+        held = [k for k in keys if Replica(node, tier) in self.index.holders(tenant, k)]
+        for key in held:
+            await self.index.remove(tenant, key, node, tier)
+        return len(held), len(keys) - len(held)
+
+    def lookup(self, tenant: str, keys: list[bytes]) -> dict:
+        """The longest cached prefix per node; the blocks found count as accesses (hot replication)."""
+        found = self.index.lookup(tenant, keys)
+        longest = max((p.length for p in found.values()), default=0)
+        if longest:
+            self.heat.hit([(tenant, k) for k in keys[:longest]])
+        return found
+
+    # Pins -----------------------------------------------------------------------------------------
+
+    def _pin_key(self, tenant: str, key: bytes) -> bytes:
+        return PINS + f"{tenant}/{key.hex()}".encode()
+
+    def _apply_pin(self, event: WatchEvent) -> None:
+        tenant, _, key_hex = event.key[len(PINS):].decode().partition("/")
+        pin = (tenant, bytes.fromhex(key_hex))
+        if event.kind == "put":
+            self.pins.add(pin)
+        else:
+            self.pins.discard(pin)
+        self.pins_version += 1
+
+    async def pin(self, tenant: str, keys: list[bytes], ttl: int | None = None) -> None:
+        """Keep these blocks on every node that holds them (never evicted there) until unpinned or,
+        with ``ttl``, for that many seconds. Durable: a new leader keeps the pins."""
+        lease = await self.meta.grant_lease(ttl) if ttl else 0
+        await self.meta.commit([Put(self._pin_key(tenant, k), b"{}", lease) for k in keys])
+        self.pins.update((tenant, k) for k in keys)
+
+    async def unpin(self, tenant: str, keys: list[bytes]) -> None:
+        await self.meta.commit([Delete(self._pin_key(tenant, k)) for k in keys])
+        self.pins.difference_update((tenant, k) for k in keys)
+
+    def node_pins(self, node: str) -> list[tuple[str, bytes]]:
+        """The pinned blocks ``node`` holds (it applies them to its store)."""
+        return [(t, k) for t, k in self.pins if any(r.node == node for r in self.index.holders(t, k))]
+
+    # Hot-block replication ------------------------------------------------------------------------
+
+    def replication_tasks(self, node: str, limit: int = 64) -> list[ReplicationTask]:
+        """What ``node`` should copy or drop now, under the replication policy and the access rates
+        seen in lookups. Each block's targets are chosen once by the placement strategy, so nodes
+        asking at the same time do not all copy the same block; a task handed out is not handed out
+        again until it is done (the index changes) or its deadline passes."""
+        now = time.monotonic()
+        self._issued = {k: v for k, v in self._issued.items() if v > now}
+        tasks: list[ReplicationTask] = []
+        for (tenant, key), rate in self.heat.items():
+            holders = self.index.holders(tenant, key)
+            if not holders:
+                self.heat.forget((tenant, key))
+                continue
+            nodes = sorted({r.node for r in holders})
+            wanted = self.replication.replicas((tenant, key), rate)
+            if (tenant, key, node) in self._issued:
+                continue
+            replica, size = min(holders.items(), key=lambda item: (item[0].node, item[0].tier))
+            tier = "pool"
+            if wanted > len(nodes) and node not in nodes:
+                chosen = self.placement.choose(self._loads(tier, exclude=set(nodes)), size, wanted - len(nodes))
+                if node in chosen:
+                    tasks.append(ReplicationTask(tenant, key, tier, size, replica.node))
+            elif wanted < len(nodes) and node in nodes and (tenant, key) not in self.pins:
+                # drop from the most used holders first, keeping ``wanted`` of them
+                by_use = sorted(nodes, key=lambda n: -self.index.used.get((n, tier), 0))
+                if node in by_use[: len(nodes) - wanted]:
+                    for r in holders:
+                        if r.node == node:
+                            tasks.append(ReplicationTask(tenant, key, r.tier, size, None))
+            else:
+                continue
+            if tasks and tasks[-1].key == key:
+                self._issued[(tenant, key, node)] = now + 10.0
+            if len(tasks) >= limit:
+                break
+        return tasks

@@ -40,15 +40,55 @@ async def api():
 async def test_client_commit_lookup_remove(api):
     url, conductor = api
     async with Client([url], token="s3cret-token") as client:
+        lease_a = await client.register({"node_id": "node-a", "tiers": {"pool": 1 << 20}}, ttl=5)
+        await client.register({"node_id": "node-b", "tiers": {"ssd": 1 << 20}}, ttl=5)
         assert await client.report("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 4
+        assert await client.report("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 0  # known
         await client.report("t", "node-b", "ssd", [k(0), k(1)], [4096] * 2)
         found = await client.lookup("t", [k(i) for i in range(5)])
         assert {n: p.length for n, p in found.items()} == {"node-a": 4, "node-b": 2}
         assert found["node-b"].tiers == {"ssd": 2}
-        assert await client.remove("t", "node-a", "pool", [k(3)]) == 1
+        # removing what the node holds, and what the index never had: counted apart, no error
+        assert await client.remove("t", "node-a", "pool", [k(3), k(77)]) == (1, 1)
         assert (await client.lookup("t", [k(i) for i in range(5)]))["node-a"].length == 3
         assert (await client.leader())["conductor_id"] == "c1"
-        assert await client.members() == []
+        members = {m["node_id"]: m for m in await client.members()}
+        assert members["node-a"]["lease"] == lease_a and members["node-b"]["tiers"] == {"ssd": 1 << 20}
+        # a node that never registered, or a tier the node does not have: refused, nothing recorded
+        for node, tier in (("node-z", "pool"), ("node-b", "pool")):
+            with pytest.raises(ConductorError) as err:
+                await client.report("t", node, tier, [k(9)], [4096])
+            assert err.value.status == 409
+        assert not await client.lookup("t", [k(9)])
+        # keys of one tenant mean nothing to another
+        assert await client.lookup("other", [k(i) for i in range(5)]) == {}
+        held = await client.node_blocks("node-a")
+        assert sorted(b["key"] for b in held) == sorted(k(i).hex() for i in range(3))
+        assert all(b["tenant"] == "t" and b["tier"] == "pool" and not b["pinned"] for b in held)
+
+
+async def test_pins_are_durable_listed_per_node_and_expire(api):
+    url, conductor = api
+    async with Client([url], token="s3cret-token") as client:
+        await client.register({"node_id": "node-a", "tiers": {"pool": 1 << 20}}, ttl=5)
+        await client.report("t", "node-a", "pool", [k(1), k(2)], [10, 10])
+        version, pins = await client.node_pins("node-a")
+        assert pins == []
+        assert await client.pin("t", [k(1)]) == 1
+        await client.pin("t", [k(2)], ttl=1)
+        version2, pins = await client.node_pins("node-a")
+        assert version2 > version and sorted(pins) == [("t", k(1)), ("t", k(2))]
+        assert [b["pinned"] for b in sorted(await client.node_blocks("node-a"), key=lambda b: b["key"])] == [True, True]
+        # a new conductor on the same backend knows the pins (they are in the backend, not in memory)
+        other = await Conductor(conductor.meta, "c2").start()
+        assert other.pins == {("t", k(1)), ("t", k(2))}
+        await other.close()
+        deadline = time.monotonic() + 10
+        while len((await client.node_pins("node-a"))[1]) == 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert (await client.node_pins("node-a"))[1] == [("t", k(1))]  # the ttl pin expired
+        await client.unpin("t", [k(1)])
+        assert (await client.node_pins("node-a"))[1] == []
 
 
 async def test_bad_requests_are_clear_4xx(api):
@@ -86,6 +126,10 @@ async def test_bad_requests_are_clear_4xx(api):
         async with http.get(url + "/metrics", headers=headers) as resp:
             text = await resp.text()
             assert "tiercake_is_leader 1.0" in text and "tiercake_index_replicas" in text
+            for name in ("tiercake_placement_ops_total", "tiercake_group_commit_batch_ops_bucket",
+                         "tiercake_metadata_commit_seconds_bucket", "tiercake_leader_changes",
+                         "tiercake_lookup_seconds_bucket", 'tiercake_members{role="node"}'):
+                assert name in text, name
     async with Client([url], token="s3cret-token") as client:
         with pytest.raises(ConductorError) as err:
             await client.lookup("a/b", [k(1)])
@@ -127,6 +171,7 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
     await asyncio.sleep(1.0)  # c-one wins the election
     second, url2 = conductors("c-two")
     async with Client([url2, url1]) as client:  # starts at the follower: must find the leader itself
+        await client.register({"node_id": "node-a", "tiers": {"pool": 1 << 30}}, ttl=60)
         for n in range(10):
             await client.report("t", "node-a", "pool", [k(n * 10 + i) for i in range(10)], [1] * 10)
         assert (await client.leader())["conductor_id"] == "c-one"
@@ -184,3 +229,29 @@ def test_placement_strategies_and_replication():
     hot = HotReplicas(base=1, threshold=10, maximum=3)
     # up as it heats; down one level at a time, only once clearly below the level that raised it
     assert [hot.replicas("k", r) for r in (0, 12, 25, 40, 18, 14, 9, 2)] == [1, 2, 3, 3, 3, 3, 2, 1]
+
+
+async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors, etcd):
+    first, url1 = conductors("p-one")
+    async with Client([url1]) as client:
+        deadline = time.monotonic() + 10
+        while (await client.leader() or {}).get("conductor_id") != "p-one" and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # the previous test's leader, if any, has to expire first
+        assert (await client.leader())["conductor_id"] == "p-one"
+        await client.register({"node_id": "node-p", "tiers": {"pool": 1 << 30}}, ttl=60)
+    second, url2 = conductors("p-two")
+    first.send_signal(signal.SIGSTOP)  # a partition, as far as etcd can tell
+    try:
+        async with Client([url2]) as client:
+            await client.report("t", "node-p", "pool", [k(5000)], [1])  # p-two takes over meanwhile
+            assert (await client.leader())["conductor_id"] == "p-two"
+    finally:
+        first.send_signal(signal.SIGCONT)
+    # at once after resuming, before its own renewal could have failed: it refuses writes
+    async with aiohttp.ClientSession() as http:
+        body = {"tenant": "t", "node": "node-p", "tier": "pool", "blocks": [{"key": k(5001).hex(), "size": 1}]}
+        async with http.post(url1 + "/v1/placements/report", json=body) as resp:
+            assert resp.status == 503, await resp.text()
+            assert resp.headers["X-Tiercake-Leader"] == url2
+        async with http.get(url1 + "/metrics") as resp:
+            assert "tiercake_is_leader 0.0" in await resp.text()

@@ -80,3 +80,12 @@ async def test_a_leader_that_loses_its_lease_steps_down(meta, prefix):
     # it noticed at its next keep-alive, stepped down, and (alone) won a new term under a new lease
     assert leader.terms == 2 and leader.lease != old_lease and leader.is_leader
     await leader.resign()
+
+
+async def test_a_stalled_leader_is_not_leader_the_moment_it_resumes(meta, prefix):
+    leader = await LeaderElection(meta, "conductor-1", ttl=1, prefix=prefix).start()
+    await asyncio.wait_for(leader.leading.wait(), 10)
+    assert leader.is_leader
+    time.sleep(1.2)  # the whole event loop stalls past the TTL (as under SIGSTOP): no renewal ran
+    assert not leader.is_leader  # checked before any task runs: no window where it acts as leader
+    await leader.resign()

@@ -109,6 +109,36 @@ class TransferConfig(BaseModel):
         return value
 
 
+class ConductorConfig(BaseModel):
+    """The control plane: how a conductor runs, and how nodes and workers reach it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    urls: list[str] = Field(default_factory=list,
+                            description="conductor URLs nodes and workers talk to; empty: a standalone node")
+    host: str = Field(default="127.0.0.1", description="address a conductor's API listens on")
+    port: int = Field(default=8081, ge=0, le=65535, description="0: any free port (printed at start)")
+    etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port; empty: embedded backend")
+    token_env: str = Field(default="TIERCAKE_TOKEN",
+                           description="environment variable with the bearer token (clients) or tokens (server)")
+    token_file: str | None = Field(default=None, description="file with bearer tokens, whitespace-separated")
+    leader_ttl: int = Field(default=3, ge=1, description="seconds a dead leader keeps the lead")
+    member_ttl: int = Field(default=5, ge=1, description="seconds a silent node or worker stays a member")
+    placement: str = Field(default="least_used", description="placement strategy: least_used, local_first, random")
+    replication: str = Field(default="fixed", description="replication policy: fixed, hot")
+    replication_params: dict[str, Any] = Field(default_factory=dict)
+    put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
+
+    def tokens(self) -> list[str]:
+        """Bearer tokens from the environment variable and the token file (none: no auth)."""
+        import os
+
+        found = os.environ.get(self.token_env, "").split()
+        if self.token_file:
+            found += Path(self.token_file).read_text().split()
+        return found
+
+
 class TiercakeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -116,6 +146,7 @@ class TiercakeConfig(BaseModel):
     model_id: str = "tiercake-reference"
     store: StoreConfig
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    conductor: ConductorConfig = Field(default_factory=ConductorConfig)
 
     def namespace(self, tenant_salt: str = "") -> Namespace:
         layout = self.store.layout

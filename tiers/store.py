@@ -761,6 +761,10 @@ class TieredStore:
         else:
             entry.soft_pin_until = max(entry.soft_pin_until, time.monotonic() + (ttl if ttl is not None else 60.0))
 
+    def is_pinned(self, key: bytes) -> bool:
+        """Hard-pinned (soft pins expire on their own and are not reported)."""
+        return self._committed_entry(key).hard_pin
+
     def unpin(self, key: bytes) -> None:
         entry = self._committed_entry(key)
         entry.hard_pin = False

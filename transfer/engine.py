@@ -108,6 +108,12 @@ class TransferEngine:
             self.connect_timeout,
         )
 
+    def ensure_peer(self, node_id: str, host: str, port: int) -> None:
+        """``add_peer`` unless the peer is already known at that address (keeps its connections)."""
+        channel = self._channels.get(node_id)
+        if channel is None or (channel.address.host, channel.address.port) != (host, port):
+            self.add_peer(node_id, host, port)
+
     async def _peer(self, node: str) -> Peer:
         if node == self.node_id:
             return Peer(node, None, None)

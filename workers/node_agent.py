@@ -1,4 +1,5 @@
-"""The node agent: owns the node's pool and SSD tiers and serves them through the transfer server."""
+"""The node agent: owns the node's pool and SSD tiers, serves them through the transfer server, and
+(when conductor URLs are configured) registers with the conductor and keeps it told what it holds."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import logging
 import signal
 import sys
 
+from tiercake.conductor.client import Client
+from tiercake.conductor.membership import MemberInfo
 from tiercake.config import TiercakeConfig
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
-from tiercake.transfer import TransferServer
+from tiercake.transfer import TransferEngine, TransferServer
+
+from .conductor_link import ConductorLink
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +27,9 @@ class NodeAgent:
         self.config = config
         self.store: TieredStore | None = None
         self.server: TransferServer | None = None
+        self.engine: TransferEngine | None = None
+        self.link: ConductorLink | None = None
+        self._client: Client | None = None
 
     async def start(self) -> NodeAgent:
         cfg = self.config
@@ -34,12 +42,32 @@ class NodeAgent:
                 self.store, secret, cfg.node_id, cfg.transfer.host, cfg.transfer.port, pool_tier=pool,
                 max_block_bytes=int(cfg.transfer.max_block_bytes), buffer_bytes=cfg.transfer.buffer_bytes,
             ).start()
+            if cfg.conductor.urls:
+                await self._join(secret)
         except BaseException:
-            await self.store.close()
+            await self.close()
             raise
         return self
 
+    async def _join(self, secret: bytes) -> None:
+        cfg = self.config
+        tokens = cfg.conductor.tokens()
+        self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None)
+        self.engine = TransferEngine(cfg.node_id, secret, self.store, transports=tuple(cfg.transfer.transports),
+                                     streams=cfg.transfer.streams, checksum=cfg.transfer.checksum)
+        host, port = self.server.address
+        member = MemberInfo(node_id=cfg.node_id, role="node", host=host, port=port,
+                            tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers})
+        self.link = await ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl,
+                                        engine=self.engine).start()
+
     async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+        if self._client is not None:
+            await self._client.close()
+        if self.engine is not None:
+            await self.engine.close()
         if self.server is not None:
             await self.server.close()
         if self.store is not None:

@@ -1,0 +1,48 @@
+"""Access rates of blocks, as the conductor sees them through lookups: an exponentially decayed
+count per block, so a block's rate follows its recent popularity and a cold block fades away."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class AccessRates:
+    """``rate(key)`` is in accesses per second, decayed with ``half_life`` seconds. At most
+    ``max_keys`` blocks are tracked: when full, the coldest half is forgotten."""
+
+    def __init__(self, half_life: float = 30.0, max_keys: int = 200_000) -> None:
+        self.decay = math.log(2) / half_life
+        self.max_keys = max_keys
+        self._counts: dict[object, tuple[float, float]] = {}  # key -> (decayed count, at)
+
+    def _value(self, key: object, now: float) -> float:
+        count, at = self._counts.get(key, (0.0, now))
+        return count * math.exp(-self.decay * (now - at))
+
+    def hit(self, keys, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for key in keys:
+            self._counts[key] = (self._value(key, now) + 1.0, now)
+        if len(self._counts) > self.max_keys:
+            self._forget_coldest(now)
+
+    def rate(self, key: object, now: float | None = None) -> float:
+        """Accesses per second: a steady rate r keeps the decayed count at r / decay."""
+        now = time.monotonic() if now is None else now
+        return self._value(key, now) * self.decay
+
+    def items(self, now: float | None = None) -> list[tuple[object, float]]:
+        now = time.monotonic() if now is None else now
+        return [(key, self._value(key, now) * self.decay) for key in self._counts]
+
+    def forget(self, key: object) -> None:
+        self._counts.pop(key, None)
+
+    def _forget_coldest(self, now: float) -> None:
+        ranked = sorted(self._counts, key=lambda k: self._value(k, now))
+        for key in ranked[: len(ranked) // 2]:
+            del self._counts[key]
+
+    def __len__(self) -> int:
+        return len(self._counts)

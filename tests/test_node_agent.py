@@ -1,0 +1,190 @@
+"""Node agents joined to a conductor: reports of what they hold, re-reports after a restart, pins
+applied to the store, hot-block replication carried out between nodes."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+from transfer_helpers import SECRET, payload, start_node, stop_node
+
+from tiercake.conductor.api import build_app
+from tiercake.conductor.client import Client
+from tiercake.conductor.embedded import EmbeddedBackend
+from tiercake.conductor.membership import MemberInfo
+from tiercake.conductor.service import Conductor
+from tiercake.tiers import ObjectPinnedError
+from tiercake.transfer import TransferEngine
+from tiercake.workers.conductor_link import ConductorLink
+
+KB = 1 << 10
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+async def wait_until(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def processes():
+    procs = []
+
+    def start(args: list[str], env: dict | None = None):
+        proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+        procs.append(proc)
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read().decode()[-3000:]
+        return proc, json.loads(line)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def node_config(tmp_path, name: str, conductor: str) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"node_id: {name}\n"
+        "store:\n  layout: null\n  tiers:\n"
+        f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / name / 'ssd'}}}\n"
+        f"conductor: {{urls: ['{conductor}'], member_ttl: 1}}\n"
+    )
+    return str(path)
+
+
+async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processes, tmp_path):
+    _, conductor = processes(["conductor", "--listen", "127.0.0.1:0"])
+    url = conductor["url"]
+    config = node_config(tmp_path, "node-s", url)
+    env = {"TIERCAKE_SECRET": SECRET.decode()}
+    node, address = processes(["node", "--config", config], env)
+    keys = [k(i) for i in range(6)]
+    async with Client([url]) as client:
+        engine = TransferEngine("writer", SECRET, transports=("tcp",))
+        engine.add_peer("node-s", address["host"], address["port"])
+        results = await engine.write_blocks("node-s", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
+                                            tenant="acme")
+        assert all(r.ok for r in results), [r.error for r in results]
+        await engine.close()
+        # the node told the conductor, under the tenant the writer gave: only that tenant finds them
+        found = await wait_until(lambda: client.lookup("acme", keys), what="the node's report")
+        assert found["node-s"].length == 6 and found["node-s"].tiers == {"ssd": 6}
+        assert await client.lookup("other", keys) == {}
+        member = (await client.members())[0]
+        assert (member["node_id"], member["port"], member["tiers"]) == ("node-s", address["port"], {"ssd": 64 << 20})
+
+        node.send_signal(signal.SIGKILL)  # its lease runs out: the node and its blocks stop being offered
+        await wait_until(lambda: _empty(client.lookup("acme", keys)), what="the dead node's blocks to vanish")
+        assert await client.members() == []
+
+        processes(["node", "--config", config], env)  # same SSD directory: the index is rebuilt
+        found = await wait_until(lambda: client.lookup("acme", keys), what="the re-report")
+        assert found["node-s"].length == 6 and found["node-s"].tiers == {"ssd": 6}
+
+
+async def _empty(awaitable) -> bool:
+    return not await awaitable
+
+
+@pytest.fixture
+async def conductor_api():
+    meta = await EmbeddedBackend().start()
+    conductor = await Conductor(meta, "c1", ttl=1, replication="hot",
+                                replication_params={"base": 1, "threshold": 5.0, "maximum": 2},
+                                heat_half_life=1.0).start()
+    runner = web.AppRunner(build_app(conductor))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    await asyncio.wait_for(conductor.election.leading.wait(), 10)
+    yield f"http://{host}:{port}", conductor
+    await runner.cleanup()
+    await conductor.close()
+    await meta.close()
+
+
+async def _linked_node(name: str, url: str):
+    store, server = await start_node(name)
+    client = Client([url])
+    engine = TransferEngine(name, SECRET, store)
+    member = MemberInfo(node_id=name, host=server.address[0], port=server.address[1],
+                        tiers={"pool": 8 << 20})
+    link = await ConductorLink(client, member, store, ttl=1, engine=engine).start()
+    return store, server, client, engine, link
+
+
+async def _unlink(store, server, client, engine, link) -> None:
+    await link.close()
+    await client.close()
+    await engine.close()
+    await stop_node(store, server)
+
+
+async def test_pins_reach_the_store_and_leave_it(conductor_api):
+    url, conductor = conductor_api
+    node = await _linked_node("node-p", url)
+    store, *_ = node
+    try:
+        await store.put(k(1), payload(1, 4 * KB), tenant="t")
+        async with Client([url]) as client:
+            await wait_until(lambda: client.lookup("t", [k(1)]), what="the report")
+            await client.pin("t", [k(1)])
+            # the node learns of the pin at its next keep-alive and pins the block in its store
+            await wait_until(lambda: _async(store.is_pinned(k(1))), what="the pin")
+            with pytest.raises(ObjectPinnedError):
+                await store.remove(k(1))
+            await client.unpin("t", [k(1)])
+            await wait_until(lambda: _async(not store.is_pinned(k(1))), what="the unpin")
+            await store.remove(k(1))
+            # the removal reaches the index too
+            await wait_until(lambda: _empty(client.lookup("t", [k(1)])), what="the removal report")
+    finally:
+        await _unlink(*node)
+
+
+async def _async(value):
+    return value
+
+
+async def test_hot_block_is_replicated_while_hot_and_dropped_when_it_cools(conductor_api):
+    url, conductor = conductor_api
+    a = await _linked_node("node-a", url)
+    b = await _linked_node("node-b", url)
+    try:
+        await a[0].put(k(7), payload(7, 64 * KB), tenant="t")
+        async with Client([url]) as client:
+            await wait_until(lambda: client.lookup("t", [k(7)]), what="the report")
+            # a hot block: lookups at well over 5/s make the policy want a second replica
+            async def heat_and_check():
+                for _ in range(10):
+                    await client.lookup("t", [k(7)])
+                return len(await client.lookup("t", [k(7)])) == 2
+            await wait_until(heat_and_check, what="a second replica")
+            assert b[0].contains(k(7))  # node-b pulled it from node-a over the transfer engine
+            assert (await b[0].get(k(7))).equal(payload(7, 64 * KB))
+            # no more lookups (the index is read directly, which counts no access): the rate decays
+            # (half-life 1 s) and one replica is dropped, from its node's store and from the index
+            await wait_until(lambda: _async(len({r.node for r in conductor.index.holders("t", k(7))}) == 1),
+                             timeout=20, what="the drop")
+            assert a[0].contains(k(7)) != b[0].contains(k(7))
+    finally:
+        await _unlink(*b)
+        await _unlink(*a)

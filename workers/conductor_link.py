@@ -1,0 +1,168 @@
+"""A node's link to the conductor: registration under a kept-alive lease, reports of every block that
+appears in or leaves the node's store, pins applied to the store, and replication tasks carried out.
+
+When the lease is found expired (the node was paused, partitioned or restarted), the node registers
+again and re-reports everything its store holds, so its blocks (its SSD tier's after a restart)
+become findable again. A conductor that cannot be reached is retried; nothing is dropped: changes
+queue up and are sent, coalesced, once it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.membership import MemberInfo
+from tiercake.tiers import BlockChange, StoreError, TieredStore
+from tiercake.transfer import BlockLoc, Transfer, TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+class ConductorLink:
+    def __init__(self, client: Client, member: MemberInfo, store: TieredStore, *, ttl: int = 5,
+                 engine: TransferEngine | None = None, flush_interval: float = 0.05) -> None:
+        self.client = client
+        self.member = member
+        self.store = store
+        self.ttl = ttl
+        self.engine = engine  # for replication pulls; None: tasks to copy are ignored
+        self.flush_interval = flush_interval
+        self.lease = 0
+        self.registrations = 0
+        self.pins: set[tuple[str, bytes]] = set()
+        self._pins_version = -1
+        # (tenant, key, tier) -> (added, nbytes): the latest change of each copy not yet reported
+        self._changes: dict[tuple[str, bytes, str], tuple[bool, int]] = {}
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._reregistered = asyncio.Event()
+
+    async def start(self) -> ConductorLink:
+        self.store.listeners.append(self._on_change)
+        await self._register()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._keep_alive()), loop.create_task(self._report_forever())]
+        return self
+
+    async def close(self, leave: bool = True) -> None:
+        """Stop; with ``leave`` the lease is revoked, so the node and its placements go at once."""
+        with contextlib.suppress(ValueError):
+            self.store.listeners.remove(self._on_change)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if leave and self.lease:
+            with contextlib.suppress(ConductorError):
+                await self.client.leave(self.member.node_id, self.lease)
+
+    # Registration ---------------------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        member = self.member.model_dump(exclude={"lease"})
+        self.lease = await self.client.register(member, self.ttl)
+        self.registrations += 1
+        self._pins_version = -1
+        # everything held goes out again: the old lease took the node's placements with it
+        for change in self.store.holdings():
+            self._on_change(change)
+        log.info("node %s: registered (lease %x), re-reporting %d copies", self.member.node_id, self.lease,
+                 len(self._changes))
+
+    async def _keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.ttl / 3, 0.2))
+            try:
+                answer = await self.client.keep_alive(self.member.node_id, self.lease)
+            except ConductorError as exc:
+                if exc.status == 404:
+                    log.warning("node %s: lease expired; registering again", self.member.node_id)
+                    with contextlib.suppress(ConductorError):
+                        await self._register()
+                else:
+                    log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
+                continue
+            try:
+                if answer["pins_version"] != self._pins_version:
+                    await self._sync_pins()
+                if answer["tasks"]:
+                    await self._run_tasks(answer["tasks"])
+            except ConductorError as exc:
+                log.warning("node %s: %s", self.member.node_id, exc)
+
+    # Reports --------------------------------------------------------------------------------------
+
+    def _on_change(self, change: BlockChange) -> None:
+        self._changes[(change.tenant, change.key, change.tier)] = (change.added, change.nbytes)
+        self._wakeup.set()
+
+    async def flush(self) -> None:
+        """Send every queued change; returns once the conductor has recorded them."""
+        while self._changes:
+            pending, self._changes = self._changes, {}
+            groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]] = defaultdict(list)
+            for (tenant, key, tier), (added, nbytes) in pending.items():
+                groups[(added, tenant, tier)].append((key, nbytes))
+            try:
+                for (added, tenant, tier), blocks in groups.items():
+                    keys = [k for k, _ in blocks]
+                    if added:
+                        await self.client.report(tenant, self.member.node_id, tier, keys, [n for _, n in blocks])
+                    else:
+                        await self.client.remove(tenant, self.member.node_id, tier, keys)
+            except ConductorError:
+                for copy, state in pending.items():  # keep them, unless a newer change came meanwhile
+                    self._changes.setdefault(copy, state)
+                raise
+
+    async def _report_forever(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await asyncio.sleep(self.flush_interval)  # let a burst of changes gather into one report
+            try:
+                await self.flush()
+            except ConductorError as exc:
+                log.warning("node %s: report failed (%s); retrying", self.member.node_id, exc)
+                await asyncio.sleep(0.5)
+                self._wakeup.set()
+
+    # Pins and replication -------------------------------------------------------------------------
+
+    async def _sync_pins(self) -> None:
+        version, pins = await self.client.node_pins(self.member.node_id)
+        wanted = set(pins)
+        for tenant, key in wanted - self.pins:
+            with contextlib.suppress(StoreError):  # gone meanwhile: the next report says so
+                self.store.pin(key, hard=True)
+        for tenant, key in self.pins - wanted:
+            with contextlib.suppress(StoreError):
+                self.store.unpin(key)
+        self.pins = wanted
+        self._pins_version = version
+
+    async def _run_tasks(self, tasks: list[dict]) -> None:
+        copies = [t for t in tasks if t["source"] and not self.store.contains(bytes.fromhex(t["key"]))]
+        for task in tasks:
+            if task["source"] is None:
+                with contextlib.suppress(StoreError):  # leased or pinned here: it stays
+                    await self.store.remove(bytes.fromhex(task["key"]))
+        if not copies or self.engine is None:
+            return
+        members = {m["node_id"]: m for m in await self.client.members()}
+        batch = []
+        for task in copies:
+            source = members.get(task["source"])
+            if source is None:
+                continue
+            self.engine.ensure_peer(source["node_id"], source["host"], source["port"])
+            key = bytes.fromhex(task["key"])
+            batch.append(Transfer(BlockLoc(source["node_id"], key),
+                                  BlockLoc(self.member.node_id, key, tenant=task["tenant"]), task["size"]))
+        for result in await self.engine.transfer(batch, timeout=30):
+            if not result.ok:
+                log.warning("node %s: replication pull failed: %s", self.member.node_id, result.error)
