@@ -15,6 +15,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tiercake.config import ConductorConfig
+
 from .membership import MemberInfo
 from .metadata import MetadataUnavailableError
 from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
@@ -303,9 +305,8 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
     return app
 
 
-async def serve(etcd: list[str], host: str, port: int, tokens: list[str] | None = None, ttl: int = 3,
-                conductor_id: str | None = None, announce=None) -> None:
-    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are given, else embedded."""
+async def serve(config: ConductorConfig, conductor_id: str | None = None, announce=None) -> None:
+    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded."""
     import asyncio
     import signal
     import socket
@@ -314,15 +315,20 @@ async def serve(etcd: list[str], host: str, port: int, tokens: list[str] | None 
     from .embedded import EmbeddedBackend
     from .etcd import EtcdBackend
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    tokens = config.tokens() or None
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))  # bound first: the URL the conductor publishes is the one it serves
+    sock.bind((config.host, config.port))  # bound first: the URL the conductor publishes is the one it serves
     bound = sock.getsockname()
     url = f"http://{bound[0]}:{bound[1]}"
-    meta = await (EtcdBackend(etcd).start() if etcd else EmbeddedBackend().start())
+    meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
     conductor = runner = None
     try:
-        conductor = await Conductor(meta, conductor_id, url=url, ttl=ttl).start()
+        conductor = await Conductor(
+            meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
+            replication=config.replication, replication_params=config.replication_params,
+            put_timeout=config.put_timeout_s,
+        ).start()
         runner = web.AppRunner(build_app(conductor, tokens))
         await runner.setup()
         await web.SockSite(runner, sock).start()

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def conductors(etcd, tmp_path):
     def start(name: str):
         proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.cli", "conductor", "--etcd", ",".join(etcd.endpoints), "--ttl", "1",
+             "--listen", "127.0.0.1:0",
              "--id", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         procs.append(proc)
@@ -231,13 +233,37 @@ def test_placement_strategies_and_replication():
     assert [hot.replicas("k", r) for r in (0, 12, 25, 40, 18, 14, 9, 2)] == [1, 2, 3, 3, 3, 3, 2, 1]
 
 
+async def test_leader_killed_mid_batch_loses_no_acknowledged_placement(conductors, etcd):
+    first, url1 = conductors("m-one")
+    async with Client([url1]) as client:
+        await wait_for_leader(client, "m-one")
+        await client.register({"node_id": "node-m", "tiers": {"pool": 1 << 30}}, ttl=60)
+    second, url2 = conductors("m-two")
+    acknowledged: list[bytes] = []
+
+    async def writer(client, w: int) -> None:
+        for n in range(20):
+            keys = [k(100_000 + w * 1000 + n * 10 + i) for i in range(10)]
+            await client.report("t", "node-m", "pool", keys, [1] * 10)  # retried on the new leader
+            acknowledged.extend(keys)
+
+    async with Client([url1, url2], timeout=2.0) as client:
+        writers = [asyncio.create_task(writer(client, w)) for w in range(16)]
+        while len(acknowledged) < 300:
+            await asyncio.sleep(0.005)
+        first.send_signal(signal.SIGKILL)  # with group-commit batches in flight
+        assert len(acknowledged) < 16 * 20 * 10
+        await asyncio.gather(*writers)
+        assert len(acknowledged) == 16 * 20 * 10
+        await wait_for_leader(client, "m-two")
+        missing = [key for key in acknowledged if not await client.lookup("t", [key])]
+        assert missing == []
+
+
 async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors, etcd):
     first, url1 = conductors("p-one")
     async with Client([url1]) as client:
-        deadline = time.monotonic() + 10
-        while (await client.leader() or {}).get("conductor_id") != "p-one" and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)  # the previous test's leader, if any, has to expire first
-        assert (await client.leader())["conductor_id"] == "p-one"
+        await wait_for_leader(client, "p-one")  # the previous test's leader, if any, has to expire first
         await client.register({"node_id": "node-p", "tiers": {"pool": 1 << 30}}, ttl=60)
     second, url2 = conductors("p-two")
     first.send_signal(signal.SIGSTOP)  # a partition, as far as etcd can tell
@@ -255,3 +281,34 @@ async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors
             assert resp.headers["X-Tiercake-Leader"] == url2
         async with http.get(url1 + "/metrics") as resp:
             assert "tiercake_is_leader 0.0" in await resp.text()
+
+
+async def test_conductor_runs_from_the_config_file_with_tokens_from_the_environment(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
+                      "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS, placement: random}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config), "--id", "cfg"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "MY_TOKENS": "tok-1 tok-2"})
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read().decode()[-2000:]
+        url = json.loads(line)["url"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/v1/leader") as resp:
+                assert resp.status == 401
+        async with Client([url], token="tok-2") as client:
+            leader = await wait_for_leader(client)
+            assert leader["conductor_id"] == "cfg"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0  # a clean stop
+
+
+async def wait_for_leader(client, name: str | None = None):
+    for _ in range(100):
+        leader = await client.leader()
+        if leader and name in (None, leader["conductor_id"]):
+            return leader
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no leader {name or ''}")

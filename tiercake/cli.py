@@ -63,14 +63,19 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
 
 
 def cmd_conductor(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tiercake.conductor.api import serve
 
-    host, _, port = args.listen.rpartition(":")
-    tokens = Path(args.token_file).read_text().split() if args.token_file else None
-    etcd = [e for e in (args.etcd or "").split(",") if e]
-    asyncio.run(serve(etcd, host or "127.0.0.1", int(port), tokens, ttl=args.ttl, conductor_id=args.id))
+    cfg = _load(args.config, args.data_dir).conductor
+    if args.listen:
+        host, _, port = args.listen.rpartition(":")
+        cfg.host, cfg.port = host or cfg.host, int(port)
+    if args.token_file:
+        cfg.token_file = args.token_file
+    if args.etcd:
+        cfg.etcd = [e for e in args.etcd.split(",") if e]
+    if args.ttl:
+        cfg.leader_ttl = args.ttl
+    asyncio.run(serve(cfg, conductor_id=args.id))
     return 0
 
 
@@ -171,10 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         "conductors elect one leader (followers serve lookups and point writers at the leader); without it, "
         "an embedded in-process backend. Prints its id and URL as JSON, then runs until SIGINT or SIGTERM.",
     )
-    conductor.add_argument("--etcd", metavar="HOST:PORT,...", help="etcd endpoints (default: embedded backend)")
-    conductor.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="API address (port 0: any)")
-    conductor.add_argument("--token-file", metavar="PATH", help="bearer tokens, whitespace-separated")
-    conductor.add_argument("--ttl", type=int, default=3, help="leader lease TTL in seconds (default 3)")
+    with_config(conductor)
+    conductor.add_argument("--etcd", metavar="HOST:PORT,...", help="etcd endpoints (default: conductor.etcd; "
+                           "none: embedded backend)")
+    conductor.add_argument("--listen", metavar="HOST:PORT", help="API address, port 0: any "
+                           "(default: conductor.host and conductor.port)")
+    conductor.add_argument("--token-file", metavar="PATH", help="bearer tokens, whitespace-separated "
+                           "(also read from $TIERCAKE_TOKEN)")
+    conductor.add_argument("--ttl", type=int, help="leader lease TTL in seconds (default: conductor.leader_ttl)")
     conductor.add_argument("--id", help="conductor id (default: random)")
     conductor.set_defaults(func=cmd_conductor)
 
