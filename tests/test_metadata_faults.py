@@ -51,3 +51,54 @@ async def test_etcd_down_then_back_recovers_by_itself(tmp_path):
         await meta.close()
     finally:
         cluster.stop()
+
+
+async def test_conductor_on_three_members_through_member_deaths_and_quorum_loss(tmp_path):
+    """One member dies: writes go on. A second dies (no quorum): lookups still answer from memory,
+    writes fail with a retryable 503. It comes back: writes succeed again, with nothing lost."""
+    from aiohttp import web
+
+    from tiercake.conductor.api import build_app
+    from tiercake.conductor.client import Client, ConductorError
+    from tiercake.conductor.service import Conductor
+
+    def k(i: int) -> bytes:
+        return i.to_bytes(4, "big") * 8
+
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    meta = conductor = runner = None
+    try:
+        meta = await EtcdBackend(cluster.endpoints, timeout=1.0).start()
+        conductor = await Conductor(meta, "c3", ttl=2).start()
+        runner = web.AppRunner(build_app(conductor))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = "http://%s:%d" % runner.addresses[0][:2]
+        await asyncio.wait_for(conductor.election.leading.wait(), 20)
+        async with Client([url], timeout=5.0, retries=60) as client:
+            await client.register({"node_id": "n", "tiers": {"pool": 1 << 30}}, ttl=600)
+            await client.report("t", "n", "pool", [k(1)], [1])
+            cluster.members[0].stop(kill=True)
+            await client.report("t", "n", "pool", [k(2)], [1])  # two of three: still a quorum
+            cluster.members[1].stop(kill=True)
+            assert (await client.lookup("t", [k(1), k(2)]))["n"].length == 2  # from memory
+            impatient = Client([url], timeout=5.0, retries=1)
+            with pytest.raises(ConductorError) as err:
+                await impatient.report("t", "n", "pool", [k(3)], [1])
+            await impatient.close()
+            assert err.value.status == 503
+            cluster.members[1].start()
+            await client.report("t", "n", "pool", [k(3)], [1])  # retried until the quorum is back
+            assert (await client.lookup("t", [k(1), k(2), k(3)]))["n"].length == 3
+        fresh = await Conductor(meta, "c4").start()  # everything acknowledged is in etcd
+        assert fresh.index.lookup("t", [k(1), k(2), k(3)])["n"].length == 3
+        await fresh.close()
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if conductor is not None:
+            await conductor.close()
+        if meta is not None:
+            await meta.close()
+        cluster.stop()
