@@ -152,6 +152,10 @@ class GpuTier:
             self._host = self.pool._bytes.numpy()
         return self._host[slot]
 
+    def adopt(self, slot: int) -> None:
+        """The store takes a reference to a block a sequence filled (``TieredStore.adopt``)."""
+        self.pool.incref(slot)
+
     def in_use(self, slot: int) -> bool:
         return self.pool.refcount(slot) > 1
 

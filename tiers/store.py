@@ -359,6 +359,40 @@ class TieredStore:
             if any(c.state is State.COMMITTED and (index is None or i == index) for i, c in e.copies.items())
         ]
 
+    def slot_of(self, key: bytes, tier: str) -> Any | None:
+        """The slot of ``key``'s committed copy in ``tier`` (for a gpu tier: the pool block), or None."""
+        entry = self._entries.get(key)
+        copy = entry.copies.get(self.tier(tier).index) if entry is not None else None
+        return copy.slot if copy is not None and copy.state is State.COMMITTED else None
+
+    def adopt(self, key: bytes, tier: str, slot: Any, nbytes: int, *, parent: bytes | None = None,
+              tenant: str = "") -> bool:
+        """Make ``slot`` of ``tier``, already filled (a gpu block a sequence computed), the committed
+        copy of ``key`` without copying it; the tier takes its own reference to the slot. False when
+        the key is already present (the caller keeps its slot to itself)."""
+        backend = self.tier(tier).backend
+        if key in self._entries:
+            return False
+        self._check_key(key)
+        self._check_size(nbytes)
+        backend.adopt(slot)
+        entry = Entry(key, nbytes, BlockMeta(parent=parent, size=nbytes, tenant=tenant))
+        copy = Copy(self.tier(tier), slot)
+        entry.copies[copy.tier.index] = copy
+        self._entries[key] = entry
+        self._commit_copy(entry, copy)
+        return True
+
+    async def reclaim(self, tier: str, nbytes: int) -> bool:
+        """Evict from ``tier`` until ``nbytes`` more would fit (for space used outside the store, such
+        as a gpu pool's sequence blocks); False when nothing more may be evicted."""
+        t = self.tier(tier)
+        async with t.evict_lock:
+            while t.backend.capacity_bytes - t.backend.used_bytes < nbytes:
+                if not await self._evict_some(t, nbytes):
+                    return False
+        return True
+
     def holdings(self) -> list[BlockChange]:
         """Every committed copy, as the change that made it appear (what a restarted node reports)."""
         return [

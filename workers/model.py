@@ -7,6 +7,8 @@ paged attention on top). Nothing is downloaded: the weights come from a seed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -91,32 +93,102 @@ class ReferenceModel:
         self.norm = torch.ones(c.dim, device=self.device)
         self.lm_head = w(c.vocab, c.dim)
 
+    def check_tokens(self, tokens: list[int]) -> None:
+        if not tokens:
+            raise ValueError("empty prompt")
+        if max(tokens) >= self.config.vocab or min(tokens) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab})")
+
+    def _qkv(self, layer: dict, x: torch.Tensor, positions: torch.Tensor):
+        c = self.config
+        h = _rms_norm(x, layer["attn_norm"])
+        q = (h @ layer["wq"].T).view(-1, c.heads, c.head_dim)
+        k = (h @ layer["wk"].T).view(-1, c.kv_heads, c.head_dim)
+        v = (h @ layer["wv"].T).view(-1, c.kv_heads, c.head_dim)
+        return _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta), v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Queries at positions ``start..`` over keys ``0..``: [T, heads, D] x [S, kv_heads, D]."""
+        c = self.config
+        group = c.heads // c.kv_heads
+        t, s = q.shape[0], k.shape[0]
+        kk = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, D]
+        vv = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        mask = torch.arange(s, device=q.device)[None, :] <= (start + torch.arange(t, device=q.device))[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)
+        return out.transpose(0, 1).reshape(t, c.heads * c.head_dim)
+
+    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(x, layer["mlp_norm"])
+        return x + (torch.nn.functional.silu(h @ layer["w_gate"].T) * (h @ layer["w_up"].T)) @ layer["w_down"].T
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.norm) @ self.lm_head.T
+
     @torch.no_grad()
     def prefill_kv(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits of the last position, KV as ``[layers, 2, T, kv_heads, head_dim]`` in the model dtype)."""
-        c = self.config
+        self.check_tokens(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        if ids.numel() == 0:
-            raise ValueError("empty prompt")
-        if int(ids.max()) >= c.vocab or int(ids.min()) < 0:
-            raise ValueError(f"token ids must lie in [0, {c.vocab})")
         positions = torch.arange(ids.numel(), device=self.device)
         x = self.embed[ids]
         kv = []
-        group = c.heads // c.kv_heads
         for layer in self.layers:
-            h = _rms_norm(x, layer["attn_norm"])
-            q = (h @ layer["wq"].T).view(-1, c.heads, c.head_dim)
-            k = (h @ layer["wk"].T).view(-1, c.kv_heads, c.head_dim)
-            v = (h @ layer["wv"].T).view(-1, c.kv_heads, c.head_dim)
-            q, k = _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta)
+            q, k, v = self._qkv(layer, x, positions)
             kv.append(torch.stack([k, v]))
-            kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, T, head_dim]
-            vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
-            attn = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True)
-            attn = attn.transpose(0, 1).reshape(-1, c.heads * c.head_dim)
-            x = x + attn @ layer["wo"].T
-            h = _rms_norm(x, layer["mlp_norm"])
-            x = x + (torch.nn.functional.silu(h @ layer["w_gate"].T) * (h @ layer["w_up"].T)) @ layer["w_down"].T
-        logits = _rms_norm(x[-1], self.norm) @ self.lm_head.T
-        return logits, torch.stack(kv).to(getattr(torch, c.dtype))
+            x = x + self._attend(q, k, v, 0) @ layer["wo"].T
+            x = self._mlp(layer, x)
+        return self._logits(x[-1]), torch.stack(kv).to(getattr(torch, self.config.dtype))
+
+    @torch.no_grad()
+    def forward_paged(self, chunks: list[PagedChunk], kv: torch.Tensor) -> list[torch.Tensor]:
+        """Run new tokens of several sequences at once over paged KV (continuous batching).
+
+        ``kv`` is the block pool, ``[blocks, layers, 2, block_size, kv_heads, head_dim]``. Each chunk's
+        K/V for positions before its ``start`` are read from its block table; the K/V of its new
+        tokens are written into the table's blocks (which must cover ``start + len(tokens)``
+        positions). The dense layers run over every chunk's tokens together; attention runs per
+        sequence over its own blocks. Returns each chunk's logits, ``[len(tokens), vocab]``.
+        """
+        if not chunks:
+            return []
+        block_size = kv.shape[3]
+        for chunk in chunks:
+            self.check_tokens(chunk.tokens)
+            if len(chunk.table) * block_size < chunk.start + len(chunk.tokens):
+                raise ValueError(f"block table of {len(chunk.table)} blocks cannot hold "
+                                 f"{chunk.start + len(chunk.tokens)} positions")
+        ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens), device=self.device) for c in chunks])
+        spans, at = [], 0
+        for chunk in chunks:
+            spans.append((at, at + len(chunk.tokens)))
+            at += len(chunk.tokens)
+        tables = [torch.tensor(c.table, dtype=torch.long, device=kv.device) for c in chunks]
+        x = self.embed[ids]
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            outs = []
+            for chunk, (a, b), table in zip(chunks, spans, tables):
+                pos = torch.arange(chunk.start, chunk.start + (b - a), device=kv.device)
+                blocks, offsets = table[pos // block_size], pos % block_size
+                kv[blocks, li, 0, offsets] = k[a:b].to(kv.dtype)
+                kv[blocks, li, 1, offsets] = v[a:b].to(kv.dtype)
+                length = chunk.start + (b - a)
+                used = table[: -(-length // block_size)]
+                keys = kv[used, li, 0].reshape(-1, *kv.shape[-2:])[:length]
+                values = kv[used, li, 1].reshape(-1, *kv.shape[-2:])[:length]
+                outs.append(self._attend(q[a:b], keys, values, chunk.start))
+            x = x + torch.cat(outs) @ layer["wo"].T
+            x = self._mlp(layer, x)
+        logits = self._logits(x)
+        return [logits[a:b] for a, b in spans]
+
+
+@dataclass(slots=True)
+class PagedChunk:
+    """New tokens of one sequence, at positions ``start..``, over the blocks of ``table``."""
+
+    tokens: list[int]
+    start: int
+    table: list[int]

@@ -1,0 +1,254 @@
+"""Reused KV gives the same answer as a full recompute, whichever tier served the prefix: the
+worker's own gpu tier, the node pool over shared memory, a remote pool over TCP, SSD, and SSD after
+the node agent restarted. Real conductor API, real transfer servers and sockets, the real model."""
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import torch
+from aiohttp import web
+from transfer_helpers import SECRET
+
+from tiercake.blocks import Namespace
+from tiercake.conductor.api import build_app
+from tiercake.conductor.client import Client
+from tiercake.conductor.embedded import EmbeddedBackend
+from tiercake.conductor.membership import MemberInfo
+from tiercake.conductor.service import Conductor
+from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.transfer import TransferEngine, TransferServer
+from tiercake.workers.conductor_link import ConductorLink
+from tiercake.workers.inference import ContextLimitError, InferenceEngine, next_token
+from tiercake.workers.model import ModelConfig, ReferenceModel, encode
+
+MODEL = ModelConfig()  # 4 layers, 2 kv heads of 32: 16 KiB blocks of 16 tokens
+LAYOUT = MODEL.layout(16)
+NS = Namespace(model_id="tiercake-reference", kv_layout=LAYOUT.tag, block_size=16)
+SHARED = "You are a helpful assistant. Answer briefly and precisely, citing sources. " * 2
+PROMPT = SHARED + "Question: what is a KV cache?"
+OTHER = SHARED + "Question: why do tiers help?"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ReferenceModel(MODEL)
+
+
+class Cluster:
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.closers = []
+        self.shm = []
+
+    async def conductor(self):
+        meta = await EmbeddedBackend().start()
+        conductor = await Conductor(meta, "c", ttl=2).start()
+        runner = web.AppRunner(build_app(conductor))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = "http://%s:%d" % runner.addresses[0][:2]
+        await asyncio.wait_for(conductor.election.leading.wait(), 10)
+        self.closers.append(meta.close)
+        self.closers.append(conductor.close)
+        self.closers.append(runner.cleanup)
+
+    async def node(self, name: str, pool: bool = True, ssd: bool = False):
+        tiers, caps = [], {}
+        if pool:
+            path = f"/dev/shm/tiercake-test-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self.shm.append(path)
+            tiers.append(Tier(PoolTier(PoolRegion.create(path, 4 << 20))))
+            caps["pool"] = 4 << 20
+        if ssd:
+            tiers.append(Tier(SsdTier(self.tmp_path / name, capacity_bytes=16 << 20)))
+            caps["ssd"] = 16 << 20
+        store = await TieredStore(tiers).open()
+        server = await TransferServer(store, SECRET, name, pool_tier="pool" if pool else None).start()
+        client = Client([self.url])
+        member = MemberInfo(node_id=name, host=server.address[0], port=server.address[1], tiers=caps)
+        link = await ConductorLink(client, member, store, ttl=2).start()
+
+        async def close(leave: bool = True):
+            await link.close(leave=leave)
+            await client.close()
+            await server.close()
+            await store.close()
+
+        node = {"store": store, "server": server, "link": link, "close": close, "closed": False}
+
+        async def close_once():
+            if not node["closed"]:
+                node["closed"] = True
+                await close()
+
+        self.closers.append(close_once)
+        node["close_once"] = close_once
+        return node
+
+    async def worker(self, model, name: str, write_to: dict | None = None, transports=("local", "shm", "tcp"),
+                     blocks: int = 64):
+        pool = GpuBlockPool(blocks, LAYOUT.shape, torch.float16, "cpu")
+        store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+        engine = TransferEngine(name, SECRET, store, transports=transports)
+        client = Client([self.url])
+        for member in await client.members():
+            engine.add_peer(member["node_id"], member["host"], member["port"])
+        inference = InferenceEngine(model, store, pool, NS, worker_id=name, transfer=engine, conductor=client,
+                                    node=write_to["server"].node_id if write_to else None)
+
+        async def close():
+            await inference.flush()
+            await engine.close()
+            await client.close()
+            await store.close()
+
+        self.closers.append(close)
+        return inference
+
+    async def close(self):
+        for closer in reversed(self.closers):
+            await closer()
+        for path in self.shm:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    await c.conductor()
+    yield c
+    await c.close()
+
+
+async def generate(engine: InferenceEngine, text: str, n: int = 6, tenant: str = "default"):
+    """Greedy decoding: (prefill stats, tokens, logits of every step)."""
+    seq = await engine.prefill(encode(text), tenant=tenant, max_new_tokens=n)
+    out, logits = [], [seq.logits.clone()]
+    try:
+        for _ in range(n):
+            out.append(next_token(seq.logits))
+            await engine.decode([seq], [out[-1]])
+            logits.append(seq.logits.clone())
+    finally:
+        engine.free(seq)
+    return seq.stats, out, torch.stack(logits)
+
+
+async def recompute(model, text: str, n: int = 6):
+    """The same prompt on a fresh worker with no cache and no conductor."""
+    pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    engine = InferenceEngine(model, store, pool, NS, worker_id="ref")
+    stats, tokens, logits = await generate(engine, text, n)
+    await store.close()
+    assert stats.cached_tokens == 0
+    return tokens, logits
+
+
+def same_answer(result, reference) -> None:
+    (_, tokens, logits), (ref_tokens, ref_logits) = result, reference
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
+
+
+async def wait_indexed(client_url: str, tenant: str, text: str, node: str, blocks: int):
+    from tiercake.blocks import block_keys
+
+    keys = block_keys(NS.model_copy(update={"tenant_salt": tenant}), encode(text))[:blocks]
+    async with Client([client_url]) as client:
+        for _ in range(100):
+            found = await client.lookup(tenant, keys)
+            if node in found and found[node].length >= blocks:
+                return found[node]
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"{node} never reported {blocks} blocks")
+
+
+def _first_key(text: str) -> bytes:
+    from tiercake.blocks import block_keys
+
+    return block_keys(NS.model_copy(update={"tenant_salt": "default"}), encode(text))[0]
+
+
+def full_blocks(text: str) -> int:
+    return (len(encode(text)) - 1) // 16
+
+
+async def test_reuse_from_own_gpu(cluster, model):
+    worker = await cluster.worker(model, "w-gpu")
+    first = await generate(worker, PROMPT)
+    assert first[0].cached_tokens == 0
+    second = await generate(worker, PROMPT)
+    assert second[0].cached_tokens == full_blocks(PROMPT) * 16 and second[0].sources == {"gpu": full_blocks(PROMPT)}
+    same_answer(second, await recompute(model, PROMPT))
+    # a different question after the same system prompt reuses the shared blocks only
+    other = await generate(worker, OTHER)
+    common = len(os.path.commonprefix([encode(PROMPT), encode(OTHER)]))
+    assert other[0].cached_tokens == (common // 16) * 16
+    reference = await recompute(model, OTHER)
+    same_answer(other, reference)
+    # the comparison is sensitive: the same reuse over a damaged cached block gives another answer
+    worker.pool.block(worker.store.slot_of(_first_key(OTHER), "gpu")).mul_(0.5)
+    with pytest.raises(AssertionError):
+        same_answer(await generate(worker, OTHER), reference)
+
+
+@pytest.mark.parametrize("transports,moved_by", [(("local", "shm", "tcp"), "shm"), (("tcp",), "tcp")],
+                         ids=["local-pool-shm", "remote-pool-tcp"])
+async def test_reuse_from_the_node_pool(cluster, model, transports, moved_by):
+    node = await cluster.node("node-p")
+    writer = await cluster.worker(model, "w-writer", write_to=node)
+    await generate(writer, PROMPT)
+    await writer.flush()
+    await wait_indexed(cluster.url, "default", PROMPT, "node-p", full_blocks(PROMPT))
+    reader = await cluster.worker(model, "w-reader", transports=transports)
+    result = await generate(reader, PROMPT)
+    assert result[0].cached_tokens == full_blocks(PROMPT) * 16
+    assert result[0].sources == {"node-p:pool": full_blocks(PROMPT)}
+    assert reader.transfer.bytes_moved[moved_by] == full_blocks(PROMPT) * LAYOUT.nbytes
+    same_answer(result, await recompute(model, PROMPT))
+
+
+async def test_reuse_from_ssd_and_from_ssd_after_a_node_restart(cluster, model):
+    node = await cluster.node("node-s", pool=False, ssd=True)
+    writer = await cluster.worker(model, "w-writer", write_to=node)
+    await generate(writer, PROMPT)
+    await writer.flush()
+    await wait_indexed(cluster.url, "default", PROMPT, "node-s", full_blocks(PROMPT))
+    reference = await recompute(model, PROMPT)
+    result = await generate(await cluster.worker(model, "w-ssd", transports=("tcp",)), PROMPT)
+    assert result[0].sources == {"node-s:ssd": full_blocks(PROMPT)}
+    same_answer(result, reference)
+
+    # the node agent goes away without leaving (a crash) and comes back on the same SSD directory
+    node["closed"] = True
+    await node["close"](leave=False)
+    restarted = await cluster.node("node-s", pool=False, ssd=True)
+    assert restarted["link"].registrations == 1
+    await wait_indexed(cluster.url, "default", PROMPT, "node-s", full_blocks(PROMPT))
+    worker = await cluster.worker(model, "w-after-restart", transports=("tcp",))
+    result = await generate(worker, PROMPT)
+    assert result[0].sources == {"node-s:ssd": full_blocks(PROMPT)}
+    same_answer(result, reference)
+
+
+async def test_tenants_do_not_share_blocks(cluster, model):
+    worker = await cluster.worker(model, "w-tenants")
+    await generate(worker, PROMPT, tenant="alice")
+    assert (await generate(worker, PROMPT, tenant="bob"))[0].cached_tokens == 0
+    assert (await generate(worker, PROMPT, tenant="alice"))[0].cached_tokens > 0
+
+
+async def test_bad_prompts_are_clear_errors(cluster, model):
+    worker = await cluster.worker(model, "w-bad")
+    with pytest.raises(ValueError, match="empty"):
+        await worker.prefill([])
+    with pytest.raises(ValueError, match="token ids"):
+        await worker.prefill([1, 2, 300])
+    with pytest.raises(ContextLimitError):
+        await worker.prefill([1] * 4000, max_new_tokens=200)
+    assert worker.pool.num_free == worker.pool.num_blocks  # nothing leaked

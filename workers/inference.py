@@ -1,0 +1,253 @@
+"""A worker's inference engine: the reference model over paged KV in its gpu tier, with the prompt's
+cached prefix reused from wherever it is held.
+
+Prefill walks the prompt's block chain: the blocks its own gpu tier holds are used in place; the
+conductor is asked who holds more of the chain, and the missing blocks are pulled from that node
+(its pool in place over shared memory, a remote pool over TCP, its SSD tier) straight into gpu
+blocks; only the rest of the prompt is computed. New full blocks join the gpu tier without a copy
+and are written through to the node agent, which reports them to the conductor. Decode runs one
+token for every running sequence at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiercake.blocks import Namespace, block_keys
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.tiers import GpuBlockPool, StoreError, TieredStore
+from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine
+
+from .model import PagedChunk, ReferenceModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"  # requests that name no tenant
+
+
+class ContextLimitError(ValueError):
+    """The prompt plus the tokens asked for do not fit the worker's context."""
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # tokens whose KV was reused, from any source
+    sources: dict[str, int] = field(default_factory=dict)  # "gpu" / "<node>:<tier>" -> blocks
+    lookup_s: float = 0.0
+    load_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    tenant: str
+    tokens: list[int]  # prompt and generated so far
+    table: list[int]  # gpu pool blocks
+    keys: list[bytes]  # keys of its full blocks so far
+    logits: torch.Tensor  # of the last position
+    stats: PrefillStats
+    stored: int = 0  # full blocks already in the store (reused or adopted)
+
+
+class InferenceEngine:
+    def __init__(
+        self,
+        model: ReferenceModel,
+        store: TieredStore,
+        pool: GpuBlockPool,
+        namespace: Namespace,
+        *,
+        worker_id: str,
+        transfer: TransferEngine | None = None,
+        conductor: Client | None = None,
+        node: str | None = None,
+        max_context: int = 4096,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.pool = pool
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self.worker_id = worker_id
+        self.transfer = transfer
+        self.conductor = conductor
+        self.node = node  # the node agent new blocks are written through to
+        self.max_context = max_context
+        self.block_nbytes = pool.block_nbytes
+        self._ids = itertools.count(1)
+        self._writes: set[asyncio.Task] = set()
+        self._compute = asyncio.Lock()  # one forward pass at a time over the pool
+
+    def namespace_for(self, tenant_salt: str) -> Namespace:
+        return self.namespace.model_copy(update={"tenant_salt": tenant_salt})
+
+    # Prefill --------------------------------------------------------------------------------------
+
+    async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
+                      max_new_tokens: int = 0) -> Sequence:
+        """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
+        with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
+        hashing salt (default: the tenant, so tenants never share blocks)."""
+        self.model.check_tokens(tokens)
+        if len(tokens) + max_new_tokens > self.max_context:
+            raise ContextLimitError(f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the "
+                                    f"context of {self.max_context}")
+        stats = PrefillStats(prompt_tokens=len(tokens))
+        keys = block_keys(self.namespace_for(tenant if salt is None else salt), tokens)
+        reusable = keys[: (len(tokens) - 1) // self.block_size]  # at least one token is computed
+        own = self._held(reusable)
+        stats.sources = {"gpu": own} if own else {}
+        if own < len(reusable) and self.conductor is not None and self.transfer is not None:
+            await self._load(tenant, reusable, own, stats)
+        seq_id = next(self._ids)
+        # from here to add_sequence nothing awaits, so no block found can be evicted meanwhile
+        slots = []
+        for key in reusable:
+            slot = self.store.slot_of(key, "gpu")
+            if slot is None:
+                break
+            slots.append(slot)
+        table = self.pool.add_sequence(seq_id, slots)
+        cached = len(slots) * self.block_size
+        stats.cached_tokens = cached
+        try:
+            await self._grow(seq_id, len(tokens))
+            started = time.perf_counter()
+            async with self._compute:
+                (logits,) = await asyncio.to_thread(
+                    self.model.forward_paged, [PagedChunk(tokens[cached:], cached, list(table))], self.pool.kv)
+            stats.compute_s = time.perf_counter() - started
+        except BaseException:
+            self.pool.free_sequence(seq_id)
+            raise
+        seq = Sequence(seq_id, tenant, list(tokens), table, keys, logits[-1], stats, stored=len(slots))
+        self._store_full_blocks(seq)
+        return seq
+
+    def _held(self, keys: list[bytes]) -> int:
+        for i, key in enumerate(keys):
+            if self.store.slot_of(key, "gpu") is None:
+                return i
+        return len(keys)
+
+    async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats) -> None:
+        """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
+        started = time.perf_counter()
+        try:
+            found = await self.conductor.lookup(tenant, keys)
+        except ConductorError as exc:
+            log.warning("worker %s: lookup failed (%s); computing instead", self.worker_id, exc)
+            return
+        finally:
+            stats.lookup_s = time.perf_counter() - started
+        found.pop(self.worker_id, None)
+        if not found:
+            return
+        node, prefix = max(found.items(), key=lambda item: item[1].length)
+        if prefix.length <= own:
+            return
+        started = time.perf_counter()
+        await self.store.reclaim("gpu", (prefix.length - own) * self.block_nbytes)
+        batch = [
+            Transfer(BlockLoc(node, key), BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
+                     self.block_nbytes)
+            for i, key in enumerate(keys[own:prefix.length], start=own)
+        ]
+        results = await self.transfer.transfer(batch, timeout=30)
+        loaded = 0
+        for result in results:  # a chain is only usable up to its first missing block
+            if not result.ok and not self.store.contains(batch[loaded].dst.key):
+                log.info("worker %s: pull from %s stopped: %s", self.worker_id, node, result.error)
+                break
+            loaded += 1
+        if loaded:
+            tier = max(prefix.tiers, key=prefix.tiers.get) if prefix.tiers else "?"
+            stats.sources[f"{node}:{tier}"] = loaded
+        stats.load_s = time.perf_counter() - started
+
+    async def _grow(self, seq_id: int, positions: int) -> None:
+        """Give the sequence blocks for ``positions`` tokens, evicting cached blocks if needed."""
+        table = self.pool.tables[seq_id]
+        need = -(-positions // self.block_size) - len(table)
+        if need <= 0:
+            return
+        if self.pool.num_free < need:
+            await self.store.reclaim("gpu", need * self.block_nbytes)
+        for _ in range(need):
+            self.pool.append_block(seq_id)  # TierFullError when everything is in use
+
+    def _store_full_blocks(self, seq: Sequence) -> None:
+        """Adopt the sequence's newly full blocks into the gpu tier and write them through."""
+        full = len(seq.tokens) // self.block_size
+        if full > len(seq.keys):
+            ns = self.namespace_for(seq.tenant)  # keys are extended over generated tokens too
+            seq.keys = block_keys(ns, seq.tokens[: full * self.block_size])
+        new = []
+        for i in range(seq.stored, full):
+            parent = seq.keys[i - 1] if i else None
+            if self.store.adopt(seq.keys[i], "gpu", seq.table[i], self.block_nbytes, parent=parent,
+                                tenant=seq.tenant):
+                new.append(i)
+        seq.stored = full
+        if new and self.node is not None and self.transfer is not None:
+            task = asyncio.get_running_loop().create_task(self._write_through(seq, new))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _write_through(self, seq: Sequence, indices: list[int]) -> None:
+        keys = [seq.keys[i] for i in indices]
+        srcs = [self.pool.byte_view(seq.table[i]) for i in indices]
+        leases = [self.store.acquire_lease(k, math.inf, tier="gpu") for k in keys]  # kept while sent
+        try:
+            batch = [Transfer(BufferLoc(src), BlockLoc(self.node, key, seq.keys[i - 1] if i else None, seq.tenant),
+                              self.block_nbytes) for i, key, src in zip(indices, keys, srcs)]
+            for result in await self.transfer.transfer(batch, timeout=30):
+                if not result.ok and "exists" not in str(result.error).lower():
+                    log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
+        finally:
+            await self.store.release_leases([lease.id for lease in leases])
+
+    async def flush(self) -> None:
+        """Wait for write-throughs in flight."""
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    # Decode ---------------------------------------------------------------------------------------
+
+    async def decode(self, seqs: list[Sequence], next_tokens: list[int]) -> None:
+        """Append one token to each sequence and compute its logits, all sequences in one pass."""
+        for seq, token in zip(seqs, next_tokens, strict=True):
+            seq.tokens.append(token)
+            await self._grow(seq.seq_id, len(seq.tokens))
+        chunks = [PagedChunk([s.tokens[-1]], len(s.tokens) - 1, list(s.table)) for s in seqs]
+        async with self._compute:
+            logits = await asyncio.to_thread(self.model.forward_paged, chunks, self.pool.kv)
+        for seq, out in zip(seqs, logits):
+            seq.logits = out[-1]
+            if len(seq.tokens) % self.block_size == 0:
+                self._store_full_blocks(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """The request is over: its blocks go back (full blocks stay cached in the gpu tier)."""
+        if seq.seq_id in self.pool.tables:
+            self.pool.free_sequence(seq.seq_id)
+
+
+def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> int:
+    """Greedy at temperature 0, else a sample from the softmax at that temperature."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+__all__ = ["ContextLimitError", "InferenceEngine", "PrefillStats", "Sequence", "StoreError", "next_token"]
