@@ -1,6 +1,7 @@
-"""Eviction and admission policies, and the registry that finds them by name.
+"""Eviction, admission, placement, replication and routing policies, and the registry that finds
+them by name.
 
-A plug-in author needs only this package: subclass ``EvictionPolicy`` or ``AdmissionPolicy``.
+A plug-in author needs only this package: subclass one of the policy interfaces.
 """
 
 from .admission import AdmitOnNth, AlwaysAdmit
@@ -16,6 +17,19 @@ from .placement import (
     RandomPlacement,
     ReplicationPolicy,
 )
+from .routing import (
+    CacheAwareRouter,
+    LeastLoadedRouter,
+    PrefillModel,
+    RandomRouter,
+    RoundRobinRouter,
+    RouteDecision,
+    Router,
+    RouteRequest,
+    TtftRouter,
+    WorkerState,
+    fit_prefill,
+)
 from .registry import (
     PolicyNotFoundError,
     available,
@@ -23,6 +37,7 @@ from .registry import (
     create_eviction,
     create_placement,
     create_replication,
+    create_router,
     resolve,
 )
 
@@ -31,4 +46,6 @@ __all__ = [
     "EvictionPolicy", "LeafFirstLRU", "PolicyNotFoundError", "available", "create_admission",
     "create_eviction", "resolve", "FixedReplicas", "HotReplicas", "LeastUsed", "LocalFirst", "NodeLoad",
     "PlacementStrategy", "RandomPlacement", "ReplicationPolicy", "create_placement", "create_replication",
+    "CacheAwareRouter", "LeastLoadedRouter", "PrefillModel", "RandomRouter", "RoundRobinRouter", "RouteDecision",
+    "RouteRequest", "Router", "TtftRouter", "WorkerState", "create_router", "fit_prefill",
 ]

@@ -14,18 +14,20 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
-from . import admission, eviction, placement
+from . import admission, eviction, placement, routing
 from .base import AdmissionPolicy, EvictionPolicy
 from .placement import PlacementStrategy, ReplicationPolicy
+from .routing import Router
 
 ENTRY_POINT_GROUP = "tiercake.policies"
 
-P = TypeVar("P", EvictionPolicy, AdmissionPolicy, PlacementStrategy, ReplicationPolicy)
+P = TypeVar("P", EvictionPolicy, AdmissionPolicy, PlacementStrategy, ReplicationPolicy, Router)
 _KINDS = {EvictionPolicy: "eviction", AdmissionPolicy: "admission", PlacementStrategy: "placement",
-          ReplicationPolicy: "replication"}
+          ReplicationPolicy: "replication", Router: "routing"}
 
-_BUILTINS: dict[str, type] = {
-    cls.name: cls
+# A name is unique within a kind ("random" is a placement strategy and a router).
+_BUILTINS: dict[tuple[str, str], type] = {
+    (cls.name, next(kind for base, kind in _KINDS.items() if issubclass(cls, base))): cls
     for cls in (
         eviction.LRU,
         eviction.FIFO,
@@ -40,6 +42,11 @@ _BUILTINS: dict[str, type] = {
         placement.RandomPlacement,
         placement.FixedReplicas,
         placement.HotReplicas,
+        routing.TtftRouter,
+        routing.CacheAwareRouter,
+        routing.LeastLoadedRouter,
+        routing.RoundRobinRouter,
+        routing.RandomRouter,
     )
 }
 
@@ -60,23 +67,30 @@ def _load_path(spec: str) -> type:
         raise PolicyNotFoundError(f"policy {spec!r}: module {module_name!r} has no {attr!r}") from exc
 
 
-def resolve(spec: str) -> type:
-    """The policy class named by ``spec``: a built-in name, an entry point, or ``module:Class``."""
-    if spec in _BUILTINS:
-        return _BUILTINS[spec]
+def resolve(spec: str, kind: str | None = None) -> type:
+    """The policy class named by ``spec``: a built-in name (of ``kind``, when two kinds share it), an
+    entry point, or ``module:Class``."""
+    named = {k: cls for (name, k), cls in _BUILTINS.items() if name == spec}
+    # of the asked kind; else whatever has the name (the caller then says it is the wrong kind)
+    matches = [named[kind]] if kind in named else list(named.values())
+    if len(matches) > 1:
+        raise PolicyNotFoundError(f"policy {spec!r} is ambiguous: say which kind")
+    if matches:
+        return matches[0]
     if ":" in spec:
         return _load_path(spec)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == spec:
             return ep.load()
     raise PolicyNotFoundError(
-        f"unknown policy {spec!r}: not a built-in ({', '.join(sorted(_BUILTINS))}), not an entry point "
+        f"unknown policy {spec!r}: not a built-in ({', '.join(sorted({n for n, _ in _BUILTINS}))}), "
+        f"not an entry point "
         f"in group {ENTRY_POINT_GROUP!r}, and not a 'module:Class' path"
     )
 
 
 def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
-    cls = resolve(spec)
+    cls = resolve(spec, _KINDS[base])
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise TypeError(f"policy {spec!r} resolves to {cls!r}, which is not a {base.__name__}")
     try:
@@ -101,9 +115,15 @@ def create_replication(spec: str, params: dict[str, Any] | None = None) -> Repli
     return _create(spec, ReplicationPolicy, params)
 
 
+def create_router(spec: str, params: dict[str, Any] | None = None) -> Router:
+    return _create(spec, Router, params)
+
+
 def available() -> dict[str, str]:
-    """Every policy name that resolves without a path, with its kind."""
-    found = {name: next(kind for base, kind in _KINDS.items() if issubclass(cls, base)) for name, cls in _BUILTINS.items()}
+    """Every policy name that resolves without a path, with its kind (kinds, when several share it)."""
+    found: dict[str, str] = {}
+    for name, kind in sorted(_BUILTINS):
+        found[name] = f"{found[name]}, {kind}" if name in found else kind
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, "plug-in")
     return found

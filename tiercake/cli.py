@@ -100,7 +100,7 @@ def cmd_policy_list(args: argparse.Namespace) -> int:
     table.add_column("kind")
     table.add_column("what it does")
     for name, kind in sorted(available().items(), key=lambda x: (x[1], x[0])):
-        doc = (resolve(name).__doc__ or "").strip().splitlines()
+        doc = (resolve(name, kind.split(", ")[0]).__doc__ or "").strip().splitlines()
         table.add_row(name, kind, doc[0] if doc else "")
     console.print(table)
     return 0

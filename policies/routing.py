@@ -1,0 +1,151 @@
+"""Routing policies: which worker serves a request (the conductor and the cluster simulator run the
+same objects).
+
+The default, ``ttft``, is Mooncake's Algorithm 1: for each worker, predict the time to first token as
+queue time + transfer time of the prefix it would pull + prefill time of what it must compute, and
+take the smallest. A worker pulls the best prefix held anywhere when that prefix is longer than its
+own by the ``pull_ratio``; otherwise it computes from its own. The simpler routers are baselines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillModel:
+    """Prefill seconds for ``t`` computed tokens after a cached prefix of ``c``: ``a + b*t + q*t*(t + 2c)``
+    (the last term is attention, quadratic in context). Fitted per deployment from measured timings."""
+
+    a: float = 0.005
+    b: float = 1e-4
+    q: float = 0.0
+
+    def seconds(self, computed: int, cached: int = 0) -> float:
+        return self.a + self.b * computed + self.q * computed * (computed + 2 * cached)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    worker: str
+    cached_blocks: int = 0  # blocks of the prompt's prefix in the worker's own gpu tier
+    queued_tokens: int = 0  # prompt tokens routed to it and not yet prefilled
+    running: int = 0  # sequences it is decoding
+    prefill: PrefillModel = PrefillModel()
+    decode_step_s: float = 0.005  # one decode step at a small batch
+    load_bytes_per_s: float = 2e9  # measured rate of its pulls into the gpu tier
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int
+    block_size: int
+    block_nbytes: int
+    best_blocks: int = 0  # the longest prefix any node holds (pool or SSD)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    worker: str
+    ttft_s: float  # predicted
+    tbt_s: float  # predicted time between tokens
+    pull: bool  # pull the best prefix from the node that holds it
+    reused_blocks: int
+
+
+class Router(ABC):
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def choose(self, workers: list[WorkerState], request: RouteRequest) -> RouteDecision: ...
+
+    def describe(self) -> str:
+        return self.name
+
+    @staticmethod
+    def predict(worker: WorkerState, request: RouteRequest, pull_ratio: float | None = 1.0) -> RouteDecision:
+        """Algorithm 1's estimate for one worker (``pull_ratio`` None: never pull)."""
+        usable = (request.prompt_tokens - 1) // request.block_size
+        own = min(worker.cached_blocks, usable)
+        best = min(request.best_blocks, usable)
+        pull = pull_ratio is not None and best > own and best >= pull_ratio * max(own, 1)
+        reused = best if pull else own
+        transfer = (best - own) * request.block_nbytes / worker.load_bytes_per_s if pull else 0.0
+        cached = reused * request.block_size
+        queue = worker.prefill.seconds(worker.queued_tokens) if worker.queued_tokens else 0.0
+        ttft = queue + transfer + worker.prefill.seconds(request.prompt_tokens - cached, cached)
+        tbt = worker.decode_step_s * (1 + worker.running / 32)
+        return RouteDecision(worker.worker, ttft, tbt, pull, reused)
+
+
+class TtftRouter(Router):
+    """Mooncake's Algorithm 1: the smallest predicted TTFT, pulling hot prefixes as a side effect."""
+
+    name = "ttft"
+
+    def __init__(self, pull_ratio: float = 1.25) -> None:
+        if pull_ratio < 1:
+            raise ValueError("pull_ratio must be at least 1")
+        self.pull_ratio = pull_ratio
+
+    def choose(self, workers, request):
+        return min((self.predict(w, request, self.pull_ratio) for w in workers), key=lambda d: d.ttft_s)
+
+
+class CacheAwareRouter(Router):
+    """The longest prefix in a worker's own gpu tier; ties go to the less loaded."""
+
+    name = "cache_aware"
+
+    def choose(self, workers, request):
+        best = max(workers, key=lambda w: (w.cached_blocks, -w.queued_tokens, -w.running))
+        return self.predict(best, request, pull_ratio=None)
+
+
+class LeastLoadedRouter(Router):
+    name = "least_loaded"
+
+    def choose(self, workers, request):
+        best = min(workers, key=lambda w: (w.queued_tokens, w.running))
+        return self.predict(best, request, pull_ratio=None)
+
+
+class RoundRobinRouter(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, workers, request):
+        ordered = sorted(workers, key=lambda w: w.worker)
+        return self.predict(ordered[next(self._turn) % len(ordered)], request, pull_ratio=None)
+
+
+class RandomRouter(Router):
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._random = random.Random(seed)
+
+    def choose(self, workers, request):
+        return self.predict(self._random.choice(workers), request, pull_ratio=None)
+
+
+def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillModel:
+    """Least-squares fit of ``PrefillModel`` to (computed tokens, cached tokens, seconds) samples;
+    coefficients are kept non-negative."""
+    import numpy as np
+
+    if len(samples) < 3:
+        raise ValueError("at least three timings are needed to fit the prefill model")
+    t = np.array([s[0] for s in samples], dtype=float)
+    c = np.array([s[1] for s in samples], dtype=float)
+    y = np.array([s[2] for s in samples], dtype=float)
+    design = np.stack([np.ones_like(t), t, t * (t + 2 * c)], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    a, b, q = (max(float(x), 0.0) for x in coef)
+    return PrefillModel(a, b, q)

@@ -1,0 +1,53 @@
+"""Routing policies (pure functions of worker states: the live front and the simulator share them)."""
+
+import pytest
+
+from tiercake.policies import (
+    PrefillModel, RouteRequest, TtftRouter, WorkerState, create_router, fit_prefill,
+)
+
+SLOW = PrefillModel(a=0.01, b=0.001, q=0.0)  # 1 ms per computed token
+REQ = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=1 << 20, best_blocks=0)
+
+
+def test_ttft_router_weighs_cache_against_queue():
+    cached = WorkerState("a", cached_blocks=100, queued_tokens=0, prefill=SLOW)
+    cold = WorkerState("b", cached_blocks=0, queued_tokens=0, prefill=SLOW)
+    decision = TtftRouter().choose([cold, cached], REQ)
+    assert decision.worker == "a" and decision.reused_blocks == 100
+    assert decision.ttft_s == pytest.approx(0.01 + 0.001 * 1)
+    # the cached worker is busy for longer than computing the whole prompt elsewhere would take
+    busy = WorkerState("a", cached_blocks=100, queued_tokens=5000, prefill=SLOW)
+    assert TtftRouter().choose([cold, busy], REQ).worker == "b"
+
+
+def test_ttft_router_pulls_a_longer_prefix_held_elsewhere():
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=1 << 20, best_blocks=100)
+    own = WorkerState("a", cached_blocks=10, prefill=SLOW, load_bytes_per_s=10e9)
+    decision = TtftRouter(pull_ratio=2).choose([own], request)
+    assert decision.pull and decision.reused_blocks == 100
+    assert decision.ttft_s == pytest.approx(90 * (1 << 20) / 10e9 + 0.01 + 0.001 * 1)
+    # below the ratio it computes from its own prefix
+    near = WorkerState("a", cached_blocks=60, prefill=SLOW)
+    assert not TtftRouter(pull_ratio=2).choose([near], request).pull
+    with pytest.raises(ValueError):
+        TtftRouter(pull_ratio=0.5)
+
+
+def test_baseline_routers():
+    workers = [WorkerState("a", cached_blocks=3, queued_tokens=50), WorkerState("b", cached_blocks=1, queued_tokens=0)]
+    assert create_router("cache_aware").choose(workers, REQ).worker == "a"
+    assert create_router("least_loaded").choose(workers, REQ).worker == "b"
+    rr = create_router("round_robin")
+    assert [rr.choose(workers, REQ).worker for _ in range(4)] == ["a", "b", "a", "b"]
+    assert {create_router("random", {"seed": s}).choose(workers, REQ).worker for s in range(20)} == {"a", "b"}
+
+
+def test_prefill_model_fit_recovers_its_coefficients():
+    truth = PrefillModel(a=0.003, b=2e-5, q=1e-8)
+    samples = [(t, c, truth.seconds(t, c)) for t in (16, 64, 256, 1024) for c in (0, 512)]
+    fitted = fit_prefill(samples)
+    for t, c, s in samples:
+        assert fitted.seconds(t, c) == pytest.approx(s, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_prefill(samples[:2])

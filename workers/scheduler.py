@@ -1,0 +1,160 @@
+"""Continuous batching: requests join the running batch as soon as their prefill is done and leave it
+when they finish or their client goes away; every step decodes one token for every running sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .inference import InferenceEngine, PrefillStats, Sequence, next_token
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    tokens: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    tenant: str = "default"
+    salt: str | None = None
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One generated token; the first carries the prefill stats, the last the finish reason."""
+
+    token: int
+    index: int
+    stats: PrefillStats | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Running:
+    request: GenerationRequest
+    out: asyncio.Queue
+    seq: Sequence | None = None
+    generated: int = 0
+    generator: torch.Generator | None = None
+    cancelled: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, engine: InferenceEngine, max_batch: int = 32) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._waiting: asyncio.Queue[_Running] = asyncio.Queue()
+        self._running: list[_Running] = []
+        self._task: asyncio.Task | None = None
+        self.completed = 0
+
+    @property
+    def load(self) -> dict[str, int]:
+        return {"waiting": self._waiting.qsize(), "running": len(self._running)}
+
+    def start(self) -> Scheduler:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+        return self
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for job in self._running:
+            self._finish(job, error=RuntimeError("worker shutting down"))
+        self._running.clear()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Tokens as they are produced. Leaving the iteration early (a client that went away)
+        frees the sequence at the next step."""
+        if request.max_tokens <= 0:
+            raise ValueError("max_tokens must be positive")
+        job = _Running(request, asyncio.Queue())
+        if request.seed is not None:
+            job.generator = torch.Generator().manual_seed(request.seed)
+        await self._waiting.put(job)
+        try:
+            while True:
+                item = await job.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            job.cancelled = True
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._running:
+                job = await self._waiting.get()  # idle: wait for work
+                await self._admit(job)
+            while not self._waiting.empty() and len(self._running) < self.max_batch:
+                await self._admit(self._waiting.get_nowait())
+            self._running = [j for j in self._running if not self._drop_cancelled(j)]
+            if self._running:
+                await self._step()
+
+    async def _admit(self, job: _Running) -> None:
+        if job.cancelled:
+            return
+        r = job.request
+        try:
+            job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
+            job.out.put_nowait(exc)
+            return
+        self._emit(job, first=True)
+        if job.seq is not None:
+            self._running.append(job)
+
+    def _emit(self, job: _Running, first: bool = False) -> None:
+        token = next_token(job.seq.logits, job.request.temperature, job.generator)
+        job.generated += 1
+        done = job.generated >= job.request.max_tokens
+        job.out.put_nowait(TokenEvent(token, job.generated - 1, job.seq.stats if first else None,
+                                      "length" if done else None))
+        job.pending = token
+        if done:
+            self._finish(job)
+
+    def _finish(self, job: _Running, error: BaseException | None = None) -> None:
+        if error is not None:
+            job.out.put_nowait(error)
+        if job.seq is not None:
+            self.engine.free(job.seq)
+            job.seq = None
+            self.completed += 1
+
+    def _drop_cancelled(self, job: _Running) -> bool:
+        if job.seq is None:
+            return True
+        if job.cancelled:
+            self._finish(job)
+            return True
+        return False
+
+    async def _step(self) -> None:
+        jobs = list(self._running)
+        try:
+            await self.engine.decode([j.seq for j in jobs], [j.pending for j in jobs])
+        except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep serving
+            log.exception("decode step failed")
+            for job in jobs:
+                self._finish(job, error=exc)
+            self._running = []
+            return
+        for job in jobs:
+            if job.seq is not None:
+                self._emit(job)
