@@ -29,6 +29,8 @@ class MemberInfo(BaseModel):
     port: int = Field(default=0, ge=0, le=65535)
     tiers: dict[str, int] = Field(default_factory=dict, description="tier name -> capacity in bytes")
     lease: int = Field(default=0, ge=0, description="the lease the member is registered under (set on registration)")
+    url: str = Field(default="", description="a worker's HTTP API")
+    perf: dict[str, float] = Field(default_factory=dict, description="a worker's fitted timings (routing)")
 
 
 class Registration:

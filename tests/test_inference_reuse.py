@@ -94,8 +94,6 @@ class Cluster:
         store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
         engine = TransferEngine(name, SECRET, store, transports=transports)
         client = Client([self.url])
-        for member in await client.members():
-            engine.add_peer(member["node_id"], member["host"], member["port"])
         inference = InferenceEngine(model, store, pool, NS, worker_id=name, transfer=engine, conductor=client,
                                     node=write_to["server"].node_id if write_to else None)
 

@@ -14,6 +14,31 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 from .blocks import BlockLayout, Namespace
 
 
+class ModelConfig(BaseModel):
+    """The reference model's dimensions; its weights come from ``seed`` (nothing is downloaded)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab: int = Field(default=256, gt=0, description="byte-level: 256")
+    dim: int = Field(default=128, gt=0)
+    layers: int = Field(default=4, gt=0)
+    heads: int = Field(default=4, gt=0)
+    kv_heads: int = Field(default=2, gt=0)
+    ffn_dim: int = Field(default=256, gt=0)
+    rope_theta: float = 10000.0
+    seed: int = 0
+    dtype: str = "float16"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def layout(self, block_size: int = 16) -> BlockLayout:
+        return BlockLayout(
+            layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, block_size=block_size, dtype=self.dtype
+        )
+
+
 class TierConfig(BaseModel):
     """One storage tier. Fields that do not apply to a tier's ``kind`` must be left unset."""
 
@@ -139,6 +164,32 @@ class ConductorConfig(BaseModel):
         return found
 
 
+class ServingConfig(BaseModel):
+    """The serving path: the model, the workers' gpu tiers, the OpenAI-compatible front, routing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    block_size: int = Field(default=16, gt=0, le=4096, description="tokens per KV block")
+    gpu_blocks: int = Field(default=256, gt=0, description="KV blocks in each worker's gpu tier")
+    device: str | None = Field(default=None, description="torch device; default cuda if present, else cpu")
+    max_context: int = Field(default=2048, gt=1, description="prompt plus generated tokens, per request")
+    max_batch: int = Field(default=32, gt=0, description="sequences a worker decodes at once")
+    host: str = Field(default="127.0.0.1", description="where the front (/v1/completions) listens")
+    port: int = Field(default=8080, ge=0, le=65535)
+    router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
+    router_params: dict[str, Any] = Field(default_factory=dict)
+    slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")
+    slo_tbt_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TBT exceeds it")
+    api_keys: dict[str, str] = Field(default_factory=dict,
+                                     description="API key -> tenant; when set, every request needs a known key")
+    shared_namespace: bool = Field(default=False, description="all tenants share one cache namespace")
+    disaggregated: bool = Field(default=True, description="separate prefill and decode workers when both exist")
+
+    def layout(self) -> BlockLayout:
+        return self.model.layout(self.block_size)
+
+
 class TiercakeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -147,6 +198,13 @@ class TiercakeConfig(BaseModel):
     store: StoreConfig
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     conductor: ConductorConfig = Field(default_factory=ConductorConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+
+    def serving_namespace(self, tenant_salt: str = "") -> Namespace:
+        """The namespace of the served model's blocks (what workers and the front hash with)."""
+        layout = self.serving.layout()
+        return Namespace(model_id=self.model_id, kv_layout=layout.tag, block_size=layout.block_size,
+                         tenant_salt=tenant_salt)
 
     def namespace(self, tenant_salt: str = "") -> Namespace:
         layout = self.store.layout

@@ -108,6 +108,10 @@ class TransferEngine:
             self.connect_timeout,
         )
 
+    @property
+    def peers(self) -> set[str]:
+        return set(self._channels)
+
     def ensure_peer(self, node_id: str, host: str, port: int) -> None:
         """``add_peer`` unless the peer is already known at that address (keeps its connections)."""
         channel = self._channels.get(node_id)

@@ -86,6 +86,7 @@ class InferenceEngine:
         self._ids = itertools.count(1)
         self._writes: set[asyncio.Task] = set()
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
+        self._members_at = 0.0
 
     def namespace_for(self, tenant_salt: str) -> Namespace:
         return self.namespace.model_copy(update={"tenant_salt": tenant_salt})
@@ -93,10 +94,11 @@ class InferenceEngine:
     # Prefill --------------------------------------------------------------------------------------
 
     async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
-                      max_new_tokens: int = 0) -> Sequence:
+                      max_new_tokens: int = 0, pull: bool = True) -> Sequence:
         """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
-        hashing salt (default: the tenant, so tenants never share blocks)."""
+        hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
+        nodes hold beyond the own gpu tier's prefix (the router may say not to)."""
         self.model.check_tokens(tokens)
         if len(tokens) + max_new_tokens > self.max_context:
             raise ContextLimitError(f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the "
@@ -106,7 +108,7 @@ class InferenceEngine:
         reusable = keys[: (len(tokens) - 1) // self.block_size]  # at least one token is computed
         own = self._held(reusable)
         stats.sources = {"gpu": own} if own else {}
-        if own < len(reusable) and self.conductor is not None and self.transfer is not None:
+        if pull and own < len(reusable) and self.conductor is not None and self.transfer is not None:
             await self._load(tenant, reusable, own, stats)
         seq_id = next(self._ids)
         # from here to add_sequence nothing awaits, so no block found can be evicted meanwhile
@@ -149,7 +151,7 @@ class InferenceEngine:
             return
         finally:
             stats.lookup_s = time.perf_counter() - started
-        found.pop(self.worker_id, None)
+        found = {n: p for n, p in found.items() if await self._reachable(n)}
         if not found:
             return
         node, prefix = max(found.items(), key=lambda item: item[1].length)
@@ -173,6 +175,22 @@ class InferenceEngine:
             tier = max(prefix.tiers, key=prefix.tiers.get) if prefix.tiers else "?"
             stats.sources[f"{node}:{tier}"] = loaded
         stats.load_s = time.perf_counter() - started
+
+    async def _reachable(self, node: str, force: bool = False) -> bool:
+        """A node agent the transfer engine can reach (workers hold blocks too, but serve none).
+        Unknown ids are looked up among the members (at most twice a second unless ``force``)."""
+        if node == self.worker_id:
+            return False
+        if node not in self.transfer.peers and self.conductor is not None and (
+                force or time.monotonic() - self._members_at > 0.5):
+            self._members_at = time.monotonic()
+            try:
+                for member in await self.conductor.members():
+                    if member["role"] == "node":
+                        self.transfer.ensure_peer(member["node_id"], member["host"], member["port"])
+            except ConductorError as exc:
+                log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
+        return node in self.transfer.peers
 
     async def _grow(self, seq_id: int, positions: int) -> None:
         """Give the sequence blocks for ``positions`` tokens, evicting cached blocks if needed."""
@@ -204,6 +222,10 @@ class InferenceEngine:
             task.add_done_callback(self._writes.discard)
 
     async def _write_through(self, seq: Sequence, indices: list[int]) -> None:
+        if not await self._reachable(self.node, force=True):
+            log.warning("worker %s: node %s is not a live member; blocks not written through",
+                        self.worker_id, self.node)
+            return
         keys = [seq.keys[i] for i in indices]
         srcs = [self.pool.byte_view(seq.table[i]) for i in indices]
         leases = [self.store.acquire_lease(k, math.inf, tier="gpu") for k in keys]  # kept while sent

@@ -10,32 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from tiercake.config import ModelConfig
 
-from tiercake.blocks import BlockLayout
-
-
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    vocab: int = Field(default=256, gt=0, description="byte-level: 256")
-    dim: int = Field(default=128, gt=0)
-    layers: int = Field(default=4, gt=0)
-    heads: int = Field(default=4, gt=0)
-    kv_heads: int = Field(default=2, gt=0)
-    ffn_dim: int = Field(default=256, gt=0)
-    rope_theta: float = 10000.0
-    seed: int = 0
-    dtype: str = "float16"
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
-
-    def layout(self, block_size: int = 16) -> BlockLayout:
-        return BlockLayout(
-            layers=self.layers, kv_heads=self.kv_heads, head_dim=self.head_dim, block_size=block_size, dtype=self.dtype
-        )
+__all__ = ["ModelConfig", "PagedChunk", "ReferenceModel", "decode", "encode"]
 
 
 def encode(text: str) -> list[int]:
