@@ -15,8 +15,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tiercake.config import ConductorConfig
+from tiercake.config import TiercakeConfig
 
+from .frontend import OPEN_PATHS
 from .membership import MemberInfo
 from .metadata import MetadataUnavailableError
 from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
@@ -117,7 +118,8 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise _error(web.HTTPBadRequest, "invalid body", details=json.loads(exc.json(include_url=False))) from None
 
 
-def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Application:
+def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None) -> web.Application:
+    """The control API; with ``frontend`` (a ``Frontend``), the OpenAI-compatible API beside it."""
     registry = CollectorRegistry()
     index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
     ops = Counter("tiercake_placement_ops", "placement changes made durable (rate: ops per second)",
@@ -145,7 +147,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if tokens and request.path != "/health":
+        if tokens and request.path != "/health" and not (frontend and request.path in OPEN_PATHS):
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
             if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):
@@ -302,11 +304,14 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None) -> web.Appl
         web.get("/v1/nodes/{node}/blocks", node_blocks),
         web.get("/v1/nodes/{node}/pins", node_pins),
     ])
+    if frontend is not None:
+        frontend.add_routes(app)
     return app
 
 
-async def serve(config: ConductorConfig, conductor_id: str | None = None, announce=None) -> None:
-    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded."""
+async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=None) -> None:
+    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded;
+    it serves the OpenAI-compatible API beside the control API."""
     import asyncio
     import signal
     import socket
@@ -314,7 +319,9 @@ async def serve(config: ConductorConfig, conductor_id: str | None = None, announ
 
     from .embedded import EmbeddedBackend
     from .etcd import EtcdBackend
+    from .frontend import Frontend
 
+    config = full.conductor
     tokens = config.tokens() or None
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -329,7 +336,7 @@ async def serve(config: ConductorConfig, conductor_id: str | None = None, announ
             replication=config.replication, replication_params=config.replication_params,
             put_timeout=config.put_timeout_s,
         ).start()
-        runner = web.AppRunner(build_app(conductor, tokens))
+        runner = web.AppRunner(build_app(conductor, tokens, Frontend(conductor, full)))
         await runner.setup()
         await web.SockSite(runner, sock).start()
         print(json.dumps({"conductor": conductor.conductor_id, "url": url}), file=announce or sys.stdout, flush=True)

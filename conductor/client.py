@@ -4,6 +4,7 @@ that refuses a write names the leader, and a conductor that does not answer is s
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +53,12 @@ class Client:
             self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout))
         return self._session
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
         last = "no conductor answered"
         for attempt in range(self.retries):
             url = self.urls[self._current % len(self.urls)]
             try:
-                async with self._http().request(method, url + path, json=body) as resp:
+                async with self._http().request(method, url + path, json=body, headers=headers) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
                         return data
@@ -70,7 +71,9 @@ class Client:
                             self._current = self.urls.index(leader.rstrip("/"))
                             continue
                     else:
-                        raise ConductorError(resp.status, data.get("error", str(data)))
+                        error = data.get("error", data)
+                        message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+                        raise ConductorError(resp.status, message)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 last = f"{url}: {exc!r}"
             self._current += 1
@@ -142,6 +145,38 @@ class Client:
 
     async def leave(self, node_id: str, lease: int) -> None:
         await self._call("POST", "/v1/members/leave", {"node_id": node_id, "lease": lease})
+
+    # The OpenAI-compatible API ------------------------------------------------------------------
+
+    async def complete(self, prompt: str | list[int], *, model: str = "tiercake-reference", max_tokens: int = 16,
+                       temperature: float = 0.0, tenant: str | None = None, **extra) -> dict:
+        """``/v1/completions``, whole: the OpenAI response (usage includes cached prompt tokens)."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
+        headers = {"X-Tiercake-Tenant": tenant} if tenant else None
+        return await self._call("POST", "/v1/completions", body, headers=headers)
+
+    async def stream_completion(self, prompt: str | list[int], *, model: str = "tiercake-reference",
+                                max_tokens: int = 16, temperature: float = 0.0, tenant: str | None = None, **extra):
+        """``/v1/completions`` streamed: each server-sent chunk as a dict, the last one with usage."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                "stream": True, "stream_options": {"include_usage": True}, **extra}
+        headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
+        url = self.urls[self._current % len(self.urls)]
+        async with self._http().post(url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status >= 400:
+                data = await resp.json(content_type=None)
+                raise ConductorError(resp.status, data.get("error", {}).get("message", str(data)))
+            async for line in resp.content:
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ConductorError(502, chunk["error"]["message"])
+                yield chunk
 
     async def members(self) -> list[dict]:
         return (await self._call("GET", "/v1/members"))["members"]

@@ -283,7 +283,8 @@ class Conductor:
         self._issued = {k: v for k, v in self._issued.items() if v > now}
         tasks: list[ReplicationTask] = []
         for (tenant, key), rate in self.heat.items():
-            holders = self.index.holders(tenant, key)
+            holders = {r: size for r, size in self.index.holders(tenant, key).items()
+                       if getattr(self.members.members.get(r.node), "role", None) == "node"}  # not workers
             if not holders:
                 self.heat.forget((tenant, key))
                 continue

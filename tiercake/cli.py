@@ -65,7 +65,8 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
 def cmd_conductor(args: argparse.Namespace) -> int:
     from tiercake.conductor.api import serve
 
-    cfg = _load(args.config, args.data_dir).conductor
+    full = _load(args.config, args.data_dir)
+    cfg = full.conductor
     if args.listen:
         host, _, port = args.listen.rpartition(":")
         cfg.host, cfg.port = host or cfg.host, int(port)
@@ -75,7 +76,7 @@ def cmd_conductor(args: argparse.Namespace) -> int:
         cfg.etcd = [e for e in args.etcd.split(",") if e]
     if args.ttl:
         cfg.leader_ttl = args.ttl
-    asyncio.run(serve(cfg, conductor_id=args.id))
+    asyncio.run(serve(full, conductor_id=args.id))
     return 0
 
 
@@ -87,6 +88,61 @@ def cmd_node(args: argparse.Namespace) -> int:
         host, _, port = args.listen.rpartition(":")
         config.transfer.host, config.transfer.port = host or config.transfer.host, int(port)
     asyncio.run(NodeAgent(config).serve_forever())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from tiercake.workers.worker import Worker
+
+    config = _load(args.config, args.data_dir)
+    host, _, port = (args.listen or "127.0.0.1:0").rpartition(":")
+    asyncio.run(Worker(config, args.role, args.id, args.data_dir).serve_forever(host or "127.0.0.1", int(port)))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tiercake.up import up
+
+    config = _load(args.config, args.data_dir)
+    etcd = [e for e in (args.etcd or "").split(",") if e]
+    workers = args.workers if args.workers is not None else 0
+    prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
+    return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd,
+              print_fn=lambda text: console.print(text, soft_wrap=True, markup=False, highlight=False))
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    import time
+
+    from tiercake.conductor.client import Client
+
+    async def ask() -> None:
+        async with Client([args.url], token=args.api_key, timeout=120, retries=3) as client:
+            started = time.perf_counter()
+            first = None
+            text, usage = [], {}
+            async for chunk in client.stream_completion(args.prompt, model=args.model, max_tokens=args.max_tokens,
+                                                        temperature=args.temperature, tenant=args.tenant):
+                if chunk.get("choices"):
+                    if first is None:
+                        first = time.perf_counter() - started
+                    text.append(chunk["choices"][0]["text"])
+                    console.print(chunk["choices"][0]["text"], end="", markup=False, highlight=False)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+            total = time.perf_counter() - started
+            console.print()
+            generated = usage.get("completion_tokens", len(text))
+            rate = (generated - 1) / (total - first) if first is not None and total > first and generated > 1 else 0
+            cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            extra = usage.get("tiercake", {})
+            console.print(f"[dim]TTFT {first or 0:.3f} s · {rate:.1f} tokens/s · {generated} tokens · "
+                          f"cached prompt tokens {cached}/{usage.get('prompt_tokens', '?')} · "
+                          f"sources {extra.get('sources', {})}[/dim]")
+
+    asyncio.run(ask())
     return 0
 
 
@@ -197,7 +253,46 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--listen", metavar="HOST:PORT", help="override transfer.host and transfer.port")
     node.set_defaults(func=cmd_node)
 
-    policy = sub.add_parser("policy", help="eviction and admission policies")
+    worker = sub.add_parser(
+        "worker", help="run a prefill, decode or combined worker: the model over its own gpu tier",
+        description="Load the reference model, fit its timings (persisted in --data-dir), register with the "
+        "conductor (conductor.urls) and serve /generate for the front. Prints its id and URL as JSON.",
+    )
+    with_config(worker)
+    worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker")
+    worker.add_argument("--listen", metavar="HOST:PORT", help="its HTTP API (default 127.0.0.1, any port)")
+    worker.add_argument("--id", help="worker id (default: <node_id>-<role>)")
+    worker.set_defaults(func=cmd_worker)
+
+    upp = sub.add_parser(
+        "up", help="start a local cluster: conductor, node agent, prefill and decode workers",
+        description="One command for a whole cluster on this machine (embedded metadata unless --etcd). "
+        "Prints where it listens and how to send a request; Ctrl-C stops everything.",
+    )
+    with_config(upp)
+    upp.add_argument("--port", type=int, default=8080, help="the API port (default 8080)")
+    upp.add_argument("--host", default="127.0.0.1", help="the API address (default 127.0.0.1)")
+    upp.add_argument("--etcd", metavar="HOST:PORT,...", help="keep the metadata in this etcd")
+    upp.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    upp.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    upp.add_argument("--workers", type=int, help="combined prefill+decode workers instead of separate ones")
+    upp.set_defaults(func=cmd_up)
+
+    ask = sub.add_parser(
+        "ask", help="send a prompt to a running cluster and print the answer with its timing",
+        description="Streams the completion and prints TTFT, tokens per second and how many prompt tokens "
+        "came from the cache: send the same prompt twice to see the cache work.",
+    )
+    ask.add_argument("prompt")
+    ask.add_argument("--url", default="http://127.0.0.1:8080")
+    ask.add_argument("--model", default="tiercake-reference")
+    ask.add_argument("--max-tokens", type=int, default=32)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--api-key", help="an API key (serving.api_keys)")
+    ask.add_argument("--tenant", help="the tenant header, when the cluster has no API keys")
+    ask.set_defaults(func=cmd_ask)
+
+    policy = sub.add_parser("policy", help="eviction, admission, placement, replication and routing policies")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
     plist = policy_sub.add_parser("list", help="the policies that resolve by name, built-in and plug-in")
     plist.set_defaults(func=cmd_policy_list)

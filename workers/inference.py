@@ -22,6 +22,7 @@ import torch
 
 from tiercake.blocks import Namespace, block_keys
 from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Prefix as NodePrefix
 from tiercake.tiers import GpuBlockPool, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine
 
@@ -43,6 +44,8 @@ class PrefillStats:
     sources: dict[str, int] = field(default_factory=dict)  # "gpu" / "<node>:<tier>" -> blocks
     lookup_s: float = 0.0
     load_s: float = 0.0
+    load_bytes: int = 0
+    written_to: dict | None = None  # {"node", "blocks"}: where the prompt's full blocks were written
     compute_s: float = 0.0
 
 
@@ -94,11 +97,13 @@ class InferenceEngine:
     # Prefill --------------------------------------------------------------------------------------
 
     async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
-                      max_new_tokens: int = 0, pull: bool = True) -> Sequence:
+                      max_new_tokens: int = 0, pull: bool = True, source: dict | None = None) -> Sequence:
         """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
         hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
-        nodes hold beyond the own gpu tier's prefix (the router may say not to)."""
+        nodes hold beyond the own gpu tier's prefix (the router may say not to). ``source``:
+        ``{"node", "blocks"}``, where a prefill worker just wrote the prompt's blocks (a decode
+        worker taking over pulls them from there without asking the index)."""
         self.model.check_tokens(tokens)
         if len(tokens) + max_new_tokens > self.max_context:
             raise ContextLimitError(f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the "
@@ -109,7 +114,7 @@ class InferenceEngine:
         own = self._held(reusable)
         stats.sources = {"gpu": own} if own else {}
         if pull and own < len(reusable) and self.conductor is not None and self.transfer is not None:
-            await self._load(tenant, reusable, own, stats)
+            await self._load(tenant, reusable, own, stats, source)
         seq_id = next(self._ids)
         # from here to add_sequence nothing awaits, so no block found can be evicted meanwhile
         slots = []
@@ -141,11 +146,15 @@ class InferenceEngine:
                 return i
         return len(keys)
 
-    async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats) -> None:
+    async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats,
+                    source: dict | None = None) -> None:
         """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
         started = time.perf_counter()
         try:
-            found = await self.conductor.lookup(tenant, keys)
+            if source is not None:
+                found = {source["node"]: NodePrefix(min(int(source["blocks"]), len(keys)), {"handoff": 1})}
+            else:
+                found = await self.conductor.lookup(tenant, keys)
         except ConductorError as exc:
             log.warning("worker %s: lookup failed (%s); computing instead", self.worker_id, exc)
             return
@@ -174,6 +183,7 @@ class InferenceEngine:
         if loaded:
             tier = max(prefix.tiers, key=prefix.tiers.get) if prefix.tiers else "?"
             stats.sources[f"{node}:{tier}"] = loaded
+            stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
 
     async def _reachable(self, node: str, force: bool = False) -> bool:
@@ -210,12 +220,15 @@ class InferenceEngine:
             ns = self.namespace_for(seq.tenant)  # keys are extended over generated tokens too
             seq.keys = block_keys(ns, seq.tokens[: full * self.block_size])
         new = []
+        first = seq.stored
         for i in range(seq.stored, full):
             parent = seq.keys[i - 1] if i else None
             if self.store.adopt(seq.keys[i], "gpu", seq.table[i], self.block_nbytes, parent=parent,
                                 tenant=seq.tenant):
                 new.append(i)
         seq.stored = full
+        if self.node is not None and self.transfer is not None and full:
+            seq.stats.written_to = {"node": self.node, "blocks": full}
         if new and self.node is not None and self.transfer is not None:
             task = asyncio.get_running_loop().create_task(self._write_through(seq, new))
             self._writes.add(task)

@@ -26,6 +26,8 @@ class GenerationRequest:
     tenant: str = "default"
     salt: str | None = None
     seed: int | None = None
+    pull: bool = True  # load what nodes hold beyond the worker's own prefix
+    source: dict | None = None  # {"node", "blocks"}: a prefill worker's handoff
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class _Running:
     generated: int = 0
     generator: torch.Generator | None = None
     cancelled: bool = False
+    pending: int = 0  # the token the next decode step feeds
     started: float = field(default_factory=time.monotonic)
 
 
@@ -111,7 +114,8 @@ class Scheduler:
             return
         r = job.request
         try:
-            job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens)
+            job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens,
+                                                pull=r.pull, source=r.source)
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             job.out.put_nowait(exc)
             return

@@ -1,0 +1,390 @@
+"""The front door: OpenAI-compatible ``/v1/completions`` and ``/v1/models`` on the conductor.
+
+A request is tokenized, its block chain looked up in the placement index, and routed by the routing
+policy (Mooncake's Algorithm 1 by default) over the live workers, with early rejection (429) when
+the predicted TTFT or TBT misses the SLO. With separate prefill and decode workers, the prefill worker
+computes the prompt and writes its blocks through to its node; the decode worker, told where they
+are, pulls them over the transfer engine and streams the rest. A worker that fails before its first
+token is skipped and the request tried on another; one that fails mid-stream ends the stream with an
+error (never a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tiercake.blocks import block_keys
+from tiercake.config import TiercakeConfig
+from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, WorkerState, create_router
+
+from .service import Conductor
+
+log = logging.getLogger(__name__)
+
+TENANT_HEADER = "X-Tiercake-Tenant"
+OPEN_PATHS = ("/v1/completions", "/v1/models")  # API keys, not control tokens
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion request; fields we do not use (``n``, ``logprobs``, ...) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code, self.headers = status, kind, code, headers or {}
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}}
+        return web.json_response(body, status=self.status, headers=self.headers)
+
+
+@dataclass
+class _WorkerLoad:
+    queued_tokens: int = 0
+    running: int = 0
+    load_bytes_per_s: float = 2e9
+    failed_until: float = 0.0
+
+
+@dataclass
+class Timing:
+    """Where a request's time went, as the front saw it."""
+
+    started: float = field(default_factory=time.perf_counter)
+    route_s: float = 0.0
+    ttft_s: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+
+class Frontend:
+    def __init__(self, conductor: Conductor, config: TiercakeConfig) -> None:
+        self.conductor = conductor
+        self.config = config
+        self.serving = config.serving
+        self.router = create_router(self.serving.router, self.serving.router_params)
+        self.loads: dict[str, _WorkerLoad] = defaultdict(_WorkerLoad)
+        self.layout = self.serving.layout()
+        self._http: aiohttp.ClientSession | None = None
+        self.rejected = 0
+        self.served = 0
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60))
+        return self._http
+
+    # Who is asking ------------------------------------------------------------------------------
+
+    def tenant_of(self, request: web.Request) -> str:
+        keys = self.serving.api_keys
+        if keys:
+            header = request.headers.get("Authorization", "")
+            given = header[7:] if header.startswith("Bearer ") else ""
+            tenant = keys.get(given)
+            if tenant is None:
+                raise ApiError(401, "unknown API key: send Authorization: Bearer <key>", "authentication_error",
+                               "invalid_api_key")
+            return tenant
+        tenant = request.headers.get(TENANT_HEADER, "default")
+        if not tenant or "/" in tenant or len(tenant) > 128:
+            raise ApiError(400, f"{TENANT_HEADER} must be 1-128 characters without '/'")
+        return tenant
+
+    def namespace_of(self, tenant: str) -> tuple[str, str]:
+        """(index tenant, hashing salt): tenants share nothing unless the namespace is shared."""
+        return ("shared", "") if self.serving.shared_namespace else (tenant, tenant)
+
+    # Routing ------------------------------------------------------------------------------------
+
+    def _candidates(self, roles: tuple[str, ...]) -> list:
+        now = time.monotonic()
+        return [m for m in self.conductor.members.alive() if m.role in roles and m.url
+                and self.loads[m.node_id].failed_until <= now]
+
+    def _state(self, member, cached: int) -> WorkerState:
+        load = self.loads[member.node_id]
+        perf = member.perf
+        return WorkerState(member.node_id, cached, load.queued_tokens, load.running,
+                           PrefillModel(perf.get("prefill_a", 0.005), perf.get("prefill_b", 1e-4),
+                                        perf.get("prefill_q", 0.0)),
+                           perf.get("decode_step_s", 0.005), load.load_bytes_per_s)
+
+    def route(self, tokens: list[int], tenant: str, roles: tuple[str, ...]) -> tuple[object, RouteDecision]:
+        index_tenant, salt = self.namespace_of(tenant)
+        members = self._candidates(roles)
+        if not members:
+            raise ApiError(503, f"no live {'/'.join(roles)} worker", "server_error", "no_worker")
+        keys = block_keys(self.config.serving_namespace(salt), tokens)
+        found = self.conductor.lookup(index_tenant, keys)
+        nodes = {m.node_id for m in self.conductor.members.alive("node")}
+        best = max((p.length for n, p in found.items() if n in nodes), default=0)
+        states = [self._state(m, found[m.node_id].length if m.node_id in found else 0) for m in members]
+        decision = self.router.choose(states, RouteRequest(len(tokens), self.layout.block_size,
+                                                           self.layout.nbytes, best))
+        slo_ttft, slo_tbt = self.serving.slo_ttft_s, self.serving.slo_tbt_s
+        if slo_ttft is not None and decision.ttft_s > slo_ttft:
+            self.rejected += 1
+            raise ApiError(429, f"predicted time to first token {decision.ttft_s:.3f} s exceeds the SLO of "
+                           f"{slo_ttft} s; retry later", "rate_limit_error", "slo_ttft",
+                           headers={"Retry-After": "1"})
+        if slo_tbt is not None and decision.tbt_s > slo_tbt:
+            self.rejected += 1
+            raise ApiError(429, f"predicted time between tokens {decision.tbt_s:.4f} s exceeds the SLO of "
+                           f"{slo_tbt} s; retry later", "rate_limit_error", "slo_tbt", headers={"Retry-After": "1"})
+        member = next(m for m in members if m.node_id == decision.worker)
+        return member, decision
+
+    # Talking to workers -------------------------------------------------------------------------
+
+    async def _stream(self, member, body: dict):
+        """Events from a worker's /generate; raises ``ConnectionError`` before its first event when
+        the worker cannot be reached or refuses (so the caller may try another)."""
+        load = self.loads[member.node_id]
+        try:
+            resp = await self.http().post(member.url + "/generate", json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            load.failed_until = time.monotonic() + 2.0
+            raise ConnectionError(f"worker {member.node_id}: {exc}") from exc
+        async with resp:
+            if resp.status >= 400:
+                data = await resp.json(content_type=None)
+                if resp.status < 500:
+                    raise ApiError(resp.status, data.get("error", "refused"))
+                load.failed_until = time.monotonic() + 2.0
+                raise ConnectionError(f"worker {member.node_id}: {data.get('error')}")
+            try:
+                async for line in resp.content:
+                    if line.strip():
+                        yield json.loads(line)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                load.failed_until = time.monotonic() + 2.0
+                raise RuntimeError(f"worker {member.node_id} failed mid-stream: {exc}") from exc
+
+    async def generate(self, tokens: list[int], req: CompletionRequest, tenant: str, timing: Timing):
+        """Token events for one request, across prefill and decode workers, with retries."""
+        index_tenant, salt = self.namespace_of(tenant)
+        body = {"tokens": tokens, "max_tokens": req.max_tokens, "temperature": req.temperature,
+                "tenant": index_tenant, "salt": salt, "seed": req.seed}
+        roles_split = (self.serving.disaggregated and self._candidates(("prefill",))
+                       and self._candidates(("decode",)))
+        first_roles = ("prefill",) if roles_split else ("worker", "prefill", "decode")
+        errors = []
+        for _ in range(3):
+            started = time.perf_counter()
+            member, decision = self.route(tokens, tenant, first_roles)
+            timing.route_s += time.perf_counter() - started
+            load = self.loads[member.node_id]
+            load.queued_tokens += len(tokens)
+            load.running += 1
+            emitted = 0
+            try:
+                prefill_body = {**body, "pull": decision.pull}
+                if roles_split:
+                    prefill_body["max_tokens"] = 1
+                async for event in self._stream(member, prefill_body):
+                    if "error" in event:
+                        raise RuntimeError(event["error"])
+                    if event.get("stats"):
+                        load.queued_tokens -= len(tokens)
+                        timing.stats = event["stats"]
+                        timing.ttft_s = time.perf_counter() - timing.started
+                        self._note_bandwidth(load, event["stats"])
+                    emitted += 1
+                    done = event["finish_reason"] is not None and not (roles_split and req.max_tokens > 1)
+                    yield event["token"], "length" if done else None
+                    if done:
+                        return
+                break
+            except ConnectionError as exc:
+                if emitted:
+                    raise RuntimeError(str(exc)) from exc
+                errors.append(str(exc))
+                log.warning("front: %s; trying another worker", exc)
+            finally:
+                if not timing.stats:
+                    load.queued_tokens -= len(tokens)
+                load.running -= 1
+        else:
+            raise ApiError(503, "every worker tried failed: " + "; ".join(errors), "server_error", "worker_failed")
+        if not roles_split:
+            raise RuntimeError("the worker ended the stream before its last token")
+        # disaggregated: the decode worker takes over, pulling the prompt's blocks from the node the
+        # prefill worker wrote them to
+        first = tokens + [event["token"]]
+        written = timing.stats.get("written_to")
+        decode = {**body, "tokens": first, "max_tokens": req.max_tokens - 1, "pull": True,
+                  "source": written}
+        for attempt in range(3):
+            members = self._candidates(("decode",))
+            if not members:
+                raise ApiError(503, "no live decode worker", "server_error", "no_worker")
+            member = min(members, key=lambda m: (self.loads[m.node_id].running, m.node_id))
+            load = self.loads[member.node_id]
+            load.running += 1
+            emitted = 0
+            try:
+                async for event in self._stream(member, decode):
+                    if "error" in event:
+                        raise RuntimeError(event["error"])
+                    if event.get("stats"):
+                        timing.stats["decode_cached_tokens"] = event["stats"]["cached_tokens"]
+                    emitted += 1
+                    yield event["token"], event["finish_reason"]
+                    if event["finish_reason"] is not None:
+                        return
+                return
+            except ConnectionError as exc:
+                if emitted or attempt == 2:
+                    raise RuntimeError(str(exc)) from exc
+                log.warning("front: %s; trying another decode worker", exc)
+            finally:
+                load.running -= 1
+
+    @staticmethod
+    def _note_bandwidth(load: _WorkerLoad, stats: dict) -> None:
+        if stats.get("load_bytes") and stats.get("load_s"):
+            load.load_bytes_per_s = 0.8 * load.load_bytes_per_s + 0.2 * stats["load_bytes"] / stats["load_s"]
+
+    # HTTP ---------------------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models)])
+        app.on_cleanup.append(lambda _: self.close())
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self.tenant_of(request)
+        except ApiError as exc:
+            return exc.response()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            tenant = self.tenant_of(request)
+            try:
+                req = CompletionRequest.model_validate_json(await request.read())
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(x) for x in first["loc"])
+                raise ApiError(400, f"invalid request: {where}: {first['msg']}") from None
+            if req.model != self.config.model_id:
+                raise ApiError(404, f"model {req.model!r} does not exist; this cluster serves "
+                               f"{self.config.model_id!r}", code="model_not_found")
+            tokens = list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt
+            if not tokens:
+                raise ApiError(400, "the prompt is empty")
+            vocab = self.serving.model.vocab
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ApiError(400, f"token ids must lie in [0, {vocab})")
+            if len(tokens) + req.max_tokens > self.serving.max_context:
+                raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {req.max_tokens} exceed the "
+                               f"context length of {self.serving.max_context}", code="context_length_exceeded")
+            timing = Timing()
+            events = self.generate(tokens, req, tenant, timing)
+            # the first token decides the status: errors before it are plain HTTP errors
+            try:
+                first = await anext(events)
+            except StopAsyncIteration:
+                raise ApiError(500, "the worker produced nothing", "server_error") from None
+            except RuntimeError as exc:
+                raise ApiError(502, str(exc), "server_error") from None
+        except ApiError as exc:
+            return exc.response()
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        if req.stream:
+            return await self._sse(request, rid, req, tokens, first, events, timing)
+        return await self._whole(rid, req, tokens, first, events, timing)
+
+    def _usage(self, prompt: list[int], generated: int, timing: Timing) -> dict:
+        return {"prompt_tokens": len(prompt), "completion_tokens": generated, "total_tokens": len(prompt) + generated,
+                "prompt_tokens_details": {"cached_tokens": timing.stats.get("cached_tokens", 0)},
+                "tiercake": {"ttft_s": round(timing.ttft_s, 6), "route_s": round(timing.route_s, 6),
+                             "sources": timing.stats.get("sources", {}),
+                             "lookup_s": timing.stats.get("lookup_s", 0.0), "load_s": timing.stats.get("load_s", 0.0),
+                             "compute_s": timing.stats.get("compute_s", 0.0),
+                             "decode_cached_tokens": timing.stats.get("decode_cached_tokens")}}
+
+    def _choice(self, text: str, finish: str | None) -> dict:
+        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+    async def _whole(self, rid, req, prompt, first, events, timing) -> web.Response:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text, generated, finish = decoder.decode(bytes([first[0] % 256])), 1, first[1]
+        try:
+            async for token, finish in events:
+                text += decoder.decode(bytes([token % 256]))
+                generated += 1
+        except RuntimeError as exc:
+            return ApiError(502, f"{exc} (after {generated} tokens)", "server_error").response()
+        text += decoder.decode(b"", final=True)
+        self.served += 1
+        return web.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                  "model": req.model, "choices": [self._choice(text, finish or "length")],
+                                  "usage": self._usage(prompt, generated, timing)})
+
+    async def _sse(self, request, rid, req, prompt, first, events, timing) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        created = int(time.time())
+
+        async def send(payload: dict | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await response.write(f"data: {data}\n\n".encode())
+
+        def chunk(text: str, finish: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": [self._choice(text, finish)]}
+
+        generated = 1
+        try:
+            await send(chunk(decoder.decode(bytes([first[0] % 256])), first[1]))
+            async for token, finish in events:
+                generated += 1
+                await send(chunk(decoder.decode(bytes([token % 256])), finish))
+            if req.stream_options and req.stream_options.include_usage:
+                await send({**chunk("", None), "choices": [], "usage": self._usage(prompt, generated, timing)})
+            await send("[DONE]")
+            self.served += 1
+        except RuntimeError as exc:  # a worker died mid-stream: say so, end the stream
+            await send({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            await send("[DONE]")
+        except (ConnectionError, asyncio.CancelledError):
+            # the client went away: closing the generator closes the worker stream, which frees the
+            # sequence on the worker
+            await events.aclose()
+            raise
+        await response.write_eof()
+        return response

@@ -1,0 +1,117 @@
+"""``tiercake up``: a whole local cluster from one command.
+
+It starts a conductor (embedded backend unless etcd endpoints are given) serving the control API and
+the OpenAI-compatible API on ``--port``, one node agent (pool and SSD tiers), and the workers (one
+prefill and one decode by default), each a process of its own. It prints where it listens and how
+to send a request, and stops everything, in reverse order, on Ctrl-C or SIGTERM. Each process's
+log is in ``<data dir>/logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from .config import TiercakeConfig
+
+
+class Child:
+    def __init__(self, name: str, args: list[str], env: dict, logs: Path) -> None:
+        self.name = name
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the child
+        self.proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env, start_new_session=True)
+        self.announce: dict = {}
+
+    def wait_announce(self, timeout: float) -> dict:
+        """The child's first stdout line (JSON: where it listens)."""
+        result: list[bytes] = []
+        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not result or not result[0]:
+            self.stop()
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{self.name} did not start (see {self.log_path}):\n{tail}")
+        self.announce = json.loads(result[0])
+        return self.announce
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: int, decode: int, workers: int,
+       etcd: list[str], print_fn=print, ready_file: Path | None = None) -> int:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
+        env[config.transfer.secret_env] = secrets.token_hex(24)  # this cluster's secret, for its processes only
+    logs = data_dir / "logs"
+    children: list[Child] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cfg = config.model_copy(deep=True)
+        cfg.conductor.host, cfg.conductor.port = host, port
+        if etcd:
+            cfg.conductor.etcd = etcd
+        conductor_cfg = data_dir / "up-conductor.yaml"
+        conductor_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        conductor = Child("conductor", ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"], env, logs)
+        children.append(conductor)
+        url = conductor.wait_announce(60)["url"]
+        cfg.conductor.urls = [url]
+        node_cfg = data_dir / "up-node.yaml"
+        node_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        node = Child("node", ["node", "--config", str(node_cfg)], env, logs)
+        children.append(node)
+        node.wait_announce(120)
+        roles = [("prefill", prefill), ("decode", decode), ("worker", workers)]
+        for role, count in roles:
+            for i in range(count):
+                name = f"{role}-{i}"
+                child = Child(name, ["worker", "--config", str(node_cfg), "--role", role,
+                                     "--id", f"{cfg.node_id}-{name}", "--data-dir", str(data_dir)], env, logs)
+                children.append(child)
+        for child in children[2:]:
+            child.wait_announce(300)  # a worker calibrates its timings first (persisted for next time)
+        model = cfg.model_id
+        print_fn(f"tiercake is up: {url}  (conductor, node agent, {len(children) - 2} workers; logs in {logs})")
+        print_fn("send a request:")
+        print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+                 f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers!\", \"max_tokens\": 16, "
+                 f"\"temperature\": 0}}'")
+        print_fn(f"  tiercake ask 'Hello, tiers!' --url {url}     (twice: the second reuses the cached prefix)")
+        print_fn("Ctrl-C stops everything.")
+        if ready_file is not None:
+            ready_file.write_text(json.dumps({"url": url}))
+        while not stop.is_set():
+            for child in children:
+                if child.proc.poll() is not None:
+                    print_fn(f"{child.name} exited with {child.proc.returncode} (see {child.log_path}); stopping")
+                    stop.set()
+                    break
+            stop.wait(0.5)
+        return 0
+    finally:
+        for child in reversed(children):
+            child.stop()
+        print_fn("tiercake is down")
