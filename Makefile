@@ -30,7 +30,7 @@ test: install system-deps
 	$(PY) -m pytest -q
 
 run: install
-	$(VENV)/bin/tiercake demo
+	$(VENV)/bin/tiercake up
 
 bench: install
 	$(VENV)/bin/tiercake bench store --quick --json bench-results/store.json

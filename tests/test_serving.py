@@ -1,0 +1,251 @@
+"""The serving path end to end: ``tiercake up`` (conductor with the front, node agent, prefill and
+decode workers, each its own process) answering the OpenAI-compatible API; bad input; faults."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.etcd_process import free_port
+
+MODEL = "tiercake-reference"
+PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
+
+
+class UpCluster:
+    def __init__(self, tmp, serving: str = "", args: list[str] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data = tmp / "data"
+        config = tmp / "cluster.yaml"
+        config.write_text(
+            "node_id: test-node\n"
+            "store:\n  tiers:\n"
+            f"    - {{kind: pool, capacity: 8MiB, path: /dev/shm/tiercake-serving-{os.getpid()}-{self.port}}}\n"
+            f"    - {{kind: ssd, capacity: 64MiB, path: {tmp / 'ssd'}}}\n"
+            "conductor: {member_ttl: 2}\n"
+            f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercake.cli", "up", "--config", str(config), "--data-dir", str(self.data),
+             "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    async def wait_up(self, workers: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(self.proc.stdout.read().decode()[-3000:])
+                try:
+                    async with http.get(self.url + "/v1/members") as resp:
+                        members = (await resp.json())["members"]
+                        if sum(m["role"] != "node" for m in members) >= workers and \
+                                any(m["role"] == "node" for m in members):
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.3)
+        raise AssertionError("the cluster did not come up")
+
+    async def member_pid(self, role: str) -> tuple[dict, int]:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(self.url + "/v1/members") as resp:
+                members = [m for m in (await resp.json())["members"] if m["role"] == role]
+            member = members[0]
+            async with http.get(member["url"] + "/health") as resp:
+                return member, (await resp.json())["pid"]
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.stdout.read().decode()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    up = UpCluster(tmp_path_factory.mktemp("serving"))
+    asyncio.run(up.wait_up(workers=2))
+    yield up
+    output = up.stop()
+    assert "tiercake is down" in output, output[-2000:]
+    assert up.proc.returncode == 0
+
+
+def completion(text: str = PROMPT, **kw) -> dict:
+    return {"model": MODEL, "prompt": text, "max_tokens": 12, "temperature": 0, **kw}
+
+
+async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cluster):
+    async with Client([cluster.url], timeout=60) as client:
+        prompt = PROMPT + "First test."
+        first = await client.complete(prompt, max_tokens=12, tenant="reuse")
+        second = await client.complete(prompt, max_tokens=12, tenant="reuse")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    full = (len(prompt.encode()) - 1) // 16 * 16
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["finish_reason"] == "length"
+    # the decode worker took the prompt over through the node: every full block pulled, none recomputed
+    assert first["usage"]["tiercake"]["decode_cached_tokens"] == (len(prompt.encode())) // 16 * 16
+
+
+async def test_token_id_prompts_and_streaming(cluster):
+    tokens = list((PROMPT + "Streaming.").encode())
+    async with Client([cluster.url], timeout=60) as client:
+        whole = await client.complete(tokens, max_tokens=8)
+        chunks = [c async for c in client.stream_completion(tokens, max_tokens=8)]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert len(texts) == 8 and "".join(texts) == whole["choices"][0]["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    async with aiohttp.ClientSession() as http:  # the raw wire: server-sent events ending in [DONE]
+        async with http.post(cluster.url + "/v1/completions", json=completion(stream=True, max_tokens=3)) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            body = (await resp.read()).decode()
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 4
+
+
+async def test_bad_requests_are_clear_errors(cluster):
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"model": MODEL}).encode(), 400, "prompt"),
+        (json.dumps(completion(max_tokens=0)).encode(), 400, "max_tokens"),
+        (json.dumps(completion(model="gpt-9")).encode(), 404, "does not exist"),
+        (json.dumps(completion(text="x" * 1020)).encode(), 400, "context length"),
+        (json.dumps(completion(text=[1, 2, 999])).encode(), 400, "token ids"),
+        (json.dumps(completion(text="")).encode(), 400, "empty"),
+        (json.dumps(completion(temperature=-1)).encode(), 400, "temperature"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for body, status, words in cases:
+            async with http.post(cluster.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"}) as resp:
+                data = await resp.json()
+                assert resp.status == status, (body, data)
+                assert data["error"]["message"] and (words is None or words in data["error"]["message"]), data
+        async with http.get(cluster.url + "/v1/models") as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+        async with http.post(cluster.url + "/v1/completions", json=completion(),
+                             headers={"X-Tiercake-Tenant": "a/b"}) as resp:
+            assert resp.status == 400
+
+
+async def test_tenants_get_no_hits_from_each_other(cluster):
+    prompt = PROMPT + "Tenants."
+    async with Client([cluster.url], timeout=60) as client:
+        await client.complete(prompt, tenant="alice")
+        bob = await client.complete(prompt, tenant="bob")
+        alice = await client.complete(prompt, tenant="alice")
+    assert bob["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert alice["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
+    decode, _ = await cluster.member_pid("decode")
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(cluster.url + "/v1/completions", json=completion(stream=True, max_tokens=400))
+        await resp.content.readline()
+        resp.close()  # gone
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            async with http.get(decode["url"] + "/load") as r:
+                load = await r.json()
+            if load["running"] == 0 and load["waiting"] == 0:
+                break
+            await asyncio.sleep(0.2)
+        assert load["running"] == 0, load
+        assert load["free_blocks"] > 0
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    up = UpCluster(tmp_path, args=["--decode", "2"])
+    yield up
+    up.stop()
+
+
+async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
+    await faulty.wait_up(workers=3)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        resp = await http.post(faulty.url + "/v1/completions", json=completion(stream=True, max_tokens=800))
+        await resp.content.readline()  # streaming from one decode worker
+        async with http.get(faulty.url + "/v1/members") as r:
+            decoders = [m for m in (await r.json())["members"] if m["role"] == "decode"]
+        pids = []
+        for _ in range(50):  # the first token comes from the prefill worker; then a decoder takes over
+            for member in decoders:
+                async with http.get(member["url"] + "/load") as r:
+                    if (await r.json())["running"]:
+                        async with http.get(member["url"] + "/health") as h:
+                            pids.append((await h.json())["pid"])
+            if pids:
+                break
+            await asyncio.sleep(0.05)
+        assert len(pids) == 1
+        os.kill(pids[0], signal.SIGKILL)
+        body = (await resp.read()).decode()  # ends, with an error, instead of hanging
+        assert "error" in body and body.rstrip().endswith("data: [DONE]")
+    async with Client([faulty.url], timeout=60, retries=3) as client:
+        answer = await client.complete(PROMPT + "After the kill.", max_tokens=5)  # the other decode worker
+        assert answer["usage"]["completion_tokens"] == 5
+        members = await client.members()
+        node_pid = _pid_listening(next(m for m in members if m["role"] == "node")["port"])
+        os.kill(node_pid, signal.SIGKILL)
+        # its blocks stop being offered, and requests still complete by recomputing
+        answer = await client.complete(PROMPT + "After the node died.", max_tokens=5)
+        assert answer["usage"]["completion_tokens"] == 5
+        with pytest.raises(ConductorError):
+            await client.complete(PROMPT, model="nope")
+
+
+def _pid_listening(port: int) -> int:
+    """The pid of the process listening on ``port`` (from /proc: no extra tools needed)."""
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    inode = fields[9]
+    assert inode, f"nothing listens on {port}"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no process owns the socket on {port}")
+
+
+async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_path):
+    up = UpCluster(tmp_path, serving=", shared_namespace: true, api_keys: {key-a: alice, key-b: bob}",
+                   args=["--workers", "1"])
+    try:
+        await up.wait_up(workers=1)
+        prompt = PROMPT + "Shared."
+        async with Client([up.url], token="key-a", timeout=60) as alice:
+            assert (await alice.complete(prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        async with Client([up.url], token="key-b", timeout=60) as bob:  # another tenant, one namespace
+            assert (await bob.complete(prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        async with Client([up.url], token="key-x", timeout=60, retries=1) as stranger:
+            with pytest.raises(ConductorError) as err:
+                await stranger.complete(prompt)
+            assert err.value.status == 401
+    finally:
+        assert "tiercake is down" in up.stop()
