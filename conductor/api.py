@@ -90,6 +90,7 @@ class LeaseRequest(BaseModel):
 
     node_id: str = NAME
     lease: int = Field(gt=0)
+    stats: dict | None = Field(default=None, description="the member's store statistics (cluster view)")
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
@@ -239,9 +240,12 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         it changes) and, from the leader, the node's replication tasks."""
         body = await _body(request, LeaseRequest)
         await conductor.keep_alive(body.lease)
+        if body.stats is not None:
+            conductor.member_stats[body.node_id] = body.stats
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
         return web.json_response({
             "pins_version": conductor.pins_version,
+            "settings": conductor.settings,
             "tasks": [{"tenant": t.tenant, "key": t.key.hex(), "tier": t.tier, "size": t.size, "source": t.source}
                       for t in tasks],
         })

@@ -138,10 +138,12 @@ class Client:
         """Register a node or worker (``MemberInfo`` fields); returns its lease."""
         return (await self._call("POST", "/v1/members/register", {"member": member, "ttl": ttl}))["lease"]
 
-    async def keep_alive(self, node_id: str, lease: int) -> dict:
-        """Renew the lease. Raises ``ConductorError`` with status 404 once it has expired (register
-        again). Returns the pins version and the node's replication tasks."""
-        return await self._call("POST", "/v1/members/keepalive", {"node_id": node_id, "lease": lease})
+    async def keep_alive(self, node_id: str, lease: int, stats: dict | None = None) -> dict:
+        """Renew the lease (and tell the conductor how the member's store is doing). Raises
+        ``ConductorError`` with status 404 once it has expired (register again). Returns the pins
+        version, the cluster's run-time settings and the node's replication tasks."""
+        body = {"node_id": node_id, "lease": lease, "stats": stats}
+        return await self._call("POST", "/v1/members/keepalive", body)
 
     async def leave(self, node_id: str, lease: int) -> None:
         await self._call("POST", "/v1/members/leave", {"node_id": node_id, "lease": lease})
@@ -177,6 +179,34 @@ class Client:
                 if "error" in chunk:
                     raise ConductorError(502, chunk["error"]["message"])
                 yield chunk
+
+    # Serving control ----------------------------------------------------------------------------
+
+    async def cluster(self) -> dict:
+        """Nodes and workers (tiers with capacity, use, blocks, hits; loads) and the serving hit ratio."""
+        return await self._call("GET", "/v1/cluster")
+
+    async def prefix(self, prompt: str | list[int], tenant: str = "default") -> dict:
+        """Who holds how much of a prompt's prefix: ``{"blocks", "holders": {id: {"tokens", "tiers"}}}``."""
+        return await self._call("POST", "/v1/prefix", {"prompt": prompt, "tenant": tenant})
+
+    async def pin_prefix(self, prompt: str | list[int], tenant: str = "default", ttl: int | None = None) -> int:
+        """Keep a prompt's full blocks wherever they are held (a system prompt, say)."""
+        body = {"prompt": prompt, "tenant": tenant, "ttl": ttl}
+        return (await self._call("POST", "/v1/prefix/pin", body))["pinned_blocks"]
+
+    async def unpin_prefix(self, prompt: str | list[int], tenant: str = "default") -> int:
+        return (await self._call("POST", "/v1/prefix/unpin", {"prompt": prompt, "tenant": tenant}))["unpinned_blocks"]
+
+    async def flush(self) -> int:
+        """Every node and worker drops the blocks it may (not pinned, leased or in use)."""
+        return (await self._call("POST", "/v1/flush", {}))["flush_epoch"]
+
+    async def set_policy(self, router: str | None = None, router_params: dict | None = None,
+                         eviction: dict[str, dict] | None = None) -> dict:
+        """Switch the router and/or tiers' eviction policies (``{tier: {"policy", "params"}}``) at run time."""
+        body = {"router": router, "router_params": router_params or {}, "eviction": eviction}
+        return await self._call("POST", "/v1/policy", body)
 
     async def members(self) -> list[dict]:
         return (await self._call("GET", "/v1/members"))["members"]

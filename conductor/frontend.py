@@ -54,6 +54,33 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
 
 
+class PromptRequest(BaseModel):
+    """A prompt whose cached prefix to look up, pin or unpin."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[int]
+    tenant: str = Field(default="default", min_length=1, pattern=r"^[^/]+$")
+    ttl: int | None = Field(default=None, ge=1, description="pin: seconds; default until unpinned")
+
+
+class EvictionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str
+    params: dict = Field(default_factory=dict)
+
+
+class PolicyRequest(BaseModel):
+    """Switch policies at run time, cluster-wide (durable: a new leader keeps them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    router: str | None = None
+    router_params: dict = Field(default_factory=dict)
+    eviction: dict[str, EvictionSpec] | None = Field(default=None, description="tier name -> policy")
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
                  headers: dict | None = None) -> None:
@@ -94,6 +121,18 @@ class Frontend:
         self._http: aiohttp.ClientSession | None = None
         self.rejected = 0
         self.served = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.cached_by_source: dict[str, int] = defaultdict(int)  # tokens, by where their blocks came from
+        self._router_spec = {"name": self.serving.router, "params": self.serving.router_params}
+
+    def _current_router(self):
+        """The router the cluster settings name (switched at run time through ``/v1/policy``)."""
+        spec = self.conductor.settings.get("router")
+        if spec is not None and spec != self._router_spec:
+            self.router = create_router(spec["name"], spec.get("params"))
+            self._router_spec = spec
+        return self.router
 
     async def close(self) -> None:
         if self._http is not None:
@@ -150,7 +189,7 @@ class Frontend:
         nodes = {m.node_id for m in self.conductor.members.alive("node")}
         best = max((p.length for n, p in found.items() if n in nodes), default=0)
         states = [self._state(m, found[m.node_id].length if m.node_id in found else 0) for m in members]
-        decision = self.router.choose(states, RouteRequest(len(tokens), self.layout.block_size,
+        decision = self._current_router().choose(states, RouteRequest(len(tokens), self.layout.block_size,
                                                            self.layout.nbytes, best))
         slo_ttft, slo_tbt = self.serving.slo_ttft_s, self.serving.slo_tbt_s
         if slo_ttft is not None and decision.ttft_s > slo_ttft:
@@ -218,6 +257,7 @@ class Frontend:
                     if event.get("stats"):
                         load.queued_tokens -= len(tokens)
                         timing.stats = event["stats"]
+                        self._count(len(tokens), event["stats"])
                         timing.ttft_s = time.perf_counter() - timing.started
                         self._note_bandwidth(load, event["stats"])
                     emitted += 1
@@ -271,6 +311,12 @@ class Frontend:
             finally:
                 load.running -= 1
 
+    def _count(self, prompt_tokens: int, stats: dict) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += stats.get("cached_tokens", 0)
+        for source, blocks in stats.get("sources", {}).items():
+            self.cached_by_source[source.rsplit(":", 1)[-1]] += blocks * self.layout.block_size
+
     @staticmethod
     def _note_bandwidth(load: _WorkerLoad, stats: dict) -> None:
         if stats.get("load_bytes") and stats.get("load_s"):
@@ -279,8 +325,104 @@ class Frontend:
     # HTTP ---------------------------------------------------------------------------------------
 
     def add_routes(self, app: web.Application) -> None:
-        app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models)])
+        app.add_routes([
+            web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
+            web.get("/v1/cluster", self.cluster), web.post("/v1/prefix", self.prefix),
+            web.post("/v1/prefix/pin", self.pin), web.post("/v1/prefix/unpin", self.unpin),
+            web.post("/v1/flush", self.flush), web.post("/v1/policy", self.policy),
+        ])
         app.on_cleanup.append(lambda _: self.close())
+
+    # Control ------------------------------------------------------------------------------------
+
+    async def cluster(self, _: web.Request) -> web.Response:
+        """Nodes and workers with their tiers (capacity, use, blocks, hits), loads, and the serving
+        hit ratio (prompt tokens whose KV was reused), by source."""
+        members = []
+        for m in self.conductor.members.alive():
+            stats = self.conductor.member_stats.get(m.node_id, {})
+            entry = {"id": m.node_id, "role": m.role, "address": f"{m.host}:{m.port}", "url": m.url,
+                     "tiers": stats.get("tiers", {t: {"capacity_bytes": c} for t, c in m.tiers.items()}),
+                     "indexed_bytes": {t: self.conductor.index.used.get((m.node_id, t), 0) for t in m.tiers}}
+            if m.role != "node":
+                load = self.loads[m.node_id]
+                entry["load"] = {"queued_tokens": load.queued_tokens, "running": load.running}
+            members.append(entry)
+        return web.json_response({
+            "members": members, "router": self._router_spec, "settings": self.conductor.settings,
+            "serving": {"requests": self.served, "rejected": self.rejected, "prompt_tokens": self.prompt_tokens,
+                        "cached_tokens": self.cached_tokens,
+                        "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                        "cached_tokens_by_source": dict(self.cached_by_source)},
+            "index": {"replicas": len(self.conductor.index), "pins": len(self.conductor.pins)},
+        })
+
+    async def _prompt_keys(self, request: web.Request) -> tuple[PromptRequest, str, list[bytes]]:
+        try:
+            body = PromptRequest.model_validate_json(await request.read())
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid body: {exc.errors()[0]['msg']}") from None
+        tokens = list(body.prompt.encode()) if isinstance(body.prompt, str) else body.prompt
+        index_tenant, salt = self.namespace_of(body.tenant)
+        return body, index_tenant, block_keys(self.config.serving_namespace(salt), tokens)
+
+    async def prefix(self, request: web.Request) -> web.Response:
+        try:
+            _, tenant, keys = await self._prompt_keys(request)
+        except ApiError as exc:
+            return exc.response()
+        found = self.conductor.index.lookup(tenant, keys)  # an operator's look: no access counted
+        bs = self.layout.block_size
+        return web.json_response({"blocks": len(keys), "block_size": bs, "holders": {
+            n: {"tokens": p.length * bs, "blocks": p.length, "tiers": p.tiers} for n, p in found.items()}})
+
+    async def pin(self, request: web.Request) -> web.Response:
+        try:
+            body, tenant, keys = await self._prompt_keys(request)
+            if not keys:
+                raise ApiError(400, "the prompt has no full block to pin")
+        except ApiError as exc:
+            return exc.response()
+        self.conductor.require_leader(await self.conductor.leader())
+        await self.conductor.pin(tenant, keys, body.ttl)
+        return web.json_response({"pinned_blocks": len(keys)})
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        try:
+            _, tenant, keys = await self._prompt_keys(request)
+        except ApiError as exc:
+            return exc.response()
+        self.conductor.require_leader(await self.conductor.leader())
+        if keys:
+            await self.conductor.unpin(tenant, keys)
+        return web.json_response({"unpinned_blocks": len(keys)})
+
+    async def flush(self, _: web.Request) -> web.Response:
+        self.conductor.require_leader(await self.conductor.leader())
+        return web.json_response({"flush_epoch": await self.conductor.flush()})
+
+    async def policy(self, request: web.Request) -> web.Response:
+        from tiercake.policies import create_eviction
+
+        try:
+            body = PolicyRequest.model_validate_json(await request.read())
+            if body.router is not None:
+                create_router(body.router, body.router_params)  # refuse what would not build
+            for tier, spec in (body.eviction or {}).items():
+                create_eviction(spec.policy, spec.params)
+        except ValidationError as exc:
+            return ApiError(400, f"invalid body: {exc.errors()[0]['msg']}").response()
+        except (LookupError, TypeError, ValueError) as exc:
+            return ApiError(400, str(exc)).response()
+        self.conductor.require_leader(await self.conductor.leader())
+        if body.router is not None:
+            await self.conductor.put_setting("router", {"name": body.router, "params": body.router_params})
+        if body.eviction is not None:
+            current = dict(self.conductor.settings.get("eviction", {}))
+            current.update({tier: spec.model_dump() for tier, spec in body.eviction.items()})
+            await self.conductor.put_setting("eviction", current)
+        return web.json_response({"router": self.conductor.settings.get("router", self._router_spec),
+                                  "eviction": self.conductor.settings.get("eviction", {})})
 
     async def models(self, request: web.Request) -> web.Response:
         try:

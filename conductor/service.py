@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ class LeaseExpiredError(Exception):
 
 
 PINS = b"/tiercake/pins/"
+SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,9 @@ class Conductor:
         self.pins_version = 0
         self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
         self._pin_follower: asyncio.Task | None = None
+        self.settings: dict[str, object] = {}  # name -> JSON value, followed from the backend
+        self.member_stats: dict[str, dict] = {}  # what members said of their stores in keep-alives
+        self._settings_follower: asyncio.Task | None = None
 
     async def start(self) -> Conductor:
         await self.index.start()
@@ -98,15 +103,21 @@ class Conductor:
             self._apply_pin(WatchEvent("put", kv.key, kv.value, revision))
         self._pin_follower = asyncio.get_running_loop().create_task(
             follow(self.meta, PINS, revision + 1, self._apply_pin, "pins"))
+        kvs, revision = await self.meta.range(SETTINGS)
+        for kv in kvs:
+            self._apply_setting(WatchEvent("put", kv.key, kv.value, revision))
+        self._settings_follower = asyncio.get_running_loop().create_task(
+            follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings"))
         await self.election.start()
         return self
 
     async def close(self) -> None:
         await self.election.resign()
-        if self._pin_follower is not None:
-            self._pin_follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pin_follower
+        for task in (self._pin_follower, self._settings_follower):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.members.close()
         await self.index.close()
 
@@ -271,6 +282,26 @@ class Conductor:
     def node_pins(self, node: str) -> list[tuple[str, bytes]]:
         """The pinned blocks ``node`` holds (it applies them to its store)."""
         return [(t, k) for t, k in self.pins if any(r.node == node for r in self.index.holders(t, k))]
+
+    # Run-time settings ----------------------------------------------------------------------------
+
+    def _apply_setting(self, event: WatchEvent) -> None:
+        name = event.key[len(SETTINGS):].decode()
+        if event.kind == "put":
+            self.settings[name] = json.loads(event.value)
+        else:
+            self.settings.pop(name, None)
+
+    async def put_setting(self, name: str, value: object) -> None:
+        """Durable, and seen by every conductor (and through them by every member)."""
+        await self.meta.put(SETTINGS + name.encode(), json.dumps(value).encode())
+        self.settings[name] = value
+
+    async def flush(self) -> int:
+        """Ask every node and worker to drop what it may (unpinned, unleased, unused blocks)."""
+        epoch = int(self.settings.get("flush_epoch", 0)) + 1
+        await self.put_setting("flush_epoch", epoch)
+        return epoch
 
     # Hot-block replication ------------------------------------------------------------------------
 

@@ -172,6 +172,60 @@ async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
         assert load["free_blocks"] > 0
 
 
+async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
+    prompt = PROMPT + "Control."
+    async with Client([cluster.url], timeout=60) as client:
+        await client.complete(prompt, tenant="ops")
+        await client.complete(prompt, tenant="ops")
+        view = await client.cluster()
+        roles = sorted(m["role"] for m in view["members"])
+        assert roles == ["decode", "node", "prefill"]
+        assert view["serving"]["cached_tokens"] > 0 and 0 < view["serving"]["hit_ratio"] < 1
+        node = next(m for m in view["members"] if m["role"] == "node")
+        for _ in range(50):  # tier statistics arrive with the next keep-alive
+            if node["tiers"].get("pool", {}).get("used_bytes"):
+                break
+            await asyncio.sleep(0.2)
+            node = next(m for m in (await client.cluster())["members"] if m["role"] == "node")
+        assert node["tiers"]["pool"]["used_bytes"] > 0 and node["tiers"]["pool"]["kind"] == "pool"
+
+        held = await client.prefix(prompt, tenant="ops")
+        full = (len(prompt.encode())) // 16
+        assert held["blocks"] == full
+        assert held["holders"]["test-node"]["blocks"] == full  # written through to the node agent
+        assert await client.pin_prefix(prompt, tenant="ops") == full
+        pinned = [b for b in await client.node_blocks("test-node") if b["pinned"]]
+        assert len(pinned) == full
+
+        # a flush empties every cache but what is pinned
+        other = "An unrelated prompt, sharing no block with the pinned one, to be flushed away entirely. "
+        await client.complete(other, tenant="ops")
+        await client.flush()
+        for _ in range(60):
+            if not (await client.prefix(other, tenant="ops"))["holders"]:
+                break
+            await asyncio.sleep(0.2)
+        assert (await client.prefix(other, tenant="ops"))["holders"] == {}
+        assert (await client.prefix(prompt, tenant="ops"))["holders"]["test-node"]["blocks"] == full
+        assert await client.unpin_prefix(prompt, tenant="ops") == full
+
+        # policies switched at run time: the router here, the pool's eviction on the node
+        with pytest.raises(ConductorError) as err:
+            await client.set_policy(router="no-such-router")
+        assert err.value.status == 400
+        answer = await client.set_policy(router="least_loaded", eviction={"pool": {"policy": "s3fifo"}})
+        assert answer["router"]["name"] == "least_loaded"
+        await client.complete(prompt, tenant="ops")
+        assert (await client.cluster())["router"]["name"] == "least_loaded"
+        for _ in range(50):
+            node = next(m for m in (await client.cluster())["members"] if m["role"] == "node")
+            if node["tiers"]["pool"].get("eviction") == "s3fifo":
+                break
+            await asyncio.sleep(0.2)
+        assert node["tiers"]["pool"]["eviction"] == "s3fifo"
+        await client.set_policy(router="ttft")
+
+
 @pytest.fixture
 def faulty(tmp_path):
     up = UpCluster(tmp_path, args=["--decode", "2"])

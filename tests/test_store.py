@@ -494,3 +494,28 @@ async def test_listeners_see_every_copy_come_and_go_with_its_tenant(make_store, 
     reopened = await make_store(gpu=None, pool=None, ssd=8, ssd_dir=tmp_path / "d")
     held = {(c.key, c.tier, c.tenant) for c in reopened.holdings()}
     assert held == {(key(0), "ssd", "acme")}  # key(1) was only ever on the gpu tier
+
+
+async def test_switch_eviction_policy_at_run_time_keeps_recency(make_store):
+    from tiercake.policies import FIFO
+
+    store = await make_store(gpu=None, pool=4, ssd=None)
+    for i in range(4):
+        await store.put(key(i), block(i))
+    await store.get(key(0))  # most recent now: LRU order is 1, 2, 3, 0
+    store.set_eviction("pool", FIFO())
+    assert store.stats()["tiers"]["pool"]["eviction"] == {"policy": "fifo", "resident": 4}
+    await store.put(key(9), block(9))  # the pool is full: the carried-over order decides the victim
+    await store.drain()
+    assert not store.contains(key(1)) and store.contains(key(0))
+
+
+async def test_flush_removes_all_but_pinned_and_leased(make_store):
+    store = await make_store(gpu=None, pool=8, ssd=None)
+    for i in range(5):
+        await store.put(key(i), block(i))
+    store.pin(key(0), hard=True)
+    lease = store.acquire_lease(key(1))
+    assert await store.flush() == 3
+    assert store.contains(key(0)) and store.contains(key(1)) and not store.contains(key(2))
+    await store.release_lease(key(1), lease.id)

@@ -307,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import os
+
+    level = os.environ.get("TIERCAKE_LOG_LEVEL", "INFO" if args.verbose else "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValidationError as exc:

@@ -795,6 +795,31 @@ class TieredStore:
         else:
             entry.soft_pin_until = max(entry.soft_pin_until, time.monotonic() + (ttl if ttl is not None else 60.0))
 
+    def set_eviction(self, tier: str, policy: EvictionPolicy) -> None:
+        """Switch ``tier`` to another eviction policy at run time; the resident blocks move over in
+        the old policy's eviction order (the next victim first), so recency carries over."""
+        t = self.tier(tier)
+        order = t.eviction.victims(len(t.eviction))
+        for key in order:
+            entry = self._entries.get(key)
+            policy.on_insert(key, entry.meta if entry is not None else BlockMeta())
+        t.eviction = policy
+
+    async def flush(self) -> int:
+        """Remove every block that may go now (not pinned, leased or in use); returns how many went."""
+        now = time.monotonic()
+        victims = [
+            e.key for e in self._entries.values()
+            if e.committed() and not e.hard_pin and e.soft_pin_until <= now
+            and not any(c.leased(now) or c.tier.backend.in_use(c.slot) for c in e.copies.values())
+        ]
+        removed = 0
+        for key in victims:
+            with contextlib.suppress(StoreError):  # leased or removed meanwhile: it stays or is gone
+                await self.remove(key)
+                removed += 1
+        return removed
+
     def is_pinned(self, key: bytes) -> bool:
         """Hard-pinned (soft pins expire on their own and are not reported)."""
         return self._committed_entry(key).hard_pin

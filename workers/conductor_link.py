@@ -16,6 +16,7 @@ from collections import defaultdict
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.membership import MemberInfo
+from tiercake.policies import create_eviction
 from tiercake.tiers import BlockChange, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, Transfer, TransferEngine
 
@@ -39,7 +40,8 @@ class ConductorLink:
         self._changes: dict[tuple[str, bytes, str], tuple[bool, int]] = {}
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._reregistered = asyncio.Event()
+        self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
+        self._eviction: dict = {}
 
     async def start(self) -> ConductorLink:
         self.store.listeners.append(self._on_change)
@@ -67,6 +69,9 @@ class ConductorLink:
         self.lease = await self.client.register(member, self.ttl)
         self.registrations += 1
         self._pins_version = -1
+        if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
+            answer = await self.client.keep_alive(self.member.node_id, self.lease)
+            self._flush_epoch = int(answer.get("settings", {}).get("flush_epoch", 0))
         # everything held goes out again: the old lease took the node's placements with it
         for change in self.store.holdings():
             self._on_change(change)
@@ -77,7 +82,7 @@ class ConductorLink:
         while True:
             await asyncio.sleep(max(self.ttl / 3, 0.2))
             try:
-                answer = await self.client.keep_alive(self.member.node_id, self.lease)
+                answer = await self.client.keep_alive(self.member.node_id, self.lease, self._stats())
             except ConductorError as exc:
                 if exc.status == 404:
                     log.warning("node %s: lease expired; registering again", self.member.node_id)
@@ -91,8 +96,11 @@ class ConductorLink:
                     await self._sync_pins()
                 if answer["tasks"]:
                     await self._run_tasks(answer["tasks"])
+                await self._apply_settings(answer.get("settings", {}))
             except ConductorError as exc:
                 log.warning("node %s: %s", self.member.node_id, exc)
+            except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
+                log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
 
     # Reports --------------------------------------------------------------------------------------
 
@@ -114,6 +122,8 @@ class ConductorLink:
                         await self.client.report(tenant, self.member.node_id, tier, keys, [n for _, n in blocks])
                     else:
                         await self.client.remove(tenant, self.member.node_id, tier, keys)
+                    log.debug("node %s: reported %s %d blocks of %s in %s", self.member.node_id,
+                              "new" if added else "gone", len(keys), tenant, tier)
             except ConductorError:
                 for copy, state in pending.items():  # keep them, unless a newer change came meanwhile
                     self._changes.setdefault(copy, state)
@@ -130,6 +140,33 @@ class ConductorLink:
                 log.warning("node %s: report failed (%s); retrying", self.member.node_id, exc)
                 await asyncio.sleep(0.5)
                 self._wakeup.set()
+
+    # Settings -------------------------------------------------------------------------------------
+
+    def _stats(self) -> dict:
+        stats = self.store.stats()
+        return {"misses": stats["misses"], "tiers": {
+            name: {k: t[k] for k in ("kind", "capacity_bytes", "used_bytes", "blocks", "hits", "evictions")}
+            | {"eviction": t["eviction"].get("policy")}
+            for name, t in stats["tiers"].items()}}
+
+    async def _apply_settings(self, settings: dict) -> None:
+        epoch = int(settings.get("flush_epoch", 0))
+        if epoch > self._flush_epoch:
+            removed = await self.store.flush()
+            log.info("node %s: flushed %d blocks", self.member.node_id, removed)
+        self._flush_epoch = epoch
+        eviction = settings.get("eviction", {})
+        if eviction != self._eviction:
+            names = {t.name for t in self.store.tiers}
+            for tier, spec in eviction.items():
+                if tier in names and spec != self._eviction.get(tier):
+                    try:
+                        self.store.set_eviction(tier, create_eviction(spec["policy"], spec.get("params")))
+                    except (LookupError, TypeError, ValueError) as exc:
+                        log.warning("node %s: eviction policy %s for %s refused: %s", self.member.node_id, spec,
+                                    tier, exc)
+            self._eviction = eviction
 
     # Pins and replication -------------------------------------------------------------------------
 
