@@ -198,9 +198,11 @@ class Client:
     async def unpin_prefix(self, prompt: str | list[int], tenant: str = "default") -> int:
         return (await self._call("POST", "/v1/prefix/unpin", {"prompt": prompt, "tenant": tenant}))["unpinned_blocks"]
 
-    async def flush(self) -> int:
-        """Every node and worker drops the blocks it may (not pinned, leased or in use)."""
-        return (await self._call("POST", "/v1/flush", {}))["flush_epoch"]
+    async def flush(self, tiers: list[str] | None = None) -> int:
+        """Every node and worker drops the blocks it may (not pinned, leased or in use); with
+        ``tiers``, only those tiers' copies, pushed down to the next tier (``["gpu"]``: the workers'
+        caches; ``["pool"]``: the nodes' pools, leaving their blocks on SSD)."""
+        return (await self._call("POST", "/v1/flush", {"tiers": tiers}))["flush_epoch"]
 
     async def set_policy(self, router: str | None = None, router_params: dict | None = None,
                          eviction: dict[str, dict] | None = None) -> dict:

@@ -64,6 +64,12 @@ class PromptRequest(BaseModel):
     ttl: int | None = Field(default=None, ge=1, description="pin: seconds; default until unpinned")
 
 
+class FlushRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: list[str] | None = Field(default=None, description="only these tiers, pushed down; default: all")
+
+
 class EvictionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -397,9 +403,13 @@ class Frontend:
             await self.conductor.unpin(tenant, keys)
         return web.json_response({"unpinned_blocks": len(keys)})
 
-    async def flush(self, _: web.Request) -> web.Response:
+    async def flush(self, request: web.Request) -> web.Response:
+        try:
+            body = FlushRequest.model_validate_json(await request.read() or b"{}")
+        except ValidationError as exc:
+            return ApiError(400, f"invalid body: {exc.errors()[0]['msg']}").response()
         self.conductor.require_leader(await self.conductor.leader())
-        return web.json_response({"flush_epoch": await self.conductor.flush()})
+        return web.json_response({"flush_epoch": await self.conductor.flush(body.tiers)})
 
     async def policy(self, request: web.Request) -> web.Response:
         from tiercake.policies import create_eviction

@@ -297,10 +297,11 @@ class Conductor:
         await self.meta.put(SETTINGS + name.encode(), json.dumps(value).encode())
         self.settings[name] = value
 
-    async def flush(self) -> int:
-        """Ask every node and worker to drop what it may (unpinned, unleased, unused blocks)."""
-        epoch = int(self.settings.get("flush_epoch", 0)) + 1
-        await self.put_setting("flush_epoch", epoch)
+    async def flush(self, tiers: list[str] | None = None) -> int:
+        """Ask every node and worker to drop what it may (unpinned, unleased, unused blocks); with
+        ``tiers``, only what those tiers hold, pushed down to the next tier. Returns the flush epoch."""
+        epoch = int(self.settings.get("flush", {}).get("epoch", 0)) + 1
+        await self.put_setting("flush", {"epoch": epoch, "tiers": tiers})
         return epoch
 
     # Hot-block replication ------------------------------------------------------------------------

@@ -209,6 +209,16 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         assert (await client.prefix(prompt, tenant="ops"))["holders"]["test-node"]["blocks"] == full
         assert await client.unpin_prefix(prompt, tenant="ops") == full
 
+        # flushing only the workers' gpu tiers leaves the node's copies
+        third = "Yet another prompt whose blocks stay on the node while the workers forget them. "
+        await client.complete(third, tenant="ops")
+        await client.flush(tiers=["gpu"])
+        for _ in range(60):
+            if set((await client.prefix(third, tenant="ops"))["holders"]) == {"test-node"}:
+                break
+            await asyncio.sleep(0.2)
+        assert set((await client.prefix(third, tenant="ops"))["holders"]) == {"test-node"}
+
         # policies switched at run time: the router here, the pool's eviction on the node
         with pytest.raises(ConductorError) as err:
             await client.set_policy(router="no-such-router")

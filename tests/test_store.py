@@ -519,3 +519,12 @@ async def test_flush_removes_all_but_pinned_and_leased(make_store):
     assert await store.flush() == 3
     assert store.contains(key(0)) and store.contains(key(1)) and not store.contains(key(2))
     await store.release_lease(key(1), lease.id)
+
+
+async def test_flushing_one_tier_pushes_its_blocks_down(make_store):
+    store = await make_store(gpu=None, pool=8, ssd=16)
+    for i in range(3):
+        await store.put(key(i), block(i))
+    assert await store.flush(tiers=["pool"]) == 3
+    assert all(store.where(key(i)) == ["ssd"] for i in range(3))
+    assert same(await store.get(key(1)), 1)  # still whole, now from ssd

@@ -805,20 +805,32 @@ class TieredStore:
             policy.on_insert(key, entry.meta if entry is not None else BlockMeta())
         t.eviction = policy
 
-    async def flush(self) -> int:
-        """Remove every block that may go now (not pinned, leased or in use); returns how many went."""
+    async def flush(self, tiers: list[str] | None = None) -> int:
+        """Drop every block that may go now (not pinned, leased or in use); returns how many went.
+        With ``tiers``, only their copies go, each pushed down to the next tier as an eviction would
+        (so flushing a node's pool leaves its blocks on SSD)."""
         now = time.monotonic()
+        indexes = None if tiers is None else {self.tier(name).index for name in tiers}
         victims = [
-            e.key for e in self._entries.values()
+            (e.key, [i for i in e.committed() if indexes is None or i in indexes]) for e in self._entries.values()
             if e.committed() and not e.hard_pin and e.soft_pin_until <= now
             and not any(c.leased(now) or c.tier.backend.in_use(c.slot) for c in e.copies.values())
         ]
-        removed = 0
-        for key in victims:
+        gone = 0
+        for key, where in victims:
+            if not where:
+                continue
             with contextlib.suppress(StoreError):  # leased or removed meanwhile: it stays or is gone
-                await self.remove(key)
-                removed += 1
-        return removed
+                if indexes is None:
+                    await self.remove(key)
+                else:
+                    for index in where:
+                        tier = self.tiers[index]
+                        tier.eviction.on_remove(key)
+                        async with tier.evict_lock:
+                            await self._demote(tier, key)
+                gone += 1
+        return gone
 
     def is_pinned(self, key: bytes) -> bool:
         """Hard-pinned (soft pins expire on their own and are not reported)."""

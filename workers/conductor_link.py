@@ -71,7 +71,7 @@ class ConductorLink:
         self._pins_version = -1
         if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
             answer = await self.client.keep_alive(self.member.node_id, self.lease)
-            self._flush_epoch = int(answer.get("settings", {}).get("flush_epoch", 0))
+            self._flush_epoch = int(answer.get("settings", {}).get("flush", {}).get("epoch", 0))
         # everything held goes out again: the old lease took the node's placements with it
         for change in self.store.holdings():
             self._on_change(change)
@@ -151,10 +151,14 @@ class ConductorLink:
             for name, t in stats["tiers"].items()}}
 
     async def _apply_settings(self, settings: dict) -> None:
-        epoch = int(settings.get("flush_epoch", 0))
+        flush = settings.get("flush", {})
+        epoch = int(flush.get("epoch", 0))
         if epoch > self._flush_epoch:
-            removed = await self.store.flush()
-            log.info("node %s: flushed %d blocks", self.member.node_id, removed)
+            tiers = flush.get("tiers")
+            mine = None if tiers is None else [t.name for t in self.store.tiers if t.name in tiers]
+            if mine is None or mine:
+                removed = await self.store.flush(mine)
+                log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
         self._flush_epoch = epoch
         eviction = settings.get("eviction", {})
         if eviction != self._eviction:
