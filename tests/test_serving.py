@@ -14,47 +14,28 @@ import pytest
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.etcd_process import free_port
+from tiercake.up import UpProcess
 
 MODEL = "tiercake-reference"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
 
 
-class UpCluster:
+class UpCluster(UpProcess):
     def __init__(self, tmp, serving: str = "", args: list[str] = ()):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.data = tmp / "data"
+        port = free_port()
         config = tmp / "cluster.yaml"
         config.write_text(
             "node_id: test-node\n"
             "store:\n  tiers:\n"
-            f"    - {{kind: pool, capacity: 8MiB, path: /dev/shm/tiercake-serving-{os.getpid()}-{self.port}}}\n"
+            f"    - {{kind: pool, capacity: 8MiB, path: /dev/shm/tiercake-serving-{os.getpid()}-{port}}}\n"
             f"    - {{kind: ssd, capacity: 64MiB, path: {tmp / 'ssd'}}}\n"
             "conductor: {member_ttl: 2}\n"
             f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n"
         )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercake.cli", "up", "--config", str(config), "--data-dir", str(self.data),
-             "--port", str(self.port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        super().__init__(config, tmp / "data", port, list(args))
 
-    async def wait_up(self, workers: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise AssertionError(self.proc.stdout.read().decode()[-3000:])
-                try:
-                    async with http.get(self.url + "/v1/members") as resp:
-                        members = (await resp.json())["members"]
-                        if sum(m["role"] != "node" for m in members) >= workers and \
-                                any(m["role"] == "node" for m in members):
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.3)
-        raise AssertionError("the cluster did not come up")
+    async def wait_up(self, workers: int) -> None:
+        await asyncio.to_thread(self.wait_ready, workers)
 
     async def member_pid(self, role: str) -> tuple[dict, int]:
         async with aiohttp.ClientSession() as http:
@@ -63,16 +44,6 @@ class UpCluster:
             member = members[0]
             async with http.get(member["url"] + "/health") as resp:
                 return member, (await resp.json())["pid"]
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.stdout.read().decode()
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +205,23 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
             await asyncio.sleep(0.2)
         assert node["tiers"]["pool"]["eviction"] == "s3fifo"
         await client.set_policy(router="ttft")
+
+
+def test_bench_serve_against_the_cluster(cluster, tmp_path):
+    out = tmp_path / "serve.json"
+    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "bench", "serve", "--quick", "--target", cluster.url,
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    assert set(figures) == {"ttft.none.cached0", *(f"ttft.{s}.cached{p}" for s in ("gpu", "pool", "ssd")
+                                                  for p in (50, 90))}
+    for name, f in figures.items():
+        assert f["value"] > 0 and f["limit"] > 0 and abs(f["ratio"] - f["value"] / f["limit"]) < 1e-9
+        if name != "ttft.none.cached0":
+            source = name.split(".")[1]
+            tiers = {k.rsplit(":", 1)[-1] if ":" in k else k for k in f["params"]["sources"]}
+            assert tiers == {source}, (name, f["params"])  # the prefix came from the tier it names
+            assert f["params"]["cached_tokens"] == int(512 * f["params"]["cached_fraction"]) // 16 * 16
 
 
 @pytest.fixture

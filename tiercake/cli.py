@@ -56,6 +56,13 @@ def cmd_bench_transfer(args: argparse.Namespace) -> int:
     return _bench(args, "transfers (raw socket and memcpy limits first)", run)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tiercake.bench import serve
+
+    what = f"the cluster at {args.target}" if args.target else "a local cluster (tiercake up, started for it)"
+    return _bench(args, f"time to first token on {what}", serve.run(quick=args.quick, target=args.target))
+
+
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
     from tiercake.bench import metadata
 
@@ -225,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
         "commit against raw batched etcd transactions of the same operations; metadata bytes per block.",
     )
     meta.set_defaults(func=cmd_bench_metadata)
+
+    serve = bench_parser(
+        "serve", help="TTFT with 0/50/90% of the prompt cached, per source tier, vs compute only",
+        description="Time to first token for prompts whose prefix is cached in the prefill worker's gpu tier, "
+        "the node pool or the node's SSD, beside the same prompt with nothing cached, measured in the same run, "
+        "with the server's breakdown (routing, lookup, load, compute). Starts its own cluster unless --target.",
+    )
+    serve.add_argument("--target", metavar="URL", help="a running cluster (default: start one)")
+    serve.set_defaults(func=cmd_bench_serve)
 
     conductor = sub.add_parser(
         "conductor", help="run a conductor: placement index, membership and election behind an HTTP API",

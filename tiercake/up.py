@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -115,3 +116,44 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
         for child in reversed(children):
             child.stop()
         print_fn("tiercake is down")
+
+
+class UpProcess:
+    """``tiercake up`` as a child process (benchmarks and tests drive a real cluster through it)."""
+
+    def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = ()) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercake.cli", "up", "--config", str(config_path), "--data-dir", str(data_dir),
+             "--port", str(port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def wait_ready(self, workers: int, timeout: float = 180.0) -> None:
+        """Until a node agent and ``workers`` workers are members."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("tiercake up exited:\n" + self.proc.stdout.read().decode()[-3000:])
+            try:
+                with urllib.request.urlopen(self.url + "/v1/members", timeout=2) as resp:
+                    members = json.loads(resp.read())["members"]
+                if any(m["role"] == "node" for m in members) and sum(m["role"] != "node" for m in members) >= workers:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the cluster did not come up in time")
+
+    def stop(self) -> str:
+        """Ctrl-C, as a user would; returns what it printed."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.stdout.read().decode()

@@ -152,7 +152,10 @@ class TransferEngine:
                 self._plan(i, item, groups, pulls, results)
             except (p.TransferError, StoreError, ValueError, TypeError) as exc:
                 results[i].error = exc
-        jobs = [self._pull(i, src, dst, batch[i].length, results) for i, src, dst in pulls]
+        by_node: dict[str, list] = defaultdict(list)
+        for i, src, dst in pulls:
+            by_node[src.node].append((i, src, dst, batch[i].length))
+        jobs = [self._pull(items, results) for items in by_node.values()]
         return await self._execute(groups, results, timeout, jobs)
 
     async def _execute(self, groups: dict[str, _Group], results: list[TransferResult], timeout: float | None,
@@ -206,31 +209,47 @@ class TransferEngine:
                 if err is None:
                     self.bytes_moved[transport.name] += nbytes
 
-    async def _pull(self, i: int, src: BlockLoc, dst: BlockLoc, length: int, results) -> None:
-        """A block from another node into this node's store: reserve, read into the slot, commit."""
+    async def _pull(self, items: list[tuple[int, BlockLoc, BlockLoc, int]], results) -> None:
+        """Blocks from one other node into this node's store: reserve a slot for each, read them all in
+        one batch straight into the slots, commit each that arrived whole."""
         if self.store is None:
-            results[i].error = p.ItemError("this engine has no local store to pull into", Status.NOT_FOUND)
+            for i, *_ in items:
+                results[i].error = p.ItemError("this engine has no local store to pull into", Status.NOT_FOUND)
             return
+        handles = []
         try:
-            handle = await self.store.put_start(dst.key, length, parent=dst.parent, tenant=dst.tenant)
-        except (StoreError, ValueError, TypeError) as exc:
-            results[i].error = exc
-            return
-        try:
-            peer = await self._peer(src.node)
-            transport = self.transport_for(peer)
-            (err,) = await transport.read(peer, [ReadReq(src.key, handle.buffer)])
-            if err is not None:
-                raise err
-            handle.note_written(length)
-            await self.store.commit(handle)
-            results[i] = TransferResult(True, transport.name, nbytes=length)
-            self.bytes_moved[transport.name] += length
-        except (p.TransferError, StoreError, OSError) as exc:
-            results[i].error = exc
+            for i, _, dst, length in items:
+                try:
+                    handles.append((i, length, await self.store.put_start(dst.key, length, parent=dst.parent,
+                                                                          tenant=dst.tenant)))
+                except (StoreError, ValueError, TypeError) as exc:
+                    results[i].error = exc
+            if not handles:
+                return
+            try:
+                peer = await self._peer(items[0][1].node)
+                transport = self.transport_for(peer)
+                keys = {i: src.key for i, src, _, _ in items}
+                done = await transport.read(peer, [ReadReq(keys[i], handle.buffer) for i, _, handle in handles])
+            except (p.TransferError, OSError) as exc:
+                for i, _, _ in handles:
+                    results[i].error = exc
+                return
+            for (i, length, handle), err in zip(handles, done):
+                if err is not None:
+                    results[i].error = err
+                    continue
+                try:
+                    handle.note_written(length)
+                    await self.store.commit(handle)
+                    results[i] = TransferResult(True, transport.name, nbytes=length)
+                    self.bytes_moved[transport.name] += length
+                except StoreError as exc:
+                    results[i].error = exc
         finally:
-            if not handle.done:
-                await self.store.revoke(handle)
+            for _, _, handle in handles:
+                if not handle.done:
+                    await self.store.revoke(handle)
 
     # Conveniences ---------------------------------------------------------------------------------
 
