@@ -145,6 +145,8 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         commit_seconds.observe(seconds)
 
     conductor.index.stats.on_batch = on_batch
+    if frontend is not None:
+        frontend.bind_metrics(registry)
 
     @web.middleware
     async def auth(request: web.Request, handler):

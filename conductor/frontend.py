@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tiercake.blocks import block_keys
@@ -131,6 +132,17 @@ class Frontend:
         self.cached_tokens = 0
         self.cached_by_source: dict[str, int] = defaultdict(int)  # tokens, by where their blocks came from
         self._router_spec = {"name": self.serving.router, "params": self.serving.router_params}
+        self.bind_metrics(CollectorRegistry())  # the app binds its own registry (build_app)
+
+    def bind_metrics(self, registry) -> None:
+        """Serving metrics on the conductor's /metrics."""
+        self.m_requests = Counter("tiercake_completions", "completion requests by outcome", ["outcome"],
+                                  registry=registry)
+        self.m_ttft = Histogram("tiercake_ttft_seconds", "time to first token at the front",
+                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
+        self.m_prompt = Counter("tiercake_prompt_tokens", "prompt tokens served", registry=registry)
+        self.m_cached = Counter("tiercake_cached_prompt_tokens", "prompt tokens whose KV was reused, by source tier",
+                                ["source"], registry=registry)
 
     def _current_router(self):
         """The router the cluster settings name (switched at run time through ``/v1/policy``)."""
@@ -265,6 +277,7 @@ class Frontend:
                         timing.stats = event["stats"]
                         self._count(len(tokens), event["stats"])
                         timing.ttft_s = time.perf_counter() - timing.started
+                        self.m_ttft.observe(timing.ttft_s)
                         self._note_bandwidth(load, event["stats"])
                     emitted += 1
                     done = event["finish_reason"] is not None and not (roles_split and req.max_tokens > 1)
@@ -320,8 +333,11 @@ class Frontend:
     def _count(self, prompt_tokens: int, stats: dict) -> None:
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += stats.get("cached_tokens", 0)
+        self.m_prompt.inc(prompt_tokens)
         for source, blocks in stats.get("sources", {}).items():
-            self.cached_by_source[source.rsplit(":", 1)[-1]] += blocks * self.layout.block_size
+            tier = source.rsplit(":", 1)[-1]
+            self.cached_by_source[tier] += blocks * self.layout.block_size
+            self.m_cached.labels(tier).inc(blocks * self.layout.block_size)
 
     @staticmethod
     def _note_bandwidth(load: _WorkerLoad, stats: dict) -> None:
@@ -473,7 +489,9 @@ class Frontend:
             except RuntimeError as exc:
                 raise ApiError(502, str(exc), "server_error") from None
         except ApiError as exc:
+            self.m_requests.labels(str(exc.status)).inc()
             return exc.response()
+        self.m_requests.labels("ok").inc()
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             return await self._sse(request, rid, req, tokens, first, events, timing)

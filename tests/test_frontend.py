@@ -53,6 +53,8 @@ async def test_predicted_ttft_over_the_slo_is_a_429_with_the_reason():
                 assert resp.status == 429 and resp.headers["Retry-After"] == "1"
                 assert data["error"]["code"] == "slo_ttft" and "exceeds the SLO" in data["error"]["message"]
             assert front.rejected == 1
+            async with http.get(url + "/metrics") as resp:
+                assert 'tiercake_completions_total{outcome="429"} 1.0' in await resp.text()
     finally:
         await close()
 

@@ -69,6 +69,11 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
     full = (len(prompt.encode()) - 1) // 16 * 16
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == full
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(cluster.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert 'tiercake_completions_total{outcome="ok"}' in metrics and "tiercake_ttft_seconds_bucket" in metrics
+    assert 'tiercake_cached_prompt_tokens_total{source="gpu"}' in metrics
     assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["finish_reason"] == "length"
     # the decode worker took the prompt over through the node: every full block pulled, none recomputed
     assert first["usage"]["tiercake"]["decode_cached_tokens"] == (len(prompt.encode())) // 16 * 16
@@ -299,5 +304,24 @@ async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_pa
             with pytest.raises(ConductorError) as err:
                 await stranger.complete(prompt)
             assert err.value.status == 401
+    finally:
+        assert "tiercake is down" in up.stop()
+
+
+async def test_up_on_etcd(tmp_path, etcd):
+    up = UpCluster(tmp_path, args=["--workers", "1", "--etcd", ",".join(etcd.endpoints)])
+    try:
+        await up.wait_up(workers=1)
+        async with Client([up.url], timeout=60) as client:
+            prompt = PROMPT + "On etcd."
+            await client.complete(prompt)
+            again = await client.complete(prompt)
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        from tiercake.conductor.etcd import EtcdBackend
+
+        meta = await EtcdBackend(etcd.endpoints).start()
+        placements, _ = await meta.range(b"/tiercake/placements/default/")
+        await meta.close()
+        assert placements  # the index lives in etcd
     finally:
         assert "tiercake is down" in up.stop()
