@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self._current = 0
+        self._down: dict[str, float] = {}  # url -> until when it is not worth a redirect
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Client:
@@ -55,20 +57,30 @@ class Client:
 
     async def _call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
         last = "no conductor answered"
+        trail: list[str] = []  # what each attempt met, for the error
+        # each call walks the conductors on its own (concurrent calls must not steer each other),
+        # starting from the one that answered last
+        index = self._current
         for attempt in range(self.retries):
-            url = self.urls[self._current % len(self.urls)]
+            url = self.urls[index % len(self.urls)]
             try:
                 async with self._http().request(method, url + path, json=body, headers=headers) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
+                        self._current = index % len(self.urls)
                         return data
+                    trail.append(f"{url} {resp.status}")
                     if resp.status == 503:  # a follower, or no leader / backend yet: move on
-                        leader = resp.headers.get("X-Tiercake-Leader")
-                        last = data.get("error", "unavailable")
-                        if leader:
+                        leader = (resp.headers.get("X-Tiercake-Leader") or "").rstrip("/")
+                        error = data.get("error", "unavailable")
+                        last = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+                        # follow the hint, unless it names a conductor that just failed us (a dead
+                        # leader is still named until its lease runs out) or the one that answered (it
+                        # leads but cannot be sure of its lease yet): then wait and ask again
+                        if leader and leader != url and self._down.get(leader, 0.0) <= time.monotonic():
                             if leader not in self.urls:
-                                self.urls.append(leader.rstrip("/"))
-                            self._current = self.urls.index(leader.rstrip("/"))
+                                self.urls.append(leader)
+                            index = self.urls.index(leader)
                             continue
                     else:
                         error = data.get("error", data)
@@ -76,9 +88,11 @@ class Client:
                         raise ConductorError(resp.status, message)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 last = f"{url}: {exc!r}"
-            self._current += 1
+                trail.append(f"{url} {type(exc).__name__}")
+                self._down[url] = time.monotonic() + 1.0
+            index += 1
             await asyncio.sleep(min(0.05 * 2 ** (attempt // len(self.urls)), 1.0))
-        raise ConductorError(503, last)
+        raise ConductorError(503, f"{last} (after {len(trail)} attempts: {', '.join(trail[-6:])})")
 
     async def lookup(self, tenant: str, keys: list[bytes]) -> dict[str, Prefix]:
         data = await self._call("POST", "/v1/placements/lookup", {"tenant": tenant, "keys": [k.hex() for k in keys]})
