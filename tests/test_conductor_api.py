@@ -10,11 +10,9 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp import web
+from conductor_helpers import running_conductor
 
-from tiercake.conductor.api import build_app
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.service import Conductor
 
 
@@ -24,18 +22,8 @@ def k(i: int) -> bytes:
 
 @pytest.fixture
 async def api():
-    meta = await EmbeddedBackend().start()
-    conductor = await Conductor(meta, "c1", ttl=1).start()
-    runner = web.AppRunner(build_app(conductor, tokens=["s3cret-token"]))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    await asyncio.wait_for(conductor.election.leading.wait(), 10)
-    yield f"http://{host}:{port}", conductor
-    await runner.cleanup()
-    await conductor.close()
-    await meta.close()
+    async with running_conductor(tokens=["s3cret-token"]) as running:
+        yield running
 
 
 async def test_client_commit_lookup_remove(api):

@@ -1,41 +1,35 @@
 """The front's routing decisions and refusals, on a real conductor and its HTTP app (workers are
 registered members; no request reaches them when the front refuses)."""
 
-import aiohttp
-import pytest
-from aiohttp import web
+import contextlib
 
-from tiercake.conductor.api import build_app
-from tiercake.conductor.embedded import EmbeddedBackend
+import aiohttp
+from conductor_helpers import running_conductor
+
 from tiercake.conductor.frontend import Frontend
 from tiercake.conductor.membership import MemberInfo, Registration
-from tiercake.conductor.service import Conductor
 from tiercake.config import ServingConfig, TiercakeConfig, default_config
 
 SLOW = {"prefill_a": 0.01, "prefill_b": 0.002, "prefill_q": 0.0, "decode_step_s": 0.01}
 
 
+@contextlib.asynccontextmanager
 async def _front(serving: ServingConfig, members: list[MemberInfo]):
-    meta = await EmbeddedBackend().start()
-    conductor = await Conductor(meta, "c", ttl=1).start()
     config: TiercakeConfig = default_config().model_copy(update={"serving": serving})
-    front = Frontend(conductor, config)
-    runner = web.AppRunner(build_app(conductor, None, front))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    regs = [await Registration(meta, m, ttl=5).start() for m in members]
-    await conductor.members.wait_for(lambda ms: len(ms.alive()) == len(members), 5)
-    url = "http://%s:%d" % runner.addresses[0][:2]
+    fronts = []
 
-    async def close():
-        for reg in regs:
-            await reg.stop()
-        await runner.cleanup()
-        await conductor.close()
-        await meta.close()
+    def make(conductor):
+        fronts.append(Frontend(conductor, config))
+        return fronts[0]
 
-    return url, front, close
+    async with running_conductor(frontend=make) as (url, conductor):
+        regs = [await Registration(conductor.meta, m, ttl=5).start() for m in members]
+        await conductor.members.wait_for(lambda ms: len(ms.alive()) == len(members), 5)
+        try:
+            yield url, fronts[0]
+        finally:
+            for reg in regs:
+                await reg.stop()
 
 
 def worker(name: str, role: str = "worker") -> MemberInfo:
@@ -43,8 +37,7 @@ def worker(name: str, role: str = "worker") -> MemberInfo:
 
 
 async def test_predicted_ttft_over_the_slo_is_a_429_with_the_reason():
-    url, front, close = await _front(ServingConfig(slo_ttft_s=0.05), [worker("w1")])
-    try:
+    async with _front(ServingConfig(slo_ttft_s=0.05), [worker("w1")]) as (url, front):
         async with aiohttp.ClientSession() as http:
             # 200 tokens at 2 ms each: 0.41 s predicted, over the 0.05 s SLO
             body = {"model": "tiercake-reference", "prompt": "x" * 200, "max_tokens": 4}
@@ -55,51 +48,37 @@ async def test_predicted_ttft_over_the_slo_is_a_429_with_the_reason():
             assert front.rejected == 1
             async with http.get(url + "/metrics") as resp:
                 assert 'tiercake_completions_total{outcome="429"} 1.0' in await resp.text()
-    finally:
-        await close()
 
 
 async def test_predicted_tbt_over_the_slo_is_a_429():
-    url, _, close = await _front(ServingConfig(slo_tbt_s=0.001), [worker("w1")])
-    try:
+    async with _front(ServingConfig(slo_tbt_s=0.001), [worker("w1")]) as (url, _):
         async with aiohttp.ClientSession() as http:
             body = {"model": "tiercake-reference", "prompt": "short", "max_tokens": 4}
             async with http.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status == 429 and (await resp.json())["error"]["code"] == "slo_tbt"
-    finally:
-        await close()
 
 
 async def test_no_live_worker_is_a_503_and_a_dead_one_is_skipped():
-    url, front, close = await _front(ServingConfig(), [])
-    try:
+    body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 2}
+    async with _front(ServingConfig(), []) as (url, _):
         async with aiohttp.ClientSession() as http:
-            body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 2}
             async with http.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_worker"
-    finally:
-        await close()
     # a registered worker that does not answer: tried, marked failed, and the request refused cleanly
-    url, front, close = await _front(ServingConfig(), [worker("w-dead")])
-    try:
+    async with _front(ServingConfig(), [worker("w-dead")]) as (url, front):
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status in (502, 503), await resp.text()
         assert front.loads["w-dead"].failed_until > 0 and front.loads["w-dead"].running == 0
-    finally:
-        await close()
 
 
 async def test_routing_sees_each_workers_own_prefix():
     from tiercake.blocks import block_keys
 
-    url, front, close = await _front(ServingConfig(), [worker("w-a"), worker("w-b")])
-    try:
+    async with _front(ServingConfig(), [worker("w-a"), worker("w-b")]) as (_, front):
         tokens = list(b"a shared system prompt, long enough for a few blocks of sixteen tokens")
         keys = block_keys(front.config.serving_namespace("default"), tokens)
         await front.conductor.report("default", keys, "w-b", "gpu", [1] * len(keys))
         chosen, decision = front.route(tokens, "default", ("worker",))
         assert chosen.node_id == "w-b" and decision.reused_blocks == len(keys) == 4
         assert not decision.pull  # its own gpu tier has it all: nothing to pull
-    finally:
-        await close()

@@ -8,15 +8,12 @@ import uuid
 
 import pytest
 import torch
-from aiohttp import web
+from conductor_helpers import running_conductor
 from transfer_helpers import SECRET
 
 from tiercake.blocks import Namespace
-from tiercake.conductor.api import build_app
 from tiercake.conductor.client import Client
-from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.membership import MemberInfo
-from tiercake.conductor.service import Conductor
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
 from tiercake.transfer import TransferEngine, TransferServer
 from tiercake.workers.conductor_link import ConductorLink
@@ -43,17 +40,9 @@ class Cluster:
         self.shm = []
 
     async def conductor(self):
-        meta = await EmbeddedBackend().start()
-        conductor = await Conductor(meta, "c", ttl=2).start()
-        runner = web.AppRunner(build_app(conductor))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = "http://%s:%d" % runner.addresses[0][:2]
-        await asyncio.wait_for(conductor.election.leading.wait(), 10)
-        self.closers.append(meta.close)
-        self.closers.append(conductor.close)
-        self.closers.append(runner.cleanup)
+        running = running_conductor(ttl=2)
+        self.url, _ = await running.__aenter__()
+        self.closers.append(lambda: running.__aexit__(None, None, None))
 
     async def node(self, name: str, pool: bool = True, ssd: bool = False):
         tiers, caps = [], {}

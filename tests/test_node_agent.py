@@ -10,14 +10,11 @@ import sys
 import time
 
 import pytest
-from aiohttp import web
+from conductor_helpers import running_conductor
 from transfer_helpers import SECRET, payload, start_node, stop_node
 
-from tiercake.conductor.api import build_app
 from tiercake.conductor.client import Client
-from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.membership import MemberInfo
-from tiercake.conductor.service import Conductor
 from tiercake.tiers import ObjectPinnedError
 from tiercake.transfer import TransferEngine
 from tiercake.workers.conductor_link import ConductorLink
@@ -105,20 +102,9 @@ async def _empty(awaitable) -> bool:
 
 @pytest.fixture
 async def conductor_api():
-    meta = await EmbeddedBackend().start()
-    conductor = await Conductor(meta, "c1", ttl=1, replication="hot",
-                                replication_params={"base": 1, "threshold": 5.0, "maximum": 2},
-                                heat_half_life=1.0).start()
-    runner = web.AppRunner(build_app(conductor))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    await asyncio.wait_for(conductor.election.leading.wait(), 10)
-    yield f"http://{host}:{port}", conductor
-    await runner.cleanup()
-    await conductor.close()
-    await meta.close()
+    async with running_conductor(replication="hot", replication_params={"base": 1, "threshold": 5.0, "maximum": 2},
+                                 heat_half_life=1.0) as running:
+        yield running
 
 
 async def _linked_node(name: str, url: str):

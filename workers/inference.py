@@ -220,7 +220,6 @@ class InferenceEngine:
             ns = self.namespace_for(seq.tenant)  # keys are extended over generated tokens too
             seq.keys = block_keys(ns, seq.tokens[: full * self.block_size])
         new = []
-        first = seq.stored
         for i in range(seq.stored, full):
             parent = seq.keys[i - 1] if i else None
             if self.store.adopt(seq.keys[i], "gpu", seq.table[i], self.block_nbytes, parent=parent,
