@@ -518,6 +518,8 @@ class Frontend:
                 generated += 1
         except RuntimeError as exc:
             return ApiError(502, f"{exc} (after {generated} tokens)", "server_error").response()
+        finally:
+            await events.aclose()  # a client gone mid-request: the worker's stream closes too
         text += decoder.decode(b"", final=True)
         self.served += 1
         return web.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),

@@ -239,3 +239,27 @@ async def test_bad_prompts_are_clear_errors(cluster, model):
     with pytest.raises(ContextLimitError):
         await worker.prefill([1] * 4000, max_new_tokens=200)
     assert worker.pool.num_free == worker.pool.num_blocks  # nothing leaked
+
+
+async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
+    from tiercake.tiers import TierFullError
+    from tiercake.workers.scheduler import GenerationRequest, Scheduler
+
+    pool = GpuBlockPool(12, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    engine = InferenceEngine(model, store, pool, NS, worker_id="small")
+    scheduler = Scheduler(engine).start()
+    try:
+        async def run(text: str, n: int):
+            return [e async for e in scheduler.generate(GenerationRequest(encode(text), n))]
+
+        # two long generations on 12 blocks: together they outgrow the gpu tier
+        results = await asyncio.gather(run("a" * 40, 120), run("b" * 40, 120), return_exceptions=True)
+        assert sum(isinstance(r, TierFullError) for r in results) >= 1
+        assert any(isinstance(r, list) and r[-1].finish_reason == "length" for r in results)
+        assert pool.num_free + len(store.keys()) == pool.num_blocks  # nothing leaked: only cached blocks stay
+        # and the worker goes on serving
+        assert (await run("c" * 20, 4))[-1].finish_reason == "length"
+    finally:
+        await scheduler.close()
+        await store.close()

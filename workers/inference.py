@@ -270,6 +270,10 @@ class InferenceEngine:
             if len(seq.tokens) % self.block_size == 0:
                 self._store_full_blocks(seq)
 
+    async def reserve(self, seq: Sequence, positions: int) -> None:
+        """Blocks for ``positions`` tokens of ``seq`` (``TierFullError`` when none can be freed)."""
+        await self._grow(seq.seq_id, positions)
+
     def free(self, seq: Sequence) -> None:
         """The request is over: its blocks go back (full blocks stay cached in the gpu tier)."""
         if seq.seq_id in self.pool.tables:

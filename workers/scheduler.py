@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .inference import InferenceEngine, PrefillStats, Sequence, next_token
+from .inference import InferenceEngine, PrefillStats, Sequence, StoreError, next_token
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,15 @@ class Scheduler:
         return False
 
     async def _step(self) -> None:
-        jobs = list(self._running)
+        jobs = []
+        for job in self._running:  # room for the next token first: a full gpu tier fails one request
+            try:
+                await self.engine.reserve(job.seq, len(job.seq.tokens) + 1)
+                jobs.append(job)
+            except StoreError as exc:
+                self._finish(job, error=exc)
+        if not jobs:
+            return
         try:
             await self.engine.decode([j.seq for j in jobs], [j.pending for j in jobs])
         except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep serving

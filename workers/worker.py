@@ -29,7 +29,7 @@ from tiercake.conductor.client import Client
 from tiercake.conductor.membership import MemberInfo
 from tiercake.config import TiercakeConfig
 from tiercake.policies import PrefillModel, fit_prefill
-from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore
+from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
 from tiercake.transfer import TransferEngine
 
@@ -185,6 +185,8 @@ class Worker:
                 first = await anext(events)
             except (ValueError, ContextLimitError) as exc:
                 return web.json_response({"error": str(exc)}, status=400)
+            except TierFullError as exc:  # every gpu block is in use by running sequences
+                return web.json_response({"error": f"worker busy: {exc}"}, status=503)
             except Exception as exc:  # noqa: BLE001
                 log.exception("worker %s: prefill failed", self.worker_id)
                 return web.json_response({"error": f"prefill failed: {exc}"}, status=500)
