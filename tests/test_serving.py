@@ -231,13 +231,17 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
 
 @pytest.fixture
 def faulty(tmp_path):
-    up = UpCluster(tmp_path, args=["--decode", "2"])
+    up = UpCluster(tmp_path, args=["--decode", "2", "--gpu-blocks", "96", "--pool", "6MiB"])
     yield up
     up.stop()
 
 
 async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
     await faulty.wait_up(workers=3)
+    async with Client([faulty.url]) as client:  # sizes from the flags
+        members = {m["role"]: m for m in await client.members()}
+        assert members["node"]["tiers"]["pool"] == 6 << 20
+        assert members["prefill"]["tiers"]["gpu"] == 96 * 16 * 1024
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         resp = await http.post(faulty.url + "/v1/completions", json=completion(stream=True, max_tokens=800))
         await resp.content.readline()  # streaming from one decode worker

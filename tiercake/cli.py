@@ -112,7 +112,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from tiercake.up import up
 
+    from pydantic import ByteSize, TypeAdapter
+
     config = _load(args.config, args.data_dir)
+    if args.gpu_blocks:
+        config.serving.gpu_blocks = args.gpu_blocks
+    for kind, size in (("pool", args.pool), ("ssd", args.ssd)):
+        for tier in config.store.tiers:
+            if size and tier.kind == kind:
+                tier.capacity = TypeAdapter(ByteSize).validate_python(size)
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
@@ -292,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     upp.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     upp.add_argument("--workers", type=int, help="combined prefill+decode workers instead of separate ones")
+    upp.add_argument("--gpu-blocks", type=int, help="KV blocks in each worker's gpu tier (serving.gpu_blocks)")
+    upp.add_argument("--pool", metavar="SIZE", help="the node pool's capacity, e.g. 1GiB")
+    upp.add_argument("--ssd", metavar="SIZE", help="the node SSD tier's capacity, e.g. 20GiB")
     upp.set_defaults(func=cmd_up)
 
     ask = sub.add_parser(
