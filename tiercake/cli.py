@@ -177,6 +177,47 @@ def cmd_policy_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy_eval(args: argparse.Namespace) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from tiercake.bench.report import Report, machine
+    from tiercake.policies.evaluate import evaluate, parse_capacities, plot
+    from tiercake.policies.simulator import accesses
+    from tiercake.traces import read_trace
+
+    capacities = parse_capacities(args.capacity)
+    params = json.loads(args.params) if args.params else None
+    with console.status(f"replaying {args.trace}..."):
+        stream = accesses(read_trace(args.trace, args.limit))
+        scores = evaluate(stream, args.policy, capacities, params, args.admission)
+    table = Table(title=f"{args.policy} on {Path(args.trace).name} ({len(stream)} block accesses)")
+    for column in ("capacity", args.policy, "lru", "optimum", "gap to optimum", "accesses/s"):
+        table.add_column(column, justify="right")
+    report = Report(bench="policy-eval", machine=machine())
+    for cap in capacities:
+        row = {s.policy: s for s in scores if s.capacity == cap}
+        mine, best = row[args.policy], row["optimum"]
+        table.add_row("inf" if math.isinf(cap) else f"{cap:,}", f"{mine.hit_ratio:.4f}", f"{row['lru'].hit_ratio:.4f}",
+                      f"{best.hit_ratio:.4f}", f"{best.hit_ratio - mine.hit_ratio:.4f}", f"{mine.accesses_per_s:,.0f}")
+        for s in row.values():
+            figure = report.add(f"hit_ratio.{s.policy}", s.hit_ratio, "ratio", best.hit_ratio,
+                                capacity="inf" if math.isinf(cap) else cap, limit_name="optimum",
+                                token_hit_ratio=round(s.token_hit_ratio, 5), accesses_per_s=round(s.accesses_per_s))
+            figure.params["trace"] = Path(args.trace).name
+    console.print(table)
+    plot_path = args.plot or f"policy-eval-{args.policy.replace(':', '-').replace('/', '-')}.png"
+    plot(scores, plot_path, f"{args.policy} vs LRU and the optimum on {Path(args.trace).name}")
+    console.print(f"plot: {plot_path}")
+    if args.json:
+        report.write(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = _load(args.config, args.data_dir)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -323,6 +364,21 @@ def build_parser() -> argparse.ArgumentParser:
     policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
     plist = policy_sub.add_parser("list", help="the policies that resolve by name, built-in and plug-in")
     plist.set_defaults(func=cmd_policy_list)
+    peval = policy_sub.add_parser(
+        "eval", help="score an eviction policy on a trace against LRU and the offline optimum",
+        description="Replay a trace in the Mooncake format through POLICY (a built-in name, an entry point or "
+        "module:Class), LRU and the tree-constrained Belady optimum at each capacity; print a table, write a "
+        "PNG plot of hit ratio against capacity, and --json the figures in the benchmark format.",
+    )
+    peval.add_argument("policy")
+    peval.add_argument("--trace", required=True, metavar="FILE", help="a trace in the Mooncake format")
+    peval.add_argument("--capacity", required=True, metavar="N[,N...]", help="blocks, e.g. 1000,10k,100k,inf")
+    peval.add_argument("--params", metavar="JSON", help="the policy's parameters as a JSON object")
+    peval.add_argument("--admission", default="always", help="admission policy in front of it (default always)")
+    peval.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    peval.add_argument("--plot", metavar="PATH", help="the PNG (default policy-eval-<policy>.png)")
+    peval.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    peval.set_defaults(func=cmd_policy_eval)
 
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

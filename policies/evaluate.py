@@ -1,0 +1,93 @@
+"""Score an eviction policy on a trace: its hit ratio beside LRU's and the offline optimum's at each
+capacity (``tiercake policy eval``), as a table, a plot and figures in the benchmark JSON format."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .registry import create_admission, create_eviction
+from .simulator import Access, TierSpec, optimum, simulate
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    policy: str
+    capacity: float
+    hit_ratio: float
+    token_hit_ratio: float
+    seconds: float
+    accesses: int
+
+    @property
+    def accesses_per_s(self) -> float:
+        return self.accesses / self.seconds if self.seconds else 0.0
+
+
+def score(stream: list[Access], policy: str, capacity: float, params: dict[str, Any] | None = None,
+          admission: str = "always") -> Score:
+    started = time.perf_counter()
+    if policy == "optimum":
+        result = optimum(stream, capacity)
+    else:
+        tier = TierSpec(capacity, create_eviction(policy, params), create_admission(admission))
+        result = simulate(stream, [tier])
+    seconds = time.perf_counter() - started
+    return Score(policy, capacity, result.hit_ratio, result.token_hit_ratio, seconds, result.accesses)
+
+
+def evaluate(stream: list[Access], policy: str, capacities: list[float], params: dict[str, Any] | None = None,
+             admission: str = "always") -> list[Score]:
+    """The policy, LRU (unless it is the policy) and the optimum at each capacity."""
+    names = [policy] + (["lru"] if policy != "lru" else []) + ["optimum"]
+    return [score(stream, name, cap, params if name == policy else None, admission if name == policy else "always")
+            for cap in capacities for name in names]
+
+
+def parse_capacities(text: str) -> list[float]:
+    """``1000,10k,1M,inf`` -> block counts."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("inf", "infinite"):
+            out.append(math.inf)
+            continue
+        factor = {"k": 1_000, "m": 1_000_000}.get(part[-1:], 1)
+        number = part[:-1] if factor > 1 else part
+        try:
+            value = int(float(number) * factor)
+        except ValueError:
+            raise ValueError(f"capacity {part!r} is not a number of blocks (e.g. 1000, 10k, 1M, inf)") from None
+        if value <= 0:
+            raise ValueError(f"capacity must be positive, got {part!r}")
+        out.append(value)
+    return out
+
+
+def plot(scores: list[Score], path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [s.capacity for s in scores if math.isfinite(s.capacity)]
+    top = max(finite) * 2 if finite else 1
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(s.policy for s in scores):
+        mine = [s for s in scores if s.policy == name]
+        xs = [s.capacity if math.isfinite(s.capacity) else top for s in mine]
+        ax.plot(xs, [s.hit_ratio for s in mine], marker="o", label=name,
+                linestyle="--" if name == "optimum" else "-")
+    ax.set_xscale("log")
+    infinite = any(not math.isfinite(s.capacity) for s in scores)
+    ax.set_xlabel("capacity (blocks; the rightmost point is infinite)" if infinite else "capacity (blocks)")
+    ax.set_ylabel("block hit ratio")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

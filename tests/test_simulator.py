@@ -1,0 +1,105 @@
+"""The trace format, the offline cache simulator (the live policy objects) and the optimum, checked
+against the reference table of the conversation trace; `tiercake policy eval` with a plug-in."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiercake.policies import LRU, available, create_admission, create_eviction
+from tiercake.policies.simulator import TierSpec, accesses, optimum, simulate
+from tiercake.traces import TraceError, TraceRecord, read_trace, write_trace
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"the conversation trace is not at {TRACE}")
+
+
+def rec(ids, t=0, tenant=None):
+    return TraceRecord(timestamp=t, input_length=512 * len(ids), output_length=1, hash_ids=tuple(ids), tenant=tenant)
+
+
+@needs_trace
+@pytest.mark.parametrize("capacity,expected", [(1000, 0.0445), (10_000, 0.2116), (100_000, 0.3637),
+                                               (math.inf, 0.3664)])
+def test_block_lru_reproduces_the_reference_table(capacity, expected):
+    stream = accesses(read_trace(TRACE))
+    assert len(stream) == 288_500
+    assert simulate(stream, [TierSpec(capacity, LRU())]).hit_ratio == pytest.approx(expected, abs=0.002)
+
+
+@needs_trace
+def test_the_optimum_is_never_below_any_policy():
+    stream = accesses(read_trace(TRACE, limit=2500))
+    evictions = [name for name, kind in available().items() if "eviction" in kind]
+    assert {"lru", "lfu", "fifo", "s3fifo", "arc", "leaf_lru"} <= set(evictions)
+    for capacity in (100, 1000, 5000):
+        best = optimum(stream, capacity).hit_ratio
+        for name in evictions:
+            assert simulate(stream, [TierSpec(capacity, create_eviction(name))]).hit_ratio <= best + 1e-12, name
+        gated = TierSpec(capacity, LRU(), create_admission("nth", {"n": 2}))
+        assert simulate(stream, [gated]).hit_ratio <= best + 1e-12
+
+
+def test_optimum_on_a_small_example_and_it_keeps_prefixes_whole():
+    # A B C A B with room for two: MIN keeps A and B (C is never used again) -> two hits; LRU none
+    stream = accesses([rec([1]), rec([2]), rec([3]), rec([1]), rec([2])])
+    assert optimum(stream, 2).hits == [2]
+    assert simulate(stream, [TierSpec(2, LRU())]).hits == [0]
+    # a chain 1 -> 2 -> 3 then 1 -> 2 again: evicting the leaf 3 keeps the reusable prefix
+    chain = accesses([rec([1, 2, 3]), rec([9]), rec([1, 2])])
+    assert optimum(chain, 3).hits == [2]
+
+
+def test_tiers_and_tenants():
+    stream = accesses([rec([1, 2], tenant="a"), rec([1, 2], tenant="b"), rec([1, 2], tenant="a")])
+    result = simulate(stream, [TierSpec(1, LRU(), name="gpu"), TierSpec(10, LRU(), name="pool")])
+    # tenant b's identical ids are other blocks; tenant a's second visit hits, from the pool tier
+    assert sum(result.hits) == 2 and result.tier_ratios()["pool"] > 0
+    assert result.token_hit_ratio == pytest.approx(2 / 6)
+
+
+def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
+    path = tmp_path / "t.jsonl"
+    records = [rec([1, 2], 5, tenant="x"), rec([1, 3], 9)]
+    assert write_trace(path, records) == 2
+    assert read_trace(path) == records
+    assert '"tenant"' not in path.read_text().splitlines()[1]  # only where set
+    path.write_text(path.read_text() + '{"timestamp": 1, "input_length": 2000, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=r"t.jsonl:3: .*expected 4 blocks"):
+        read_trace(path)
+    path.write_text("{not json\n")
+    with pytest.raises(TraceError, match="t.jsonl:1"):
+        read_trace(path)
+
+
+def test_policy_eval_scores_a_plug_in_against_lru_and_the_optimum(tmp_path):
+    trace = tmp_path / "small.jsonl"
+    records = [rec([i % 7, 100 + i % 5, 200 + i % 3], t=i) for i in range(300)]
+    write_trace(trace, records)
+    plugin = tmp_path / "my_policies.py"
+    plugin.write_text(
+        "from tiercake.policies import FIFO\n\n"
+        "class MyFifo(FIFO):\n    name = 'my_fifo'\n"
+    )
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", "policy", "eval", "my_policies:MyFifo", "--trace", str(trace),
+         "--capacity", "4,8,inf", "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "optimum" in done.stdout and "gap to optimum" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["bench"] == "policy-eval"
+    names = {(f["name"], f["params"]["capacity"]) for f in report["figures"]}
+    assert names == {(f"hit_ratio.{p}", c) for p in ("my_policies:MyFifo", "lru", "optimum") for c in (4, 8, "inf")}
+    for f in report["figures"]:
+        assert f["value"] <= f["limit"] + 1e-12 and f["ratio"] <= 1 + 1e-9
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "tiercake.cli", "policy", "eval", "lru", "--trace", str(trace),
+                          "--capacity", "ten"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "not a number of blocks" in bad.stdout
