@@ -171,6 +171,10 @@ class Client:
         headers = {"X-Tiercake-Tenant": tenant} if tenant else None
         return await self._call("POST", "/v1/completions", body, headers=headers)
 
+    async def models(self) -> list[dict]:
+        """``/v1/models``: the served model, with ``max_model_len`` (its context)."""
+        return (await self._call("GET", "/v1/models"))["data"]
+
     async def stream_completion(self, prompt: str | list[int], *, model: str = "tiercake-reference",
                                 max_tokens: int = 16, temperature: float = 0.0, tenant: str | None = None, **extra):
         """``/v1/completions`` streamed: each server-sent chunk as a dict, the last one with usage."""

@@ -456,7 +456,8 @@ class Frontend:
         except ApiError as exc:
             return exc.response()
         return web.json_response({"object": "list", "data": [
-            {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake"}]})
+            {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake",
+             "max_model_len": self.serving.max_context}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:

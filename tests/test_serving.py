@@ -329,3 +329,20 @@ async def test_up_on_etcd(tmp_path, etcd):
         assert placements  # the index lives in etcd
     finally:
         assert "tiercake is down" in up.stop()
+
+
+def test_replay_a_synthetic_trace_against_the_cluster(cluster, tmp_path):
+    from tiercake.traces import synthetic_trace, write_trace
+
+    trace = tmp_path / "syn.jsonl"
+    write_trace(trace, synthetic_trace(40, tenants=2, system_blocks=3, turn_blocks=(1, 3), rate_per_s=50, seed=3))
+    out, png = tmp_path / "replay.json", tmp_path / "replay.png"
+    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "replay", str(trace), "--target", cluster.url,
+                           "--max-output", "4", "--json", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    assert figures["requests.ok"]["value"] == 40
+    hit = figures["hit_ratio.tokens"]
+    assert 0.2 < hit["value"] <= hit["limit"] + 0.05  # the cluster reuses what the trace reuses, up to its ceiling
+    assert figures["ttft.p50"]["value"] > 0 and png.read_bytes()[:4] == b"\x89PNG"

@@ -218,6 +218,46 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_generate(args: argparse.Namespace) -> int:
+    from tiercake.traces import synthetic_trace, write_trace
+
+    records = synthetic_trace(args.requests, tenants=args.tenants, system_prompts=args.system_prompts,
+                              rate_per_s=args.rate, bursty=args.bursty, seed=args.seed)
+    write_trace(args.out, records)
+    console.print(f"wrote {len(records)} requests ({sum(len(r.hash_ids) for r in records)} block accesses, "
+                  f"{records[-1].timestamp / 1000:.0f} s) to {args.out}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from tiercake import replay as rp
+    from tiercake.traces import read_trace
+
+    records = read_trace(args.trace, args.limit)
+    if not records:
+        raise ValueError(f"{args.trace}: no requests")
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"replaying {len(records)} requests", total=len(records))
+        outcomes = asyncio.run(rp.replay(
+            records, args.target, time_scale=args.time_scale, tokens_per_block=args.tokens_per_block,
+            max_output=args.max_output, concurrency=args.concurrency, api_key=args.api_key,
+            progress=lambda: progress.advance(task)))
+    report = rp.report(outcomes, records, Path(args.trace).name, time_scale=args.time_scale,
+                       tokens_per_block=args.tokens_per_block)
+    report.print(console)
+    plot_path = args.plot or "replay.png"
+    rp.plot(outcomes, plot_path, f"{Path(args.trace).name} on {args.target}")
+    console.print(f"plot: {plot_path}")
+    if args.json:
+        report.write(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = _load(args.config, args.data_dir)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -379,6 +419,40 @@ def build_parser() -> argparse.ArgumentParser:
     peval.add_argument("--plot", metavar="PATH", help="the PNG (default policy-eval-<policy>.png)")
     peval.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     peval.set_defaults(func=cmd_policy_eval)
+
+    rep = sub.add_parser(
+        "replay", help="drive a running cluster with a trace; report TTFT and hit ratio",
+        description="Send the trace's requests to a cluster (tiercake up) at their timestamps, scaled by "
+        "--time-scale; each 512-token trace block becomes --tokens-per-block tokens derived from its hash id, "
+        "so reuse in the trace is reuse in the cluster. Prints a table, writes a PNG and --json.",
+    )
+    rep.add_argument("trace")
+    rep.add_argument("--target", default="http://127.0.0.1:8080")
+    rep.add_argument("--time-scale", type=float, default=1.0, help="0.1: ten times faster (default 1)")
+    rep.add_argument("--limit", type=int, help="only the first N requests")
+    rep.add_argument("--tokens-per-block", type=int, default=16, help="tokens per trace block (default 16)")
+    rep.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
+    rep.add_argument("--concurrency", type=int, default=64)
+    rep.add_argument("--api-key")
+    rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
+    rep.add_argument("--json", metavar="PATH")
+    rep.set_defaults(func=cmd_replay)
+
+    trace = sub.add_parser("trace", help="traces in the Mooncake format")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    generate = trace_sub.add_parser(
+        "generate", help="write a seeded synthetic trace: sessions, shared system prompts, tenants",
+        description="Multi-turn sessions whose prompts grow turn by turn, system prompts shared within a "
+        "tenant, several tenants, Poisson or bursty arrivals; the same seed gives the same file.",
+    )
+    generate.add_argument("--out", required=True, metavar="FILE")
+    generate.add_argument("--requests", type=int, default=1000)
+    generate.add_argument("--tenants", type=int, default=2)
+    generate.add_argument("--system-prompts", type=int, default=4, help="per tenant")
+    generate.add_argument("--rate", type=float, default=2.0, help="requests per second (mean)")
+    generate.add_argument("--bursty", action="store_true", help="alternate busy and quiet periods")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(func=cmd_trace_generate)
 
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

@@ -77,3 +77,57 @@ def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> int:
             f.write(json.dumps(record.model_dump(exclude_none=True, mode="json"), separators=(", ", ": ")) + "\n")
             n += 1
     return n
+
+
+def synthetic_trace(
+    requests: int = 1000,
+    *,
+    tenants: int = 2,
+    system_prompts: int = 4,
+    system_blocks: int = 8,
+    turn_blocks: tuple[int, int] = (1, 6),
+    new_session_p: float = 0.3,
+    output_tokens: tuple[int, int] = (16, 512),
+    rate_per_s: float = 2.0,
+    bursty: bool = False,
+    seed: int = 0,
+) -> list[TraceRecord]:
+    """A seeded trace in the same format: multi-turn sessions (each turn's prompt is the whole
+    conversation so far plus new blocks), system prompts shared within a tenant, several tenants
+    (their ids never meet), Poisson arrivals at ``rate_per_s`` or, ``bursty``, alternating periods at
+    five times and a fifth of that rate."""
+    import random
+
+    if requests <= 0 or tenants <= 0 or system_prompts <= 0 or rate_per_s <= 0:
+        raise ValueError("requests, tenants, system_prompts and rate_per_s must be positive")
+    rng = random.Random(seed)
+    next_id = iter(range(1, 1 << 62))
+    prompts = {(t, p): [next(next_id) for _ in range(system_blocks)]
+               for t in range(tenants) for p in range(system_prompts)}
+    sessions: list[tuple[int, list[int]]] = []  # (tenant, the conversation's ids so far)
+    records: list[TraceRecord] = []
+    clock = 0.0
+    burst_left, fast = 0, False
+    for _ in range(requests):
+        if bursty:
+            if burst_left <= 0:
+                fast, burst_left = not fast, rng.randint(20, 60)
+            burst_left -= 1
+            rate = rate_per_s * (5 if fast else 0.2)
+        else:
+            rate = rate_per_s
+        clock += rng.expovariate(rate)
+        if not sessions or rng.random() < new_session_p:
+            tenant = rng.randrange(tenants)
+            sessions.append((tenant, list(prompts[(tenant, rng.randrange(system_prompts))])))
+            index = len(sessions) - 1
+        else:
+            index = rng.randrange(len(sessions))
+        tenant, ids = sessions[index]
+        ids = ids + [next(next_id) for _ in range(rng.randint(*turn_blocks))]
+        sessions[index] = (tenant, ids)
+        input_length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(1, TRACE_BLOCK_TOKENS)
+        records.append(TraceRecord(timestamp=int(clock * 1000), input_length=input_length,
+                                   output_length=rng.randint(*output_tokens), hash_ids=tuple(ids),
+                                   tenant=f"tenant-{tenant}" if tenants > 1 else None))
+    return records

@@ -1,0 +1,167 @@
+"""``tiercake replay``: drive a running cluster with a trace in the Mooncake format.
+
+Each trace block (512 tokens, one hash id) becomes ``tokens_per_block`` pseudo-random tokens derived
+from its hash id alone, so the same id always yields the same tokens and reuse in the trace is reuse
+in the cluster (the chain of ids is a chain of token blocks). Arrivals follow the timestamps, scaled
+by ``time_scale``; prompts that would not fit the cluster's context lose trailing blocks. The report:
+TTFT percentiles beside those of the requests that found nothing cached (compute only, same run), and
+the cluster's hit ratio beside the trace's own ceiling (an infinite cache, from the simulator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercake.bench.report import Report, machine
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
+
+
+@dataclass(slots=True)
+class Outcome:
+    index: int
+    sent_at: float
+    status: str = "ok"  # ok, rejected (429), failed
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    sources: dict = field(default_factory=dict)
+    error: str = ""
+
+
+class TokenMap:
+    """Hash id -> its tokens (seeded by the id: the same id, the same tokens, in every run)."""
+
+    def __init__(self, tokens_per_block: int, vocab: int = 256) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.vocab = vocab
+        self._cache: dict[int, list[int]] = {}
+
+    def block(self, hash_id: int) -> list[int]:
+        tokens = self._cache.get(hash_id)
+        if tokens is None:
+            rng = random.Random(hash_id * 1_000_003 + 17)
+            tokens = [rng.randrange(self.vocab) for _ in range(self.tokens_per_block)]
+            self._cache[hash_id] = tokens
+        return tokens
+
+    def prompt(self, record: TraceRecord, max_tokens: int) -> list[int]:
+        ids = list(record.hash_ids)
+        last = max(1, math.ceil(record.block_tokens(len(ids) - 1) * self.tokens_per_block / TRACE_BLOCK_TOKENS))
+        while ids and (len(ids) - 1) * self.tokens_per_block + last > max_tokens:
+            ids.pop()  # too long for the cluster: keep the prefix
+            last = self.tokens_per_block
+        if not ids:
+            return self.block(record.hash_ids[0])[: max(1, max_tokens)]
+        return [t for h in ids[:-1] for t in self.block(h)] + self.block(ids[-1])[:last]
+
+
+async def replay(records: list[TraceRecord], target: str, *, time_scale: float = 1.0, tokens_per_block: int = 16,
+                 max_output: int = 32, concurrency: int = 64, api_key: str | None = None, model: str | None = None,
+                 progress=None) -> list[Outcome]:
+    async with Client([target], token=api_key, timeout=600, retries=3) as client:
+        info = (await client.models())[0]
+        model = model or info["id"]
+        context = int(info.get("max_model_len", 2048))
+        tokens = TokenMap(tokens_per_block)
+        gate = asyncio.Semaphore(concurrency)
+        start = time.monotonic()
+        outcomes: list[Outcome] = []
+        first_ts = records[0].timestamp if records else 0
+
+        async def one(i: int, record: TraceRecord) -> None:
+            delay = (record.timestamp - first_ts) / 1000 * time_scale - (time.monotonic() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            max_tokens = max(1, min(max_output, round(record.output_length * tokens_per_block / TRACE_BLOCK_TOKENS)))
+            prompt = tokens.prompt(record, context - max_tokens)
+            outcome = Outcome(i, time.monotonic() - start, prompt_tokens=len(prompt))
+            async with gate:
+                sent = time.perf_counter()
+                try:
+                    async for chunk in client.stream_completion(prompt, model=model, max_tokens=max_tokens,
+                                                                temperature=0.0, tenant=record.tenant):
+                        if chunk.get("choices") and not outcome.ttft_s:
+                            outcome.ttft_s = time.perf_counter() - sent
+                        usage = chunk.get("usage")
+                        if usage:
+                            outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                            outcome.completion_tokens = usage["completion_tokens"]
+                            outcome.sources = usage.get("tiercake", {}).get("sources", {})
+                except ConductorError as exc:
+                    outcome.status = "rejected" if exc.status == 429 else "failed"
+                    outcome.error = str(exc)[:200]
+                outcome.latency_s = time.perf_counter() - sent
+            outcomes.append(outcome)
+            if progress is not None:
+                progress()
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+    return sorted(outcomes, key=lambda o: o.index)
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+def report(outcomes: list[Outcome], records: list[TraceRecord], trace_name: str, **params) -> Report:
+    """Figures: TTFT P50/P99 against the requests with nothing cached; hit ratio against the trace's
+    ceiling (every earlier block still cached); how many completed, were rejected, failed."""
+    from tiercake.policies import LRU
+    from tiercake.policies.simulator import TierSpec, accesses, simulate
+
+    rep = Report(bench="replay", machine=machine())
+    ok = [o for o in outcomes if o.status == "ok"]
+    cold = [o.ttft_s for o in ok if o.cached_tokens == 0]
+    common = {"trace": trace_name, "requests": len(outcomes), **params}
+    for p in (50, 99):
+        rep.add(f"ttft.p{p}", _pct([o.ttft_s for o in ok], p), "s", _pct(cold, p),
+                limit_name="requests with nothing cached", **common)
+    prompt = sum(o.prompt_tokens for o in ok)
+    ceiling = simulate(accesses(records), [TierSpec(math.inf, LRU())]).token_hit_ratio
+    rep.add("hit_ratio.tokens", sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, "ratio", ceiling,
+            limit_name="infinite cache (simulated)", **common)
+    for status in ("ok", "rejected", "failed"):
+        rep.add(f"requests.{status}", sum(o.status == status for o in outcomes), "requests", len(outcomes), **common)
+    return rep
+
+
+def plot(outcomes: list[Outcome], path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [o for o in outcomes if o.status == "ok"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    shade = [o.cached_tokens / o.prompt_tokens if o.prompt_tokens else 0 for o in ok]
+    points = left.scatter([o.sent_at for o in ok], [o.ttft_s for o in ok], c=shade, cmap="viridis", s=12,
+                          vmin=0, vmax=1)
+    fig.colorbar(points, ax=left, label="cached share of the prompt")
+    left.set_xlabel("arrival (s)")
+    left.set_ylabel("TTFT (s)")
+    left.set_title("time to first token")
+    for label, values in (("all", [o.ttft_s for o in ok]),
+                          ("nothing cached", [o.ttft_s for o in ok if o.cached_tokens == 0])):
+        if values:
+            values = sorted(values)
+            right.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+    right.set_xlabel("TTFT (s)")
+    right.set_ylabel("share of requests")
+    right.set_title("TTFT distribution")
+    right.grid(True, alpha=0.3)
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
