@@ -117,6 +117,40 @@ class Timing:
     stats: dict = field(default_factory=dict)
 
 
+class TraceRecorder:
+    """The front's own traffic in the Mooncake trace format: block keys become small integers (first
+    seen, first numbered, like the published traces' remapped ids), so every deployment yields a
+    public-format trace. Blocks are the cluster's, so ``input_length`` is scaled to 512-token blocks."""
+
+    def __init__(self, path: str, block_size: int) -> None:
+        self.path = path
+        self.block_size = block_size
+        self.ids: dict[bytes, int] = {}
+        self.started = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def record(self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str) -> None:
+        from tiercake.blocks import chain_key
+        from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
+
+        partial = len(tokens) - len(keys) * self.block_size
+        if partial:  # the trailing partial block: keyed here by its tokens, so equal prompts get equal ids
+            keys = keys + [bytes(chain_key(keys[-1] if keys else b"partial", tokens[-partial:]))]
+        ids = [self.ids.setdefault(k, len(self.ids) + 1) for k in keys]
+        scale = TRACE_BLOCK_TOKENS / self.block_size
+        record = TraceRecord(timestamp=int((time.monotonic() - self.started) * 1000),
+                             input_length=TRACE_BLOCK_TOKENS * (len(ids) - 1) + max(1, round(
+                                 (partial or self.block_size) * scale)),
+                             output_length=max_tokens, hash_ids=tuple(ids), tenant=tenant)
+        line = record.model_dump_json(exclude_none=True) + "\n"
+        async with self._lock:  # in arrival order, off the event loop
+            await asyncio.to_thread(self._append, line)
+
+    def _append(self, line: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(line)
+
+
 class Frontend:
     def __init__(self, conductor: Conductor, config: TiercakeConfig) -> None:
         self.conductor = conductor
@@ -133,6 +167,8 @@ class Frontend:
         self.cached_by_source: dict[str, int] = defaultdict(int)  # tokens, by where their blocks came from
         self._router_spec = {"name": self.serving.router, "params": self.serving.router_params}
         self.bind_metrics(CollectorRegistry())  # the app binds its own registry (build_app)
+        self.recorder = TraceRecorder(self.serving.record_trace, self.layout.block_size) \
+            if self.serving.record_trace else None
 
     def bind_metrics(self, registry) -> None:
         """Serving metrics on the conductor's /metrics."""
@@ -481,6 +517,10 @@ class Frontend:
                 raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {req.max_tokens} exceed the "
                                f"context length of {self.serving.max_context}", code="context_length_exceeded")
             timing = Timing()
+            if self.recorder is not None:
+                index_tenant, salt = self.namespace_of(tenant)
+                await self.recorder.record(block_keys(self.config.serving_namespace(salt), tokens), tokens,
+                                           req.max_tokens, index_tenant)
             events = self.generate(tokens, req, tenant, timing)
             # the first token decides the status: errors before it are plain HTTP errors
             try:

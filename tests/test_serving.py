@@ -295,7 +295,9 @@ def _pid_listening(port: int) -> int:
 
 
 async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_path):
-    up = UpCluster(tmp_path, serving=", shared_namespace: true, api_keys: {key-a: alice, key-b: bob}",
+    recorded = tmp_path / "recorded.jsonl"
+    up = UpCluster(tmp_path, serving=f", shared_namespace: true, api_keys: {{key-a: alice, key-b: bob}}, "
+                                     f"record_trace: {recorded}",
                    args=["--workers", "1"])
     try:
         await up.wait_up(workers=1)
@@ -308,6 +310,12 @@ async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_pa
             with pytest.raises(ConductorError) as err:
                 await stranger.complete(prompt)
             assert err.value.status == 401
+        # the cluster recorded its own traffic in the trace format: the same prompt, the same ids
+        from tiercake.traces import read_trace
+
+        lines = read_trace(recorded)
+        assert len(lines) == 2 and lines[0].hash_ids == lines[1].hash_ids and lines[0].tenant == "shared"
+        assert lines[0].timestamp <= lines[1].timestamp
     finally:
         assert "tiercake is down" in up.stop()
 

@@ -185,6 +185,8 @@ class ServingConfig(BaseModel):
                                      description="API key -> tenant; when set, every request needs a known key")
     shared_namespace: bool = Field(default=False, description="all tenants share one cache namespace")
     disaggregated: bool = Field(default=True, description="separate prefill and decode workers when both exist")
+    record_trace: str | None = Field(default=None, description="append every served request to this file in the "
+                                     "Mooncake trace format (with tenant)")
 
     def layout(self) -> BlockLayout:
         return self.model.layout(self.block_size)
