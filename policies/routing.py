@@ -38,6 +38,7 @@ class WorkerState:
     prefill: PrefillModel = PrefillModel()
     decode_step_s: float = 0.005  # one decode step at a small batch
     load_bytes_per_s: float = 2e9  # measured rate of its pulls into the gpu tier
+    queue_s: float = 0.0  # known backlog in seconds (the simulator knows it; the live front counts tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ class Router(ABC):
         reused = best if pull else own
         transfer = (best - own) * request.block_nbytes / worker.load_bytes_per_s if pull else 0.0
         cached = reused * request.block_size
-        queue = worker.prefill.seconds(worker.queued_tokens) if worker.queued_tokens else 0.0
+        queue = worker.queue_s + (worker.prefill.seconds(worker.queued_tokens) if worker.queued_tokens else 0.0)
         ttft = queue + transfer + worker.prefill.seconds(request.prompt_tokens - cached, cached)
         tbt = worker.decode_step_s * (1 + worker.running / 32)
         return RouteDecision(worker.worker, ttft, tbt, pull, reused)
@@ -102,7 +103,7 @@ class CacheAwareRouter(Router):
     name = "cache_aware"
 
     def choose(self, workers, request):
-        best = max(workers, key=lambda w: (w.cached_blocks, -w.queued_tokens, -w.running))
+        best = max(workers, key=lambda w: (w.cached_blocks, -w.queue_s, -w.queued_tokens, -w.running))
         return self.predict(best, request, pull_ratio=None)
 
 
@@ -110,7 +111,7 @@ class LeastLoadedRouter(Router):
     name = "least_loaded"
 
     def choose(self, workers, request):
-        best = min(workers, key=lambda w: (w.queued_tokens, w.running))
+        best = min(workers, key=lambda w: (w.queue_s, w.queued_tokens, w.running))
         return self.predict(best, request, pull_ratio=None)
 
 

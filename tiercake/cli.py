@@ -258,6 +258,50 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import math
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from tiercake.bench.report import Report, machine
+    from tiercake.conductor.cluster_sim import ABLATION, ClusterSpec, simulate_cluster
+    from tiercake.policies.evaluate import parse_capacities
+    from tiercake.traces import read_trace
+
+    records = read_trace(args.trace, args.limit)
+    (local,) = parse_capacities(args.local_blocks)
+    (pool,) = parse_capacities(args.global_blocks)
+    spec = ClusterSpec(prefill_workers=args.prefill, decode_workers=args.decode, local_blocks=local,
+                       global_blocks=pool, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
+                       time_scale=args.time_scale)
+    runs = ({name: (router, params, with_pool) for name, (router, params, with_pool) in ABLATION.items()}
+            if args.ablation else {args.router: (args.router, {}, pool > 0)})
+    compute_only = sum(spec.prefill.seconds(r.input_length) for r in records) / len(records)
+    report = Report(bench="simulate", machine=machine())
+    table = Table(title=f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
+                        f"decode workers, local {args.local_blocks} blocks, global {args.global_blocks}")
+    for column in ("scheduler", "TTFT mean", "P50", "P99", "TBT P99", "SLO met", "rejected", "hit ratio",
+                   "local / global", "moved"):
+        table.add_column(column, justify="left" if column == "scheduler" else "right")
+    for name, (router, params, with_pool) in runs.items():
+        run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
+        summary = simulate_cluster(records, run, router, params).summary()
+        table.add_row(name, f"{summary['ttft_mean_s']:.2f} s", f"{summary['ttft_p50_s']:.2f}",
+                      f"{summary['ttft_p99_s']:.2f}", f"{summary['tbt_p99_s'] * 1000:.0f} ms",
+                      f"{summary['slo_attainment']:.1%}", str(summary["rejected"]), f"{summary['hit_ratio']:.3f}",
+                      f"{summary['local_hit_ratio']:.3f} / {summary['global_hit_ratio']:.3f}",
+                      f"{summary['bytes_moved'] / 1e12:.2f} TB")
+        report.add(f"ttft_mean.{name}", summary["ttft_mean_s"], "s", compute_only,
+                   limit_name="compute only, no queue", router=router,
+                   **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in summary.items()})
+    console.print(table)
+    if args.json:
+        report.write(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = _load(args.config, args.data_dir)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -437,6 +481,26 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
     rep.add_argument("--json", metavar="PATH")
     rep.set_defaults(func=cmd_replay)
+
+    sim = sub.add_parser(
+        "simulate", help="simulate a cluster on a trace: routers, local and global caches, SLOs",
+        description="A discrete-event simulation of prefill and decode workers with per-worker caches and an "
+        "optional global pool, routed by the live router code. --ablation runs Mooncake's four schedulers "
+        "(random, load balancing, local cache-aware, global cache-aware) on the same trace.",
+    )
+    sim.add_argument("trace")
+    sim.add_argument("--router", default="ttft", help="routing policy (default ttft)")
+    sim.add_argument("--ablation", action="store_true", help="the four schedulers of Mooncake's ablation")
+    sim.add_argument("--prefill", type=int, default=8)
+    sim.add_argument("--decode", type=int, default=8)
+    sim.add_argument("--local-blocks", default="2000", help="each prefill worker's cache (blocks)")
+    sim.add_argument("--global-blocks", default="inf", help="the shared pool (blocks; 0: none)")
+    sim.add_argument("--slo-ttft", type=float, help="seconds; predicted over it: rejected")
+    sim.add_argument("--slo-tbt", type=float, help="seconds")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by it")
+    sim.add_argument("--limit", type=int)
+    sim.add_argument("--json", metavar="PATH")
+    sim.set_defaults(func=cmd_simulate)
 
     trace = sub.add_parser("trace", help="traces in the Mooncake format")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")

@@ -1,0 +1,174 @@
+"""The cluster simulator: a trace's requests, by timestamp, through N prefill workers (each with its own
+cache of blocks and a FIFO queue), M decode workers and, optionally, a shared global pool, routed by
+the same router objects the live front uses (``policies/routing.py``).
+
+Each prefill worker computes one request at a time: it starts when the worker is free, pulls the
+prefix it was told to pull (at the transfer bandwidth), then computes the rest (the prefill-time
+model). The prompt's blocks then enter its cache and the global pool (both under eviction policies
+from the registry). Decode runs on the least loaded decode worker; a token takes a decode step,
+longer as the batch grows. Early rejection happens when the router's predicted TTFT or TBT exceeds
+the SLO. Reported: TTFT and TBT percentiles, SLO attainment, rejections, hit ratios, bytes moved.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from tiercake.policies import PrefillModel, RouteRequest, Router, WorkerState, create_eviction, create_router
+from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
+
+
+@dataclass
+class ClusterSpec:
+    prefill_workers: int = 8
+    decode_workers: int = 8
+    local_blocks: float = 2_000  # each prefill worker's own cache
+    global_blocks: float = 0  # the shared pool; 0: none (only local caches)
+    eviction: str = "lru"
+    prefill: PrefillModel = field(default_factory=lambda: PrefillModel(a=0.02, b=8e-5, q=1e-10))
+    decode_step_s: float = 0.03
+    block_nbytes: int = 512 * 160 * 1024  # KV of one 512-token block (a 7B-class model, fp16: ~80 MB/block)
+    bandwidth_bytes_per_s: float = 25e9  # pulls from the global pool (RDMA class)
+    slo_ttft_s: float | None = None
+    slo_tbt_s: float | None = None
+    time_scale: float = 1.0  # arrivals at timestamp * time_scale
+
+
+@dataclass
+class ClusterResult:
+    router: str
+    ttft: list[float] = field(default_factory=list)
+    tbt: list[float] = field(default_factory=list)
+    rejected: int = 0
+    slo_met: int = 0
+    blocks: int = 0
+    reused_blocks: int = 0
+    local_hits: int = 0
+    global_hits: int = 0
+    bytes_moved: float = 0.0
+
+    @property
+    def served(self) -> int:
+        return len(self.ttft)
+
+    def percentile(self, values: list[float], p: float) -> float:
+        if not values:
+            return 0.0
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+    def summary(self) -> dict[str, float]:
+        total = self.served + self.rejected
+        return {
+            "requests": total, "rejected": self.rejected,
+            "ttft_mean_s": sum(self.ttft) / len(self.ttft) if self.ttft else 0.0,
+            "ttft_p50_s": self.percentile(self.ttft, 50), "ttft_p99_s": self.percentile(self.ttft, 99),
+            "tbt_p50_s": self.percentile(self.tbt, 50), "tbt_p99_s": self.percentile(self.tbt, 99),
+            "slo_attainment": self.slo_met / total if total else 0.0,
+            "hit_ratio": self.reused_blocks / self.blocks if self.blocks else 0.0,
+            "local_hit_ratio": self.local_hits / self.blocks if self.blocks else 0.0,
+            "global_hit_ratio": self.global_hits / self.blocks if self.blocks else 0.0,
+            "bytes_moved": self.bytes_moved,
+        }
+
+
+class _Cache:
+    """A block cache under a registry eviction policy."""
+
+    def __init__(self, capacity: float, policy: str) -> None:
+        self.capacity = capacity
+        self.policy = create_eviction(policy)
+        self.keys: set = set()
+
+    def prefix(self, keys: list) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def touch(self, keys: list) -> None:
+        if self.capacity <= 0:
+            return
+        for key in keys:
+            if key in self.keys:
+                self.policy.on_access(key)
+                continue
+            if len(self.keys) >= self.capacity:
+                (victim,) = self.policy.victims(1)
+                self.keys.discard(victim)
+            self.keys.add(key)
+            self.policy.on_insert(key)
+
+
+def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Router | str,
+                     router_params: dict | None = None) -> ClusterResult:
+    router = create_router(router, router_params) if isinstance(router, str) else router
+    caches = [_Cache(spec.local_blocks, spec.eviction) for _ in range(spec.prefill_workers)]
+    pool = _Cache(spec.global_blocks, spec.eviction) if spec.global_blocks else None
+    free_at = [0.0] * spec.prefill_workers
+    decoding: list[list[float]] = [[] for _ in range(spec.decode_workers)]  # heaps of end times
+    result = ClusterResult(router.describe())
+    for record in sorted(records, key=lambda r: r.timestamp):
+        now = record.timestamp / 1000 * spec.time_scale
+        keys = list(record.hash_ids) if record.tenant is None else [(record.tenant, h) for h in record.hash_ids]
+        own = [cache.prefix(keys) for cache in caches]
+        best = pool.prefix(keys) if pool is not None else 0
+        for ends in decoding:
+            while ends and ends[0] <= now:
+                heapq.heappop(ends)
+        states = [WorkerState(f"p{i}", own[i], 0, 0, spec.prefill, spec.decode_step_s, spec.bandwidth_bytes_per_s,
+                              queue_s=max(0.0, free_at[i] - now)) for i in range(spec.prefill_workers)]
+        request = RouteRequest(record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best)
+        decision = router.choose(states, request)
+        d = min(range(spec.decode_workers), key=lambda j: len(decoding[j]))
+        tbt = spec.decode_step_s * (1 + len(decoding[d]) / 32)
+        if (spec.slo_ttft_s is not None and decision.ttft_s > spec.slo_ttft_s) or \
+                (spec.slo_tbt_s is not None and tbt > spec.slo_tbt_s):
+            result.rejected += 1
+            continue
+        w = int(decision.worker[1:])
+        usable = (record.input_length - 1) // TRACE_BLOCK_TOKENS
+        mine = min(own[w], usable)
+        reused = max(mine, min(best, usable)) if decision.pull else mine
+        transfer = (reused - mine) * spec.block_nbytes / spec.bandwidth_bytes_per_s
+        cached_tokens = reused * TRACE_BLOCK_TOKENS
+        start = max(now, free_at[w])
+        finish = start + transfer + spec.prefill.seconds(record.input_length - cached_tokens, cached_tokens)
+        free_at[w] = finish
+        ttft = finish - now
+        result.ttft.append(ttft)
+        result.tbt.append(tbt)
+        heapq.heappush(decoding[d], finish + record.output_length * tbt)
+        result.blocks += len(keys)
+        result.reused_blocks += reused
+        result.local_hits += mine
+        result.global_hits += reused - mine
+        result.bytes_moved += (reused - mine) * spec.block_nbytes
+        if (spec.slo_ttft_s is None or ttft <= spec.slo_ttft_s) and (spec.slo_tbt_s is None or tbt <= spec.slo_tbt_s):
+            result.slo_met += 1
+        caches[w].touch(keys)
+        if pool is not None:
+            pool.touch(keys)
+    return result
+
+
+ABLATION = {
+    # Mooncake's scheduling ablation, as router and cache choices
+    "random": ("random", {"seed": 0}, False),
+    "load_balancing": ("least_loaded", {}, False),
+    "local_cache_aware": ("ttft", {}, False),  # Algorithm 1 over each worker's own cache only
+    "global_cache_aware": ("ttft", {}, True),  # Algorithm 1 with the global pool: pulls hot prefixes
+}
+
+
+def ablation(records: list[TraceRecord], spec: ClusterSpec, global_blocks: float = math.inf) -> dict[str, dict]:
+    """The four schedulers of Mooncake's ablation on the same trace and cluster."""
+    out = {}
+    for name, (router, params, with_pool) in ABLATION.items():
+        run = ClusterSpec(**{**spec.__dict__, "global_blocks": global_blocks if with_pool else 0})
+        out[name] = simulate_cluster(records, run, router, params).summary()
+    return out

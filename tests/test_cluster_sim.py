@@ -1,0 +1,53 @@
+"""The cluster simulator: Mooncake's scheduling ablation on the conversation trace, SLO rejection,
+and the live router objects doing the routing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiercake.conductor.cluster_sim import ClusterSpec, ablation, simulate_cluster
+from tiercake.policies import TtftRouter
+from tiercake.traces import read_trace, synthetic_trace, write_trace
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the conversation trace is not at {TRACE}")
+def test_mooncake_ablation_ordering_and_the_global_cache_effect():
+    # the parameters documented in docs/BENCHMARKS.md: 8 prefill and 8 decode workers, 2,000 blocks
+    # of local cache each, an unbounded global pool, the default prefill model
+    results = ablation(read_trace(TRACE), ClusterSpec(prefill_workers=8, decode_workers=8, local_blocks=2000))
+    ttft = {name: r["ttft_mean_s"] for name, r in results.items()}
+    assert ttft["random"] > ttft["load_balancing"] > ttft["local_cache_aware"] > ttft["global_cache_aware"]
+    ratio = results["global_cache_aware"]["hit_ratio"] / results["local_cache_aware"]["hit_ratio"]
+    assert 1.38 <= ratio <= 2.36  # Mooncake: a global cache gave 1.38x-2.36x the hit rate of a local one
+    assert results["global_cache_aware"]["bytes_moved"] > 0 and results["local_cache_aware"]["bytes_moved"] == 0
+
+
+def test_slo_rejections_and_the_live_router_object():
+    records = synthetic_trace(300, rate_per_s=40, seed=2)
+    router = TtftRouter(pull_ratio=1.0)
+    loose = simulate_cluster(records, ClusterSpec(prefill_workers=2, decode_workers=2), router)
+    assert loose.rejected == 0 and loose.served == 300 and loose.slo_met == 300
+    tight = simulate_cluster(records, ClusterSpec(prefill_workers=2, decode_workers=2, slo_ttft_s=1.0), router)
+    summary = tight.summary()
+    assert tight.rejected > 0 and summary["requests"] == 300
+    assert 0 < tight.served and max(tight.ttft) <= 1.0 + 1e-9  # what was admitted met its predicted TTFT
+    assert summary["slo_attainment"] == tight.slo_met / 300 < 1
+
+
+def test_simulate_cli_writes_the_ablation(tmp_path):
+    trace = tmp_path / "syn.jsonl"
+    write_trace(trace, synthetic_trace(200, rate_per_s=20, seed=1))
+    out = tmp_path / "sim.json"
+    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "simulate", str(trace), "--ablation", "--prefill", "2",
+                           "--decode", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    assert set(figures) == {f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware",
+                                                       "global_cache_aware")}
+    assert len({f["limit"] for f in figures.values()}) == 1  # one compute-only reference for all four
+    assert all(f["value"] > 0 and 0 <= f["params"]["hit_ratio"] <= 1 for f in figures.values())
