@@ -126,3 +126,33 @@ def test_synthetic_traces_are_seeded_valid_and_reuse_within_tenants(tmp_path):
     bursty = synthetic_trace(400, bursty=True, seed=5)
     gaps = [b.timestamp - a.timestamp for a, b in zip(bursty, bursty[1:])]
     assert max(gaps) > 20 * (sorted(gaps)[len(gaps) // 2] + 1)  # quiet periods between bursts
+
+
+def test_stack_distances_predict_lru_exactly_and_prefetchability():
+    from tiercake.policies.trace_stats import residency, trace_stats
+    from tiercake.traces import synthetic_trace
+
+    records = synthetic_trace(500, tenants=2, seed=9)
+    stats = trace_stats(records)
+    stream = accesses(records)
+    for capacity in (10, 100, 1000):  # LRU hits exactly the re-accesses closer than its capacity
+        assert stats.lru_hit_ratio(capacity) == pytest.approx(simulate(stream, [TierSpec(capacity, LRU())]).hit_ratio)
+    # follow-up turns announce their reuse; new conversations on a shared system prompt do not
+    assert 0.3 < stats.prefetchable_share < 1
+    assert trace_stats(records, lead_s=1e9).prefetchable == 0
+    times = [r.timestamp / 1000 for r in records for _ in r.hash_ids]
+    stays = residency(stream, 50, LRU(), times)
+    assert stays and min(stays) >= 0 and len(residency(stream, 50, LRU())) == len(stays)
+
+
+@needs_trace
+def test_trace_stats_on_the_conversation_trace(tmp_path):
+    out = tmp_path / "stats.json"
+    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "trace", "stats", str(TRACE), "--capacity", "10k",
+                           "--json", str(out), "--plot", str(tmp_path / "stats.png")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    assert figures["lru_hit_ratio.from_stack_distance"]["value"] == pytest.approx(0.2116, abs=0.002)
+    assert 0 < figures["prefetchable_share"]["value"] < 1
+    assert (tmp_path / "stats.png").read_bytes()[:4] == b"\x89PNG"

@@ -302,6 +302,80 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from tiercake.bench.report import Report, machine
+    from tiercake.policies import create_eviction
+    from tiercake.policies.evaluate import parse_capacities
+    from tiercake.policies.simulator import accesses
+    from tiercake.policies.trace_stats import histogram, residency, trace_stats
+    from tiercake.traces import read_trace
+
+    records = read_trace(args.trace, args.limit)
+    (capacity,) = parse_capacities(args.capacity)
+    with console.status("measuring..."):
+        stats = trace_stats(records, args.lead)
+        stream = accesses(records)
+        times = [r.timestamp / 1000 for r in records for _ in r.hash_ids]
+        stays = residency(stream, capacity, create_eviction(args.policy), times)
+    finite = [d for d in stats.reuse_distances if d != float("inf")]
+    sections = {
+        "reuse distance (distinct blocks between uses)": histogram(finite, [0, 10, 100, 1_000, 10_000, 100_000]),
+        "reuse time (s)": histogram(stats.reuse_times_s, [0, 1, 10, 60, 600, 1800]),
+        f"residency under {args.policy} at {args.capacity} blocks (s)": histogram(stays, [0, 1, 10, 60, 600, 1800]),
+    }
+    for title, counts in sections.items():
+        table = Table(title=title)
+        table.add_column("bucket")
+        table.add_column("count", justify="right")
+        for bucket, count in counts.items():
+            table.add_row(bucket, f"{count:,}")
+        console.print(table)
+    console.print(f"{stats.accesses:,} block accesses, {stats.reaccesses:,} re-accesses; prefetchable "
+                  f"(follow-up turns announced at least {args.lead:g} s ahead): {stats.prefetchable_share:.1%}")
+    report = Report(bench="trace-stats", machine=machine())
+    common = {"trace": Path(args.trace).name}
+    report.add("prefetchable_share", stats.prefetchable_share, "ratio", 1.0, lead_s=args.lead, **common)
+    report.add("lru_hit_ratio.from_stack_distance", stats.lru_hit_ratio(capacity), "ratio",
+               stats.reaccesses / stats.accesses, capacity=args.capacity, limit_name="infinite cache", **common)
+    for title, counts in sections.items():
+        for bucket, count in counts.items():
+            report.add(f"histogram.{title.split(' (')[0].split(' under')[0].replace(' ', '_')}", count, "count",
+                       max(1, sum(counts.values())), bucket=bucket, **common)
+    plot_path = args.plot or "trace-stats.png"
+    _plot_cdfs({"reuse distance (blocks)": finite, "reuse time (s)": stats.reuse_times_s,
+                f"residency, {args.policy} @ {args.capacity} (s)": stays}, plot_path, Path(args.trace).name)
+    console.print(f"plot: {plot_path}")
+    if args.json:
+        report.write(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _plot_cdfs(series: dict[str, list[float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.8))
+    for ax, (label, values) in zip(axes, series.items()):
+        values = sorted(v for v in values if v > 0)
+        if values:
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))])
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("share")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = _load(args.config, args.data_dir)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -517,6 +591,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--bursty", action="store_true", help="alternate busy and quiet periods")
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=cmd_trace_generate)
+    tstats = trace_sub.add_parser(
+        "stats", help="reuse distance, reuse time, residency under a policy, prefetchability",
+        description="Histograms of reuse distance (distinct blocks between two uses: LRU's stack distance), "
+        "reuse time and block residency under POLICY at CAPACITY, and the share of re-accesses a system could "
+        "have prefetched (follow-up turns of a conversation, announced at least --lead seconds ahead).",
+    )
+    tstats.add_argument("trace")
+    tstats.add_argument("--capacity", default="10k", help="blocks, for residency (default 10k)")
+    tstats.add_argument("--policy", default="lru")
+    tstats.add_argument("--lead", type=float, default=0.0, help="seconds a prefetch needs (default 0)")
+    tstats.add_argument("--limit", type=int)
+    tstats.add_argument("--plot", metavar="PATH", help="the PNG (default trace-stats.png)")
+    tstats.add_argument("--json", metavar="PATH")
+    tstats.set_defaults(func=cmd_trace_stats)
 
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
