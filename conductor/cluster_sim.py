@@ -41,6 +41,7 @@ class ClusterResult:
     router: str
     ttft: list[float] = field(default_factory=list)
     tbt: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=lambda: {"queue": [], "transfer": [], "compute": []})
     rejected: int = 0
     slo_met: int = 0
     blocks: int = 0
@@ -71,6 +72,8 @@ class ClusterResult:
             "local_hit_ratio": self.local_hits / self.blocks if self.blocks else 0.0,
             "global_hit_ratio": self.global_hits / self.blocks if self.blocks else 0.0,
             "bytes_moved": self.bytes_moved,
+            **{f"{phase}_p50_s": self.percentile(v, 50) for phase, v in self.phases.items()},
+            **{f"{phase}_p99_s": self.percentile(v, 99) for phase, v in self.phases.items()},
         }
 
 
@@ -137,7 +140,11 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
         transfer = (reused - mine) * spec.block_nbytes / spec.bandwidth_bytes_per_s
         cached_tokens = reused * TRACE_BLOCK_TOKENS
         start = max(now, free_at[w])
-        finish = start + transfer + spec.prefill.seconds(record.input_length - cached_tokens, cached_tokens)
+        compute = spec.prefill.seconds(record.input_length - cached_tokens, cached_tokens)
+        finish = start + transfer + compute
+        result.phases["queue"].append(start - now)
+        result.phases["transfer"].append(transfer)
+        result.phases["compute"].append(compute)
         free_at[w] = finish
         ttft = finish - now
         result.ttft.append(ttft)

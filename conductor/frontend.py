@@ -176,6 +176,9 @@ class Frontend:
                                   registry=registry)
         self.m_ttft = Histogram("tiercake_ttft_seconds", "time to first token at the front",
                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
+        self.m_phase = Histogram("tiercake_ttft_phase_seconds", "where the time to first token went",
+                                 ["phase"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+                                 registry=registry)
         self.m_prompt = Counter("tiercake_prompt_tokens", "prompt tokens served", registry=registry)
         self.m_cached = Counter("tiercake_cached_prompt_tokens", "prompt tokens whose KV was reused, by source tier",
                                 ["source"], registry=registry)
@@ -314,6 +317,7 @@ class Frontend:
                         self._count(len(tokens), event["stats"])
                         timing.ttft_s = time.perf_counter() - timing.started
                         self.m_ttft.observe(timing.ttft_s)
+                        self._observe_phases(timing)
                         self._note_bandwidth(load, event["stats"])
                     emitted += 1
                     done = event["finish_reason"] is not None and not (roles_split and req.max_tokens > 1)
@@ -365,6 +369,15 @@ class Frontend:
                 log.warning("front: %s; trying another decode worker", exc)
             finally:
                 load.running -= 1
+
+    def _observe_phases(self, timing: Timing) -> None:
+        """TTFT = routing + lookup + load + compute + the rest (queue in the worker, HTTP hops)."""
+        stats = timing.stats
+        known = timing.route_s + sum(stats.get(k, 0.0) for k in ("lookup_s", "load_s", "compute_s"))
+        for phase, seconds in (("route", timing.route_s), ("lookup", stats.get("lookup_s", 0.0)),
+                               ("load", stats.get("load_s", 0.0)), ("compute", stats.get("compute_s", 0.0)),
+                               ("queue_and_transport", max(0.0, timing.ttft_s - known))):
+            self.m_phase.labels(phase).observe(seconds)
 
     def _count(self, prompt_tokens: int, stats: dict) -> None:
         self.prompt_tokens += prompt_tokens

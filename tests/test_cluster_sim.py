@@ -25,6 +25,9 @@ def test_mooncake_ablation_ordering_and_the_global_cache_effect():
     ratio = results["global_cache_aware"]["hit_ratio"] / results["local_cache_aware"]["hit_ratio"]
     assert 1.38 <= ratio <= 2.36  # Mooncake: a global cache gave 1.38x-2.36x the hit rate of a local one
     assert results["global_cache_aware"]["bytes_moved"] > 0 and results["local_cache_aware"]["bytes_moved"] == 0
+    glob = results["global_cache_aware"]  # the TTFT breakdown: queue, transfer, compute
+    assert glob["transfer_p99_s"] > 0 and glob["compute_p50_s"] > 0 and results["random"]["queue_p99_s"] > \
+        glob["queue_p99_s"]
 
 
 def test_slo_rejections_and_the_live_router_object():

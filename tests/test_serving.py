@@ -74,6 +74,8 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
             metrics = await resp.text()
     assert 'tiercake_completions_total{outcome="ok"}' in metrics and "tiercake_ttft_seconds_bucket" in metrics
     assert 'tiercake_cached_prompt_tokens_total{source="gpu"}' in metrics
+    for phase in ("route", "lookup", "load", "compute", "queue_and_transport"):
+        assert f'tiercake_ttft_phase_seconds_count{{phase="{phase}"}} 2.0' in metrics
     assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["finish_reason"] == "length"
     # the decode worker took the prompt over through the node: every full block pulled, none recomputed
     assert first["usage"]["tiercake"]["decode_cached_tokens"] == (len(prompt.encode())) // 16 * 16

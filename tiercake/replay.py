@@ -33,6 +33,7 @@ class Outcome:
     cached_tokens: int = 0
     completion_tokens: int = 0
     sources: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)  # the server's breakdown: route, lookup, load, compute
     error: str = ""
 
 
@@ -94,7 +95,10 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                         if usage:
                             outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
                             outcome.completion_tokens = usage["completion_tokens"]
-                            outcome.sources = usage.get("tiercake", {}).get("sources", {})
+                            extra = usage.get("tiercake", {})
+                            outcome.sources = extra.get("sources", {})
+                            outcome.phases = {k[:-2]: extra.get(k, 0.0) for k in ("route_s", "lookup_s", "load_s",
+                                                                                   "compute_s")}
                 except ConductorError as exc:
                     outcome.status = "rejected" if exc.status == 429 else "failed"
                     outcome.error = str(exc)[:200]
@@ -125,8 +129,10 @@ def report(outcomes: list[Outcome], records: list[TraceRecord], trace_name: str,
     cold = [o.ttft_s for o in ok if o.cached_tokens == 0]
     common = {"trace": trace_name, "requests": len(outcomes), **params}
     for p in (50, 99):
+        breakdown = {f"{phase}_s": round(_pct([o.phases.get(phase, 0.0) for o in ok], p), 5)
+                     for phase in ("route", "lookup", "load", "compute")}
         rep.add(f"ttft.p{p}", _pct([o.ttft_s for o in ok], p), "s", _pct(cold, p),
-                limit_name="requests with nothing cached", **common)
+                limit_name="requests with nothing cached", **common, **breakdown)
     prompt = sum(o.prompt_tokens for o in ok)
     ceiling = simulate(accesses(records), [TierSpec(math.inf, LRU())]).token_hit_ratio
     rep.add("hit_ratio.tokens", sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, "ratio", ceiling,
