@@ -16,7 +16,7 @@ def tiercake(*args, cwd=None, timeout=120):
 def test_help_reads_well():
     done = tiercake("--help")
     assert done.returncode == 0
-    for command in ("demo", "bench", "policy", "config"):
+    for command in ("up", "ask", "demo", "bench", "policy", "config", "simulate", "replay", "trace"):
         assert command in done.stdout
     assert "bench store" in tiercake("bench", "store", "--help").stdout.replace("usage: tiercake ", "bench store ")
 

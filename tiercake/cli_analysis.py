@@ -1,0 +1,197 @@
+"""The analysis commands of the CLI: policy evaluation, trace generation and statistics, the cluster
+simulator, and replaying a trace against a running cluster. Each prints tables, writes a PNG where a
+picture helps, and takes --json PATH (the benchmark JSON format)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from .cli_common import console, write_json
+
+
+def cmd_policy_eval(args: argparse.Namespace) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from tiercake.bench.report import Report, machine
+    from tiercake.policies.evaluate import evaluate, parse_capacities, plot
+    from tiercake.policies.simulator import accesses
+    from tiercake.traces import read_trace
+
+    capacities = parse_capacities(args.capacity)
+    params = json.loads(args.params) if args.params else None
+    with console.status(f"replaying {args.trace}..."):
+        stream = accesses(read_trace(args.trace, args.limit))
+        scores = evaluate(stream, args.policy, capacities, params, args.admission)
+    table = Table(title=f"{args.policy} on {Path(args.trace).name} ({len(stream)} block accesses)")
+    for column in ("capacity", args.policy, "lru", "optimum", "gap to optimum", "accesses/s"):
+        table.add_column(column, justify="right")
+    report = Report(bench="policy-eval", machine=machine())
+    for cap in capacities:
+        row = {s.policy: s for s in scores if s.capacity == cap}
+        mine, best = row[args.policy], row["optimum"]
+        table.add_row("inf" if math.isinf(cap) else f"{cap:,}", f"{mine.hit_ratio:.4f}", f"{row['lru'].hit_ratio:.4f}",
+                      f"{best.hit_ratio:.4f}", f"{best.hit_ratio - mine.hit_ratio:.4f}", f"{mine.accesses_per_s:,.0f}")
+        for s in row.values():
+            figure = report.add(f"hit_ratio.{s.policy}", s.hit_ratio, "ratio", best.hit_ratio,
+                                capacity="inf" if math.isinf(cap) else cap, limit_name="optimum",
+                                token_hit_ratio=round(s.token_hit_ratio, 5), accesses_per_s=round(s.accesses_per_s))
+            figure.params["trace"] = Path(args.trace).name
+    console.print(table)
+    plot_path = args.plot or f"policy-eval-{args.policy.replace(':', '-').replace('/', '-')}.png"
+    plot(scores, plot_path, f"{args.policy} vs LRU and the optimum on {Path(args.trace).name}")
+    console.print(f"plot: {plot_path}")
+    return write_json(args, report)
+
+
+def cmd_trace_generate(args: argparse.Namespace) -> int:
+    from tiercake.traces import synthetic_trace, write_trace
+
+    records = synthetic_trace(args.requests, tenants=args.tenants, system_prompts=args.system_prompts,
+                              rate_per_s=args.rate, bursty=args.bursty, seed=args.seed)
+    write_trace(args.out, records)
+    console.print(f"wrote {len(records)} requests ({sum(len(r.hash_ids) for r in records)} block accesses, "
+                  f"{records[-1].timestamp / 1000:.0f} s) to {args.out}")
+    return 0
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from tiercake.bench.report import Report, machine
+    from tiercake.policies import create_eviction
+    from tiercake.policies.evaluate import parse_capacities
+    from tiercake.policies.simulator import accesses
+    from tiercake.policies.trace_stats import histogram, residency, trace_stats
+    from tiercake.traces import read_trace
+
+    records = read_trace(args.trace, args.limit)
+    (capacity,) = parse_capacities(args.capacity)
+    with console.status("measuring..."):
+        stats = trace_stats(records, args.lead)
+        stream = accesses(records)
+        times = [r.timestamp / 1000 for r in records for _ in r.hash_ids]
+        stays = residency(stream, capacity, create_eviction(args.policy), times)
+    finite = [d for d in stats.reuse_distances if d != float("inf")]
+    sections = {
+        "reuse distance (distinct blocks between uses)": histogram(finite, [0, 10, 100, 1_000, 10_000, 100_000]),
+        "reuse time (s)": histogram(stats.reuse_times_s, [0, 1, 10, 60, 600, 1800]),
+        f"residency under {args.policy} at {args.capacity} blocks (s)": histogram(stays, [0, 1, 10, 60, 600, 1800]),
+    }
+    for title, counts in sections.items():
+        table = Table(title=title)
+        table.add_column("bucket")
+        table.add_column("count", justify="right")
+        for bucket, count in counts.items():
+            table.add_row(bucket, f"{count:,}")
+        console.print(table)
+    console.print(f"{stats.accesses:,} block accesses, {stats.reaccesses:,} re-accesses; prefetchable "
+                  f"(follow-up turns announced at least {args.lead:g} s ahead): {stats.prefetchable_share:.1%}")
+    report = Report(bench="trace-stats", machine=machine())
+    common = {"trace": Path(args.trace).name}
+    report.add("prefetchable_share", stats.prefetchable_share, "ratio", 1.0, lead_s=args.lead, **common)
+    report.add("lru_hit_ratio.from_stack_distance", stats.lru_hit_ratio(capacity), "ratio",
+               stats.reaccesses / stats.accesses, capacity=args.capacity, limit_name="infinite cache", **common)
+    for title, counts in sections.items():
+        for bucket, count in counts.items():
+            report.add(f"histogram.{title.split(' (')[0].split(' under')[0].replace(' ', '_')}", count, "count",
+                       max(1, sum(counts.values())), bucket=bucket, **common)
+    plot_path = args.plot or "trace-stats.png"
+    _plot_cdfs({"reuse distance (blocks)": finite, "reuse time (s)": stats.reuse_times_s,
+                f"residency, {args.policy} @ {args.capacity} (s)": stays}, plot_path, Path(args.trace).name)
+    console.print(f"plot: {plot_path}")
+    return write_json(args, report)
+
+
+def _plot_cdfs(series: dict[str, list[float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.8))
+    for ax, (label, values) in zip(axes, series.items()):
+        values = sorted(v for v in values if v > 0)
+        if values:
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))])
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("share")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import math
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from tiercake.bench.report import Report, machine
+    from tiercake.conductor.cluster_sim import ABLATION, ClusterSpec, simulate_cluster
+    from tiercake.policies.evaluate import parse_capacities
+    from tiercake.traces import read_trace
+
+    records = read_trace(args.trace, args.limit)
+    (local,) = parse_capacities(args.local_blocks)
+    (pool,) = parse_capacities(args.global_blocks)
+    spec = ClusterSpec(prefill_workers=args.prefill, decode_workers=args.decode, local_blocks=local,
+                       global_blocks=pool, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
+                       time_scale=args.time_scale)
+    runs = ({name: (router, params, with_pool) for name, (router, params, with_pool) in ABLATION.items()}
+            if args.ablation else {args.router: (args.router, {}, pool > 0)})
+    compute_only = sum(spec.prefill.seconds(r.input_length) for r in records) / len(records)
+    report = Report(bench="simulate", machine=machine())
+    table = Table(title=f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
+                        f"decode workers, local {args.local_blocks} blocks, global {args.global_blocks}")
+    for column in ("scheduler", "TTFT mean", "P50", "P99", "TBT P99", "SLO met", "rejected", "hit ratio",
+                   "local / global", "moved"):
+        table.add_column(column, justify="left" if column == "scheduler" else "right")
+    for name, (router, params, with_pool) in runs.items():
+        run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
+        summary = simulate_cluster(records, run, router, params).summary()
+        table.add_row(name, f"{summary['ttft_mean_s']:.2f} s", f"{summary['ttft_p50_s']:.2f}",
+                      f"{summary['ttft_p99_s']:.2f}", f"{summary['tbt_p99_s'] * 1000:.0f} ms",
+                      f"{summary['slo_attainment']:.1%}", str(summary["rejected"]), f"{summary['hit_ratio']:.3f}",
+                      f"{summary['local_hit_ratio']:.3f} / {summary['global_hit_ratio']:.3f}",
+                      f"{summary['bytes_moved'] / 1e12:.2f} TB")
+        report.add(f"ttft_mean.{name}", summary["ttft_mean_s"], "s", compute_only,
+                   limit_name="compute only, no queue", router=router,
+                   **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in summary.items()})
+    console.print(table)
+    return write_json(args, report)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.progress import Progress
+
+    from tiercake import replay as rp
+    from tiercake.traces import read_trace
+
+    records = read_trace(args.trace, args.limit)
+    if not records:
+        raise ValueError(f"{args.trace}: no requests")
+    with Progress(console=console) as progress:
+        task = progress.add_task(f"replaying {len(records)} requests", total=len(records))
+        outcomes = asyncio.run(rp.replay(
+            records, args.target, time_scale=args.time_scale, tokens_per_block=args.tokens_per_block,
+            max_output=args.max_output, concurrency=args.concurrency, api_key=args.api_key,
+            progress=lambda: progress.advance(task)))
+    report = rp.report(outcomes, records, Path(args.trace).name, time_scale=args.time_scale,
+                       tokens_per_block=args.tokens_per_block)
+    report.print(console)
+    plot_path = args.plot or "replay.png"
+    rp.plot(outcomes, plot_path, f"{Path(args.trace).name} on {args.target}")
+    console.print(f"plot: {plot_path}")
+    return write_json(args, report)
