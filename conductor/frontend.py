@@ -324,6 +324,8 @@ class Frontend:
                     yield event["token"], "length" if done else None
                     if done:
                         return
+                if not emitted:
+                    raise ConnectionError(f"worker {member.node_id} answered with no token")
                 break
             except ConnectionError as exc:
                 if emitted:
@@ -362,7 +364,7 @@ class Frontend:
                     yield event["token"], event["finish_reason"]
                     if event["finish_reason"] is not None:
                         return
-                return
+                raise ConnectionError(f"decode worker {member.node_id} ended the stream early")
             except ConnectionError as exc:
                 if emitted or attempt == 2:
                     raise RuntimeError(str(exc)) from exc
