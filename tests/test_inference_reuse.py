@@ -263,3 +263,23 @@ async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
     finally:
         await scheduler.close()
         await store.close()
+
+
+async def test_generated_blocks_are_keyed_like_a_follow_up_prompt_under_the_same_salt(cluster, model):
+    from tiercake.blocks import block_keys
+
+    worker = await cluster.worker(model, "w-chain")
+    prompt = encode(PROMPT)
+    seq = await worker.prefill(prompt, tenant="shared", salt="", max_new_tokens=40)
+    generated = []
+    for _ in range(40):
+        generated.append(next_token(seq.logits))
+        await worker.decode([seq], [generated[-1]])
+    worker.free(seq)
+    # a follow-up turn that repeats the conversation finds the generated blocks too
+    follow_up = prompt + generated
+    expected = block_keys(NS.model_copy(update={"tenant_salt": ""}), follow_up)
+    assert seq.keys == expected[: len(seq.keys)] and len(seq.keys) == len(follow_up) // 16
+    again = await worker.prefill(follow_up + encode(" and then?"), tenant="shared", salt="")
+    assert again.stats.cached_tokens == len(follow_up) // 16 * 16
+    worker.free(again)

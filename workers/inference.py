@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercake.blocks import Namespace, block_keys
+from tiercake.blocks import Namespace, block_keys, chain_key
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.client import Prefix as NodePrefix
 from tiercake.tiers import GpuBlockPool, StoreError, TieredStore
@@ -53,6 +53,7 @@ class PrefillStats:
 class Sequence:
     seq_id: int
     tenant: str
+    salt: str  # the hashing salt its keys were made with
     tokens: list[int]  # prompt and generated so far
     table: list[int]  # gpu pool blocks
     keys: list[bytes]  # keys of its full blocks so far
@@ -136,7 +137,8 @@ class InferenceEngine:
         except BaseException:
             self.pool.free_sequence(seq_id)
             raise
-        seq = Sequence(seq_id, tenant, list(tokens), table, keys, logits[-1], stats, stored=len(slots))
+        seq = Sequence(seq_id, tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats,
+                       stored=len(slots))
         self._store_full_blocks(seq)
         return seq
 
@@ -216,9 +218,11 @@ class InferenceEngine:
     def _store_full_blocks(self, seq: Sequence) -> None:
         """Adopt the sequence's newly full blocks into the gpu tier and write them through."""
         full = len(seq.tokens) // self.block_size
-        if full > len(seq.keys):
-            ns = self.namespace_for(seq.tenant)  # keys are extended over generated tokens too
-            seq.keys = block_keys(ns, seq.tokens[: full * self.block_size])
+        bs = self.block_size
+        while len(seq.keys) < full:  # generated tokens fill blocks too: extend the chain by one key each
+            i = len(seq.keys)
+            parent = seq.keys[-1] if seq.keys else self.namespace_for(seq.salt).root()
+            seq.keys.append(chain_key(parent, seq.tokens[i * bs:(i + 1) * bs]))
         new = []
         for i in range(seq.stored, full):
             parent = seq.keys[i - 1] if i else None
