@@ -236,7 +236,9 @@ class Frontend:
                                         perf.get("prefill_q", 0.0)),
                            perf.get("decode_step_s", 0.005), load.load_bytes_per_s)
 
-    def route(self, tokens: list[int], tenant: str, roles: tuple[str, ...]) -> tuple[object, RouteDecision]:
+    def route(self, tokens: list[int], tenant: str, roles: tuple[str, ...]) -> tuple[object, RouteDecision, dict | None]:
+        """(the worker, the router's decision, where to pull the prefix from when it says pull: the
+        node holding the longest prefix, so the worker need not ask the index again)."""
         index_tenant, salt = self.namespace_of(tenant)
         members = self._candidates(roles)
         if not members:
@@ -244,7 +246,8 @@ class Frontend:
         keys = block_keys(self.config.serving_namespace(salt), tokens)
         found = self.conductor.lookup(index_tenant, keys)
         nodes = {m.node_id for m in self.conductor.members.alive("node")}
-        best = max((p.length for n, p in found.items() if n in nodes), default=0)
+        holders = [(p.length, n) for n, p in found.items() if n in nodes]
+        best, best_node = max(holders, default=(0, None))
         states = [self._state(m, found[m.node_id].length if m.node_id in found else 0) for m in members]
         decision = self._current_router().choose(states, RouteRequest(len(tokens), self.layout.block_size,
                                                            self.layout.nbytes, best))
@@ -259,7 +262,11 @@ class Frontend:
             raise ApiError(429, f"predicted time between tokens {decision.tbt_s:.4f} s exceeds the SLO of "
                            f"{slo_tbt} s; retry later", "rate_limit_error", "slo_tbt", headers={"Retry-After": "1"})
         member = next(m for m in members if m.node_id == decision.worker)
-        return member, decision
+        source = None
+        if decision.pull and best_node is not None:
+            tiers = found[best_node].tiers
+            source = {"node": best_node, "blocks": best, "tier": max(tiers, key=tiers.get) if tiers else "?"}
+        return member, decision, source
 
     # Talking to workers -------------------------------------------------------------------------
 
@@ -298,14 +305,14 @@ class Frontend:
         errors = []
         for _ in range(3):
             started = time.perf_counter()
-            member, decision = self.route(tokens, tenant, first_roles)
+            member, decision, source = self.route(tokens, tenant, first_roles)
             timing.route_s += time.perf_counter() - started
             load = self.loads[member.node_id]
             load.queued_tokens += len(tokens)
             load.running += 1
             emitted = 0
             try:
-                prefill_body = {**body, "pull": decision.pull}
+                prefill_body = {**body, "pull": decision.pull, "source": source}
                 if roles_split:
                     prefill_body["max_tokens"] = 1
                 async for event in self._stream(member, prefill_body):

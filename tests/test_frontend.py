@@ -75,10 +75,17 @@ async def test_no_live_worker_is_a_503_and_a_dead_one_is_skipped():
 async def test_routing_sees_each_workers_own_prefix():
     from tiercake.blocks import block_keys
 
-    async with _front(ServingConfig(), [worker("w-a"), worker("w-b")]) as (_, front):
+    node = MemberInfo(node_id="n1", role="node", tiers={"pool": 1 << 20})
+    async with _front(ServingConfig(), [worker("w-a"), worker("w-b"), node]) as (_, front):
         tokens = list(b"a shared system prompt, long enough for a few blocks of sixteen tokens")
         keys = block_keys(front.config.serving_namespace("default"), tokens)
         await front.conductor.report("default", keys, "w-b", "gpu", [1] * len(keys))
-        chosen, decision = front.route(tokens, "default", ("worker",))
+        chosen, decision, source = front.route(tokens, "default", ("worker",))
         assert chosen.node_id == "w-b" and decision.reused_blocks == len(keys) == 4
-        assert not decision.pull  # its own gpu tier has it all: nothing to pull
+        assert not decision.pull and source is None  # its own gpu tier has it all: nothing to pull
+        # a prompt only a node holds: the chosen worker is told to pull it, and from where
+        other = list(b"another prompt that only the node's pool holds, long enough for blocks")
+        node_keys = block_keys(front.config.serving_namespace("default"), other)
+        await front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
+        _, decision, source = front.route(other, "default", ("worker",))
+        assert decision.pull and source == {"node": "n1", "blocks": len(node_keys), "tier": "pool"}

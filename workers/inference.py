@@ -103,8 +103,9 @@ class InferenceEngine:
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
         hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
         nodes hold beyond the own gpu tier's prefix (the router may say not to). ``source``:
-        ``{"node", "blocks"}``, where a prefill worker just wrote the prompt's blocks (a decode
-        worker taking over pulls them from there without asking the index)."""
+        ``{"node", "blocks", "tier"}``: where to pull the prefix from without asking the index (the
+        front routed with the index already; a decode worker taking over knows where the prefill
+        worker wrote the blocks)."""
         self.model.check_tokens(tokens)
         if len(tokens) + max_new_tokens > self.max_context:
             raise ContextLimitError(f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the "
@@ -154,7 +155,8 @@ class InferenceEngine:
         started = time.perf_counter()
         try:
             if source is not None:
-                found = {source["node"]: NodePrefix(min(int(source["blocks"]), len(keys)), {"handoff": 1})}
+                found = {source["node"]: NodePrefix(min(int(source["blocks"]), len(keys)),
+                                                    {source.get("tier", "handoff"): 1})}
             else:
                 found = await self.conductor.lookup(tenant, keys)
         except ConductorError as exc:

@@ -46,6 +46,7 @@ class SourceHint(BaseModel):
 
     node: str = Field(min_length=1)
     blocks: int = Field(ge=0)
+    tier: str = Field(default="handoff", description="the tier the node holds them in (for the statistics)")
 
 
 class GenerateBody(BaseModel):
