@@ -34,6 +34,7 @@ class ClusterSpec:
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
     time_scale: float = 1.0  # arrivals at timestamp * time_scale
+    metadata_bytes_per_op: int = 118  # one replica in etcd (measured by tiercake bench metadata)
 
 
 @dataclass
@@ -48,7 +49,10 @@ class ClusterResult:
     reused_blocks: int = 0
     local_hits: int = 0
     global_hits: int = 0
-    bytes_moved: float = 0.0
+    bytes_moved: float = 0.0  # pulled from the global pool
+    kv_bytes_written: float = 0.0  # new blocks written to the global pool
+    metadata_ops: int = 0  # lookups and placement changes
+    metadata_bytes: float = 0.0
 
     @property
     def served(self) -> int:
@@ -72,6 +76,9 @@ class ClusterResult:
             "local_hit_ratio": self.local_hits / self.blocks if self.blocks else 0.0,
             "global_hit_ratio": self.global_hits / self.blocks if self.blocks else 0.0,
             "bytes_moved": self.bytes_moved,
+            "metadata_ops_per_request": self.metadata_ops / self.served if self.served else 0.0,
+            "metadata_bytes_per_kv_byte": self.metadata_bytes / (self.bytes_moved + self.kv_bytes_written)
+            if self.bytes_moved + self.kv_bytes_written else 0.0,
             **{f"{phase}_p50_s": self.percentile(v, 50) for phase, v in self.phases.items()},
             **{f"{phase}_p99_s": self.percentile(v, 99) for phase, v in self.phases.items()},
         }
@@ -93,9 +100,12 @@ class _Cache:
             n += 1
         return n
 
-    def touch(self, keys: list) -> None:
+    def touch(self, keys: list) -> int:
+        """Access or insert every key; returns the placement changes made (inserts and evictions),
+        each one a metadata operation in the live system."""
         if self.capacity <= 0:
-            return
+            return 0
+        changes = 0
         for key in keys:
             if key in self.keys:
                 self.policy.on_access(key)
@@ -103,8 +113,11 @@ class _Cache:
             if len(self.keys) >= self.capacity:
                 (victim,) = self.policy.victims(1)
                 self.keys.discard(victim)
+                changes += 1
             self.keys.add(key)
             self.policy.on_insert(key)
+            changes += 1
+        return changes
 
 
 def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Router | str,
@@ -157,9 +170,13 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
         result.bytes_moved += (reused - mine) * spec.block_nbytes
         if (spec.slo_ttft_s is None or ttft <= spec.slo_ttft_s) and (spec.slo_tbt_s is None or tbt <= spec.slo_tbt_s):
             result.slo_met += 1
-        caches[w].touch(keys)
+        changes = caches[w].touch(keys)
         if pool is not None:
-            pool.touch(keys)
+            new_in_pool = sum(key not in pool.keys for key in keys)
+            changes += pool.touch(keys)
+            result.kv_bytes_written += new_in_pool * spec.block_nbytes
+        result.metadata_ops += 1 + changes  # the route's lookup, then the placements that changed
+        result.metadata_bytes += changes * spec.metadata_bytes_per_op
     return result
 
 

@@ -165,6 +165,8 @@ class Frontend:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.cached_by_source: dict[str, int] = defaultdict(int)  # tokens, by where their blocks came from
+        self.kv_bytes_moved = 0  # pulled into workers' gpu tiers and written through to nodes
+        self.load_overhead_s = 0.0  # loading time beyond copying the bytes at the worker's memcpy rate
         self._router_spec = {"name": self.serving.router, "params": self.serving.router_params}
         self.bind_metrics(CollectorRegistry())  # the app binds its own registry (build_app)
         self.recorder = TraceRecorder(self.serving.record_trace, self.layout.block_size) \
@@ -179,6 +181,9 @@ class Frontend:
         self.m_phase = Histogram("tiercake_ttft_phase_seconds", "where the time to first token went",
                                  ["phase"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
                                  registry=registry)
+        self.m_overhead = Histogram("tiercake_load_overhead_seconds", "time loading a prefix beyond copying its "
+                                    "bytes at the worker's measured memcpy rate (completion overhead)",
+                                    buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 1), registry=registry)
         self.m_prompt = Counter("tiercake_prompt_tokens", "prompt tokens served", registry=registry)
         self.m_cached = Counter("tiercake_cached_prompt_tokens", "prompt tokens whose KV was reused, by source tier",
                                 ["source"], registry=registry)
@@ -231,9 +236,7 @@ class Frontend:
     def _state(self, member, cached: int) -> WorkerState:
         load = self.loads[member.node_id]
         perf = member.perf
-        return WorkerState(member.node_id, cached, load.queued_tokens, load.running,
-                           PrefillModel(perf.get("prefill_a", 0.005), perf.get("prefill_b", 1e-4),
-                                        perf.get("prefill_q", 0.0)),
+        return WorkerState(member.node_id, cached, load.queued_tokens, load.running, PrefillModel.from_perf(perf),
                            perf.get("decode_step_s", 0.005), load.load_bytes_per_s)
 
     def route(self, tokens: list[int], tenant: str, roles: tuple[str, ...]) -> tuple[object, RouteDecision, dict | None]:
@@ -391,6 +394,14 @@ class Frontend:
     def _count(self, prompt_tokens: int, stats: dict) -> None:
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += stats.get("cached_tokens", 0)
+        written = (stats.get("written_to") or {}).get("blocks", 0) - stats.get("cached_tokens", 0) // self.layout.block_size
+        moved = stats.get("load_bytes", 0) + max(0, written) * self.layout.nbytes
+        self.kv_bytes_moved += moved
+        copy_rate = stats.get("copy_bytes_per_s")
+        if stats.get("load_bytes") and copy_rate:
+            overhead = max(0.0, stats.get("load_s", 0.0) - stats["load_bytes"] / copy_rate)
+            self.load_overhead_s += overhead
+            self.m_overhead.observe(overhead)
         self.m_prompt.inc(prompt_tokens)
         for source, blocks in stats.get("sources", {}).items():
             tier = source.rsplit(":", 1)[-1]
@@ -435,7 +446,20 @@ class Frontend:
                         "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
                         "cached_tokens_by_source": dict(self.cached_by_source)},
             "index": {"replicas": len(self.conductor.index), "pins": len(self.conductor.pins)},
+            "metadata": self._metadata_costs(),
         })
+
+    def _metadata_costs(self) -> dict:
+        """Metadata work per request and per KV byte moved: index lookups and durable placement
+        changes (with their key and value bytes), against the requests served and the KV moved."""
+        stats = self.conductor.index.stats
+        requests = max(1, self.served + self.rejected)
+        ops = stats.ops + stats.lookups
+        return {"lookups": stats.lookups, "durable_ops": stats.ops, "durable_bytes": stats.bytes,
+                "ops_per_request": ops / requests, "bytes_per_request": stats.bytes / requests,
+                "kv_bytes_moved": self.kv_bytes_moved,
+                "metadata_bytes_per_kv_byte": stats.bytes / self.kv_bytes_moved if self.kv_bytes_moved else 0.0,
+                "load_overhead_s": self.load_overhead_s}
 
     async def _prompt_keys(self, request: web.Request) -> tuple[PromptRequest, str, list[bytes]]:
         try:

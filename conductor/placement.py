@@ -47,6 +47,8 @@ class IndexStats:
     replicas: int = 0
     commits: int = 0  # group-commit batches flushed
     ops: int = 0  # placement changes made durable
+    bytes: int = 0  # of keys and values written to (or deleted from) the backend
+    lookups: int = 0
     largest_batch: int = 0
     # called with (operations, seconds) of every flushed batch (the API feeds its histograms)
     on_batch: Callable[[int, float], None] | None = None
@@ -206,6 +208,7 @@ class PlacementIndex:
                 self.revision = max(self.revision, revision)
                 self.stats.commits += 1
                 self.stats.ops += taken
+                self.stats.bytes += sum(len(op.key) + len(getattr(op, "value", b"")) for op in latest.values())
                 self.stats.largest_batch = max(self.stats.largest_batch, taken)
                 if self.stats.on_batch is not None:
                     self.stats.on_batch(taken, time.perf_counter() - started)
@@ -222,6 +225,7 @@ class PlacementIndex:
     def lookup(self, tenant: str, keys: Iterable[bytes]) -> dict[str, NodePrefix]:
         """For each node holding the chain's first block: the longest prefix of ``keys`` it holds
         (in any of its tiers), walking until the last node drops out."""
+        self.stats.lookups += 1
         blocks = self._tenants.get(tenant)
         keys = list(keys)
         if not blocks or not keys or keys[0] not in blocks:

@@ -25,6 +25,8 @@ def test_mooncake_ablation_ordering_and_the_global_cache_effect():
     ratio = results["global_cache_aware"]["hit_ratio"] / results["local_cache_aware"]["hit_ratio"]
     assert 1.38 <= ratio <= 2.36  # Mooncake: a global cache gave 1.38x-2.36x the hit rate of a local one
     assert results["global_cache_aware"]["bytes_moved"] > 0 and results["local_cache_aware"]["bytes_moved"] == 0
+    assert results["global_cache_aware"]["metadata_ops_per_request"] > 1
+    assert 0 < results["global_cache_aware"]["metadata_bytes_per_kv_byte"] < 1e-3  # metadata is tiny beside KV
     glob = results["global_cache_aware"]  # the TTFT breakdown: queue, transfer, compute
     assert glob["transfer_p99_s"] > 0 and glob["compute_p50_s"] > 0 and results["random"]["queue_p99_s"] > \
         glob["queue_p99_s"]

@@ -159,6 +159,9 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         roles = sorted(m["role"] for m in view["members"])
         assert roles == ["decode", "node", "prefill"]
         assert view["serving"]["cached_tokens"] > 0 and 0 < view["serving"]["hit_ratio"] < 1
+        meta = view["metadata"]  # metadata work per request and per KV byte moved
+        assert meta["lookups"] > 0 and meta["durable_ops"] > 0 and meta["ops_per_request"] > 1
+        assert meta["kv_bytes_moved"] > 0 and 0 < meta["metadata_bytes_per_kv_byte"] < 1
         node = next(m for m in view["members"] if m["role"] == "node")
         for _ in range(50):  # tier statistics arrive with the next keep-alive
             if node["tiers"].get("pool", {}).get("used_bytes"):
@@ -229,6 +232,14 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
             tiers = {k.rsplit(":", 1)[-1] if ":" in k else k for k in f["params"]["sources"]}
             assert tiers == {source}, (name, f["params"])  # the prefix came from the tier it names
             assert f["params"]["cached_tokens"] == int(512 * f["params"]["cached_fraction"]) // 16 * 16
+    # loads from the node were measured against the worker's own memcpy rate (completion overhead)
+    import urllib.request
+
+    with urllib.request.urlopen(cluster.url + "/metrics") as resp:
+        metrics = resp.read().decode()
+    count = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("tiercake_load_overhead_seconds_count"))
+    assert count >= 4  # pool and ssd at two fractions, at least
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tiercake.conductor.client import Client
 from tiercake.conductor.membership import MemberInfo
 from tiercake.config import TiercakeConfig
-from tiercake.policies import PrefillModel, fit_prefill
+from tiercake.policies import fit_prefill
 from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
 from tiercake.transfer import TransferEngine
@@ -64,6 +64,9 @@ class GenerateBody(BaseModel):
     source: SourceHint | None = Field(default=None, description="where a prefill worker wrote the prompt's blocks")
 
 
+PERF_KEYS = {"prefill_a", "prefill_b", "prefill_q", "decode_step_s", "copy_bytes_per_s"}
+
+
 def calibrate(engine: InferenceEngine, cache: Path | None) -> dict[str, float]:
     """Fit the prefill-time model and measure a decode step on this machine; reuse a persisted fit of
     the same model, block size and device."""
@@ -73,7 +76,9 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> dict[str, float]:
     path = cache / f"calibration-{ident}.json" if cache else None
     if path is not None and path.exists():
         with contextlib.suppress(ValueError, KeyError):
-            return {k: float(v) for k, v in json.loads(path.read_text()).items()}
+            saved = {k: float(v) for k, v in json.loads(path.read_text()).items()}
+            if set(saved) >= PERF_KEYS:  # a file from an older version lacks some: measure again
+                return saved
     from .model import PagedChunk
 
     bs = engine.block_size
@@ -99,15 +104,26 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> dict[str, float]:
     for i in range(5):
         model.forward_paged([PagedChunk([1], lengths[0] + i, table)], scratch)
     perf = {"prefill_a": fit.a, "prefill_b": fit.b, "prefill_q": fit.q,
-            "decode_step_s": (time.perf_counter() - started) / 5}
+            "decode_step_s": (time.perf_counter() - started) / 5, "copy_bytes_per_s": _copy_rate(engine.pool)}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(perf))
     return perf
 
 
-def prefill_model(perf: dict[str, float]) -> PrefillModel:
-    return PrefillModel(perf.get("prefill_a", 0.005), perf.get("prefill_b", 1e-4), perf.get("prefill_q", 0.0))
+def _copy_rate(pool: GpuBlockPool) -> float:
+    """Bytes per second of a warm copy into the gpu tier's memory: the floor of loading a block."""
+    src = torch.ones(16 << 20, dtype=torch.uint8, device=pool.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return src.numel() / best
 
 
 class Worker:
@@ -203,7 +219,8 @@ class Worker:
                                          "sources": event.stats.sources, "lookup_s": event.stats.lookup_s,
                                          "load_s": event.stats.load_s, "compute_s": event.stats.compute_s,
                                          "load_bytes": event.stats.load_bytes,
-                                         "written_to": event.stats.written_to}
+                                         "written_to": event.stats.written_to,
+                                         "copy_bytes_per_s": self.perf.get("copy_bytes_per_s")}
                     if event.finish_reason is not None and self.role == "prefill":
                         await self.engine.flush()  # the decode worker pulls the blocks next
                     await response.write(json.dumps(line).encode() + b"\n")
