@@ -119,6 +119,40 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise _error(web.HTTPBadRequest, "invalid body", details=json.loads(exc.json(include_url=False))) from None
 
 
+class _MemberTierCollector:
+    """Per member and tier, from the statistics members send with their keep-alives: blocks, bytes
+    used, hits, evictions, and how long evicted blocks had stayed (a histogram)."""
+
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        from tiercake.tiers.store import RESIDENCY_BUCKETS
+
+        labels = ["member", "tier"]
+        used = GaugeMetricFamily("tiercake_tier_used_bytes", "bytes held in each member's tiers", labels=labels)
+        blocks = GaugeMetricFamily("tiercake_tier_blocks", "blocks held in each member's tiers", labels=labels)
+        hits = CounterMetricFamily("tiercake_tier_hits", "reads served by each member's tiers", labels=labels)
+        residency = HistogramMetricFamily("tiercake_block_residency_seconds",
+                                          "how long blocks stayed in a tier before eviction", labels=labels)
+        for member, stats in list(self.conductor.member_stats.items()):
+            for tier, t in stats.get("tiers", {}).items():
+                key = [member, tier]
+                used.add_metric(key, t.get("used_bytes", 0))
+                blocks.add_metric(key, t.get("blocks", 0))
+                hits.add_metric(key, t.get("hits", 0))
+                counts = t.get("residency")
+                if counts and len(counts) == len(RESIDENCY_BUCKETS) + 1:
+                    cumulative, running = [], 0
+                    for bound, count in zip([*map(str, RESIDENCY_BUCKETS), "+Inf"], counts):
+                        running += count
+                        cumulative.append((bound, running))
+                    residency.add_metric(key, cumulative, t.get("residency_sum_s", 0.0))
+        yield from (used, blocks, hits, residency)
+
+
 def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None) -> web.Application:
     """The control API; with ``frontend`` (a ``Frontend``), the OpenAI-compatible API beside it."""
     registry = CollectorRegistry()
@@ -145,6 +179,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         commit_seconds.observe(seconds)
 
     conductor.index.stats.on_batch = on_batch
+    registry.register(_MemberTierCollector(conductor))
     if frontend is not None:
         frontend.bind_metrics(registry)
 

@@ -74,6 +74,15 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
             metrics = await resp.text()
     assert 'tiercake_completions_total{outcome="ok"}' in metrics and "tiercake_ttft_seconds_bucket" in metrics
     assert 'tiercake_cached_prompt_tokens_total{source="gpu"}' in metrics
+    async with aiohttp.ClientSession() as http:  # members' tier statistics arrive with their keep-alives
+        for _ in range(50):
+            async with http.get(cluster.url + "/metrics") as resp:
+                member_metrics = await resp.text()
+            if 'tiercake_tier_blocks{member="test-node-prefill-0",tier="gpu"}' in member_metrics:
+                break
+            await asyncio.sleep(0.1)
+    assert 'tiercake_tier_used_bytes{member="test-node",tier="pool"}' in member_metrics
+    assert 'tiercake_block_residency_seconds_bucket{le="+Inf",member="test-node",tier="pool"}' in member_metrics
     for phase in ("route", "lookup", "load", "compute", "queue_and_transport"):
         assert f'tiercake_ttft_phase_seconds_count{{phase="{phase}"}} 2.0' in metrics
     assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["finish_reason"] == "length"

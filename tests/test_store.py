@@ -528,3 +528,15 @@ async def test_flushing_one_tier_pushes_its_blocks_down(make_store):
     assert await store.flush(tiers=["pool"]) == 3
     assert all(store.where(key(i)) == ["ssd"] for i in range(3))
     assert same(await store.get(key(1)), 1)  # still whole, now from ssd
+
+
+async def test_residency_of_evicted_copies_is_counted_per_tier(make_store):
+    from tiercake.tiers.store import RESIDENCY_BUCKETS
+
+    store = await make_store(gpu=None, pool=2, ssd=8)
+    for i in range(4):
+        await store.put(key(i), block(i))
+    await store.drain()
+    pool = store.stats()["tiers"]["pool"]
+    assert len(pool["residency"]) == len(RESIDENCY_BUCKETS) + 1
+    assert sum(pool["residency"]) == pool["evictions"] >= 2 and pool["residency"][0] == pool["evictions"]

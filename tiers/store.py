@@ -22,6 +22,7 @@ states; copies that run in threads hold a lease for their duration.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import itertools
 import logging
@@ -99,6 +100,7 @@ class Copy:
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> monotonic expiry
     evicting: bool = False
     free_on_release: bool = False
+    committed_at: float = 0.0  # monotonic; residency is measured from here to its eviction
 
     def leased(self, now: float) -> bool:
         if not self.leases:
@@ -126,6 +128,9 @@ class Entry:
         return sorted(i for i, c in self.copies.items() if c.state is State.COMMITTED)
 
 
+RESIDENCY_BUCKETS = (1.0, 10.0, 60.0, 300.0, 1800.0, 7200.0)
+
+
 @dataclass(slots=True)
 class TierStats:
     hits: int = 0
@@ -137,9 +142,16 @@ class TierStats:
     corrupt: int = 0
     full_refusals: int = 0
     admission_refusals: int = 0
+    # how long evicted copies had stayed, counted per bucket of RESIDENCY_BUCKETS (upper bounds, s)
+    residency: list[int] = field(default_factory=lambda: [0] * (len(RESIDENCY_BUCKETS) + 1))
+    residency_sum_s: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
+
+    def note_residency(self, seconds: float) -> None:
+        self.residency[bisect.bisect_left(RESIDENCY_BUCKETS, seconds)] += 1
+        self.residency_sum_s += seconds
 
 
 class Tier:
@@ -305,7 +317,7 @@ class TieredStore:
                     meta = BlockMeta(parent=block.parent, size=block.nbytes, tenant=block.tenant)
                     entry = Entry(block.key, block.nbytes, meta)
                     self._entries[block.key] = entry
-                entry.copies[tier.index] = Copy(tier, block.slot, State.COMMITTED)
+                entry.copies[tier.index] = Copy(tier, block.slot, State.COMMITTED, committed_at=time.monotonic())
                 tier.eviction.on_insert(block.key, entry.meta)
         return self
 
@@ -547,6 +559,7 @@ class TieredStore:
 
     def _commit_copy(self, entry: Entry, copy: Copy) -> None:
         copy.state = State.COMMITTED
+        copy.committed_at = time.monotonic()
         tier = copy.tier
         tier.eviction.on_insert(entry.key, entry.meta)
         self._notify(entry, tier, True)
@@ -890,6 +903,7 @@ class TieredStore:
         if copy is None:
             return
         tier.stats.evictions += 1
+        tier.stats.note_residency(time.monotonic() - copy.committed_at)
         copy.evicting = True
         try:
             has_lower = any(i > tier.index for i in entry.committed())

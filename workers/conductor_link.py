@@ -146,7 +146,8 @@ class ConductorLink:
     def _stats(self) -> dict:
         stats = self.store.stats()
         return {"misses": stats["misses"], "tiers": {
-            name: {k: t[k] for k in ("kind", "capacity_bytes", "used_bytes", "blocks", "hits", "evictions")}
+            name: {k: t[k] for k in ("kind", "capacity_bytes", "used_bytes", "blocks", "hits", "evictions",
+                                     "residency", "residency_sum_s")}
             | {"eviction": t["eviction"].get("policy")}
             for name, t in stats["tiers"].items()}}
 
