@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tiercake.config import TiercakeConfig
+from tiercake.config import TiercakeConfig, reachable_host
 
 from .frontend import OPEN_PATHS
 from .membership import MemberInfo
@@ -368,7 +368,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.port))  # bound first: the URL the conductor publishes is the one it serves
     bound = sock.getsockname()
-    url = f"http://{bound[0]}:{bound[1]}"
+    url = config.advertise_url or f"http://{reachable_host(bound[0])}:{bound[1]}"
     meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
     conductor = runner = None
     try:

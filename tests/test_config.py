@@ -79,3 +79,19 @@ def test_default_config_namespace(tmp_path):
     ns = cfg.namespace("tenant-a")
     assert ns.block_size == cfg.store.layout.block_size and ns.kv_layout == cfg.store.layout.tag
     assert ns.root() != cfg.namespace("tenant-b").root()
+
+
+def test_advertised_addresses_and_the_node_id_from_the_environment(tmp_path, monkeypatch):
+    from tiercake.config import load_config, reachable_host
+
+    monkeypatch.delenv("TIERCAKE_ADVERTISE_HOST", raising=False)
+    assert reachable_host("10.1.2.3") == "10.1.2.3"
+    assert reachable_host("0.0.0.0") not in ("0.0.0.0", "")  # a wildcard is no address to connect to
+    assert reachable_host("0.0.0.0", "node-a.internal") == "node-a.internal"
+    monkeypatch.setenv("TIERCAKE_ADVERTISE_HOST", "10.9.8.7")  # a pod's IP, from the downward API
+    assert reachable_host("0.0.0.0") == "10.9.8.7"
+    path = tmp_path / "c.yaml"
+    path.write_text("node_id: from-file\nstore: {tiers: [{kind: pool, capacity: 1MiB}]}\n")
+    assert load_config(path).node_id == "from-file"
+    monkeypatch.setenv("TIERCAKE_NODE_ID", "k8s-node-3")  # the node's name, shared by a ConfigMap's users
+    assert load_config(path).node_id == "k8s-node-3"

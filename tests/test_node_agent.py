@@ -62,6 +62,7 @@ def node_config(tmp_path, name: str, conductor: str) -> str:
         "store:\n  layout: null\n  tiers:\n"
         f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / name / 'ssd'}}}\n"
         f"conductor: {{urls: ['{conductor}'], member_ttl: 1}}\n"
+        "transfer: {host: 0.0.0.0}\n"
     )
     return str(path)
 
@@ -70,12 +71,14 @@ async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processe
     _, conductor = processes(["conductor", "--listen", "127.0.0.1:0"])
     url = conductor["url"]
     config = node_config(tmp_path, "node-s", url)
-    env = {"TIERCAKE_SECRET": SECRET.decode()}
+    env = {"TIERCAKE_SECRET": SECRET.decode(), "TIERCAKE_ADVERTISE_HOST": "127.0.0.1"}
     node, address = processes(["node", "--config", config], env)
     keys = [k(i) for i in range(6)]
     async with Client([url]) as client:
         engine = TransferEngine("writer", SECRET, transports=("tcp",))
-        engine.add_peer("node-s", address["host"], address["port"])
+        member = (await client.members())[0]  # listening on every address, advertised at one
+        assert address["host"] == "0.0.0.0" and member["host"] == "127.0.0.1"
+        engine.add_peer("node-s", member["host"], member["port"])
         results = await engine.write_blocks("node-s", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
                                             tenant="acme")
         assert all(r.ok for r in results), [r.error for r in results]

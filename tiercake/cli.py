@@ -15,9 +15,9 @@ from .cli_common import console, write_json
 
 
 def _load(config_path: str | None, data_dir: str):
-    from tiercake.config import default_config, load_config
+    from tiercake.config import default_config, load_config, with_environment
 
-    return load_config(config_path) if config_path else default_config(data_dir)
+    return load_config(config_path) if config_path else with_environment(default_config(data_dir))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -100,7 +100,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     config = _load(args.config, args.data_dir)
     host, _, port = (args.listen or "127.0.0.1:0").rpartition(":")
-    asyncio.run(Worker(config, args.role, args.id, args.data_dir).serve_forever(host or "127.0.0.1", int(port)))
+    worker = Worker(config, args.role, args.id, args.data_dir, advertise=args.advertise)
+    asyncio.run(worker.serve_forever(host or "127.0.0.1", int(port)))
     return 0
 
 
@@ -284,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker")
     worker.add_argument("--listen", metavar="HOST:PORT", help="its HTTP API (default 127.0.0.1, any port)")
     worker.add_argument("--id", help="worker id (default: <node_id>-<role>)")
+    worker.add_argument("--advertise", metavar="HOST", help="the address the front reaches it at "
+                        "(default: $TIERCAKE_ADVERTISE_HOST, else the listen address)")
     worker.set_defaults(func=cmd_worker)
 
     upp = sub.add_parser(

@@ -111,6 +111,9 @@ class TransferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field(default="127.0.0.1", description="address the transfer server listens on")
+    advertise_host: str | None = Field(default=None, description="the address peers reach it at (default: the "
+                                       "listen address, or this host's address when listening on all; "
+                                       "$TIERCAKE_ADVERTISE_HOST overrides)")
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port (printed at start)")
     secret_file: str | None = Field(default=None, description="file holding the cluster secret")
     secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
@@ -142,6 +145,8 @@ class ConductorConfig(BaseModel):
     urls: list[str] = Field(default_factory=list,
                             description="conductor URLs nodes and workers talk to; empty: a standalone node")
     host: str = Field(default="127.0.0.1", description="address a conductor's API listens on")
+    advertise_url: str | None = Field(default=None, description="the URL clients and other conductors use (default: "
+                                      "from the bound address; $TIERCAKE_ADVERTISE_HOST sets its host)")
     port: int = Field(default=8081, ge=0, le=65535, description="0: any free port (printed at start)")
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port; empty: embedded backend")
     token_env: str = Field(default="TIERCAKE_TOKEN",
@@ -217,6 +222,23 @@ class TiercakeConfig(BaseModel):
         )
 
 
+def reachable_host(bound: str, advertise: str | None = None) -> str:
+    """The address others should use for a server bound to ``bound``: ``advertise`` (or
+    $TIERCAKE_ADVERTISE_HOST, such as a pod's IP) when given; for a wildcard bind, this host's address
+    (a wildcard is not an address anyone can connect to)."""
+    import os
+
+    chosen = advertise or os.environ.get("TIERCAKE_ADVERTISE_HOST")
+    if chosen:
+        return chosen
+    if bound in ("0.0.0.0", "::", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return bound
+
+
 def default_config(data_dir: str | Path = ".tiercake") -> TiercakeConfig:
     """The embedded default: every tier on one machine, small enough for a laptop or CI."""
     data_dir = Path(data_dir)
@@ -243,4 +265,13 @@ def load_config(path: str | Path) -> TiercakeConfig:
         data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping, got {type(data).__name__}")
-    return TiercakeConfig.model_validate(data)
+    return with_environment(TiercakeConfig.model_validate(data))
+
+
+def with_environment(config: TiercakeConfig) -> TiercakeConfig:
+    """Per-process values that a shared config file (a Kubernetes ConfigMap) cannot hold:
+    $TIERCAKE_NODE_ID (the node's name, for every process on it)."""
+    import os
+
+    node = os.environ.get("TIERCAKE_NODE_ID")
+    return config.model_copy(update={"node_id": node}) if node else config

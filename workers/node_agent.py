@@ -12,7 +12,7 @@ import sys
 
 from tiercake.conductor.client import Client
 from tiercake.conductor.membership import MemberInfo
-from tiercake.config import TiercakeConfig
+from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
 from tiercake.transfer import TransferEngine, TransferServer
@@ -56,7 +56,8 @@ class NodeAgent:
         self.engine = TransferEngine(cfg.node_id, secret, self.store, transports=tuple(cfg.transfer.transports),
                                      streams=cfg.transfer.streams, checksum=cfg.transfer.checksum)
         host, port = self.server.address
-        member = MemberInfo(node_id=cfg.node_id, role="node", host=host, port=port,
+        member = MemberInfo(node_id=cfg.node_id, role="node", host=reachable_host(host, cfg.transfer.advertise_host),
+                            port=port,
                             tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers})
         self.link = await ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl,
                                         engine=self.engine).start()

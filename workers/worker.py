@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.conductor.membership import MemberInfo
-from tiercake.config import TiercakeConfig
+from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.policies import fit_prefill
 from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
@@ -128,13 +128,14 @@ def _copy_rate(pool: GpuBlockPool) -> float:
 
 class Worker:
     def __init__(self, config: TiercakeConfig, role: str = "worker", worker_id: str | None = None,
-                 data_dir: str | Path | None = None) -> None:
+                 data_dir: str | Path | None = None, advertise: str | None = None) -> None:
         if role not in ("prefill", "decode", "worker"):
             raise ValueError(f"unknown role {role!r}: prefill, decode or worker")
         self.config = config
         self.role = role
         self.worker_id = worker_id or f"{config.node_id}-{role}"
         self.data_dir = Path(data_dir) if data_dir else None
+        self.advertise = advertise  # the host the front reaches this worker at (default: see reachable_host)
         self.engine: InferenceEngine | None = None
         self.scheduler: Scheduler | None = None
         self._closers: list = []
@@ -172,9 +173,10 @@ class Worker:
             await site.start()
             self._closers.append(runner.cleanup)
             bound = runner.addresses[0][:2]
-            self.url = f"http://{bound[0]}:{bound[1]}"
+            advertised = reachable_host(bound[0], self.advertise)
+            self.url = f"http://{advertised}:{bound[1]}"
             if client is not None:
-                member = MemberInfo(node_id=self.worker_id, role=self.role, host=bound[0], port=bound[1],
+                member = MemberInfo(node_id=self.worker_id, role=self.role, host=advertised, port=bound[1],
                                     url=self.url, tiers={"gpu": pool.num_blocks * pool.block_nbytes}, perf=self.perf)
                 link = await ConductorLink(client, member, store, ttl=cfg.conductor.member_ttl).start()
                 self._closers.append(link.close)
