@@ -54,16 +54,18 @@ async def _ttft(client: Client, tokens: list[int], tenant: str) -> tuple[float, 
     return first, usage
 
 
-async def _wait_moved(client: Client, tokens: list[int], tenant: str, source: str, blocks: int) -> None:
-    """Until the prefix's blocks are where the source says, and nowhere faster."""
+async def _wait_tiers(client: Client, tokens: list[int], tenant: str, blocks: int, present: set[str],
+                      absent: set[str] = frozenset()) -> None:
+    """Until the index shows the prefix whole in every tier of ``present`` and in none of ``absent``."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         holders = (await client.prefix(tokens, tenant))["holders"]
-        tiers = {t for h in holders.values() for t, n in h["tiers"].items() if h["blocks"] >= blocks}
-        if source in tiers and (source == "gpu" or not tiers & {"gpu", "pool"} - {source}):
+        whole = {t for h in holders.values() if h["blocks"] >= blocks for t in h["tiers"]}
+        anywhere = {t for h in holders.values() for t in h["tiers"]}
+        if present <= whole and not absent & anywhere:
             return
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"the prefix never settled in {source}")
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"the prefix never settled in {sorted(present)} (and out of {sorted(absent)})")
 
 
 async def measure(url: str, quick: bool, report: Report) -> None:
@@ -85,9 +87,12 @@ async def measure(url: str, quick: bool, report: Report) -> None:
                     tenant = f"bench-{source}-{fraction}-{r}"
                     if cached_blocks:
                         await _ttft(client, tokens[: cached_blocks * block + 1], tenant)  # caches the prefix
+                        # the worker's gpu copy and the node's pool copy are both in the index first,
+                        # so that a flush is seen to have happened, not merely to be pending
+                        await _wait_tiers(client, tokens, tenant, cached_blocks, {"gpu", "pool"})
                         if flush:
                             await client.flush(flush)
-                        await _wait_moved(client, tokens, tenant, source, cached_blocks)
+                            await _wait_tiers(client, tokens, tenant, cached_blocks, {source}, set(flush))
                     runs.append(await _ttft(client, tokens, tenant))
                     limits.append((await _ttft(client, tokens, f"{tenant}-cold"))[0])  # nothing cached
                 ttft = statistics.median(t for t, _ in runs)
