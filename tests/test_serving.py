@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -23,16 +24,23 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from
 class UpCluster(UpProcess):
     def __init__(self, tmp, serving: str = "", args: list[str] = ()):
         port = free_port()
+        self.pool = Path(f"/dev/shm/tiercake-serving-{os.getpid()}-{port}")
         config = tmp / "cluster.yaml"
         config.write_text(
             "node_id: test-node\n"
             "store:\n  tiers:\n"
-            f"    - {{kind: pool, capacity: 8MiB, path: /dev/shm/tiercake-serving-{os.getpid()}-{port}}}\n"
+            f"    - {{kind: pool, capacity: 8MiB, path: {self.pool}}}\n"
             f"    - {{kind: ssd, capacity: 64MiB, path: {tmp / 'ssd'}}}\n"
             "conductor: {member_ttl: 2}\n"
             f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n"
         )
         super().__init__(config, tmp / "data", port, list(args))
+
+    def stop(self) -> str:
+        try:
+            return super().stop()
+        finally:
+            self.pool.unlink(missing_ok=True)  # the node keeps its pool for a restart; a test's goes
 
     async def wait_up(self, workers: int) -> None:
         await asyncio.to_thread(self.wait_ready, workers)

@@ -126,4 +126,5 @@ async def run(quick: bool = False, target: str | None = None) -> Report:
             await measure(up.url, quick, report)
         finally:
             up.stop()
+            Path(f"/dev/shm/tiercake-bench-serve-{os.getpid()}").unlink(missing_ok=True)  # the bench's own pool
     return report
