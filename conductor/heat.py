@@ -8,7 +8,7 @@ import time
 
 
 class AccessRates:
-    """``rate(key)`` is in accesses per second, decayed with ``half_life`` seconds. At most
+    """Rates are in accesses per second, decayed with ``half_life`` seconds. At most
     ``max_keys`` blocks are tracked: when full, the coldest half is forgotten."""
 
     def __init__(self, half_life: float = 30.0, max_keys: int = 200_000) -> None:
@@ -27,12 +27,9 @@ class AccessRates:
         if len(self._counts) > self.max_keys:
             self._forget_coldest(now)
 
-    def rate(self, key: object, now: float | None = None) -> float:
-        """Accesses per second: a steady rate r keeps the decayed count at r / decay."""
-        now = time.monotonic() if now is None else now
-        return self._value(key, now) * self.decay
-
     def items(self, now: float | None = None) -> list[tuple[object, float]]:
+        """Every tracked block with its rate in accesses per second (a steady rate r keeps the
+        decayed count at r / decay)."""
         now = time.monotonic() if now is None else now
         return [(key, self._value(key, now) * self.decay) for key in self._counts]
 
