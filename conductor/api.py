@@ -153,8 +153,10 @@ class _MemberTierCollector:
         yield from (used, blocks, hits, residency)
 
 
-def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None) -> web.Application:
-    """The control API; with ``frontend`` (a ``Frontend``), the OpenAI-compatible API beside it."""
+def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None,
+              with_public: bool = True) -> web.Application:
+    """The control API; with ``frontend`` (a ``Frontend``), its control endpoints and, unless
+    ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it."""
     registry = CollectorRegistry()
     index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
     ops = Counter("tiercake_placement_ops", "placement changes made durable (rate: ops per second)",
@@ -185,7 +187,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if tokens and request.path != "/health" and not (frontend and request.path in OPEN_PATHS):
+        if tokens and request.path != "/health" and not (frontend and with_public and request.path in OPEN_PATHS):
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
             if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):
@@ -346,16 +348,32 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         web.get("/v1/nodes/{node}/pins", node_pins),
     ])
     if frontend is not None:
-        frontend.add_routes(app)
+        frontend.add_routes(app, public=with_public)
+    return app
+
+
+def build_public_app(conductor: Conductor, frontend) -> web.Application:
+    """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
+    control tokens), with health and readiness for probes."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
+
+    async def ready(_: web.Request) -> web.Response:
+        ok, why = await conductor.ready()
+        return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.add_routes([web.get("/health", health), web.get("/ready", ready)])
+    frontend.add_routes(app, control=False)
     return app
 
 
 async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=None) -> None:
     """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded;
-    it serves the OpenAI-compatible API beside the control API."""
+    it serves the OpenAI-compatible API beside the control API, or on its own port (serving.port)."""
     import asyncio
     import signal
-    import socket
     import sys
 
     from .embedded import EmbeddedBackend
@@ -364,32 +382,58 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
 
     config = full.conductor
     tokens = config.tokens() or None
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))  # bound first: the URL the conductor publishes is the one it serves
+    sock = _bind(config.host, config.port)  # bound first: the URL the conductor publishes is the one it serves
     bound = sock.getsockname()
     url = config.advertise_url or f"http://{reachable_host(bound[0])}:{bound[1]}"
+    public_port = full.serving.port
+    public_sock = _bind(full.serving.host or config.host, public_port) if public_port is not None else None
     meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
-    conductor = runner = None
+    conductor = None
+    runners: list[web.AppRunner] = []
     try:
         conductor = await Conductor(
             meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
             replication=config.replication, replication_params=config.replication_params,
             put_timeout=config.put_timeout_s,
         ).start()
-        runner = web.AppRunner(build_app(conductor, tokens, Frontend(conductor, full)))
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
-        print(json.dumps({"conductor": conductor.conductor_id, "url": url}), file=announce or sys.stdout, flush=True)
+        frontend = Frontend(conductor, full)
+        sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None), sock)]
+        if public_sock is not None:
+            sites.append((build_public_app(conductor, frontend), public_sock))
+        for app, bound_sock in sites:
+            runner = web.AppRunner(app)
+            runners.append(runner)
+            await runner.setup()
+            await web.SockSite(runner, bound_sock).start()
+        announced = {"conductor": conductor.conductor_id, "url": url}
+        if public_sock is not None:
+            host, port = public_sock.getsockname()[:2]
+            announced["api_url"] = f"http://{reachable_host(host)}:{port}"
+        print(json.dumps(announced), file=announce or sys.stdout, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
-        if runner is not None:
+        for runner in reversed(runners):
             await runner.cleanup()
         if conductor is not None:
             await conductor.close()
         await meta.close()
         sock.close()
+        if public_sock is not None:
+            public_sock.close()
+
+
+def _bind(host: str, port: int):
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -415,14 +415,18 @@ class Frontend:
 
     # HTTP ---------------------------------------------------------------------------------------
 
-    def add_routes(self, app: web.Application) -> None:
-        app.add_routes([
-            web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
-            web.get("/v1/cluster", self.cluster), web.post("/v1/prefix", self.prefix),
-            web.post("/v1/prefix/pin", self.pin), web.post("/v1/prefix/unpin", self.unpin),
-            web.post("/v1/flush", self.flush), web.post("/v1/policy", self.policy),
-        ])
-        app.on_cleanup.append(lambda _: self.close())
+    def add_routes(self, app: web.Application, public: bool = True, control: bool = True) -> None:
+        """``public``: the OpenAI-compatible API; ``control``: the operator's endpoints (cluster view,
+        prefix lookup, pins, flush, policy), which belong with the control API when the two are apart."""
+        if public:
+            app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models)])
+        if control:
+            app.add_routes([
+                web.get("/v1/cluster", self.cluster), web.post("/v1/prefix", self.prefix),
+                web.post("/v1/prefix/pin", self.pin), web.post("/v1/prefix/unpin", self.unpin),
+                web.post("/v1/flush", self.flush), web.post("/v1/policy", self.policy),
+            ])
+            app.on_cleanup.append(lambda _: self.close())
 
     # Control ------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -300,3 +301,45 @@ async def wait_for_leader(client, name: str | None = None):
             return leader
         await asyncio.sleep(0.1)
     raise AssertionError(f"no leader {name or ''}")
+
+
+async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_path):
+    """serving.port set: completions and models there (no control token), the control endpoints only
+    on the control port (token), so a firewall can open one port and keep the other internal."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        public_port = probe.getsockname()[1]
+    config = tmp_path / "c.yaml"
+    config.write_text("store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
+                      "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS}\n"
+                      f"serving: {{host: 127.0.0.1, port: {public_port}}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "MY_TOKENS": "tok-1"})
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read().decode()[-2000:]
+        announced = json.loads(line)
+        control, public = announced["url"], announced["api_url"]
+        assert public.endswith(f":{public_port}")
+        token = {"Authorization": "Bearer tok-1"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(public + "/v1/models") as resp:
+                assert resp.status == 200 and (await resp.json())["data"]
+            async with http.post(public + "/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
+                assert resp.status == 404 and "model" in (await resp.json())["error"]["message"]
+            for method, path in (("GET", "/v1/cluster"), ("POST", "/v1/flush"), ("GET", "/v1/members"),
+                                 ("POST", "/v1/placements/lookup"), ("GET", "/metrics")):
+                async with http.request(method, public + path, headers=token) as resp:
+                    assert resp.status in (404, 405), (path, resp.status)
+            async with http.get(public + "/ready") as resp:
+                assert resp.status in (200, 503) and "ready" in await resp.json()
+            async with http.get(control + "/v1/cluster") as resp:
+                assert resp.status == 401
+            async with http.get(control + "/v1/cluster", headers=token) as resp:
+                assert resp.status == 200 and "members" in await resp.json()
+            async with http.post(control + "/v1/completions", headers=token, json={"prompt": "x"}) as resp:
+                assert resp.status in (404, 405)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0

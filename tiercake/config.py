@@ -180,8 +180,12 @@ class ServingConfig(BaseModel):
     device: str | None = Field(default=None, description="torch device; default cuda if present, else cpu")
     max_context: int = Field(default=2048, gt=1, description="prompt plus generated tokens, per request")
     max_batch: int = Field(default=32, gt=0, description="sequences a worker decodes at once")
-    host: str = Field(default="127.0.0.1", description="where the front (/v1/completions) listens")
-    port: int = Field(default=8080, ge=0, le=65535)
+    host: str | None = Field(default=None, description="the OpenAI-compatible API's own address; default: "
+                             "conductor.host")
+    port: int | None = Field(default=None, ge=0, le=65535,
+                             description="the OpenAI-compatible API's own port (/v1/completions, /v1/models), apart "
+                             "from the control API, so a firewall can open one and close the other; default: beside "
+                             "the control API on conductor.port")
     router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
     router_params: dict[str, Any] = Field(default_factory=dict)
     slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")
