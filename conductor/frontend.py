@@ -29,6 +29,7 @@ from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, WorkerState, create_router
 
+from .access_stats import LiveAccessStats
 from .service import Conductor
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class Frontend:
         self.kv_bytes_moved = 0  # pulled into workers' gpu tiers and written through to nodes
         self.load_overhead_s = 0.0  # loading time beyond copying the bytes at the worker's memcpy rate
         self._router_spec = {"name": self.serving.router, "params": self.serving.router_params}
+        window = self.serving.reuse_window_blocks
+        self.access = LiveAccessStats(window) if window else None
         self.bind_metrics(CollectorRegistry())  # the app binds its own registry (build_app)
         self.recorder = TraceRecorder(self.serving.record_trace, self.layout.block_size) \
             if self.serving.record_trace else None
@@ -187,6 +190,13 @@ class Frontend:
         self.m_prompt = Counter("tiercake_prompt_tokens", "prompt tokens served", registry=registry)
         self.m_cached = Counter("tiercake_cached_prompt_tokens", "prompt tokens whose KV was reused, by source tier",
                                 ["source"], registry=registry)
+        self.m_load = Histogram("tiercake_prefix_load_seconds", "time pulling a prefix into a worker, by the source "
+                                "tier that held most of it", ["tier"],
+                                buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5), registry=registry)
+        self.m_load_bytes = Counter("tiercake_prefix_load_bytes", "KV bytes pulled into workers, by source tier",
+                                    ["tier"], registry=registry)
+        if self.access is not None:
+            self.access.bind_metrics(registry)
 
     def _current_router(self):
         """The router the cluster settings name (switched at run time through ``/v1/policy``)."""
@@ -397,6 +407,9 @@ class Frontend:
         written = (stats.get("written_to") or {}).get("blocks", 0) - stats.get("cached_tokens", 0) // self.layout.block_size
         moved = stats.get("load_bytes", 0) + max(0, written) * self.layout.nbytes
         self.kv_bytes_moved += moved
+        if stats.get("load_bytes") and stats.get("load_tier"):
+            self.m_load.labels(stats["load_tier"]).observe(stats.get("load_s", 0.0))
+            self.m_load_bytes.labels(stats["load_tier"]).inc(stats["load_bytes"])
         copy_rate = stats.get("copy_bytes_per_s")
         if stats.get("load_bytes") and copy_rate:
             overhead = max(0.0, stats.get("load_s", 0.0) - stats["load_bytes"] / copy_rate)
@@ -451,6 +464,7 @@ class Frontend:
                         "cached_tokens_by_source": dict(self.cached_by_source)},
             "index": {"replicas": len(self.conductor.index), "pins": len(self.conductor.pins)},
             "metadata": self._metadata_costs(),
+            "reuse": self.access.summary() if self.access is not None else None,
         })
 
     def _metadata_costs(self) -> dict:
@@ -567,10 +581,13 @@ class Frontend:
                 raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {req.max_tokens} exceed the "
                                f"context length of {self.serving.max_context}", code="context_length_exceeded")
             timing = Timing()
-            if self.recorder is not None:
+            if self.recorder is not None or self.access is not None:
                 index_tenant, salt = self.namespace_of(tenant)
-                await self.recorder.record(block_keys(self.config.serving_namespace(salt), tokens), tokens,
-                                           req.max_tokens, index_tenant)
+                keys = block_keys(self.config.serving_namespace(salt), tokens)
+                if self.access is not None:
+                    self.access.observe(keys, time.monotonic())
+                if self.recorder is not None:
+                    await self.recorder.record(keys, tokens, req.max_tokens, index_tenant)
             events = self.generate(tokens, req, tenant, timing)
             # the first token decides the status: errors before it are plain HTTP errors
             try:
@@ -594,6 +611,7 @@ class Frontend:
                 "tiercake": {"ttft_s": round(timing.ttft_s, 6), "route_s": round(timing.route_s, 6),
                              "sources": timing.stats.get("sources", {}),
                              "lookup_s": timing.stats.get("lookup_s", 0.0), "load_s": timing.stats.get("load_s", 0.0),
+                             "load_tier": timing.stats.get("load_tier"),
                              "compute_s": timing.stats.get("compute_s", 0.0),
                              "decode_cached_tokens": timing.stats.get("decode_cached_tokens")}}
 

@@ -29,6 +29,9 @@ class _Fenwick:
     def __init__(self, n: int) -> None:
         self.tree = [0] * (n + 1)
 
+    def __len__(self) -> int:
+        return len(self.tree) - 1
+
     def add(self, i: int, delta: int) -> None:
         i += 1
         while i < len(self.tree):
@@ -56,6 +59,92 @@ def histogram(values: list[float], edges: list[float]) -> dict[str, int]:
     return dict(zip(labels, counts))
 
 
+@dataclass(slots=True)
+class Reaccess:
+    """One access to a block seen before."""
+
+    distance: float  # distinct blocks accessed since its previous access (LRU stack distance)
+    reuse_time_s: float
+    lead_s: float | None  # how long ago the earliest request this one extends used it; None: no such request
+    prefetchable: bool  # lead_s is at least the tracker's lead
+
+
+class ReuseTracker:
+    """Reuse distance, reuse time and prefetchability of a stream of requests, fed one request at a
+    time: offline over a trace, or live at the front. The same code measures both.
+
+    ``max_blocks`` bounds the memory: the tracker forgets all but the most recent ``max_blocks``
+    distinct blocks, so a block it forgot counts as new (its true distance was at least that), and a
+    block seen again after that has forgotten the requests that used it before (prefetchability is
+    then undercounted, never overcounted)."""
+
+    USERS_KEPT = 8  # the recent requests that used a block are the ones a follow-up extends
+
+    def __init__(self, lead_s: float = 0.0, max_blocks: int | None = None, expected_accesses: int = 0) -> None:
+        self.lead_s = lead_s
+        self.max_blocks = max_blocks
+        self._marks = _Fenwick(max(expected_accesses, 2 * (max_blocks or 0), 1024))  # 1 at each block's latest position
+        self._pos = 0
+        self._last_pos: dict[Hashable, int] = {}
+        self._last_time: dict[Hashable, float] = {}
+        self._chain_end: dict[Hashable, float] = {}  # a request's last full block -> its arrival
+        self._users: dict[Hashable, list[Hashable]] = {}  # block -> chain ends of the requests that used it
+
+    def observe(self, keys: list[Hashable], now: float, full_blocks: int | None = None) -> list[Reaccess | None]:
+        """One request's block keys (in chain order) arriving at ``now`` seconds; ``full_blocks``: how
+        many of them are full (a follow-up turn repeats only those). Per key: a ``Reaccess``, or None
+        for a block not seen before."""
+        if self._pos + len(keys) > len(self._marks):
+            self._compact(len(keys))
+        # the earlier requests this one extends: those whose last full block is in this chain
+        extended = {k: self._chain_end[k] for k in keys if k in self._chain_end}
+        out: list[Reaccess | None] = []
+        for key in keys:
+            previous = self._last_pos.get(key)
+            if previous is None:
+                out.append(None)
+            else:
+                distance = self._marks.prefix(self._pos) - self._marks.prefix(previous + 1)
+                leads = [now - extended[end] for end in self._users.get(key, ()) if end in extended]
+                lead = max(leads, default=None)
+                out.append(Reaccess(distance, now - self._last_time[key], lead,
+                                    lead is not None and lead >= self.lead_s))
+                self._marks.add(previous, -1)
+            self._marks.add(self._pos, 1)
+            self._last_pos[key] = self._pos
+            self._last_time[key] = now
+            self._pos += 1
+        if keys:
+            # a follow-up turn repeats this prompt's full blocks; its last, partial block comes back
+            # completed, under another id, so the chain a follow-up extends ends at the last full block
+            full = len(keys) if full_blocks is None else full_blocks
+            end = keys[max(full, 1) - 1]
+            self._chain_end[end] = now
+            for key in keys:
+                users = self._users.setdefault(key, [])
+                users.append(end)
+                if len(users) > self.USERS_KEPT:
+                    del users[0]
+        return out
+
+    def _compact(self, incoming: int) -> None:
+        """Renumber the blocks remembered (the most recent ``max_blocks``) from 0, in order."""
+        alive = sorted(self._last_pos, key=self._last_pos.__getitem__)
+        if self.max_blocks is not None and len(alive) > self.max_blocks:
+            for key in alive[:len(alive) - self.max_blocks]:
+                del self._last_pos[key], self._last_time[key]
+                self._users.pop(key, None)
+            alive = alive[len(alive) - self.max_blocks:]
+            # the chain ends still named by a remembered block's users are all a check can ask for
+            named = {end for users in self._users.values() for end in users}
+            self._chain_end = {end: t for end, t in self._chain_end.items() if end in named}
+        self._marks = _Fenwick(max(2 * (len(alive) + incoming), len(self._marks)))
+        for i, key in enumerate(alive):
+            self._last_pos[key] = i
+            self._marks.add(i, 1)
+        self._pos = len(alive)
+
+
 @dataclass
 class TraceStats:
     accesses: int = 0
@@ -74,45 +163,20 @@ class TraceStats:
 
 
 def trace_stats(records: list[TraceRecord], lead_s: float = 0.0) -> TraceStats:
-    keyed = [[h if r.tenant is None else (r.tenant, h) for h in r.hash_ids] for r in records]
-    n = sum(len(k) for k in keyed)
-    marks = _Fenwick(n)  # 1 at the latest position of every block seen so far
-    last_pos: dict[Hashable, int] = {}
-    last_time: dict[Hashable, float] = {}
-    # announced[key]: the latest arrival of a request whose chain a follow-up could extend through key
-    chain_end: dict[Hashable, float] = {}  # a request's last block -> its arrival (follow-ups extend it)
-    users: dict[Hashable, list[Hashable]] = {}  # block -> last blocks of the requests that used it
+    tracker = ReuseTracker(lead_s, expected_accesses=sum(len(r.hash_ids) for r in records))
     stats = TraceStats()
-    pos = 0
-    for record, keys in zip(records, keyed):
-        now = record.timestamp / 1000
-        # the earlier requests this one extends: those whose last block is in this chain
-        extended = {k: chain_end[k] for k in keys if k in chain_end}
-        for key in keys:
-            stats.accesses += 1
-            previous = last_pos.get(key)
-            if previous is not None:
-                stats.reaccesses += 1
-                stats.reuse_distances.append(marks.prefix(pos) - marks.prefix(previous + 1))
-                stats.reuse_times_s.append(now - last_time[key])
-                marks.add(previous, -1)
-                if any(end in extended and now - extended[end] >= lead_s for end in users.get(key, ())):
-                    stats.prefetchable += 1
-            else:
-                stats.reuse_distances.append(math.inf)
-            marks.add(pos, 1)
-            last_pos[key] = pos
-            last_time[key] = now
-            pos += 1
-        # a follow-up turn repeats this prompt's full blocks; its last, partial block comes back
-        # completed, under another id, so the chain a follow-up extends ends at the last full block
+    for record in records:
+        keys = [h if record.tenant is None else (record.tenant, h) for h in record.hash_ids]
         full = len(keys) - (1 if record.input_length % TRACE_BLOCK_TOKENS else 0)
-        end = keys[max(full, 1) - 1]
-        chain_end[end] = now
-        for key in keys:
-            users.setdefault(key, []).append(end)
-            if len(users[key]) > 8:  # the recent users are the ones a follow-up extends
-                del users[key][0]
+        for seen in tracker.observe(keys, record.timestamp / 1000, full):
+            stats.accesses += 1
+            if seen is None:
+                stats.reuse_distances.append(math.inf)
+                continue
+            stats.reaccesses += 1
+            stats.reuse_distances.append(seen.distance)
+            stats.reuse_times_s.append(seen.reuse_time_s)
+            stats.prefetchable += seen.prefetchable
     return stats
 
 

@@ -98,6 +98,33 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
     assert first["usage"]["tiercake"]["decode_cached_tokens"] == (len(prompt.encode())) // 16 * 16
 
 
+async def test_reuse_distance_and_prefetchability_measured_live(cluster):
+    """A follow-up turn re-accesses its conversation's blocks, announced by the turn it extends
+    (prefetchable); another conversation on the same opening re-accesses them unannounced."""
+    opening = PROMPT * 2  # 188 bytes: 11 full blocks
+    full = len(opening.encode()) // 16
+    async with Client([cluster.url], timeout=60) as client:
+        before = (await client.cluster())["reuse"]
+        await client.complete(opening, max_tokens=2, tenant="reuse-live")
+        await client.complete(opening + "And then the dog woke up.", max_tokens=2, tenant="reuse-live")
+        middle = (await client.cluster())["reuse"]
+        await client.complete(opening[:80] + "Something else entirely.", max_tokens=2, tenant="reuse-live")
+        after = (await client.cluster())["reuse"]
+    assert middle["reaccesses"] - before["reaccesses"] == full  # the follow-up re-read every full block
+    prefetchable_before = before["prefetchable_share"] * before["reaccesses"]
+    prefetchable_middle = middle["prefetchable_share"] * middle["reaccesses"]
+    assert round(prefetchable_middle - prefetchable_before) == full  # ... each announced by the first turn
+    assert after["reaccesses"] - middle["reaccesses"] == 80 // 16  # the shared opening's full blocks
+    assert round(after["prefetchable_share"] * after["reaccesses"]) == round(prefetchable_middle)  # unannounced
+    async with aiohttp.ClientSession() as http:
+        async with http.get(cluster.url + "/metrics") as resp:
+            text = await resp.text()
+    count = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("tiercake_reuse_distance_blocks_count"))
+    assert count == after["reaccesses"]
+    assert "tiercake_prefetch_lead_seconds_bucket" in text and "tiercake_reuse_time_seconds_bucket" in text
+
+
 async def test_token_id_prompts_and_streaming(cluster):
     tokens = list((PROMPT + "Streaming.").encode())
     async with Client([cluster.url], timeout=60) as client:
@@ -257,6 +284,10 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
     count = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("tiercake_load_overhead_seconds_count"))
     assert count >= 4  # pool and ssd at two fractions, at least
+    for tier in ("pool", "ssd"):  # load time by the tier the prefix came from
+        loads = next(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith(f'tiercake_prefix_load_seconds_count{{tier="{tier}"}}'))
+        assert loads >= 2, tier
 
 
 @pytest.fixture

@@ -145,6 +145,33 @@ def test_stack_distances_predict_lru_exactly_and_prefetchability():
     assert stays and min(stays) >= 0 and len(residency(stream, 50, LRU())) == len(stays)
 
 
+def test_a_bounded_reuse_tracker_is_exact_below_its_bound():
+    """The live tracker forgets all but the most recent blocks: the distances it reports are the exact
+    ones, and it reports a block as new only when its exact distance is at least the bound."""
+    from tiercake.policies.trace_stats import ReuseTracker
+    from tiercake.traces import synthetic_trace
+
+    records = synthetic_trace(600, tenants=2, seed=4)
+    exact, bounded = ReuseTracker(), ReuseTracker(max_blocks=150)
+    compared = forgotten = differs = 0
+    for r in records:
+        keys = [(r.tenant, h) for h in r.hash_ids]
+        for want, got in zip(exact.observe(keys, r.timestamp / 1000), bounded.observe(keys, r.timestamp / 1000)):
+            if got is not None:
+                assert want is not None and got.distance == want.distance
+                assert got.reuse_time_s == want.reuse_time_s
+                # a block forgotten and seen again has forgotten the requests that used it before:
+                # prefetchability is undercounted then, never overcounted
+                assert want.prefetchable or not got.prefetchable
+                differs += got.prefetchable != want.prefetchable
+                compared += 1
+            elif want is not None:
+                assert want.distance >= 150
+                forgotten += 1
+    assert compared > 1000 and forgotten > 0 and differs < 0.05 * compared
+    assert len(bounded._marks) < 4096 and len(bounded._last_pos) < len(exact._last_pos) / 2  # bounded memory
+
+
 @needs_trace
 def test_trace_stats_on_the_conversation_trace(tmp_path):
     out = tmp_path / "stats.json"

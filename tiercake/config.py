@@ -194,6 +194,9 @@ class ServingConfig(BaseModel):
                                      description="API key -> tenant; when set, every request needs a known key")
     shared_namespace: bool = Field(default=False, description="all tenants share one cache namespace")
     disaggregated: bool = Field(default=True, description="separate prefill and decode workers when both exist")
+    reuse_window_blocks: int = Field(default=100_000, ge=0, description="the front measures reuse distance and "
+                                     "prefetchability over this many recent distinct blocks (about 0.5 KB each); "
+                                     "0: not measured")
     record_trace: str | None = Field(default=None, description="append every served request to this file in the "
                                      "Mooncake trace format (with tenant)")
 

@@ -34,6 +34,7 @@ class Outcome:
     completion_tokens: int = 0
     sources: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)  # the server's breakdown: route, lookup, load, compute
+    load_tier: str | None = None  # where the pulled prefix came from (pool, ssd, ...); None: nothing pulled
     error: str = ""
 
 
@@ -99,6 +100,7 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                             outcome.sources = extra.get("sources", {})
                             outcome.phases = {k[:-2]: extra.get(k, 0.0) for k in ("route_s", "lookup_s", "load_s",
                                                                                    "compute_s")}
+                            outcome.load_tier = extra.get("load_tier")
                 except ConductorError as exc:
                     outcome.status = "rejected" if exc.status == 429 else "failed"
                     outcome.error = str(exc)[:200]
@@ -128,11 +130,17 @@ def report(outcomes: list[Outcome], records: list[TraceRecord], trace_name: str,
     ok = [o for o in outcomes if o.status == "ok"]
     cold = [o.ttft_s for o in ok if o.cached_tokens == 0]
     common = {"trace": trace_name, "requests": len(outcomes), **params}
+    tiers = sorted({o.load_tier for o in ok if o.load_tier})
     for p in (50, 99):
         breakdown = {f"{phase}_s": round(_pct([o.phases.get(phase, 0.0) for o in ok], p), 5)
                      for phase in ("route", "lookup", "load", "compute")}
         rep.add(f"ttft.p{p}", _pct([o.ttft_s for o in ok], p), "s", _pct(cold, p),
                 limit_name="requests with nothing cached", **common, **breakdown)
+        for tier in tiers:  # load time of the requests that pulled from this tier, against their whole TTFT
+            pulled = [o for o in ok if o.load_tier == tier]
+            rep.add(f"load.{tier}.p{p}", _pct([o.phases.get("load", 0.0) for o in pulled], p), "s",
+                    _pct([o.ttft_s for o in pulled], p), limit_name="TTFT of those requests",
+                    **common, loads=len(pulled))
     prompt = sum(o.prompt_tokens for o in ok)
     ceiling = simulate(accesses(records), [TierSpec(math.inf, LRU())]).token_hit_ratio
     rep.add("hit_ratio.tokens", sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, "ratio", ceiling,

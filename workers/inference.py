@@ -45,6 +45,7 @@ class PrefillStats:
     lookup_s: float = 0.0
     load_s: float = 0.0
     load_bytes: int = 0
+    load_tier: str | None = None  # the tier of the node that held most of the pulled blocks
     written_to: dict | None = None  # {"node", "blocks"}: where the prompt's full blocks were written
     compute_s: float = 0.0
 
@@ -187,6 +188,7 @@ class InferenceEngine:
         if loaded:
             tier = max(prefix.tiers, key=prefix.tiers.get) if prefix.tiers else "?"
             stats.sources[f"{node}:{tier}"] = loaded
+            stats.load_tier = tier
             stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
 

@@ -220,7 +220,7 @@ class Worker:
                                          "cached_tokens": event.stats.cached_tokens,
                                          "sources": event.stats.sources, "lookup_s": event.stats.lookup_s,
                                          "load_s": event.stats.load_s, "compute_s": event.stats.compute_s,
-                                         "load_bytes": event.stats.load_bytes,
+                                         "load_bytes": event.stats.load_bytes, "load_tier": event.stats.load_tier,
                                          "written_to": event.stats.written_to,
                                          "copy_bytes_per_s": self.perf.get("copy_bytes_per_s")}
                     if event.finish_reason is not None and self.role == "prefill":
