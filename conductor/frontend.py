@@ -475,7 +475,7 @@ class Frontend:
         ops = stats.ops + stats.lookups
         return {"lookups": stats.lookups, "durable_ops": stats.ops, "durable_bytes": stats.bytes,
                 "ops_per_request": ops / requests, "bytes_per_request": stats.bytes / requests,
-                "kv_bytes_moved": self.kv_bytes_moved,
+                "kv_bytes_moved": self.kv_bytes_moved, "block_bytes": self.layout.nbytes,
                 "metadata_bytes_per_kv_byte": stats.bytes / self.kv_bytes_moved if self.kv_bytes_moved else 0.0,
                 "load_overhead_s": self.load_overhead_s}
 

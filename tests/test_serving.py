@@ -268,7 +268,12 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     assert set(figures) == {"ttft.none.cached0", *(f"ttft.{s}.cached{p}" for s in ("gpu", "pool", "ssd")
-                                                  for p in (50, 90))}
+                                                  for p in (50, 90)),
+                            "metadata.bytes_per_kv_byte", "metadata.ops_per_request"}
+    meta = figures.pop("metadata.bytes_per_kv_byte")
+    assert meta["params"]["kv_bytes_moved"] > 0 and meta["params"]["metadata_bytes"] > 0
+    assert meta["ratio"] >= 1  # never below one key per block moved
+    assert figures.pop("metadata.ops_per_request")["ratio"] >= 1
     for name, f in figures.items():
         assert f["value"] > 0 and f["limit"] > 0 and abs(f["ratio"] - f["value"] / f["limit"]) < 1e-9
         if name != "ttft.none.cached0":

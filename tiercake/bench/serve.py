@@ -8,6 +8,11 @@ and the server's breakdown (routing, index lookup, loading the blocks, computing
 is the same prompt under a tenant with nothing cached (compute only). With perfect reuse the ratio
 would be ``1 - fraction``; the gap to that is the figure's cost of reuse.
 
+Metadata cost over the same run (from the front's counters in /v1/cluster, before and after): bytes
+made durable in the placement index per KV byte moved (pulled into workers or written to nodes),
+against the least an index could record (one block key per block moved), and metadata operations
+(lookups and durable placement changes) per request, against one lookup per request.
+
 Without ``--target`` it starts its own cluster (``tiercake up`` with a larger reference model, so the
 compute is worth saving) and stops it afterwards.
 """
@@ -76,6 +81,7 @@ async def measure(url: str, quick: bool, report: Report) -> None:
     block = 16
     async with Client([url], timeout=300, retries=3) as client:
         await _ttft(client, [rng.randrange(256) for _ in range(64)], "bench-warmup")  # connections, threads
+        before = await client.cluster()
         for source, flush in SOURCES.items():
             for fraction in fractions:
                 if fraction == 0.0 and source != "gpu":
@@ -109,6 +115,24 @@ async def measure(url: str, quick: bool, report: Report) -> None:
                     compute_s=round(extra.get("compute_s", 0), 5), sources=extra.get("sources", {}),
                 )
                 figure.params["gap"] = round(figure.ratio - ideal, 3)
+        _metadata_figures(before, await client.cluster(), report)
+
+
+def _metadata_figures(before: dict, after: dict, report: Report) -> None:
+    from tiercake.blocks import KEY_BYTES
+
+    was, now = before["metadata"], after["metadata"]
+    moved = now["kv_bytes_moved"] - was["kv_bytes_moved"]
+    durable = now["durable_bytes"] - was["durable_bytes"]
+    ops = now["durable_ops"] + now["lookups"] - was["durable_ops"] - was["lookups"]
+    served = after["serving"]["requests"] - before["serving"]["requests"]
+    if moved > 0:
+        report.add("metadata.bytes_per_kv_byte", durable / moved, "B/B", KEY_BYTES / now["block_bytes"],
+                   limit_name="one block key per block moved", kv_bytes_moved=moved, metadata_bytes=durable,
+                   block_bytes=now["block_bytes"])
+    if served > 0:
+        report.add("metadata.ops_per_request", ops / served, "ops", 1.0, limit_name="one lookup per request",
+                   requests=served, ops=ops)
 
 
 async def run(quick: bool = False, target: str | None = None) -> Report:
