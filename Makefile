@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 # The tests start their own etcd servers from Debian's etcd-server (no daemon is started here).
+# The deployment tests render the manifests with kubectl 1.27+ (kustomize v5); Debian's own kubectl
+# (1.20) is too old, so it is not installed from there.
 system-deps:
 	@command -v etcd >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
+	@command -v kubectl >/dev/null 2>&1 || echo "warning: no kubectl: tests/test_deploy.py needs kubectl 1.27+" >&2
 
 test: install system-deps
 	$(PY) -m pytest -q

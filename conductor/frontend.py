@@ -160,6 +160,7 @@ class Frontend:
         self.router = create_router(self.serving.router, self.serving.router_params)
         self.loads: dict[str, _WorkerLoad] = defaultdict(_WorkerLoad)
         self.layout = self.serving.layout()
+        self.api_keys = self.serving.all_api_keys()
         self._http: aiohttp.ClientSession | None = None
         self.rejected = 0
         self.served = 0
@@ -218,7 +219,7 @@ class Frontend:
     # Who is asking ------------------------------------------------------------------------------
 
     def tenant_of(self, request: web.Request) -> str:
-        keys = self.serving.api_keys
+        keys = self.api_keys
         if keys:
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""

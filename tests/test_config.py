@@ -95,3 +95,17 @@ def test_advertised_addresses_and_the_node_id_from_the_environment(tmp_path, mon
     assert load_config(path).node_id == "from-file"
     monkeypatch.setenv("TIERCAKE_NODE_ID", "k8s-node-3")  # the node's name, shared by a ConfigMap's users
     assert load_config(path).node_id == "k8s-node-3"
+
+
+def test_api_keys_file_adds_keys_and_a_bad_one_is_a_clear_error(tmp_path):
+    from tiercake.config import ServingConfig
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("sk-b: bob\nsk-c: carol\n")
+    serving = ServingConfig(api_keys={"sk-a": "alice"}, api_keys_file=str(keys))
+    assert serving.all_api_keys() == {"sk-a": "alice", "sk-b": "bob", "sk-c": "carol"}
+    keys.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="mapping of API key"):
+        serving.all_api_keys()
+    with pytest.raises(ValueError, match="missing.yaml"):
+        ServingConfig(api_keys_file=str(tmp_path / "missing.yaml")).all_api_keys()

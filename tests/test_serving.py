@@ -362,8 +362,10 @@ def _pid_listening(port: int) -> int:
 
 async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_path):
     recorded = tmp_path / "recorded.jsonl"
-    up = UpCluster(tmp_path, serving=f", shared_namespace: true, api_keys: {{key-a: alice, key-b: bob}}, "
-                                     f"record_trace: {recorded}",
+    keys = tmp_path / "keys.yaml"  # keys from a file too (a mounted Secret in Kubernetes)
+    keys.write_text("key-b: bob\n")
+    up = UpCluster(tmp_path, serving=f", shared_namespace: true, api_keys: {{key-a: alice}}, "
+                                     f"api_keys_file: {keys}, record_trace: {recorded}",
                    args=["--workers", "1"])
     try:
         await up.wait_up(workers=1)

@@ -192,6 +192,8 @@ class ServingConfig(BaseModel):
     slo_tbt_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TBT exceeds it")
     api_keys: dict[str, str] = Field(default_factory=dict,
                                      description="API key -> tenant; when set, every request needs a known key")
+    api_keys_file: str | None = Field(default=None, description="more API keys: a YAML or JSON mapping of key -> "
+                                      "tenant (a mounted Secret keeps them out of the config)")
     shared_namespace: bool = Field(default=False, description="all tenants share one cache namespace")
     disaggregated: bool = Field(default=True, description="separate prefill and decode workers when both exist")
     reuse_window_blocks: int = Field(default=100_000, ge=0, description="the front measures reuse distance and "
@@ -202,6 +204,23 @@ class ServingConfig(BaseModel):
 
     def layout(self) -> BlockLayout:
         return self.model.layout(self.block_size)
+
+    def all_api_keys(self) -> dict[str, str]:
+        """``api_keys`` and those of ``api_keys_file``; a malformed file is a ``ValueError`` that names it."""
+        keys = dict(self.api_keys)
+        if self.api_keys_file:
+            import yaml
+
+            try:
+                loaded = yaml.safe_load(Path(self.api_keys_file).read_text()) or {}
+            except (OSError, yaml.YAMLError) as exc:
+                raise ValueError(f"serving.api_keys_file {self.api_keys_file}: {exc}") from None
+            if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                                       for k, v in loaded.items()):
+                raise ValueError(f"serving.api_keys_file {self.api_keys_file}: expected a mapping of API key "
+                                 "-> tenant name")
+            keys.update(loaded)
+        return keys
 
 
 class TiercakeConfig(BaseModel):

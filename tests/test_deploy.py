@@ -1,0 +1,353 @@
+"""The Kubernetes manifests and the image recipe, checked offline: every overlay renders with
+`kubectl kustomize`, every object validates against the Kubernetes OpenAPI schemas, the config in the
+ConfigMap is a valid tiercake config, and the properties a production deployment depends on hold."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from pydantic import ByteSize, TypeAdapter
+
+from tiercake.config import TiercakeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ("dev", "gpu", "external-etcd")
+KUBERNETES_VERSION = "1.32.0"
+TIERCAKE_PODS = {"app.kubernetes.io/part-of": "tiercake"}
+
+
+def kubectl() -> str:
+    """kubectl with kustomize v5 (Kubernetes 1.27 or newer): older ones cannot read these kustomizations."""
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.fail("the deployment tests need kubectl 1.27+ (kustomize v5): https://kubernetes.io/docs/tasks/tools/")
+    version = subprocess.run([found, "version", "--client"], capture_output=True, text=True, timeout=30).stdout
+    if not re.search(r"Kustomize Version: v[5-9]", version):
+        pytest.fail(f"the deployment tests need kubectl 1.27+ (kustomize v5); {found} says: {version.strip()}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each overlay rendered, from a copy where the gpu overlay's untracked secret files are made
+    from their examples (as an operator would)."""
+    tree = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(K8S, tree)
+    gpu = tree / "overlays" / "gpu"
+    for example in gpu.glob("*.example"):
+        shutil.copy(example, gpu / example.name.removesuffix(".example"))
+    out = {}
+    for overlay in OVERLAYS:
+        done = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / overlay)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, f"{overlay}: {done.stderr}"
+        out[overlay] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return out
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    (found,) = find(docs, kind, name)
+    return found
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
+
+
+def config_of(docs: list[dict]) -> tuple[TiercakeConfig, dict]:
+    (cm,) = [d for d in find(docs, "ConfigMap") if d["metadata"]["name"].startswith("tiercake-config")]
+    raw = yaml.safe_load(cm["data"]["config.yaml"])
+    return TiercakeConfig.model_validate(raw), raw
+
+
+def container(workload: dict) -> dict:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def port_of(c: dict, name: str) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+# Rendering and schemas ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay):
+    docs = rendered[overlay]
+    assert len(docs) > 10
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_schema_check_catches_a_wrong_field(rendered):
+    """A negative control: the validator does reject a mistyped or misplaced field."""
+    broken = yaml.safe_load(yaml.safe_dump(one(rendered["dev"], "Deployment", "tiercake-conductor")))
+    container(broken)["ports"][0]["containerPort"] = "eighty"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+    broken = yaml.safe_load(yaml.safe_dump(one(rendered["dev"], "Deployment", "tiercake-conductor")))
+    container(broken)["readinesProbe"] = container(broken).pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_missing_secret_file_is_a_clear_render_error(tmp_path):
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    for untracked in ("secrets.env", "api-keys.yaml"):
+        (tree / "overlays" / "gpu" / untracked).unlink(missing_ok=True)
+    done = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / "gpu")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "secrets.env" in done.stderr
+
+
+# The config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_configmap_holds_a_valid_tiercake_config_that_matches_the_manifests(rendered, overlay):
+    docs = rendered[overlay]
+    config, _ = config_of(docs)
+    conductor = container(one(docs, "Deployment", "tiercake-conductor"))
+    node = container(one(docs, "DaemonSet", "tiercake-node"))
+    assert config.conductor.port == port_of(conductor, "control")
+    assert config.serving.port == port_of(conductor, "api") != config.conductor.port
+    assert config.transfer.port == port_of(node, "transfer") and config.transfer.host == "0.0.0.0"
+    control = one(docs, "Service", "tiercake-conductor")["spec"]["ports"][0]["port"]
+    assert config.conductor.urls == [f"http://tiercake-conductor:{control}"]
+    # the mounted paths the config names exist in the pods that use them
+    mounts = {m["mountPath"] for m in node["volumeMounts"]}
+    for tier in config.store.tiers:
+        assert any(Path(tier.path).is_relative_to(m) for m in mounts - {"/"}), tier.path
+    assert any(m["mountPath"] == str(Path(config.serving.api_keys_file).parent) for m in conductor["volumeMounts"])
+    # leader election through etcd: every conductor replica runs on the same etcd
+    assert config.conductor.etcd and config.conductor.leader_ttl > 0
+    statefulsets = find(docs, "StatefulSet", "tiercake-etcd")
+    if overlay == "external-etcd":
+        assert not statefulsets and not find(docs, "Service", "tiercake-etcd")
+        assert all("tiercake-etcd" not in e for e in config.conductor.etcd)
+    else:
+        (etcd,) = statefulsets
+        members = [f"tiercake-etcd-{i}.tiercake-etcd:2379" for i in range(etcd["spec"]["replicas"])]
+        assert config.conductor.etcd == members
+
+
+def test_overlay_configs_stay_in_step_with_the_base_config(rendered):
+    base = yaml.safe_load((K8S / "base" / "config.yaml").read_text())
+    assert config_of(rendered["gpu"])[1] == base
+    external = config_of(rendered["external-etcd"])[1]
+    assert {**external, "conductor": {**external["conductor"], "etcd": base["conductor"]["etcd"]}} == base
+
+
+# The properties of the deployment -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_unprivileged_with_probes_and_limits(rendered, overlay):
+    for w in workloads(rendered[overlay]):
+        name = w["metadata"]["name"]
+        pod = w["spec"]["template"]["spec"]
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] != 0, name
+        assert pod["automountServiceAccountToken"] is False, name
+        for c in pod["containers"] + pod.get("initContainers", []):
+            cs = c["securityContext"]
+            assert cs["allowPrivilegeEscalation"] is False and cs["readOnlyRootFilesystem"] is True, name
+            assert cs["capabilities"]["drop"] == ["ALL"], name
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), (name, kind)
+            assert "livenessProbe" in c and "readinessProbe" in c, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_conductors_are_replicated_behind_readiness_and_scraped(rendered, overlay):
+    docs = rendered[overlay]
+    deployment = one(docs, "Deployment", "tiercake-conductor")
+    assert deployment["spec"]["replicas"] >= 2
+    c = container(deployment)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "control"}
+    assert "$(POD_NAME)" in c["args"]  # each replica its own id in the election
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TIERCAKE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == port_of(c, "control")
+    pdb = one(docs, "PodDisruptionBudget", "tiercake-conductor")
+    assert pdb["spec"]["minAvailable"] >= 1
+
+
+@pytest.mark.parametrize("overlay", ("dev", "gpu"))
+def test_etcd_is_three_members_on_persistent_volumes(rendered, overlay):
+    docs = rendered[overlay]
+    etcd = one(docs, "StatefulSet", "tiercake-etcd")
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["serviceName"] == "tiercake-etcd"
+    assert etcd["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    args = " ".join(container(etcd)["args"])
+    initial = re.search(r"--initial-cluster=(\S+)", args).group(1).split(",")
+    assert initial == [f"tiercake-etcd-{i}=http://tiercake-etcd-{i}.tiercake-etcd:2380" for i in range(3)]
+    assert one(docs, "Service", "tiercake-etcd")["spec"]["clusterIP"] == "None"
+    assert one(docs, "PodDisruptionBudget", "tiercake-etcd")["spec"]["minAvailable"] == 2
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_node_agents_and_workers_share_the_pool_and_the_node_id(rendered, overlay):
+    docs = rendered[overlay]
+    config, _ = config_of(docs)
+    (pool,) = [t for t in config.store.tiers if t.kind == "pool"]
+    assert pool.path.startswith("/dev/shm/")
+    node = one(docs, "DaemonSet", "tiercake-node")
+    workers = [one(docs, "Deployment", f"tiercake-{role}") for role in ("prefill", "decode")]
+    for w in [node, *workers]:
+        pod = w["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounted = {m["mountPath"]: volumes[m["name"]] for m in container(w)["volumeMounts"]}
+        assert mounted["/dev/shm"]["hostPath"]["path"] == "/dev/shm", w["metadata"]["name"]
+        env = {e["name"]: e for e in container(w)["env"]}
+        assert env["TIERCAKE_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # the pool's pages are charged to the agent that faults them in: its memory limit holds the pool
+    limit = TypeAdapter(ByteSize).validate_python(container(node)["resources"]["limits"]["memory"].replace("i", "iB"))
+    assert limit > pool.capacity
+    for w in workers:  # many replicas on one machine: ids from the pod, not the node
+        assert "$(POD_NAME)" in container(w)["args"]
+        assert container(w)["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_gpu_workers_request_gpus_and_dev_workers_none(rendered):
+    for overlay, gpus in (("gpu", 1), ("external-etcd", 1), ("dev", 0)):
+        for role in ("prefill", "decode"):
+            w = one(rendered[overlay], "Deployment", f"tiercake-{role}")
+            resources = container(w)["resources"]
+            assert int(resources["limits"].get("nvidia.com/gpu", 0)) == gpus, (overlay, role)
+            assert container(w)["image"].endswith("cuda" if gpus else ":cpu")
+            if gpus:
+                pod = w["spec"]["template"]["spec"]
+                assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def _policy_ports(policy: dict) -> dict[int, list]:
+    """Port -> the ``from`` peers allowed (an empty list: everyone)."""
+    out: dict[int, list] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            out[port["port"]] = rule.get("from", [])
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_open_the_api_and_keep_the_control_and_transfer_ports_internal(rendered, overlay):
+    docs = rendered[overlay]
+    config, _ = config_of(docs)
+    policies = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}
+    conductor = _policy_ports(policies["tiercake-conductor"])
+    assert conductor[config.serving.port] == []  # the public API
+    own_pods = {"podSelector": {"matchLabels": TIERCAKE_PODS}}
+    control_peers = conductor[config.conductor.port]
+    assert own_pods in control_peers
+    assert all("podSelector" in p and p["podSelector"]["matchLabels"] == TIERCAKE_PODS or
+               p == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+               for p in control_peers)
+    assert _policy_ports(policies["tiercake-node"]) == {config.transfer.port: [own_pods]}
+    workers = policies["tiercake-workers"]
+    assert _policy_ports(workers) == {8000: [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "tiercake", "app.kubernetes.io/component": "conductor"}}}]}
+    # every port any tiercake pod listens on is covered by a policy selecting that pod
+    for w in workloads(docs):
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        covering = [p for p in policies.values() if _selects(p["spec"]["podSelector"], labels)]
+        assert covering, w["metadata"]["name"]
+        allowed = {port for p in covering for port in _policy_ports(p)}
+        assert {p["containerPort"] for p in container(w)["ports"]} <= allowed, w["metadata"]["name"]
+    if overlay != "external-etcd":
+        etcd = _policy_ports(policies["tiercake-etcd"])
+        assert etcd[2379] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tiercake",
+                                                                "app.kubernetes.io/component": "conductor"}}}]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In"
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_budgets_and_secrets_point_at_what_exists(rendered, overlay):
+    docs = rendered[overlay]
+    templates = [w["spec"]["template"]["metadata"]["labels"] for w in workloads(docs)]
+    for kind in ("Service", "PodDisruptionBudget"):
+        for obj in find(docs, kind):
+            selector = obj["spec"]["selector"]
+            selector = selector.get("matchLabels", selector)
+            assert any(_selects({"matchLabels": selector}, labels) for labels in templates), obj["metadata"]["name"]
+    budgets = {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")}
+    assert {"tiercake-conductor", "tiercake-node", "tiercake-prefill", "tiercake-decode"} <= budgets
+    (secret,) = find(docs, "Secret")
+    for w in workloads(docs):
+        pod = w["spec"]["template"]["spec"]
+        for e in container(w).get("env", []):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"], e["name"]
+        for v in pod.get("volumes", []):
+            if "secret" in v:
+                assert {i["key"] for i in v["secret"]["items"]} <= set(secret["data"])
+
+
+# The image ----------------------------------------------------------------------------------------
+
+
+def test_dockerfile_is_multi_stage_non_root_with_cpu_and_cuda_variants():
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+ AS (\w+)$", text, re.M)
+    assert stages == ["build", "runtime"]
+    runtime = text.split("AS runtime", 1)[1]
+    user = re.search(r"^USER (\S+)$", runtime, re.M).group(1)
+    assert user.split(":")[0] not in ("0", "root")
+    assert re.search(r'^ENTRYPOINT \["tiercake"\]$', runtime, re.M)
+    assert "COPY --from=build /opt/tiercake /opt/tiercake" in runtime
+    assert re.search(r"^\s+cpu\) index=", text, re.M) and re.search(r"^\s+cuda\) index=", text, re.M)
+    assert "ARG VARIANT=cpu" in text
+
+
+def test_the_build_context_builds_the_whole_package(tmp_path):
+    """What the Dockerfile copies (and .dockerignore lets through) builds a wheel with every module."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    copied = [s for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M) for s in line.split()[:-1]]
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    assert set(copied) <= allowed, set(copied) - allowed
+    context = tmp_path / "src"
+    context.mkdir()
+    for source in copied:
+        src = ROOT / source
+        if src.is_dir():
+            shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, context / source)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), str(context)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("tiercake-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for part in ("tiercake", "conductor", "tiers", "transfer", "workers", "policies"):
+        prefix = "tiercake/" if part == "tiercake" else f"tiercake/{part}/"
+        for source in (ROOT / part).rglob("*.py"):
+            relative = source.relative_to(ROOT / part).as_posix()
+            assert prefix + relative in names, prefix + relative
