@@ -422,3 +422,8 @@ def test_replay_a_synthetic_trace_against_the_cluster(cluster, tmp_path):
     hit = figures["hit_ratio.tokens"]
     assert 0.2 < hit["value"] <= hit["limit"] + 0.05  # the cluster reuses what the trace reuses, up to its ceiling
     assert figures["ttft.p50"]["value"] > 0 and png.read_bytes()[:4] == b"\x89PNG"
+    by_tier = [f["value"] for name, f in figures.items() if name.startswith("hit_ratio.tokens.")]
+    assert by_tier and sum(by_tier) == pytest.approx(hit["value"], abs=0.01)  # the hits, split by source tier
+    assert figures["metadata.bytes_per_kv_byte"]["ratio"] >= 1 and figures["metadata.ops_per_request"]["value"] >= 1
+    live = figures["prefetchable_share.live"]  # the front's live tracker against the same trace offline
+    assert 0 < live["value"] and abs(live["value"] - live["limit"]) < 0.1

@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
     rep.add_argument("--concurrency", type=int, default=64)
     rep.add_argument("--api-key")
+    rep.add_argument("--control", metavar="URL", help="the control API, for the cluster's own counters "
+                     "(default: --target, where both APIs share a port)")
+    rep.add_argument("--control-token", help="a control API token (default: --api-key)")
     rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
     rep.add_argument("--json", metavar="PATH")
     rep.set_defaults(func=cmd_replay)

@@ -184,14 +184,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.trace}: no requests")
     with Progress(console=console) as progress:
         task = progress.add_task(f"replaying {len(records)} requests", total=len(records))
-        outcomes = asyncio.run(rp.replay(
+        run = asyncio.run(rp.replay(
             records, args.target, time_scale=args.time_scale, tokens_per_block=args.tokens_per_block,
             max_output=args.max_output, concurrency=args.concurrency, api_key=args.api_key,
-            progress=lambda: progress.advance(task)))
-    report = rp.report(outcomes, records, Path(args.trace).name, time_scale=args.time_scale,
+            control=args.control, control_token=args.control_token, progress=lambda: progress.advance(task)))
+    if run.cluster_before is None:
+        console.print(f"note: no cluster view at {args.control or args.target}/v1/cluster (give --control and "
+                      "--control-token): metadata and prefetchability figures left out")
+    report = rp.report(run, records, Path(args.trace).name, time_scale=args.time_scale,
                        tokens_per_block=args.tokens_per_block)
     report.print(console)
     plot_path = args.plot or "replay.png"
-    rp.plot(outcomes, plot_path, f"{Path(args.trace).name} on {args.target}")
+    rp.plot(run.outcomes, plot_path, f"{Path(args.trace).name} on {args.target}")
     console.print(f"plot: {plot_path}")
     return write_json(args, report)

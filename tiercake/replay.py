@@ -5,7 +5,10 @@ from its hash id alone, so the same id always yields the same tokens and reuse i
 in the cluster (the chain of ids is a chain of token blocks). Arrivals follow the timestamps, scaled
 by ``time_scale``; prompts that would not fit the cluster's context lose trailing blocks. The report:
 TTFT percentiles beside those of the requests that found nothing cached (compute only, same run), and
-the cluster's hit ratio beside the trace's own ceiling (an infinite cache, from the simulator).
+the cluster's hit ratio (in all and by source tier) beside the trace's own ceiling (an infinite
+cache, from the simulator), load time per source tier, and from the cluster's own counters over the
+run: metadata bytes per KV byte moved and operations per request, and the share of re-accesses the
+front found prefetchable beside the share measured offline on the same trace.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiercake.bench.report import Report, machine
+from tiercake.bench.report import Report, cluster_figures, machine
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -65,9 +68,28 @@ class TokenMap:
         return [t for h in ids[:-1] for t in self.block(h)] + self.block(ids[-1])[:last]
 
 
+@dataclass
+class ReplayRun:
+    outcomes: list[Outcome]
+    cluster_before: dict | None  # /v1/cluster before and after (None: the control API was not reachable)
+    cluster_after: dict | None
+
+
+async def _cluster_view(url: str, token: str | None) -> dict | None:
+    try:
+        async with Client([url], token=token, timeout=30, retries=1) as control:
+            return await control.cluster()
+    except ConductorError:
+        return None
+
+
 async def replay(records: list[TraceRecord], target: str, *, time_scale: float = 1.0, tokens_per_block: int = 16,
                  max_output: int = 32, concurrency: int = 64, api_key: str | None = None, model: str | None = None,
-                 progress=None) -> list[Outcome]:
+                 control: str | None = None, control_token: str | None = None, progress=None) -> ReplayRun:
+    """``control``: the control API's URL, for the cluster's own counters (default: ``target``, where
+    the OpenAI API and the control API share a port)."""
+    control = control or target
+    before = await _cluster_view(control, control_token or api_key)
     async with Client([target], token=api_key, timeout=600, retries=3) as client:
         info = (await client.models())[0]
         model = model or info["id"]
@@ -110,7 +132,8 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                 progress()
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
-    return sorted(outcomes, key=lambda o: o.index)
+    after = await _cluster_view(control, control_token or api_key) if before is not None else None
+    return ReplayRun(sorted(outcomes, key=lambda o: o.index), before, after)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -120,12 +143,16 @@ def _pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def report(outcomes: list[Outcome], records: list[TraceRecord], trace_name: str, **params) -> Report:
-    """Figures: TTFT P50/P99 against the requests with nothing cached; hit ratio against the trace's
-    ceiling (every earlier block still cached); how many completed, were rejected, failed."""
+def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params) -> Report:
+    """Figures: TTFT P50/P99 against the requests with nothing cached; load time per source tier
+    against those requests' TTFT; hit ratio, in all and per source tier, against the trace's ceiling
+    (every earlier block still cached); how many completed, were rejected, failed; and from the
+    cluster's counters, metadata cost and the live prefetchable share against the offline one."""
     from tiercake.policies import LRU
     from tiercake.policies.simulator import TierSpec, accesses, simulate
+    from tiercake.policies.trace_stats import trace_stats
 
+    outcomes = run.outcomes
     rep = Report(bench="replay", machine=machine())
     ok = [o for o in outcomes if o.status == "ok"]
     cold = [o.ttft_s for o in ok if o.cached_tokens == 0]
@@ -145,6 +172,23 @@ def report(outcomes: list[Outcome], records: list[TraceRecord], trace_name: str,
     ceiling = simulate(accesses(records), [TierSpec(math.inf, LRU())]).token_hit_ratio
     rep.add("hit_ratio.tokens", sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, "ratio", ceiling,
             limit_name="infinite cache (simulated)", **common)
+    by_tier: dict[str, int] = {}
+    for o in ok:
+        reused = sum(o.sources.values())
+        for source, blocks in o.sources.items():  # cached tokens apportioned to the tiers they came from
+            tier = source.rsplit(":", 1)[-1]
+            by_tier[tier] = by_tier.get(tier, 0) + (o.cached_tokens * blocks // reused if reused else 0)
+    for tier, tokens in sorted(by_tier.items()):
+        rep.add(f"hit_ratio.tokens.{tier}", tokens / prompt if prompt else 0.0, "ratio", ceiling,
+                limit_name="infinite cache (simulated)", **common)
+    if run.cluster_before is not None and run.cluster_after is not None:
+        cluster_figures(run.cluster_before, run.cluster_after, rep, **common)
+        was, now = run.cluster_before.get("reuse"), run.cluster_after.get("reuse")
+        if was and now and now["reaccesses"] > was["reaccesses"]:
+            live = (now["prefetchable_share"] * now["reaccesses"] - was["prefetchable_share"] * was["reaccesses"]) \
+                / (now["reaccesses"] - was["reaccesses"])
+            rep.add("prefetchable_share.live", live, "ratio", trace_stats(records).prefetchable_share,
+                    limit_name="the trace's own, measured offline", **common)
     for status in ("ok", "rejected", "failed"):
         rep.add(f"requests.{status}", sum(o.status == status for o in outcomes), "requests", len(outcomes), **common)
     return rep

@@ -31,7 +31,7 @@ from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.up import UpProcess
 
-from .report import Report, machine
+from .report import Report, cluster_figures, machine
 
 MODEL = "tiercake-reference"
 BENCH_CONFIG = """node_id: bench-node
@@ -115,24 +115,7 @@ async def measure(url: str, quick: bool, report: Report) -> None:
                     compute_s=round(extra.get("compute_s", 0), 5), sources=extra.get("sources", {}),
                 )
                 figure.params["gap"] = round(figure.ratio - ideal, 3)
-        _metadata_figures(before, await client.cluster(), report)
-
-
-def _metadata_figures(before: dict, after: dict, report: Report) -> None:
-    from tiercake.blocks import KEY_BYTES
-
-    was, now = before["metadata"], after["metadata"]
-    moved = now["kv_bytes_moved"] - was["kv_bytes_moved"]
-    durable = now["durable_bytes"] - was["durable_bytes"]
-    ops = now["durable_ops"] + now["lookups"] - was["durable_ops"] - was["lookups"]
-    served = after["serving"]["requests"] - before["serving"]["requests"]
-    if moved > 0:
-        report.add("metadata.bytes_per_kv_byte", durable / moved, "B/B", KEY_BYTES / now["block_bytes"],
-                   limit_name="one block key per block moved", kv_bytes_moved=moved, metadata_bytes=durable,
-                   block_bytes=now["block_bytes"])
-    if served > 0:
-        report.add("metadata.ops_per_request", ops / served, "ops", 1.0, limit_name="one lookup per request",
-                   requests=served, ops=ops)
+        cluster_figures(before, await client.cluster(), report)
 
 
 async def run(quick: bool = False, target: str | None = None) -> Report:
