@@ -1,9 +1,15 @@
 """What the front's own traffic says about caching, measured live with the same tracker that measures
 a trace offline (``policies/trace_stats.py``): reuse distance (the LRU stack distance, in blocks),
 reuse time, and prefetchability (a re-access announced by an earlier request this one extends, and
-how long before: the lead a prefetcher would have had). Exported on /metrics and in /v1/cluster."""
+how long before: the lead a prefetcher would have had). Exported on /metrics and in /v1/cluster.
+
+The tracking runs on one thread of its own, in arrival order: now and then the tracker compacts its
+window (a tenth of a second for 100k blocks), which must not stall the event loop."""
 
 from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -11,6 +17,8 @@ from tiercake.policies.trace_stats import ReuseTracker
 
 DISTANCE_BUCKETS = (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
 TIME_BUCKETS = (0.1, 1, 10, 60, 600, 1800, 3600)
+
+log = logging.getLogger(__name__)
 
 
 class LiveAccessStats:
@@ -20,6 +28,7 @@ class LiveAccessStats:
         self.accesses = 0
         self.reaccesses = 0
         self.prefetchable = 0
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercake-reuse")
         self.bind_metrics(CollectorRegistry())
 
     def bind_metrics(self, registry) -> None:
@@ -37,7 +46,11 @@ class LiveAccessStats:
                                 "an earlier request announced them", buckets=TIME_BUCKETS, registry=registry)
 
     def observe(self, keys: list[bytes], now: float) -> None:
-        """One request's full blocks, in chain order, at ``now`` (seconds, monotonic)."""
+        """One request's full blocks, in chain order, at ``now`` (seconds, monotonic); counted on the
+        tracking thread."""
+        self._thread.submit(self._observe, keys, now).add_done_callback(_log_failure)
+
+    def _observe(self, keys: list[bytes], now: float) -> None:
         self.accesses += len(keys)
         self.m_accesses.inc(len(keys))
         for seen in self.tracker.observe(keys, now):
@@ -53,7 +66,19 @@ class LiveAccessStats:
                 self.m_lead.observe(seen.lead_s)
 
     def summary(self) -> dict:
+        """The counts, once every request observed so far is counted."""
+        return self._thread.submit(self._summary).result()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _summary(self) -> dict:
         return {"block_accesses": self.accesses, "reaccesses": self.reaccesses,
                 "reaccess_share": self.reaccesses / self.accesses if self.accesses else 0.0,
                 "prefetchable_share": self.prefetchable / self.reaccesses if self.reaccesses else 0.0,
                 "window_blocks": self.window_blocks}
+
+
+def _log_failure(future) -> None:
+    if future.exception() is not None:
+        log.error("reuse tracking failed: %r", future.exception())

@@ -210,6 +210,8 @@ class Frontend:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+        if self.access is not None:
+            self.access.close()
 
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -465,7 +467,7 @@ class Frontend:
                         "cached_tokens_by_source": dict(self.cached_by_source)},
             "index": {"replicas": len(self.conductor.index), "pins": len(self.conductor.pins)},
             "metadata": self._metadata_costs(),
-            "reuse": self.access.summary() if self.access is not None else None,
+            "reuse": await asyncio.to_thread(self.access.summary) if self.access is not None else None,
         })
 
     def _metadata_costs(self) -> dict:

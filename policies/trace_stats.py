@@ -32,6 +32,18 @@ class _Fenwick:
     def __len__(self) -> int:
         return len(self.tree) - 1
 
+    @classmethod
+    def ones(cls, n: int, k: int) -> _Fenwick:
+        """Size ``n`` with a 1 at each of the positions [0, k): node i covers (i - lowbit(i), i], so it
+        holds how many of those are at most k."""
+        import numpy as np
+
+        tree = cls(0)
+        i = np.arange(n + 1, dtype=np.int64)
+        tree.tree = np.clip(np.minimum(i, k) - (i - (i & -i)), 0, None).tolist()
+        tree.tree[0] = 0
+        return tree
+
     def add(self, i: int, delta: int) -> None:
         i += 1
         while i < len(self.tree):
@@ -85,7 +97,7 @@ class ReuseTracker:
         self.max_blocks = max_blocks
         self._marks = _Fenwick(max(expected_accesses, 2 * (max_blocks or 0), 1024))  # 1 at each block's latest position
         self._pos = 0
-        self._last_pos: dict[Hashable, int] = {}
+        self._last_pos: dict[Hashable, int] = {}  # in order of last access (re-inserted on each)
         self._last_time: dict[Hashable, float] = {}
         self._chain_end: dict[Hashable, float] = {}  # a request's last full block -> its arrival
         self._users: dict[Hashable, list[Hashable]] = {}  # block -> chain ends of the requests that used it
@@ -100,7 +112,7 @@ class ReuseTracker:
         extended = {k: self._chain_end[k] for k in keys if k in self._chain_end}
         out: list[Reaccess | None] = []
         for key in keys:
-            previous = self._last_pos.get(key)
+            previous = self._last_pos.pop(key, None)
             if previous is None:
                 out.append(None)
             else:
@@ -129,19 +141,16 @@ class ReuseTracker:
 
     def _compact(self, incoming: int) -> None:
         """Renumber the blocks remembered (the most recent ``max_blocks``) from 0, in order."""
-        alive = sorted(self._last_pos, key=self._last_pos.__getitem__)
+        alive = list(self._last_pos)  # least recently accessed first
         if self.max_blocks is not None and len(alive) > self.max_blocks:
-            for key in alive[:len(alive) - self.max_blocks]:
-                del self._last_pos[key], self._last_time[key]
-                self._users.pop(key, None)
             alive = alive[len(alive) - self.max_blocks:]
+            self._last_time = {key: self._last_time[key] for key in alive}
+            self._users = {key: users for key in alive if (users := self._users.get(key)) is not None}
             # the chain ends still named by a remembered block's users are all a check can ask for
             named = {end for users in self._users.values() for end in users}
             self._chain_end = {end: t for end, t in self._chain_end.items() if end in named}
-        self._marks = _Fenwick(max(2 * (len(alive) + incoming), len(self._marks)))
-        for i, key in enumerate(alive):
-            self._last_pos[key] = i
-            self._marks.add(i, 1)
+        self._marks = _Fenwick.ones(max(2 * (len(alive) + incoming), len(self._marks)), len(alive))
+        self._last_pos = {key: i for i, key in enumerate(alive)}
         self._pos = len(alive)
 
 
