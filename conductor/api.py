@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tiercake.config import TiercakeConfig, reachable_host
 
 from .frontend import OPEN_PATHS
+
+PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
 from .membership import MemberInfo
 from .metadata import MetadataUnavailableError
 from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
@@ -187,7 +189,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if tokens and request.path != "/health" and not (frontend and with_public and request.path in OPEN_PATHS):
+        if tokens and request.path not in PROBE_PATHS and not (frontend and with_public and request.path in OPEN_PATHS):
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
             if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):

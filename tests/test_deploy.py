@@ -4,6 +4,7 @@ ConfigMap is a valid tiercake config, and the properties a production deployment
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -351,3 +352,118 @@ def test_the_build_context_builds_the_whole_package(tmp_path):
         for source in (ROOT / part).rglob("*.py"):
             relative = source.relative_to(ROOT / part).as_posix()
             assert prefix + relative in names, prefix + relative
+
+
+# The manifests' commands, run ----------------------------------------------------------------------
+
+
+def _pod_env(c: dict, pod: str, node: str, secret: dict[str, str]) -> dict[str, str]:
+    """A container's environment as Kubernetes would give it: field refs and secret keys resolved."""
+    fields = {"metadata.name": pod, "spec.nodeName": node, "status.podIP": "127.0.0.1"}
+    env = {}
+    for e in c.get("env", []):
+        source = e.get("valueFrom", {})
+        if "fieldRef" in source:
+            env[e["name"]] = fields[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            env[e["name"]] = secret[source["secretKeyRef"]["key"]]
+        else:
+            env[e["name"]] = e["value"]
+    return env
+
+
+async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
+    """The rendered dev overlay's own commands, environment, config and secrets, run as processes on
+    this machine (a real etcd; ports, paths and addresses moved onto it): the workers and the node agent
+    join the conductor with the Secret's token, the probes answer, and a completion with an API key
+    from the Secret is served and reused."""
+    import base64
+    import os
+    import socket
+
+    import aiohttp
+
+    from tiercake.conductor.client import Client
+    from tiercake.conductor.etcd_process import EtcdCluster, free_port
+    from tiercake.up import Child
+
+    docs = rendered["dev"]
+    (secret_obj,) = find(docs, "Secret")
+    secret = {k: base64.b64decode(v).decode() for k, v in secret_obj["data"].items()}
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "api-keys.yaml").write_text(secret["api-keys.yaml"])
+    _, raw = config_of(docs)
+    pool = f"/dev/shm/tiercake-deploy-test-{os.getpid()}"
+    etcd = EtcdCluster(tmp_path / "etcd").start()
+    ports = {name: free_port() for name in ("control", "api", "transfer")}
+    raw["store"]["tiers"][0]["path"] = pool
+    raw["store"]["tiers"][1]["path"] = str(tmp_path / "ssd")
+    raw["conductor"].update(host="127.0.0.1", port=ports["control"], etcd=etcd.endpoints,
+                            urls=[f"http://127.0.0.1:{ports['control']}"])
+    raw["serving"].update(host="127.0.0.1", port=ports["api"], gpu_blocks=128,
+                          api_keys_file=str(tmp_path / "secrets" / "api-keys.yaml"))
+    raw["transfer"].update(host="127.0.0.1", port=ports["transfer"])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    children: list[Child] = []
+
+    def start(workload: str, pod: str) -> Child:
+        c = container(next(w for w in workloads(docs) if w["metadata"]["name"] == workload))
+        args = [a.replace("$(POD_NAME)", pod).replace("/etc/tiercake/config/config.yaml", str(config))
+                for a in c["args"]]
+        args = [("127.0.0.1:0" if a.startswith("0.0.0.0:") else a) for a in args]
+        args = [(str(tmp_path / pod) if a == "/var/lib/tiercake" else a) for a in args]
+        env = {**os.environ, **_pod_env(c, pod, "node-a", secret)}
+        child = Child(pod, args, env, tmp_path / "logs")
+        children.append(child)
+        return child
+
+    try:
+        start("tiercake-conductor", "tiercake-conductor-0").wait_announce(60)
+        start("tiercake-node", "tiercake-node-x1").wait_announce(60)
+        workers = [start(f"tiercake-{role}", f"tiercake-{role}-0") for role in ("prefill", "decode")]
+        urls = [w.wait_announce(300)["url"] for w in workers]
+        control = f"http://127.0.0.1:{ports['control']}"
+        api = f"http://127.0.0.1:{ports['api']}"
+        token = secret["control-tokens"].split()[0]
+        async with Client([control], token=token, timeout=30) as client:
+            for _ in range(100):  # joined with the Secret's token, under the node's name
+                roles = {m["role"]: m for m in await client.members()}
+                if {"node", "prefill", "decode"} <= set(roles):
+                    break
+                await asyncio.sleep(0.2)
+            assert roles["node"]["node_id"] == "node-a" and roles["prefill"]["node_id"] == "tiercake-prefill-0"
+        conductor = container(one(docs, "Deployment", "tiercake-conductor"))
+        worker = container(one(docs, "Deployment", "tiercake-prefill"))
+        async with aiohttp.ClientSession() as http:
+            for probe in ("readinessProbe", "livenessProbe"):
+                path = conductor[probe]["httpGet"]["path"]
+                for _ in range(50):  # without a token, as kubelet asks; ready once a leader is known
+                    async with http.get(control + path) as resp:
+                        status, text = resp.status, await resp.text()
+                    if status == 200:
+                        break
+                    await asyncio.sleep(0.2)
+                assert status == 200, (probe, text)
+            for url in urls:
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    async with http.get(url + worker[probe]["httpGet"]["path"]) as resp:
+                        assert resp.status == 200, probe
+        with socket.create_connection(("127.0.0.1", ports["transfer"]), timeout=5):
+            pass  # the node agent's tcpSocket probe
+        alice = next(k for k, tenant in yaml.safe_load(secret["api-keys.yaml"]).items() if tenant == "alice")
+        prompt = "Kubernetes pods share the node pool through /dev/shm. " * 3
+        async with Client([api], token=alice, timeout=120) as client:
+            first = await client.complete(prompt, max_tokens=4)
+            second = await client.complete(prompt, max_tokens=4)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt.encode()) // 16 * 16 - 16
+        async with Client([api], token="sk-not-a-key", timeout=30, retries=1) as stranger:
+            with pytest.raises(Exception) as refused:
+                await stranger.complete(prompt, max_tokens=1)
+            assert getattr(refused.value, "status", None) == 401
+    finally:
+        for child in reversed(children):
+            child.stop()
+        etcd.stop()
+        Path(pool).unlink(missing_ok=True)
