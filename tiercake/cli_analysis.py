@@ -156,9 +156,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for column in ("scheduler", "TTFT mean", "P50", "P99", "TBT P99", "SLO met", "rejected", "hit ratio",
                    "local / global", "moved"):
         table.add_column(column, justify="left" if column == "scheduler" else "right")
+    phases = Table(title="TTFT by phase, P50 / P99 (s)")
+    phase_names = ("queue", "lookup", "load_pool", "compute")
+    for column in ("scheduler", *phase_names):
+        phases.add_column(column, justify="left" if column == "scheduler" else "right")
     for name, (router, params, with_pool) in runs.items():
         run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
         summary = simulate_cluster(records, run, router, params).summary()
+        phases.add_row(name, *(f"{summary[f'{p}_p50_s']:.3g} / {summary[f'{p}_p99_s']:.3g}" for p in phase_names))
         table.add_row(name, f"{summary['ttft_mean_s']:.2f} s", f"{summary['ttft_p50_s']:.2f}",
                       f"{summary['ttft_p99_s']:.2f}", f"{summary['tbt_p99_s'] * 1000:.0f} ms",
                       f"{summary['slo_attainment']:.1%}", str(summary["rejected"]), f"{summary['hit_ratio']:.3f}",
@@ -168,6 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                    limit_name="compute only, no queue", router=router,
                    **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in summary.items()})
     console.print(table)
+    console.print(phases)
     return write_json(args, report)
 
 
