@@ -21,7 +21,7 @@ from .frontend import OPEN_PATHS
 
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
 from .membership import MemberInfo
-from .metadata import MetadataUnavailableError
+from .metadata import FencedError, MetadataUnavailableError
 from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
 
 MAX_BODY = 8 << 20
@@ -205,6 +205,8 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
             ) from None
         except MetadataUnavailableError as exc:
             raise _error(web.HTTPServiceUnavailable, f"{exc}; retry", retryable=True) from None
+        except FencedError as exc:  # deposed while the write was in flight: the new leader takes it
+            raise _error(web.HTTPServiceUnavailable, f"{exc}; retry at the leader", retryable=True) from None
         except LeaseExpiredError as exc:
             raise _error(web.HTTPNotFound, str(exc)) from None
         except NoRoomError as exc:

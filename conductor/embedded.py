@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from .metadata import (
     TXN_OPS,
     CompactedError,
+    FencedError,
+    Guard,
     Delete,
     KeyValue,
     LeaseNotFoundError,
@@ -118,9 +120,14 @@ class EmbeddedBackend(MetadataBackend):
         self._apply([Delete(key)])
         return True
 
-    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
         revision = self._revision
         for chunk in chunks(ops, TXN_OPS):
+            if guard is not None:
+                held = self._data.get(guard.key)
+                if held is None or held.value != guard.value:
+                    raise FencedError(f"refused: {guard.key.decode(errors='replace')} no longer holds this "
+                                      "writer's record (a new leader was elected)")
             revision = self._apply(chunk)
         return revision
 

@@ -20,6 +20,8 @@ from etcd3aio.kv import KVService
 from .metadata import (
     TXN_OPS,
     CompactedError,
+    FencedError,
+    Guard,
     Delete,
     KeyValue,
     LeaseNotFoundError,
@@ -95,8 +97,9 @@ class EtcdBackend(MetadataBackend):
         resp = await self._call(self.client.kv.delete, key, timeout=self.timeout)
         return resp.deleted > 0
 
-    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
         gate = asyncio.Semaphore(max(1, concurrency))
+        compare = [KVService.txn_compare_value(guard.key, guard.value)] if guard is not None else []
 
         async def one(chunk: Sequence[Put | Delete]) -> int:
             requests = [
@@ -105,7 +108,10 @@ class EtcdBackend(MetadataBackend):
                 for op in chunk
             ]
             async with gate:
-                resp = await self._call(self.client.kv.txn, [], requests, timeout=self.timeout)
+                resp = await self._call(self.client.kv.txn, compare, requests, timeout=self.timeout)
+            if not resp.succeeded:
+                raise FencedError(f"refused: {guard.key.decode(errors='replace')} no longer holds this writer's "
+                                  "record (a new leader was elected)")
             return resp.header.revision
 
         parts = chunks(ops, TXN_OPS)

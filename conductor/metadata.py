@@ -44,6 +44,20 @@ class CompactedError(MetadataError):
     """A watch asked for history older than what the backend still keeps."""
 
 
+class FencedError(MetadataError):
+    """A guarded write was refused: its guard no longer held (the writer was deposed as leader)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """A condition every transaction of a guarded batch checks atomically: ``key`` holds ``value``
+    (the election key holds this conductor's record), so a deposed leader's writes in flight are
+    refused by the backend instead of landing after its term."""
+
+    key: bytes
+    value: bytes
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: bytes
@@ -122,11 +136,12 @@ class MetadataBackend(ABC):
         """True when the key existed."""
 
     @abstractmethod
-    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
         """Apply a batch in transactions of at most ``TXN_OPS`` operations; each transaction is
         atomic, the batch as a whole is not. With ``concurrency`` above 1, up to that many
-        transactions are in flight and may apply in any order: pass each key once. Returns the
-        highest revision the batch reached."""
+        transactions are in flight and may apply in any order: pass each key once. With ``guard``,
+        a transaction applies only while the guard holds; ``FencedError`` when one did not (those
+        before it applied, under the guard). Returns the highest revision the batch reached."""
 
     @abstractmethod
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:

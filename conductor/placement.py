@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from itertools import chain
 from dataclasses import dataclass, field
 
-from .metadata import Delete, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow as follow_changes
+from .metadata import Delete, Guard, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow as follow_changes
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class PlacementIndex:
         self.revision = 0
         self.stats = IndexStats()
         self.used: dict[tuple[str, str], int] = defaultdict(int)  # (node, tier) -> bytes placed there
+        self.guard: Guard | None = None  # every commit checks it (the conductor's leadership)
 
     # Keys -----------------------------------------------------------------------------------------
 
@@ -199,7 +200,8 @@ class PlacementIndex:
                 latest = {op.key: op for ops, _ in batch for op in ops}
                 started = time.perf_counter()
                 try:
-                    revision = await self.meta.commit(list(latest.values()), concurrency=self.concurrency)
+                    revision = await self.meta.commit(list(latest.values()), concurrency=self.concurrency,
+                                                      guard=self.guard)
                 except Exception as exc:  # noqa: BLE001 - every waiter gets the error, none hangs
                     for _, future in batch:
                         if not future.done():

@@ -21,7 +21,7 @@ from .election import LeaderElection
 from .heat import AccessRates
 from .membership import MEMBERS, MemberInfo, Membership
 from .metadata import (
-    Delete, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
+    Delete, Guard, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
 )
 from .placement import PlacementIndex, Replica
 
@@ -86,6 +86,9 @@ class Conductor:
         self.members = Membership(meta)
         self.election = LeaderElection(meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(),
                                        ttl=ttl)
+        # the leader's writes go through only while the election key is still its own (fencing)
+        self.guard = Guard(self.election.key, self.election.candidate.encode())
+        self.index.guard = self.guard
         self.heat = AccessRates(half_life=heat_half_life)
         self.pins: set[tuple[str, bytes]] = set()
         self.pins_version = 0
@@ -272,11 +275,11 @@ class Conductor:
         """Keep these blocks on every node that holds them (never evicted there) until unpinned or,
         with ``ttl``, for that many seconds. Durable: a new leader keeps the pins."""
         lease = await self.meta.grant_lease(ttl) if ttl else 0
-        await self.meta.commit([Put(self._pin_key(tenant, k), b"{}", lease) for k in keys])
+        await self.meta.commit([Put(self._pin_key(tenant, k), b"{}", lease) for k in keys], guard=self.guard)
         self.pins.update((tenant, k) for k in keys)
 
     async def unpin(self, tenant: str, keys: list[bytes]) -> None:
-        await self.meta.commit([Delete(self._pin_key(tenant, k)) for k in keys])
+        await self.meta.commit([Delete(self._pin_key(tenant, k)) for k in keys], guard=self.guard)
         self.pins.difference_update((tenant, k) for k in keys)
 
     def node_pins(self, node: str) -> list[tuple[str, bytes]]:
@@ -294,7 +297,7 @@ class Conductor:
 
     async def put_setting(self, name: str, value: object) -> None:
         """Durable, and seen by every conductor (and through them by every member)."""
-        await self.meta.put(SETTINGS + name.encode(), json.dumps(value).encode())
+        await self.meta.commit([Put(SETTINGS + name.encode(), json.dumps(value).encode())], guard=self.guard)
         self.settings[name] = value
 
     async def flush(self, tiers: list[str] | None = None) -> int:
