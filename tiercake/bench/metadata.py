@@ -3,7 +3,8 @@
 - lookup: the longest cached prefix of a 64-block chain, per node, in an index of N blocks (1M; 100k
   with --quick), against the floor of the same work: 64 dictionary probes of the same keys;
 - commit: placements made durable in a real etcd (started here from the installed binary) through
-  the index's group commit with many adds in flight, against the same operations sent straight to
+  the index's group commit with many adds in flight, fenced like a leader's (each transaction
+  compares the election key), against the same operations sent straight to
   etcd as back-to-back 128-operation transactions (the raw batched figure);
 - bytes: metadata bytes per block in etcd (key + value) and in memory (measured with tracemalloc).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.etcd_process import EtcdCluster
-from tiercake.conductor.metadata import Put
+from tiercake.conductor.metadata import Guard, Put
 from tiercake.conductor.placement import PlacementIndex, Replica
 
 from .report import Report, machine
@@ -88,6 +89,9 @@ async def bench_commit(report: Report, placements: int, root: Path) -> None:
     try:
         meta = await EtcdBackend(cluster.endpoints, timeout=30).start()
         index = await PlacementIndex(meta, b"/bench/placements/").start(follow=False)
+        # fenced as the leader's writes are: every transaction checks the election key
+        index.guard = Guard(b"/bench/leader/conductor", b"bench-conductor")
+        await meta.put(index.guard.key, index.guard.value)
         # raw: the same kind of operations, straight to etcd as back-to-back 128-op transactions
         ops = [Put(index._meta_key("tenant", _key(i), Replica("node-0", "pool")), b'{"size": 1048576}')
                for i in range(placements)]
