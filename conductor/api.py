@@ -87,6 +87,22 @@ class RegisterRequest(BaseModel):
     ttl: int = Field(default=5, ge=1, le=3600, description="seconds without a keep-alive before it is dead")
 
 
+class HeatHit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = NAME
+    key: str
+    count: int = Field(ge=1, le=1_000_000)
+
+
+class HeatRequest(BaseModel):
+    """Accesses a follower conductor counted in its lookups (the leader decides replication)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hits: list[HeatHit] = Field(min_length=1, max_length=MAX_KEYS)
+
+
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -274,6 +290,13 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         await conductor.unpin(body.tenant, _keys(body.keys))
         return web.json_response({"unpinned": len(body.keys)})
 
+    async def heat(request: web.Request) -> web.Response:
+        body = await _body(request, HeatRequest)
+        conductor.require_leader(await conductor.leader())
+        keys = _keys([h.key for h in body.hits])
+        conductor.add_heat([((h.tenant, key), h.count) for h, key in zip(body.hits, keys)])
+        return web.json_response({"accepted": len(keys)})
+
     async def register(request: web.Request) -> web.Response:
         body = await _body(request, RegisterRequest)
         return web.json_response({"lease": await conductor.register(body.member, body.ttl)})
@@ -345,6 +368,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         web.post("/v1/placements/remove", remove),
         web.post("/v1/placements/pin", pin),
         web.post("/v1/placements/unpin", unpin),
+        web.post("/v1/heat", heat),
         web.post("/v1/members/register", register),
         web.post("/v1/members/keepalive", keep_alive),
         web.post("/v1/members/leave", leave),
@@ -398,7 +422,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
         conductor = await Conductor(
             meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
             replication=config.replication, replication_params=config.replication_params,
-            put_timeout=config.put_timeout_s,
+            put_timeout=config.put_timeout_s, peer_token=tokens[0] if tokens else None,
         ).start()
         frontend = Frontend(conductor, full)
         sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None), sock)]

@@ -135,6 +135,11 @@ class Client:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys], "ttl": ttl}
         return (await self._call("POST", "/v1/placements/pin", body))["pinned"]
 
+    async def heat(self, hits: list[tuple[str, bytes, int]]) -> int:
+        """Accesses a follower conductor counted in its lookups, for the leader's hot replication."""
+        body = {"hits": [{"tenant": t, "key": k.hex(), "count": n} for t, k, n in hits]}
+        return (await self._call("POST", "/v1/heat", body))["accepted"]
+
     async def unpin(self, tenant: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
         return (await self._call("POST", "/v1/placements/unpin", body))["unpinned"]

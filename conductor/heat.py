@@ -21,9 +21,13 @@ class AccessRates:
         return count * math.exp(-self.decay * (now - at))
 
     def hit(self, keys, now: float | None = None) -> None:
+        self.add(((key, 1.0) for key in keys), now)
+
+    def add(self, counts, now: float | None = None) -> None:
+        """``(key, accesses)`` pairs: several accesses at once (counted elsewhere and sent here)."""
         now = time.monotonic() if now is None else now
-        for key in keys:
-            self._counts[key] = (self._value(key, now) + 1.0, now)
+        for key, n in counts:
+            self._counts[key] = (self._value(key, now) + n, now)
         if len(self._counts) > self.max_keys:
             self._forget_coldest(now)
 

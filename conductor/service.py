@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ class LeaseExpiredError(Exception):
 
 
 PINS = b"/tiercake/pins/"
+log = logging.getLogger(__name__)
+
+HEAT_FORWARD_S = 1.0  # how often a follower sends its lookups' access counts to the leader
+MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two sends
 SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
 
 
@@ -74,7 +79,7 @@ class ReplicationTask:
 class Conductor:
     def __init__(self, meta: MetadataBackend, conductor_id: str | None = None, url: str = "", ttl: int = 3,
                  placement: str = "least_used", replication: str = "fixed", replication_params: dict | None = None,
-                 put_timeout: float = 60.0, heat_half_life: float = 10.0) -> None:
+                 put_timeout: float = 60.0, heat_half_life: float = 10.0, peer_token: str | None = None) -> None:
         self.meta = meta
         self.placement = create_placement(placement)
         self.replication = create_replication(replication, replication_params)
@@ -90,6 +95,11 @@ class Conductor:
         self.guard = Guard(self.election.key, self.election.candidate.encode())
         self.index.guard = self.guard
         self.heat = AccessRates(half_life=heat_half_life)
+        # a follower's lookups count too: it sends them to the leader, which decides replication
+        self.peer_token = peer_token  # the control token conductors use with each other
+        self._heat_out: dict[tuple[str, bytes], int] = {}
+        self._heat_forwarder: asyncio.Task | None = None
+        self._leader_client = None  # (url, Client) of the leader the counts go to
         self.pins: set[tuple[str, bytes]] = set()
         self.pins_version = 0
         self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
@@ -112,11 +122,14 @@ class Conductor:
         self._settings_follower = asyncio.get_running_loop().create_task(
             follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings"))
         await self.election.start()
+        self._heat_forwarder = asyncio.get_running_loop().create_task(self._forward_heat_forever())
         return self
 
     async def close(self) -> None:
         await self.election.resign()
-        for task in (self._pin_follower, self._settings_follower):
+        if self._leader_client is not None:
+            await self._leader_client[1].close()
+        for task in (self._pin_follower, self._settings_follower, self._heat_forwarder):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -254,8 +267,43 @@ class Conductor:
         found = self.index.lookup(tenant, keys)
         longest = max((p.length for p in found.values()), default=0)
         if longest:
-            self.heat.hit([(tenant, k) for k in keys[:longest]])
+            hits = [(tenant, k) for k in keys[:longest]]
+            self.heat.hit(hits)
+            if not self.is_leader:
+                for hit in hits:
+                    if hit in self._heat_out or len(self._heat_out) < MAX_HEAT_OUT:
+                        self._heat_out[hit] = self._heat_out.get(hit, 0) + 1
         return found
+
+    def add_heat(self, counts: list[tuple[tuple[str, bytes], int]]) -> None:
+        """Accesses a follower counted, sent to the leader."""
+        self.heat.add(counts)
+
+    async def _forward_heat_forever(self) -> None:
+        """Every second, a follower sends the accesses its lookups counted to the leader (dropped if the
+        leader cannot take them: rates are estimates, and the next second brings more)."""
+        from .client import Client, ConductorError
+
+        while True:
+            await asyncio.sleep(HEAT_FORWARD_S)
+            if self.is_leader or not self._heat_out:
+                self._heat_out.clear()
+                continue
+            batch, self._heat_out = self._heat_out, {}
+            try:
+                leader = await self.leader()
+            except MetadataUnavailableError:
+                continue
+            if leader is None or not leader.url or leader.conductor_id == self.conductor_id:
+                continue
+            if self._leader_client is None or self._leader_client[0] != leader.url:
+                if self._leader_client is not None:
+                    await self._leader_client[1].close()
+                self._leader_client = (leader.url, Client([leader.url], token=self.peer_token, timeout=5, retries=1))
+            try:
+                await self._leader_client[1].heat([(t, k, n) for (t, k), n in batch.items()])
+            except ConductorError as exc:
+                log.warning("conductor %s: access counts not sent to the leader: %s", self.conductor_id, exc)
 
     # Pins -----------------------------------------------------------------------------------------
 

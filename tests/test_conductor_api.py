@@ -343,3 +343,59 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
+    """With several conductors behind one Service, a follower's front serves lookups too: it sends
+    the accesses it counted to the leader, whose rates drive hot replication."""
+    from aiohttp import web
+
+    from tiercake.conductor.api import build_app
+    from tiercake.conductor.embedded import EmbeddedBackend
+
+    meta = await EmbeddedBackend().start()
+    started, runners = [], []
+    try:
+        for name in ("leader", "follower"):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            conductor = await Conductor(meta, name, url=url, ttl=1, peer_token="peer-token").start()
+            runner = web.AppRunner(build_app(conductor, ["peer-token"]))
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+            started.append(conductor)
+            runners.append(runner)
+            if name == "leader":
+                await asyncio.wait_for(conductor.election.leading.wait(), 10)
+        leader, follower = started
+        keys = [k(i) for i in range(4)]
+        await leader.index.add_many("t", keys, "node-a", "pool", [1] * 4)
+        for _ in range(100):  # the follower's index follows the leader's writes
+            if follower.index.lookup("t", keys):
+                break
+            await asyncio.sleep(0.05)
+        for _ in range(30):
+            follower.lookup("t", keys)
+        assert not leader.heat.items()  # nothing looked up on the leader itself
+        for _ in range(60):
+            rates = dict(leader.heat.items())
+            if len(rates) == 4:
+                break
+            await asyncio.sleep(0.1)
+        assert set(rates) == {("t", key) for key in keys} and min(rates.values()) > 0
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer peer-token"}) as http:
+            async with http.post(follower.url + "/v1/heat",
+                                 json={"hits": [{"tenant": "t", "key": keys[0].hex(), "count": 1}]}) as resp:
+                assert resp.status == 503  # only the leader takes counts
+            async with http.post(leader.url + "/v1/heat",
+                                 json={"hits": [{"tenant": "t", "key": "zz", "count": 1}]}) as resp:
+                assert resp.status == 400
+            async with http.post(leader.url + "/v1/heat", json={"hits": []}) as resp:
+                assert resp.status == 400
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for conductor in reversed(started):
+            await conductor.close()
+        await meta.close()
