@@ -96,6 +96,15 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
     assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["finish_reason"] == "length"
     # the decode worker took the prompt over through the node: every full block pulled, none recomputed
     assert first["usage"]["tiercake"]["decode_cached_tokens"] == (len(prompt.encode())) // 16 * 16
+    # ... and keeps those blocks out of the index (nobody is routed by its cache): the prefill worker's
+    # gpu tier and the node hold the prefix there, the decode worker does not
+    async with Client([cluster.url], timeout=60) as client:
+        for _ in range(50):
+            holders = (await client.prefix(prompt, tenant="reuse"))["holders"]
+            if {"test-node", "test-node-prefill-0"} <= set(holders):
+                break
+            await asyncio.sleep(0.1)
+    assert {"test-node", "test-node-prefill-0"} <= set(holders) and "test-node-decode-0" not in holders
 
 
 async def test_reuse_distance_and_prefetchability_measured_live(cluster):

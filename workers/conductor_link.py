@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 class ConductorLink:
     def __init__(self, client: Client, member: MemberInfo, store: TieredStore, *, ttl: int = 5,
-                 engine: TransferEngine | None = None, flush_interval: float = 0.05) -> None:
+                 engine: TransferEngine | None = None, flush_interval: float = 0.05, report: bool = True) -> None:
         self.client = client
+        self.report = report  # False: a member, but what it holds is not indexed (nobody is routed by it)
         self.member = member
         self.store = store
         self.ttl = ttl
@@ -44,7 +45,8 @@ class ConductorLink:
         self._eviction: dict = {}
 
     async def start(self) -> ConductorLink:
-        self.store.listeners.append(self._on_change)
+        if self.report:
+            self.store.listeners.append(self._on_change)
         await self._register()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._keep_alive()), loop.create_task(self._report_forever())]
@@ -73,7 +75,7 @@ class ConductorLink:
             answer = await self.client.keep_alive(self.member.node_id, self.lease)
             self._flush_epoch = int(answer.get("settings", {}).get("flush", {}).get("epoch", 0))
         # everything held goes out again: the old lease took the node's placements with it
-        for change in self.store.holdings():
+        for change in self.store.holdings() if self.report else ():
             self._on_change(change)
         log.info("node %s: registered (lease %x), re-reporting %d copies", self.member.node_id, self.lease,
                  len(self._changes))

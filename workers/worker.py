@@ -178,7 +178,11 @@ class Worker:
             if client is not None:
                 member = MemberInfo(node_id=self.worker_id, role=self.role, host=advertised, port=bound[1],
                                     url=self.url, tiers={"gpu": pool.num_blocks * pool.block_nbytes}, perf=self.perf)
-                link = await ConductorLink(client, member, store, ttl=cfg.conductor.member_ttl).start()
+                # a decode worker's gpu blocks are not indexed: work is routed to it by load, never by
+                # its cache (the prompt's blocks are on the node already), and each block it pulled
+                # would cost two durable index changes (in, then evicted)
+                link = await ConductorLink(client, member, store, ttl=cfg.conductor.member_ttl,
+                                           report=self.role != "decode").start()
                 self._closers.append(link.close)
         except BaseException:
             await self.close()
