@@ -3,6 +3,7 @@ worker's own gpu tier, the node pool over shared memory, a remote pool over TCP,
 the node agent restarted. Real conductor API, real transfer servers and sockets, the real model."""
 
 import asyncio
+import time
 import os
 import uuid
 
@@ -283,3 +284,52 @@ async def test_generated_blocks_are_keyed_like_a_follow_up_prompt_under_the_same
     again = await worker.prefill(follow_up + encode(" and then?"), tenant="shared", salt="")
     assert again.stats.cached_tokens == len(follow_up) // 16 * 16
     worker.free(again)
+
+
+@pytest.mark.parametrize("chunk", [16, 24])
+async def test_a_prefill_in_chunks_computes_the_same_answer(model, chunk):
+    pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    engine = InferenceEngine(model, store, pool, NS, worker_id="chunked", prefill_chunk=chunk)
+    try:
+        same_answer(await generate(engine, PROMPT), await recompute(model, PROMPT))
+    finally:
+        await store.close()
+
+
+async def test_a_long_prefill_does_not_stall_the_running_batch(model):
+    """Decode steps of running sequences go between the chunks of a new prompt's prefill: the longest
+    pause between two tokens of a running sequence is a fraction of that prefill's compute time (it
+    would be all of it if the prefill ran in one pass, or before the batch's next step)."""
+    from tiercake.workers.scheduler import GenerationRequest, Scheduler
+
+    pool = GpuBlockPool(512, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    engine = InferenceEngine(model, store, pool, NS, worker_id="chunks", prefill_chunk=64, max_context=8192)
+    scheduler = Scheduler(engine).start()
+    arrivals: list[float] = []
+    try:
+        async def running() -> None:
+            async for _ in scheduler.generate(GenerationRequest(encode("a" * 40), 3000)):
+                arrivals.append(time.perf_counter())
+                if long_done.is_set() and len(arrivals) > after_long + 3:
+                    return
+
+        long_done, after_long = asyncio.Event(), 10**9
+        decoding = asyncio.create_task(running())
+        while len(arrivals) < 5:
+            await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        events = [e async for e in scheduler.generate(GenerationRequest([7] * 3000, 1))]
+        finished = time.perf_counter()
+        compute = events[0].stats.compute_s
+        after_long = len(arrivals)
+        long_done.set()
+        await asyncio.wait_for(decoding, 60)
+        during = [t for t in arrivals if started <= t <= finished]
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= started - 0.5 and b <= finished + 0.5]
+        assert len(during) >= 5, (len(during), compute)  # the running sequence kept producing tokens
+        assert max(gaps) < 0.5 * compute, (max(gaps), compute)
+    finally:
+        await scheduler.close()
+        await store.close()

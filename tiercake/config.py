@@ -180,6 +180,9 @@ class ServingConfig(BaseModel):
     device: str | None = Field(default=None, description="torch device; default cuda if present, else cpu")
     max_context: int = Field(default=2048, gt=1, description="prompt plus generated tokens, per request")
     max_batch: int = Field(default=32, gt=0, description="sequences a worker decodes at once")
+    prefill_chunk_tokens: int = Field(default=256, ge=0, description="tokens per forward pass of a prefill; "
+                                      "decode steps of the running batch go between two chunks, so a long prompt "
+                                      "does not stall them (0: the whole prompt in one pass)")
     host: str | None = Field(default=None, description="the OpenAI-compatible API's own address; default: "
                              "conductor.host")
     port: int | None = Field(default=None, ge=0, le=65535,

@@ -76,6 +76,7 @@ class InferenceEngine:
         conductor: Client | None = None,
         node: str | None = None,
         max_context: int = 4096,
+        prefill_chunk: int = 0,
     ) -> None:
         self.model = model
         self.store = store
@@ -87,6 +88,9 @@ class InferenceEngine:
         self.conductor = conductor
         self.node = node  # the node agent new blocks are written through to
         self.max_context = max_context
+        # tokens per forward pass of a prefill (0: the whole prompt at once); between two chunks the
+        # compute lock lets a decode step of the running batch through
+        self.prefill_chunk = prefill_chunk
         self.block_nbytes = pool.block_nbytes
         self._ids = itertools.count(1)
         self._writes: set[asyncio.Task] = set()
@@ -131,11 +135,14 @@ class InferenceEngine:
         stats.cached_tokens = cached
         try:
             await self._grow(seq_id, len(tokens))
-            started = time.perf_counter()
-            async with self._compute:
-                (logits,) = await asyncio.to_thread(
-                    self.model.forward_paged, [PagedChunk(tokens[cached:], cached, list(table))], self.pool.kv)
-            stats.compute_s = time.perf_counter() - started
+            step = self.prefill_chunk or len(tokens)
+            for start in range(cached, len(tokens), step):
+                async with self._compute:
+                    started = time.perf_counter()  # computing only: not the decode steps between chunks
+                    (logits,) = await asyncio.to_thread(
+                        self.model.forward_paged, [PagedChunk(tokens[start:start + step], start, list(table))],
+                        self.pool.kv)
+                    stats.compute_s += time.perf_counter() - started
         except BaseException:
             self.pool.free_sequence(seq_id)
             raise

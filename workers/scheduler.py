@@ -1,5 +1,8 @@
 """Continuous batching: requests join the running batch as soon as their prefill is done and leave it
 when they finish or their client goes away; every step decodes one token for every running sequence.
+Prefills run beside the batch, not in front of it: each is a task whose forward passes (chunks of
+the prompt) take turns with the decode steps at the engine's compute lock, so a long prompt delays
+the running sequences by a chunk at a time, and loads from nodes overlap with computing.
 """
 
 from __future__ import annotations
@@ -58,22 +61,25 @@ class Scheduler:
         self.max_batch = max_batch
         self._waiting: asyncio.Queue[_Running] = asyncio.Queue()
         self._running: list[_Running] = []
+        self._prefilling: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()  # new work or a prefill done, for an idle loop
         self._task: asyncio.Task | None = None
         self.completed = 0
 
     @property
     def load(self) -> dict[str, int]:
-        return {"waiting": self._waiting.qsize(), "running": len(self._running)}
+        return {"waiting": self._waiting.qsize(), "prefilling": len(self._prefilling), "running": len(self._running)}
 
     def start(self) -> Scheduler:
         self._task = asyncio.get_running_loop().create_task(self._loop())
         return self
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._prefilling]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for job in self._running:
             self._finish(job, error=RuntimeError("worker shutting down"))
         self._running.clear()
@@ -87,6 +93,7 @@ class Scheduler:
         if request.seed is not None:
             job.generator = torch.Generator().manual_seed(request.seed)
         await self._waiting.put(job)
+        self._wake.set()
         try:
             while True:
                 item = await job.out.get()
@@ -99,23 +106,33 @@ class Scheduler:
             job.cancelled = True
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            if not self._running:
-                job = await self._waiting.get()  # idle: wait for work
-                await self._admit(job)
-            while not self._waiting.empty() and len(self._running) < self.max_batch:
-                await self._admit(self._waiting.get_nowait())
+            self._wake.clear()
+            while not self._waiting.empty() and len(self._running) + len(self._prefilling) < self.max_batch:
+                job = self._waiting.get_nowait()
+                if not job.cancelled:
+                    task = loop.create_task(self._admit(job))
+                    self._prefilling.add(task)
+                    task.add_done_callback(self._prefill_done)
             self._running = [j for j in self._running if not self._drop_cancelled(j)]
             if self._running:
                 await self._step()
+            else:
+                await self._wake.wait()  # idle: until new work arrives or a prefill is done
+
+    def _prefill_done(self, task: asyncio.Task) -> None:
+        self._prefilling.discard(task)
+        self._wake.set()
 
     async def _admit(self, job: _Running) -> None:
-        if job.cancelled:
-            return
         r = job.request
         try:
             job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens,
                                                 pull=r.pull, source=r.source)
+        except asyncio.CancelledError:
+            job.out.put_nowait(RuntimeError("worker shutting down"))
+            raise
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             job.out.put_nowait(exc)
             return

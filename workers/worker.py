@@ -162,6 +162,7 @@ class Worker:
             self.engine = InferenceEngine(
                 model, store, pool, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,
                 conductor=client, node=cfg.node_id, max_context=serving.max_context,
+                prefill_chunk=serving.prefill_chunk_tokens,
             )
             self._closers.append(self.engine.flush)
             self.perf = await asyncio.to_thread(calibrate, self.engine, self.data_dir)
