@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from .metadata import (
     TXN_OPS,
     CompactedError,
+    Delete,
     FencedError,
     Guard,
-    Delete,
     KeyValue,
     LeaseNotFoundError,
     MetadataBackend,

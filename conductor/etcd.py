@@ -20,9 +20,9 @@ from etcd3aio.kv import KVService
 from .metadata import (
     TXN_OPS,
     CompactedError,
+    Delete,
     FencedError,
     Guard,
-    Delete,
     KeyValue,
     LeaseNotFoundError,
     MetadataBackend,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tiercake.policies import NodeLoad, create_placement, create_replication
 
+from .client import Client, ConductorError
 from .election import LeaderElection
 from .heat import AccessRates
 from .membership import MEMBERS, MemberInfo, Membership
@@ -25,6 +26,8 @@ from .metadata import (
     Delete, Guard, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
 )
 from .placement import PlacementIndex, Replica
+
+log = logging.getLogger(__name__)
 
 
 class NotLeaderError(Exception):
@@ -58,11 +61,9 @@ class LeaseExpiredError(Exception):
 
 
 PINS = b"/tiercake/pins/"
-log = logging.getLogger(__name__)
-
+SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
 HEAT_FORWARD_S = 1.0  # how often a follower sends its lookups' access counts to the leader
 MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two sends
-SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +283,6 @@ class Conductor:
     async def _forward_heat_forever(self) -> None:
         """Every second, a follower sends the accesses its lookups counted to the leader (dropped if the
         leader cannot take them: rates are estimates, and the next second brings more)."""
-        from .client import Client, ConductorError
-
         while True:
             await asyncio.sleep(HEAT_FORWARD_S)
             if self.is_leader or not self._heat_out:
