@@ -333,3 +333,23 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
     finally:
         await scheduler.close()
         await store.close()
+
+
+async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_a_time(model):
+    """Prefills run one at a time beside the batch: each holds its whole prompt's blocks from the
+    start, so several at once would exhaust a gpu tier that serves them one after another."""
+    from tiercake.workers.scheduler import GenerationRequest, Scheduler
+
+    pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    engine = InferenceEngine(model, store, pool, NS, worker_id="burst", prefill_chunk=32)
+    scheduler = Scheduler(engine).start()
+    try:
+        async def run(i: int):
+            return [e async for e in scheduler.generate(GenerationRequest([i] * 160, 2))]  # 10 blocks each
+
+        results = await asyncio.gather(*(run(i) for i in range(1, 5)), return_exceptions=True)
+        assert all(isinstance(r, list) and r[-1].finish_reason == "length" for r in results), results
+    finally:
+        await scheduler.close()
+        await store.close()

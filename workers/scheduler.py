@@ -1,8 +1,8 @@
 """Continuous batching: requests join the running batch as soon as their prefill is done and leave it
 when they finish or their client goes away; every step decodes one token for every running sequence.
-Prefills run beside the batch, not in front of it: each is a task whose forward passes (chunks of
-the prompt) take turns with the decode steps at the engine's compute lock, so a long prompt delays
-the running sequences by a chunk at a time, and loads from nodes overlap with computing.
+Prefills run beside the batch, not in front of it: a prefill is a task whose forward passes (chunks
+of the prompt) take turns with the decode steps at the engine's compute lock, so a long prompt
+delays the running sequences by a chunk at a time.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(self, engine: InferenceEngine, max_batch: int = 32) -> None:
+    def __init__(self, engine: InferenceEngine, max_batch: int = 32, max_prefills: int = 1) -> None:
         self.engine = engine
         self.max_batch = max_batch
+        # prefills at once: each holds its whole prompt's blocks from its start, so more than one
+        # at a time would let a burst of long prompts exhaust the gpu tier that one at a time fits
+        self.max_prefills = max_prefills
         self._waiting: asyncio.Queue[_Running] = asyncio.Queue()
         self._running: list[_Running] = []
         self._prefilling: set[asyncio.Task] = set()
@@ -109,7 +112,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            while not self._waiting.empty() and len(self._running) + len(self._prefilling) < self.max_batch:
+            while (not self._waiting.empty() and len(self._prefilling) < self.max_prefills
+                   and len(self._running) + len(self._prefilling) < self.max_batch):
                 job = self._waiting.get_nowait()
                 if not job.cancelled:
                     task = loop.create_task(self._admit(job))
