@@ -230,13 +230,6 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         except PlacementError as exc:
             raise _error(web.HTTPConflict, str(exc)) from None
 
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
-
-    async def ready(_: web.Request) -> web.Response:
-        ok, why = await conductor.ready()
-        return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
-
     async def lookup(request: web.Request) -> web.Response:
         body = await _body(request, LookupRequest)
         keys = _keys(body.keys)
@@ -355,8 +348,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
 
     app = web.Application(middlewares=[auth], client_max_size=MAX_BODY)
     app.add_routes([
-        web.get("/health", health),
-        web.get("/ready", ready),
+        *_probe_routes(conductor),
         web.get("/metrics", metrics),
         web.get("/v1/leader", leader_info),
         web.get("/v1/members", members),
@@ -380,9 +372,9 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
     return app
 
 
-def build_public_app(conductor: Conductor, frontend) -> web.Application:
-    """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
-    control tokens), with health and readiness for probes."""
+def _probe_routes(conductor: Conductor) -> list:
+    """``/health`` (the process answers) and ``/ready`` (the backend answers and a leader is known),
+    on both the control and the public port; no token (PROBE_PATHS)."""
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
@@ -391,8 +383,15 @@ def build_public_app(conductor: Conductor, frontend) -> web.Application:
         ok, why = await conductor.ready()
         return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
 
+    return [web.get("/health", health), web.get("/ready", ready)]
+
+
+def build_public_app(conductor: Conductor, frontend) -> web.Application:
+    """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
+    control tokens), with health and readiness for probes."""
+
     app = web.Application(client_max_size=MAX_BODY)
-    app.add_routes([web.get("/health", health), web.get("/ready", ready)])
+    app.add_routes(_probe_routes(conductor))
     frontend.add_routes(app, control=False)
     return app
 
