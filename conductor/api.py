@@ -1,9 +1,11 @@
-"""The conductor's HTTP API (aiohttp): placement control, membership, health, readiness, metrics.
+"""The conductor's HTTP API (aiohttp): placement control, membership, the operator's endpoints,
+health, readiness and metrics; the OpenAI-compatible API beside it or on its own port.
 
-Bodies are pydantic models; a malformed body is a 400 with the validation message, an oversized
-one a 413. Every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` when tokens are
-configured. Writes go to the leader: a follower answers 503 with the leader's URL in the body and in
-the ``X-Tiercake-Leader`` header, so clients move on by themselves.
+Bodies and replies are the models of ``tiercake.messages``; every error, whatever raised it, is one
+``ErrorReply`` (OpenAI's error shape): a malformed body is a 400 that names the field, an oversized
+one a 413. Every endpoint but the probes needs ``Authorization: Bearer <token>`` when tokens are
+configured. Writes go to the leader: a follower answers 503 with the leader's URL in the error
+(``leader``) and in the ``X-Tiercake-Leader`` header, so clients move on by themselves.
 """
 
 from __future__ import annotations
@@ -13,128 +15,55 @@ import json
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
+from tiercake.errors import ApiError, error_middleware
+from tiercake.messages import (
+    BeginReply,
+    BeginRequest,
+    CommitReply,
+    CommitRequest,
+    HeatReply,
+    HeatRequest,
+    KeepAliveReply,
+    LeaderReply,
+    LeaseRequest,
+    LeaveReply,
+    LookupReply,
+    LookupRequest,
+    MembersReply,
+    NodeBlock,
+    NodeBlocksReply,
+    NodePin,
+    NodePinsReply,
+    PinReply,
+    PinRequest,
+    PrefixHolding,
+    RegisterReply,
+    RegisterRequest,
+    RemoveReply,
+    RemoveRequest,
+    ReplicationTask,
+    ReportReply,
+    RevokeReply,
+    UnpinReply,
+)
 
-from .frontend import OPEN_PATHS
-
-PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
-from .membership import MemberInfo
 from .metadata import FencedError, MetadataUnavailableError
+from .openai_api import OPEN_PATHS
+from .operator import parse, reply
 from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
 
+PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
 MAX_BODY = 8 << 20
-MAX_KEYS = 65536
-
-
-NAME = Field(min_length=1, pattern=r"^[^/]+$")  # tenants, nodes, tiers: no '/' (they are key parts)
-
-
-class LookupRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = NAME
-    keys: list[str] = Field(max_length=MAX_KEYS, description="block keys of one chain, hex, in order")
-
-
-class ReplicaRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = NAME
-    node: str = NAME
-    tier: str = NAME
-
-
-class BlockSize(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    key: str = Field(pattern=r"^([0-9a-f]{2}){1,64}$")
-    size: int = Field(ge=0)
-
-
-class CommitRequest(ReplicaRequest):
-    """Replicas of ``node``; they are attached to the node's member lease (they go when it dies)."""
-
-    blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
-
-
-class BeginRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = NAME
-    tier: str = NAME
-    blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
-    local: str | None = Field(default=None, description="the writer's node, for the local_first strategy")
-
-
-class RemoveRequest(ReplicaRequest):
-    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
-
-
-class PinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = NAME
-    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
-    ttl: int | None = Field(default=None, ge=1, description="seconds; default: until unpinned")
-
-
-class RegisterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    member: MemberInfo
-    ttl: int = Field(default=5, ge=1, le=3600, description="seconds without a keep-alive before it is dead")
-
-
-class HeatHit(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = NAME
-    key: str
-    count: int = Field(ge=1, le=1_000_000)
-
-
-class HeatRequest(BaseModel):
-    """Accesses a follower conductor counted in its lookups (the leader decides replication)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    hits: list[HeatHit] = Field(min_length=1, max_length=MAX_KEYS)
-
-
-class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    node_id: str = NAME
-    lease: int = Field(gt=0)
-    stats: dict | None = Field(default=None, description="the member's store statistics (cluster view)")
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
     try:
         return [bytes.fromhex(h) for h in hexes]
     except ValueError as exc:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"keys must be hex: {exc}"}),
-                                 content_type="application/json") from None
-
-
-def _error(status: type[web.HTTPException], message: str, **extra) -> web.HTTPException:
-    return status(text=json.dumps({"error": message, **extra}), content_type="application/json")
-
-
-async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=MAX_BODY, actual_size=request.content_length or 0,
-            text=json.dumps({"error": f"body over {MAX_BODY} bytes"}), content_type="application/json",
-        ) from None
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise _error(web.HTTPBadRequest, "invalid body", details=json.loads(exc.json(include_url=False))) from None
+        raise ApiError(400, f"keys must be hex: {exc}") from None
 
 
 class _MemberTierCollector:
@@ -156,217 +85,220 @@ class _MemberTierCollector:
         residency = HistogramMetricFamily("tiercake_block_residency_seconds",
                                           "how long blocks stayed in a tier before eviction", labels=labels)
         for member, stats in list(self.conductor.member_stats.items()):
-            for tier, t in stats.get("tiers", {}).items():
+            for tier, t in stats.tiers.items():
                 key = [member, tier]
-                used.add_metric(key, t.get("used_bytes", 0))
-                blocks.add_metric(key, t.get("blocks", 0))
-                hits.add_metric(key, t.get("hits", 0))
-                counts = t.get("residency")
-                if counts and len(counts) == len(RESIDENCY_BUCKETS) + 1:
+                used.add_metric(key, t.used_bytes)
+                blocks.add_metric(key, t.blocks)
+                hits.add_metric(key, t.hits)
+                if len(t.residency) == len(RESIDENCY_BUCKETS) + 1:
                     cumulative, running = [], 0
-                    for bound, count in zip([*map(str, RESIDENCY_BUCKETS), "+Inf"], counts):
+                    for bound, count in zip([*map(str, RESIDENCY_BUCKETS), "+Inf"], t.residency):
                         running += count
                         cumulative.append((bound, running))
-                    residency.add_metric(key, cumulative, t.get("residency_sum_s", 0.0))
+                    residency.add_metric(key, cumulative, t.residency_sum_s)
         yield from (used, blocks, hits, residency)
 
 
-def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None,
-              with_public: bool = True) -> web.Application:
-    """The control API; with ``frontend`` (a ``Frontend``), its control endpoints and, unless
-    ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it."""
-    registry = CollectorRegistry()
-    index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
-    ops = Counter("tiercake_placement_ops", "placement changes made durable (rate: ops per second)",
-                  registry=registry)
-    batch_ops = Histogram("tiercake_group_commit_batch_ops", "placement changes per group-commit batch",
-                          buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048), registry=registry)
-    commit_seconds = Histogram("tiercake_metadata_commit_seconds", "time to make one batch durable in the backend",
-                               buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5),
-                               registry=registry)
-    leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
-    terms = Gauge("tiercake_leader_terms", "terms this conductor has won", registry=registry)
-    changes = Gauge("tiercake_leader_changes", "leader changes this conductor has seen", registry=registry)
-    members_gauge = Gauge("tiercake_members", "live members", ["role"], registry=registry)
-    pins_gauge = Gauge("tiercake_pins", "pinned blocks", registry=registry)
-    requests = Counter("tiercake_api_requests", "API requests", ["endpoint"], registry=registry)
-    lookup_seconds = Histogram("tiercake_lookup_seconds", "placement lookup time in the conductor",
-                               buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
+class _Metrics:
+    """The control plane's Prometheus series (the front binds its own into the same registry)."""
 
-    def on_batch(n: int, seconds: float) -> None:
-        ops.inc(n)
-        batch_ops.observe(n)
-        commit_seconds.observe(seconds)
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+        self.registry = registry = CollectorRegistry()
+        self.index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
+        self.ops = Counter("tiercake_placement_ops", "placement changes made durable (rate: ops per second)",
+                           registry=registry)
+        self.batch_ops = Histogram("tiercake_group_commit_batch_ops", "placement changes per group-commit batch",
+                                   buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048), registry=registry)
+        self.commit_seconds = Histogram("tiercake_metadata_commit_seconds", "time to make one batch durable in the "
+                                        "backend", buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1,
+                                                            5), registry=registry)
+        self.leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
+        self.terms = Gauge("tiercake_leader_terms", "terms this conductor has won", registry=registry)
+        self.changes = Gauge("tiercake_leader_changes", "leader changes this conductor has seen", registry=registry)
+        self.members = Gauge("tiercake_members", "live members", ["role"], registry=registry)
+        self.pins = Gauge("tiercake_pins", "pinned blocks", registry=registry)
+        self.requests = Counter("tiercake_api_requests", "API requests", ["endpoint"], registry=registry)
+        self.lookup_seconds = Histogram("tiercake_lookup_seconds", "placement lookup time in the conductor",
+                                        buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
+        conductor.index.stats.on_batch = self.on_batch
+        registry.register(_MemberTierCollector(conductor))
 
-    conductor.index.stats.on_batch = on_batch
-    registry.register(_MemberTierCollector(conductor))
-    if frontend is not None:
-        frontend.bind_metrics(registry)
+    def on_batch(self, n: int, seconds: float) -> None:
+        self.ops.inc(n)
+        self.batch_ops.observe(n)
+        self.commit_seconds.observe(seconds)
+
+    async def handler(self, _: web.Request) -> web.Response:
+        conductor = self.conductor
+        self.index_size.set(len(conductor.index))
+        self.leader.set(1 if conductor.is_leader else 0)
+        self.terms.set(conductor.election.terms)
+        self.changes.set(conductor.election.changes_seen)
+        self.pins.set(len(conductor.pins))
+        for role in ("node", "prefill", "decode", "worker"):
+            self.members.labels(role).set(len(conductor.members.alive(role)))
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+
+def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metrics):
+    """Bearer tokens on every path but the probes (and the OpenAI API's, which take API keys), and the
+    conductor's own errors in the one format."""
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if tokens and request.path not in PROBE_PATHS and not (frontend and with_public and request.path in OPEN_PATHS):
+        if tokens and request.path not in PROBE_PATHS and request.path not in open_paths:
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
             if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):
-                raise _error(web.HTTPUnauthorized, "a valid bearer token is required")
-        requests.labels(request.match_info.route.resource.canonical if request.match_info.route.resource
-                        else "unmatched").inc()
+                raise ApiError(401, "a valid bearer token is required", code="invalid_token")
+        resource = request.match_info.route.resource
+        metrics.requests.labels(resource.canonical if resource else "unmatched").inc()
         try:
             return await handler(request)
         except NotLeaderError as exc:
-            raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": str(exc), "leader": exc.leader}), content_type="application/json",
-                headers={"X-Tiercake-Leader": exc.leader or ""},
-            ) from None
-        except MetadataUnavailableError as exc:
-            raise _error(web.HTTPServiceUnavailable, f"{exc}; retry", retryable=True) from None
-        except FencedError as exc:  # deposed while the write was in flight: the new leader takes it
-            raise _error(web.HTTPServiceUnavailable, f"{exc}; retry at the leader", retryable=True) from None
+            raise ApiError(503, str(exc), code="not_leader", headers={"X-Tiercake-Leader": exc.leader or ""},
+                           retryable=True, leader=exc.leader) from None
+        except (MetadataUnavailableError, FencedError) as exc:  # fenced: deposed while the write was in flight
+            raise ApiError(503, f"{exc}; retry", code="unavailable", retryable=True) from None
         except LeaseExpiredError as exc:
-            raise _error(web.HTTPNotFound, str(exc)) from None
+            raise ApiError(404, str(exc), code="lease_expired") from None
         except NoRoomError as exc:
-            raise _error(web.HTTPInsufficientStorage, str(exc)) from None
+            raise ApiError(507, str(exc), code="no_room") from None
         except PlacementError as exc:
-            raise _error(web.HTTPConflict, str(exc)) from None
+            raise ApiError(409, str(exc), code="placement_conflict") from None
+
+    return auth
+
+
+def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
+    """The index: lookups (any conductor), puts, reports, removals, pins and heat (the leader)."""
 
     async def lookup(request: web.Request) -> web.Response:
-        body = await _body(request, LookupRequest)
+        body = await parse(request, LookupRequest)
         keys = _keys(body.keys)
-        with lookup_seconds.time():
+        with metrics.lookup_seconds.time():
             found = conductor.lookup(body.tenant, keys)
-        return web.json_response({"nodes": {n: {"length": p.length, "tiers": p.tiers} for n, p in found.items()}})
+        return reply(LookupReply(nodes={n: PrefixHolding(length=p.length, tiers=p.tiers) for n, p in found.items()}))
+
+    async def leader_only(request: web.Request, model: type[BaseModel]):
+        body = await parse(request, model)
+        conductor.require_leader(await conductor.leader())
+        return body
 
     async def begin(request: web.Request) -> web.Response:
-        body = await _body(request, BeginRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, BeginRequest)
         keys = _keys([b.key for b in body.blocks])
         targets = conductor.begin_put(body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local)
-        return web.json_response({"targets": {k.hex(): nodes for k, nodes in targets.items()}})
+        return reply(BeginReply(targets={k.hex(): nodes for k, nodes in targets.items()}))
 
     async def commit(request: web.Request) -> web.Response:
-        body = await _body(request, CommitRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, CommitRequest)
         keys = _keys([b.key for b in body.blocks])
         await conductor.commit_put(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks])
-        return web.json_response({"committed": len(keys)})
+        return reply(CommitReply(committed=len(keys)))
 
     async def revoke(request: web.Request) -> web.Response:
-        body = await _body(request, RemoveRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, RemoveRequest)
         conductor.revoke_put(body.tenant, _keys(body.keys), body.node, body.tier)
-        return web.json_response({"revoked": len(body.keys)})
+        return reply(RevokeReply(revoked=len(body.keys)))
 
     async def report(request: web.Request) -> web.Response:
         """A node declares blocks it holds (spilled, promoted, or its SSD tier's after a restart)."""
-        body = await _body(request, CommitRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, CommitRequest)
         keys = _keys([b.key for b in body.blocks])
         new = await conductor.report(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks])
-        return web.json_response({"reported": len(keys), "new": new})
+        return reply(ReportReply(reported=len(keys), new=new))
 
     async def remove(request: web.Request) -> web.Response:
-        body = await _body(request, RemoveRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, RemoveRequest)
         removed, unknown = await conductor.remove(body.tenant, _keys(body.keys), body.node, body.tier)
-        return web.json_response({"removed": removed, "unknown": unknown})
+        return reply(RemoveReply(removed=removed, unknown=unknown))
 
     async def pin(request: web.Request) -> web.Response:
-        body = await _body(request, PinRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, PinRequest)
         await conductor.pin(body.tenant, _keys(body.keys), body.ttl)
-        return web.json_response({"pinned": len(body.keys)})
+        return reply(PinReply(pinned=len(body.keys)))
 
     async def unpin(request: web.Request) -> web.Response:
-        body = await _body(request, PinRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, PinRequest)
         await conductor.unpin(body.tenant, _keys(body.keys))
-        return web.json_response({"unpinned": len(body.keys)})
+        return reply(UnpinReply(unpinned=len(body.keys)))
 
     async def heat(request: web.Request) -> web.Response:
-        body = await _body(request, HeatRequest)
-        conductor.require_leader(await conductor.leader())
+        body = await leader_only(request, HeatRequest)
         keys = _keys([h.key for h in body.hits])
         conductor.add_heat([((h.tenant, key), h.count) for h, key in zip(body.hits, keys)])
-        return web.json_response({"accepted": len(keys)})
+        return reply(HeatReply(accepted=len(keys)))
+
+    async def node_blocks(request: web.Request) -> web.Response:
+        pins = conductor.pins
+        return reply(NodeBlocksReply(blocks=[
+            NodeBlock(tenant=t, key=k.hex(), tier=tier, size=size, pinned=(t, k) in pins)
+            for t, k, tier, size in conductor.index.node_blocks(request.match_info["node"])]))
+
+    async def node_pins(request: web.Request) -> web.Response:
+        version = conductor.pins_version
+        return reply(NodePinsReply(version=version, pins=[
+            NodePin(tenant=t, key=k.hex()) for t, k in conductor.node_pins(request.match_info["node"])]))
+
+    return [
+        web.post("/v1/placements/lookup", lookup), web.post("/v1/placements/begin", begin),
+        web.post("/v1/placements/commit", commit), web.post("/v1/placements/revoke", revoke),
+        web.post("/v1/placements/report", report), web.post("/v1/placements/remove", remove),
+        web.post("/v1/placements/pin", pin), web.post("/v1/placements/unpin", unpin), web.post("/v1/heat", heat),
+        web.get("/v1/nodes/{node}/blocks", node_blocks), web.get("/v1/nodes/{node}/pins", node_pins),
+    ]
+
+
+def _member_routes(conductor: Conductor) -> list:
+    """Membership (any conductor) and who leads."""
 
     async def register(request: web.Request) -> web.Response:
-        body = await _body(request, RegisterRequest)
-        return web.json_response({"lease": await conductor.register(body.member, body.ttl)})
+        body = await parse(request, RegisterRequest)
+        return reply(RegisterReply(lease=await conductor.register(body.member, body.ttl)))
 
     async def keep_alive(request: web.Request) -> web.Response:
         """Renew a member's lease; the answer carries the pins version (fetch the node's pins when
-        it changes) and, from the leader, the node's replication tasks."""
-        body = await _body(request, LeaseRequest)
+        it changes), the cluster settings and, from the leader, the node's replication tasks."""
+        body = await parse(request, LeaseRequest)
         await conductor.keep_alive(body.lease)
         if body.stats is not None:
             conductor.member_stats[body.node_id] = body.stats
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
-        return web.json_response({
-            "pins_version": conductor.pins_version,
-            "settings": conductor.settings,
-            "tasks": [{"tenant": t.tenant, "key": t.key.hex(), "tier": t.tier, "size": t.size, "source": t.source}
-                      for t in tasks],
-        })
+        return reply(KeepAliveReply(pins_version=conductor.pins_version, settings=conductor.settings, tasks=[
+            ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
+            for t in tasks]))
 
     async def leave(request: web.Request) -> web.Response:
-        body = await _body(request, LeaseRequest)
+        body = await parse(request, LeaseRequest)
         await conductor.leave(body.lease)
-        return web.json_response({"left": body.node_id})
-
-    async def node_blocks(request: web.Request) -> web.Response:
-        node = request.match_info["node"]
-        pins = conductor.pins
-        return web.json_response({"blocks": [
-            {"tenant": t, "key": k.hex(), "tier": tier, "size": size, "pinned": (t, k) in pins}
-            for t, k, tier, size in conductor.index.node_blocks(node)
-        ]})
-
-    async def node_pins(request: web.Request) -> web.Response:
-        node = request.match_info["node"]
-        version = conductor.pins_version
-        return web.json_response({"version": version, "pins": [
-            {"tenant": t, "key": k.hex()} for t, k in conductor.node_pins(node)
-        ]})
+        return reply(LeaveReply(left=body.node_id))
 
     async def members(_: web.Request) -> web.Response:
-        return web.json_response({"members": [m.model_dump() for m in conductor.members.alive()]})
+        return reply(MembersReply(members=conductor.members.alive()))
 
     async def leader_info(_: web.Request) -> web.Response:
-        info = await conductor.leader()
-        return web.json_response({"leader": info.model_dump() if info else None, "self": conductor.conductor_id})
+        return reply(LeaderReply.model_validate({"leader": await conductor.leader(), "self": conductor.conductor_id}))
 
-    async def metrics(_: web.Request) -> web.Response:
-        index_size.set(len(conductor.index))
-        leader.set(1 if conductor.is_leader else 0)
-        terms.set(conductor.election.terms)
-        changes.set(conductor.election.changes_seen)
-        pins_gauge.set(len(conductor.pins))
-        for role in ("node", "prefill", "decode", "worker"):
-            members_gauge.labels(role).set(len(conductor.members.alive(role)))
-        return web.Response(body=generate_latest(registry), content_type="text/plain")
+    return [
+        web.post("/v1/members/register", register), web.post("/v1/members/keepalive", keep_alive),
+        web.post("/v1/members/leave", leave), web.get("/v1/members", members), web.get("/v1/leader", leader_info),
+    ]
 
-    app = web.Application(middlewares=[auth], client_max_size=MAX_BODY)
-    app.add_routes([
-        *_probe_routes(conductor),
-        web.get("/metrics", metrics),
-        web.get("/v1/leader", leader_info),
-        web.get("/v1/members", members),
-        web.post("/v1/placements/lookup", lookup),
-        web.post("/v1/placements/begin", begin),
-        web.post("/v1/placements/commit", commit),
-        web.post("/v1/placements/revoke", revoke),
-        web.post("/v1/placements/report", report),
-        web.post("/v1/placements/remove", remove),
-        web.post("/v1/placements/pin", pin),
-        web.post("/v1/placements/unpin", unpin),
-        web.post("/v1/heat", heat),
-        web.post("/v1/members/register", register),
-        web.post("/v1/members/keepalive", keep_alive),
-        web.post("/v1/members/leave", leave),
-        web.get("/v1/nodes/{node}/blocks", node_blocks),
-        web.get("/v1/nodes/{node}/pins", node_pins),
-    ])
+
+def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None,
+              with_public: bool = True) -> web.Application:
+    """The control API; with ``frontend`` (a ``Frontend``), its operator endpoints and, unless
+    ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it."""
+    metrics = _Metrics(conductor)
+    if frontend is not None:
+        frontend.bind_metrics(metrics.registry)
+    open_paths = OPEN_PATHS if frontend is not None and with_public else ()
+    app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics)],
+                          client_max_size=MAX_BODY)
+    app.add_routes([*_probe_routes(conductor), web.get("/metrics", metrics.handler),
+                    *_member_routes(conductor), *_placement_routes(conductor, metrics)])
     if frontend is not None:
         frontend.add_routes(app, public=with_public)
     return app
@@ -390,7 +322,7 @@ def build_public_app(conductor: Conductor, frontend) -> web.Application:
     """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
     control tokens), with health and readiness for probes."""
 
-    app = web.Application(client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
     app.add_routes(_probe_routes(conductor))
     frontend.add_routes(app, control=False)
     return app

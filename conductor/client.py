@@ -6,24 +6,51 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
+from pydantic import BaseModel
+
+from tiercake.errors import parse_error
+from tiercake.messages import (
+    BeginReply,
+    ClusterView,
+    ConductorInfo,
+    CommitReply,
+    FlushReply,
+    HeatReply,
+    KeepAliveReply,
+    LeaderReply,
+    LookupReply,
+    MemberInfo,
+    MembersReply,
+    MemberStats,
+    NodeBlock,
+    NodeBlocksReply,
+    NodePinsReply,
+    PinPrefixReply,
+    PinReply,
+    PolicyReply,
+    PrefixHolding,
+    PrefixReply,
+    RegisterReply,
+    RemoveReply,
+    ReportReply,
+    RevokeReply,
+    UnpinReply,
+)
+
+R = TypeVar("R", bound=BaseModel)
+Prefix = PrefixHolding  # the name callers used before the messages module
 
 
 class ConductorError(Exception):
     """The conductor refused the request (4xx) or none could serve it in time."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
-
-
-@dataclass(frozen=True, slots=True)
-class Prefix:
-    length: int
-    tiers: dict[str, int]
+        self.code = code
 
 
 class Client:
@@ -70,10 +97,10 @@ class Client:
                         self._current = index % len(self.urls)
                         return data
                     trail.append(f"{url} {resp.status}")
+                    error = parse_error(data, resp.status)
                     if resp.status == 503:  # a follower, or no leader / backend yet: move on
-                        leader = (resp.headers.get("X-Tiercake-Leader") or "").rstrip("/")
-                        error = data.get("error", "unavailable")
-                        last = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+                        leader = (resp.headers.get("X-Tiercake-Leader") or error.leader or "").rstrip("/")
+                        last = error.message
                         # follow the hint, unless it names a conductor that just failed us (a dead
                         # leader is still named until its lease runs out) or the one that answered (it
                         # leads but cannot be sure of its lease yet): then wait and ask again
@@ -83,9 +110,7 @@ class Client:
                             index = self.urls.index(leader)
                             continue
                     else:
-                        error = data.get("error", data)
-                        message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-                        raise ConductorError(resp.status, message)
+                        raise ConductorError(resp.status, error.message, error.code)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 last = f"{url}: {exc!r}"
                 trail.append(f"{url} {type(exc).__name__}")
@@ -94,75 +119,82 @@ class Client:
             await asyncio.sleep(min(0.05 * 2 ** (attempt // len(self.urls)), 1.0))
         raise ConductorError(503, f"{last} (after {len(trail)} attempts: {', '.join(trail[-6:])})")
 
-    async def lookup(self, tenant: str, keys: list[bytes]) -> dict[str, Prefix]:
-        data = await self._call("POST", "/v1/placements/lookup", {"tenant": tenant, "keys": [k.hex() for k in keys]})
-        return {node: Prefix(p["length"], p["tiers"]) for node, p in data["nodes"].items()}
+    async def _typed(self, model: type[R], method: str, path: str, body: dict | None = None) -> R:
+        return model.model_validate(await self._call(method, path, body))
+
+    async def lookup(self, tenant: str, keys: list[bytes]) -> dict[str, PrefixHolding]:
+        """Node -> how much of the chain it holds (``length`` blocks from the start, by tier)."""
+        body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
+        return (await self._typed(LookupReply, "POST", "/v1/placements/lookup", body)).nodes
 
     async def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
                         local: str | None = None) -> dict[bytes, list[str]]:
         """Where each new block goes (as many nodes as the replication policy wants)."""
         blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
         body = {"tenant": tenant, "tier": tier, "blocks": blocks, "local": local}
-        targets = (await self._call("POST", "/v1/placements/begin", body))["targets"]
+        targets = (await self._typed(BeginReply, "POST", "/v1/placements/begin", body)).targets
         return {bytes.fromhex(k): nodes for k, nodes in targets.items()}
 
     async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
         """The node stored blocks begun for it; returns once their placement is durable."""
-        return (await self._replicas("commit", tenant, node, tier, keys, sizes))["committed"]
+        body = self._replicas(tenant, node, tier, keys, sizes)
+        return (await self._typed(CommitReply, "POST", "/v1/placements/commit", body)).committed
 
     async def report(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
         """The node holds these blocks (spilled, promoted, or its SSD tier's after a restart); no put
         needed. Returns how many the index did not have yet."""
-        return (await self._replicas("report", tenant, node, tier, keys, sizes))["new"]
+        body = self._replicas(tenant, node, tier, keys, sizes)
+        return (await self._typed(ReportReply, "POST", "/v1/placements/report", body)).new
 
-    async def _replicas(self, op: str, tenant, node, tier, keys, sizes) -> dict:
+    @staticmethod
+    def _replicas(tenant, node, tier, keys, sizes) -> dict:
         blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
-        body = {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks}
-        return await self._call("POST", f"/v1/placements/{op}", body)
+        return {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks}
 
     async def revoke(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
-        return (await self._call("POST", "/v1/placements/revoke", body))["revoked"]
+        return (await self._typed(RevokeReply, "POST", "/v1/placements/revoke", body)).revoked
 
     async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> tuple[int, int]:
         """The node no longer holds these blocks; returns (removed, unknown to the index)."""
         body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
-        data = await self._call("POST", "/v1/placements/remove", body)
-        return data["removed"], data["unknown"]
+        data = await self._typed(RemoveReply, "POST", "/v1/placements/remove", body)
+        return data.removed, data.unknown
 
     async def pin(self, tenant: str, keys: list[bytes], ttl: int | None = None) -> int:
         """Keep these blocks wherever they are held, until unpinned (or for ``ttl`` seconds)."""
         body = {"tenant": tenant, "keys": [k.hex() for k in keys], "ttl": ttl}
-        return (await self._call("POST", "/v1/placements/pin", body))["pinned"]
+        return (await self._typed(PinReply, "POST", "/v1/placements/pin", body)).pinned
 
     async def heat(self, hits: list[tuple[str, bytes, int]]) -> int:
         """Accesses a follower conductor counted in its lookups, for the leader's hot replication."""
         body = {"hits": [{"tenant": t, "key": k.hex(), "count": n} for t, k, n in hits]}
-        return (await self._call("POST", "/v1/heat", body))["accepted"]
+        return (await self._typed(HeatReply, "POST", "/v1/heat", body)).accepted
 
     async def unpin(self, tenant: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
-        return (await self._call("POST", "/v1/placements/unpin", body))["unpinned"]
+        return (await self._typed(UnpinReply, "POST", "/v1/placements/unpin", body)).unpinned
 
-    async def node_blocks(self, node: str) -> list[dict]:
+    async def node_blocks(self, node: str) -> list[NodeBlock]:
         """Every replica the index places on ``node``: tenant, key (hex), tier, size, pinned."""
-        return (await self._call("GET", f"/v1/nodes/{node}/blocks"))["blocks"]
+        return (await self._typed(NodeBlocksReply, "GET", f"/v1/nodes/{node}/blocks")).blocks
 
     async def node_pins(self, node: str) -> tuple[int, list[tuple[str, bytes]]]:
         """(pins version, the pinned blocks ``node`` holds)."""
-        data = await self._call("GET", f"/v1/nodes/{node}/pins")
-        return data["version"], [(p["tenant"], bytes.fromhex(p["key"])) for p in data["pins"]]
+        data = await self._typed(NodePinsReply, "GET", f"/v1/nodes/{node}/pins")
+        return data.version, [(p.tenant, bytes.fromhex(p.key)) for p in data.pins]
 
-    async def register(self, member: dict, ttl: int = 5) -> int:
-        """Register a node or worker (``MemberInfo`` fields); returns its lease."""
-        return (await self._call("POST", "/v1/members/register", {"member": member, "ttl": ttl}))["lease"]
+    async def register(self, member: MemberInfo, ttl: int = 5) -> int:
+        """Register a node or worker; returns its lease."""
+        body = {"member": member.model_dump(exclude={"lease"}), "ttl": ttl}
+        return (await self._typed(RegisterReply, "POST", "/v1/members/register", body)).lease
 
-    async def keep_alive(self, node_id: str, lease: int, stats: dict | None = None) -> dict:
+    async def keep_alive(self, node_id: str, lease: int, stats: MemberStats | None = None) -> KeepAliveReply:
         """Renew the lease (and tell the conductor how the member's store is doing). Raises
         ``ConductorError`` with status 404 once it has expired (register again). Returns the pins
         version, the cluster's run-time settings and the node's replication tasks."""
-        body = {"node_id": node_id, "lease": lease, "stats": stats}
-        return await self._call("POST", "/v1/members/keepalive", body)
+        body = {"node_id": node_id, "lease": lease, "stats": stats.model_dump() if stats is not None else None}
+        return await self._typed(KeepAliveReply, "POST", "/v1/members/keepalive", body)
 
     async def leave(self, node_id: str, lease: int) -> None:
         await self._call("POST", "/v1/members/leave", {"node_id": node_id, "lease": lease})
@@ -189,8 +221,8 @@ class Client:
         url = self.urls[self._current % len(self.urls)]
         async with self._http().post(url + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status >= 400:
-                data = await resp.json(content_type=None)
-                raise ConductorError(resp.status, data.get("error", {}).get("message", str(data)))
+                error = parse_error(await resp.json(content_type=None), resp.status)
+                raise ConductorError(resp.status, error.message, error.code)
             async for line in resp.content:
                 line = line.strip()
                 if not line.startswith(b"data: "):
@@ -205,36 +237,39 @@ class Client:
 
     # Serving control ----------------------------------------------------------------------------
 
-    async def cluster(self) -> dict:
+    async def cluster(self) -> ClusterView:
         """Nodes and workers (tiers with capacity, use, blocks, hits; loads) and the serving hit ratio."""
-        return await self._call("GET", "/v1/cluster")
+        return await self._typed(ClusterView, "GET", "/v1/cluster")
 
-    async def prefix(self, prompt: str | list[int], tenant: str = "default") -> dict:
-        """Who holds how much of a prompt's prefix: ``{"blocks", "holders": {id: {"tokens", "tiers"}}}``."""
-        return await self._call("POST", "/v1/prefix", {"prompt": prompt, "tenant": tenant})
+    async def prefix(self, prompt: str | list[int], tenant: str = "default") -> PrefixReply:
+        """Who holds how much of a prompt's prefix (``blocks``; ``holders``: id -> tokens, blocks, tiers)."""
+        return await self._typed(PrefixReply, "POST", "/v1/prefix", {"prompt": prompt, "tenant": tenant})
 
     async def pin_prefix(self, prompt: str | list[int], tenant: str = "default", ttl: int | None = None) -> int:
         """Keep a prompt's full blocks wherever they are held (a system prompt, say)."""
         body = {"prompt": prompt, "tenant": tenant, "ttl": ttl}
-        return (await self._call("POST", "/v1/prefix/pin", body))["pinned_blocks"]
+        return (await self._typed(PinPrefixReply, "POST", "/v1/prefix/pin", body)).pinned_blocks
 
     async def unpin_prefix(self, prompt: str | list[int], tenant: str = "default") -> int:
-        return (await self._call("POST", "/v1/prefix/unpin", {"prompt": prompt, "tenant": tenant}))["unpinned_blocks"]
+        body = {"prompt": prompt, "tenant": tenant}
+        return (await self._typed(PinPrefixReply, "POST", "/v1/prefix/unpin", body)).unpinned_blocks
 
     async def flush(self, tiers: list[str] | None = None) -> int:
         """Every node and worker drops the blocks it may (not pinned, leased or in use); with
         ``tiers``, only those tiers' copies, pushed down to the next tier (``["gpu"]``: the workers'
-        caches; ``["pool"]``: the nodes' pools, leaving their blocks on SSD)."""
-        return (await self._call("POST", "/v1/flush", {"tiers": tiers}))["flush_epoch"]
+        caches; ``["pool"]``: the nodes' pools, leaving their blocks on SSD). Asynchronous: returns
+        the flush epoch once it is durable; members apply it at their next keep-alive."""
+        return (await self._typed(FlushReply, "POST", "/v1/flush", {"tiers": tiers})).flush_epoch
 
     async def set_policy(self, router: str | None = None, router_params: dict | None = None,
-                         eviction: dict[str, dict] | None = None) -> dict:
+                         eviction: dict[str, dict] | None = None) -> PolicyReply:
         """Switch the router and/or tiers' eviction policies (``{tier: {"policy", "params"}}``) at run time."""
         body = {"router": router, "router_params": router_params or {}, "eviction": eviction}
-        return await self._call("POST", "/v1/policy", body)
+        return await self._typed(PolicyReply, "POST", "/v1/policy", body)
 
-    async def members(self) -> list[dict]:
-        return (await self._call("GET", "/v1/members"))["members"]
+    async def members(self) -> list[MemberInfo]:
+        return (await self._typed(MembersReply, "GET", "/v1/members")).members
 
-    async def leader(self) -> dict | None:
-        return (await self._call("GET", "/v1/leader"))["leader"]
+    async def leader(self) -> ConductorInfo | None:
+        """The leading conductor (None while there is none)."""
+        return (await self._typed(LeaderReply, "GET", "/v1/leader")).leader

@@ -5,7 +5,7 @@ the same router objects the live front uses (``policies/routing.py``).
 Each prefill worker computes one request at a time: it starts when the worker is free, pulls the
 prefix it was told to pull (at the transfer bandwidth), then computes the rest (the prefill-time
 model). The prompt's blocks then enter its cache and the global pool (both under eviction policies
-from the registry). Decode runs on the least loaded decode worker; a token takes a decode step,
+from the registry). Decode runs on the decode worker the router's ``choose_decode`` picks (the least loaded by default); a token takes a decode step,
 longer as the batch grows. Early rejection happens when the router's predicted TTFT or TBT exceeds
 the SLO. Reported: TTFT and TBT percentiles, SLO attainment, rejections, hit ratios, bytes moved.
 """
@@ -144,8 +144,10 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
                               queue_s=max(0.0, free_at[i] - now)) for i in range(spec.prefill_workers)]
         request = RouteRequest(record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best)
         decision = router.choose(states, request)
-        d = min(range(spec.decode_workers), key=lambda j: len(decoding[j]))
-        tbt = spec.decode_step_s * (1 + len(decoding[d]) / 32)
+        decoders = [WorkerState(f"d{j}", running=len(decoding[j]), prefill=spec.prefill,
+                                decode_step_s=spec.decode_step_s) for j in range(spec.decode_workers)]
+        decode = router.choose_decode(decoders, request)  # the live front's rule
+        d, tbt = int(decode.worker[1:]), decode.tbt_s
         if (spec.slo_ttft_s is not None and decision.ttft_s > spec.slo_ttft_s) or \
                 (spec.slo_tbt_s is not None and tbt > spec.slo_tbt_s):
             result.rejected += 1

@@ -9,9 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from tiercake.messages import MemberInfo
 
 from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, WatchEvent, follow
 
@@ -19,18 +17,7 @@ log = logging.getLogger(__name__)
 
 MEMBERS = b"/tiercake/members/"
 
-
-class MemberInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    node_id: str = Field(min_length=1, pattern=r"^[^/]+$")
-    role: Literal["node", "prefill", "decode", "worker", "conductor"] = "node"
-    host: str = "127.0.0.1"
-    port: int = Field(default=0, ge=0, le=65535)
-    tiers: dict[str, int] = Field(default_factory=dict, description="tier name -> capacity in bytes")
-    lease: int = Field(default=0, ge=0, description="the lease the member is registered under (set on registration)")
-    url: str = Field(default="", description="a worker's HTTP API")
-    perf: dict[str, float] = Field(default_factory=dict, description="a worker's fitted timings (routing)")
+__all__ = ["MEMBERS", "MemberInfo", "Membership", "Registration"]
 
 
 class Registration:

@@ -14,14 +14,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
 
+from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
 from tiercake.policies import NodeLoad, create_placement, create_replication
 
 from .client import Client, ConductorError
 from .election import LeaderElection
 from .heat import AccessRates
-from .membership import MEMBERS, MemberInfo, Membership
+from .membership import MEMBERS, Membership
 from .metadata import (
     Delete, Guard, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
 )
@@ -36,15 +36,6 @@ class NotLeaderError(Exception):
     def __init__(self, leader: str | None) -> None:
         super().__init__(f"this conductor does not lead; the leader is {leader or 'not known yet'}")
         self.leader = leader
-
-
-class ConductorInfo(BaseModel):
-    """What a conductor publishes about itself, so clients can find the leader's address."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    conductor_id: str
-    url: str = Field(description="where its HTTP API listens")
 
 
 class PlacementError(Exception):
@@ -105,8 +96,9 @@ class Conductor:
         self.pins_version = 0
         self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
         self._pin_follower: asyncio.Task | None = None
-        self.settings: dict[str, object] = {}  # name -> JSON value, followed from the backend
-        self.member_stats: dict[str, dict] = {}  # what members said of their stores in keep-alives
+        self._settings: dict[str, object] = {}  # name -> JSON value, followed from the backend
+        self.settings = ClusterSettings()  # the same, typed
+        self.member_stats: dict[str, MemberStats] = {}  # what members said of their stores in keep-alives
         self._settings_follower: asyncio.Task | None = None
 
     async def start(self) -> Conductor:
@@ -338,20 +330,32 @@ class Conductor:
     def _apply_setting(self, event: WatchEvent) -> None:
         name = event.key[len(SETTINGS):].decode()
         if event.kind == "put":
-            self.settings[name] = json.loads(event.value)
+            self._settings[name] = json.loads(event.value)
         else:
-            self.settings.pop(name, None)
+            self._settings.pop(name, None)
+        self._retype_settings()
+
+    def _retype_settings(self) -> None:
+        try:
+            self.settings = ClusterSettings.model_validate(self._settings)
+        except ValueError as exc:  # a setting written by hand, or by a newer version: keep the rest
+            log.error("conductor %s: cluster settings refused: %s", self.conductor_id, exc)
 
     async def put_setting(self, name: str, value: object) -> None:
-        """Durable, and seen by every conductor (and through them by every member)."""
-        await self.meta.commit([Put(SETTINGS + name.encode(), json.dumps(value).encode())], guard=self.guard)
-        self.settings[name] = value
+        """Durable, and seen by every conductor (and through them by every member). ``name`` is a
+        field of ``ClusterSettings``; ``value`` its model (or a JSON-able value of its shape)."""
+        if name not in ClusterSettings.model_fields:
+            raise ValueError(f"unknown cluster setting {name!r}")
+        encoded = json.loads(ClusterSettings.model_validate({name: value}).model_dump_json(include={name}))[name]
+        await self.meta.commit([Put(SETTINGS + name.encode(), json.dumps(encoded).encode())], guard=self.guard)
+        self._settings[name] = encoded
+        self._retype_settings()
 
     async def flush(self, tiers: list[str] | None = None) -> int:
         """Ask every node and worker to drop what it may (unpinned, unleased, unused blocks); with
         ``tiers``, only what those tiers hold, pushed down to the next tier. Returns the flush epoch."""
-        epoch = int(self.settings.get("flush", {}).get("epoch", 0)) + 1
-        await self.put_setting("flush", {"epoch": epoch, "tiers": tiers})
+        epoch = self.settings.flush.epoch + 1
+        await self.put_setting("flush", FlushSetting(epoch=epoch, tiers=tiers))
         return epoch
 
     # Hot-block replication ------------------------------------------------------------------------

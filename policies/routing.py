@@ -69,7 +69,13 @@ class Router(ABC):
     name: ClassVar[str] = ""
 
     @abstractmethod
-    def choose(self, workers: list[WorkerState], request: RouteRequest) -> RouteDecision: ...
+    def choose(self, workers: list[WorkerState], request: RouteRequest) -> RouteDecision:
+        """The worker that computes the prompt (a prefill worker, or a worker doing both)."""
+
+    def choose_decode(self, workers: list[WorkerState], request: RouteRequest) -> RouteDecision:
+        """The decode worker that takes over a prefilled request (its blocks are on a node already, so
+        its own cache does not matter): by default the smallest predicted time between tokens."""
+        return min((self.predict(w, request, pull_ratio=None) for w in workers), key=lambda d: (d.tbt_s, d.worker))
 
     def describe(self) -> str:
         return self.name

@@ -11,10 +11,12 @@ import time
 
 import aiohttp
 import pytest
+
 from conductor_helpers import running_conductor
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.service import Conductor
+from tiercake.messages import ErrorReply, MemberInfo
 
 
 def k(i: int) -> bytes:
@@ -30,8 +32,8 @@ async def api():
 async def test_client_commit_lookup_remove(api):
     url, conductor = api
     async with Client([url], token="s3cret-token") as client:
-        lease_a = await client.register({"node_id": "node-a", "tiers": {"pool": 1 << 20}}, ttl=5)
-        await client.register({"node_id": "node-b", "tiers": {"ssd": 1 << 20}}, ttl=5)
+        lease_a = await client.register(MemberInfo(node_id="node-a", tiers={"pool": 1 << 20}), ttl=5)
+        await client.register(MemberInfo(node_id="node-b", tiers={"ssd": 1 << 20}), ttl=5)
         assert await client.report("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 4
         assert await client.report("t", "node-a", "pool", [k(i) for i in range(4)], [4096] * 4) == 0  # known
         await client.report("t", "node-b", "ssd", [k(0), k(1)], [4096] * 2)
@@ -41,9 +43,9 @@ async def test_client_commit_lookup_remove(api):
         # removing what the node holds, and what the index never had: counted apart, no error
         assert await client.remove("t", "node-a", "pool", [k(3), k(77)]) == (1, 1)
         assert (await client.lookup("t", [k(i) for i in range(5)]))["node-a"].length == 3
-        assert (await client.leader())["conductor_id"] == "c1"
-        members = {m["node_id"]: m for m in await client.members()}
-        assert members["node-a"]["lease"] == lease_a and members["node-b"]["tiers"] == {"ssd": 1 << 20}
+        assert (await client.leader()).conductor_id == "c1"
+        members = {m.node_id: m for m in await client.members()}
+        assert members["node-a"].lease == lease_a and members["node-b"].tiers == {"ssd": 1 << 20}
         # a node that never registered, or a tier the node does not have: refused, nothing recorded
         for node, tier in (("node-z", "pool"), ("node-b", "pool")):
             with pytest.raises(ConductorError) as err:
@@ -53,14 +55,14 @@ async def test_client_commit_lookup_remove(api):
         # keys of one tenant mean nothing to another
         assert await client.lookup("other", [k(i) for i in range(5)]) == {}
         held = await client.node_blocks("node-a")
-        assert sorted(b["key"] for b in held) == sorted(k(i).hex() for i in range(3))
-        assert all(b["tenant"] == "t" and b["tier"] == "pool" and not b["pinned"] for b in held)
+        assert sorted(b.key for b in held) == sorted(k(i).hex() for i in range(3))
+        assert all(b.tenant == "t" and b.tier == "pool" and not b.pinned for b in held)
 
 
 async def test_pins_are_durable_listed_per_node_and_expire(api):
     url, conductor = api
     async with Client([url], token="s3cret-token") as client:
-        await client.register({"node_id": "node-a", "tiers": {"pool": 1 << 20}}, ttl=5)
+        await client.register(MemberInfo(node_id="node-a", tiers={"pool": 1 << 20}), ttl=5)
         await client.report("t", "node-a", "pool", [k(1), k(2)], [10, 10])
         version, pins = await client.node_pins("node-a")
         assert pins == []
@@ -68,7 +70,7 @@ async def test_pins_are_durable_listed_per_node_and_expire(api):
         await client.pin("t", [k(2)], ttl=1)
         version2, pins = await client.node_pins("node-a")
         assert version2 > version and sorted(pins) == [("t", k(1)), ("t", k(2))]
-        assert [b["pinned"] for b in sorted(await client.node_blocks("node-a"), key=lambda b: b["key"])] == [True, True]
+        assert [b.pinned for b in sorted(await client.node_blocks("node-a"), key=lambda b: b.key)] == [True, True]
         # a new conductor on the same backend knows the pins (they are in the backend, not in memory)
         other = await Conductor(conductor.meta, "c2").start()
         assert other.pins == {("t", k(1)), ("t", k(2))}
@@ -88,7 +90,7 @@ async def test_bad_requests_are_clear_4xx(api):
         async with http.get(url + "/health") as resp:  # health needs no token
             assert resp.status == 200
         async with http.post(url + "/v1/placements/lookup", json={"tenant": "t", "keys": []}) as resp:
-            assert resp.status == 401 and "bearer token" in (await resp.json())["error"]
+            assert resp.status == 401 and "bearer token" in (await resp.json())["error"]["message"]
         async with http.post(url + "/v1/placements/lookup", headers={"Authorization": "Bearer wrong"},
                              json={"tenant": "t", "keys": []}) as resp:
             assert resp.status == 401
@@ -106,11 +108,13 @@ async def test_bad_requests_are_clear_4xx(api):
         for path, body in cases:
             async with http.post(url + path, headers=headers, data=body) as resp:
                 assert resp.status == 400, (path, body, await resp.text())
-                assert "error" in await resp.json()
+                ErrorReply.model_validate(await resp.json())  # the one error format
         async with http.post(url + "/v1/placements/lookup", headers=headers, data=b"x" * (9 << 20)) as resp:
-            assert resp.status == 413
-        async with http.get(url + "/v1/nope", headers=headers) as resp:
-            assert resp.status == 404
+            assert resp.status == 413 and "body size" in ErrorReply.model_validate(await resp.json()).error.message
+        async with http.get(url + "/v1/nope", headers=headers) as resp:  # aiohttp's own errors too
+            assert resp.status == 404 and ErrorReply.model_validate(await resp.json()).error.type == "not_found_error"
+        async with http.get(url + "/v1/placements/lookup", headers=headers) as resp:
+            assert resp.status == 405 and ErrorReply.model_validate(await resp.json()).error.message
         async with http.get(url + "/ready", headers=headers) as resp:
             assert resp.status == 200 and (await resp.json())["ready"]
         async with http.get(url + "/metrics", headers=headers) as resp:
@@ -162,15 +166,15 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
     await asyncio.sleep(1.0)  # c-one wins the election
     second, url2 = conductors("c-two")
     async with Client([url2, url1]) as client:  # starts at the follower: must find the leader itself
-        await client.register({"node_id": "node-a", "tiers": {"pool": 1 << 30}}, ttl=60)
+        await client.register(MemberInfo(node_id="node-a", tiers={"pool": 1 << 30}), ttl=60)
         for n in range(10):
             await client.report("t", "node-a", "pool", [k(n * 10 + i) for i in range(10)], [1] * 10)
-        assert (await client.leader())["conductor_id"] == "c-one"
+        assert (await client.leader()).conductor_id == "c-one"
         first.send_signal(signal.SIGKILL)
         started = time.monotonic()
         await client.report("t", "node-a", "pool", [k(1000)], [1])  # waits through the failover
         assert time.monotonic() - started < 2 * 1 + 3  # two lease TTLs, plus etcd's lease rounding
-        assert (await client.leader())["conductor_id"] == "c-two"
+        assert (await client.leader()).conductor_id == "c-two"
         found = await client.lookup("t", [k(i) for i in range(100)])
         assert found["node-a"].length == 100  # every placement committed before the kill
 
@@ -226,7 +230,7 @@ async def test_leader_killed_mid_batch_loses_no_acknowledged_placement(conductor
     first, url1 = conductors("m-one")
     async with Client([url1]) as client:
         await wait_for_leader(client, "m-one")
-        await client.register({"node_id": "node-m", "tiers": {"pool": 1 << 30}}, ttl=60)
+        await client.register(MemberInfo(node_id="node-m", tiers={"pool": 1 << 30}), ttl=60)
     second, url2 = conductors("m-two")
     acknowledged: list[bytes] = []
 
@@ -253,13 +257,13 @@ async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors
     first, url1 = conductors("p-one")
     async with Client([url1]) as client:
         await wait_for_leader(client, "p-one")  # the previous test's leader, if any, has to expire first
-        await client.register({"node_id": "node-p", "tiers": {"pool": 1 << 30}}, ttl=60)
+        await client.register(MemberInfo(node_id="node-p", tiers={"pool": 1 << 30}), ttl=60)
     second, url2 = conductors("p-two")
     first.send_signal(signal.SIGSTOP)  # a partition, as far as etcd can tell
     try:
         async with Client([url2]) as client:
             await client.report("t", "node-p", "pool", [k(5000)], [1])  # p-two takes over meanwhile
-            assert (await client.leader())["conductor_id"] == "p-two"
+            assert (await client.leader()).conductor_id == "p-two"
     finally:
         first.send_signal(signal.SIGCONT)
     # at once after resuming, before its own renewal could have failed: it refuses writes
@@ -288,7 +292,7 @@ async def test_conductor_runs_from_the_config_file_with_tokens_from_the_environm
                 assert resp.status == 401
         async with Client([url], token="tok-2") as client:
             leader = await wait_for_leader(client)
-            assert leader["conductor_id"] == "cfg"
+            assert leader.conductor_id == "cfg"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0  # a clean stop
@@ -297,7 +301,7 @@ async def test_conductor_runs_from_the_config_file_with_tokens_from_the_environm
 async def wait_for_leader(client, name: str | None = None):
     for _ in range(100):
         leader = await client.leader()
-        if leader and name in (None, leader["conductor_id"]):
+        if leader and name in (None, leader.conductor_id):
             return leader
         await asyncio.sleep(0.1)
     raise AssertionError(f"no leader {name or ''}")

@@ -428,11 +428,11 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
         token = secret["control-tokens"].split()[0]
         async with Client([control], token=token, timeout=30) as client:
             for _ in range(100):  # joined with the Secret's token, under the node's name
-                roles = {m["role"]: m for m in await client.members()}
+                roles = {m.role: m for m in await client.members()}
                 if {"node", "prefill", "decode"} <= set(roles):
                     break
                 await asyncio.sleep(0.2)
-            assert roles["node"]["node_id"] == "node-a" and roles["prefill"]["node_id"] == "tiercake-prefill-0"
+            assert roles["node"].node_id == "node-a" and roles["prefill"].node_id == "tiercake-prefill-0"
         conductor = container(one(docs, "Deployment", "tiercake-conductor"))
         worker = container(one(docs, "Deployment", "tiercake-prefill"))
         async with aiohttp.ClientSession() as http:

@@ -6,9 +6,10 @@ import contextlib
 import aiohttp
 from conductor_helpers import running_conductor
 
-from tiercake.conductor.frontend import Frontend
+from tiercake.conductor.frontend import Frontend, Job
 from tiercake.conductor.membership import MemberInfo, Registration
 from tiercake.config import ServingConfig, TiercakeConfig, default_config
+from tiercake.messages import KVHandoff
 
 SLOW = {"prefill_a": 0.01, "prefill_b": 0.002, "prefill_q": 0.0, "decode_step_s": 0.01}
 
@@ -80,12 +81,12 @@ async def test_routing_sees_each_workers_own_prefix():
         tokens = list(b"a shared system prompt, long enough for a few blocks of sixteen tokens")
         keys = block_keys(front.config.serving_namespace("default"), tokens)
         await front.conductor.report("default", keys, "w-b", "gpu", [1] * len(keys))
-        chosen, decision, source = front.route(tokens, "default", ("worker",))
-        assert chosen.node_id == "w-b" and decision.reused_blocks == len(keys) == 4
-        assert not decision.pull and source is None  # its own gpu tier has it all: nothing to pull
+        route = front.dispatcher.route(Job(tokens, keys, "default", "default", 4), ("worker",))
+        assert route.member.node_id == "w-b" and route.decision.reused_blocks == len(keys) == 4
+        assert not route.decision.pull and route.source is None  # its own gpu tier has it all: nothing to pull
         # a prompt only a node holds: the chosen worker is told to pull it, and from where
         other = list(b"another prompt that only the node's pool holds, long enough for blocks")
         node_keys = block_keys(front.config.serving_namespace("default"), other)
         await front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
-        _, decision, source = front.route(other, "default", ("worker",))
-        assert decision.pull and source == {"node": "n1", "blocks": len(node_keys), "tier": "pool"}
+        route = front.dispatcher.route(Job(other, node_keys, "default", "default", 4), ("worker",))
+        assert route.decision.pull and route.source == KVHandoff(node="n1", blocks=len(node_keys), tier="pool")

@@ -244,7 +244,8 @@ async def test_bad_prompts_are_clear_errors(cluster, model):
 
 async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
     from tiercake.tiers import TierFullError
-    from tiercake.workers.scheduler import GenerationRequest, Scheduler
+    from tiercake.messages import GenerateRequest
+    from tiercake.workers.scheduler import Scheduler
 
     pool = GpuBlockPool(12, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
@@ -252,7 +253,7 @@ async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
     scheduler = Scheduler(engine).start()
     try:
         async def run(text: str, n: int):
-            return [e async for e in scheduler.generate(GenerationRequest(encode(text), n))]
+            return [e async for e in scheduler.generate(GenerateRequest(tokens=encode(text), max_tokens=n))]
 
         # two long generations on 12 blocks: together they outgrow the gpu tier
         results = await asyncio.gather(run("a" * 40, 120), run("b" * 40, 120), return_exceptions=True)
@@ -301,7 +302,8 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
     """Decode steps of running sequences go between the chunks of a new prompt's prefill: the longest
     pause between two tokens of a running sequence is a fraction of that prefill's compute time (it
     would be all of it if the prefill ran in one pass, or before the batch's next step)."""
-    from tiercake.workers.scheduler import GenerationRequest, Scheduler
+    from tiercake.messages import GenerateRequest
+    from tiercake.workers.scheduler import Scheduler
 
     pool = GpuBlockPool(512, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
@@ -310,7 +312,7 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
     arrivals: list[float] = []
     try:
         async def running() -> None:
-            async for _ in scheduler.generate(GenerationRequest(encode("a" * 40), 3000)):
+            async for _ in scheduler.generate(GenerateRequest(tokens=encode("a" * 40), max_tokens=3000)):
                 arrivals.append(time.perf_counter())
                 if long_done.is_set() and len(arrivals) > after_long + 3:
                     return
@@ -320,7 +322,7 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
         while len(arrivals) < 5:
             await asyncio.sleep(0.01)
         started = time.perf_counter()
-        events = [e async for e in scheduler.generate(GenerationRequest([7] * 3000, 1))]
+        events = [e async for e in scheduler.generate(GenerateRequest(tokens=[7] * 3000, max_tokens=1))]
         finished = time.perf_counter()
         compute = events[0].stats.compute_s
         after_long = len(arrivals)
@@ -338,7 +340,8 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
 async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_a_time(model):
     """Prefills run one at a time beside the batch: each holds its whole prompt's blocks from the
     start, so several at once would exhaust a gpu tier that serves them one after another."""
-    from tiercake.workers.scheduler import GenerationRequest, Scheduler
+    from tiercake.messages import GenerateRequest
+    from tiercake.workers.scheduler import Scheduler
 
     pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
@@ -346,7 +349,7 @@ async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_
     scheduler = Scheduler(engine).start()
     try:
         async def run(i: int):
-            return [e async for e in scheduler.generate(GenerationRequest([i] * 160, 2))]  # 10 blocks each
+            return [e async for e in scheduler.generate(GenerateRequest(tokens=[i] * 160, max_tokens=2))]  # 10 blocks each
 
         results = await asyncio.gather(*(run(i) for i in range(1, 5)), return_exceptions=True)
         assert all(isinstance(r, list) and r[-1].finish_reason == "length" for r in results), results

@@ -3,6 +3,8 @@
 import asyncio
 
 import pytest
+
+from tiercake.messages import MemberInfo
 from tiercake.conductor.etcd_process import EtcdCluster
 
 from tiercake.conductor.etcd import EtcdBackend
@@ -77,7 +79,7 @@ async def test_conductor_on_three_members_through_member_deaths_and_quorum_loss(
         url = "http://%s:%d" % runner.addresses[0][:2]
         await asyncio.wait_for(conductor.election.leading.wait(), 20)
         async with Client([url], timeout=5.0, retries=60) as client:
-            await client.register({"node_id": "n", "tiers": {"pool": 1 << 30}}, ttl=600)
+            await client.register(MemberInfo(node_id="n", tiers={"pool": 1 << 30}), ttl=600)
             await client.report("t", "n", "pool", [k(1)], [1])
             cluster.members[0].stop(kill=True)
             await client.report("t", "n", "pool", [k(2)], [1])  # two of three: still a quorum

@@ -77,8 +77,8 @@ async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processe
     async with Client([url]) as client:
         engine = TransferEngine("writer", SECRET, transports=("tcp",))
         member = (await client.members())[0]  # listening on every address, advertised at one
-        assert address["host"] == "0.0.0.0" and member["host"] == "127.0.0.1"
-        engine.add_peer("node-s", member["host"], member["port"])
+        assert address["host"] == "0.0.0.0" and member.host == "127.0.0.1"
+        engine.add_peer("node-s", member.host, member.port)
         results = await engine.write_blocks("node-s", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
                                             tenant="acme")
         assert all(r.ok for r in results), [r.error for r in results]
@@ -88,7 +88,7 @@ async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processe
         assert found["node-s"].length == 6 and found["node-s"].tiers == {"ssd": 6}
         assert await client.lookup("other", keys) == {}
         member = (await client.members())[0]
-        assert (member["node_id"], member["port"], member["tiers"]) == ("node-s", address["port"], {"ssd": 64 << 20})
+        assert (member.node_id, member.port, member.tiers) == ("node-s", address["port"], {"ssd": 64 << 20})
 
         node.send_signal(signal.SIGKILL)  # its lease runs out: the node and its blocks stop being offered
         await wait_until(lambda: _empty(client.lookup("acme", keys)), what="the dead node's blocks to vanish")

@@ -100,7 +100,7 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
     # gpu tier and the node hold the prefix there, the decode worker does not
     async with Client([cluster.url], timeout=60) as client:
         for _ in range(50):
-            holders = (await client.prefix(prompt, tenant="reuse"))["holders"]
+            holders = (await client.prefix(prompt, tenant="reuse")).holders
             if {"test-node", "test-node-prefill-0"} <= set(holders):
                 break
             await asyncio.sleep(0.1)
@@ -113,12 +113,12 @@ async def test_reuse_distance_and_prefetchability_measured_live(cluster):
     opening = PROMPT * 2  # 188 bytes: 11 full blocks
     full = len(opening.encode()) // 16
     async with Client([cluster.url], timeout=60) as client:
-        before = (await client.cluster())["reuse"]
+        before = (await client.cluster()).reuse
         await client.complete(opening, max_tokens=2, tenant="reuse-live")
         await client.complete(opening + "And then the dog woke up.", max_tokens=2, tenant="reuse-live")
-        middle = (await client.cluster())["reuse"]
+        middle = (await client.cluster()).reuse
         await client.complete(opening[:80] + "Something else entirely.", max_tokens=2, tenant="reuse-live")
-        after = (await client.cluster())["reuse"]
+        after = (await client.cluster()).reuse
     assert middle["reaccesses"] - before["reaccesses"] == full  # the follow-up re-read every full block
     prefetchable_before = before["prefetchable_share"] * before["reaccesses"]
     prefetchable_middle = middle["prefetchable_share"] * middle["reaccesses"]
@@ -209,26 +209,26 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         await client.complete(prompt, tenant="ops")
         await client.complete(prompt, tenant="ops")
         view = await client.cluster()
-        roles = sorted(m["role"] for m in view["members"])
+        roles = sorted(m.role for m in view.members)
         assert roles == ["decode", "node", "prefill"]
-        assert view["serving"]["cached_tokens"] > 0 and 0 < view["serving"]["hit_ratio"] < 1
-        meta = view["metadata"]  # metadata work per request and per KV byte moved
-        assert meta["lookups"] > 0 and meta["durable_ops"] > 0 and meta["ops_per_request"] > 1
-        assert meta["kv_bytes_moved"] > 0 and 0 < meta["metadata_bytes_per_kv_byte"] < 1
-        node = next(m for m in view["members"] if m["role"] == "node")
+        assert view.serving.cached_tokens > 0 and 0 < view.serving.hit_ratio < 1
+        meta = view.metadata  # metadata work per request and per KV byte moved
+        assert meta.lookups > 0 and meta.durable_ops > 0 and meta.ops_per_request > 1
+        assert meta.kv_bytes_moved > 0 and 0 < meta.metadata_bytes_per_kv_byte < 1
+        node = next(m for m in view.members if m.role == "node")
         for _ in range(50):  # tier statistics arrive with the next keep-alive
-            if node["tiers"].get("pool", {}).get("used_bytes"):
+            if node.tiers["pool"].used_bytes:
                 break
             await asyncio.sleep(0.2)
-            node = next(m for m in (await client.cluster())["members"] if m["role"] == "node")
-        assert node["tiers"]["pool"]["used_bytes"] > 0 and node["tiers"]["pool"]["kind"] == "pool"
+            node = next(m for m in (await client.cluster()).members if m.role == "node")
+        assert node.tiers["pool"].used_bytes > 0 and node.tiers["pool"].kind == "pool"
 
         held = await client.prefix(prompt, tenant="ops")
         full = (len(prompt.encode())) // 16
-        assert held["blocks"] == full
-        assert held["holders"]["test-node"]["blocks"] == full  # written through to the node agent
+        assert held.blocks == full
+        assert held.holders["test-node"].blocks == full  # written through to the node agent
         assert await client.pin_prefix(prompt, tenant="ops") == full
-        pinned = [b for b in await client.node_blocks("test-node") if b["pinned"]]
+        pinned = [b for b in await client.node_blocks("test-node") if b.pinned]
         assert len(pinned) == full
 
         # a flush empties every cache but what is pinned
@@ -236,11 +236,11 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         await client.complete(other, tenant="ops")
         await client.flush()
         for _ in range(60):
-            if not (await client.prefix(other, tenant="ops"))["holders"]:
+            if not (await client.prefix(other, tenant="ops")).holders:
                 break
             await asyncio.sleep(0.2)
-        assert (await client.prefix(other, tenant="ops"))["holders"] == {}
-        assert (await client.prefix(prompt, tenant="ops"))["holders"]["test-node"]["blocks"] == full
+        assert (await client.prefix(other, tenant="ops")).holders == {}
+        assert (await client.prefix(prompt, tenant="ops")).holders["test-node"].blocks == full
         assert await client.unpin_prefix(prompt, tenant="ops") == full
 
         # flushing only the workers' gpu tiers leaves the node's copies
@@ -248,25 +248,25 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         await client.complete(third, tenant="ops")
         await client.flush(tiers=["gpu"])
         for _ in range(60):
-            if set((await client.prefix(third, tenant="ops"))["holders"]) == {"test-node"}:
+            if set((await client.prefix(third, tenant="ops")).holders) == {"test-node"}:
                 break
             await asyncio.sleep(0.2)
-        assert set((await client.prefix(third, tenant="ops"))["holders"]) == {"test-node"}
+        assert set((await client.prefix(third, tenant="ops")).holders) == {"test-node"}
 
         # policies switched at run time: the router here, the pool's eviction on the node
         with pytest.raises(ConductorError) as err:
             await client.set_policy(router="no-such-router")
         assert err.value.status == 400
         answer = await client.set_policy(router="least_loaded", eviction={"pool": {"policy": "s3fifo"}})
-        assert answer["router"]["name"] == "least_loaded"
+        assert answer.router.name == "least_loaded"
+        assert (await client.cluster()).router.name == "least_loaded"  # at once, before any completion
         await client.complete(prompt, tenant="ops")
-        assert (await client.cluster())["router"]["name"] == "least_loaded"
         for _ in range(50):
-            node = next(m for m in (await client.cluster())["members"] if m["role"] == "node")
-            if node["tiers"]["pool"].get("eviction") == "s3fifo":
+            node = next(m for m in (await client.cluster()).members if m.role == "node")
+            if node.tiers["pool"].eviction == "s3fifo":
                 break
             await asyncio.sleep(0.2)
-        assert node["tiers"]["pool"]["eviction"] == "s3fifo"
+        assert node.tiers["pool"].eviction == "s3fifo"
         await client.set_policy(router="ttft")
 
 
@@ -314,9 +314,9 @@ def faulty(tmp_path):
 async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
     await faulty.wait_up(workers=3)
     async with Client([faulty.url]) as client:  # sizes from the flags
-        members = {m["role"]: m for m in await client.members()}
-        assert members["node"]["tiers"]["pool"] == 6 << 20
-        assert members["prefill"]["tiers"]["gpu"] == 96 * 16 * 1024
+        members = {m.role: m for m in await client.members()}
+        assert members["node"].tiers["pool"] == 6 << 20
+        assert members["prefill"].tiers["gpu"] == 96 * 16 * 1024
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         resp = await http.post(faulty.url + "/v1/completions", json=completion(stream=True, max_tokens=800))
         await resp.content.readline()  # streaming from one decode worker
@@ -340,7 +340,7 @@ async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
         answer = await client.complete(PROMPT + "After the kill.", max_tokens=5)  # the other decode worker
         assert answer["usage"]["completion_tokens"] == 5
         members = await client.members()
-        node_pid = _pid_listening(next(m for m in members if m["role"] == "node")["port"])
+        node_pid = _pid_listening(next(m for m in members if m.role == "node").port)
         os.kill(node_pid, signal.SIGKILL)
         # its blocks stop being offered, and requests still complete by recomputing
         answer = await client.complete(PROMPT + "After the node died.", max_tokens=5)

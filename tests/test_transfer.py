@@ -354,14 +354,14 @@ async def test_a_new_transport_plugs_in_without_touching_callers(node):
             calls.append(len(items))
             return await super().read(peer, items)
 
-    TRANSPORTS["counting"] = CountingTcp
+    TRANSPORTS.register("counting", CountingTcp)
     try:
         engine = engine_for(server, ("counting",))
         (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4 * KB, dtype=torch.uint8)])
         assert res.ok and res.transport == "counting" and calls == [1]
         await engine.close()
     finally:
-        del TRANSPORTS["counting"]
+        TRANSPORTS.unregister("counting")
     with pytest.raises(ValueError, match="unknown transports"):
         TransferEngine("x", SECRET, transports=("carrier-pigeon",))
 

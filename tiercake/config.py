@@ -6,10 +6,10 @@ import json
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from .blocks import BlockLayout, Namespace
 
@@ -44,7 +44,7 @@ class TierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["gpu", "pool", "ssd"]
+    kind: str = Field(description="a registered tier backend: gpu, pool, ssd, or a plug-in's name")
     name: str | None = Field(default=None, description="defaults to the kind")
     capacity: ByteSize = Field(description="bytes, or a size such as '512MiB'")
     eviction: str = Field(default="lru", description="policy name, entry point or module:Class")
@@ -66,14 +66,22 @@ class TierConfig(BaseModel):
     fsync: bool = False
     direct_io: bool | None = Field(default=None, description="ssd: O_DIRECT; default: probe the file system")
     io_threads: int = Field(default=4, ge=1, le=64)
+    # a plug-in backend
+    options: dict[str, Any] = Field(default_factory=dict, description="settings of a plug-in tier backend")
 
     @model_validator(mode="after")
     def _check_kind(self) -> TierConfig:
-        if self.kind == "ssd" and not self.path:
-            raise ValueError("an ssd tier needs a 'path' (a directory)")
-        if self.kind == "gpu" and self.path:
-            raise ValueError("a gpu tier has no 'path'")
+        self.backend().validate_config(self)
         return self
+
+    def backend(self):
+        """The tier backend class of ``kind``, from the registry (``ValueError`` when unknown)."""
+        from .plugins import TIER_BACKENDS, PluginNotFoundError
+
+        try:
+            return TIER_BACKENDS.resolve(self.kind)
+        except PluginNotFoundError as exc:
+            raise ValueError(str(exc)) from None
 
     @property
     def tier_name(self) -> str:
@@ -96,10 +104,10 @@ class StoreConfig(BaseModel):
         names = [t.tier_name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique: {names}")
-        order = {"gpu": 0, "pool": 1, "ssd": 2}
-        kinds = [order[t.kind] for t in self.tiers]
-        if kinds != sorted(kinds):
-            raise ValueError("tiers must be listed fastest first: gpu, then pool, then ssd")
+        ranks = [t.backend().rank for t in self.tiers]
+        if ranks != sorted(ranks):
+            raise ValueError(f"tiers must be listed fastest first (gpu, then pool, then ssd): got "
+                             f"{[t.kind for t in self.tiers]}")
         if self.layout is None and any(t.kind == "gpu" for t in self.tiers):
             raise ValueError("a gpu tier needs the block layout (store.layout)")
         return self
@@ -117,11 +125,22 @@ class TransferConfig(BaseModel):
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port (printed at start)")
     secret_file: str | None = Field(default=None, description="file holding the cluster secret")
     secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
-    transports: list[Literal["local", "shm", "ucx", "tcp"]] = Field(default_factory=lambda: ["local", "shm", "tcp"])
+    transports: list[str] = Field(default_factory=lambda: ["local", "shm", "tcp"],
+                                  description="transports in order of preference: local, shm, tcp, ucx, plug-ins")
     streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")
     max_block_bytes: ByteSize = Field(default=ByteSize(1 << 30), description="largest block a peer may write")
+
+    @field_validator("transports")
+    @classmethod
+    def _known_transports(cls, names: list[str]) -> list[str]:
+        from .plugins import TRANSPORTS
+
+        unknown = [n for n in names if n not in TRANSPORTS]
+        if unknown:
+            raise ValueError(f"unknown transports {unknown}; known: {TRANSPORTS.names()}")
+        return names
 
     def secret(self) -> bytes:
         """The cluster secret from the environment or the secret file; at least 16 bytes."""

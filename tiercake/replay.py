@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tiercake.bench.report import Report, cluster_figures, machine
 from tiercake.conductor.client import Client, ConductorError
+from tiercake.messages import ClusterView
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 
@@ -71,11 +72,11 @@ class TokenMap:
 @dataclass
 class ReplayRun:
     outcomes: list[Outcome]
-    cluster_before: dict | None  # /v1/cluster before and after (None: the control API was not reachable)
-    cluster_after: dict | None
+    cluster_before: ClusterView | None  # /v1/cluster before and after (None: the control API was not reachable)
+    cluster_after: ClusterView | None
 
 
-async def _cluster_view(url: str, token: str | None) -> dict | None:
+async def _cluster_view(url: str, token: str | None) -> ClusterView | None:
     try:
         async with Client([url], token=token, timeout=30, retries=1) as control:
             return await control.cluster()
@@ -183,7 +184,7 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
                 limit_name="infinite cache (simulated)", **common)
     if run.cluster_before is not None and run.cluster_after is not None:
         cluster_figures(run.cluster_before, run.cluster_after, rep, **common)
-        was, now = run.cluster_before.get("reuse"), run.cluster_after.get("reuse")
+        was, now = run.cluster_before.reuse, run.cluster_after.reuse
         if was and now and now["reaccesses"] > was["reaccesses"]:
             live = (now["prefetchable_share"] * now["reaccesses"] - was["prefetchable_share"] * was["reaccesses"]) \
                 / (now["reaccesses"] - was["reaccesses"])

@@ -5,35 +5,22 @@ from __future__ import annotations
 from tiercake.config import StoreConfig, TierConfig
 from tiercake.policies import create_admission, create_eviction
 
-from .gpu import GpuBlockPool, GpuTier
-from .pool import PoolRegion, PoolTier
-from .ssd import SsdTier
+from tiercake.plugins import TIER_BACKENDS
+
+from .backend import TierBackend
 from .store import Tier, TieredStore
 
 
-def build_backend(cfg: TierConfig, store_cfg: StoreConfig):
-    layout = store_cfg.layout
-    if cfg.kind == "gpu":
-        blocks = int(cfg.capacity) // layout.nbytes
-        if blocks < 1:
-            raise ValueError(f"gpu tier capacity {int(cfg.capacity)} is below one block ({layout.nbytes} bytes)")
-        pool = GpuBlockPool(blocks, layout.shape, layout.torch_dtype(), cfg.device)
-        return GpuTier(pool, name=cfg.tier_name)
-    if cfg.kind == "pool":
-        path = cfg.path or f"/dev/shm/tiercake-{cfg.tier_name}"
-        region = PoolRegion.create(path, int(cfg.capacity), page_size=cfg.page_size, prefault=cfg.prefault)
-        return PoolTier(region, name=cfg.tier_name)
-    return SsdTier(
-        cfg.path,
-        capacity_bytes=int(cfg.capacity),
-        compression=cfg.compression,
-        shuffle=cfg.shuffle,
-        zstd_level=cfg.zstd_level,
-        direct_io=cfg.direct_io,
-        fsync=cfg.fsync,
-        io_threads=cfg.io_threads,
-        name=cfg.tier_name,
-    )
+def backend_class(kind: str) -> type[TierBackend]:
+    """The registered backend of a tier kind (``tiercake.plugins.TIER_BACKENDS``)."""
+    cls = TIER_BACKENDS.resolve(kind)
+    if not (isinstance(cls, type) and issubclass(cls, TierBackend)):
+        raise TypeError(f"tier backend {kind!r} resolves to {cls!r}, which is not a TierBackend")
+    return cls
+
+
+def build_backend(cfg: TierConfig, store_cfg: StoreConfig) -> TierBackend:
+    return backend_class(cfg.kind).from_config(cfg, store_cfg.layout)
 
 
 def build_store(cfg: StoreConfig) -> TieredStore:

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from .backend import MemoryTierBackend
 from .errors import InvalidStateError, PayloadError, TierFullError
 
 
@@ -110,11 +111,25 @@ class GpuBlockPool:
             raise InvalidStateError(f"gpu pool: unknown sequence {seq_id!r}") from None
 
 
-class GpuTier:
+class GpuTier(MemoryTierBackend):
     """The store's view of a GpuBlockPool: one object per block, exact block size only."""
 
     kind = "gpu"
-    in_memory = True
+    rank = 0
+
+    @classmethod
+    def validate_config(cls, cfg) -> None:
+        if cfg.path:
+            raise ValueError("a gpu tier has no 'path'")
+
+    @classmethod
+    def from_config(cls, cfg, layout) -> GpuTier:
+        if layout is None:
+            raise ValueError("a gpu tier needs the block layout (store.layout)")
+        blocks = int(cfg.capacity) // layout.nbytes
+        if blocks < 1:
+            raise ValueError(f"gpu tier capacity {int(cfg.capacity)} is below one block ({layout.nbytes} bytes)")
+        return cls(GpuBlockPool(blocks, layout.shape, layout.torch_dtype(), cfg.device), name=cfg.tier_name)
 
     def __init__(self, pool: GpuBlockPool, name: str = "gpu") -> None:
         self.pool = pool

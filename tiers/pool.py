@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .backend import MemoryTierBackend
 from .buffers import PAGE, round_up
 from .errors import PayloadError
 
@@ -181,11 +182,17 @@ class ExtentAllocator:
         return len(self._starts)
 
 
-class PoolTier:
+class PoolTier(MemoryTierBackend):
     """The store's view of the pool: variable-size objects in page-granular extents."""
 
     kind = "pool"
-    in_memory = True
+    rank = 1
+
+    @classmethod
+    def from_config(cls, cfg, layout) -> PoolTier:
+        path = cfg.path or f"/dev/shm/tiercake-{cfg.tier_name}"
+        return cls(PoolRegion.create(path, int(cfg.capacity), page_size=cfg.page_size, prefault=cfg.prefault),
+                   name=cfg.tier_name)
 
     def __init__(self, region: PoolRegion, name: str = "pool") -> None:
         self.region = region

@@ -32,6 +32,7 @@ import torch
 import xxhash
 import zstandard
 
+from .backend import DiskTierBackend, RecoveredBlock
 from .buffers import PAGE, aligned_buffer, round_up
 from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
 
@@ -62,16 +63,6 @@ class SsdSlot:
     path: Path | None = None
     stored: int = 0  # payload bytes in the file (compressed size when compressed)
     staging: torch.Tensor | None = field(default=None, repr=False)
-
-
-@dataclass(slots=True)
-class RecoveredBlock:
-    key: bytes
-    parent: bytes | None
-    nbytes: int
-    slot: SsdSlot
-    mtime: float
-    tenant: str = ""
 
 
 def shuffle16(data: np.ndarray) -> np.ndarray:
@@ -115,11 +106,24 @@ class _ThreadBuffers(threading.local):
         return self.array
 
 
-class SsdTier:
+class SsdTier(DiskTierBackend):
     """Blocks as files under ``root``; every file operation runs in the tier's I/O threads."""
 
     kind = "ssd"
-    in_memory = False
+    rank = 2
+    capacity_bytes = 0  # plain attributes here (set in __init__, counted as files come and go)
+    used_bytes = 0
+
+    @classmethod
+    def validate_config(cls, cfg) -> None:
+        if not cfg.path:
+            raise ValueError("an ssd tier needs a 'path' (a directory)")
+
+    @classmethod
+    def from_config(cls, cfg, layout) -> SsdTier:
+        return cls(cfg.path, capacity_bytes=int(cfg.capacity), compression=cfg.compression, shuffle=cfg.shuffle,
+                   zstd_level=cfg.zstd_level, direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads,
+                   name=cfg.tier_name)
 
     def __init__(
         self,

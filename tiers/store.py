@@ -31,12 +31,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from tiercake.policies import AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy, LRU
 
+from .backend import TierBackend
 from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_async
 from .errors import (
     CorruptBlockError,
@@ -54,24 +55,6 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 64
-
-
-class TierBackend(Protocol):
-    """What the store needs of a tier's storage; policies and object state stay in the store."""
-
-    name: str
-    kind: str
-    in_memory: bool
-
-    @property
-    def capacity_bytes(self) -> int: ...
-    @property
-    def used_bytes(self) -> int: ...
-    def accepts(self, nbytes: int) -> bool: ...
-    def allocate(self, nbytes: int) -> Any | None: ...
-    def in_use(self, slot: Any) -> bool: ...
-    async def release(self, slot: Any) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,10 +291,7 @@ class TieredStore:
     async def open(self) -> TieredStore:
         """Rebuild the index from tiers that persist (ssd) and return the store."""
         for tier in self.tiers:
-            recover = getattr(tier.backend, "recover", None)
-            if recover is None:
-                continue
-            for block in await recover():
+            for block in await tier.backend.recover():
                 entry = self._entries.get(block.key)
                 if entry is None:
                     meta = BlockMeta(parent=block.parent, size=block.nbytes, tenant=block.tenant)

@@ -1,12 +1,21 @@
 """Moving bytes between tiers, processes and nodes: the engine, its transports, the transfer server."""
 
+from tiercake.plugins import TRANSPORTS
+
 from .engine import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
-from .protocol import AuthenticationError, ItemError, PeerClosedError, ProtocolError, Status, TransferError
+from .protocol import (
+    AuthenticationError,
+    ItemError,
+    PeerClosedError,
+    ProtocolError,
+    Status,
+    TransferError,
+)
 from .server import TransferServer
-from .transports import TRANSPORTS, Transport
+from .transports import Transport, TransportContext
 from .ucx import UcxTransport
 
 __all__ = [
     "TRANSPORTS", "AuthenticationError", "BlockLoc", "BufferLoc", "ItemError", "PeerClosedError", "ProtocolError",
-    "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport", "UcxTransport",
+    "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport", "TransportContext", "UcxTransport",
 ]

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercake.tiers import StoreError, TieredStore
+from tiercake.tiers import ObjectExistsError, StoreError, TieredStore
 from tiercake.tiers.buffers import as_bytes
 
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
 from .protocol import Status
-from .transports import TRANSPORTS, LocalTransport, Peer, ReadReq, Transport, WriteReq
+from tiercake.plugins import TRANSPORTS
+
+from .transports import Peer, ReadReq, Transport, TransportContext, WriteReq
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,11 @@ class TransferResult:
         if self.error is not None:
             raise self.error
 
+    @property
+    def exists(self) -> bool:
+        """Failed only because the destination already holds the block (a write that was not needed)."""
+        return isinstance(self.error, ObjectExistsError) or getattr(self.error, "status", None) == Status.EXISTS
+
 
 @dataclass(slots=True)
 class _Group:
@@ -84,7 +91,7 @@ class TransferEngine:
     ) -> None:
         unknown = [t for t in transports if t not in TRANSPORTS]
         if unknown:
-            raise ValueError(f"unknown transports {unknown}; known: {sorted(TRANSPORTS)}")
+            raise ValueError(f"unknown transports {unknown}; known: {TRANSPORTS.names()}")
         self.node_id = node_id
         self.secret = secret
         self.store = store
@@ -93,8 +100,7 @@ class TransferEngine:
         self.connect_timeout = connect_timeout
         self._order = transports
         self._transports: dict[str, Transport] = {
-            name: (LocalTransport(store) if name == "local" else TRANSPORTS[name](checksum=checksum))
-            for name in transports
+            name: _transport_class(name).create(TransportContext(store, checksum)) for name in transports
         }
         self._channels: dict[str, PeerChannel] = {}
         self.bytes_moved: dict[str, int] = defaultdict(int)
@@ -272,6 +278,13 @@ class TransferEngine:
         writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None, tenant))
                   for i, (k, s) in enumerate(zip(keys, srcs))]
         return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
+
+
+def _transport_class(name: str) -> type[Transport]:
+    cls = TRANSPORTS.resolve(name)
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"transport {name!r} resolves to {cls!r}, which is not a Transport")
+    return cls
 
 
 def _slice(loc: BufferLoc, length: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ A transport moves a batch of blocks between this process and one peer: ``read`` 
 destination buffers from the peer's blocks, ``write`` stores local source buffers as blocks on the
 peer. It reports a per-item error (or None) and never returns bytes that failed a check. The engine
 picks, per peer, the first transport in its preference order whose ``usable`` says yes; adding a
-transport means registering it here, and no caller changes.
+transport means registering it in ``tiercake.plugins.TRANSPORTS``, and no caller changes.
 """
 
 from __future__ import annotations
@@ -50,8 +50,25 @@ class Peer:
     info: p.PeerInfo | None
 
 
+@dataclass(frozen=True, slots=True)
+class TransportContext:
+    """What an engine gives each of its transports: its node's store, and whether to checksum."""
+
+    store: TieredStore | None = None
+    checksum: bool = False
+
+
 class Transport(ABC):
+    """A substrate between this process and a peer. A new one is a subclass plus one registration in
+    ``tiercake.plugins.TRANSPORTS`` (or an entry point in ``tiercake.transports``); engines then take
+    it by name from their preference list."""
+
     name: ClassVar[str]
+
+    @classmethod
+    def create(cls, context: TransportContext) -> Transport:
+        """The transport for one engine."""
+        return cls(checksum=context.checksum)
 
     @classmethod
     @abstractmethod
@@ -86,6 +103,10 @@ class LocalTransport(Transport):
     """Same process: the local store's own get and put (memcpy / ``Tensor.copy_``)."""
 
     name = "local"
+
+    @classmethod
+    def create(cls, context: TransportContext) -> LocalTransport:
+        return cls(context.store)
 
     def __init__(self, store: TieredStore | None) -> None:
         self.store = store
@@ -268,5 +289,3 @@ class ShmTransport(TcpTransport):
             region.close(unlink=False)
         self._regions.clear()
 
-
-TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (LocalTransport, ShmTransport, TcpTransport)}

@@ -29,7 +29,7 @@ from . import protocol as p
 from .connection import PeerConnection, check_count, item_error, write_results
 from .protocol import Op, Status
 from .sockio import send_frame, wait_hangup
-from .transports import TRANSPORTS, Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
+from .transports import Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
 
 log = logging.getLogger(__name__)
 
@@ -224,4 +224,3 @@ class UcxTransport(TcpTransport):
         return write_results(ready, done, peer.node_id)
 
 
-TRANSPORTS["ucx"] = UcxTransport

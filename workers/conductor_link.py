@@ -15,7 +15,7 @@ import logging
 from collections import defaultdict
 
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.conductor.membership import MemberInfo
+from tiercake.messages import ClusterSettings, EvictionSpec, MemberInfo, MemberStats, ReplicationTask, TierStats
 from tiercake.policies import create_eviction
 from tiercake.tiers import BlockChange, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, Transfer, TransferEngine
@@ -42,7 +42,7 @@ class ConductorLink:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
-        self._eviction: dict = {}
+        self._eviction: dict[str, EvictionSpec] = {}
 
     async def start(self) -> ConductorLink:
         if self.report:
@@ -67,13 +67,12 @@ class ConductorLink:
     # Registration ---------------------------------------------------------------------------------
 
     async def _register(self) -> None:
-        member = self.member.model_dump(exclude={"lease"})
-        self.lease = await self.client.register(member, self.ttl)
+        self.lease = await self.client.register(self.member, self.ttl)
         self.registrations += 1
         self._pins_version = -1
         if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
             answer = await self.client.keep_alive(self.member.node_id, self.lease)
-            self._flush_epoch = int(answer.get("settings", {}).get("flush", {}).get("epoch", 0))
+            self._flush_epoch = answer.settings.flush.epoch
         # everything held goes out again: the old lease took the node's placements with it
         for change in self.store.holdings() if self.report else ():
             self._on_change(change)
@@ -94,11 +93,11 @@ class ConductorLink:
                     log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
                 continue
             try:
-                if answer["pins_version"] != self._pins_version:
+                if answer.pins_version != self._pins_version:
                     await self._sync_pins()
-                if answer["tasks"]:
-                    await self._run_tasks(answer["tasks"])
-                await self._apply_settings(answer.get("settings", {}))
+                if answer.tasks:
+                    await self._run_tasks(answer.tasks)
+                await self._apply_settings(answer.settings)
             except ConductorError as exc:
                 log.warning("node %s: %s", self.member.node_id, exc)
             except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
@@ -145,31 +144,29 @@ class ConductorLink:
 
     # Settings -------------------------------------------------------------------------------------
 
-    def _stats(self) -> dict:
+    def _stats(self) -> MemberStats:
         stats = self.store.stats()
-        return {"misses": stats["misses"], "tiers": {
-            name: {k: t[k] for k in ("kind", "capacity_bytes", "used_bytes", "blocks", "hits", "evictions",
-                                     "residency", "residency_sum_s")}
-            | {"eviction": t["eviction"].get("policy")}
-            for name, t in stats["tiers"].items()}}
+        return MemberStats(misses=stats["misses"], tiers={
+            name: TierStats.model_validate(t | {"eviction": t["eviction"].get("policy")})
+            for name, t in stats["tiers"].items()})
 
-    async def _apply_settings(self, settings: dict) -> None:
-        flush = settings.get("flush", {})
-        epoch = int(flush.get("epoch", 0))
+    async def _apply_settings(self, settings: ClusterSettings) -> None:
+        flush = settings.flush
+        epoch = flush.epoch
         if epoch > self._flush_epoch:
-            tiers = flush.get("tiers")
+            tiers = flush.tiers
             mine = None if tiers is None else [t.name for t in self.store.tiers if t.name in tiers]
             if mine is None or mine:
                 removed = await self.store.flush(mine)
                 log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
         self._flush_epoch = epoch
-        eviction = settings.get("eviction", {})
+        eviction = settings.eviction
         if eviction != self._eviction:
             names = {t.name for t in self.store.tiers}
             for tier, spec in eviction.items():
                 if tier in names and spec != self._eviction.get(tier):
                     try:
-                        self.store.set_eviction(tier, create_eviction(spec["policy"], spec.get("params")))
+                        self.store.set_eviction(tier, create_eviction(spec.policy, spec.params))
                     except (LookupError, TypeError, ValueError) as exc:
                         log.warning("node %s: eviction policy %s for %s refused: %s", self.member.node_id, spec,
                                     tier, exc)
@@ -189,24 +186,24 @@ class ConductorLink:
         self.pins = wanted
         self._pins_version = version
 
-    async def _run_tasks(self, tasks: list[dict]) -> None:
-        copies = [t for t in tasks if t["source"] and not self.store.contains(bytes.fromhex(t["key"]))]
+    async def _run_tasks(self, tasks: list[ReplicationTask]) -> None:
+        copies = [t for t in tasks if t.source and not self.store.contains(bytes.fromhex(t.key))]
         for task in tasks:
-            if task["source"] is None:
+            if task.source is None:
                 with contextlib.suppress(StoreError):  # leased or pinned here: it stays
-                    await self.store.remove(bytes.fromhex(task["key"]))
+                    await self.store.remove(bytes.fromhex(task.key))
         if not copies or self.engine is None:
             return
-        members = {m["node_id"]: m for m in await self.client.members()}
+        members = {m.node_id: m for m in await self.client.members()}
         batch = []
         for task in copies:
-            source = members.get(task["source"])
+            source = members.get(task.source)
             if source is None:
                 continue
-            self.engine.ensure_peer(source["node_id"], source["host"], source["port"])
-            key = bytes.fromhex(task["key"])
-            batch.append(Transfer(BlockLoc(source["node_id"], key),
-                                  BlockLoc(self.member.node_id, key, tenant=task["tenant"]), task["size"]))
+            self.engine.ensure_peer(source.node_id, source.host, source.port)
+            key = bytes.fromhex(task.key)
+            batch.append(Transfer(BlockLoc(source.node_id, key),
+                                  BlockLoc(self.member.node_id, key, tenant=task.tenant), task.size))
         for result in await self.engine.transfer(batch, timeout=30):
             if not result.ok:
                 log.warning("node %s: replication pull failed: %s", self.member.node_id, result.error)

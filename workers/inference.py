@@ -16,16 +16,17 @@ import itertools
 import math
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tiercake.blocks import Namespace, block_keys, chain_key
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.conductor.client import Prefix as NodePrefix
+from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import GpuBlockPool, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine
 
+from .contract import RequestRejected
 from .model import PagedChunk, ReferenceModel
 
 log = logging.getLogger(__name__)
@@ -33,21 +34,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"  # requests that name no tenant
 
 
-class ContextLimitError(ValueError):
+class ContextLimitError(RequestRejected):
     """The prompt plus the tokens asked for do not fit the worker's context."""
-
-
-@dataclass(slots=True)
-class PrefillStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # tokens whose KV was reused, from any source
-    sources: dict[str, int] = field(default_factory=dict)  # "gpu" / "<node>:<tier>" -> blocks
-    lookup_s: float = 0.0
-    load_s: float = 0.0
-    load_bytes: int = 0
-    load_tier: str | None = None  # the tier of the node that held most of the pulled blocks
-    written_to: dict | None = None  # {"node", "blocks"}: where the prompt's full blocks were written
-    compute_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -103,15 +91,17 @@ class InferenceEngine:
     # Prefill --------------------------------------------------------------------------------------
 
     async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
-                      max_new_tokens: int = 0, pull: bool = True, source: dict | None = None) -> Sequence:
+                      max_new_tokens: int = 0, pull: bool = True, source: KVHandoff | None = None) -> Sequence:
         """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
         hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
         nodes hold beyond the own gpu tier's prefix (the router may say not to). ``source``:
-        ``{"node", "blocks", "tier"}``: where to pull the prefix from without asking the index (the
-        front routed with the index already; a decode worker taking over knows where the prefill
-        worker wrote the blocks)."""
-        self.model.check_tokens(tokens)
+        where to pull the prefix from without asking the index (the front routed with the index
+        already; a decode worker taking over knows where the prefill worker wrote the blocks)."""
+        try:
+            self.model.check_tokens(tokens)
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
         if len(tokens) + max_new_tokens > self.max_context:
             raise ContextLimitError(f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the "
                                     f"context of {self.max_context}")
@@ -149,6 +139,8 @@ class InferenceEngine:
         seq = Sequence(seq_id, tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats,
                        stored=len(slots))
         self._store_full_blocks(seq)
+        if self.node is not None and self.transfer is not None:
+            stats.written_blocks = max(0, len(tokens) // self.block_size - len(slots))
         return seq
 
     def _held(self, keys: list[bytes]) -> int:
@@ -158,13 +150,12 @@ class InferenceEngine:
         return len(keys)
 
     async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats,
-                    source: dict | None = None) -> None:
+                    source: KVHandoff | None = None) -> None:
         """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
         started = time.perf_counter()
         try:
             if source is not None:
-                found = {source["node"]: NodePrefix(min(int(source["blocks"]), len(keys)),
-                                                    {source.get("tier", "handoff"): 1})}
+                found = {source.node: PrefixHolding(length=min(source.blocks, len(keys)), tiers={source.tier: 1})}
             else:
                 found = await self.conductor.lookup(tenant, keys)
         except ConductorError as exc:
@@ -193,7 +184,7 @@ class InferenceEngine:
                 break
             loaded += 1
         if loaded:
-            tier = max(prefix.tiers, key=prefix.tiers.get) if prefix.tiers else "?"
+            tier = prefix.majority_tier
             stats.sources[f"{node}:{tier}"] = loaded
             stats.load_tier = tier
             stats.load_bytes = loaded * self.block_nbytes
@@ -209,8 +200,8 @@ class InferenceEngine:
             self._members_at = time.monotonic()
             try:
                 for member in await self.conductor.members():
-                    if member["role"] == "node":
-                        self.transfer.ensure_peer(member["node_id"], member["host"], member["port"])
+                    if member.role == "node":
+                        self.transfer.ensure_peer(member.node_id, member.host, member.port)
             except ConductorError as exc:
                 log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
         return node in self.transfer.peers
@@ -241,8 +232,6 @@ class InferenceEngine:
                                 tenant=seq.tenant):
                 new.append(i)
         seq.stored = full
-        if self.node is not None and self.transfer is not None and full:
-            seq.stats.written_to = {"node": self.node, "blocks": full}
         if new and self.node is not None and self.transfer is not None:
             task = asyncio.get_running_loop().create_task(self._write_through(seq, new))
             self._writes.add(task)
@@ -260,7 +249,7 @@ class InferenceEngine:
             batch = [Transfer(BufferLoc(src), BlockLoc(self.node, key, seq.keys[i - 1] if i else None, seq.tenant),
                               self.block_nbytes) for i, key, src in zip(indices, keys, srcs)]
             for result in await self.transfer.transfer(batch, timeout=30):
-                if not result.ok and "exists" not in str(result.error).lower():
+                if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
         finally:
             await self.store.release_leases([lease.id for lease in leases])
@@ -269,6 +258,15 @@ class InferenceEngine:
         """Wait for write-throughs in flight."""
         while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
+
+    async def handoff(self, prompt_tokens: int) -> KVHandoff | None:
+        """Where a prompt of ``prompt_tokens`` now has its full blocks, for a decode worker to pull
+        them: this worker's node, once the write-throughs in flight are done (None: not written)."""
+        blocks = prompt_tokens // self.block_size
+        if self.node is None or self.transfer is None or not blocks:
+            return None
+        await self.flush()
+        return KVHandoff(node=self.node, blocks=blocks)
 
     # Decode ---------------------------------------------------------------------------------------
 

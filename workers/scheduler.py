@@ -16,36 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .inference import InferenceEngine, PrefillStats, Sequence, StoreError, next_token
+from tiercake.messages import GenerateRequest, TokenEvent
+
+from .inference import InferenceEngine, Sequence, StoreError, next_token
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class GenerationRequest:
-    tokens: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    tenant: str = "default"
-    salt: str | None = None
-    seed: int | None = None
-    pull: bool = True  # load what nodes hold beyond the worker's own prefix
-    source: dict | None = None  # {"node", "blocks"}: a prefill worker's handoff
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """One generated token; the first carries the prefill stats, the last the finish reason."""
-
-    token: int
-    index: int
-    stats: PrefillStats | None = None
-    finish_reason: str | None = None
-
-
 @dataclass(eq=False)
 class _Running:
-    request: GenerationRequest
+    request: GenerateRequest
     out: asyncio.Queue
     seq: Sequence | None = None
     generated: int = 0
@@ -87,7 +67,7 @@ class Scheduler:
             self._finish(job, error=RuntimeError("worker shutting down"))
         self._running.clear()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Tokens as they are produced. Leaving the iteration early (a client that went away)
         frees the sequence at the next step."""
         if request.max_tokens <= 0:
@@ -148,8 +128,8 @@ class Scheduler:
         token = next_token(job.seq.logits, job.request.temperature, job.generator)
         job.generated += 1
         done = job.generated >= job.request.max_tokens
-        job.out.put_nowait(TokenEvent(token, job.generated - 1, job.seq.stats if first else None,
-                                      "length" if done else None))
+        job.out.put_nowait(TokenEvent(token=token, index=job.generated - 1, stats=job.seq.stats if first else None,
+                                      finish_reason="length" if done else None))
         job.pending = token
         if done:
             self._finish(job)

@@ -12,6 +12,8 @@ from pydantic import BaseModel, Field
 from rich.console import Console
 from rich.table import Table
 
+from tiercake.messages import ClusterView
+
 
 class Figure(BaseModel):
     name: str
@@ -55,22 +57,22 @@ def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
 
 
-def cluster_figures(before: dict, after: dict, report: Report, **params: Any) -> None:
+def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **params: Any) -> None:
     """Metadata cost over a run, from two ``/v1/cluster`` views (before and after): bytes made durable in
     the placement index per KV byte moved (pulled into workers or written to nodes), against the least
     an index could record (one block key per block moved), and metadata operations (lookups and
     durable placement changes) per request, against one lookup per request."""
     from tiercake.blocks import KEY_BYTES
 
-    was, now = before["metadata"], after["metadata"]
-    moved = now["kv_bytes_moved"] - was["kv_bytes_moved"]
-    durable = now["durable_bytes"] - was["durable_bytes"]
-    ops = now["durable_ops"] + now["lookups"] - was["durable_ops"] - was["lookups"]
-    served = after["serving"]["requests"] - before["serving"]["requests"]
+    was, now = before.metadata, after.metadata
+    moved = now.kv_bytes_moved - was.kv_bytes_moved
+    durable = now.durable_bytes - was.durable_bytes
+    ops = now.durable_ops + now.lookups - was.durable_ops - was.lookups
+    served = after.serving.requests - before.serving.requests
     if moved > 0:
-        report.add("metadata.bytes_per_kv_byte", durable / moved, "B/B", KEY_BYTES / now["block_bytes"],
+        report.add("metadata.bytes_per_kv_byte", durable / moved, "B/B", KEY_BYTES / now.block_bytes,
                    limit_name="one block key per block moved", kv_bytes_moved=moved, metadata_bytes=durable,
-                   block_bytes=now["block_bytes"], **params)
+                   block_bytes=now.block_bytes, **params)
     if served > 0:
         report.add("metadata.ops_per_request", ops / served, "ops", 1.0, limit_name="one lookup per request",
                    requests_served=served, ops=ops, **params)

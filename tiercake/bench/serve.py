@@ -64,9 +64,9 @@ async def _wait_tiers(client: Client, tokens: list[int], tenant: str, blocks: in
     """Until the index shows the prefix whole in every tier of ``present`` and in none of ``absent``."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        holders = (await client.prefix(tokens, tenant))["holders"]
-        whole = {t for h in holders.values() if h["blocks"] >= blocks for t in h["tiers"]}
-        anywhere = {t for h in holders.values() for t in h["tiers"]}
+        holders = (await client.prefix(tokens, tenant)).holders
+        whole = {t for h in holders.values() if h.blocks >= blocks for t in h.tiers}
+        anywhere = {t for h in holders.values() for t in h.tiers}
         if present <= whole and not absent & anywhere:
             return
         await asyncio.sleep(0.05)

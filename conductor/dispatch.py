@@ -1,0 +1,254 @@
+"""The dispatcher: one completion request through the cluster, as a small state machine.
+
+    ROUTE    pick the prefill worker with the routing policy (Mooncake's Algorithm 1 by default), from
+             the index's view of who holds how much of the prompt, the workers' queues and fitted
+             timings; refuse with 429 when the predicted TTFT or TBT misses the SLO
+    PREFILL  the worker loads the cached prefix (pulling it when told to), computes the rest and
+             streams the first token (a worker doing both goes on streaming: no handoff)
+    HANDOFF  with separate decode workers, the prefill's last event says where the prompt's blocks
+             are (``KVHandoff``); the routing policy picks the decode worker (``choose_decode``)
+    DECODE   the decode worker pulls the blocks from there and streams the rest
+
+One retry rule for both worker phases: a worker that cannot be reached or fails before its first
+token (``WorkerUnavailable``) is skipped for ``FAIL_BACKOFF_S`` and the phase planned again, up to
+``ATTEMPTS`` times; a refusal of the request itself (``WorkerRefused``) is the client's 4xx; a failure
+after a token reached the client (``StreamBroken``) ends the stream with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from tiercake.config import TiercakeConfig
+from tiercake.errors import ApiError
+from tiercake.messages import GenerateRequest, KVHandoff, MemberInfo, PrefillStats, RouterSpec, TokenEvent
+from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, Router, WorkerState, create_router
+
+from .service import Conductor
+from .serving_stats import ServingStats, Timing
+from .worker_client import StreamBroken, WorkerClient, WorkerRefused, WorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+ANY_WORKER = ("worker", "prefill", "decode")
+
+
+@dataclass
+class Job:
+    """One completion request as the dispatcher runs it; its block keys are hashed once, at the front."""
+
+    tokens: list[int]
+    keys: list[bytes]
+    tenant: str  # the index tenant
+    salt: str  # the hashing salt
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    timing: Timing = field(default_factory=Timing)
+
+    def request(self, **fields) -> GenerateRequest:
+        base = {"tokens": self.tokens, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "tenant": self.tenant, "salt": self.salt, "seed": self.seed}
+        return GenerateRequest(**(base | fields))
+
+
+@dataclass
+class WorkerLoad:
+    """What the front counts of a worker: prompt tokens routed and not yet prefilled, sequences it
+    serves, its measured pull rate, and until when it is skipped after a failure."""
+
+    queued_tokens: int = 0
+    running: int = 0
+    load_bytes_per_s: float = 2e9
+    failed_until: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    member: MemberInfo
+    decision: RouteDecision
+    source: KVHandoff | None  # where to pull the prefix from, when the router says pull
+
+
+class Dispatcher:
+    ATTEMPTS = 3
+    FAIL_BACKOFF_S = 2.0
+
+    def __init__(self, conductor: Conductor, config: TiercakeConfig, stats: ServingStats,
+                 workers: WorkerClient | None = None) -> None:
+        self.conductor = conductor
+        self.config = config
+        self.serving = config.serving
+        self.layout = self.serving.layout()
+        self.stats = stats
+        self.workers = workers or WorkerClient()
+        self.loads: dict[str, WorkerLoad] = defaultdict(WorkerLoad)
+        self._router_spec = RouterSpec(name=self.serving.router, params=self.serving.router_params)
+        self._router = create_router(self._router_spec.name, self._router_spec.params)
+
+    # The policy in force ------------------------------------------------------------------------
+
+    @property
+    def router_spec(self) -> RouterSpec:
+        """The router the cluster settings name (switched at run time through ``/v1/policy``)."""
+        return self.conductor.settings.router or self._router_spec
+
+    def router(self) -> Router:
+        spec = self.router_spec
+        if spec != self._router_spec:
+            self._router = create_router(spec.name, spec.params)
+            self._router_spec = spec
+        return self._router
+
+    # The state machine --------------------------------------------------------------------------
+
+    async def run(self, job: Job) -> AsyncIterator[tuple[int, str | None]]:
+        """(token, finish reason) for one request, across prefill and decode workers."""
+        split = self._split()
+        roles = ("prefill",) if split else ANY_WORKER
+        finished, handoff, first = False, None, 0
+        prefill = self._attempts("prefill", lambda: self._plan_prefill(job, roles, split), len(job.tokens),
+                                 lambda event, load: self._prefilled(job, event, load))
+        async for event in prefill:
+            if event.finish_reason is None:
+                yield event.token, None
+                continue
+            finished, handoff, first = True, event.handoff, event.token
+            if not split or job.max_tokens == 1:
+                yield event.token, event.finish_reason
+                return
+            yield event.token, None
+        if not finished:
+            raise StreamBroken("prefill", "the worker ended the stream before its last token")
+        decode = self._attempts("decode", lambda: self._plan_decode(job, first, handoff), 0,
+                                lambda event, _: self._decoding(job, event))
+        async for event in decode:
+            yield event.token, event.finish_reason
+            if event.finish_reason is not None:
+                return
+        raise StreamBroken("decode", "the worker ended the stream before its last token")
+
+    def _split(self) -> bool:
+        return bool(self.serving.disaggregated and self._candidates(("prefill",)) and self._candidates(("decode",)))
+
+    async def _attempts(self, phase: str, plan: Callable[[], tuple[MemberInfo, GenerateRequest]], queued: int,
+                        on_first: Callable[[TokenEvent, WorkerLoad], None]) -> AsyncIterator[TokenEvent]:
+        """The one retry rule (module docstring)."""
+        errors = []
+        for _ in range(self.ATTEMPTS):
+            member, request = plan()
+            load = self.loads[member.node_id]
+            load.queued_tokens += queued
+            load.running += 1
+            pending, first = queued, True
+            try:
+                async for event in self.workers.generate(member, request):
+                    if first:  # the prompt is prefilled: no longer queued
+                        load.queued_tokens -= pending
+                        pending, first = 0, False
+                        on_first(event, load)
+                    yield event
+                return
+            except WorkerUnavailable as exc:
+                load.failed_until = time.monotonic() + self.FAIL_BACKOFF_S
+                errors.append(str(exc))
+                log.warning("front: %s; trying another %s worker", exc, phase)
+            except StreamBroken:
+                load.failed_until = time.monotonic() + self.FAIL_BACKOFF_S
+                raise
+            except WorkerRefused as exc:
+                raise ApiError(exc.status, exc.reason) from None
+            finally:
+                load.queued_tokens -= pending
+                load.running -= 1
+        raise ApiError(503, f"every {phase} worker tried failed: " + "; ".join(errors), "server_error",
+                       "worker_failed", retryable=True)
+
+    # ROUTE and PREFILL --------------------------------------------------------------------------
+
+    def _plan_prefill(self, job: Job, roles: tuple[str, ...], split: bool) -> tuple[MemberInfo, GenerateRequest]:
+        started = time.perf_counter()
+        route = self.route(job, roles, split)
+        job.timing.route_s += time.perf_counter() - started
+        request = job.request(max_tokens=1 if split else job.max_tokens, pull=route.decision.pull,
+                              source=route.source, handoff=split)
+        return route.member, request
+
+    def route(self, job: Job, roles: tuple[str, ...], split: bool = False) -> Route:
+        """The worker for the prompt, the router's decision, and where to pull the prefix from when
+        it says pull (the node holding the longest prefix, so the worker need not ask the index)."""
+        members = self._candidates(roles)
+        if not members:
+            raise ApiError(503, f"no live {'/'.join(roles)} worker", "server_error", "no_worker", retryable=True)
+        started = time.perf_counter()
+        found = self.conductor.lookup(job.tenant, job.keys)
+        job.timing.lookup_s += time.perf_counter() - started
+        nodes = {m.node_id for m in self.conductor.members.alive("node")}
+        best, best_node = max(((p.length, n) for n, p in found.items() if n in nodes), default=(0, None))
+        request = RouteRequest(len(job.tokens), self.layout.block_size, self.layout.nbytes, best)
+        router = self.router()
+        decision = router.choose([self._state(m, found[m.node_id].length if m.node_id in found else 0)
+                                  for m in members], request)
+        tbt = decision.tbt_s
+        decoders = self._candidates(("decode",)) if split else []
+        if decoders:  # the time between tokens is the decode worker's
+            tbt = router.choose_decode([self._state(m, 0) for m in decoders], request).tbt_s
+        self._check_slo(decision.ttft_s, tbt)
+        member = next(m for m in members if m.node_id == decision.worker)
+        source = None
+        if decision.pull and best_node is not None:
+            tiers = found[best_node].tiers
+            source = KVHandoff(node=best_node, blocks=best, tier=max(tiers, key=tiers.get) if tiers else "?")
+        return Route(member, decision, source)
+
+    def _check_slo(self, ttft_s: float, tbt_s: float) -> None:
+        slo_ttft, slo_tbt = self.serving.slo_ttft_s, self.serving.slo_tbt_s
+        if slo_ttft is not None and ttft_s > slo_ttft:
+            self.stats.rejected += 1
+            raise ApiError(429, f"predicted time to first token {ttft_s:.3f} s exceeds the SLO of {slo_ttft} s; "
+                           "retry later", "rate_limit_error", "slo_ttft", headers={"Retry-After": "1"})
+        if slo_tbt is not None and tbt_s > slo_tbt:
+            self.stats.rejected += 1
+            raise ApiError(429, f"predicted time between tokens {tbt_s:.4f} s exceeds the SLO of {slo_tbt} s; "
+                           "retry later", "rate_limit_error", "slo_tbt", headers={"Retry-After": "1"})
+
+    def _prefilled(self, job: Job, event: TokenEvent, load: WorkerLoad) -> None:
+        stats = job.timing.stats = event.stats or PrefillStats(prompt_tokens=len(job.tokens))
+        self.stats.prefilled(job.timing)
+        if stats.load_bytes and stats.load_s:
+            load.load_bytes_per_s = 0.8 * load.load_bytes_per_s + 0.2 * stats.load_bytes / stats.load_s
+
+    # HANDOFF and DECODE -------------------------------------------------------------------------
+
+    def _plan_decode(self, job: Job, first: int, handoff: KVHandoff | None) -> tuple[MemberInfo, GenerateRequest]:
+        members = self._candidates(("decode",))
+        if not members:
+            raise ApiError(503, "no live decode worker", "server_error", "no_worker", retryable=True)
+        tokens = [*job.tokens, first]
+        request = RouteRequest(len(tokens), self.layout.block_size, self.layout.nbytes,
+                               handoff.blocks if handoff else 0)
+        decision = self.router().choose_decode([self._state(m, 0) for m in members], request)
+        member = next(m for m in members if m.node_id == decision.worker)
+        return member, job.request(tokens=tokens, max_tokens=job.max_tokens - 1, pull=True, source=handoff)
+
+    @staticmethod
+    def _decoding(job: Job, event: TokenEvent) -> None:
+        if event.stats is not None:
+            job.timing.decode_cached_tokens = event.stats.cached_tokens
+
+    # Workers as the router sees them ------------------------------------------------------------
+
+    def _candidates(self, roles: tuple[str, ...]) -> list[MemberInfo]:
+        now = time.monotonic()
+        return [m for m in self.conductor.members.alive() if m.role in roles and m.url
+                and self.loads[m.node_id].failed_until <= now]
+
+    def _state(self, member: MemberInfo, cached: int) -> WorkerState:
+        load, perf = self.loads[member.node_id], member.perf
+        return WorkerState(member.node_id, cached, load.queued_tokens, load.running,
+                           PrefillModel(perf.prefill_a, perf.prefill_b, perf.prefill_q), perf.decode_step_s,
+                           load.load_bytes_per_s)

@@ -1,0 +1,135 @@
+"""The operator's endpoints on the control API: the cluster view, a prompt's cached prefix, pins by
+prompt, flushes and run-time policy switches. Settings are durable (etcd) and reach every conductor
+and member; writes go to the leader."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from tiercake.blocks import block_keys
+from tiercake.config import TiercakeConfig
+from tiercake.errors import ApiError
+from tiercake.messages import (
+    ClusterMember,
+    ClusterView,
+    FlushReply,
+    FlushRequest,
+    IndexFigures,
+    PinPrefixReply,
+    PolicyReply,
+    PolicyRequest,
+    PrefixHolder,
+    PrefixReply,
+    PromptRequest,
+    RouterSpec,
+    TierStats,
+    WorkerLoad,
+)
+from tiercake.policies import create_eviction, create_router
+
+from .dispatch import Dispatcher
+from .service import Conductor
+from .serving_stats import ServingStats
+from .tenants import Tenants
+
+
+def reply(model: BaseModel, status: int = 200) -> web.Response:
+    return web.json_response(text=model.model_dump_json(by_alias=True), status=status)
+
+
+async def parse(request: web.Request, model: type[BaseModel], empty: bytes | None = None):
+    """The body as ``model``; a malformed one is a 400 that names the field."""
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw or empty or raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ApiError(400, f"invalid body: {where + ': ' if where else ''}{first['msg']}") from None
+
+
+class OperatorApi:
+    def __init__(self, conductor: Conductor, config: TiercakeConfig, tenants: Tenants, dispatcher: Dispatcher,
+                 stats: ServingStats) -> None:
+        self.conductor = conductor
+        self.config = config
+        self.tenants = tenants
+        self.dispatcher = dispatcher
+        self.stats = stats
+        self.block_size = config.serving.layout().block_size
+
+    def routes(self) -> list:
+        return [web.get("/v1/cluster", self.cluster), web.post("/v1/prefix", self.prefix),
+                web.post("/v1/prefix/pin", self.pin), web.post("/v1/prefix/unpin", self.unpin),
+                web.post("/v1/flush", self.flush), web.post("/v1/policy", self.policy)]
+
+    async def cluster(self, _: web.Request) -> web.Response:
+        """Nodes and workers with their tiers (capacity, use, blocks, hits), loads, and the serving
+        hit ratio (prompt tokens whose KV was reused), by source."""
+        conductor = self.conductor
+        members = []
+        for m in conductor.members.alive():
+            stats = conductor.member_stats.get(m.node_id)
+            tiers = stats.tiers if stats is not None else {t: TierStats(capacity_bytes=c) for t, c in m.tiers.items()}
+            load = None
+            if m.role != "node":
+                counted = self.dispatcher.loads[m.node_id]
+                load = WorkerLoad(queued_tokens=counted.queued_tokens, running=counted.running)
+            members.append(ClusterMember(
+                id=m.node_id, role=m.role, address=f"{m.host}:{m.port}", url=m.url, tiers=tiers, load=load,
+                indexed_bytes={t: conductor.index.used.get((m.node_id, t), 0) for t in m.tiers}))
+        return reply(ClusterView(
+            members=members, router=self.dispatcher.router_spec, settings=conductor.settings,
+            serving=self.stats.figures(), index=IndexFigures(replicas=len(conductor.index), pins=len(conductor.pins)),
+            metadata=self.stats.metadata_costs(conductor.index.stats), reuse=await self.stats.reuse()))
+
+    async def _prompt_keys(self, request: web.Request) -> tuple[PromptRequest, str, list[bytes]]:
+        body = await parse(request, PromptRequest)
+        tokens = list(body.prompt.encode()) if isinstance(body.prompt, str) else body.prompt
+        index_tenant, salt = self.tenants.namespace(body.tenant)
+        return body, index_tenant, block_keys(self.config.serving_namespace(salt), tokens)
+
+    async def prefix(self, request: web.Request) -> web.Response:
+        _, tenant, keys = await self._prompt_keys(request)
+        found = self.conductor.index.lookup(tenant, keys)  # an operator's look: no access counted
+        bs = self.block_size
+        return reply(PrefixReply(blocks=len(keys), block_size=bs, holders={
+            n: PrefixHolder(tokens=p.length * bs, blocks=p.length, tiers=p.tiers) for n, p in found.items()}))
+
+    async def pin(self, request: web.Request) -> web.Response:
+        body, tenant, keys = await self._prompt_keys(request)
+        if not keys:
+            raise ApiError(400, "the prompt has no full block to pin")
+        self.conductor.require_leader(await self.conductor.leader())
+        await self.conductor.pin(tenant, keys, body.ttl)
+        return reply(PinPrefixReply(pinned_blocks=len(keys)))
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        _, tenant, keys = await self._prompt_keys(request)
+        self.conductor.require_leader(await self.conductor.leader())
+        if keys:
+            await self.conductor.unpin(tenant, keys)
+        return reply(PinPrefixReply(unpinned_blocks=len(keys)))
+
+    async def flush(self, request: web.Request) -> web.Response:
+        body = await parse(request, FlushRequest, empty=b"{}")
+        self.conductor.require_leader(await self.conductor.leader())
+        return reply(FlushReply(flush_epoch=await self.conductor.flush(body.tiers)))
+
+    async def policy(self, request: web.Request) -> web.Response:
+        body = await parse(request, PolicyRequest)
+        try:
+            if body.router is not None:
+                create_router(body.router, body.router_params)  # refuse what would not build
+            for spec in (body.eviction or {}).values():
+                create_eviction(spec.policy, spec.params)
+        except (LookupError, TypeError, ValueError) as exc:
+            raise ApiError(400, str(exc)) from None
+        conductor = self.conductor
+        conductor.require_leader(await conductor.leader())
+        if body.router is not None:
+            await conductor.put_setting("router", RouterSpec(name=body.router, params=body.router_params))
+        if body.eviction is not None:
+            await conductor.put_setting("eviction", {**conductor.settings.eviction, **body.eviction})
+        return reply(PolicyReply(router=self.dispatcher.router_spec, eviction=conductor.settings.eviction))

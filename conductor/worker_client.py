@@ -1,0 +1,102 @@
+"""The front's side of the worker contract: ``POST /generate`` on a worker, its NDJSON lines parsed
+into ``TokenEvent``s, and every failure typed by what the caller may do about it:
+
+- ``WorkerUnavailable``: the worker could not be reached, or failed before its first token (5xx):
+  another worker may serve the request (the one retry rule of the dispatcher).
+- ``WorkerRefused``: the worker refused the request as malformed (4xx): no other worker will take it.
+- ``StreamBroken``: the worker failed after some tokens: the client's response is already under way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+from pydantic import ValidationError
+
+from tiercake.errors import parse_error
+from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, TokenEvent
+
+
+class WorkerError(Exception):
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(f"worker {worker}: {message}")
+        self.worker = worker
+
+
+class WorkerUnavailable(WorkerError):
+    """Retryable on another worker: nothing reached the client yet."""
+
+
+class WorkerRefused(WorkerError):
+    """The request itself is wrong (the worker's 4xx): not retryable."""
+
+    def __init__(self, worker: str, status: int, message: str) -> None:
+        super().__init__(worker, message)
+        self.status, self.reason = status, message
+
+
+class StreamBroken(WorkerError):
+    """The worker failed mid-stream."""
+
+
+class WorkerClient:
+    def __init__(self) -> None:
+        self._http: aiohttp.ClientSession | None = None
+
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60))
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    async def generate(self, member: MemberInfo, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """The worker's events. Before the first: ``WorkerUnavailable`` or ``WorkerRefused``; after
+        it: ``StreamBroken``."""
+        worker = member.node_id
+        body = request.model_dump_json(exclude_defaults=True)
+        try:
+            resp = await self.http().post(member.url + "/generate", data=body,
+                                          headers={"Content-Type": "application/json"})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise WorkerUnavailable(worker, repr(exc)) from exc
+        async with resp:
+            if resp.status >= 400:
+                try:
+                    error = parse_error(await resp.json(content_type=None), resp.status)
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    raise WorkerUnavailable(worker, f"HTTP {resp.status}: {exc!r}") from exc
+                if resp.status < 500:
+                    raise WorkerRefused(worker, resp.status, error.message)
+                raise WorkerUnavailable(worker, error.message)
+            emitted = 0
+            try:
+                async for line in resp.content:
+                    if line.strip():
+                        event = _event(line)
+                        emitted += 1
+                        yield event
+            except (aiohttp.ClientError, asyncio.TimeoutError, _BadLine) as exc:
+                message = str(exc) if isinstance(exc, _BadLine) else f"failed mid-stream: {exc!r}"
+                raise (StreamBroken if emitted else WorkerUnavailable)(worker, message) from exc
+            if not emitted:
+                raise WorkerUnavailable(worker, "answered with no token")
+
+
+class _BadLine(Exception):
+    """A line that is not an event: the worker's error line, or garbage."""
+
+
+def _event(line: bytes) -> TokenEvent:
+    try:
+        data = json.loads(line)
+        if isinstance(data, dict) and "error" in data:
+            raise _BadLine(ErrorReply.model_validate(data).error.message)
+        return TokenEvent.model_validate(data)
+    except (ValueError, ValidationError) as exc:
+        raise _BadLine(f"sent a malformed event: {exc}") from None

@@ -1,0 +1,71 @@
+"""The one HTTP error format of every tiercake API (the front, the control API, the workers): OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` (``messages.ErrorReply``), with ``retryable`` when
+the same request may succeed if sent again and ``leader`` when a follower refuses a write."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from .messages import ErrorInfo, ErrorReply
+
+log = logging.getLogger(__name__)
+
+# OpenAI's error types by status, for errors that name none
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ApiError(Exception):
+    """An error to answer with: raise it from a handler (the middleware renders it) or call
+    ``response()``."""
+
+    def __init__(self, status: int, message: str, kind: str | None = None, code: str | None = None,
+                 headers: dict | None = None, *, retryable: bool = False, leader: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.headers = status, code, headers or {}
+        self.kind = kind or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.retryable, self.leader = retryable, leader
+
+    def reply(self) -> ErrorReply:
+        return ErrorReply(error=ErrorInfo(message=str(self), type=self.kind, code=self.code,
+                                          retryable=self.retryable, leader=self.leader))
+
+    def response(self) -> web.Response:
+        body = self.reply().model_dump_json(exclude_defaults=False)
+        return web.json_response(text=body, status=self.status, headers=self.headers)
+
+
+def error_response(status: int, message: str, kind: str | None = None, code: str | None = None,
+                   headers: dict | None = None, **extra) -> web.Response:
+    return ApiError(status, message, kind, code, headers, **extra).response()
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """``ApiError`` and aiohttp's own errors (unknown route, wrong method, body too large) in the one
+    format; anything unexpected is a 500 in it too, never a plain-text page."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        return error_response(exc.status, exc.text if exc.status == 413 and exc.text else exc.reason, headers={
+                                  k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")})
+    except Exception as exc:  # noqa: BLE001 - a bug: logged, answered in the format
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", retryable=True)
+
+
+def parse_error(data: object, status: int) -> ErrorInfo:
+    """The error a tiercake API answered with (a client's view; tolerant of bodies from elsewhere)."""
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        try:
+            return ErrorReply.model_validate(data).error
+        except ValueError:
+            pass
+    message = data.get("error", data) if isinstance(data, dict) else data
+    return ErrorInfo(message=str(message), type="server_error" if status >= 500 else "invalid_request_error")

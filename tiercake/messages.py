@@ -1,0 +1,478 @@
+"""Every message that crosses a process boundary, as one typed model imported by both sides.
+
+Who sends what:
+
+- front -> worker: ``GenerateRequest``; worker -> front: a stream of ``TokenEvent`` lines (NDJSON),
+  the first carrying ``PrefillStats``, the last of a prefill the ``KVHandoff`` (where the prompt's
+  blocks now are), or one ``ErrorReply`` line when the worker fails mid-stream.
+- members (node agents, workers) <-> conductor: ``MemberInfo`` (with ``WorkerPerf``) to register,
+  ``LeaseRequest`` with ``MemberStats`` to keep alive, answered by ``KeepAliveReply`` (pins version,
+  ``ClusterSettings``, ``ReplicationTask``s); placement reports and lookups.
+- operator <-> conductor: the control API's requests and replies (``ClusterView``, ``PrefixReply``...).
+- every HTTP API, on any error: ``ErrorReply`` (OpenAI's error shape), nothing else.
+
+Requests forbid unknown fields (a typo is a 400, not a silently ignored setting); replies ignore
+them, so an older client keeps working against a newer server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_KEYS = 65536  # block keys in one control request
+
+Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]  # tenants, nodes, tiers: parts of etcd keys
+KeyHex = Annotated[str, Field(pattern=r"^([0-9a-f]{2}){1,64}$")]
+
+
+class Request(BaseModel):
+    """A message a server validates: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Reply(BaseModel):
+    """A message a client reads: unknown fields are ignored (newer servers may add some)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# Errors: one format for every HTTP API -----------------------------------------------------------
+
+
+class ErrorInfo(Reply):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    leader: str | None = Field(default=None, description="a follower's answer to a write: the leader's URL")
+    retryable: bool = Field(default=False, description="the same request may succeed if sent again")
+
+
+class ErrorReply(Reply):
+    """OpenAI's error body, used by the front, the control API and the workers alike."""
+
+    error: ErrorInfo
+
+
+# Members -----------------------------------------------------------------------------------------
+
+
+class WorkerPerf(Reply):
+    """A worker's timings, fitted on its machine at start, that the router predicts with."""
+
+    prefill_a: float = 0.005  # prefill seconds: a + b*t + q*t*(t + 2c) (t computed, c cached tokens)
+    prefill_b: float = 1e-4
+    prefill_q: float = 0.0
+    decode_step_s: float = 0.005
+    copy_bytes_per_s: float | None = Field(default=None, description="warm copies into its gpu tier (the floor "
+                                           "of loading a block)")
+
+
+class MemberInfo(Request):
+    node_id: Name
+    role: Literal["node", "prefill", "decode", "worker", "conductor"] = "node"
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    tiers: dict[str, int] = Field(default_factory=dict, description="tier name -> capacity in bytes")
+    lease: int = Field(default=0, ge=0, description="the lease the member is registered under (set on registration)")
+    url: str = Field(default="", description="a worker's HTTP API")
+    engine: str = Field(default="reference", description="the inference engine behind a worker")
+    perf: WorkerPerf = Field(default_factory=WorkerPerf, description="a worker's fitted timings (routing)")
+
+
+class TierStats(Reply):
+    kind: str = ""
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0
+    evictions: int = 0
+    residency: list[int] = Field(default_factory=list, description="evicted blocks by residency bucket")
+    residency_sum_s: float = 0.0
+    eviction: str | None = None
+
+
+class MemberStats(Reply):
+    """What a member's store reports with each keep-alive (the cluster view and /metrics)."""
+
+    misses: int = 0
+    tiers: dict[str, TierStats] = Field(default_factory=dict)
+
+
+class RegisterRequest(Request):
+    member: MemberInfo
+    ttl: int = Field(default=5, ge=1, le=3600, description="seconds without a keep-alive before it is dead")
+
+
+class RegisterReply(Reply):
+    lease: int
+
+
+class LeaseRequest(Request):
+    node_id: Name
+    lease: int = Field(gt=0)
+    stats: MemberStats | None = Field(default=None, description="the member's store statistics (cluster view)")
+
+
+class LeaveReply(Reply):
+    left: str
+
+
+# Cluster settings (durable, followed by every conductor, handed to members) ----------------------
+
+
+class RouterSpec(Request):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvictionSpec(Request):
+    policy: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class FlushSetting(Request):
+    epoch: int = 0
+    tiers: list[str] | None = Field(default=None, description="only these tiers, pushed down; None: all")
+
+
+class ClusterSettings(Reply):
+    """The run-time settings under ``/tiercake/settings/<field>``, one etcd key per field."""
+
+    router: RouterSpec | None = None
+    eviction: dict[str, EvictionSpec] = Field(default_factory=dict)
+    flush: FlushSetting = Field(default_factory=FlushSetting)
+
+
+class ReplicationTask(Reply):
+    """Copy a hot block from ``source`` (set) or drop this node's copy (None)."""
+
+    tenant: str
+    key: KeyHex
+    tier: str
+    size: int
+    source: str | None
+
+
+class KeepAliveReply(Reply):
+    pins_version: int
+    settings: ClusterSettings = Field(default_factory=ClusterSettings)
+    tasks: list[ReplicationTask] = Field(default_factory=list)
+
+
+# Placements --------------------------------------------------------------------------------------
+
+
+class LookupRequest(Request):
+    tenant: Name
+    keys: list[str] = Field(max_length=MAX_KEYS, description="block keys of one chain, hex, in order")
+
+
+class PrefixHolding(Reply):
+    """How much of a chain one node holds: ``length`` blocks from the start, by tier."""
+
+    length: int
+    tiers: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def majority_tier(self) -> str:
+        return max(self.tiers, key=self.tiers.get) if self.tiers else "?"
+
+
+class LookupReply(Reply):
+    nodes: dict[str, PrefixHolding]
+
+
+class BlockSize(Request):
+    key: KeyHex
+    size: int = Field(ge=0)
+
+
+class BeginRequest(Request):
+    tenant: Name
+    tier: Name
+    blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
+    local: str | None = Field(default=None, description="the writer's node, for the local_first strategy")
+
+
+class BeginReply(Reply):
+    targets: dict[str, list[str]]
+
+
+class CommitRequest(Request):
+    """Replicas of ``node``; they are attached to the node's member lease (they go when it dies)."""
+
+    tenant: Name
+    node: Name
+    tier: Name
+    blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+class RemoveRequest(Request):
+    tenant: Name
+    node: Name
+    tier: Name
+    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+class PinRequest(Request):
+    tenant: Name
+    keys: list[str] = Field(min_length=1, max_length=MAX_KEYS)
+    ttl: int | None = Field(default=None, ge=1, description="seconds; default: until unpinned")
+
+
+class HeatHit(Request):
+    tenant: Name
+    key: str
+    count: int = Field(ge=1, le=1_000_000)
+
+
+class HeatRequest(Request):
+    """Accesses a follower conductor counted in its lookups (the leader decides replication)."""
+
+    hits: list[HeatHit] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+class CommitReply(Reply):
+    committed: int
+
+
+class ReportReply(Reply):
+    reported: int
+    new: int
+
+
+class RevokeReply(Reply):
+    revoked: int
+
+
+class RemoveReply(Reply):
+    removed: int
+    unknown: int
+
+
+class PinReply(Reply):
+    pinned: int
+
+
+class UnpinReply(Reply):
+    unpinned: int
+
+
+class HeatReply(Reply):
+    accepted: int
+
+
+class NodeBlock(Reply):
+    tenant: str
+    key: str
+    tier: str
+    size: int
+    pinned: bool
+
+
+class NodeBlocksReply(Reply):
+    blocks: list[NodeBlock]
+
+
+class NodePin(Reply):
+    tenant: str
+    key: str
+
+
+class NodePinsReply(Reply):
+    version: int
+    pins: list[NodePin]
+
+
+class MembersReply(Reply):
+    members: list[MemberInfo]
+
+
+class ConductorInfo(Request):
+    """What a conductor publishes about itself, so clients can find the leader's address."""
+
+    conductor_id: str
+    url: str = Field(description="where its HTTP API listens")
+
+
+class LeaderReply(Reply):
+    leader: ConductorInfo | None
+    self_id: str = Field(alias="self")
+
+
+# The operator's endpoints ------------------------------------------------------------------------
+
+
+class PromptRequest(Request):
+    """A prompt whose cached prefix to look up, pin or unpin."""
+
+    prompt: str | list[int]
+    tenant: Name = "default"
+    ttl: int | None = Field(default=None, ge=1, description="pin: seconds; default until unpinned")
+
+
+class PrefixHolder(Reply):
+    tokens: int
+    blocks: int
+    tiers: dict[str, int]
+
+
+class PrefixReply(Reply):
+    blocks: int
+    block_size: int
+    holders: dict[str, PrefixHolder]
+
+
+class PinPrefixReply(Reply):
+    pinned_blocks: int = 0
+    unpinned_blocks: int = 0
+
+
+class FlushRequest(Request):
+    tiers: list[str] | None = Field(default=None, description="only these tiers, pushed down; default: all")
+
+
+class FlushReply(Reply):
+    flush_epoch: int
+
+
+class PolicyRequest(Request):
+    """Switch policies at run time, cluster-wide (durable: a new leader keeps them)."""
+
+    router: str | None = None
+    router_params: dict[str, Any] = Field(default_factory=dict)
+    eviction: dict[str, EvictionSpec] | None = Field(default=None, description="tier name -> policy")
+
+
+class PolicyReply(Reply):
+    router: RouterSpec
+    eviction: dict[str, EvictionSpec]
+
+
+class WorkerLoad(Reply):
+    """A worker's load as the front counts it (and as the worker's ``/load`` reports it)."""
+
+    queued_tokens: int = 0
+    running: int = 0
+
+
+class ClusterMember(Reply):
+    id: str
+    role: str
+    address: str
+    url: str
+    tiers: dict[str, TierStats]
+    indexed_bytes: dict[str, int]
+    load: WorkerLoad | None = None
+
+
+class ServingFigures(Reply):
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_ratio: float
+    cached_tokens_by_source: dict[str, int]
+
+
+class MetadataCosts(Reply):
+    lookups: int
+    durable_ops: int
+    durable_bytes: int
+    ops_per_request: float
+    bytes_per_request: float
+    kv_bytes_moved: int
+    block_bytes: int
+    metadata_bytes_per_kv_byte: float
+    load_overhead_s: float
+
+
+class IndexFigures(Reply):
+    replicas: int
+    pins: int
+
+
+class ClusterView(Reply):
+    """``GET /v1/cluster``: members with their tiers and loads, the serving figures, metadata costs."""
+
+    members: list[ClusterMember]
+    router: RouterSpec
+    settings: ClusterSettings
+    serving: ServingFigures
+    index: IndexFigures
+    metadata: MetadataCosts
+    reuse: dict[str, Any] | None = None
+
+
+# The worker contract: front <-> worker -----------------------------------------------------------
+
+
+class KVHandoff(Request):
+    """Where a prompt's first ``blocks`` full blocks are held: the node a prefill worker wrote them to
+    (the decode worker pulls them from there), or the node the router told a worker to pull from."""
+
+    node: Name
+    blocks: int = Field(ge=0)
+    tier: str = Field(default="handoff", description="the tier the node holds them in (for the statistics)")
+
+
+class GenerateRequest(Request):
+    """What the front sends a worker (token ids: the front tokenizes)."""
+
+    tokens: list[int] = Field(min_length=1)
+    max_tokens: int = Field(gt=0)
+    temperature: float = Field(default=0.0, ge=0)
+    tenant: Name = "default"
+    salt: str | None = Field(default=None, description="the hashing salt; default: the tenant")
+    seed: int | None = None
+    pull: bool = Field(default=True, description="load what nodes hold beyond the worker's own prefix")
+    source: KVHandoff | None = Field(default=None, description="pull the prefix from here without asking the index")
+    handoff: bool = Field(default=False, description="a prefill for a decode worker: its last event carries the "
+                          "KVHandoff, sent only once the blocks are on the node")
+
+
+class PrefillStats(Reply):
+    """How a worker's prefill went: reuse, and where the time went."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # tokens whose KV was reused, from any source
+    sources: dict[str, int] = Field(default_factory=dict, description='"gpu" / "<node>:<tier>" -> blocks')
+    lookup_s: float = 0.0
+    load_s: float = 0.0
+    load_bytes: int = 0
+    load_tier: str | None = None  # the tier of the node that held most of the pulled blocks
+    compute_s: float = 0.0
+    written_blocks: int = 0  # new full blocks of the prompt written through to the worker's node
+    copy_bytes_per_s: float | None = None  # the worker's memcpy rate, the floor of a load
+
+
+class TokenEvent(Reply):
+    """One generated token; the first carries the prefill stats, the last its finish reason and, from
+    a prefill made for a decode worker, the handoff."""
+
+    token: int
+    index: int
+    finish_reason: str | None = None
+    stats: PrefillStats | None = None
+    handoff: KVHandoff | None = None
+
+
+class WorkerHealth(Reply):
+    status: str
+    worker: str
+    role: str
+    engine: str = "reference"
+    pid: int
+
+
+class WorkerLoadReply(Reply):
+    waiting: int = 0
+    prefilling: int = 0
+    running: int = 0
+    free_blocks: int = 0
+    blocks: int = 0
+    completed: int = 0

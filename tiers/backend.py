@@ -1,0 +1,121 @@
+"""The tier backend interface: what the store needs of a tier's storage. A backend is dumb storage;
+policies, object state, leases and pins stay in the store (``store.py``).
+
+Two kinds, and the store treats them by kind, never by name:
+
+- ``MemoryTierBackend``: bytes addressable in place (gpu memory, a shared pool, a CXL device): the
+  store copies into and out of ``view``s, and serves in-process readers from them directly.
+- ``DiskTierBackend``: bytes behind I/O (files, a raw device, an object store): a put is written
+  from a staging buffer at commit (``persist``), a get read into the caller's buffer (``read_into``),
+  and what survived a restart is handed back by ``recover``.
+
+A new kind is one module with a subclass plus one registration in ``tiercake.plugins.TIER_BACKENDS``
+(or an entry point in the group ``tiercake.tiers``); a ``TierConfig`` of that ``kind`` then builds it
+through ``from_config``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tiercake.blocks import BlockLayout
+    from tiercake.config import TierConfig
+
+
+@dataclass(slots=True)
+class RecoveredBlock:
+    """A block a disk tier found after a restart."""
+
+    key: bytes
+    parent: bytes | None
+    nbytes: int
+    slot: Any
+    mtime: float
+    tenant: str = ""
+
+
+class TierBackend(ABC):
+    kind: ClassVar[str]  # the registry name
+    # speed order among kinds (0 fastest): a store lists its tiers fastest first, and spills down
+    rank: ClassVar[int]
+    in_memory: ClassVar[bool]
+    name: str  # this tier's name in its store
+
+    @classmethod
+    def validate_config(cls, cfg: TierConfig) -> None:
+        """Refuse (``ValueError``) a ``TierConfig`` this kind cannot build from (at config load time)."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: TierConfig, layout: BlockLayout | None) -> TierBackend:
+        """Build the backend for one configured tier (``layout``: the store's block layout, if fixed)."""
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @abstractmethod
+    def accepts(self, nbytes: int) -> bool:
+        """Whether an object of ``nbytes`` could ever be held (size limits, exact block sizes)."""
+
+    @abstractmethod
+    def allocate(self, nbytes: int) -> Any | None:
+        """A slot for ``nbytes`` (opaque to the store), or None when full (the store then evicts)."""
+
+    @abstractmethod
+    def in_use(self, slot: Any) -> bool:
+        """Held by someone besides the store (a running sequence's block): never evicted."""
+
+    @abstractmethod
+    async def release(self, slot: Any) -> None:
+        """Give the slot back; its bytes are gone."""
+
+    async def recover(self) -> list[RecoveredBlock]:
+        """What the tier still holds after a restart (memory tiers: nothing)."""
+        return []
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class MemoryTierBackend(TierBackend):
+    in_memory = True
+
+    @abstractmethod
+    def view(self, slot: Any, nbytes: int) -> torch.Tensor:
+        """The slot's bytes in place (flat uint8; on the tier's device)."""
+
+    @abstractmethod
+    def host_array(self, slot: Any, nbytes: int) -> np.ndarray | None:
+        """The slot's bytes as host memory for sockets, or None when they live on a device."""
+
+    def adopt(self, slot: Any) -> None:
+        """Take a reference to a slot filled outside the store (a gpu block a sequence computed)."""
+        raise TypeError(f"tier {self.name!r} ({self.kind}) cannot adopt blocks")
+
+
+class DiskTierBackend(TierBackend):
+    in_memory = False
+
+    @abstractmethod
+    def staging(self, slot: Any) -> torch.Tensor:
+        """Host memory a put is written into before ``persist`` (flat uint8, the slot's size)."""
+
+    @abstractmethod
+    async def persist(self, slot: Any, key: bytes, parent: bytes | None, src: torch.Tensor | None = None, *,
+                      tenant: str = "") -> None:
+        """Write the block (from ``src``, else the slot's staging buffer) durably enough to recover."""
+
+    @abstractmethod
+    async def read_into(self, slot: Any, key: bytes, dst: torch.Tensor) -> None:
+        """Read the block into ``dst``; ``CorruptBlockError`` when it fails its checksum."""

@@ -1,0 +1,173 @@
+"""tiercake's reference engine behind the worker contract: the reference model over a paged gpu tier,
+the continuous-batching scheduler, and the timings the router predicts with, fitted on this machine
+at start (and persisted in the data directory, so a restart does not measure again)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from tiercake.conductor.client import Client
+from tiercake.config import TiercakeConfig
+from tiercake.messages import GenerateRequest, TokenEvent, WorkerLoadReply, WorkerPerf
+from tiercake.policies import fit_prefill
+from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore, TierFullError
+from tiercake.tiers.gpu import default_device
+from tiercake.transfer import TransferEngine
+
+from .contract import EngineBusy, ServingEngine
+from .inference import InferenceEngine
+from .model import PagedChunk, ReferenceModel
+from .scheduler import Scheduler
+
+
+class ReferenceEngine(ServingEngine):
+    name = "reference"
+
+    def __init__(self, config: TiercakeConfig, worker_id: str, data_dir: Path | None = None) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.data_dir = data_dir
+        self.inference: InferenceEngine | None = None
+        self.scheduler: Scheduler | None = None
+        self._perf = WorkerPerf()
+        self._closers: list = []
+
+    async def start(self, client: Client | None) -> ReferenceEngine:
+        """Build the model, its gpu tier, the transfer engine and the scheduler; fit the timings.
+        ``client``: the conductor (prefix lookups and members); None for a standalone engine."""
+        cfg, serving = self.config, self.config.serving
+        try:
+            device = serving.device or default_device()
+            model = ReferenceModel(serving.model, device=device)
+            layout = serving.layout()
+            pool = GpuBlockPool(serving.gpu_blocks, layout.shape, layout.torch_dtype(), device)
+            store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
+            self._closers.append(store.close)
+            transfer = TransferEngine(self.worker_id, cfg.transfer.secret(), store,
+                                      transports=tuple(cfg.transfer.transports), streams=cfg.transfer.streams,
+                                      checksum=cfg.transfer.checksum)
+            self._closers.append(transfer.close)
+            self.inference = InferenceEngine(
+                model, store, pool, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,
+                conductor=client, node=cfg.node_id, max_context=serving.max_context,
+                prefill_chunk=serving.prefill_chunk_tokens,
+            )
+            self._closers.append(self.inference.flush)
+            self._perf = await asyncio.to_thread(calibrate, self.inference, self.data_dir)
+            self.scheduler = Scheduler(self.inference, serving.max_batch).start()
+            self._closers.append(self.scheduler.close)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def close(self) -> None:
+        while self._closers:
+            with contextlib.suppress(Exception):
+                await self._closers.pop()()
+
+    @property
+    def perf(self) -> WorkerPerf:
+        return self._perf
+
+    @property
+    def store(self) -> TieredStore | None:
+        return self.inference.store if self.inference is not None else None
+
+    @property
+    def gpu_capacity_bytes(self) -> int:
+        pool = self.inference.pool
+        return pool.num_blocks * pool.block_nbytes
+
+    def load(self) -> WorkerLoadReply:
+        pool = self.inference.pool
+        return WorkerLoadReply(**self.scheduler.load, free_blocks=pool.num_free, blocks=pool.num_blocks,
+                               completed=self.scheduler.completed)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        events = self.scheduler.generate(request)
+        try:
+            try:
+                event = await anext(events)
+            except TierFullError as exc:  # every gpu block is in use by running sequences
+                raise EngineBusy(f"worker busy: {exc}") from None
+            while True:
+                if event.stats is not None:
+                    event.stats.copy_bytes_per_s = self._perf.copy_bytes_per_s
+                if event.finish_reason is not None:
+                    if request.handoff:  # the decode worker pulls the blocks next: they must be there
+                        event.handoff = await self.inference.handoff(len(request.tokens))
+                    yield event
+                    return
+                yield event
+                event = await anext(events)
+        finally:
+            await events.aclose()  # a client that went away frees its sequence
+
+
+PERF_FIELDS = set(WorkerPerf.model_fields)
+
+
+def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
+    """Fit the prefill-time model and measure a decode step on this machine; reuse a persisted fit of
+    the same model, block size and device."""
+    model = engine.model
+    ident = hashlib.sha256(json.dumps([model.config.model_dump(), engine.block_size, str(engine.pool.device)])
+                           .encode()).hexdigest()[:16]
+    path = cache / f"calibration-{ident}.json" if cache else None
+    if path is not None and path.exists():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            saved = json.loads(path.read_text())
+            if set(saved) >= PERF_FIELDS:  # a file from an older version lacks some: measure again
+                return WorkerPerf.model_validate(saved)
+    bs = engine.block_size
+    limit = min(engine.max_context // 2, engine.pool.num_blocks * bs // 2)
+    lengths = sorted({max(bs, min(n, limit)) for n in (bs, 4 * bs, 16 * bs, 64 * bs)})
+    scratch = torch.zeros((-(-max(lengths) // bs) * 2, *engine.pool.block_shape), dtype=engine.pool.dtype,
+                          device=engine.pool.device)
+    table = list(range(scratch.shape[0]))
+    samples = []
+    for n in lengths:
+        for cached in (0, n // 2 // bs * bs):
+            tokens = [(7 * i) % 256 for i in range(n)]
+            best = float("inf")
+            for _ in range(3):
+                started = time.perf_counter()
+                model.forward_paged([PagedChunk(tokens[cached:], cached, table)], scratch)
+                best = min(best, time.perf_counter() - started)
+            samples.append((n - cached, cached, best))
+    if len({s[:2] for s in samples}) < 3:
+        samples += [(1, 0, samples[0][2])]
+    fit = fit_prefill(samples)
+    started = time.perf_counter()
+    for i in range(5):
+        model.forward_paged([PagedChunk([1], lengths[0] + i, table)], scratch)
+    perf = WorkerPerf(prefill_a=fit.a, prefill_b=fit.b, prefill_q=fit.q,
+                      decode_step_s=(time.perf_counter() - started) / 5, copy_bytes_per_s=_copy_rate(engine.pool))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(perf.model_dump_json())
+    return perf
+
+
+def _copy_rate(pool: GpuBlockPool) -> float:
+    """Bytes per second of a warm copy into the gpu tier's memory: the floor of loading a block."""
+    src = torch.ones(16 << 20, dtype=torch.uint8, device=pool.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return src.numel() / best
