@@ -11,11 +11,12 @@ import signal
 import sys
 
 from tiercake.conductor.client import Client
-from tiercake.conductor.membership import MemberInfo
-from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
 from tiercake.transfer import TransferEngine, TransferServer
+
+from tiercake.config import TiercakeConfig, reachable_host
+from tiercake.messages import MemberInfo
 
 from .conductor_link import ConductorLink
 

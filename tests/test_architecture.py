@@ -1,0 +1,73 @@
+"""The package map of docs/ARCHITECTURE.md, enforced: every import between tiercake's parts points
+down the layers (an upward import, even one inside a function, fails here)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the shared types every part may use; the rest of ``tiercake/`` (CLI, bench, replay, up) is the top
+BASE = {"tiercake", "tiercake.blocks", "tiercake.config", "tiercake.errors", "tiercake.messages",
+        "tiercake.plugins", "tiercake.traces"}
+# lowest first: a part imports only from its own layer and the ones before it
+LAYERS = ["base", "policies", "tiers", "transfer", "conductor", "workers", "top"]
+PARTS = {"policies", "tiers", "transfer", "conductor", "workers"}
+# imports across a layer that are allowed only into these modules (the conductor's public client)
+NARROW = {("workers", "conductor"): {"tiercake.conductor.client"}}
+
+
+def part_of(module: str) -> str:
+    pieces = module.split(".")
+    if len(pieces) > 1 and pieces[1] in PARTS:
+        return pieces[1]
+    return "base" if ".".join(pieces[:2]) in BASE else "top"
+
+
+def imports() -> list[tuple[str, str, str]]:
+    """(importing module, file:line, imported module) for every import of tiercake in the package."""
+    found = []
+    folders = {"tiercake": "tiercake", **{p: f"tiercake.{p}" for p in PARTS}}
+    for folder, package in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            module = ".".join([package, *parts])
+            here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    base = here[: len(here) - node.level + 1] if node.level else []
+                    target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                    names = [target] if node.module or not node.level else [f"{target}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    if name and name.startswith("tiercake"):
+                        found.append((module, f"{path.relative_to(ROOT)}:{node.lineno}", name))
+    return found
+
+
+def violations(edges: list[tuple[str, str, str]]) -> list[str]:
+    bad = []
+    for module, where, target in edges:
+        src, dst = part_of(module), part_of(target)
+        if LAYERS.index(dst) > LAYERS.index(src):
+            bad.append(f"{where}: {src} imports {target} ({dst} is above it)")
+        elif (src, dst) in NARROW and not any(target == m or target.startswith(m + ".") for m in NARROW[(src, dst)]):
+            bad.append(f"{where}: {src} may use only {sorted(NARROW[(src, dst)])} of {dst}, not {target}")
+    return bad
+
+
+def test_every_import_points_down_the_layers():
+    edges = imports()
+    assert len(edges) > 100  # the walk found the package
+    assert violations(edges) == []
+
+
+def test_the_check_catches_an_upward_import():
+    assert violations([("tiercake.tiers.store", "tiers/store.py:1", "tiercake.conductor.client")])
+    assert violations([("tiercake.policies.lru", "policies/x.py:1", "tiercake.bench.report")])
+    assert violations([("tiercake.workers.worker", "workers/worker.py:1", "tiercake.conductor.service")])
+    assert not violations([("tiercake.workers.worker", "workers/worker.py:1", "tiercake.conductor.client")])
+    assert not violations([("tiercake.cli", "tiercake/cli.py:1", "tiercake.workers.worker")])
