@@ -90,3 +90,26 @@ async def test_routing_sees_each_workers_own_prefix():
         await front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
         route = front.dispatcher.route(Job(other, node_keys, "default", "default", 4), ("worker",))
         assert route.decision.pull and route.source == KVHandoff(node="n1", blocks=len(node_keys), tier="pool")
+
+
+async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):
+    """Access statistics, the recorded trace and every routing attempt share one hashing of the
+    prompt (two dead workers: two attempts, one hashing)."""
+    import tiercake.conductor.openai_api as openai_api
+
+    calls = []
+
+    def counting(namespace, tokens):
+        calls.append(len(tokens))
+        return block_keys(namespace, tokens)
+
+    from tiercake.blocks import block_keys
+
+    monkeypatch.setattr(openai_api, "block_keys", counting)
+    body = {"model": "tiercake-reference", "prompt": "x" * 100, "max_tokens": 2}
+    async with _front(ServingConfig(), [worker("w-dead-1"), worker("w-dead-2")]) as (url, front):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 503, await resp.text()
+        assert all(front.loads[w].failed_until > 0 for w in ("w-dead-1", "w-dead-2"))  # both tried
+    assert calls == [100]

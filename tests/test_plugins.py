@@ -70,3 +70,26 @@ async def test_a_plug_in_transport_is_chosen_by_name(installed):
         await engine.close()
     finally:
         await stop_node(store, server)
+
+
+async def test_a_plug_in_eviction_policy_and_router_by_name(installed, tmp_path):
+    from tiercake.policies import RouteRequest, WorkerState, create_router
+
+    config = StoreConfig(layout=None, tiers=[
+        TierConfig(kind="pool", capacity="256KiB", path=str(tmp_path / "pool"), eviction="newest_first",
+                   high_watermark=1.0),
+    ])
+    store = await build_store(config).open()
+    try:
+        for i in range(5):  # four fit: the fifth evicts the newest (the fourth), as the plug-in says
+            await store.put(bytes([i]) * 32, payload(i, 64 << 10))
+        assert [store.contains(bytes([i]) * 32) for i in range(5)] == [True, True, True, False, True]
+        assert store.stats()["tiers"]["pool"]["eviction"]["policy"] == "newest_first"
+    finally:
+        await store.close()
+    router = create_router("alphabetical")
+    workers = [WorkerState("w-b"), WorkerState("w-a", running=30)]
+    request = RouteRequest(64, 16, 1024)
+    assert router.choose(workers, request).worker == "w-a"
+    assert router.choose_decode(workers, request).worker == "w-a"  # overridden: not by load
+    assert create_router("ttft").choose_decode(workers, request).worker == "w-b"  # the default: by load

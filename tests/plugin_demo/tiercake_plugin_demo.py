@@ -1,10 +1,12 @@
-"""A third-party package's plug-ins, as the docs tell an author to write them: a memory tier backend
-(fixed-size slots in one host buffer) and a transport (TCP that counts its reads). Installed for the
+"""A third-party package's plug-ins, as docs/ARCHITECTURE.md tells an author to write them: a memory
+tier backend (fixed-size slots in one host buffer), a transport (TCP that counts its reads), an
+eviction policy and a router. Installed for the
 tests as a distribution with entry points (``tiercake_plugin_demo-0.1.dist-info``), so tiercake finds
 them the way it finds any package's."""
 
 import torch
 
+from tiercake.policies import BlockMeta, EvictionPolicy, Router
 from tiercake.tiers.backend import MemoryTierBackend
 from tiercake.transfer.transports import TcpTransport
 
@@ -65,3 +67,46 @@ class CountingTransport(TcpTransport):
     async def read(self, peer, items):
         CountingTransport.reads += len(items)
         return await super().read(peer, items)
+
+
+class NewestFirst(EvictionPolicy):
+    """Evicts the most recently inserted block first (a stack)."""
+
+    name = "newest_first"
+
+    def __init__(self) -> None:
+        self.order: dict = {}  # insertion order
+
+    def on_insert(self, key, meta=BlockMeta()) -> None:
+        self.order.pop(key, None)
+        self.order[key] = None
+
+    def on_access(self, key) -> None:
+        pass
+
+    def on_remove(self, key) -> None:
+        self.order.pop(key, None)
+
+    def victims(self, n, can_evict=lambda _: True):
+        chosen = [k for k in reversed(self.order) if can_evict(k)][:n]
+        for key in chosen:
+            del self.order[key]  # the caller evicts them: no longer resident for us
+        return chosen
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __contains__(self, key) -> bool:
+        return key in self.order
+
+
+class AlphabeticalRouter(Router):
+    """Always the first worker by name; decode too (the default ``choose_decode`` would balance)."""
+
+    name = "alphabetical"
+
+    def choose(self, workers, request):
+        return self.predict(min(workers, key=lambda w: w.worker), request, pull_ratio=None)
+
+    def choose_decode(self, workers, request):
+        return self.choose(workers, request)
