@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
+from tiercake.policies import create_eviction, create_router
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
@@ -13,6 +14,7 @@ from tiercake.errors import ApiError
 from tiercake.messages import (
     ClusterMember,
     ClusterView,
+    CountedLoad,
     FlushReply,
     FlushRequest,
     IndexFigures,
@@ -24,9 +26,7 @@ from tiercake.messages import (
     PromptRequest,
     RouterSpec,
     TierStats,
-    WorkerLoad,
 )
-from tiercake.policies import create_eviction, create_router
 
 from .dispatch import Dispatcher
 from .service import Conductor
@@ -75,7 +75,7 @@ class OperatorApi:
             load = None
             if m.role != "node":
                 counted = self.dispatcher.loads[m.node_id]
-                load = WorkerLoad(queued_tokens=counted.queued_tokens, running=counted.running)
+                load = CountedLoad(queued_tokens=counted.queued_tokens, running=counted.running)
             members.append(ClusterMember(
                 id=m.node_id, role=m.role, address=f"{m.host}:{m.port}", url=m.url, tiers=tiers, load=load,
                 indexed_bytes={t: conductor.index.used.get((m.node_id, t), 0) for t in m.tiers}))

@@ -353,8 +353,8 @@ class PolicyReply(Reply):
     eviction: dict[str, EvictionSpec]
 
 
-class WorkerLoad(Reply):
-    """A worker's load as the front counts it (and as the worker's ``/load`` reports it)."""
+class CountedLoad(Reply):
+    """A worker's load as the front counts it (routed and not yet prefilled, sequences it serves)."""
 
     queued_tokens: int = 0
     running: int = 0
@@ -367,7 +367,7 @@ class ClusterMember(Reply):
     url: str
     tiers: dict[str, TierStats]
     indexed_bytes: dict[str, int]
-    load: WorkerLoad | None = None
+    load: CountedLoad | None = None
 
 
 class ServingFigures(Reply):
