@@ -40,9 +40,9 @@ def reply(model: BaseModel, status: int = 200) -> web.Response:
 
 async def parse(request: web.Request, model: type[BaseModel], empty: bytes | None = None):
     """The body as ``model``; a malformed one is a 400 that names the field."""
-    raw = await request.read()
+    raw = await request.read() or empty or b""
     try:
-        return model.model_validate_json(raw or empty or raw)
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
