@@ -12,7 +12,9 @@ from transfer_helpers import SECRET, payload, start_node, stop_node
 from tiercake.config import StoreConfig, TierConfig, TransferConfig
 from tiercake.plugins import TIER_BACKENDS, TRANSPORTS
 from tiercake.tiers.build import build_store
-from tiercake.transfer import TransferEngine
+from tiercake.transfer import ProtocolError, TransferEngine
+from tiercake.transfer.protocol import Op, encode_read
+from tiercake.transfer.sockio import send_frame
 
 DEMO = Path(__file__).parent / "plugin_demo"
 
@@ -67,6 +69,48 @@ async def test_a_plug_in_transport_is_chosen_by_name(installed):
         before = cls.reads
         (result,) = await engine.read_blocks("node-p", [b"k" * 32], [torch.empty(4096, dtype=torch.uint8)])
         assert result.ok and result.transport == "counting" and cls.reads == before + 1
+        await engine.close()
+    finally:
+        await stop_node(store, server)
+
+
+async def test_a_plug_in_transport_brings_its_own_server_data_path(installed, tmp_path):
+    """A transport whose bytes travel outside the stream (files in a spool directory) declares its
+    server half; a transfer server started after the plug-in is installed serves it, with no change
+    to tiercake: blocks written and read back through it, nothing left in the spool."""
+    cls = TRANSPORTS.resolve("spool")
+    cls.spool = tmp_path
+    store, server = await start_node("node-s")
+    try:
+        engine = TransferEngine("client", SECRET, transports=("spool",))
+        engine.add_peer("node-s", *server.address)
+        keys, srcs = [bytes([i]) * 32 for i in range(3)], [payload(i, 8192 + i) for i in range(3)]
+        wrote = await engine.write_blocks("node-s", keys, srcs)
+        assert all(r.ok and r.transport == "spool" for r in wrote)
+        for key, src in zip(keys, srcs):
+            assert torch.equal(await store.get(key), src)
+        dsts = [torch.zeros(s.numel(), dtype=torch.uint8) for s in srcs]
+        read = await engine.read_blocks("node-s", keys + [b"x" * 32], dsts + [torch.empty(4, dtype=torch.uint8)])
+        assert [r.ok for r in read] == [True, True, True, False]
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+        assert cls.server_path.served == 6 and not list(tmp_path.iterdir())
+        await engine.close()
+    finally:
+        await stop_node(store, server)
+
+
+async def test_a_server_refuses_a_data_path_it_does_not_have():
+    """A request flag that no registered transport declares is refused whole, with its name."""
+    store, server = await start_node("node-r")
+    try:
+        engine = TransferEngine("client", SECRET, transports=("tcp",))
+        engine.add_peer("node-r", *server.address)
+        peer = await engine._peer("node-r")
+        async with peer.channel.connection() as conn:
+            with pytest.raises(ProtocolError, match="no data path for request flags 0x40"):
+                async with conn._request() as request:
+                    await send_frame(conn.sock, Op.READ, request, encode_read([(b"k" * 32, 4)]), 0x40)
+                    await conn._reply(request, Op.READ_REPLY)
         await engine.close()
     finally:
         await stop_node(store, server)

@@ -31,7 +31,6 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"

@@ -3,7 +3,9 @@
 Peers read blocks by key (the store's leases are held while the bytes go out), write blocks by key
 (a two-phase put per block: the data lands in the reserved slot and becomes visible only at commit;
 a peer that dies mid-batch leaves nothing visible), and, on the same host, lease blocks of the shared
-pool to copy them in place. Every connection must first prove it knows the cluster secret.
+pool to copy them in place. Every connection must first prove it knows the cluster secret. How a
+request's bytes travel (the stream, the shared pool, UCX, a plug-in's path) is the business of the
+data paths in ``paths.py``, which the registered transports declare.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ import logging
 import math
 import os
 import socket
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import xxhash
-
 from tiercake.tiers import (
     ObjectExistsError,
     ObjectNotFoundError,
@@ -33,8 +33,9 @@ from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
 from . import ucx as ucx_module
+from .paths import ServerSide, Session, registered_paths
 from .protocol import Op, ReplyItem, Status
-from .sockio import recv_frame, recv_into_all, send_frame, tune
+from .sockio import recv_frame, send_frame, tune
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class TransferServer:
         self.ucx = ucx_module.available() if ucx is None else ucx
         if self.ucx and not ucx_module.available():
             raise ValueError("ucx=True, but the ucxx package is not installed (pip install 'tiercake[ucx]')")
+        self._side = ServerSide(store, node_id, self.pool_tier, self.ucx)
+        self._paths = registered_paths()  # every registered transport's server half, by request flag
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
@@ -182,22 +185,14 @@ class TransferServer:
         return peer.decode(errors="replace")
 
     async def _requests(self, conn: socket.socket, peer: str) -> None:
-        session = _Session(conn, ucx_module.UcxServerSide() if self.ucx else None)
+        session = Session(conn, self._side, self._paths)
         try:
             await self._serve_requests(session, peer)
         finally:
-            if session.ucx is not None:
-                await session.ucx.close()
+            await session.close()
 
-    async def _serve_requests(self, session: _Session, peer: str) -> None:
+    async def _serve_requests(self, session: Session, peer: str) -> None:
         conn = session.conn
-        handlers = {
-            Op.READ: self._read,
-            Op.WRITE: self._write,
-            Op.LEASE: self._lease,
-            Op.RELEASE: self._release,
-            Op.UCX_HELLO: self._ucx_hello,
-        }
         while True:
             try:
                 op, flags, request, body = await recv_frame(conn)
@@ -208,11 +203,15 @@ class TransferServer:
                 with contextlib.suppress(OSError, p.TransferError):
                     await send_frame(conn, Op.ERROR, 0, str(exc).encode())
                 return
-            handler = handlers.get(op)
             try:
-                if handler is None:
+                if op is Op.READ:
+                    await self._read(session, flags, request, body)
+                elif op is Op.WRITE:
+                    await self._write(session, flags, request, body)
+                elif op in session.ops:
+                    await session.ops[op].handle(op, flags, request, body)
+                else:
                     raise p.ProtocolError(f"{op.name} is not a request")
-                await handler(session, flags, request, body)
             except p.PeerClosedError as exc:
                 log.info("transfer server %s: %s left mid-request: %s", self.node_id, peer, exc)
                 return
@@ -224,22 +223,8 @@ class TransferServer:
 
     # READ -----------------------------------------------------------------------------------------
 
-    async def _ucx_hello(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
-        if session.ucx is None:
-            raise p.ProtocolError("this node does not speak UCX")
-        await session.ucx.hello(session.conn, request, body)
-
-    def _ucx(self, session: _Session, flags: int):
-        if not flags & p.FLAG_UCX:
-            return None
-        if session.ucx is None:
-            raise p.ProtocolError("this node does not speak UCX")
-        session.ucx.require()  # before any reply: a UCX request without endpoints is refused whole
-        return session.ucx
-
-    async def _read(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
-        conn = session.conn
-        ucx = self._ucx(session, flags)
+    async def _read(self, session: Session, flags: int, request: int, body: bytearray) -> None:
+        path = session.path(flags)
         items = p.decode_read(body)
         replies: list[ReplyItem] = []
         data = []
@@ -262,12 +247,7 @@ class TransferServer:
                 checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
                 replies.append(ReplyItem(Status.OK, view.size, checksum))
                 data.append((len(replies) - 1, view))
-            table = p.encode_read_reply(replies)
-            if ucx is not None:
-                await send_frame(conn, Op.READ_REPLY, request, table, flags)
-                await ucx.send_items(conn, request, data)
-            else:
-                await send_frame(conn, Op.READ_REPLY, request, table, flags, [view for _, view in data])
+            await path.send(request, flags, p.encode_read_reply(replies), data)
             self.served_bytes += sum(view.size for _, view in data)
         finally:
             await self.store.release_leases(leases)
@@ -286,13 +266,9 @@ class TransferServer:
 
     # WRITE ----------------------------------------------------------------------------------------
 
-    async def _write(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
-        conn = session.conn
-        ucx = self._ucx(session, flags)
+    async def _write(self, session: Session, flags: int, request: int, body: bytearray) -> None:
+        path = session.path(flags)
         items = p.decode_write(body)
-        shm = bool(flags & p.FLAG_SHM)
-        if shm and self.pool_tier is None:
-            raise p.ProtocolError("this node has no shared pool to write into")
         handles: list[PutHandle | None] = []
         ready: list[ReplyItem] = []
         try:
@@ -304,35 +280,17 @@ class TransferServer:
                     continue
                 try:
                     handle = await self.store.put_start(
-                        it.key, it.length, parent=it.parent, tenant=it.tenant, tier=self.pool_tier if shm else None
+                        it.key, it.length, parent=it.parent, tenant=it.tenant, tier=path.write_tier()
                     )
                 except (StoreError, ValueError, TypeError) as exc:
                     handles.append(None)
                     ready.append(ReplyItem(status_of(exc), message=str(exc)))
                     continue
                 handles.append(handle)
-                offset = handle.copy.slot[0] if shm else 0
-                ready.append(ReplyItem(Status.OK, it.length, offset=offset))
-            await send_frame(conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
+                ready.append(ReplyItem(Status.OK, it.length, offset=path.write_offset(handle)))
+            await send_frame(session.conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
             accepted = [(i, h) for i, h in enumerate(handles) if h is not None]
-            if shm:
-                await recv_frame(conn, expect=[Op.WRITE_COMMIT])  # the peer copied into the pool
-            else:
-                targets, staged = _receive_targets([h for _, h in accepted])
-                if ucx is not None:
-                    try:
-                        await ucx.receive_items(conn, request, [(i, t) for (i, _), t in zip(accepted, targets)])
-                    except ucx_module.UcxStuckError:
-                        # UCX may still write into these slots: keep them reserved forever rather
-                        # than free memory that a stray receive could overwrite.
-                        log.error("transfer server %s: quarantining %d reserved blocks", self.node_id, len(accepted))
-                        for _, handle in accepted:
-                            handle.done = True
-                        raise
-                else:
-                    await recv_into_all(conn, targets)
-                for handle, host in staged:
-                    handle.buffer.copy_(host)
+            await path.receive(request, accepted)
             done: list[ReplyItem] = []
             for it, handle in zip(items, handles):
                 if handle is None:
@@ -348,60 +306,8 @@ class TransferServer:
                     done.append(ReplyItem(Status.OK, it.length))
                 except (StoreError, OSError) as exc:
                     done.append(ReplyItem(status_of(exc), message=str(exc)))
-            await send_frame(conn, Op.WRITE_DONE, request, p.encode_statuses(done), flags)
+            await send_frame(session.conn, Op.WRITE_DONE, request, p.encode_statuses(done), flags)
         finally:
             for handle in handles:  # anything not committed is revoked: nothing half-written is visible
                 if handle is not None and not handle.done:
                     await self.store.revoke(handle)
-
-    # LEASE / RELEASE (same host) ------------------------------------------------------------------
-
-    async def _lease(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
-        conn = session.conn
-        replies = []
-        for key, expected, ttl in p.decode_lease(body):
-            if self.pool_tier is None:
-                replies.append(ReplyItem(Status.NOT_IN_MEMORY, message="no shared pool on this node"))
-                continue
-            try:
-                lease = self.store.acquire_lease(key, min(max(ttl, 0.001), 600.0), tier=self.pool_tier)
-            except ObjectNotFoundError as exc:
-                status = Status.NOT_IN_MEMORY if self.store.contains(key) else Status.NOT_FOUND
-                replies.append(ReplyItem(status, message=str(exc)))
-                continue
-            if lease.data.numel() != expected:
-                await self.store.release_lease(key, lease.id)
-                replies.append(ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {lease.data.numel()} bytes, "
-                                         f"{expected} were asked"))
-                continue
-            replies.append(ReplyItem(Status.OK, expected, offset=lease.slot[0], lease=lease.id))
-        await send_frame(conn, Op.LEASE_REPLY, request, p.encode_lease_reply(replies), flags)
-
-    async def _release(self, session: _Session, flags: int, request: int, body: bytearray) -> None:
-        for key, lease in p.decode_release(body):
-            await self.store.release_lease(key, lease)
-        await send_frame(session.conn, Op.RELEASE_REPLY, request, b"", flags)
-
-
-@dataclass(slots=True)
-class _Session:
-    """One authenticated connection and what it has set up."""
-
-    conn: socket.socket
-    ucx: ucx_module.UcxServerSide | None = None
-
-
-def _receive_targets(handles: list[PutHandle]) -> tuple[list[np.ndarray], list[tuple[PutHandle, torch.Tensor]]]:
-    """Where each accepted item's bytes land in place: its reserved slot, or, for a device tier, a
-    host staging buffer copied over afterwards (the second list)."""
-    staged: list[tuple[PutHandle, torch.Tensor]] = []
-    targets = []
-    for handle in handles:
-        target = handle.host_target()
-        if target is None:
-            host = torch.empty(handle.entry.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            staged.append((handle, host))
-            target = host.numpy()
-        targets.append(target)
-    return targets, staged
-

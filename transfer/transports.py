@@ -3,8 +3,10 @@
 A transport moves a batch of blocks between this process and one peer: ``read`` fills local
 destination buffers from the peer's blocks, ``write`` stores local source buffers as blocks on the
 peer. It reports a per-item error (or None) and never returns bytes that failed a check. The engine
-picks, per peer, the first transport in its preference order whose ``usable`` says yes; adding a
-transport means registering it in ``tiercake.plugins.TRANSPORTS``, and no caller changes.
+picks, per peer, the first transport in its preference order whose ``usable`` says yes. A transport
+whose bytes take their own path into the peer's transfer server also declares that path's server
+half (``server_path``, see ``paths.py``). Adding a transport means registering it in
+``tiercake.plugins.TRANSPORTS``, and no caller and no server code changes.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-
 from tiercake.tiers import PoolRegion, StoreError, TieredStore
 from tiercake.tiers.buffers import copy_async
 
 from . import protocol as p
 from .connection import PeerChannel, item_error
+from .paths import DataPath, ShmPath, StreamPath
 from .protocol import Status
 
 Results = list[BaseException | None]
@@ -64,6 +66,7 @@ class Transport(ABC):
     it by name from their preference list."""
 
     name: ClassVar[str]
+    server_path: ClassVar[type[DataPath] | None] = None  # its half in the transfer server, if it has one
 
     @classmethod
     def create(cls, context: TransportContext) -> Transport:
@@ -163,6 +166,7 @@ class TcpTransport(Transport):
     whole run out and one ``recvmsg_into`` straight into the destinations."""
 
     name = "tcp"
+    server_path = StreamPath
 
     def __init__(self, checksum: bool = False) -> None:
         self.checksum = checksum
@@ -220,6 +224,7 @@ class ShmTransport(TcpTransport):
     read over the stream instead."""
 
     name = "shm"
+    server_path = ShmPath
     lease_ttl = 30.0
 
     def __init__(self, checksum: bool = False) -> None:

@@ -23,10 +23,11 @@ import logging
 import os
 from typing import Any
 
-import numpy as np
+from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
 from .connection import PeerConnection, check_count, item_error, write_results
+from .paths import Bulk, DataPath, ServerSide, receive_targets
 from .protocol import Op, Status
 from .sockio import send_frame, wait_hangup
 from .transports import Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
@@ -85,49 +86,69 @@ async def close_endpoint(ep: Any) -> None:
 # Server side ---------------------------------------------------------------------------------------
 
 
-class UcxServerSide:
-    """The UCX half of one server connection: created by UCX_HELLO, closed with the connection."""
+class UcxPath(DataPath):
+    """The server half of the UCX transport: endpoints made by UCX_HELLO, closed with the connection;
+    the bulk bytes of READ and WRITE requests with FLAG_UCX go over them as tagged messages."""
 
-    def __init__(self) -> None:
+    flag = p.FLAG_UCX
+    ops = (Op.UCX_HELLO,)
+
+    def __init__(self, server: ServerSide, conn) -> None:
+        super().__init__(server, conn)
         self.ep: Any = None
         self.connection = next(_connection_ids)
 
-    async def hello(self, conn, request: int, body: bytearray) -> None:
+    @classmethod
+    def enabled(cls, server: ServerSide) -> bool:
+        return server.ucx
+
+    async def handle(self, op: Op, flags: int, request: int, body: bytearray) -> None:
         if len(body) < 2:
             raise p.ProtocolError("short UCX_HELLO")
         same_host = body[0] == 1
         await close_endpoint(self.ep)
         self.ep = await endpoint_to(bytes(body[1:]), same_host)
         reply = self.connection.to_bytes(4, "little") + worker_address()
-        await send_frame(conn, Op.UCX_HELLO, request, reply)
+        await send_frame(self.conn, Op.UCX_HELLO, request, reply)
 
-    def require(self) -> Any:
-        if self.ep is None:
+    def check(self) -> Any:
+        if self.ep is None:  # before any reply: a UCX request without endpoints is refused whole
             raise p.ProtocolError("UCX transfer before UCX_HELLO")
         return self.ep
 
-    async def send_items(self, conn, request: int, arrays: list[tuple[int, np.ndarray]]) -> None:
-        """Send each item (under the caller's leases); a peer that hangs up cancels them all."""
-        ep = self.require()
-        sends = [ep.send(a, tag=tag(self.connection, request, i), force_tag=True) for i, a in arrays]
-        if not await self._until_done_or_hangup(conn, ep, asyncio.gather(*sends)):
+    async def send(self, request: int, flags: int, table: bytes, data: Bulk) -> None:
+        """The table over the stream, each item over UCX (under the server's leases); a peer that
+        hangs up cancels them all."""
+        await send_frame(self.conn, Op.READ_REPLY, request, table, flags)
+        ep = self.check()
+        sends = [ep.send(a, tag=tag(self.connection, request, i), force_tag=True) for i, a in data]
+        if not await self._until_done_or_hangup(ep, asyncio.gather(*sends)):
             # nobody will ever receive these; the leased blocks may go (at worst UCX reads them late)
             log.warning("UCX sends to a departed peer were not cancelled within %s s", CANCEL_WAIT)
             raise p.PeerClosedError("peer left during a UCX read")
 
-    async def receive_items(self, conn, request: int, targets: list[tuple[int, np.ndarray]]) -> None:
-        """Receive each item into its slot; a peer that hangs up on the stream cancels them all."""
-        ep = self.require()
-        receives = [ep.recv(t, tag=tag(self.connection, request, i), force_tag=True) for i, t in targets]
-        if not await self._until_done_or_hangup(conn, ep, asyncio.gather(*receives)):
+    async def receive(self, request: int, accepted: list[tuple[int, PutHandle]]) -> None:
+        """Each item into its slot; a peer that hangs up on the stream cancels them all."""
+        ep = self.check()
+        targets, staged = receive_targets([h for _, h in accepted])
+        receives = [ep.recv(t, tag=tag(self.connection, request, i), force_tag=True)
+                    for (i, _), t in zip(accepted, targets)]
+        if not await self._until_done_or_hangup(ep, asyncio.gather(*receives)):
+            # UCX may still write into these slots: keep them reserved forever rather than free
+            # memory that a stray receive could overwrite.
+            log.error("transfer server %s: quarantining %d reserved blocks", self.server.node_id, len(accepted))
+            for _, handle in accepted:
+                handle.done = True
             raise UcxStuckError("UCX receives from a departed peer could not be cancelled")
+        for handle, host in staged:
+            handle.buffer.copy_(host)
 
-    async def _until_done_or_hangup(self, conn, ep, work: asyncio.Future) -> bool:
+    async def _until_done_or_hangup(self, ep, work: asyncio.Future) -> bool:
         """Wait for the work; if the peer hangs up on the stream first (same-host endpoints have no
         UCX failure handling, so the stream is what tells), abort the endpoint and wait for the work
         to be cancelled. True when the work is over (done or cancelled); False when it may still run.
         Raises PeerClosedError after a hang-up."""
-        hangup = asyncio.ensure_future(wait_hangup(conn))
+        hangup = asyncio.ensure_future(wait_hangup(self.conn))
         try:
             done, _ = await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
             if work in done:
@@ -163,6 +184,7 @@ class UcxTransport(TcpTransport):
     """Tables over the peer's TCP stream, bytes over UCX (shared memory on one host, RDMA or TCP across)."""
 
     name = "ucx"
+    server_path = UcxPath
 
     @classmethod
     def usable(cls, peer: Peer, local_node: str) -> bool:

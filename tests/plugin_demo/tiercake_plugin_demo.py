@@ -1,13 +1,21 @@
 """A third-party package's plug-ins, as docs/ARCHITECTURE.md tells an author to write them: a memory
-tier backend (fixed-size slots in one host buffer), a transport (TCP that counts its reads), an
-eviction policy and a router. Installed for the
+tier backend (fixed-size slots in one host buffer), two transports (TCP that counts its reads; one
+whose bytes take their own path, files in a spool directory, with its half in the transfer server),
+an eviction policy and a router. Installed for the
 tests as a distribution with entry points (``tiercake_plugin_demo-0.1.dist-info``), so tiercake finds
 them the way it finds any package's."""
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from tiercake.policies import BlockMeta, EvictionPolicy, Router
 from tiercake.tiers.backend import MemoryTierBackend
+from tiercake.transfer import protocol as p
+from tiercake.transfer.connection import check_count, item_error, write_results
+from tiercake.transfer.paths import DataPath, receive_targets
+from tiercake.transfer.sockio import recv_frame, send_frame
 from tiercake.transfer.transports import TcpTransport
 
 
@@ -67,6 +75,76 @@ class CountingTransport(TcpTransport):
     async def read(self, peer, items):
         CountingTransport.reads += len(items)
         return await super().read(peer, items)
+
+
+FLAG_SPOOL = 8  # the request flag bit this plug-in's data path answers to
+
+
+def _spooled(request: int, index: int) -> Path:
+    return SpoolTransport.spool / f"{request}-{index}"
+
+
+class SpoolPath(DataPath):
+    """The server's half: read bytes are written to spool files before the table goes out; written
+    bytes are taken from spool files once the writer says WRITE_COMMIT."""
+
+    flag = FLAG_SPOOL
+    served = 0
+
+    async def send(self, request, flags, table, data):
+        for index, view in data:
+            _spooled(request, index).write_bytes(view.tobytes())
+        SpoolPath.served += len(data)
+        await send_frame(self.conn, p.Op.READ_REPLY, request, table, flags)
+
+    async def receive(self, request, accepted):
+        await recv_frame(self.conn, expect=[p.Op.WRITE_COMMIT])
+        targets, staged = receive_targets([handle for _, handle in accepted])
+        for (index, _), target in zip(accepted, targets):
+            path = _spooled(request, index)
+            target[:] = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+            path.unlink()
+        for handle, host in staged:
+            handle.buffer.copy_(host)
+        SpoolPath.served += len(accepted)
+
+
+class SpoolTransport(TcpTransport):
+    """The client's half: tables over the peer's stream, bytes through files in ``spool``."""
+
+    name = "spool"
+    server_path = SpoolPath
+    spool = Path("/tmp")
+
+    async def read(self, peer, items):
+        async with peer.channel.connection() as conn, conn._request() as request:
+            table = p.encode_read([(it.key, it.dst.numel()) for it in items])
+            await send_frame(conn.sock, p.Op.READ, request, table, FLAG_SPOOL)
+            replies = p.decode_read_reply(await conn._reply(request, p.Op.READ_REPLY))
+            check_count(replies, items)
+        results = []
+        for index, (it, reply) in enumerate(zip(items, replies)):
+            if reply.status is not p.Status.OK:
+                results.append(item_error(reply, peer.node_id))
+                continue
+            path = _spooled(request, index)
+            it.dst.copy_(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+            path.unlink()
+            results.append(None)
+        return results
+
+    async def write(self, peer, items):
+        async with peer.channel.connection() as conn, conn._request() as request:
+            table = p.encode_write([p.WriteItem(it.key, it.src.numel(), it.parent, tenant=it.tenant) for it in items])
+            await send_frame(conn.sock, p.Op.WRITE, request, table, FLAG_SPOOL)
+            ready = p.decode_lease_reply(await conn._reply(request, p.Op.WRITE_READY))
+            check_count(ready, items)
+            for index, (it, reply) in enumerate(zip(items, ready)):
+                if reply.status is p.Status.OK:
+                    _spooled(request, index).write_bytes(it.src.numpy().tobytes())
+            await send_frame(conn.sock, p.Op.WRITE_COMMIT, request)
+            done = p.decode_statuses(await conn._reply(request, p.Op.WRITE_DONE))
+        return write_results(ready, done, peer.node_id)
 
 
 class NewestFirst(EvictionPolicy):
