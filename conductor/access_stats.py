@@ -1,5 +1,5 @@
 """What the front's own traffic says about caching, measured live with the same tracker that measures
-a trace offline (``policies/trace_stats.py``): reuse distance (the LRU stack distance, in blocks),
+a trace offline (``analysis/trace_stats.py``): reuse distance (the LRU stack distance, in blocks),
 reuse time, and prefetchability (a re-access announced by an earlier request this one extends, and
 how long before: the lead a prefetcher would have had). Exported on /metrics and in /v1/cluster.
 
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tiercake.policies.trace_stats import ReuseTracker
+from tiercake.analysis.trace_stats import ReuseTracker
 
 DISTANCE_BUCKETS = (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
 TIME_BUCKETS = (0.1, 1, 10, 60, 600, 1800, 3600)

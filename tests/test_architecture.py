@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE = {"tiercake", "tiercake.blocks", "tiercake.config", "tiercake.errors", "tiercake.messages",
         "tiercake.plugins", "tiercake.traces"}
 # lowest first: a part imports only from its own layer and the ones before it
-LAYERS = ["base", "policies", "tiers", "transfer", "conductor", "workers", "top"]
-PARTS = {"policies", "tiers", "transfer", "conductor", "workers"}
+LAYERS = ["base", "policies", "analysis", "tiers", "transfer", "conductor", "workers", "top"]
+PARTS = {"policies", "analysis", "tiers", "transfer", "conductor", "workers"}
 # imports across a layer that are allowed only into these modules (the conductor's public client)
 NARROW = {("workers", "conductor"): {"tiercake.conductor.client"}}
 
@@ -68,6 +68,7 @@ def test_every_import_points_down_the_layers():
 def test_the_check_catches_an_upward_import():
     assert violations([("tiercake.tiers.store", "tiers/store.py:1", "tiercake.conductor.client")])
     assert violations([("tiercake.policies.lru", "policies/x.py:1", "tiercake.bench.report")])
+    assert violations([("tiercake.policies.routing", "policies/routing.py:1", "tiercake.analysis.cluster_sim")])
     assert violations([("tiercake.workers.worker", "workers/worker.py:1", "tiercake.conductor.service")])
     assert not violations([("tiercake.workers.worker", "workers/worker.py:1", "tiercake.conductor.client")])
     assert not violations([("tiercake.cli", "tiercake/cli.py:1", "tiercake.workers.worker")])

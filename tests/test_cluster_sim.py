@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tiercake.conductor.cluster_sim import ClusterSpec, ablation, simulate_cluster
+from tiercake.analysis.cluster_sim import ClusterSpec, ablation, simulate_cluster
 from tiercake.policies import TtftRouter
 from tiercake.traces import read_trace, synthetic_trace, write_trace
 

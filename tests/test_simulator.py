@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tiercake.policies import LRU, available, create_admission, create_eviction
-from tiercake.policies.simulator import TierSpec, accesses, optimum, simulate
+from tiercake.analysis.cache_sim import TierSpec, accesses, optimum, simulate
 from tiercake.traces import TraceError, TraceRecord, read_trace, write_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
@@ -129,7 +129,7 @@ def test_synthetic_traces_are_seeded_valid_and_reuse_within_tenants(tmp_path):
 
 
 def test_stack_distances_predict_lru_exactly_and_prefetchability():
-    from tiercake.policies.trace_stats import residency, trace_stats
+    from tiercake.analysis.trace_stats import residency, trace_stats
     from tiercake.traces import synthetic_trace
 
     records = synthetic_trace(500, tenants=2, seed=9)
@@ -148,7 +148,7 @@ def test_stack_distances_predict_lru_exactly_and_prefetchability():
 def test_a_bounded_reuse_tracker_is_exact_below_its_bound():
     """The live tracker forgets all but the most recent blocks: the distances it reports are the exact
     ones, and it reports a block as new only when its exact distance is at least the bound."""
-    from tiercake.policies.trace_stats import ReuseTracker
+    from tiercake.analysis.trace_stats import ReuseTracker
     from tiercake.traces import synthetic_trace
 
     records = synthetic_trace(600, tenants=2, seed=4)

@@ -18,8 +18,8 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tiercake.bench.report import Report, machine
-    from tiercake.policies.evaluate import evaluate, parse_capacities, plot
-    from tiercake.policies.simulator import accesses
+    from tiercake.analysis.evaluate import evaluate, parse_capacities, plot
+    from tiercake.analysis.cache_sim import accesses
     from tiercake.traces import read_trace
 
     capacities = parse_capacities(args.capacity)
@@ -66,9 +66,9 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
     from tiercake.bench.report import Report, machine
     from tiercake.policies import create_eviction
-    from tiercake.policies.evaluate import parse_capacities
-    from tiercake.policies.simulator import accesses
-    from tiercake.policies.trace_stats import histogram, residency, trace_stats
+    from tiercake.analysis.evaluate import parse_capacities
+    from tiercake.analysis.cache_sim import accesses
+    from tiercake.analysis.trace_stats import histogram, residency, trace_stats
     from tiercake.traces import read_trace
 
     records = read_trace(args.trace, args.limit)
@@ -137,8 +137,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tiercake.bench.report import Report, machine
-    from tiercake.conductor.cluster_sim import ABLATION, ClusterSpec, simulate_cluster
-    from tiercake.policies.evaluate import parse_capacities
+    from tiercake.analysis.cluster_sim import ABLATION, ClusterSpec, simulate_cluster
+    from tiercake.analysis.evaluate import parse_capacities
     from tiercake.traces import read_trace
 
     records = read_trace(args.trace, args.limit)

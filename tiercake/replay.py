@@ -150,8 +150,8 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     (every earlier block still cached); how many completed, were rejected, failed; and from the
     cluster's counters, metadata cost and the live prefetchable share against the offline one."""
     from tiercake.policies import LRU
-    from tiercake.policies.simulator import TierSpec, accesses, simulate
-    from tiercake.policies.trace_stats import trace_stats
+    from tiercake.analysis.cache_sim import TierSpec, accesses, simulate
+    from tiercake.analysis.trace_stats import trace_stats
 
     outcomes = run.outcomes
     rep = Report(bench="replay", machine=machine())

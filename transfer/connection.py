@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
 from tiercake.tiers.buffers import INLINE_COPY_MAX
 
 from . import protocol as p

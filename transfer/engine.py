@@ -15,14 +15,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+
 from tiercake.tiers import ObjectExistsError, StoreError, TieredStore
 from tiercake.tiers.buffers import as_bytes
-
-from tiercake.plugins import TRANSPORTS
 
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
 from .protocol import Status
+from tiercake.plugins import TRANSPORTS
+
 from .transports import Peer, ReadReq, Transport, TransportContext, WriteReq
 
 

@@ -31,6 +31,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"

@@ -13,18 +13,10 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
-from .protocol import (
-    FRAME,
-    MAGIC,
-    MAX_BODY,
-    VERSION,
-    Op,
-    PeerClosedError,
-    ProtocolError,
-)
+from .protocol import FRAME, MAGIC, MAX_BODY, VERSION, Op, PeerClosedError, ProtocolError
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 

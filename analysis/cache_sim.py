@@ -20,10 +20,10 @@ import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-from tiercake.traces import TraceRecord
+from tiercake.policies.admission import AlwaysAdmit
+from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy
 
-from .admission import AlwaysAdmit
-from .base import AdmissionPolicy, BlockMeta, EvictionPolicy
+from tiercake.traces import TraceRecord
 
 
 @dataclass(slots=True)

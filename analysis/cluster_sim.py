@@ -16,7 +16,15 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from tiercake.policies import PrefillModel, RouteRequest, Router, WorkerState, create_eviction, create_router
+from tiercake.policies import (
+    PrefillModel,
+    Router,
+    RouteRequest,
+    WorkerState,
+    create_eviction,
+    create_router,
+)
+
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 

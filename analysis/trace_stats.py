@@ -20,9 +20,9 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
+from tiercake.policies.base import BlockMeta, EvictionPolicy
 
-from .base import BlockMeta, EvictionPolicy
+from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 
 class _Fenwick:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .registry import create_admission, create_eviction
-from .simulator import Access, TierSpec, optimum, simulate
+from tiercake.policies.registry import create_admission, create_eviction
+
+from .cache_sim import Access, TierSpec, optimum, simulate
 
 
 @dataclass(frozen=True, slots=True)
