@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
-from tiercake.errors import ApiError
+from tiercake.errors import ApiError, invalid
 
 from .dispatch import Dispatcher, Job
 from .serving_stats import ServingStats, Timing
@@ -91,9 +91,7 @@ class OpenAIApi:
         try:
             req = CompletionRequest.model_validate_json(await request.read())
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise ApiError(400, f"invalid request: {where}: {first['msg']}") from None
+            raise invalid(exc, "invalid request") from None
         if req.model != self.config.model_id:
             raise ApiError(404, f"model {req.model!r} does not exist; this cluster serves {self.config.model_id!r}",
                            "invalid_request_error", "model_not_found")

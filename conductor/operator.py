@@ -10,7 +10,7 @@ from tiercake.policies import create_eviction, create_router
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
-from tiercake.errors import ApiError
+from tiercake.errors import ApiError, invalid
 from tiercake.messages import (
     ClusterMember,
     ClusterView,
@@ -44,9 +44,7 @@ async def parse(request: web.Request, model: type[BaseModel], empty: bytes | Non
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        raise ApiError(400, f"invalid body: {where + ': ' if where else ''}{first['msg']}") from None
+        raise invalid(exc) from None
 
 
 class OperatorApi:

@@ -169,6 +169,8 @@ async def test_bad_requests_are_clear_errors(cluster):
                 data = await resp.json()
                 assert resp.status == status, (body, data)
                 assert data["error"]["message"] and (words is None or words in data["error"]["message"]), data
+        async with http.post(cluster.url + "/v1/completions", json=completion(temperature=-1)) as resp:
+            assert (await resp.json())["error"]["param"] == "temperature"  # OpenAI's field for what was refused
         async with http.get(cluster.url + "/v1/models") as resp:
             assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
         async with http.post(cluster.url + "/v1/completions", json=completion(),

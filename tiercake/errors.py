@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from .messages import ErrorInfo, ErrorReply
 
@@ -22,14 +23,15 @@ class ApiError(Exception):
     ``response()``."""
 
     def __init__(self, status: int, message: str, kind: str | None = None, code: str | None = None,
-                 headers: dict | None = None, *, retryable: bool = False, leader: str | None = None) -> None:
+                 headers: dict | None = None, *, retryable: bool = False, leader: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.headers = status, code, headers or {}
+        self.status, self.code, self.headers, self.param = status, code, headers or {}, param
         self.kind = kind or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.retryable, self.leader = retryable, leader
 
     def reply(self) -> ErrorReply:
-        return ErrorReply(error=ErrorInfo(message=str(self), type=self.kind, code=self.code,
+        return ErrorReply(error=ErrorInfo(message=str(self), type=self.kind, code=self.code, param=self.param,
                                           retryable=self.retryable, leader=self.leader))
 
     def response(self) -> web.Response:
@@ -40,6 +42,13 @@ class ApiError(Exception):
 def error_response(status: int, message: str, kind: str | None = None, code: str | None = None,
                    headers: dict | None = None, **extra) -> web.Response:
     return ApiError(status, message, kind, code, headers, **extra).response()
+
+
+def invalid(exc: ValidationError, what: str = "invalid body") -> ApiError:
+    """A 400 that names the first field pydantic refused, in the message and as OpenAI's ``param``."""
+    first = exc.errors()[0]
+    where = ".".join(str(x) for x in first["loc"])
+    return ApiError(400, f"{what}: {where + ': ' if where else ''}{first['msg']}", param=where or None)
 
 
 @web.middleware

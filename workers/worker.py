@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import error_response
+from tiercake.errors import error_response, invalid
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
 
 from .conductor_link import ConductorLink
@@ -102,7 +102,7 @@ class Worker:
         try:
             body = GenerateRequest.model_validate_json(await request.read())
         except ValidationError as exc:
-            return error_response(400, f"invalid body: {_first_error(exc)}")
+            return invalid(exc).response()
         events = self.engine.generate(body)
         try:
             first = await anext(events)
@@ -151,8 +151,3 @@ class Worker:
             await stop.wait()
         finally:
             await self.close()
-
-
-def _first_error(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    return f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
