@@ -54,3 +54,41 @@ def test_errors():
 def test_default_device_matches_hardware():
     assert default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
     assert GpuBlockPool(1, (4,)).device.type == default_device()
+
+
+async def test_sequence_tables_share_cached_blocks_grow_by_evicting_and_give_everything_back():
+    from tiercake.tiers import GpuTier, SequenceKV, Tier, TieredStore
+
+    pool = GpuBlockPool(4, (8,), torch.uint8, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=8).open()
+    kv = SequenceKV(store, block_tokens=2)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    try:
+        first = kv.open(keys)
+        assert first.cached == 0 and len(first) == 0
+        await kv.grow(first, 5)  # 5 tokens: 3 blocks
+        assert len(first) == 3 and kv.num_free == 1
+        kv.byte_view(first, 0).fill_(7)
+        assert kv.adopt(first, 0, keys[0], None, "t") and kv.adopt(first, 1, keys[1], keys[0], "t")
+        assert not kv.adopt(first, 1, keys[1], keys[0], "t")  # already cached: the caller keeps its block
+        kv.close(first)
+        kv.close(first)  # twice: harmless
+        assert kv.num_free == 2 and kv.cached_prefix(keys) == 2  # the two adopted blocks stay cached
+        second = kv.open(keys)
+        assert second.cached == 2 and torch.all(kv.byte_view(second, 0) == 7)
+        await kv.grow(second, 8)  # 4 blocks: the 2 free ones
+        third = kv.open(keys)  # shares the same 2 cached blocks: no copy, no new block
+        assert third.cached == 2 and kv.num_free == 0
+        with pytest.raises(TierFullError):  # every block is held by a running sequence
+            await kv.grow(third, 6)
+        kv.close(second)
+        kv.close(third)
+        extra = kv.open([])
+        await kv.grow(extra, 8)  # all 4 blocks: the cached ones are evicted to make room
+        assert kv.cached_prefix(keys) == 0 and kv.num_free == 0
+        kv.close(extra)
+        assert kv.num_free == 4 and kv.open_sequences == 0
+        with pytest.raises(InvalidStateError, match="not open"):
+            kv.byte_view(extra, 0)
+    finally:
+        await store.close()

@@ -84,7 +84,7 @@ class Cluster:
         store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
         engine = TransferEngine(name, SECRET, store, transports=transports)
         client = Client([self.url])
-        inference = InferenceEngine(model, store, pool, NS, worker_id=name, transfer=engine, conductor=client,
+        inference = InferenceEngine(model, store, NS, worker_id=name, transfer=engine, conductor=client,
                                     node=write_to["server"].node_id if write_to else None)
 
         async def close():
@@ -130,7 +130,7 @@ async def recompute(model, text: str, n: int = 6):
     """The same prompt on a fresh worker with no cache and no conductor."""
     pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, pool, NS, worker_id="ref")
+    engine = InferenceEngine(model, store, NS, worker_id="ref")
     stats, tokens, logits = await generate(engine, text, n)
     await store.close()
     assert stats.cached_tokens == 0
@@ -180,7 +180,7 @@ async def test_reuse_from_own_gpu(cluster, model):
     reference = await recompute(model, OTHER)
     same_answer(other, reference)
     # the comparison is sensitive: the same reuse over a damaged cached block gives another answer
-    worker.pool.block(worker.store.slot_of(_first_key(OTHER), "gpu")).mul_(0.5)
+    worker.kv.kv[worker.store.slot_of(_first_key(OTHER), "gpu")].mul_(0.5)
     with pytest.raises(AssertionError):
         same_answer(await generate(worker, OTHER), reference)
 
@@ -239,7 +239,7 @@ async def test_bad_prompts_are_clear_errors(cluster, model):
         await worker.prefill([1, 2, 300])
     with pytest.raises(ContextLimitError):
         await worker.prefill([1] * 4000, max_new_tokens=200)
-    assert worker.pool.num_free == worker.pool.num_blocks  # nothing leaked
+    assert worker.kv.num_free == worker.kv.num_blocks and not worker.kv.open_sequences  # nothing leaked
 
 
 async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
@@ -249,7 +249,7 @@ async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
 
     pool = GpuBlockPool(12, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, pool, NS, worker_id="small")
+    engine = InferenceEngine(model, store, NS, worker_id="small")
     scheduler = Scheduler(engine).start()
     try:
         async def run(text: str, n: int):
@@ -291,7 +291,7 @@ async def test_generated_blocks_are_keyed_like_a_follow_up_prompt_under_the_same
 async def test_a_prefill_in_chunks_computes_the_same_answer(model, chunk):
     pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, pool, NS, worker_id="chunked", prefill_chunk=chunk)
+    engine = InferenceEngine(model, store, NS, worker_id="chunked", prefill_chunk=chunk)
     try:
         same_answer(await generate(engine, PROMPT), await recompute(model, PROMPT))
     finally:
@@ -307,7 +307,7 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
 
     pool = GpuBlockPool(512, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, pool, NS, worker_id="chunks", prefill_chunk=64, max_context=8192)
+    engine = InferenceEngine(model, store, NS, worker_id="chunks", prefill_chunk=64, max_context=8192)
     scheduler = Scheduler(engine).start()
     arrivals: list[float] = []
     try:
@@ -345,7 +345,7 @@ async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_
 
     pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, pool, NS, worker_id="burst", prefill_chunk=32)
+    engine = InferenceEngine(model, store, NS, worker_id="burst", prefill_chunk=32)
     scheduler = Scheduler(engine).start()
     try:
         async def run(i: int):

@@ -15,11 +15,12 @@ from .errors import (
 )
 from .gpu import GpuBlockPool, GpuTier
 from .pool import PoolRegion, PoolTier
+from .sequences import BlockTable, SequenceKV
 from .ssd import SsdTier
 from .store import BlockChange, BlockView, Lease, PutHandle, Tier, TieredStore
 
 __all__ = [
-    "BlockChange", "BlockView", "Lease", "CorruptBlockError", "DiskFullError", "GpuBlockPool", "GpuTier", "InvalidStateError",
+    "BlockChange", "BlockTable", "BlockView", "SequenceKV", "Lease", "CorruptBlockError", "DiskFullError", "GpuBlockPool", "GpuTier", "InvalidStateError",
     "ObjectExistsError", "ObjectLeasedError", "ObjectNotFoundError", "ObjectPinnedError", "PayloadError",
     "PoolRegion", "PoolTier", "PutHandle", "PutInProgressError", "SsdTier", "StoreError", "Tier",
     "TierFullError", "TieredStore",

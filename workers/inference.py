@@ -12,7 +12,6 @@ token for every running sequence at once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import logging
 import time
@@ -23,7 +22,7 @@ import torch
 from tiercake.blocks import Namespace, block_keys, chain_key
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
-from tiercake.tiers import GpuBlockPool, StoreError, TieredStore
+from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine
 
 from .contract import RequestRejected
@@ -40,11 +39,10 @@ class ContextLimitError(RequestRejected):
 
 @dataclass(slots=True)
 class Sequence:
-    seq_id: int
     tenant: str
     salt: str  # the hashing salt its keys were made with
     tokens: list[int]  # prompt and generated so far
-    table: list[int]  # gpu pool blocks
+    table: BlockTable  # its blocks in the gpu tier
     keys: list[bytes]  # keys of its full blocks so far
     logits: torch.Tensor  # of the last position
     stats: PrefillStats
@@ -56,7 +54,6 @@ class InferenceEngine:
         self,
         model: ReferenceModel,
         store: TieredStore,
-        pool: GpuBlockPool,
         namespace: Namespace,
         *,
         worker_id: str,
@@ -68,9 +65,9 @@ class InferenceEngine:
     ) -> None:
         self.model = model
         self.store = store
-        self.pool = pool
         self.namespace = namespace
         self.block_size = namespace.block_size
+        self.kv = SequenceKV(store, namespace.block_size)  # the gpu tier's blocks, per sequence
         self.worker_id = worker_id
         self.transfer = transfer
         self.conductor = conductor
@@ -79,8 +76,7 @@ class InferenceEngine:
         # tokens per forward pass of a prefill (0: the whole prompt at once); between two chunks the
         # compute lock lets a decode step of the running batch through
         self.prefill_chunk = prefill_chunk
-        self.block_nbytes = pool.block_nbytes
-        self._ids = itertools.count(1)
+        self.block_nbytes = self.kv.block_nbytes
         self._writes: set[asyncio.Task] = set()
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
         self._members_at = 0.0
@@ -108,46 +104,32 @@ class InferenceEngine:
         stats = PrefillStats(prompt_tokens=len(tokens))
         keys = block_keys(self.namespace_for(tenant if salt is None else salt), tokens)
         reusable = keys[: (len(tokens) - 1) // self.block_size]  # at least one token is computed
-        own = self._held(reusable)
+        own = self.kv.cached_prefix(reusable)
         stats.sources = {"gpu": own} if own else {}
         if pull and own < len(reusable) and self.conductor is not None and self.transfer is not None:
             await self._load(tenant, reusable, own, stats, source)
-        seq_id = next(self._ids)
-        # from here to add_sequence nothing awaits, so no block found can be evicted meanwhile
-        slots = []
-        for key in reusable:
-            slot = self.store.slot_of(key, "gpu")
-            if slot is None:
-                break
-            slots.append(slot)
-        table = self.pool.add_sequence(seq_id, slots)
-        cached = len(slots) * self.block_size
+        table = self.kv.open(reusable)
+        cached = table.cached * self.block_size
         stats.cached_tokens = cached
         try:
-            await self._grow(seq_id, len(tokens))
+            await self.kv.grow(table, len(tokens))
             step = self.prefill_chunk or len(tokens)
             for start in range(cached, len(tokens), step):
                 async with self._compute:
                     started = time.perf_counter()  # computing only: not the decode steps between chunks
                     (logits,) = await asyncio.to_thread(
-                        self.model.forward_paged, [PagedChunk(tokens[start:start + step], start, list(table))],
-                        self.pool.kv)
+                        self.model.forward_paged, [PagedChunk(tokens[start:start + step], start, list(table.blocks))],
+                        self.kv.kv)
                     stats.compute_s += time.perf_counter() - started
         except BaseException:
-            self.pool.free_sequence(seq_id)
+            self.kv.close(table)
             raise
-        seq = Sequence(seq_id, tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats,
-                       stored=len(slots))
+        seq = Sequence(tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats,
+                       stored=table.cached)
         self._store_full_blocks(seq)
         if self.node is not None and self.transfer is not None:
-            stats.written_blocks = max(0, len(tokens) // self.block_size - len(slots))
+            stats.written_blocks = max(0, len(tokens) // self.block_size - table.cached)
         return seq
-
-    def _held(self, keys: list[bytes]) -> int:
-        for i, key in enumerate(keys):
-            if self.store.slot_of(key, "gpu") is None:
-                return i
-        return len(keys)
 
     async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats,
                     source: KVHandoff | None = None) -> None:
@@ -206,17 +188,6 @@ class InferenceEngine:
                 log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
         return node in self.transfer.peers
 
-    async def _grow(self, seq_id: int, positions: int) -> None:
-        """Give the sequence blocks for ``positions`` tokens, evicting cached blocks if needed."""
-        table = self.pool.tables[seq_id]
-        need = -(-positions // self.block_size) - len(table)
-        if need <= 0:
-            return
-        if self.pool.num_free < need:
-            await self.store.reclaim("gpu", need * self.block_nbytes)
-        for _ in range(need):
-            self.pool.append_block(seq_id)  # TierFullError when everything is in use
-
     def _store_full_blocks(self, seq: Sequence) -> None:
         """Adopt the sequence's newly full blocks into the gpu tier and write them through."""
         full = len(seq.tokens) // self.block_size
@@ -228,8 +199,7 @@ class InferenceEngine:
         new = []
         for i in range(seq.stored, full):
             parent = seq.keys[i - 1] if i else None
-            if self.store.adopt(seq.keys[i], "gpu", seq.table[i], self.block_nbytes, parent=parent,
-                                tenant=seq.tenant):
+            if self.kv.adopt(seq.table, i, seq.keys[i], parent, seq.tenant):
                 new.append(i)
         seq.stored = full
         if new and self.node is not None and self.transfer is not None:
@@ -243,7 +213,7 @@ class InferenceEngine:
                         self.worker_id, self.node)
             return
         keys = [seq.keys[i] for i in indices]
-        srcs = [self.pool.byte_view(seq.table[i]) for i in indices]
+        srcs = [self.kv.byte_view(seq.table, i) for i in indices]
         leases = [self.store.acquire_lease(k, math.inf, tier="gpu") for k in keys]  # kept while sent
         try:
             batch = [Transfer(BufferLoc(src), BlockLoc(self.node, key, seq.keys[i - 1] if i else None, seq.tenant),
@@ -274,10 +244,10 @@ class InferenceEngine:
         """Append one token to each sequence and compute its logits, all sequences in one pass."""
         for seq, token in zip(seqs, next_tokens, strict=True):
             seq.tokens.append(token)
-            await self._grow(seq.seq_id, len(seq.tokens))
-        chunks = [PagedChunk([s.tokens[-1]], len(s.tokens) - 1, list(s.table)) for s in seqs]
+            await self.kv.grow(seq.table, len(seq.tokens))
+        chunks = [PagedChunk([s.tokens[-1]], len(s.tokens) - 1, list(s.table.blocks)) for s in seqs]
         async with self._compute:
-            logits = await asyncio.to_thread(self.model.forward_paged, chunks, self.pool.kv)
+            logits = await asyncio.to_thread(self.model.forward_paged, chunks, self.kv.kv)
         for seq, out in zip(seqs, logits):
             seq.logits = out[-1]
             if len(seq.tokens) % self.block_size == 0:
@@ -285,12 +255,11 @@ class InferenceEngine:
 
     async def reserve(self, seq: Sequence, positions: int) -> None:
         """Blocks for ``positions`` tokens of ``seq`` (``TierFullError`` when none can be freed)."""
-        await self._grow(seq.seq_id, positions)
+        await self.kv.grow(seq.table, positions)
 
     def free(self, seq: Sequence) -> None:
         """The request is over: its blocks go back (full blocks stay cached in the gpu tier)."""
-        if seq.seq_id in self.pool.tables:
-            self.pool.free_sequence(seq.seq_id)
+        self.kv.close(seq.table)
 
 
 def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> int:

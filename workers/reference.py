@@ -56,7 +56,7 @@ class ReferenceEngine(ServingEngine):
                                       checksum=cfg.transfer.checksum)
             self._closers.append(transfer.close)
             self.inference = InferenceEngine(
-                model, store, pool, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,
+                model, store, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,
                 conductor=client, node=cfg.node_id, max_context=serving.max_context,
                 prefill_chunk=serving.prefill_chunk_tokens,
             )
@@ -84,12 +84,12 @@ class ReferenceEngine(ServingEngine):
 
     @property
     def gpu_capacity_bytes(self) -> int:
-        pool = self.inference.pool
-        return pool.num_blocks * pool.block_nbytes
+        kv = self.inference.kv
+        return kv.num_blocks * kv.block_nbytes
 
     def load(self) -> WorkerLoadReply:
-        pool = self.inference.pool
-        return WorkerLoadReply(**self.scheduler.load, free_blocks=pool.num_free, blocks=pool.num_blocks,
+        kv = self.inference.kv
+        return WorkerLoadReply(**self.scheduler.load, free_blocks=kv.num_free, blocks=kv.num_blocks,
                                completed=self.scheduler.completed)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
@@ -120,7 +120,7 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
     """Fit the prefill-time model and measure a decode step on this machine; reuse a persisted fit of
     the same model, block size and device."""
     model = engine.model
-    ident = hashlib.sha256(json.dumps([model.config.model_dump(), engine.block_size, str(engine.pool.device)])
+    ident = hashlib.sha256(json.dumps([model.config.model_dump(), engine.block_size, str(engine.kv.device)])
                            .encode()).hexdigest()[:16]
     path = cache / f"calibration-{ident}.json" if cache else None
     if path is not None and path.exists():
@@ -129,10 +129,10 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
             if set(saved) >= PERF_FIELDS:  # a file from an older version lacks some: measure again
                 return WorkerPerf.model_validate(saved)
     bs = engine.block_size
-    limit = min(engine.max_context // 2, engine.pool.num_blocks * bs // 2)
+    limit = min(engine.max_context // 2, engine.kv.num_blocks * bs // 2)
     lengths = sorted({max(bs, min(n, limit)) for n in (bs, 4 * bs, 16 * bs, 64 * bs)})
-    scratch = torch.zeros((-(-max(lengths) // bs) * 2, *engine.pool.block_shape), dtype=engine.pool.dtype,
-                          device=engine.pool.device)
+    scratch = torch.zeros((-(-max(lengths) // bs) * 2, *engine.kv.block_shape), dtype=engine.kv.dtype,
+                          device=engine.kv.device)
     table = list(range(scratch.shape[0]))
     samples = []
     for n in lengths:
@@ -151,23 +151,23 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
     for i in range(5):
         model.forward_paged([PagedChunk([1], lengths[0] + i, table)], scratch)
     perf = WorkerPerf(prefill_a=fit.a, prefill_b=fit.b, prefill_q=fit.q,
-                      decode_step_s=(time.perf_counter() - started) / 5, copy_bytes_per_s=_copy_rate(engine.pool))
+                      decode_step_s=(time.perf_counter() - started) / 5, copy_bytes_per_s=_copy_rate(engine.kv.device))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(perf.model_dump_json())
     return perf
 
 
-def _copy_rate(pool: GpuBlockPool) -> float:
+def _copy_rate(device: torch.device) -> float:
     """Bytes per second of a warm copy into the gpu tier's memory: the floor of loading a block."""
-    src = torch.ones(16 << 20, dtype=torch.uint8, device=pool.device)
+    src = torch.ones(16 << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm
     best = float("inf")
     for _ in range(5):
         started = time.perf_counter()
         dst.copy_(src)
-        if pool.device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - started)
     return src.numel() / best
