@@ -34,14 +34,6 @@ class Frontend:
         self.openai = OpenAIApi(config, self.tenants, self.dispatcher, self.stats)
         self.operator = OperatorApi(conductor, config, self.tenants, self.dispatcher, self.stats)
 
-    @property
-    def loads(self):
-        return self.dispatcher.loads
-
-    @property
-    def rejected(self) -> int:
-        return self.stats.rejected
-
     def bind_metrics(self, registry) -> None:
         self.stats.bind_metrics(registry)
 

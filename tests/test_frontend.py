@@ -46,7 +46,7 @@ async def test_predicted_ttft_over_the_slo_is_a_429_with_the_reason():
                 data = await resp.json()
                 assert resp.status == 429 and resp.headers["Retry-After"] == "1"
                 assert data["error"]["code"] == "slo_ttft" and "exceeds the SLO" in data["error"]["message"]
-            assert front.rejected == 1
+            assert front.stats.rejected == 1
             async with http.get(url + "/metrics") as resp:
                 assert 'tiercake_completions_total{outcome="429"} 1.0' in await resp.text()
 
@@ -70,7 +70,7 @@ async def test_no_live_worker_is_a_503_and_a_dead_one_is_skipped():
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status in (502, 503), await resp.text()
-        assert front.loads["w-dead"].failed_until > 0 and front.loads["w-dead"].running == 0
+        assert front.dispatcher.loads["w-dead"].failed_until > 0 and front.dispatcher.loads["w-dead"].running == 0
 
 
 async def test_routing_sees_each_workers_own_prefix():
@@ -111,5 +111,5 @@ async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status == 503, await resp.text()
-        assert all(front.loads[w].failed_until > 0 for w in ("w-dead-1", "w-dead-2"))  # both tried
+        assert all(front.dispatcher.loads[w].failed_until > 0 for w in ("w-dead-1", "w-dead-2"))  # both tried
     assert calls == [100]
