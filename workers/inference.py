@@ -203,24 +203,28 @@ class InferenceEngine:
                 new.append(i)
         seq.stored = full
         if new and self.node is not None and self.transfer is not None:
-            task = asyncio.get_running_loop().create_task(self._write_through(seq, new))
+            leases = [self.store.acquire_lease(seq.keys[i], math.inf, tier="gpu") for i in new]  # held while sent
+            task = asyncio.get_running_loop().create_task(self._write_through(seq, new, leases))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
 
-    async def _write_through(self, seq: Sequence, indices: list[int]) -> None:
-        if not await self._reachable(self.node, force=True):
-            log.warning("worker %s: node %s is not a live member; blocks not written through",
-                        self.worker_id, self.node)
-            return
-        keys = [seq.keys[i] for i in indices]
-        srcs = [self.kv.byte_view(seq.table, i) for i in indices]
-        leases = [self.store.acquire_lease(k, math.inf, tier="gpu") for k in keys]  # kept while sent
+    async def _write_through(self, seq: Sequence, indices: list[int], leases: list) -> None:
+        """Send the adopted blocks at ``indices`` to the node agent. The gpu tier's leases on them were
+        taken when they were adopted (the sequence may end and the blocks be evicted meanwhile
+        otherwise); they are released here whatever happens."""
         try:
-            batch = [Transfer(BufferLoc(src), BlockLoc(self.node, key, seq.keys[i - 1] if i else None, seq.tenant),
-                              self.block_nbytes) for i, key, src in zip(indices, keys, srcs)]
+            if not await self._reachable(self.node, force=True):
+                log.warning("worker %s: node %s is not a live member; blocks not written through",
+                            self.worker_id, self.node)
+                return
+            batch = [Transfer(BufferLoc(lease.data), BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None,
+                                                              seq.tenant), self.block_nbytes)
+                     for i, lease in zip(indices, leases)]
             for result in await self.transfer.transfer(batch, timeout=30):
                 if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
+        except Exception:  # noqa: BLE001 - a task nobody awaits: say what went wrong
+            log.exception("worker %s: write-through to %s failed", self.worker_id, self.node)
         finally:
             await self.store.release_leases([lease.id for lease in leases])
 
