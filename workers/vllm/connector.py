@@ -1,0 +1,374 @@
+"""``TiercakeConnector``: vLLM's KV connector onto tiercake's tiers.
+
+Load it into vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "TiercakeConnector",
+        "kv_connector_module_path": "tiercake.workers.vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"conductor": "http://127.0.0.1:8700", "node": "node-a"}}'
+
+and the cluster secret in ``$TIERCAKE_SECRET`` (the control token, if any, in
+``$TIERCAKE_CONTROL_TOKEN``).
+
+Scheduler side (vLLM's engine core): for a new request, the prompt's blocks beyond vLLM's own prefix
+cache are keyed with tiercake's one hashing function (``tiercake.blocks``: the namespace is the
+model, vLLM's KV layout and block size, and the request's ``cache_salt``), the conductor's index says
+which live node holds the longest run of them, and vLLM is told it may allocate for those tokens.
+Every step it hands the worker side what to load (node, key, vLLM block) and which newly full blocks
+to save (key, parent, vLLM block).
+
+Worker side (vLLM's model runner): before the forward pass, the blocks are read from the holding
+node (the shared pool in place on the same host, TCP across hosts) and scattered into each layer's
+paged KV; a block that cannot be read is reported (``get_block_ids_with_load_errors``) and vLLM
+recomputes from it, so a dead node or a corrupt block costs time, never a wrong token. After the
+pass, newly full blocks are gathered from every layer into one tiercake block and written to the
+node agent in the background, within a bounded budget of bytes in flight (past it, saves are
+dropped and counted: a missed save is a future miss, never a stall).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tiercake.blocks import Namespace, chain_key
+
+from .link import TiercakeLink
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class ConnectorSettings(BaseModel):
+    """``kv_connector_extra_config``: where tiercake is and how this instance uses it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    conductor: str | list[str] = Field(description="control API URL(s) of the conductor")
+    node: str | None = Field(default=None, description="node agent that new blocks are saved to "
+                             "(None: this instance only loads)")
+    model_id: str | None = Field(default=None, description="the model's name in block keys (default: "
+                                 "vLLM's served model name)")
+    tenant: str = Field(default="default", description="the index namespace of this instance's blocks")
+    secret_env: str = "TIERCAKE_SECRET"
+    token_env: str = "TIERCAKE_CONTROL_TOKEN"
+    transports: list[str] = ["shm", "tcp"]
+    lookup_timeout_s: float = Field(default=1.0, gt=0)
+    load_timeout_s: float = Field(default=10.0, gt=0)
+    save_timeout_s: float = Field(default=30.0, gt=0)
+    max_save_bytes_in_flight: int = Field(default=256 << 20, gt=0)
+
+    @property
+    def conductors(self) -> list[str]:
+        return [self.conductor] if isinstance(self.conductor, str) else list(self.conductor)
+
+
+# What the scheduler side hands the worker side each step ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoad:
+    key: bytes
+    block_id: int  # vLLM's block to fill
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoad:
+    request_id: str
+    node: str
+    blocks: list[BlockLoad]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSave:
+    key: bytes
+    parent: bytes | None
+    block_id: int  # vLLM's block to copy out
+
+
+@dataclass
+class TiercakeMetadata(KVConnectorMetadata):
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[BlockSave] = field(default_factory=list)
+    tenant: str = "default"
+
+
+# Scheduler-side state of one request ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    keys: list[bytes] = field(default_factory=list)  # of its full blocks so far
+    blocks: list[int] = field(default_factory=list)  # vLLM's block ids, in position order
+    next_save: int = 0  # first block index not yet handed out to save
+    external_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Plan:
+    node: str
+    first: int  # first block index to load
+    count: int
+
+
+def kv_layout_tag(kv_cache_config: KVCacheConfig) -> str:
+    """vLLM's KV layout as a namespace field: two instances share keys only when their paged KV is
+    byte-for-byte the same kind (layers, heads, head size, dtype, cache layout)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"TiercakeConnector supports models with one KV cache group, this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return (f"vllm:{type(spec).__name__}:L{len(groups[0].layer_names)}:H{spec.num_kv_heads}:D{spec.head_size}:"
+            f"{dtype}:{getattr(kv_cache_config, 'kv_cache_layout', '')}")
+
+
+class TiercakeConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        try:
+            self.settings = ConnectorSettings.model_validate(transfer.kv_connector_extra_config or {})
+        except ValidationError as exc:
+            raise ValueError(f"TiercakeConnector: bad kv_connector_extra_config: {exc}") from None
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning("TiercakeConnector: kv_load_failure_policy is %r; with 'recompute' a block tiercake "
+                        "cannot load costs time instead of failing the request", transfer.kv_load_failure_policy)
+        self.block_size = vllm_config.cache_config.block_size
+        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names) if kv_cache_config.kv_cache_groups else []
+        self.num_blocks = kv_cache_config.num_blocks
+        model_id = self.settings.model_id or vllm_config.model_config.served_model_name
+        if isinstance(model_id, list):
+            model_id = model_id[0]
+        self.namespace = Namespace(model_id=str(model_id), kv_layout=kv_layout_tag(kv_cache_config),
+                                   block_size=self.block_size)
+        secret = os.environ.get(self.settings.secret_env, "").encode() or None
+        if secret is None:
+            log.warning("TiercakeConnector: no cluster secret in $%s: nothing is loaded or saved",
+                        self.settings.secret_env)
+        self.loads_enabled = secret is not None and transfer.kv_role in ("kv_both", "kv_consumer")
+        self.saves_enabled = (secret is not None and transfer.kv_role in ("kv_both", "kv_producer")
+                              and self.settings.node is not None)
+        token = os.environ.get(self.settings.token_env) or None
+        identity = f"vllm-{os.getpid()}-{role.name.lower()}"
+        self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports))
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._pending_loads: list[RequestLoad] = []
+        # worker side
+        self._layers: list[torch.Tensor] = []
+        self._layer_bytes: list[int] = []
+        self.block_nbytes = 0
+        self._load_errors: set[int] = set()
+        self._in_flight = 0  # bytes of saves not yet acknowledged
+        self._lock = threading.Lock()
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_saves": 0,
+                      "failed_saves": 0}
+
+    # ==== scheduler side ==========================================================================
+
+    def _keys(self, tracked: _Tracked, tokens: list[int], blocks: int) -> list[bytes]:
+        """Keys of the first ``blocks`` full blocks of ``tokens`` (extending the request's chain)."""
+        keys, bs = tracked.keys, self.block_size
+        if len(keys) < blocks:
+            salt = getattr(tracked.request, "cache_salt", None) or ""
+            parent = keys[-1] if keys else self.namespace.model_copy(update={"tenant_salt": salt}).root()
+            for i in range(len(keys), blocks):
+                parent = chain_key(parent, tokens[i * bs:(i + 1) * bs])
+                keys.append(parent)
+        return keys[:blocks]
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or tracked.request is not request:
+            tracked = self._tracked[request.request_id] = _Tracked(request)
+        return tracked
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        tokens = list(request.prompt_token_ids or [])
+        usable = (len(tokens) - 1) // bs  # vLLM computes at least the last prompt token
+        first = num_computed_tokens // bs
+        tracked = self._track(request)
+        tracked.next_save = first  # vLLM's own cache had these: saved when they were computed
+        self._plans.pop(request.request_id, None)
+        if not self.loads_enabled or usable <= first:
+            return 0, False
+        keys = self._keys(tracked, tokens, usable)
+        node, length = self.link.longest_prefix(self.settings.tenant, keys, self.settings.lookup_timeout_s)
+        if node is None or length <= first:
+            return 0, False
+        self._plans[request.request_id] = _Plan(node, first, length - first)
+        return (length - first) * bs, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._track(request)
+        plan = self._plans.pop(request.request_id, None)
+        if num_external_tokens <= 0 or plan is None:
+            return
+        ids = blocks.get_block_ids()[0]
+        count = min(plan.count, num_external_tokens // self.block_size)
+        keys = tracked.keys
+        self._pending_loads.append(RequestLoad(request.request_id, plan.node, [
+            BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)]))
+        tracked.next_save = plan.first + count
+        tracked.external_tokens = count * self.block_size
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TiercakeMetadata(loads=self._pending_loads, tenant=self.settings.tenant)
+        self._pending_loads = []
+        done: dict[str, int] = {}  # request -> tokens whose KV exists after this step
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.blocks = list(new.block_ids[0])
+                done[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                tracked.blocks = list(new_ids[0]) if req_id in resumed else tracked.blocks + list(new_ids[0])
+            done[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        if self.saves_enabled:
+            for req_id, tokens_done in done.items():
+                meta.saves.extend(self._saves(self._tracked[req_id], tokens_done))
+        return meta
+
+    def _saves(self, tracked: _Tracked, tokens_done: int) -> list[BlockSave]:
+        tokens = list(tracked.request.all_token_ids)
+        full = min(tokens_done, len(tokens)) // self.block_size
+        full = min(full, len(tracked.blocks))
+        if full <= tracked.next_save:
+            return []
+        keys = self._keys(tracked, tokens, full)
+        saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i])
+                 for i in range(tracked.next_save, full)]
+        tracked.next_save = full
+        return saves
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+        external = tracked.external_tokens if tracked is not None else 0
+        return False, {"tiercake": {"external_tokens": external}}
+
+    # ==== worker side =============================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = self.layer_names or sorted(kv_caches)
+        layers = []
+        for name in names:
+            kv = kv_caches[name]
+            if kv.shape[0] != self.num_blocks or not kv[0].is_contiguous():
+                raise ValueError(f"TiercakeConnector: layer {name} has KV of shape {tuple(kv.shape)}; expected "
+                                 f"{self.num_blocks} contiguous blocks along the first dimension")
+            layers.append(kv)
+        self._layers = layers
+        self._layer_bytes = [kv[0].numel() * kv.element_size() for kv in layers]
+        self.block_nbytes = sum(self._layer_bytes)
+
+    def _block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One vLLM block of every layer, as flat bytes (views into the paged KV)."""
+        return [kv[block_id].reshape(-1).view(torch.uint8) for kv in self._layers]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TiercakeMetadata):
+            return
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: RequestLoad) -> None:
+        staging = torch.empty((len(load.blocks), self.block_nbytes), dtype=torch.uint8)
+        results = self.link.read(load.node, [b.key for b in load.blocks], list(staging),
+                                 self.settings.load_timeout_s)
+        failed = False
+        for block, result, src in zip(load.blocks, results, staging):
+            if failed or not result.ok:  # a chain is usable only up to its first missing block
+                failed = True
+                self._load_errors.add(block.block_id)
+                self.stats["failed_blocks"] += 1
+                continue
+            offset = 0
+            for dst, n in zip(self._block_views(block.block_id), self._layer_bytes):
+                dst.copy_(src[offset:offset + n])
+                offset += n
+            self.stats["loaded_blocks"] += 1
+        if failed:
+            log.warning("TiercakeConnector: request %s: %d of %d blocks from %s could not be loaded; vLLM "
+                        "recomputes them", load.request_id, sum(1 for r in results if not r.ok), len(results), load.node)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # blocks are gathered from every layer at once, after the pass (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not isinstance(meta, TiercakeMetadata) or not meta.saves or not self._layers:
+            return
+        nbytes = len(meta.saves) * self.block_nbytes
+        with self._lock:
+            if self._in_flight + nbytes > self.settings.max_save_bytes_in_flight:
+                self.stats["dropped_saves"] += len(meta.saves)
+                return
+            self._in_flight += nbytes
+        staging = torch.empty((len(meta.saves), self.block_nbytes), dtype=torch.uint8)
+        for save, dst in zip(meta.saves, staging):  # copied now: vLLM may reuse its blocks after this step
+            offset = 0
+            for src, n in zip(self._block_views(save.block_id), self._layer_bytes):
+                dst[offset:offset + n].copy_(src)
+                offset += n
+        items = [(s.key, s.parent, row) for s, row in zip(meta.saves, staging)]
+        future = self.link.write(self.settings.node, items, meta.tenant, self.settings.save_timeout_s)
+        future.add_done_callback(lambda f: self._saved(f, nbytes, len(items)))
+
+    def _saved(self, future, nbytes: int, count: int) -> None:
+        with self._lock:
+            self._in_flight -= nbytes
+        try:
+            results = future.result()
+        except Exception as exc:  # noqa: BLE001 - the write's own failure, counted
+            log.warning("TiercakeConnector: saving %d blocks failed: %s", count, exc)
+            self.stats["failed_saves"] += count
+            return
+        ok = sum(1 for r in results if r.ok or r.exists)
+        self.stats["saved_blocks"] += ok
+        if ok < count:
+            self.stats["failed_saves"] += count - ok
+            first = next(r.error for r in results if not (r.ok or r.exists))
+            log.warning("TiercakeConnector: %d of %d blocks not saved: %s", count - ok, count, first)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self.link.close()

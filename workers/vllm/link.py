@@ -1,0 +1,132 @@
+"""The connector's line to tiercake from inside vLLM: synchronous calls over an event loop of its own.
+
+vLLM calls its connector synchronously, from the scheduler and from the model runner. tiercake's
+client and transfer engine are asyncio. A ``TiercakeLink`` runs one event loop in a daemon thread,
+owns the conductor client and the transfer engine on it, and gives the connector blocking calls with
+a deadline (lookups, loads) and fire-and-forget writes whose completion it counts. Nothing here
+blocks vLLM longer than the deadline it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class TiercakeLink:
+    """A conductor client and a transfer engine on a private event loop (see the module docstring)."""
+
+    def __init__(self, conductors: list[str], token: str | None, secret: bytes | None, identity: str,
+                 transports: tuple[str, ...] = ("shm", "tcp"), members_every: float = 0.5) -> None:
+        self.identity = identity
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiercake-{identity}", daemon=True)
+        self._thread.start()
+        self._members_every = members_every
+        self._members_at = 0.0
+        self._nodes: set[str] = set()
+
+        async def build() -> tuple[Client, TransferEngine | None]:
+            client = Client(conductors, token=token, timeout=5.0, retries=2)
+            engine = TransferEngine(identity, secret, transports=transports) if secret else None
+            return client, engine
+
+        self.client, self.engine = self.call(build(), 10.0)
+
+    # Plumbing ------------------------------------------------------------------------------------
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the link's loop and wait at most ``timeout`` seconds (TimeoutError)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"tiercake did not answer within {timeout} s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def close(self, timeout: float = 10.0) -> None:
+        async def shut() -> None:
+            if self.engine is not None:
+                await self.engine.close()
+            await self.client.close()
+
+        try:
+            self.call(shut(), timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("tiercake link %s: close: %s", self.identity, exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    # Calls ---------------------------------------------------------------------------------------
+
+    async def _refresh_nodes(self, force: bool = False) -> None:
+        """Node agents from the member list, at most every ``members_every`` seconds."""
+        if not force and time.monotonic() - self._members_at < self._members_every:
+            return
+        self._members_at = time.monotonic()
+        nodes = set()
+        for member in await self.client.members():
+            if member.role == "node":
+                nodes.add(member.node_id)
+                if self.engine is not None:
+                    self.engine.ensure_peer(member.node_id, member.host, member.port)
+        self._nodes = nodes
+
+    async def _longest(self, tenant: str, keys: list[bytes]) -> tuple[str | None, int]:
+        found = await self.client.lookup(tenant, keys)
+        if not found:
+            return None, 0
+        await self._refresh_nodes(force=any(node not in self._nodes for node in found))
+        live = {node: holding.length for node, holding in found.items() if node in self._nodes}
+        if not live:
+            return None, 0
+        node = max(live, key=live.get)
+        return node, live[node]
+
+    def longest_prefix(self, tenant: str, keys: list[bytes], timeout: float) -> tuple[str | None, int]:
+        """The live node agent that holds the longest prefix of ``keys``, and how many blocks;
+        (None, 0) when none does or tiercake cannot say within ``timeout``."""
+        if not keys or self.engine is None:
+            return None, 0
+        try:
+            return self.call(self._longest(tenant, keys), timeout)
+        except (ConductorError, TimeoutError, OSError) as exc:
+            log.warning("tiercake link %s: lookup failed, computing instead: %s", self.identity, exc)
+            return None, 0
+
+    def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
+        """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
+        try:
+            return self.call(self.engine.read_blocks(node, keys, dsts, timeout=timeout), timeout + 1.0)
+        except (TimeoutError, OSError) as exc:
+            log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
+            return [TransferResult(False, error=exc) for _ in keys]
+
+    def write(self, node: str, items: list[tuple[bytes, bytes | None, torch.Tensor]], tenant: str,
+              timeout: float) -> concurrent.futures.Future[list[TransferResult]]:
+        """Store each (key, parent, bytes) on ``node`` in the background (parents first)."""
+        batch = [Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant), src.numel())
+                 for key, parent, src in items]
+
+        async def run() -> list[TransferResult]:
+            await self._refresh_nodes(force=node not in self._nodes)
+            return await self.engine.transfer(batch, timeout=timeout)
+
+        return self.submit(run())
