@@ -372,3 +372,41 @@ async def test_server_rejects_a_short_secret(node):
 
     with pytest.raises(ValueError, match="16 bytes"):
         TransferServer(store, b"short", "n")
+
+
+async def test_shm_follows_a_node_agent_that_restarted_with_a_new_pool_at_the_same_path():
+    """A restarted node agent creates a new pool region, maybe at the same path. A client that mapped
+    the old one must not copy into (or out of) that stale mapping: it would write blocks nobody can
+    see and read bytes that are not the block."""
+    import os
+    import uuid
+
+    from tiercake.tiers import PoolRegion, PoolTier, Tier, TieredStore
+    from tiercake.transfer import TransferServer
+
+    path = f"/dev/shm/tiercake-test-restart-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+    async def node(port: int = 0):
+        store = await TieredStore([Tier(PoolTier(PoolRegion.create(path, 4 << 20)))]).open()
+        return store, await TransferServer(store, SECRET, "node-r", port=port).start()
+
+    store, server = await node()
+    port = server.address[1]
+    engine = TransferEngine("client", SECRET, transports=("shm",))
+    engine.add_peer("node-r", "127.0.0.1", port)
+    try:
+        assert (await engine.write_blocks("node-r", [b"a" * 32], [payload(1, 8192)]))[0].ok
+        await stop_node(store, server)  # the pool file goes with it
+        store, server = await node(port)  # the same path, the same port, a new region
+        for attempt in range(2):  # the first use may find the old connection broken
+            (wrote,) = await engine.write_blocks("node-r", [b"b" * 32], [payload(2, 8192)])
+            if wrote.ok:
+                break
+        assert wrote.ok and wrote.transport == "shm"
+        assert torch.equal(await store.get(b"b" * 32), payload(2, 8192))  # landed in the live pool
+        dst = torch.zeros(8192, dtype=torch.uint8)
+        (read,) = await engine.read_blocks("node-r", [b"b" * 32], [dst])
+        assert read.ok and torch.equal(dst, payload(2, 8192))
+    finally:
+        await engine.close()
+        await stop_node(store, server)

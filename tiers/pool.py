@@ -24,7 +24,7 @@ from .buffers import PAGE, round_up
 from .errors import PayloadError
 
 _MAGIC = b"TCPOOL01"
-_HEADER = struct.Struct("<8sQQQ")  # magic, region size, data offset, page size
+_HEADER = struct.Struct("<8sQQQ16s")  # magic, region size, data offset, page size, instance id
 DATA_OFFSET = PAGE
 
 
@@ -39,8 +39,12 @@ class PoolInUseError(RuntimeError):
 class PoolRegion:
     """A mapped shared-memory region. Use ``create`` in the owner and ``attach`` elsewhere."""
 
-    def __init__(self, path: Path, size: int, fd: int, mem: mmap.mmap, owner: bool, page_size: int) -> None:
+    def __init__(self, path: Path, size: int, fd: int, mem: mmap.mmap, owner: bool, page_size: int,
+                 instance: str) -> None:
         self.path = path
+        # new at every create: a process that mapped an earlier region at the same path (a node agent
+        # that restarted) can tell its mapping is stale
+        self.instance = instance
         self.size = size
         self.page_size = page_size
         self.owner = owner
@@ -70,14 +74,15 @@ class PoolRegion:
         except BaseException:
             os.close(fd)
             raise
-        region = cls(path, total, fd, mem, owner=True, page_size=page_size)
+        instance = os.urandom(16)
+        region = cls(path, total, fd, mem, owner=True, page_size=page_size, instance=instance.hex())
         if prefault:
             # Untouched memory fills at under 1 GB/s here; pay that once, at start, not per put.
             step = 64 << 20
             flat = np.frombuffer(mem, dtype=np.uint8)
             for start in range(DATA_OFFSET, total, step):
                 flat[start : start + step] = 0
-        mem[: _HEADER.size] = _HEADER.pack(_MAGIC, total, DATA_OFFSET, page_size)
+        mem[: _HEADER.size] = _HEADER.pack(_MAGIC, total, DATA_OFFSET, page_size, instance)
         return region
 
     @classmethod
@@ -89,14 +94,14 @@ class PoolRegion:
             head = os.pread(fd, _HEADER.size, 0)
             if len(head) < _HEADER.size:
                 raise PoolFormatError(f"{path}: too short to be a pool region")
-            magic, total, data_offset, page_size = _HEADER.unpack(head)
+            magic, total, data_offset, page_size, instance = _HEADER.unpack(head)
             if magic != _MAGIC or data_offset != DATA_OFFSET:
                 raise PoolFormatError(f"{path}: not a tiercake pool region")
             mem = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, total, fd, mem, owner=False, page_size=page_size)
+        return cls(path, total, fd, mem, owner=False, page_size=page_size, instance=instance.hex())
 
     @property
     def data_size(self) -> int:

@@ -306,6 +306,7 @@ class PeerInfo(BaseModel):
     boot_id: str  # equal boot ids: same kernel, so the shared pool can be mapped
     pool_path: str | None = None
     pool_size: int = 0
+    pool_id: str | None = None  # the pool region's instance: a restarted node has a new one
     max_block_bytes: int
     ucx: bool = False  # the server speaks UCX_HELLO (ucxx installed there)
 

@@ -98,12 +98,12 @@ class TransferServer:
         self.served_bytes = 0
 
     def info(self) -> p.PeerInfo:
-        pool_path, pool_size = None, 0
+        pool_path, pool_size, pool_id = None, 0, None
         if self.pool_tier is not None:
             region = self.store.tier(self.pool_tier).backend.region
-            pool_path, pool_size = str(region.path), region.size
+            pool_path, pool_size, pool_id = str(region.path), region.size, region.instance
         return p.PeerInfo(
-            node_id=self.node_id, boot_id=p.boot_id(), pool_path=pool_path, pool_size=pool_size,
+            node_id=self.node_id, boot_id=p.boot_id(), pool_path=pool_path, pool_size=pool_size, pool_id=pool_id,
             max_block_bytes=self.max_block_bytes, ucx=self.ucx,
         )
 

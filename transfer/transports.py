@@ -239,19 +239,28 @@ class ShmTransport(TcpTransport):
             and info.boot_id == p.boot_id()
         )
 
-    def _region(self, peer: Peer) -> PoolRegion:
-        region = self._regions.get(peer.node_id)
+    def _region(self, info: p.PeerInfo) -> PoolRegion:
+        """The peer's pool, mapped here, as the connection's WELCOME describes it: a node agent that
+        restarted has a new region (maybe at the same path), and the old mapping must not be used."""
+        region = self._regions.get(info.node_id)
+        if region is not None and region.instance != info.pool_id:
+            region.close(unlink=False)
+            region = None
         if region is None:
-            region = PoolRegion.attach(peer.info.pool_path)
-            self._regions[peer.node_id] = region
+            region = PoolRegion.attach(info.pool_path)
+            if region.instance != info.pool_id:
+                region.close(unlink=False)
+                raise p.ItemError(f"{info.node_id}: its pool at {info.pool_path} is not the one it announced",
+                                  Status.BAD_REQUEST)
+            self._regions[info.node_id] = region
         return region
 
     async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
-        region = self._region(peer)
         results: Results = [None] * len(items)
         over_stream: list[int] = []
 
         async def in_place(conn, run) -> Results:
+            region = self._region(conn.info)
             replies = await conn.lease([(it.key, it.dst.numel(), self.lease_ttl) for it in items])
             held = []
             try:
@@ -276,12 +285,12 @@ class ShmTransport(TcpTransport):
         return results
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
-        region = self._region(peer)
-
-        def copy_into_pool(offset: int, src: np.ndarray) -> None:
-            region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop
-
         async def op(conn, run):
+            region = self._region(conn.info)
+
+            def copy_into_pool(offset: int, src: np.ndarray) -> None:
+                region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop
+
             return await conn.write(
                 [(p.WriteItem(items[i].key, 0, items[i].parent, tenant=items[i].tenant), _host_src(items[i].src)) for i in run],
                 self.checksum, copy_into_pool,
