@@ -120,7 +120,9 @@ class _Tracked:
     keys: list[bytes] = field(default_factory=list)  # of its full blocks so far
     blocks: list[int] = field(default_factory=list)  # vLLM's block ids, in position order
     next_save: int = 0  # first block index not yet handed out to save
-    external_tokens: int = 0
+    external_tokens: int = 0  # vLLM was told it could load these
+    loading: set[int] = field(default_factory=set)  # vLLM blocks a load was planned into
+    failed: int = 0  # of those, blocks the worker side could not load (recomputed)
 
 
 @dataclass(slots=True)
@@ -182,6 +184,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._layer_bytes: list[int] = []
         self.block_nbytes = 0
         self._load_errors: set[int] = set()
+        self._staging: torch.Tensor | None = None
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_saves": 0,
@@ -235,6 +238,7 @@ class TiercakeConnector(KVConnectorBase_V1):
             BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)]))
         tracked.next_save = plan.first + count
         tracked.external_tokens = count * self.block_size
+        tracked.loading = set(ids[plan.first:plan.first + count])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TiercakeMetadata(loads=self._pending_loads, tenant=self.settings.tenant)
@@ -272,11 +276,26 @@ class TiercakeConnector(KVConnectorBase_V1):
         tracked.next_save = full
         return saves
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker side's failed loads of the last step, charged to the requests they were for."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if not invalid:
+            return
+        for tracked in self._tracked.values():
+            if tracked.loading:
+                failed = tracked.loading & invalid
+                tracked.failed += len(failed)
+                tracked.loading -= failed
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
-        external = tracked.external_tokens if tracked is not None else 0
-        return False, {"tiercake": {"external_tokens": external}}
+        if tracked is None:
+            return False, None
+        planned = tracked.external_tokens
+        loaded = planned - tracked.failed * self.block_size
+        # in the request's output: what vLLM was told it could load, and what it did (the rest it recomputed)
+        return False, {"tiercake": {"planned_load_tokens": planned, "loaded_tokens": loaded}}
 
     # ==== worker side =============================================================================
 
@@ -304,25 +323,35 @@ class TiercakeConnector(KVConnectorBase_V1):
         for load in meta.loads:
             self._load(load)
 
+    def _load_staging(self, blocks: int) -> torch.Tensor:
+        """A reused host buffer for ``blocks`` blocks. A normal tensor even inside vLLM's inference
+        mode: the link's thread writes into it."""
+        if self._staging is None or self._staging.shape[0] < blocks:
+            with torch.inference_mode(False):
+                self._staging = torch.zeros((max(blocks, 16), self.block_nbytes), dtype=torch.uint8)
+        return self._staging[:blocks]
+
     def _load(self, load: RequestLoad) -> None:
-        staging = torch.empty((len(load.blocks), self.block_nbytes), dtype=torch.uint8)
+        staging = self._load_staging(len(load.blocks))
         results = self.link.read(load.node, [b.key for b in load.blocks], list(staging),
                                  self.settings.load_timeout_s)
         failed = False
-        for block, result, src in zip(load.blocks, results, staging):
-            if failed or not result.ok:  # a chain is usable only up to its first missing block
-                failed = True
-                self._load_errors.add(block.block_id)
-                self.stats["failed_blocks"] += 1
-                continue
-            offset = 0
-            for dst, n in zip(self._block_views(block.block_id), self._layer_bytes):
-                dst.copy_(src[offset:offset + n])
-                offset += n
-            self.stats["loaded_blocks"] += 1
+        with torch.inference_mode():  # vLLM's KV tensors are inference tensors (the staging is not:
+            for block, result, src in zip(load.blocks, results, staging):  # the link's thread fills it)
+                if failed or not result.ok:  # a chain is usable only up to its first missing block
+                    failed = True
+                    self._load_errors.add(block.block_id)
+                    self.stats["failed_blocks"] += 1
+                    continue
+                offset = 0
+                for dst, n in zip(self._block_views(block.block_id), self._layer_bytes):
+                    dst.copy_(src[offset:offset + n])
+                    offset += n
+                self.stats["loaded_blocks"] += 1
         if failed:
-            log.warning("TiercakeConnector: request %s: %d of %d blocks from %s could not be loaded; vLLM "
-                        "recomputes them", load.request_id, sum(1 for r in results if not r.ok), len(results), load.node)
+            error = next((r.error for r in results if not r.ok), None)
+            log.warning("TiercakeConnector: request %s: %d of %d blocks from %s not loaded (%s); vLLM recomputes "
+                        "them", load.request_id, sum(1 for r in results if not r.ok), len(results), load.node, error)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward pass
@@ -340,12 +369,14 @@ class TiercakeConnector(KVConnectorBase_V1):
                 self.stats["dropped_saves"] += len(meta.saves)
                 return
             self._in_flight += nbytes
-        staging = torch.empty((len(meta.saves), self.block_nbytes), dtype=torch.uint8)
-        for save, dst in zip(meta.saves, staging):  # copied now: vLLM may reuse its blocks after this step
-            offset = 0
-            for src, n in zip(self._block_views(save.block_id), self._layer_bytes):
-                dst[offset:offset + n].copy_(src)
-                offset += n
+        with torch.inference_mode(False):  # the link's thread reads it after this step
+            staging = torch.empty((len(meta.saves), self.block_nbytes), dtype=torch.uint8)
+        with torch.inference_mode():
+            for save, dst in zip(meta.saves, staging):  # copied now: vLLM may reuse its blocks after this step
+                offset = 0
+                for src, n in zip(self._block_views(save.block_id), self._layer_bytes):
+                    dst[offset:offset + n].copy_(src)
+                    offset += n
         items = [(s.key, s.parent, row) for s, row in zip(meta.saves, staging)]
         future = self.link.write(self.settings.node, items, meta.tenant, self.settings.save_timeout_s)
         future.add_done_callback(lambda f: self._saved(f, nbytes, len(items)))

@@ -113,9 +113,13 @@ class TiercakeLink:
 
     def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
         """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
+        async def run() -> list[TransferResult]:
+            await self._refresh_nodes(force=node not in self._nodes)  # this process may not know it yet
+            return await self.engine.read_blocks(node, keys, dsts, timeout=timeout)
+
         try:
-            return self.call(self.engine.read_blocks(node, keys, dsts, timeout=timeout), timeout + 1.0)
-        except (TimeoutError, OSError) as exc:
+            return self.call(run(), timeout + 1.0)
+        except (TimeoutError, OSError, ConductorError) as exc:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
             return [TransferResult(False, error=exc) for _ in keys]
 
