@@ -194,6 +194,7 @@ async def test_same_instance_loads_its_own_blocks_back_after_its_prefix_cache_is
     await a.reset_prefix_cache()
     again = await a.complete(tokens)
     assert loaded(again) == PROMPT_BLOCKS * BLOCK and cached(again) >= PROMPT_BLOCKS * BLOCK
+    assert tiercake(again)["load_bytes"] == PROMPT_BLOCKS * BLOCK_BYTES and tiercake(again)["load_s"] > 0
     assert answer(again) == answer(first)
     # the comparison is sensitive: the same prompt with another first block answers otherwise, so an
     # answer from wrongly loaded KV would show

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from tiercake.blocks import Namespace, chain_key
@@ -111,6 +113,28 @@ class TiercakeMetadata(KVConnectorMetadata):
     tenant: str = "default"
 
 
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What the worker side did with one request's load."""
+
+    loaded: int  # blocks now in vLLM's KV
+    failed: int  # blocks reported for recompute
+    nbytes: int  # bytes loaded
+    seconds: float  # reading and scattering them
+
+
+@dataclass
+class TiercakeWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker side -> scheduler side, once per step: the loads it ran."""
+
+    loads: dict[str, LoadReport] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, TiercakeWorkerMetadata):
+            self.loads.update(other.loads)
+        return self
+
+
 # Scheduler-side state of one request ------------------------------------------------------------
 
 
@@ -121,8 +145,7 @@ class _Tracked:
     blocks: list[int] = field(default_factory=list)  # vLLM's block ids, in position order
     next_save: int = 0  # first block index not yet handed out to save
     external_tokens: int = 0  # vLLM was told it could load these
-    loading: set[int] = field(default_factory=set)  # vLLM blocks a load was planned into
-    failed: int = 0  # of those, blocks the worker side could not load (recomputed)
+    load: LoadReport | None = None  # what the worker side did
 
 
 @dataclass(slots=True)
@@ -185,6 +208,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         self.block_nbytes = 0
         self._load_errors: set[int] = set()
         self._staging: torch.Tensor | None = None
+        self._reports: dict[str, LoadReport] = {}
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_saves": 0,
@@ -238,7 +262,6 @@ class TiercakeConnector(KVConnectorBase_V1):
             BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)]))
         tracked.next_save = plan.first + count
         tracked.external_tokens = count * self.block_size
-        tracked.loading = set(ids[plan.first:plan.first + count])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TiercakeMetadata(loads=self._pending_loads, tenant=self.settings.tenant)
@@ -277,25 +300,24 @@ class TiercakeConnector(KVConnectorBase_V1):
         return saves
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The worker side's failed loads of the last step, charged to the requests they were for."""
-        invalid = getattr(connector_output, "invalid_block_ids", None)
-        if not invalid:
-            return
-        for tracked in self._tracked.values():
-            if tracked.loading:
-                failed = tracked.loading & invalid
-                tracked.failed += len(failed)
-                tracked.loading -= failed
+        """What the worker side's loads of a step did, for the requests' reports."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, TiercakeWorkerMetadata):
+            for req_id, report in meta.loads.items():
+                if req_id in self._tracked:
+                    self._tracked[req_id].load = report
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        planned = tracked.external_tokens
-        loaded = planned - tracked.failed * self.block_size
-        # in the request's output: what vLLM was told it could load, and what it did (the rest it recomputed)
-        return False, {"tiercake": {"planned_load_tokens": planned, "loaded_tokens": loaded}}
+        report = tracked.load or LoadReport(0, 0, 0, 0.0)
+        # in the request's output: what vLLM was told it could load, what it did (the rest it
+        # recomputed), and how long loading took
+        return False, {"tiercake": {"planned_load_tokens": tracked.external_tokens,
+                                    "loaded_tokens": report.loaded * self.block_size,
+                                    "load_bytes": report.nbytes, "load_s": report.seconds}}
 
     # ==== worker side =============================================================================
 
@@ -332,6 +354,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         return self._staging[:blocks]
 
     def _load(self, load: RequestLoad) -> None:
+        started = time.perf_counter()
         staging = self._load_staging(len(load.blocks))
         results = self.link.read(load.node, [b.key for b in load.blocks], list(staging),
                                  self.settings.load_timeout_s)
@@ -348,6 +371,9 @@ class TiercakeConnector(KVConnectorBase_V1):
                     dst.copy_(src[offset:offset + n])
                     offset += n
                 self.stats["loaded_blocks"] += 1
+        loaded = sum(1 for r in results if r.ok) if not failed else next(i for i, r in enumerate(results) if not r.ok)
+        self._reports[load.request_id] = LoadReport(loaded, len(load.blocks) - loaded, loaded * self.block_nbytes,
+                                                    time.perf_counter() - started)
         if failed:
             error = next((r.error for r in results if not r.ok), None)
             log.warning("TiercakeConnector: request %s: %d of %d blocks from %s not loaded (%s); vLLM recomputes "
@@ -397,9 +423,17 @@ class TiercakeConnector(KVConnectorBase_V1):
             first = next(r.error for r in results if not (r.ok or r.exists))
             log.warning("TiercakeConnector: %d of %d blocks not saved: %s", count - ok, count, first)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._reports:
+            return None
+        reports, self._reports = self._reports, {}
+        return TiercakeWorkerMetadata(reports)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            log.info("TiercakeConnector: %s", ", ".join(f"{k} {v}" for k, v in self.stats.items()))
         self.link.close()
