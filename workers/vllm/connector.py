@@ -312,12 +312,16 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._plans.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        report = tracked.load or LoadReport(0, 0, 0, 0.0)
+        figures: dict[str, Any] = {"planned_load_tokens": tracked.external_tokens}
+        report = tracked.load
+        if report is None and not tracked.external_tokens:
+            report = LoadReport(0, 0, 0, 0.0)
+        if report is not None:  # the worker's report comes a step late: unknown for a one-step request
+            figures.update(loaded_tokens=report.loaded * self.block_size, load_bytes=report.nbytes,
+                           load_s=report.seconds)
         # in the request's output: what vLLM was told it could load, what it did (the rest it
         # recomputed), and how long loading took
-        return False, {"tiercake": {"planned_load_tokens": tracked.external_tokens,
-                                    "loaded_tokens": report.loaded * self.block_size,
-                                    "load_bytes": report.nbytes, "load_s": report.seconds}}
+        return False, {"tiercake": figures}
 
     # ==== worker side =============================================================================
 
@@ -326,17 +330,30 @@ class TiercakeConnector(KVConnectorBase_V1):
         layers = []
         for name in names:
             kv = kv_caches[name]
-            if kv.shape[0] != self.num_blocks or not kv[0].is_contiguous():
-                raise ValueError(f"TiercakeConnector: layer {name} has KV of shape {tuple(kv.shape)}; expected "
-                                 f"{self.num_blocks} contiguous blocks along the first dimension")
-            layers.append(kv)
+            if kv.shape[0] != self.num_blocks or kv.stride(0) != kv[0].numel() or not kv[0].is_contiguous():
+                raise ValueError(f"TiercakeConnector: layer {name} has KV of shape {tuple(kv.shape)} and strides "
+                                 f"{kv.stride()}; expected {self.num_blocks} contiguous blocks along the first dimension")
+            layers.append(kv.view(kv.shape[0], -1).view(torch.uint8))  # a row of bytes per block
         self._layers = layers
-        self._layer_bytes = [kv[0].numel() * kv.element_size() for kv in layers]
+        self._layer_bytes = [rows.shape[1] for rows in layers]
         self.block_nbytes = sum(self._layer_bytes)
 
-    def _block_views(self, block_id: int) -> list[torch.Tensor]:
-        """One vLLM block of every layer, as flat bytes (views into the paged KV)."""
-        return [kv[block_id].reshape(-1).view(torch.uint8) for kv in self._layers]
+    def _scatter(self, staging: torch.Tensor, block_ids: list[int]) -> None:
+        """Row ``i`` of ``staging`` (a tiercake block: every layer's part, in layer order) into vLLM's
+        block ``block_ids[i]`` of every layer: one indexed copy per layer."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        offset = 0
+        for rows, n in zip(self._layers, self._layer_bytes):
+            rows.index_copy_(0, index, staging[:, offset:offset + n])
+            offset += n
+
+    def _gather(self, block_ids: list[int], staging: torch.Tensor) -> None:
+        """The inverse of ``_scatter``."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        offset = 0
+        for rows, n in zip(self._layers, self._layer_bytes):
+            staging[:, offset:offset + n].copy_(rows.index_select(0, index))
+            offset += n
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -358,20 +375,15 @@ class TiercakeConnector(KVConnectorBase_V1):
         staging = self._load_staging(len(load.blocks))
         results = self.link.read(load.node, [b.key for b in load.blocks], list(staging),
                                  self.settings.load_timeout_s)
-        failed = False
-        with torch.inference_mode():  # vLLM's KV tensors are inference tensors (the staging is not:
-            for block, result, src in zip(load.blocks, results, staging):  # the link's thread fills it)
-                if failed or not result.ok:  # a chain is usable only up to its first missing block
-                    failed = True
-                    self._load_errors.add(block.block_id)
-                    self.stats["failed_blocks"] += 1
-                    continue
-                offset = 0
-                for dst, n in zip(self._block_views(block.block_id), self._layer_bytes):
-                    dst.copy_(src[offset:offset + n])
-                    offset += n
-                self.stats["loaded_blocks"] += 1
-        loaded = sum(1 for r in results if r.ok) if not failed else next(i for i, r in enumerate(results) if not r.ok)
+        # a chain is usable only up to its first missing block: the rest is recomputed
+        loaded = next((i for i, r in enumerate(results) if not r.ok), len(results))
+        failed = loaded < len(results)
+        if loaded:
+            with torch.inference_mode():  # vLLM's KV tensors are inference tensors (the staging is not:
+                self._scatter(staging[:loaded], [b.block_id for b in load.blocks[:loaded]])  # the link fills it)
+        self._load_errors.update(b.block_id for b in load.blocks[loaded:])
+        self.stats["loaded_blocks"] += loaded
+        self.stats["failed_blocks"] += len(results) - loaded
         self._reports[load.request_id] = LoadReport(loaded, len(load.blocks) - loaded, loaded * self.block_nbytes,
                                                     time.perf_counter() - started)
         if failed:
@@ -397,12 +409,7 @@ class TiercakeConnector(KVConnectorBase_V1):
             self._in_flight += nbytes
         with torch.inference_mode(False):  # the link's thread reads it after this step
             staging = torch.empty((len(meta.saves), self.block_nbytes), dtype=torch.uint8)
-        with torch.inference_mode():
-            for save, dst in zip(meta.saves, staging):  # copied now: vLLM may reuse its blocks after this step
-                offset = 0
-                for src, n in zip(self._block_views(save.block_id), self._layer_bytes):
-                    dst[offset:offset + n].copy_(src)
-                    offset += n
+        self._gather([s.block_id for s in meta.saves], staging)  # copied now: vLLM may reuse its blocks later
         items = [(s.key, s.parent, row) for s, row in zip(meta.saves, staging)]
         future = self.link.write(self.settings.node, items, meta.tenant, self.settings.save_timeout_s)
         future.add_done_callback(lambda f: self._saved(f, nbytes, len(items)))

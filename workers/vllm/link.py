@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
+from tiercake.transfer import BlockLoc, BufferLoc, PeerClosedError, Transfer, TransferEngine, TransferResult
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,13 @@ class TiercakeLink:
     def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
         """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
         async def run() -> list[TransferResult]:
-            await self._refresh_nodes(force=node not in self._nodes)  # this process may not know it yet
-            return await self.engine.read_blocks(node, keys, dsts, timeout=timeout)
+            if node not in self._nodes:  # this process may not know it yet
+                await self._refresh_nodes(force=True)
+            results = await self.engine.read_blocks(node, keys, dsts, timeout=timeout)
+            if _unreachable(results):  # a node agent that restarted listens elsewhere: ask, then once more
+                await self._refresh_nodes(force=True)
+                results = await self.engine.read_blocks(node, keys, dsts, timeout=timeout)
+            return results
 
         try:
             return self.call(run(), timeout + 1.0)
@@ -130,7 +135,17 @@ class TiercakeLink:
                  for key, parent, src in items]
 
         async def run() -> list[TransferResult]:
-            await self._refresh_nodes(force=node not in self._nodes)
-            return await self.engine.transfer(batch, timeout=timeout)
+            if node not in self._nodes:
+                await self._refresh_nodes(force=True)
+            results = await self.engine.transfer(batch, timeout=timeout)
+            if _unreachable(results):
+                await self._refresh_nodes(force=True)
+                results = await self.engine.transfer(batch, timeout=timeout)
+            return results
 
         return self.submit(run())
+
+
+def _unreachable(results: list[TransferResult]) -> bool:
+    """Every item failed because the peer could not be reached or hung up (not because of a block)."""
+    return bool(results) and all(isinstance(r.error, (PeerClosedError, OSError)) for r in results)
