@@ -21,6 +21,31 @@ def test_help_reads_well():
     assert "bench store" in tiercake("bench", "store", "--help").stdout.replace("usage: tiercake ", "bench store ")
 
 
+def test_every_command_and_subcommand_has_a_help_that_renders():
+    """argparse renders a help only when asked: a stray % in one crashes `--help` (it did, for bench).
+    Rendered in this process through the parser itself, every level of every command."""
+    import argparse
+
+    from tiercake.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> list[list[str]]:
+        found = [path]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += walk(sub, path + [name])
+        return found
+
+    parser = build_parser()
+    paths = walk(parser, [])
+    assert ["bench", "vllm"] in paths and ["up"] in paths and len(paths) > 20
+    for path in paths:
+        node = parser
+        for name in path:
+            node = next(a for a in node._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        assert node.format_help(), path  # raises on a help string that does not format
+
+
 def test_demo_twice_finds_its_ssd_blocks(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(

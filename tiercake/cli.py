@@ -126,11 +126,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         for tier in config.store.tiers:
             if size and tier.kind == kind:
                 tier.capacity = TypeAdapter(ByteSize).validate_python(size)
+    print_fn = lambda text: console.print(text, soft_wrap=True, markup=False, highlight=False)  # noqa: E731
+    if args.engine == "vllm":
+        from tiercake.up import up_vllm
+
+        if not args.model:
+            console.print("error: --engine vllm needs --model DIR (a Hugging Face model directory)")
+            return 2
+        return up_vllm(config, Path(args.data_dir), Path(args.model), args.vllm, args.port, print_fn=print_fn)
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
-    return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd,
-              print_fn=lambda text: console.print(text, soft_wrap=True, markup=False, highlight=False))
+    return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd, print_fn=print_fn)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -248,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     meta.set_defaults(func=cmd_bench_metadata)
 
     serve = bench_parser(
-        "serve", help="TTFT with 0/50/90% of the prompt cached, per source tier, vs compute only",
+        "serve", help="TTFT with 0/50/90%% of the prompt cached, per source tier, vs compute only",
         description="Time to first token for prompts whose prefix is cached in the prefill worker's gpu tier, "
         "the node pool or the node's SSD, beside the same prompt with nothing cached, measured in the same run, "
         "with the server's breakdown (routing, lookup, load, compute). Starts its own cluster unless --target.",
@@ -321,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--gpu-blocks", type=int, help="KV blocks in each worker's gpu tier (serving.gpu_blocks)")
     upp.add_argument("--pool", metavar="SIZE", help="the node pool's capacity, e.g. 1GiB")
     upp.add_argument("--ssd", metavar="SIZE", help="the node SSD tier's capacity, e.g. 20GiB")
+    upp.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                     help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector")
+    upp.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
+    upp.add_argument("--vllm", type=int, default=1, metavar="N",
+                     help="--engine vllm: vLLM servers, on --port, --port + 1, ... (default 1)")
     upp.set_defaults(func=cmd_up)
 
     ask = sub.add_parser(
