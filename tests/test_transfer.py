@@ -1,7 +1,9 @@
 """The transfer engine and server over real loopback sockets (both ends in this process)."""
 
 import asyncio
+import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -410,3 +412,27 @@ async def test_shm_follows_a_node_agent_that_restarted_with_a_new_pool_at_the_sa
     finally:
         await engine.close()
         await stop_node(store, server)
+
+
+async def test_a_stranger_cannot_make_the_server_allocate_before_it_authenticates(node):
+    """Before AUTH is verified, a frame may be only as large as a handshake needs: announcing 16 MiB
+    (as 48 idle connections once did, for ~770 MB of a node agent's memory) is refused at once, before
+    any of it is allocated or read; so is any frame other than AUTH."""
+    store, server = node
+
+    def announce(op, length):
+        sock = socket.create_connection(server.address, timeout=5)
+        try:
+            read_frame(sock)  # HELLO
+            started = time.monotonic()
+            sock.sendall(raw_frame(op, b"", length=length))  # the header only: the body never comes
+            reply = read_frame(sock)
+            return reply, time.monotonic() - started
+        finally:
+            sock.close()
+
+    (op, body), took = await asyncio.to_thread(announce, p.Op.AUTH, p.MAX_BODY)
+    assert op == p.Op.ERROR and b"over the limit of 4096" in body and took < 2  # not after the 10 s timeout
+    (op, body), took = await asyncio.to_thread(announce, p.Op.READ, 1000)
+    assert op == p.Op.ERROR and b"expected AUTH, got READ" in body and took < 2
+    assert server.refused >= 2

@@ -84,14 +84,14 @@ class PeerConnection:
 
     async def _handshake(self) -> None:
         try:
-            _, _, _, nonce = await recv_frame(self.sock, expect=[Op.HELLO])
+            _, _, _, nonce = await recv_frame(self.sock, expect=[Op.HELLO], max_body=p.HANDSHAKE_BODY)
         except p.ProtocolError as exc:
             raise p.AuthenticationError(f"{self.address.node_id}: {exc}") from exc
         mine = os.urandom(p.NONCE_BYTES)
         claim = p.proof(self.secret, b"client", bytes(nonce), mine)
         await send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
         try:
-            _, _, _, body = await recv_frame(self.sock, expect=[Op.WELCOME])
+            _, _, _, body = await recv_frame(self.sock, expect=[Op.WELCOME], max_body=p.WELCOME_BODY)
         except (p.ProtocolError, p.PeerClosedError) as exc:
             raise p.AuthenticationError(f"{self.address.node_id} refused us: {exc}") from exc
         if not p.verify(self.secret, b"server", mine, bytes(nonce), bytes(body[:32])):

@@ -40,6 +40,8 @@ NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
 MAX_ITEMS = 4096
 MAX_KEY = 64
+HANDSHAKE_BODY = 4096  # HELLO, AUTH (nonce, proof, node id) and ERROR before authentication
+WELCOME_BODY = 64 << 10  # the server's proof and PeerInfo
 
 FRAME = struct.Struct("<4sBBHIQ")  # magic, version, op, flags, request id, body length
 

@@ -172,7 +172,7 @@ class TransferServer:
     async def _handshake(self, conn: socket.socket) -> str:
         nonce = os.urandom(p.NONCE_BYTES)
         await send_frame(conn, Op.HELLO, 0, nonce)
-        _, _, _, body = await recv_frame(conn, expect=[Op.AUTH])
+        _, _, _, body = await recv_frame(conn, expect=[Op.AUTH], max_body=p.HANDSHAKE_BODY)
         if len(body) < p.NONCE_BYTES + 32:
             raise p.AuthenticationError("short AUTH frame")
         client_nonce, claimed, peer = (

@@ -186,23 +186,26 @@ async def send_frame(
     await send_all(sock, [FRAME.pack(MAGIC, VERSION, op, flags, request, len(body)), body, *data])
 
 
-async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None) -> tuple[Op, int, int, bytearray]:
-    """(op, flags, request id, body). ProtocolError on a bad magic, version, op or size."""
+async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None,
+                     max_body: int = MAX_BODY) -> tuple[Op, int, int, bytearray]:
+    """(op, flags, request id, body). ProtocolError on a bad magic, version, op or size. Before the
+    peer is authenticated, ``max_body`` is what its handshake can need: nothing larger is allocated or
+    read for a stranger."""
     head = await recv_exactly(sock, FRAME.size)
     magic, version, op, flags, request, length = FRAME.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
-    if length > MAX_BODY:
-        raise ProtocolError(f"frame body of {length} bytes is over the limit of {MAX_BODY}")
+    if length > max_body:
+        raise ProtocolError(f"frame body of {length} bytes is over the limit of {max_body}")
     try:
         op = Op(op)
     except ValueError:
         raise ProtocolError(f"unknown operation {op}") from None
+    if expect is not None and op not in expect and op is not Op.ERROR:  # refused before its body is read
+        raise ProtocolError(f"expected {'/'.join(o.name for o in expect)}, got {op.name}")
     body = await recv_exactly(sock, length)
     if op is Op.ERROR:
         raise ProtocolError(f"peer refused: {body.decode(errors='replace')}")
-    if expect is not None and op not in expect:
-        raise ProtocolError(f"expected {'/'.join(o.name for o in expect)}, got {op.name}")
     return op, flags, request, body
