@@ -5,11 +5,16 @@ loaded must be recomputed, never served wrong."""
 
 import asyncio
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
@@ -51,15 +56,24 @@ class Vllm(VllmServer):
                 return await resp.json()
 
     async def reset_prefix_cache(self) -> None:
-        async with aiohttp.ClientSession() as http:
-            async with http.post(self.url + "/reset_prefix_cache") as resp:
-                assert resp.status == 200 and (await resp.json())["success"]
+        await reset_prefix_cache(self.url)
+
+
+async def reset_prefix_cache(url: str) -> None:
+    """vLLM forgets its own prefix cache (a dev-mode endpoint: VLLM_SERVER_DEV_MODE=1)."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/reset_prefix_cache") as resp:
+            assert resp.status == 200 and (await resp.json())["success"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def model(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm")
-    model = make_tiny_llama(root / "model")
     tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET})
     engines = []
     try:
@@ -101,10 +115,10 @@ def cached(reply: dict) -> int:
     return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def wait_indexed(tc: NodeCluster, tier: str, at_least: int, only: bool = False, timeout: float = 30) -> None:
+async def wait_indexed(tc: NodeCluster | str, tier: str, at_least: int, only: bool = False, timeout: float = 30) -> None:
     """Until the index shows ``at_least`` bytes of the node's blocks in ``tier`` (``only``: and none in
     the node's other tiers)."""
-    async with Client([tc.url]) as client:
+    async with Client([tc if isinstance(tc, str) else tc.url]) as client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             view = await client.cluster()
@@ -192,3 +206,40 @@ async def test_a_dead_node_is_recomputed(served):
     assert planned(other) == PROMPT_BLOCKS * BLOCK and loaded(other) == 0
     assert answer(other) == answer(first)
     tc.node = tc.start_node()
+
+
+async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path, model):
+    """The one command: `tiercake up --engine vllm --model DIR` prints where vLLM listens; blocks a
+    request computed come back from tiercake once vLLM's own cache is reset; Ctrl-C stops it all."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump(tiercake_config(tmp_path).model_dump(mode="json")))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiercake.cli", "up", "--engine", "vllm", "--model", str(model), "--port", str(port),
+         "--config", str(config), "--data-dir", str(tmp_path / "data")],
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, text=True,
+    )
+    try:
+        lines = []
+        while not any("tiercake is up under vLLM" in line for line in lines):
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line, "".join(lines)
+            lines.append(line)
+        assert f"http://127.0.0.1:{port}" in lines[-1]
+        url = f"http://127.0.0.1:{port}"
+        conductor = re.search(r"conductor (http://\S+?),", lines[-1]).group(1)
+        tokens = prompt(9)
+        body = {"model": model.name, "prompt": tokens, "max_tokens": 12, "temperature": 0}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                first = await resp.json()
+            await wait_indexed(conductor, "pool", PROMPT_BLOCKS * BLOCK_BYTES)  # saved in the background
+            await reset_prefix_cache(url)
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                again = await resp.json()
+        assert loaded(again) == PROMPT_BLOCKS * BLOCK and answer(again) == answer(first)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = await asyncio.to_thread(proc.communicate, timeout=60)
+    assert proc.returncode == 0 and "tiercake is down" in out[0]

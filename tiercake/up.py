@@ -94,6 +94,53 @@ class NodeCluster:
         self.conductor.stop()
 
 
+def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int, port: int,
+            print_fn=print, ready_file: Path | None = None) -> int:
+    """``tiercake up --engine vllm``: a conductor and a node agent, and ``instances`` vLLM servers with
+    the TiercakeConnector on ports ``port``, ``port + 1``, ... (vLLM serves the OpenAI API itself; the
+    front does not route to vLLM yet)."""
+    from tiercake.conductor.etcd_process import free_port
+    from tiercake.workers.vllm.process import VllmServer, serve_command
+
+    if not (model / "config.json").exists():
+        raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
+    env = dict(os.environ)
+    if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
+        env[config.transfer.secret_env] = secrets.token_hex(24)
+    cfg = config.model_copy(deep=True)
+    cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = NodeCluster(cfg, data_dir, env, port=free_port())
+    servers: list[VllmServer] = []
+    try:
+        for i in range(instances):
+            command = serve_command(model, model.name, port + i, cluster.url, cfg.node_id)
+            servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", port + i))
+        for server in servers:
+            server.wait_ready()
+        urls = [server.url for server in servers]
+        print_fn(f"tiercake is up under vLLM: {', '.join(urls)}  (conductor {cluster.url}, node agent "
+                 f"{cfg.node_id}, {instances} vLLM servers with the TiercakeConnector; logs in {data_dir / 'logs'})")
+        print_fn(f"  curl -s {urls[0]}/v1/completions -H 'Content-Type: application/json' \\\n"
+                 f"    -d '{{\"model\": \"{model.name}\", \"prompt\": \"...\", \"max_tokens\": 16}}'")
+        print_fn("Ctrl-C stops everything.")
+        if ready_file is not None:
+            ready_file.write_text(json.dumps({"urls": urls, "conductor": cluster.url}))
+        while not stop.is_set():
+            if any(server.proc.poll() is not None for server in servers):
+                print_fn("a vLLM server exited (see its log); stopping")
+                break
+            stop.wait(0.5)
+        return 0
+    finally:
+        for server in servers:
+            server.stop()
+        cluster.close()
+        print_fn("tiercake is down")
+
+
 def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: int, decode: int, workers: int,
        etcd: list[str], print_fn=print, ready_file: Path | None = None) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
