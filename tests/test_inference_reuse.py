@@ -356,3 +356,41 @@ async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_
     finally:
         await scheduler.close()
         await store.close()
+
+
+async def test_any_temperature_samples_and_a_failing_sample_fails_only_its_request(model, monkeypatch):
+    """A temperature of 1e-40 once overflowed to NaN probabilities: the sampler raised outside any
+    guard, the request hung and its blocks were never freed. Any temperature now samples (a tiny one
+    as greedy), and a sampler that fails ends its own request only, with nothing leaked."""
+    from tiercake.messages import GenerateRequest
+    from tiercake.workers import scheduler as scheduler_module
+
+    pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    engine = InferenceEngine(model, store, NS, worker_id="temps")
+    scheduler = scheduler_module.Scheduler(engine).start()
+
+    async def run(temperature: float, text: str = "The tiers hold the blocks of a long conversation."):
+        request = GenerateRequest(tokens=encode(text), max_tokens=4, temperature=temperature, seed=7)
+        return [e.token async for e in scheduler.generate(request)]
+
+    try:
+        greedy = await run(0.0)
+        assert await run(1e-40) == greedy  # the limit of a vanishing temperature
+        for temperature in (1e-6, 1.0, 1e30):
+            assert len(await run(temperature)) == 4
+        real = scheduler_module.next_token
+
+        def flaky(logits, temperature=0.0, generator=None):
+            if temperature == 0.5:
+                raise RuntimeError("the sampler broke")
+            return real(logits, temperature, generator)
+
+        monkeypatch.setattr(scheduler_module, "next_token", flaky)
+        good, bad = await asyncio.gather(run(0.0, "Another prompt entirely."), run(0.5), return_exceptions=True)
+        assert good == await run(0.0, "Another prompt entirely.") and isinstance(bad, RuntimeError)
+        assert engine.kv.open_sequences == 0 and pool.num_free + len(store.keys()) == pool.num_blocks
+        assert await run(0.0) == greedy  # and the worker goes on serving
+    finally:
+        await scheduler.close()
+        await store.close()

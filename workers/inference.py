@@ -267,10 +267,15 @@ class InferenceEngine:
 
 
 def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> int:
-    """Greedy at temperature 0, else a sample from the softmax at that temperature."""
+    """Greedy at temperature 0, else a sample from the softmax at that temperature. Shifted by the
+    maximum first and in float64, so any temperature is well defined: a tiny one tends to greedy
+    (1e-40 once overflowed to NaN probabilities and crashed the sampler), a huge one to uniform."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    scaled = (logits.double() - logits.max().double()) / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"logits are not finite at temperature {temperature}")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -120,9 +120,19 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
             job.out.put_nowait(exc)
             return
-        self._emit(job, first=True)
-        if job.seq is not None:
+        if self._emit_or_fail(job, first=True) and job.seq is not None:
             self._running.append(job)
+
+    def _emit_or_fail(self, job: _Running, first: bool = False) -> bool:
+        """Emit the job's next token; if that fails, the job alone ends with the error and its blocks
+        go back (one bad request must never wedge the loop or leak its sequence)."""
+        try:
+            self._emit(job, first)
+            return True
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the worker's
+            log.exception("sampling a token failed")
+            self._finish(job, error=exc)
+            return False
 
     def _emit(self, job: _Running, first: bool = False) -> None:
         token = next_token(job.seq.logits, job.request.temperature, job.generator)
@@ -170,4 +180,4 @@ class Scheduler:
             return
         for job in jobs:
             if job.seq is not None:
-                self._emit(job)
+                self._emit_or_fail(job)
