@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -33,7 +34,7 @@ def tiercake_config(root: Path) -> TiercakeConfig:
     return TiercakeConfig.model_validate({
         "node_id": "vllm-node", "model_id": MODEL,
         "store": {"layout": None, "tiers": [
-            {"kind": "pool", "capacity": "64MiB", "path": f"/dev/shm/tiercake-vllm-test-{os.getpid()}"},
+            {"kind": "pool", "capacity": "64MiB", "path": f"/dev/shm/tiercake-vllm-test-{uuid.uuid4().hex[:12]}"},
             {"kind": "ssd", "capacity": "256MiB", "path": str(root / "ssd")},
         ]},
         "conductor": {"member_ttl": 2},
