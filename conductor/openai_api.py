@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
@@ -32,10 +32,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request; fields we do not use (``n``, ``logprobs``, ...) are ignored."""
+# OpenAI's completion parameters this server does not honour, with the value that means "not used":
+# clients that send them at that value are served; any other value is a 400 that names the parameter,
+# never an answer that silently ignored it.
+UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False, "suffix": None,
+              "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 
-    model_config = ConfigDict(extra="ignore")
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion request. Unknown fields are refused (as OpenAI does); the parameters in
+    ``UNHONOURED`` are accepted only at their neutral value."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
@@ -44,6 +52,25 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
+    user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
+    n: int = 1
+    best_of: int = 1
+    top_p: float = 1
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float = 0
+    frequency_penalty: float = 0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator(*UNHONOURED)
+    @classmethod
+    def _only_neutral(cls, value, info: ValidationInfo):
+        neutral = UNHONOURED[info.field_name]
+        if value != neutral and not (neutral is None and value in ([], {}, "")):
+            raise ValueError(f"{value!r} is not supported by this server (leave it out, or send {neutral!r})")
+        return value
 
 
 # failures after the first token: the worker's, or the dispatcher's (no decode worker left)

@@ -161,6 +161,14 @@ async def test_bad_requests_are_clear_errors(cluster):
         (json.dumps(completion(text=[1, 2, 999])).encode(), 400, "token ids"),
         (json.dumps(completion(text="")).encode(), 400, "empty"),
         (json.dumps(completion(temperature=-1)).encode(), 400, "temperature"),
+        # a parameter the server does not honour is refused by name, never silently ignored
+        (json.dumps({**completion(), "n": 2}).encode(), 400, "n: 2 is not supported"),
+        (json.dumps({**completion(), "stop": ["."]}).encode(), 400, "stop:"),
+        (json.dumps({**completion(), "top_p": 0.5}).encode(), 400, "top_p:"),
+        (json.dumps({**completion(), "logprobs": 2}).encode(), 400, "logprobs:"),
+        (json.dumps({**completion(), "echo": True}).encode(), 400, "echo:"),
+        (json.dumps({**completion(), "best_of_three": 1}).encode(), 400, "best_of_three: Extra inputs"),
+        (json.dumps({**completion(), "prompt": ["a", "b"]}).encode(), 400, "prompt"),
     ]
     async with aiohttp.ClientSession() as http:
         for body, status, words in cases:
@@ -171,6 +179,10 @@ async def test_bad_requests_are_clear_errors(cluster):
                 assert data["error"]["message"] and (words is None or words in data["error"]["message"]), data
         async with http.post(cluster.url + "/v1/completions", json=completion(temperature=-1)) as resp:
             assert (await resp.json())["error"]["param"] == "temperature"  # OpenAI's field for what was refused
+        neutral = {"n": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False, "user": "u-1",
+                   "presence_penalty": 0, "frequency_penalty": 0}  # what OpenAI clients send by default
+        async with http.post(cluster.url + "/v1/completions", json={**completion(), **neutral}) as resp:
+            assert resp.status == 200, await resp.text()
         async with http.get(cluster.url + "/v1/models") as resp:
             assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
         async with http.post(cluster.url + "/v1/completions", json=completion(),

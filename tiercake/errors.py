@@ -48,7 +48,8 @@ def invalid(exc: ValidationError, what: str = "invalid body") -> ApiError:
     """A 400 that names the first field pydantic refused, in the message and as OpenAI's ``param``."""
     first = exc.errors()[0]
     where = ".".join(str(x) for x in first["loc"])
-    return ApiError(400, f"{what}: {where + ': ' if where else ''}{first['msg']}", param=where or None)
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own words
+    return ApiError(400, f"{what}: {where + ': ' if where else ''}{message}", param=where or None)
 
 
 @web.middleware
