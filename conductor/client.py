@@ -234,6 +234,7 @@ class Client:
                 if "error" in chunk:
                     raise ConductorError(502, chunk["error"]["message"])
                 yield chunk
+            raise ConductorError(502, "the stream ended without [DONE]: the response is incomplete")
 
     # Serving control ----------------------------------------------------------------------------
 

@@ -93,3 +93,60 @@ def test_bad_config_is_a_clear_error(tmp_path):
     assert "needs a 'path'" in done.stdout
     missing = tiercake("config", "show", "--config", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 1 and "error" in missing.stdout
+
+
+def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
+    """A load tool must survive the server it loads: against an OpenAI server that cuts every other
+    stream after its first event (and ends one without [DONE]), `tiercake replay` finishes, counts
+    those requests as failed and writes its report."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from tiercake.traces import synthetic_trace, write_trace
+
+    served = {"n": 0}
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 2048}]})
+
+    async def completions(request):
+        served["n"] += 1
+        n = served["n"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a", "index": 0}]}\n\n')
+        if n % 3 == 1:
+            request.transport.close()  # cut mid-stream
+            return resp
+        if n % 3 == 2:
+            await resp.write_eof()  # ends cleanly, but without usage or [DONE]
+            return resp
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        trace = tmp_path / "syn.jsonl"
+        write_trace(trace, synthetic_trace(9, tenants=1, system_blocks=1, turn_blocks=(1, 2), rate_per_s=100, seed=1))
+        out = tmp_path / "replay.json"
+        done = tiercake("replay", str(trace), "--target", f"http://127.0.0.1:{port}", "--max-output", "2",
+                        "--json", str(out), timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        figures = {f["name"]: f["value"] for f in json.loads(out.read_text())["figures"]}
+        assert figures["requests.ok"] == 3 and figures["requests.failed"] == 6
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

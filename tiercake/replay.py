@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+
 from tiercake.bench.report import Report, cluster_figures, machine
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import ClusterView
@@ -80,7 +82,7 @@ async def _cluster_view(url: str, token: str | None) -> ClusterView | None:
     try:
         async with Client([url], token=token, timeout=30, retries=1) as control:
             return await control.cluster()
-    except ConductorError:
+    except (ConductorError, ValueError, aiohttp.ClientError):  # not a tiercake front (vLLM itself, say)
         return None
 
 
@@ -127,6 +129,10 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                 except ConductorError as exc:
                     outcome.status = "rejected" if exc.status == 429 else "failed"
                     outcome.error = str(exc)[:200]
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+                    # a stream cut mid-way, a malformed event: this request failed, the replay goes on
+                    outcome.status = "failed"
+                    outcome.error = f"{type(exc).__name__}: {exc}"[:200]
                 outcome.latency_s = time.perf_counter() - sent
             outcomes.append(outcome)
             if progress is not None:
