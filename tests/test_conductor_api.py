@@ -96,6 +96,8 @@ async def test_bad_requests_are_clear_4xx(api):
             assert resp.status == 401
         cases = [
             ("/v1/placements/lookup", b"{not json"),
+            ("/v1/placements/lookup", b'{"tenant": "\xff\xfe", "keys": []}'),  # not UTF-8 (was a 500)
+            ("/v1/placements/commit", b"\xff"),
             ("/v1/placements/lookup", json.dumps({"tenant": "t"}).encode()),
             ("/v1/placements/lookup", json.dumps({"tenant": "a/b", "keys": []}).encode()),
             ("/v1/placements/lookup", json.dumps({"tenant": "t", "keys": ["zz"]}).encode()),
