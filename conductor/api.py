@@ -392,7 +392,7 @@ def _bind(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror} (pick another --port)") from None
     return sock

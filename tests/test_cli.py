@@ -90,9 +90,9 @@ def test_bad_config_is_a_clear_error(tmp_path):
     config.write_text("store:\n  tiers:\n    - {kind: ssd, capacity: 1MiB}\n")
     done = tiercake("config", "show", "--config", str(config))
     assert done.returncode == 2
-    assert "needs a 'path'" in done.stdout
+    assert "needs a 'path'" in done.stderr  # errors go to stderr
     missing = tiercake("config", "show", "--config", str(tmp_path / "nope.yaml"))
-    assert missing.returncode == 1 and "error" in missing.stdout
+    assert missing.returncode == 1 and "error" in missing.stderr
 
 
 def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
@@ -150,3 +150,17 @@ def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+def test_up_on_a_busy_port_says_so(tmp_path):
+    """The conductor's bind error reaches the user as what it is, not as a JSON parse error."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = tiercake("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), timeout=60)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr, done.stderr
+    assert "Expecting value" not in done.stdout + done.stderr

@@ -102,7 +102,7 @@ def test_policy_eval_scores_a_plug_in_against_lru_and_the_optimum(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run([sys.executable, "-m", "tiercake.cli", "policy", "eval", "lru", "--trace", str(trace),
                           "--capacity", "ten"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "not a number of blocks" in bad.stdout
+    assert bad.returncode == 1 and "not a number of blocks" in bad.stderr
 
 
 def test_synthetic_traces_are_seeded_valid_and_reuse_within_tenants(tmp_path):

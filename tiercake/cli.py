@@ -11,7 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from .cli_analysis import cmd_policy_eval, cmd_replay, cmd_simulate, cmd_trace_generate, cmd_trace_stats
-from .cli_common import console, write_json
+from .cli_common import console, errors, write_json
+from .up import StartError
 
 
 def _load(config_path: str | None, data_dir: str):
@@ -131,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         from tiercake.up import up_vllm
 
         if not args.model:
-            console.print("error: --engine vllm needs --model DIR (a Hugging Face model directory)")
+            errors.print("error: --engine vllm needs --model DIR (a Hugging Face model directory)")
             return 2
         return up_vllm(config, Path(args.data_dir), Path(args.model), args.vllm, args.port, print_fn=print_fn)
     etcd = [e for e in (args.etcd or "").split(",") if e]
@@ -457,10 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValidationError as exc:
-        console.print(f"[red]invalid configuration[/red]\n{exc}")
+        errors.print(f"[red]invalid configuration[/red]\n{exc}")
         return 2
-    except (OSError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+    except (OSError, ValueError, StartError) as exc:
+        errors.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 1
 
 

@@ -7,6 +7,7 @@ import argparse
 from rich.console import Console
 
 console = Console()
+errors = Console(stderr=True)  # errors go to stderr: a parent reading stdout reads only what it asked for
 
 
 def write_json(args: argparse.Namespace, report) -> int:

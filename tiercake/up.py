@@ -24,6 +24,10 @@ import yaml
 from .config import TiercakeConfig
 
 
+class StartError(RuntimeError):
+    """A process of the cluster did not start; the message says why (the tail of its log)."""
+
+
 class Child:
     def __init__(self, name: str, args: list[str], env: dict, logs: Path) -> None:
         self.name = name
@@ -40,11 +44,15 @@ class Child:
         reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout)
-        if not result or not result[0]:
+        try:
+            if not result or not result[0]:
+                raise ValueError("no announcement")
+            self.announce = json.loads(result[0])
+        except ValueError:
             self.stop()
-            tail = self.log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{self.name} did not start (see {self.log_path}):\n{tail}")
-        self.announce = json.loads(result[0])
+            tail = self.log_path.read_text(errors="replace").strip()[-2000:]
+            said = result[0].decode(errors="replace").strip() if result and result[0] else ""
+            raise StartError(f"the {self.name} did not start (its log: {self.log_path}):\n{said}\n{tail}".rstrip()) from None
         return self.announce
 
     def stop(self, timeout: float = 15.0) -> None:
