@@ -35,8 +35,9 @@ system-deps:
 test: install system-deps
 	$(PY) -m pytest -q
 
+# make run PORT=8090 DATA_DIR=/tmp/c2: a second cluster beside the first
 run: install
-	$(VENV)/bin/tiercake up
+	$(VENV)/bin/tiercake up $(if $(PORT),--port $(PORT)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 bench: install
 	$(VENV)/bin/tiercake bench store --quick --json bench-results/store.json

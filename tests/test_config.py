@@ -109,3 +109,15 @@ def test_api_keys_file_adds_keys_and_a_bad_one_is_a_clear_error(tmp_path):
         serving.all_api_keys()
     with pytest.raises(ValueError, match="missing.yaml"):
         ServingConfig(api_keys_file=str(tmp_path / "missing.yaml")).all_api_keys()
+
+
+def test_default_clusters_in_two_data_dirs_get_two_pools(tmp_path):
+    """The pool path of the embedded default follows the data directory, so a second `tiercake up`
+    (or `make run DATA_DIR=...`) on the same host does not find the first one's pool in use."""
+    from tiercake.config import default_config
+
+    def pool(config):
+        return next(t.path for t in config.store.tiers if t.kind == "pool")
+
+    assert pool(default_config(tmp_path / "a")) != pool(default_config(tmp_path / "b"))
+    assert pool(default_config(tmp_path / "a")) == pool(default_config(str(tmp_path / "a")))  # stable

@@ -127,6 +127,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         for tier in config.store.tiers:
             if size and tier.kind == kind:
                 tier.capacity = TypeAdapter(ByteSize).validate_python(size)
+            if args.pool_path and tier.kind == "pool":
+                tier.path = args.pool_path
     print_fn = lambda text: console.print(text, soft_wrap=True, markup=False, highlight=False)  # noqa: E731
     if args.engine == "vllm":
         from tiercake.up import up_vllm
@@ -329,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--gpu-blocks", type=int, help="KV blocks in each worker's gpu tier (serving.gpu_blocks)")
     upp.add_argument("--pool", metavar="SIZE", help="the node pool's capacity, e.g. 1GiB")
     upp.add_argument("--ssd", metavar="SIZE", help="the node SSD tier's capacity, e.g. 20GiB")
+    upp.add_argument("--pool-path", metavar="PATH", help="the node pool's file (default: /dev/shm/tiercake-<host>-<hash "
+                     "of the data dir>, so clusters in different data dirs never share one)")
     upp.add_argument("--engine", choices=["reference", "vllm"], default="reference",
                      help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector")
     upp.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")

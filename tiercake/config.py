@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import tomllib
@@ -290,11 +291,14 @@ def reachable_host(bound: str, advertise: str | None = None) -> str:
 def default_config(data_dir: str | Path = ".tiercake") -> TiercakeConfig:
     """The embedded default: every tier on one machine, small enough for a laptop or CI."""
     data_dir = Path(data_dir)
+    # the data directory is the cluster's identity on this host: two clusters in two directories get
+    # two pools (one pool path per host made the second a PoolInUseError)
+    which = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:10]
     return TiercakeConfig(
         store=StoreConfig(
             tiers=[
                 TierConfig(kind="gpu", capacity="4MiB"),
-                TierConfig(kind="pool", capacity="16MiB", path=f"/dev/shm/tiercake-{socket.gethostname()}"),
+                TierConfig(kind="pool", capacity="16MiB", path=f"/dev/shm/tiercake-{socket.gethostname()}-{which}"),
                 TierConfig(kind="ssd", capacity="256MiB", path=str(data_dir / "ssd"), compression=True),
             ]
         )
