@@ -130,3 +130,30 @@ def test_one_owner_per_region(shm_path):
     PoolRegion.attach(shm_path).close()  # attaching is always allowed
     region.close()
     PoolRegion.create(shm_path, 1 << 16).close()  # free once the owner is gone
+
+
+
+def test_a_pool_larger_than_its_file_system_is_a_clear_error_not_a_sigbus(tmp_path):
+    """On a tmpfs smaller than the pool, an unreserved file is a SIGBUS at the first page touched (a
+    node agent died that way, leaving its file and an empty log). The space is reserved at creation:
+    a clear error, and no file left behind. Runs in a private mount namespace with a 1 MiB tmpfs."""
+    import shutil
+    import subprocess
+    import sys
+
+    assert shutil.which("unshare"), "util-linux's unshare is needed for this test"
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    script = tmp_path / "create.py"
+    script.write_text(
+        "import os, sys\n"
+        "from tiercake.tiers import PoolRegion\n"
+        "try:\n"
+        f"    PoolRegion.create('{mnt}/pool', 8 << 20)\n"
+        "except OSError as exc:\n"
+        f"    print(exc)\n    print('left:', os.listdir('{mnt}'))\n    sys.exit(3)\n"
+    )
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt} && "
+                           f"{sys.executable} {script}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr)  # not -7 (SIGBUS)
+    assert "cannot reserve" in done.stdout and "less free space" in done.stdout and "left: []" in done.stdout

@@ -62,6 +62,7 @@ class PoolRegion:
             raise ValueError(f"page_size must be a multiple of {PAGE}")
         path = Path(path)
         total = DATA_OFFSET + round_up(size, page_size)
+        existed = path.exists()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:  # one owner per region: a second node agent must not reformat a live pool
@@ -70,6 +71,13 @@ class PoolRegion:
                 raise PoolInUseError(f"pool region {path} is owned by another live process") from None
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 os.ftruncate(fd, total)
+                try:  # reserve the space now: a sparse file on a full tmpfs is a SIGBUS at first touch
+                    os.posix_fallocate(fd, 0, total)
+                except OSError as exc:
+                    if not existed:
+                        path.unlink(missing_ok=True)
+                    raise OSError(exc.errno, f"pool region {path}: cannot reserve {total} bytes ({exc.strerror}); "
+                                  f"the file system has less free space than the pool's capacity") from None
             mem = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
