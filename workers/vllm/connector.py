@@ -288,12 +288,11 @@ class TiercakeConnector(KVConnectorBase_V1):
         return meta
 
     def _saves(self, tracked: _Tracked, tokens_done: int) -> list[BlockSave]:
-        tokens = list(tracked.request.all_token_ids)
-        full = min(tokens_done, len(tokens)) // self.block_size
-        full = min(full, len(tracked.blocks))
-        if full <= tracked.next_save:
+        all_tokens = tracked.request.all_token_ids
+        full = min(tokens_done, len(all_tokens), len(tracked.blocks) * self.block_size) // self.block_size
+        if full <= tracked.next_save:  # most steps of a decode: nothing new is full
             return []
-        keys = self._keys(tracked, tokens, full)
+        keys = self._keys(tracked, list(all_tokens[:full * self.block_size]), full)
         saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i])
                  for i in range(tracked.next_save, full)]
         tracked.next_save = full
@@ -415,6 +414,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         future.add_done_callback(lambda f: self._saved(f, nbytes, len(items)))
 
     def _saved(self, future, nbytes: int, count: int) -> None:
+        """On the link's thread, when a background save ends."""
         with self._lock:
             self._in_flight -= nbytes
         try:
