@@ -78,7 +78,7 @@ def test_node_agent_without_a_secret_is_a_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TIERCAKE_SECRET"}
     done = subprocess.run([sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, "n")],
                           capture_output=True, text=True, env=env, timeout=60)
-    assert done.returncode == 1 and "no cluster secret" in done.stdout
+    assert done.returncode == 1 and "no cluster secret" in done.stderr  # errors go to stderr
 
 
 async def test_peer_killed_during_a_batch(node_process):
