@@ -11,8 +11,10 @@
 
 One retry rule for both worker phases: a worker that cannot be reached or fails before its first
 token (``WorkerUnavailable``) is skipped for ``FAIL_BACKOFF_S`` and the phase planned again, up to
-``ATTEMPTS`` times; a refusal of the request itself (``WorkerRefused``) is the client's 4xx; a failure
-after a token reached the client (``StreamBroken``) ends the stream with an error.
+``ATTEMPTS`` times; a worker that is alive but full (``WorkerBusy``: its gpu tier is held by running
+sequences) is skipped only for ``BUSY_BACKOFF_S``, and when every worker is full the answer is a 429
+with Retry-After, not a 503; a refusal of the request itself (``WorkerRefused``) is the client's 4xx;
+a failure after a token reached the client (``StreamBroken``) ends the stream with an error.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, Router,
 
 from .service import Conductor
 from .serving_stats import ServingStats, Timing
-from .worker_client import StreamBroken, WorkerClient, WorkerRefused, WorkerUnavailable
+from .worker_client import StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class WorkerLoad:
     running: int = 0
     load_bytes_per_s: float = 2e9
     failed_until: float = 0.0
+    busy_until: float = 0.0  # full a moment ago: alive, skipped briefly
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class Route:
 class Dispatcher:
     ATTEMPTS = 3
     FAIL_BACKOFF_S = 2.0
+    BUSY_BACKOFF_S = 0.25
 
     def __init__(self, conductor: Conductor, config: TiercakeConfig, stats: ServingStats,
                  workers: WorkerClient | None = None) -> None:
@@ -138,7 +142,7 @@ class Dispatcher:
     async def _attempts(self, phase: str, plan: Callable[[], tuple[MemberInfo, GenerateRequest]], queued: int,
                         on_first: Callable[[TokenEvent, WorkerLoad], None]) -> AsyncIterator[TokenEvent]:
         """The one retry rule (module docstring)."""
-        errors = []
+        errors, busy = [], 0
         for _ in range(self.ATTEMPTS):
             member, request = plan()
             load = self.loads[member.node_id]
@@ -153,6 +157,11 @@ class Dispatcher:
                         on_first(event, load)
                     yield event
                 return
+            except WorkerBusy as exc:
+                load.busy_until = time.monotonic() + self.BUSY_BACKOFF_S
+                errors.append(str(exc))
+                busy += 1
+                log.info("front: %s; trying another %s worker", exc, phase)
             except WorkerUnavailable as exc:
                 load.failed_until = time.monotonic() + self.FAIL_BACKOFF_S
                 errors.append(str(exc))
@@ -165,8 +174,24 @@ class Dispatcher:
             finally:
                 load.queued_tokens -= pending
                 load.running -= 1
+        if busy == len(errors):
+            raise self._full(phase)
         raise ApiError(503, f"every {phase} worker tried failed: " + "; ".join(errors), "server_error",
                        "worker_failed", retryable=True)
+
+    def _full(self, phase: str) -> ApiError:
+        self.stats.rejected += 1
+        return ApiError(429, f"every {phase} worker's gpu tier is full (its blocks are held by running requests); "
+                        "retry later", "rate_limit_error", "gpu_full", headers={"Retry-After": "1"})
+
+    def _no_worker(self, roles: tuple[str, ...]) -> ApiError:
+        """No candidate: 429 when the workers are alive but full, 503 when there are none."""
+        now = time.monotonic()
+        alive = [m for m in self.conductor.members.alive() if m.role in roles and m.url
+                 and self.loads[m.node_id].failed_until <= now]
+        if alive:  # all of them full a moment ago
+            return self._full("decode" if roles == ("decode",) else "prefill")
+        return ApiError(503, f"no live {'/'.join(roles)} worker", "server_error", "no_worker", retryable=True)
 
     # ROUTE and PREFILL --------------------------------------------------------------------------
 
@@ -183,7 +208,7 @@ class Dispatcher:
         it says pull (the node holding the longest prefix, so the worker need not ask the index)."""
         members = self._candidates(roles)
         if not members:
-            raise ApiError(503, f"no live {'/'.join(roles)} worker", "server_error", "no_worker", retryable=True)
+            raise self._no_worker(roles)
         started = time.perf_counter()
         found = self.conductor.lookup(job.tenant, job.keys)
         job.timing.lookup_s += time.perf_counter() - started
@@ -227,7 +252,7 @@ class Dispatcher:
     def _plan_decode(self, job: Job, first: int, handoff: KVHandoff | None) -> tuple[MemberInfo, GenerateRequest]:
         members = self._candidates(("decode",))
         if not members:
-            raise ApiError(503, "no live decode worker", "server_error", "no_worker", retryable=True)
+            raise self._no_worker(("decode",))
         tokens = [*job.tokens, first]
         request = RouteRequest(len(tokens), self.layout.block_size, self.layout.nbytes,
                                handoff.blocks if handoff else 0)
@@ -245,7 +270,7 @@ class Dispatcher:
     def _candidates(self, roles: tuple[str, ...]) -> list[MemberInfo]:
         now = time.monotonic()
         return [m for m in self.conductor.members.alive() if m.role in roles and m.url
-                and self.loads[m.node_id].failed_until <= now]
+                and self.loads[m.node_id].failed_until <= now and self.loads[m.node_id].busy_until <= now]
 
     def _state(self, member: MemberInfo, cached: int) -> WorkerState:
         load, perf = self.loads[member.node_id], member.perf

@@ -30,6 +30,11 @@ class WorkerUnavailable(WorkerError):
     """Retryable on another worker: nothing reached the client yet."""
 
 
+class WorkerBusy(WorkerUnavailable):
+    """Alive, but with no room for the request now (its gpu tier is held by running sequences):
+    another worker may take it, and this one will again soon."""
+
+
 class WorkerRefused(WorkerError):
     """The request itself is wrong (the worker's 4xx): not retryable."""
 
@@ -73,6 +78,8 @@ class WorkerClient:
                     raise WorkerUnavailable(worker, f"HTTP {resp.status}: {exc!r}") from exc
                 if resp.status < 500:
                     raise WorkerRefused(worker, resp.status, error.message)
+                if error.code == "worker_busy":
+                    raise WorkerBusy(worker, error.message)
                 raise WorkerUnavailable(worker, error.message)
             emitted = 0
             try:

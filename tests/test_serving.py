@@ -450,3 +450,30 @@ def test_replay_a_synthetic_trace_against_the_cluster(cluster, tmp_path):
     assert figures["metadata.bytes_per_kv_byte"]["ratio"] >= 1 and figures["metadata.ops_per_request"]["value"] >= 1
     live = figures["prefetchable_share.live"]  # the front's live tracker against the same trace offline
     assert 0 < live["value"] and abs(live["value"] - live["limit"]) < 0.1
+
+
+async def test_a_full_gpu_tier_is_a_429_with_retry_after_not_a_dead_worker(tmp_path):
+    """One worker whose gpu tier a running request holds: a second long prompt cannot be placed. It
+    is told to retry (429, Retry-After) because the worker is alive and full, not that no worker
+    lives (it was a 503 "no live prefill worker" for two seconds); the worker serves it afterwards."""
+    up = UpCluster(tmp_path, args=["--workers", "1", "--gpu-blocks", "24"])
+    try:
+        await up.wait_up(workers=1)
+        async with aiohttp.ClientSession() as http:
+            holder = await http.post(up.url + "/v1/completions",  # 16 blocks at once, 22 by its end
+                                     json=completion(text="a" * 250, max_tokens=100, stream=True))
+            assert holder.status == 200
+            await holder.content.readline()  # its first token: it holds its blocks now
+            async with http.post(up.url + "/v1/completions", json=completion(text="b" * 250, max_tokens=4)) as resp:
+                body = await resp.json()
+                assert resp.status == 429, body
+                assert resp.headers["Retry-After"] == "1" and body["error"]["code"] == "gpu_full"
+                assert "gpu tier is full" in body["error"]["message"]
+            rest = await holder.read()  # the running request is not disturbed
+            assert b"[DONE]" in rest and b'"error"' not in rest
+            holder.release()
+            await asyncio.sleep(1)  # as Retry-After says
+            async with http.post(up.url + "/v1/completions", json=completion(text="b" * 250, max_tokens=4)) as resp:
+                assert resp.status == 200, await resp.text()
+    finally:
+        up.stop()
