@@ -71,7 +71,7 @@ class ConnectorSettings(BaseModel):
                                  "vLLM's served model name)")
     tenant: str = Field(default="default", description="the index namespace of this instance's blocks")
     secret_env: str = "TIERCAKE_SECRET"
-    token_env: str = "TIERCAKE_CONTROL_TOKEN"
+    token_env: str = "TIERCAKE_TOKEN"  # the conductor's bearer token, as every tiercake client reads it
     transports: list[str] = ["shm", "tcp"]
     lookup_timeout_s: float = Field(default=1.0, gt=0)
     load_timeout_s: float = Field(default=10.0, gt=0)
