@@ -25,6 +25,7 @@ from tiercake.workers.vllm.process import VllmServer, serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 SECRET = "vllm-test-secret-0123456789abcdef"
+TOKEN = "vllm-test-control-token"  # the control API asks for it: the connector must present it
 MODEL = "tiny-llama"
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 PROMPT_BLOCKS = 8
@@ -75,7 +76,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm")
-    tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET})
+    tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN})
     engines = []
     try:
         engines = [Vllm(name, model, tc) for name in ("a", "b")]
@@ -119,7 +120,7 @@ def cached(reply: dict) -> int:
 async def wait_indexed(tc: NodeCluster | str, tier: str, at_least: int, only: bool = False, timeout: float = 30) -> None:
     """Until the index shows ``at_least`` bytes of the node's blocks in ``tier`` (``only``: and none in
     the node's other tiers)."""
-    async with Client([tc if isinstance(tc, str) else tc.url]) as client:
+    async with Client([tc if isinstance(tc, str) else tc.url], token=TOKEN) as client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             view = await client.cluster()
@@ -144,6 +145,9 @@ async def test_same_instance_loads_its_own_blocks_back_after_its_prefix_cache_is
     again = await a.complete(tokens)
     assert loaded(again) == PROMPT_BLOCKS * BLOCK and cached(again) >= PROMPT_BLOCKS * BLOCK
     assert tiercake(again)["load_bytes"] == PROMPT_BLOCKS * BLOCK_BYTES and tiercake(again)["load_s"] > 0
+    async with aiohttp.ClientSession() as http:  # the control API is closed: the connector got in with the token
+        async with http.get(tc.url + "/v1/members") as resp:
+            assert resp.status == 401
     assert answer(again) == answer(first)
     # the comparison is sensitive: the same prompt with another first block answers otherwise, so an
     # answer from wrongly loaded KV would show
@@ -166,7 +170,7 @@ async def test_blocks_come_back_from_ssd_after_the_node_agent_restarts(served):
     tokens = prompt(3)
     first = await a.complete(tokens)
     await wait_indexed(tc, "pool", 3 * PROMPT_BLOCKS * BLOCK_BYTES)
-    async with Client([tc.url]) as client:
+    async with Client([tc.url], token=TOKEN) as client:
         await client.flush(["pool"])  # down to SSD
     await wait_indexed(tc, "ssd", 3 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
     tc.restart_node()  # a new process: the pool is gone, the SSD index is rebuilt from the files
@@ -181,7 +185,7 @@ async def test_a_corrupt_block_is_recomputed(served):
     tc, a, b = served
     tokens = prompt(4)
     first = await a.complete(tokens)
-    async with Client([tc.url]) as client:
+    async with Client([tc.url], token=TOKEN) as client:
         await client.flush(["pool"])
     await wait_indexed(tc, "ssd", 4 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
     files = sorted((tc.root / "ssd" / "blocks").rglob("*"), key=lambda p: p.stat().st_mtime)
@@ -218,7 +222,8 @@ async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "tiercake.cli", "up", "--engine", "vllm", "--model", str(model), "--port", str(port),
          "--config", str(config), "--data-dir", str(tmp_path / "data")],
-        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TIERCAKE_TOKEN": TOKEN}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         start_new_session=True, text=True,
     )
     try:
