@@ -259,7 +259,8 @@ class Client:
         """Every node and worker drops the blocks it may (not pinned, leased or in use); with
         ``tiers``, only those tiers' copies, pushed down to the next tier (``["gpu"]``: the workers'
         caches; ``["pool"]``: the nodes' pools, leaving their blocks on SSD). Asynchronous: returns
-        the flush epoch once it is durable; members apply it at their next keep-alive."""
+        the flush epoch once it is durable; members apply it at their next keep-alive, to what they
+        hold then (a block still being written through or read at that moment stays)."""
         return (await self._typed(FlushReply, "POST", "/v1/flush", {"tiers": tiers})).flush_epoch
 
     async def set_policy(self, router: str | None = None, router_params: dict | None = None,
