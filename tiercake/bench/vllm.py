@@ -34,6 +34,7 @@ from tiercake.workers.vllm.process import VllmServer, serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .report import Report, machine
+from .store import _memcpy_seconds
 
 MODEL = "tiercake-bench-llama"
 BLOCK = 32
@@ -61,17 +62,11 @@ async def _reset(http: aiohttp.ClientSession, url: str) -> None:
 
 
 def _memcpy_rate(blocks: int, block_bytes: int) -> float:
-    """Bytes per second of copying ``blocks`` blocks one by one between two warm buffers (best of 20):
-    what moving one request's prefix costs at memory speed."""
+    """Bytes per second of copying ``blocks`` blocks one by one between two warm buffers (best of 20,
+    the store bench's measure): what moving one request's prefix costs at memory speed."""
     src = torch.ones((blocks, block_bytes), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    best = float("inf")
-    for _ in range(20):
-        started = time.perf_counter()
-        for i in range(blocks):
-            dst[i].copy_(src[i])
-        best = min(best, time.perf_counter() - started)
-    return src.numel() / best
+    return src.numel() / min(_memcpy_seconds(src, dst, blocks) for _ in range(20))
 
 
 async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:

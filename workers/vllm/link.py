@@ -113,17 +113,9 @@ class TiercakeLink:
 
     def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
         """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
-        async def run() -> list[TransferResult]:
-            if node not in self._nodes:  # this process may not know it yet
-                await self._refresh_nodes(force=True)
-            results = await self.engine.read_blocks(node, keys, dsts, timeout=timeout)
-            if _unreachable(results):  # a node agent that restarted listens elsewhere: ask, then once more
-                await self._refresh_nodes(force=True)
-                results = await self.engine.read_blocks(node, keys, dsts, timeout=timeout)
-            return results
-
         try:
-            return self.call(run(), timeout + 1.0)
+            return self.call(self._to_node(node, lambda: self.engine.read_blocks(node, keys, dsts, timeout=timeout)),
+                             timeout + 1.0)
         except (TimeoutError, OSError, ConductorError) as exc:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
             return [TransferResult(False, error=exc) for _ in keys]
@@ -134,16 +126,19 @@ class TiercakeLink:
         batch = [Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant), src.numel())
                  for key, parent, src in items]
 
-        async def run() -> list[TransferResult]:
-            if node not in self._nodes:
-                await self._refresh_nodes(force=True)
-            results = await self.engine.transfer(batch, timeout=timeout)
-            if _unreachable(results):
-                await self._refresh_nodes(force=True)
-                results = await self.engine.transfer(batch, timeout=timeout)
-            return results
+        return self.submit(self._to_node(node, lambda: self.engine.transfer(batch, timeout=timeout)))
 
-        return self.submit(run())
+    async def _to_node(self, node: str, attempt) -> list[TransferResult]:
+        """``attempt()`` against ``node``, learning its address first if this process does not know it,
+        and once more after asking again when it could not be reached (a restarted node agent may
+        listen elsewhere)."""
+        if node not in self._nodes:
+            await self._refresh_nodes(force=True)
+        results = await attempt()
+        if _unreachable(results):
+            await self._refresh_nodes(force=True)
+            results = await attempt()
+        return results
 
 
 def _unreachable(results: list[TransferResult]) -> bool:
