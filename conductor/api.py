@@ -10,7 +10,6 @@ configured. Writes go to the leader: a follower answers 503 with the leader's UR
 
 from __future__ import annotations
 
-import hmac
 import json
 
 from aiohttp import web
@@ -18,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import ApiError, error_middleware
+from tiercake.errors import ApiError, body_deadline, error_middleware, require_bearer
 from tiercake.messages import (
     BeginReply,
     BeginRequest,
@@ -148,10 +147,7 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
     @web.middleware
     async def auth(request: web.Request, handler):
         if tokens and request.path not in PROBE_PATHS and request.path not in open_paths:
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else ""
-            if not any(hmac.compare_digest(given.encode(), t.encode()) for t in tokens):
-                raise ApiError(401, "a valid bearer token is required", code="invalid_token")
+            require_bearer(request, tokens)
         resource = request.match_info.route.resource
         metrics.requests.labels(resource.canonical if resource else "unmatched").inc()
         try:
@@ -295,7 +291,7 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
     if frontend is not None:
         frontend.bind_metrics(metrics.registry)
     open_paths = OPEN_PATHS if frontend is not None and with_public else ()
-    app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics)],
+    app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics), body_deadline],
                           client_max_size=MAX_BODY)
     app.add_routes([*_probe_routes(conductor), web.get("/metrics", metrics.handler),
                     *_member_routes(conductor), *_placement_routes(conductor, metrics)])
@@ -322,16 +318,18 @@ def build_public_app(conductor: Conductor, frontend) -> web.Application:
     """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
     control tokens), with health and readiness for probes."""
 
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[error_middleware, body_deadline], client_max_size=MAX_BODY)
     app.add_routes(_probe_routes(conductor))
     frontend.add_routes(app, control=False)
     return app
 
 
 async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=None) -> None:
-    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded;
-    it serves the OpenAI-compatible API beside the control API, or on its own port (serving.port)."""
+    """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded.
+    The control API needs a token unless the config says insecure; the OpenAI-compatible API has its own
+    port (serving.port), or shares the control API's when serving.port is null."""
     import asyncio
+    import logging
     import signal
     import sys
 
@@ -340,12 +338,17 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
     from .frontend import Frontend
 
     config = full.conductor
-    tokens = config.tokens() or None
+    tokens = config.required_tokens() or None  # none only when the operator said insecure
+    if tokens is None:
+        logging.getLogger(__name__).warning(
+            "INSECURE: the control API runs without a token (conductor.insecure): anyone who reaches port %s can "
+            "register workers, read every tenant's cached keys and answer requests", config.port)
     sock = _bind(config.host, config.port)  # bound first: the URL the conductor publishes is the one it serves
     bound = sock.getsockname()
     url = config.advertise_url or f"http://{reachable_host(bound[0])}:{bound[1]}"
     public_port = full.serving.port
-    public_sock = _bind(full.serving.host or config.host, public_port) if public_port is not None else None
+    beside = public_port is None or (public_port == config.port != 0 and (full.serving.host or config.host) == config.host)
+    public_sock = None if beside else _bind(full.serving.host or config.host, public_port)
     meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
     conductor = None
     runners: list[web.AppRunner] = []

@@ -29,6 +29,8 @@ OPEN_PATHS = ("/v1/completions", "/v1/models")  # API keys, not control tokens
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
 
 
@@ -40,10 +42,11 @@ UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "logprobs": None, 
 
 
 class CompletionRequest(BaseModel):
-    """OpenAI's completion request. Unknown fields are refused (as OpenAI does); the parameters in
+    """OpenAI's completion request. Unknown fields are refused (as OpenAI does); types are strict (a
+    ``"16"``, ``2.0`` or ``true`` where an integer belongs is a 400, never coerced); the parameters in
     ``UNHONOURED`` are accepted only at their neutral value."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1)
     prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")

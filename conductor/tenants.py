@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from tiercake.config import ServingConfig
-from tiercake.errors import ApiError
+from tiercake.errors import ApiError, bearer
 
 TENANT_HEADER = "X-Tiercake-Tenant"
 
@@ -19,9 +19,7 @@ class Tenants:
         """The tenant of a request: its API key's when keys are configured (else a 401), or the tenant
         header (default ``default``)."""
         if self.api_keys:
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else ""
-            tenant = self.api_keys.get(given)
+            tenant = self.api_keys.get(bearer(request))
             if tenant is None:
                 raise ApiError(401, "unknown API key: send Authorization: Bearer <key>", "authentication_error",
                                "invalid_api_key")

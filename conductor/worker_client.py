@@ -48,12 +48,15 @@ class StreamBroken(WorkerError):
 
 
 class WorkerClient:
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self._http: aiohttp.ClientSession | None = None
+        self.token = token  # the cluster's control token: workers take work only from who holds it
 
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60))
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
+                                               headers=headers)
         return self._http
 
     async def close(self) -> None:

@@ -139,7 +139,7 @@ def conductors(etcd, tmp_path):
     def start(name: str):
         proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.cli", "conductor", "--etcd", ",".join(etcd.endpoints), "--ttl", "1",
-             "--listen", "127.0.0.1:0",
+             "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure",  # elections, not auth
              "--id", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
         procs.append(proc)
@@ -281,7 +281,8 @@ async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors
 async def test_conductor_runs_from_the_config_file_with_tokens_from_the_environment(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
-                      "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS, placement: random}\n")
+                      "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS, placement: random}\n"
+                      "serving: {port: 0}\n")
     proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config), "--id", "cfg"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "MY_TOKENS": "tok-1 tok-2"})

@@ -68,7 +68,7 @@ def node_config(tmp_path, name: str, conductor: str) -> str:
 
 
 async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processes, tmp_path):
-    _, conductor = processes(["conductor", "--listen", "127.0.0.1:0"])
+    _, conductor = processes(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"])
     url = conductor["url"]
     config = node_config(tmp_path, "node-s", url)
     env = {"TIERCAKE_SECRET": SECRET.decode(), "TIERCAKE_ADVERTISE_HOST": "127.0.0.1"}

@@ -2,6 +2,7 @@
 decode workers, each its own process) answering the OpenAI-compatible API; bad input; faults."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from
 
 
 class UpCluster(UpProcess):
-    def __init__(self, tmp, serving: str = "", args: list[str] = ()):
+    def __init__(self, tmp, serving: str = "", args: list[str] = (), token: str | None = ""):
         port = free_port()
         self.pool = Path(f"/dev/shm/tiercake-serving-{os.getpid()}-{port}")
         config = tmp / "cluster.yaml"
@@ -34,7 +35,7 @@ class UpCluster(UpProcess):
             "conductor: {member_ttl: 2}\n"
             f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n"
         )
-        super().__init__(config, tmp / "data", port, list(args))
+        super().__init__(config, tmp / "data", port, list(args), token=token)
 
     def stop(self) -> str:
         try:
@@ -45,9 +46,16 @@ class UpCluster(UpProcess):
     async def wait_up(self, workers: int) -> None:
         await asyncio.to_thread(self.wait_ready, workers)
 
+    def ops(self) -> Client:
+        """A client of the control API (the operator's token)."""
+        return Client([self.control_url], token=self.token, timeout=60)
+
+    def auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
     async def member_pid(self, role: str) -> tuple[dict, int]:
         async with aiohttp.ClientSession() as http:
-            async with http.get(self.url + "/v1/members") as resp:
+            async with http.get(self.control_url + "/v1/members", headers=self.auth()) as resp:
                 members = [m for m in (await resp.json())["members"] if m["role"] == role]
             member = members[0]
             async with http.get(member["url"] + "/health") as resp:
@@ -59,9 +67,11 @@ def cluster(tmp_path_factory):
     up = UpCluster(tmp_path_factory.mktemp("serving"))
     asyncio.run(up.wait_up(workers=2))
     yield up
+    started = time.monotonic()
     output = up.stop()
     assert "tiercake is down" in output, output[-2000:]
     assert up.proc.returncode == 0
+    assert time.monotonic() - started < 12  # the children stop together (it was one after another, 15 s each)
 
 
 def completion(text: str = PROMPT, **kw) -> dict:
@@ -78,13 +88,13 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == full
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     async with aiohttp.ClientSession() as http:
-        async with http.get(cluster.url + "/metrics") as resp:
+        async with http.get(cluster.control_url + "/metrics", headers=cluster.auth()) as resp:
             metrics = await resp.text()
     assert 'tiercake_completions_total{outcome="ok"}' in metrics and "tiercake_ttft_seconds_bucket" in metrics
     assert 'tiercake_cached_prompt_tokens_total{source="gpu"}' in metrics
     async with aiohttp.ClientSession() as http:  # members' tier statistics arrive with their keep-alives
         for _ in range(50):
-            async with http.get(cluster.url + "/metrics") as resp:
+            async with http.get(cluster.control_url + "/metrics", headers=cluster.auth()) as resp:
                 member_metrics = await resp.text()
             if 'tiercake_tier_blocks{member="test-node-prefill-0",tier="gpu"}' in member_metrics:
                 break
@@ -98,9 +108,9 @@ async def test_second_identical_request_reuses_the_cache_and_answers_the_same(cl
     assert first["usage"]["tiercake"]["decode_cached_tokens"] == (len(prompt.encode())) // 16 * 16
     # ... and keeps those blocks out of the index (nobody is routed by its cache): the prefill worker's
     # gpu tier and the node hold the prefix there, the decode worker does not
-    async with Client([cluster.url], timeout=60) as client:
+    async with cluster.ops() as ops:
         for _ in range(50):
-            holders = (await client.prefix(prompt, tenant="reuse")).holders
+            holders = (await ops.prefix(prompt, tenant="reuse")).holders
             if {"test-node", "test-node-prefill-0"} <= set(holders):
                 break
             await asyncio.sleep(0.1)
@@ -112,13 +122,13 @@ async def test_reuse_distance_and_prefetchability_measured_live(cluster):
     (prefetchable); another conversation on the same opening re-accesses them unannounced."""
     opening = PROMPT * 2  # 188 bytes: 11 full blocks
     full = len(opening.encode()) // 16
-    async with Client([cluster.url], timeout=60) as client:
-        before = (await client.cluster()).reuse
+    async with Client([cluster.url], timeout=60) as client, cluster.ops() as ops:
+        before = (await ops.cluster()).reuse
         await client.complete(opening, max_tokens=2, tenant="reuse-live")
         await client.complete(opening + "And then the dog woke up.", max_tokens=2, tenant="reuse-live")
-        middle = (await client.cluster()).reuse
+        middle = (await ops.cluster()).reuse
         await client.complete(opening[:80] + "Something else entirely.", max_tokens=2, tenant="reuse-live")
-        after = (await client.cluster()).reuse
+        after = (await ops.cluster()).reuse
     assert middle["reaccesses"] - before["reaccesses"] == full  # the follow-up re-read every full block
     prefetchable_before = before["prefetchable_share"] * before["reaccesses"]
     prefetchable_middle = middle["prefetchable_share"] * middle["reaccesses"]
@@ -126,7 +136,7 @@ async def test_reuse_distance_and_prefetchability_measured_live(cluster):
     assert after["reaccesses"] - middle["reaccesses"] == 80 // 16  # the shared opening's full blocks
     assert round(after["prefetchable_share"] * after["reaccesses"]) == round(prefetchable_middle)  # unannounced
     async with aiohttp.ClientSession() as http:
-        async with http.get(cluster.url + "/metrics") as resp:
+        async with http.get(cluster.control_url + "/metrics", headers=cluster.auth()) as resp:
             text = await resp.text()
     count = next(float(line.split()[-1]) for line in text.splitlines()
                  if line.startswith("tiercake_reuse_distance_blocks_count"))
@@ -169,6 +179,12 @@ async def test_bad_requests_are_clear_errors(cluster):
         (json.dumps({**completion(), "echo": True}).encode(), 400, "echo:"),
         (json.dumps({**completion(), "best_of_three": 1}).encode(), 400, "best_of_three: Extra inputs"),
         (json.dumps({**completion(), "prompt": ["a", "b"]}).encode(), 400, "prompt"),
+        # types are strict: nothing is coerced into what the caller did not send
+        (json.dumps(completion(max_tokens="16")).encode(), 400, "max_tokens"),
+        (json.dumps(completion(max_tokens=2.0)).encode(), 400, "max_tokens"),
+        (json.dumps(completion(max_tokens=True)).encode(), 400, "max_tokens"),
+        (json.dumps(completion(text=[True, False])).encode(), 400, "prompt"),
+        (json.dumps(completion(stream="yes")).encode(), 400, "stream"),
     ]
     async with aiohttp.ClientSession() as http:
         for body, status, words in cases:
@@ -200,6 +216,30 @@ async def test_tenants_get_no_hits_from_each_other(cluster):
     assert alice["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+async def test_workers_take_work_only_from_who_holds_the_cluster_token(cluster):
+    """A worker's /generate names the tenant and salt it runs under: a caller without the cluster's
+    token (anyone but the front) is refused, so nobody can read or answer another tenant's request."""
+    prefill, _ = await cluster.member_pid("prefill")
+    forged = {"request_id": "forged", "tokens": list(b"hello there, general kenobi"), "max_tokens": 2,
+              "tenant": "alice", "salt": "alice"}
+    async with aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+            async with http.post(prefill["url"] + "/generate", json=forged, headers=headers) as resp:
+                assert resp.status == 401, await resp.text()
+                assert (await resp.json())["error"]["code"] == "invalid_token"
+            async with http.get(prefill["url"] + "/load", headers=headers) as resp:
+                assert resp.status == 401
+        async with http.get(prefill["url"] + "/health") as resp:  # probes need no token
+            assert resp.status == 200
+        async with http.get(prefill["url"] + "/load", headers=cluster.auth()) as resp:
+            assert resp.status == 200
+        # the control API is not on the public port, and needs the token on its own
+        async with http.get(cluster.url + "/v1/members", headers=cluster.auth()) as resp:
+            assert resp.status == 404
+        async with http.get(cluster.control_url + "/v1/members") as resp:
+            assert resp.status == 401
+
+
 async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
     decode, _ = await cluster.member_pid("decode")
     async with aiohttp.ClientSession() as http:
@@ -208,7 +248,7 @@ async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
         resp.close()  # gone
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            async with http.get(decode["url"] + "/load") as r:
+            async with http.get(decode["url"] + "/load", headers=cluster.auth()) as r:
                 load = await r.json()
             if load["running"] == 0 and load["waiting"] == 0:
                 break
@@ -219,10 +259,10 @@ async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
 
 async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
     prompt = PROMPT + "Control."
-    async with Client([cluster.url], timeout=60) as client:
+    async with Client([cluster.url], timeout=60) as client, cluster.ops() as ops:
         await client.complete(prompt, tenant="ops")
         await client.complete(prompt, tenant="ops")
-        view = await client.cluster()
+        view = await ops.cluster()
         roles = sorted(m.role for m in view.members)
         assert roles == ["decode", "node", "prefill"]
         assert view.serving.cached_tokens > 0 and 0 < view.serving.hit_ratio < 1
@@ -234,64 +274,65 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
             if node.tiers["pool"].used_bytes:
                 break
             await asyncio.sleep(0.2)
-            node = next(m for m in (await client.cluster()).members if m.role == "node")
+            node = next(m for m in (await ops.cluster()).members if m.role == "node")
         assert node.tiers["pool"].used_bytes > 0 and node.tiers["pool"].kind == "pool"
 
-        held = await client.prefix(prompt, tenant="ops")
+        held = await ops.prefix(prompt, tenant="ops")
         full = (len(prompt.encode())) // 16
         assert held.blocks == full
         assert held.holders["test-node"].blocks == full  # written through to the node agent
-        assert await client.pin_prefix(prompt, tenant="ops") == full
-        pinned = [b for b in await client.node_blocks("test-node") if b.pinned]
+        assert await ops.pin_prefix(prompt, tenant="ops") == full
+        pinned = [b for b in await ops.node_blocks("test-node") if b.pinned]
         assert len(pinned) == full
 
         # a flush empties every cache but what is pinned
         other = "An unrelated prompt, sharing no block with the pinned one, to be flushed away entirely. "
         await client.complete(other, tenant="ops")
         for _ in range(50):  # written through first: a flush drops what is there when it is applied
-            if "test-node" in (await client.prefix(other, tenant="ops")).holders:
+            if "test-node" in (await ops.prefix(other, tenant="ops")).holders:
                 break
             await asyncio.sleep(0.1)
-        await client.flush()
+        await ops.flush()
         for _ in range(60):
-            if not (await client.prefix(other, tenant="ops")).holders:
+            if not (await ops.prefix(other, tenant="ops")).holders:
                 break
             await asyncio.sleep(0.2)
-        assert (await client.prefix(other, tenant="ops")).holders == {}
-        assert (await client.prefix(prompt, tenant="ops")).holders["test-node"].blocks == full
-        assert await client.unpin_prefix(prompt, tenant="ops") == full
+        assert (await ops.prefix(other, tenant="ops")).holders == {}
+        assert (await ops.prefix(prompt, tenant="ops")).holders["test-node"].blocks == full
+        assert await ops.unpin_prefix(prompt, tenant="ops") == full
 
         # flushing only the workers' gpu tiers leaves the node's copies
         third = "Yet another prompt whose blocks stay on the node while the workers forget them. "
         await client.complete(third, tenant="ops")
-        await client.flush(tiers=["gpu"])
+        await ops.flush(tiers=["gpu"])
         for _ in range(60):
-            if set((await client.prefix(third, tenant="ops")).holders) == {"test-node"}:
+            if set((await ops.prefix(third, tenant="ops")).holders) == {"test-node"}:
                 break
             await asyncio.sleep(0.2)
-        assert set((await client.prefix(third, tenant="ops")).holders) == {"test-node"}
+        assert set((await ops.prefix(third, tenant="ops")).holders) == {"test-node"}
 
         # policies switched at run time: the router here, the pool's eviction on the node
         with pytest.raises(ConductorError) as err:
-            await client.set_policy(router="no-such-router")
+            await ops.set_policy(router="no-such-router")
         assert err.value.status == 400
-        answer = await client.set_policy(router="least_loaded", eviction={"pool": {"policy": "s3fifo"}})
+        answer = await ops.set_policy(router="least_loaded", eviction={"pool": {"policy": "s3fifo"}})
         assert answer.router.name == "least_loaded"
-        assert (await client.cluster()).router.name == "least_loaded"  # at once, before any completion
+        assert (await ops.cluster()).router.name == "least_loaded"  # at once, before any completion
         await client.complete(prompt, tenant="ops")
         for _ in range(50):
-            node = next(m for m in (await client.cluster()).members if m.role == "node")
+            node = next(m for m in (await ops.cluster()).members if m.role == "node")
             if node.tiers["pool"].eviction == "s3fifo":
                 break
             await asyncio.sleep(0.2)
         assert node.tiers["pool"].eviction == "s3fifo"
-        await client.set_policy(router="ttft")
+        await ops.set_policy(router="ttft")
 
 
 def test_bench_serve_against_the_cluster(cluster, tmp_path):
     out = tmp_path / "serve.json"
     done = subprocess.run([sys.executable, "-m", "tiercake.cli", "bench", "serve", "--quick", "--target", cluster.url,
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--control", cluster.control_url, "--json", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TIERCAKE_TOKEN": cluster.token})
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     assert set(figures) == {"ttft.none.cached0", *(f"ttft.{s}.cached{p}" for s in ("gpu", "pool", "ssd")
@@ -311,7 +352,8 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
     # loads from the node were measured against the worker's own memcpy rate (completion overhead)
     import urllib.request
 
-    with urllib.request.urlopen(cluster.url + "/metrics") as resp:
+    request = urllib.request.Request(cluster.control_url + "/metrics", headers=cluster.auth())
+    with urllib.request.urlopen(request) as resp:
         metrics = resp.read().decode()
     count = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("tiercake_load_overhead_seconds_count"))
@@ -331,19 +373,19 @@ def faulty(tmp_path):
 
 async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
     await faulty.wait_up(workers=3)
-    async with Client([faulty.url]) as client:  # sizes from the flags
-        members = {m.role: m for m in await client.members()}
+    async with faulty.ops() as ops:  # sizes from the flags
+        members = {m.role: m for m in await ops.members()}
         assert members["node"].tiers["pool"] == 6 << 20
         assert members["prefill"].tiers["gpu"] == 96 * 16 * 1024
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
         resp = await http.post(faulty.url + "/v1/completions", json=completion(stream=True, max_tokens=800))
         await resp.content.readline()  # streaming from one decode worker
-        async with http.get(faulty.url + "/v1/members") as r:
+        async with http.get(faulty.control_url + "/v1/members", headers=faulty.auth()) as r:
             decoders = [m for m in (await r.json())["members"] if m["role"] == "decode"]
         pids = []
         for _ in range(50):  # the first token comes from the prefill worker; then a decoder takes over
             for member in decoders:
-                async with http.get(member["url"] + "/load") as r:
+                async with http.get(member["url"] + "/load", headers=faulty.auth()) as r:
                     if (await r.json())["running"]:
                         async with http.get(member["url"] + "/health") as h:
                             pids.append((await h.json())["pid"])
@@ -354,11 +396,22 @@ async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
         os.kill(pids[0], signal.SIGKILL)
         body = (await resp.read()).decode()  # ends, with an error, instead of hanging
         assert "error" in body and body.rstrip().endswith("data: [DONE]")
-    async with Client([faulty.url], timeout=60, retries=3) as client:
+    async with Client([faulty.url], timeout=60, retries=3) as client, faulty.ops() as ops:
         answer = await client.complete(PROMPT + "After the kill.", max_tokens=5)  # the other decode worker
         assert answer["usage"]["completion_tokens"] == 5
-        members = await client.members()
+        members = await ops.members()
         node_pid = _pid_listening(next(m for m in members if m.role == "node").port)
+        # a node agent that stalls (stopped, as a hung disk or a partition would leave it) is given up
+        # on at the deadline its transfers should have met: the request recomputes instead of waiting
+        # 30 s per transfer (pull, write-through, decode's pull) behind it
+        os.kill(node_pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            answer = await client.complete(PROMPT + "While the node is stopped.", max_tokens=5)
+            stalled = time.monotonic() - started
+        finally:
+            os.kill(node_pid, signal.SIGCONT)
+        assert answer["usage"]["completion_tokens"] == 5 and stalled < 10, stalled
         os.kill(node_pid, signal.SIGKILL)
         # its blocks stop being offered, and requests still complete by recomputing
         answer = await client.complete(PROMPT + "After the node died.", max_tokens=5)
@@ -441,6 +494,7 @@ def test_replay_a_synthetic_trace_against_the_cluster(cluster, tmp_path):
     write_trace(trace, synthetic_trace(40, tenants=2, system_blocks=3, turn_blocks=(1, 3), rate_per_s=50, seed=3))
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
     done = subprocess.run([sys.executable, "-m", "tiercake.cli", "replay", str(trace), "--target", cluster.url,
+                           "--control", cluster.control_url, "--control-token", cluster.token,
                            "--max-output", "4", "--json", str(out), "--plot", str(png)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -481,3 +535,51 @@ async def test_a_full_gpu_tier_is_a_429_with_retry_after_not_a_dead_worker(tmp_p
                 assert resp.status == 200, await resp.text()
     finally:
         up.stop()
+
+
+async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_with_it(tmp_path):
+    """``tiercake up`` without a configured token makes one (the control API is never open by
+    default), restarts a process that dies (later requests succeed), and when it is killed itself
+    its processes exit too, instead of serving on as orphans."""
+    up = UpCluster(tmp_path, args=["--workers", "1"], token=None)
+    try:
+        await up.wait_up(workers=1)
+        token_file = tmp_path / "data" / "control-token"
+        assert up.token == token_file.read_text().strip() and token_file.stat().st_mode & 0o777 == 0o600
+        async with aiohttp.ClientSession() as http:
+            async with http.get(up.control_url + "/v1/cluster") as resp:
+                assert resp.status == 401
+        worker, pid = await up.member_pid("worker")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # restarted, registered again
+            with contextlib.suppress(IndexError, aiohttp.ClientError, KeyError):
+                if (await up.member_pid("worker"))[1] != pid:
+                    break
+            await asyncio.sleep(0.3)
+        worker, new_pid = await up.member_pid("worker")
+        assert new_pid != pid
+        async with Client([up.url], timeout=60, retries=5) as client:
+            answer = await client.complete(PROMPT + "After a restart.", max_tokens=3)
+        assert answer["usage"]["completion_tokens"] == 3
+        async with up.ops() as ops:
+            node = next(m for m in await ops.members() if m.role == "node")
+        pids = {new_pid, _pid_listening(node.port), _pid_listening(int(up.control_url.rsplit(":", 1)[1]))}
+        up.proc.kill()  # SIGKILL: no chance to stop anything itself
+        up.proc.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _alive(p) for p in pids):
+            await asyncio.sleep(0.2)
+        assert not [p for p in pids if os.path.exists(f"/proc/{p}") and _alive(p)]
+    finally:
+        output = up.stop()
+    assert "worker-0 exited with -9" in output and "restarting" in output, output[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its (dead) parent's reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -204,6 +204,21 @@ async def test_full_disk_is_a_clear_error(tiny_fs):
     await store.close()
 
 
+async def test_a_full_disk_under_spills_logs_a_line_now_and_then_not_one_per_spill(tiny_fs, make_store, caplog):
+    """Blocks keep spilling from the pool to an SSD tier whose file system is full: every spill
+    fails (the blocks are dropped, as a spill that cannot land is), but the log gets one line with a
+    count, not one line per spill (13,337 a minute were seen)."""
+    store = await make_store(gpu=None, pool=4, ssd=256, ssd_dir=tiny_fs / "ssd")
+    with caplog.at_level("WARNING", logger="tiercake.tiers.store"):
+        for i in range(200):  # ~50 fit on the 256 KiB file system; the rest spill into a full disk
+            await store.put(key(i), block(i))
+    spills = [r for r in caplog.records if "spill of" in r.getMessage()]
+    assert store.tiers[1].backend.used_bytes > 0  # the disk took what fitted
+    assert len(spills) == 1, [r.getMessage() for r in spills]
+    assert "No space left" in spills[0].getMessage()
+    await store.close()
+
+
 KILLED_WRITER = textwrap.dedent(
     """
     import asyncio, sys, torch

@@ -58,7 +58,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tiercake.bench import serve
 
     what = f"the cluster at {args.target}" if args.target else "a local cluster (tiercake up, started for it)"
-    return _bench(args, f"time to first token on {what}", serve.run(quick=args.quick, target=args.target))
+    return _bench(args, f"time to first token on {what}", serve.run(quick=args.quick, target=args.target,
+                                                                     control=args.control))
 
 
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
@@ -84,6 +85,11 @@ def cmd_conductor(args: argparse.Namespace) -> int:
         cfg.host, cfg.port = host or cfg.host, int(port)
     if args.token_file:
         cfg.token_file = args.token_file
+    if args.api_listen:
+        host, _, port = args.api_listen.rpartition(":")
+        full.serving.host, full.serving.port = host or full.serving.host, int(port)
+    if args.insecure:
+        cfg.insecure = True
     if args.etcd:
         cfg.etcd = [e for e in args.etcd.split(",") if e]
     if args.ttl:
@@ -123,6 +129,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = _load(args.config, args.data_dir)
     if args.gpu_blocks:
         config.serving.gpu_blocks = args.gpu_blocks
+    if args.insecure:
+        config.conductor.insecure = True
     for kind, size in (("pool", args.pool), ("ssd", args.ssd)):
         for tier in config.store.tiers:
             if size and tier.kind == kind:
@@ -140,7 +148,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
-    return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd, print_fn=print_fn)
+    return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd, print_fn=print_fn,
+              control_port=args.control_port)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -263,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the node pool or the node's SSD, beside the same prompt with nothing cached, measured in the same run, "
         "with the server's breakdown (routing, lookup, load, compute). Starts its own cluster unless --target.",
     )
-    serve.add_argument("--target", metavar="URL", help="a running cluster (default: start one)")
+    serve.add_argument("--target", metavar="URL", help="a running cluster's OpenAI-compatible API (default: "
+                       "start one)")
+    serve.add_argument("--control", metavar="URL", help="that cluster's control API, with the token in "
+                       "$TIERCAKE_TOKEN (default: --target, where both share a port)")
     serve.set_defaults(func=cmd_bench_serve)
 
     vllm_bench = bench_parser(
@@ -285,8 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(conductor)
     conductor.add_argument("--etcd", metavar="HOST:PORT,...", help="etcd endpoints (default: conductor.etcd; "
                            "none: embedded backend)")
-    conductor.add_argument("--listen", metavar="HOST:PORT", help="API address, port 0: any "
+    conductor.add_argument("--listen", metavar="HOST:PORT", help="the control API's address, port 0: any "
                            "(default: conductor.host and conductor.port)")
+    conductor.add_argument("--api-listen", metavar="HOST:PORT", help="the OpenAI-compatible API's address, port "
+                           "0: any (default: serving.host and serving.port, 8080)")
+    conductor.add_argument("--insecure", action="store_true", help="serve the control API without a token "
+                           "(refused otherwise when none is configured)")
     conductor.add_argument("--token-file", metavar="PATH", help="bearer tokens, whitespace-separated "
                            "(also read from $TIERCAKE_TOKEN)")
     conductor.add_argument("--ttl", type=int, help="leader lease TTL in seconds (default: conductor.leader_ttl)")
@@ -322,8 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints where it listens and how to send a request; Ctrl-C stops everything.",
     )
     with_config(upp)
-    upp.add_argument("--port", type=int, default=8080, help="the API port (default 8080)")
-    upp.add_argument("--host", default="127.0.0.1", help="the API address (default 127.0.0.1)")
+    upp.add_argument("--port", type=int, default=8080, help="the OpenAI-compatible API's port (default 8080)")
+    upp.add_argument("--control-port", type=int, help="the control API's port (default: --port + 1); it needs "
+                     "the token in $TIERCAKE_TOKEN, or one made up and written to <data dir>/control-token")
+    upp.add_argument("--host", default="127.0.0.1", help="the address both APIs listen on (default 127.0.0.1)")
+    upp.add_argument("--insecure", action="store_true", help="no control token: anyone who reaches the control "
+                     "API or a worker can register workers and read every tenant's keys (a throwaway cluster)")
     upp.add_argument("--etcd", metavar="HOST:PORT,...", help="keep the metadata in this etcd")
     upp.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     upp.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")

@@ -178,15 +178,32 @@ class ConductorConfig(BaseModel):
     replication: str = Field(default="fixed", description="replication policy: fixed, hot")
     replication_params: dict[str, Any] = Field(default_factory=dict)
     put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
+    insecure: bool = Field(default=False, description="serve the control API and the workers' API without a token "
+                           "(anyone who reaches them can register workers, read every tenant's keys and answer "
+                           "requests): for a throwaway cluster on a laptop only; refused by default")
 
     def tokens(self) -> list[str]:
-        """Bearer tokens from the environment variable and the token file (none: no auth)."""
+        """Bearer tokens from the environment variable and the token file, as found (maybe none)."""
         import os
 
         found = os.environ.get(self.token_env, "").split()
         if self.token_file:
             found += Path(self.token_file).read_text().split()
         return found
+
+    def required_tokens(self) -> list[str]:
+        """The tokens a server of the cluster (a conductor, a worker) checks callers against: at least
+        one, unless ``insecure`` (then none). ``InsecureConfigError`` says how to give one."""
+        found = self.tokens()
+        if not found and not self.insecure:
+            raise InsecureConfigError(
+                f"no control token: set ${self.token_env} or conductor.token_file (the control API and the "
+                "workers never run open), or say conductor.insecure: true / --insecure for a throwaway cluster")
+        return found
+
+
+class InsecureConfigError(ValueError):
+    """A server of the cluster would run without authentication and the operator did not ask for it."""
 
 
 class ServingConfig(BaseModel):
@@ -205,10 +222,10 @@ class ServingConfig(BaseModel):
                                       "does not stall them (0: the whole prompt in one pass)")
     host: str | None = Field(default=None, description="the OpenAI-compatible API's own address; default: "
                              "conductor.host")
-    port: int | None = Field(default=None, ge=0, le=65535,
+    port: int | None = Field(default=8080, ge=0, le=65535,
                              description="the OpenAI-compatible API's own port (/v1/completions, /v1/models), apart "
-                             "from the control API, so a firewall can open one and close the other; default: beside "
-                             "the control API on conductor.port")
+                             "from the control API, so a firewall can open one and close the other (0: any free "
+                             "port, printed at start); null: beside the control API on conductor.port")
     router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
     router_params: dict[str, Any] = Field(default_factory=dict)
     slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")

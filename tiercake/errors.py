@@ -4,6 +4,8 @@ the same request may succeed if sent again and ``leader`` when a follower refuse
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
 
 from aiohttp import web
@@ -13,9 +15,13 @@ from .messages import ErrorInfo, ErrorReply
 
 log = logging.getLogger(__name__)
 
+# a body must arrive within this: a client that sends headers and then trickles (slowloris) holds a
+# connection and a buffer until it does
+BODY_DEADLINE_S = 30.0
+
 # OpenAI's error types by status, for errors that name none
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+          404: "not_found_error", 408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class ApiError(Exception):
@@ -52,6 +58,19 @@ def invalid(exc: ValidationError, what: str = "invalid body") -> ApiError:
     return ApiError(400, f"{what}: {where + ': ' if where else ''}{message}", param=where or None)
 
 
+def bearer(request: web.Request) -> str:
+    """The token of ``Authorization: Bearer <token>`` ("" when there is none)."""
+    header = request.headers.get("Authorization", "")
+    return header[7:] if header.startswith("Bearer ") else ""
+
+
+def require_bearer(request: web.Request, tokens: list[str]) -> None:
+    """A 401 unless the request presents one of ``tokens`` (compared in constant time)."""
+    given = bearer(request).encode()
+    if not any(hmac.compare_digest(given, t.encode()) for t in tokens):
+        raise ApiError(401, "a valid bearer token is required", code="invalid_token")
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """``ApiError`` and aiohttp's own errors (unknown route, wrong method, body too large) in the one
@@ -79,3 +98,17 @@ def parse_error(data: object, status: int) -> ErrorInfo:
             pass
     message = data.get("error", data) if isinstance(data, dict) else data
     return ErrorInfo(message=str(message), type="server_error" if status >= 500 else "invalid_request_error")
+
+
+@web.middleware
+async def body_deadline(request: web.Request, handler):
+    """The body read whole within ``BODY_DEADLINE_S`` (else a 408), before the handler, which then
+    reads it from memory. Innermost, after any authentication: nobody unknown gets a buffer."""
+    if request.can_read_body:
+        try:
+            async with asyncio.timeout(BODY_DEADLINE_S):
+                await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
+                           code="body_timeout", headers={"Connection": "close"}) from None
+    return await handler(request)

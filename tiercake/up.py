@@ -28,15 +28,53 @@ class StartError(RuntimeError):
     """A process of the cluster did not start; the message says why (the tail of its log)."""
 
 
+def _die_with_parent(parent: int):
+    """For ``preexec_fn``: the child gets SIGTERM when the process that started it dies (Linux's
+    parent-death signal), so a killed ``tiercake up`` leaves nothing serving behind."""
+
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return  # not Linux: children outlive a killed parent, as before
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 class Child:
+    """One process of the cluster (``tiercake <args>``), its log in ``logs/<name>.log`` (appended to
+    across restarts), dying with the process that started it."""
+
     def __init__(self, name: str, args: list[str], env: dict, logs: Path) -> None:
-        self.name = name
+        self.name, self.args, self.env = name, args, env
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the child
-        self.proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=self._log, env=env, start_new_session=True)
+        self.log_path.write_bytes(b"")
+        self.restarts = 0
+        self.started_at = 0.0
         self.announce: dict = {}
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:  # the child holds its own descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *self.args], stdout=subprocess.PIPE,
+                                         stderr=log, env=self.env, start_new_session=True,
+                                         preexec_fn=_die_with_parent(os.getpid()))
+        self.started_at = time.monotonic()
+
+    def restart(self) -> None:
+        """Start it again (after it exited); its announcement is read in the background."""
+        self.restarts += 1
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- restarted by tiercake up (restart {self.restarts}) ---\n".encode())
+        self.start()
+        threading.Thread(target=self.proc.stdout.readline, daemon=True).start()
 
     def wait_announce(self, timeout: float) -> dict:
         """The child's first stdout line (JSON: where it listens)."""
@@ -55,26 +93,100 @@ class Child:
             raise StartError(f"the {self.name} did not start (its log: {self.log_path}):\n{said}\n{tail}".rstrip()) from None
         return self.announce
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        stop_all([self], timeout)
+
+
+def stop_all(children: list[Child], timeout: float = 10.0) -> None:
+    """SIGTERM to all at once, then SIGKILL to whoever is still running after ``timeout``."""
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+        if child.proc.stdout is not None:
+            child.proc.stdout.close()
+
+
+class Supervisor:
+    """Keeps the children running: one that exits is restarted after a backoff (0.5 s, doubling to
+    10 s; reset once it has run a minute); one that exits ``MAX_RESTARTS`` times within ``WINDOW_S``
+    is given up on, and ``watch`` returns False. Members re-register and re-report by themselves."""
+
+    MAX_RESTARTS = 5
+    WINDOW_S = 60.0
+
+    def __init__(self, children: list[Child], print_fn) -> None:
+        self.children, self.print_fn = children, print_fn
+        self._due: dict[str, float] = {}  # name -> when to restart it
+        self._exits: dict[str, list[float]] = {}
+
+    def watch(self, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            now = time.monotonic()
+            for child in self.children:
+                if child.proc.poll() is None or stop.is_set():
+                    continue
+                due = self._due.get(child.name)
+                if due is None:
+                    exits = [t for t in self._exits.get(child.name, []) if now - t < self.WINDOW_S] + [now]
+                    self._exits[child.name] = exits
+                    if len(exits) > self.MAX_RESTARTS:
+                        self.print_fn(f"{child.name} exited {len(exits)} times in {self.WINDOW_S:.0f} s (see "
+                                      f"{child.log_path}); giving up")
+                        return False
+                    ran = now - child.started_at
+                    backoff = 0.5 if ran > self.WINDOW_S else min(0.5 * 2 ** (len(exits) - 1), 10.0)
+                    self._due[child.name] = now + backoff
+                    self.print_fn(f"{child.name} exited with {child.proc.returncode} (see {child.log_path}); "
+                                  f"restarting in {backoff:.1f} s")
+                elif now >= due:
+                    del self._due[child.name]
+                    child.restart()
+            stop.wait(0.2)
+        return True
+
+
+def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> str | None:
+    """The cluster's secrets, into ``env`` for its processes: the transfer secret (made up when none
+    is configured: only this cluster's processes need it) and the control token (made up when none is
+    configured and the config does not say insecure, and written to ``<data dir>/control-token``,
+    readable by its owner only, for the operator). Returns where the token is, for the printout."""
+    if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
+        env[config.transfer.secret_env] = secrets.token_hex(24)
+    conductor = config.conductor
+    if conductor.insecure or env.get(conductor.token_env) or conductor.token_file:
+        return None if conductor.insecure else f"${conductor.token_env}" if env.get(conductor.token_env) else \
+            conductor.token_file
+    token = secrets.token_urlsafe(24)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "control-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    env[conductor.token_env] = token
+    return str(path)
 
 
 class NodeCluster:
     """A conductor and one node agent as processes, without workers: the tiers under engines that run
-    beside them (vLLM instances with the TiercakeConnector). ``env`` must carry the cluster secret."""
+    beside them (vLLM instances with the TiercakeConnector). ``env`` must carry the cluster secret and
+    the control token (or the config says insecure)."""
 
     def __init__(self, config: TiercakeConfig, root: Path, env: dict[str, str], port: int = 0) -> None:
         self.root, self.env, self.logs = root, env, root / "logs"
         root.mkdir(parents=True, exist_ok=True)
         cfg = config.model_copy(deep=True)
         cfg.conductor.port = port
+        cfg.serving.port = None  # the engines serve the OpenAI API themselves
         (root / "up-conductor.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         self.conductor = Child("conductor", ["conductor", "--config", str(root / "up-conductor.yaml"),
                                              "--id", "conductor-0"], env, self.logs)
@@ -113,8 +225,7 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
     if not (model / "config.json").exists():
         raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
     env = dict(os.environ)
-    if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
-        env[config.transfer.secret_env] = secrets.token_hex(24)
+    token_at = credentials(config, data_dir, env)
     cfg = config.model_copy(deep=True)
     cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
     stop = threading.Event()
@@ -131,6 +242,8 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
         urls = [server.url for server in servers]
         print_fn(f"tiercake is up under vLLM: {', '.join(urls)}  (conductor {cluster.url}, node agent "
                  f"{cfg.node_id}, {instances} vLLM servers with the TiercakeConnector; logs in {data_dir / 'logs'})")
+        if token_at:
+            print_fn(f"  control token: {token_at}")
         print_fn(f"  curl -s {urls[0]}/v1/completions -H 'Content-Type: application/json' \\\n"
                  f"    -d '{{\"model\": \"{model.name}\", \"prompt\": \"...\", \"max_tokens\": 16}}'")
         print_fn("Ctrl-C stops everything.")
@@ -150,11 +263,12 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
 
 
 def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: int, decode: int, workers: int,
-       etcd: list[str], print_fn=print, ready_file: Path | None = None) -> int:
+       etcd: list[str], print_fn=print, ready_file: Path | None = None, control_port: int | None = None) -> int:
+    """The OpenAI-compatible API on ``host:port``, the control API on ``control_port`` (default
+    ``port + 1``) behind a token; each process supervised (restarted when it exits)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
-        env[config.transfer.secret_env] = secrets.token_hex(24)  # this cluster's secret, for its processes only
+    token_at = credentials(config, data_dir, env)
     logs = data_dir / "logs"
     children: list[Child] = []
     stop = threading.Event()
@@ -162,15 +276,17 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
         signal.signal(sig, lambda *_: stop.set())
     try:
         cfg = config.model_copy(deep=True)
-        cfg.conductor.host, cfg.conductor.port = host, port
+        cfg.conductor.host, cfg.conductor.port = host, port + 1 if control_port is None else control_port
+        cfg.serving.host, cfg.serving.port = host, port
         if etcd:
             cfg.conductor.etcd = etcd
         conductor_cfg = data_dir / "up-conductor.yaml"
         conductor_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         conductor = Child("conductor", ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"], env, logs)
         children.append(conductor)
-        url = conductor.wait_announce(60)["url"]
-        cfg.conductor.urls = [url]
+        announced = conductor.wait_announce(60)
+        control, url = announced["url"], announced.get("api_url", announced["url"])
+        cfg.conductor.urls = [control]
         node_cfg = data_dir / "up-node.yaml"
         node_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         node = Child("node", ["node", "--config", str(node_cfg)], env, logs)
@@ -185,52 +301,72 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
                 children.append(child)
         for child in children[2:]:
             child.wait_announce(300)  # a worker calibrates its timings first (persisted for next time)
-        model = cfg.model_id
-        print_fn(f"tiercake is up: {url}  (conductor, node agent, {len(children) - 2} workers; logs in {logs})")
-        print_fn("send a request:")
-        print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-                 f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers!\", \"max_tokens\": 16, "
-                 f"\"temperature\": 0}}'")
-        print_fn(f"  tiercake ask 'Hello, tiers!' --url {url}     (twice: the second reuses the cached prefix)")
-        print_fn("Ctrl-C stops everything.")
+        _print_up(print_fn, cfg.model_id, url, control, token_at, len(children) - 2, logs)
         if ready_file is not None:
-            ready_file.write_text(json.dumps({"url": url}))
-        while not stop.is_set():
-            for child in children:
-                if child.proc.poll() is not None:
-                    print_fn(f"{child.name} exited with {child.proc.returncode} (see {child.log_path}); stopping")
-                    stop.set()
-                    break
-            stop.wait(0.5)
-        return 0
+            ready_file.write_text(json.dumps({"url": url, "control_url": control, "token": token_at}))
+        return 0 if Supervisor(children, print_fn).watch(stop) else 1
     finally:
-        for child in reversed(children):
-            child.stop()
+        stop_all([c for c in children if c.name != "conductor"])  # members leave while the conductor answers
+        stop_all([c for c in children if c.name == "conductor"])
         print_fn("tiercake is down")
 
 
-class UpProcess:
-    """``tiercake up`` as a child process (benchmarks and tests drive a real cluster through it)."""
+def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None, workers: int, logs: Path) -> None:
+    print_fn(f"tiercake is up: {url}  (conductor, node agent, {workers} workers; logs in {logs})")
+    if token_at:
+        print_fn(f"control API: {control}  (bearer token: {token_at})")
+    else:
+        print_fn(f"control API: {control}  (INSECURE: no token, as configured)")
+    print_fn("send a request:")
+    print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+             f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers!\", \"max_tokens\": 16, "
+             f"\"temperature\": 0}}'")
+    print_fn(f"  tiercake ask 'Hello, tiers!' --url {url}     (twice: the second reuses the cached prefix)")
+    print_fn("Ctrl-C stops everything.")
 
-    def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = ()) -> None:
+
+class UpProcess:
+    """``tiercake up`` as a child process (benchmarks and tests drive a real cluster through it): the
+    OpenAI-compatible API at ``url``, the control API at ``control_url`` with ``token`` (one made up
+    here; None: ``up`` makes its own, read from the data directory once it is ready)."""
+
+    def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = (),
+                 token: str | None = "") -> None:
+        from tiercake.conductor.etcd_process import free_port
+
+        control_port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.control_url = f"http://127.0.0.1:{control_port}"
+        self.data_dir = data_dir
+        env = dict(os.environ)
+        env.pop("TIERCAKE_TOKEN", None)
+        self.token = secrets.token_urlsafe(16) if token == "" else token
+        if self.token:
+            env["TIERCAKE_TOKEN"] = self.token
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.cli", "up", "--config", str(config_path), "--data-dir", str(data_dir),
-             "--port", str(port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+             "--port", str(port), "--control-port", str(control_port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )
+
+    def members(self) -> list[dict]:
+        import urllib.request
+
+        if self.token is None and (self.data_dir / "control-token").exists():
+            self.token = (self.data_dir / "control-token").read_text().strip()
+        request = urllib.request.Request(self.control_url + "/v1/members",
+                                         headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
+        with urllib.request.urlopen(request, timeout=2) as resp:
+            return json.loads(resp.read())["members"]
 
     def wait_ready(self, workers: int, timeout: float = 180.0) -> None:
         """Until a node agent and ``workers`` workers are members."""
-        import urllib.request
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("tiercake up exited:\n" + self.proc.stdout.read().decode()[-3000:])
             try:
-                with urllib.request.urlopen(self.url + "/v1/members", timeout=2) as resp:
-                    members = json.loads(resp.read())["members"]
+                members = self.members()
                 if any(m["role"] == "node" for m in members) and sum(m["role"] != "node" for m in members) >= workers:
                     return
             except OSError:

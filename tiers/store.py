@@ -54,6 +54,24 @@ from .errors import (
 
 log = logging.getLogger(__name__)
 
+
+class _Throttled:
+    """One log line per ``every`` seconds for a recurring failure (a full disk fails every spill:
+    thousands of identical lines a minute), counting the ones held back."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.every = every
+        self._last = -math.inf
+        self._held = 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        log.warning(message + (f" (and {held} more like it in the last {self.every:g} s)" if held else ""), *args)
+
 MAX_KEY_BYTES = 64
 
 
@@ -282,6 +300,7 @@ class TieredStore:
         self._leases: dict[int, Copy] = {}  # every lease handed out, by id (a copy may leave its entry)
         self.misses = 0
         self._closed = False
+        self._spill_failures = _Throttled()
         # called with every committed copy that appears in or leaves a tier (a node agent reports
         # them to the conductor); called synchronously, so a listener must only queue
         self.listeners: list[Callable[[BlockChange], None]] = []
@@ -924,7 +943,8 @@ class TieredStore:
         except StoreError as exc:
             entry.copies.pop(lower.tier.index, None)
             await lower.tier.backend.release(lower.slot)
-            log.warning("store: spill of %s to %s failed: %s", _short(entry.key), lower.tier.name, exc)
+            self._spill_failures.warning("store: spill of %s to %s failed: %s", _short(entry.key), lower.tier.name,
+                                         exc)
             return False
         if self._entries.get(entry.key) is not entry:  # removed while we wrote
             entry.copies.pop(lower.tier.index, None)

@@ -11,6 +11,7 @@ visible only when it is whole; on a timeout or cancellation nothing half-written
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -77,6 +78,15 @@ class _Group:
 
 
 class TransferEngine:
+    # A deadline follows what a batch should take: a peer that stalls (stopped, partitioned, its disk
+    # hung) is given up on in about a second, not after a fixed 30 s that holds a prefill and its
+    # gpu blocks meanwhile; the caller recomputes or retries.
+    ASSUMED_RATE = 200e6  # before any batch was measured: far below every transport here
+    MIN_RATE = 50e6
+    DEADLINE_FLOOR_S = 1.0  # connection setup and round trips, whatever the size
+    DEADLINE_SLACK = 4.0
+    DEADLINE_CEILING_S = 30.0
+
     def __init__(
         self,
         node_id: str,
@@ -104,6 +114,17 @@ class TransferEngine:
         }
         self._channels: dict[str, PeerChannel] = {}
         self.bytes_moved: dict[str, int] = defaultdict(int)
+        self.rate = self.ASSUMED_RATE  # bytes/s of recent batches (EWMA), for deadlines
+
+
+    def deadline_for(self, nbytes: int) -> float:
+        """Seconds a batch of ``nbytes`` may take before it is given up on: the floor plus a slack
+        times its expected time at the measured rate, at most the ceiling."""
+        return min(self.DEADLINE_CEILING_S, self.DEADLINE_FLOOR_S + self.DEADLINE_SLACK * nbytes / self.rate)
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 20 and seconds > 0:  # smaller batches measure latency, not rate
+            self.rate = max(self.MIN_RATE, 0.7 * self.rate + 0.3 * nbytes / seconds)
 
     def add_peer(self, node_id: str, host: str, port: int) -> None:
         old = self._channels.pop(node_id, None)
@@ -167,6 +188,7 @@ class TransferEngine:
     async def _execute(self, groups: dict[str, _Group], results: list[TransferResult], timeout: float | None,
                        jobs: list | None = None) -> list[TransferResult]:
         jobs = [self._run_group(node, group, results) for node, group in groups.items()] + (jobs or [])
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
                 if len(jobs) == 1:
@@ -176,7 +198,9 @@ class TransferEngine:
         except TimeoutError:
             for result in results:
                 if not result.ok and result.error is None:
-                    result.error = TimeoutError(f"transfer did not finish within {timeout} s")
+                    result.error = TimeoutError(f"transfer did not finish within {timeout:.2f} s")
+        else:
+            self._measured(sum(r.nbytes for r in results if r.ok), time.perf_counter() - started)
         return results
 
     def _plan(self, i, item: Transfer, groups, pulls, results) -> None:

@@ -204,6 +204,6 @@ class ConductorLink:
             key = bytes.fromhex(task.key)
             batch.append(Transfer(BlockLoc(source.node_id, key),
                                   BlockLoc(self.member.node_id, key, tenant=task.tenant), task.size))
-        for result in await self.engine.transfer(batch, timeout=30):
+        for result in await self.engine.transfer(batch, timeout=self.engine.deadline_for(sum(t.length for t in batch))):
             if not result.ok:
                 log.warning("node %s: replication pull failed: %s", self.member.node_id, result.error)

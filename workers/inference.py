@@ -158,7 +158,8 @@ class InferenceEngine:
                      self.block_nbytes)
             for i, key in enumerate(keys[own:prefix.length], start=own)
         ]
-        results = await self.transfer.transfer(batch, timeout=30)
+        # a node that stalls is given up on at the expected time's deadline: the rest is computed
+        results = await self.transfer.transfer(batch, timeout=self.transfer.deadline_for(len(batch) * self.block_nbytes))
         loaded = 0
         for result in results:  # a chain is only usable up to its first missing block
             if not result.ok and not self.store.contains(batch[loaded].dst.key):
@@ -220,7 +221,8 @@ class InferenceEngine:
             batch = [Transfer(BufferLoc(lease.data), BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None,
                                                               seq.tenant), self.block_nbytes)
                      for i, lease in zip(indices, leases)]
-            for result in await self.transfer.transfer(batch, timeout=30):
+            deadline = self.transfer.deadline_for(len(batch) * self.block_nbytes)  # the gpu leases wait on it
+            for result in await self.transfer.transfer(batch, timeout=deadline):
                 if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
         except Exception:  # noqa: BLE001 - a task nobody awaits: say what went wrong

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import error_response, invalid
+from tiercake.errors import body_deadline, error_middleware, error_response, invalid, require_bearer
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
 
 from .conductor_link import ConductorLink
@@ -50,12 +50,13 @@ class Worker:
         self.advertise = advertise  # the host the front reaches this worker at (default: see reachable_host)
         self.engine: ServingEngine | None = None
         self._closers: list = []
+        self._tokens: list[str] = []
         self.url = ""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> Worker:
         cfg = self.config
         try:
-            tokens = cfg.conductor.tokens()
+            tokens = self._tokens = cfg.conductor.required_tokens()  # none only when the config says insecure
             client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None) if cfg.conductor.urls else None
             if client is not None:
                 self._closers.append(client.close)
@@ -93,16 +94,25 @@ class Worker:
                 await self._closers.pop()()
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=16 << 20,
+                              middlewares=[error_middleware, self._authenticate, body_deadline])
         app.add_routes([web.post("/generate", self._generate), web.get("/health", self._health),
                         web.get("/load", self._load)])
         return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler):
+        """Work comes only from a front that holds the cluster's control token: the request names the
+        tenant and salt it runs under, so nobody else may send one. ``/health`` is for probes."""
+        if self._tokens and request.path != "/health":
+            require_bearer(request, self._tokens)
+        return await handler(request)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         try:
             body = GenerateRequest.model_validate_json(await request.read())
         except ValidationError as exc:
-            return invalid(exc).response()
+            raise invalid(exc) from None
         events = self.engine.generate(body)
         try:
             first = await anext(events)

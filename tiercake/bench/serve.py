@@ -73,55 +73,65 @@ async def _wait_tiers(client: Client, tokens: list[int], tenant: str, blocks: in
     raise TimeoutError(f"the prefix never settled in {sorted(present)} (and out of {sorted(absent)})")
 
 
-async def measure(url: str, quick: bool, report: Report) -> None:
+async def measure(url: str, quick: bool, report: Report, control_url: str | None = None,
+                  token: str | None = None) -> None:
+    """Completions at ``url``; prefixes, flushes and counters through the control API (``control_url``
+    with ``token``; default: the same URL, a cluster serving both on one port)."""
     rng = random.Random(7)
     prompt_tokens = 512 if quick else 2048
     repeats = 2 if quick else 3
     fractions = (0.0, 0.5, 0.9)
     block = 16
-    async with Client([url], timeout=300, retries=3) as client:
-        await _ttft(client, [rng.randrange(256) for _ in range(64)], "bench-warmup")  # connections, threads
-        before = await client.cluster()
-        for source, flush in SOURCES.items():
-            for fraction in fractions:
-                if fraction == 0.0 and source != "gpu":
-                    continue  # nothing cached: the source does not matter
-                runs, limits = [], []
-                for r in range(repeats):
-                    cached_blocks = int(prompt_tokens * fraction) // block
-                    tokens = [rng.randrange(256) for _ in range(prompt_tokens)]
-                    tenant = f"bench-{source}-{fraction}-{r}"
-                    if cached_blocks:
-                        await _ttft(client, tokens[: cached_blocks * block + 1], tenant)  # caches the prefix
-                        # the worker's gpu copy and the node's pool copy are both in the index first,
-                        # so that a flush is seen to have happened, not merely to be pending
-                        await _wait_tiers(client, tokens, tenant, cached_blocks, {"gpu", "pool"})
-                        if flush:
-                            await client.flush(flush)
-                            await _wait_tiers(client, tokens, tenant, cached_blocks, {source}, set(flush))
-                    runs.append(await _ttft(client, tokens, tenant))
-                    limits.append((await _ttft(client, tokens, f"{tenant}-cold"))[0])  # nothing cached
-                ttft = statistics.median(t for t, _ in runs)
-                limit = statistics.median(limits)
-                usage = runs[len(runs) // 2][1]
-                extra = usage.get("tiercake", {})
-                ideal = 1 - fraction
-                figure = report.add(
-                    f"ttft.{source if fraction else 'none'}.cached{int(fraction * 100)}", ttft, "s", limit,
-                    limit_name="compute only", prompt_tokens=prompt_tokens, cached_fraction=fraction,
-                    cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                    ideal_ratio=round(ideal, 3), route_s=round(extra.get("route_s", 0), 5),
-                    lookup_s=round(extra.get("lookup_s", 0), 5), load_s=round(extra.get("load_s", 0), 5),
-                    compute_s=round(extra.get("compute_s", 0), 5), sources=extra.get("sources", {}),
-                )
-                figure.params["gap"] = round(figure.ratio - ideal, 3)
-        cluster_figures(before, await client.cluster(), report)
+    async with Client([url], timeout=300, retries=3) as api, \
+            Client([control_url or url], token=token, timeout=300, retries=3) as control:
+        await _measure(api, control, rng, prompt_tokens, repeats, fractions, block, report)
 
 
-async def run(quick: bool = False, target: str | None = None) -> Report:
+async def _measure(client: Client, control: Client, rng: random.Random, prompt_tokens: int, repeats: int,
+                   fractions: tuple[float, ...], block: int, report: Report) -> None:
+    """Each source and cached fraction: a prefix cached, moved to the source, the prompt timed."""
+    await _ttft(client, [rng.randrange(256) for _ in range(64)], "bench-warmup")  # connections, threads
+    before = await control.cluster()
+    for source, flush in SOURCES.items():
+        for fraction in fractions:
+            if fraction == 0.0 and source != "gpu":
+                continue  # nothing cached: the source does not matter
+            runs, limits = [], []
+            for r in range(repeats):
+                cached_blocks = int(prompt_tokens * fraction) // block
+                tokens = [rng.randrange(256) for _ in range(prompt_tokens)]
+                tenant = f"bench-{source}-{fraction}-{r}"
+                if cached_blocks:
+                    await _ttft(client, tokens[: cached_blocks * block + 1], tenant)  # caches the prefix
+                    # the worker's gpu copy and the node's pool copy are both in the index first,
+                    # so that a flush is seen to have happened, not merely to be pending
+                    await _wait_tiers(control, tokens, tenant, cached_blocks, {"gpu", "pool"})
+                    if flush:
+                        await control.flush(flush)
+                        await _wait_tiers(control, tokens, tenant, cached_blocks, {source}, set(flush))
+                runs.append(await _ttft(client, tokens, tenant))
+                limits.append((await _ttft(client, tokens, f"{tenant}-cold"))[0])  # nothing cached
+            ttft = statistics.median(t for t, _ in runs)
+            limit = statistics.median(limits)
+            usage = runs[len(runs) // 2][1]
+            extra = usage.get("tiercake", {})
+            ideal = 1 - fraction
+            figure = report.add(
+                f"ttft.{source if fraction else 'none'}.cached{int(fraction * 100)}", ttft, "s", limit,
+                limit_name="compute only", prompt_tokens=prompt_tokens, cached_fraction=fraction,
+                cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                ideal_ratio=round(ideal, 3), route_s=round(extra.get("route_s", 0), 5),
+                lookup_s=round(extra.get("lookup_s", 0), 5), load_s=round(extra.get("load_s", 0), 5),
+                compute_s=round(extra.get("compute_s", 0), 5), sources=extra.get("sources", {}),
+            )
+            figure.params["gap"] = round(figure.ratio - ideal, 3)
+    cluster_figures(before, await control.cluster(), report)
+
+
+async def run(quick: bool = False, target: str | None = None, control: str | None = None) -> Report:
     report = Report(bench="serve", machine=machine())
     if target:
-        await measure(target, quick, report)
+        await measure(target, quick, report, control, os.environ.get("TIERCAKE_TOKEN") or None)
         return report
     with tempfile.TemporaryDirectory(prefix="tiercake-bench-serve-") as tmp:
         root = Path(tmp)
@@ -130,7 +140,7 @@ async def run(quick: bool = False, target: str | None = None) -> Report:
         up = UpProcess(config, root / "data", free_port())
         try:
             await asyncio.to_thread(up.wait_ready, 2)
-            await measure(up.url, quick, report)
+            await measure(up.url, quick, report, up.control_url, up.token)
         finally:
             up.stop()
             Path(f"/dev/shm/tiercake-bench-serve-{os.getpid()}").unlink(missing_ok=True)  # the bench's own pool

@@ -1,0 +1,69 @@
+"""Secure defaults and hostile callers: a conductor never serves its control API open unless told to,
+and a client that trickles its body in cannot hold a connection and a buffer for long."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from conductor_helpers import running_conductor
+
+from tiercake import errors
+
+
+def _conductor(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--listen", "127.0.0.1:0",
+                             "--api-listen", "127.0.0.1:0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={k: v for k, v in (env or os.environ).items() if k != "TIERCAKE_TOKEN"})
+
+
+async def test_a_conductor_without_a_token_refuses_to_start_unless_told_insecure():
+    refused = _conductor()
+    out, err = refused.communicate(timeout=60)
+    assert refused.returncode == 1 and out == b""
+    assert "no control token" in err.decode() and "--insecure" in err.decode()
+
+    insecure = _conductor("--insecure")
+    try:
+        line = insecure.stdout.readline()
+        assert line, insecure.stderr.read().decode()[-2000:]
+        url = json.loads(line)["url"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/v1/members") as resp:  # open, as the operator said
+                assert resp.status == 200
+    finally:
+        insecure.terminate()
+        _, err = insecure.communicate(timeout=20)
+    assert "INSECURE" in err.decode()  # and said so, loudly
+
+
+async def test_a_body_that_trickles_in_is_cut_off_with_a_408(monkeypatch):
+    """Headers announce a body that never fully arrives (slowloris): the server answers 408 once the
+    body deadline passes and closes the connection soon after; it held it 330 s before."""
+    monkeypatch.setattr(errors, "BODY_DEADLINE_S", 0.5)
+    async with running_conductor(tokens=["t0ken"]) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"ten")
+        await writer.drain()
+        started = time.monotonic()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head, head
+        assert time.monotonic() - started < 3
+        # then the connection goes, after aiohttp's lingering read (10 s) at most
+        rest = await asyncio.wait_for(reader.read(), 15)  # read() returns at EOF: the server closed
+        assert b"body_timeout" in rest
+        writer.close()
+
+        # an unauthenticated caller is refused before its body is read at all
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 401")
+        writer.close()
