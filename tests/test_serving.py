@@ -240,6 +240,71 @@ async def test_workers_take_work_only_from_who_holds_the_cluster_token(cluster):
             assert resp.status == 401
 
 
+def test_fuzzed_http_requests_get_clear_4xx_never_a_5xx_a_hang_or_a_leak(cluster):
+    """Hypothesis against the real cluster's public and control APIs: JSON of any shape, known fields
+    with hostile values, raw bytes, with and without the token. Every answer is in the one error
+    format (or a completion), none is a 5xx, none takes long, and the conductor's memory stays put."""
+    import urllib.error
+    import urllib.request
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=30),
+                          lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                      max_size=5), max_leaves=12)
+    # mostly well-formed, each field sometimes hostile: deep into validation, and sometimes served
+    completion_fields = st.fixed_dictionaries({
+        "model": st.sampled_from([MODEL, MODEL, "", "nope"]) | values,
+        "prompt": st.text(min_size=1, max_size=60) | st.lists(st.integers(-3, 300), max_size=30) | values,
+    }, optional={
+        "max_tokens": st.integers(-2, 6) | values, "temperature": st.floats(-1, 3) | values,
+        "stream": st.booleans() | values, "seed": st.integers(-5, 5) | values, "stream_options": values,
+        "n": values, "stop": values, "logprobs": values, "user": values})
+    control_fields = st.fixed_dictionaries({}, optional={
+        "tenant": st.text(max_size=12) | values, "keys": st.lists(st.text("0123456789abcdef", max_size=70), max_size=4)
+        | values, "prompt": st.text(min_size=1, max_size=60) | values})
+    bodies = st.one_of(completion_fields.map(json.dumps), control_fields.map(json.dumps), values.map(json.dumps),
+                       st.binary(max_size=200))
+    control = cluster.control_url
+    targets = [(cluster.url, "/v1/completions", None), (control, "/v1/placements/lookup", cluster.token),
+               (control, "/v1/prefix", cluster.token), (control, "/v1/placements/commit", None),
+               (control, "/v1/members/register", None), (control, "/v1/policy", None)]
+    conductor = _pid_listening(int(control.rsplit(":", 1)[1]))
+    rss_before = _rss_mb(conductor)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(body=bodies, target=st.sampled_from(targets))
+    def fuzz(body, target):
+        base, path, token = target
+        request = urllib.request.Request(base + path, data=body if isinstance(body, bytes) else body.encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Authorization": f"Bearer {token}"} if token else {})})
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        assert time.monotonic() - started < 20, (path, body)
+        seen[status] = seen.get(status, 0) + 1
+        assert status < 500, (path, body, raw[:300])
+        if status >= 400:
+            assert json.loads(raw)["error"]["message"], raw
+        if token is None and base == control:
+            assert status == 401  # nothing of the control API without the token, whatever the body
+
+    fuzz()
+    assert sum(seen.values()) >= 300 and seen.get(200) and seen.get(400) and seen.get(401), seen
+    assert _rss_mb(conductor) - rss_before < 150, "the conductor's memory grew over the fuzz"
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
     decode, _ = await cluster.member_pid("decode")
     async with aiohttp.ClientSession() as http:

@@ -22,12 +22,13 @@ def pool_path(name: str) -> Path:
     return Path(f"/dev/shm/tiercake-proc-test-{name}-{os.getpid()}")
 
 
-def node_config(tmp_path, name: str, pool: str = "256MiB") -> str:
+def node_config(tmp_path, name: str, pool: str = "256MiB", transports: str = "") -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(
         f"node_id: {name}\n"
         "store:\n  layout: null\n  tiers:\n"
         f"    - {{kind: pool, capacity: {pool}, path: {pool_path(name)}}}\n"
+        + (f"transfer: {{transports: [{transports}]}}\n" if transports else "")
     )
     return str(path)
 

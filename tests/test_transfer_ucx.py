@@ -98,7 +98,7 @@ async def test_ucx_across_processes(tmp_path):
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tiercake.cli", "node", "--config",
-        node_config(tmp_path, "node-u"), stdout=asyncio.subprocess.PIPE,
+        node_config(tmp_path, "node-u", transports="local, shm, tcp, ucx"), stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "TIERCAKE_SECRET": SECRET.decode(), "UCX_WARN_UNUSED_ENV_VARS": "n"},
     )
     import json
@@ -115,6 +115,49 @@ async def test_ucx_across_processes(tmp_path):
     await engine.close()
     proc.terminate()
     assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_a_node_agent_serves_ucx_only_when_its_transports_list_it(tmp_path):
+    """UCX is code a peer can reach: a node agent whose cluster does not use it does not serve it."""
+    from test_transfer_processes import node_config
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, "node-t"),
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": SECRET.decode()})
+    import json
+
+    try:
+        address = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        engine = TransferEngine("node-a", SECRET, transports=("ucx",))
+        engine.add_peer("node-t", address["host"], address["port"])
+        (result,) = await engine.write_blocks("node-t", [b"k"], [payload(1, 1024)])
+        assert not result.ok and "no transport reaches node-t" in str(result.error)
+        await engine.close()
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def test_a_garbage_ucx_address_is_refused_not_handed_to_ucx(node):
+    """UCX aborts the process on a malformed worker address (the fuzzer found it): an address that
+    is not sealed by a peer holding the cluster secret never reaches it."""
+    store, server = node
+
+    def hello(body: bytes):
+        sock = authenticated_socket(server.address)
+        sock.sendall(raw_frame(p.Op.UCX_HELLO, body))
+        return read_frame(sock)
+
+    for body in (b"\x01" + os.urandom(217), b"\x00" + os.urandom(40), b"\x01" + bytes(32) + b"\x20"):
+        op, reply = await asyncio.to_thread(hello, body)
+        assert op == p.Op.ERROR and b"sealed by a tiercake peer" in reply
+    await store.put(b"alive", payload(2, 1024))  # and the server is still here
+    engine = TransferEngine("node-a", SECRET, transports=("ucx",))
+    engine.add_peer("node-b", *server.address)
+    dst = torch.empty(1024, dtype=torch.uint8)
+    (read,) = await engine.read_blocks("node-b", [b"alive"], [dst])
+    assert read.ok and read.transport == "ucx" and torch.equal(dst, payload(2, 1024))
+    await engine.close()
 
 
 async def test_ucx_reader_that_hangs_up_releases_its_leases(node):

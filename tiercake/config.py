@@ -127,7 +127,8 @@ class TransferConfig(BaseModel):
     secret_file: str | None = Field(default=None, description="file holding the cluster secret")
     secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
     transports: list[str] = Field(default_factory=lambda: ["local", "shm", "tcp"],
-                                  description="transports in order of preference: local, shm, tcp, ucx, plug-ins")
+                                  description="transports in order of preference: local, shm, tcp, ucx, plug-ins "
+                                  "(a node agent serves UCX only when ucx is listed)")
     streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")

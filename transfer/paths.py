@@ -40,6 +40,7 @@ class ServerSide:
     node_id: str
     pool_tier: str | None  # the shared pool, when this node has one
     ucx: bool  # whether this server speaks UCX
+    secret: bytes = b""  # the cluster secret, for what a path must authenticate beyond the handshake
 
 
 Bulk = list[tuple[int, np.ndarray]]  # (item index in the table, its bytes)

@@ -89,7 +89,7 @@ class TransferServer:
         self.ucx = ucx_module.available() if ucx is None else ucx
         if self.ucx and not ucx_module.available():
             raise ValueError("ucx=True, but the ucxx package is not installed (pip install 'tiercake[ucx]')")
-        self._side = ServerSide(store, node_id, self.pool_tier, self.ucx)
+        self._side = ServerSide(store, node_id, self.pool_tier, self.ucx, secret)
         self._paths = registered_paths()  # every registered transport's server half, by request flag
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None

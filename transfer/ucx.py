@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import itertools
 import logging
 import os
@@ -56,6 +58,20 @@ def tag(connection: int, request: int, index: int) -> int:
 
 def worker_address() -> bytes:
     return bytes(ucxx.get_worker_address())
+
+
+def seal(secret: bytes, address: bytes) -> bytes:
+    """A worker address behind its MAC. UCX takes a malformed address as fatal and aborts the whole
+    process (found by fuzzing the transfer port), so only an address a tiercake peer packed is ever
+    handed to it: garbage, truncation and corruption in transit are refused as protocol errors."""
+    return hmac.new(secret, b"tiercake-ucx-address" + address, hashlib.sha256).digest() + address
+
+
+def unseal(secret: bytes, sealed: bytes) -> bytes:
+    address = sealed[32:]
+    if not address or not hmac.compare_digest(sealed[:32], seal(secret, address)[:32]):
+        raise p.ProtocolError("UCX_HELLO does not carry a worker address sealed by a tiercake peer")
+    return address
 
 
 async def endpoint_to(address: bytes, same_host: bool) -> Any:
@@ -106,9 +122,10 @@ class UcxPath(DataPath):
         if len(body) < 2:
             raise p.ProtocolError("short UCX_HELLO")
         same_host = body[0] == 1
+        address = unseal(self.server.secret, bytes(body[1:]))
         await close_endpoint(self.ep)
-        self.ep = await endpoint_to(bytes(body[1:]), same_host)
-        reply = self.connection.to_bytes(4, "little") + worker_address()
+        self.ep = await endpoint_to(address, same_host)
+        reply = self.connection.to_bytes(4, "little") + seal(self.server.secret, worker_address())
         await send_frame(self.conn, Op.UCX_HELLO, request, reply)
 
     def check(self) -> Any:
@@ -195,9 +212,9 @@ class UcxTransport(TcpTransport):
         if state is None:
             same_host = peer.info.boot_id == p.boot_id()
             async with conn._request() as request:
-                await send_frame(conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + worker_address())
+                await send_frame(conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + seal(conn.secret, worker_address()))
                 body = await conn._reply(request, Op.UCX_HELLO)
-                ep = await endpoint_to(bytes(body[4:]), same_host)
+                ep = await endpoint_to(unseal(conn.secret, bytes(body[4:])), same_host)
             state = (ep, int.from_bytes(body[:4], "little"))
             conn.ucx = state
             conn.on_close = lambda: abort_endpoint(ep)

@@ -42,6 +42,7 @@ class NodeAgent:
             self.server = await TransferServer(
                 self.store, secret, cfg.node_id, cfg.transfer.host, cfg.transfer.port, pool_tier=pool,
                 max_block_bytes=int(cfg.transfer.max_block_bytes), buffer_bytes=cfg.transfer.buffer_bytes,
+                ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
             ).start()
             if cfg.conductor.urls:
                 await self._join(secret)
