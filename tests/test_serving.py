@@ -16,6 +16,7 @@ import pytest
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.etcd_process import free_port
+from tiercake.chaos import pid_listening as _pid_listening
 from tiercake.up import UpProcess
 
 MODEL = "tiercake-reference"
@@ -485,26 +486,6 @@ async def test_decode_worker_killed_mid_request_and_node_agent_killed(faulty):
             await client.complete(PROMPT, model="nope")
 
 
-def _pid_listening(port: int) -> int:
-    """The pid of the process listening on ``port`` (from /proc: no extra tools needed)."""
-    inode = None
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
-                    inode = fields[9]
-    assert inode, f"nothing listens on {port}"
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
-                    return int(pid)
-        except OSError:
-            continue
-    raise AssertionError(f"no process owns the socket on {port}")
-
-
 async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_path):
     recorded = tmp_path / "recorded.jsonl"
     keys = tmp_path / "keys.yaml"  # keys from a file too (a mounted Secret in Kubernetes)
@@ -627,8 +608,29 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
         async with Client([up.url], timeout=60, retries=5) as client:
             answer = await client.complete(PROMPT + "After a restart.", max_tokens=3)
         assert answer["usage"]["completion_tokens"] == 3
+        # the node agent too: restarted on another port, and the workers follow it there (they kept
+        # writing to its old address, so a restarted node agent never received another block)
         async with up.ops() as ops:
             node = next(m for m in await ops.members() if m.role == "node")
+            node_pid = _pid_listening(node.port)
+            os.kill(node_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(ConductorError, LookupError):
+                    nodes = [m for m in await ops.members() if m.role == "node"]
+                    if nodes and _pid_listening(nodes[0].port) != node_pid:
+                        node = nodes[0]
+                        break
+                await asyncio.sleep(0.3)
+            assert _pid_listening(node.port) != node_pid
+            prompt = "A prompt sharing no block with any before it, written to the node agent after its restart."
+            async with Client([up.url], timeout=60, retries=5) as client:
+                await client.complete(prompt, max_tokens=2)
+            for _ in range(50):
+                if "test-node" in (await ops.prefix(prompt)).holders:
+                    break
+                await asyncio.sleep(0.2)
+            assert (await ops.prefix(prompt)).holders["test-node"].blocks == len(prompt.encode()) // 16
         pids = {new_pid, _pid_listening(node.port), _pid_listening(int(up.control_url.rsplit(":", 1)[1]))}
         up.proc.kill()  # SIGKILL: no chance to stop anything itself
         up.proc.wait()

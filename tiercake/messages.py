@@ -90,6 +90,7 @@ class TierStats(Reply):
     blocks: int = 0
     hits: int = 0
     evictions: int = 0
+    corrupt: int = 0  # copies that failed their checksum on a read: dropped, never served
     residency: list[int] = Field(default_factory=list, description="evicted blocks by residency bucket")
     residency_sum_s: float = 0.0
     eviction: str | None = None

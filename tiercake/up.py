@@ -331,14 +331,14 @@ class UpProcess:
     here; None: ``up`` makes its own, read from the data directory once it is ready)."""
 
     def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = (),
-                 token: str | None = "") -> None:
+                 token: str | None = "", env: dict[str, str] | None = None) -> None:
         from tiercake.conductor.etcd_process import free_port
 
         control_port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.control_url = f"http://127.0.0.1:{control_port}"
         self.data_dir = data_dir
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         env.pop("TIERCAKE_TOKEN", None)
         self.token = secrets.token_urlsafe(16) if token == "" else token
         if self.token:
@@ -347,6 +347,7 @@ class UpProcess:
             [sys.executable, "-m", "tiercake.cli", "up", "--config", str(config_path), "--data-dir", str(data_dir),
              "--port", str(port), "--control-port", str(control_port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            preexec_fn=_die_with_parent(os.getpid()),  # a test or bench that dies takes its cluster along
         )
 
     def members(self) -> list[dict]:

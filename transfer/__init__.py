@@ -2,7 +2,7 @@
 
 from tiercake.plugins import TRANSPORTS
 
-from .engine import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
+from .engine import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult, unreachable
 from .protocol import (
     AuthenticationError,
     ItemError,
@@ -18,4 +18,5 @@ from .ucx import UcxTransport
 __all__ = [
     "TRANSPORTS", "AuthenticationError", "BlockLoc", "BufferLoc", "ItemError", "PeerClosedError", "ProtocolError",
     "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport", "TransportContext", "UcxTransport",
+    "unreachable",
 ]

@@ -77,6 +77,12 @@ class _Group:
     writes: list[tuple[int, WriteReq]] = field(default_factory=list)
 
 
+def unreachable(results: list[TransferResult]) -> bool:
+    """Every item failed because the peer could not be reached, hung up or did not answer in time
+    (not because of a block): the peer may have moved (a restarted node agent listens elsewhere)."""
+    return bool(results) and all(isinstance(r.error, (p.PeerClosedError, OSError)) for r in results)
+
+
 class TransferEngine:
     # A deadline follows what a batch should take: a peer that stalls (stopped, partitioned, its disk
     # hung) is given up on in about a second, not after a fixed 30 s that holds a prefill and its
@@ -138,6 +144,11 @@ class TransferEngine:
     @property
     def peers(self) -> set[str]:
         return set(self._channels)
+
+    def address(self, node_id: str) -> tuple[str, int] | None:
+        """Where this engine reaches ``node_id`` (None: an unknown peer)."""
+        channel = self._channels.get(node_id)
+        return None if channel is None else (channel.address.host, channel.address.port)
 
     def ensure_peer(self, node_id: str, host: str, port: int) -> None:
         """``add_peer`` unless the peer is already known at that address (keeps its connections)."""

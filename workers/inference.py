@@ -23,7 +23,7 @@ from tiercake.blocks import Namespace, block_keys, chain_key
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
-from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine
+from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult, unreachable
 
 from .contract import RequestRejected
 from .model import PagedChunk, ReferenceModel
@@ -158,8 +158,7 @@ class InferenceEngine:
                      self.block_nbytes)
             for i, key in enumerate(keys[own:prefix.length], start=own)
         ]
-        # a node that stalls is given up on at the expected time's deadline: the rest is computed
-        results = await self.transfer.transfer(batch, timeout=self.transfer.deadline_for(len(batch) * self.block_nbytes))
+        results = await self._send(node, batch)
         loaded = 0
         for result in results:  # a chain is only usable up to its first missing block
             if not result.ok and not self.store.contains(batch[loaded].dst.key):
@@ -178,16 +177,34 @@ class InferenceEngine:
         Unknown ids are looked up among the members (at most twice a second unless ``force``)."""
         if node == self.worker_id:
             return False
-        if node not in self.transfer.peers and self.conductor is not None and (
-                force or time.monotonic() - self._members_at > 0.5):
-            self._members_at = time.monotonic()
-            try:
-                for member in await self.conductor.members():
-                    if member.role == "node":
-                        self.transfer.ensure_peer(member.node_id, member.host, member.port)
-            except ConductorError as exc:
-                log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
+        if node not in self.transfer.peers and (force or time.monotonic() - self._members_at > 0.5):
+            await self._read_members()
         return node in self.transfer.peers
+
+    async def _read_members(self) -> None:
+        """Every node agent's address, from the members (a restarted one may listen elsewhere)."""
+        if self.conductor is None:
+            return
+        self._members_at = time.monotonic()
+        try:
+            for member in await self.conductor.members():
+                if member.role == "node":
+                    self.transfer.ensure_peer(member.node_id, member.host, member.port)
+        except ConductorError as exc:
+            log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
+
+    async def _send(self, node: str, batch: list[Transfer]) -> list[TransferResult]:
+        """The batch to or from ``node``, given up at the deadline its size calls for (a node that
+        stalls costs about a second, then the caller recomputes); when the node could not be reached
+        and the members list it at another address (its agent restarted), once more there."""
+        deadline = self.transfer.deadline_for(sum(t.length for t in batch))
+        results = await self.transfer.transfer(batch, timeout=deadline)
+        if unreachable(results):
+            known = self.transfer.address(node)
+            await self._read_members()
+            if self.transfer.address(node) not in (None, known):
+                results = await self.transfer.transfer(batch, timeout=deadline)
+        return results
 
     def _store_full_blocks(self, seq: Sequence) -> None:
         """Adopt the sequence's newly full blocks into the gpu tier and write them through."""
@@ -221,8 +238,7 @@ class InferenceEngine:
             batch = [Transfer(BufferLoc(lease.data), BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None,
                                                               seq.tenant), self.block_nbytes)
                      for i, lease in zip(indices, leases)]
-            deadline = self.transfer.deadline_for(len(batch) * self.block_nbytes)  # the gpu leases wait on it
-            for result in await self.transfer.transfer(batch, timeout=deadline):
+            for result in await self._send(self.node, batch):  # the gpu leases wait on it
                 if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
         except Exception:  # noqa: BLE001 - a task nobody awaits: say what went wrong

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.transfer import BlockLoc, BufferLoc, PeerClosedError, Transfer, TransferEngine, TransferResult
+from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +135,8 @@ class TiercakeLink:
         if node not in self._nodes:
             await self._refresh_nodes(force=True)
         results = await attempt()
-        if _unreachable(results):
+        if unreachable(results):
             await self._refresh_nodes(force=True)
             results = await attempt()
         return results
 
-
-def _unreachable(results: list[TransferResult]) -> bool:
-    """Every item failed because the peer could not be reached or hung up (not because of a block)."""
-    return bool(results) and all(isinstance(r.error, (PeerClosedError, OSError)) for r in results)

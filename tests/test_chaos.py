@@ -1,0 +1,28 @@
+"""``tiercake chaos --quick``: the fault-injection run CI carries. Every fault of the list is injected
+into a real cluster (processes killed and stalled, SSD blocks corrupted, the etcd leader killed) under
+load; no answer may be wrong, no placement the index lists may be unservable, every fault must be
+recovered from."""
+
+import json
+import subprocess
+import sys
+
+from tiercake.chaos import FAULTS
+
+
+def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
+    out = tmp_path / "chaos.json"
+    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "chaos", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    ok, wrong, lost = figures["requests.ok"], figures["requests.wrong"], figures["placements.lost"]
+    assert ok["value"] > 100 and ok["ratio"] > 0.9, ok  # the cluster kept serving through the faults
+    assert wrong["value"] == 0 and wrong["limit"] == ok["value"]  # every answer checked, none wrong
+    assert lost["value"] == 0 and lost["limit"] > 10, lost  # the index was read back against the nodes
+    assert figures["ssd.corrupt_detected"]["value"] > 0  # the rotten blocks were found, not served
+    for fault in FAULTS:
+        recovery = figures[f"recovery_s.{fault}"]
+        assert recovery["params"]["recovered"] and 0 < recovery["value"] < 60, (fault, recovery)
+    for line in ("kill_prefill: recovered", "kill_etcd_leader: recovered", "placements on node agents"):
+        assert line in done.stdout, done.stdout[-3000:]

@@ -1,0 +1,447 @@
+"""``tiercake chaos``: a cluster under load while its processes die, stall and restart, its SSD blocks
+rot and its etcd leader goes; every answer checked against a full recompute.
+
+It starts its own cluster (``tiercake up`` on a three-member etcd when the etcd binary is installed,
+else on the embedded backend), replays a synthetic conversation trace against it with greedy decoding
+(a few requests in flight at all times), and injects one fault after another:
+
+- ``kill_prefill`` / ``kill_decode`` / ``kill_node`` / ``kill_conductor``: SIGKILL (``up`` restarts it)
+- ``stall_node``: the node agent stopped for a few seconds (what a partition or a hung disk looks
+  like from the others), then resumed
+- ``corrupt_ssd``: bytes flipped inside block files of the node's SSD tier, after the caches above it
+  were flushed so that the next requests read them
+- ``kill_etcd_leader``: SIGKILL of the etcd member that leads, restarted a few seconds later
+
+Every answer is compared with the same prompt computed here from scratch by the reference model (no
+cache anywhere): a different answer is ``wrong``. After the faults, every placement the index still
+lists is read back from its node: one that cannot be served is an acknowledged placement ``lost``.
+Recovery is the time from a fault to the first request served after it with every member back,
+beside the time the whole cluster took to start in the same run. The run fails (exit 1) if any
+answer is wrong or any placement lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from tiercake.bench.report import Report, machine
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.messages import MemberInfo
+from tiercake.replay import TokenMap
+from tiercake.traces import synthetic_trace
+from tiercake.up import UpProcess
+
+CONFIG = """node_id: chaos-node
+store:
+  tiers:
+    - {{kind: pool, capacity: 2MiB, path: {pool}}}
+    - {{kind: ssd, capacity: 256MiB, path: {ssd}}}
+conductor: {{member_ttl: 2}}
+serving: {{gpu_blocks: 96, max_context: 320}}
+"""
+MAX_TOKENS = 4
+RECOVERY_TIMEOUT_S = 90.0
+CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
+FAULTS = ("kill_prefill", "kill_decode", "stall_node", "kill_node", "corrupt_ssd", "kill_conductor",
+          "kill_etcd_leader")
+
+
+def pid_listening(port: int) -> int:
+    """The pid of the process listening on ``port`` on this host (from /proc)."""
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    inode = fields[9]
+    if inode is None:
+        raise LookupError(f"nothing listens on {port}")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(pid)
+        except OSError:
+            continue
+    raise LookupError(f"no process owns the socket on {port}")
+
+
+class Oracle:
+    """Greedy answers computed from scratch, in this process: the reference model over a gpu tier of
+    its own, nothing cached, no conductor, no node."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self._engine = None
+        self._answers: dict[tuple[int, ...], str] = {}
+        self._lock = asyncio.Lock()  # one sequence at a time: the engine's tier is small
+        self._computed = 0
+
+    async def answer(self, prompt: list[int], max_tokens: int) -> str:
+        key = (*prompt, -max_tokens)
+        if key not in self._answers:
+            async with self._lock:
+                if key not in self._answers:
+                    self._answers[key] = await self._compute(prompt, max_tokens)
+        return self._answers[key]
+
+    async def _compute(self, prompt: list[int], max_tokens: int) -> str:
+        from tiercake.workers.inference import next_token
+        from tiercake.workers.model import decode
+
+        engine = await self._engine_once()
+        self._computed += 1  # a tenant of its own each time: nothing computed before is reused
+        seq = await engine.prefill(prompt, tenant=f"oracle-{self._computed}", max_new_tokens=max_tokens)
+        out: list[int] = []
+        try:
+            while len(out) < max_tokens:
+                out.append(next_token(seq.logits))
+                if len(out) < max_tokens:
+                    await engine.decode([seq], [out[-1]])
+        finally:
+            engine.free(seq)
+        assert seq.stats.cached_tokens == 0
+        return decode(out)
+
+    async def _engine_once(self):
+        if self._engine is None:
+            import torch
+
+            from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore
+            from tiercake.workers.inference import InferenceEngine
+            from tiercake.workers.model import ReferenceModel
+
+            serving = self.config.serving
+            layout = serving.layout()
+            pool = GpuBlockPool(64, layout.shape, getattr(torch, layout.dtype), "cpu")
+            store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
+            self._engine = InferenceEngine(ReferenceModel(serving.model), store, self.config.serving_namespace(),
+                                           worker_id="oracle", max_context=serving.max_context)
+        return self._engine
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    wrong: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    last_ok: float = 0.0  # monotonic time of the latest correct answer
+
+
+class Load:
+    """Requests from the trace, ``concurrency`` in flight, each answer checked by the oracle."""
+
+    def __init__(self, url: str, oracle: Oracle, prompts: list[tuple[list[int], str]], concurrency: int = 2) -> None:
+        self.url, self.oracle, self.prompts, self.concurrency = url, oracle, prompts, concurrency
+        self.tally = Tally()
+        self._stop = asyncio.Event()
+        self._running = asyncio.Event()
+        self._running.set()
+        self._busy = 0
+        self._tasks: list[asyncio.Task] = []
+
+    async def pause(self) -> None:
+        """No new requests until ``resume``; returns once those in flight are done."""
+        self._running.clear()
+        while self._busy:
+            await asyncio.sleep(0.05)
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(i)) for i in range(self.concurrency)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._running.set()
+        await asyncio.gather(*self._tasks)
+
+    async def _run(self, lane: int) -> None:
+        rng = random.Random(lane)
+        async with Client([self.url], timeout=60, retries=1) as client:
+            while not self._stop.is_set():
+                await self._running.wait()
+                prompt, tenant = self.prompts[rng.randrange(len(self.prompts))]
+                self._busy += 1
+                try:
+                    await self.one(client, prompt, tenant)
+                finally:
+                    self._busy -= 1
+
+    async def one(self, client: Client, prompt: list[int], tenant: str) -> bool:
+        tally = self.tally
+        try:
+            answer = await client.complete(prompt, max_tokens=MAX_TOKENS, tenant=tenant)
+        except (ConductorError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            tally.failed += 1
+            tally.errors.append(str(exc)[:160])
+            await asyncio.sleep(0.2)  # a failing cluster is not hammered
+            return False
+        if answer["choices"][0]["text"] != await self.oracle.answer(prompt, MAX_TOKENS):
+            tally.wrong += 1
+            tally.errors.append(f"WRONG answer for a {len(prompt)}-token prompt of {tenant}")
+            return False
+        tally.ok += 1
+        tally.last_ok = time.monotonic()
+        return True
+
+
+class Faults:
+    """How each fault is injected into the cluster ``up`` runs. Each returns a check that is true once
+    what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
+
+    def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load) -> None:
+        self.up, self.ssd, self.etcd, self.load = up, ssd, etcd, load
+
+    async def _members(self) -> list:
+        return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
+
+    async def _member(self, role: str) -> MemberInfo:
+        member = next((m for m in await self._members() if m.role == role), None)
+        if member is None:
+            raise LookupError(f"no {role} member")
+        return member
+
+    async def _worker_pid(self, role: str) -> int:
+        member = await self._member(role)
+        async with aiohttp.ClientSession() as http, http.get(member.url + "/health") as resp:
+            return (await resp.json())["pid"]
+
+    async def _node_pid(self) -> int:
+        return pid_listening((await self._member("node")).port)
+
+    def _conductor_pid(self) -> int:
+        return pid_listening(int(self.up.control_url.rsplit(":", 1)[1]))
+
+    async def _kill_worker(self, role: str):
+        pid = await self._worker_pid(role)
+        os.kill(pid, signal.SIGKILL)
+        return lambda: _replaced(self._worker_pid(role), pid)
+
+    async def kill_prefill(self):
+        return await self._kill_worker("prefill")
+
+    async def kill_decode(self):
+        return await self._kill_worker("decode")
+
+    async def kill_node(self):
+        pid = await self._node_pid()
+        os.kill(pid, signal.SIGKILL)
+        return lambda: _replaced(self._node_pid(), pid)
+
+    async def kill_conductor(self):
+        pid = self._conductor_pid()
+        os.kill(pid, signal.SIGKILL)
+        return lambda: _replaced(asyncio.to_thread(self._conductor_pid), pid)
+
+    async def stall_node(self, seconds: float = 4.0):
+        pid = await self._node_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return lambda: _replaced(self._node_pid(), -1)
+
+    async def corrupt_detected(self) -> int:
+        """Copies the node agents' tiers found corrupt (checksums) and dropped, so far."""
+        async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
+            view = await control.cluster()
+        return sum(t.corrupt for m in view.members if m.role == "node" for t in m.tiers.values())
+
+    async def corrupt_ssd(self, files: int = CORRUPTED_FILES):
+        await self.load.pause()  # requests write blocks into the pool again at once: a quiet moment
+        async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
+            await control.flush(["gpu", "pool"])  # the next requests read what is on the SSD
+            for _ in range(50):  # members apply a flush with their next keep-alive
+                view = await control.cluster()
+                if all(t.blocks == 0 for m in view.members if m.role == "node" for n, t in m.tiers.items()
+                       if n == "pool"):
+                    break
+                await asyncio.sleep(0.2)
+        blocks = sorted(self.ssd.rglob("*.blk"))
+        for path in random.Random(3).sample(blocks, min(files, len(blocks))):
+            with open(path, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - 100))
+                data = bytearray(f.read(16))
+                f.seek(max(0, size - 100))
+                f.write(bytes(b ^ 0x5A for b in data))
+        self.load.resume()
+        return lambda: _replaced(self._node_pid(), -1)
+
+    async def kill_etcd_leader(self, down_s: float = 3.0):
+        leader = await asyncio.to_thread(self._etcd_leader)
+        leader.stop(kill=True)
+        await asyncio.sleep(down_s)
+        leader.start()
+        return lambda: _replaced(asyncio.to_thread(self._etcd_leader), None)  # every member answers again
+
+    def _etcd_leader(self):
+        """The member that leads; a ``LookupError`` unless every member answers."""
+        import json
+        import urllib.request
+
+        statuses = {}
+        for member in self.etcd.members:
+            request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}")
+            with urllib.request.urlopen(request, timeout=5) as resp:
+                statuses[member.name] = json.loads(resp.read())
+        for member in self.etcd.members:
+            status = statuses[member.name]
+            if status["leader"] == status["header"]["member_id"]:
+                return member
+        raise LookupError("no etcd member leads")
+
+
+async def _replaced(current, old) -> bool:
+    """``current`` (an awaitable: what now serves) answers, and is not ``old``."""
+    try:
+        return await current != old
+    except (LookupError, OSError, aiohttp.ClientError, ValueError):
+        return False
+
+
+async def _recovered(back, load: Load, since: float, timeout: float) -> float | None:
+    """Seconds from ``since`` until ``back()`` holds and a request sent after that was answered right."""
+    deadline = since + timeout
+    came_back = None
+    while time.monotonic() < deadline:
+        if came_back is None:
+            if await back():
+                came_back = time.monotonic()
+        elif load.tally.last_ok > came_back:
+            return load.tally.last_ok - since
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def _unservable(up: UpProcess, secret: bytes) -> tuple[int, int]:
+    """(placements the index lists on node agents, those the node cannot serve)."""
+    import torch
+
+    from tiercake.transfer import TransferEngine
+
+    async with Client([up.control_url], token=up.token, timeout=10) as control:
+        nodes = [m for m in await control.members() if m.role == "node"]
+        engine = TransferEngine("chaos-checker", secret, transports=("tcp",))
+        listed = lost = 0
+        try:
+            for node in nodes:
+                engine.add_peer(node.node_id, node.host, node.port)
+                blocks = await control.node_blocks(node.node_id)
+                listed += len(blocks)
+                for i in range(0, len(blocks), 64):
+                    batch = blocks[i:i + 64]
+                    dsts = [torch.empty(b.size, dtype=torch.uint8) for b in batch]
+                    results = await engine.read_blocks(node.node_id, [bytes.fromhex(b.key) for b in batch], dsts,
+                                                       timeout=30)
+                    lost += sum(not r.ok for r in results)
+        finally:
+            await engine.close()
+    return listed, lost
+
+
+async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=print) -> Report:
+    from tiercake.conductor.etcd_process import EtcdCluster, etcd_binary, free_port
+    from tiercake.config import load_config
+
+    report = Report(bench="chaos", machine=machine())
+    settle = 3.0 if quick else 15.0
+    with tempfile.TemporaryDirectory(prefix="tiercake-chaos-") as tmp:
+        root = Path(tmp)
+        pool = Path(f"/dev/shm/tiercake-chaos-{os.getpid()}")
+        config_path = root / "chaos.yaml"
+        config_path.write_text(CONFIG.format(pool=pool, ssd=root / "ssd"))
+        config = load_config(config_path)
+        etcd = None
+        try:
+            etcd_binary()
+            etcd = EtcdCluster(root / "etcd", size=3).start()
+        except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
+            progress(f"no etcd cluster ({exc}): the embedded backend, and no etcd fault")
+            faults = tuple(f for f in faults if f != "kill_etcd_leader")
+        secret = secrets.token_hex(24)  # the cluster's, given here so the checker can read the nodes back
+        started = time.monotonic()
+        up = UpProcess(config_path, root / "data", free_port(), ["--etcd", ",".join(etcd.endpoints)] if etcd else [],
+                       env={**os.environ, "TIERCAKE_SECRET": secret})
+        load = None
+        try:
+            await asyncio.to_thread(up.wait_ready, 2)
+            cold_start = time.monotonic() - started
+            records = synthetic_trace(40 if quick else 400, tenants=2, system_prompts=2, system_blocks=4,
+                                      turn_blocks=(1, 3), seed=11)
+            tokens = TokenMap(16)
+            prompts = [(tokens.prompt(r, 320 - MAX_TOKENS), r.tenant) for r in records]
+            load = Load(up.url, Oracle(config), prompts)
+            load.start()
+            await asyncio.sleep(settle)
+            recovery: dict[str, float | None] = {}
+            injector = Faults(up, root / "ssd", etcd, load)
+            for fault in faults:
+                before = (load.tally.ok, load.tally.failed, load.tally.wrong)
+                progress(f"{fault} ...")
+                at = time.monotonic()
+                back = await getattr(injector, fault)()
+                recovery[fault] = await _recovered(back, load, at, timeout=RECOVERY_TIMEOUT_S)
+                await asyncio.sleep(settle)
+                t = load.tally
+                progress(f"{fault}: recovered in {recovery[fault]} s; {t.ok - before[0]} ok, "
+                         f"{t.failed - before[1]} failed, {t.wrong - before[2]} wrong")
+            await load.stop()
+            await asyncio.sleep(3)  # reports of the last changes and the statistics reach the conductor
+            detected = await injector.corrupt_detected()
+            listed, lost = await _unservable(up, secret.encode())
+            progress(f"the index lists {listed} placements on node agents; {lost} of them cannot be served")
+        finally:
+            if load is not None and not load._stop.is_set():
+                await load.stop()
+            output = up.stop()
+            if etcd is not None:
+                etcd.stop()
+            pool.unlink(missing_ok=True)
+        t = load.tally
+        answered = t.ok + t.wrong
+        report.add("requests.ok", t.ok, "requests", t.ok + t.wrong + t.failed, limit_name="requests sent",
+                   failed=t.failed, faults=list(faults), errors=t.errors[:8])
+        report.add("requests.wrong", t.wrong, "requests", max(answered, 1), limit_name="requests answered")
+        report.add("placements.lost", lost, "placements", max(listed, 1), limit_name="placements the index lists")
+        if "corrupt_ssd" in faults:
+            report.add("ssd.corrupt_detected", detected, "blocks", CORRUPTED_FILES, limit_name="block files corrupted "
+                       "(only those read again can be detected)")
+        for fault, seconds in recovery.items():
+            report.add(f"recovery_s.{fault}", seconds if seconds is not None else RECOVERY_TIMEOUT_S, "s", cold_start,
+                       limit_name="the cluster's cold start, same run", recovered=seconds is not None)
+        if "restarting" not in output and any(f.startswith("kill_") and f != "kill_etcd_leader" for f in faults):
+            progress("note: tiercake up never said it restarted anything")
+    return report
+
+
+def failed(report: Report) -> list[str]:
+    """What makes a chaos run fail: a wrong answer, a lost placement, a fault never recovered from."""
+    figures = {f.name: f for f in report.figures}
+    reasons = []
+    if figures["requests.wrong"].value:
+        reasons.append(f"{figures['requests.wrong'].value:.0f} wrong answers")
+    if figures["placements.lost"].value:
+        reasons.append(f"{figures['placements.lost'].value:.0f} placements lost")
+    reasons += [f"never recovered from {name.split('.', 1)[1]}" for name, f in figures.items()
+                if name.startswith("recovery_s.") and not f.params["recovered"]]
+    return reasons
+
+
+__all__ = ["FAULTS", "Oracle", "failed", "pid_listening", "run"]
