@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import time
 import uuid
@@ -22,7 +23,7 @@ from tiercake.errors import ApiError, invalid
 
 from .dispatch import Dispatcher, Job
 from .serving_stats import ServingStats, Timing
-from .tenants import Tenants
+from .tenants import Quotas, Tenants
 from .worker_client import WorkerError
 
 OPEN_PATHS = ("/v1/completions", "/v1/models")  # API keys, not control tokens
@@ -85,6 +86,7 @@ class OpenAIApi:
         self.config = config
         self.serving = config.serving
         self.tenants = tenants
+        self.quotas = Quotas(config.serving)
         self.dispatcher = dispatcher
         self.stats = stats
 
@@ -98,25 +100,26 @@ class OpenAIApi:
              "max_model_len": self.serving.max_context}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            req, job = await self._job(request)
-            events = self.dispatcher.run(job)
+        with contextlib.ExitStack() as held:  # the tenant's quota, for the request's whole life
             try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                raise ApiError(500, "the worker produced nothing", "server_error") from None
-            except WorkerError as exc:
-                raise ApiError(502, str(exc), "server_error") from None
-        except ApiError as exc:
-            self.stats.outcome(str(exc.status))
-            return exc.response()
-        self.stats.outcome("ok")
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        if req.stream:
-            return await self._sse(request, rid, req, job, first, events)
-        return await self._whole(rid, req, job, first, events)
+                req, job = await self._job(request, held)
+                events = self.dispatcher.run(job)
+                try:
+                    first = await anext(events)
+                except StopAsyncIteration:
+                    raise ApiError(500, "the worker produced nothing", "server_error") from None
+                except WorkerError as exc:
+                    raise ApiError(502, str(exc), "server_error") from None
+            except ApiError as exc:
+                self.stats.outcome(str(exc.status))
+                return exc.response()
+            self.stats.outcome("ok")
+            rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+            if req.stream:
+                return await self._sse(request, rid, req, job, first, events)
+            return await self._whole(rid, req, job, first, events)
 
-    async def _job(self, request: web.Request) -> tuple[CompletionRequest, Job]:
+    async def _job(self, request: web.Request, held: contextlib.ExitStack) -> tuple[CompletionRequest, Job]:
         tenant = self.tenants.of(request)
         try:
             req = CompletionRequest.model_validate_json(await request.read())
@@ -134,6 +137,7 @@ class OpenAIApi:
         if len(tokens) + req.max_tokens > self.serving.max_context:
             raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {req.max_tokens} exceed the context "
                            f"length of {self.serving.max_context}", code="context_length_exceeded")
+        held.enter_context(self.quotas.admit(tenant, len(tokens) + req.max_tokens))
         index_tenant, salt = self.tenants.namespace(tenant)
         keys = block_keys(self.config.serving_namespace(salt), tokens)  # the front's only hashing of it
         await self.stats.arrived(keys, tokens, req.max_tokens, index_tenant)

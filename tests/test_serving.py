@@ -650,3 +650,43 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+async def test_tenant_quotas_refuse_one_tenant_with_429s_and_leave_the_other_served(tmp_path):
+    """alice may have one request in flight; bob 300 tokens (prompt + max_tokens) a minute. While
+    alice streams, her second request is a 429 and bob's are served; bob's third request within the
+    minute is a 429 with the wait in Retry-After; one larger than a minute's worth is a 400."""
+    up = UpCluster(tmp_path, serving=", api_keys: {key-a: alice, key-b: bob}, quota: {requests_in_flight: 1}, "
+                                     "tenant_quotas: {bob: {tokens_per_minute: 300}}", args=["--workers", "1"])
+    try:
+        await up.wait_up(workers=1)
+        alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
+        async with aiohttp.ClientSession() as http:
+            stream = await http.post(up.url + "/v1/completions", headers=alice,
+                                     json=completion(text="a" * 40, max_tokens=200, stream=True))
+            assert stream.status == 200
+            await stream.content.readline()  # alice's first request is being served
+            async with http.post(up.url + "/v1/completions", headers=alice, json=completion(max_tokens=2)) as resp:
+                body = await resp.json()
+                assert resp.status == 429 and body["error"]["code"] == "tenant_quota", body
+                assert "requests in flight" in body["error"]["message"] and resp.headers["Retry-After"] == "1"
+            bob_prompt = "b" * 100
+            for _ in range(2):  # 150 tokens each, while alice's stream runs: bob is not held back by her
+                async with http.post(up.url + "/v1/completions", headers=bob,
+                                     json=completion(text=bob_prompt, max_tokens=50)) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with http.post(up.url + "/v1/completions", headers=bob,
+                                 json=completion(text=bob_prompt, max_tokens=50)) as resp:
+                body = await resp.json()
+                assert resp.status == 429 and body["error"]["code"] == "tenant_quota", body
+                assert 20 <= int(resp.headers["Retry-After"]) <= 31  # 150 tokens at 5 a second
+            async with http.post(up.url + "/v1/completions", headers=bob,
+                                 json=completion(text="b" * 300, max_tokens=50)) as resp:
+                assert resp.status == 400 and "per minute" in (await resp.json())["error"]["message"]
+            rest = await stream.read()
+            assert b"[DONE]" in rest and b'"error"' not in rest  # alice's stream was never disturbed
+            stream.release()
+            async with http.post(up.url + "/v1/completions", headers=alice, json=completion(max_tokens=2)) as resp:
+                assert resp.status == 200  # her slot is free again
+    finally:
+        up.stop()

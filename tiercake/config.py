@@ -207,6 +207,17 @@ class InsecureConfigError(ValueError):
     """A server of the cluster would run without authentication and the operator did not ask for it."""
 
 
+class TenantQuota(BaseModel):
+    """What one tenant may use of a front at once (each front counts on its own); unset: no limit.
+    Over a limit, a request is refused with 429 and Retry-After, so one tenant cannot starve the others."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_in_flight: int | None = Field(default=None, gt=0, description="requests being served at once")
+    tokens_per_minute: int | None = Field(default=None, gt=0, description="prompt tokens plus max_tokens "
+                                          "admitted per minute (a token bucket of a minute's worth)")
+
+
 class ServingConfig(BaseModel):
     """The serving path: the model, the workers' gpu tiers, the OpenAI-compatible front, routing."""
 
@@ -236,6 +247,9 @@ class ServingConfig(BaseModel):
     api_keys_file: str | None = Field(default=None, description="more API keys: a YAML or JSON mapping of key -> "
                                       "tenant (a mounted Secret keeps them out of the config)")
     shared_namespace: bool = Field(default=False, description="all tenants share one cache namespace")
+    quota: TenantQuota = Field(default_factory=TenantQuota, description="every tenant's limits, unless "
+                               "tenant_quotas names the tenant")
+    tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict, description="tenant -> its own limits")
     disaggregated: bool = Field(default=True, description="separate prefill and decode workers when both exist")
     reuse_window_blocks: int = Field(default=100_000, ge=0, description="the front measures reuse distance and "
                                      "prefetchability over this many recent distinct blocks (about 0.5 KB each); "
