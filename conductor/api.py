@@ -98,6 +98,22 @@ class _MemberTierCollector:
         yield from (used, blocks, hits, residency)
 
 
+class _ElectionCollector:
+    """Terms won and leader changes seen, as the counters they are (they only grow), read from the
+    election when scraped."""
+
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        election = self.conductor.election
+        yield CounterMetricFamily("tiercake_leader_terms", "terms this conductor has won", value=election.terms)
+        yield CounterMetricFamily("tiercake_leader_changes", "leader changes this conductor has seen",
+                                  value=election.changes_seen)
+
+
 class _Metrics:
     """The control plane's Prometheus series (the front binds its own into the same registry)."""
 
@@ -113,8 +129,6 @@ class _Metrics:
                                         "backend", buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1,
                                                             5), registry=registry)
         self.leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
-        self.terms = Gauge("tiercake_leader_terms", "terms this conductor has won", registry=registry)
-        self.changes = Gauge("tiercake_leader_changes", "leader changes this conductor has seen", registry=registry)
         self.members = Gauge("tiercake_members", "live members", ["role"], registry=registry)
         self.pins = Gauge("tiercake_pins", "pinned blocks", registry=registry)
         self.requests = Counter("tiercake_api_requests", "API requests", ["endpoint"], registry=registry)
@@ -122,6 +136,7 @@ class _Metrics:
                                         buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
         conductor.index.stats.on_batch = self.on_batch
         registry.register(_MemberTierCollector(conductor))
+        registry.register(_ElectionCollector(conductor))
 
     def on_batch(self, n: int, seconds: float) -> None:
         self.ops.inc(n)
@@ -132,8 +147,6 @@ class _Metrics:
         conductor = self.conductor
         self.index_size.set(len(conductor.index))
         self.leader.set(1 if conductor.is_leader else 0)
-        self.terms.set(conductor.election.terms)
-        self.changes.set(conductor.election.changes_seen)
         self.pins.set(len(conductor.pins))
         for role in ("node", "prefill", "decode", "worker"):
             self.members.labels(role).set(len(conductor.members.alive(role)))
@@ -284,13 +297,14 @@ def _member_routes(conductor: Conductor) -> list:
 
 
 def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None,
-              with_public: bool = True) -> web.Application:
+              with_public: bool = True, metrics_open: bool = True) -> web.Application:
     """The control API; with ``frontend`` (a ``Frontend``), its operator endpoints and, unless
-    ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it."""
+    ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it.
+    ``metrics_open``: /metrics without a token (for scrapers)."""
     metrics = _Metrics(conductor)
     if frontend is not None:
         frontend.bind_metrics(metrics.registry)
-    open_paths = OPEN_PATHS if frontend is not None and with_public else ()
+    open_paths = (OPEN_PATHS if frontend is not None and with_public else ()) + (("/metrics",) if metrics_open else ())
     app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics), body_deadline],
                           client_max_size=MAX_BODY)
     app.add_routes([*_probe_routes(conductor), web.get("/metrics", metrics.handler),
@@ -359,7 +373,8 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             put_timeout=config.put_timeout_s, peer_token=tokens[0] if tokens else None,
         ).start()
         frontend = Frontend(conductor, full)
-        sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None), sock)]
+        sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None,
+                            metrics_open=config.metrics_open), sock)]
         if public_sock is not None:
             sites.append((build_public_app(conductor, frontend), public_sock))
         for app, bound_sock in sites:

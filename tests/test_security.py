@@ -67,3 +67,12 @@ async def test_a_body_that_trickles_in_is_cut_off_with_a_408(monkeypatch):
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         assert head.startswith(b"HTTP/1.1 401")
         writer.close()
+
+
+async def test_metrics_can_be_closed_behind_the_token_too():
+    async with running_conductor(tokens=["t0ken"], metrics_open=False) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/metrics") as resp:
+                assert resp.status == 401
+            async with http.get(url + "/metrics", headers={"Authorization": "Bearer t0ken"}) as resp:
+                assert resp.status == 200 and "tiercake_is_leader" in await resp.text()

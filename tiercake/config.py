@@ -179,6 +179,9 @@ class ConductorConfig(BaseModel):
     replication: str = Field(default="fixed", description="replication policy: fixed, hot")
     replication_params: dict[str, Any] = Field(default_factory=dict)
     put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
+    metrics_open: bool = Field(default=True, description="serve /metrics without the token, so Prometheus scrapes "
+                               "it by annotation (it holds counts by member, tier and phase: no tenant, prompt or "
+                               "key); false: the token, as every other control endpoint")
     insecure: bool = Field(default=False, description="serve the control API and the workers' API without a token "
                            "(anyone who reaches them can register workers, read every tenant's keys and answer "
                            "requests): for a throwaway cluster on a laptop only; refused by default")
