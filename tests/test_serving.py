@@ -623,7 +623,8 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
                         break
                 await asyncio.sleep(0.3)
             assert _pid_listening(node.port) != node_pid
-            prompt = "A prompt sharing no block with any before it, written to the node agent after its restart."
+            # its first blocks sit in the worker's gpu tier from before the restart, and go along again
+            prompt = PROMPT + "After a restart. Written to the node agent after its restart."
             async with Client([up.url], timeout=60, retries=5) as client:
                 await client.complete(prompt, max_tokens=2)
             for _ in range(50):

@@ -126,7 +126,7 @@ class InferenceEngine:
             raise
         seq = Sequence(tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats,
                        stored=table.cached)
-        self._store_full_blocks(seq)
+        self._store_full_blocks(seq, resend_cached=True)
         if self.node is not None and self.transfer is not None:
             stats.written_blocks = max(0, len(tokens) // self.block_size - table.cached)
         return seq
@@ -206,8 +206,11 @@ class InferenceEngine:
                 results = await self.transfer.transfer(batch, timeout=deadline)
         return results
 
-    def _store_full_blocks(self, seq: Sequence) -> None:
-        """Adopt the sequence's newly full blocks into the gpu tier and write them through."""
+    def _store_full_blocks(self, seq: Sequence, resend_cached: bool = False) -> None:
+        """Adopt the sequence's newly full blocks into the gpu tier and write them through. With
+        ``resend_cached`` (a prefill), the prefix the gpu tier already held goes along in the same batch
+        when there is anything new to send: a node that lost it (its agent restarted, it evicted it)
+        gets the chain whole again, and one that holds it answers "exists" without the bytes."""
         full = len(seq.tokens) // self.block_size
         bs = self.block_size
         while len(seq.keys) < full:  # generated tokens fill blocks too: extend the chain by one key each
@@ -219,6 +222,8 @@ class InferenceEngine:
             parent = seq.keys[i - 1] if i else None
             if self.kv.adopt(seq.table, i, seq.keys[i], parent, seq.tenant):
                 new.append(i)
+        if new and resend_cached:
+            new = list(range(seq.stored)) + new
         seq.stored = full
         if new and self.node is not None and self.transfer is not None:
             leases = [self.store.acquire_lease(seq.keys[i], math.inf, tier="gpu") for i in new]  # held while sent
