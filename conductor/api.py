@@ -359,7 +359,8 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             "register workers, read every tenant's cached keys and answer requests", config.port)
     sock = _bind(config.host, config.port)  # bound first: the URL the conductor publishes is the one it serves
     bound = sock.getsockname()
-    url = config.advertise_url or f"http://{reachable_host(bound[0])}:{bound[1]}"
+    scheme, tls = full.tls.scheme, full.tls.server_context()
+    url = config.advertise_url or f"{scheme}://{reachable_host(bound[0])}:{bound[1]}"
     public_port = full.serving.port
     beside = public_port is None or (public_port == config.port != 0 and (full.serving.host or config.host) == config.host)
     public_sock = None if beside else _bind(full.serving.host or config.host, public_port)
@@ -371,6 +372,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
             replication=config.replication, replication_params=config.replication_params,
             put_timeout=config.put_timeout_s, peer_token=tokens[0] if tokens else None,
+            peer_ssl=full.tls.client_context(),
         ).start()
         frontend = Frontend(conductor, full)
         sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None,
@@ -381,11 +383,11 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             runner = web.AppRunner(app)
             runners.append(runner)
             await runner.setup()
-            await web.SockSite(runner, bound_sock).start()
+            await web.SockSite(runner, bound_sock, ssl_context=tls).start()
         announced = {"conductor": conductor.conductor_id, "url": url}
         if public_sock is not None:
             host, port = public_sock.getsockname()[:2]
-            announced["api_url"] = f"http://{reachable_host(host)}:{port}"
+            announced["api_url"] = f"{scheme}://{reachable_host(host)}:{port}"
         print(json.dumps(announced), file=announce or sys.stdout, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -54,11 +54,14 @@ class ConductorError(Exception):
 
 
 class Client:
-    def __init__(self, urls: list[str], token: str | None = None, timeout: float = 5.0, retries: int = 20) -> None:
+    def __init__(self, urls: list[str], token: str | None = None, timeout: float = 5.0, retries: int = 20,
+                 ssl=None) -> None:
+        """``ssl``: an ``ssl.SSLContext`` to verify https servers with (None: the system's CAs)."""
         if not urls:
             raise ValueError("at least one conductor URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
         self.token = token
+        self.ssl = ssl
         self.timeout = timeout
         self.retries = retries
         self._current = 0
@@ -79,7 +82,9 @@ class Client:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout))
+            connector = aiohttp.TCPConnector(ssl=self.ssl) if self.ssl is not None else None
+            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  connector=connector)
         return self._session
 
     async def _call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:

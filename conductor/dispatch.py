@@ -89,7 +89,7 @@ class Dispatcher:
         self.serving = config.serving
         self.layout = self.serving.layout()
         self.stats = stats
-        self.workers = workers or WorkerClient(conductor.peer_token)
+        self.workers = workers or WorkerClient(conductor.peer_token, config.tls.client_context())
         self.loads: dict[str, WorkerLoad] = defaultdict(WorkerLoad)
         self._router_spec = RouterSpec(name=self.serving.router, params=self.serving.router_params)
         self._router = create_router(self._router_spec.name, self._router_spec.params)

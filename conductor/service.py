@@ -71,7 +71,8 @@ class ReplicationTask:
 class Conductor:
     def __init__(self, meta: MetadataBackend, conductor_id: str | None = None, url: str = "", ttl: int = 3,
                  placement: str = "least_used", replication: str = "fixed", replication_params: dict | None = None,
-                 put_timeout: float = 60.0, heat_half_life: float = 10.0, peer_token: str | None = None) -> None:
+                 put_timeout: float = 60.0, heat_half_life: float = 10.0, peer_token: str | None = None,
+                 peer_ssl=None) -> None:
         self.meta = meta
         self.placement = create_placement(placement)
         self.replication = create_replication(replication, replication_params)
@@ -89,6 +90,7 @@ class Conductor:
         self.heat = AccessRates(half_life=heat_half_life)
         # a follower's lookups count too: it sends them to the leader, which decides replication
         self.peer_token = peer_token  # the control token conductors use with each other
+        self.peer_ssl = peer_ssl  # and what they verify each other's https with
         self._heat_out: dict[tuple[str, bytes], int] = {}
         self._heat_forwarder: asyncio.Task | None = None
         self._leader_client = None  # (url, Client) of the leader the counts go to
@@ -290,7 +292,8 @@ class Conductor:
             if self._leader_client is None or self._leader_client[0] != leader.url:
                 if self._leader_client is not None:
                     await self._leader_client[1].close()
-                self._leader_client = (leader.url, Client([leader.url], token=self.peer_token, timeout=5, retries=1))
+                self._leader_client = (leader.url, Client([leader.url], token=self.peer_token, timeout=5, retries=1,
+                                                              ssl=self.peer_ssl))
             try:
                 await self._leader_client[1].heat([(t, k, n) for (t, k), n in batch.items()])
             except ConductorError as exc:

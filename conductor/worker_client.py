@@ -48,15 +48,17 @@ class StreamBroken(WorkerError):
 
 
 class WorkerClient:
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(self, token: str | None = None, ssl=None) -> None:
         self._http: aiohttp.ClientSession | None = None
         self.token = token  # the cluster's control token: workers take work only from who holds it
+        self.ssl = ssl  # what https workers are verified with (None: the system's CAs)
 
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            connector = aiohttp.TCPConnector(ssl=self.ssl) if self.ssl is not None else None
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
-                                               headers=headers)
+                                               headers=headers, connector=connector)
         return self._http
 
     async def close(self) -> None:

@@ -24,7 +24,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from
 
 
 class UpCluster(UpProcess):
-    def __init__(self, tmp, serving: str = "", args: list[str] = (), token: str | None = ""):
+    def __init__(self, tmp, serving: str = "", args: list[str] = (), token: str | None = "", extra: str = ""):
         port = free_port()
         self.pool = Path(f"/dev/shm/tiercake-serving-{os.getpid()}-{port}")
         config = tmp / "cluster.yaml"
@@ -34,7 +34,7 @@ class UpCluster(UpProcess):
             f"    - {{kind: pool, capacity: 8MiB, path: {self.pool}}}\n"
             f"    - {{kind: ssd, capacity: 64MiB, path: {tmp / 'ssd'}}}\n"
             "conductor: {member_ttl: 2}\n"
-            f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n"
+            f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n" + extra
         )
         super().__init__(config, tmp / "data", port, list(args), token=token)
 
@@ -49,7 +49,7 @@ class UpCluster(UpProcess):
 
     def ops(self) -> Client:
         """A client of the control API (the operator's token)."""
-        return Client([self.control_url], token=self.token, timeout=60)
+        return Client([self.control_url], token=self.token, timeout=60, ssl=self.ssl)
 
     def auth(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"}
@@ -689,5 +689,60 @@ async def test_tenant_quotas_refuse_one_tenant_with_429s_and_leave_the_other_ser
             stream.release()
             async with http.post(up.url + "/v1/completions", headers=alice, json=completion(max_tokens=2)) as resp:
                 assert resp.status == 200  # her slot is free again
+    finally:
+        up.stop()
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 that is its own CA, and its key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tiercake-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+async def test_tls_on_every_http_api_of_the_cluster(tmp_path):
+    """With tls configured, the public API, the control API and the workers' API serve https only:
+    a completion goes front -> worker over https, a client that does not trust the CA is refused, and
+    plain http gets nothing."""
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    up = UpCluster(tmp_path, args=["--workers", "1"],
+                   extra=f"tls: {{cert_file: {cert}, key_file: {key}, ca_file: {cert}}}\n")
+    try:
+        assert up.url.startswith("https://") and up.control_url.startswith("https://")
+        await up.wait_up(workers=1)
+        async with up.ops() as ops:
+            worker = next(m for m in await ops.members() if m.role == "worker")
+        assert worker.url.startswith("https://")
+        async with Client([up.url], timeout=60, ssl=ssl.create_default_context(cafile=str(cert))) as client:
+            answer = await client.complete(PROMPT + "Over TLS.", max_tokens=3)
+        assert answer["usage"]["completion_tokens"] == 3
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):  # the system does not trust it
+                await http.get(up.url + "/v1/models")
+            with pytest.raises(aiohttp.ClientError):
+                await http.get(up.url.replace("https://", "http://") + "/v1/models")
+            with pytest.raises(aiohttp.ClientError):
+                await http.post(worker.url.replace("https://", "http://") + "/generate", json={})
     finally:
         up.stop()

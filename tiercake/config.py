@@ -281,6 +281,49 @@ class ServingConfig(BaseModel):
         return keys
 
 
+class TlsConfig(BaseModel):
+    """TLS for every HTTP API of the cluster: the conductor's control and OpenAI-compatible APIs and the
+    workers'. The transfer port is not encrypted: it authenticates both ends with the cluster secret
+    and carries KV bytes (keep it on the cluster's network)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: str | None = Field(default=None, description="the server certificate chain (PEM); with key_file, "
+                                  "every HTTP API serves https only")
+    key_file: str | None = Field(default=None, description="its private key (PEM)")
+    ca_file: str | None = Field(default=None, description="the CA the cluster's own clients trust (default: the "
+                                "system's, or $SSL_CERT_FILE)")
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls.cert_file and tls.key_file go together")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.cert_file else "http"
+
+    def server_context(self):
+        """The servers' context (None: plain http)."""
+        if not self.cert_file:
+            return None
+        import ssl
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+    def client_context(self):
+        """What the cluster's own clients verify servers with (None: aiohttp's default, the system's CAs)."""
+        if not self.ca_file:
+            return None
+        import ssl
+
+        return ssl.create_default_context(cafile=self.ca_file)
+
+
 class TiercakeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -290,6 +333,7 @@ class TiercakeConfig(BaseModel):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     conductor: ConductorConfig = Field(default_factory=ConductorConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    tls: TlsConfig = Field(default_factory=TlsConfig)
 
     def serving_namespace(self, tenant_salt: str = "") -> Namespace:
         """The namespace of the served model's blocks (what workers and the front hash with)."""

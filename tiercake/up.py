@@ -333,10 +333,13 @@ class UpProcess:
     def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = (),
                  token: str | None = "", env: dict[str, str] | None = None) -> None:
         from tiercake.conductor.etcd_process import free_port
+        from tiercake.config import load_config
 
+        tls = load_config(config_path).tls
+        self.ssl = tls.client_context()  # what to verify the cluster's https with (None: the system's CAs)
         control_port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.control_url = f"http://127.0.0.1:{control_port}"
+        self.url = f"{tls.scheme}://127.0.0.1:{port}"
+        self.control_url = f"{tls.scheme}://127.0.0.1:{control_port}"
         self.data_dir = data_dir
         env = dict(os.environ if env is None else env)
         env.pop("TIERCAKE_TOKEN", None)
@@ -357,7 +360,7 @@ class UpProcess:
             self.token = (self.data_dir / "control-token").read_text().strip()
         request = urllib.request.Request(self.control_url + "/v1/members",
                                          headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
-        with urllib.request.urlopen(request, timeout=2) as resp:
+        with urllib.request.urlopen(request, timeout=2, context=self.ssl) as resp:
             return json.loads(resp.read())["members"]
 
     def wait_ready(self, workers: int, timeout: float = 180.0) -> None:

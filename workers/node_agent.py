@@ -54,7 +54,7 @@ class NodeAgent:
     async def _join(self, secret: bytes) -> None:
         cfg = self.config
         tokens = cfg.conductor.tokens()
-        self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None)
+        self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None, ssl=cfg.tls.client_context())
         self.engine = TransferEngine(cfg.node_id, secret, self.store, transports=tuple(cfg.transfer.transports),
                                      streams=cfg.transfer.streams, checksum=cfg.transfer.checksum)
         host, port = self.server.address

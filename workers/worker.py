@@ -57,19 +57,20 @@ class Worker:
         cfg = self.config
         try:
             tokens = self._tokens = cfg.conductor.required_tokens()  # none only when the config says insecure
-            client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None) if cfg.conductor.urls else None
+            client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None,
+                            ssl=cfg.tls.client_context()) if cfg.conductor.urls else None
             if client is not None:
                 self._closers.append(client.close)
             self.engine = await ReferenceEngine(cfg, self.worker_id, self.data_dir).start(client)
             self._closers.append(self.engine.close)
             runner = web.AppRunner(self._app())
             await runner.setup()
-            site = web.TCPSite(runner, host, port)
+            site = web.TCPSite(runner, host, port, ssl_context=cfg.tls.server_context())
             await site.start()
             self._closers.append(runner.cleanup)
             bound = runner.addresses[0][:2]
             advertised = reachable_host(bound[0], self.advertise)
-            self.url = f"http://{advertised}:{bound[1]}"
+            self.url = f"{cfg.tls.scheme}://{advertised}:{bound[1]}"
             if client is not None:
                 await self._join(client, advertised, bound[1])
         except BaseException:
