@@ -1,6 +1,7 @@
-"""The OpenAI adapter: ``/v1/completions`` (whole or streamed) and ``/v1/models``. It parses and
-checks the request, resolves the tenant, keys the prompt once, hands a ``Job`` to the dispatcher and
-renders what comes back in OpenAI's shapes. The first token decides the HTTP status: a failure before
+"""The OpenAI adapter: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed) and
+``/v1/models``. It parses and checks the request into one ``Ask`` (a chat's messages through the chat
+template), resolves the tenant, keys the prompt once, hands a ``Job`` to the dispatcher and renders
+what comes back in the endpoint's shape (``chat.py``). The first token decides the HTTP status: a failure before
 it is a plain error response; after it, the response is under way and a failure ends it with an
 error (an ``error`` event and ``[DONE]`` on a stream)."""
 
@@ -12,69 +13,53 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import ValidationError
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError, invalid
 
+from .openai_models import ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, render
 from .dispatch import Dispatcher, Job
 from .serving_stats import ServingStats, Timing
 from .tenants import Quotas, Tenants
 from .worker_client import WorkerError
 
-OPEN_PATHS = ("/v1/completions", "/v1/models")  # API keys, not control tokens
+OPEN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # API keys, not control tokens
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+@dataclass(slots=True)
+class Ask:
+    """What either endpoint asks for, once parsed: the prompt as token ids and how to answer."""
 
-    include_usage: bool = False
+    model: str
+    tokens: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stream: bool
+    include_usage: bool
 
 
-# OpenAI's completion parameters this server does not honour, with the value that means "not used":
-# clients that send them at that value are served; any other value is a 400 that names the parameter,
-# never an answer that silently ignored it.
-UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False, "suffix": None,
-              "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+def completion_ask(raw: bytes) -> Ask:
+    req = CompletionRequest.model_validate_json(raw)
+    tokens = list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt
+    return Ask(req.model, tokens, req.max_tokens, req.temperature, req.seed, req.stream,
+               bool(req.stream_options and req.stream_options.include_usage))
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request. Unknown fields are refused (as OpenAI does); types are strict (a
-    ``"16"``, ``2.0`` or ``true`` where an integer belongs is a 400, never coerced); the parameters in
-    ``UNHONOURED`` are accepted only at their neutral value."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str = Field(min_length=1)
-    prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    seed: int | None = None
-    user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
-    n: int = 1
-    best_of: int = 1
-    top_p: float = 1
-    stop: str | list[str] | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    presence_penalty: float = 0
-    frequency_penalty: float = 0
-    logit_bias: dict[str, float] | None = None
-
-    @field_validator(*UNHONOURED)
-    @classmethod
-    def _only_neutral(cls, value, info: ValidationInfo):
-        neutral = UNHONOURED[info.field_name]
-        if value != neutral and not (neutral is None and value in ([], {}, "")):
-            raise ValueError(f"{value!r} is not supported by this server (leave it out, or send {neutral!r})")
-        return value
+def chat_ask(raw: bytes) -> Ask:
+    req = ChatCompletionRequest.model_validate_json(raw)
+    try:
+        limit = req.limit()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="max_completion_tokens") from None
+    return Ask(req.model, list(render(req.messages).encode("utf-8")), limit, req.temperature, req.seed, req.stream,
+               bool(req.stream_options and req.stream_options.include_usage))
 
 
 # failures after the first token: the worker's, or the dispatcher's (no decode worker left)
@@ -91,7 +76,8 @@ class OpenAIApi:
         self.stats = stats
 
     def routes(self) -> list:
-        return [web.post("/v1/completions", self.completions), web.get("/v1/models", self.models)]
+        return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                web.get("/v1/models", self.models)]
 
     async def models(self, request: web.Request) -> web.Response:
         self.tenants.of(request)
@@ -100,9 +86,15 @@ class OpenAIApi:
              "max_model_len": self.serving.max_context}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, completion_ask, CompletionShape)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat_ask, ChatShape)
+
+    async def _serve(self, request: web.Request, parse: Callable[[bytes], Ask], shape) -> web.StreamResponse:
         with contextlib.ExitStack() as held:  # the tenant's quota, for the request's whole life
             try:
-                req, job = await self._job(request, held)
+                req, job = await self._job(request, held, parse)
                 events = self.dispatcher.run(job)
                 try:
                     first = await anext(events)
@@ -114,21 +106,22 @@ class OpenAIApi:
                 self.stats.outcome(str(exc.status))
                 return exc.response()
             self.stats.outcome("ok")
-            rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+            rid = f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}"
             if req.stream:
-                return await self._sse(request, rid, req, job, first, events)
-            return await self._whole(rid, req, job, first, events)
+                return await self._sse(request, rid, req, job, first, events, shape)
+            return await self._whole(rid, req, job, first, events, shape)
 
-    async def _job(self, request: web.Request, held: contextlib.ExitStack) -> tuple[CompletionRequest, Job]:
+    async def _job(self, request: web.Request, held: contextlib.ExitStack,
+                   parse: Callable[[bytes], Ask]) -> tuple[Ask, Job]:
         tenant = self.tenants.of(request)
         try:
-            req = CompletionRequest.model_validate_json(await request.read())
+            req = parse(await request.read())
         except ValidationError as exc:
             raise invalid(exc, "invalid request") from None
         if req.model != self.config.model_id:
             raise ApiError(404, f"model {req.model!r} does not exist; this cluster serves {self.config.model_id!r}",
                            "invalid_request_error", "model_not_found")
-        tokens = list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt
+        tokens = req.tokens
         if not tokens:
             raise ApiError(400, "the prompt is empty")
         vocab = self.serving.model.vocab
@@ -156,12 +149,8 @@ class OpenAIApi:
                              "load_s": stats.load_s, "load_tier": stats.load_tier, "compute_s": stats.compute_s,
                              "decode_cached_tokens": timing.decode_cached_tokens}}
 
-    @staticmethod
-    def _choice(text: str, finish: str | None) -> dict:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-
-    async def _whole(self, rid: str, req: CompletionRequest, job: Job, first: tuple[int, str | None],
-                     events: AsyncIterator[tuple[int, str | None]]) -> web.Response:
+    async def _whole(self, rid: str, req: Ask, job: Job, first: tuple[int, str | None],
+                     events: AsyncIterator[tuple[int, str | None]], shape) -> web.Response:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text, generated, finish = decoder.decode(bytes([first[0] % 256])), 1, first[1]
         try:
@@ -174,12 +163,12 @@ class OpenAIApi:
             await events.aclose()  # a client gone mid-request: the worker's stream closes too
         text += decoder.decode(b"", final=True)
         self.stats.served += 1
-        return web.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
-                                  "model": req.model, "choices": [self._choice(text, finish or "length")],
+        return web.json_response({"id": rid, "object": shape.object, "created": int(time.time()),
+                                  "model": req.model, "choices": [shape.choice(text, finish or "length")],
                                   "usage": self._usage(job, generated)})
 
-    async def _sse(self, request: web.Request, rid: str, req: CompletionRequest, job: Job,
-                   first: tuple[int, str | None], events: AsyncIterator[tuple[int, str | None]]) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, rid: str, req: Ask, job: Job, first: tuple[int, str | None],
+                   events: AsyncIterator[tuple[int, str | None]], shape) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -189,17 +178,17 @@ class OpenAIApi:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
-        def chunk(text: str, finish: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": [self._choice(text, finish)]}
+        def chunk(text: str, finish: str | None, first: bool = False) -> dict:
+            return {"id": rid, "object": shape.chunk_object, "created": created, "model": req.model,
+                    "choices": [shape.chunk_choice(text, finish, first)]}
 
         generated = 1
         try:
-            await send(chunk(decoder.decode(bytes([first[0] % 256])), first[1]))
+            await send(chunk(decoder.decode(bytes([first[0] % 256])), first[1], first=True))
             async for token, finish in events:
                 generated += 1
                 await send(chunk(decoder.decode(bytes([token % 256])), finish))
-            if req.stream_options and req.stream_options.include_usage:
+            if req.include_usage:
                 await send({**chunk("", None), "choices": [], "usage": self._usage(job, generated)})
             await send("[DONE]")
             self.stats.served += 1

@@ -265,17 +265,25 @@ def test_fuzzed_http_requests_get_clear_4xx_never_a_5xx_a_hang_or_a_leak(cluster
     control_fields = st.fixed_dictionaries({}, optional={
         "tenant": st.text(max_size=12) | values, "keys": st.lists(st.text("0123456789abcdef", max_size=70), max_size=4)
         | values, "prompt": st.text(min_size=1, max_size=60) | values})
-    bodies = st.one_of(completion_fields.map(json.dumps), control_fields.map(json.dumps), values.map(json.dumps),
-                       st.binary(max_size=200))
+    chat_fields = st.fixed_dictionaries({
+        "model": st.sampled_from([MODEL, MODEL, "nope"]) | values,
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"])
+                                                    | values, "content": st.text(max_size=40) | values}),
+                             max_size=3) | values,
+    }, optional={"max_tokens": st.integers(-2, 6) | values, "max_completion_tokens": st.integers(0, 6) | values,
+                 "stream": st.booleans() | values, "tools": values, "temperature": st.floats(-1, 3) | values})
+    bodies = st.one_of(completion_fields.map(json.dumps), chat_fields.map(json.dumps), control_fields.map(json.dumps),
+                       values.map(json.dumps), st.binary(max_size=200))
     control = cluster.control_url
-    targets = [(cluster.url, "/v1/completions", None), (control, "/v1/placements/lookup", cluster.token),
+    targets = [(cluster.url, "/v1/completions", None), (cluster.url, "/v1/chat/completions", None),
+               (control, "/v1/placements/lookup", cluster.token),
                (control, "/v1/prefix", cluster.token), (control, "/v1/placements/commit", None),
                (control, "/v1/members/register", None), (control, "/v1/policy", None)]
     conductor = _pid_listening(int(control.rsplit(":", 1)[1]))
     rss_before = _rss_mb(conductor)
     seen: dict[int, int] = {}
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(body=bodies, target=st.sampled_from(targets))
     def fuzz(body, target):
         base, path, token = target
@@ -297,13 +305,60 @@ def test_fuzzed_http_requests_get_clear_4xx_never_a_5xx_a_hang_or_a_leak(cluster
             assert status == 401  # nothing of the control API without the token, whatever the body
 
     fuzz()
-    assert sum(seen.values()) >= 300 and seen.get(200) and seen.get(400) and seen.get(401), seen
+    assert sum(seen.values()) >= 400 and seen.get(200) and seen.get(400) and seen.get(401), seen
     assert _rss_mb(conductor) - rss_before < 150, "the conductor's memory grew over the fuzz"
 
 
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_conversation(cluster):
+    """/v1/chat/completions renders the conversation with the documented template, so its answer is
+    the completion of that text; the next turn extends the prompt and reuses the conversation's KV."""
+    from tiercake.conductor.openai_models import ChatMessage, render
+
+    messages = [{"role": "system", "content": "You answer in riddles about caches and tiers."},
+                {"role": "user", "content": PROMPT}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(cluster.url + "/v1/chat/completions", json=chat) as resp:
+            whole = await resp.json()
+            assert resp.status == 200, whole
+        assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+        message = whole["choices"][0]["message"]
+        assert message["role"] == "assistant" and whole["choices"][0]["finish_reason"] == "length"
+        assert whole["usage"]["completion_tokens"] == 6
+        text = render([ChatMessage.model_validate(m) for m in messages])
+        async with http.post(cluster.url + "/v1/completions", json=completion(text=text, max_tokens=6)) as resp:
+            assert (await resp.json())["choices"][0]["text"] == message["content"]  # the template, as documented
+        assert whole["usage"]["prompt_tokens"] == len(text.encode())
+
+        async with http.post(cluster.url + "/v1/chat/completions",
+                             json={**chat, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            events = [line[6:] for line in (await resp.read()).decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert deltas[0]["role"] == "assistant" and "role" not in deltas[1]
+        assert "".join(d["content"] for d in deltas) == message["content"]
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+        follow_up = {**chat, "messages": [*messages, message, {"role": "user", "content": "And then?"}]}
+        async with http.post(cluster.url + "/v1/chat/completions", json=follow_up) as resp:
+            second = await resp.json()
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(text.encode()) // 16 * 16 - 16
+
+        bad = [({**chat, "messages": []}, "messages"), ({**chat, "messages": [{"role": "tool", "content": "x"}]},
+                                                        "role"),
+               ({**chat, "n": 2}, "n: 2 is not supported"), ({**chat, "max_completion_tokens": 3}, "not both"),
+               ({**chat, "tools": [{"type": "function"}]}, "tools"), ({**chat, "max_tokens": "6"}, "max_tokens")]
+        for body, words in bad:
+            async with http.post(cluster.url + "/v1/chat/completions", json=body) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and words in error["message"], (body, error)
 
 
 async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):

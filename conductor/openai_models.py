@@ -1,0 +1,153 @@
+"""OpenAI's requests as this server takes them (completion and chat: strict types, unknown fields
+refused, parameters it does not honour accepted only at their neutral value), the reference model's
+chat template, and the shapes of a response. The template turns a conversation into one prompt; a
+follow-up turn's prompt extends the previous one's, so the conversation's KV is reused turn after
+turn (the pattern of the trace)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+def only_neutral(unhonoured: dict, value, info: ValidationInfo):
+    """A parameter this server does not honour passes only at the value that means "not used"."""
+    neutral = unhonoured[info.field_name]
+    if value != neutral and not (neutral is None and value in ([], {}, "")):
+        raise ValueError(f"{value!r} is not supported by this server (leave it out, or send {neutral!r})")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+# OpenAI's completion parameters this server does not honour, with the value that means "not used":
+# clients that send them at that value are served; any other value is a 400 that names the parameter,
+# never an answer that silently ignored it.
+UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False, "suffix": None,
+              "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion request. Unknown fields are refused (as OpenAI does); types are strict (a
+    ``"16"``, ``2.0`` or ``true`` where an integer belongs is a 400, never coerced); the parameters in
+    ``UNHONOURED`` are accepted only at their neutral value."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1)
+    prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
+    n: int = 1
+    best_of: int = 1
+    top_p: float = 1
+    stop: str | list[str] | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float = 0
+    frequency_penalty: float = 0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator(*UNHONOURED)
+    @classmethod
+    def _only_neutral(cls, value, info: ValidationInfo):
+        return only_neutral(UNHONOURED, value, info)
+
+
+# OpenAI's chat parameters this server does not honour, with the value that means "not used"
+CHAT_UNHONOURED = {"n": 1, "top_p": 1, "stop": None, "logprobs": False, "top_logprobs": None,
+                   "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
+                   "tool_choice": None, "response_format": None}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request, strict like the completion one; ``max_completion_tokens`` is
+    the newer name of ``max_tokens`` (one of the two)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = None
+    n: int = 1
+    top_p: float = 1
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    presence_penalty: float = 0
+    frequency_penalty: float = 0
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    @field_validator(*CHAT_UNHONOURED)
+    @classmethod
+    def _only_neutral(cls, value, info: ValidationInfo):
+        return only_neutral(CHAT_UNHONOURED, value, info)
+
+    def limit(self) -> int:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("send max_tokens or max_completion_tokens, not both")
+        return self.max_completion_tokens or self.max_tokens or 16
+
+
+def render(messages: list[ChatMessage]) -> str:
+    """The reference model's chat template: each message as ``<|role|>\\n{content}\\n``, then
+    ``<|assistant|>\\n`` for the answer. Documented in the README; its bytes are the prompt."""
+    return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
+
+
+class CompletionShape:
+    """How ``/v1/completions`` renders an answer."""
+
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    @staticmethod
+    def choice(text: str, finish: str | None) -> dict:
+        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+    @staticmethod
+    def chunk_choice(text: str, finish: str | None, first: bool) -> dict:
+        return CompletionShape.choice(text, finish)
+
+
+class ChatShape:
+    """How ``/v1/chat/completions`` renders one: a message whole, deltas when streamed (the first
+    names the role)."""
+
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    @staticmethod
+    def choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    @staticmethod
+    def chunk_choice(text: str, finish: str | None, first: bool) -> dict:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
