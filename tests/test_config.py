@@ -121,3 +121,28 @@ def test_default_clusters_in_two_data_dirs_get_two_pools(tmp_path):
 
     assert pool(default_config(tmp_path / "a")) != pool(default_config(tmp_path / "b"))
     assert pool(default_config(tmp_path / "a")) == pool(default_config(str(tmp_path / "a")))  # stable
+
+
+def test_every_setting_from_the_environment(tmp_path, monkeypatch):
+    """On Kubernetes every field can come from the pod's environment: TIERCAKE__SECTION__FIELD, the
+    value as YAML, validated like the file; a variable that names no setting is refused by name."""
+    from pydantic import ValidationError
+
+    path = tmp_path / "c.yaml"
+    path.write_text("store: {tiers: [{kind: pool, capacity: 1MiB, path: /dev/shm/x}]}\n")
+    monkeypatch.setenv("TIERCAKE__SERVING__PORT", "9000")
+    monkeypatch.setenv("TIERCAKE__CONDUCTOR__ETCD", "[etcd-0:2379, etcd-1:2379]")
+    monkeypatch.setenv("TIERCAKE__SERVING__QUOTA__TOKENS_PER_MINUTE", "5000")
+    monkeypatch.setenv("TIERCAKE__TRANSFER__CHECKSUM", "true")
+    monkeypatch.setenv("TIERCAKE__MODEL_ID", "my-model")
+    config = load_config(path)
+    assert config.serving.port == 9000 and config.conductor.etcd == ["etcd-0:2379", "etcd-1:2379"]
+    assert config.serving.quota.tokens_per_minute == 5000 and config.transfer.checksum is True
+    assert config.model_id == "my-model"
+    monkeypatch.setenv("TIERCAKE__SERVING__PORTT", "1")
+    with pytest.raises(ValueError, match="TIERCAKE__SERVING__PORTT: no setting serving.portt"):
+        load_config(path)
+    monkeypatch.delenv("TIERCAKE__SERVING__PORTT")
+    monkeypatch.setenv("TIERCAKE__SERVING__PORT", "not a port")
+    with pytest.raises(ValidationError, match="serving.port"):
+        load_config(path)

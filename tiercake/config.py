@@ -399,10 +399,39 @@ def load_config(path: str | Path) -> TiercakeConfig:
     return with_environment(TiercakeConfig.model_validate(data))
 
 
+ENV_PREFIX = "TIERCAKE__"
+
+
 def with_environment(config: TiercakeConfig) -> TiercakeConfig:
-    """Per-process values that a shared config file (a Kubernetes ConfigMap) cannot hold:
-    $TIERCAKE_NODE_ID (the node's name, for every process on it)."""
+    """The config with what the environment says: $TIERCAKE_NODE_ID (the node's name, for every
+    process on it), and any field as ``TIERCAKE__<SECTION>__<FIELD>`` (nested by ``__``, the value as
+    YAML: ``TIERCAKE__SERVING__PORT=9000``, ``TIERCAKE__CONDUCTOR__ETCD='[etcd-0:2379, etcd-1:2379]'``),
+    validated like the file. A variable naming no field is a ``ValueError`` that says which."""
     import os
 
-    node = os.environ.get("TIERCAKE_NODE_ID")
-    return config.model_copy(update={"node_id": node}) if node else config
+    data = config.model_dump(mode="json")
+    changed = False
+    for name, raw in sorted(os.environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        node, model = data, TiercakeConfig
+        for part in path[:-1]:
+            field = model.model_fields.get(part) if model is not None else None
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"${name}: no setting {'.'.join(path)}")
+            node, model = node[part], _model_of(field)
+        if not isinstance(node, dict) or (model is not None and path[-1] not in model.model_fields):
+            raise ValueError(f"${name}: no setting {'.'.join(path)}")
+        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        changed = True
+    node_id = os.environ.get("TIERCAKE_NODE_ID")
+    if node_id:
+        data["node_id"], changed = node_id, True
+    return TiercakeConfig.model_validate(data) if changed else config
+
+
+def _model_of(field) -> type[BaseModel] | None:
+    """The pydantic model a field holds (None: a mapping or a plain value)."""
+    annotation = getattr(field, "annotation", None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None

@@ -156,10 +156,14 @@ class Supervisor:
 
 
 def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> str | None:
-    """The cluster's secrets, into ``env`` for its processes: the transfer secret (made up when none
+    """The environment of the cluster's processes: the transfer secret (made up when none
     is configured: only this cluster's processes need it) and the control token (made up when none is
     configured and the config does not say insecure, and written to ``<data dir>/control-token``,
     readable by its owner only, for the operator). Returns where the token is, for the printout."""
+    from .config import ENV_PREFIX
+
+    for name in [n for n in env if n.startswith(ENV_PREFIX)]:
+        del env[name]  # already in the config written for the children: they must not apply them over it
     if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
         env[config.transfer.secret_env] = secrets.token_hex(24)
     conductor = config.conductor
