@@ -267,6 +267,10 @@ class Dispatcher:
 
     # Workers as the router sees them ------------------------------------------------------------
 
+    def can_serve(self) -> bool:
+        """Whether any worker that can take a prompt is a member (the model is being served)."""
+        return any(m.role in ("prefill", "worker") and m.url for m in self.conductor.members.alive())
+
     def _candidates(self, roles: tuple[str, ...]) -> list[MemberInfo]:
         now = time.monotonic()
         return [m for m in self.conductor.members.alive() if m.role in roles and m.url

@@ -80,7 +80,12 @@ class OpenAIApi:
                 web.get("/v1/models", self.models)]
 
     async def models(self, request: web.Request) -> web.Response:
+        """The served model, once a worker that can take a prompt is a member (a 503 with Retry-After
+        before: a client that lists models and then asks would otherwise get "no live worker")."""
         self.tenants.of(request)
+        if not self.dispatcher.can_serve():
+            raise ApiError(503, f"{self.config.model_id!r} is not served yet: no worker has registered; retry",
+                           "server_error", "no_worker", headers={"Retry-After": "1"}, retryable=True)
         return web.json_response({"object": "list", "data": [
             {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake",
              "max_model_len": self.serving.max_context}]})

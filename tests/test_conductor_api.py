@@ -332,8 +332,9 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
         assert public.endswith(f":{public_port}")
         token = {"Authorization": "Bearer tok-1"}
         async with aiohttp.ClientSession() as http:
-            async with http.get(public + "/v1/models") as resp:
-                assert resp.status == 200 and (await resp.json())["data"]
+            async with http.get(public + "/v1/models") as resp:  # no worker yet: the model is not served
+                body = await resp.json()
+                assert resp.status == 503 and body["error"]["code"] == "no_worker" and resp.headers["Retry-After"]
             async with http.post(public + "/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
                 assert resp.status == 404 and "model" in (await resp.json())["error"]["message"]
             for method, path in (("GET", "/v1/cluster"), ("POST", "/v1/flush"), ("GET", "/v1/members"),

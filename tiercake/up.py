@@ -323,9 +323,9 @@ def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None
         print_fn(f"control API: {control}  (INSECURE: no token, as configured)")
     print_fn("send a request:")
     print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-             f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers!\", \"max_tokens\": 16, "
+             f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers! Which of you holds my cached prefix?\", \"max_tokens\": 16, "
              f"\"temperature\": 0}}'")
-    print_fn(f"  tiercake ask 'Hello, tiers!' --url {url}     (twice: the second reuses the cached prefix)")
+    print_fn(f"  tiercake ask 'Hello, tiers! Which of you holds my cached prefix?' --url {url}     (twice: the second reuses the cached prefix)")
     print_fn("Ctrl-C stops everything.")
 
 
