@@ -110,43 +110,57 @@ class TtftRouter(Router):
         return min((self.predict(w, request, self.pull_ratio) for w in workers), key=lambda d: d.ttft_s)
 
 
-class CacheAwareRouter(Router):
+class _PullingBaseline(Router):
+    """A baseline picks the worker by its own rule; the worker it picks still loads a longer prefix a
+    node holds (pool or SSD: far cheaper than recomputing it), unless ``pull=False`` (own cache only,
+    as in Mooncake's ablation baselines). Choosing a baseline never silently turns the tiers off."""
+
+    def __init__(self, pull: bool = True) -> None:
+        self.pull_ratio = 1.0 if pull else None
+
+    def decide(self, worker: WorkerState, request: RouteRequest) -> RouteDecision:
+        return self.predict(worker, request, pull_ratio=self.pull_ratio)
+
+
+class CacheAwareRouter(_PullingBaseline):
     """The longest prefix in a worker's own gpu tier; ties go to the less loaded."""
 
     name = "cache_aware"
 
     def choose(self, workers, request):
         best = max(workers, key=lambda w: (w.cached_blocks, -w.queue_s, -w.queued_tokens, -w.running))
-        return self.predict(best, request, pull_ratio=None)
+        return self.decide(best, request)
 
 
-class LeastLoadedRouter(Router):
+class LeastLoadedRouter(_PullingBaseline):
     name = "least_loaded"
 
     def choose(self, workers, request):
         best = min(workers, key=lambda w: (w.queue_s, w.queued_tokens, w.running))
-        return self.predict(best, request, pull_ratio=None)
+        return self.decide(best, request)
 
 
-class RoundRobinRouter(Router):
+class RoundRobinRouter(_PullingBaseline):
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, pull: bool = True) -> None:
+        super().__init__(pull)
         self._turn = itertools.count()
 
     def choose(self, workers, request):
         ordered = sorted(workers, key=lambda w: w.worker)
-        return self.predict(ordered[next(self._turn) % len(ordered)], request, pull_ratio=None)
+        return self.decide(ordered[next(self._turn) % len(ordered)], request)
 
 
-class RandomRouter(Router):
+class RandomRouter(_PullingBaseline):
     name = "random"
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, pull: bool = True) -> None:
+        super().__init__(pull)
         self._random = random.Random(seed)
 
     def choose(self, workers, request):
-        return self.predict(self._random.choice(workers), request, pull_ratio=None)
+        return self.decide(self._random.choice(workers), request)
 
 
 def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillModel:

@@ -51,3 +51,17 @@ def test_prefill_model_fit_recovers_its_coefficients():
         assert fitted.seconds(t, c) == pytest.approx(s, rel=1e-6)
     with pytest.raises(ValueError):
         fit_prefill(samples[:2])
+
+
+def test_baseline_routers_load_what_a_node_holds_unless_told_not_to():
+    """Picking a baseline router picks how a worker is chosen, not whether the tiers are used: the
+    chosen worker pulls a longer prefix a node holds; ``pull=False`` keeps to its own cache."""
+    from tiercake.policies import create_router
+
+    worker = WorkerState("w", cached_blocks=2, prefill=SLOW)
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=1 << 20, best_blocks=40)
+    for name in ("cache_aware", "least_loaded", "round_robin", "random"):
+        decision = create_router(name, {}).choose([worker], request)
+        assert decision.pull and decision.reused_blocks == 40, name
+        local = create_router(name, {"pull": False}).choose([worker], request)
+        assert not local.pull and local.reused_blocks == 2, name

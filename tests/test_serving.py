@@ -439,6 +439,15 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         answer = await ops.set_policy(router="least_loaded", eviction={"pool": {"policy": "s3fifo"}})
         assert answer.router.name == "least_loaded"
         assert (await ops.cluster()).router.name == "least_loaded"  # at once, before any completion
+        # a baseline router still loads what the node holds (it once turned pool and SSD reuse off)
+        await ops.flush(tiers=["gpu"])
+        for _ in range(60):
+            if set((await ops.prefix(third, tenant="ops")).holders) == {"test-node"}:
+                break
+            await asyncio.sleep(0.2)
+        reused = await client.complete(third, tenant="ops")
+        assert reused["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, reused["usage"]
+        assert any(k.startswith("test-node:") for k in reused["usage"]["tiercake"]["sources"])
         await client.complete(prompt, tenant="ops")
         for _ in range(50):
             node = next(m for m in (await ops.cluster()).members if m.role == "node")
