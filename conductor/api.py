@@ -188,7 +188,8 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         keys = _keys(body.keys)
         with metrics.lookup_seconds.time():
             found = conductor.lookup(body.tenant, keys)
-        return reply(LookupReply(nodes={n: PrefixHolding(length=p.length, tiers=p.tiers) for n, p in found.items()}))
+        return reply(LookupReply(nodes={n: PrefixHolding(length=p.length, tiers=p.tiers, runs=p.runs())
+                                        for n, p in found.items()}))
 
     async def leader_only(request: web.Request, model: type[BaseModel]):
         body = await parse(request, model)

@@ -226,8 +226,9 @@ class Dispatcher:
         member = next(m for m in members if m.node_id == decision.worker)
         source = None
         if decision.pull and best_node is not None:
-            tiers = found[best_node].tiers
-            source = KVHandoff(node=best_node, blocks=best, tier=max(tiers, key=tiers.get) if tiers else "?")
+            held = found[best_node]
+            source = KVHandoff(node=best_node, blocks=best, runs=held.runs(),
+                               tier=max(held.tiers, key=held.tiers.get) if held.tiers else "?")
         return Route(member, decision, source)
 
     def _check_slo(self, ttft_s: float, tbt_s: float) -> None:

@@ -40,6 +40,22 @@ class NodePrefix:
 
     length: int
     tiers: dict[str, int] = field(default_factory=dict)  # tier -> blocks of the prefix it holds
+    per_block: list[dict] = field(default_factory=list)  # each block's tiers, in chain order (not copied)
+
+    def runs(self) -> list[tuple[str, int]]:
+        """The tier each block is served from (its fastest), run-length encoded in chain order: what
+        a reader of the prefix will get from where. Computed on demand, off the lookup's hot path."""
+        out: list[tuple[str, int]] = []
+        for tiers in self.per_block:
+            tier = min(tiers, key=lambda t: (TIER_ORDER.get(t, len(TIER_ORDER)), t))
+            if out and out[-1][0] == tier:
+                out[-1] = (tier, out[-1][1] + 1)
+            else:
+                out.append((tier, 1))
+        return out
+
+
+TIER_ORDER = {"gpu": 0, "pool": 1, "ssd": 2}  # fastest first; other tier names after these
 
 
 @dataclass(slots=True)
@@ -241,7 +257,7 @@ class PlacementIndex:
                 if tiers is None:
                     break
                 seen.append(tiers)
-            result[node] = NodePrefix(len(seen), dict(Counter(chain.from_iterable(seen))))
+            result[node] = NodePrefix(len(seen), dict(Counter(chain.from_iterable(seen))), seen)
         return result
 
     def node_blocks(self, node: str) -> list[tuple[str, bytes, str, int]]:

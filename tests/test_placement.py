@@ -55,6 +55,16 @@ async def test_longest_prefix_per_node_and_tenants_apart(meta, prefix):
     found = index.lookup("t", chain)
     assert {n: p.length for n, p in found.items()} == {"node-a": 4, "node-b": 2}
     assert found["node-b"].tiers == {"gpu": 2, "ssd": 2}
+    assert found["node-b"].runs() == [("gpu", 2)]  # each block read from its fastest tier
+    await index.add("t", chain[4], "node-a", "ssd", 1)
+    await index.add("t", chain[5], "node-a", "ssd", 1)
+    await index.add("t", chain[1], "node-a", "ssd", 1)
+    held = index.lookup("t", chain)["node-a"]
+    assert held.length == 6 and held.runs() == [("pool", 4), ("ssd", 2)]
+    from tiercake.messages import PrefixHolding
+
+    holding = PrefixHolding(length=6, tiers=held.tiers, runs=held.runs())
+    assert holding.served_from(2, 4) == {"pool": 2, "ssd": 2}  # what a worker holding 2 blocks loads
     assert index.lookup("other-tenant", chain) == {}
     assert index.lookup("t", []) == {}
     with pytest.raises(ValueError):

@@ -361,6 +361,35 @@ async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_
                 assert resp.status == 400 and words in error["message"], (body, error)
 
 
+async def test_usage_credits_each_loaded_block_to_the_tier_it_came_from(cluster):
+    """A prefix whose first blocks are in the node's pool and the rest only on its SSD: the usage
+    says so block by block (it credited all of them to the tier holding most)."""
+    head = "Tiered accounting: the head of this prompt is read from the pool,"  # 4 blocks
+    tail = " and its tail from the SSD, and the usage says which is which."
+    prompt = head + tail
+    async with Client([cluster.url], timeout=60) as client, cluster.ops() as ops:
+        async def settle(text: str, holders: set[str]) -> None:
+            for _ in range(60):
+                if set((await ops.prefix(text, tenant="acct")).holders) == holders:
+                    return
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"{text!r} never settled in {holders}")
+
+        await client.complete(prompt, tenant="acct", max_tokens=1)  # every block: gpu and the node's pool
+        await settle(prompt, {"test-node", "test-node-prefill-0"})
+        await ops.flush(["gpu", "pool"])  # down to the SSD
+        await settle(prompt, {"test-node"})
+        await client.complete(head + " ", tenant="acct", max_tokens=1)  # reads the head: promoted to the pool
+        await settle(prompt, {"test-node", "test-node-prefill-0"})  # the gpu copies known, then flushed
+        await ops.flush(["gpu"])
+        await settle(prompt, {"test-node"})
+        answer = await client.complete(prompt + " More.", tenant="acct", max_tokens=1)
+    sources = answer["usage"]["tiercake"]["sources"]
+    head_blocks, whole = len(head.encode()) // 16, len(prompt.encode()) // 16
+    assert sources == {"test-node:pool": head_blocks, "test-node:ssd": whole - head_blocks}, sources
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == whole * 16
+
+
 async def test_a_client_that_goes_away_mid_stream_frees_its_sequence(cluster):
     decode, _ = await cluster.member_pid("decode")
     async with aiohttp.ClientSession() as http:

@@ -177,10 +177,26 @@ class PrefixHolding(Reply):
 
     length: int
     tiers: dict[str, int] = Field(default_factory=dict)
+    runs: list[tuple[str, int]] = Field(default_factory=list, description="the tier each block is served from, "
+                                        "run-length encoded in chain order")
 
     @property
     def majority_tier(self) -> str:
         return max(self.tiers, key=self.tiers.get) if self.tiers else "?"
+
+    def served_from(self, start: int, count: int) -> dict[str, int]:
+        """Tier -> blocks among blocks ``start .. start + count`` (by the runs; without them, all
+        from the majority tier)."""
+        if not self.runs:
+            return {self.majority_tier: count} if count else {}
+        out: dict[str, int] = {}
+        at = 0
+        for tier, n in self.runs:
+            lo, hi = max(at, start), min(at + n, start + count)
+            if hi > lo:
+                out[tier] = out.get(tier, 0) + hi - lo
+            at += n
+        return out
 
 
 class LookupReply(Reply):
@@ -419,6 +435,8 @@ class KVHandoff(Request):
     node: Name
     blocks: int = Field(ge=0)
     tier: str = Field(default="handoff", description="the tier the node holds them in (for the statistics)")
+    runs: list[tuple[str, int]] = Field(default_factory=list, description="the tier of each block, run-length "
+                                        "encoded (PrefixHolding.runs), when the index said")
 
 
 class GenerateRequest(Request):

@@ -137,7 +137,8 @@ class InferenceEngine:
         started = time.perf_counter()
         try:
             if source is not None:
-                found = {source.node: PrefixHolding(length=min(source.blocks, len(keys)), tiers={source.tier: 1})}
+                found = {source.node: PrefixHolding(length=min(source.blocks, len(keys)), tiers={source.tier: 1},
+                                                    runs=source.runs)}
             else:
                 found = await self.conductor.lookup(tenant, keys)
         except ConductorError as exc:
@@ -165,10 +166,11 @@ class InferenceEngine:
                 log.info("worker %s: pull from %s stopped: %s", self.worker_id, node, result.error)
                 break
             loaded += 1
-        if loaded:
-            tier = prefix.majority_tier
-            stats.sources[f"{node}:{tier}"] = loaded
-            stats.load_tier = tier
+        if loaded:  # each block credited to the tier it came from (by the index's runs)
+            served = prefix.served_from(own, loaded)
+            for tier, count in served.items():
+                stats.sources[f"{node}:{tier}"] = count
+            stats.load_tier = max(served, key=served.get)
             stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
 
