@@ -66,8 +66,8 @@ def _keys(hexes: list[str]) -> list[bytes]:
 
 
 class _MemberTierCollector:
-    """Per member and tier, from the statistics members send with their keep-alives: blocks, bytes
-    used, hits, evictions, and how long evicted blocks had stayed (a histogram)."""
+    """Per live member and tier, from the statistics members send with their keep-alives: blocks,
+    bytes used, hits, evictions, and how long evicted blocks had stayed (a histogram)."""
 
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
@@ -83,7 +83,11 @@ class _MemberTierCollector:
         hits = CounterMetricFamily("tiercake_tier_hits", "reads served by each member's tiers", labels=labels)
         residency = HistogramMetricFamily("tiercake_block_residency_seconds",
                                           "how long blocks stayed in a tier before eviction", labels=labels)
+        alive = {m.node_id for m in self.conductor.members.alive()}
         for member, stats in list(self.conductor.member_stats.items()):
+            if member not in alive:  # a member that left: its series go with it, not frozen forever
+                self.conductor.member_stats.pop(member, None)
+                continue
             for tier, t in stats.tiers.items():
                 key = [member, tier]
                 used.add_metric(key, t.used_bytes)

@@ -408,3 +408,21 @@ async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
         for conductor in reversed(started):
             await conductor.close()
         await meta.close()
+
+
+async def test_a_member_that_left_takes_its_metric_series_with_it(api):
+    from tiercake.messages import MemberStats, TierStats
+
+    url, _ = api
+    async with Client([url], token="s3cret-token") as client, aiohttp.ClientSession() as http:
+        lease = await client.register(MemberInfo(node_id="gone-soon", tiers={"pool": 1 << 20}), ttl=5)
+        await client.keep_alive("gone-soon", lease, MemberStats(tiers={"pool": TierStats(kind="pool", used_bytes=7)}))
+        async with http.get(url + "/metrics") as resp:
+            assert 'tiercake_tier_used_bytes{member="gone-soon",tier="pool"} 7.0' in await resp.text()
+        await client.leave("gone-soon", lease)
+        for _ in range(50):
+            if not await client.members():
+                break
+            await asyncio.sleep(0.05)
+        async with http.get(url + "/metrics") as resp:
+            assert 'member="gone-soon"' not in await resp.text()  # not frozen at its last value forever
