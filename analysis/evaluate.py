@@ -4,9 +4,11 @@ capacity (``tiercake policy eval``), as a table, a plot and figures in the bench
 from __future__ import annotations
 
 import math
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tiercake.policies.registry import create_admission, create_eviction
@@ -41,11 +43,20 @@ def score(stream: list[Access], policy: str, capacity: float, params: dict[str, 
 
 
 def evaluate(stream: list[Access], policy: str, capacities: list[float], params: dict[str, Any] | None = None,
-             admission: str = "always") -> list[Score]:
-    """The policy, LRU (unless it is the policy) and the optimum at each capacity."""
+             admission: str = "always", progress: Callable[[int, int, str], None] | None = None) -> list[Score]:
+    """The policy, LRU (unless it is the policy) and the optimum at each capacity; ``progress`` is
+    called with (runs done, runs in all, what runs next) before each run and once at the end."""
     names = [policy] + (["lru"] if policy != "lru" else []) + ["optimum"]
-    return [score(stream, name, cap, params if name == policy else None, admission if name == policy else "always")
-            for cap in capacities for name in names]
+    runs = [(cap, name) for cap in capacities for name in names]
+    scores = []
+    for done, (cap, name) in enumerate(runs):
+        if progress is not None:
+            progress(done, len(runs), f"{name} @ {'inf' if math.isinf(cap) else f'{cap:,}'} blocks")
+        scores.append(score(stream, name, cap, params if name == policy else None,
+                            admission if name == policy else "always"))
+    if progress is not None:
+        progress(len(runs), len(runs), "done")
+    return scores
 
 
 def parse_capacities(text: str) -> list[float]:
@@ -86,7 +97,7 @@ def plot(scores: list[Score], path: str | Path, title: str) -> None:
     infinite = any(not math.isfinite(s.capacity) for s in scores)
     ax.set_xlabel("capacity (blocks; the rightmost point is infinite)" if infinite else "capacity (blocks)")
     ax.set_ylabel("block hit ratio")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 70), fontsize=10)  # a long policy spec once ran off the figure
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -183,3 +183,17 @@ def test_trace_stats_on_the_conversation_trace(tmp_path):
     assert figures["lru_hit_ratio.from_stack_distance"]["value"] == pytest.approx(0.2116, abs=0.002)
     assert 0 < figures["prefetchable_share"]["value"] < 1
     assert (tmp_path / "stats.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_policy_eval_reports_progress_run_by_run():
+    """A slow policy ran minutes with only a spinner: evaluate says which run is next, and how many."""
+    from tiercake.analysis.cache_sim import accesses
+    from tiercake.analysis.evaluate import evaluate
+    from tiercake.traces import synthetic_trace
+
+    stream = accesses(synthetic_trace(60, seed=2))
+    seen = []
+    scores = evaluate(stream, "s3fifo", [50, 500], progress=lambda done, total, running: seen.append((done, total,
+                                                                                                        running)))
+    assert len(scores) == 6 and [s[0] for s in seen] == list(range(7)) and {s[1] for s in seen} == {6}
+    assert seen[0][2] == "s3fifo @ 50 blocks" and seen[-1][2] == "done"

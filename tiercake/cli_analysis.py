@@ -24,9 +24,20 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
 
     capacities = parse_capacities(args.capacity)
     params = json.loads(args.params) if args.params else None
-    with console.status(f"replaying {args.trace}..."):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    with console.status(f"reading {args.trace}..."):
         stream = accesses(read_trace(args.trace, args.limit))
-        scores = evaluate(stream, args.policy, capacities, params, args.admission)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("left"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:  # a slow policy once ran minutes unseen
+        task = bar.add_task("policies", total=None)
+
+        def progress(done: int, total: int, running: str) -> None:
+            bar.update(task, completed=done, total=total, description=running)
+
+        scores = evaluate(stream, args.policy, capacities, params, args.admission, progress=progress)
     table = Table(title=f"{args.policy} on {Path(args.trace).name} ({len(stream)} block accesses)")
     for column in ("capacity", args.policy, "lru", "optimum", "gap to optimum", "accesses/s"):
         table.add_column(column, justify="right")
@@ -117,10 +128,13 @@ def _plot_cdfs(series: dict[str, list[float]], path: str, title: str) -> None:
 
     fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.8))
     for ax, (label, values) in zip(axes, series.items()):
-        values = sorted(v for v in values if v > 0)
-        if values:
+        values = sorted(values)
+        if values:  # zeros count too (a block reused at once): a log scale would drop them, symlog keeps them
             ax.plot(values, [(i + 1) / len(values) for i in range(len(values))])
-            ax.set_xscale("log")
+            if values[0] <= 0:
+                ax.set_xscale("symlog", linthresh=1)
+            else:
+                ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("share")
         ax.grid(True, alpha=0.3)
