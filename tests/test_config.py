@@ -39,6 +39,10 @@ async def test_config_builds_a_working_store(tmp_path, shm_path):
     assert store.tiers[2].admission.n == 2
     assert store.tier("gpu").backend.pool.num_blocks == 64 * 1024 // cfg.store.layout.nbytes
     await store.close()
+    cfg.store.tiers[1].tenant_quota = __import__("pydantic").ByteSize(256 << 10)  # each tenant's share of the pool
+    store = await build_store(cfg.store).open()
+    assert store.tier("pool").tenant_quota_bytes == 256 << 10 and store.tier("gpu").tenant_quota_bytes is None
+    await store.close()
 
 
 @pytest.mark.parametrize(

@@ -540,3 +540,30 @@ async def test_residency_of_evicted_copies_is_counted_per_tier(make_store):
     pool = store.stats()["tiers"]["pool"]
     assert len(pool["residency"]) == len(RESIDENCY_BUCKETS) + 1
     assert sum(pool["residency"]) == pool["evictions"] >= 2 and pool["residency"][0] == pool["evictions"]
+
+
+async def test_a_tenant_over_its_quota_evicts_its_own_blocks_not_anothers(make_store, tmp_path):
+    """pool: 8 blocks, each tenant at most 4. bob caches 4; alice then writes 10: she keeps her newest
+    4 in the pool (the rest go down to the SSD) and bob's 4 stay. Without the quota her writes evict
+    bob's (LRU), which is how one tenant empties the cache of the others."""
+    from tiercake.tiers import PoolTier, Tier
+
+    for quota, bob_kept in ((4 * LAYOUT.nbytes, 4), (None, 0)):
+        store = await make_store(gpu=None, pool=8, ssd=64, ssd_dir=tmp_path / f"ssd-{quota}")
+        pool: Tier = store.tier("pool")
+        pool.tenant_quota_bytes = quota
+        pool.high_watermark = 1.0  # only room-making evicts here, not the background watermark round
+        assert isinstance(pool.backend, PoolTier)
+        for i in range(4):
+            await store.put(key(100 + i), block(100 + i), tenant="bob", tier="pool")
+        for i in range(10):
+            await store.put(key(i), block(i), tenant="alice", tier="pool")
+        bob_in_pool = sum("pool" in store.where(key(100 + i)) for i in range(4))
+        alice_in_pool = sum("pool" in store.where(key(i)) for i in range(10))
+        assert bob_in_pool == bob_kept, (quota, bob_in_pool)
+        if quota is not None:
+            assert alice_in_pool == 4 and pool.tenant_bytes["alice"] == 4 * LAYOUT.nbytes
+            assert all("pool" in store.where(key(i)) for i in range(6, 10))  # her newest, by the pool's LRU
+        assert all(store.where(key(i)) for i in range(10))  # nothing lost: what left the pool is on the SSD
+        assert same(await store.get(key(0)), 0)
+        await store.close()

@@ -54,6 +54,9 @@ class TierConfig(BaseModel):
     admission_params: dict[str, Any] = Field(default_factory=dict)
     high_watermark: float = Field(default=0.9, gt=0, le=1)
     evict_fraction: float = Field(default=0.05, gt=0, lt=1)
+    tenant_quota: ByteSize | None = Field(default=None, description="the most one tenant may hold in this tier; "
+                                          "beyond it the tenant's own blocks leave first (by the tier's policy), "
+                                          "so one tenant cannot evict the others' (null: no limit)")
     # gpu
     device: str | None = Field(default=None, description="gpu: torch device; default cuda if present, else cpu")
     # pool

@@ -35,6 +35,7 @@ def build_store(cfg: StoreConfig) -> TieredStore:
                     admission=create_admission(tier_cfg.admission, tier_cfg.admission_params),
                     high_watermark=tier_cfg.high_watermark,
                     evict_fraction=tier_cfg.evict_fraction,
+                    tenant_quota_bytes=None if tier_cfg.tenant_quota is None else int(tier_cfg.tenant_quota),
                 )
             )
     except BaseException:

@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -143,6 +144,7 @@ class TierStats:
     corrupt: int = 0
     full_refusals: int = 0
     admission_refusals: int = 0
+    quota_refusals: int = 0  # blocks passed down: their tenant's share was full of blocks that may not go
     # how long evicted copies had stayed, counted per bucket of RESIDENCY_BUCKETS (upper bounds, s)
     residency: list[int] = field(default_factory=lambda: [0] * (len(RESIDENCY_BUCKETS) + 1))
     residency_sum_s: float = 0.0
@@ -165,6 +167,7 @@ class Tier:
         admission: AdmissionPolicy | None = None,
         high_watermark: float = 0.9,
         evict_fraction: float = 0.05,
+        tenant_quota_bytes: int | None = None,
     ) -> None:
         if not 0 < high_watermark <= 1:
             raise ValueError("high_watermark must be in (0, 1]")
@@ -180,6 +183,9 @@ class Tier:
         self.index = 0
         self.evict_lock = asyncio.Lock()
         self.background: asyncio.Task | None = None
+        # the most one tenant may hold here: beyond it, its own blocks leave first, not another's
+        self.tenant_quota_bytes = tenant_quota_bytes
+        self.tenant_bytes: dict[str, int] = defaultdict(int)  # committed bytes per tenant
 
     @property
     def usage(self) -> float:
@@ -318,6 +324,7 @@ class TieredStore:
                     self._entries[block.key] = entry
                 entry.copies[tier.index] = Copy(tier, block.slot, State.COMMITTED, committed_at=time.monotonic())
                 tier.eviction.on_insert(block.key, entry.meta)
+                tier.tenant_bytes[entry.meta.tenant] += entry.nbytes
         return self
 
     async def drain(self) -> None:
@@ -482,6 +489,8 @@ class TieredStore:
             if offer and not tier.admission.admit(entry.key, entry.meta):
                 tier.stats.admission_refusals += 1
                 continue
+            if not await self._within_quota(tier, entry):
+                continue  # the tenant holds its share here and none of it may leave: the block goes down
             try:
                 slot = await self._allocate(tier, entry.nbytes)
             except TierFullError as exc:
@@ -551,6 +560,7 @@ class TieredStore:
         await handle.copy.tier.backend.release(handle.copy.slot)
 
     def _notify(self, entry: Entry, tier: Tier, added: bool) -> None:
+        tier.tenant_bytes[entry.meta.tenant] += entry.nbytes if added else -entry.nbytes
         if self.listeners:
             change = BlockChange(entry.key, tier.name, entry.nbytes, entry.meta.tenant, added)
             for listener in self.listeners:
@@ -855,13 +865,13 @@ class TieredStore:
 
     # Eviction -------------------------------------------------------------------------------------
 
-    def _evictable(self, tier: Tier, *, soft_ok: bool):
+    def _evictable(self, tier: Tier, *, soft_ok: bool, tenant: str | None = None):
         now = time.monotonic()
         index = tier.index
 
         def can_evict(key: Any) -> bool:
             entry = self._entries.get(key)
-            if entry is None or entry.hard_pin:
+            if entry is None or entry.hard_pin or (tenant is not None and entry.meta.tenant != tenant):
                 return False
             copy = entry.copies.get(index)
             if copy is None or copy.state is not State.COMMITTED or copy.evicting:
@@ -872,13 +882,28 @@ class TieredStore:
 
         return can_evict
 
-    async def _evict_some(self, tier: Tier, nbytes: int) -> bool:
-        """Evict blocks worth about ``nbytes`` from ``tier``; False when nothing may be evicted."""
+    async def _within_quota(self, tier: Tier, entry: Entry) -> bool:
+        """Room for ``entry`` in its tenant's share of ``tier``, evicting the tenant's own blocks
+        (by the tier's policy) to make it; False when the share is held by blocks that may not go."""
+        quota, tenant = tier.tenant_quota_bytes, entry.meta.tenant
+        if quota is None:
+            return True
+        async with tier.evict_lock:
+            while tier.tenant_bytes[tenant] + entry.nbytes > quota:
+                over = tier.tenant_bytes[tenant] + entry.nbytes - quota
+                if not await self._evict_some(tier, over, tenant=tenant):
+                    tier.stats.quota_refusals += 1
+                    return False
+        return True
+
+    async def _evict_some(self, tier: Tier, nbytes: int, tenant: str | None = None) -> bool:
+        """Evict blocks worth about ``nbytes`` from ``tier`` (only ``tenant``'s, when given); False
+        when nothing may be evicted."""
         avg = max(1, tier.backend.used_bytes // max(1, len(tier.eviction)))
         want = max(1, min(64, -(-nbytes // avg)))
-        victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False))
+        victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False, tenant=tenant))
         if not victims:
-            victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True))
+            victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True, tenant=tenant))
         for key in victims:
             await self._demote(tier, key)
         return bool(victims)
