@@ -163,7 +163,9 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if tokens and request.path not in PROBE_PATHS and request.path not in open_paths:
+        path = request.path
+        if tokens and path not in PROBE_PATHS and path not in open_paths and not any(
+                p.endswith("/") and path.startswith(p) for p in open_paths):
             require_bearer(request, tokens)
         resource = request.match_info.route.resource
         metrics.requests.labels(resource.canonical if resource else "unmatched").inc()

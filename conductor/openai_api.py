@@ -29,7 +29,8 @@ from .serving_stats import ServingStats, Timing
 from .tenants import Quotas, Tenants
 from .worker_client import WorkerError
 
-OPEN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # API keys, not control tokens
+# API keys, not control tokens; an entry ending in "/" opens every path under it
+OPEN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/")
 
 
 @dataclass(slots=True)
@@ -77,18 +78,28 @@ class OpenAIApi:
 
     def routes(self) -> list:
         return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-                web.get("/v1/models", self.models)]
+                web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model)]
 
     async def models(self, request: web.Request) -> web.Response:
         """The served model, once a worker that can take a prompt is a member (a 503 with Retry-After
         before: a client that lists models and then asks would otherwise get "no live worker")."""
+        return web.json_response({"object": "list", "data": [self._served(request)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``/v1/models/{id}``: the served model by its id, else OpenAI's 404."""
+        served = self._served(request)
+        if request.match_info["model"] != served["id"]:
+            raise ApiError(404, f"model {request.match_info['model']!r} does not exist; this cluster serves "
+                           f"{served['id']!r}", "invalid_request_error", "model_not_found")
+        return web.json_response(served)
+
+    def _served(self, request: web.Request) -> dict:
         self.tenants.of(request)
         if not self.dispatcher.can_serve():
             raise ApiError(503, f"{self.config.model_id!r} is not served yet: no worker has registered; retry",
                            "server_error", "no_worker", headers={"Retry-After": "1"}, retryable=True)
-        return web.json_response({"object": "list", "data": [
-            {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake",
-             "max_model_len": self.serving.max_context}]})
+        return {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake",
+                "max_model_len": self.serving.max_context}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, completion_ask, CompletionShape)

@@ -89,7 +89,8 @@ async def test_routing_sees_each_workers_own_prefix():
         node_keys = block_keys(front.config.serving_namespace("default"), other)
         await front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
         route = front.dispatcher.route(Job(other, node_keys, "default", "default", 4), ("worker",))
-        assert route.decision.pull and route.source == KVHandoff(node="n1", blocks=len(node_keys), tier="pool")
+        assert route.decision.pull and route.source == KVHandoff(node="n1", blocks=len(node_keys), tier="pool",
+                                                                 runs=[("pool", len(node_keys))])
 
 
 async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):

@@ -76,3 +76,20 @@ async def test_metrics_can_be_closed_behind_the_token_too():
                 assert resp.status == 401
             async with http.get(url + "/metrics", headers={"Authorization": "Bearer t0ken"}) as resp:
                 assert resp.status == 200 and "tiercake_is_leader" in await resp.text()
+
+
+async def test_on_one_port_the_openai_paths_take_api_keys_and_the_rest_the_token():
+    """serving.port null: both APIs on one port. /v1/models/{id} is the public API's (no control
+    token asked, the 503 says no worker yet); the control paths beside it still need the token."""
+    from tiercake.conductor.frontend import Frontend
+    from tiercake.config import default_config
+
+    config = default_config()
+    async with running_conductor(tokens=["t0ken"], frontend=lambda c: Frontend(c, config)) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            for path in ("/v1/models", f"/v1/models/{config.model_id}"):
+                async with http.get(url + path) as resp:
+                    assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_worker", path
+            for path in ("/v1/members", "/v1/cluster", "/v1/modelsx"):
+                async with http.get(url + path) as resp:
+                    assert resp.status == 401, path

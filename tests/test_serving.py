@@ -839,3 +839,52 @@ async def test_tls_on_every_http_api_of_the_cluster(tmp_path):
                 await http.post(worker.url.replace("https://", "http://") + "/generate", json={})
     finally:
         up.stop()
+
+
+def test_the_shipped_dashboard_queries_only_series_the_cluster_exports(cluster):
+    """deploy/grafana/tiercake-dashboard.json: every metric a panel queries is one a running cluster
+    exports (scraped without a token, as Prometheus does)."""
+    import re
+    import urllib.request
+
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "deploy/grafana/tiercake-dashboard.json")
+                           .read_text())
+    wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
+              for name in re.findall(r"tiercake_[a-z_]+", target["expr"])}
+    with urllib.request.urlopen(cluster.control_url + "/metrics") as resp:
+        exported = resp.read().decode()
+    families = set(re.findall(r"^# TYPE (\S+) ", exported, re.M))
+    series = set(re.findall(r"^(tiercake_[a-z_]+)", exported, re.M))
+
+    def known(name: str) -> bool:
+        base = re.sub(r"_(bucket|sum|count|total)$", "", name)
+        return name in series or name in families or base in families or f"{base}_total" in families
+
+    assert len(wanted) >= 12 and not [n for n in sorted(wanted) if not known(n)], sorted(n for n in wanted
+                                                                                       if not known(n))
+
+
+def test_the_official_openai_client_works_against_the_front(cluster):
+    """What most users run: OpenAI's own Python client, pointed at the front."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    text = client.completions.create(model=MODEL, prompt=PROMPT + "OpenAI client.", max_tokens=4, temperature=0)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 4
+    messages = [{"role": "user", "content": PROMPT + "Chatting through the client."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(again)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2)
+    assert "n: 2 is not supported" in str(err.value)
