@@ -8,7 +8,6 @@ error (an ``error`` event and ``[DONE]`` on a stream)."""
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import json
 import time
@@ -23,7 +22,9 @@ from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError, invalid
 
-from .openai_models import ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, render
+from .openai_models import (
+    ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, Stopper, render, stop_strings,
+)
 from .dispatch import Dispatcher, Job
 from .serving_stats import ServingStats, Timing
 from .tenants import Quotas, Tenants
@@ -44,13 +45,19 @@ class Ask:
     seed: int | None
     stream: bool
     include_usage: bool
+    stop: list[str]
+    stop_ids: frozenset[int]
+
+    def stopper(self) -> Stopper:
+        return Stopper(self.stop, self.stop_ids)
 
 
 def completion_ask(raw: bytes) -> Ask:
     req = CompletionRequest.model_validate_json(raw)
     tokens = list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt
     return Ask(req.model, tokens, req.max_tokens, req.temperature, req.seed, req.stream,
-               bool(req.stream_options and req.stream_options.include_usage))
+               bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
+               frozenset(req.stop_token_ids or ()))
 
 
 def chat_ask(raw: bytes) -> Ask:
@@ -60,7 +67,8 @@ def chat_ask(raw: bytes) -> Ask:
     except ValueError as exc:
         raise ApiError(400, str(exc), param="max_completion_tokens") from None
     return Ask(req.model, list(render(req.messages).encode("utf-8")), limit, req.temperature, req.seed, req.stream,
-               bool(req.stream_options and req.stream_options.include_usage))
+               bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
+               frozenset(req.stop_token_ids or ()))
 
 
 # failures after the first token: the worker's, or the dispatcher's (no decode worker left)
@@ -167,17 +175,23 @@ class OpenAIApi:
 
     async def _whole(self, rid: str, req: Ask, job: Job, first: tuple[int, str | None],
                      events: AsyncIterator[tuple[int, str | None]], shape) -> web.Response:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text, generated, finish = decoder.decode(bytes([first[0] % 256])), 1, first[1]
+        stopper = req.stopper()
+        text, generated, finish = stopper.feed(first[0]), 1, first[1]
         try:
-            async for token, finish in events:
-                text += decoder.decode(bytes([token % 256]))
-                generated += 1
+            if not stopper.stopped:
+                async for token, finish in events:
+                    generated += 1
+                    text += stopper.feed(token)
+                    if stopper.stopped:
+                        break
         except MidStreamError as exc:
             return ApiError(502, f"{exc} (after {generated} tokens)", "server_error").response()
         finally:
-            await events.aclose()  # a client gone mid-request: the worker's stream closes too
-        text += decoder.decode(b"", final=True)
+            await events.aclose()  # stopped early, or a client gone mid-request: the worker's stream closes too
+        if stopper.stopped:
+            finish = "stop"
+        else:
+            text += stopper.rest()
         self.stats.served += 1
         return web.json_response({"id": rid, "object": shape.object, "created": int(time.time()),
                                   "model": req.model, "choices": [shape.choice(text, finish or "length")],
@@ -187,7 +201,7 @@ class OpenAIApi:
                    events: AsyncIterator[tuple[int, str | None]], shape) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stopper = req.stopper()
         created = int(time.time())
 
         async def send(payload: dict | str) -> None:
@@ -198,12 +212,26 @@ class OpenAIApi:
             return {"id": rid, "object": shape.chunk_object, "created": created, "model": req.model,
                     "choices": [shape.chunk_choice(text, finish, first)]}
 
+        def piece(token: int, finish: str | None) -> tuple[str, str | None]:
+            """The text to send for ``token`` and the finish reason, if it ends the answer."""
+            text = stopper.feed(token)
+            if stopper.stopped:
+                return text, "stop"
+            return (text + stopper.rest(), finish) if finish is not None else (text, None)
+
         generated = 1
         try:
-            await send(chunk(decoder.decode(bytes([first[0] % 256])), first[1], first=True))
-            async for token, finish in events:
-                generated += 1
-                await send(chunk(decoder.decode(bytes([token % 256])), finish))
+            text, finish = piece(*first)
+            await send(chunk(text, finish, first=True))  # even empty: a chat's first delta names the role
+            if finish is None:
+                async for token, worker_finish in events:
+                    generated += 1
+                    text, finish = piece(token, worker_finish)
+                    if text or finish is not None:
+                        await send(chunk(text, finish))
+                    if finish is not None:
+                        break
+            await events.aclose()  # ended by a stop: the worker's stream closes, freeing the sequence
             if req.include_usage:
                 await send({**chunk("", None), "choices": [], "usage": self._usage(job, generated)})
             await send("[DONE]")

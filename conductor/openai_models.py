@@ -11,6 +11,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
+def stop_strings(value: str | list[str] | None) -> list[str]:
+    """``stop`` as a list: at most 4 non-empty strings, as OpenAI takes them."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise ValueError("stop takes at most 4 non-empty strings")
+    return stops
+
+
 def only_neutral(unhonoured: dict, value, info: ValidationInfo):
     """A parameter this server does not honour passes only at the value that means "not used"."""
     neutral = unhonoured[info.field_name]
@@ -28,7 +36,7 @@ class StreamOptions(BaseModel):
 # OpenAI's completion parameters this server does not honour, with the value that means "not used":
 # clients that send them at that value are served; any other value is a 400 that names the parameter,
 # never an answer that silently ignored it.
-UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False, "suffix": None,
+UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "logprobs": None, "echo": False, "suffix": None,
               "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 
 
@@ -50,7 +58,10 @@ class CompletionRequest(BaseModel):
     n: int = 1
     best_of: int = 1
     top_p: float = 1
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
+                                         "first one it would contain (finish_reason stop)")
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "
+                                             "the answer (not included)")
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -63,9 +74,15 @@ class CompletionRequest(BaseModel):
     def _only_neutral(cls, value, info: ValidationInfo):
         return only_neutral(UNHONOURED, value, info)
 
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stop_strings(value)
+        return value
+
 
 # OpenAI's chat parameters this server does not honour, with the value that means "not used"
-CHAT_UNHONOURED = {"n": 1, "top_p": 1, "stop": None, "logprobs": False, "top_logprobs": None,
+CHAT_UNHONOURED = {"n": 1, "top_p": 1, "logprobs": False, "top_logprobs": None,
                    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
                    "tool_choice": None, "response_format": None}
 
@@ -95,7 +112,10 @@ class ChatCompletionRequest(BaseModel):
     user: str | None = None
     n: int = 1
     top_p: float = 1
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
+                                         "first one it would contain (finish_reason stop)")
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "
+                                             "the answer (not included)")
     logprobs: bool = False
     top_logprobs: int | None = None
     presence_penalty: float = 0
@@ -109,6 +129,12 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _only_neutral(cls, value, info: ValidationInfo):
         return only_neutral(CHAT_UNHONOURED, value, info)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stop_strings(value)
+        return value
 
     def limit(self) -> int:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -151,3 +177,36 @@ class ChatShape:
     def chunk_choice(text: str, finish: str | None, first: bool) -> dict:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+class Stopper:
+    """The answer's tokens as text, ended at the first stop string (left out) or stop token id; text
+    that may still be the start of a stop string is held back until it cannot be (a stream never
+    shows the beginning of a stop string it then cuts)."""
+
+    def __init__(self, stops: list[str], stop_ids: frozenset[int]) -> None:
+        import codecs
+
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stops, self.stop_ids = stops, stop_ids
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, token: int) -> str:
+        """The text ``token`` makes safe to show ('' while held back); ``stopped`` once it ended."""
+        if token in self.stop_ids:  # what came before it shows as it would have (a cut UTF-8 sequence as U+FFFD)
+            self.stopped = True
+            return self.rest()
+        self.pending += self.decoder.decode(bytes([token % 256]))
+        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        if hits:
+            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            return out
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return out
+
+    def rest(self) -> str:
+        """At the end of the answer: what was held back and never became a stop."""
+        out, self.pending = self.pending + self.decoder.decode(b"", final=True), ""
+        return out

@@ -174,7 +174,7 @@ async def test_bad_requests_are_clear_errors(cluster):
         (json.dumps(completion(temperature=-1)).encode(), 400, "temperature"),
         # a parameter the server does not honour is refused by name, never silently ignored
         (json.dumps({**completion(), "n": 2}).encode(), 400, "n: 2 is not supported"),
-        (json.dumps({**completion(), "stop": ["."]}).encode(), 400, "stop:"),
+        (json.dumps({**completion(), "stop": ["."] * 5}).encode(), 400, "at most 4"),
         (json.dumps({**completion(), "top_p": 0.5}).encode(), 400, "top_p:"),
         (json.dumps({**completion(), "logprobs": 2}).encode(), 400, "logprobs:"),
         (json.dumps({**completion(), "echo": True}).encode(), 400, "echo:"),
@@ -888,3 +888,39 @@ def test_the_official_openai_client_works_against_the_front(cluster):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2)
     assert "n: 2 is not supported" in str(err.value)
+
+
+async def test_stop_strings_and_stop_token_ids_end_the_answer_before_them(cluster):
+    """The answer ends before the first stop string it would contain (finish_reason "stop"), whole or
+    streamed (a stream never shows the start of a stop it then cuts), or before a stop token id."""
+    prompt = PROMPT + "Stop sequences."
+    async with aiohttp.ClientSession() as http:
+        async def ask(**kw) -> dict:
+            async with http.post(cluster.url + "/v1/completions", json=completion(text=prompt, max_tokens=16, **kw)) as r:
+                return await r.json()
+
+        full = (await ask())["choices"][0]["text"]
+        # a stop the answer contains: an ASCII character (one byte, one token of the byte tokenizer), the
+        # one that first appears deepest in the answer
+        firsts = {ch: full.index(ch) for ch in set(full) if ch.isascii() and ch.isprintable()}
+        assert firsts, full
+        cut, stop = max((at, ch) for ch, at in firsts.items())
+        stopped = await ask(stop=[stop, "never-in-this-answer"])
+        assert stopped["choices"][0]["text"] == full[:cut] and stopped["choices"][0]["finish_reason"] == "stop"
+        async with http.post(cluster.url + "/v1/completions",
+                             json=completion(text=prompt, max_tokens=16, stop=stop, stream=True)) as resp:
+            events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
+                      if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == full[:cut]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        by_id = await ask(stop_token_ids=[ord(stop)])  # the same character as a token id
+        assert by_id["choices"][0] == {**by_id["choices"][0], "text": full[:cut], "finish_reason": "stop"}
+        longer = await ask(stop=[full[cut:cut + 2] + "\u2603"])  # a stop that starts in the answer, then differs
+        assert longer["choices"][0]["text"] == full and longer["choices"][0]["finish_reason"] == "length"
+        for bad in ({"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]}, {"stop_token_ids": ["x"]}):
+            async with http.post(cluster.url + "/v1/completions", json=completion(**bad)) as resp:
+                assert resp.status == 400, bad
+        async with http.post(cluster.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+                "temperature": 0, "stop": ["\n", "."]}) as resp:
+            assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] in ("stop", "length")
