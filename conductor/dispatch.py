@@ -50,11 +50,12 @@ class Job:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    top_p: float = 1.0
     timing: Timing = field(default_factory=Timing)
 
     def request(self, **fields) -> GenerateRequest:
         base = {"tokens": self.tokens, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "tenant": self.tenant, "salt": self.salt, "seed": self.seed}
+                "tenant": self.tenant, "salt": self.salt, "seed": self.seed, "top_p": self.top_p}
         return GenerateRequest(**(base | fields))
 
 

@@ -47,6 +47,7 @@ class Ask:
     include_usage: bool
     stop: list[str]
     stop_ids: frozenset[int]
+    top_p: float
 
     def stopper(self) -> Stopper:
         return Stopper(self.stop, self.stop_ids)
@@ -57,7 +58,7 @@ def completion_ask(raw: bytes) -> Ask:
     tokens = list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt
     return Ask(req.model, tokens, req.max_tokens, req.temperature, req.seed, req.stream,
                bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
-               frozenset(req.stop_token_ids or ()))
+               frozenset(req.stop_token_ids or ()), req.top_p)
 
 
 def chat_ask(raw: bytes) -> Ask:
@@ -68,7 +69,7 @@ def chat_ask(raw: bytes) -> Ask:
         raise ApiError(400, str(exc), param="max_completion_tokens") from None
     return Ask(req.model, list(render(req.messages).encode("utf-8")), limit, req.temperature, req.seed, req.stream,
                bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
-               frozenset(req.stop_token_ids or ()))
+               frozenset(req.stop_token_ids or ()), req.top_p)
 
 
 # failures after the first token: the worker's, or the dispatcher's (no decode worker left)
@@ -158,7 +159,7 @@ class OpenAIApi:
         index_tenant, salt = self.tenants.namespace(tenant)
         keys = block_keys(self.config.serving_namespace(salt), tokens)  # the front's only hashing of it
         await self.stats.arrived(keys, tokens, req.max_tokens, index_tenant)
-        return req, Job(tokens, keys, index_tenant, salt, req.max_tokens, req.temperature, req.seed)
+        return req, Job(tokens, keys, index_tenant, salt, req.max_tokens, req.temperature, req.seed, req.top_p)
 
     # Rendering ----------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ class StreamOptions(BaseModel):
 # OpenAI's completion parameters this server does not honour, with the value that means "not used":
 # clients that send them at that value are served; any other value is a 400 that names the parameter,
 # never an answer that silently ignored it.
-UNHONOURED = {"n": 1, "best_of": 1, "top_p": 1, "logprobs": None, "echo": False, "suffix": None,
+UNHONOURED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None,
               "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 
 
@@ -57,7 +57,7 @@ class CompletionRequest(BaseModel):
     user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
     n: int = 1
     best_of: int = 1
-    top_p: float = 1
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
                                          "first one it would contain (finish_reason stop)")
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "
@@ -82,7 +82,7 @@ class CompletionRequest(BaseModel):
 
 
 # OpenAI's chat parameters this server does not honour, with the value that means "not used"
-CHAT_UNHONOURED = {"n": 1, "top_p": 1, "logprobs": False, "top_logprobs": None,
+CHAT_UNHONOURED = {"n": 1, "logprobs": False, "top_logprobs": None,
                    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
                    "tool_choice": None, "response_format": None}
 
@@ -111,7 +111,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     user: str | None = None
     n: int = 1
-    top_p: float = 1
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
                                          "first one it would contain (finish_reason stop)")
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "

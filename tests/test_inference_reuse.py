@@ -381,10 +381,10 @@ async def test_any_temperature_samples_and_a_failing_sample_fails_only_its_reque
             assert len(await run(temperature)) == 4
         real = scheduler_module.next_token
 
-        def flaky(logits, temperature=0.0, generator=None):
+        def flaky(logits, temperature=0.0, generator=None, top_p=1.0):
             if temperature == 0.5:
                 raise RuntimeError("the sampler broke")
-            return real(logits, temperature, generator)
+            return real(logits, temperature, generator, top_p)
 
         monkeypatch.setattr(scheduler_module, "next_token", flaky)
         good, bad = await asyncio.gather(run(0.0, "Another prompt entirely."), run(0.5), return_exceptions=True)
@@ -394,3 +394,11 @@ async def test_any_temperature_samples_and_a_failing_sample_fails_only_its_reque
     finally:
         await scheduler.close()
         await store.close()
+
+
+def test_top_p_samples_only_from_the_nucleus():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])  # softmax: 0.644, 0.237, 0.087, 0.032
+    g = torch.Generator().manual_seed(0)
+    assert {next_token(logits, 1.0, g, top_p=0.5) for _ in range(200)} == {0}
+    assert {next_token(logits, 1.0, g, top_p=0.9) for _ in range(400)} == {0, 1, 2}  # 0.968 > 0.9: 3 is out
+    assert {next_token(logits, 1.0, g) for _ in range(2000)} == {0, 1, 2, 3}

@@ -175,7 +175,8 @@ async def test_bad_requests_are_clear_errors(cluster):
         # a parameter the server does not honour is refused by name, never silently ignored
         (json.dumps({**completion(), "n": 2}).encode(), 400, "n: 2 is not supported"),
         (json.dumps({**completion(), "stop": ["."] * 5}).encode(), 400, "at most 4"),
-        (json.dumps({**completion(), "top_p": 0.5}).encode(), 400, "top_p:"),
+        (json.dumps({**completion(), "top_p": 0}).encode(), 400, "top_p"),
+        (json.dumps({**completion(), "top_p": 1.5}).encode(), 400, "top_p"),
         (json.dumps({**completion(), "logprobs": 2}).encode(), 400, "logprobs:"),
         (json.dumps({**completion(), "echo": True}).encode(), 400, "echo:"),
         (json.dumps({**completion(), "best_of_three": 1}).encode(), 400, "best_of_three: Extra inputs"),
@@ -924,3 +925,15 @@ async def test_stop_strings_and_stop_token_ids_end_the_answer_before_them(cluste
                 "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
                 "temperature": 0, "stop": ["\n", "."]}) as resp:
             assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_top_p_reaches_the_sampler(cluster):
+    """top_p so small that only the likeliest token is left: sampling at temperature 1 gives the greedy
+    answer whatever the seed; at top_p 1 the seeds give different answers."""
+    async with Client([cluster.url], timeout=60) as client:
+        greedy = (await client.complete(PROMPT + "Nucleus.", max_tokens=8))["choices"][0]["text"]
+        narrow = {(await client.complete(PROMPT + "Nucleus.", max_tokens=8, temperature=1.0, top_p=1e-6,
+                                         seed=s))["choices"][0]["text"] for s in range(4)}
+        wide = {(await client.complete(PROMPT + "Nucleus.", max_tokens=8, temperature=1.0, seed=s))["choices"][0]["text"]
+                for s in range(4)}
+    assert narrow == {greedy} and len(wide) > 1

@@ -445,6 +445,8 @@ class GenerateRequest(Request):
     tokens: list[int] = Field(min_length=1)
     max_tokens: int = Field(gt=0)
     temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens "
+                         "whose probabilities add up to it")
     tenant: Name = "default"
     salt: str | None = Field(default=None, description="the hashing salt; default: the tenant")
     seed: int | None = None

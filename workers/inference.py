@@ -291,9 +291,11 @@ class InferenceEngine:
         self.kv.close(seq.table)
 
 
-def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> int:
-    """Greedy at temperature 0, else a sample from the softmax at that temperature. Shifted by the
-    maximum first and in float64, so any temperature is well defined: a tiny one tends to greedy
+def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None,
+               top_p: float = 1.0) -> int:
+    """Greedy at temperature 0, else a sample from the softmax at that temperature, over the smallest
+    set of tokens whose probabilities add up to ``top_p`` (nucleus sampling; 1: all of them). Shifted
+    by the maximum first and in float64, so any temperature is well defined: a tiny one tends to greedy
     (1e-40 once overflowed to NaN probabilities and crashed the sampler), a huge one to uniform."""
     if temperature <= 0:
         return int(torch.argmax(logits))
@@ -301,6 +303,11 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.
     probs = torch.softmax(scaled, dim=-1)
     if not torch.isfinite(probs).all():
         raise ValueError(f"logits are not finite at temperature {temperature}")
+    if top_p < 1.0:
+        ordered, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(ordered, dim=-1) - ordered >= top_p  # those after the nucleus is full
+        ordered[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -135,7 +135,7 @@ class Scheduler:
             return False
 
     def _emit(self, job: _Running, first: bool = False) -> None:
-        token = next_token(job.seq.logits, job.request.temperature, job.generator)
+        token = next_token(job.seq.logits, job.request.temperature, job.generator, job.request.top_p)
         job.generated += 1
         done = job.generated >= job.request.max_tokens
         job.out.put_nowait(TokenEvent(token=token, index=job.generated - 1, stats=job.seq.stats if first else None,
