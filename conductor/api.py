@@ -1,10 +1,11 @@
 """The conductor's HTTP API (aiohttp): placement control, membership, the operator's endpoints,
-health, readiness and metrics; the OpenAI-compatible API beside it or on its own port.
+health, readiness and metrics; the OpenAI-compatible API on its own port (or beside it).
 
 Bodies and replies are the models of ``tiercake.messages``; every error, whatever raised it, is one
 ``ErrorReply`` (OpenAI's error shape): a malformed body is a 400 that names the field, an oversized
-one a 413. Every endpoint but the probes needs ``Authorization: Bearer <token>`` when tokens are
-configured. Writes go to the leader: a follower answers 503 with the leader's URL in the error
+one a 413, one that does not arrive in time a 408. Every endpoint but the probes and (unless
+``metrics_open`` is off) /metrics needs ``Authorization: Bearer <token>``; a conductor with no token
+does not start unless the config says insecure. Writes go to the leader: a follower answers 503 with the leader's URL in the error
 (``leader``) and in the ``X-Tiercake-Leader`` header, so clients move on by themselves.
 """
 

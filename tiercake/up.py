@@ -167,9 +167,12 @@ def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> 
     if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
         env[config.transfer.secret_env] = secrets.token_hex(24)
     conductor = config.conductor
-    if conductor.insecure or env.get(conductor.token_env) or conductor.token_file:
-        return None if conductor.insecure else f"${conductor.token_env}" if env.get(conductor.token_env) else \
-            conductor.token_file
+    if conductor.insecure:
+        return None
+    if env.get(conductor.token_env):
+        return f"${conductor.token_env}"
+    if conductor.token_file:
+        return conductor.token_file
     token = secrets.token_urlsafe(24)
     data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / "control-token"
