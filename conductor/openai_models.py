@@ -6,7 +6,7 @@ turn (the pattern of the trace)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -33,46 +33,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# OpenAI's completion parameters this server does not honour, with the value that means "not used":
-# clients that send them at that value are served; any other value is a 400 that names the parameter,
-# never an answer that silently ignored it.
-UNHONOURED = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None,
-              "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
-
-
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request. Unknown fields are refused (as OpenAI does); types are strict (a
-    ``"16"``, ``2.0`` or ``true`` where an integer belongs is a 400, never coerced); the parameters in
-    ``UNHONOURED`` are accepted only at their neutral value."""
+class _OpenAIRequest(BaseModel):
+    """What OpenAI's completion and chat requests share. Unknown fields are refused (as OpenAI does);
+    types are strict (a ``"16"``, ``2.0`` or ``true`` where an integer belongs is a 400, never
+    coerced); the parameters in a request's ``UNHONOURED`` are accepted only at their neutral value:
+    clients that send them at that value are served, any other value is a 400 that names the
+    parameter, never an answer that silently ignored it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    UNHONOURED: ClassVar[dict[str, Any]] = {}
 
     model: str = Field(min_length=1)
-    prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
-    max_tokens: int = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
     n: int = 1
-    best_of: int = 1
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
                                          "first one it would contain (finish_reason stop)")
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "
                                              "the answer (not included)")
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
     presence_penalty: float = 0
     frequency_penalty: float = 0
     logit_bias: dict[str, float] | None = None
 
-    @field_validator(*UNHONOURED)
+    @field_validator("*")
     @classmethod
     def _only_neutral(cls, value, info: ValidationInfo):
-        return only_neutral(UNHONOURED, value, info)
+        return only_neutral(cls.UNHONOURED, value, info) if info.field_name in cls.UNHONOURED else value
 
     @field_validator("stop")
     @classmethod
@@ -81,10 +71,18 @@ class CompletionRequest(BaseModel):
         return value
 
 
-# OpenAI's chat parameters this server does not honour, with the value that means "not used"
-CHAT_UNHONOURED = {"n": 1, "logprobs": False, "top_logprobs": None,
-                   "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
-                   "tool_choice": None, "response_format": None}
+class CompletionRequest(_OpenAIRequest):
+    """OpenAI's completion request."""
+
+    UNHONOURED: ClassVar[dict[str, Any]] = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None,
+                                            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+
+    prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
+    max_tokens: int = Field(default=16, ge=1)
+    best_of: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -95,46 +93,22 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request, strict like the completion one; ``max_completion_tokens`` is
-    the newer name of ``max_tokens`` (one of the two)."""
+class ChatCompletionRequest(_OpenAIRequest):
+    """OpenAI's chat completion request; ``max_completion_tokens`` is the newer name of
+    ``max_tokens`` (one of the two)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    UNHONOURED: ClassVar[dict[str, Any]] = {"n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0,
+                                            "frequency_penalty": 0, "logit_bias": None, "tools": None,
+                                            "tool_choice": None, "response_format": None}
 
-    model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    seed: int | None = None
-    user: str | None = None
-    n: int = 1
-    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
-    stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
-                                         "first one it would contain (finish_reason stop)")
-    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "
-                                             "the answer (not included)")
     logprobs: bool = False
     top_logprobs: int | None = None
-    presence_penalty: float = 0
-    frequency_penalty: float = 0
-    logit_bias: dict[str, float] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
-
-    @field_validator(*CHAT_UNHONOURED)
-    @classmethod
-    def _only_neutral(cls, value, info: ValidationInfo):
-        return only_neutral(CHAT_UNHONOURED, value, info)
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, value):
-        stop_strings(value)
-        return value
 
     def limit(self) -> int:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
