@@ -228,8 +228,7 @@ class OpenAIApi:
                 async for token, worker_finish in events:
                     generated += 1
                     text, finish = piece(token, worker_finish)
-                    if text or finish is not None:
-                        await send(chunk(text, finish))
+                    await send(chunk(text, finish))  # one chunk per token, as vLLM streams (text may be held back)
                     if finish is not None:
                         break
             await events.aclose()  # ended by a stop: the worker's stream closes, freeing the sequence
