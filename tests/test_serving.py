@@ -368,25 +368,32 @@ async def test_usage_credits_each_loaded_block_to_the_tier_it_came_from(cluster)
     head = "Tiered accounting: the head of this prompt is read from the pool,"  # 4 blocks
     tail = " and its tail from the SSD, and the usage says which is which."
     prompt = head + tail
+    head_blocks = len(head.encode()) // 16
     async with Client([cluster.url], timeout=60) as client, cluster.ops() as ops:
-        async def settle(text: str, holders: set[str]) -> None:
-            for _ in range(60):
-                if set((await ops.prefix(text, tenant="acct")).holders) == holders:
+        async def settle(what: str, holds) -> None:
+            """Until ``holds(holders)`` of the prompt's prefix: each member applies a flush and reports
+            what it moved on its own keep-alive, so every step waits for the index to say so."""
+            for _ in range(100):
+                holders = (await ops.prefix(prompt, tenant="acct")).holders
+                if holds(holders):
                     return
                 await asyncio.sleep(0.2)
-            raise AssertionError(f"{text!r} never settled in {holders}")
+            raise AssertionError(f"never {what}: {holders}")
 
         await client.complete(prompt, tenant="acct", max_tokens=1)  # every block: gpu and the node's pool
-        await settle(prompt, {"test-node", "test-node-prefill-0"})
+        await settle("in the gpu and the pool", lambda h: set(h) == {"test-node", "test-node-prefill-0"}
+                     and h["test-node"].tiers.get("pool", 0) >= head_blocks)
         await ops.flush(["gpu", "pool"])  # down to the SSD
-        await settle(prompt, {"test-node"})
+        await settle("on the SSD only", lambda h: set(h) == {"test-node"} and "pool" not in h["test-node"].tiers)
         await client.complete(head + " ", tenant="acct", max_tokens=1)  # reads the head: promoted to the pool
-        await settle(prompt, {"test-node", "test-node-prefill-0"})  # the gpu copies known, then flushed
+        await settle("the head back in the pool", lambda h: "test-node-prefill-0" in h
+                     and h["test-node"].tiers.get("pool", 0) >= head_blocks)
         await ops.flush(["gpu"])
-        await settle(prompt, {"test-node"})
+        await settle("out of the gpu", lambda h: set(h) == {"test-node"} and h["test-node"].tiers.get("pool", 0)
+                     >= head_blocks)
         answer = await client.complete(prompt + " More.", tenant="acct", max_tokens=1)
     sources = answer["usage"]["tiercake"]["sources"]
-    head_blocks, whole = len(head.encode()) // 16, len(prompt.encode()) // 16
+    whole = len(prompt.encode()) // 16
     assert sources == {"test-node:pool": head_blocks, "test-node:ssd": whole - head_blocks}, sources
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == whole * 16
 
