@@ -1,7 +1,7 @@
 """The OpenAI adapter: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed) and
 ``/v1/models``. It parses and checks the request into one ``Ask`` (a chat's messages through the chat
 template), resolves the tenant, keys the prompt once, hands a ``Job`` to the dispatcher and renders
-what comes back in the endpoint's shape (``chat.py``). The first token decides the HTTP status: a failure before
+what comes back in the endpoint's shape (``openai_models.py``). The first token decides the HTTP status: a failure before
 it is a plain error response; after it, the response is under way and a failure ends it with an
 error (an ``error`` event and ``[DONE]`` on a stream)."""
 
