@@ -87,7 +87,6 @@ class _MemberTierCollector:
         alive = {m.node_id for m in self.conductor.members.alive()}
         for member, stats in list(self.conductor.member_stats.items()):
             if member not in alive:  # a member that left: its series go with it, not frozen forever
-                self.conductor.member_stats.pop(member, None)
                 continue
             for tier, t in stats.tiers.items():
                 key = [member, tier]
@@ -281,7 +280,7 @@ def _member_routes(conductor: Conductor) -> list:
         body = await parse(request, LeaseRequest)
         await conductor.keep_alive(body.lease)
         if body.stats is not None:
-            conductor.member_stats[body.node_id] = body.stats
+            conductor.note_stats(body.node_id, body.stats)
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
         return reply(KeepAliveReply(pins_version=conductor.pins_version, settings=conductor.settings, tasks=[
             ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)

@@ -188,8 +188,7 @@ class Dispatcher:
     def _no_worker(self, roles: tuple[str, ...]) -> ApiError:
         """No candidate: 429 when the workers are alive but full, 503 when there are none."""
         now = time.monotonic()
-        alive = [m for m in self.conductor.members.alive() if m.role in roles and m.url
-                 and self.loads[m.node_id].failed_until <= now]
+        alive = [m for m in self._workers(roles) if self.loads[m.node_id].failed_until <= now]
         if alive:  # all of them full a moment ago
             return self._full("decode" if roles == ("decode",) else "prefill")
         return ApiError(503, f"no live {'/'.join(roles)} worker", "server_error", "no_worker", retryable=True)
@@ -271,12 +270,15 @@ class Dispatcher:
 
     def can_serve(self) -> bool:
         """Whether any worker that can take a prompt is a member (the model is being served)."""
-        return any(m.role in ("prefill", "worker") and m.url for m in self.conductor.members.alive())
+        return bool(self._workers(("prefill", "worker")))
+
+    def _workers(self, roles: tuple[str, ...]) -> list[MemberInfo]:
+        """The live workers of these roles that serve an API (what the front may send work to)."""
+        return [m for m in self.conductor.members.alive() if m.role in roles and m.url]
 
     def _candidates(self, roles: tuple[str, ...]) -> list[MemberInfo]:
         now = time.monotonic()
-        return [m for m in self.conductor.members.alive() if m.role in roles and m.url
-                and self.loads[m.node_id].failed_until <= now and self.loads[m.node_id].busy_until <= now]
+        return [m for m in self._workers(roles) if self.loads[m.node_id].failed_until <= now and self.loads[m.node_id].busy_until <= now]
 
     def _state(self, member: MemberInfo, cached: int) -> WorkerState:
         load, perf = self.loads[member.node_id], member.perf

@@ -53,12 +53,16 @@ class Ask:
         return Stopper(self.stop, self.stop_ids)
 
 
-def completion_ask(raw: bytes) -> Ask:
-    req = CompletionRequest.model_validate_json(raw)
-    tokens = list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt
-    return Ask(req.model, tokens, req.max_tokens, req.temperature, req.seed, req.stream,
+def _ask(req: CompletionRequest | ChatCompletionRequest, tokens: list[int], max_tokens: int) -> Ask:
+    """The parts both requests share, taken the same way."""
+    return Ask(req.model, tokens, max_tokens, req.temperature, req.seed, req.stream,
                bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
                frozenset(req.stop_token_ids or ()), req.top_p)
+
+
+def completion_ask(raw: bytes) -> Ask:
+    req = CompletionRequest.model_validate_json(raw)
+    return _ask(req, list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt, req.max_tokens)
 
 
 def chat_ask(raw: bytes) -> Ask:
@@ -67,9 +71,7 @@ def chat_ask(raw: bytes) -> Ask:
         limit = req.limit()
     except ValueError as exc:
         raise ApiError(400, str(exc), param="max_completion_tokens") from None
-    return Ask(req.model, list(render(req.messages).encode("utf-8")), limit, req.temperature, req.seed, req.stream,
-               bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
-               frozenset(req.stop_token_ids or ()), req.top_p)
+    return _ask(req, list(render(req.messages).encode("utf-8")), limit)
 
 
 # failures after the first token: the worker's, or the dispatcher's (no decode worker left)

@@ -164,6 +164,14 @@ class Conductor:
         await self.meta.put(MEMBERS + info.node_id.encode(), info.model_dump_json().encode(), lease=lease)
         return lease
 
+    def note_stats(self, member: str, stats: MemberStats) -> None:
+        """What a member said of its store in a keep-alive; those of members that left are dropped."""
+        live = self.members.members
+        if len(self.member_stats) >= len(live):  # some may have left: only then is the walk worth it
+            for gone in [m for m in self.member_stats if m not in live]:
+                del self.member_stats[gone]
+        self.member_stats[member] = stats
+
     async def keep_alive(self, lease: int) -> None:
         try:
             await self.meta.refresh_lease(lease)

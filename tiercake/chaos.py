@@ -166,6 +166,10 @@ class Load:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run(i)) for i in range(self.concurrency)]
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     async def stop(self) -> None:
         self._stop.set()
         self._running.set()
@@ -414,7 +418,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             progress(f"the index lists {listed} placements on node agents; {unservable} of them cannot be served, "
                      f"{detected - detected_before} of those found corrupt by the check")
         finally:
-            if load is not None and not load._stop.is_set():
+            if load is not None and not load.stopped:
                 await load.stop()
             output = up.stop()
             if etcd is not None:
