@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import ApiError, body_deadline, error_middleware, require_bearer
+from tiercake.metrics import Collected, store_families
 from tiercake.messages import (
     BeginReply,
     BeginRequest,
@@ -66,40 +67,11 @@ def _keys(hexes: list[str]) -> list[bytes]:
         raise ApiError(400, f"keys must be hex: {exc}") from None
 
 
-class _MemberTierCollector:
-    """Per live member and tier, from the statistics members send with their keep-alives: blocks,
-    bytes used, hits, evictions, and how long evicted blocks had stayed (a histogram)."""
-
-    def __init__(self, conductor: Conductor) -> None:
-        self.conductor = conductor
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        from tiercake.tiers.store import RESIDENCY_BUCKETS
-
-        labels = ["member", "tier"]
-        used = GaugeMetricFamily("tiercake_tier_used_bytes", "bytes held in each member's tiers", labels=labels)
-        blocks = GaugeMetricFamily("tiercake_tier_blocks", "blocks held in each member's tiers", labels=labels)
-        hits = CounterMetricFamily("tiercake_tier_hits", "reads served by each member's tiers", labels=labels)
-        residency = HistogramMetricFamily("tiercake_block_residency_seconds",
-                                          "how long blocks stayed in a tier before eviction", labels=labels)
-        alive = {m.node_id for m in self.conductor.members.alive()}
-        for member, stats in list(self.conductor.member_stats.items()):
-            if member not in alive:  # a member that left: its series go with it, not frozen forever
-                continue
-            for tier, t in stats.tiers.items():
-                key = [member, tier]
-                used.add_metric(key, t.used_bytes)
-                blocks.add_metric(key, t.blocks)
-                hits.add_metric(key, t.hits)
-                if len(t.residency) == len(RESIDENCY_BUCKETS) + 1:
-                    cumulative, running = [], 0
-                    for bound, count in zip([*map(str, RESIDENCY_BUCKETS), "+Inf"], t.residency):
-                        running += count
-                        cumulative.append((bound, running))
-                    residency.add_metric(key, cumulative, t.residency_sum_s)
-        yield from (used, blocks, hits, residency)
+def _member_families(conductor: Conductor):
+    """Per live member and tier, from the statistics members send with their keep-alives (a member
+    that left: its series go with it, not frozen forever)."""
+    alive = {m.node_id for m in conductor.members.alive()}
+    return store_families({m: s for m, s in list(conductor.member_stats.items()) if m in alive})
 
 
 class _ElectionCollector:
@@ -139,7 +111,7 @@ class _Metrics:
         self.lookup_seconds = Histogram("tiercake_lookup_seconds", "placement lookup time in the conductor",
                                         buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
         conductor.index.stats.on_batch = self.on_batch
-        registry.register(_MemberTierCollector(conductor))
+        registry.register(Collected(lambda: _member_families(conductor)))
         registry.register(_ElectionCollector(conductor))
 
     def on_batch(self, n: int, seconds: float) -> None:
@@ -321,15 +293,19 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
     return app
 
 
-def _probe_routes(conductor: Conductor) -> list:
-    """``/health`` (the process answers) and ``/ready`` (the backend answers and a leader is known),
-    on both the control and the public port; no token (PROBE_PATHS)."""
+def _probe_routes(conductor: Conductor, frontend=None) -> list:
+    """``/health`` (the process answers) and ``/ready``: on the control port, the backend answers and
+    a leader is known; on the public port (given its ``frontend``), also a worker that can take a
+    prompt is a member, so a load balancer sends no completion that could only get a 503. No token
+    (PROBE_PATHS)."""
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
 
     async def ready(_: web.Request) -> web.Response:
         ok, why = await conductor.ready()
+        if ok and frontend is not None and not frontend.dispatcher.can_serve():
+            ok, why = False, f"{why}; no worker that takes prompts has registered yet"
         return web.json_response({"ready": ok, "reason": why}, status=200 if ok else 503)
 
     return [web.get("/health", health), web.get("/ready", ready)]
@@ -337,10 +313,10 @@ def _probe_routes(conductor: Conductor) -> list:
 
 def build_public_app(conductor: Conductor, frontend) -> web.Application:
     """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
-    control tokens), with health and readiness for probes."""
+    control tokens), with health and readiness for probes (ready: a worker can serve)."""
 
     app = web.Application(middlewares=[error_middleware, body_deadline], client_max_size=MAX_BODY)
-    app.add_routes(_probe_routes(conductor))
+    app.add_routes(_probe_routes(conductor, frontend))
     frontend.add_routes(app, control=False)
     return app
 

@@ -51,11 +51,13 @@ class Job:
     temperature: float = 0.0
     seed: int | None = None
     top_p: float = 1.0
+    logprobs: int | None = None
     timing: Timing = field(default_factory=Timing)
 
     def request(self, **fields) -> GenerateRequest:
         base = {"tokens": self.tokens, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "tenant": self.tenant, "salt": self.salt, "seed": self.seed, "top_p": self.top_p}
+                "tenant": self.tenant, "salt": self.salt, "seed": self.seed, "top_p": self.top_p,
+                "logprobs": self.logprobs}
         return GenerateRequest(**(base | fields))
 
 
@@ -111,8 +113,8 @@ class Dispatcher:
 
     # The state machine --------------------------------------------------------------------------
 
-    async def run(self, job: Job) -> AsyncIterator[tuple[int, str | None]]:
-        """(token, finish reason) for one request, across prefill and decode workers."""
+    async def run(self, job: Job) -> AsyncIterator[TokenEvent]:
+        """The request's tokens, across prefill and decode workers; the last has its finish reason."""
         split = self._split()
         roles = ("prefill",) if split else ANY_WORKER
         finished, handoff, first = False, None, 0
@@ -120,19 +122,19 @@ class Dispatcher:
                                  lambda event, load: self._prefilled(job, event, load))
         async for event in prefill:
             if event.finish_reason is None:
-                yield event.token, None
+                yield event
                 continue
             finished, handoff, first = True, event.handoff, event.token
             if not split or job.max_tokens == 1:
-                yield event.token, event.finish_reason
+                yield event
                 return
-            yield event.token, None
+            yield event.model_copy(update={"finish_reason": None, "handoff": None})  # decode goes on
         if not finished:
             raise StreamBroken("prefill", "the worker ended the stream before its last token")
         decode = self._attempts("decode", lambda: self._plan_decode(job, first, handoff), 0,
                                 lambda event, _: self._decoding(job, event))
         async for event in decode:
-            yield event.token, event.finish_reason
+            yield event
             if event.finish_reason is not None:
                 return
         raise StreamBroken("decode", "the worker ended the stream before its last token")

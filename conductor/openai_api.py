@@ -8,10 +8,12 @@ error (an ``error`` event and ``[DONE]`` on a stream)."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -21,14 +23,15 @@ from pydantic import ValidationError
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError, invalid
+from tiercake.messages import TokenEvent
 
 from .openai_models import (
     ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, Stopper, render, stop_strings,
 )
 from .dispatch import Dispatcher, Job
-from .serving_stats import ServingStats, Timing
+from .serving_stats import ServingStats
 from .tenants import Quotas, Tenants
-from .worker_client import WorkerError
+from .worker_client import StreamBroken, WorkerError
 
 # API keys, not control tokens; an entry ending in "/" opens every path under it
 OPEN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/")
@@ -36,10 +39,11 @@ OPEN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/mode
 
 @dataclass(slots=True)
 class Ask:
-    """What either endpoint asks for, once parsed: the prompt as token ids and how to answer."""
+    """What either endpoint asks for, once parsed: the prompts as token ids and how to answer them."""
 
     model: str
-    tokens: list[int]
+    prompts: list[list[int]]
+    n: int
     max_tokens: int
     temperature: float
     seed: int | None
@@ -48,30 +52,78 @@ class Ask:
     stop: list[str]
     stop_ids: frozenset[int]
     top_p: float
+    logprobs: int | None  # alternatives per token; None: no log-probabilities
 
     def stopper(self) -> Stopper:
         return Stopper(self.stop, self.stop_ids)
 
+    def seed_of(self, choice: int) -> int | None:
+        """Answer j of a prompt samples with seed+j: n answers differ, and each is reproducible."""
+        return None if self.seed is None else self.seed + choice
 
-def _ask(req: CompletionRequest | ChatCompletionRequest, tokens: list[int], max_tokens: int) -> Ask:
+
+def _ask(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int,
+         logprobs: int | None) -> Ask:
     """The parts both requests share, taken the same way."""
-    return Ask(req.model, tokens, max_tokens, req.temperature, req.seed, req.stream,
+    return Ask(req.model, prompts, req.n, max_tokens, req.temperature, req.seed, req.stream,
                bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
-               frozenset(req.stop_token_ids or ()), req.top_p)
+               frozenset(req.stop_token_ids or ()), req.top_p, logprobs)
 
 
 def completion_ask(raw: bytes) -> Ask:
     req = CompletionRequest.model_validate_json(raw)
-    return _ask(req, list(req.prompt.encode("utf-8")) if isinstance(req.prompt, str) else req.prompt, req.max_tokens)
+    try:
+        prompts = req.prompts()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="prompt") from None
+    return _ask(req, prompts, req.max_tokens, req.logprobs)
 
 
 def chat_ask(raw: bytes) -> Ask:
     req = ChatCompletionRequest.model_validate_json(raw)
     try:
-        limit = req.limit()
+        limit, alternatives = req.limit(), req.alternatives()
     except ValueError as exc:
-        raise ApiError(400, str(exc), param="max_completion_tokens") from None
-    return _ask(req, list(render(req.messages).encode("utf-8")), limit)
+        raise ApiError(400, str(exc)) from None
+    return _ask(req, [list(render(req.messages).encode("utf-8"))], limit, alternatives)
+
+
+class Answer:
+    """One choice as it is produced: its job, the worker's token stream, the text it makes (held back
+    where a stop string may begin) and, when asked for, each token's log-probabilities."""
+
+    def __init__(self, index: int, job: Job, events: AsyncIterator[TokenEvent], ask: Ask) -> None:
+        self.index, self.job, self.events = index, job, events
+        self.stopper = ask.stopper()
+        self.with_logprobs = ask.logprobs is not None
+        self.generated = 0
+        self.finish: str | None = None
+        self.scored: list[TokenEvent] = []  # tokens with their log-probabilities, in order
+        self.offsets: list[int] = []  # where each scored token's text begins
+        self._chars, self._decoder = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, event: TokenEvent) -> str:
+        """The text ``event`` makes safe to show; ``finish`` is set once the answer ended."""
+        self.generated += 1
+        if self.with_logprobs and event.token not in self.stopper.stop_ids:
+            self.scored.append(event)
+            self.offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(bytes([event.token % 256])))
+        text = self.stopper.feed(event.token)
+        if self.stopper.stopped:
+            self.finish = "stop"
+        elif event.finish_reason is not None:
+            text += self.stopper.rest()
+            self.finish = event.finish_reason
+        return text
+
+    def logprobs(self, shape, since: int = 0) -> dict | None:
+        """The log-probabilities of the tokens scored from ``since`` on, in the endpoint's shape."""
+        return shape.logprobs(self.scored[since:], self.offsets[since:]) if self.with_logprobs else None
+
+    async def close(self) -> None:
+        """Ends the worker stream (stopped early, or the client went away), which frees the sequence."""
+        await self.events.aclose()
 
 
 # failures after the first token: the worker's, or the dispatcher's (no decode worker left)
@@ -120,131 +172,186 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, parse: Callable[[bytes], Ask], shape) -> web.StreamResponse:
         with contextlib.ExitStack() as held:  # the tenant's quota, for the request's whole life
+            answers: list[Answer] = []
             try:
-                req, job = await self._job(request, held, parse)
-                events = self.dispatcher.run(job)
-                try:
-                    first = await anext(events)
-                except StopAsyncIteration:
-                    raise ApiError(500, "the worker produced nothing", "server_error") from None
-                except WorkerError as exc:
-                    raise ApiError(502, str(exc), "server_error") from None
+                ask, jobs = await self._jobs(request, held, parse)
+                answers = [Answer(i, job, self.dispatcher.run(job), ask) for i, job in enumerate(jobs)]
+                firsts = await _together(_first(a) for a in answers)
             except ApiError as exc:
+                await _close(answers)
                 self.stats.outcome(str(exc.status))
                 return exc.response()
+            except BaseException:
+                await _close(answers)
+                raise
             self.stats.outcome("ok")
             rid = f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}"
-            if req.stream:
-                return await self._sse(request, rid, req, job, first, events, shape)
-            return await self._whole(rid, req, job, first, events, shape)
+            if ask.stream:
+                return await self._sse(request, rid, ask, answers, firsts, shape)
+            return await self._whole(rid, ask, answers, firsts, shape)
 
-    async def _job(self, request: web.Request, held: contextlib.ExitStack,
-                   parse: Callable[[bytes], Ask]) -> tuple[Ask, Job]:
+    async def _jobs(self, request: web.Request, held: contextlib.ExitStack,
+                    parse: Callable[[bytes], Ask]) -> tuple[Ask, list[Job]]:
+        """The request checked and admitted, as one job per answer (prompt i's j-th answer: job i*n+j)."""
         tenant = self.tenants.of(request)
         try:
-            req = parse(await request.read())
+            ask = parse(await request.read())
         except ValidationError as exc:
             raise invalid(exc, "invalid request") from None
-        if req.model != self.config.model_id:
-            raise ApiError(404, f"model {req.model!r} does not exist; this cluster serves {self.config.model_id!r}",
+        if ask.model != self.config.model_id:
+            raise ApiError(404, f"model {ask.model!r} does not exist; this cluster serves {self.config.model_id!r}",
                            "invalid_request_error", "model_not_found")
-        tokens = req.tokens
-        if not tokens:
-            raise ApiError(400, "the prompt is empty")
-        vocab = self.serving.model.vocab
-        if any(not 0 <= t < vocab for t in tokens):
-            raise ApiError(400, f"token ids must lie in [0, {vocab})")
-        if len(tokens) + req.max_tokens > self.serving.max_context:
-            raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {req.max_tokens} exceed the context "
-                           f"length of {self.serving.max_context}", code="context_length_exceeded")
-        held.enter_context(self.quotas.admit(tenant, len(tokens) + req.max_tokens))
+        vocab, several = self.serving.model.vocab, len(ask.prompts) > 1
+        for i, tokens in enumerate(ask.prompts):
+            which = f"prompt {i}" if several else "the prompt"
+            if not tokens:
+                raise ApiError(400, f"{which} is empty", param="prompt")
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ApiError(400, f"token ids must lie in [0, {vocab}) ({which})", param="prompt")
+            if len(tokens) + ask.max_tokens > self.serving.max_context:
+                raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {ask.max_tokens} exceed the context "
+                               f"length of {self.serving.max_context} ({which})", code="context_length_exceeded")
+        held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
         index_tenant, salt = self.tenants.namespace(tenant)
-        keys = block_keys(self.config.serving_namespace(salt), tokens)  # the front's only hashing of it
-        await self.stats.arrived(keys, tokens, req.max_tokens, index_tenant)
-        return req, Job(tokens, keys, index_tenant, salt, req.max_tokens, req.temperature, req.seed, req.top_p)
+        namespace = self.config.serving_namespace(salt)
+        jobs = []
+        for tokens in ask.prompts:
+            keys = block_keys(namespace, tokens)  # the front's only hashing of it
+            for j in range(ask.n):
+                await self.stats.arrived(keys, tokens, ask.max_tokens, index_tenant)
+                jobs.append(Job(tokens, keys, index_tenant, salt, ask.max_tokens, ask.temperature, ask.seed_of(j),
+                                ask.top_p, ask.logprobs))
+        return ask, jobs
 
     # Rendering ----------------------------------------------------------------------------------
 
-    def _usage(self, job: Job, generated: int) -> dict:
-        timing: Timing = job.timing
-        stats = timing.stats
-        return {"prompt_tokens": len(job.tokens), "completion_tokens": generated,
-                "total_tokens": len(job.tokens) + generated,
-                "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-                "tiercake": {"ttft_s": round(timing.ttft_s, 6), "route_s": round(timing.route_s - timing.lookup_s, 6),
-                             "sources": stats.sources, "lookup_s": round(timing.lookup_s + stats.lookup_s, 6),
-                             "load_s": stats.load_s, "load_tier": stats.load_tier, "compute_s": stats.compute_s,
-                             "decode_cached_tokens": timing.decode_cached_tokens}}
+    @staticmethod
+    def _usage(ask: Ask, answers: list[Answer]) -> dict:
+        """Tokens as OpenAI counts them (each prompt once, every answer's tokens); tiercake's figures
+        summed over the answers' requests (``ttft_s``: the slowest first token)."""
+        per_prompt = answers[::ask.n]
+        timings = [a.job.timing for a in answers]
+        prompt_tokens, completion_tokens = sum(len(a.job.tokens) for a in per_prompt), sum(a.generated for a in answers)
+        sources: Counter[str] = Counter()
+        for t in timings:
+            sources.update(t.stats.sources)
+        handed = [t.decode_cached_tokens for t in timings if t.decode_cached_tokens is not None]
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(a.job.timing.stats.cached_tokens for a in per_prompt)},
+                "tiercake": {"ttft_s": round(max(t.ttft_s for t in timings), 6),
+                             "route_s": round(sum(t.route_s - t.lookup_s for t in timings), 6),
+                             "sources": dict(sources),
+                             "lookup_s": round(sum(t.lookup_s + t.stats.lookup_s for t in timings), 6),
+                             "load_s": sum(t.stats.load_s for t in timings), "load_tier": timings[0].stats.load_tier,
+                             "compute_s": sum(t.stats.compute_s for t in timings),
+                             "decode_cached_tokens": sum(handed) if handed else None}}
 
-    async def _whole(self, rid: str, req: Ask, job: Job, first: tuple[int, str | None],
-                     events: AsyncIterator[tuple[int, str | None]], shape) -> web.Response:
-        stopper = req.stopper()
-        text, generated, finish = stopper.feed(first[0]), 1, first[1]
+    async def _whole(self, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent],
+                     shape) -> web.Response:
         try:
-            if not stopper.stopped:
-                async for token, finish in events:
-                    generated += 1
-                    text += stopper.feed(token)
-                    if stopper.stopped:
-                        break
+            texts = await _together(_rest(a, first) for a, first in zip(answers, firsts))
         except MidStreamError as exc:
-            return ApiError(502, f"{exc} (after {generated} tokens)", "server_error").response()
+            done = sum(a.generated for a in answers)
+            return ApiError(502, f"{exc} (after {done} tokens)", "server_error").response()
         finally:
-            await events.aclose()  # stopped early, or a client gone mid-request: the worker's stream closes too
-        if stopper.stopped:
-            finish = "stop"
-        else:
-            text += stopper.rest()
+            await _close(answers)  # stopped early, or a client gone mid-request: the worker streams close too
         self.stats.served += 1
+        choices = [shape.choice(a.index, text, a.finish or "length", a.logprobs(shape))
+                   for a, text in zip(answers, texts)]
         return web.json_response({"id": rid, "object": shape.object, "created": int(time.time()),
-                                  "model": req.model, "choices": [shape.choice(text, finish or "length")],
-                                  "usage": self._usage(job, generated)})
+                                  "model": ask.model, "choices": choices, "usage": self._usage(ask, answers)})
 
-    async def _sse(self, request: web.Request, rid: str, req: Ask, job: Job, first: tuple[int, str | None],
-                   events: AsyncIterator[tuple[int, str | None]], shape) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent],
+                   shape) -> web.StreamResponse:
+        """One chunk per token of each answer, as its tokens come (answers interleave, told apart by
+        their index), then the usage if asked for and ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        stopper = req.stopper()
         created = int(time.time())
 
         async def send(payload: dict | str) -> None:
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
-        def chunk(text: str, finish: str | None, first: bool = False) -> dict:
-            return {"id": rid, "object": shape.chunk_object, "created": created, "model": req.model,
-                    "choices": [shape.chunk_choice(text, finish, first)]}
+        async def piece(answer: Answer, event: TokenEvent, first: bool = False) -> None:
+            since = len(answer.scored)
+            text = answer.take(event)  # even empty (held back): a chat's first delta names the role
+            choice = shape.chunk_choice(answer.index, text, answer.finish, first, answer.logprobs(shape, since))
+            await send({"id": rid, "object": shape.chunk_object, "created": created, "model": ask.model,
+                        "choices": [choice]})
+            if answer.finish is not None:
+                await answer.close()  # ended by a stop: the worker's stream closes, freeing the sequence
 
-        def piece(token: int, finish: str | None) -> tuple[str, str | None]:
-            """The text to send for ``token`` and the finish reason, if it ends the answer."""
-            text = stopper.feed(token)
-            if stopper.stopped:
-                return text, "stop"
-            return (text + stopper.rest(), finish) if finish is not None else (text, None)
-
-        generated = 1
+        pending: dict[asyncio.Future, Answer] = {}
         try:
-            text, finish = piece(*first)
-            await send(chunk(text, finish, first=True))  # even empty: a chat's first delta names the role
-            if finish is None:
-                async for token, worker_finish in events:
-                    generated += 1
-                    text, finish = piece(token, worker_finish)
-                    await send(chunk(text, finish))  # one chunk per token, as vLLM streams (text may be held back)
-                    if finish is not None:
-                        break
-            await events.aclose()  # ended by a stop: the worker's stream closes, freeing the sequence
-            if req.include_usage:
-                await send({**chunk("", None), "choices": [], "usage": self._usage(job, generated)})
+            for answer, first in zip(answers, firsts):
+                await piece(answer, first, first=True)
+                if answer.finish is None:
+                    pending[asyncio.ensure_future(_next(answer))] = answer
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    answer = pending.pop(task)
+                    await piece(answer, task.result())
+                    if answer.finish is None:
+                        pending[asyncio.ensure_future(_next(answer))] = answer
+            if ask.include_usage:
+                await send({"id": rid, "object": shape.chunk_object, "created": created, "model": ask.model,
+                            "choices": [], "usage": self._usage(ask, answers)})
             await send("[DONE]")
             self.stats.served += 1
         except MidStreamError as exc:  # a worker died mid-stream: say so, end the stream
             await send(json.loads(ApiError(502, str(exc), "server_error").reply().model_dump_json()))
             await send("[DONE]")
-        except (ConnectionError, asyncio.CancelledError):
-            # the client went away: closing the generator closes the worker stream, which frees the
-            # sequence on the worker
-            await events.aclose()
-            raise
+        finally:  # the client went away, or a failure: closing the worker streams frees their sequences
+            await _settle(pending)
+            await _close(answers)
         await response.write_eof()
         return response
+
+
+async def _together(awaitables) -> list:
+    """Run them at once; the first failure cancels the others and is raised as itself."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _settle(tasks)
+
+
+async def _settle(tasks) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(answers: list[Answer]) -> None:
+    for answer in answers:
+        with contextlib.suppress(Exception):
+            await answer.close()
+
+
+async def _first(answer: Answer) -> TokenEvent:
+    """An answer's first token: it decides the HTTP status, so a failure here is a plain error."""
+    try:
+        return await anext(answer.events)
+    except StopAsyncIteration:
+        raise ApiError(500, "the worker produced nothing", "server_error") from None
+    except WorkerError as exc:
+        raise ApiError(502, str(exc), "server_error") from None
+
+
+async def _next(answer: Answer) -> TokenEvent:
+    try:
+        return await anext(answer.events)
+    except StopAsyncIteration:
+        raise StreamBroken("dispatcher", "the stream ended before its last token") from None
+
+
+async def _rest(answer: Answer, first: TokenEvent) -> str:
+    """The whole text of an answer whose first token came."""
+    text = answer.take(first)
+    while answer.finish is None:
+        text += answer.take(await _next(answer))
+    return text

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from tiercake.messages import TokenEvent
+
 
 def stop_strings(value: str | list[str] | None) -> list[str]:
     """``stop`` as a list: at most 4 non-empty strings, as OpenAI takes them."""
@@ -25,6 +27,10 @@ def only_neutral(unhonoured: dict, value, info: ValidationInfo):
     if value != neutral and not (neutral is None and value in ([], {}, "")):
         raise ValueError(f"{value!r} is not supported by this server (leave it out, or send {neutral!r})")
     return value
+
+
+MAX_CHOICES = 16  # answers in one response (prompts times n): each is a request to a worker
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
 
 
 class StreamOptions(BaseModel):
@@ -49,7 +55,8 @@ class _OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="answers per prompt (choice i*n+j: prompt i's "
+                   "j-th); with a seed, choice j samples with seed+j")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
                                          "first one it would contain (finish_reason stop)")
@@ -74,15 +81,27 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     """OpenAI's completion request."""
 
-    UNHONOURED: ClassVar[dict[str, Any]] = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "suffix": None,
+    UNHONOURED: ClassVar[dict[str, Any]] = {"best_of": 1, "echo": False, "suffix": None,
                                             "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 
-    prompt: str | list[int] = Field(description="text, or token ids (bytes for the reference model)")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="text or token ids (bytes for the reference model), or a list of them: one answer each")
     max_tokens: int = Field(default=16, ge=1)
     best_of: int = 1
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
+                                 "and this many most likely alternatives")
     echo: bool = False
     suffix: str | None = None
+
+    def prompts(self) -> list[list[int]]:
+        """The prompts as token ids, at most ``MAX_CHOICES`` answers in all."""
+        p = self.prompt
+        many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not many:
+            raise ValueError("the prompt list is empty")
+        if len(many) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(many)} prompts x n {self.n} answers: at most {MAX_CHOICES} in one request")
+        return [list(q.encode("utf-8")) if isinstance(q, str) else q for q in many]
 
 
 class ChatMessage(BaseModel):
@@ -97,15 +116,16 @@ class ChatCompletionRequest(_OpenAIRequest):
     """OpenAI's chat completion request; ``max_completion_tokens`` is the newer name of
     ``max_tokens`` (one of the two)."""
 
-    UNHONOURED: ClassVar[dict[str, Any]] = {"n": 1, "logprobs": False, "top_logprobs": None, "presence_penalty": 0,
-                                            "frequency_penalty": 0, "logit_bias": None, "tools": None,
+    UNHONOURED: ClassVar[dict[str, Any]] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+                                            "tools": None,
                                             "tool_choice": None, "response_format": None}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: bool = Field(default=False, description="each answer token's log-probability")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many "
+                                     "most likely alternatives per token")
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -115,6 +135,12 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("send max_tokens or max_completion_tokens, not both")
         return self.max_completion_tokens or self.max_tokens or 16
 
+    def alternatives(self) -> int | None:
+        """How many alternatives per token (None: no log-probabilities), as OpenAI takes the pair."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 def render(messages: list[ChatMessage]) -> str:
     """The reference model's chat template: each message as ``<|role|>\\n{content}\\n``, then
@@ -122,18 +148,31 @@ def render(messages: list[ChatMessage]) -> str:
     return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
 
 
+def token_text(token: int) -> str:
+    """A token as OpenAI's logprobs name it: its character when it is one on its own (an ASCII byte),
+    else ``bytes:\\xNN`` (a piece of a UTF-8 sequence; no two tokens share a name)."""
+    b = token % 256
+    return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
+
+
 class CompletionShape:
-    """How ``/v1/completions`` renders an answer."""
+    """How ``/v1/completions`` renders an answer (legacy logprobs: parallel lists)."""
 
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
 
     @staticmethod
-    def choice(text: str, finish: str | None) -> dict:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+    def choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def chunk_choice(text: str, finish: str | None, first: bool) -> dict:
-        return CompletionShape.choice(text, finish)
+    def chunk_choice(index: int, text: str, finish: str | None, first: bool, logprobs: dict | None) -> dict:
+        return CompletionShape.choice(index, text, finish, logprobs)
+
+    @staticmethod
+    def logprobs(events: list[TokenEvent], offsets: list[int]) -> dict:
+        return {"tokens": [token_text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{token_text(a.token): a.logprob for a in e.top_logprobs or ()} for e in events],
+                "text_offset": offsets}
 
 
 class ChatShape:
@@ -143,14 +182,23 @@ class ChatShape:
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     @staticmethod
-    def choice(text: str, finish: str | None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
 
     @staticmethod
-    def chunk_choice(text: str, finish: str | None, first: bool) -> dict:
+    def chunk_choice(index: int, text: str, finish: str | None, first: bool, logprobs: dict | None) -> dict:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(events: list[TokenEvent], offsets: list[int]) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": token_text(token), "logprob": logprob, "bytes": [token % 256]}
+
+        return {"content": [entry(e.token, e.logprob) | {"top_logprobs": [entry(a.token, a.logprob)
+                                                                            for a in e.top_logprobs or ()]}
+                            for e in events]}
 
 
 class Stopper:

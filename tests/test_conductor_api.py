@@ -341,8 +341,25 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
                                  ("POST", "/v1/placements/lookup"), ("GET", "/metrics")):
                 async with http.request(method, public + path, headers=token) as resp:
                     assert resp.status in (404, 405), (path, resp.status)
-            async with http.get(public + "/ready") as resp:
-                assert resp.status in (200, 503) and "ready" in await resp.json()
+            for _ in range(50):  # the control port: ready once a leader is known
+                async with http.get(control + "/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert resp.status == 200
+            async with http.get(public + "/ready") as resp:  # the public port: not before a worker can serve
+                body = await resp.json()
+                assert resp.status == 503 and "no worker" in body["reason"], body
+            worker = {"member": {"node_id": "w1", "role": "prefill", "host": "127.0.0.1", "port": 9,
+                                 "url": "http://127.0.0.1:9", "tiers": {"gpu": 1}}, "ttl": 60}
+            async with http.post(control + "/v1/members/register", json=worker, headers=token) as resp:
+                assert resp.status == 200, await resp.text()
+            for _ in range(50):
+                async with http.get(public + "/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert resp.status == 200, await resp.text()
             async with http.get(control + "/v1/cluster") as resp:
                 assert resp.status == 401
             async with http.get(control + "/v1/cluster", headers=token) as resp:

@@ -180,15 +180,59 @@ def test_conductors_are_replicated_behind_readiness_and_scraped(rendered, overla
     deployment = one(docs, "Deployment", "tiercake-conductor")
     assert deployment["spec"]["replicas"] >= 2
     c = container(deployment)
-    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "control"}
+    # ready on the public port: a leader is known and a worker can serve (no completion meets a 503)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "api"}
     assert "$(POD_NAME)" in c["args"]  # each replica its own id in the election
     env = {e["name"]: e for e in c["env"]}
     assert env["TIERCAKE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) == port_of(c, "control")
+    # members register through the control Service before any conductor is ready: it must reach them
+    assert one(docs, "Service", "tiercake-conductor")["spec"]["publishNotReadyAddresses"] is True
+    assert not one(docs, "Service", "tiercake-api")["spec"].get("publishNotReadyAddresses")
     pdb = one(docs, "PodDisruptionBudget", "tiercake-conductor")
     assert pdb["spec"]["minAvailable"] >= 1
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_tiercake_process_is_annotated_for_scraping_on_a_port_it_serves(rendered, overlay):
+    docs = rendered[overlay]
+    config, _ = config_of(docs)
+    for w in workloads(docs):
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        if labels.get("app.kubernetes.io/part-of") != "tiercake" or labels["app.kubernetes.io/component"] == "etcd":
+            continue
+        annotations = w["spec"]["template"]["metadata"].get("annotations", {})
+        name = w["metadata"]["name"]
+        assert annotations.get("prometheus.io/scrape") == "true" and annotations["prometheus.io/path"] == "/metrics", name
+        assert int(annotations["prometheus.io/port"]) in {p["containerPort"] for p in container(w)["ports"]}, name
+    node = one(docs, "DaemonSet", "tiercake-node")
+    assert int(node["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]) == config.transfer.metrics_port
+
+
+def test_the_prometheus_operator_component_monitors_every_process(tmp_path):
+    """The optional component, added to the dev overlay as its comment says: a PodMonitor whose
+    endpoints name ports every kind of tiercake pod has."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    site = tree / "overlays" / "dev"
+    with (site / "kustomization.yaml").open("a") as kustomization:
+        kustomization.write("components:\n  - ../../components/prometheus-operator\n")
+    done = subprocess.run([kubectl(), "kustomize", str(site)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    (monitor,) = find(docs, "PodMonitor")
+    assert monitor["metadata"]["namespace"] == "tiercake-dev"
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert all(e["path"] == "/metrics" for e in monitor["spec"]["podMetricsEndpoints"])
+    for w in workloads(docs):
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        if not _selects(monitor["spec"]["selector"], labels) or labels["app.kubernetes.io/component"] == "etcd":
+            continue
+        annotated = int(w["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
+        named = {p["name"] for p in container(w)["ports"] if p["containerPort"] == annotated}
+        assert named & ports, (w["metadata"]["name"], named, ports)
 
 
 @pytest.mark.parametrize("overlay", ("dev", "gpu"))
@@ -261,10 +305,12 @@ def test_network_policies_open_the_api_and_keep_the_control_and_transfer_ports_i
     assert all("podSelector" in p and p["podSelector"]["matchLabels"] == TIERCAKE_PODS or
                p == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
                for p in control_peers)
-    assert _policy_ports(policies["tiercake-node"]) == {config.transfer.port: [own_pods]}
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert _policy_ports(policies["tiercake-node"]) == {config.transfer.port: [own_pods],
+                                                         config.transfer.metrics_port: [monitoring]}
     workers = policies["tiercake-workers"]
     assert _policy_ports(workers) == {8000: [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "tiercake", "app.kubernetes.io/component": "conductor"}}}]}
+        "app.kubernetes.io/name": "tiercake", "app.kubernetes.io/component": "conductor"}}}, monitoring]}
     # every port any tiercake pod listens on is covered by a policy selecting that pod
     for w in workloads(docs):
         labels = w["spec"]["template"]["metadata"]["labels"]
@@ -276,6 +322,12 @@ def test_network_policies_open_the_api_and_keep_the_control_and_transfer_ports_i
         etcd = _policy_ports(policies["tiercake-etcd"])
         assert etcd[2379] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tiercake",
                                                                 "app.kubernetes.io/component": "conductor"}}}]
+
+
+def raw_port(docs: list[dict], workload: str) -> int:
+    """The port a workload's pods are annotated to be scraped on."""
+    (w,) = [w for w in workloads(docs) if w["metadata"]["name"] == workload]
+    return int(w["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -395,14 +447,14 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
     _, raw = config_of(docs)
     pool = f"/dev/shm/tiercake-deploy-test-{os.getpid()}"
     etcd = EtcdCluster(tmp_path / "etcd").start()
-    ports = {name: free_port() for name in ("control", "api", "transfer")}
+    ports = {name: free_port() for name in ("control", "api", "transfer", "metrics")}
     raw["store"]["tiers"][0]["path"] = pool
     raw["store"]["tiers"][1]["path"] = str(tmp_path / "ssd")
     raw["conductor"].update(host="127.0.0.1", port=ports["control"], etcd=etcd.endpoints,
                             urls=[f"http://127.0.0.1:{ports['control']}"])
     raw["serving"].update(host="127.0.0.1", port=ports["api"], gpu_blocks=128,
                           api_keys_file=str(tmp_path / "secrets" / "api-keys.yaml"))
-    raw["transfer"].update(host="127.0.0.1", port=ports["transfer"])
+    raw["transfer"].update(host="127.0.0.1", port=ports["transfer"], metrics_port=ports["metrics"])
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     children: list[Child] = []
@@ -437,9 +489,9 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
         worker = container(one(docs, "Deployment", "tiercake-prefill"))
         async with aiohttp.ClientSession() as http:
             for probe in ("readinessProbe", "livenessProbe"):
-                path = conductor[probe]["httpGet"]["path"]
-                for _ in range(50):  # without a token, as kubelet asks; ready once a leader is known
-                    async with http.get(control + path) as resp:
+                path, port = conductor[probe]["httpGet"]["path"], conductor[probe]["httpGet"]["port"]
+                for _ in range(50):  # without a token, as kubelet asks; ready once a worker can serve
+                    async with http.get({"api": api, "control": control}[port] + path) as resp:
                         status, text = resp.status, await resp.text()
                     if status == 200:
                         break
@@ -451,6 +503,14 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
                         assert resp.status == 200, probe
         with socket.create_connection(("127.0.0.1", ports["transfer"]), timeout=5):
             pass  # the node agent's tcpSocket probe
+        # each process scraped as its annotations say, without a token (as Prometheus does)
+        moved = {raw_port(docs, "tiercake-conductor"): [control], raw_port(docs, "tiercake-node"):
+                 [f"http://127.0.0.1:{ports['metrics']}"], raw_port(docs, "tiercake-prefill"): urls}
+        async with aiohttp.ClientSession() as http:
+            for name, bases in moved.items():
+                for base in bases:
+                    async with http.get(base + "/metrics") as resp:
+                        assert resp.status == 200 and "tiercake_" in await resp.text(), (name, base)
         alice = next(k for k, tenant in yaml.safe_load(secret["api-keys.yaml"]).items() if tenant == "alice")
         prompt = "Kubernetes pods share the node pool through /dev/shm. " * 3
         async with Client([api], token=alice, timeout=120) as client:

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import yaml
 from conductor_helpers import running_conductor
 from transfer_helpers import SECRET, payload, start_node, stop_node
 
@@ -177,3 +179,60 @@ async def test_hot_block_is_replicated_while_hot_and_dropped_when_it_cools(condu
     finally:
         await _unlink(*b)
         await _unlink(*a)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_a_node_agent_serves_its_own_metrics(processes, tmp_path):
+    """The node agent's /metrics (transfer.metrics_port): its tiers as its store sees them at the scrape
+    and its transfer server's counts, in Prometheus' naming; open to scrapers by default, behind the
+    cluster token when conductor.metrics_open is false."""
+    import aiohttp
+
+    from tiercake.config import TiercakeConfig
+
+    path = tmp_path / "node-m.yaml"
+    path.write_text("node_id: node-m\nstore:\n  layout: null\n  tiers:\n"
+                    f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / 'ssd'}}}\n"
+                    "transfer: {host: 127.0.0.1, metrics_port: 0}\n")
+    env = {"TIERCAKE_SECRET": SECRET.decode()}
+    _, address = processes(["node", "--config", str(path)], env)
+    url = address["metrics_url"]
+    async with aiohttp.ClientSession() as http:
+        async def scrape() -> dict:
+            async with http.get(url) as resp:
+                assert resp.status == 200
+                return _samples(await resp.text())
+
+        before = await scrape()
+        tier = (("member", "node-m"), ("tier", "ssd"))
+        assert before[("tiercake_tier_blocks", tier)] == 0
+        assert before[("tiercake_tier_capacity_bytes", tier)] == 64 << 20
+        engine = TransferEngine("writer", SECRET, transports=("tcp",))
+        engine.add_peer("node-m", address["host"], address["port"])
+        keys = [k(i) for i in range(3)]
+        results = await engine.write_blocks("node-m", keys, [payload(i, 64 * KB) for i in range(3)])
+        assert all(r.ok for r in results)
+        buffers = [np.empty(64 * KB, np.uint8) for _ in keys]
+        assert all(r.ok for r in await engine.read_blocks("node-m", keys, buffers))
+        await engine.close()
+        after = await scrape()
+        assert after[("tiercake_tier_blocks", tier)] == 3 and after[("tiercake_tier_used_bytes", tier)] >= 3 * 64 * KB
+        assert after[("tiercake_tier_hits_total", tier)] >= 3  # a counter, named as Prometheus names them
+        assert after[("tiercake_transfer_served_bytes_total", (("member", "node-m"),))] == 3 * 64 * KB
+
+    config = TiercakeConfig.model_validate(yaml.safe_load(path.read_text()))
+    assert config.conductor.metrics_open  # the default: scrapers need no token
+    path.write_text(path.read_text().replace("node_id: node-m", "node_id: node-t").replace("/ssd}", "/ssd-t}") +
+                    "conductor: {metrics_open: false}\n")
+    _, address = processes(["node", "--config", str(path)], {**env, "TIERCAKE_TOKEN": "tok-m"})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(address["metrics_url"]) as resp:
+            assert resp.status == 401
+        async with http.get(address["metrics_url"], headers={"Authorization": "Bearer tok-m"}) as resp:
+            assert resp.status == 200 and "tiercake_tier_blocks" in await resp.text()

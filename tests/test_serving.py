@@ -4,6 +4,7 @@ decode workers, each its own process) answering the OpenAI-compatible API; bad i
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -173,14 +174,18 @@ async def test_bad_requests_are_clear_errors(cluster):
         (json.dumps(completion(text="")).encode(), 400, "empty"),
         (json.dumps(completion(temperature=-1)).encode(), 400, "temperature"),
         # a parameter the server does not honour is refused by name, never silently ignored
-        (json.dumps({**completion(), "n": 2}).encode(), 400, "n: 2 is not supported"),
+        (json.dumps({**completion(), "n": 17}).encode(), 400, "n"),
+        (json.dumps({**completion(), "n": 0}).encode(), 400, "n"),
+        (json.dumps({**completion(), "n": 9, "prompt": ["a", "b"]}).encode(), 400, "at most 16"),
+        (json.dumps({**completion(), "prompt": []}).encode(), 400, "empty"),
+        (json.dumps({**completion(), "prompt": ["ok", ""]}).encode(), 400, "prompt 1 is empty"),
+        (json.dumps({**completion(), "logprobs": 21}).encode(), 400, "logprobs"),
         (json.dumps({**completion(), "stop": ["."] * 5}).encode(), 400, "at most 4"),
         (json.dumps({**completion(), "top_p": 0}).encode(), 400, "top_p"),
         (json.dumps({**completion(), "top_p": 1.5}).encode(), 400, "top_p"),
-        (json.dumps({**completion(), "logprobs": 2}).encode(), 400, "logprobs:"),
         (json.dumps({**completion(), "echo": True}).encode(), 400, "echo:"),
         (json.dumps({**completion(), "best_of_three": 1}).encode(), 400, "best_of_three: Extra inputs"),
-        (json.dumps({**completion(), "prompt": ["a", "b"]}).encode(), 400, "prompt"),
+        (json.dumps({**completion(), "prompt": ["a", [1, 2]]}).encode(), 400, "prompt"),
         # types are strict: nothing is coerced into what the caller did not send
         (json.dumps(completion(max_tokens="16")).encode(), 400, "max_tokens"),
         (json.dumps(completion(max_tokens=2.0)).encode(), 400, "max_tokens"),
@@ -354,7 +359,9 @@ async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_
 
         bad = [({**chat, "messages": []}, "messages"), ({**chat, "messages": [{"role": "tool", "content": "x"}]},
                                                         "role"),
-               ({**chat, "n": 2}, "n: 2 is not supported"), ({**chat, "max_completion_tokens": 3}, "not both"),
+               ({**chat, "n": 17}, "n"), ({**chat, "top_logprobs": 2}, "needs logprobs"),
+               ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+               ({**chat, "max_completion_tokens": 3}, "not both"),
                ({**chat, "tools": [{"type": "function"}]}, "tools"), ({**chat, "max_tokens": "6"}, "max_tokens")]
         for body, words in bad:
             async with http.post(cluster.url + "/v1/chat/completions", json=body) as resp:
@@ -849,6 +856,31 @@ async def test_tls_on_every_http_api_of_the_cluster(tmp_path):
         up.stop()
 
 
+async def test_workers_serve_their_own_metrics(cluster):
+    """Each worker's /metrics, scraped as Prometheus does (no token): its queue, its KV blocks, the
+    sequences it finished and its gpu tier, read at the scrape; its work endpoints stay closed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with Client([cluster.url], timeout=60) as client:
+        await client.complete(PROMPT + "Per-worker metrics.", max_tokens=3)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(cluster.control_url + "/v1/members", headers=cluster.auth()) as resp:
+            workers = [m for m in (await resp.json())["members"] if m.get("url")]
+        assert {w["role"] for w in workers} == {"prefill", "decode"}
+        for worker in workers:
+            async with http.get(worker["url"] + "/metrics") as resp:
+                assert resp.status == 200
+                samples = {(x.name, x.labels.get("tier")): x.value for f in
+                           text_string_to_metric_families(await resp.text()) for x in f.samples
+                           if x.labels.get("member", x.labels.get("worker")) == worker["node_id"]}
+            assert samples[("tiercake_worker_kv_blocks", None)] == 128, samples
+            assert samples[("tiercake_worker_sequences_completed_total", None)] >= 1
+            assert 0 <= samples[("tiercake_worker_kv_free_blocks", None)] <= 128
+            assert ("tiercake_tier_used_bytes", "gpu") in samples
+            async with http.post(worker["url"] + "/generate", json={"tokens": [1], "max_tokens": 1}) as resp:
+                assert resp.status == 401  # /metrics is open, the work is not
+
+
 def test_the_shipped_dashboard_queries_only_series_the_cluster_exports(cluster):
     """deploy/grafana/tiercake-dashboard.json: every metric a panel queries is one a running cluster
     exports (scraped without a token, as Prometheus does)."""
@@ -894,8 +926,95 @@ def test_the_official_openai_client_works_against_the_front(cluster):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2)
-    assert "n: 2 is not supported" in str(err.value)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, best_of=2)
+    assert "best_of: 2 is not supported" in str(err.value)
+    scored = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2,
+                                            logprobs=True, top_logprobs=2)
+    assert [c.index for c in scored.choices] == [0, 1]
+    for choice in scored.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == 3 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+
+
+async def test_n_answers_and_lists_of_prompts(cluster):
+    """``n`` answers per prompt and a list of prompts: choice i*n+j is prompt i's j-th answer, whole or
+    streamed; with a seed, each answer samples with its own (seed+j), so they differ and repeat."""
+    first, second = PROMPT + "Many answers, one.", PROMPT + "Many answers, two!"
+    async with aiohttp.ClientSession() as http:
+        async def ask(**kw) -> dict:
+            async with http.post(cluster.url + "/v1/completions", json=completion(**kw)) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        alone = [(await ask(text=p, max_tokens=5))["choices"][0]["text"] for p in (first, second)]
+        both = await ask(text=[first, second], n=2, max_tokens=5)
+        assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in both["choices"]] == [alone[0], alone[0], alone[1], alone[1]]  # greedy
+        usage = both["usage"]
+        assert usage["prompt_tokens"] == len(first.encode()) + len(second.encode())  # each prompt once
+        assert usage["completion_tokens"] == 4 * 5
+
+        sampled = await ask(text=first, n=3, max_tokens=8, temperature=1.0, seed=7)
+        texts = [c["text"] for c in sampled["choices"]]
+        assert len(set(texts)) > 1, texts  # seed+j: not three copies of one sample
+        assert [c["text"] for c in (await ask(text=first, n=3, max_tokens=8, temperature=1.0, seed=7))["choices"]] \
+            == texts  # and reproducible
+
+        async with http.post(cluster.url + "/v1/completions",
+                             json=completion(text=[first, second], max_tokens=5, stream=True,
+                                             stream_options={"include_usage": True})) as resp:
+            events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
+                      if line.startswith("data: {")]
+        streamed: dict[int, str] = {}
+        finished = set()
+        for event in events:
+            for c in event["choices"]:
+                streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+                if c["finish_reason"]:
+                    finished.add(c["index"])
+        assert streamed == {0: alone[0], 1: alone[1]} and finished == {0, 1}
+        assert events[-1]["usage"]["completion_tokens"] == 10
+
+
+async def test_logprobs_score_each_token_and_do_not_change_with_the_cache(cluster):
+    """Each token's log-probability and its most likely alternatives (greedy: the token is the top
+    one); a second request served from the cache scores its tokens exactly as the first computed
+    them; the stream carries the same figures token by token."""
+    prompt = PROMPT + "Scored tokens, twice."
+    async with aiohttp.ClientSession() as http:
+        async def ask(**kw) -> dict:
+            async with http.post(cluster.url + "/v1/completions",
+                                 json=completion(text=prompt, max_tokens=6, logprobs=3, **kw)) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+        cold = await ask()
+        warm = await ask()
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        lp = cold["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+        raw = bytes(int(t[len("bytes:\\x"):], 16) if t.startswith("bytes:") else ord(t) for t in lp["tokens"])
+        assert raw.decode("utf-8", errors="replace") == cold["choices"][0]["text"]  # every token, named uniquely
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert len(top) == 3 and logprob <= 0
+            best = max(top.values())
+            assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(best)  # greedy: the top one
+            assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-9
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+        assert warm["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+
+        async with http.post(cluster.url + "/v1/completions",
+                             json=completion(text=prompt, max_tokens=6, logprobs=3, stream=True)) as resp:
+            events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
+                      if line.startswith("data: {")]
+        streamed = [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+        assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-4)
+
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+                "temperature": 0, "logprobs": True}
+        async with http.post(cluster.url + "/v1/chat/completions", json=chat) as resp:
+            content = (await resp.json())["choices"][0]["logprobs"]["content"]
+        assert [len(e["bytes"]) for e in content] == [1, 1] and all(e["top_logprobs"] == [] for e in content)
 
 
 async def test_stop_strings_and_stop_token_ids_end_the_answer_before_them(cluster):

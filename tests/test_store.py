@@ -531,7 +531,7 @@ async def test_flushing_one_tier_pushes_its_blocks_down(make_store):
 
 
 async def test_residency_of_evicted_copies_is_counted_per_tier(make_store):
-    from tiercake.tiers.store import RESIDENCY_BUCKETS
+    from tiercake.messages import RESIDENCY_BUCKETS
 
     store = await make_store(gpu=None, pool=2, ssd=8)
     for i in range(4):

@@ -136,6 +136,9 @@ class TransferConfig(BaseModel):
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")
     max_block_bytes: ByteSize = Field(default=ByteSize(1 << 30), description="largest block a peer may write")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="the node agent's own Prometheus "
+                                     "/metrics on this port of host (0: any free port, announced; none: not "
+                                     "served); the conductor token guards it unless conductor.metrics_open")
 
     @field_validator("transports")
     @classmethod

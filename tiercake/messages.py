@@ -83,6 +83,10 @@ class MemberInfo(Request):
     perf: WorkerPerf = Field(default_factory=WorkerPerf, description="a worker's fitted timings (routing)")
 
 
+# the upper bounds (s) of TierStats.residency's buckets: how long evicted copies had stayed
+RESIDENCY_BUCKETS = (1.0, 10.0, 60.0, 300.0, 1800.0, 7200.0)
+
+
 class TierStats(Reply):
     kind: str = ""
     capacity_bytes: int = 0
@@ -454,6 +458,8 @@ class GenerateRequest(Request):
     source: KVHandoff | None = Field(default=None, description="pull the prefix from here without asking the index")
     handoff: bool = Field(default=False, description="a prefill for a decode worker: its last event carries the "
                           "KVHandoff, sent only once the blocks are on the node")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="each token's log-probability and this "
+                                 "many most likely alternatives (none: no log-probabilities)")
 
 
 class PrefillStats(Reply):
@@ -471,12 +477,21 @@ class PrefillStats(Reply):
     copy_bytes_per_s: float | None = None  # the worker's memcpy rate, the floor of a load
 
 
+class TokenLogprob(Reply):
+    token: int
+    logprob: float
+
+
 class TokenEvent(Reply):
     """One generated token; the first carries the prefill stats, the last its finish reason and, from
-    a prefill made for a decode worker, the handoff."""
+    a prefill made for a decode worker, the handoff. With ``logprobs`` asked for: the token's
+    log-probability under the model (before temperature and top_p, as vLLM reports by default) and the
+    most likely alternatives, most likely first."""
 
     token: int
     index: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stats: PrefillStats | None = None
     handoff: KVHandoff | None = None

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tiercake.messages import RESIDENCY_BUCKETS
 from tiercake.policies import AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy, LRU
 
 from .backend import TierBackend
@@ -128,9 +129,6 @@ class Entry:
             for index, copy in self.copies.items():
                 return [index] if copy.state is State.COMMITTED else []
         return sorted(i for i, c in self.copies.items() if c.state is State.COMMITTED)
-
-
-RESIDENCY_BUCKETS = (1.0, 10.0, 60.0, 300.0, 1800.0, 7200.0)
 
 
 @dataclass(slots=True)

@@ -145,10 +145,7 @@ class ConductorLink:
     # Settings -------------------------------------------------------------------------------------
 
     def _stats(self) -> MemberStats:
-        stats = self.store.stats()
-        return MemberStats(misses=stats["misses"], tiers={
-            name: TierStats.model_validate(t | {"eviction": t["eviction"].get("policy")})
-            for name, t in stats["tiers"].items()})
+        return member_stats(self.store)
 
     async def _apply_settings(self, settings: ClusterSettings) -> None:
         flush = settings.flush
@@ -207,3 +204,11 @@ class ConductorLink:
         for result in await self.engine.transfer(batch, timeout=self.engine.deadline_for(sum(t.length for t in batch))):
             if not result.ok:
                 log.warning("node %s: replication pull failed: %s", self.member.node_id, result.error)
+
+
+def member_stats(store: TieredStore) -> MemberStats:
+    """What a member says of its store: in its keep-alives, and on its own /metrics."""
+    stats = store.stats()
+    return MemberStats(misses=stats["misses"], tiers={
+        name: TierStats.model_validate(t | {"eviction": t["eviction"].get("policy")})
+        for name, t in stats["tiers"].items()})

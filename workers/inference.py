@@ -311,4 +311,14 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-__all__ = ["ContextLimitError", "InferenceEngine", "PrefillStats", "Sequence", "StoreError", "next_token"]
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability under the model's distribution (before temperature and top_p: what
+    vLLM reports by default) and the ``top`` most likely tokens with theirs, most likely first."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    alternatives = [] if best is None else [(int(t), float(v)) for v, t in zip(best.values, best.indices)]
+    return float(logp[token]), alternatives
+
+
+__all__ = ["ContextLimitError", "InferenceEngine", "PrefillStats", "Sequence", "StoreError", "logprobs_of",
+           "next_token"]

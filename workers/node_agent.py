@@ -10,15 +10,20 @@ import logging
 import signal
 import sys
 
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily
+
 from tiercake.conductor.client import Client
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
 from tiercake.transfer import TransferEngine, TransferServer
 
 from tiercake.config import TiercakeConfig, reachable_host
+from tiercake.errors import error_middleware, require_bearer
 from tiercake.messages import MemberInfo
+from tiercake.metrics import metrics_handler, registry_of, store_families
 
-from .conductor_link import ConductorLink
+from .conductor_link import ConductorLink, member_stats
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,8 @@ class NodeAgent:
         self.engine: TransferEngine | None = None
         self.link: ConductorLink | None = None
         self._client: Client | None = None
+        self._metrics: web.AppRunner | None = None
+        self.metrics_url: str | None = None
 
     async def start(self) -> NodeAgent:
         cfg = self.config
@@ -44,6 +51,8 @@ class NodeAgent:
                 max_block_bytes=int(cfg.transfer.max_block_bytes), buffer_bytes=cfg.transfer.buffer_bytes,
                 ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
             ).start()
+            if cfg.transfer.metrics_port is not None:
+                await self._serve_metrics()
             if cfg.conductor.urls:
                 await self._join(secret)
         except BaseException:
@@ -64,7 +73,41 @@ class NodeAgent:
         self.link = await ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl,
                                         engine=self.engine).start()
 
+    async def _serve_metrics(self) -> None:
+        """``/metrics``: the node's tiers as its store sees them now, and its transfer server's counts."""
+        cfg = self.config
+        tokens = [] if cfg.conductor.metrics_open else cfg.conductor.tokens()
+
+        @web.middleware
+        async def guard(request: web.Request, handler):
+            if tokens:
+                require_bearer(request, tokens)
+            return await handler(request)
+
+        app = web.Application(middlewares=[error_middleware, guard])
+        app.add_routes([web.get("/metrics", metrics_handler(registry_of(self._families)))])
+        self._metrics = web.AppRunner(app, access_log=None)
+        await self._metrics.setup()
+        site = web.TCPSite(self._metrics, cfg.transfer.host, cfg.transfer.metrics_port,
+                           ssl_context=cfg.tls.server_context())
+        await site.start()
+        host, port = self._metrics.addresses[0][:2]
+        self.metrics_url = f"{cfg.tls.scheme}://{reachable_host(host, cfg.transfer.advertise_host)}:{port}/metrics"
+
+    def _families(self):
+        node = self.config.node_id
+        yield from store_families({node: member_stats(self.store)})
+        for name, doc, value in (("transfer_served_bytes", "bytes this node's transfer server sent to readers",
+                                  self.server.served_bytes),
+                                 ("transfer_refused_connections", "connections that failed authentication",
+                                  self.server.refused)):
+            family = CounterMetricFamily(f"tiercake_{name}", doc, labels=["member"])
+            family.add_metric([node], value)
+            yield family
+
     async def close(self) -> None:
+        if self._metrics is not None:
+            await self._metrics.cleanup()
         if self.link is not None:
             await self.link.close()
         if self._client is not None:
@@ -84,7 +127,10 @@ class NodeAgent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         host, port = self.server.address
-        print(json.dumps({"node_id": self.config.node_id, "host": host, "port": port}), file=announce, flush=True)
+        announced = {"node_id": self.config.node_id, "host": host, "port": port}
+        if self.metrics_url is not None:
+            announced["metrics_url"] = self.metrics_url
+        print(json.dumps(announced), file=announce, flush=True)
         try:
             await stop.wait()
         finally:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercake.messages import GenerateRequest, TokenEvent
+from tiercake.messages import GenerateRequest, TokenEvent, TokenLogprob
 
-from .inference import InferenceEngine, Sequence, StoreError, next_token
+from .inference import InferenceEngine, Sequence, StoreError, logprobs_of, next_token
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,16 @@ class Scheduler:
             return False
 
     def _emit(self, job: _Running, first: bool = False) -> None:
-        token = next_token(job.seq.logits, job.request.temperature, job.generator, job.request.top_p)
+        r = job.request
+        token = next_token(job.seq.logits, r.temperature, job.generator, r.top_p)
         job.generated += 1
-        done = job.generated >= job.request.max_tokens
-        job.out.put_nowait(TokenEvent(token=token, index=job.generated - 1, stats=job.seq.stats if first else None,
-                                      finish_reason="length" if done else None))
+        done = job.generated >= r.max_tokens
+        event = TokenEvent(token=token, index=job.generated - 1, stats=job.seq.stats if first else None,
+                           finish_reason="length" if done else None)
+        if r.logprobs is not None:
+            event.logprob, top = logprobs_of(job.seq.logits, token, r.logprobs)
+            event.top_logprobs = [TokenLogprob(token=t, logprob=lp) for t, lp in top]
+        job.out.put_nowait(event)
         job.pending = token
         if done:
             self._finish(job)

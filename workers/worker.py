@@ -22,14 +22,16 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import body_deadline, error_middleware, error_response, invalid, require_bearer
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
+from tiercake.metrics import metrics_handler, registry_of, store_families
 
-from .conductor_link import ConductorLink
+from .conductor_link import ConductorLink, member_stats
 from .contract import EngineBusy, RequestRejected, ServingEngine
 from .reference import ReferenceEngine
 
@@ -98,16 +100,37 @@ class Worker:
         app = web.Application(client_max_size=16 << 20,
                               middlewares=[error_middleware, self._authenticate, body_deadline])
         app.add_routes([web.post("/generate", self._generate), web.get("/health", self._health),
-                        web.get("/load", self._load)])
+                        web.get("/load", self._load),
+                        web.get("/metrics", metrics_handler(registry_of(self._families)))])
         return app
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
         """Work comes only from a front that holds the cluster's control token: the request names the
-        tenant and salt it runs under, so nobody else may send one. ``/health`` is for probes."""
-        if self._tokens and request.path != "/health":
+        tenant and salt it runs under, so nobody else may send one. ``/health`` is for probes,
+        ``/metrics`` for scrapers (unless ``conductor.metrics_open`` is false)."""
+        open_paths = ("/health", "/metrics") if self.config.conductor.metrics_open else ("/health",)
+        if self._tokens and request.path not in open_paths:
             require_bearer(request, self._tokens)
         return await handler(request)
+
+    def _families(self):
+        """This worker's own series: its engine's queue and KV blocks, and its gpu tier."""
+        engine, labels = self.engine, ["worker", "role"]
+        load, key = engine.load(), [self.worker_id, self.role]
+        for name, doc, value in (("waiting", "requests waiting for a prefill slot", load.waiting),
+                                 ("prefilling", "requests being prefilled", load.prefilling),
+                                 ("running", "sequences decoding", load.running),
+                                 ("kv_free_blocks", "KV blocks free on the device", load.free_blocks),
+                                 ("kv_blocks", "KV blocks on the device", load.blocks)):
+            family = GaugeMetricFamily(f"tiercake_worker_{name}", doc, labels=labels)
+            family.add_metric(key, value)
+            yield family
+        done = CounterMetricFamily("tiercake_worker_sequences_completed", "sequences finished", labels=labels)
+        done.add_metric(key, load.completed)
+        yield done
+        if engine.store is not None:
+            yield from store_families({self.worker_id: member_stats(engine.store)})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         try:
