@@ -22,6 +22,8 @@ from tiercake.errors import ApiError, body_deadline, error_middleware, require_b
 from tiercake.metrics import Collected, store_families
 from tiercake.messages import (
     BeginReply,
+    FlushAppliedRequest,
+    FlushReply,
     BeginRequest,
     CommitReply,
     CommitRequest,
@@ -54,7 +56,7 @@ from tiercake.messages import (
 from .metadata import FencedError, MetadataUnavailableError
 from .openai_api import OPEN_PATHS
 from .operator import parse, reply
-from .service import Conductor, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
+from .service import Conductor, FlushTimeoutError, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
 
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
 MAX_BODY = 8 << 20
@@ -150,6 +152,8 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
             raise ApiError(503, f"{exc}; retry", code="unavailable", retryable=True) from None
         except LeaseExpiredError as exc:
             raise ApiError(404, str(exc), code="lease_expired") from None
+        except FlushTimeoutError as exc:
+            raise ApiError(504, str(exc), "server_error", "flush_timeout") from None
         except NoRoomError as exc:
             raise ApiError(507, str(exc), code="no_room") from None
         except PlacementError as exc:
@@ -258,6 +262,13 @@ def _member_routes(conductor: Conductor) -> list:
             ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
             for t in tasks]))
 
+    async def flush_applied(request: web.Request) -> web.Response:
+        """A member applied a flush (the leader answers synchronous flushes)."""
+        body = await parse(request, FlushAppliedRequest)
+        conductor.require_leader(await conductor.leader())
+        conductor.flush_applied(body.node_id, body.epoch)
+        return reply(FlushReply(flush_epoch=body.epoch, applied=True))
+
     async def leave(request: web.Request) -> web.Response:
         body = await parse(request, LeaseRequest)
         await conductor.leave(body.lease)
@@ -272,6 +283,7 @@ def _member_routes(conductor: Conductor) -> list:
     return [
         web.post("/v1/members/register", register), web.post("/v1/members/keepalive", keep_alive),
         web.post("/v1/members/leave", leave), web.get("/v1/members", members), web.get("/v1/leader", leader_info),
+        web.post("/v1/flush/applied", flush_applied),
     ]
 
 

@@ -87,7 +87,8 @@ class Client:
                                                   connector=connector)
         return self._session
 
-    async def _call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                    timeout: float | None = None) -> Any:
         last = "no conductor answered"
         trail: list[str] = []  # what each attempt met, for the error
         # each call walks the conductors on its own (concurrent calls must not steer each other),
@@ -96,7 +97,8 @@ class Client:
         for attempt in range(self.retries):
             url = self.urls[index % len(self.urls)]
             try:
-                async with self._http().request(method, url + path, json=body, headers=headers) as resp:
+                limit = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}  # else the session's
+                async with self._http().request(method, url + path, json=body, headers=headers, **limit) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
                         self._current = index % len(self.urls)
@@ -260,13 +262,22 @@ class Client:
         body = {"prompt": prompt, "tenant": tenant}
         return (await self._typed(PinPrefixReply, "POST", "/v1/prefix/unpin", body)).unpinned_blocks
 
-    async def flush(self, tiers: list[str] | None = None) -> int:
+    async def flush(self, tiers: list[str] | None = None, *, wait: bool = False, timeout_s: float = 30.0) -> int:
         """Every node and worker drops the blocks it may (not pinned, leased or in use); with
         ``tiers``, only those tiers' copies, pushed down to the next tier (``["gpu"]``: the workers'
-        caches; ``["pool"]``: the nodes' pools, leaving their blocks on SSD). Asynchronous: returns
-        the flush epoch once it is durable; members apply it at their next keep-alive, to what they
-        hold then (a block still being written through or read at that moment stays)."""
-        return (await self._typed(FlushReply, "POST", "/v1/flush", {"tiers": tiers})).flush_epoch
+        caches; ``["pool"]``: the nodes' pools, leaving their blocks on SSD). Members apply it at their
+        next keep-alive (a second or two), to what they hold then (a block still being written through
+        or read at that moment stays). Without ``wait`` it returns the flush epoch once it is
+        durable; with ``wait``, once every member that was live has applied it and reported what it
+        removed (the index then lists none of it), or ``ConductorError`` 504 after ``timeout_s``
+        naming the members that have not."""
+        body = {"tiers": tiers, "wait": wait, "timeout_s": timeout_s}
+        answer = await self._call("POST", "/v1/flush", body, timeout=timeout_s + self.timeout if wait else None)
+        return FlushReply.model_validate(answer).flush_epoch
+
+    async def flush_applied(self, node_id: str, epoch: int) -> None:
+        """A member tells the leader it has applied flush ``epoch`` (and reported what it removed)."""
+        await self._call("POST", "/v1/flush/applied", {"node_id": node_id, "epoch": epoch})
 
     async def set_policy(self, router: str | None = None, router_params: dict | None = None,
                          eviction: dict[str, dict] | None = None) -> PolicyReply:

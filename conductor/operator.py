@@ -113,7 +113,8 @@ class OperatorApi:
     async def flush(self, request: web.Request) -> web.Response:
         body = await parse(request, FlushRequest, empty=b"{}")
         self.conductor.require_leader(await self.conductor.leader())
-        return reply(FlushReply(flush_epoch=await self.conductor.flush(body.tiers)))
+        epoch = await self.conductor.flush(body.tiers, wait_s=body.timeout_s if body.wait else None)
+        return reply(FlushReply(flush_epoch=epoch, applied=body.wait))
 
     async def policy(self, request: web.Request) -> web.Response:
         body = await parse(request, PolicyRequest)

@@ -47,6 +47,10 @@ class NoRoomError(PlacementError):
     """No live node has room for the block in the asked tier."""
 
 
+class FlushTimeoutError(Exception):
+    """A flush that was waited for is not applied by every member in time."""
+
+
 class LeaseExpiredError(Exception):
     """A keep-alive for a lease that is gone: the member must register again (and re-report)."""
 
@@ -101,6 +105,8 @@ class Conductor:
         self._settings: dict[str, object] = {}  # name -> JSON value, followed from the backend
         self.settings = ClusterSettings()  # the same, typed
         self.member_stats: dict[str, MemberStats] = {}  # what members said of their stores in keep-alives
+        self._flushes_applied: dict[str, int] = {}  # member -> the last flush epoch it confirmed (leader)
+        self._flush_confirmed = asyncio.Event()
         self._settings_follower: asyncio.Task | None = None
 
     async def start(self) -> Conductor:
@@ -362,12 +368,43 @@ class Conductor:
         self._settings[name] = encoded
         self._retype_settings()
 
-    async def flush(self, tiers: list[str] | None = None) -> int:
+    async def flush(self, tiers: list[str] | None = None, wait_s: float | None = None) -> int:
         """Ask every node and worker to drop what it may (unpinned, unleased, unused blocks); with
-        ``tiers``, only what those tiers hold, pushed down to the next tier. Returns the flush epoch."""
+        ``tiers``, only what those tiers hold, pushed down to the next tier. Returns the flush epoch
+        once it is durable or, given ``wait_s``, once every member live now has confirmed it (a member
+        that leaves meanwhile is not waited for); ``FlushTimeoutError`` names those that did not."""
+        waiting_for = {m.node_id for m in self.members.alive()}
         epoch = self.settings.flush.epoch + 1
         await self.put_setting("flush", FlushSetting(epoch=epoch, tiers=tiers))
+        if wait_s is not None:
+            await self._confirmed(epoch, waiting_for, wait_s)
         return epoch
+
+    def flush_applied(self, member: str, epoch: int) -> None:
+        """A member applied flush ``epoch`` and reported what it removed."""
+        live = self.members.members
+        if len(self._flushes_applied) >= len(live):
+            for gone in [m for m in self._flushes_applied if m not in live]:
+                del self._flushes_applied[gone]
+        self._flushes_applied[member] = max(epoch, self._flushes_applied.get(member, 0))
+        self._flush_confirmed.set()
+
+    async def _confirmed(self, epoch: int, members: set[str], wait_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            self._flush_confirmed.clear()  # before looking: a confirmation from now on wakes us
+            alive = {m.node_id for m in self.members.alive()}
+            late = sorted(m for m in members & alive if self._flushes_applied.get(m, 0) < epoch)
+            if not late:
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                raise FlushTimeoutError(f"flush {epoch} is not yet applied by {', '.join(late)} after {wait_s:g} s "
+                                        "(they apply it at their next keep-alive; it stays in force)")
+            with contextlib.suppress(TimeoutError):  # woken by a confirmation, or to notice members that left
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._flush_confirmed.wait()
 
     # Hot-block replication ------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """The front's routing decisions and refusals, on a real conductor and its HTTP app (workers are
 registered members; no request reaches them when the front refuses)."""
 
+import asyncio
 import contextlib
 
 import aiohttp
+import pytest
 from conductor_helpers import running_conductor
 
 from tiercake.conductor.frontend import Frontend, Job
@@ -127,3 +129,25 @@ def test_a_stop_string_is_held_back_until_it_is_one_or_cannot_be():
     assert [cut.feed(t) for t in b"ya"] == ["y", ""] and cut.feed(ord("!")) == "a" and cut.stopped
     tail = Stopper(["ab"], frozenset())
     assert [tail.feed(t) for t in b"qa"] == ["q", ""] and tail.rest() == "a"  # the end shows what was held
+
+
+async def test_a_synchronous_flush_waits_for_every_live_member_and_names_the_late_ones():
+    """``flush(wait=True)`` answers once each member live when it was asked has confirmed it; a member
+    that never does is named in a 504 after the timeout (the flush stays in force); one that leaves is
+    not waited for."""
+    from tiercake.conductor.client import Client, ConductorError
+
+    async with _front(ServingConfig(), [worker("silent"), worker("leaver")]) as (url, _):
+        async with Client([url], timeout=5) as ops:
+            with pytest.raises(ConductorError) as late:
+                await ops.flush(wait=True, timeout_s=0.5)
+            assert late.value.status == 504 and "leaver, silent" in str(late.value)
+            epoch = await ops.flush()  # asynchronous: the epoch, at once
+            waiting = asyncio.create_task(ops.flush(["gpu"], wait=True, timeout_s=10))
+            await asyncio.sleep(0.3)
+            await ops.flush_applied("silent", epoch + 1)
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # "leaver" has not confirmed yet
+            members = {m.node_id: m for m in await ops.members()}
+            await ops.leave("leaver", members["leaver"].lease)
+            assert await asyncio.wait_for(waiting, 5) == epoch + 1  # gone: no longer waited for

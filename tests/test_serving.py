@@ -457,11 +457,7 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
             if "test-node" in (await ops.prefix(other, tenant="ops")).holders:
                 break
             await asyncio.sleep(0.1)
-        await ops.flush()
-        for _ in range(60):
-            if not (await ops.prefix(other, tenant="ops")).holders:
-                break
-            await asyncio.sleep(0.2)
+        await ops.flush(wait=True)  # synchronous: every member applied it and reported what it removed
         assert (await ops.prefix(other, tenant="ops")).holders == {}
         assert (await ops.prefix(prompt, tenant="ops")).holders["test-node"].blocks == full
         assert await ops.unpin_prefix(prompt, tenant="ops") == full
@@ -469,11 +465,7 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         # flushing only the workers' gpu tiers leaves the node's copies
         third = "Yet another prompt whose blocks stay on the node while the workers forget them. "
         await client.complete(third, tenant="ops")
-        await ops.flush(tiers=["gpu"])
-        for _ in range(60):
-            if set((await ops.prefix(third, tenant="ops")).holders) == {"test-node"}:
-                break
-            await asyncio.sleep(0.2)
+        await ops.flush(tiers=["gpu"], wait=True)
         assert set((await ops.prefix(third, tenant="ops")).holders) == {"test-node"}
 
         # policies switched at run time: the router here, the pool's eviction on the node

@@ -355,10 +355,22 @@ class PinPrefixReply(Reply):
 
 class FlushRequest(Request):
     tiers: list[str] | None = Field(default=None, description="only these tiers, pushed down; default: all")
+    wait: bool = Field(default=False, description="answer once every member has applied it and reported what "
+                       "it dropped (else: once it is durable; members apply it at their next keep-alive)")
+    timeout_s: float = Field(default=30.0, gt=0, le=600, description="with wait: how long; then a 504 naming the "
+                             "members that have not applied it")
 
 
 class FlushReply(Reply):
     flush_epoch: int
+    applied: bool = Field(default=False, description="every member has applied it (a flush that waited)")
+
+
+class FlushAppliedRequest(Request):
+    """A member has applied a flush epoch and reported what it removed."""
+
+    node_id: Name
+    epoch: int = Field(ge=0)
 
 
 class PolicyRequest(Request):

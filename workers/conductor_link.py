@@ -40,6 +40,7 @@ class ConductorLink:
         # (tenant, key, tier) -> (added, nbytes): the latest change of each copy not yet reported
         self._changes: dict[tuple[str, bytes, str], tuple[bool, int]] = {}
         self._wakeup = asyncio.Event()
+        self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
         self._eviction: dict[str, EvictionSpec] = {}
@@ -109,8 +110,13 @@ class ConductorLink:
         self._changes[(change.tenant, change.key, change.tier)] = (change.added, change.nbytes)
         self._wakeup.set()
 
-    async def flush(self) -> None:
-        """Send every queued change; returns once the conductor has recorded them."""
+    async def send_reports(self) -> None:
+        """Send every queued change; returns once the conductor has recorded them. One sender at a
+        time: a copy's addition and removal reach the conductor in the order they happened."""
+        async with self._sending:
+            await self._send_reports()
+
+    async def _send_reports(self) -> None:
         while self._changes:
             pending, self._changes = self._changes, {}
             groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]] = defaultdict(list)
@@ -136,7 +142,7 @@ class ConductorLink:
             self._wakeup.clear()
             await asyncio.sleep(self.flush_interval)  # let a burst of changes gather into one report
             try:
-                await self.flush()
+                await self.send_reports()
             except ConductorError as exc:
                 log.warning("node %s: report failed (%s); retrying", self.member.node_id, exc)
                 await asyncio.sleep(0.5)
@@ -156,7 +162,8 @@ class ConductorLink:
             if mine is None or mine:
                 removed = await self.store.flush(mine)
                 log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
-        self._flush_epoch = epoch
+            self._flush_epoch = epoch
+            await self._flushed(epoch)
         eviction = settings.eviction
         if eviction != self._eviction:
             names = {t.name for t in self.store.tiers}
@@ -168,6 +175,15 @@ class ConductorLink:
                         log.warning("node %s: eviction policy %s for %s refused: %s", self.member.node_id, spec,
                                     tier, exc)
             self._eviction = eviction
+
+    async def _flushed(self, epoch: int) -> None:
+        """Tell the leader the flush is applied, once what it removed is reported (an operator waiting
+        on a synchronous flush then finds the index without those copies)."""
+        try:
+            await self.send_reports()
+            await self.client.flush_applied(self.member.node_id, epoch)
+        except ConductorError as exc:  # a synchronous flush then names this member as late
+            log.warning("node %s: could not confirm flush %d: %s", self.member.node_id, epoch, exc)
 
     # Pins and replication -------------------------------------------------------------------------
 
