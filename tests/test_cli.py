@@ -62,11 +62,16 @@ def test_demo_twice_finds_its_ssd_blocks(tmp_path):
     assert "the ssd tier still holds" in second.stdout
 
 
-def test_bench_store_json(tmp_path):
-    out = tmp_path / "store.json"
+def test_bench_store_json(tmp_path, monkeypatch):
+    """The JSON every bench writes, its plot, and the figure count kept for the next run's ETA."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out, png = tmp_path / "store.json", tmp_path / "store.png"
     done = tiercake("bench", "store", "--quick", "--sizes", "1048576", "--json", str(out), "--ssd-dir", str(tmp_path),
-                    timeout=300)
+                    "--plot", str(png), timeout=300)
     assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (memory,) = (tmp_path / "cache" / "tiercake" / "bench").glob("store-*.json")
+    assert json.loads(memory.read_text())["figures"] == len(json.loads(out.read_text())["figures"])
     report = json.loads(out.read_text())
     assert report["bench"] == "store"
     names = {f["name"] for f in report["figures"]}
@@ -164,3 +169,37 @@ def test_up_on_a_busy_port_says_so(tmp_path):
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr, done.stderr
     assert "Expecting value" not in done.stdout + done.stderr
+
+
+def test_long_commands_show_a_bar_with_the_time_left(monkeypatch):
+    """The one progress bar of every long command (policy eval, simulate, replay, bench): done of
+    total, time elapsed and the ETA."""
+    import time
+
+    from rich.console import Console
+
+    import tiercake.cli_common as common
+
+    screen = Console(record=True, force_terminal=True, width=150)
+    monkeypatch.setattr(common, "console", screen)
+    with common.progress_bar("simulating 10 requests", 10) as update:
+        update(4)
+        time.sleep(0.3)
+        update(6, description="global_cache_aware")
+    shown = screen.export_text()
+    assert "6/10" in shown and "global_cache_aware" in shown and "ETA" in shown and "0:00:0" in shown
+
+
+def test_simulate_prints_its_tables_and_plots(tmp_path):
+    from tiercake.traces import synthetic_trace, write_trace
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, synthetic_trace(300, tenants=2, seed=3))
+    png = tmp_path / "sim.png"
+    done = tiercake("simulate", str(trace), "--ablation", "--plot", str(png), "--json", str(tmp_path / "sim.json"))
+    assert done.returncode == 0, done.stderr
+    assert "global_cache_aware" in done.stdout and f"plot: {png}" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = json.loads((tmp_path / "sim.json").read_text())["figures"]
+    assert {f["name"] for f in figures} == {f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware",
+                                                                      "global_cache_aware")}

@@ -30,6 +30,7 @@ import secrets
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -361,7 +362,14 @@ async def _unservable(up: UpProcess, secret: bytes) -> tuple[int, int]:
     return listed, lost
 
 
-async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=print) -> Report:
+async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=print,
+              stage: Callable[[int, int, str], None] | None = None) -> Report:
+    """The fault-injection run; ``progress(message)`` tells what happened, ``stage(done, total, name)``
+    where the run is: the cluster starting, each fault, the final check."""
+    def reached(done: int, name: str) -> None:
+        if stage is not None:
+            stage(done, len(faults) + 2, name)
+
     from tiercake.conductor.etcd_process import EtcdCluster, etcd_binary, free_port
     from tiercake.config import load_config
 
@@ -380,6 +388,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             progress(f"no etcd cluster ({exc}): the embedded backend, and no etcd fault")
             faults = tuple(f for f in faults if f != "kill_etcd_leader")
+        reached(0, "starting the cluster")
         secret = secrets.token_hex(24)  # the cluster's, given here so the checker can read the nodes back
         started = time.monotonic()
         up = UpProcess(config_path, root / "data", free_port(), ["--etcd", ",".join(etcd.endpoints)] if etcd else [],
@@ -397,7 +406,8 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
             injector = Faults(up, root / "ssd", etcd, load)
-            for fault in faults:
+            for i, fault in enumerate(faults):
+                reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
                 progress(f"{fault} ...")
                 at = time.monotonic()
@@ -407,6 +417,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                 t = load.tally
                 progress(f"{fault}: recovered in {recovery[fault]} s; {t.ok - before[0]} ok, "
                          f"{t.failed - before[1]} failed, {t.wrong - before[2]} wrong")
+            reached(1 + len(faults), "checking every placement")
             await load.stop()
             await asyncio.sleep(3)  # reports of the last changes and the statistics reach the conductor
             detected_before = await injector.corrupt_detected()
@@ -438,6 +449,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                        limit_name="the cluster's cold start, same run", recovered=seconds is not None)
         if "restarting" not in output and any(f.startswith("kill_") and f != "kill_etcd_leader" for f in faults):
             progress("note: tiercake up never said it restarted anything")
+    reached(len(faults) + 2, "done")
     return report
 
 

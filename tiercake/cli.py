@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import sys
+from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
 from .cli_analysis import cmd_policy_eval, cmd_replay, cmd_simulate, cmd_trace_generate, cmd_trace_stats
-from .cli_common import console, errors, write_json
+from .cli_common import console, errors, progress_bar, write_json
 from .up import StartError
 
 
@@ -33,11 +36,44 @@ def _ints(text: str | None) -> list[int] | None:
 
 
 def _bench(args: argparse.Namespace, what: str, run) -> int:
-    """Run a bench coroutine under a status line, print its table, write its JSON when asked."""
-    with console.status(f"benchmarking {what}..."):
-        report = asyncio.run(run)
+    """Run a bench coroutine under a progress bar (figures done; the total and ETA from the last run
+    of the same bench and arguments), print its table, plot and write its JSON when asked."""
+    from tiercake.bench.report import ON_FIGURE
+
+    memory = _bench_memory(args)
+    expected = json.loads(memory.read_text())["figures"] if memory.is_file() else None
+    with progress_bar(f"benchmarking {what}", expected) as update:
+        done = 0
+
+        def figure(name: str) -> None:
+            nonlocal done
+            done += 1
+            update(done, max(expected or 0, done) if expected else None, f"{args.bench}: {name}")
+
+        token = ON_FIGURE.set(figure)
+        try:
+            report = asyncio.run(run)
+        finally:
+            ON_FIGURE.reset(token)
+    with contextlib.suppress(OSError):  # a read-only home: no ETA next time, nothing worse
+        memory.parent.mkdir(parents=True, exist_ok=True)
+        memory.write_text(json.dumps({"figures": len(report.figures)}))
     report.print(console)
+    if args.plot:
+        report.plot(args.plot)
+        console.print(f"plot: {args.plot}")
     return write_json(args, report)
+
+
+def _bench_memory(args: argparse.Namespace) -> Path:
+    """Where the number of figures of this bench with these arguments is kept (for the next ETA)."""
+    import hashlib
+    import os
+
+    shape = {k: v for k, v in sorted(vars(args).items()) if k not in ("func", "json", "plot")}
+    digest = hashlib.sha256(json.dumps(shape, default=str).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return home / "tiercake" / "bench" / f"{args.bench}-{digest}.json"
 
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
@@ -83,7 +119,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if unknown:
         errors.print(f"error: unknown faults {unknown}; known: {', '.join(chaos.FAULTS)}")
         return 2
-    report = asyncio.run(chaos.run(quick=args.quick, faults=faults, progress=console.print))
+    with progress_bar("chaos") as stage:  # messages print above the bar
+        report = asyncio.run(chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage))
     report.print(console)
     write_json(args, report)
     reasons = chaos.failed(report)
@@ -138,8 +175,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tiercake.up import up
 
     from pydantic import ByteSize, TypeAdapter
@@ -255,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, **kwargs)
         p.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
         p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+        p.add_argument("--plot", metavar="PATH", help="a PNG of each figure's ratio to its limit")
         return p
     store = bench_parser(
         "store", help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
@@ -464,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--slo-tbt", type=float, help="seconds")
     sim.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by it")
     sim.add_argument("--limit", type=int)
+    sim.add_argument("--plot", metavar="PATH", help="the PNG: TTFT CDFs, SLO attainment and hit ratios "
+                     "(default simulate.png)")
     sim.add_argument("--json", metavar="PATH")
     sim.set_defaults(func=cmd_simulate)
 

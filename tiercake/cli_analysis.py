@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from .cli_common import console, write_json
+from .cli_common import console, progress_bar, write_json
 
 
 def cmd_policy_eval(args: argparse.Namespace) -> int:
@@ -24,20 +24,10 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
 
     capacities = parse_capacities(args.capacity)
     params = json.loads(args.params) if args.params else None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
     with console.status(f"reading {args.trace}..."):
         stream = accesses(read_trace(args.trace, args.limit))
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("left"), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as bar:  # a slow policy once ran minutes unseen
-        task = bar.add_task("policies", total=None)
-
-        def progress(done: int, total: int, running: str) -> None:
-            bar.update(task, completed=done, total=total, description=running)
-
-        scores = evaluate(stream, args.policy, capacities, params, args.admission, progress=progress)
+    with progress_bar("policies") as update:  # a slow policy once ran minutes unseen; update(done, total, running)
+        scores = evaluate(stream, args.policy, capacities, params, args.admission, progress=update)
     table = Table(title=f"{args.policy} on {Path(args.trace).name} ({len(stream)} block accesses)")
     for column in ("capacity", args.policy, "lru", "optimum", "gap to optimum", "accesses/s"):
         table.add_column(column, justify="right")
@@ -151,7 +141,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tiercake.bench.report import Report, machine
-    from tiercake.analysis.cluster_sim import ABLATION, ClusterSpec, simulate_cluster
+    from tiercake.analysis.cluster_sim import ABLATION, ClusterSpec, plot, simulate_cluster
     from tiercake.analysis.evaluate import parse_capacities
     from tiercake.traces import read_trace
 
@@ -174,9 +164,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     phase_names = ("queue", "lookup", "load_pool", "compute")
     for column in ("scheduler", *phase_names):
         phases.add_column(column, justify="left" if column == "scheduler" else "right")
+    results = {}
+    with progress_bar(f"simulating {len(records)} requests", len(records) * len(runs)) as update:
+        for i, (name, (router, params, with_pool)) in enumerate(runs.items()):
+            run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
+            results[name] = simulate_cluster(records, run, router, params,
+                                             progress=lambda done, i=i, name=name: update(i * len(records) + done,
+                                                                                          description=name))
     for name, (router, params, with_pool) in runs.items():
-        run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
-        summary = simulate_cluster(records, run, router, params).summary()
+        summary = results[name].summary()
         phases.add_row(name, *(f"{summary[f'{p}_p50_s']:.3g} / {summary[f'{p}_p99_s']:.3g}" for p in phase_names))
         table.add_row(name, f"{summary['ttft_mean_s']:.2f} s", f"{summary['ttft_p50_s']:.2f}",
                       f"{summary['ttft_p99_s']:.2f}", f"{summary['tbt_p99_s'] * 1000:.0f} ms",
@@ -188,13 +184,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                    **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in summary.items()})
     console.print(table)
     console.print(phases)
+    plot_path = args.plot or "simulate.png"
+    plot(results, plot_path, table.title)
+    console.print(f"plot: {plot_path}")
     return write_json(args, report)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from rich.progress import Progress
 
     from tiercake import replay as rp
     from tiercake.traces import read_trace
@@ -202,12 +199,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     records = read_trace(args.trace, args.limit)
     if not records:
         raise ValueError(f"{args.trace}: no requests")
-    with Progress(console=console) as progress:
-        task = progress.add_task(f"replaying {len(records)} requests", total=len(records))
+    with progress_bar(f"replaying {len(records)} requests", len(records)) as update:
+        done = 0
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            update(done)
+
         run = asyncio.run(rp.replay(
             records, args.target, time_scale=args.time_scale, tokens_per_block=args.tokens_per_block,
             max_output=args.max_output, concurrency=args.concurrency, api_key=args.api_key,
-            control=args.control, control_token=args.control_token, progress=lambda: progress.advance(task)))
+            control=args.control, control_token=args.control_token, progress=advance))
     if run.cluster_before is None:
         console.print(f"note: no cluster view at {args.control or args.target}/v1/cluster (give --control and "
                       "--control-token): metadata and prefetchability figures left out")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import platform
 import os
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from tiercake.messages import ClusterView
+
+
+# told of each figure as a bench adds it (the CLI's progress bar); benches need not pass it along
+ON_FIGURE: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("on_figure", default=None)
 
 
 class Figure(BaseModel):
@@ -32,6 +39,9 @@ class Report(BaseModel):
     def add(self, name: str, value: float, unit: str, limit: float, **params: Any) -> Figure:
         figure = Figure(name=name, value=value, unit=unit, limit=limit, ratio=value / limit if limit else 0.0, params=params)
         self.figures.append(figure)
+        hook = ON_FIGURE.get()
+        if hook is not None:
+            hook(name)
         return figure
 
     def print(self, console: Console | None = None) -> None:
@@ -46,6 +56,32 @@ class Report(BaseModel):
                 f"{f.ratio:.2f}",
             )
         console.print(table)
+
+    def plot(self, path: str | Path) -> None:
+        """Each figure's ratio to its limit, one bar per figure (1.0: the limit reached)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        values: dict[str, set[str]] = {}
+        for f in self.figures:
+            for k, v in f.params.items():
+                values.setdefault(k, set()).add(str(v))
+        varying = [k for k, seen in values.items() if len(seen) > 1 and k != "limit_name"]  # what tells bars apart
+        labels = [" ".join([f.name, *(f"{k}={f.params[k]}" for k in varying if k in f.params)])[:56]
+                  for f in self.figures]
+        fig, ax = plt.subplots(figsize=(10, 0.28 * len(labels) + 1.5))
+        ax.barh(range(len(labels)), [f.ratio for f in self.figures])
+        ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ratio to the limit measured in the same run")
+        ax.set_title(textwrap.fill(f"tiercake bench {self.bench}", 80), fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
 
     def write(self, path: str | Path) -> None:
         path = Path(path)
