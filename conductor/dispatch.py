@@ -36,6 +36,12 @@ from .worker_client import StreamBroken, WorkerBusy, WorkerClient, WorkerRefused
 
 log = logging.getLogger(__name__)
 
+
+def own_cache_only(router: str) -> str:
+    """The warning for a router that never loads what the nodes hold."""
+    return (f"router {router!r} with pull: false reuses only each worker's own gpu cache: blocks in the nodes' "
+            "pool and SSD are never loaded (drop pull: false, or use ttft)")
+
 ANY_WORKER = ("worker", "prefill", "decode")
 
 
@@ -96,6 +102,8 @@ class Dispatcher:
         self.loads: dict[str, WorkerLoad] = defaultdict(WorkerLoad)
         self._router_spec = RouterSpec(name=self.serving.router, params=self.serving.router_params)
         self._router = create_router(self._router_spec.name, self._router_spec.params)
+        if not self._router.loads_from_nodes:
+            log.warning("%s", own_cache_only(self._router_spec.name))
 
     # The policy in force ------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ and member; writes go to the leader."""
 
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 from tiercake.policies import create_eviction, create_router
@@ -28,10 +30,12 @@ from tiercake.messages import (
     TierStats,
 )
 
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, own_cache_only
 from .service import Conductor
 from .serving_stats import ServingStats
 from .tenants import Tenants
+
+log = logging.getLogger(__name__)
 
 
 def reply(model: BaseModel, status: int = 200) -> web.Response:
@@ -118,9 +122,12 @@ class OperatorApi:
 
     async def policy(self, request: web.Request) -> web.Response:
         body = await parse(request, PolicyRequest)
+        warnings = []
         try:
             if body.router is not None:
-                create_router(body.router, body.router_params)  # refuse what would not build
+                router = create_router(body.router, body.router_params)  # refuse what would not build
+                if not router.loads_from_nodes:
+                    warnings.append(own_cache_only(body.router))
             for spec in (body.eviction or {}).values():
                 create_eviction(spec.policy, spec.params)
         except (LookupError, TypeError, ValueError) as exc:
@@ -131,4 +138,7 @@ class OperatorApi:
             await conductor.put_setting("router", RouterSpec(name=body.router, params=body.router_params))
         if body.eviction is not None:
             await conductor.put_setting("eviction", {**conductor.settings.eviction, **body.eviction})
-        return reply(PolicyReply(router=self.dispatcher.router_spec, eviction=conductor.settings.eviction))
+        for warning in warnings:
+            log.warning("%s", warning)
+        return reply(PolicyReply(router=self.dispatcher.router_spec, eviction=conductor.settings.eviction,
+                                 warnings=warnings))

@@ -80,6 +80,12 @@ class Router(ABC):
     def describe(self) -> str:
         return self.name
 
+    @property
+    def loads_from_nodes(self) -> bool:
+        """Whether the worker it picks loads a longer prefix a node holds (pool or SSD). A router
+        without a ``pull_ratio`` is trusted to decide that in ``choose``."""
+        return getattr(self, "pull_ratio", 1.0) is not None
+
     @staticmethod
     def predict(worker: WorkerState, request: RouteRequest, pull_ratio: float | None = 1.0) -> RouteDecision:
         """Algorithm 1's estimate for one worker (``pull_ratio`` None: never pull)."""

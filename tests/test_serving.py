@@ -472,8 +472,10 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
         with pytest.raises(ConductorError) as err:
             await ops.set_policy(router="no-such-router")
         assert err.value.status == 400
+        blind = await ops.set_policy(router="cache_aware", router_params={"pull": False})
+        assert "never loaded" in " ".join(blind.warnings)  # said, not silent: pool and SSD reuse is off
         answer = await ops.set_policy(router="least_loaded", eviction={"pool": {"policy": "s3fifo"}})
-        assert answer.router.name == "least_loaded"
+        assert answer.router.name == "least_loaded" and answer.warnings == []
         assert (await ops.cluster()).router.name == "least_loaded"  # at once, before any completion
         # a baseline router still loads what the node holds (it once turned pool and SSD reuse off)
         await ops.flush(tiers=["gpu"])

@@ -384,6 +384,8 @@ class PolicyRequest(Request):
 class PolicyReply(Reply):
     router: RouterSpec
     eviction: dict[str, EvictionSpec]
+    warnings: list[str] = Field(default_factory=list, description="what the switch costs (a router that "
+                                "never loads from the nodes' pool and SSD)")
 
 
 class CountedLoad(Reply):
