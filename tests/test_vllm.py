@@ -4,6 +4,7 @@ equal the outputs computed from scratch, wherever the KV came from, and a block 
 loaded must be recomputed, never served wrong."""
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -20,8 +21,9 @@ import yaml
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
-from tiercake.up import NodeCluster
-from tiercake.workers.vllm.process import VllmServer, serve_command
+from tiercake.chaos import pid_listening
+from tiercake.up import NodeCluster, VllmServer
+from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 SECRET = "vllm-test-secret-0123456789abcdef"
@@ -245,6 +247,23 @@ async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path
             async with http.post(url + "/v1/completions", json=body) as resp:
                 again = await resp.json()
         assert loaded(again) == PROMPT_BLOCKS * BLOCK and answer(again) == answer(first)
+
+        # a vLLM server killed is restarted by up; the new one loads what the old one saved
+        os.kill(pid_listening(port), signal.SIGKILL)
+        while "vllm-0 exited" not in lines[-1]:  # after the rest of the banner
+            lines.append(await asyncio.to_thread(proc.stdout.readline))
+            assert lines[-1], "".join(lines)
+        assert "restarting" in lines[-1], lines[-1]
+        async with aiohttp.ClientSession() as http:
+            for _ in range(600):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.5)
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                revived = await resp.json()
+        assert loaded(revived) == PROMPT_BLOCKS * BLOCK and answer(revived) == answer(first)
     finally:
         proc.send_signal(signal.SIGINT)
         out = await asyncio.to_thread(proc.communicate, timeout=60)

@@ -24,10 +24,12 @@ answer is wrong or any placement lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import secrets
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,8 +56,27 @@ serving: {{gpu_blocks: 96, max_context: 320}}
 MAX_TOKENS = 4
 RECOVERY_TIMEOUT_S = 90.0
 CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
-FAULTS = ("kill_prefill", "kill_decode", "stall_node", "kill_node", "corrupt_ssd", "kill_conductor",
+FAULTS = ("kill_prefill", "kill_decode", "stall_node", "kill_node", "corrupt_ssd", "fill_ssd", "kill_conductor",
           "kill_etcd_leader")
+SSD_FS_BYTES = 300 << 20  # the SSD tier's own file system (when one can be mounted): its 256 MiB and some
+
+
+@contextlib.contextmanager
+def ssd_filesystem(root: Path):
+    """A file system of its own for the SSD tier (a tmpfs of ``SSD_FS_BYTES``, as root), so that
+    ``fill_ssd`` fills a disk for real without touching the machine's; yields its path, or None
+    where none can be mounted (fill_ssd is then left out)."""
+    mount = root / "ssd-fs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SSD_FS_BYTES}", "tmpfs", str(mount)],
+                          capture_output=True) if os.geteuid() == 0 else None
+    if done is None or done.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def pid_listening(port: int) -> int:
@@ -263,6 +284,22 @@ class Faults:
             os.kill(pid, signal.SIGCONT)
         return lambda: _replaced(self._node_pid(), -1)
 
+    async def fill_ssd(self, seconds: float = 4.0):
+        """The SSD's file system full (a ballast file takes what is free) while the pool is flushed down
+        onto it and the load goes on: spills fail, answers stay right, and the index lists no copy
+        that was not written (the final check); then the ballast goes."""
+        ballast = self.ssd.parent / "ballast"
+        free = os.statvfs(self.ssd).f_bavail * os.statvfs(self.ssd).f_frsize
+        with open(ballast, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, free)
+        try:
+            async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
+                await control.flush(["pool"], wait=True, timeout_s=30)  # down onto a full disk
+            await asyncio.sleep(seconds)
+        finally:
+            ballast.unlink()
+        return lambda: _replaced(self._node_pid(), -1)
+
     async def corrupt_detected(self) -> int:
         """Copies the node agents' tiers found corrupt (checksums) and dropped, so far."""
         async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
@@ -272,13 +309,7 @@ class Faults:
     async def corrupt_ssd(self, files: int = CORRUPTED_FILES):
         await self.load.pause()  # requests write blocks into the pool again at once: a quiet moment
         async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
-            await control.flush(["gpu", "pool"])  # the next requests read what is on the SSD
-            for _ in range(50):  # members apply a flush with their next keep-alive
-                view = await control.cluster()
-                if all(t.blocks == 0 for m in view.members if m.role == "node" for n, t in m.tiers.items()
-                       if n == "pool"):
-                    break
-                await asyncio.sleep(0.2)
+            await control.flush(["gpu", "pool"], wait=True, timeout_s=30)  # the next requests read the SSD
         blocks = sorted(self.ssd.rglob("*.blk"))
         for path in random.Random(3).sample(blocks, min(files, len(blocks))):
             with open(path, "r+b") as f:
@@ -375,11 +406,15 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
 
     report = Report(bench="chaos", machine=machine())
     settle = 3.0 if quick else 15.0
-    with tempfile.TemporaryDirectory(prefix="tiercake-chaos-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tiercake-chaos-") as tmp, ssd_filesystem(Path(tmp)) as ssd_fs:
         root = Path(tmp)
         pool = Path(f"/dev/shm/tiercake-chaos-{os.getpid()}")
+        ssd = (ssd_fs or root) / "ssd"
+        if ssd_fs is None and "fill_ssd" in faults:
+            progress("cannot mount a file system for the SSD tier (needs root): no fill_ssd fault")
+            faults = tuple(f for f in faults if f != "fill_ssd")
         config_path = root / "chaos.yaml"
-        config_path.write_text(CONFIG.format(pool=pool, ssd=root / "ssd"))
+        config_path.write_text(CONFIG.format(pool=pool, ssd=ssd))
         config = load_config(config_path)
         etcd = None
         try:
@@ -405,7 +440,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             load.start()
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
-            injector = Faults(up, root / "ssd", etcd, load)
+            injector = Faults(up, ssd, etcd, load)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)

@@ -9,6 +9,7 @@ log is in ``<data dir>/logs/``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -46,11 +48,12 @@ def _die_with_parent(parent: int):
 
 
 class Child:
-    """One process of the cluster (``tiercake <args>``), its log in ``logs/<name>.log`` (appended to
-    across restarts), dying with the process that started it."""
+    """One process of the cluster (``tiercake <args>``, whose first stdout line announces where it
+    listens; or, given ``argv``, any command, all of whose output goes to the log), its log in
+    ``logs/<name>.log`` (appended to across restarts), dying with the process that started it."""
 
-    def __init__(self, name: str, args: list[str], env: dict, logs: Path) -> None:
-        self.name, self.args, self.env = name, args, env
+    def __init__(self, name: str, args: list[str], env: dict, logs: Path, argv: list[str] | None = None) -> None:
+        self.name, self.args, self.env, self.argv = name, args, env, argv
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
         self.log_path.write_bytes(b"")
@@ -60,21 +63,25 @@ class Child:
         self.start()
 
     def start(self) -> None:
+        command = self.argv or [sys.executable, "-m", "tiercake.cli", *self.args]
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor
-            self.proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *self.args], stdout=subprocess.PIPE,
-                                         stderr=log, env=self.env, start_new_session=True,
+            self.proc = subprocess.Popen(command, stdout=log if self.argv else subprocess.PIPE, stderr=log,
+                                         env=self.env, start_new_session=True,
                                          preexec_fn=_die_with_parent(os.getpid()))
         self.started_at = time.monotonic()
 
     def restart(self) -> None:
         """Start it again (after it exited); its announcement is read in the background."""
         self.restarts += 1
+        with contextlib.suppress(ProcessLookupError):  # what it started and left behind (vLLM's engine core)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         with open(self.log_path, "ab") as log:
             log.write(f"--- restarted by tiercake up (restart {self.restarts}) ---\n".encode())
         self.start()
-        threading.Thread(target=self.proc.stdout.readline, daemon=True).start()
+        if self.proc.stdout is not None:
+            threading.Thread(target=self.proc.stdout.readline, daemon=True).start()
 
     def wait_announce(self, timeout: float) -> dict:
         """The child's first stdout line (JSON: where it listens)."""
@@ -94,8 +101,10 @@ class Child:
         return self.announce
 
     def terminate(self) -> None:
+        """SIGTERM to its process group: a child's own children (vLLM's engine core) stop with it."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> None:
         stop_all([self], timeout)
@@ -110,7 +119,8 @@ def stop_all(children: list[Child], timeout: float = 10.0) -> None:
         try:
             child.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
         if child.proc.stdout is not None:
             child.proc.stdout.close()
@@ -221,13 +231,49 @@ class NodeCluster:
         self.conductor.stop()
 
 
+class VllmServer:
+    """One vLLM server process (a ``Child`` of ``tiercake up``: it dies with its parent and can be
+    supervised); its output goes to ``log_path``."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.child = Child(log_path.stem, [], {"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log_path.parent, argv=command)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.child.proc
+
+    def _tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until its /health answers; RuntimeError (with its log's tail) if it exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self._tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM did not answer /health within {timeout} s:\n{self._tail()}")
+
+    def stop(self, timeout: float = 30) -> None:
+        self.child.stop(timeout)
+
+
 def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int, port: int,
             print_fn=print, ready_file: Path | None = None) -> int:
     """``tiercake up --engine vllm``: a conductor and a node agent, and ``instances`` vLLM servers with
     the TiercakeConnector on ports ``port``, ``port + 1``, ... (vLLM serves the OpenAI API itself; the
-    front does not route to vLLM yet)."""
+    front does not route to vLLM yet). Every process is supervised, as under ``up``: one that exits is
+    restarted (a restarted vLLM server loads what its predecessor saved back from the pool)."""
     from tiercake.conductor.etcd_process import free_port
-    from tiercake.workers.vllm.process import VllmServer, serve_command
+    from tiercake.workers.vllm.process import serve_command
 
     if not (model / "config.json").exists():
         raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
@@ -256,12 +302,8 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
         print_fn("Ctrl-C stops everything.")
         if ready_file is not None:
             ready_file.write_text(json.dumps({"urls": urls, "conductor": cluster.url}))
-        while not stop.is_set():
-            if any(server.proc.poll() is not None for server in servers):
-                print_fn("a vLLM server exited (see its log); stopping")
-                break
-            stop.wait(0.5)
-        return 0
+        children = [cluster.conductor, cluster.node, *(server.child for server in servers)]
+        return 0 if Supervisor(children, print_fn).watch(stop) else 1
     finally:
         for server in servers:
             server.stop()

@@ -29,8 +29,8 @@ import torch
 
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
-from tiercake.up import NodeCluster
-from tiercake.workers.vllm.process import VllmServer, serve_command
+from tiercake.up import NodeCluster, VllmServer
+from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .report import Report, machine
