@@ -21,7 +21,12 @@ from tiercake.config import TiercakeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("dev", "gpu", "external-etcd")
+OVERLAYS = ("dev", "gpu", "external-etcd", "vllm")
+
+
+def compute(overlay: str) -> tuple[str, ...]:
+    """The Deployments that compute: tiercake's own workers, or vLLM's servers in the vllm overlay."""
+    return ("tiercake-vllm",) if overlay == "vllm" else ("tiercake-prefill", "tiercake-decode")
 KUBERNETES_VERSION = "1.32.0"
 TIERCAKE_PODS = {"app.kubernetes.io/part-of": "tiercake"}
 
@@ -43,9 +48,8 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     from their examples (as an operator would)."""
     tree = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(K8S, tree)
-    gpu = tree / "overlays" / "gpu"
-    for example in gpu.glob("*.example"):
-        shutil.copy(example, gpu / example.name.removesuffix(".example"))
+    for example in (tree / "overlays").glob("*/*.example"):
+        shutil.copy(example, example.with_name(example.name.removesuffix(".example")))
     out = {}
     for overlay in OVERLAYS:
         done = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / overlay)], capture_output=True,
@@ -180,8 +184,10 @@ def test_conductors_are_replicated_behind_readiness_and_scraped(rendered, overla
     deployment = one(docs, "Deployment", "tiercake-conductor")
     assert deployment["spec"]["replicas"] >= 2
     c = container(deployment)
-    # ready on the public port: a leader is known and a worker can serve (no completion meets a 503)
-    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "api"}
+    # ready on the public port: a leader is known and a worker can serve (no completion meets a 503);
+    # under vLLM the conductor serves no completions: ready once a leader is known
+    port = "control" if overlay == "vllm" else "api"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
     assert "$(POD_NAME)" in c["args"]  # each replica its own id in the election
     env = {e["name"]: e for e in c["env"]}
     assert env["TIERCAKE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -255,7 +261,7 @@ def test_node_agents_and_workers_share_the_pool_and_the_node_id(rendered, overla
     (pool,) = [t for t in config.store.tiers if t.kind == "pool"]
     assert pool.path.startswith("/dev/shm/")
     node = one(docs, "DaemonSet", "tiercake-node")
-    workers = [one(docs, "Deployment", f"tiercake-{role}") for role in ("prefill", "decode")]
+    workers = [one(docs, "Deployment", name) for name in compute(overlay)]
     for w in [node, *workers]:
         pod = w["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -267,7 +273,7 @@ def test_node_agents_and_workers_share_the_pool_and_the_node_id(rendered, overla
     limit = TypeAdapter(ByteSize).validate_python(container(node)["resources"]["limits"]["memory"].replace("i", "iB"))
     assert limit > pool.capacity
     for w in workers:  # many replicas on one machine: ids from the pod, not the node
-        assert "$(POD_NAME)" in container(w)["args"]
+        assert overlay == "vllm" or "$(POD_NAME)" in container(w)["args"]
         assert container(w)["startupProbe"]["httpGet"]["path"] == "/health"
 
 
@@ -281,6 +287,35 @@ def test_gpu_workers_request_gpus_and_dev_workers_none(rendered):
             if gpus:
                 pod = w["spec"]["template"]["spec"]
                 assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_it(rendered):
+    """The vllm overlay: vLLM servers (one GPU each, on the node pool through /dev/shm) started with
+    exactly the line ``serve_command`` builds (the one the README prints), saving to the agent of
+    their machine; tiercake's own workers are left out; vLLM's API is the public one."""
+    import json as json_
+
+    from tiercake.workers.vllm.process import serve_command
+
+    docs = rendered["vllm"]
+    assert not [w for w in workloads(docs) if w["metadata"]["name"] in ("tiercake-prefill", "tiercake-decode")]
+    vllm = one(docs, "Deployment", "tiercake-vllm")
+    c = container(vllm)
+    args = c["args"]
+    expected = serve_command("/models/model", "model", 8000, "http://tiercake-conductor:8081", "$(TIERCAKE_NODE_ID)",
+                             host="0.0.0.0")
+    assert [*c["command"], *args] == ["python3", *expected[expected.index("-m"):]]
+    transfer = json_.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_extra_config"]["node"] == "$(TIERCAKE_NODE_ID)"  # expanded by the kubelet
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TIERCAKE_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    config, _ = config_of(docs)
+    assert transfer["kv_connector_extra_config"]["conductor"].endswith(f":{config.conductor.port}")
+    service = one(docs, "Service", "tiercake-vllm")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    policy = one(docs, "NetworkPolicy", "tiercake-vllm")
+    assert _policy_ports(policy) == {8000: []}  # open to clients, as the API it is
 
 
 def _policy_ports(policy: dict) -> dict[int, list]:
@@ -350,7 +385,7 @@ def test_services_budgets_and_secrets_point_at_what_exists(rendered, overlay):
             selector = selector.get("matchLabels", selector)
             assert any(_selects({"matchLabels": selector}, labels) for labels in templates), obj["metadata"]["name"]
     budgets = {p["metadata"]["name"] for p in find(docs, "PodDisruptionBudget")}
-    assert {"tiercake-conductor", "tiercake-node", "tiercake-prefill", "tiercake-decode"} <= budgets
+    assert {"tiercake-conductor", "tiercake-node", *compute(overlay)} <= budgets
     (secret,) = find(docs, "Secret")
     for w in workloads(docs):
         pod = w["spec"]["template"]["spec"]
@@ -377,6 +412,18 @@ def test_dockerfile_is_multi_stage_non_root_with_cpu_and_cuda_variants():
     assert "COPY --from=build /opt/tiercake /opt/tiercake" in runtime
     assert re.search(r"^\s+cpu\) index=", text, re.M) and re.search(r"^\s+cuda\) index=", text, re.M)
     assert "ARG VARIANT=cpu" in text
+
+
+def test_the_vllm_image_installs_what_the_tiercake_image_does():
+    """deploy/vllm.Dockerfile (the vllm overlay's image): the same sources as the tiercake image,
+    installed over vLLM's own torch, checked with pip check and an import of the connector."""
+    def copies(name: str) -> list[str]:
+        return re.findall(r"^COPY (?!--from)(.+)$", (ROOT / "deploy" / name).read_text(), re.M)
+
+    assert copies("vllm.Dockerfile") == copies("Dockerfile")
+    text = (ROOT / "deploy" / "vllm.Dockerfile").read_text()
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v0\.32\.0\b", text, re.M)  # the vLLM CI tests with
+    assert "pip check" in text and "import tiercake.workers.vllm.connector" in text
 
 
 def test_the_build_context_builds_the_whole_package(tmp_path):

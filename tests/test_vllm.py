@@ -78,7 +78,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm")
-    tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN})
+    tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": f"{TOKEN} a-second-token"})  # as the Secret holds them
     engines = []
     try:
         engines = [Vllm(name, model, tc) for name in ("a", "b")]

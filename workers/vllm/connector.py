@@ -195,7 +195,8 @@ class TiercakeConnector(KVConnectorBase_V1):
         self.loads_enabled = secret is not None and transfer.kv_role in ("kv_both", "kv_consumer")
         self.saves_enabled = (secret is not None and transfer.kv_role in ("kv_both", "kv_producer")
                               and self.settings.node is not None)
-        token = os.environ.get(self.settings.token_env) or None
+        # the variable may hold several whitespace-separated tokens (as the Secret's control-tokens do)
+        token = next(iter(os.environ.get(self.settings.token_env, "").split()), None)
         identity = f"vllm-{os.getpid()}-{role.name.lower()}"
         self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports))
         # scheduler side
