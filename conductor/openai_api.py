@@ -1,9 +1,11 @@
 """The OpenAI adapter: ``/v1/completions`` and ``/v1/chat/completions`` (whole or streamed) and
 ``/v1/models``. It parses and checks the request into one ``Ask`` (a chat's messages through the chat
-template), resolves the tenant, keys the prompt once, hands a ``Job`` to the dispatcher and renders
-what comes back in the endpoint's shape (``openai_models.py``). The first token decides the HTTP status: a failure before
-it is a plain error response; after it, the response is under way and a failure ends it with an
-error (an ``error`` event and ``[DONE]`` on a stream)."""
+template), resolves the tenant, keys each prompt once, hands the dispatcher one ``Job`` per answer (a
+prompt's ``n`` answers, for every prompt of a list), runs them together as ``Answer``s and renders
+what comes back in the endpoint's shape (``openai_models.py``). The first tokens decide the HTTP
+status: a failure before every answer has its first is a plain error response; after, the response
+is under way and a failure ends it with an error (an ``error`` event and ``[DONE]`` on a stream).
+"""
 
 from __future__ import annotations
 
