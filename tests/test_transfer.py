@@ -296,8 +296,34 @@ async def test_shm_leases_hold_blocks_until_released(node):
         assert store.contains(b"leased")
         with pytest.raises(Exception, match="leased"):
             await store.remove(b"leased")
-        await conn.release([(b"leased", reply.lease)])
+        await conn.release([(b"leased", reply.lease)], wait=True)
     await store.remove(b"leased")
+
+
+async def test_a_pool_read_releases_its_leases_without_waiting_for_the_answer(node):
+    """A read through the shared pool leases, copies and releases; the release is pipelined (its
+    empty answer is read before the connection's next reply), so the read costs one round trip, and
+    the peer still frees the lease as soon as the frame arrives."""
+    store, server = node
+    await store.put(b"pooled", payload(2, 64 << 10))
+    engine = engine_for(server, ("shm", "tcp"))
+    dst = torch.empty(64 << 10, dtype=torch.uint8)
+    (result,) = await engine.read_blocks("node-b", [b"pooled"], [dst])
+    assert result.ok and result.transport == "shm" and torch.equal(dst, payload(2, 64 << 10))
+    peer = await engine._peer("node-b")
+    owed = sum(len(c._owed) for c in peer.channel._idle)
+    assert owed == 1  # the release went; its answer is not awaited
+    for _ in range(100):  # the peer frees the lease when the frame arrives, with nobody waiting
+        try:
+            await store.remove(b"pooled")
+            break
+        except Exception:  # noqa: BLE001 - still leased: the frame is on its way
+            await asyncio.sleep(0.01)
+    assert not store.contains(b"pooled")
+    await store.put(b"again", payload(3, 64 << 10))
+    (result,) = await engine.read_blocks("node-b", [b"again"], [dst])  # the owed answer is read first
+    assert result.ok and torch.equal(dst, payload(3, 64 << 10))
+    await engine.close()
     await engine.close()
 
 

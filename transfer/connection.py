@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import os
@@ -66,6 +67,7 @@ class PeerConnection:
         self.broken = False
         self.ucx = None  # a transport's per-connection state (UCX endpoints)
         self.on_close: Callable[[], object] | None = None
+        self._owed: collections.deque[int] = collections.deque()  # releases whose replies are not read yet
 
     async def open(self) -> PeerConnection:
         loop = asyncio.get_running_loop()
@@ -117,6 +119,7 @@ class PeerConnection:
             raise
 
     async def _reply(self, request: int, op: Op) -> bytearray:
+        await self._drain()
         _, _, got, body = await recv_frame(self.sock, expect=[op])
         if got != request:
             raise p.ProtocolError(f"reply to request {got}, expected {request}")
@@ -187,10 +190,23 @@ class PeerConnection:
             check_count(replies, items)
         return replies
 
-    async def release(self, items: list[tuple[bytes, int]]) -> None:
+    async def release(self, items: list[tuple[bytes, int]], wait: bool = False) -> None:
+        """Free the leases on the peer. Pipelined unless ``wait``: the frame goes now and its reply
+        (which carries nothing) is read before the next reply on this connection, so a read through
+        the shared pool costs one round trip, not two; the peer frees the leases when the frame
+        arrives. With ``wait``, returns once the peer has freed them."""
         async with self._request() as request:
             await send_frame(self.sock, Op.RELEASE, request, p.encode_release(items))
-            await self._reply(request, Op.RELEASE_REPLY)
+            self._owed.append(request)
+            if wait:
+                await self._drain()
+
+    async def _drain(self) -> None:
+        while self._owed:  # the peer answers in order: pipelined releases' replies come first
+            owed = self._owed.popleft()
+            _, _, got, _ = await recv_frame(self.sock, expect=[Op.RELEASE_REPLY])
+            if got != owed:
+                raise p.ProtocolError(f"reply to request {got}, expected the release {owed}")
 
 
 class PeerChannel:

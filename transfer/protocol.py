@@ -25,6 +25,7 @@ Operations (one request in flight per connection; the client keeps several conne
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import struct
@@ -321,6 +322,7 @@ def verify(secret: bytes, role: bytes, first: bytes, second: bytes, claimed: byt
     return hmac.compare_digest(proof(secret, role, first, second), claimed)
 
 
+@functools.cache  # asked on every same-host transfer; it cannot change while this process runs
 def boot_id() -> str:
     """This kernel's boot id: two processes share memory only if theirs are equal."""
     try:

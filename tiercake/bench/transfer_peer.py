@@ -14,6 +14,7 @@ import threading
 import numpy as np
 
 from tiercake.config import StoreConfig, TierConfig, TiercakeConfig, TransferConfig
+from tiercake.transfer.ucx import available as ucx_available
 from tiercake.workers.node_agent import NodeAgent
 
 RAW_REQUEST = struct.Struct("<cQQ")  # b"R": send n bytes; b"W": receive n bytes; chunk size
@@ -54,7 +55,8 @@ async def main() -> None:
     config = TiercakeConfig(
         node_id="bench-peer",
         store=StoreConfig(layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path)]),
-        transfer=TransferConfig(),
+        # the bench measures UCX too where it is installed: the agent serves it only when listed
+        transfer=TransferConfig(transports=["local", "shm", "tcp", *(["ucx"] if ucx_available() else [])]),
     )
     agent = await NodeAgent(config).start()
     listener = socket.create_server(("127.0.0.1", 0))
