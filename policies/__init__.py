@@ -6,7 +6,7 @@ A plug-in author needs only this package: subclass one of the policy interfaces.
 
 from .admission import AdmitOnNth, AlwaysAdmit
 from .base import AdmissionPolicy, BlockMeta, EvictionPolicy
-from .eviction import ARC, FIFO, LFU, LRU, S3FIFO, LeafFirstLRU
+from .eviction import ARC, FIFO, LFU, LRU, S3FIFO, LeafFirstLRU, ReuseAware
 from .placement import (
     FixedReplicas,
     HotReplicas,
@@ -43,7 +43,7 @@ from .registry import (
 
 __all__ = [
     "ARC", "FIFO", "LFU", "LRU", "S3FIFO", "AdmissionPolicy", "AdmitOnNth", "AlwaysAdmit", "BlockMeta",
-    "EvictionPolicy", "LeafFirstLRU", "PolicyNotFoundError", "available", "create_admission",
+    "EvictionPolicy", "LeafFirstLRU", "ReuseAware", "PolicyNotFoundError", "available", "create_admission",
     "create_eviction", "resolve", "FixedReplicas", "HotReplicas", "LeastUsed", "LocalFirst", "NodeLoad",
     "PlacementStrategy", "RandomPlacement", "ReplicationPolicy", "create_placement", "create_replication",
     "CacheAwareRouter", "LeastLoadedRouter", "PrefillModel", "RandomRouter", "RoundRobinRouter", "RouteDecision",

@@ -35,6 +35,7 @@ _BUILTINS: dict[tuple[str, str], type] = {
         eviction.S3FIFO,
         eviction.ARC,
         eviction.LeafFirstLRU,
+        eviction.ReuseAware,
         admission.AlwaysAdmit,
         admission.AdmitOnNth,
         placement.LeastUsed,

@@ -2,9 +2,11 @@ import random
 
 import pytest
 
-from tiercake.policies import ARC, FIFO, LFU, LRU, S3FIFO, AdmitOnNth, AlwaysAdmit, BlockMeta, LeafFirstLRU
+from tiercake.policies import (
+    ARC, FIFO, LFU, LRU, S3FIFO, AdmitOnNth, AlwaysAdmit, BlockMeta, LeafFirstLRU, ReuseAware,
+)
 
-ALL = [LRU, FIFO, LFU, S3FIFO, ARC, LeafFirstLRU]
+ALL = [LRU, FIFO, LFU, S3FIFO, ARC, LeafFirstLRU, ReuseAware]
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -244,3 +246,37 @@ def test_admit_on_nth():
     assert small.admit("a") is False
     with pytest.raises(ValueError):
         AdmitOnNth(n=0)
+
+
+def test_reuse_learns_which_kinds_of_block_are_read_again():
+    """A block read again and again near the root (a shared system prompt) gets a far higher learned
+    reuse probability than deep blocks read once (turns never extended), and stays resident while
+    the one-shot blocks flow through."""
+    policy = ReuseAware(sample=8)
+    policy.on_insert("system", BlockMeta())
+    for i in range(2000):
+        policy.on_access("system")
+        parent = "system"
+        for depth in range(12):  # a chain of one-shot blocks under it
+            key = f"turn-{i}-{depth}"
+            policy.on_insert(key, BlockMeta(parent=parent))
+            parent = key
+        while len(policy) > 50:
+            policy.victims(1)
+    assert "system" in policy  # never evicted, though the least recently inserted
+    assert policy.p_reuse((4, 0)) > 0.9 > 0.1 > policy.p_reuse((1, 2))
+    assert policy.describe()["p_reuse"]
+
+
+def test_reuse_is_reproducible_for_a_seed():
+    def run(seed: int) -> list:
+        policy, out = ReuseAware(sample=4, seed=seed), []
+        for k in range(200):
+            policy.on_insert(k, BlockMeta())
+            if k % 3 == 0:
+                policy.on_access(k // 2)
+            if len(policy) > 20:
+                out += policy.victims(1)
+        return out
+
+    assert run(1) == run(1)

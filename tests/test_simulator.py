@@ -213,3 +213,33 @@ def test_policy_eval_reports_progress_run_by_run():
                                                                                                         running)))
     assert len(scores) == 6 and [s[0] for s in seen] == list(range(7)) and {s[1] for s in seen} == {6}
     assert seen[0][2] == "s3fifo @ 50 blocks" and seen[-1][2] == "done"
+
+
+SHAPES = {  # traces of other shapes than the conversation trace, from the generator
+    "default": dict(tenants=2, seed=5),
+    "bursty": dict(tenants=4, seed=7, bursty=True),
+    "long sessions": dict(tenants=2, seed=9, new_session_p=0.1),
+    "short sessions": dict(tenants=3, seed=11, new_session_p=0.8),
+    "long turns": dict(tenants=1, seed=13, turn_blocks=(4, 12), system_prompts=8),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_reuse_policy_is_never_worse_than_lru_on_other_shapes(shape):
+    """The learning policy is not tuned to one trace: on every generated shape, at a small and a
+    large capacity, it keeps at least LRU's hits."""
+    from tiercake.traces import synthetic_trace
+
+    stream = accesses(synthetic_trace(1500, **SHAPES[shape]))
+    for capacity in (300, 3000):
+        lru = simulate(stream, [TierSpec(capacity, LRU())]).hit_ratio
+        learned = simulate(stream, [TierSpec(capacity, create_eviction("reuse"))]).hit_ratio
+        assert learned >= lru, (shape, capacity, learned, lru)
+
+
+def test_the_reuse_policy_beats_lru_and_arc_on_the_conversation_trace(any_trace):
+    stream = accesses(read_trace(any_trace, limit=6000))
+    for capacity in (1000, 5000):
+        scores = {name: simulate(stream, [TierSpec(capacity, create_eviction(name))]).hit_ratio
+                  for name in ("lru", "arc", "reuse")}
+        assert scores["reuse"] > max(scores["lru"], scores["arc"]), (capacity, scores)
