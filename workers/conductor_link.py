@@ -57,7 +57,7 @@ class ConductorLink:
         """Stop; with ``leave`` the lease is revoked, so the node and its placements go at once."""
         with contextlib.suppress(ValueError):
             self.store.listeners.remove(self._on_change)
-        for task in self._tasks:
+        for task in list(self._tasks):  # a flush confirmation leaves the list when it ends
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -163,7 +163,11 @@ class ConductorLink:
                 removed = await self.store.flush(mine)
                 log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
             self._flush_epoch = epoch
-            await self._flushed(epoch)
+            # confirmed off the keep-alive loop: a confirmation retried through a leader change must
+            # not delay the next keep-alive past the lease
+            confirm = asyncio.get_running_loop().create_task(self._flushed(epoch))
+            self._tasks.append(confirm)
+            confirm.add_done_callback(lambda task: task in self._tasks and self._tasks.remove(task))
         eviction = settings.eviction
         if eviction != self._eviction:
             names = {t.name for t in self.store.tiers}
