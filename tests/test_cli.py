@@ -203,3 +203,48 @@ def test_simulate_prints_its_tables_and_plots(tmp_path):
     figures = json.loads((tmp_path / "sim.json").read_text())["figures"]
     assert {f["name"] for f in figures} == {f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware",
                                                                       "global_cache_aware")}
+
+
+def test_a_child_of_up_is_a_process_group_stopped_and_restarted_whole(tmp_path):
+    """What a child starts (vLLM's engine core under its API server) ends with it: on a stop, and
+    when the supervisor restarts a child whose leader died and left its own children running."""
+    import signal
+    import time
+
+    from tiercake.up import Child
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+            return f.read().split(")")[-1].split()[0] != "Z"
+
+    def grandchild(child: Child) -> int:
+        for _ in range(100):
+            text = child.log_path.read_text()
+            pids = [int(line.split()[1]) for line in text.splitlines() if line.startswith("grandchild ")]
+            if pids:
+                return pids[-1]
+            time.sleep(0.05)
+        raise AssertionError(child.log_path.read_text())
+
+    argv = ["sh", "-c", "sleep 600 & echo grandchild $!; wait"]
+    child = Child("engine", [], dict(os.environ), tmp_path / "logs", argv=argv)
+    first = grandchild(child)
+    child.stop(5)
+    assert not alive(first)  # stopped with its parent
+
+    child = Child("engine", [], dict(os.environ), tmp_path / "logs", argv=argv)
+    orphan = grandchild(child)
+    os.kill(child.proc.pid, signal.SIGKILL)  # the leader dies; its child lives on in the group
+    child.proc.wait(5)
+    assert alive(orphan)
+    child.restart()
+    for _ in range(100):
+        if not alive(orphan):
+            break
+        time.sleep(0.05)
+    assert not alive(orphan)  # the restart ended what the dead one left behind
+    child.stop(5)

@@ -151,3 +151,19 @@ async def test_a_synchronous_flush_waits_for_every_live_member_and_names_the_lat
             members = {m.node_id: m for m in await ops.members()}
             await ops.leave("leaver", members["leaver"].lease)
             assert await asyncio.wait_for(waiting, 5) == epoch + 1  # gone: no longer waited for
+
+
+async def test_a_front_started_with_a_router_that_ignores_the_tiers_says_so(caplog):
+    """A config whose router never loads from the nodes (pull: false) is accepted, with a warning
+    in the log from the start (the policy switch says it in its reply)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tiercake.conductor.dispatch"):
+        async with _front(ServingConfig(router="cache_aware", router_params={"pull": False}), []):
+            pass
+    assert any("never loaded" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tiercake.conductor.dispatch"):
+        async with _front(ServingConfig(router="cache_aware"), []):
+            pass
+    assert not any("never loaded" in r.getMessage() for r in caplog.records)
