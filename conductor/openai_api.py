@@ -10,7 +10,6 @@ is under way and a failure ends it with an error (an ``error`` event and ``[DONE
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import json
 import time
@@ -102,15 +101,13 @@ class Answer:
         self.finish: str | None = None
         self.scored: list[TokenEvent] = []  # tokens with their log-probabilities, in order
         self.offsets: list[int] = []  # where each scored token's text begins
-        self._chars, self._decoder = 0, codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def take(self, event: TokenEvent) -> str:
         """The text ``event`` makes safe to show; ``finish`` is set once the answer ended."""
         self.generated += 1
         if self.with_logprobs and event.token not in self.stopper.stop_ids:
             self.scored.append(event)
-            self.offsets.append(self._chars)
-            self._chars += len(self._decoder.decode(bytes([event.token % 256])))
+            self.offsets.append(self.stopper.decoded)
         text = self.stopper.feed(event.token)
         if self.stopper.stopped:
             self.finish = "stop"

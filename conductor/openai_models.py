@@ -213,13 +213,16 @@ class Stopper:
         self.stops, self.stop_ids = stops, stop_ids
         self.pending = ""
         self.stopped = False
+        self.decoded = 0  # characters decoded so far, shown or held back (where the next token's text begins)
 
     def feed(self, token: int) -> str:
         """The text ``token`` makes safe to show ('' while held back); ``stopped`` once it ended."""
         if token in self.stop_ids:  # what came before it shows as it would have (a cut UTF-8 sequence as U+FFFD)
             self.stopped = True
             return self.rest()
-        self.pending += self.decoder.decode(bytes([token % 256]))
+        piece = self.decoder.decode(bytes([token % 256]))
+        self.decoded += len(piece)
+        self.pending += piece
         hits = [self.pending.find(s) for s in self.stops if s in self.pending]
         if hits:
             out, self.pending, self.stopped = self.pending[:min(hits)], "", True

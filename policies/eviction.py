@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import OrderedDict
 from typing import Any
 
@@ -450,8 +451,6 @@ class ReuseAware(EvictionPolicy):
     def __init__(self, sample: int = 32, seed: int = 0, ghosts: float = 2.0, lru_margin: float = 0.8) -> None:
         if sample < 1 or ghosts <= 0 or not 0 < lru_margin <= 1:
             raise ValueError("sample must be >= 1, ghosts > 0 and lru_margin in (0, 1]")
-        import random
-
         self.sample, self.ghosts, self.lru_margin = sample, ghosts, lru_margin
         self._rng = random.Random(seed)
         self._clock = 0

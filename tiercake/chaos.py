@@ -289,7 +289,8 @@ class Faults:
         onto it and the load goes on: spills fail, answers stay right, and the index lists no copy
         that was not written (the final check); then the ballast goes."""
         ballast = self.ssd.parent / "ballast"
-        free = os.statvfs(self.ssd).f_bavail * os.statvfs(self.ssd).f_frsize
+        fs = os.statvfs(self.ssd)
+        free = fs.f_bavail * fs.f_frsize
         with open(ballast, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, free)
         try:

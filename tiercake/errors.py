@@ -71,6 +71,18 @@ def require_bearer(request: web.Request, tokens: list[str]) -> None:
         raise ApiError(401, "a valid bearer token is required", code="invalid_token")
 
 
+def bearer_guard(tokens: list[str], open_paths: tuple[str, ...] = ()):
+    """Middleware: ``require_bearer`` on every path but ``open_paths`` (nothing, with no tokens)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if tokens and request.path not in open_paths:
+            require_bearer(request, tokens)
+        return await handler(request)
+
+    return guard
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """``ApiError`` and aiohttp's own errors (unknown route, wrong method, body too large) in the one

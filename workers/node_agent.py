@@ -19,7 +19,7 @@ from tiercake.tiers.build import build_store
 from tiercake.transfer import TransferEngine, TransferServer
 
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import error_middleware, require_bearer
+from tiercake.errors import bearer_guard, error_middleware
 from tiercake.messages import MemberInfo
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
@@ -77,14 +77,7 @@ class NodeAgent:
         """``/metrics``: the node's tiers as its store sees them now, and its transfer server's counts."""
         cfg = self.config
         tokens = [] if cfg.conductor.metrics_open else cfg.conductor.tokens()
-
-        @web.middleware
-        async def guard(request: web.Request, handler):
-            if tokens:
-                require_bearer(request, tokens)
-            return await handler(request)
-
-        app = web.Application(middlewares=[error_middleware, guard])
+        app = web.Application(middlewares=[error_middleware, bearer_guard(tokens)])
         app.add_routes([web.get("/metrics", metrics_handler(registry_of(self._families)))])
         self._metrics = web.AppRunner(app, access_log=None)
         await self._metrics.setup()

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import body_deadline, error_middleware, error_response, invalid, require_bearer
+from tiercake.errors import bearer_guard, body_deadline, error_middleware, error_response, invalid
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
@@ -97,22 +97,16 @@ class Worker:
                 await self._closers.pop()()
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20,
-                              middlewares=[error_middleware, self._authenticate, body_deadline])
-        app.add_routes([web.post("/generate", self._generate), web.get("/health", self._health),
-                        web.get("/load", self._load),
-                        web.get("/metrics", metrics_handler(registry_of(self._families)))])
-        return app
-
-    @web.middleware
-    async def _authenticate(self, request: web.Request, handler):
         """Work comes only from a front that holds the cluster's control token: the request names the
         tenant and salt it runs under, so nobody else may send one. ``/health`` is for probes,
         ``/metrics`` for scrapers (unless ``conductor.metrics_open`` is false)."""
         open_paths = ("/health", "/metrics") if self.config.conductor.metrics_open else ("/health",)
-        if self._tokens and request.path not in open_paths:
-            require_bearer(request, self._tokens)
-        return await handler(request)
+        app = web.Application(client_max_size=16 << 20,
+                              middlewares=[error_middleware, bearer_guard(self._tokens, open_paths), body_deadline])
+        app.add_routes([web.post("/generate", self._generate), web.get("/health", self._health),
+                        web.get("/load", self._load),
+                        web.get("/metrics", metrics_handler(registry_of(self._families)))])
+        return app
 
     def _families(self):
         """This worker's own series: its engine's queue and KV blocks, and its gpu tier."""
