@@ -25,9 +25,10 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError
-from tiercake.messages import GenerateRequest, KVHandoff, MemberInfo, PrefillStats, RouterSpec, TokenEvent
+from tiercake.messages import GenerateRequest, KVHandoff, KVSpace, MemberInfo, PrefillStats, RouterSpec, TokenEvent
 from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, Router, WorkerState, create_router
 
 from .service import Conductor
@@ -59,6 +60,18 @@ class Job:
     top_p: float = 1.0
     logprobs: int | None = None
     timing: Timing = field(default_factory=Timing)
+    _keys_in: dict = field(default_factory=dict)  # namespace -> the prompt's keys in it
+
+    def keys_in(self, space: KVSpace | None) -> list[bytes]:
+        """The prompt's block keys as workers of ``space`` key them (None: the serving config's,
+        hashed at the front)."""
+        if space is None:
+            return self.keys
+        keys = self._keys_in.get(space.namespace)
+        if keys is None:
+            namespace = space.namespace.model_copy(update={"tenant_salt": self.salt})
+            keys = self._keys_in[space.namespace] = block_keys(namespace, self.tokens)
+        return keys
 
     def request(self, **fields) -> GenerateRequest:
         base = {"tokens": self.tokens, "max_tokens": self.max_tokens, "temperature": self.temperature,
@@ -127,7 +140,7 @@ class Dispatcher:
         roles = ("prefill",) if split else ANY_WORKER
         finished, handoff, first = False, None, 0
         prefill = self._attempts("prefill", lambda: self._plan_prefill(job, roles, split), len(job.tokens),
-                                 lambda event, load: self._prefilled(job, event, load))
+                                 lambda event, load, first: self._prefilled(job, event, load, first))
         async for event in prefill:
             if event.finish_reason is None:
                 yield event
@@ -140,7 +153,7 @@ class Dispatcher:
         if not finished:
             raise StreamBroken("prefill", "the worker ended the stream before its last token")
         decode = self._attempts("decode", lambda: self._plan_decode(job, first, handoff), 0,
-                                lambda event, _: self._decoding(job, event))
+                                lambda event, _, first: self._decoding(job, event))
         async for event in decode:
             yield event
             if event.finish_reason is not None:
@@ -151,8 +164,9 @@ class Dispatcher:
         return bool(self.serving.disaggregated and self._candidates(("prefill",)) and self._candidates(("decode",)))
 
     async def _attempts(self, phase: str, plan: Callable[[], tuple[MemberInfo, GenerateRequest]], queued: int,
-                        on_first: Callable[[TokenEvent, WorkerLoad], None]) -> AsyncIterator[TokenEvent]:
-        """The one retry rule (module docstring)."""
+                        on_stats: Callable[[TokenEvent, WorkerLoad, bool], None]) -> AsyncIterator[TokenEvent]:
+        """The one retry rule (module docstring). ``on_stats`` sees the first event, and any later one
+        with figures (an engine that learns its reuse only at the end sends them with the last)."""
         errors, busy = [], 0
         for _ in range(self.ATTEMPTS):
             member, request = plan()
@@ -164,8 +178,11 @@ class Dispatcher:
                 async for event in self.workers.generate(member, request):
                     if first:  # the prompt is prefilled: no longer queued
                         load.queued_tokens -= pending
-                        pending, first = 0, False
-                        on_first(event, load)
+                        pending = 0
+                        on_stats(event, load, True)
+                        first = False
+                    elif event.stats is not None:
+                        on_stats(event, load, False)
                     yield event
                 return
             except WorkerBusy as exc:
@@ -219,15 +236,16 @@ class Dispatcher:
         members = self._candidates(roles)
         if not members:
             raise self._no_worker(roles)
+        space = self._space(members)
         started = time.perf_counter()
-        found = self.conductor.lookup(job.tenant, job.keys)
+        found = self.conductor.lookup(job.tenant, job.keys_in(space))
         job.timing.lookup_s += time.perf_counter() - started
         nodes = {m.node_id for m in self.conductor.members.alive("node")}
         best, best_node = max(((p.length, n) for n, p in found.items() if n in nodes), default=(0, None))
-        request = RouteRequest(len(job.tokens), self.layout.block_size, self.layout.nbytes, best)
+        request = self._route_request(space, len(job.tokens), best)
         router = self.router()
-        decision = router.choose([self._state(m, found[m.node_id].length if m.node_id in found else 0)
-                                  for m in members], request)
+        decision = router.choose([self._state(m, found[m.node_id].length if m.node_id in found and m.kv_space == space
+                                              else 0) for m in members], request)
         tbt = decision.tbt_s
         decoders = self._candidates(("decode",)) if split else []
         if decoders:  # the time between tokens is the decode worker's
@@ -241,6 +259,18 @@ class Dispatcher:
                                tier=max(held.tiers, key=held.tiers.get) if held.tiers else "?")
         return Route(member, decision, source)
 
+    @staticmethod
+    def _space(members: list[MemberInfo]) -> KVSpace | None:
+        """The KV space most of ``members`` key their blocks in (None: the serving config's). A worker
+        keyed otherwise is routed to as if it held none of the prompt."""
+        spaces = [m.kv_space for m in members]
+        return max(spaces, key=spaces.count)
+
+    def _route_request(self, space: KVSpace | None, tokens: int, cached_blocks: int) -> RouteRequest:
+        if space is None:
+            return RouteRequest(tokens, self.layout.block_size, self.layout.nbytes, cached_blocks)
+        return RouteRequest(tokens, space.namespace.block_size, space.block_bytes, cached_blocks)
+
     def _check_slo(self, ttft_s: float, tbt_s: float) -> None:
         slo_ttft, slo_tbt = self.serving.slo_ttft_s, self.serving.slo_tbt_s
         if slo_ttft is not None and ttft_s > slo_ttft:
@@ -252,9 +282,13 @@ class Dispatcher:
             raise ApiError(429, f"predicted time between tokens {tbt_s:.4f} s exceeds the SLO of {slo_tbt} s; "
                            "retry later", "rate_limit_error", "slo_tbt", headers={"Retry-After": "1"})
 
-    def _prefilled(self, job: Job, event: TokenEvent, load: WorkerLoad) -> None:
+    def _prefilled(self, job: Job, event: TokenEvent, load: WorkerLoad, first: bool) -> None:
+        """The first token's figures; or, from an engine that sends them at the end, the final ones."""
         stats = job.timing.stats = event.stats or PrefillStats(prompt_tokens=len(job.tokens))
-        self.stats.prefilled(job.timing)
+        if first:
+            self.stats.prefilled(job.timing)
+        else:
+            self.stats.reused(stats)
         if stats.load_bytes and stats.load_s:
             load.load_bytes_per_s = 0.8 * load.load_bytes_per_s + 0.2 * stats.load_bytes / stats.load_s
 
@@ -265,8 +299,7 @@ class Dispatcher:
         if not members:
             raise self._no_worker(("decode",))
         tokens = [*job.tokens, first]
-        request = RouteRequest(len(tokens), self.layout.block_size, self.layout.nbytes,
-                               handoff.blocks if handoff else 0)
+        request = self._route_request(self._space(members), len(tokens), handoff.blocks if handoff else 0)
         decision = self.router().choose_decode([self._state(m, 0) for m in members], request)
         member = next(m for m in members if m.node_id == decision.worker)
         return member, job.request(tokens=tokens, max_tokens=job.max_tokens - 1, pull=True, source=handoff)

@@ -25,9 +25,10 @@ from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError, invalid
 from tiercake.messages import TokenEvent
+from tiercake.tokenizer import Tokenizer, load_tokenizer
 
 from .openai_models import (
-    ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, Stopper, render, stop_strings,
+    ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, Stopper, stop_strings,
 )
 from .dispatch import Dispatcher, Job
 from .serving_stats import ServingStats
@@ -54,9 +55,10 @@ class Ask:
     stop_ids: frozenset[int]
     top_p: float
     logprobs: int | None  # alternatives per token; None: no log-probabilities
+    tokenizer: Tokenizer
 
     def stopper(self) -> Stopper:
-        return Stopper(self.stop, self.stop_ids)
+        return Stopper(self.stop, self.stop_ids, self.tokenizer.detokenizer())
 
     def seed_of(self, choice: int) -> int | None:
         """Answer j of a prompt samples with seed+j: n answers differ, and each is reproducible."""
@@ -64,29 +66,30 @@ class Ask:
 
 
 def _ask(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int,
-         logprobs: int | None) -> Ask:
+         logprobs: int | None, tokenizer: Tokenizer) -> Ask:
     """The parts both requests share, taken the same way."""
     return Ask(req.model, prompts, req.n, max_tokens, req.temperature, req.seed, req.stream,
                bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
-               frozenset(req.stop_token_ids or ()), req.top_p, logprobs)
+               frozenset(req.stop_token_ids or ()), req.top_p, logprobs, tokenizer)
 
 
-def completion_ask(raw: bytes) -> Ask:
+def completion_ask(raw: bytes, tokenizer: Tokenizer) -> Ask:
     req = CompletionRequest.model_validate_json(raw)
     try:
-        prompts = req.prompts()
+        prompts = req.prompts(tokenizer)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="prompt") from None
-    return _ask(req, prompts, req.max_tokens, req.logprobs)
+    return _ask(req, prompts, req.max_tokens, req.logprobs, tokenizer)
 
 
-def chat_ask(raw: bytes) -> Ask:
+def chat_ask(raw: bytes, tokenizer: Tokenizer) -> Ask:
     req = ChatCompletionRequest.model_validate_json(raw)
     try:
         limit, alternatives = req.limit(), req.alternatives()
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    return _ask(req, [list(render(req.messages).encode("utf-8"))], limit, alternatives)
+    prompt = tokenizer.chat([(m.role, m.content) for m in req.messages])
+    return _ask(req, [prompt], limit, alternatives, tokenizer)
 
 
 class Answer:
@@ -97,6 +100,7 @@ class Answer:
         self.index, self.job, self.events = index, job, events
         self.stopper = ask.stopper()
         self.with_logprobs = ask.logprobs is not None
+        self.tokenizer = ask.tokenizer
         self.generated = 0
         self.finish: str | None = None
         self.scored: list[TokenEvent] = []  # tokens with their log-probabilities, in order
@@ -118,7 +122,9 @@ class Answer:
 
     def logprobs(self, shape, since: int = 0) -> dict | None:
         """The log-probabilities of the tokens scored from ``since`` on, in the endpoint's shape."""
-        return shape.logprobs(self.scored[since:], self.offsets[since:]) if self.with_logprobs else None
+        if not self.with_logprobs:
+            return None
+        return shape.logprobs(self.scored[since:], self.offsets[since:], self.tokenizer)
 
     async def close(self) -> None:
         """Ends the worker stream (stopped early, or the client went away), which frees the sequence."""
@@ -137,6 +143,7 @@ class OpenAIApi:
         self.quotas = Quotas(config.serving)
         self.dispatcher = dispatcher
         self.stats = stats
+        self.tokenizer = load_tokenizer(config.serving.tokenizer, config.serving.model.vocab)
 
     def routes(self) -> list:
         return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
@@ -169,7 +176,7 @@ class OpenAIApi:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat_ask, ChatShape)
 
-    async def _serve(self, request: web.Request, parse: Callable[[bytes], Ask], shape) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, parse: Callable[[bytes, Tokenizer], Ask], shape) -> web.StreamResponse:
         with contextlib.ExitStack() as held:  # the tenant's quota, for the request's whole life
             answers: list[Answer] = []
             try:
@@ -190,17 +197,17 @@ class OpenAIApi:
             return await self._whole(rid, ask, answers, firsts, shape)
 
     async def _jobs(self, request: web.Request, held: contextlib.ExitStack,
-                    parse: Callable[[bytes], Ask]) -> tuple[Ask, list[Job]]:
+                    parse: Callable[[bytes, Tokenizer], Ask]) -> tuple[Ask, list[Job]]:
         """The request checked and admitted, as one job per answer (prompt i's j-th answer: job i*n+j)."""
         tenant = self.tenants.of(request)
         try:
-            ask = parse(await request.read())
+            ask = parse(await request.read(), self.tokenizer)
         except ValidationError as exc:
             raise invalid(exc, "invalid request") from None
         if ask.model != self.config.model_id:
             raise ApiError(404, f"model {ask.model!r} does not exist; this cluster serves {self.config.model_id!r}",
                            "invalid_request_error", "model_not_found")
-        vocab, several = self.serving.model.vocab, len(ask.prompts) > 1
+        vocab, several = self.tokenizer.vocab, len(ask.prompts) > 1
         for i, tokens in enumerate(ask.prompts):
             which = f"prompt {i}" if several else "the prompt"
             if not tokens:

@@ -1,8 +1,7 @@
 """OpenAI's requests as this server takes them (completion and chat: strict types, unknown fields
-refused, parameters it does not honour accepted only at their neutral value), the reference model's
-chat template, and the shapes of a response. The template turns a conversation into one prompt; a
-follow-up turn's prompt extends the previous one's, so the conversation's KV is reused turn after
-turn (the pattern of the trace)."""
+refused, parameters it does not honour accepted only at their neutral value), the shapes of a
+response, and the ``Stopper`` that ends an answer at a stop string. Text becomes tokens and tokens
+text through the served model's tokenizer (``tiercake.tokenizer``)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tiercake.messages import TokenEvent
+from tiercake.tokenizer import Detokenizer, Tokenizer
 
 
 def stop_strings(value: str | list[str] | None) -> list[str]:
@@ -85,7 +85,8 @@ class CompletionRequest(_OpenAIRequest):
                                             "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="text or token ids (bytes for the reference model), or a list of them: one answer each")
+        description="text or token ids (of the served model's tokenizer; bytes for the reference model), or a "
+        "list of them: one answer each")
     max_tokens: int = Field(default=16, ge=1)
     best_of: int = 1
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
@@ -93,7 +94,7 @@ class CompletionRequest(_OpenAIRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def prompts(self) -> list[list[int]]:
+    def prompts(self, tokenizer: Tokenizer) -> list[list[int]]:
         """The prompts as token ids, at most ``MAX_CHOICES`` answers in all."""
         p = self.prompt
         many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -101,7 +102,7 @@ class CompletionRequest(_OpenAIRequest):
             raise ValueError("the prompt list is empty")
         if len(many) * self.n > MAX_CHOICES:
             raise ValueError(f"{len(many)} prompts x n {self.n} answers: at most {MAX_CHOICES} in one request")
-        return [list(q.encode("utf-8")) if isinstance(q, str) else q for q in many]
+        return [tokenizer.encode(q) if isinstance(q, str) else q for q in many]
 
 
 class ChatMessage(BaseModel):
@@ -142,19 +143,6 @@ class ChatCompletionRequest(_OpenAIRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def render(messages: list[ChatMessage]) -> str:
-    """The reference model's chat template: each message as ``<|role|>\\n{content}\\n``, then
-    ``<|assistant|>\\n`` for the answer. Documented in the README; its bytes are the prompt."""
-    return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
-
-
-def token_text(token: int) -> str:
-    """A token as OpenAI's logprobs name it: its character when it is one on its own (an ASCII byte),
-    else ``bytes:\\xNN`` (a piece of a UTF-8 sequence; no two tokens share a name)."""
-    b = token % 256
-    return chr(b) if b < 0x80 else f"bytes:\\x{b:02x}"
-
-
 class CompletionShape:
     """How ``/v1/completions`` renders an answer (legacy logprobs: parallel lists)."""
 
@@ -169,9 +157,9 @@ class CompletionShape:
         return CompletionShape.choice(index, text, finish, logprobs)
 
     @staticmethod
-    def logprobs(events: list[TokenEvent], offsets: list[int]) -> dict:
-        return {"tokens": [token_text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
-                "top_logprobs": [{token_text(a.token): a.logprob for a in e.top_logprobs or ()} for e in events],
+    def logprobs(events: list[TokenEvent], offsets: list[int], tok: Tokenizer) -> dict:
+        return {"tokens": [tok.token_text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{tok.token_text(a.token): a.logprob for a in e.top_logprobs or ()} for e in events],
                 "text_offset": offsets}
 
 
@@ -192,9 +180,9 @@ class ChatShape:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def logprobs(events: list[TokenEvent], offsets: list[int]) -> dict:
+    def logprobs(events: list[TokenEvent], offsets: list[int], tok: Tokenizer) -> dict:
         def entry(token: int, logprob: float) -> dict:
-            return {"token": token_text(token), "logprob": logprob, "bytes": [token % 256]}
+            return {"token": tok.token_text(token), "logprob": logprob, "bytes": tok.token_bytes(token)}
 
         return {"content": [entry(e.token, e.logprob) | {"top_logprobs": [entry(a.token, a.logprob)
                                                                             for a in e.top_logprobs or ()]}
@@ -206,10 +194,8 @@ class Stopper:
     that may still be the start of a stop string is held back until it cannot be (a stream never
     shows the beginning of a stop string it then cuts)."""
 
-    def __init__(self, stops: list[str], stop_ids: frozenset[int]) -> None:
-        import codecs
-
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, stops: list[str], stop_ids: frozenset[int], detokenizer: Detokenizer) -> None:
+        self.decoder = detokenizer
         self.stops, self.stop_ids = stops, stop_ids
         self.pending = ""
         self.stopped = False
@@ -217,10 +203,10 @@ class Stopper:
 
     def feed(self, token: int) -> str:
         """The text ``token`` makes safe to show ('' while held back); ``stopped`` once it ended."""
-        if token in self.stop_ids:  # what came before it shows as it would have (a cut UTF-8 sequence as U+FFFD)
+        if token in self.stop_ids:  # what came before it shows as it would have (a cut character as U+FFFD)
             self.stopped = True
             return self.rest()
-        piece = self.decoder.decode(bytes([token % 256]))
+        piece = self.decoder.feed(token)
         self.decoded += len(piece)
         self.pending += piece
         hits = [self.pending.find(s) for s in self.stops if s in self.pending]
@@ -233,5 +219,5 @@ class Stopper:
 
     def rest(self) -> str:
         """At the end of the answer: what was held back and never became a stop."""
-        out, self.pending = self.pending + self.decoder.decode(b"", final=True), ""
+        out, self.pending = self.pending + self.decoder.rest(), ""
         return out

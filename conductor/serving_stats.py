@@ -118,6 +118,12 @@ class ServingStats:
         timing.ttft_s = time.perf_counter() - timing.started
         self.m_ttft.observe(timing.ttft_s)
         self._observe_phases(timing)
+        if stats.final:
+            self.reused(stats)
+
+    def reused(self, stats: PrefillStats) -> None:
+        """A prefill's final figures: what it reused and moved (with the first token, or at the end
+        from an engine that learns them only then)."""
         self.prompt_tokens += stats.prompt_tokens
         self.cached_tokens += stats.cached_tokens
         self.kv_bytes_moved += stats.load_bytes + stats.written_blocks * self.block_nbytes

@@ -120,14 +120,16 @@ async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):
 
 def test_a_stop_string_is_held_back_until_it_is_one_or_cannot_be():
     from tiercake.conductor.openai_models import Stopper
+    from tiercake.tokenizer import ByteTokenizer
 
-    stopper = Stopper(["ab", "zzz"], frozenset())
+    text = ByteTokenizer().detokenizer
+    stopper = Stopper(["ab", "zzz"], frozenset(), text())
     shown = [stopper.feed(t) for t in b"xaz"]
     assert shown == ["x", "", "a"] and not stopper.stopped  # "a" held until "z" showed it is no "ab"
     assert [stopper.feed(t) for t in b"zz"] == ["", ""] and stopper.stopped  # "z" + "zz": the stop, cut
-    cut = Stopper(["ab"], frozenset({ord("!")}))
+    cut = Stopper(["ab"], frozenset({ord("!")}), text())
     assert [cut.feed(t) for t in b"ya"] == ["y", ""] and cut.feed(ord("!")) == "a" and cut.stopped
-    tail = Stopper(["ab"], frozenset())
+    tail = Stopper(["ab"], frozenset(), text())
     assert [tail.feed(t) for t in b"qa"] == ["q", ""] and tail.rest() == "a"  # the end shows what was held
 
 

@@ -323,7 +323,7 @@ def _rss_mb(pid: int) -> float:
 async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_conversation(cluster):
     """/v1/chat/completions renders the conversation with the documented template, so its answer is
     the completion of that text; the next turn extends the prompt and reuses the conversation's KV."""
-    from tiercake.conductor.openai_models import ChatMessage, render
+    from tiercake.tokenizer import chat_text
 
     messages = [{"role": "system", "content": "You answer in riddles about caches and tiers."},
                 {"role": "user", "content": PROMPT}]
@@ -336,7 +336,7 @@ async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_
         message = whole["choices"][0]["message"]
         assert message["role"] == "assistant" and whole["choices"][0]["finish_reason"] == "length"
         assert whole["usage"]["completion_tokens"] == 6
-        text = render([ChatMessage.model_validate(m) for m in messages])
+        text = chat_text([(m["role"], m["content"]) for m in messages])
         async with http.post(cluster.url + "/v1/completions", json=completion(text=text, max_tokens=6)) as resp:
             assert (await resp.json())["choices"][0]["text"] == message["content"]  # the template, as documented
         assert whole["usage"]["prompt_tokens"] == len(text.encode())

@@ -18,11 +18,12 @@ import aiohttp
 import pytest
 import yaml
 
+from tiercake.blocks import block_keys
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
 from tiercake.chaos import pid_listening
-from tiercake.up import NodeCluster, VllmServer
+from tiercake.up import Child, NodeCluster, VllmServer
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
@@ -33,9 +34,10 @@ BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 PROMPT_BLOCKS = 8
 
 
-def tiercake_config(root: Path) -> TiercakeConfig:
+def tiercake_config(root: Path, model: Path | None = None) -> TiercakeConfig:
     return TiercakeConfig.model_validate({
         "node_id": "vllm-node", "model_id": MODEL,
+        "serving": {"tokenizer": str(model) if model else None},  # the front tokenizes as vLLM does
         "store": {"layout": None, "tiers": [
             {"kind": "pool", "capacity": "64MiB", "path": f"/dev/shm/tiercake-vllm-test-{uuid.uuid4().hex[:12]}"},
             {"kind": "ssd", "capacity": "256MiB", "path": str(root / "ssd")},
@@ -78,7 +80,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm")
-    tc = NodeCluster(tiercake_config(root), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": f"{TOKEN} a-second-token"})  # as the Secret holds them
+    tc = NodeCluster(tiercake_config(root, model), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": f"{TOKEN} a-second-token"})  # as the Secret holds them
     engines = []
     try:
         engines = [Vllm(name, model, tc) for name in ("a", "b")]
@@ -268,3 +270,193 @@ async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path
         proc.send_signal(signal.SIGINT)
         out = await asyncio.to_thread(proc.communicate, timeout=60)
     assert proc.returncode == 0 and "tiercake is down" in out[0]
+
+
+# Routing across vLLM instances: each vLLM server has a tiercake worker beside it (`tiercake worker
+# --engine vllm`), and the conductor's front serves the OpenAI API over them ------------------------
+
+
+class Sidecars:
+    """`tiercake worker --engine vllm` beside each vLLM server, with the given roles."""
+
+    def __init__(self, tc: NodeCluster, engines: list[Vllm], roles: list[str]) -> None:
+        self.children = []
+        try:
+            for engine, role in zip(engines, roles):
+                name = f"vllm-{engine.url.rsplit(':', 1)[1]}-{role}"
+                child = Child(name, ["worker", "--config", str(tc.root / "up-node.yaml"), "--engine", "vllm",
+                                     "--vllm-url", engine.url, "--role", role, "--id", name], tc.env, tc.logs)
+                child.wait_announce(120)
+                self.children.append(child)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()
+
+
+async def served_requests(engine: Vllm) -> float:
+    """Requests the vLLM server finished, by its own metrics."""
+    return await vllm_metric(engine, "vllm:request_success_total")
+
+
+async def vllm_metric(engine: Vllm, name: str) -> float:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(engine.url + "/metrics") as resp:
+            text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def front(tc: NodeCluster, body: dict, tenant: str = "default", path: str = "/v1/completions") -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(tc.url + path, json={"model": MODEL, "temperature": 0, **body},
+                             headers={"X-Tiercake-Tenant": tenant}) as resp:
+            reply = await resp.json()
+            assert resp.status == 200, reply
+            return reply
+
+
+async def wait_workers(tc: NodeCluster, count: int) -> None:
+    async with Client([tc.url], token=TOKEN) as client:
+        for _ in range(100):
+            members = [m for m in await client.members() if m.engine == "vllm"]
+            if len(members) >= count:
+                assert all(m.kv_space is not None and m.kv_space.namespace.block_size == BLOCK for m in members)
+                return
+            await asyncio.sleep(0.2)
+    raise TimeoutError("the vLLM workers never registered")
+
+
+@pytest.fixture
+def sidecars(served):
+    made = []
+
+    def start(roles: list[str]) -> Sidecars:
+        tc, a, b = served
+        made.append(Sidecars(tc, [a, b], roles))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.stop()
+
+
+async def test_the_front_routes_a_repeated_prompt_to_the_instance_that_computed_it(served, sidecars):
+    tc, a, b = served
+    sidecars(["worker", "worker"])
+    await wait_workers(tc, 2)
+    for seed in (21, 22, 23):
+        tokens = prompt(seed)
+        direct = await a.complete(tokens)  # the answer computed from scratch, for comparison
+        await a.reset_prefix_cache()
+        before = [await served_requests(e) for e in (a, b)]
+        first = await front(tc, {"prompt": tokens, "max_tokens": 12})
+        took = [await served_requests(e) - was for e, was in zip((a, b), before)]
+        assert sorted(took) == [0, 1]
+        computed_by = (a, b)[took.index(1)]
+        # its worker reported the prompt's blocks as held in that instance's own cache (PrefixMirror)
+        async with Client([tc.url], token=TOKEN) as client:
+            worker = next(m for m in await client.members() if m.url and computed_by.url.rsplit(":", 1)[1] in m.node_id)
+            space = worker.kv_space.namespace.model_copy(update={"tenant_salt": "default"})
+            for _ in range(50):
+                found = await client.lookup("default", block_keys(space, tokens))
+                if worker.node_id in found:
+                    break
+                await asyncio.sleep(0.1)
+            assert found[worker.node_id].length == PROMPT_BLOCKS and found[worker.node_id].tiers == {"gpu": PROMPT_BLOCKS}
+        before = [await served_requests(e) for e in (a, b)]
+        again = await front(tc, {"prompt": tokens, "max_tokens": 12})
+        took = [await served_requests(e) - was for e, was in zip((a, b), before)]
+        assert (a, b)[took.index(1)] is computed_by  # where its prefix is, in vLLM's own cache
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= PROMPT_BLOCKS * BLOCK
+        assert answer(first) == answer(again) == answer(direct)
+
+
+async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_vllm_does(served, sidecars):
+    tc, a, _ = served
+    sidecars(["worker", "worker"])
+    await wait_workers(tc, 2)
+    text = "Conversations grow turn by turn; each turn repeats the whole history. " * 6
+    via_front = await front(tc, {"prompt": text, "max_tokens": 16, "stream": False})
+    async with aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "prompt": text, "max_tokens": 16, "temperature": 0}
+        async with http.post(a.url + "/v1/completions", json=body) as resp:
+            direct = await resp.json()
+    assert via_front["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert answer(via_front) == answer(direct)
+    streamed = ""
+    async with aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "prompt": text, "max_tokens": 16, "temperature": 0, "stream": True}
+        async with http.post(tc.url + "/v1/completions", json=body) as resp:
+            async for line in resp.content:
+                data = line.strip().removeprefix(b"data: ")
+                if data and data != b"[DONE]":
+                    streamed += "".join(c["text"] for c in __import__("json").loads(data)["choices"])
+    assert streamed == answer(direct)
+    chat = await front(tc, {"messages": [{"role": "user", "content": "Which tier holds the block?"}],
+                            "max_tokens": 8}, path="/v1/chat/completions")
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] >= 1
+
+
+def trace_prompts(rows: int, max_blocks: int = 16) -> list[list[int]]:
+    """The conversations of the trace's first ``rows`` requests (the requests whose first two blocks
+    another request shares: the turns of a conversation), scaled down: each hash id a block of BLOCK
+    tokens of its own (at most ``max_blocks``), then a few tokens of the request's own."""
+    import json
+    from collections import Counter
+
+    def block(h: int) -> list[int]:
+        return [(h * 7919 + i * 104729) % 500 + 3 for i in range(BLOCK)]
+
+    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+    with trace.open() as f:
+        requests = [json.loads(line)["hash_ids"][:max_blocks] for _, line in zip(range(rows), f)]
+    turns = Counter(tuple(ids[:2]) for ids in requests)
+    return [[t for h in ids for t in block(h)] + [n % 400 + 3, 7, 11]
+            for n, ids in enumerate(requests) if len(ids) >= 2 and turns[tuple(ids[:2])] >= 2]
+
+
+@pytest.mark.timeout(600)
+async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trace(served, sidecars):
+    """The conversations among the trace's first requests through the front, once with the TTFT
+    router and once round robin (each under a tenant of its own, so neither reuses the other's blocks): the
+    instances' own prefix caches hit more when the router knows what each holds."""
+    tc, a, b = served
+    sidecars(["worker", "worker"])
+    await wait_workers(tc, 2)
+    prompts = trace_prompts(600)  # 186 requests, 48% of their blocks seen before
+    ratios = {}
+    async with Client([tc.url], token=TOKEN) as client:
+        for router in ("round_robin", "ttft"):
+            await client.set_policy(router=router)
+            await asyncio.sleep(0.5)
+            hits = [await vllm_metric(e, "vllm:prefix_cache_hits_total") for e in (a, b)]
+            queries = [await vllm_metric(e, "vllm:prefix_cache_queries_total") for e in (a, b)]
+            for tokens in prompts:
+                await front(tc, {"prompt": tokens, "max_tokens": 2}, tenant=f"replay-{router}")
+            hit = sum([await vllm_metric(e, "vllm:prefix_cache_hits_total") for e in (a, b)]) - sum(hits)
+            asked = sum([await vllm_metric(e, "vllm:prefix_cache_queries_total") for e in (a, b)]) - sum(queries)
+            ratios[router] = hit / asked
+        await client.set_policy(router="ttft")
+    print(f"own prefix cache hit ratio over the conversations of the trace's first 600 requests: {ratios}")
+    assert ratios["ttft"] > ratios["round_robin"] + 0.05, ratios
+
+
+async def test_prefill_and_decode_on_two_vllm_instances_through_tiercake(served, sidecars):
+    """A prefill instance computes the prompt and its blocks go to the node; the decode instance,
+    which never saw the prompt, loads every full block of it and computes only the rest."""
+    tc, a, b = served
+    sidecars(["prefill", "decode"])
+    await wait_workers(tc, 2)
+    tokens = prompt(31)
+    direct = await a.complete(tokens)
+    await a.reset_prefix_cache()
+    await b.reset_prefix_cache()
+    before = [await served_requests(e) for e in (a, b)]
+    reply = await front(tc, {"prompt": tokens, "max_tokens": 12})
+    assert [await served_requests(e) - was for e, was in zip((a, b), before)] == [1, 1]  # one step each
+    assert reply["usage"]["tiercake"]["decode_cached_tokens"] == PROMPT_BLOCKS * BLOCK  # loaded, not computed
+    assert answer(reply) == answer(direct)

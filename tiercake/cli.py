@@ -169,7 +169,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     config = _load(args.config, args.data_dir)
     host, _, port = (args.listen or "127.0.0.1:0").rpartition(":")
-    worker = Worker(config, args.role, args.id, args.data_dir, advertise=args.advertise)
+    engine = None
+    if args.engine == "vllm":
+        if not args.vllm_url:
+            errors.print("error: --engine vllm needs --vllm-url URL (a vLLM server with the TiercakeConnector)")
+            return 2
+        from tiercake.workers.vllm.engine import VllmEngine
+
+        engine = lambda client: VllmEngine(args.vllm_url, client).start()  # noqa: E731
+    worker = Worker(config, args.role, args.id, args.data_dir, advertise=args.advertise, engine=engine)
     asyncio.run(worker.serve_forever(host or "127.0.0.1", int(port)))
     return 0
 
@@ -388,12 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=cmd_node)
 
     worker = sub.add_parser(
-        "worker", help="run a prefill, decode or combined worker: the model over its own gpu tier",
-        description="Load the reference model, fit its timings (persisted in --data-dir), register with the "
-        "conductor (conductor.urls) and serve /generate for the front. Prints its id and URL as JSON.",
+        "worker", help="run a prefill, decode or combined worker: the model over its own gpu tier, or a vLLM server",
+        description="Load the reference model (or stand for a vLLM server: --engine vllm), fit its timings "
+        "(persisted in --data-dir), register with the conductor (conductor.urls) and serve /generate for the "
+        "front. Prints its id and URL as JSON.",
     )
     with_config(worker)
     worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker")
+    worker.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                        help="reference: tiercake's model; vllm: stand for the vLLM server at --vllm-url")
+    worker.add_argument("--vllm-url", metavar="URL", help="--engine vllm: the vLLM OpenAI server (started with "
+                        "the TiercakeConnector) this worker sends its requests to")
     worker.add_argument("--listen", metavar="HOST:PORT", help="its HTTP API (default 127.0.0.1, any port)")
     worker.add_argument("--id", help="worker id (default: <node_id>-<role>)")
     worker.add_argument("--advertise", metavar="HOST", help="the address the front reaches it at "

@@ -247,6 +247,9 @@ class ServingConfig(BaseModel):
                              description="the OpenAI-compatible API's own port (/v1/completions, /v1/models), apart "
                              "from the control API, so a firewall can open one and close the other (0: any free "
                              "port, printed at start); null: beside the control API on conductor.port")
+    tokenizer: str | None = Field(default=None, description="a Hugging Face tokenizer directory (the served "
+                                  "model's, e.g. vLLM's --model directory): the front tokenizes with it; null: "
+                                  "the reference model's UTF-8 bytes")
     router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
     router_params: dict[str, Any] = Field(default_factory=dict)
     slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")

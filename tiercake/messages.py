@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .blocks import Namespace
+
 MAX_KEYS = 65536  # block keys in one control request
 
 Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]  # tenants, nodes, tiers: parts of etcd keys
@@ -71,6 +73,15 @@ class WorkerPerf(Reply):
                                            "of loading a block)")
 
 
+class KVSpace(Reply):
+    """How a worker's engine keys and sizes its KV blocks, when not as the serving config says (a
+    vLLM instance: its own block size and layout). The front keys a prompt in it to see what the
+    worker and the nodes it saves to hold."""
+
+    namespace: Namespace = Field(description="without a tenant salt: the front adds the request's")
+    block_bytes: int = Field(ge=0, description="bytes of one block")
+
+
 class MemberInfo(Request):
     node_id: Name
     role: Literal["node", "prefill", "decode", "worker", "conductor"] = "node"
@@ -81,6 +92,8 @@ class MemberInfo(Request):
     url: str = Field(default="", description="a worker's HTTP API")
     engine: str = Field(default="reference", description="the inference engine behind a worker")
     perf: WorkerPerf = Field(default_factory=WorkerPerf, description="a worker's fitted timings (routing)")
+    kv_space: KVSpace | None = Field(default=None, description="a worker's block keys, when not the serving "
+                                     "config's")
 
 
 # the upper bounds (s) of TierStats.residency's buckets: how long evicted copies had stayed
@@ -489,6 +502,8 @@ class PrefillStats(Reply):
     compute_s: float = 0.0
     written_blocks: int = 0  # new full blocks of the prompt written through to the worker's node
     copy_bytes_per_s: float | None = None  # the worker's memcpy rate, the floor of a load
+    final: bool = Field(default=True, description="false: the engine learns what it reused only at the end "
+                        "(vLLM streaming); its last event carries the final figures")
 
 
 class TokenLogprob(Reply):

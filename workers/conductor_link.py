@@ -1,6 +1,10 @@
 """A node's link to the conductor: registration under a kept-alive lease, reports of every block that
 appears in or leaves the node's store, pins applied to the store, and replication tasks carried out.
 
+What is reported comes from a ``HeldBlocks``: the store itself, or, for an engine whose cache tiercake
+does not own (vLLM's prefix cache), the engine's account of it; pins, flushes, eviction settings and
+replication act on the store and are skipped without one.
+
 When the lease is found expired (the node was paused, partitioned or restarted), the node registers
 again and re-reports everything its store holds, so its blocks (its SSD tier's after a restart)
 become findable again. A conductor that cannot be reached is retried; nothing is dropped: changes
@@ -13,6 +17,8 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import ClusterSettings, EvictionSpec, MemberInfo, MemberStats, ReplicationTask, TierStats
@@ -23,13 +29,26 @@ from tiercake.transfer import BlockLoc, Transfer, TransferEngine
 log = logging.getLogger(__name__)
 
 
+class HeldBlocks(Protocol):
+    """What a member reports to the index (a ``TieredStore`` is one)."""
+
+    listeners: list[Callable[[BlockChange], None]]  # told of every copy that appears or leaves
+
+    def holdings(self) -> list[BlockChange]:
+        """Every copy held now, as the change that made it appear."""
+        ...
+
+
 class ConductorLink:
-    def __init__(self, client: Client, member: MemberInfo, store: TieredStore, *, ttl: int = 5,
-                 engine: TransferEngine | None = None, flush_interval: float = 0.05, report: bool = True) -> None:
+    def __init__(self, client: Client, member: MemberInfo, store: TieredStore | None, *, ttl: int = 5,
+                 engine: TransferEngine | None = None, flush_interval: float = 0.05, report: bool = True,
+                 held: HeldBlocks | None = None) -> None:
         self.client = client
-        self.report = report  # False: a member, but what it holds is not indexed (nobody is routed by it)
         self.member = member
         self.store = store
+        self.held = held if held is not None else store  # what is reported
+        # False: a member, but what it holds is not indexed (nobody is routed by it)
+        self.report = report and self.held is not None
         self.ttl = ttl
         self.engine = engine  # for replication pulls; None: tasks to copy are ignored
         self.flush_interval = flush_interval
@@ -47,7 +66,7 @@ class ConductorLink:
 
     async def start(self) -> ConductorLink:
         if self.report:
-            self.store.listeners.append(self._on_change)
+            self.held.listeners.append(self._on_change)
         await self._register()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._keep_alive()), loop.create_task(self._report_forever())]
@@ -55,8 +74,8 @@ class ConductorLink:
 
     async def close(self, leave: bool = True) -> None:
         """Stop; with ``leave`` the lease is revoked, so the node and its placements go at once."""
-        with contextlib.suppress(ValueError):
-            self.store.listeners.remove(self._on_change)
+        with contextlib.suppress(ValueError, AttributeError):
+            self.held.listeners.remove(self._on_change)
         for task in list(self._tasks):  # a flush confirmation leaves the list when it ends
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -75,7 +94,7 @@ class ConductorLink:
             answer = await self.client.keep_alive(self.member.node_id, self.lease)
             self._flush_epoch = answer.settings.flush.epoch
         # everything held goes out again: the old lease took the node's placements with it
-        for change in self.store.holdings() if self.report else ():
+        for change in self.held.holdings() if self.report else ():
             self._on_change(change)
         log.info("node %s: registered (lease %x), re-reporting %d copies", self.member.node_id, self.lease,
                  len(self._changes))
@@ -94,10 +113,11 @@ class ConductorLink:
                     log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
                 continue
             try:
-                if answer.pins_version != self._pins_version:
-                    await self._sync_pins()
-                if answer.tasks:
-                    await self._run_tasks(answer.tasks)
+                if self.store is not None:  # else nothing here to pin or copy into
+                    if answer.pins_version != self._pins_version:
+                        await self._sync_pins()
+                    if answer.tasks:
+                        await self._run_tasks(answer.tasks)
                 await self._apply_settings(answer.settings)
             except ConductorError as exc:
                 log.warning("node %s: %s", self.member.node_id, exc)
@@ -151,15 +171,15 @@ class ConductorLink:
     # Settings -------------------------------------------------------------------------------------
 
     def _stats(self) -> MemberStats:
-        return member_stats(self.store)
+        return member_stats(self.store) if self.store is not None else MemberStats()
 
     async def _apply_settings(self, settings: ClusterSettings) -> None:
         flush = settings.flush
         epoch = flush.epoch
         if epoch > self._flush_epoch:
-            tiers = flush.tiers
-            mine = None if tiers is None else [t.name for t in self.store.tiers if t.name in tiers]
-            if mine is None or mine:
+            tiers, store = flush.tiers, self.store
+            mine = None if tiers is None or store is None else [t.name for t in store.tiers if t.name in tiers]
+            if store is not None and (mine is None or mine):
                 removed = await self.store.flush(mine)
                 log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
             self._flush_epoch = epoch
@@ -169,7 +189,7 @@ class ConductorLink:
             self._tasks.append(confirm)
             confirm.add_done_callback(lambda task: task in self._tasks and self._tasks.remove(task))
         eviction = settings.eviction
-        if eviction != self._eviction:
+        if eviction != self._eviction and self.store is not None:
             names = {t.name for t in self.store.tiers}
             for tier, spec in eviction.items():
                 if tier in names and spec != self._eviction.get(tier):

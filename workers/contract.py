@@ -19,7 +19,9 @@ The front relies on exactly this:
   ends the stream with an error line.
 - ``perf`` (fitted timings the router predicts TTFT and TBT with) and ``load()``.
 - ``store``: the gpu tier's ``TieredStore`` whose committed blocks the worker's ``ConductorLink``
-  reports to the index (what it caches, so routing can prefer it), or None when it indexes nothing.
+  reports to the index (what it caches, so routing can prefer it), or None when tiercake does not own
+  the engine's cache; then ``held`` may still say what the engine caches (vLLM: ``PrefixMirror``).
+- ``kv_space``: how the engine keys its blocks, when not as the serving config says.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
-from tiercake.messages import GenerateRequest, TokenEvent, WorkerLoadReply, WorkerPerf
+from tiercake.messages import GenerateRequest, KVSpace, TokenEvent, WorkerLoadReply, WorkerPerf
 from tiercake.tiers import TieredStore
+
+from .conductor_link import HeldBlocks
 
 
 class RequestRejected(ValueError):
@@ -54,6 +58,16 @@ class ServingEngine(ABC):
     @abstractmethod
     def store(self) -> TieredStore | None:
         """The store whose blocks are reported to the index, or None."""
+
+    @property
+    def held(self) -> HeldBlocks | None:
+        """What the engine caches, as reported to the index (default: ``store``'s blocks)."""
+        return self.store
+
+    @property
+    def kv_space(self) -> KVSpace | None:
+        """The engine's block keys, when not the serving config's (None: the config's)."""
+        return None
 
     @property
     def gpu_capacity_bytes(self) -> int:

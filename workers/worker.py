@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -40,9 +41,14 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "worker")
 
 
+# builds and starts the engine, given the conductor client (None when the config names no conductor)
+EngineFactory = Callable[[Client | None], Awaitable[ServingEngine]]
+
+
 class Worker:
     def __init__(self, config: TiercakeConfig, role: str = "worker", worker_id: str | None = None,
-                 data_dir: str | Path | None = None, advertise: str | None = None) -> None:
+                 data_dir: str | Path | None = None, advertise: str | None = None,
+                 engine: EngineFactory | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: prefill, decode or worker")
         self.config = config
@@ -51,6 +57,7 @@ class Worker:
         self.data_dir = Path(data_dir) if data_dir else None
         self.advertise = advertise  # the host the front reaches this worker at (default: see reachable_host)
         self.engine: ServingEngine | None = None
+        self._factory = engine or (lambda client: ReferenceEngine(config, self.worker_id, self.data_dir).start(client))
         self._closers: list = []
         self._tokens: list[str] = []
         self.url = ""
@@ -63,7 +70,7 @@ class Worker:
                             ssl=cfg.tls.client_context()) if cfg.conductor.urls else None
             if client is not None:
                 self._closers.append(client.close)
-            self.engine = await ReferenceEngine(cfg, self.worker_id, self.data_dir).start(client)
+            self.engine = await self._factory(client)
             self._closers.append(self.engine.close)
             runner = web.AppRunner(self._app())
             await runner.setup()
@@ -83,12 +90,13 @@ class Worker:
     async def _join(self, client: Client, host: str, port: int) -> None:
         engine = self.engine
         member = MemberInfo(node_id=self.worker_id, role=self.role, host=host, port=port, url=self.url,
-                            tiers={"gpu": engine.gpu_capacity_bytes}, engine=engine.name, perf=engine.perf)
+                            tiers={"gpu": engine.gpu_capacity_bytes}, engine=engine.name, perf=engine.perf,
+                            kv_space=engine.kv_space)
         # a decode worker's gpu blocks are not indexed: work is routed to it by load, never by its
         # cache (the prompt's blocks are on the node already), and each block it pulled would cost
         # two durable index changes (in, then evicted)
         link = await ConductorLink(client, member, engine.store, ttl=self.config.conductor.member_ttl,
-                                   report=self.role != "decode" and engine.store is not None).start()
+                                   report=self.role != "decode", held=engine.held).start()
         self._closers.append(link.close)
 
     async def close(self) -> None:

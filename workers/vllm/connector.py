@@ -7,8 +7,9 @@ Load it into vLLM with::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"conductor": "http://127.0.0.1:8700", "node": "node-a"}}'
 
-and the cluster secret in ``$TIERCAKE_SECRET`` (the control token, if any, in
-``$TIERCAKE_CONTROL_TOKEN``).
+and the cluster secret in ``$TIERCAKE_SECRET`` (the control token, if any, in ``$TIERCAKE_TOKEN``).
+A request's blocks are indexed under the tenant its ``kv_transfer_params`` name
+(``{"tiercake": {"tenant": ...}}``, as tiercake's front sends them), else the instance's ``tenant``.
 
 Scheduler side (vLLM's engine core): for a new request, the prompt's blocks beyond vLLM's own prefix
 cache are keyed with tiercake's one hashing function (``tiercake.blocks``: the namespace is the
@@ -104,13 +105,13 @@ class BlockSave:
     key: bytes
     parent: bytes | None
     block_id: int  # vLLM's block to copy out
+    tenant: str  # the index tenant the block is saved under
 
 
 @dataclass
 class TiercakeMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
-    tenant: str = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,8 @@ class TiercakeWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass(slots=True)
 class _Tracked:
     request: Request
+    tenant: str  # the index tenant its blocks are looked up and saved under
+    salt: str  # the hashing salt of its keys
     keys: list[bytes] = field(default_factory=list)  # of its full blocks so far
     blocks: list[int] = field(default_factory=list)  # vLLM's block ids, in position order
     next_save: int = 0  # first block index not yet handed out to save
@@ -167,6 +170,12 @@ def kv_layout_tag(kv_cache_config: KVCacheConfig) -> str:
             f"{dtype}:{getattr(kv_cache_config, 'kv_cache_layout', '')}")
 
 
+def block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one tiercake block: one vLLM block of every layer."""
+    groups = kv_cache_config.kv_cache_groups
+    return groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names) if groups else 0
+
+
 class TiercakeConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
@@ -188,6 +197,10 @@ class TiercakeConnector(KVConnectorBase_V1):
             model_id = model_id[0]
         self.namespace = Namespace(model_id=str(model_id), kv_layout=kv_layout_tag(kv_cache_config),
                                    block_size=self.block_size)
+        # in every request's figures: how this instance keys and sizes its blocks, and where it saves
+        # them (a front routing to it keys prompts the same way; a prefill's decode finds them there)
+        self.space = {"namespace": self.namespace.model_dump(exclude={"tenant_salt"}),
+                      "block_bytes": block_bytes(kv_cache_config), "node": self.settings.node}
         secret = os.environ.get(self.settings.secret_env, "").encode() or None
         if secret is None:
             log.warning("TiercakeConnector: no cluster secret in $%s: nothing is loaded or saved",
@@ -221,8 +234,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         """Keys of the first ``blocks`` full blocks of ``tokens`` (extending the request's chain)."""
         keys, bs = tracked.keys, self.block_size
         if len(keys) < blocks:
-            salt = getattr(tracked.request, "cache_salt", None) or ""
-            parent = keys[-1] if keys else self.namespace.model_copy(update={"tenant_salt": salt}).root()
+            parent = keys[-1] if keys else self.namespace.model_copy(update={"tenant_salt": tracked.salt}).root()
             for i in range(len(keys), blocks):
                 parent = chain_key(parent, tokens[i * bs:(i + 1) * bs])
                 keys.append(parent)
@@ -231,8 +243,24 @@ class TiercakeConnector(KVConnectorBase_V1):
     def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
-            tracked = self._tracked[request.request_id] = _Tracked(request)
+            tracked = self._tracked[request.request_id] = _Tracked(request, *self._tenant(request))
         return tracked
+
+    def _tenant(self, request: Request) -> tuple[str, str]:
+        """The index tenant and the hashing salt. tiercake's front names both in the request's
+        ``kv_transfer_params`` (``{"tiercake": {"tenant": ..., "salt": ...}}``; vLLM's port is for the
+        front, not for clients); else the instance's ``tenant`` and the request's ``cache_salt``."""
+        params = getattr(request, "kv_transfer_params", None)
+        ours = params.get("tiercake") if isinstance(params, dict) else None
+        ours = ours if isinstance(ours, dict) else {}
+        tenant, salt = ours.get("tenant", self.settings.tenant), ours.get("salt")
+        if not isinstance(tenant, str) or not tenant or "/" in tenant:
+            log.warning("TiercakeConnector: request %s names tenant %r (not a tenant name); using %r",
+                        request.request_id, tenant, self.settings.tenant)
+            tenant = self.settings.tenant
+        if not isinstance(salt, str):
+            salt = getattr(request, "cache_salt", None) or ""
+        return tenant, salt
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.block_size
@@ -245,7 +273,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         if not self.loads_enabled or usable <= first:
             return 0, False
         keys = self._keys(tracked, tokens, usable)
-        node, length = self.link.longest_prefix(self.settings.tenant, keys, self.settings.lookup_timeout_s)
+        node, length = self.link.longest_prefix(tracked.tenant, keys, self.settings.lookup_timeout_s)
         if node is None or length <= first:
             return 0, False
         self._plans[request.request_id] = _Plan(node, first, length - first)
@@ -265,7 +293,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         tracked.external_tokens = count * self.block_size
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = TiercakeMetadata(loads=self._pending_loads, tenant=self.settings.tenant)
+        meta = TiercakeMetadata(loads=self._pending_loads)
         self._pending_loads = []
         done: dict[str, int] = {}  # request -> tokens whose KV exists after this step
         for new in scheduler_output.scheduled_new_reqs:
@@ -294,7 +322,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         if full <= tracked.next_save:  # most steps of a decode: nothing new is full
             return []
         keys = self._keys(tracked, list(all_tokens[:full * self.block_size]), full)
-        saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i])
+        saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i], tracked.tenant)
                  for i in range(tracked.next_save, full)]
         tracked.next_save = full
         return saves
@@ -312,7 +340,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._plans.pop(request.request_id, None)
         if tracked is None:
             return False, None
-        figures: dict[str, Any] = {"planned_load_tokens": tracked.external_tokens}
+        figures: dict[str, Any] = {"planned_load_tokens": tracked.external_tokens, **self.space}
         report = tracked.load
         if report is None and not tracked.external_tokens:
             report = LoadReport(0, 0, 0, 0.0)
@@ -410,9 +438,12 @@ class TiercakeConnector(KVConnectorBase_V1):
         with torch.inference_mode(False):  # the link's thread reads it after this step
             staging = torch.empty((len(meta.saves), self.block_nbytes), dtype=torch.uint8)
         self._gather([s.block_id for s in meta.saves], staging)  # copied now: vLLM may reuse its blocks later
-        items = [(s.key, s.parent, row) for s, row in zip(meta.saves, staging)]
-        future = self.link.write(self.settings.node, items, meta.tenant, self.settings.save_timeout_s)
-        future.add_done_callback(lambda f: self._saved(f, nbytes, len(items)))
+        by_tenant: dict[str, list] = {}
+        for s, row in zip(meta.saves, staging):
+            by_tenant.setdefault(s.tenant, []).append((s.key, s.parent, row))
+        for tenant, items in by_tenant.items():
+            future = self.link.write(self.settings.node, items, tenant, self.settings.save_timeout_s)
+            future.add_done_callback(lambda f, n=len(items): self._saved(f, n * self.block_nbytes, n))
 
     def _saved(self, future, nbytes: int, count: int) -> None:
         """On the link's thread, when a background save ends."""

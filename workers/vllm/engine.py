@@ -1,0 +1,365 @@
+"""``VllmEngine``: a vLLM OpenAI server behind tiercake's worker contract, so that tiercake's front
+routes across vLLM instances with the same routers, dispatcher and retry rule as across its own
+workers.
+
+A worker process (``tiercake worker --engine vllm --vllm-url URL``) stands beside one vLLM server that
+runs the TiercakeConnector (``process.serve_command``). At start it
+
+- learns from one probe request how the instance keys its blocks (the connector's namespace, block
+  bytes and the node it saves to) and announces it (``KVSpace``): the front keys prompts the same
+  way, so it sees what this instance and the nodes hold;
+- fits the instance's prefill and decode timings from a few probe prompts (the router's TTFT model).
+
+Then each ``GenerateRequest`` goes to vLLM's ``/v1/completions`` as token ids, with the tenant's
+index tenant and salt for the connector and a cache salt for vLLM's own prefix cache, and the tokens
+come back as ``TokenEvent``s. A streamed answer's reuse figures come with its last event (vLLM tells
+them only at the end); a one-token request (a prefill for a decode worker) is asked whole, so its
+one event has them all.
+
+``PrefixMirror`` is the worker's account of vLLM's own prefix cache: the blocks of the prompts sent
+to the instance, least recently used out first, bounded by its KV blocks. It is reported to the index
+as the worker's gpu tier, so routing prefers the instance that computed a prompt's prefix (an
+estimate, as SGLang's router keeps one of what it sent to each worker: a prefix the instance evicted
+early, or a reset of its cache, costs a load from the tiers or a recompute, never a wrong token).
+
+For a prefill with a handoff (P/D), the event is sent once the prompt's full blocks are indexed on
+the node the instance saves to (the contract's rule), so the decode instance's connector finds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+
+from tiercake.blocks import Namespace, block_keys
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.messages import (
+    GenerateRequest, KVHandoff, KVSpace, PrefillStats, TokenEvent, TokenLogprob, WorkerLoadReply, WorkerPerf,
+)
+from tiercake.tiers import BlockChange
+
+from ..contract import EngineBusy, RequestRejected, ServingEngine
+
+log = logging.getLogger(__name__)
+
+PROBE_TENANT = "tiercake-probe"  # the probes' blocks are indexed apart from every real tenant
+HANDOFF_WAIT_S = 10.0  # the most a prefill waits for its blocks to be indexed on the node
+
+
+class VllmUnavailable(RuntimeError):
+    """The vLLM server could not be reached or failed the request (500: another worker may serve it)."""
+
+
+class PrefixMirror:
+    """What vLLM's own prefix cache probably holds: the prompts' blocks, least recently used out
+    first, at most ``capacity`` blocks. Reported like a store's gpu tier (``HeldBlocks``)."""
+
+    tier = "gpu"
+
+    def __init__(self, capacity: int, block_bytes: int) -> None:
+        self.capacity, self.block_bytes = capacity, block_bytes
+        self.listeners: list[Callable[[BlockChange], None]] = []
+        self._blocks: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, copy: tuple[str, bytes]) -> bool:
+        return copy in self._blocks
+
+    def touch(self, tenant: str, keys: list[bytes]) -> None:
+        """``keys`` (a prompt's full blocks, in chain order) are now in vLLM's cache, the newest."""
+        for key in keys:
+            copy = (tenant, key)
+            if copy in self._blocks:
+                self._blocks.move_to_end(copy)
+            else:
+                self._blocks[copy] = None
+                self._tell(tenant, key, True)
+        while len(self._blocks) > self.capacity:
+            (tenant, key), _ = self._blocks.popitem(last=False)
+            self._tell(tenant, key, False)
+
+    def holdings(self) -> list[BlockChange]:
+        return [BlockChange(key, self.tier, self.block_bytes, tenant, True) for tenant, key in self._blocks]
+
+    def _tell(self, tenant: str, key: bytes, added: bool) -> None:
+        change = BlockChange(key, self.tier, self.block_bytes, tenant, added)
+        for listener in self.listeners:
+            listener(change)
+
+
+def cache_salt(salt: str) -> str | None:
+    """vLLM's ``cache_salt`` for a tiercake salt: a digest (vLLM takes at most 128 characters, without
+    '@', '/' or '\\'), distinct per salt, so tenants never share vLLM's own prefix cache either."""
+    return hashlib.blake2b(salt.encode(), digest_size=16).hexdigest() if salt else None
+
+
+def token_id(name: str) -> int:
+    """A token as vLLM names it with ``return_tokens_as_token_ids`` (``token_id:123``)."""
+    return int(name.rpartition(":")[2])
+
+
+class VllmEngine(ServingEngine):
+    """See the module docstring."""
+
+    name = "vllm"
+
+    def __init__(self, url: str, client: Client | None = None, *, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.client = client  # the conductor: where a prefill's handoff waits for its blocks
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
+        self.http: aiohttp.ClientSession | None = None
+        self.model = ""
+        self.space: KVSpace | None = None
+        self.node: str | None = None  # where the connector saves
+        self.mirror: PrefixMirror | None = None
+        self._perf = WorkerPerf()
+        self._kv_blocks = 0
+        self._in_flight = 0
+        self._completed = 0
+
+    async def start(self) -> VllmEngine:
+        self.http = aiohttp.ClientSession(timeout=self.timeout)
+        try:
+            async with self.http.get(self.url + "/v1/models") as resp:
+                models = await resp.json()
+            self.model = models["data"][0]["id"]
+            self._kv_blocks = await self._num_kv_blocks()
+            await self._fit()
+        except BaseException:
+            await self.close()
+            raise
+        self.mirror = PrefixMirror(self._kv_blocks, self.space.block_bytes)
+        log.info("vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; fitted %s", self.url,
+                 self.model, self._kv_blocks, self.space.block_bytes, self.node, self._perf)
+        return self
+
+    async def _num_kv_blocks(self) -> int:
+        """The instance's KV blocks (vLLM's ``cache_config_info`` metric)."""
+        async with self.http.get(self.url + "/metrics") as resp:
+            text = await resp.text()
+        found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
+        return int(found.group(1)) if found else 0
+
+    async def _fit(self) -> None:
+        """The KV space from a first probe, then prefill = a + b*t from the fastest of two tries at two
+        lengths, and one decode step from a longer answer (each probe a prompt never seen: a
+        per-start salt)."""
+        rng, salt = random.Random(), f"probe-{random.getrandbits(64):016x}"
+        first = await self._complete(self._probe([rng.randrange(3, 200) for _ in range(8)], 1, salt))
+        figures = (first.get("kv_transfer_params") or {}).get("tiercake")
+        if not figures or "namespace" not in figures:
+            raise RuntimeError(f"vLLM at {self.url} does not run the TiercakeConnector (no tiercake figures in "
+                               "its answer): start it with process.serve_command's --kv-transfer-config")
+        self.space = KVSpace(namespace=Namespace.model_validate(figures["namespace"]),
+                             block_bytes=figures["block_bytes"])
+        self.node = figures.get("node")
+        bs = self.space.namespace.block_size
+        short, long_ = 2 * bs + 1, 16 * bs + 1
+        timed: dict[int, float] = {}
+        for length in (short, long_, short, long_):
+            tokens = [rng.randrange(3, 200) for _ in range(length)]
+            started = time.perf_counter()
+            await self._complete(self._probe(tokens, 1, salt))
+            timed[length] = min(timed.get(length, float("inf")), time.perf_counter() - started)
+        b = max((timed[long_] - timed[short]) / (long_ - short), 1e-7)
+        a = max(timed[short] - b * short, 1e-4)
+        started = time.perf_counter()
+        await self._complete(self._probe([rng.randrange(3, 200) for _ in range(short)], 9, salt, ignore_eos=True))
+        step = max((time.perf_counter() - started - timed[short]) / 8, 1e-4)
+        self._perf = WorkerPerf(prefill_a=a, prefill_b=b, decode_step_s=step)
+
+    def _probe(self, tokens: list[int], max_tokens: int, salt: str, ignore_eos: bool = False) -> dict:
+        return {"model": self.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": ignore_eos, "cache_salt": cache_salt(salt),
+                "kv_transfer_params": {"tiercake": {"tenant": PROBE_TENANT, "salt": salt}}}
+
+    # The contract -------------------------------------------------------------------------------
+
+    @property
+    def perf(self) -> WorkerPerf:
+        return self._perf
+
+    @property
+    def store(self) -> None:
+        return None  # vLLM owns its KV cache
+
+    @property
+    def held(self) -> PrefixMirror | None:
+        return self.mirror
+
+    @property
+    def kv_space(self) -> KVSpace | None:
+        return self.space
+
+    @property
+    def gpu_capacity_bytes(self) -> int:
+        return self._kv_blocks * (self.space.block_bytes if self.space else 0)
+
+    def load(self) -> WorkerLoadReply:
+        return WorkerLoadReply(running=self._in_flight, blocks=self._kv_blocks, completed=self._completed)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        self._in_flight += 1
+        try:
+            events = self._one_event(request) if request.max_tokens == 1 else self._stream(request)
+            async for event in events:
+                if event.finish_reason is not None:  # before it goes: the caller stops reading at the last
+                    self._completed += 1
+                    if self.mirror is not None:
+                        self.mirror.touch(request.tenant, self._keys(request))
+                yield event
+        finally:
+            self._in_flight -= 1
+
+    # Requests to vLLM ---------------------------------------------------------------------------
+
+    def _salt(self, request: GenerateRequest) -> str:
+        return request.tenant if request.salt is None else request.salt
+
+    def _keys(self, request: GenerateRequest) -> list[bytes]:
+        """The prompt's full blocks as the connector keys them."""
+        namespace = self.space.namespace.model_copy(update={"tenant_salt": self._salt(request)})
+        return block_keys(namespace, request.tokens)
+
+    def _body(self, request: GenerateRequest, stream: bool) -> dict:
+        salt = self._salt(request)
+        body = {"model": self.model, "prompt": request.tokens, "max_tokens": request.max_tokens,
+                "temperature": request.temperature, "top_p": request.top_p, "stream": stream,
+                "return_token_ids": True, "cache_salt": cache_salt(salt),
+                "kv_transfer_params": {"tiercake": {"tenant": request.tenant, "salt": salt}}}
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.logprobs is not None:
+            body |= {"logprobs": request.logprobs, "return_tokens_as_token_ids": True}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def _post(self, body: dict) -> aiohttp.ClientResponse:
+        """vLLM's answer, its status checked: 400 is the request's fault, anything else the server's."""
+        try:
+            resp = await self.http.post(self.url + "/v1/completions", json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise VllmUnavailable(f"vLLM at {self.url}: {exc or type(exc).__name__}") from None
+        if resp.status == 200:
+            return resp
+        text = await resp.text()
+        resp.release()
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = text[:500]
+        if resp.status == 400:
+            raise RequestRejected(f"vLLM refused the request: {message}")
+        if resp.status == 503:
+            raise EngineBusy(f"vLLM at {self.url} is busy: {message}")
+        raise VllmUnavailable(f"vLLM at {self.url} answered {resp.status}: {message}")
+
+    async def _complete(self, body: dict) -> dict:
+        async with await self._post(body) as resp:
+            return await resp.json()
+
+    async def _one_event(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """A one-token request, asked whole: its event has the final figures (and, for a prefill with
+        a handoff, where the prompt's blocks are)."""
+        started = time.perf_counter()
+        reply = await self._complete(self._body(request, stream=False))
+        choice = reply["choices"][0]
+        token = choice["token_ids"][0]
+        stats = self._stats(request, reply.get("usage") or {}, reply.get("kv_transfer_params"),
+                            time.perf_counter() - started)
+        handoff = await self._handoff(request) if request.handoff else None
+        yield TokenEvent(token=token, index=0, finish_reason=choice.get("finish_reason") or "length", stats=stats,
+                          handoff=handoff, **self._scores(choice.get("logprobs"), 0))
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """The first token as soon as it comes; later ones one behind, so that the last carries the
+        finish reason and the reuse figures of the usage chunk that follows it."""
+        started, first_s = time.perf_counter(), 0.0
+        index, held, usage, finish = 0, None, {}, None
+        async with await self._post(self._body(request, stream=True)) as resp:
+            async for line in resp.content:
+                data = line.strip().removeprefix(b"data: ")
+                if not data or data == b"[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise VllmUnavailable(f"vLLM at {self.url}: {chunk['error'].get('message')}")
+                if not chunk.get("choices"):  # the usage chunk, after the last token
+                    usage = chunk.get("usage") or {}
+                    continue
+                choice = chunk["choices"][0]
+                ids = choice.get("token_ids") or []
+                finish = choice.get("finish_reason") or finish
+                for i, token in enumerate(ids):
+                    if held is not None:
+                        yield held
+                    held = TokenEvent(token=token, index=index, **self._scores(choice.get("logprobs"), i))
+                    index += 1
+                    if held.index == 0 and not (finish and i == len(ids) - 1):  # not also the last
+                        first_s = time.perf_counter() - started
+                        yield held.model_copy(update={"stats": PrefillStats(
+                            prompt_tokens=len(request.tokens), final=False, compute_s=first_s)})
+                        held = None
+        if held is None:
+            raise VllmUnavailable(f"vLLM at {self.url} ended the answer without its last token")
+        stats = self._stats(request, usage, None, first_s or time.perf_counter() - started)
+        yield held.model_copy(update={"finish_reason": finish or "length", "stats": stats})
+
+    @staticmethod
+    def _scores(logprobs: dict | None, i: int) -> dict:
+        """Token ``i`` of a chunk's log-probabilities, as TokenEvent fields (none when not asked)."""
+        if not logprobs or i >= len(logprobs.get("token_logprobs") or ()):
+            return {}
+        top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
+        alternatives = sorted((TokenLogprob(token=token_id(name), logprob=lp) for name, lp in top.items()),
+                              key=lambda a: -a.logprob)
+        return {"logprob": logprobs["token_logprobs"][i], "top_logprobs": alternatives}
+
+    def _stats(self, request: GenerateRequest, usage: dict, transfer: dict | None, compute_s: float) -> PrefillStats:
+        """The request's reuse: vLLM's cached tokens, split into its own cache's and the connector's
+        loads when the connector's figures are there (a whole answer; a stream has only the total)."""
+        bs = self.space.namespace.block_size
+        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        figures = (transfer or {}).get("tiercake") or {}
+        loaded = figures.get("loaded_tokens", 0)
+        sources = {"gpu": (cached - loaded) // bs} if transfer else {"vllm": cached // bs}
+        if loaded:
+            sources[f"{self.node}:tiercake"] = loaded // bs
+        return PrefillStats(prompt_tokens=len(request.tokens), cached_tokens=cached,
+                            sources={k: v for k, v in sources.items() if v}, load_s=figures.get("load_s", 0.0),
+                            load_bytes=figures.get("load_bytes", 0), load_tier="tiercake" if loaded else None,
+                            compute_s=compute_s)
+
+    async def _handoff(self, request: GenerateRequest) -> KVHandoff | None:
+        """Where the decode worker finds the prompt's full blocks: the node the connector saves to, once
+        the index shows them there (at most ``HANDOFF_WAIT_S``; then as many as it shows)."""
+        if self.node is None or self.client is None:
+            return None
+        keys = self._keys(request)
+        deadline, held = time.monotonic() + HANDOFF_WAIT_S, 0
+        while keys:
+            try:
+                found = await self.client.lookup(request.tenant, keys)
+                held = found[self.node].length if self.node in found else 0
+            except ConductorError as exc:
+                log.warning("vllm worker: lookup for a handoff failed: %s", exc)
+            if held >= len(keys) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        return KVHandoff(node=self.node, blocks=held, tier="tiercake")
