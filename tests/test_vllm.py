@@ -345,9 +345,21 @@ def sidecars(served):
 
 
 async def test_the_front_routes_a_repeated_prompt_to_the_instance_that_computed_it(served, sidecars):
+    """Under the cache-aware router (the TTFT router may as well send it to the other instance, which
+    loads it from the pool about as fast: the fitted timings of two equal instances then decide)."""
     tc, a, b = served
     sidecars(["worker", "worker"])
     await wait_workers(tc, 2)
+    async with Client([tc.url], token=TOKEN) as client:
+        await client.set_policy(router="cache_aware")
+    try:
+        await repeated_prompts_go_where_they_were_computed(tc, a, b)
+    finally:
+        async with Client([tc.url], token=TOKEN) as client:
+            await client.set_policy(router="ttft")
+
+
+async def repeated_prompts_go_where_they_were_computed(tc: NodeCluster, a: Vllm, b: Vllm) -> None:
     for seed in (21, 22, 23):
         tokens = prompt(seed)
         direct = await a.complete(tokens)  # the answer computed from scratch, for comparison
@@ -421,16 +433,19 @@ def trace_prompts(rows: int, max_blocks: int = 16) -> list[list[int]]:
 
 @pytest.mark.timeout(600)
 async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trace(served, sidecars):
-    """The conversations among the trace's first requests through the front, once with the TTFT
-    router and once round robin (each under a tenant of its own, so neither reuses the other's blocks): the
-    instances' own prefix caches hit more when the router knows what each holds."""
+    """The conversations among the trace's first requests through the front, once with the cache-aware
+    router and once round robin (each under a tenant of its own, so neither reuses the other's blocks):
+    the instances' own prefix caches hit more when the router knows what each holds. (The TTFT router
+    is left out: with the pool this close, it is nearly indifferent between an instance's own cache
+    and a pull, and two equal instances' fitted timings decide: 0.52 in one run, below round robin
+    in another.)"""
     tc, a, b = served
     sidecars(["worker", "worker"])
     await wait_workers(tc, 2)
     prompts = trace_prompts(600)  # 186 requests, 48% of their blocks seen before
     ratios = {}
     async with Client([tc.url], token=TOKEN) as client:
-        for router in ("round_robin", "ttft"):
+        for router in ("round_robin", "cache_aware"):
             await client.set_policy(router=router)
             await asyncio.sleep(0.5)
             hits = [await vllm_metric(e, "vllm:prefix_cache_hits_total") for e in (a, b)]
@@ -442,7 +457,7 @@ async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trac
             ratios[router] = hit / asked
         await client.set_policy(router="ttft")
     print(f"own prefix cache hit ratio over the conversations of the trace's first 600 requests: {ratios}")
-    assert ratios["ttft"] > ratios["round_robin"] + 0.05, ratios
+    assert ratios["cache_aware"] > ratios["round_robin"] + 0.05, ratios
 
 
 async def test_prefill_and_decode_on_two_vllm_instances_through_tiercake(served, sidecars):
