@@ -60,7 +60,7 @@ class Job:
     top_p: float = 1.0
     logprobs: int | None = None
     timing: Timing = field(default_factory=Timing)
-    _keys_in: dict = field(default_factory=dict)  # namespace -> the prompt's keys in it
+    _keys_in: dict = field(default_factory=dict, init=False, repr=False)  # namespace -> the prompt's keys in it
 
     def keys_in(self, space: KVSpace | None) -> list[bytes]:
         """The prompt's block keys as workers of ``space`` key them (None: the serving config's,

@@ -135,10 +135,11 @@ class ServingStats:
             self.load_overhead_s += overhead
             self.m_overhead.observe(overhead)
         self.m_prompt.inc(stats.prompt_tokens)
+        block_size = stats.block_size or self.block_size
         for source, blocks in stats.sources.items():
             tier = source.rsplit(":", 1)[-1]
-            self.cached_by_source[tier] += blocks * self.block_size
-            self.m_cached.labels(tier).inc(blocks * self.block_size)
+            self.cached_by_source[tier] += blocks * block_size
+            self.m_cached.labels(tier).inc(blocks * block_size)
 
     def _observe_phases(self, timing: Timing) -> None:
         """TTFT = routing + lookup (the front's and the worker's, if it asked again) + load + compute +

@@ -380,11 +380,19 @@ async def repeated_prompts_go_where_they_were_computed(tc: NodeCluster, a: Vllm,
                 await asyncio.sleep(0.1)
             assert found[worker.node_id].length == PROMPT_BLOCKS and found[worker.node_id].tiers == {"gpu": PROMPT_BLOCKS}
         before = [await served_requests(e) for e in (a, b)]
-        again = await front(tc, {"prompt": tokens, "max_tokens": 12})
-        took = [await served_requests(e) - was for e, was in zip((a, b), before)]
-        assert (a, b)[took.index(1)] is computed_by  # where its prefix is, in vLLM's own cache
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= PROMPT_BLOCKS * BLOCK
+        async with Client([tc.url], token=TOKEN) as client:
+            by_source = (await client.cluster()).serving.cached_tokens_by_source.get("vllm", 0)
+            again = await front(tc, {"prompt": tokens, "max_tokens": 12})
+            took = [await served_requests(e) - was for e, was in zip((a, b), before)]
+            assert (a, b)[took.index(1)] is computed_by  # where its prefix is, in vLLM's own cache
+            cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= PROMPT_BLOCKS * BLOCK
+            # the front counts the reuse vLLM reported at the stream's end, in vLLM's blocks
+            assert (await client.cluster()).serving.cached_tokens_by_source["vllm"] - by_source == cached
         assert answer(first) == answer(again) == answer(direct)
+        if seed == 21:  # another tenant shares neither vLLM's own cache nor tiercake's blocks
+            other = await front(tc, {"prompt": tokens, "max_tokens": 12}, tenant="someone-else")
+            assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and answer(other) == answer(direct)
 
 
 async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_vllm_does(served, sidecars):

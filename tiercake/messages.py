@@ -495,6 +495,8 @@ class PrefillStats(Reply):
     prompt_tokens: int = 0
     cached_tokens: int = 0  # tokens whose KV was reused, from any source
     sources: dict[str, int] = Field(default_factory=dict, description='"gpu" / "<node>:<tier>" -> blocks')
+    block_size: int = Field(default=0, ge=0, description="tokens per block of sources (0: the serving config's; "
+                            "an engine with its own block size, as vLLM, says)")
     lookup_s: float = 0.0
     load_s: float = 0.0
     load_bytes: int = 0

@@ -74,8 +74,9 @@ class ConductorLink:
 
     async def close(self, leave: bool = True) -> None:
         """Stop; with ``leave`` the lease is revoked, so the node and its placements go at once."""
-        with contextlib.suppress(ValueError, AttributeError):
-            self.held.listeners.remove(self._on_change)
+        if self.report:
+            with contextlib.suppress(ValueError):
+                self.held.listeners.remove(self._on_change)
         for task in list(self._tasks):  # a flush confirmation leaves the list when it ends
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

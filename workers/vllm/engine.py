@@ -55,7 +55,7 @@ PROBE_TENANT = "tiercake-probe"  # the probes' blocks are indexed apart from eve
 HANDOFF_WAIT_S = 10.0  # the most a prefill waits for its blocks to be indexed on the node
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(ConnectionError):
     """The vLLM server could not be reached or failed the request (500: another worker may serve it)."""
 
 
@@ -69,12 +69,6 @@ class PrefixMirror:
         self.capacity, self.block_bytes = capacity, block_bytes
         self.listeners: list[Callable[[BlockChange], None]] = []
         self._blocks: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, copy: tuple[str, bytes]) -> bool:
-        return copy in self._blocks
 
     def touch(self, tenant: str, keys: list[bytes]) -> None:
         """``keys`` (a prompt's full blocks, in chain order) are now in vLLM's cache, the newest."""
@@ -131,9 +125,13 @@ class VllmEngine(ServingEngine):
     async def start(self) -> VllmEngine:
         self.http = aiohttp.ClientSession(timeout=self.timeout)
         try:
-            async with self.http.get(self.url + "/v1/models") as resp:
-                models = await resp.json()
-            self.model = models["data"][0]["id"]
+            try:
+                async with self.http.get(self.url + "/v1/models") as resp:
+                    resp.raise_for_status()
+                    self.model = (await resp.json())["data"][0]["id"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
+                raise VllmUnavailable(f"no vLLM OpenAI server at {self.url} ({exc or type(exc).__name__}): "
+                                      "start it first (process.serve_command)") from None
             self._kv_blocks = await self._num_kv_blocks()
             await self._fit()
         except BaseException:
@@ -149,7 +147,11 @@ class VllmEngine(ServingEngine):
         async with self.http.get(self.url + "/metrics") as resp:
             text = await resp.text()
         found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
-        return int(found.group(1)) if found else 0
+        if not found:
+            log.warning("vllm worker: %s/metrics has no num_gpu_blocks; what vLLM caches is not reported, so "
+                        "routing cannot prefer it", self.url)
+            return 0
+        return int(found.group(1))
 
     async def _fit(self) -> None:
         """The KV space from a first probe, then prefill = a + b*t from the fastest of two tries at two
@@ -159,7 +161,7 @@ class VllmEngine(ServingEngine):
         first = await self._complete(self._probe([rng.randrange(3, 200) for _ in range(8)], 1, salt))
         figures = (first.get("kv_transfer_params") or {}).get("tiercake")
         if not figures or "namespace" not in figures:
-            raise RuntimeError(f"vLLM at {self.url} does not run the TiercakeConnector (no tiercake figures in "
+            raise ValueError(f"vLLM at {self.url} does not run the TiercakeConnector (no tiercake figures in "
                                "its answer): start it with process.serve_command's --kv-transfer-config")
         self.space = KVSpace(namespace=Namespace.model_validate(figures["namespace"]),
                              block_bytes=figures["block_bytes"])
@@ -175,14 +177,14 @@ class VllmEngine(ServingEngine):
         b = max((timed[long_] - timed[short]) / (long_ - short), 1e-7)
         a = max(timed[short] - b * short, 1e-4)
         started = time.perf_counter()
-        await self._complete(self._probe([rng.randrange(3, 200) for _ in range(short)], 9, salt, ignore_eos=True))
+        await self._complete(self._probe([rng.randrange(3, 200) for _ in range(short)], 9, salt))
         step = max((time.perf_counter() - started - timed[short]) / 8, 1e-4)
         self._perf = WorkerPerf(prefill_a=a, prefill_b=b, decode_step_s=step)
 
-    def _probe(self, tokens: list[int], max_tokens: int, salt: str, ignore_eos: bool = False) -> dict:
-        return {"model": self.model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": ignore_eos, "cache_salt": cache_salt(salt),
-                "kv_transfer_params": {"tiercake": {"tenant": PROBE_TENANT, "salt": salt}}}
+    def _probe(self, tokens: list[int], max_tokens: int, salt: str) -> dict:
+        """A request under the probes' own tenant, whole, never ended early by an end-of-sequence token."""
+        request = GenerateRequest(tokens=tokens, max_tokens=max_tokens, tenant=PROBE_TENANT, salt=salt)
+        return self._body(request, stream=False) | {"ignore_eos": True}
 
     # The contract -------------------------------------------------------------------------------
 
@@ -342,7 +344,8 @@ class VllmEngine(ServingEngine):
         if loaded:
             sources[f"{self.node}:tiercake"] = loaded // bs
         return PrefillStats(prompt_tokens=len(request.tokens), cached_tokens=cached,
-                            sources={k: v for k, v in sources.items() if v}, load_s=figures.get("load_s", 0.0),
+                            sources={k: v for k, v in sources.items() if v}, block_size=bs,
+                            load_s=figures.get("load_s", 0.0),
                             load_bytes=figures.get("load_bytes", 0), load_tier="tiercake" if loaded else None,
                             compute_s=compute_s)
 

@@ -1,0 +1,74 @@
+"""The vLLM worker's parts that need no vLLM: its account of vLLM's prefix cache, and the clear errors
+when the server it stands for is missing or is not running the TiercakeConnector. (Everything it does
+with a real vLLM is in test_vllm.py.)"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from aiohttp import web
+
+from tiercake.workers.vllm.engine import PrefixMirror, VllmEngine, VllmUnavailable, cache_salt
+
+
+def test_the_mirror_reports_prompts_least_recently_used_out_first_within_vllms_blocks():
+    mirror = PrefixMirror(capacity=3, block_bytes=64)
+    changes = []
+    mirror.listeners.append(lambda c: changes.append((c.key, c.added, c.tenant, c.tier, c.nbytes)))
+    mirror.touch("t", [b"a", b"b"])
+    mirror.touch("t", [b"a"])  # used again: now the newest
+    mirror.touch("t", [b"c", b"d"])  # one over: the least recently used (b) leaves
+    assert [(k, added) for k, added, *_ in changes] == [(b"a", True), (b"b", True), (b"c", True), (b"d", True),
+                                                       (b"b", False)]
+    assert all(c[2:] == ("t", "gpu", 64) for c in changes)
+    assert sorted(c.key for c in mirror.holdings()) == [b"a", b"c", b"d"]
+    mirror.touch("u", [b"a"])  # another tenant's block of the same key is another copy: (t, a) leaves
+    assert sorted((c.tenant, c.key) for c in mirror.holdings()) == [("t", b"c"), ("t", b"d"), ("u", b"a")]
+
+
+def test_the_cache_salt_given_to_vllm_is_valid_for_it_and_distinct_per_tenant():
+    salts = {cache_salt(s) for s in ("alice@example.com", "bob/x", "a" * 500, "default")}
+    assert len(salts) == 4 and all(len(s) <= 128 and not set(s) & set("@/\\") for s in salts)
+    assert cache_salt("") is None
+
+
+async def test_a_server_without_the_connector_is_refused_by_name():
+    """An OpenAI server that answers but is not a vLLM with the TiercakeConnector (no tiercake figures)."""
+    async def models(_):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def metrics(_):
+        return web.Response(text='vllm:cache_config_info{num_gpu_blocks="100"} 1.0\n')
+
+    async def completions(_):
+        return web.json_response({"choices": [{"text": "x", "token_ids": [5], "finish_reason": "length"}]})
+
+    app = web.Application()
+    app.add_routes([web.get("/v1/models", models), web.get("/metrics", metrics), web.post("/v1/completions", completions)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        with pytest.raises(ValueError, match="does not run the TiercakeConnector"):
+            await VllmEngine(f"http://127.0.0.1:{port}").start()
+    finally:
+        await runner.cleanup()
+
+
+async def test_no_server_at_the_url_is_a_clear_error():
+    with pytest.raises(VllmUnavailable, match="no vLLM OpenAI server at http://127.0.0.1:1"):
+        await VllmEngine("http://127.0.0.1:1").start()
+
+
+def test_the_worker_command_says_what_is_missing():
+    env = {**os.environ, "TIERCAKE_TOKEN": "t", "COLUMNS": "200"}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tiercake.cli", "worker", "--engine", "vllm", *a],  # noqa: E731
+                                    capture_output=True, text=True, env=env, timeout=60)
+    missing = run()
+    assert missing.returncode == 2 and "--engine vllm needs --vllm-url" in missing.stderr
+    gone = run("--vllm-url", "http://127.0.0.1:1")
+    assert gone.returncode == 1 and "no vLLM OpenAI server at http://127.0.0.1:1" in gone.stderr
+    assert "Traceback" not in gone.stderr
