@@ -23,7 +23,9 @@ from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
 from tiercake.chaos import pid_listening
-from tiercake.up import Child, NodeCluster, VllmServer
+from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
+from tiercake.traces import read_trace
+from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
@@ -284,30 +286,19 @@ class Sidecars:
         try:
             for engine, role in zip(engines, roles):
                 name = f"vllm-{engine.url.rsplit(':', 1)[1]}-{role}"
-                child = Child(name, ["worker", "--config", str(tc.root / "up-node.yaml"), "--engine", "vllm",
-                                     "--vllm-url", engine.url, "--role", role, "--id", name], tc.env, tc.logs)
-                child.wait_announce(120)
-                self.children.append(child)
+                self.children.append(vllm_worker(tc, engine.url, role, name))
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        for child in self.children:
-            child.stop()
+        stop_all(self.children)
 
 
 async def served_requests(engine: Vllm) -> float:
     """Requests the vLLM server finished, by its own metrics."""
-    return await vllm_metric(engine, "vllm:request_success_total")
-
-
-async def vllm_metric(engine: Vllm, name: str) -> float:
     async with aiohttp.ClientSession() as http:
-        async with http.get(engine.url + "/metrics") as resp:
-            text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+        return await vllm_counter(http, engine.url, "vllm:request_success_total")
 
 
 async def front(tc: NodeCluster, body: dict, tenant: str = "default", path: str = "/v1/completions") -> dict:
@@ -421,24 +412,6 @@ async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] >= 1
 
 
-def trace_prompts(rows: int, max_blocks: int = 16) -> list[list[int]]:
-    """The conversations of the trace's first ``rows`` requests (the requests whose first two blocks
-    another request shares: the turns of a conversation), scaled down: each hash id a block of BLOCK
-    tokens of its own (at most ``max_blocks``), then a few tokens of the request's own."""
-    import json
-    from collections import Counter
-
-    def block(h: int) -> list[int]:
-        return [(h * 7919 + i * 104729) % 500 + 3 for i in range(BLOCK)]
-
-    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
-    with trace.open() as f:
-        requests = [json.loads(line)["hash_ids"][:max_blocks] for _, line in zip(range(rows), f)]
-    turns = Counter(tuple(ids[:2]) for ids in requests)
-    return [[t for h in ids for t in block(h)] + [n % 400 + 3, 7, 11]
-            for n, ids in enumerate(requests) if len(ids) >= 2 and turns[tuple(ids[:2])] >= 2]
-
-
 @pytest.mark.timeout(600)
 async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trace(served, sidecars):
     """The conversations among the trace's first requests through the front, once with the cache-aware
@@ -450,19 +423,17 @@ async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trac
     tc, a, b = served
     sidecars(["worker", "worker"])
     await wait_workers(tc, 2)
-    prompts = trace_prompts(600)  # 186 requests, 48% of their blocks seen before
+    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+    prompts = conversation_prompts(read_trace(trace, limit=600), BLOCK)  # 186 requests
     ratios = {}
-    async with Client([tc.url], token=TOKEN) as client:
+    async with Client([tc.url], token=TOKEN) as client, aiohttp.ClientSession() as http:
         for router in ("round_robin", "cache_aware"):
             await client.set_policy(router=router)
-            await asyncio.sleep(0.5)
-            hits = [await vllm_metric(e, "vllm:prefix_cache_hits_total") for e in (a, b)]
-            queries = [await vllm_metric(e, "vllm:prefix_cache_queries_total") for e in (a, b)]
+            hits, queries = await own_cache_hits(http, [a.url, b.url])
             for tokens in prompts:
                 await front(tc, {"prompt": tokens, "max_tokens": 2}, tenant=f"replay-{router}")
-            hit = sum([await vllm_metric(e, "vllm:prefix_cache_hits_total") for e in (a, b)]) - sum(hits)
-            asked = sum([await vllm_metric(e, "vllm:prefix_cache_queries_total") for e in (a, b)]) - sum(queries)
-            ratios[router] = hit / asked
+            after = await own_cache_hits(http, [a.url, b.url])
+            ratios[router] = (after[0] - hits) / (after[1] - queries)
         await client.set_policy(router="ttft")
     print(f"own prefix cache hit ratio over the conversations of the trace's first 600 requests: {ratios}")
     assert ratios["cache_aware"] > ratios["round_robin"] + 0.05, ratios

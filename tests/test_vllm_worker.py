@@ -72,3 +72,17 @@ def test_the_worker_command_says_what_is_missing():
     gone = run("--vllm-url", "http://127.0.0.1:1")
     assert gone.returncode == 1 and "no vLLM OpenAI server at http://127.0.0.1:1" in gone.stderr
     assert "Traceback" not in gone.stderr
+
+
+def test_the_routing_benchs_bound_and_prompts_come_from_the_trace_as_documented():
+    from tiercake.bench.vllm import conversation_prompts, seen_before
+    from tiercake.traces import TraceRecord
+
+    a, b, c, d = ([i] * 4 for i in range(4))
+    # the first prompt has nothing seen before; the second its first two blocks; the third its first
+    assert seen_before([a + b, a + b + c, a + d], 4) == (0 + 8 + 4) / (8 + 12 + 8)
+    records = [TraceRecord(timestamp=0, input_length=512 * n, output_length=1, hash_ids=ids)
+               for n, ids in ((2, (0, 1)), (3, (0, 1, 2)), (2, (0, 5)), (1, (7,)))]
+    prompts = conversation_prompts(records, block=4)
+    # the two turns sharing their first two blocks, each hash id a block of 4, then 3 tokens of its own
+    assert [len(p) for p in prompts] == [2 * 4 + 3, 3 * 4 + 3] and prompts[1][:8] == prompts[0][:8]

@@ -102,7 +102,7 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     from tiercake.bench import vllm
 
     return _bench(args, "vLLM with the TiercakeConnector (a conductor, a node agent and vLLM start for it)",
-                  vllm.run(quick=args.quick))
+                  vllm.run(quick=args.quick, trace=args.trace))
 
 
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
@@ -345,9 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Starts a conductor, a node agent and a vLLM server with the TiercakeConnector (a locally "
         "made Llama). Time to first token of prompts whose first 50% or 90% of blocks are held in tiercake's "
         "pool (vLLM's own prefix cache reset), against the same prompts recomputed in the same run; the "
-        "connector's load throughput into vLLM's paged KV against memcpy. --quick takes about a minute: "
-        "vLLM itself starts in 30-40 s here.",
+        "connector's load throughput into vLLM's paged KV against memcpy. With --trace, routing across two "
+        "vLLM servers behind tiercake's front: the share of prompt tokens their own prefix caches serve under "
+        "each router, against the offline bound. --quick takes about a minute (more with --trace): vLLM "
+        "itself starts in 30-40 s here.",
     )
+    vllm_bench.add_argument("--trace", metavar="FILE", help="a conversation trace (Mooncake's format): also "
+                            "measure routing across two vLLM servers on its first 300 requests (600 without --quick)")
     vllm_bench.set_defaults(func=cmd_bench_vllm)
 
     chaos_parser = sub.add_parser(

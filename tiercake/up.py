@@ -231,6 +231,15 @@ class NodeCluster:
         self.conductor.stop()
 
 
+def vllm_worker(cluster: NodeCluster, vllm_url: str, role: str, name: str) -> Child:
+    """``tiercake worker --engine vllm`` for the vLLM server at ``vllm_url``, registered with the cluster's
+    conductor, whose front then routes to it; returns once it is serving."""
+    child = Child(name, ["worker", "--config", str(cluster.root / "up-node.yaml"), "--engine", "vllm",
+                         "--vllm-url", vllm_url, "--role", role, "--id", name], cluster.env, cluster.logs)
+    child.wait_announce(120)
+    return child
+
+
 class VllmServer:
     """One vLLM server process (a ``Child`` of ``tiercake up``: it dies with its parent and can be
     supervised); its output goes to ``log_path``."""

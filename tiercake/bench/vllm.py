@@ -11,7 +11,15 @@ the blocks from the pool and scattering them into every layer's paged KV), again
 the model's blocks one by one between warm buffers (about one request's load) in this process,
 measured before vLLM starts.
 
-It starts a conductor, a node agent and one vLLM server (a locally made 8-layer Llama), and stops them.
+With ``--trace`` (a conversation trace, such as Mooncake's), routing across two vLLM servers behind
+tiercake's front: the conversations among the trace's first requests (the requests whose first two
+blocks another request shares), scaled down to 32-token blocks, go through the front once per router,
+each under a tenant of its own. The figure is the share of prompt tokens the instances' own prefix
+caches served (vLLM's ``prefix_cache_hits``/``queries``: loads from tiercake's pool do not count),
+against the share in blocks some earlier prompt had (one cache that forgets nothing: the offline bound).
+
+It starts a conductor, a node agent and one vLLM server (a locally made 8-layer Llama; a second one and
+a tiercake worker beside each for the routing figures), and stops them.
 """
 
 from __future__ import annotations
@@ -22,14 +30,18 @@ import secrets
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
 import torch
 
+from tiercake.blocks import Namespace, block_keys
+from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
-from tiercake.up import NodeCluster, VllmServer
+from tiercake.traces import TraceRecord, read_trace
+from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
@@ -39,6 +51,49 @@ from .store import _memcpy_seconds
 MODEL = "tiercake-bench-llama"
 BLOCK = 32
 FRACTIONS = (0.5, 0.9)
+ROUTERS = ("round_robin", "cache_aware", "ttft")
+
+
+def conversation_prompts(records: list[TraceRecord], block: int, max_blocks: int = 16) -> list[list[int]]:
+    """The turns of the conversations among ``records`` (the requests whose first two blocks another
+    request shares), scaled down: each hash id a block of ``block`` tokens of its own (at most
+    ``max_blocks``), then three tokens of the request's own."""
+    def tokens(h: int) -> list[int]:
+        return [(h * 7919 + i * 104729) % 500 + 3 for i in range(block)]
+
+    requests = [r.hash_ids[:max_blocks] for r in records]
+    turns = Counter(ids[:2] for ids in requests)
+    return [[t for h in ids for t in tokens(h)] + [n % 400 + 3, 7, 11]
+            for n, ids in enumerate(requests) if len(ids) >= 2 and turns[ids[:2]] >= 2]
+
+
+def seen_before(prompts: list[list[int]], block: int) -> float:
+    """The share of the prompts' tokens in leading blocks that some earlier prompt had: what one cache
+    that forgets nothing would serve (the bound of any routing over any number of instances)."""
+    namespace = Namespace(model_id="bound", kv_layout="any", block_size=block)
+    seen: set[bytes] = set()
+    hit = total = 0
+    for prompt in prompts:
+        keys = block_keys(namespace, prompt)
+        hit += next((i for i, k in enumerate(keys) if k not in seen), len(keys)) * block
+        total += len(prompt)
+        seen.update(keys)
+    return hit / total
+
+
+async def vllm_counter(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    """A counter of vLLM's ``/metrics``, summed over its labels."""
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def own_cache_hits(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
+    """Tokens the servers' own prefix caches served, and tokens they looked up, so far."""
+    hits = [await vllm_counter(http, u, "vllm:prefix_cache_hits_total") for u in urls]
+    queries = [await vllm_counter(http, u, "vllm:prefix_cache_queries_total") for u in urls]
+    return sum(hits), sum(queries)
 
 
 async def _complete(http: aiohttp.ClientSession, url: str, tokens: list[int], salt: str | None = None) -> tuple[float, dict]:
@@ -102,32 +157,70 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
                    limit_name="memcpy", bytes=nbytes)
 
 
-async def run(quick: bool = False) -> Report:
+async def _routing(cluster: NodeCluster, servers: list[VllmServer], prompts: list[list[int]], token: str,
+                   report: Report, rows: int) -> None:
+    workers = []
+    try:
+        for i, server in enumerate(servers):
+            workers.append(await asyncio.to_thread(vllm_worker, cluster, server.url, "worker", f"bench-vllm-{i}"))
+        bound = seen_before(prompts, BLOCK)
+        async with Client([cluster.url], token=token) as client, aiohttp.ClientSession() as http:
+            for router in ROUTERS:
+                await client.set_policy(router=router)
+                tenant = f"bench-{router}-{secrets.token_hex(4)}"  # nothing of the other runs is reused
+                hits, queries = await own_cache_hits(http, [s.url for s in servers])
+                for tokens in prompts:
+                    body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
+                    async with http.post(cluster.url + "/v1/completions", json=body,
+                                         headers={"X-Tiercake-Tenant": tenant}) as resp:
+                        if resp.status != 200:
+                            raise RuntimeError(f"the front answered {resp.status}: {await resp.text()}")
+                after = await own_cache_hits(http, [s.url for s in servers])
+                report.add(f"routing.own_cache_hits.{router}", (after[0] - hits) / (after[1] - queries), "ratio", bound,
+                           limit_name="in blocks an earlier prompt had (offline)", requests=len(prompts),
+                           trace_rows=rows, instances=len(servers))
+    finally:
+        await asyncio.to_thread(stop_all, workers)
+
+
+async def run(quick: bool = False, trace: str | None = None) -> Report:
     report = Report(bench="vllm", machine=machine())
     prompt_tokens = 1024 if quick else 2048
     rounds = 2 if quick else 5
+    rows = 300 if quick else 600
+    prompts = conversation_prompts(read_trace(trace, limit=rows), BLOCK) if trace else []
     with tempfile.TemporaryDirectory(prefix="tiercake-bench-vllm-") as tmp:
         root = Path(tmp)
         model = await asyncio.to_thread(make_tiny_llama, root / "model", layers=8, hidden=512, heads=8, kv_heads=2,
                                         vocab=512)
         config = TiercakeConfig.model_validate({
-            "node_id": "bench-node", "model_id": MODEL,
+            "node_id": "bench-node", "model_id": MODEL, "serving": {"tokenizer": str(model)},
             "store": {"layout": None, "tiers": [
                 {"kind": "pool", "capacity": "512MiB", "path": f"/dev/shm/tiercake-bench-vllm-{os.getpid()}"}]},
         })
-        env = {**os.environ, "TIERCAKE_SECRET": secrets.token_hex(24), "VLLM_SERVER_DEV_MODE": "1"}
+        token = secrets.token_hex(16)
+        env = {**os.environ, "TIERCAKE_SECRET": secrets.token_hex(24), "TIERCAKE_TOKEN": token,
+               "VLLM_SERVER_DEV_MODE": "1"}
         # before vLLM starts: its CPU workers keep cores busy while idle, which would slow the limit too
         memcpy = _memcpy_rate(32, 8 * 2 * BLOCK * 2 * 64 * 2)  # 32 blocks of this model (8 layers, 2x64 KV, bf16)
         cluster = await asyncio.to_thread(NodeCluster, config, root, env)
-        server = None
+        servers: list[VllmServer] = []
         try:
-            port = free_port()
-            server = VllmServer(serve_command(model, MODEL, port, cluster.url, "bench-node", block_size=BLOCK),
-                                env, root / "vllm.log", port)
-            await asyncio.to_thread(server.wait_ready)
-            await _measure(server.url, prompt_tokens, rounds, memcpy, report)
+            servers.append(_server(model, cluster, env, root, "vllm-0"))
+            await asyncio.to_thread(servers[0].wait_ready)
+            await _measure(servers[0].url, prompt_tokens, rounds, memcpy, report)
+            if prompts:  # the second server only now: idle, it would slow the figures above
+                servers.append(_server(model, cluster, env, root, "vllm-1"))
+                await asyncio.to_thread(servers[1].wait_ready)
+                await _routing(cluster, servers, prompts, token, report, rows)
         finally:
-            if server is not None:
+            for server in servers:
                 await asyncio.to_thread(server.stop)
             await asyncio.to_thread(cluster.close)
     return report
+
+
+def _server(model: Path, cluster: NodeCluster, env: dict, root: Path, name: str) -> VllmServer:
+    port = free_port()
+    return VllmServer(serve_command(model, MODEL, port, cluster.url, "bench-node", block_size=BLOCK), env,
+                      root / f"{name}.log", port)
