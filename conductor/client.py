@@ -21,6 +21,7 @@ from tiercake.messages import (
     HeatReply,
     KeepAliveReply,
     LeaderReply,
+    LookupManyReply,
     LookupReply,
     MemberInfo,
     MembersReply,
@@ -129,10 +130,17 @@ class Client:
     async def _typed(self, model: type[R], method: str, path: str, body: dict | None = None) -> R:
         return model.model_validate(await self._call(method, path, body))
 
-    async def lookup(self, tenant: str, keys: list[bytes]) -> dict[str, PrefixHolding]:
-        """Node -> how much of the chain it holds (``length`` blocks from the start, by tier)."""
-        body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
+    async def lookup(self, tenant: str, keys: list[bytes], sizes: bool = False) -> dict[str, PrefixHolding]:
+        """Node -> how much of the chain it holds (``length`` blocks from the start, by tier; with
+        ``sizes``, each held block's size)."""
+        body = {"tenant": tenant, "keys": [k.hex() for k in keys], **({"sizes": True} if sizes else {})}
         return (await self._typed(LookupReply, "POST", "/v1/placements/lookup", body)).nodes
+
+    async def lookup_many(self, tenant: str, chains: list[list[bytes]], sizes: bool = False
+                          ) -> list[dict[str, PrefixHolding]]:
+        """``lookup`` of each chain, in one request."""
+        body = {"tenant": tenant, "chains": [[k.hex() for k in chain] for chain in chains], "sizes": sizes}
+        return (await self._typed(LookupManyReply, "POST", "/v1/placements/lookup-many", body)).found
 
     async def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
                         local: str | None = None) -> dict[bytes, list[str]]:

@@ -54,6 +54,10 @@ class NodePrefix:
                 out.append((tier, 1))
         return out
 
+    def sizes(self) -> list[int]:
+        """Each block's size in bytes, in chain order (its copies in every tier have the same)."""
+        return [next(iter(tiers.values())) for tiers in self.per_block]
+
 
 TIER_ORDER = {"gpu": 0, "pool": 1, "ssd": 2}  # fastest first; other tier names after these
 

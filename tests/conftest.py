@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -91,3 +95,44 @@ def etcd(tmp_path_factory):
     cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
     yield cluster
     cluster.stop()
+
+
+class Processes:
+    """``tiercake <args>`` processes that print their address as one JSON line. Their logs go to
+    files (a pipe nobody reads would stall a chatty process); ``close`` kills what still runs."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[subprocess.Popen, object]] = []
+
+    def start(self, args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
+                                stderr=log, env={**os.environ, **(env or {})})
+        self.procs.append((proc, log))
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(10)
+            raise AssertionError(self.log_of(proc)[-3000:])
+        return proc, json.loads(line)
+
+    def log_of(self, proc: subprocess.Popen) -> str:
+        for p, log in self.procs:
+            if p is proc:
+                log.seek(0)
+                return log.read().decode(errors="replace")
+        return ""
+
+    def close(self) -> None:
+        for proc, log in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            log.close()
+
+
+@pytest.fixture
+def processes():
+    """A function that starts a ``Processes`` process: (process, its JSON line); all killed at the end."""
+    group = Processes()
+    yield group.start
+    group.close()

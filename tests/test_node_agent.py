@@ -2,11 +2,7 @@
 applied to the store, hot-block replication carried out between nodes."""
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -36,25 +32,6 @@ async def wait_until(predicate, timeout: float = 15.0, what: str = "condition"):
             return value
         await asyncio.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-@pytest.fixture
-def processes():
-    procs = []
-
-    def start(args: list[str], env: dict | None = None):
-        proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read().decode()[-3000:]
-        return proc, json.loads(line)
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 def node_config(tmp_path, name: str, conductor: str) -> str:

@@ -462,3 +462,33 @@ async def test_a_stranger_cannot_make_the_server_allocate_before_it_authenticate
     (op, body), took = await asyncio.to_thread(announce, p.Op.READ, 1000)
     assert op == p.Op.ERROR and b"expected AUTH, got READ" in body and took < 2
     assert server.refused >= 2
+
+
+async def test_delete_removes_every_copy_and_refuses_a_block_being_read(node):
+    store, server = node
+    engine = engine_for(server)
+    keys = [b"del-0", b"del-1", b"del-2"]
+    assert all(r.ok for r in await engine.write_blocks("node-b", keys, [payload(i, 8 * KB) for i in range(3)]))
+    store.pin(keys[2], hard=True)
+    lease = store.acquire_lease(keys[1])  # a reader holds it
+    deleted = await engine.delete_blocks("node-b", keys + [b"never-written"])
+    assert [r.ok for r in deleted] == [True, False, False, False]
+    assert [r.error.status for r in deleted[1:]] == [Status.LEASED, Status.PINNED, Status.NOT_FOUND]
+    assert not store.contains(keys[0]) and store.contains(keys[1]) and store.contains(keys[2])
+    await store.release_lease(keys[1], lease.id)
+    (again,) = await engine.delete_blocks("node-b", [keys[1]])
+    assert again.ok and not store.contains(keys[1])
+    (gone,) = await engine.read_blocks("node-b", [keys[0]], [torch.empty(8 * KB, dtype=torch.uint8)])
+    assert gone.error.status is Status.NOT_FOUND
+    await engine.close()
+
+
+async def test_delete_on_a_dead_peer_fails_every_item_in_time(node):
+    _, server = node
+    engine = TransferEngine("node-a", SECRET, transports=("tcp",), connect_timeout=0.5)
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        engine.add_peer("node-x", *spare.getsockname())  # nothing listens there
+        results = await engine.delete_blocks("node-x", [b"a", b"b"], timeout=2.0)
+    assert [r.ok for r in results] == [False, False] and all(r.error is not None for r in results)
+    await engine.close()

@@ -101,6 +101,27 @@ def block_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list
     return keys
 
 
+def object_head_key(name: bytes, tenant: str = "") -> BlockKey:
+    """The key of a stored object's first block (the key-value store API): a chain of one block whose
+    "tokens" are the name's bytes, in a namespace of its own per tenant, so an object never shares a
+    key with KV blocks, another tenant's objects or another name."""
+    root = Namespace(model_id="tiercake.objects", kv_layout="bytes.v1", block_size=1, tenant_salt=tenant).root()
+    return chain_key(root, np.frombuffer(name, dtype=np.uint8))
+
+
+def object_chunk_keys(head: bytes, version: int, count: int) -> list[BlockKey]:
+    """The keys of an object's further blocks, chained from its head. ``version`` (64 bits, new at each
+    put) is in every key, so a reader of a replaced object never mixes two versions' bytes."""
+    if not 0 <= version < 1 << 64:
+        raise ValueError("an object version is 64 bits")
+    keys: list[BlockKey] = []
+    parent = head
+    for i in range(count):
+        parent = chain_key(parent, [version >> 32, version & _MAX_TOKEN, i])
+        keys.append(parent)
+    return keys
+
+
 def block_parents(keys: Iterable[BlockKey]) -> list[tuple[BlockKey, BlockKey | None]]:
     """(key, parent key) pairs for a chain: the first block's parent is None (the namespace root)."""
     pairs: list[tuple[BlockKey, BlockKey | None]] = []

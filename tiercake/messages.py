@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .blocks import Namespace
 
@@ -187,6 +187,7 @@ class KeepAliveReply(Reply):
 class LookupRequest(Request):
     tenant: Name
     keys: list[str] = Field(max_length=MAX_KEYS, description="block keys of one chain, hex, in order")
+    sizes: bool = Field(default=False, description="also answer each held block's size")
 
 
 class PrefixHolding(Reply):
@@ -196,6 +197,8 @@ class PrefixHolding(Reply):
     tiers: dict[str, int] = Field(default_factory=dict)
     runs: list[tuple[str, int]] = Field(default_factory=list, description="the tier each block is served from, "
                                         "run-length encoded in chain order")
+    sizes: list[int] | None = Field(default=None, description="each held block's bytes, in chain order "
+                                    "(only when the lookup asked for them)")
 
     @property
     def majority_tier(self) -> str:
@@ -218,6 +221,24 @@ class PrefixHolding(Reply):
 
 class LookupReply(Reply):
     nodes: dict[str, PrefixHolding]
+
+
+class LookupManyRequest(Request):
+    """Many chains' lookups in one request (the key-value store's batches: one chain per object)."""
+
+    tenant: Name
+    chains: list[list[KeyHex]] = Field(max_length=MAX_KEYS, description="chains of block keys, hex, each in order")
+    sizes: bool = False
+
+    @model_validator(mode="after")
+    def _bounded(self) -> LookupManyRequest:
+        if sum(len(c) for c in self.chains) > MAX_KEYS:
+            raise ValueError(f"at most {MAX_KEYS} keys in all chains of one lookup")
+        return self
+
+
+class LookupManyReply(Reply):
+    found: list[dict[str, PrefixHolding]] = Field(description="per chain, in order: node -> what it holds")
 
 
 class BlockSize(Request):

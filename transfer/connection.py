@@ -190,6 +190,14 @@ class PeerConnection:
             check_count(replies, items)
         return replies
 
+    async def delete(self, keys: list[bytes]) -> list[p.ItemError | None]:
+        """Remove every copy of each block on the peer; per-item errors (NOT_FOUND, LEASED, PINNED)."""
+        async with self._request() as request:
+            await send_frame(self.sock, Op.DELETE, request, p.encode_delete(keys))
+            replies = p.decode_statuses(await self._reply(request, Op.DELETE_REPLY))
+            check_count(replies, keys)
+        return [None if r.status is Status.OK else item_error(r, self.address.node_id) for r in replies]
+
     async def release(self, items: list[tuple[bytes, int]], wait: bool = False) -> None:
         """Free the leases on the peer. Pipelined unless ``wait``: the frame goes now and its reply
         (which carries nothing) is read before the next reply on this connection, so a read through

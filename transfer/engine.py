@@ -314,6 +314,36 @@ class TransferEngine:
                   for i, (k, s) in enumerate(zip(keys, srcs))]
         return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
 
+    async def delete_blocks(self, node: str, keys: list[bytes], timeout: float | None = None) -> list[TransferResult]:
+        """Remove each key's every copy on ``node``. An item fails alone: ``Status.NOT_FOUND`` (nothing
+        to remove), ``LEASED`` (a reader holds it now: retry), ``PINNED`` (hard-pinned there)."""
+        results = [TransferResult(False) for _ in keys]
+        if not keys:
+            return results
+        try:
+            async with asyncio.timeout(timeout if timeout is not None else self.deadline_for(0)):
+                peer = await self._peer(node)
+                if peer.channel is None:  # this process's own store
+                    if self.store is None:
+                        raise p.ItemError("this engine has no local store", Status.NOT_FOUND)
+                    errors = []
+                    for key in keys:
+                        try:
+                            await self.store.remove(key)
+                            errors.append(None)
+                        except StoreError as exc:
+                            errors.append(exc)
+                else:
+                    async with peer.channel.connection() as conn:
+                        errors = await conn.delete(keys)
+        except (p.TransferError, OSError) as exc:
+            errors = [exc] * len(keys)
+        except TimeoutError:
+            errors = [TimeoutError(f"delete on {node} did not finish in time")] * len(keys)
+        for result, err in zip(results, errors):
+            result.ok, result.error, result.transport = err is None, err, "control"
+        return results
+
 
 def _transport_class(name: str) -> type[Transport]:
     cls = TRANSPORTS.resolve(name)

@@ -20,6 +20,8 @@ Operations (one request in flight per connection; the client keeps several conne
     LEASE       table of (key, expected length, ttl)  ->  LEASE_REPLY (status, pool offset, lease id):
                 same-host peers then copy from the shared pool in place, and RELEASE the leases
     RELEASE     table of (key, lease id)  ->  RELEASE_REPLY
+    DELETE      table of (key)  ->  DELETE_REPLY table of (status): every copy of each block removed,
+                refused per item while a reader holds it (LEASED) or it is hard-pinned (PINNED)
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class Op(enum.IntEnum):
     RELEASE_REPLY = 18
     WRITE_COMMIT = 19
     UCX_HELLO = 20  # exchange UCX worker addresses (both directions use the same op)
+    DELETE = 21
+    DELETE_REPLY = 22
 
 
 class Status(enum.IntEnum):
@@ -80,6 +84,8 @@ class Status(enum.IntEnum):
     IN_PROGRESS = 7
     NOT_IN_MEMORY = 8  # a lease asked for a block that is only on disk: read it over the stream
     INTERNAL = 9
+    LEASED = 10  # a DELETE of a block a reader holds: retry once the read is over
+    PINNED = 11  # a DELETE of a hard-pinned block
 
 
 class TransferError(Exception):
@@ -128,6 +134,7 @@ STATUS_DT = _dt(("status", "u1"), ("mlen", "<u2"))
 LEASE_DT = _dt(("klen", "u1"), ("length", "<u8"), ("ttl", "<f8"))
 LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("offset", "<u8"), ("length", "<u8"), ("lease", "<u8"))
 RELEASE_DT = _dt(("klen", "u1"), ("lease", "<u8"))
+DELETE_DT = _dt(("klen", "u1"),)
 
 _STATUSES = {int(s): s for s in Status}
 
@@ -295,6 +302,15 @@ def encode_release(items: list[tuple[bytes, int]]) -> bytes:
 def decode_release(body: bytes) -> list[tuple[bytes, int]]:
     records, fields = _decode(RELEASE_DT, body, ("klen",))
     return [(f[0], lease) for f, lease in zip(fields, records["lease"].tolist())]
+
+
+def encode_delete(keys: list[bytes]) -> bytes:
+    return _encode(DELETE_DT, [(len(_key(k)),) for k in keys], keys)
+
+
+def decode_delete(body: bytes) -> list[bytes]:
+    _, fields = _decode(DELETE_DT, body, ("klen",))
+    return [f[0] for f in fields]
 
 
 # Authentication ------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ import torch
 import xxhash
 from tiercake.tiers import (
     ObjectExistsError,
+    ObjectLeasedError,
     ObjectNotFoundError,
+    ObjectPinnedError,
     PayloadError,
     PutInProgressError,
     StoreError,
@@ -50,6 +52,8 @@ def status_of(exc: BaseException) -> Status:
         (PutInProgressError, Status.IN_PROGRESS),
         (TierFullError, Status.FULL),
         (PayloadError, Status.LENGTH_MISMATCH),
+        (ObjectLeasedError, Status.LEASED),
+        (ObjectPinnedError, Status.PINNED),
         (p.TransferError, getattr(exc, "status", Status.INTERNAL)),
     ):
         if isinstance(exc, kind):
@@ -208,6 +212,8 @@ class TransferServer:
                     await self._read(session, flags, request, body)
                 elif op is Op.WRITE:
                     await self._write(session, flags, request, body)
+                elif op is Op.DELETE:
+                    await self._delete(session, request, body)
                 elif op in session.ops:
                     await session.ops[op].handle(op, flags, request, body)
                 else:
@@ -263,6 +269,18 @@ class TransferServer:
             return None, None
         array = lease.host_array()
         return (host_bytes(lease.data) if array is None else array), lease.id
+
+    # DELETE ---------------------------------------------------------------------------------------
+
+    async def _delete(self, session: Session, request: int, body: bytearray) -> None:
+        replies = []
+        for key in p.decode_delete(body):
+            try:
+                await self.store.remove(key)
+                replies.append(ReplyItem(Status.OK))
+            except (StoreError, ValueError, TypeError) as exc:
+                replies.append(ReplyItem(status_of(exc), message=str(exc)))
+        await send_frame(session.conn, Op.DELETE_REPLY, request, p.encode_statuses(replies))
 
     # WRITE ----------------------------------------------------------------------------------------
 

@@ -9,10 +9,8 @@ blocks vLLM longer than the deadline it was given.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -20,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from tiercake.conductor.client import Client, ConductorError
+from tiercake.loop_thread import LoopThread
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult, unreachable
 
 log = logging.getLogger(__name__)
@@ -33,9 +32,7 @@ class TiercakeLink:
     def __init__(self, conductors: list[str], token: str | None, secret: bytes | None, identity: str,
                  transports: tuple[str, ...] = ("shm", "tcp"), members_every: float = 0.5) -> None:
         self.identity = identity
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiercake-{identity}", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread(f"tiercake-{identity}")
         self._members_every = members_every
         self._members_at = 0.0
         self._nodes: set[str] = set()
@@ -51,15 +48,13 @@ class TiercakeLink:
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the link's loop and wait at most ``timeout`` seconds (TimeoutError)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
+            return self._loop.call(coro, timeout)
+        except TimeoutError:
             raise TimeoutError(f"tiercake did not answer within {timeout} s") from None
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._loop.submit(coro)
 
     def close(self, timeout: float = 10.0) -> None:
         async def shut() -> None:
@@ -71,8 +66,7 @@ class TiercakeLink:
             self.call(shut(), timeout)
         except (TimeoutError, RuntimeError) as exc:
             log.warning("tiercake link %s: close: %s", self.identity, exc)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
+        self._loop.stop(timeout)
 
     # Calls ---------------------------------------------------------------------------------------
 
