@@ -105,6 +105,13 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
                   vllm.run(quick=args.quick, trace=args.trace))
 
 
+def cmd_bench_store_api(args: argparse.Namespace) -> int:
+    from tiercake.bench import store_api
+
+    return _bench(args, "the key-value store API (a conductor, a node agent and, if installed, Mooncake start for it)",
+                  store_api.run(quick=args.quick))
+
+
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
     from tiercake.bench import metadata
 
@@ -319,6 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--batches", metavar="N,...", help="batch sizes (default: 1, 4, 16, 64)")
     transfer.add_argument("--streams", type=int, default=2, help="connections per peer (default 2)")
     transfer.set_defaults(func=cmd_bench_transfer)
+
+    store_api = bench_parser(
+        "store-api", help="the key-value store API vs a raw socket and Mooncake Store",
+        description="put_from/get_into one object at a time and in batches at 64 KiB, 1 MiB and 16 MiB between "
+        "this process and a node agent (over TCP and the shared pool), each as a ratio to a raw socket stream of "
+        "the same bytes measured in the same run, and, where Mooncake's package is installed, the same calls on "
+        "Mooncake Store in the same run (vs_mooncake: tiercake over Mooncake).",
+    )
+    store_api.set_defaults(func=cmd_bench_store_api)
 
     meta = bench_parser(
         "metadata", help="placement index lookups and durable commits vs dict probes and raw etcd",

@@ -61,13 +61,15 @@ def _raw_seconds(port: int, op: bytes, total: int, rows: torch.Tensor) -> float:
 
 
 class Peer:
-    def __init__(self, pool_bytes: int) -> None:
+    """A node agent and a raw socket server in another process (``conductor``: the agent joins it)."""
+
+    def __init__(self, pool_bytes: int, conductor: str | None = None, token: str | None = None) -> None:
         self.secret = secrets.token_hex(16).encode()
         self.pool_path = f"/dev/shm/tiercake-bench-peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.bench.transfer_peer", "--pool-bytes", str(pool_bytes),
-             "--pool-path", self.pool_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": self.secret.decode()},
+             "--pool-path", self.pool_path, *(["--conductor", conductor] if conductor else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": self.secret.decode(), **({"TIERCAKE_TOKEN": token} if token else {})},
         )
         line = self.proc.stdout.readline()
         if not line:

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from tiercake.config import StoreConfig, TierConfig, TiercakeConfig, TransferConfig
+from tiercake.config import ConductorConfig, StoreConfig, TierConfig, TiercakeConfig, TransferConfig
 from tiercake.transfer.ucx import available as ucx_available
 from tiercake.workers.node_agent import NodeAgent
 
@@ -51,9 +51,11 @@ async def main() -> None:
     parser.add_argument("--pool-bytes", type=int, required=True)
     parser.add_argument("--pool-path", required=True)
     parser.add_argument("--raw-buffer", type=int, default=256 << 20)
+    parser.add_argument("--conductor", metavar="URL", help="join this conductor's cluster (a node agent of it)")
     args = parser.parse_args()
     config = TiercakeConfig(
         node_id="bench-peer",
+        conductor=ConductorConfig(urls=[args.conductor] if args.conductor else [], member_ttl=2),
         store=StoreConfig(layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path)]),
         # the bench measures UCX too where it is installed: the agent serves it only when listed
         transfer=TransferConfig(transports=["local", "shm", "tcp", *(["ucx"] if ucx_available() else [])]),
