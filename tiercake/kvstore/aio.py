@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +73,7 @@ class _Put:
 class AsyncStore:
     LEASE_WAIT_S = 5.0  # how long a forced remove (and the chunks of any remove) waits out readers
     CONCURRENCY = 16  # objects read one by one (chunked, or retried at another replica) at a time
+    PLACES = 1 << 16  # objects whose place this client remembers
 
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
                  tenant: str = "default", tier: str = "pool", transports: Sequence[str] = ("shm", "tcp"),
@@ -93,6 +94,8 @@ class AsyncStore:
         self.engine = TransferEngine(identity, secret, transports=tuple(transports), streams=streams)
         self._nodes: dict[str, MemberInfo] = {}
         self._slots = asyncio.Semaphore(self.CONCURRENCY)
+        # head -> (node, head block bytes) where this client last put or found it: reads go there first
+        self._places: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
 
     async def open(self) -> AsyncStore:
         await self._refresh()
@@ -241,20 +244,40 @@ class AsyncStore:
 
     # Finding objects --------------------------------------------------------------------------------
 
-    async def _locate(self, names: Sequence[str]) -> list[_Found | None]:
+    def _heads_of(self, names: Sequence[str]) -> list[BlockKey]:
+        try:
+            return [object_head_key(name_bytes(name), self.tenant) for name in names]
+        except (TypeError, ValueError) as exc:
+            raise InvalidParams(str(exc)) from None
+
+    async def _locate(self, names: Sequence[str], heads: list[BlockKey] | None = None) -> list[_Found | None]:
         """Where each object's head lies (live nodes only), from one lookup for the whole batch."""
-        heads = []
-        for name in names:
-            try:
-                heads.append(object_head_key(name_bytes(name), self.tenant))
-            except (TypeError, ValueError) as exc:
-                raise InvalidParams(str(exc)) from None
+        heads = self._heads_of(names) if heads is None else heads
         if not heads:
             return []
         replies = await self._rpc(self.client.lookup_many(self._heads, [[h] for h in heads], sizes=True))
         if any(node not in self._nodes for reply in replies for node in reply):
             await self._refresh()
-        return [self._found(name, head, reply) for name, head, reply in zip(names, heads, replies)]
+        located = [self._found(name, head, reply) for name, head, reply in zip(names, heads, replies)]
+        for head, found in zip(heads, located):
+            if found is None:
+                self._places.pop(head, None)
+            else:
+                self._remember(head, *found.holders[0])
+        return located
+
+    def _known(self, name: str, head: BlockKey) -> _Found | None:
+        place = self._places.get(head)
+        if place is None or place[0] not in self._nodes:
+            return None
+        self._places.move_to_end(head)
+        return _Found(name, head, [place])
+
+    def _remember(self, head: bytes, node: str, head_bytes: int) -> None:
+        self._places[head] = (node, head_bytes)
+        self._places.move_to_end(head)
+        while len(self._places) > self.PLACES:
+            self._places.popitem(last=False)
 
     def _found(self, name: str, head: BlockKey, reply: dict[str, PrefixHolding]) -> _Found | None:
         def speed(item: tuple[str, PrefixHolding]) -> int:
@@ -291,34 +314,55 @@ class AsyncStore:
 
     async def _read_many(self, names: Sequence[str], outs: list[torch.Tensor | None]
                          ) -> list[torch.Tensor | StoreApiError]:
-        """Each object into ``outs[i]`` (or a new tensor). Inline objects are read in one request per
-        node; chunked ones, and any that failed at their first holder, one by one at every holder."""
-        located = await self._locate(names)
+        """Each object into ``outs[i]`` (or a new tensor). Objects this client knows the place of are
+        read there first, without a lookup; the node is the authority (the head names the object and
+        its version), so a stale place costs only the fallback: a lookup and a read at every holder."""
+        heads = self._heads_of(names)
         results: list[torch.Tensor | StoreApiError | None] = [None] * len(names)
+        known = [self._known(name, head) for name, head in zip(names, heads)]
+        if any(known):
+            await self._read_located([i for i, f in enumerate(known) if f], known, outs, results, final=False)
+        rest = [i for i, r in enumerate(results) if r is None]
+        if rest:
+            found = await self._locate([names[i] for i in rest], [heads[i] for i in rest])
+            located: list[_Found | None] = [None] * len(names)
+            for i, f in zip(rest, found):
+                located[i] = f
+                if f is None:
+                    results[i] = ObjectNotFound(f"no object {names[i]!r}")
+            await self._read_located([i for i in rest if located[i] is not None], located, outs, results, final=True)
+        return results
+
+    async def _read_located(self, items: list[int], located: list[_Found | None], outs, results, final: bool) -> None:
+        """Inline objects in one request per node (their first holder), the others one by one. With
+        ``final``, every holder is tried and the outcome is the answer; without, a failure leaves the
+        item for the lookup."""
         by_node: dict[str, list[int]] = defaultdict(list)
-        for i, found in enumerate(located):
-            if found is None:
-                results[i] = ObjectNotFound(f"no object {names[i]!r}")
-            elif size_from_head(found.holders[0][1]) is not None:
-                by_node[found.holders[0][0]].append(i)
-        await asyncio.gather(*(self._read_inline(node, items, located, outs, results)
-                               for node, items in by_node.items()))
+        for i in items:
+            if size_from_head(located[i].holders[0][1]) is not None:
+                by_node[located[i].holders[0][0]].append(i)
+        await asyncio.gather(*(self._read_inline(node, group, located, outs, results, final)
+                               for node, group in by_node.items()))
 
         async def one(i: int) -> None:
             async with self._slots:
-                results[i] = await self._read_anywhere(located[i], outs[i])
+                got = await self._read_anywhere(located[i], outs[i])
+            if final or not isinstance(got, StoreApiError):
+                results[i] = got
 
-        await asyncio.gather(*(one(i) for i, r in enumerate(results) if r is None))
-        return results
+        await asyncio.gather(*(one(i) for i in items if results[i] is None))
 
-    async def _read_inline(self, node: str, items: list[int], located: list[_Found], outs, results) -> None:
+    async def _read_inline(self, node: str, items: list[int], located: list[_Found], outs, results,
+                           final: bool) -> None:
         """Inline objects whose first holder is ``node``: one read of their heads. Those that fail here
-        are left for ``_read_anywhere``; a buffer too small fails at once."""
+        are left for ``_read_anywhere`` (or the lookup); a buffer too small for a size the index gave
+        fails at once."""
         staged, keys, todo = [], [], []
         for i in items:
             size = size_from_head(located[i].holders[0][1])
             if outs[i] is not None and outs[i].numel() < size:
-                results[i] = _too_small(located[i].name, size, outs[i].numel())
+                if final:
+                    results[i] = _too_small(located[i].name, size, outs[i].numel())
                 continue
             staged.append(torch.empty(HEADER + size, dtype=torch.uint8))
             keys.append(located[i].head)
@@ -333,6 +377,8 @@ class AsyncStore:
                     results[i] = _unpack_inline(block, outs[i])
                 except TransferFailed:
                     pass  # read again from every holder
+            else:
+                self._places.pop(located[i].head, None)
 
     async def _read_anywhere(self, found: _Found, out: torch.Tensor | None) -> torch.Tensor | StoreApiError:
         last: StoreApiError = ObjectNotFound(f"no object {found.name!r}")
@@ -477,6 +523,7 @@ class AsyncStore:
                                      [p.blocks.head_bytes for p in group]))
                 for p in group:
                     p.committed += 1
+                    self._remember(p.blocks.head, node, p.blocks.head_bytes)
             except StoreApiError as exc:
                 for p in group:
                     p.error = exc
@@ -517,6 +564,7 @@ class AsyncStore:
             except ObjectNotFound:
                 pass  # gone there already; the index is told below
         await self._delete(node, self._heads, [head], wait=force)
+        self._places.pop(head, None)
         await self._delete(node, self._chunks, chunks, wait=True)
 
     async def _delete(self, node: str, tenant: str, keys: list[bytes], wait: bool) -> None:
