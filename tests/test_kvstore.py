@@ -55,7 +55,7 @@ def node_config(tmp: Path, name: str, conductors: list[str], pool: str = "64MiB"
 class Cluster:
     """A conductor (or several on etcd) and two node agents, as processes, with a control token."""
 
-    def __init__(self, tmp: Path, etcd=None, conductors: int = 1) -> None:
+    def __init__(self, tmp: Path, etcd=None, conductors: int = 1, conductor_yaml: str | None = None) -> None:
         self.tmp = tmp
         self.group = Processes()
         self.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
@@ -64,6 +64,9 @@ class Cluster:
             args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}"]
             if etcd is not None:
                 args += ["--etcd", ",".join(etcd.endpoints), "--ttl", "1"]
+            if conductor_yaml is not None:
+                (tmp / "conductor.yml").write_text(conductor_yaml)
+                args += ["--config", str(tmp / "conductor.yml")]
             proc, info = self.group.start(args, self.env)
             self.conductors.append((proc, info["url"]))
             if i == 0 and conductors > 1:
@@ -431,3 +434,28 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch):
         assert store.get_into("k", ptr, 7) == ErrorCode.INVALID_PARAMS  # unregistered now
     finally:
         assert store.close() == 0
+
+
+def test_the_readme_example_runs(cluster, tmp_path):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("## Key-value store API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(f"CONDUCTOR_URL, SECRET, TOKEN = {cluster.url!r}, {SECRET!r}, {TOKEN!r}\n" + example)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+async def test_objects_are_replicated_as_the_conductor_says_and_outlive_a_node(tmp_path):
+    cluster = Cluster(tmp_path, conductor_yaml="store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
+                      "conductor: {replication: fixed, replication_params: {count: 2}}\n")
+    try:
+        async with cluster.store() as store:
+            await wait_nodes(store, 2)
+            objects = await _put_a_mix(store)
+            for node in ("kv-a", "kv-b"):  # every head on both nodes
+                heads = [b for b in await store.client.node_blocks(node) if b.tenant == "default#objects"]
+                assert len(heads) == len(objects), node
+            cluster.nodes["kv-a"].kill()  # where this client remembers some of them
+            await _all_back(store, objects)
+    finally:
+        cluster.close()
