@@ -193,7 +193,8 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
     async def begin(request: web.Request) -> web.Response:
         body = await leader_only(request, BeginRequest)
         keys = _keys([b.key for b in body.blocks])
-        targets = conductor.begin_put(body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local)
+        targets = conductor.begin_put(body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local,
+                                      body.evict)
         return reply(BeginReply(targets={k.hex(): nodes for k, nodes in targets.items()}))
 
     async def commit(request: web.Request) -> web.Response:

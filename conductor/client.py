@@ -143,10 +143,11 @@ class Client:
         return (await self._typed(LookupManyReply, "POST", "/v1/placements/lookup-many", body)).found
 
     async def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
-                        local: str | None = None) -> dict[bytes, list[str]]:
-        """Where each new block goes (as many nodes as the replication policy wants)."""
+                        local: str | None = None, evict: bool = False) -> dict[bytes, list[str]]:
+        """Where each new block goes (as many nodes as the replication policy wants; with ``evict``,
+        also onto nodes that must evict to make room)."""
         blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
-        body = {"tenant": tenant, "tier": tier, "blocks": blocks, "local": local}
+        body = {"tenant": tenant, "tier": tier, "blocks": blocks, "local": local, "evict": evict}
         targets = (await self._typed(BeginReply, "POST", "/v1/placements/begin", body)).targets
         return {bytes.fromhex(k): nodes for k, nodes in targets.items()}
 

@@ -204,10 +204,12 @@ class Conductor:
         ]
 
     def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
-                  local: str | None = None) -> dict[bytes, list[str]]:
+                  local: str | None = None, evict: bool = False) -> dict[bytes, list[str]]:
         """Choose target nodes for each new block (as many as the replication policy wants) and
         remember the put until it is committed, revoked or times out. Blocks already placed keep
-        their placement (objects are immutable)."""
+        their placement (objects are immutable). With ``evict`` (a cache's put: the node's store
+        evicts to make room), a block no node has room for by the index's count goes where the
+        strategy says among the nodes whose tier is large enough for it."""
         now = time.monotonic()
         self._pending = {k: v for k, v in self._pending.items() if v[1] > now}
         loads = {load.node: load for load in self._loads(tier)}
@@ -219,6 +221,10 @@ class Conductor:
                 continue
             count = self.replication.replicas((tenant, key), 0.0)
             chosen = self.placement.choose(list(loads.values()), size, count, local)
+            if not chosen and evict:
+                room = [NodeLoad(n.node, n.capacity, min(n.used, n.capacity - size)) for n in loads.values()
+                        if n.capacity >= size]
+                chosen = self.placement.choose(room, size, count, local)
             if not chosen:
                 raise NoRoomError(f"no node has {size} bytes free in tier {tier!r} "
                                   f"({len(loads)} candidate nodes)")

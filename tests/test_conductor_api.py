@@ -211,6 +211,17 @@ async def test_begin_commit_revoke_and_their_refusals(api):
         with pytest.raises(ConductorError) as err:
             await client.begin_put("t", [k(50)], [20_000])  # bigger than any node's free space
         assert err.value.status == 507
+        for i, name in enumerate(["node-a", "node-b", "node-c"]):  # every pool full by the index's count
+            await client.report("t", name, "pool", [k(70 + i)], [6_000 if name == node else 9_500])
+        with pytest.raises(ConductorError) as err:
+            await client.begin_put("t", [k(80)], [5_000])
+        assert err.value.status == 507
+        # a cache's put: the node evicts to make room, so any node whose pool can hold the block will do
+        placed = await client.begin_put("t", [k(80)], [5_000], evict=True)
+        assert len(placed[k(80)]) == 1 and placed[k(80)][0] in {"node-a", "node-b", "node-c"}
+        with pytest.raises(ConductorError) as err:
+            await client.begin_put("t", [k(81)], [20_000], evict=True)  # no pool that large
+        assert err.value.status == 507
     for reg in regs:
         await reg.stop()
 

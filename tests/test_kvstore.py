@@ -459,3 +459,33 @@ async def test_objects_are_replicated_as_the_conductor_says_and_outlive_a_node(t
             await _all_back(store, objects)
     finally:
         cluster.close()
+
+
+async def test_under_pressure_what_exists_reads_whole_and_puts_evict_for_room(tmp_path):
+    cluster = Cluster.__new__(Cluster)  # one node, a pool of 12 MiB and nothing below it
+    cluster.tmp, cluster.group = tmp_path, Processes()
+    cluster.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
+    _, info = cluster.group.start(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"], cluster.env)
+    cluster.urls = [info["url"]]
+    (tmp_path / "kv-p.yaml").write_text(
+        "node_id: kv-p\nstore:\n  layout: null\n  tiers:\n"
+        f"    - {{kind: pool, capacity: 12MiB, eviction: leaf_lru, high_watermark: 1.0, path: /dev/shm/tiercake-kv-{uuid.uuid4().hex[:12]}}}\n"
+        f"conductor: {{urls: {json.dumps(cluster.urls)}, member_ttl: 1}}\ntransfer: {{host: 127.0.0.1}}\n")
+    cluster.nodes = {"kv-p": cluster.start_node("kv-p")}
+    try:
+        async with cluster.store() as store:
+            await wait_nodes(store, 1)
+            objects = {f"p{i}": blob(300 + i, CHUNK + MB) for i in range(8)}  # 5 MiB each: 2 fit
+            for name, value in objects.items():
+                await store.put(name, value)
+            await asyncio.sleep(1.5)  # the node's reports of what it evicted reach the index
+            alive = await store.exists_many(list(objects))
+            got = await store.get_many(list(objects))
+            assert 0 < sum(alive) < len(objects), alive
+            for name, value, exists, read in zip(objects, objects.values(), alive, got):
+                if exists:  # a head it still finds leads to a whole object
+                    assert not isinstance(read, Exception) and bytes(read.numpy()) == value, name
+                else:
+                    assert isinstance(read, ObjectNotFound), name
+    finally:
+        cluster.close()

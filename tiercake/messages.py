@@ -251,6 +251,8 @@ class BeginRequest(Request):
     tier: Name
     blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
     local: str | None = Field(default=None, description="the writer's node, for the local_first strategy")
+    evict: bool = Field(default=False, description="the nodes may evict to make room (a cache's put): placed "
+                        "even where the index counts the tier full")
 
 
 class BeginReply(Reply):

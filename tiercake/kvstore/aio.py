@@ -12,7 +12,10 @@ Semantics (Mooncake's, checked against Mooncake Store 0.3.13 in ``tests/test_kvs
 - objects are whole or absent: the head is written last, and a reader follows one version;
 - a remove while a reader holds the object is refused (``ObjectHasLease``); ``force`` waits for the
   readers (at most ``LEASE_WAIT_S``);
-- an object one of whose chunks was evicted is not found (and its rest is removed at the next remove).
+- the cluster is a cache: a put into full nodes makes them evict (``begin_put(evict=True)``); an
+  object one of whose chunks was evicted is not found by ``get``. The head's parent is its last
+  chunk, so prefix-aware eviction (``leaf_lru``) takes the head, a leaf, before any chunk; under
+  other policies ``exists`` may answer true for such an object until its head goes too.
 
 Each batch call costs one conductor request for the lookups (or the placements) and one transfer
 request per node, whatever the number of objects.
@@ -431,8 +434,9 @@ class AsyncStore:
         swapped, never while the new chunks travel."""
         totals = [p.blocks.head_bytes + (p.blocks.header.size if p.blocks.chunks else 0) for p in puts]
         try:
+            # evict: the cluster is a cache, as Mooncake Store is: a full node makes room for new objects
             targets = await self._rpc(self.client.begin_put(self._heads, [p.blocks.head for p in puts], totals,
-                                                            self.tier))
+                                                            self.tier, evict=True))
         except StoreApiError as exc:
             for p in puts:
                 p.error = exc
@@ -501,8 +505,10 @@ class AsyncStore:
         heads = [p for p in puts if p.error is None]
         if not heads:
             return
-        batch = [Transfer(BufferLoc(_head_block(p)), BlockLoc(node, p.blocks.head, None, self._heads),
-                          p.blocks.head_bytes) for p in heads]
+        # the head's parent is the last chunk: prefix-aware eviction (leaf_lru) takes the head, a leaf,
+        # before any chunk, so an object under pressure vanishes whole
+        batch = [Transfer(BufferLoc(_head_block(p)), BlockLoc(node, p.blocks.head, (p.blocks.chunks or [None])[-1],
+                                                              self._heads), p.blocks.head_bytes) for p in heads]
         done = await self._write(node, batch)
         written, existed, failed = [], [], []
         for p, result in zip(heads, done):
