@@ -219,9 +219,12 @@ async def test_a_dead_node_is_recomputed(served):
     tc.node = tc.start_node()
 
 
-async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path, model):
-    """The one command: `tiercake up --engine vllm --model DIR` prints where vLLM listens; blocks a
-    request computed come back from tiercake once vLLM's own cache is reset; Ctrl-C stops it all."""
+@pytest.mark.timeout(400)
+async def test_tiercake_up_starts_the_front_the_tiers_and_vllm_with_the_connector(tmp_path, model):
+    """The one command: `tiercake up --engine vllm --model DIR` serves tiercake's front on --port over a
+    vLLM server with the connector (and a tiercake worker beside it); blocks a request computed come back
+    from tiercake once vLLM's own cache is reset; a killed vLLM server is restarted and loads them again;
+    Ctrl-C stops it all."""
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump(tiercake_config(tmp_path).model_dump(mode="json")))
     port = free_port()
@@ -238,22 +241,25 @@ async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path
             line = await asyncio.to_thread(proc.stdout.readline)
             assert line, "".join(lines)
             lines.append(line)
-        assert f"http://127.0.0.1:{port}" in lines[-1]
-        url = f"http://127.0.0.1:{port}"
+        front = f"http://127.0.0.1:{port}"
+        assert f"up under vLLM: {front} " in lines[-1]
         conductor = re.search(r"conductor (http://\S+?),", lines[-1]).group(1)
+        vllm = re.search(r"TiercakeConnector: (http://\S+?);", lines[-1]).group(1)
         tokens = prompt(9)
         body = {"model": model.name, "prompt": tokens, "max_tokens": 12, "temperature": 0}
         async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/v1/completions", json=body) as resp:
+            async with http.post(front + "/v1/completions", json=body) as resp:  # through the front
+                assert resp.status == 200, await resp.text()
                 first = await resp.json()
             await wait_indexed(conductor, "pool", PROMPT_BLOCKS * BLOCK_BYTES)  # saved in the background
-            await reset_prefix_cache(url)
-            async with http.post(url + "/v1/completions", json=body) as resp:
+            await reset_prefix_cache(vllm)
+            async with http.post(front + "/v1/completions", json=body) as resp:
                 again = await resp.json()
-        assert loaded(again) == PROMPT_BLOCKS * BLOCK and answer(again) == answer(first)
+        # vLLM's cache was empty: every full block came from tiercake's pool through the connector
+        assert cached(first) == 0 and cached(again) == PROMPT_BLOCKS * BLOCK and answer(again) == answer(first)
 
         # a vLLM server killed is restarted by up; the new one loads what the old one saved
-        os.kill(pid_listening(port), signal.SIGKILL)
+        os.kill(pid_listening(int(vllm.rsplit(":", 1)[1])), signal.SIGKILL)
         while "vllm-0 exited" not in lines[-1]:  # after the rest of the banner
             lines.append(await asyncio.to_thread(proc.stdout.readline))
             assert lines[-1], "".join(lines)
@@ -261,13 +267,14 @@ async def test_tiercake_up_starts_the_tiers_and_vllm_with_the_connector(tmp_path
         async with aiohttp.ClientSession() as http:
             for _ in range(600):
                 with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(url + "/health") as resp:
+                    async with http.get(vllm + "/health") as resp:
                         if resp.status == 200:
                             break
                 await asyncio.sleep(0.5)
-            async with http.post(url + "/v1/completions", json=body) as resp:
+            async with http.post(front + "/v1/completions", json=body) as resp:  # the front serves again
+                assert resp.status == 200, await resp.text()
                 revived = await resp.json()
-        assert loaded(revived) == PROMPT_BLOCKS * BLOCK and answer(revived) == answer(first)
+        assert cached(revived) == PROMPT_BLOCKS * BLOCK and answer(revived) == answer(first)
     finally:
         proc.send_signal(signal.SIGINT)
         out = await asyncio.to_thread(proc.communicate, timeout=60)

@@ -212,7 +212,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if not args.model:
             errors.print("error: --engine vllm needs --model DIR (a Hugging Face model directory)")
             return 2
-        return up_vllm(config, Path(args.data_dir), Path(args.model), args.vllm, args.port, print_fn=print_fn)
+        return up_vllm(config, Path(args.data_dir), Path(args.model), args.vllm, args.port, args.host, print_fn=print_fn)
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector")
     upp.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
     upp.add_argument("--vllm", type=int, default=1, metavar="N",
-                     help="--engine vllm: vLLM servers, on --port, --port + 1, ... (default 1)")
+                     help="--engine vllm: vLLM servers behind the front on --port (default 1)")
     upp.set_defaults(func=cmd_up)
 
     ask = sub.add_parser(

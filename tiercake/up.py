@@ -198,17 +198,22 @@ class NodeCluster:
     beside them (vLLM instances with the TiercakeConnector). ``env`` must carry the cluster secret and
     the control token (or the config says insecure)."""
 
-    def __init__(self, config: TiercakeConfig, root: Path, env: dict[str, str], port: int = 0) -> None:
+    def __init__(self, config: TiercakeConfig, root: Path, env: dict[str, str], port: int = 0,
+                 serving_port: int | None = None) -> None:
+        """``port``: the control API's; ``serving_port``: the front's (None: no front, the engines serve
+        the OpenAI API themselves)."""
         self.root, self.env, self.logs = root, env, root / "logs"
         root.mkdir(parents=True, exist_ok=True)
         cfg = config.model_copy(deep=True)
         cfg.conductor.port = port
-        cfg.serving.port = None  # the engines serve the OpenAI API themselves
+        cfg.serving.port = serving_port
         (root / "up-conductor.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         self.conductor = Child("conductor", ["conductor", "--config", str(root / "up-conductor.yaml"),
                                              "--id", "conductor-0"], env, self.logs)
         try:
-            self.url = self.conductor.wait_announce(60)["url"]
+            announced = self.conductor.wait_announce(60)
+            self.url = announced["url"]
+            self.front_url = announced.get("api_url") if serving_port is not None else None
             cfg.conductor.urls = [self.url]
             self.config = cfg
             (root / "up-node.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
@@ -275,12 +280,13 @@ class VllmServer:
         self.child.stop(timeout)
 
 
-def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int, port: int,
+def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int, port: int, host: str = "127.0.0.1",
             print_fn=print, ready_file: Path | None = None) -> int:
-    """``tiercake up --engine vllm``: a conductor and a node agent, and ``instances`` vLLM servers with
-    the TiercakeConnector on ports ``port``, ``port + 1``, ... (vLLM serves the OpenAI API itself; the
-    front does not route to vLLM yet). Every process is supervised, as under ``up``: one that exits is
-    restarted (a restarted vLLM server loads what its predecessor saved back from the pool)."""
+    """``tiercake up --engine vllm``: a conductor serving the front (tiercake's OpenAI API, routing by
+    what each instance and the tiers hold) on ``host:port``, a node agent, and ``instances`` vLLM servers
+    with the TiercakeConnector on loopback ports of their own, each with a tiercake worker beside it
+    (``--engine vllm``) that the front routes to. Every process is supervised, as under ``up``: one
+    that exits is restarted (a restarted vLLM server loads what its predecessor saved back from the pool)."""
     from tiercake.conductor.etcd_process import free_port
     from tiercake.workers.vllm.process import serve_command
 
@@ -290,30 +296,38 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
     token_at = credentials(config, data_dir, env)
     cfg = config.model_copy(deep=True)
     cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
+    cfg.model_id = model.name  # the name vLLM serves it under
+    cfg.serving.host = host
+    cfg.serving.tokenizer = cfg.serving.tokenizer or str(model)  # the front tokenizes as vLLM does
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = NodeCluster(cfg, data_dir, env, port=free_port())
+    cluster = NodeCluster(cfg, data_dir, env, port=free_port(), serving_port=port)
     servers: list[VllmServer] = []
+    workers: list[Child] = []
     try:
         for i in range(instances):
-            command = serve_command(model, model.name, port + i, cluster.url, cfg.node_id)
-            servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", port + i))
+            vllm_port = free_port()
+            command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id)
+            servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
         for server in servers:
             server.wait_ready()
+        workers = [vllm_worker(cluster, server.url, "worker", f"vllm-worker-{i}") for i, server in enumerate(servers)]
         urls = [server.url for server in servers]
-        print_fn(f"tiercake is up under vLLM: {', '.join(urls)}  (conductor {cluster.url}, node agent "
-                 f"{cfg.node_id}, {instances} vLLM servers with the TiercakeConnector; logs in {data_dir / 'logs'})")
+        print_fn(f"tiercake is up under vLLM: {cluster.front_url}  (the front over {instances} vLLM servers with the "
+                 f"TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; logs in "
+                 f"{data_dir / 'logs'})")
         if token_at:
             print_fn(f"  control token: {token_at}")
-        print_fn(f"  curl -s {urls[0]}/v1/completions -H 'Content-Type: application/json' \\\n"
+        print_fn(f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
                  f"    -d '{{\"model\": \"{model.name}\", \"prompt\": \"...\", \"max_tokens\": 16}}'")
         print_fn("Ctrl-C stops everything.")
         if ready_file is not None:
-            ready_file.write_text(json.dumps({"urls": urls, "conductor": cluster.url}))
-        children = [cluster.conductor, cluster.node, *(server.child for server in servers)]
+            ready_file.write_text(json.dumps({"url": cluster.front_url, "vllm": urls, "conductor": cluster.url}))
+        children = [cluster.conductor, cluster.node, *(server.child for server in servers), *workers]
         return 0 if Supervisor(children, print_fn).watch(stop) else 1
     finally:
+        stop_all(workers)
         for server in servers:
             server.stop()
         cluster.close()
