@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,10 @@ class ClusterSpec:
     time_scale: float = 1.0  # arrivals at timestamp * time_scale
     metadata_bytes_per_op: int = 118  # one replica in etcd (measured by tiercake bench metadata)
     lookup_s: float = 55e-6  # one chain lookup in the placement index (measured by tiercake bench metadata)
+    # each prefill worker's timings as the router sees them: the true model times (1 + e), e drawn once
+    # per worker from [-fit_noise, fit_noise] (live workers fit their own timings; the fits differ)
+    fit_noise: float = 0.0
+    seed: int = 0
 
 
 @dataclass
@@ -135,6 +140,10 @@ class _Cache:
         return changes
 
 
+def _scaled(model: PrefillModel, factor: float) -> PrefillModel:
+    return PrefillModel(model.a * factor, model.b * factor, model.q * factor)
+
+
 def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Router | str,
                      router_params: dict | None = None,
                      progress: Callable[[int], None] | None = None) -> ClusterResult:
@@ -143,6 +152,9 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
     caches = [_Cache(spec.local_blocks, spec.eviction) for _ in range(spec.prefill_workers)]
     pool = _Cache(spec.global_blocks, spec.eviction) if spec.global_blocks else None
     free_at = [0.0] * spec.prefill_workers
+    rng = random.Random(spec.seed)
+    believed = [_scaled(spec.prefill, 1 + rng.uniform(-spec.fit_noise, spec.fit_noise))
+                for _ in range(spec.prefill_workers)]
     decoding: list[list[float]] = [[] for _ in range(spec.decode_workers)]  # heaps of end times
     result = ClusterResult(router.describe())
     for done, record in enumerate(sorted(records, key=lambda r: r.timestamp)):
@@ -155,7 +167,7 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
         for ends in decoding:
             while ends and ends[0] <= now:
                 heapq.heappop(ends)
-        states = [WorkerState(f"p{i}", own[i], 0, 0, spec.prefill, spec.decode_step_s, spec.bandwidth_bytes_per_s,
+        states = [WorkerState(f"p{i}", own[i], 0, 0, believed[i], spec.decode_step_s, spec.bandwidth_bytes_per_s,
                               queue_s=max(0.0, free_at[i] - now)) for i in range(spec.prefill_workers)]
         request = RouteRequest(record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best)
         decision = router.choose(states, request)

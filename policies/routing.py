@@ -103,17 +103,32 @@ class Router(ABC):
 
 
 class TtftRouter(Router):
-    """Mooncake's Algorithm 1: the smallest predicted TTFT, pulling hot prefixes as a side effect."""
+    """Mooncake's Algorithm 1: the smallest predicted TTFT, pulling hot prefixes as a side effect.
+
+    ``margin``: predictions within this fraction of the smallest count as equal, and among them the
+    worker whose own cache holds the most of the prompt wins (then the smallest prediction). Each
+    worker's timings are fitted from its own measurements, so two equal workers' predictions differ by
+    the fits' noise; when a pull from the pool is cheap, that noise alone would send a conversation's
+    next turn away from the worker that holds it, and its blocks would then be loaded instead of used
+    in place (``tiercake simulate --fit-noise`` shows the cost)."""
 
     name = "ttft"
 
-    def __init__(self, pull_ratio: float = 1.25) -> None:
+    def __init__(self, pull_ratio: float = 1.25, margin: float = 0.1) -> None:
         if pull_ratio < 1:
             raise ValueError("pull_ratio must be at least 1")
+        if not 0 <= margin < 1:
+            raise ValueError("margin is a fraction in [0, 1)")
         self.pull_ratio = pull_ratio
+        self.margin = margin
 
     def choose(self, workers, request):
-        return min((self.predict(w, request, self.pull_ratio) for w in workers), key=lambda d: d.ttft_s)
+        decisions = [self.predict(w, request, self.pull_ratio) for w in workers]
+        fastest = min(d.ttft_s for d in decisions)
+        usable = max(0, (request.prompt_tokens - 1) // request.block_size)
+        own = {w.worker: min(w.cached_blocks, usable) for w in workers}
+        near = [d for d in decisions if d.ttft_s <= fastest * (1 + self.margin)]
+        return min(near, key=lambda d: (-own[d.worker], d.ttft_s))
 
 
 class _PullingBaseline(Router):

@@ -34,6 +34,22 @@ def test_ttft_router_pulls_a_longer_prefix_held_elsewhere():
         TtftRouter(pull_ratio=0.5)
 
 
+def test_ttft_router_keeps_a_prompt_where_its_prefix_is_unless_another_is_clearly_faster():
+    # b's fitted timings are 3% faster than a's (fits differ by noise); the pool holds the prefix a has
+    # in its own cache, and pulling it costs b little: by prediction alone b wins by a hair
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=64 << 10, best_blocks=80)
+    a = WorkerState("a", cached_blocks=80, prefill=SLOW, load_bytes_per_s=20e9)
+    b = WorkerState("b", cached_blocks=0, prefill=PrefillModel(a=0.0097, b=0.00097), load_bytes_per_s=20e9)
+    assert TtftRouter(margin=0.0).choose([a, b], request).worker == "b"
+    kept = TtftRouter(margin=0.1).choose([a, b], request)
+    assert kept.worker == "a" and not kept.pull and kept.reused_blocks == 80
+    # a queue that makes a clearly slower still sends the prompt to b
+    busy = WorkerState("a", cached_blocks=80, queued_tokens=400, prefill=SLOW, load_bytes_per_s=20e9)
+    assert TtftRouter(margin=0.1).choose([busy, b], request).worker == "b"
+    with pytest.raises(ValueError):
+        TtftRouter(margin=1.5)
+
+
 def test_baseline_routers():
     workers = [WorkerState("a", cached_blocks=3, queued_tokens=50), WorkerState("b", cached_blocks=1, queued_tokens=0)]
     assert create_router("cache_aware").choose(workers, REQ).worker == "a"

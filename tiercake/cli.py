@@ -524,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("trace")
     sim.add_argument("--router", default="ttft", help="routing policy (default ttft)")
+    sim.add_argument("--router-params", metavar="JSON", help='its parameters, e.g. \'{"margin": 0}\'')
+    sim.add_argument("--fit-noise", type=float, default=0.0, metavar="F", help="each prefill worker's timings as "
+                     "the router sees them are off by a factor drawn once from [1-F, 1+F] (live workers fit their own)")
     sim.add_argument("--ablation", action="store_true", help="the four schedulers of Mooncake's ablation")
     sim.add_argument("--prefill", type=int, default=8)
     sim.add_argument("--decode", type=int, default=8)

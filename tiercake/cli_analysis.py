@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 from .cli_common import console, progress_bar, write_json
 
@@ -150,9 +151,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     (pool,) = parse_capacities(args.global_blocks)
     spec = ClusterSpec(prefill_workers=args.prefill, decode_workers=args.decode, local_blocks=local,
                        global_blocks=pool, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
-                       time_scale=args.time_scale)
+                       time_scale=args.time_scale, fit_noise=args.fit_noise)
+    router_params = json.loads(args.router_params) if args.router_params else {}
     runs = ({name: (router, params, with_pool) for name, (router, params, with_pool) in ABLATION.items()}
-            if args.ablation else {args.router: (args.router, {}, pool > 0)})
+            if args.ablation else {args.router: (args.router, router_params, pool > 0)})
     compute_only = sum(spec.prefill.seconds(r.input_length) for r in records) / len(records)
     report = Report(bench="simulate", machine=machine())
     table = Table(title=f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
