@@ -8,7 +8,9 @@ its own) and this process as the client, over TCP and over the shared pool; Moon
 a client process that contributes the memory, and a client that only reads and writes, all in a
 network namespace of their own (its master binds every address), over TCP. The limit of every figure
 is a plain blocking-socket stream of the same bytes in the same object-sized calls, to the node
-agent's process, measured in this run; ``vs_mooncake`` figures are tiercake over Mooncake.
+agent's process, measured in this run; ``vs_mooncake`` figures are tiercake over Mooncake. tiercake's
+client remembers where it put an object and reads it there without a lookup; ``get_cold`` is the
+same reads by a second client that never saw the objects (against Mooncake's ``get``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .report import Report, machine
 from .store import KiB, MiB, _warm
 from .transfer import Peer, _raw_seconds
 
-OPS = ("put", "get", "batch_put", "batch_get")
+OPS = ("put", "get", "get_cold", "batch_put", "batch_get")
 BATCH = {64 * KiB: 32, 1 * MiB: 8, 16 * MiB: 2}
 
 
@@ -38,15 +40,19 @@ def plan(quick: bool) -> list[tuple[int, int, int]]:
     return [(size, max(2, total // size), BATCH[size]) for size in (64 * KiB, 1 * MiB, 16 * MiB)]
 
 
-def measure(store, sizes: list[tuple[int, int, int]], reps: int) -> dict[str, float]:
+def measure(store, sizes: list[tuple[int, int, int]], reps: int, cold=None) -> dict[str, float]:
     """Best seconds of each operation at each size, through Mooncake's API (``store`` is Mooncake's
-    ``MooncakeDistributedStore`` or tiercake's ``DistributedStore``, set up)."""
+    ``MooncakeDistributedStore`` or tiercake's ``DistributedStore``, set up). ``cold``: another client
+    of the same store, which also reads every object one at a time (``get_cold``): a reader that
+    never saw the objects, where ``store`` may remember where it put them."""
     span = max(size * count for size, count, _ in sizes)
     buf = (ctypes.c_ubyte * (2 * span))()
     ctypes.memmove(buf, os.urandom(span), span)  # touched: no page faults in the timed part
     ctypes.memset(ctypes.addressof(buf) + span, 0, span)
     src, dst = ctypes.addressof(buf), ctypes.addressof(buf) + span
     _check(store.register_buffer(src, 2 * span), "register_buffer")
+    if cold is not None:
+        _check(cold.register_buffer(src, 2 * span), "register_buffer (cold)")
     best: dict[str, float] = {}
     try:
         for size, count, batch in sizes:
@@ -58,6 +64,9 @@ def measure(store, sizes: list[tuple[int, int, int]], reps: int) -> dict[str, fl
                     "put": lambda: [_check(store.put_from(k, p, size), "put_from") for k, p in zip(keys, ptrs)],
                     "get": lambda: [_check(store.get_into(k, o, size) - size, "get_into") for k, o in zip(keys, outs)],
                 }
+                if cold is not None:
+                    timed["get_cold"] = lambda: [_check(cold.get_into(k, o, size) - size, "get_into (cold)")
+                                                 for k, o in zip(keys, outs)]
                 for op, run in timed.items():
                     best[f"{op}.{size}"] = min(best.get(f"{op}.{size}", float("inf")), _seconds(run))
                     if op == "put":
@@ -75,6 +84,8 @@ def measure(store, sizes: list[tuple[int, int, int]], reps: int) -> dict[str, fl
                 _check(store.remove_all(True) < 0, "remove_all")
     finally:
         store.unregister_buffer(src)
+        if cold is not None:
+            cold.unregister_buffer(src)
     return best
 
 
@@ -164,19 +175,22 @@ class _Conductor:
 def _tiercake(url: str, secret: bytes, token: str, transports: tuple[str, ...], sizes, reps: int) -> dict[str, float]:
     from tiercake.kvstore import DistributedStore
 
-    store = DistributedStore()
-    if store.setup(url, secret=secret, token=token, transports=transports) != 0:
-        raise RuntimeError("the kvstore client could not connect")
+    store, cold = DistributedStore(), DistributedStore()
+    for client in (store, cold):
+        if client.setup(url, secret=secret, token=token, transports=transports) != 0:
+            raise RuntimeError("the kvstore client could not connect")
     try:
         deadline = time.monotonic() + 15
-        while not store._store._nodes:  # the node agent registers a moment after it printed its address
+        while not (store._store._nodes and cold._store._nodes):  # the agent registers after printing its address
             if time.monotonic() > deadline:
                 raise RuntimeError("the node agent did not join the bench's conductor")
             time.sleep(0.1)
-            store._loop.call(store._store._refresh(), 10)
-        return measure(store, sizes, reps)
+            for client in (store, cold):
+                client._loop.call(client._store._refresh(), 10)
+        return measure(store, sizes, reps, cold=cold)
     finally:
         store.close()
+        cold.close()
 
 
 async def run(quick: bool = False) -> Report:
@@ -212,12 +226,14 @@ async def run(quick: bool = False) -> Report:
             params = {"object_bytes": size, "objects": count, "batch": batch if op.startswith("batch") else 1,
                       "limit_name": "raw socket"}
             for name, seconds in runs.items():
-                report.add(f"{name}.{op}", nbytes / seconds[f"{op}.{size}"] / 1e9, "GB/s", limit, **params)
+                if f"{op}.{size}" in seconds:
+                    report.add(f"{name}.{op}", nbytes / seconds[f"{op}.{size}"] / 1e9, "GB/s", limit, **params)
             if mooncake is not None:
+                # get_cold (a reader that never saw the objects) against Mooncake's get, which never knows
+                theirs = mooncake[f"{'get' if op == 'get_cold' else op}.{size}"]
                 for name in ("tiercake.tcp", "tiercake.shm"):
                     report.add(f"vs_mooncake.{name.split('.')[1]}.{op}", nbytes / runs[name][f"{op}.{size}"] / 1e9,
-                               "GB/s", nbytes / mooncake[f"{op}.{size}"] / 1e9,
-                               **{**params, "limit_name": "Mooncake Store, same run"})
+                               "GB/s", nbytes / theirs / 1e9, **{**params, "limit_name": "Mooncake Store, same run"})
     report.machine["mooncake"] = "measured" if mooncake is not None else "absent (no package, or no unshare)"
     return report
 
