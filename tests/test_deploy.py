@@ -78,8 +78,12 @@ def config_of(docs: list[dict]) -> tuple[TiercakeConfig, dict]:
     return TiercakeConfig.model_validate(raw), raw
 
 
-def container(workload: dict) -> dict:
-    (c,) = workload["spec"]["template"]["spec"]["containers"]
+def container(workload: dict, name: str | None = None) -> dict:
+    """The pod's container called ``name``, else its main one (the first: a sidecar follows it)."""
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    if name is None:
+        return containers[0]
+    (c,) = [c for c in containers if c["name"] == name]
     return c
 
 
@@ -185,9 +189,8 @@ def test_conductors_are_replicated_behind_readiness_and_scraped(rendered, overla
     assert deployment["spec"]["replicas"] >= 2
     c = container(deployment)
     # ready on the public port: a leader is known and a worker can serve (no completion meets a 503);
-    # under vLLM the conductor serves no completions: ready once a leader is known
-    port = "control" if overlay == "vllm" else "api"
-    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+    # under vLLM too, where the workers stand for the vLLM servers
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "api"}
     assert "$(POD_NAME)" in c["args"]  # each replica its own id in the election
     env = {e["name"]: e for e in c["env"]}
     assert env["TIERCAKE_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -289,18 +292,20 @@ def test_gpu_workers_request_gpus_and_dev_workers_none(rendered):
                 assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
 
 
-def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_it(rendered):
+def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_it(rendered, monkeypatch):
     """The vllm overlay: vLLM servers (one GPU each, on the node pool through /dev/shm) started with
     exactly the line ``serve_command`` builds (the one the README prints), saving to the agent of
-    their machine; tiercake's own workers are left out; vLLM's API is the public one."""
+    their machine; beside each, a tiercake worker standing for it; tiercake's own workers are left
+    out; clients call the front, which tokenizes with the model's tokenizer; vLLM's port is closed."""
     import json as json_
 
+    from tiercake.config import with_environment
     from tiercake.workers.vllm.process import serve_command
 
     docs = rendered["vllm"]
     assert not [w for w in workloads(docs) if w["metadata"]["name"] in ("tiercake-prefill", "tiercake-decode")]
     vllm = one(docs, "Deployment", "tiercake-vllm")
-    c = container(vllm)
+    c = container(vllm, "vllm")
     args = c["args"]
     expected = serve_command("/models/model", "model", 8000, "http://tiercake-conductor:8081", "$(TIERCAKE_NODE_ID)",
                              host="0.0.0.0")
@@ -312,10 +317,35 @@ def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_i
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == 1
     config, _ = config_of(docs)
     assert transfer["kv_connector_extra_config"]["conductor"].endswith(f":{config.conductor.port}")
-    service = one(docs, "Service", "tiercake-vllm")
-    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+    # the worker beside vLLM: talks to it over the pod's loopback, waits for it, serves the front
+    worker = container(vllm, "worker")
+    wargs = worker["args"]
+    assert wargs[:2] == ["worker", "--engine"] and wargs[wargs.index("--engine") + 1] == "vllm"
+    assert wargs[wargs.index("--vllm-url") + 1] == "http://127.0.0.1:8000" and "--vllm-wait" in wargs
+    listen = int(wargs[wargs.index("--listen") + 1].rsplit(":", 1)[1])
+    assert port_of(worker, "worker") == listen and "$(POD_NAME)" in wargs
+    assert worker["readinessProbe"]["httpGet"]["port"] == "worker"
+
+    # clients reach the front only: no Service for vLLM, its port open to Prometheus alone
+    assert not find(docs, "Service", "tiercake-vllm")
     policy = one(docs, "NetworkPolicy", "tiercake-vllm")
-    assert _policy_ports(policy) == {8000: []}  # open to clients, as the API it is
+    peers = _policy_ports(policy)
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert peers[8000] == [monitoring]
+    assert {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers[listen]} \
+        == {"conductor", None} and monitoring in peers[listen]
+
+    # the front names the model as vLLM serves it and tokenizes with its tokenizer, from the volume
+    conductor = container(one(docs, "Deployment", "tiercake-conductor"))
+    cenv = {e["name"]: e.get("value") for e in conductor["env"]}
+    for name, value in cenv.items():
+        if name.startswith("TIERCAKE__"):
+            monkeypatch.setenv(name, value)
+    front = with_environment(config)
+    assert front.model_id == "model" and front.serving.tokenizer == "/models/model"
+    assert "/models" in {m["mountPath"] for m in conductor["volumeMounts"]}
+    assert conductor["image"] == container(vllm, "vllm")["image"]  # the image with the tokenizer libraries
 
 
 def _policy_ports(policy: dict) -> dict[int, list]:

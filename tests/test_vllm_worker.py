@@ -5,6 +5,7 @@ with a real vLLM is in test_vllm.py.)"""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from aiohttp import web
@@ -61,6 +62,10 @@ async def test_a_server_without_the_connector_is_refused_by_name():
 async def test_no_server_at_the_url_is_a_clear_error():
     with pytest.raises(VllmUnavailable, match="no vLLM OpenAI server at http://127.0.0.1:1"):
         await VllmEngine("http://127.0.0.1:1").start()
+    started = time.monotonic()  # a sidecar waits for vLLM to come up, for as long as it was told
+    with pytest.raises(VllmUnavailable, match="within 2 s"):
+        await VllmEngine("http://127.0.0.1:1", wait_s=2).start()
+    assert 2 <= time.monotonic() - started < 6
 
 
 def test_the_worker_command_says_what_is_missing():

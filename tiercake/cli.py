@@ -183,7 +183,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             return 2
         from tiercake.workers.vllm.engine import VllmEngine
 
-        engine = lambda client: VllmEngine(args.vllm_url, client).start()  # noqa: E731
+        engine = lambda client: VllmEngine(args.vllm_url, client, wait_s=args.vllm_wait).start()  # noqa: E731
     worker = Worker(config, args.role, args.id, args.data_dir, advertise=args.advertise, engine=engine)
     asyncio.run(worker.serve_forever(host or "127.0.0.1", int(port)))
     return 0
@@ -425,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker")
     worker.add_argument("--engine", choices=["reference", "vllm"], default="reference",
                         help="reference: tiercake's model; vllm: stand for the vLLM server at --vllm-url")
+    worker.add_argument("--vllm-wait", type=float, default=0.0, metavar="SECONDS",
+                        help="--engine vllm: wait this long for the vLLM server to answer at start (default 0)")
     worker.add_argument("--vllm-url", metavar="URL", help="--engine vllm: the vLLM OpenAI server (started with "
                         "the TiercakeConnector) this worker sends its requests to")
     worker.add_argument("--listen", metavar="HOST:PORT", help="its HTTP API (default 127.0.0.1, any port)")

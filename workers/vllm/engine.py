@@ -108,8 +108,12 @@ class VllmEngine(ServingEngine):
 
     name = "vllm"
 
-    def __init__(self, url: str, client: Client | None = None, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, client: Client | None = None, *, timeout_s: float = 600.0,
+                 wait_s: float = 0.0) -> None:
+        """``wait_s``: how long to wait for the vLLM server to answer at start (0: it must be up; a
+        sidecar started with vLLM waits while vLLM loads its model)."""
         self.url = url.rstrip("/")
+        self.wait_s = wait_s
         self.client = client  # the conductor: where a prefill's handoff waits for its blocks
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.http: aiohttp.ClientSession | None = None
@@ -125,13 +129,7 @@ class VllmEngine(ServingEngine):
     async def start(self) -> VllmEngine:
         self.http = aiohttp.ClientSession(timeout=self.timeout)
         try:
-            try:
-                async with self.http.get(self.url + "/v1/models") as resp:
-                    resp.raise_for_status()
-                    self.model = (await resp.json())["data"][0]["id"]
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
-                raise VllmUnavailable(f"no vLLM OpenAI server at {self.url} ({exc or type(exc).__name__}): "
-                                      "start it first (process.serve_command)") from None
+            self.model = await self._served_model()
             self._kv_blocks = await self._num_kv_blocks()
             await self._fit()
         except BaseException:
@@ -141,6 +139,21 @@ class VllmEngine(ServingEngine):
         log.info("vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; fitted %s", self.url,
                  self.model, self._kv_blocks, self.space.block_bytes, self.node, self._perf)
         return self
+
+    async def _served_model(self) -> str:
+        """The model vLLM serves, asked until it answers or ``wait_s`` has passed."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                async with self.http.get(self.url + "/v1/models") as resp:
+                    resp.raise_for_status()
+                    return (await resp.json())["data"][0]["id"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
+                if time.monotonic() >= deadline:
+                    waited = f" within {self.wait_s:g} s" if self.wait_s else ""
+                    raise VllmUnavailable(f"no vLLM OpenAI server at {self.url}{waited} ({exc or type(exc).__name__}): "
+                                          "start it first (process.serve_command)") from None
+            await asyncio.sleep(1.0)
 
     async def _num_kv_blocks(self) -> int:
         """The instance's KV blocks (vLLM's ``cache_config_info`` metric)."""
