@@ -239,10 +239,8 @@ class AsyncStore:
                     continue
                 except (ObjectNotFound, TransferFailed) as exc:
                     log.warning("kvstore: remove_all on %s: %s", node, exc)
-            # chunks no head leads to any more (a put that died half-way, an evicted head)
-            blocks = await self._rpc(self.client.node_blocks(node))
-            orphans = [bytes.fromhex(b.key) for b in blocks if b.tenant == self._chunks]
-            await self._delete(node, self._chunks, orphans, wait=False)
+        # Chunks no head leads to are not swept here: they could be a put's in flight (its head not yet
+        # written) or a leased object's. A failed put removes its own; eviction takes any left.
         return len(removed)
 
     # Finding objects --------------------------------------------------------------------------------
