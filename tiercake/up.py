@@ -239,8 +239,10 @@ class NodeCluster:
 def vllm_worker(cluster: NodeCluster, vllm_url: str, role: str, name: str) -> Child:
     """``tiercake worker --engine vllm`` for the vLLM server at ``vllm_url``, registered with the cluster's
     conductor, whose front then routes to it; returns once it is serving."""
+    # --vllm-wait: restarted while its vLLM server restarts too, it waits for it instead of exiting again
     child = Child(name, ["worker", "--config", str(cluster.root / "up-node.yaml"), "--engine", "vllm",
-                         "--vllm-url", vllm_url, "--role", role, "--id", name], cluster.env, cluster.logs)
+                         "--vllm-url", vllm_url, "--vllm-wait", "600", "--role", role, "--id", name],
+                  cluster.env, cluster.logs)
     child.wait_announce(120)
     return child
 
