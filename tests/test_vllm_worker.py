@@ -91,3 +91,42 @@ def test_the_routing_benchs_bound_and_prompts_come_from_the_trace_as_documented(
     prompts = conversation_prompts(records, block=4)
     # the two turns sharing their first two blocks, each hash id a block of 4, then 3 tokens of its own
     assert [len(p) for p in prompts] == [2 * 4 + 3, 3 * 4 + 3] and prompts[1][:8] == prompts[0][:8]
+
+
+async def test_a_prefill_hands_off_once_the_index_shows_its_blocks_and_no_later_than_the_bound(monkeypatch):
+    """P/D: the prefill's answer names the node and the blocks the decode instance will load. It waits
+    for the connector's background saves to be indexed (a real conductor here), and gives up at
+    HANDOFF_WAIT_S with what the index shows by then."""
+    import asyncio
+
+    from conductor_helpers import running_conductor
+
+    from tiercake.blocks import Namespace
+    from tiercake.conductor.client import Client
+    from tiercake.messages import GenerateRequest, KVSpace, MemberInfo
+    from tiercake.workers.vllm import engine as engine_module
+
+    async with running_conductor() as (url, _), Client([url]) as client:
+        await client.register(MemberInfo(node_id="node-v", tiers={"pool": 1 << 30}), ttl=30)
+        vllm = VllmEngine("http://127.0.0.1:1", client)  # never started: only its handoff is used
+        vllm.node = "node-v"
+        vllm.space = KVSpace(namespace=Namespace(model_id="m", kv_layout="L1", block_size=4), block_bytes=64)
+        request = GenerateRequest(tokens=list(range(3, 3 + 4 * 6 + 2)), max_tokens=1, tenant="t", salt="s",
+                                  handoff=True)
+        keys = vllm._keys(request)
+        assert len(keys) == 6
+
+        async def saves_land(n: int, after: float) -> None:  # the connector's saves, indexed a bit later
+            await asyncio.sleep(after)
+            await client.report("t", "node-v", "pool", keys[:n], [64] * n)
+
+        started = time.monotonic()
+        _, handoff = await asyncio.gather(saves_land(6, 0.4), vllm._handoff(request))
+        assert handoff.node == "node-v" and handoff.blocks == 6 and 0.4 <= time.monotonic() - started < 2
+
+        monkeypatch.setattr(engine_module, "HANDOFF_WAIT_S", 0.5)
+        other = request.model_copy(update={"salt": "another"})  # blocks nobody saved but two
+        await client.report("t", "node-v", "pool", vllm._keys(other)[:2], [64] * 2)
+        started = time.monotonic()
+        handoff = await vllm._handoff(other)
+        assert handoff.blocks == 2 and 0.5 <= time.monotonic() - started < 2
