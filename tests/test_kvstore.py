@@ -408,10 +408,11 @@ async def test_objects_survive_a_conductor_failover(etcd, tmp_path):
         cluster.close()
 
 
-def test_the_synchronous_client_checks_every_address(cluster, monkeypatch):
+def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_path):
     store = DistributedStore()
     assert store.put("k", b"v") == ErrorCode.INVALID_PARAMS  # before setup: a code, not a crash
     assert store.setup("http://127.0.0.1:1", secret=SECRET, token=TOKEN, connect_timeout=2) == ErrorCode.RPC_FAIL
+    assert store.setup(config="/nonexistent/tiercake.yaml") == ErrorCode.INVALID_PARAMS
     store = DistributedStore()
     assert store.setup(cluster.urls, secret=SECRET, token=TOKEN, tenant=f"sync{uuid.uuid4().hex[:6]}") == 0
     try:
@@ -434,6 +435,15 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch):
         assert store.get_into("k", ptr, 7) == ErrorCode.INVALID_PARAMS  # unregistered now
     finally:
         assert store.close() == 0
+    # or from a tiercake config naming the conductors, with the secret and token from the environment
+    config = tmp_path / "client.yaml"
+    config.write_text(f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nconductor: {{urls: {json.dumps(cluster.urls)}}}\n")
+    monkeypatch.setenv("TIERCAKE_SECRET", SECRET)
+    monkeypatch.setenv("TIERCAKE_TOKEN", TOKEN)
+    store = DistributedStore()
+    assert store.setup(config=str(config), tenant=f"cfg{uuid.uuid4().hex[:6]}") == 0
+    assert store.put("from-config", b"yes") == 0 and store.get("from-config") == b"yes"
+    assert store.close() == 0
 
 
 def test_the_readme_example_runs(cluster, tmp_path):

@@ -70,12 +70,16 @@ class DistributedStore:
         if config is not None:
             from tiercake.config import load_config, with_environment
 
-            cfg = with_environment(load_config(config))
-            conductor = conductor or cfg.conductor.urls
-            tokens = cfg.conductor.tokens()
-            token = token or (tokens[0] if tokens else None)
-            secret = secret or cfg.transfer.secret()
-            ssl = cfg.tls.client_context()
+            try:
+                cfg = with_environment(load_config(config))
+                conductor = conductor or cfg.conductor.urls
+                tokens = cfg.conductor.tokens()
+                token = token or (tokens[0] if tokens else None)
+                secret = secret or cfg.transfer.secret()
+                ssl = cfg.tls.client_context()
+            except (OSError, ValueError) as exc:  # no such file, an invalid config, no secret
+                log.error("kvstore: setup: config %s: %s", config, exc)
+                return int(ErrorCode.INVALID_PARAMS)
         secret = secret or os.environ.get("TIERCAKE_SECRET")
         token = token or os.environ.get("TIERCAKE_TOKEN") or None
         if not conductor or not secret:
