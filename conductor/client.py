@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -42,6 +43,7 @@ from tiercake.messages import (
 )
 
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
 Prefix = PrefixHolding  # the name callers used before the messages module
 
 
@@ -300,3 +302,41 @@ class Client:
     async def leader(self) -> ConductorInfo | None:
         """The leading conductor (None while there is none)."""
         return (await self._typed(LeaderReply, "GET", "/v1/leader")).leader
+
+
+class NodeDirectory:
+    """The live node agents, from the member list, kept for a process that moves blocks to and from
+    them (vLLM's connector, the key-value store): each known to ``engine`` (a ``TransferEngine``) by
+    its advertised address. ``refresh`` asks again at most every ``every`` seconds unless forced;
+    ``to_node`` runs a transfer against a node, learning it first if unknown and once more after asking
+    again when it could not be reached (a restarted node agent may listen elsewhere)."""
+
+    def __init__(self, client: Client, engine, every: float = 0.5) -> None:
+        self.client, self.engine, self.every = client, engine, every
+        self.members: dict[str, MemberInfo] = {}
+        self._asked_at = -float("inf")
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.members
+
+    async def refresh(self, force: bool = True) -> None:
+        if not force and time.monotonic() - self._asked_at < self.every:
+            return
+        self._asked_at = time.monotonic()
+        members = {m.node_id: m for m in await self.client.members() if m.role == "node"}
+        if self.engine is not None:
+            for m in members.values():
+                self.engine.ensure_peer(m.node_id, m.host, m.port)
+        self.members = members
+
+    async def to_node(self, node: str, attempt: Callable[[], Awaitable[list[T]]]) -> list[T]:
+        from tiercake.transfer import unreachable
+
+        if node not in self.members:
+            await self.refresh()
+        results = await attempt()
+        if unreachable(results):
+            await self.refresh()
+            if node in self.members:
+                results = await attempt()
+        return results

@@ -111,10 +111,10 @@ async def wait_nodes(store: AsyncStore, n: int, timeout: float = 15.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         await store._refresh()
-        if len(store._nodes) >= n:
+        if len(store.nodes.members) >= n:
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{len(store._nodes)} of {n} node agents registered")
+            raise AssertionError(f"{len(store.nodes.members)} of {n} node agents registered")
         await asyncio.sleep(0.1)
 
 
@@ -150,7 +150,7 @@ async def test_mooncake_semantics_first_put_wins_upsert_replaces_remove(store):
 async def test_a_removed_object_leaves_nothing_on_the_nodes_or_in_the_index(store, cluster):
     await store.put("gone", blob(1, 3 * CHUNK))  # a head and three chunks
     await store.remove("gone")
-    for node in store._nodes:
+    for node in store.nodes.members:
         listed = await store.client.node_blocks(node)
         assert not [b for b in listed if b.tenant.startswith(store.tenant + "#")]
     # and a new put of the name is a new object

@@ -23,8 +23,11 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from tiercake.up import Child
 
 from .report import Report, machine
 from .store import KiB, MiB, _warm
@@ -153,25 +156,6 @@ def _mooncake_main(args: dict) -> None:
 
 # tiercake's side, and the figures -----------------------------------------------------------------
 
-class _Conductor:
-    def __init__(self, token: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercake.cli", "conductor", "--listen", "127.0.0.1:0", "--api-listen",
-             "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env={**os.environ, "TIERCAKE_TOKEN": token})
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the bench's conductor did not start")
-        self.url = json.loads(line)["url"]
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def _tiercake(url: str, secret: bytes, token: str, transports: tuple[str, ...], sizes, reps: int) -> dict[str, float]:
     from tiercake.kvstore import DistributedStore
 
@@ -181,7 +165,7 @@ def _tiercake(url: str, secret: bytes, token: str, transports: tuple[str, ...], 
             raise RuntimeError("the kvstore client could not connect")
     try:
         deadline = time.monotonic() + 15
-        while not (store._store._nodes and cold._store._nodes):  # the agent registers after printing its address
+        while not (store._store.nodes.members and cold._store.nodes.members):  # the agent registers after printing its address
             if time.monotonic() > deadline:
                 raise RuntimeError("the node agent did not join the bench's conductor")
             time.sleep(0.1)
@@ -198,11 +182,14 @@ async def run(quick: bool = False) -> Report:
     sizes = plan(quick)
     reps = 1 if quick else 3
     token = secrets.token_hex(16)
-    conductor = _Conductor(token)
-    peer = Peer(pool_bytes=2 * max(s * n for s, n, _ in sizes) + 64 * MiB, conductor=conductor.url, token=token)
+    logs = Path(tempfile.mkdtemp(prefix="tiercake-bench-store-api-"))
+    conductor = Child("conductor", ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"],
+                      {**os.environ, "TIERCAKE_TOKEN": token}, logs)
+    url = conductor.wait_announce(60)["url"]
+    peer = Peer(pool_bytes=2 * max(s * n for s, n, _ in sizes) + 64 * MiB, conductor=url, token=token)
     try:
         runs = {
-            name: await asyncio.to_thread(_tiercake, conductor.url, peer.secret, token, transports, sizes, reps)
+            name: await asyncio.to_thread(_tiercake, url, peer.secret, token, transports, sizes, reps)
             for name, transports in (("tiercake.tcp", ("tcp",)), ("tiercake.shm", ("shm", "tcp")))
         }
         limits = {}
@@ -215,7 +202,8 @@ async def run(quick: bool = False) -> Report:
                                                                   nbytes, rows) for _ in range(max(2, reps))])
     finally:
         peer.close()
-        conductor.close()
+        conductor.stop()
+        shutil.rmtree(logs, ignore_errors=True)
     mooncake = await asyncio.to_thread(run_mooncake, sizes, reps)
     if mooncake is not None:
         runs["mooncake.tcp"] = mooncake

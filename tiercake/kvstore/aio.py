@@ -36,12 +36,12 @@ import numpy as np
 import torch
 
 from tiercake.blocks import BlockKey, object_head_key
-from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.conductor.placement import TIER_ORDER
-from tiercake.messages import MemberInfo, PrefixHolding
+from tiercake.messages import PrefixHolding
 from tiercake.tiers import StoreError
 from tiercake.tiers.buffers import as_bytes
-from tiercake.transfer import BlockLoc, BufferLoc, Status, Transfer, TransferEngine, TransferResult, unreachable
+from tiercake.transfer import BlockLoc, BufferLoc, Status, Transfer, TransferEngine, TransferResult
 
 from .errors import InvalidParams, NoSpace, ObjectHasLease, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
 from .layout import HEADER, Header, LayoutError, ObjectBlocks, name_bytes, size_from_head
@@ -95,7 +95,7 @@ class AsyncStore:
         secret = secret.encode() if isinstance(secret, str) else secret
         identity = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
         self.engine = TransferEngine(identity, secret, transports=tuple(transports), streams=streams)
-        self._nodes: dict[str, MemberInfo] = {}
+        self.nodes = NodeDirectory(self.client, self.engine, every=0.0)  # the live node agents
         self._slots = asyncio.Semaphore(self.CONCURRENCY)
         # head -> (node, head block bytes) where this client last put or found it: reads go there first
         self._places: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
@@ -228,7 +228,7 @@ class AsyncStore:
         being read are left (unless ``force``), as Mooncake's ``remove_all`` leaves leased ones."""
         await self._refresh()
         removed: set[bytes] = set()
-        for node in list(self._nodes):
+        for node in list(self.nodes.members):
             blocks = await self._rpc(self.client.node_blocks(node))
             heads = {bytes.fromhex(b.key): b.size for b in blocks if b.tenant == self._heads}
             for head, size in heads.items():
@@ -257,7 +257,7 @@ class AsyncStore:
         if not heads:
             return []
         replies = await self._rpc(self.client.lookup_many(self._heads, [[h] for h in heads], sizes=True))
-        if any(node not in self._nodes for reply in replies for node in reply):
+        if any(node not in self.nodes for reply in replies for node in reply):
             await self._refresh()
         located = [self._found(name, head, reply) for name, head, reply in zip(names, heads, replies)]
         for head, found in zip(heads, located):
@@ -269,7 +269,7 @@ class AsyncStore:
 
     def _known(self, name: str, head: BlockKey) -> _Found | None:
         place = self._places.get(head)
-        if place is None or place[0] not in self._nodes:
+        if place is None or place[0] not in self.nodes:
             return None
         self._places.move_to_end(head)
         return _Found(name, head, [place])
@@ -286,15 +286,8 @@ class AsyncStore:
             return TIER_ORDER.get(runs[0][0], len(TIER_ORDER)) if runs else len(TIER_ORDER)
 
         holders = [(node, holding.sizes[0]) for node, holding in sorted(reply.items(), key=speed)
-                   if node in self._nodes and holding.length and holding.sizes]
+                   if node in self.nodes and holding.length and holding.sizes]
         return _Found(name, head, holders) if holders else None
-
-    async def _refresh(self) -> None:
-        """The live node agents, from the member list (a restarted one may listen elsewhere)."""
-        nodes = {m.node_id: m for m in await self._rpc(self.client.members()) if m.role == "node"}
-        for member in nodes.values():
-            self.engine.ensure_peer(member.node_id, member.host, member.port)
-        self._nodes = nodes
 
     async def _find_existing(self, names: Sequence[str], puts: list[_Put], replace: bool) -> None:
         """Mooncake keeps the first value of a name: without ``replace``, puts of names that exist are
@@ -444,7 +437,7 @@ class AsyncStore:
             p.nodes = targets.get(p.blocks.head, [])
             for node in p.nodes:
                 by_node[node].append(p)
-        if any(node not in self._nodes for node in by_node):
+        if any(node not in self.nodes for node in by_node):
             await self._refresh()
         await asyncio.gather(*(self._write_chunks(node, share) for node, share in by_node.items()))
         if replace:
@@ -594,7 +587,7 @@ class AsyncStore:
                 break
             if todo:
                 await asyncio.sleep(0.02)
-        member = self._nodes.get(node)
+        member = self.nodes.members.get(node)
         for tier in (member.tiers if member else {self.tier: 0}) if gone else ():
             await self._rpc(self.client.remove(tenant, node, tier, gone))
         if todo:
@@ -613,15 +606,11 @@ class AsyncStore:
                 raise InvalidParams(str(exc)) from None
             raise RpcFailed(str(exc)) from None
 
+    async def _refresh(self) -> None:
+        await self._rpc(self.nodes.refresh())
+
     async def _to_node(self, node: str, attempt) -> list[TransferResult]:
-        """``attempt()`` against ``node``, once more after refreshing the members when the node could
-        not be reached (a restarted node agent may listen elsewhere)."""
-        results = await attempt()
-        if unreachable(results):
-            await self._refresh()
-            if node in self._nodes:
-                results = await attempt()
-        return results
+        return await self._rpc(self.nodes.to_node(node, attempt))
 
 
 def _raise(outcome: Outcome) -> None:

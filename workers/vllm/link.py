@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import torch
 
-from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.loop_thread import LoopThread
-from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult, unreachable
+from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +32,6 @@ class TiercakeLink:
                  transports: tuple[str, ...] = ("shm", "tcp"), members_every: float = 0.5) -> None:
         self.identity = identity
         self._loop = LoopThread(f"tiercake-{identity}")
-        self._members_every = members_every
-        self._members_at = 0.0
-        self._nodes: set[str] = set()
 
         async def build() -> tuple[Client, TransferEngine | None]:
             client = Client(conductors, token=token, timeout=5.0, retries=2)
@@ -43,6 +39,7 @@ class TiercakeLink:
             return client, engine
 
         self.client, self.engine = self.call(build(), 10.0)
+        self.nodes = NodeDirectory(self.client, self.engine, every=members_every)
 
     # Plumbing ------------------------------------------------------------------------------------
 
@@ -70,25 +67,12 @@ class TiercakeLink:
 
     # Calls ---------------------------------------------------------------------------------------
 
-    async def _refresh_nodes(self, force: bool = False) -> None:
-        """Node agents from the member list, at most every ``members_every`` seconds."""
-        if not force and time.monotonic() - self._members_at < self._members_every:
-            return
-        self._members_at = time.monotonic()
-        nodes = set()
-        for member in await self.client.members():
-            if member.role == "node":
-                nodes.add(member.node_id)
-                if self.engine is not None:
-                    self.engine.ensure_peer(member.node_id, member.host, member.port)
-        self._nodes = nodes
-
     async def _longest(self, tenant: str, keys: list[bytes]) -> tuple[str | None, int]:
         found = await self.client.lookup(tenant, keys)
         if not found:
             return None, 0
-        await self._refresh_nodes(force=any(node not in self._nodes for node in found))
-        live = {node: holding.length for node, holding in found.items() if node in self._nodes}
+        await self.nodes.refresh(force=any(node not in self.nodes for node in found))
+        live = {node: holding.length for node, holding in found.items() if node in self.nodes}
         if not live:
             return None, 0
         node = max(live, key=live.get)
@@ -108,7 +92,7 @@ class TiercakeLink:
     def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
         """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
         try:
-            return self.call(self._to_node(node, lambda: self.engine.read_blocks(node, keys, dsts, timeout=timeout)),
+            return self.call(self.nodes.to_node(node, lambda: self.engine.read_blocks(node, keys, dsts, timeout=timeout)),
                              timeout + 1.0)
         except (TimeoutError, OSError, ConductorError) as exc:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
@@ -120,17 +104,5 @@ class TiercakeLink:
         batch = [Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant), src.numel())
                  for key, parent, src in items]
 
-        return self.submit(self._to_node(node, lambda: self.engine.transfer(batch, timeout=timeout)))
-
-    async def _to_node(self, node: str, attempt) -> list[TransferResult]:
-        """``attempt()`` against ``node``, learning its address first if this process does not know it,
-        and once more after asking again when it could not be reached (a restarted node agent may
-        listen elsewhere)."""
-        if node not in self._nodes:
-            await self._refresh_nodes(force=True)
-        results = await attempt()
-        if unreachable(results):
-            await self._refresh_nodes(force=True)
-            results = await attempt()
-        return results
+        return self.submit(self.nodes.to_node(node, lambda: self.engine.transfer(batch, timeout=timeout)))
 
