@@ -18,6 +18,8 @@ from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.service import Conductor
 from tiercake.messages import ErrorReply, MemberInfo
 
+from tiercake.messages import MAX_KEYS
+
 
 def k(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
@@ -180,6 +182,23 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
         assert (await client.leader()).conductor_id == "c-two"
         found = await client.lookup("t", [k(i) for i in range(100)])
         assert found["node-a"].length == 100  # every placement committed before the kill
+
+
+async def test_many_chains_looked_up_at_once_with_their_sizes(api):
+    url, _ = api
+    async with Client([url], token="s3cret-token") as client:
+        await client.register(MemberInfo(node_id="node-a", tiers={"pool": 1 << 20}), ttl=5)
+        await client.report("t", "node-a", "pool", [k(1), k(2)], [100, 200])
+        await client.report("t", "node-a", "pool", [k(5)], [500])
+        chains = [[k(1), k(2), k(3)], [k(5)], [k(9)]]
+        many = await client.lookup_many("t", chains, sizes=True)
+        assert [{n: h.length for n, h in f.items()} for f in many] == [{"node-a": 2}, {"node-a": 1}, {}]
+        assert many[0]["node-a"].sizes == [100, 200] and many[1]["node-a"].sizes == [500]
+        single = await client.lookup("t", chains[0])  # the same answer as one chain alone, without sizes
+        assert single["node-a"].length == 2 and single["node-a"].sizes is None
+        with pytest.raises(ConductorError) as err:  # the bound is on every key of the request together
+            await client.lookup_many("t", [[k(i) for i in range(MAX_KEYS // 2 + 1)]] * 2)
+        assert 400 <= err.value.status < 500
 
 
 async def test_begin_commit_revoke_and_their_refusals(api):
