@@ -48,6 +48,9 @@ class ClusterSpec:
     time_scale: float = 1.0  # arrivals at timestamp * time_scale
     metadata_bytes_per_op: int = 118  # one replica in etcd (measured by tiercake bench metadata)
     lookup_s: float = 55e-6  # one chain lookup in the placement index (measured by tiercake bench metadata)
+    # tiers whose placement changes stay in the leader's memory (ConductorConfig.volatile_tiers): "gpu"
+    # is the prefill workers' own caches, "pool" the global one; the others' changes are durable writes
+    volatile_tiers: tuple[str, ...] = ("gpu",)
     # each prefill worker's timings as the router sees them: the true model times (1 + e), e drawn once
     # per worker from [-fit_noise, fit_noise] (live workers fit their own timings; the fits differ)
     fit_noise: float = 0.0
@@ -71,7 +74,7 @@ class ClusterResult:
     global_hits: int = 0
     bytes_moved: float = 0.0  # pulled from the global pool
     kv_bytes_written: float = 0.0  # new blocks written to the global pool
-    metadata_ops: int = 0  # lookups and placement changes
+    metadata_ops: int = 0  # lookups and durable placement changes
     metadata_bytes: float = 0.0
 
     @property
@@ -205,12 +208,14 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
         if (spec.slo_ttft_s is None or ttft <= spec.slo_ttft_s) and (spec.slo_tbt_s is None or tbt <= spec.slo_tbt_s):
             result.slo_met += 1
         changes = caches[w].touch(keys)
+        durable = 0 if "gpu" in spec.volatile_tiers else changes
         if pool is not None:
             new_in_pool = sum(key not in pool.keys for key in keys)
-            changes += pool.touch(keys)
+            changes = pool.touch(keys)
+            durable += 0 if "pool" in spec.volatile_tiers else changes
             result.kv_bytes_written += new_in_pool * spec.block_nbytes
-        result.metadata_ops += 1 + changes  # the route's lookup, then the placements that changed
-        result.metadata_bytes += changes * spec.metadata_bytes_per_op
+        result.metadata_ops += 1 + durable  # the route's lookup, then the placements made durable
+        result.metadata_bytes += durable * spec.metadata_bytes_per_op
     if progress is not None:
         progress(len(records))
     return result

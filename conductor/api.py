@@ -53,6 +53,9 @@ from tiercake.messages import (
     ReportReply,
     RevokeReply,
     UnpinReply,
+    VolatileChange,
+    VolatileReply,
+    VolatileRequest,
 )
 
 from .metadata import FencedError, MetadataUnavailableError
@@ -62,6 +65,9 @@ from .service import Conductor, FlushTimeoutError, LeaseExpiredError, NoRoomErro
 
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
 MAX_BODY = 8 << 20
+
+
+VOLATILE_BATCH = 20_000  # volatile changes per answer to a follower (it asks again for the rest)
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
@@ -236,6 +242,23 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         conductor.add_heat([((h.tenant, key), h.count) for h, key in zip(body.hits, keys)])
         return reply(HeatReply(accepted=len(keys)))
 
+    async def volatile(request: web.Request) -> web.Response:
+        """A follower's feed of the volatile tiers' replicas (the leader alone hears of them)."""
+        body = await parse(request, VolatileRequest)
+        index, term = conductor.index, conductor.election.won_term
+        if conductor.is_leader and body.term == term and index.volatile_changes(body.after) == [] and body.wait_s:
+            await index.wait_volatile(body.after, body.wait_s)
+        if not conductor.is_leader:  # also when it stepped down while waiting
+            conductor.require_leader(await conductor.leader())
+        changes = index.volatile_changes(body.after) if body.term == term else None
+        if changes is None:
+            seq, snapshot = index.volatile_seq, index.volatile_snapshot()
+            return reply(VolatileReply(term=term, seq=seq, reset=True, changes=[
+                VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in snapshot]))
+        changes = changes[:VOLATILE_BATCH]
+        return reply(VolatileReply(term=term, seq=body.after + len(changes), reset=False, changes=[
+            VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in changes]))
+
     async def node_blocks(request: web.Request) -> web.Response:
         pins = conductor.pins
         return reply(NodeBlocksReply(blocks=[
@@ -253,7 +276,7 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         web.post("/v1/placements/commit", commit), web.post("/v1/placements/revoke", revoke),
         web.post("/v1/placements/report", report), web.post("/v1/placements/remove", remove),
         web.post("/v1/placements/pin", pin), web.post("/v1/placements/unpin", unpin), web.post("/v1/heat", heat),
-        web.get("/v1/nodes/{node}/blocks", node_blocks), web.get("/v1/nodes/{node}/pins", node_pins),
+        web.post("/v1/placements/volatile", volatile), web.get("/v1/nodes/{node}/blocks", node_blocks), web.get("/v1/nodes/{node}/pins", node_pins),
     ]
 
 
@@ -274,7 +297,7 @@ def _member_routes(conductor: Conductor) -> list:
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
         return reply(KeepAliveReply(pins_version=conductor.pins_version, settings=conductor.settings, tasks=[
             ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
-            for t in tasks]))
+            for t in tasks], term=await conductor.term(), volatile_tiers=sorted(conductor.index.volatile_tiers)))
 
     async def flush_applied(request: web.Request) -> web.Response:
         """A member applied a flush (the leader answers synchronous flushes)."""
@@ -381,7 +404,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
             replication=config.replication, replication_params=config.replication_params,
             put_timeout=config.put_timeout_s, peer_token=tokens[0] if tokens else None,
-            peer_ssl=full.tls.client_context(),
+            peer_ssl=full.tls.client_context(), volatile_tiers=tuple(config.volatile_tiers),
         ).start()
         frontend = Frontend(conductor, full)
         sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None,

@@ -40,6 +40,7 @@ from tiercake.messages import (
     ReportReply,
     RevokeReply,
     UnpinReply,
+    VolatileReply,
 )
 
 R = TypeVar("R", bound=BaseModel)
@@ -188,6 +189,13 @@ class Client:
         """Accesses a follower conductor counted in its lookups, for the leader's hot replication."""
         body = {"hits": [{"tenant": t, "key": k.hex(), "count": n} for t, k, n in hits]}
         return (await self._typed(HeatReply, "POST", "/v1/heat", body)).accepted
+
+    async def volatile(self, term: int, after: int, wait_s: float = 0.0) -> VolatileReply:
+        """The leader's volatile replicas for a follower conductor: the changes after ``after`` in
+        ``term``, or a snapshot (``reset``); waits up to ``wait_s`` for a change."""
+        body = {"term": term, "after": after, "wait_s": wait_s}
+        return VolatileReply.model_validate(await self._call("POST", "/v1/placements/volatile", body,
+                                                             timeout=wait_s + self.timeout))
 
     async def unpin(self, tenant: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys]}

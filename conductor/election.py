@@ -9,8 +9,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
-from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError
+from .metadata import KeyValue, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,12 @@ class LeaderElection:
         self.leading = asyncio.Event()
         self.terms = 0
         self.changes_seen = 0  # leader changes this candidate saw: its own wins and vacancies
+        self.won_term = 0  # the term (see ``term``) of this candidate's latest win
         self._valid_until = 0.0  # monotonic: the lease surely lives until then
         self._task: asyncio.Task | None = None
+        # called with True just before this candidate starts leading and with False once it stopped:
+        # what it kept in memory for its term only is reset there, with no await in between
+        self.on_change: Callable[[bool], None] | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -42,6 +47,22 @@ class LeaderElection:
         kv = await self.meta.get(self.key)
         return kv.value.decode() if kv else None
 
+    async def term(self) -> int:
+        """The current term: the backend revision at which the leader won (the election key's), new at
+        every win, so a change tells a member a new leader is in charge; 0 while nobody leads."""
+        kv: KeyValue | None = await self.meta.get(self.key)
+        return kv.mod_revision if kv else 0
+
+    def _set_leading(self, leading: bool) -> None:
+        if leading == self.leading.is_set():
+            return
+        if self.on_change is not None:
+            self.on_change(leading)
+        if leading:
+            self.leading.set()
+        else:
+            self.leading.clear()
+
     async def start(self) -> LeaderElection:
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self
@@ -53,7 +74,7 @@ class LeaderElection:
                 await self._hold()
             except MetadataUnavailableError as exc:
                 log.warning("election %s: backend unavailable (%s)", self.candidate, exc)
-            self.leading.clear()
+            self._set_leading(False)
             await asyncio.sleep(0.2)
 
     async def _campaign(self) -> None:
@@ -61,10 +82,12 @@ class LeaderElection:
             granted = time.monotonic()
             self.lease = await self.meta.grant_lease(self.ttl)
             if await self.meta.create(self.key, self.candidate.encode(), lease=self.lease):
+                kv = await self.meta.get(self.key)
+                self.won_term = kv.mod_revision if kv is not None and kv.value == self.candidate.encode() else 0
                 self._valid_until = granted + self.ttl
                 self.terms += 1
                 self.changes_seen += 1
-                self.leading.set()
+                self._set_leading(True)
                 log.info("election: %s leads (term %d)", self.candidate, self.terms)
                 return
             await self.meta.revoke_lease(self.lease)
@@ -99,7 +122,7 @@ class LeaderElection:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        self.leading.clear()
+        self._set_leading(False)
 
     async def resign(self) -> None:
         self.crash()

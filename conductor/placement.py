@@ -1,5 +1,5 @@
 """The placement index: which node and tier hold each block, served from memory, durable in the
-metadata backend.
+metadata backend, except for the volatile tiers.
 
 A replica is the key ``<prefix><tenant>/<block key hex>/<node>/<tier>`` with a small JSON value,
 attached to the node's lease, so a dead node's replicas disappear from the backend when its lease
@@ -7,6 +7,13 @@ expires, and from every index that follows the backend through its watch. Writes
 concurrent ``add``/``remove`` calls are queued and flushed together in transactions of at most
 ``TXN_OPS`` operations; each call returns only once its change is durable, and memory changes only
 then, so a lookup never reports a placement the backend could lose.
+
+Volatile tiers (a worker's gpu tier by default) change with every request and matter only for
+routing, so their replicas live in the conductors' memory only: no backend write. The leader, which
+members report to, logs each change; followers follow that log over HTTP (``volatile_changes``, or a
+whole ``volatile_snapshot`` when one is in another term or too far behind). A new leader starts with
+none and the members re-report theirs when they see its term (``KeepAliveReply``), and a member that
+leaves takes its volatile replicas with it (``drop_volatile``).
 """
 
 from __future__ import annotations
@@ -18,10 +25,10 @@ import logging
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
-from itertools import chain
+from itertools import chain, islice
 from dataclasses import dataclass, field
 
-from .metadata import Delete, Guard, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow as follow_changes
+from .metadata import TXN_OPS, Delete, Guard, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow as follow_changes
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +67,18 @@ class NodePrefix:
 
 
 TIER_ORDER = {"gpu": 0, "pool": 1, "ssd": 2}  # fastest first; other tier names after these
+VOLATILE_LOG = 1 << 16  # volatile changes a follower may fall behind by before it needs a snapshot
 
 
 @dataclass(slots=True)
 class IndexStats:
     replicas: int = 0
     commits: int = 0  # group-commit batches flushed
+    txns: int = 0  # backend transactions those batches took (at most TXN_OPS changes each)
     ops: int = 0  # placement changes made durable
     bytes: int = 0  # of keys and values written to (or deleted from) the backend
     lookups: int = 0
+    volatile_ops: int = 0  # placement changes in volatile tiers, kept in memory only
     largest_batch: int = 0
     # called with (operations, seconds) of every flushed batch (the API feeds its histograms)
     on_batch: Callable[[int, float], None] | None = None
@@ -82,7 +92,7 @@ def _check(name: str, value: str) -> str:
 
 class PlacementIndex:
     def __init__(self, meta: MetadataBackend, prefix: bytes = PREFIX, max_batch: int = 2048,
-                 concurrency: int = 8) -> None:
+                 concurrency: int = 8, volatile_tiers: Iterable[str] = (), volatile_log: int = VOLATILE_LOG) -> None:
         self.meta = meta
         self.prefix = prefix
         self.max_batch = max_batch
@@ -98,6 +108,13 @@ class PlacementIndex:
         self.stats = IndexStats()
         self.used: dict[tuple[str, str], int] = defaultdict(int)  # (node, tier) -> bytes placed there
         self.guard: Guard | None = None  # every commit checks it (the conductor's leadership)
+        self.volatile_tiers = frozenset(volatile_tiers)
+        # node -> (tenant, key, tier) of its replicas in volatile tiers, so they go with the node
+        self._volatile: dict[str, set[tuple[str, bytes, str]]] = defaultdict(set)
+        # the leader's log of volatile changes for its followers: (tenant, key, node, tier, size or None)
+        self._log: deque[tuple[str, bytes, str, str, int | None]] = deque(maxlen=volatile_log)
+        self.volatile_seq = 0  # the sequence number of the last logged change
+        self._logged = asyncio.Event()  # set (and replaced) at each logged change
 
     # Keys -----------------------------------------------------------------------------------------
 
@@ -106,8 +123,10 @@ class PlacementIndex:
             f"{_check('tier', replica.tier)}".encode()
 
     def _parse(self, meta_key: bytes) -> tuple[str, bytes, Replica] | None:
+        """The replica a backend key names; None for a malformed key and for a volatile tier's (left
+        by a conductor that kept that tier durable: the tier's replicas are re-reported instead)."""
         parts = meta_key[len(self.prefix):].decode(errors="replace").split("/")
-        if len(parts) != 4:
+        if len(parts) != 4 or parts[3] in self.volatile_tiers:
             return None
         tenant, key_hex, node, tier = parts
         try:
@@ -186,6 +205,12 @@ class PlacementIndex:
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys for {len(sizes)} sizes")
         replica = Replica(node, tier)
+        if tier in self.volatile_tiers:
+            _check("tenant", tenant), _check("node", node)
+            for key, size in zip(keys, sizes):
+                self._set_volatile(tenant, key, replica, size, log=True)
+            self.stats.volatile_ops += len(keys)
+            return
         ops = [Put(self._meta_key(tenant, key, replica), b'{"size": %d}' % size, lease) for key, size in zip(keys, sizes)]
         await self._submit(ops)
         for key, size in zip(keys, sizes):
@@ -194,8 +219,82 @@ class PlacementIndex:
     async def remove(self, tenant: str, key: bytes, node: str, tier: str) -> None:
         """Forget a replica (evicted, demoted or removed on its node); returns once durable."""
         replica = Replica(node, tier)
+        if tier in self.volatile_tiers:
+            self._unset_volatile(tenant, key, replica, log=True)
+            self.stats.volatile_ops += 1
+            return
         await self._submit([Delete(self._meta_key(tenant, key, replica))])
         self._unset(tenant, key, replica)
+
+    # Volatile replicas ----------------------------------------------------------------------------
+
+    def _set_volatile(self, tenant: str, key: bytes, replica: Replica, size: int, log: bool) -> None:
+        self._set(tenant, key, replica, size)
+        self._volatile[replica.node].add((tenant, key, replica.tier))
+        if log:
+            self._record(tenant, key, replica, size)
+
+    def _unset_volatile(self, tenant: str, key: bytes, replica: Replica, log: bool) -> None:
+        self._unset(tenant, key, replica)
+        held = self._volatile.get(replica.node)
+        if held is not None:
+            held.discard((tenant, key, replica.tier))
+        if log:
+            self._record(tenant, key, replica, None)
+
+    def _record(self, tenant: str, key: bytes, replica: Replica, size: int | None) -> None:
+        self._log.append((tenant, key, replica.node, replica.tier, size))
+        self.volatile_seq += 1
+        self._logged.set()
+        self._logged = asyncio.Event()
+
+    def drop_volatile(self, node: str | None = None) -> int:
+        """Forget the volatile replicas of ``node`` (it left: logged, so followers forget them too) or
+        of every node (this conductor's term began or ended: the members re-report to whoever leads,
+        and followers of the new term start from a snapshot); returns how many."""
+        if node is None:
+            dropped = sum(len(held) for held in self._volatile.values())
+            for name, held in self._volatile.items():
+                for tenant, key, tier in held:
+                    self._unset(tenant, key, Replica(name, tier))
+            self._volatile.clear()
+            self._log.clear()
+            return dropped
+        held = list(self._volatile.pop(node, ()))
+        for tenant, key, tier in held:
+            self._unset(tenant, key, Replica(node, tier))
+            self._record(tenant, key, Replica(node, tier), None)
+        return len(held)
+
+    def volatile_changes(self, after: int) -> list[tuple[str, bytes, str, str, int | None]] | None:
+        """The logged changes after sequence number ``after``, in order; None when they are no longer
+        (or never were) in the log: the caller needs ``volatile_snapshot``."""
+        first = self.volatile_seq - len(self._log)  # the sequence number before the log's first change
+        if not first <= after <= self.volatile_seq:
+            return None
+        return list(islice(self._log, after - first, None))
+
+    def volatile_snapshot(self) -> list[tuple[str, bytes, str, str, int]]:
+        """Every volatile replica: (tenant, key, node, tier, size)."""
+        blocks = self._tenants
+        return [(tenant, key, node, tier, blocks[tenant][key][node][tier])
+                for node, held in self._volatile.items() for tenant, key, tier in held]
+
+    async def wait_volatile(self, after: int, timeout: float) -> None:
+        """Return once a change after ``after`` is logged, or after ``timeout`` seconds."""
+        if self.volatile_seq == after:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._logged.wait(), timeout)
+
+    def apply_volatile(self, changes: Iterable[tuple[str, bytes, str, str, int | None]], reset: bool) -> None:
+        """A follower applies what the leader logged (``reset``: a snapshot, replacing what it had)."""
+        if reset:
+            self.drop_volatile()
+        for tenant, key, node, tier, size in changes:
+            if size is None:
+                self._unset_volatile(tenant, key, Replica(node, tier), log=False)
+            else:
+                self._set_volatile(tenant, key, Replica(node, tier), size, log=False)
 
     async def _submit(self, ops: list[Put | Delete]) -> None:
         if self._flusher is None:
@@ -229,6 +328,7 @@ class PlacementIndex:
                     continue
                 self.revision = max(self.revision, revision)
                 self.stats.commits += 1
+                self.stats.txns += -(-len(latest) // TXN_OPS)
                 self.stats.ops += taken
                 self.stats.bytes += sum(len(op.key) + len(getattr(op, "value", b"")) for op in latest.values())
                 self.stats.largest_batch = max(self.stats.largest_batch, taken)

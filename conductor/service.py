@@ -57,6 +57,9 @@ class LeaseExpiredError(Exception):
 
 PINS = b"/tiercake/pins/"
 SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
+VOLATILE_WAIT_S = 2.0  # a follower's long poll for the leader's volatile changes
+VOLATILE_POLL_S = 0.5  # its pause after a failed poll, or while it leads
+VOLATILE_GATHER_S = 0.02  # and after an answer with changes, so the next one gathers a batch
 HEAT_FORWARD_S = 1.0  # how often a follower sends its lookups' access counts to the leader
 MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two sends
 
@@ -76,7 +79,7 @@ class Conductor:
     def __init__(self, meta: MetadataBackend, conductor_id: str | None = None, url: str = "", ttl: int = 3,
                  placement: str = "least_used", replication: str = "fixed", replication_params: dict | None = None,
                  put_timeout: float = 60.0, heat_half_life: float = 10.0, peer_token: str | None = None,
-                 peer_ssl=None) -> None:
+                 peer_ssl=None, volatile_tiers: tuple[str, ...] = ("gpu",)) -> None:
         self.meta = meta
         self.placement = create_placement(placement)
         self.replication = create_replication(replication, replication_params)
@@ -84,10 +87,14 @@ class Conductor:
         self._pending: dict[tuple[str, bytes, str], tuple[str, float]] = {}  # (tenant, key, node) -> tier, deadline
         self.conductor_id = conductor_id or f"conductor-{uuid.uuid4().hex[:8]}"
         self.url = url
-        self.index = PlacementIndex(meta)
+        self.index = PlacementIndex(meta, volatile_tiers=volatile_tiers)
         self.members = Membership(meta)
         self.election = LeaderElection(meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(),
                                        ttl=ttl)
+        # Volatile placements are the leader's alone: a term starts and ends with none (members
+        # re-report theirs to each new term), and a member that leaves takes its own along.
+        self.election.on_change = lambda leading: self.index.drop_volatile()
+        self.members.on_leave = lambda node: self.election.leading.is_set() and self.index.drop_volatile(node)
         # the leader's writes go through only while the election key is still its own (fencing)
         self.guard = Guard(self.election.key, self.election.candidate.encode())
         self.index.guard = self.guard
@@ -97,7 +104,8 @@ class Conductor:
         self.peer_ssl = peer_ssl  # and what they verify each other's https with
         self._heat_out: dict[tuple[str, bytes], int] = {}
         self._heat_forwarder: asyncio.Task | None = None
-        self._leader_client = None  # (url, Client) of the leader the counts go to
+        self._peers: dict[str, Client] = {}  # leader URL -> a client of it (a follower's calls)
+        self._volatile_follower: asyncio.Task | None = None
         self.pins: set[tuple[str, bytes]] = set()
         self.pins_version = 0
         self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
@@ -124,17 +132,19 @@ class Conductor:
             follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings"))
         await self.election.start()
         self._heat_forwarder = asyncio.get_running_loop().create_task(self._forward_heat_forever())
+        if self.index.volatile_tiers:
+            self._volatile_follower = asyncio.get_running_loop().create_task(self._follow_volatile_forever())
         return self
 
     async def close(self) -> None:
         await self.election.resign()
-        if self._leader_client is not None:
-            await self._leader_client[1].close()
-        for task in (self._pin_follower, self._settings_follower, self._heat_forwarder):
+        for task in (self._pin_follower, self._settings_follower, self._heat_forwarder, self._volatile_follower):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        for peer in self._peers.values():
+            await peer.close()
         await self.members.close()
         await self.index.close()
 
@@ -155,6 +165,10 @@ class Conductor:
         if leader is None:
             return False, "no leader elected yet"
         return True, f"leader {leader.conductor_id}"
+
+    async def term(self) -> int:
+        """The current leader's term (see ``LeaderElection.term``): the leader knows its own."""
+        return self.election.won_term if self.is_leader else await self.election.term()
 
     def require_leader(self, leader: ConductorInfo | None) -> None:
         if not self.is_leader:
@@ -303,21 +317,53 @@ class Conductor:
                 self._heat_out.clear()
                 continue
             batch, self._heat_out = self._heat_out, {}
-            try:
-                leader = await self.leader()
-            except MetadataUnavailableError:
+            peer = await self._leader_peer()
+            if peer is None:
                 continue
-            if leader is None or not leader.url or leader.conductor_id == self.conductor_id:
-                continue
-            if self._leader_client is None or self._leader_client[0] != leader.url:
-                if self._leader_client is not None:
-                    await self._leader_client[1].close()
-                self._leader_client = (leader.url, Client([leader.url], token=self.peer_token, timeout=5, retries=1,
-                                                              ssl=self.peer_ssl))
             try:
-                await self._leader_client[1].heat([(t, k, n) for (t, k), n in batch.items()])
+                await peer.heat([(t, k, n) for (t, k), n in batch.items()])
             except ConductorError as exc:
                 log.warning("conductor %s: access counts not sent to the leader: %s", self.conductor_id, exc)
+
+    async def _leader_peer(self) -> Client | None:
+        """A client of the leader, for a follower's calls to it; None when no other conductor leads."""
+        try:
+            leader = await self.leader()
+        except MetadataUnavailableError:
+            return None
+        if leader is None or not leader.url or leader.conductor_id == self.conductor_id:
+            return None
+        if leader.url not in self._peers:  # kept until close: leaders are few, and calls may be in flight
+            self._peers[leader.url] = Client([leader.url], token=self.peer_token, timeout=5, retries=1,
+                                             ssl=self.peer_ssl)
+        return self._peers[leader.url]
+
+    async def _follow_volatile_forever(self) -> None:
+        """A follower mirrors the leader's volatile replicas (the leader alone hears of them): a
+        snapshot first, then each change, by long polls; it starts over whenever the term changes."""
+        term = seq = 0
+        while True:
+            if self.is_leader:
+                term = seq = 0  # on stepping down it starts over from the next leader's snapshot
+                await asyncio.sleep(VOLATILE_POLL_S)
+                continue
+            peer = await self._leader_peer()
+            if peer is None:
+                await asyncio.sleep(VOLATILE_POLL_S)
+                continue
+            try:
+                answer = await peer.volatile(term, seq, wait_s=VOLATILE_WAIT_S)
+            except ConductorError as exc:
+                log.debug("conductor %s: volatile replicas not fetched: %s", self.conductor_id, exc)
+                await asyncio.sleep(VOLATILE_POLL_S)
+                continue
+            if self.is_leader:  # it won meanwhile: its own term began with none
+                continue
+            self.index.apply_volatile(((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size)
+                                       for c in answer.changes), answer.reset)
+            term, seq = answer.term, answer.seq
+            if answer.changes:
+                await asyncio.sleep(VOLATILE_GATHER_S)  # the next answer carries what came meanwhile
 
     # Pins -----------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from conductor_helpers import running_conductor
+from conftest import block
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.service import Conductor
@@ -182,6 +183,59 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
         assert (await client.leader()).conductor_id == "c-two"
         found = await client.lookup("t", [k(i) for i in range(100)])
         assert found["node-a"].length == 100  # every placement committed before the kill
+
+
+async def test_gpu_placements_stay_out_of_etcd_and_come_back_under_a_new_leader(conductors, etcd, make_store):
+    """A worker's gpu tier is volatile: its placements are in the conductors' memory only (the leader
+    hears of them, the follower follows the leader). When the leader is killed, the worker sees the new
+    term in its keep-alive and reports its gpu blocks again; when it leaves, they go with it."""
+    from tiercake.conductor.etcd import EtcdBackend
+    from tiercake.workers.conductor_link import ConductorLink
+
+    meta = await EtcdBackend(etcd.endpoints).start()
+    for prefix in (b"/tiercake/leader/", b"/tiercake/placements/"):
+        for kv in (await meta.range(prefix))[0]:
+            await meta.delete(kv.key)
+    first, url1 = conductors("v-one")
+    await asyncio.sleep(1.0)  # v-one wins the election
+    second, url2 = conductors("v-two")
+    store = await make_store(gpu=4, pool=8, ssd=None)
+    member = MemberInfo(node_id="worker-v", role="worker", tiers={"gpu": 1 << 20, "pool": 1 << 20})
+
+    chains = {"gpu": [k(i) for i in range(3)], "pool": [k(10 + i) for i in range(3)]}
+
+    async def held(tier: str, client: Client, want: int, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = (await client.lookup("t", chains[tier])).get("worker-v")
+            count = found.tiers.get(tier, 0) if found else 0
+            if count == want or time.monotonic() > deadline:
+                return count
+            await asyncio.sleep(0.1)
+
+    async with Client([url2, url1]) as client:
+        link = await ConductorLink(Client([url2, url1]), member, store, ttl=2).start()
+        try:
+            for tier, chain in chains.items():
+                for i, key in enumerate(chain):
+                    await store.put(key, block(i), tier=tier, tenant="t")
+            assert await held("gpu", client, 3) == 3 and await held("pool", client, 3) == 3  # the follower's view
+            async with Client([url1]) as leader:
+                assert await held("gpu", leader, 3) == 3
+            stored = [kv.key.decode() for kv in (await meta.range(b"/tiercake/placements/"))[0]]
+            assert len(stored) == 3 and all(key.endswith("/worker-v/pool") for key in stored)
+            first.send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while (await client.leader()) is None or (await client.leader()).conductor_id != "v-two":
+                assert time.monotonic() < deadline, "no new leader"
+                await asyncio.sleep(0.2)
+            # the durable pool placements were there at once; the gpu ones come back with the re-report
+            assert await held("gpu", client, 3) == 3 and await held("pool", client, 3) == 3
+        finally:
+            await link.close(leave=True)
+            await link.client.close()
+        assert await held("gpu", client, 0) == 0  # gone with the worker that left
+    await meta.close()
 
 
 async def test_many_chains_looked_up_at_once_with_their_sizes(api):
@@ -449,6 +503,68 @@ async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
                 assert resp.status == 400
             async with http.post(leader.url + "/v1/heat", json={"hits": []}) as resp:
                 assert resp.status == 400
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for conductor in reversed(started):
+            await conductor.close()
+        await meta.close()
+
+
+async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
+    """Only the leader hears of gpu replicas; a follower's lookups see them through its feed from the
+    leader (snapshot, then each change), and a worker that leaves is forgotten by both."""
+    from aiohttp import web
+
+    from tiercake.conductor.api import build_app
+    from tiercake.conductor.embedded import EmbeddedBackend
+
+    meta = await EmbeddedBackend().start()
+    started, runners = [], []
+
+    async def seen(conductor: Conductor, keys: list[bytes], want: int) -> int:
+        for _ in range(100):
+            found = conductor.index.lookup("t", keys).get("w")
+            if (found.length if found else 0) == want:
+                break
+            await asyncio.sleep(0.05)
+        return found.length if found else 0
+
+    try:
+        for name in ("leader", "follower"):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            conductor = await Conductor(meta, name, url=url, ttl=1, peer_token="peer-token").start()
+            runner = web.AppRunner(build_app(conductor, ["peer-token"]))
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+            started.append(conductor)
+            runners.append(runner)
+            if name == "leader":
+                await asyncio.wait_for(conductor.election.leading.wait(), 10)
+        leader, follower = started
+        keys = [k(i) for i in range(6)]
+        async with Client([leader.url], token="peer-token") as client:
+            lease = await client.register(MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20}), ttl=30)
+            await client.report("t", "w", "gpu", keys[:4], [1] * 4)
+            assert await seen(follower, keys, 4) == 4
+            await client.report("t", "w", "gpu", keys[4:], [1] * 2)
+            await client.remove("t", "w", "gpu", [keys[3]])
+            assert await seen(follower, keys, 3) == 3 and follower.index.holders("t", keys[5])
+            assert not (await meta.range(b"/tiercake/placements/"))[0]  # none of it in the backend
+            await client.leave("w", lease)
+            assert await seen(leader, keys, 0) == 0 and await seen(follower, keys, 0) == 0
+            assert not follower.index.holders("t", keys[5])
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer peer-token"}) as http:
+            for url, body, status in ((follower.url, {"term": 0, "after": 0}, 503),
+                                      (leader.url, {"term": 0, "after": -1}, 400),
+                                      (leader.url, {"term": 0, "after": 0, "wait_s": 60}, 400)):
+                async with http.post(url + "/v1/placements/volatile", json=body) as resp:
+                    assert resp.status == status, await resp.text()
+            async with http.post(leader.url + "/v1/placements/volatile", json={"term": 0, "after": 0}) as resp:
+                answer = await resp.json()
+                assert answer["reset"] and answer["term"] == leader.election.won_term > 0
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -132,3 +132,65 @@ async def test_add_many_and_last_change_wins_within_a_batch(meta, prefix):
         await index.add_many("t", [k(1)], "node-a", "pool", [])
     await index.close()
     await fresh.close()
+
+
+async def test_volatile_tiers_stay_in_memory_and_go_with_their_node(meta, prefix):
+    """A worker's gpu tier changes with every request: its replicas are served from memory and never
+    written to the backend, so a standby rebuilding from the backend has none; a node that leaves
+    takes its own along, and a new term starts with none."""
+    index = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start()
+    chain = [k(i) for i in range(4)]
+    await index.add_many("t", chain, "worker-a", "gpu", [1] * 4)
+    await index.add_many("t", chain[:2], "worker-b", "gpu", [1] * 2)
+    await index.add_many("t", chain[:3], "node-a", "pool", [1] * 3)
+    await index.remove("t", chain[3], "worker-a", "gpu")
+    found = index.lookup("t", chain)
+    assert {n: p.length for n, p in found.items()} == {"worker-a": 3, "worker-b": 2, "node-a": 3}
+    assert index.stats.ops == 3 and index.stats.volatile_ops == 7  # only the pool's reached the backend
+    kvs, _ = await meta.range(prefix)
+    assert len(kvs) == 3 and not any(kv.key.endswith(b"/gpu") for kv in kvs)
+    fresh = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start(follow=False)
+    assert set(fresh.lookup("t", chain)) == {"node-a"}
+    assert index.drop_volatile("worker-a") == 3 and set(index.lookup("t", chain)) == {"worker-b", "node-a"}
+    assert index.used[("worker-a", "gpu")] == 0
+    assert index.drop_volatile() == 2 and set(index.lookup("t", chain)) == {"node-a"}
+    with pytest.raises(ValueError):  # names are checked as for durable replicas
+        await index.add("t/x", k(9), "worker-a", "gpu", 1)
+    # a gpu replica a conductor that kept gpu durable left in the backend is not loaded
+    durable = await PlacementIndex(meta, prefix).start(follow=False)
+    await durable.add("t", k(7), "worker-c", "gpu", 1)
+    upgraded = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start(follow=False)
+    assert upgraded.lookup("t", [k(7)]) == {}
+    for i in (index, fresh, durable, upgraded):
+        await i.close()
+
+
+async def test_the_volatile_log_answers_changes_in_order_or_asks_for_a_snapshot(meta, prefix):
+    """What a follower conductor reads from the leader: each change after its last one, in order, or
+    None once it fell further behind than the log keeps; a snapshot then replaces what it held."""
+    leader = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"], volatile_log=4).start(follow=False)
+    follower = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start(follow=False)
+    await leader.add_many("t", [k(1), k(2)], "w", "gpu", [10, 20])
+    changes = leader.volatile_changes(0)
+    assert changes == [("t", k(1), "w", "gpu", 10), ("t", k(2), "w", "gpu", 20)] and leader.volatile_changes(2) == []
+    follower.apply_volatile(changes, reset=False)
+    await leader.remove("t", k(1), "w", "gpu")
+    follower.apply_volatile(leader.volatile_changes(2), reset=False)
+    assert follower.holders("t", k(1)) == {} and follower.holders("t", k(2)) == {Replica("w", "gpu"): 20}
+    await leader.add_many("t", [k(3), k(4), k(5), k(6)], "w", "gpu", [1] * 4)
+    assert leader.volatile_changes(2) is None and leader.volatile_changes(99) is None  # behind the log, or ahead
+    assert len(leader.volatile_changes(3)) == 4
+    follower.apply_volatile([("t", k(9), "gone", "gpu", 1)], reset=False)
+    follower.apply_volatile(leader.volatile_snapshot(), reset=True)
+    assert sorted(follower.volatile_snapshot()) == sorted(leader.volatile_snapshot())
+    assert len(follower.volatile_snapshot()) == 5 and follower.holders("t", k(9)) == {}
+    # a node that leaves: its replicas go, and the log tells the followers
+    seq = leader.volatile_seq
+    assert leader.drop_volatile("w") == 5 and all(size is None for *_, size in leader.volatile_changes(seq + 1))
+    waiting = asyncio.create_task(leader.wait_volatile(leader.volatile_seq, 5))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await leader.add("t", k(1), "w", "gpu", 1)
+    await asyncio.wait_for(waiting, 1)  # woken by the change
+    await leader.close()
+    await follower.close()

@@ -505,11 +505,13 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     assert set(figures) == {"ttft.none.cached0", *(f"ttft.{s}.cached{p}" for s in ("gpu", "pool", "ssd")
                                                   for p in (50, 90)),
-                            "metadata.bytes_per_kv_byte", "metadata.ops_per_request"}
+                            "metadata.bytes_per_kv_byte", "metadata.ops_per_request", "metadata.txns_per_request"}
     meta = figures.pop("metadata.bytes_per_kv_byte")
     assert meta["params"]["kv_bytes_moved"] > 0 and meta["params"]["metadata_bytes"] > 0
     assert meta["ratio"] >= 1  # never below one key per block moved
-    assert figures.pop("metadata.ops_per_request")["ratio"] >= 1
+    ops, txns = figures.pop("metadata.ops_per_request"), figures.pop("metadata.txns_per_request")
+    assert ops["ratio"] >= 1 and 1 <= txns["value"] <= ops["value"]  # group commit: fewer transactions than changes
+    assert ops["params"]["volatile_ops"] > 0  # the workers' gpu tiers changed, in memory only
     for name, f in figures.items():
         assert f["value"] > 0 and f["limit"] > 0 and abs(f["ratio"] - f["value"] / f["limit"]) < 1e-9
         if name != "ttft.none.cached0":

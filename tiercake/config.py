@@ -185,6 +185,10 @@ class ConductorConfig(BaseModel):
     replication: str = Field(default="fixed", description="replication policy: fixed, hot")
     replication_params: dict[str, Any] = Field(default_factory=dict)
     put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
+    volatile_tiers: list[str] = Field(default_factory=lambda: ["gpu"], description="tiers whose placements "
+                                      "live in the leading conductor's memory only, not in etcd: they change with "
+                                      "every request and serve only routing; members re-report them to a new "
+                                      "leader, and followers' lookups do without them")
     metrics_open: bool = Field(default=True, description="serve /metrics without the token, so Prometheus scrapes "
                                "it by annotation (it holds counts by member, tier and phase: no tenant, prompt or "
                                "key); false: the token, as every other control endpoint")

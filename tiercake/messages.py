@@ -179,6 +179,10 @@ class KeepAliveReply(Reply):
     pins_version: int
     settings: ClusterSettings = Field(default_factory=ClusterSettings)
     tasks: list[ReplicationTask] = Field(default_factory=list)
+    term: int = Field(default=0, description="the leader's term; when it changes, a member re-reports what it "
+                      "holds in the volatile tiers (the new leader has none of those placements)")
+    volatile_tiers: list[str] = Field(default_factory=list, description="tiers whose placements the conductors "
+                                      "keep in memory only")
 
 
 # Placements --------------------------------------------------------------------------------------
@@ -291,6 +295,34 @@ class HeatRequest(Request):
     """Accesses a follower conductor counted in its lookups (the leader decides replication)."""
 
     hits: list[HeatHit] = Field(min_length=1, max_length=MAX_KEYS)
+
+
+class VolatileChange(Reply):
+    """One change of a volatile tier's replica, as the leader applied it."""
+
+    tenant: Name
+    key: KeyHex
+    node: Name
+    tier: Name
+    size: int | None = Field(ge=0, description="the replica's size; None: it was removed")
+
+
+class VolatileRequest(Request):
+    """A follower asks the leader for the volatile changes after ``after`` of ``term`` (0: none yet)."""
+
+    term: int = Field(ge=0)
+    after: int = Field(ge=0)
+    wait_s: float = Field(default=0.0, ge=0, le=10, description="wait up to this long for a change")
+
+
+class VolatileReply(Reply):
+    """The leader's volatile replicas for a follower: the changes after the follower's ``after``, or
+    (``reset``) every replica it holds, when the follower is in another term or too far behind."""
+
+    term: int
+    seq: int = Field(description="the sequence number of the last change included")
+    reset: bool
+    changes: list[VolatileChange]
 
 
 class CommitReply(Reply):
@@ -453,6 +485,8 @@ class ServingFigures(Reply):
 class MetadataCosts(Reply):
     lookups: int
     durable_ops: int
+    durable_txns: int = 0  # backend transactions the durable changes went in (group-committed)
+    volatile_ops: int = 0  # placement changes kept in the leader's memory only
     durable_bytes: int
     ops_per_request: float
     bytes_per_request: float

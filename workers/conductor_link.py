@@ -7,7 +7,8 @@ replication act on the store and are skipped without one.
 
 When the lease is found expired (the node was paused, partitioned or restarted), the node registers
 again and re-reports everything its store holds, so its blocks (its SSD tier's after a restart)
-become findable again. A conductor that cannot be reached is retried; nothing is dropped: changes
+become findable again. When a new leader's term begins, the node re-reports what it holds in the
+volatile tiers, whose placements only the leader's memory kept. A conductor that cannot be reached is retried; nothing is dropped: changes
 queue up and are sent, coalesced, once it answers.
 """
 
@@ -63,6 +64,7 @@ class ConductorLink:
         self._tasks: list[asyncio.Task] = []
         self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
         self._eviction: dict[str, EvictionSpec] = {}
+        self._term = 0  # the leader's term the volatile tiers were reported in
 
     async def start(self) -> ConductorLink:
         if self.report:
@@ -94,6 +96,7 @@ class ConductorLink:
         if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
             answer = await self.client.keep_alive(self.member.node_id, self.lease)
             self._flush_epoch = answer.settings.flush.epoch
+            self._term = answer.term
         # everything held goes out again: the old lease took the node's placements with it
         for change in self.held.holdings() if self.report else ():
             self._on_change(change)
@@ -113,6 +116,7 @@ class ConductorLink:
                 else:
                     log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
                 continue
+            self._note_term(answer.term, answer.volatile_tiers)
             try:
                 if self.store is not None:  # else nothing here to pin or copy into
                     if answer.pins_version != self._pins_version:
@@ -126,6 +130,17 @@ class ConductorLink:
                 log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
 
     # Reports --------------------------------------------------------------------------------------
+
+    def _note_term(self, term: int, volatile_tiers: list[str]) -> None:
+        """A new leader knows nothing of the volatile tiers' copies: report them all again."""
+        if term and term != self._term:
+            if self._term and self.report and volatile_tiers:
+                again = [c for c in self.held.holdings() if c.tier in volatile_tiers]
+                for change in again:
+                    self._on_change(change)
+                log.info("node %s: new leader (term %d), re-reporting %d copies in %s", self.member.node_id, term,
+                         len(again), ", ".join(volatile_tiers))
+            self._term = term
 
     def _on_change(self, change: BlockChange) -> None:
         self._changes[(change.tenant, change.key, change.tier)] = (change.added, change.nbytes)

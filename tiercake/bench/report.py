@@ -97,7 +97,8 @@ def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **p
     """Metadata cost over a run, from two ``/v1/cluster`` views (before and after): bytes made durable in
     the placement index per KV byte moved (pulled into workers or written to nodes), against the least
     an index could record (one block key per block moved), and metadata operations (lookups and
-    durable placement changes) per request, against one lookup per request."""
+    durable placement changes, or lookups and the backend transactions those changes took) per
+    request, against one lookup per request."""
     from tiercake.blocks import KEY_BYTES
 
     was, now = before.metadata, after.metadata
@@ -111,4 +112,8 @@ def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **p
                    block_bytes=now.block_bytes, **params)
     if served > 0:
         report.add("metadata.ops_per_request", ops / served, "ops", 1.0, limit_name="one lookup per request",
-                   requests_served=served, ops=ops, **params)
+                   requests_served=served, ops=ops, volatile_ops=now.volatile_ops - was.volatile_ops, **params)
+        # what the etcd cluster sees: each group commit's transactions (up to 128 changes each)
+        txns = now.durable_txns + now.lookups - was.durable_txns - was.lookups
+        report.add("metadata.txns_per_request", txns / served, "ops", 1.0, limit_name="one lookup per request",
+                   requests_served=served, transactions=txns - (now.lookups - was.lookups), **params)
