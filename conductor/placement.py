@@ -79,6 +79,8 @@ class IndexStats:
     bytes: int = 0  # of keys and values written to (or deleted from) the backend
     lookups: int = 0
     volatile_ops: int = 0  # placement changes in volatile tiers, kept in memory only
+    # durable changes by tier and kind ("pool+": added to a pool, "ssd-": removed from an SSD tier)
+    changes: Counter = field(default_factory=Counter)
     largest_batch: int = 0
     # called with (operations, seconds) of every flushed batch (the API feeds its histograms)
     on_batch: Callable[[int, float], None] | None = None
@@ -212,6 +214,7 @@ class PlacementIndex:
             self.stats.volatile_ops += len(keys)
             return
         ops = [Put(self._meta_key(tenant, key, replica), b'{"size": %d}' % size, lease) for key, size in zip(keys, sizes)]
+        self.stats.changes[tier + "+"] += len(ops)
         await self._submit(ops)
         for key, size in zip(keys, sizes):
             self._set(tenant, key, replica, size)
@@ -223,6 +226,7 @@ class PlacementIndex:
             self._unset_volatile(tenant, key, replica, log=True)
             self.stats.volatile_ops += 1
             return
+        self.stats.changes[tier + "-"] += 1
         await self._submit([Delete(self._meta_key(tenant, key, replica))])
         self._unset(tenant, key, replica)
 

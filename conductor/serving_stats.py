@@ -165,7 +165,8 @@ class ServingStats:
         ops = index_stats.ops + index_stats.lookups
         return MetadataCosts(
             lookups=index_stats.lookups, durable_ops=index_stats.ops, durable_txns=index_stats.txns,
-            volatile_ops=index_stats.volatile_ops, durable_bytes=index_stats.bytes,
+            volatile_ops=index_stats.volatile_ops, durable_changes=dict(index_stats.changes),
+            durable_bytes=index_stats.bytes,
             ops_per_request=ops / requests, bytes_per_request=index_stats.bytes / requests,
             kv_bytes_moved=self.kv_bytes_moved, block_bytes=self.block_nbytes,
             metadata_bytes_per_kv_byte=index_stats.bytes / self.kv_bytes_moved if self.kv_bytes_moved else 0.0,

@@ -487,6 +487,7 @@ class MetadataCosts(Reply):
     durable_ops: int
     durable_txns: int = 0  # backend transactions the durable changes went in (group-committed)
     volatile_ops: int = 0  # placement changes kept in the leader's memory only
+    durable_changes: dict[str, int] = Field(default_factory=dict)  # by tier and kind: "pool+", "ssd-", ...
     durable_bytes: int
     ops_per_request: float
     bytes_per_request: float

@@ -112,7 +112,9 @@ def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **p
                    block_bytes=now.block_bytes, **params)
     if served > 0:
         report.add("metadata.ops_per_request", ops / served, "ops", 1.0, limit_name="one lookup per request",
-                   requests_served=served, ops=ops, volatile_ops=now.volatile_ops - was.volatile_ops, **params)
+                   requests_served=served, ops=ops, volatile_ops=now.volatile_ops - was.volatile_ops,
+                   durable_changes={kind: n - was.durable_changes.get(kind, 0) for kind, n in now.durable_changes.items()},
+                   **params)
         # what the etcd cluster sees: each group commit's transactions (up to 128 changes each)
         txns = now.durable_txns + now.lookups - was.durable_txns - was.lookups
         report.add("metadata.txns_per_request", txns / served, "ops", 1.0, limit_name="one lookup per request",
