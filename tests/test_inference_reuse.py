@@ -402,3 +402,45 @@ def test_top_p_samples_only_from_the_nucleus():
     assert {next_token(logits, 1.0, g, top_p=0.5) for _ in range(200)} == {0}
     assert {next_token(logits, 1.0, g, top_p=0.9) for _ in range(400)} == {0, 1, 2}  # 0.968 > 0.9: 3 is out
     assert {next_token(logits, 1.0, g) for _ in range(2000)} == {0, 1, 2, 3}
+
+
+async def test_a_waiting_request_has_its_ssd_prefix_staged_into_the_pool_meanwhile(cluster, model):
+    """Prefetching that acts: a request that must wait for the worker (another prefill runs) has the
+    node bring the prefix it holds only on SSD into its pool meanwhile; its load then reads the pool,
+    and the answer is the recomputed one."""
+    from tiercake.messages import GenerateRequest, KVHandoff
+    from tiercake.workers.scheduler import Scheduler
+
+    node = await cluster.node("node-p", pool=True, ssd=True)
+    writer = await cluster.worker(model, "w-writer", write_to=node)
+    await generate(writer, PROMPT)
+    await writer.flush()
+    n = full_blocks(PROMPT)
+    await wait_indexed(cluster.url, "default", PROMPT, "node-p", n)
+    await node["store"].flush(["pool"])  # demoted: only the node's SSD holds the prefix now
+    assert all(node["store"].where(key) == ["ssd"] for key in keys_of(PROMPT)[:n])
+    reader = await cluster.worker(model, "w-reader", transports=("tcp",), blocks=256)
+    scheduler = Scheduler(reader, prefetch=True).start()
+    try:
+        busy = asyncio.create_task(collect(scheduler, GenerateRequest(tokens=[7] * 1500, max_tokens=1)))
+        await asyncio.sleep(0)
+        source = KVHandoff(node="node-p", blocks=n, tier="ssd", runs=[("ssd", n)])
+        events = await collect(scheduler, GenerateRequest(tokens=encode(PROMPT), max_tokens=6, source=source))
+        await busy
+    finally:
+        await scheduler.close()
+    assert reader.staged_blocks == n
+    assert events[0].stats.sources == {"node-p:pool": n}  # read from memory, staged while it waited
+    assert all(node["store"].where(key)[0] == "pool" for key in keys_of(PROMPT)[:n])
+    reference_tokens, _ = await recompute(model, PROMPT)
+    assert [e.token for e in events] == reference_tokens
+
+
+async def collect(scheduler, request):
+    return [event async for event in scheduler.generate(request)]
+
+
+def keys_of(text: str, tenant: str = "default") -> list[bytes]:
+    from tiercake.blocks import block_keys
+
+    return block_keys(NS.model_copy(update={"tenant_salt": tenant}), encode(text))

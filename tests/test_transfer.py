@@ -483,6 +483,31 @@ async def test_delete_removes_every_copy_and_refuses_a_block_being_read(node):
     await engine.close()
 
 
+async def test_stage_brings_disk_only_blocks_into_the_pool_within_a_bound(tmp_path):
+    """A prefetch: blocks the node holds only on SSD are copied up into its pool ahead of a read; the
+    bound (a quarter of the memory tiers per call) keeps one call from flushing the pool."""
+    store, server = await start_node("node-b", pool_bytes=64 * KB * 4, ssd_dir=tmp_path / "ssd")
+    engine = engine_for(server)
+    try:
+        keys = [f"stage-{i}".encode() for i in range(4)]
+        assert all(r.ok for r in await engine.write_blocks("node-b", keys, [payload(i, 32 * KB) for i in range(4)]))
+        await store.flush(["pool"])  # pushed down: only the SSD tier holds them now
+        assert all(store.where(k) == ["ssd"] for k in keys)
+        staged = await engine.stage_blocks("node-b", keys + [b"never-written"])
+        # 64 KiB of a 256 KiB pool per call: the first two come up, the rest stay on disk
+        assert [r.ok for r in staged] == [True, True, False, False, False]
+        assert [r.error.status for r in staged[2:]] == [Status.FULL, Status.FULL, Status.NOT_FOUND]
+        assert store.where(keys[0]) == ["pool", "ssd"] and store.where(keys[2]) == ["ssd"]
+        again = await engine.stage_blocks("node-b", keys[:3])  # in memory already: nothing to bring
+        assert [r.ok for r in again] == [True, True, True]
+        out = torch.empty(32 * KB, dtype=torch.uint8)
+        (read,) = await engine.read_blocks("node-b", [keys[1]], [out])
+        assert read.ok and torch.equal(out, payload(1, 32 * KB))
+    finally:
+        await engine.close()
+        await stop_node(store, server)
+
+
 async def test_delete_on_a_dead_peer_fails_every_item_in_time(node):
     _, server = node
     engine = TransferEngine("node-a", SECRET, transports=("tcp",), connect_timeout=0.5)

@@ -696,6 +696,47 @@ class TieredStore:
         self._commit_copy(entry, copy)
         up.stats.promotions_in += 1
 
+    async def stage(self, keys: list[bytes], max_bytes: int) -> list[StoreError | None]:
+        """Bring blocks held only on a disk tier into the memory tier above it, ahead of a read that
+        is coming (a queued request's prefix): per key None once a memory tier holds it,
+        ``ObjectNotFoundError``, or ``TierFullError`` when it stayed on disk (not admitted, no room,
+        or past ``max_bytes`` staged by this call, which bounds what one call can evict). The
+        memory tier's eviction policy picks what makes room, as for any promotion."""
+        results: list[StoreError | None] = []
+        staged = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or not entry.committed():
+                results.append(ObjectNotFoundError(f"no committed block {_short(key)}"))
+                continue
+            index = entry.committed()[0]
+            copy = entry.copies[index]
+            if copy.tier.backend.in_memory:
+                results.append(None)
+                continue
+            if index == 0 or staged + entry.nbytes > max_bytes:
+                results.append(TierFullError(f"block {_short(key)} stays on {copy.tier.name}: "
+                                             + ("no memory tier above it" if index == 0 else "over this call's bound")))
+                continue
+            data = torch.empty(entry.nbytes, dtype=torch.uint8)
+            try:
+                await self._read_copy(entry, copy, data)
+            except CorruptBlockError as exc:
+                log.warning("store: %s", exc)
+                copy.tier.stats.corrupt += 1
+                await self._drop_copy(entry, index)
+                results.append(ObjectNotFoundError(str(exc)))
+                continue
+            await self._promote(entry, index, data)
+            up = entry.copies.get(index - 1)
+            if up is not None and up.state is State.COMMITTED:
+                staged += entry.nbytes
+                results.append(None)
+            else:
+                results.append(TierFullError(f"block {_short(key)} stays on {copy.tier.name}: "
+                                             f"{self.tiers[index - 1].name} did not take it"))
+        return results
+
     @contextlib.asynccontextmanager
     async def read(self, key: bytes) -> AsyncIterator[BlockView]:
         """Lease the block for in-place reading. Blocks only on disk are read into a private buffer

@@ -192,9 +192,16 @@ class PeerConnection:
 
     async def delete(self, keys: list[bytes]) -> list[p.ItemError | None]:
         """Remove every copy of each block on the peer; per-item errors (NOT_FOUND, LEASED, PINNED)."""
+        return await self._keys_op(Op.DELETE, Op.DELETE_REPLY, keys)
+
+    async def stage(self, keys: list[bytes]) -> list[p.ItemError | None]:
+        """Have the peer bring blocks only on its disk into memory; per-item errors (NOT_FOUND, FULL)."""
+        return await self._keys_op(Op.STAGE, Op.STAGE_REPLY, keys)
+
+    async def _keys_op(self, op: Op, answer: Op, keys: list[bytes]) -> list[p.ItemError | None]:
         async with self._request() as request:
-            await send_frame(self.sock, Op.DELETE, request, p.encode_delete(keys))
-            replies = p.decode_statuses(await self._reply(request, Op.DELETE_REPLY))
+            await send_frame(self.sock, op, request, p.encode_keys(keys))
+            replies = p.decode_statuses(await self._reply(request, answer))
             check_count(replies, keys)
         return [None if r.status is Status.OK else item_error(r, self.address.node_id) for r in replies]
 

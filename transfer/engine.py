@@ -317,6 +317,33 @@ class TransferEngine:
     async def delete_blocks(self, node: str, keys: list[bytes], timeout: float | None = None) -> list[TransferResult]:
         """Remove each key's every copy on ``node``. An item fails alone: ``Status.NOT_FOUND`` (nothing
         to remove), ``LEASED`` (a reader holds it now: retry), ``PINNED`` (hard-pinned there)."""
+        async def here(store) -> list[BaseException | None]:
+            errors: list[BaseException | None] = []
+            for key in keys:
+                try:
+                    await store.remove(key)
+                    errors.append(None)
+                except StoreError as exc:
+                    errors.append(exc)
+            return errors
+
+        return await self._keys_op(node, keys, "delete", here, lambda conn: conn.delete(keys), timeout)
+
+    async def stage_blocks(self, node: str, keys: list[bytes], timeout: float | None = None) -> list[TransferResult]:
+        """Ask ``node`` to bring the blocks it holds only on disk into its memory tier, ahead of a read
+        (a prefetch: nothing moves here). An item fails alone: ``NOT_FOUND``, or ``FULL`` when it
+        stays on disk (not admitted, no room, or past the node's bound for one call)."""
+        async def here(store) -> list[BaseException | None]:
+            bound = sum(t.backend.capacity_bytes for t in store.tiers if t.backend.in_memory) // 4
+            return list(await store.stage(keys, bound))
+
+        return await self._keys_op(node, keys, "stage", here, lambda conn: conn.stage(keys),
+                                   timeout if timeout is not None else self.deadline_for(len(keys) * (1 << 20)))
+
+    async def _keys_op(self, node: str, keys: list[bytes], what: str, here, there,
+                       timeout: float | None) -> list[TransferResult]:
+        """A control op over keys on ``node``: ``here(store)`` on this process's own store, else
+        ``there(connection)`` on the node's; each item's result apart."""
         results = [TransferResult(False) for _ in keys]
         if not keys:
             return results
@@ -326,20 +353,14 @@ class TransferEngine:
                 if peer.channel is None:  # this process's own store
                     if self.store is None:
                         raise p.ItemError("this engine has no local store", Status.NOT_FOUND)
-                    errors = []
-                    for key in keys:
-                        try:
-                            await self.store.remove(key)
-                            errors.append(None)
-                        except StoreError as exc:
-                            errors.append(exc)
+                    errors = await here(self.store)
                 else:
                     async with peer.channel.connection() as conn:
-                        errors = await conn.delete(keys)
+                        errors = await there(conn)
         except (p.TransferError, OSError) as exc:
             errors = [exc] * len(keys)
         except TimeoutError:
-            errors = [TimeoutError(f"delete on {node} did not finish in time")] * len(keys)
+            errors = [TimeoutError(f"{what} on {node} did not finish in time")] * len(keys)
         for result, err in zip(results, errors):
             result.ok, result.error, result.transport = err is None, err, "control"
         return results

@@ -22,6 +22,8 @@ Operations (one request in flight per connection; the client keeps several conne
     RELEASE     table of (key, lease id)  ->  RELEASE_REPLY
     DELETE      table of (key)  ->  DELETE_REPLY table of (status): every copy of each block removed,
                 refused per item while a reader holds it (LEASED) or it is hard-pinned (PINNED)
+    STAGE       table of (key)  ->  STAGE_REPLY table of (status): blocks only on disk brought into the
+                memory tier above it ahead of a read (OK: in memory now; FULL: stays on disk)
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class Op(enum.IntEnum):
     UCX_HELLO = 20  # exchange UCX worker addresses (both directions use the same op)
     DELETE = 21
     DELETE_REPLY = 22
+    STAGE = 23
+    STAGE_REPLY = 24
 
 
 class Status(enum.IntEnum):
@@ -134,7 +138,7 @@ STATUS_DT = _dt(("status", "u1"), ("mlen", "<u2"))
 LEASE_DT = _dt(("klen", "u1"), ("length", "<u8"), ("ttl", "<f8"))
 LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("offset", "<u8"), ("length", "<u8"), ("lease", "<u8"))
 RELEASE_DT = _dt(("klen", "u1"), ("lease", "<u8"))
-DELETE_DT = _dt(("klen", "u1"),)
+KEYS_DT = _dt(("klen", "u1"),)
 
 _STATUSES = {int(s): s for s in Status}
 
@@ -304,12 +308,13 @@ def decode_release(body: bytes) -> list[tuple[bytes, int]]:
     return [(f[0], lease) for f, lease in zip(fields, records["lease"].tolist())]
 
 
-def encode_delete(keys: list[bytes]) -> bytes:
-    return _encode(DELETE_DT, [(len(_key(k)),) for k in keys], keys)
+def encode_keys(keys: list[bytes]) -> bytes:
+    """A table of keys alone (DELETE, STAGE)."""
+    return _encode(KEYS_DT, [(len(_key(k)),) for k in keys], keys)
 
 
-def decode_delete(body: bytes) -> list[bytes]:
-    _, fields = _decode(DELETE_DT, body, ("klen",))
+def decode_keys(body: bytes) -> list[bytes]:
+    _, fields = _decode(KEYS_DT, body, ("klen",))
     return [f[0] for f in fields]
 
 

@@ -214,6 +214,8 @@ class TransferServer:
                     await self._write(session, flags, request, body)
                 elif op is Op.DELETE:
                     await self._delete(session, request, body)
+                elif op is Op.STAGE:
+                    await self._stage(session, request, body)
                 elif op in session.ops:
                     await session.ops[op].handle(op, flags, request, body)
                 else:
@@ -274,13 +276,23 @@ class TransferServer:
 
     async def _delete(self, session: Session, request: int, body: bytearray) -> None:
         replies = []
-        for key in p.decode_delete(body):
+        for key in p.decode_keys(body):
             try:
                 await self.store.remove(key)
                 replies.append(ReplyItem(Status.OK))
             except (StoreError, ValueError, TypeError) as exc:
                 replies.append(ReplyItem(status_of(exc), message=str(exc)))
         await send_frame(session.conn, Op.DELETE_REPLY, request, p.encode_statuses(replies))
+
+    # STAGE ----------------------------------------------------------------------------------------
+
+    async def _stage(self, session: Session, request: int, body: bytearray) -> None:
+        """Blocks a reader will ask for soon, from disk into memory; one call stages at most a quarter
+        of the memory tiers, so a prefetch cannot flush what the node serves now."""
+        bound = sum(t.backend.capacity_bytes for t in self.store.tiers if t.backend.in_memory) // 4
+        errors = await self.store.stage(p.decode_keys(body), bound)
+        replies = [ReplyItem(Status.OK) if e is None else ReplyItem(status_of(e), message=str(e)) for e in errors]
+        await send_frame(session.conn, Op.STAGE_REPLY, request, p.encode_statuses(replies))
 
     # WRITE ----------------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import math
 import logging
 import time
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -31,6 +32,8 @@ from .model import PagedChunk, ReferenceModel
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # requests that name no tenant
+MEMORY_TIERS = frozenset({"gpu", "pool"})  # tiers a read finds in memory: nothing there to stage
+STAGE_TIER = "pool"  # where a node stages disk blocks (its memory tier above the disk)
 
 
 class ContextLimitError(RequestRejected):
@@ -80,6 +83,7 @@ class InferenceEngine:
         self._writes: set[asyncio.Task] = set()
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
         self._members_at = 0.0
+        self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
 
     def namespace_for(self, tenant_salt: str) -> Namespace:
         return self.namespace.model_copy(update={"tenant_salt": tenant_salt})
@@ -87,13 +91,15 @@ class InferenceEngine:
     # Prefill --------------------------------------------------------------------------------------
 
     async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
-                      max_new_tokens: int = 0, pull: bool = True, source: KVHandoff | None = None) -> Sequence:
+                      max_new_tokens: int = 0, pull: bool = True, source: KVHandoff | None = None,
+                      staged: frozenset[bytes] | set[bytes] = frozenset()) -> Sequence:
         """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
         hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
         nodes hold beyond the own gpu tier's prefix (the router may say not to). ``source``:
         where to pull the prefix from without asking the index (the front routed with the index
-        already; a decode worker taking over knows where the prefill worker wrote the blocks)."""
+        already; a decode worker taking over knows where the prefill worker wrote the blocks).
+        ``staged``: keys ``stage`` had the source bring into memory (their loads count as its pool's)."""
         try:
             self.model.check_tokens(tokens)
         except ValueError as exc:
@@ -107,7 +113,7 @@ class InferenceEngine:
         own = self.kv.cached_prefix(reusable)
         stats.sources = {"gpu": own} if own else {}
         if pull and own < len(reusable) and self.conductor is not None and self.transfer is not None:
-            await self._load(tenant, reusable, own, stats, source)
+            await self._load(tenant, reusable, own, stats, source, staged)
         table = self.kv.open(reusable)
         cached = table.cached * self.block_size
         stats.cached_tokens = cached
@@ -132,7 +138,7 @@ class InferenceEngine:
         return seq
 
     async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats,
-                    source: KVHandoff | None = None) -> None:
+                    source: KVHandoff | None = None, staged: frozenset[bytes] | set[bytes] = frozenset()) -> None:
         """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
         started = time.perf_counter()
         try:
@@ -167,12 +173,38 @@ class InferenceEngine:
                 break
             loaded += 1
         if loaded:  # each block credited to the tier it came from (by the index's runs)
+            if staged and prefix.runs:  # ... but what was staged came from memory
+                tiers = [tier for tier, n in prefix.runs for _ in range(n)]
+                for i in range(own, min(own + loaded, len(tiers))):
+                    if keys[i] in staged:
+                        tiers[i] = STAGE_TIER
+                prefix = prefix.model_copy(update={"runs": [(t, len(list(g))) for t, g in groupby(tiers)]})
             served = prefix.served_from(own, loaded)
             for tier, count in served.items():
                 stats.sources[f"{node}:{tier}"] = count
             stats.load_tier = max(served, key=served.get)
             stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
+
+    async def stage(self, tokens: list[int], tenant: str, salt: str | None, source: KVHandoff) -> frozenset[bytes]:
+        """A prefetch for a request that waits: ask ``source``'s node to bring the prefix blocks it
+        holds only on disk (by the index's runs) into its memory; returns the keys now there. Best
+        effort: a failure only means the load reads the disk, as without it."""
+        if self.transfer is None or not source.runs:
+            return frozenset()
+        keys = block_keys(self.namespace_for(tenant if salt is None else salt), tokens)
+        keys = keys[: min(source.blocks, (len(tokens) - 1) // self.block_size)]
+        tiers = [tier for tier, n in source.runs for _ in range(n)]
+        wanted = [key for key, tier in zip(keys, tiers) if tier not in MEMORY_TIERS]
+        if not wanted or not await self._reachable(source.node):
+            return frozenset()
+        try:
+            results = await self.transfer.stage_blocks(source.node, wanted)
+        except Exception as exc:  # noqa: BLE001 - a prefetch never fails the request
+            log.info("worker %s: staging on %s failed: %s", self.worker_id, source.node, exc)
+            return frozenset()
+        self.staged_blocks += sum(r.ok for r in results)
+        return frozenset(key for key, r in zip(wanted, results) if r.ok)
 
     async def _reachable(self, node: str, force: bool = False) -> bool:
         """A node agent the transfer engine can reach (workers hold blocks too, but serve none).

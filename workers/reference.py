@@ -62,7 +62,7 @@ class ReferenceEngine(ServingEngine):
             )
             self._closers.append(self.inference.flush)
             self._perf = await asyncio.to_thread(calibrate, self.inference, self.data_dir)
-            self.scheduler = Scheduler(self.inference, serving.max_batch).start()
+            self.scheduler = Scheduler(self.inference, serving.max_batch, prefetch=serving.prefetch).start()
             self._closers.append(self.scheduler.close)
         except BaseException:
             await self.close()

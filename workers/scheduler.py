@@ -33,11 +33,14 @@ class _Running:
     cancelled: bool = False
     pending: int = 0  # the token the next decode step feeds
     started: float = field(default_factory=time.monotonic)
+    staging: asyncio.Task | None = None  # the prefix's prefetch while the job waits: the keys it staged
 
 
 class Scheduler:
-    def __init__(self, engine: InferenceEngine, max_batch: int = 32, max_prefills: int = 1) -> None:
+    def __init__(self, engine: InferenceEngine, max_batch: int = 32, max_prefills: int = 1,
+                 prefetch: bool = False) -> None:
         self.engine = engine
+        self.prefetch = prefetch  # stage a waiting job's prefix into the node's memory
         self.max_batch = max_batch
         # prefills at once: each holds its whole prompt's blocks from its start, so more than one
         # at a time would let a burst of long prompts exhaust the gpu tier that one at a time fits
@@ -75,6 +78,11 @@ class Scheduler:
         job = _Running(request, asyncio.Queue())
         if request.seed is not None:
             job.generator = torch.Generator().manual_seed(request.seed)
+        if self.prefetch and request.pull and request.source is not None and (
+                not self._waiting.empty() or len(self._prefilling) >= self.max_prefills):
+            # it will wait: meanwhile the node brings what it holds of the prefix only on disk into memory
+            job.staging = asyncio.get_running_loop().create_task(
+                self.engine.stage(request.tokens, request.tenant, request.salt, request.source))
         await self._waiting.put(job)
         self._wake.set()
         try:
@@ -112,8 +120,9 @@ class Scheduler:
     async def _admit(self, job: _Running) -> None:
         r = job.request
         try:
+            staged = job.staging.result() if job.staging is not None and job.staging.done() else frozenset()
             job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens,
-                                                pull=r.pull, source=r.source)
+                                                pull=r.pull, source=r.source, staged=staged)
         except asyncio.CancelledError:
             job.out.put_nowait(RuntimeError("worker shutting down"))
             raise
