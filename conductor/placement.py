@@ -221,14 +221,21 @@ class PlacementIndex:
 
     async def remove(self, tenant: str, key: bytes, node: str, tier: str) -> None:
         """Forget a replica (evicted, demoted or removed on its node); returns once durable."""
+        await self.remove_many(tenant, [key], node, tier)
+
+    async def remove_many(self, tenant: str, keys: list[bytes], node: str, tier: str) -> None:
+        """Forget replicas of many blocks on one node and tier; returns once all are durable. They
+        travel as one item of the group commit."""
         replica = Replica(node, tier)
         if tier in self.volatile_tiers:
-            self._unset_volatile(tenant, key, replica, log=True)
-            self.stats.volatile_ops += 1
+            for key in keys:
+                self._unset_volatile(tenant, key, replica, log=True)
+            self.stats.volatile_ops += len(keys)
             return
-        self.stats.changes[tier + "-"] += 1
-        await self._submit([Delete(self._meta_key(tenant, key, replica))])
-        self._unset(tenant, key, replica)
+        self.stats.changes[tier + "-"] += len(keys)
+        await self._submit([Delete(self._meta_key(tenant, key, replica)) for key in keys])
+        for key in keys:
+            self._unset(tenant, key, replica)
 
     # Volatile replicas ----------------------------------------------------------------------------
 

@@ -287,8 +287,8 @@ class Conductor:
         """The node no longer holds these blocks in ``tier``: returns (removed, unknown), unknown being
         replicas the index never had (nothing to do for them)."""
         held = [k for k in keys if Replica(node, tier) in self.index.holders(tenant, k)]
-        for key in held:
-            await self.index.remove(tenant, key, node, tier)
+        if held:
+            await self.index.remove_many(tenant, held, node, tier)
         return len(held), len(keys) - len(held)
 
     def lookup(self, tenant: str, keys: list[bytes]) -> dict:

@@ -43,6 +43,19 @@ async def test_group_commit_batches_concurrent_adds(meta, prefix):
     await fresh.close()
 
 
+async def test_removing_many_replicas_is_one_item_of_the_group_commit(meta, prefix):
+    index = await PlacementIndex(meta, prefix).start(follow=False)
+    keys = [k(i) for i in range(300)]
+    await index.add_many("t", keys, "node-a", "pool", [1] * 300)
+    before = index.stats.txns
+    await index.remove_many("t", keys[:290], "node-a", "pool")
+    assert index.stats.txns - before == 3 and index.stats.changes["pool-"] == 290  # ceil(290 / 128)
+    fresh = await PlacementIndex(meta, prefix).start(follow=False)
+    assert len(fresh) == 10
+    await index.close()
+    await fresh.close()
+
+
 async def test_longest_prefix_per_node_and_tenants_apart(meta, prefix):
     index = await PlacementIndex(meta, prefix).start(follow=False)
     chain = [k(i) for i in range(6)]

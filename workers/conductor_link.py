@@ -158,19 +158,25 @@ class ConductorLink:
             groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]] = defaultdict(list)
             for (tenant, key, tier), (added, nbytes) in pending.items():
                 groups[(added, tenant, tier)].append((key, nbytes))
-            try:
-                for (added, tenant, tier), blocks in groups.items():
-                    keys = [k for k, _ in blocks]
-                    if added:
-                        await self.client.report(tenant, self.member.node_id, tier, keys, [n for _, n in blocks])
-                    else:
-                        await self.client.remove(tenant, self.member.node_id, tier, keys)
-                    log.debug("node %s: reported %s %d blocks of %s in %s", self.member.node_id,
-                              "new" if added else "gone", len(keys), tenant, tier)
-            except ConductorError:
+            # all at once: each copy is in one group only, and the conductor's group commit then makes
+            # the round one batch of transactions instead of one per group
+            outcomes = await asyncio.gather(*(self._send_group(added, tenant, tier, blocks)
+                                              for (added, tenant, tier), blocks in groups.items()),
+                                            return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
                 for copy, state in pending.items():  # keep them, unless a newer change came meanwhile
                     self._changes.setdefault(copy, state)
-                raise
+                raise failed[0]
+
+    async def _send_group(self, added: bool, tenant: str, tier: str, blocks: list[tuple[bytes, int]]) -> None:
+        keys = [k for k, _ in blocks]
+        if added:
+            await self.client.report(tenant, self.member.node_id, tier, keys, [n for _, n in blocks])
+        else:
+            await self.client.remove(tenant, self.member.node_id, tier, keys)
+        log.debug("node %s: reported %s %d blocks of %s in %s", self.member.node_id, "new" if added else "gone",
+                  len(keys), tenant, tier)
 
     async def _report_forever(self) -> None:
         while True:
