@@ -276,7 +276,8 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         web.post("/v1/placements/commit", commit), web.post("/v1/placements/revoke", revoke),
         web.post("/v1/placements/report", report), web.post("/v1/placements/remove", remove),
         web.post("/v1/placements/pin", pin), web.post("/v1/placements/unpin", unpin), web.post("/v1/heat", heat),
-        web.post("/v1/placements/volatile", volatile), web.get("/v1/nodes/{node}/blocks", node_blocks), web.get("/v1/nodes/{node}/pins", node_pins),
+        web.post("/v1/placements/volatile", volatile),
+        web.get("/v1/nodes/{node}/blocks", node_blocks), web.get("/v1/nodes/{node}/pins", node_pins),
     ]
 
 

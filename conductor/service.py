@@ -94,7 +94,7 @@ class Conductor:
         # Volatile placements are the leader's alone: a term starts and ends with none (members
         # re-report theirs to each new term), and a member that leaves takes its own along.
         self.election.on_change = lambda leading: self.index.drop_volatile()
-        self.members.on_leave = lambda node: self.election.leading.is_set() and self.index.drop_volatile(node)
+        self.members.on_leave = self._member_left
         # the leader's writes go through only while the election key is still its own (fencing)
         self.guard = Guard(self.election.key, self.election.candidate.encode())
         self.index.guard = self.guard
@@ -165,6 +165,10 @@ class Conductor:
         if leader is None:
             return False, "no leader elected yet"
         return True, f"leader {leader.conductor_id}"
+
+    def _member_left(self, node: str) -> None:
+        if self.election.leading.is_set():  # the leader's log tells the followers
+            self.index.drop_volatile(node)
 
     async def term(self) -> int:
         """The current leader's term (see ``LeaderElection.term``): the leader knows its own."""

@@ -696,12 +696,15 @@ class TieredStore:
         self._commit_copy(entry, copy)
         up.stats.promotions_in += 1
 
-    async def stage(self, keys: list[bytes], max_bytes: int) -> list[StoreError | None]:
+    async def stage(self, keys: list[bytes], max_bytes: int | None = None) -> list[StoreError | None]:
         """Bring blocks held only on a disk tier into the memory tier above it, ahead of a read that
         is coming (a queued request's prefix): per key None once a memory tier holds it,
         ``ObjectNotFoundError``, or ``TierFullError`` when it stayed on disk (not admitted, no room,
-        or past ``max_bytes`` staged by this call, which bounds what one call can evict). The
-        memory tier's eviction policy picks what makes room, as for any promotion."""
+        or past ``max_bytes`` staged by this call, which bounds what one call can evict; default a
+        quarter of the memory tiers, so a prefetch cannot flush what is served now). The memory
+        tier's eviction policy picks what makes room, as for any promotion."""
+        if max_bytes is None:
+            max_bytes = sum(t.backend.capacity_bytes for t in self.tiers if t.backend.in_memory) // 4
         results: list[StoreError | None] = []
         staged = 0
         for key in keys:

@@ -334,8 +334,7 @@ class TransferEngine:
         (a prefetch: nothing moves here). An item fails alone: ``NOT_FOUND``, or ``FULL`` when it
         stays on disk (not admitted, no room, or past the node's bound for one call)."""
         async def here(store) -> list[BaseException | None]:
-            bound = sum(t.backend.capacity_bytes for t in store.tiers if t.backend.in_memory) // 4
-            return list(await store.stage(keys, bound))
+            return list(await store.stage(keys))
 
         return await self._keys_op(node, keys, "stage", here, lambda conn: conn.stage(keys),
                                    timeout if timeout is not None else self.deadline_for(len(keys) * (1 << 20)))

@@ -287,10 +287,8 @@ class TransferServer:
     # STAGE ----------------------------------------------------------------------------------------
 
     async def _stage(self, session: Session, request: int, body: bytearray) -> None:
-        """Blocks a reader will ask for soon, from disk into memory; one call stages at most a quarter
-        of the memory tiers, so a prefetch cannot flush what the node serves now."""
-        bound = sum(t.backend.capacity_bytes for t in self.store.tiers if t.backend.in_memory) // 4
-        errors = await self.store.stage(p.decode_keys(body), bound)
+        """Blocks a reader will ask for soon, from disk into memory (within the store's bound)."""
+        errors = await self.store.stage(p.decode_keys(body))
         replies = [ReplyItem(Status.OK) if e is None else ReplyItem(status_of(e), message=str(e)) for e in errors]
         await send_frame(session.conn, Op.STAGE_REPLY, request, p.encode_statuses(replies))
 

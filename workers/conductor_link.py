@@ -8,8 +8,8 @@ replication act on the store and are skipped without one.
 When the lease is found expired (the node was paused, partitioned or restarted), the node registers
 again and re-reports everything its store holds, so its blocks (its SSD tier's after a restart)
 become findable again. When a new leader's term begins, the node re-reports what it holds in the
-volatile tiers, whose placements only the leader's memory kept. A conductor that cannot be reached is retried; nothing is dropped: changes
-queue up and are sent, coalesced, once it answers.
+volatile tiers, whose placements only the leader's memory kept. A conductor that cannot be reached is
+retried; nothing is dropped: changes queue up and are sent, coalesced, once it answers.
 """
 
 from __future__ import annotations
