@@ -150,6 +150,9 @@ def _pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
+MEMORY_TIERS = ("gpu", "pool")  # a node's tiers a load reads from memory
+
+
 def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params) -> Report:
     """Figures: TTFT P50/P99 against the requests with nothing cached; load time per source tier
     against those requests' TTFT; hit ratio, in all and per source tier, against the trace's ceiling
@@ -188,6 +191,14 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     for tier, tokens in sorted(by_tier.items()):
         rep.add(f"hit_ratio.tokens.{tier}", tokens / prompt if prompt else 0.0, "ratio", ceiling,
                 limit_name="infinite cache (simulated)", **common)
+    pulled = {"memory": 0, "disk": 0}  # blocks loaded from nodes, by where the node read them
+    for o in ok:
+        for source, blocks in o.sources.items():
+            if ":" in source:
+                pulled["memory" if source.rsplit(":", 1)[-1] in MEMORY_TIERS else "disk"] += blocks
+    if sum(pulled.values()):  # what prefetching (serving.prefetch) moves up: the share read from memory
+        rep.add("load.from_memory", pulled["memory"] / sum(pulled.values()), "ratio", 1.0,
+                limit_name="every pulled block from memory", **common, **{f"{k}_blocks": v for k, v in pulled.items()})
     if run.cluster_before is not None and run.cluster_after is not None:
         cluster_figures(run.cluster_before, run.cluster_after, rep, **common)
         was, now = run.cluster_before.reuse, run.cluster_after.reuse
