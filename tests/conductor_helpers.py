@@ -32,3 +32,33 @@ async def running_conductor(tokens: list[str] | None = None, frontend=None, metr
         await runner.cleanup()
         await conductor.close()
         await meta.close()
+
+
+@contextlib.asynccontextmanager
+async def leader_and_follower(token: str = "peer-token"):
+    """Two conductors on one embedded backend, each behind its HTTP app on a loopback port: yields
+    (leader, follower) once the first leads; they call each other with ``token``."""
+    import socket
+
+    meta = await EmbeddedBackend().start()
+    started, runners = [], []
+    try:
+        for name in ("leader", "follower"):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            conductor = await Conductor(meta, name, url=url, ttl=1, peer_token=token).start()
+            runner = web.AppRunner(build_app(conductor, [token]))
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+            started.append(conductor)
+            runners.append(runner)
+            if name == "leader":
+                await asyncio.wait_for(conductor.election.leading.wait(), 10)
+        yield started[0], started[1]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for conductor in reversed(started):
+            await conductor.close()
+        await meta.close()

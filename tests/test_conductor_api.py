@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from conductor_helpers import running_conductor
+from conductor_helpers import leader_and_follower, running_conductor
 from conftest import block
 
 from tiercake.conductor.client import Client, ConductorError
@@ -458,27 +458,7 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
 async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
     """With several conductors behind one Service, a follower's front serves lookups too: it sends
     the accesses it counted to the leader, whose rates drive hot replication."""
-    from aiohttp import web
-
-    from tiercake.conductor.api import build_app
-    from tiercake.conductor.embedded import EmbeddedBackend
-
-    meta = await EmbeddedBackend().start()
-    started, runners = [], []
-    try:
-        for name in ("leader", "follower"):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            conductor = await Conductor(meta, name, url=url, ttl=1, peer_token="peer-token").start()
-            runner = web.AppRunner(build_app(conductor, ["peer-token"]))
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
-            started.append(conductor)
-            runners.append(runner)
-            if name == "leader":
-                await asyncio.wait_for(conductor.election.leading.wait(), 10)
-        leader, follower = started
+    async with leader_and_follower() as (leader, follower):
         keys = [k(i) for i in range(4)]
         await leader.index.add_many("t", keys, "node-a", "pool", [1] * 4)
         for _ in range(100):  # the follower's index follows the leader's writes
@@ -503,25 +483,11 @@ async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
                 assert resp.status == 400
             async with http.post(leader.url + "/v1/heat", json={"hits": []}) as resp:
                 assert resp.status == 400
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-        for conductor in reversed(started):
-            await conductor.close()
-        await meta.close()
 
 
 async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
     """Only the leader hears of gpu replicas; a follower's lookups see them through its feed from the
     leader (snapshot, then each change), and a worker that leaves is forgotten by both."""
-    from aiohttp import web
-
-    from tiercake.conductor.api import build_app
-    from tiercake.conductor.embedded import EmbeddedBackend
-
-    meta = await EmbeddedBackend().start()
-    started, runners = [], []
-
     async def seen(conductor: Conductor, keys: list[bytes], want: int) -> int:
         for _ in range(100):
             found = conductor.index.lookup("t", keys).get("w")
@@ -530,20 +496,7 @@ async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
             await asyncio.sleep(0.05)
         return found.length if found else 0
 
-    try:
-        for name in ("leader", "follower"):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            conductor = await Conductor(meta, name, url=url, ttl=1, peer_token="peer-token").start()
-            runner = web.AppRunner(build_app(conductor, ["peer-token"]))
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
-            started.append(conductor)
-            runners.append(runner)
-            if name == "leader":
-                await asyncio.wait_for(conductor.election.leading.wait(), 10)
-        leader, follower = started
+    async with leader_and_follower() as (leader, follower):
         keys = [k(i) for i in range(6)]
         async with Client([leader.url], token="peer-token") as client:
             lease = await client.register(MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20}), ttl=30)
@@ -552,7 +505,7 @@ async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
             await client.report("t", "w", "gpu", keys[4:], [1] * 2)
             await client.remove("t", "w", "gpu", [keys[3]])
             assert await seen(follower, keys, 3) == 3 and follower.index.holders("t", keys[5])
-            assert not (await meta.range(b"/tiercake/placements/"))[0]  # none of it in the backend
+            assert not (await leader.meta.range(b"/tiercake/placements/"))[0]  # none of it in the backend
             await client.leave("w", lease)
             assert await seen(leader, keys, 0) == 0 and await seen(follower, keys, 0) == 0
             assert not follower.index.holders("t", keys[5])
@@ -565,12 +518,6 @@ async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
             async with http.post(leader.url + "/v1/placements/volatile", json={"term": 0, "after": 0}) as resp:
                 answer = await resp.json()
                 assert answer["reset"] and answer["term"] == leader.election.won_term > 0
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-        for conductor in reversed(started):
-            await conductor.close()
-        await meta.close()
 
 
 async def test_a_member_that_left_takes_its_metric_series_with_it(api):
