@@ -104,9 +104,10 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[tuple[subprocess.Popen, object]] = []
 
-    def start(self, args: list[str], env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+    def start(self, args: list[str], env: dict | None = None, prefix: list[str] = ()) -> tuple[subprocess.Popen, dict]:
+        """``prefix``: what runs the command (``ip netns exec NS``, say)."""
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
                                 stderr=log, env={**os.environ, **(env or {})})
         self.procs.append((proc, log))
         line = proc.stdout.readline()
