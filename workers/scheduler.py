@@ -120,7 +120,9 @@ class Scheduler:
     async def _admit(self, job: _Running) -> None:
         r = job.request
         try:
-            staged = job.staging.result() if job.staging is not None and job.staging.done() else frozenset()
+            staging = job.staging
+            staged = staging.result() if staging is not None and staging.done() and not staging.cancelled() \
+                else frozenset()
             job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens,
                                                 pull=r.pull, source=r.source, staged=staged)
         except asyncio.CancelledError:
