@@ -106,6 +106,7 @@ class Conductor:
         self._heat_forwarder: asyncio.Task | None = None
         self._peers: dict[str, Client] = {}  # leader URL -> a client of it (a follower's calls)
         self._volatile_follower: asyncio.Task | None = None
+        self._followed_term = 0  # the leader's term this follower's volatile feed answered in last
         self.pins: set[tuple[str, bytes]] = set()
         self.pins_version = 0
         self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
@@ -171,8 +172,11 @@ class Conductor:
             self.index.drop_volatile(node)
 
     async def term(self) -> int:
-        """The current leader's term (see ``LeaderElection.term``): the leader knows its own."""
-        return self.election.won_term if self.is_leader else await self.election.term()
+        """The current leader's term (see ``LeaderElection.term``): the leader knows its own, and a
+        follower the one its volatile feed last answered in (asked of the backend only without one)."""
+        if self.is_leader:
+            return self.election.won_term
+        return self._followed_term or await self.election.term()
 
     def require_leader(self, leader: ConductorInfo | None) -> None:
         if not self.is_leader:
@@ -348,16 +352,18 @@ class Conductor:
         term = seq = 0
         while True:
             if self.is_leader:
-                term = seq = 0  # on stepping down it starts over from the next leader's snapshot
+                term = seq = self._followed_term = 0  # on stepping down it starts over from a snapshot
                 await asyncio.sleep(VOLATILE_POLL_S)
                 continue
             peer = await self._leader_peer()
             if peer is None:
+                self._followed_term = 0
                 await asyncio.sleep(VOLATILE_POLL_S)
                 continue
             try:
                 answer = await peer.volatile(term, seq, wait_s=VOLATILE_WAIT_S)
             except ConductorError as exc:
+                self._followed_term = 0  # the leader may have changed: ask the backend meanwhile
                 log.debug("conductor %s: volatile replicas not fetched: %s", self.conductor_id, exc)
                 await asyncio.sleep(VOLATILE_POLL_S)
                 continue
@@ -366,6 +372,7 @@ class Conductor:
             self.index.apply_volatile(((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size)
                                        for c in answer.changes), answer.reset)
             term, seq = answer.term, answer.seq
+            self._followed_term = term
             if answer.changes:
                 await asyncio.sleep(VOLATILE_GATHER_S)  # the next answer carries what came meanwhile
 
