@@ -4,7 +4,16 @@ import sys
 import numpy as np
 import pytest
 
-from tiercake.blocks import BlockKey, BlockLayout, Namespace, block_keys, block_parents, chain_key
+from tiercake.blocks import (
+    BlockKey,
+    BlockLayout,
+    Namespace,
+    block_keys,
+    block_parents,
+    chain_key,
+    seal_material,
+    sealer_for,
+)
 
 NS = Namespace(model_id="llama-3-8b@rev1", kv_layout="L32.H8.D128.B16.float16", block_size=16)
 
@@ -114,3 +123,21 @@ def test_layout_sizes():
     assert layout.shape == (80, 2, 1, 8, 128)
     with pytest.raises(ValueError):
         BlockLayout(layers=1, kv_heads=1, head_dim=1, dtype="float64")
+
+
+def test_a_seal_binds_the_bytes_to_the_key_the_tenant_and_the_secret():
+    material = seal_material(b"the-seal-secret-0123")
+    alice = sealer_for(material, "alice")
+    data = np.arange(4096, dtype=np.uint8)
+    seal = alice.seal(b"k1", data)
+    assert len(seal) == 16 and alice.verify(b"k1", data, seal)
+    flipped = data.copy()
+    flipped[100] ^= 1
+    assert not alice.verify(b"k1", flipped, seal)  # other bytes
+    assert not alice.verify(b"k2", data, seal)  # the same bytes under another key
+    assert not sealer_for(material, "bob").verify(b"k1", data, seal)  # another tenant's salt
+    assert not sealer_for(seal_material(b"another-secret-0123"), "alice").verify(b"k1", data, seal)
+    assert not alice.verify(b"k1", data, b"") and not alice.verify(b"k1", data, seal[:8])
+    assert sealer_for(material, "alice").seal(b"k1", data.tobytes()) == seal  # stable, any buffer
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        seal_material(b"short")

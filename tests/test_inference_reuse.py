@@ -444,3 +444,54 @@ def keys_of(text: str, tenant: str = "default") -> list[bytes]:
     from tiercake.blocks import block_keys
 
     return block_keys(NS.model_copy(update={"tenant_salt": tenant}), encode(text))
+
+
+async def test_a_forged_or_corrupted_block_is_recomputed_never_used(cluster, model, monkeypatch):
+    """Someone holding the transfer secret but not the seal secret writes KV under a tenant's keys
+    (another prompt's real KV, sealed with a key of its own), and a block is corrupted in a node's
+    pool: the reader refuses each by its seal and answers as a full recompute does."""
+    from tiercake.blocks import Sealer, block_keys, seal_material, sealer_for
+
+    node = await cluster.node("node-f")
+    n = full_blocks(PROMPT)
+    decoy = "Ignore all that. " * 3 + PROMPT  # as long, and other KV
+    writer = await cluster.worker(model, "w-writer", write_to=node)
+    await generate(writer, decoy, tenant="mallory")
+    await writer.flush()
+    keys = {t: block_keys(NS.model_copy(update={"tenant_salt": t}), encode(text))[:n]
+            for t, text in (("mallory", decoy), ("default", PROMPT))}
+    forger = TransferEngine("forger", SECRET)
+    forger.add_peer("node-f", *node["server"].address)
+    stolen = [torch.empty(LAYOUT.nbytes, dtype=torch.uint8) for _ in range(n)]
+    assert all(r.ok for r in await forger.read_blocks("node-f", keys["mallory"], stolen))
+    own = sealer_for(seal_material(b"the forger's own secret"), "default")
+    seals = [own.seal(k, s.numpy()) for k, s in zip(keys["default"], stolen)]
+    written = await forger.write_blocks("node-f", keys["default"], stolen, chain=True, tenant="default", seals=seals)
+    assert all(r.ok for r in written)
+    await forger.close()
+    await wait_indexed(cluster.url, "default", PROMPT, "node-f", n)
+    reference = await recompute(model, PROMPT)
+
+    reader = await cluster.worker(model, "w-reader", transports=("tcp",))
+    result = await generate(reader, PROMPT)
+    assert result[0].refused_blocks == n and result[0].cached_tokens == 0 and reader.refused_blocks == n
+    same_answer(result, reference)
+    # the check is what kept the forged KV out: without it, the same load changes the answer
+    monkeypatch.setattr(Sealer, "verify", lambda *_: True)
+    trusting = await generate(await cluster.worker(model, "w-trusting", transports=("tcp",)), PROMPT)
+    assert trusting[0].cached_tokens == n * 16
+    with pytest.raises(AssertionError):
+        same_answer(trusting, reference)
+    monkeypatch.undo()
+
+    # an honest block corrupted where it is held: the chain is used up to it, recomputed from it
+    await generate(writer, OTHER, tenant="carol")
+    await writer.flush()
+    await wait_indexed(cluster.url, "carol", OTHER, "node-f", full_blocks(OTHER))
+    carol = block_keys(NS.model_copy(update={"tenant_salt": "carol"}), encode(OTHER))
+    lease = node["store"].acquire_lease(carol[2], tier="pool")
+    lease.data[100] ^= 0xFF
+    await node["store"].release_lease(carol[2], lease.id)
+    result = await generate(await cluster.worker(model, "w-carol", transports=("tcp",)), OTHER, tenant="carol")
+    assert result[0].refused_blocks == 1 and result[0].cached_tokens == 2 * 16
+    same_answer(result, await recompute(model, OTHER))

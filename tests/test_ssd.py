@@ -43,6 +43,31 @@ async def test_restart_keeps_every_block(tmp_path):
     await store.close()
 
 
+async def test_a_blocks_seal_survives_a_restart_and_blocks_from_before_seals_still_read(tmp_path):
+    import xxhash
+
+    from tiercake.tiers import ssd
+
+    store = await ssd_store(tmp_path)
+    await store.put(key(1), block(1), seal=b"s" * 16)
+    await store.put(key(2), block(2), seal=b"t" * 16)
+    await store.close()
+    # rewrite key(2)'s header as version 2 wrote it (no seal): an upgrade must not drop such blocks
+    (path,) = [f for f in tmp_path.rglob("*.blk") if f.name.startswith(key(2).hex())]
+    raw = bytearray(path.read_bytes())
+    fields = list(ssd._HEAD.unpack_from(raw))
+    fields[1] = 2
+    old = ssd._HEAD_V2.pack(*fields[:14])
+    raw[:HEADER_SIZE] = bytes(HEADER_SIZE)
+    raw[:len(old)] = old
+    raw[len(old):len(old) + 8] = ssd._HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(old))
+    path.write_bytes(bytes(raw))
+    store = await ssd_store(tmp_path)
+    assert store.seal_of(key(1)) == b"s" * 16 and store.seal_of(key(2)) == b""
+    assert same(await store.get(key(2)), 2) and store.tier("ssd").backend.corrupt_dropped == 0
+    await store.close()
+
+
 async def test_second_owner_is_refused(tmp_path):
     store = await ssd_store(tmp_path)
     with pytest.raises(SsdLockedError):

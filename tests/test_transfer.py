@@ -30,6 +30,7 @@ from tiercake.transfer import (
 )
 from tiercake.transfer import protocol as p
 from tiercake.transfer.transports import TcpTransport
+from tiercake.tiers import SsdTier, Tier, TieredStore
 
 KB = 1024
 
@@ -517,3 +518,52 @@ async def test_delete_on_a_dead_peer_fails_every_item_in_time(node):
         results = await engine.delete_blocks("node-x", [b"a", b"b"], timeout=2.0)
     assert [r.ok for r in results] == [False, False] and all(r.error is not None for r in results)
     await engine.close()
+
+
+@pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")])
+async def test_a_block_keeps_its_seal_on_every_path_and_across_a_restart(tmp_path, make_store, transports):
+    store, server = await start_node("node-b", pool_bytes=256 * KB, ssd_dir=tmp_path / "ssd")
+    engine = engine_for(server, transports)
+    keys, srcs = [b"sealed-0", b"sealed-1"], [payload(i, 64 * KB) for i in range(2)]
+    seals = [bytes([i + 1]) * 16 for i in range(2)]
+    assert all(r.ok for r in await engine.write_blocks("node-b", keys, srcs, seals=seals))
+    await store.flush(["pool"])  # the first read finds both on SSD (the stream), then in the pool again
+    for _ in range(2):
+        dsts = [torch.empty(64 * KB, dtype=torch.uint8) for _ in keys]
+        read = await engine.read_blocks("node-b", keys, dsts)
+        assert [r.seal for r in read] == seals and all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    # a pull keeps the source's seal; one that ``verify`` refuses is not stored and fails typed
+    local = await make_store(gpu=None, pool=64, ssd=None)
+    local.payload_nbytes = None
+    puller = TransferEngine("node-a", SECRET, local, transports=transports)
+    puller.add_peer("node-b", *server.address)
+    checked = []
+
+    def verify(key, data, seal):
+        checked.append((key, bytes(data[:8]), seal))
+        return key == keys[0]
+
+    pulled = await puller.transfer([Transfer(BlockLoc("node-b", k), BlockLoc("node-a", k), 64 * KB) for k in keys],
+                                   verify=verify)
+    assert checked == [(k, bytes(s[:8].numpy()), seal) for k, s, seal in zip(keys, srcs, seals)]
+    assert pulled[0].ok and pulled[0].seal == seals[0] and local.seal_of(keys[0]) == seals[0]
+    assert isinstance(pulled[1].error, p.SealError) and pulled[1].error.status is Status.CHECKSUM
+    assert not local.contains(keys[1])
+    # the seal is in the block's file on SSD: a restarted node still hands it out
+    await store.flush(["pool"])
+    await stop_node(store, server)
+    reopened = await TieredStore([Tier(SsdTier(tmp_path / "ssd", capacity_bytes=64 << 20))]).open()
+    assert [reopened.seal_of(k) for k in keys] == seals
+    await reopened.close()
+    await engine.close()
+    await puller.close()
+
+
+def test_the_wire_tables_carry_seals_and_refuse_oversized_ones():
+    item = p.WriteItem(b"k", 10, b"parent", tenant="alice", seal=b"s" * 16)
+    assert p.decode_write(p.encode_write([item])) == [item]
+    reply = p.ReplyItem(Status.OK, 10, 0, "", seal=b"x" * 16)
+    assert p.decode_read_reply(p.encode_read_reply([reply]))[0].seal == reply.seal
+    assert p.decode_lease_reply(p.encode_lease_reply([reply]))[0].seal == reply.seal
+    with pytest.raises(ValueError, match="seals are at most"):
+        p.encode_write([p.WriteItem(b"k", 10, seal=b"s" * (p.MAX_SEAL + 1))])

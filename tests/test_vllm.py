@@ -18,7 +18,10 @@ import aiohttp
 import pytest
 import yaml
 
-from tiercake.blocks import block_keys
+import torch
+
+from tiercake.blocks import Namespace, block_keys, seal_material, sealer_for
+from tiercake.transfer import TransferEngine
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
@@ -30,6 +33,7 @@ from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 SECRET = "vllm-test-secret-0123456789abcdef"
+SEAL_SECRET = "vllm-test-seal-secret-0123456789"  # the vLLM instances have it; the node agent does not
 TOKEN = "vllm-test-control-token"  # the control API asks for it: the connector must present it
 MODEL = "tiny-llama"
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
@@ -82,7 +86,8 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm")
-    tc = NodeCluster(tiercake_config(root, model), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": f"{TOKEN} a-second-token"})  # as the Secret holds them
+    tc = NodeCluster(tiercake_config(root, model), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_SEAL_SECRET": SEAL_SECRET,
+                                                               "TIERCAKE_TOKEN": f"{TOKEN} a-second-token"})  # as the Secret holds them
     engines = []
     try:
         engines = [Vllm(name, model, tc) for name in ("a", "b")]
@@ -204,6 +209,50 @@ async def test_a_corrupt_block_is_recomputed(served):
     # it was told the blocks were there; from the corrupt one on, loading failed and vLLM recomputed
     assert planned(other) == PROMPT_BLOCKS * BLOCK and loaded(other) < planned(other)
     assert answer(other) == answer(first)
+
+
+async def test_blocks_forged_with_the_transfer_secret_are_recomputed_never_used(served):
+    """The attack a probe made: someone holding the cluster's transfer secret (not the seal secret)
+    deletes a prompt's blocks on the node and writes another prompt's real KV under their keys,
+    sealed with a key of its own. The next instance to load them refuses every one by its seal."""
+    tc, a, b = served
+    victim, decoy = prompt(21), prompt(22)
+    reference = await a.complete(victim)  # computed from scratch, saved to the node
+    ns = Namespace(**tiercake(reference)["namespace"])
+    keys = {name: block_keys(ns, tokens)[:PROMPT_BLOCKS] for name, tokens in (("victim", victim), ("decoy", decoy))}
+    await a.complete(decoy)
+    async with Client([tc.url], token=TOKEN) as client:
+        for name in keys:
+            await wait_held(client, keys[name])
+        node = next(m for m in await client.members() if m.node_id == "vllm-node")
+        forger = TransferEngine("forger", SECRET.encode())
+        forger.add_peer(node.node_id, node.host, node.port)
+        stolen = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in range(PROMPT_BLOCKS)]
+        assert all(r.ok for r in await forger.read_blocks(node.node_id, keys["decoy"], stolen))
+        assert all(r.ok for r in await forger.delete_blocks(node.node_id, keys["victim"]))
+        await wait_held(client, keys["victim"], held=False)
+        own = sealer_for(seal_material(b"the forger's own seal secret"), "")
+        written = await forger.write_blocks(node.node_id, keys["victim"], stolen, chain=True, tenant="default",
+                                            seals=[own.seal(k, s.numpy()) for k, s in zip(keys["victim"], stolen)])
+        assert all(r.ok for r in written)
+        await forger.close()
+        await wait_held(client, keys["victim"])
+    other = await b.complete(victim)
+    # told the blocks were there, it read them, refused each by its seal and recomputed
+    assert planned(other) == PROMPT_BLOCKS * BLOCK and loaded(other) == 0
+    assert answer(other) == answer(reference)
+
+
+async def wait_held(client: Client, keys: list[bytes], held: bool = True, timeout: float = 30) -> None:
+    """Until the index shows the node holding the whole chain (``held``), or not its first block."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        holding = (await client.lookup("default", keys)).get("vllm-node")
+        length = 0 if holding is None else holding.length
+        if (length == len(keys)) if held else length == 0:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"the index never showed the node {'holding' if held else 'without'} the chain")
 
 
 async def test_a_dead_node_is_recomputed(served):

@@ -5,14 +5,24 @@ root ``h_{-1}`` is derived from the namespace (model, KV layout, block size, ten
 names the block *and its whole prefix*, and two namespaces never share a key. ``H`` is BLAKE2b-256
 with a fixed personalisation: stable across processes, machines and Python versions (never
 ``hash()``).
+
+A block's *seal* binds its bytes to its key and its tenant: a keyed BLAKE3 MAC whose key is derived
+from a seal secret that only the cluster's KV writers hold (workers, vLLM connectors; not node
+agents, not key-value store clients) and the tenant's hashing salt. The writer stores it beside the
+block; a reader that loads KV checks it and recomputes a block whose seal does not verify. Anyone
+else who can write blocks (the transfer secret is enough) cannot make a block another tenant's
+worker will use, and a block corrupted anywhere on its way (a pool's memory, a disk, the wire) is
+caught the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Iterable, Sequence
 
+import blake3
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +30,8 @@ KEY_BYTES = 32
 _PERSON_ROOT = b"tiercake.ns.v1"
 _PERSON_BLOCK = b"tiercake.blk.v1"
 _MAX_TOKEN = 2**32 - 1
+SEAL_BYTES = 16
+_SEAL_CONTEXT = "tiercake 2026-12 block seal key v1"
 
 
 class BlockKey(bytes):
@@ -120,6 +132,41 @@ def object_chunk_keys(head: bytes, version: int, count: int) -> list[BlockKey]:
         parent = chain_key(parent, [version >> 32, version & _MAX_TOKEN, i])
         keys.append(parent)
     return keys
+
+
+class Sealer:
+    """Seals blocks for one hashing salt: ``seal(key, data)`` is a 16-byte MAC of the key and the
+    bytes, ``verify`` checks one in constant time. Made by ``sealer_for``; cheap to keep per tenant."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, mac_key: bytes) -> None:
+        if len(mac_key) != 32:
+            raise ValueError("a seal key is 32 bytes")
+        self._key = mac_key
+
+    def seal(self, key: bytes, data) -> bytes:
+        """``data``: anything exposing the buffer protocol (bytes, a numpy array, a host tensor's numpy())."""
+        h = blake3.blake3(key=self._key)
+        h.update(len(key).to_bytes(1, "little") + key)
+        h.update(data)
+        return h.digest(SEAL_BYTES)
+
+    def verify(self, key: bytes, data, seal: bytes) -> bool:
+        return len(seal) == SEAL_BYTES and hmac.compare_digest(self.seal(key, data), seal)
+
+
+def seal_material(secret: bytes) -> bytes:
+    """The 32 bytes every tenant's seal key is derived from, out of the seal secret as configured."""
+    if len(secret) < 16:
+        raise ValueError("the seal secret must be at least 16 bytes")
+    return blake3.blake3(secret, derive_key_context=_SEAL_CONTEXT).digest()
+
+
+def sealer_for(material: bytes, salt: str) -> Sealer:
+    """The sealer of the blocks hashed with ``salt`` (tenants with equal salts share blocks, so their
+    seals too)."""
+    return Sealer(blake3.blake3(salt.encode(), key=material).digest())
 
 
 def block_parents(keys: Iterable[BlockKey]) -> list[tuple[BlockKey, BlockKey | None]]:

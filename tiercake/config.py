@@ -129,6 +129,11 @@ class TransferConfig(BaseModel):
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port (printed at start)")
     secret_file: str | None = Field(default=None, description="file holding the cluster secret")
     secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
+    seal_secret_file: str | None = Field(default=None, description="file holding the seal secret")
+    seal_secret_env: str = Field(default="TIERCAKE_SEAL_SECRET", description="environment variable with the seal "
+                                 "secret: the key KV writers seal blocks with and KV readers check them by. Give it "
+                                 "to workers only; when unset it is derived from the cluster secret, and then anyone "
+                                 "holding that (node agents, key-value store clients) could forge a block")
     transports: list[str] = Field(default_factory=lambda: ["local", "shm", "tcp"],
                                   description="transports in order of preference: local, shm, tcp, ucx, plug-ins "
                                   "(a node agent serves UCX only when ucx is listed)")
@@ -162,6 +167,20 @@ class TransferConfig(BaseModel):
         if len(value) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         return value
+
+    def seal_material(self) -> bytes:
+        """What every tenant's seal key is derived from (``tiercake.blocks.sealer_for``): the seal
+        secret, else the cluster secret."""
+        import os
+
+        from .blocks import seal_material
+
+        value = os.environ.get(self.seal_secret_env, "").encode()
+        if not value and self.seal_secret_file:
+            value = Path(self.seal_secret_file).read_bytes().strip()
+        if value:
+            return seal_material(value)
+        return seal_material(b"cluster secret|" + self.secret())
 
 
 class ConductorConfig(BaseModel):

@@ -561,6 +561,7 @@ class PrefillStats(Reply):
     load_tier: str | None = None  # the tier of the node that held most of the pulled blocks
     compute_s: float = 0.0
     written_blocks: int = 0  # new full blocks of the prompt written through to the worker's node
+    refused_blocks: int = 0  # pulled blocks whose seal did not verify (forged or corrupt): recomputed instead
     copy_bytes_per_s: float | None = None  # the worker's memcpy rate, the floor of a load
     final: bool = Field(default=True, description="false: the engine learns what it reused only at the end "
                         "(vLLM streaming); its last event carries the final figures")

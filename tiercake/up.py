@@ -166,8 +166,8 @@ class Supervisor:
 
 
 def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> str | None:
-    """The environment of the cluster's processes: the transfer secret (made up when none
-    is configured: only this cluster's processes need it) and the control token (made up when none is
+    """The environment of the cluster's processes: the transfer secret and the seal secret (each made
+    up when none is configured: only this cluster's processes need them) and the control token (made up when none is
     configured and the config does not say insecure, and written to ``<data dir>/control-token``,
     readable by its owner only, for the operator). Returns where the token is, for the printout."""
     from .config import ENV_PREFIX
@@ -176,6 +176,8 @@ def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> 
         del env[name]  # already in the config written for the children: they must not apply them over it
     if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
         env[config.transfer.secret_env] = secrets.token_hex(24)
+    if not env.get(config.transfer.seal_secret_env) and not config.transfer.seal_secret_file:
+        env[config.transfer.seal_secret_env] = secrets.token_hex(24)
     conductor = config.conductor
     if conductor.insecure:
         return None
@@ -191,6 +193,12 @@ def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> 
         f.write(token + "\n")
     env[conductor.token_env] = token
     return str(path)
+
+
+def without_seal_secret(config: TiercakeConfig, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a process that writes no KV (a conductor, a node agent): without the seal secret,
+    it could not forge a block that a worker would use, even if it were taken over."""
+    return {k: v for k, v in env.items() if k != config.transfer.seal_secret_env}
 
 
 class NodeCluster:
@@ -209,7 +217,7 @@ class NodeCluster:
         cfg.serving.port = serving_port
         (root / "up-conductor.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
         self.conductor = Child("conductor", ["conductor", "--config", str(root / "up-conductor.yaml"),
-                                             "--id", "conductor-0"], env, self.logs)
+                                             "--id", "conductor-0"], without_seal_secret(config, env), self.logs)
         try:
             announced = self.conductor.wait_announce(60)
             self.url = announced["url"]
@@ -223,7 +231,8 @@ class NodeCluster:
             raise
 
     def start_node(self) -> Child:
-        node = Child("node", ["node", "--config", str(self.root / "up-node.yaml")], self.env, self.logs)
+        node = Child("node", ["node", "--config", str(self.root / "up-node.yaml")],
+                     without_seal_secret(self.config, self.env), self.logs)
         node.wait_announce(120)
         return node
 
@@ -356,14 +365,15 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
             cfg.conductor.etcd = etcd
         conductor_cfg = data_dir / "up-conductor.yaml"
         conductor_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        conductor = Child("conductor", ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"], env, logs)
+        conductor = Child("conductor", ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"],
+                          without_seal_secret(cfg, env), logs)
         children.append(conductor)
         announced = conductor.wait_announce(60)
         control, url = announced["url"], announced.get("api_url", announced["url"])
         cfg.conductor.urls = [control]
         node_cfg = data_dir / "up-node.yaml"
         node_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        node = Child("node", ["node", "--config", str(node_cfg)], env, logs)
+        node = Child("node", ["node", "--config", str(node_cfg)], without_seal_secret(cfg, env), logs)
         children.append(node)
         node.wait_announce(120)
         roles = [("prefill", prefill), ("decode", decode), ("worker", workers)]

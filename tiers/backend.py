@@ -38,6 +38,7 @@ class RecoveredBlock:
     slot: Any
     mtime: float
     tenant: str = ""
+    seal: bytes = b""
 
 
 class TierBackend(ABC):
@@ -113,8 +114,9 @@ class DiskTierBackend(TierBackend):
 
     @abstractmethod
     async def persist(self, slot: Any, key: bytes, parent: bytes | None, src: torch.Tensor | None = None, *,
-                      tenant: str = "") -> None:
-        """Write the block (from ``src``, else the slot's staging buffer) durably enough to recover."""
+                      tenant: str = "", seal: bytes = b"") -> None:
+        """Write the block (from ``src``, else the slot's staging buffer) durably enough to recover,
+        with its tenant and seal (``recover`` hands both back)."""
 
     @abstractmethod
     async def read_into(self, slot: Any, key: bytes, dst: torch.Tensor) -> None:

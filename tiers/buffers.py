@@ -43,6 +43,13 @@ def as_bytes(payload: Any) -> torch.Tensor:
     raise PayloadError(f"unsupported payload type {type(payload).__name__}: use a tensor, ndarray or buffer")
 
 
+def host_bytes(payload: Any) -> np.ndarray:
+    """The payload's bytes as a flat host numpy array: a view of host memory, a copy of device memory
+    (to hash, checksum or hand to a socket)."""
+    flat = as_bytes(payload)
+    return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+
+
 INLINE_COPY_MAX = 4 << 20
 
 

@@ -41,13 +41,15 @@ log = logging.getLogger(__name__)
 HEADER_SIZE = 512  # the header's own bytes; the payload starts at ``data_offset`` (512, or a page)
 MAX_KEY = 64
 _MAGIC = b"TCKV"
-_VERSION = 2  # 2: the block's tenant is in the header, so a restarted node can re-report it
+_VERSION = 3  # 2: the block's tenant is in the header, so a restarted node can re-report it; 3: its seal
 _FLAG_ZSTD = 1
 _FLAG_SHUFFLE16 = 2
 MAX_TENANT = 128
+MAX_SEAL = 32
 # magic, version, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, payload_xxh,
-# created_ns, key, parent, tenant
-_HEAD = struct.Struct(f"<4sHHHHHIQQQQ{MAX_KEY}s{MAX_KEY}s{MAX_TENANT}s")
+# created_ns, key, parent, tenant, seal_len, seal
+_HEAD = struct.Struct(f"<4sHHHHHIQQQQ{MAX_KEY}s{MAX_KEY}s{MAX_TENANT}sB{MAX_SEAL}s")
+_HEAD_V2 = struct.Struct(f"<4sHHHHHIQQQQ{MAX_KEY}s{MAX_KEY}s{MAX_TENANT}s")  # still read: blocks from before seals
 _HEAD_CHECK = struct.Struct("<Q")
 assert _HEAD.size + _HEAD_CHECK.size <= HEADER_SIZE
 
@@ -197,10 +199,12 @@ class SsdTier(DiskTierBackend):
         return self.blocks_dir / hexkey[:2] / f"{hexkey}.blk"
 
     async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
-                      tenant: str = "") -> None:
+                      tenant: str = "", seal: bytes = b"") -> None:
         """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible."""
         if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
             raise PayloadError(f"keys stored on SSD are at most {MAX_KEY} bytes")
+        if len(seal) > MAX_SEAL:
+            raise PayloadError(f"seals stored on SSD are at most {MAX_SEAL} bytes")
         if len(tenant.encode()) > MAX_TENANT:
             raise PayloadError(f"tenant names stored on SSD are at most {MAX_TENANT} bytes")
         data = slot.staging if src is None else src
@@ -213,7 +217,8 @@ class SsdTier(DiskTierBackend):
         self._tmp_seq += 1
         path = self._path_for(key)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{self._tmp_seq}")
-        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), data.numpy())
+        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), seal,
+                                           data.numpy())
         self.used_bytes += size - slot.reserved
         slot.reserved = size
         slot.stored = stored
@@ -241,7 +246,8 @@ class SsdTier(DiskTierBackend):
         return self.direct_io and nbytes >= self.direct_min
 
     def _write_file(
-        self, path: Path, tmp: Path, key: bytes, parent: bytes | None, tenant: bytes, payload: np.ndarray
+        self, path: Path, tmp: Path, key: bytes, parent: bytes | None, tenant: bytes, seal: bytes,
+        payload: np.ndarray,
     ) -> tuple[int, int]:
         """Write the file; returns its size on disk and the stored payload length.
 
@@ -255,7 +261,7 @@ class SsdTier(DiskTierBackend):
         data_offset = PAGE if direct else HEADER_SIZE
         head = _HEAD.pack(
             _MAGIC, _VERSION, flags, len(key), len(parent or b""), len(tenant), data_offset, payload.size,
-            stored.size, xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"", tenant,
+            stored.size, xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"", tenant, len(seal), seal,
         )
         head += _HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head))
         tls = self._tls
@@ -398,7 +404,8 @@ class SsdTier(DiskTierBackend):
                     path.unlink(missing_ok=True)
                     continue
                 slot = SsdSlot(nbytes=header.raw_len, reserved=st.st_size, path=path, stored=header.stored_len)
-                found.append(RecoveredBlock(header.key, header.parent, header.raw_len, slot, st.st_mtime, header.tenant))
+                found.append(RecoveredBlock(header.key, header.parent, header.raw_len, slot, st.st_mtime, header.tenant,
+                                            header.seal))
         found.sort(key=lambda b: b.mtime)
         return found
 
@@ -421,22 +428,27 @@ class _Header:
     key: bytes
     parent: bytes | None
     tenant: str
+    seal: bytes
 
 
 def _parse_header(path: Path, head: bytes, file_size: int) -> _Header:
     if len(head) < HEADER_SIZE or file_size < HEADER_SIZE:
         raise CorruptBlockError(f"{path}: truncated header")
-    (check,) = _HEAD_CHECK.unpack_from(head, _HEAD.size)
-    if xxhash.xxh3_64_intdigest(head[: _HEAD.size]) != check:
-        raise CorruptBlockError(f"{path}: header checksum mismatch")
-    (magic, version, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, checksum, _, key,
-     parent, tenant) = _HEAD.unpack_from(head)
-    if magic != _MAGIC or version != _VERSION:
+    magic, version = struct.unpack_from("<4sH", head)
+    layout = {_VERSION: _HEAD, 2: _HEAD_V2}.get(version) if magic == _MAGIC else None
+    if layout is None:
         raise CorruptBlockError(f"{path}: not a tiercake block (magic {magic!r}, version {version})")
+    (check,) = _HEAD_CHECK.unpack_from(head, layout.size)
+    if xxhash.xxh3_64_intdigest(head[: layout.size]) != check:
+        raise CorruptBlockError(f"{path}: header checksum mismatch")
+    fields = layout.unpack_from(head)
+    (_, _, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, checksum, _, key,
+     parent, tenant) = fields[:14]
+    seal = fields[15][: fields[14]] if version >= 3 else b""
     if data_offset + stored_len > file_size:
         raise CorruptBlockError(f"{path}: truncated: {file_size} bytes, header promises {data_offset + stored_len}")
     return _Header(flags, data_offset, raw_len, stored_len, checksum, key[:key_len],
-                   parent[:parent_len] if parent_len else None, tenant[:tenant_len].decode(errors="replace"))
+                   parent[:parent_len] if parent_len else None, tenant[:tenant_len].decode(errors="replace"), seal)
 
 
 def _check_block(path: Path, head: _Header, key: bytes, nbytes: int, stored: np.ndarray) -> None:

@@ -122,6 +122,7 @@ class Entry:
     copies: dict[int, Copy] = field(default_factory=dict)  # tier index -> copy
     hard_pin: bool = False
     soft_pin_until: float = 0.0
+    seal: bytes = b""  # what the writer stored with the block (``tiercake.blocks.Sealer``): kept, never checked
 
     def committed(self) -> list[int]:
         """Indexes of the tiers holding a committed copy, fastest first."""
@@ -242,6 +243,12 @@ class PutHandle:
         """Record bytes written straight into ``buffer`` (a zero-copy receive)."""
         self.written += nbytes
 
+    def set_seal(self, seal: bytes) -> None:
+        """The block's seal, when it is known only once the bytes arrived (a pull); before the commit."""
+        if self.done:
+            raise InvalidStateError(f"put of {self.key.hex()[:16]}… is already committed or revoked")
+        self.entry.seal = seal
+
 
 @dataclass(slots=True)
 class Lease:
@@ -318,7 +325,7 @@ class TieredStore:
                 entry = self._entries.get(block.key)
                 if entry is None:
                     meta = BlockMeta(parent=block.parent, size=block.nbytes, tenant=block.tenant)
-                    entry = Entry(block.key, block.nbytes, meta)
+                    entry = Entry(block.key, block.nbytes, meta, seal=block.seal)
                     self._entries[block.key] = entry
                 entry.copies[tier.index] = Copy(tier, block.slot, State.COMMITTED, committed_at=time.monotonic())
                 tier.eviction.on_insert(block.key, entry.meta)
@@ -362,6 +369,11 @@ class TieredStore:
     def contains(self, key: bytes) -> bool:
         entry = self._entries.get(key)
         return entry is not None and bool(entry.committed())
+
+    def seal_of(self, key: bytes) -> bytes:
+        """The seal stored with ``key``'s block (empty: none was, or no such block)."""
+        entry = self._entries.get(key)
+        return b"" if entry is None else entry.seal
 
     def where(self, key: bytes) -> list[str]:
         """Names of the tiers holding a committed copy, fastest first; [] when absent."""
@@ -446,9 +458,10 @@ class TieredStore:
 
     async def put_start(
         self, key: bytes, nbytes: int, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
-        tenant: str = "",
+        tenant: str = "", seal: bytes = b"",
     ) -> PutHandle:
-        """Reserve space for ``key`` in ``tier`` (default: the fastest tier that admits it)."""
+        """Reserve space for ``key`` in ``tier`` (default: the fastest tier that admits it). ``seal``
+        is kept with the block and handed to its readers (``seal_of``)."""
         self._check_key(key)
         self._check_size(nbytes)
         if tier is not None and not self.tier(tier).backend.accepts(nbytes):
@@ -459,7 +472,7 @@ class TieredStore:
                 raise ObjectExistsError(f"block {_short(key)} is already committed (objects are immutable)")
             raise PutInProgressError(f"a put of block {_short(key)} is already in progress")
         meta = BlockMeta(parent=parent, size=nbytes, cost=cost, tenant=tenant)
-        entry = Entry(key, nbytes, meta)
+        entry = Entry(key, nbytes, meta, seal=seal)
         self._entries[key] = entry  # claims the key while we wait for room
         try:
             start = 0 if tier is None else self.tier(tier).index
@@ -536,7 +549,8 @@ class TieredStore:
         copy, entry = handle.copy, handle.entry
         if not copy.tier.backend.in_memory:
             try:
-                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant)
+                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant,
+                                                seal=entry.seal)
             except BaseException:
                 await self.revoke(handle)
                 raise
@@ -575,11 +589,11 @@ class TieredStore:
 
     async def put(
         self, key: bytes, data: Payload, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
-        tenant: str = "",
+        tenant: str = "", seal: bytes = b"",
     ) -> str:
         """Start, write and commit in one call; returns the tier that took the block."""
         src = self._check_payload(data)
-        handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost, tenant=tenant)
+        handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost, tenant=tenant, seal=seal)
         if not handle.copy.tier.backend.in_memory:
             handle.written = src.numel()
             await self._commit(handle, src)  # the file is written straight from src
@@ -1006,7 +1020,8 @@ class TieredStore:
             if lower.tier.backend.in_memory:
                 await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
             else:
-                await lower.tier.backend.persist(lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant)
+                await lower.tier.backend.persist(lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant,
+                                                 seal=entry.seal)
         except StoreError as exc:
             entry.copies.pop(lower.tier.index, None)
             await lower.tier.backend.release(lower.slot)

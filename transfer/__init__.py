@@ -8,6 +8,7 @@ from .protocol import (
     ItemError,
     PeerClosedError,
     ProtocolError,
+    SealError,
     Status,
     TransferError,
 )
@@ -17,6 +18,6 @@ from .ucx import UcxTransport
 
 __all__ = [
     "TRANSPORTS", "AuthenticationError", "BlockLoc", "BufferLoc", "ItemError", "PeerClosedError", "ProtocolError",
-    "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport", "TransportContext", "UcxTransport",
+    "SealError", "Status", "Transfer", "TransferEngine", "TransferError", "TransferResult", "TransferServer", "Transport", "TransportContext", "UcxTransport",
     "unreachable",
 ]

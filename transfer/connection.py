@@ -127,8 +127,10 @@ class PeerConnection:
 
     # Operations -----------------------------------------------------------------------------------
 
-    async def read(self, items: list[tuple[bytes, np.ndarray]], checksum: bool = False) -> list[p.ItemError | None]:
-        """Fill each destination with its block, in place; per-item errors."""
+    async def read(self, items: list[tuple[bytes, np.ndarray]],
+                   checksum: bool = False) -> tuple[list[p.ItemError | None], list[bytes]]:
+        """Fill each destination with its block, in place; per-item errors, and the seals the peer
+        keeps with the blocks."""
         flags = p.FLAG_CHECKSUM if checksum else 0
         async with self._request() as request:
             await send_frame(self.sock, Op.READ, request, p.encode_read([(k, d.size) for k, d in items]), flags)
@@ -149,7 +151,7 @@ class PeerConnection:
                 results.append(p.ItemError(f"{self.address.node_id}: checksum mismatch in transit", Status.CHECKSUM))
             else:
                 results.append(None)
-        return results
+        return results, [reply.seal for reply in replies]
 
     async def write(
         self,

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from tiercake.tiers import ObjectExistsError, StoreError, TieredStore
-from tiercake.tiers.buffers import as_bytes
+from tiercake.tiers.buffers import INLINE_COPY_MAX, as_bytes, host_bytes
 
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
@@ -30,13 +31,14 @@ from .transports import Peer, ReadReq, Transport, TransportContext, WriteReq
 
 @dataclass(frozen=True, slots=True)
 class BlockLoc:
-    """A block in ``node``'s store. ``parent`` (its chain parent) and ``tenant`` are used when it is
-    written."""
+    """A block in ``node``'s store. ``parent`` (its chain parent), ``tenant`` and ``seal`` are used
+    when it is written from a buffer (a block pulled from another node keeps the seal it had)."""
 
     node: str
     key: bytes
     parent: bytes | None = None
     tenant: str = ""
+    seal: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class TransferResult:
     transport: str = ""
     error: BaseException | None = None
     nbytes: int = 0
+    seal: bytes = b""  # a read or a pull: the seal the source keeps with the block (check it before use)
 
     def raise_for_error(self) -> None:
         if self.error is not None:
@@ -179,9 +182,12 @@ class TransferEngine:
 
     # The batch API --------------------------------------------------------------------------------
 
-    async def transfer(self, batch: list[Transfer], timeout: float | None = None) -> list[TransferResult]:
+    async def transfer(self, batch: list[Transfer], timeout: float | None = None,
+                       verify: Callable[[bytes, object, bytes], bool] | None = None) -> list[TransferResult]:
         """Run a batch; one result per item, in order. Items fail alone, with a typed error; on a
-        timeout, every unfinished item reports ``TimeoutError``."""
+        timeout, every unfinished item reports ``TimeoutError``. ``verify(key, host bytes, seal)``
+        checks each block pulled into this node's store before it is committed: one it refuses is
+        not stored and fails with ``SealError``."""
         results = [TransferResult(False) for _ in batch]
         groups: dict[str, _Group] = defaultdict(_Group)
         pulls: list[tuple[int, BlockLoc, BlockLoc]] = []
@@ -193,7 +199,7 @@ class TransferEngine:
         by_node: dict[str, list] = defaultdict(list)
         for i, src, dst in pulls:
             by_node[src.node].append((i, src, dst, batch[i].length))
-        jobs = [self._pull(items, results) for items in by_node.values()]
+        jobs = [self._pull(items, results, verify) for items in by_node.values()]
         return await self._execute(groups, results, timeout, jobs)
 
     async def _execute(self, groups: dict[str, _Group], results: list[TransferResult], timeout: float | None,
@@ -224,7 +230,8 @@ class TransferEngine:
         elif isinstance(src, BlockLoc) and isinstance(dst, BufferLoc):
             groups[src.node].reads.append((i, ReadReq(src.key, _slice(dst, item.length))))
         elif isinstance(src, BufferLoc) and isinstance(dst, BlockLoc):
-            groups[dst.node].writes.append((i, WriteReq(dst.key, _slice(src, item.length), dst.parent, dst.tenant)))
+            groups[dst.node].writes.append((i, WriteReq(dst.key, _slice(src, item.length), dst.parent, dst.tenant,
+                                                                  dst.seal)))
         elif isinstance(src, BlockLoc) and isinstance(dst, BlockLoc) and dst.node == self.node_id != src.node:
             pulls.append((i, src, dst))
         else:
@@ -245,14 +252,16 @@ class TransferEngine:
                 continue
             done = await op(peer, [req for _, req in pairs])
             for (i, req), err in zip(pairs, done):
-                nbytes = (req.dst if isinstance(req, ReadReq) else req.src).numel()
-                results[i] = TransferResult(err is None, transport.name, err, 0 if err else nbytes)
+                read = isinstance(req, ReadReq)
+                nbytes = (req.dst if read else req.src).numel()
+                results[i] = TransferResult(err is None, transport.name, err, 0 if err else nbytes,
+                                            req.seal if read and err is None else b"")
                 if err is None:
                     self.bytes_moved[transport.name] += nbytes
 
-    async def _pull(self, items: list[tuple[int, BlockLoc, BlockLoc, int]], results) -> None:
+    async def _pull(self, items: list[tuple[int, BlockLoc, BlockLoc, int]], results, verify=None) -> None:
         """Blocks from one other node into this node's store: reserve a slot for each, read them all in
-        one batch straight into the slots, commit each that arrived whole."""
+        one batch straight into the slots, commit each that arrived whole (and that ``verify`` passes)."""
         if self.store is None:
             for i, *_ in items:
                 results[i].error = p.ItemError("this engine has no local store to pull into", Status.NOT_FOUND)
@@ -271,19 +280,23 @@ class TransferEngine:
                 peer = await self._peer(items[0][1].node)
                 transport = self.transport_for(peer)
                 keys = {i: src.key for i, src, _, _ in items}
-                done = await transport.read(peer, [ReadReq(keys[i], handle.buffer) for i, _, handle in handles])
+                reads = [ReadReq(keys[i], handle.buffer) for i, _, handle in handles]
+                done = await transport.read(peer, reads)
             except (p.TransferError, OSError) as exc:
                 for i, _, _ in handles:
                     results[i].error = exc
                 return
-            for (i, length, handle), err in zip(handles, done):
+            if verify is not None:
+                done = await _verified(verify, reads, done)
+            for (i, length, handle), req, err in zip(handles, reads, done):
                 if err is not None:
                     results[i].error = err
                     continue
                 try:
                     handle.note_written(length)
+                    handle.set_seal(req.seal)  # the copy keeps the source's seal: a later reader checks it too
                     await self.store.commit(handle)
-                    results[i] = TransferResult(True, transport.name, nbytes=length)
+                    results[i] = TransferResult(True, transport.name, nbytes=length, seal=req.seal)
                     self.bytes_moved[transport.name] += length
                 except StoreError as exc:
                     results[i].error = exc
@@ -305,12 +318,14 @@ class TransferEngine:
         return await self._execute({node: group}, [TransferResult(False) for _ in keys], timeout)
 
     async def write_blocks(self, node: str, keys: list[bytes], srcs: list, *, chain: bool = False,
-                           tenant: str = "", timeout: float | None = None) -> list[TransferResult]:
+                           tenant: str = "", seals: list[bytes] | None = None,
+                           timeout: float | None = None) -> list[TransferResult]:
         """Store each buffer as the block of the key beside it on ``node`` (``chain``: each block's
-        parent is the previous key)."""
-        if len(keys) != len(srcs):
-            raise ValueError(f"{len(keys)} keys for {len(srcs)} buffers")
-        writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None, tenant))
+        parent is the previous key; ``seals``: each block's seal, kept with it)."""
+        if len(keys) != len(srcs) or (seals is not None and len(seals) != len(keys)):
+            raise ValueError(f"{len(keys)} keys for {len(srcs)} buffers" + ("" if seals is None else f" and {len(seals)} seals"))
+        writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None, tenant,
+                               b"" if seals is None else seals[i]))
                   for i, (k, s) in enumerate(zip(keys, srcs))]
         return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
 
@@ -363,6 +378,21 @@ class TransferEngine:
         for result, err in zip(results, errors):
             result.ok, result.error, result.transport = err is None, err, "control"
         return results
+
+
+async def _verified(verify, reads: list[ReadReq], done: list) -> list:
+    """``done`` with a ``SealError`` for each read that arrived but fails ``verify`` (off the event
+    loop when the bytes are many)."""
+    def check() -> list:
+        out = list(done)
+        for j, (req, err) in enumerate(zip(reads, done)):
+            if err is None and not verify(req.key, host_bytes(req.dst), req.seal):
+                out[j] = p.SealError(f"block {req.key.hex()[:16]}: its seal does not verify (forged or corrupt)")
+        return out
+
+    if sum(req.dst.numel() for req in reads) > INLINE_COPY_MAX:
+        return await asyncio.to_thread(check)
+    return check()
 
 
 def _transport_class(name: str) -> type[Transport]:

@@ -148,7 +148,7 @@ class ShmPath(DataPath):
         if lease.data.numel() != expected:
             await store.release_lease(key, lease.id)
             return ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {lease.data.numel()} bytes, {expected} were asked")
-        return ReplyItem(Status.OK, expected, offset=lease.slot[0], lease=lease.id)
+        return ReplyItem(Status.OK, expected, offset=lease.slot[0], lease=lease.id, seal=store.seal_of(key))
 
 
 def receive_targets(handles: list[PutHandle]) -> tuple[list[np.ndarray], list[tuple[PutHandle, torch.Tensor]]]:

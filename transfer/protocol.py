@@ -13,17 +13,20 @@ Connection start (mutual HMAC-SHA256 over fresh nonces; the secret never crosses
 
 Operations (one request in flight per connection; the client keeps several connections):
 
-    READ        table of (key, expected length)  ->  READ_REPLY table of (status, length, xxh3) + data
-    WRITE       table of (key, parent, length, xxh3)  ->  WRITE_READY table of (status, pool offset)
+    READ        table of (key, expected length)  ->  READ_REPLY table of (status, length, xxh3, seal) + data
+    WRITE       table of (key, parent, tenant, length, xxh3, seal)  ->  WRITE_READY table of (status, pool offset)
                 then the data of accepted items (or, with FLAG_SHM, a copy into the shared pool at
                 those offsets and WRITE_COMMIT)  ->  WRITE_DONE table of (status)
-    LEASE       table of (key, expected length, ttl)  ->  LEASE_REPLY (status, pool offset, lease id):
+    LEASE       table of (key, expected length, ttl)  ->  LEASE_REPLY (status, pool offset, lease id, seal):
                 same-host peers then copy from the shared pool in place, and RELEASE the leases
     RELEASE     table of (key, lease id)  ->  RELEASE_REPLY
     DELETE      table of (key)  ->  DELETE_REPLY table of (status): every copy of each block removed,
                 refused per item while a reader holds it (LEASED) or it is hard-pinned (PINNED)
     STAGE       table of (key)  ->  STAGE_REPLY table of (status): blocks only on disk brought into the
                 memory tier above it ahead of a read (OK: in memory now; FULL: stays on disk)
+
+A seal (``tiercake.blocks.Sealer``, up to 32 bytes, may be empty) is stored with a written block and
+handed back with every read of it; the node keeps it and never checks it (it does not hold the key).
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"
-VERSION = 1
+VERSION = 2  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
 MAX_ITEMS = 4096
 MAX_KEY = 64
+MAX_SEAL = 32
 HANDSHAKE_BODY = 4096  # HELLO, AUTH (nonce, proof, node id) and ERROR before authentication
 WELCOME_BODY = 64 << 10  # the server's proof and PeerInfo
 
@@ -121,6 +125,13 @@ class ItemError(TransferError):
     """One item of a batch failed; the others are unaffected."""
 
 
+class SealError(ItemError):
+    """A block arrived whole but its seal does not verify: forged, or corrupted where it was held.
+    It was not stored; the reader recomputes it."""
+
+    status = Status.CHECKSUM
+
+
 # Tables --------------------------------------------------------------------------------------------
 #
 # A table is: item count (u32), one fixed-size record per item (a packed numpy dtype, decoded for the
@@ -132,11 +143,12 @@ def _dt(*fields: tuple[str, str]) -> np.dtype:
 
 
 READ_DT = _dt(("klen", "u1"), ("length", "<u8"))
-READ_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("length", "<u8"), ("checksum", "<u8"))
-WRITE_DT = _dt(("klen", "u1"), ("plen", "u1"), ("tlen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
+READ_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("slen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
+WRITE_DT = _dt(("klen", "u1"), ("plen", "u1"), ("tlen", "u1"), ("slen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
 STATUS_DT = _dt(("status", "u1"), ("mlen", "<u2"))
 LEASE_DT = _dt(("klen", "u1"), ("length", "<u8"), ("ttl", "<f8"))
-LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("offset", "<u8"), ("length", "<u8"), ("lease", "<u8"))
+LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("slen", "u1"), ("offset", "<u8"), ("length", "<u8"),
+                    ("lease", "<u8"))
 RELEASE_DT = _dt(("klen", "u1"), ("lease", "<u8"))
 KEYS_DT = _dt(("klen", "u1"),)
 
@@ -201,6 +213,12 @@ def _message(text: str) -> bytes:
     return text.encode()[:1000]
 
 
+def _seal(seal: bytes) -> bytes:
+    if len(seal) > MAX_SEAL:
+        raise ValueError(f"seals are at most {MAX_SEAL} bytes, got {len(seal)}")
+    return seal
+
+
 def encode_read(items: list[tuple[bytes, int]]) -> bytes:
     return _encode(READ_DT, [(len(_key(k)), _length(n)) for k, n in items], [k for k, _ in items])
 
@@ -218,18 +236,27 @@ class ReplyItem:
     message: str = ""
     offset: int = 0  # LEASE_REPLY and WRITE_READY: where the block lies in the pool's data space
     lease: int = 0
+    seal: bytes = b""  # READ_REPLY and LEASE_REPLY: what the writer stored with the block
+
+
+def _with_seals(items: list[ReplyItem]) -> tuple[list[bytes], list[bytes]]:
+    messages = [_message(it.message) for it in items]
+    blobs = []
+    for it, m in zip(items, messages):
+        blobs += [m, _seal(it.seal)]
+    return messages, blobs
 
 
 def encode_read_reply(items: list[ReplyItem]) -> bytes:
-    messages = [_message(it.message) for it in items]
-    rows = [(it.status, len(m), it.length, it.checksum) for it, m in zip(items, messages)]
-    return _encode(READ_REPLY_DT, rows, messages)
+    messages, blobs = _with_seals(items)
+    rows = [(it.status, len(m), len(it.seal), it.length, it.checksum) for it, m in zip(items, messages)]
+    return _encode(READ_REPLY_DT, rows, blobs)
 
 
 def decode_read_reply(body: bytes) -> list[ReplyItem]:
-    records, fields = _decode(READ_REPLY_DT, body, ("mlen",))
+    records, fields = _decode(READ_REPLY_DT, body, ("mlen", "slen"))
     return [
-        ReplyItem(_status(s), n, c, f[0].decode(errors="replace"))
+        ReplyItem(_status(s), n, c, f[0].decode(errors="replace"), seal=f[1])
         for s, n, c, f in zip(records["status"].tolist(), records["length"].tolist(), records["checksum"].tolist(), fields)
     ]
 
@@ -241,6 +268,7 @@ class WriteItem:
     parent: bytes | None = None
     checksum: int = 0
     tenant: str = ""
+    seal: bytes = b""
 
 
 def encode_write(items: list[WriteItem]) -> bytes:
@@ -252,15 +280,15 @@ def encode_write(items: list[WriteItem]) -> bytes:
         tenant = it.tenant.encode()
         if len(tenant) > 255:
             raise ValueError("tenant names are at most 255 bytes")
-        rows.append((len(_key(it.key)), len(parent), len(tenant), _length(it.length), it.checksum))
-        blobs += [it.key, parent, tenant]
+        rows.append((len(_key(it.key)), len(parent), len(tenant), len(_seal(it.seal)), _length(it.length), it.checksum))
+        blobs += [it.key, parent, tenant, it.seal]
     return _encode(WRITE_DT, rows, blobs)
 
 
 def decode_write(body: bytes) -> list[WriteItem]:
-    records, fields = _decode(WRITE_DT, body, ("klen", "plen", "tlen"))
+    records, fields = _decode(WRITE_DT, body, ("klen", "plen", "tlen", "slen"))
     return [
-        WriteItem(f[0], n, f[1] or None, c, f[2].decode(errors="replace"))
+        WriteItem(f[0], n, f[1] or None, c, f[2].decode(errors="replace"), f[3])
         for f, n, c in zip(fields, records["length"].tolist(), records["checksum"].tolist())
     ]
 
@@ -285,16 +313,16 @@ def decode_lease(body: bytes) -> list[tuple[bytes, int, float]]:
 
 
 def encode_lease_reply(items: list[ReplyItem]) -> bytes:
-    messages = [_message(it.message) for it in items]
-    rows = [(it.status, len(m), it.offset, it.length, it.lease) for it, m in zip(items, messages)]
-    return _encode(LEASE_REPLY_DT, rows, messages)
+    messages, blobs = _with_seals(items)
+    rows = [(it.status, len(m), len(it.seal), it.offset, it.length, it.lease) for it, m in zip(items, messages)]
+    return _encode(LEASE_REPLY_DT, rows, blobs)
 
 
 def decode_lease_reply(body: bytes) -> list[ReplyItem]:
-    records, fields = _decode(LEASE_REPLY_DT, body, ("mlen",))
+    records, fields = _decode(LEASE_REPLY_DT, body, ("mlen", "slen"))
     columns = (records[c].tolist() for c in ("status", "offset", "length", "lease"))
     return [
-        ReplyItem(_status(s), n, 0, f[0].decode(errors="replace"), o, lease)
+        ReplyItem(_status(s), n, 0, f[0].decode(errors="replace"), o, lease, f[1])
         for s, o, n, lease, f in zip(*columns, fields)
     ]
 

@@ -18,7 +18,6 @@ import os
 import socket
 
 import numpy as np
-import torch
 import xxhash
 from tiercake.tiers import (
     ObjectExistsError,
@@ -31,6 +30,7 @@ from tiercake.tiers import (
     TieredStore,
     TierFullError,
 )
+from tiercake.tiers.buffers import host_bytes
 from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
@@ -59,11 +59,6 @@ def status_of(exc: BaseException) -> Status:
         if isinstance(exc, kind):
             return status
     return Status.INTERNAL
-
-
-def host_bytes(t: torch.Tensor):
-    """A numpy view of a CPU tensor (the socket reads and writes it in place)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 class TransferServer:
@@ -253,7 +248,7 @@ class TransferServer:
                                              f"{expected} were asked"))
                     continue
                 checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
-                replies.append(ReplyItem(Status.OK, view.size, checksum))
+                replies.append(ReplyItem(Status.OK, view.size, checksum, seal=self.store.seal_of(key)))
                 data.append((len(replies) - 1, view))
             await path.send(request, flags, p.encode_read_reply(replies), data)
             self.served_bytes += sum(view.size for _, view in data)
@@ -308,7 +303,7 @@ class TransferServer:
                     continue
                 try:
                     handle = await self.store.put_start(
-                        it.key, it.length, parent=it.parent, tenant=it.tenant, tier=path.write_tier()
+                        it.key, it.length, parent=it.parent, tenant=it.tenant, seal=it.seal, tier=path.write_tier()
                     )
                 except (StoreError, ValueError, TypeError) as exc:
                     handles.append(None)

@@ -33,6 +33,7 @@ Results = list[BaseException | None]
 class ReadReq:
     key: bytes
     dst: torch.Tensor  # flat uint8, exactly the block's size
+    seal: bytes = b""  # filled in by the transport: the seal the holder keeps with the block
 
 
 @dataclass(slots=True)
@@ -41,6 +42,11 @@ class WriteReq:
     src: torch.Tensor  # flat uint8
     parent: bytes | None = None
     tenant: str = ""
+    seal: bytes = b""  # kept with the block by the holder
+
+    def item(self, length: int = 0) -> p.WriteItem:
+        """Its entry in a WRITE table."""
+        return p.WriteItem(self.key, length, self.parent, tenant=self.tenant, seal=self.seal)
 
 
 @dataclass(slots=True)
@@ -79,10 +85,14 @@ class Transport(ABC):
         """Whether this transport can reach ``peer`` from here."""
 
     @abstractmethod
-    async def read(self, peer: Peer, items: list[ReadReq]) -> Results: ...
+    async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
+        """Fill each item's ``dst`` with its block and set its ``seal`` to the one the peer keeps
+        with it (a reader of KV refuses a block without a seal that verifies); an error per item."""
 
     @abstractmethod
-    async def write(self, peer: Peer, items: list[WriteReq]) -> Results: ...
+    async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
+        """Store each item's ``src`` as a block on the peer, in order, with its parent, tenant and
+        seal (``WriteReq.item`` is its WRITE table entry); an error per item."""
 
     async def close(self) -> None:
         pass
@@ -125,14 +135,17 @@ class LocalTransport(Transport):
 
     async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
         store = self._need_store()
-        return [_error_of(r) for r in await store.get_many([(it.key, it.dst) for it in items])]
+        results = [_error_of(r) for r in await store.get_many([(it.key, it.dst) for it in items])]
+        for it in items:
+            it.seal = store.seal_of(it.key)
+        return results
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         store = self._need_store()
         done = []
         for it in items:  # in order: a chain's parents go first
             try:
-                await store.put(it.key, it.src, parent=it.parent, tenant=it.tenant)
+                await store.put(it.key, it.src, parent=it.parent, tenant=it.tenant, seal=it.seal)
                 done.append(None)
             except (StoreError, ValueError, TypeError) as exc:
                 done.append(exc)
@@ -198,7 +211,10 @@ class TcpTransport(Transport):
         staged = [_host(it.dst) for it in items]
 
         async def op(conn, run):
-            return await conn.read([(items[i].key, staged[i][0]) for i in run], self.checksum)
+            errors, seals = await conn.read([(items[i].key, staged[i][0]) for i in run], self.checksum)
+            for i, seal in zip(run, seals):
+                items[i].seal = seal
+            return errors
 
         runs = _split(list(range(len(items))), peer.channel.streams, lambda i: items[i].dst.numel())
         results = await self._run(peer, runs, op)
@@ -209,10 +225,7 @@ class TcpTransport(Transport):
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         async def op(conn, run):
-            return await conn.write(
-                [(p.WriteItem(items[i].key, 0, items[i].parent, tenant=items[i].tenant), _host_src(items[i].src)) for i in run],
-                self.checksum,
-            )
+            return await conn.write([(items[i].item(), _host_src(items[i].src)) for i in run], self.checksum)
 
         # one stream: a chain's blocks must commit in order on the peer
         return await self._run(peer, [list(range(len(items)))], op)
@@ -267,6 +280,7 @@ class ShmTransport(TcpTransport):
                 for i, (it, reply) in enumerate(zip(items, replies)):
                     if reply.status is Status.OK:
                         held.append((it.key, reply.lease))
+                        it.seal = reply.seal
                         await copy_async(it.dst, region.view(reply.offset, reply.length))  # bounds-checked
                     elif reply.status is Status.NOT_IN_MEMORY:
                         over_stream.append(i)
@@ -291,10 +305,8 @@ class ShmTransport(TcpTransport):
             def copy_into_pool(offset: int, src: np.ndarray) -> None:
                 region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop
 
-            return await conn.write(
-                [(p.WriteItem(items[i].key, 0, items[i].parent, tenant=items[i].tenant), _host_src(items[i].src)) for i in run],
-                self.checksum, copy_into_pool,
-            )
+            return await conn.write([(items[i].item(), _host_src(items[i].src)) for i in run], self.checksum,
+                                    copy_into_pool)
 
         return await self._run(peer, [list(range(len(items)))], op)
 

@@ -243,6 +243,7 @@ class UcxTransport(TcpTransport):
                 continue
             if staging is not None:
                 it.dst.copy_(staging)
+            it.seal = reply.seal
             results.append(None)
         return results
 
@@ -251,7 +252,7 @@ class UcxTransport(TcpTransport):
         async with peer.channel.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
             async with conn._request() as request:
-                table = p.encode_write([p.WriteItem(it.key, s.size, it.parent, tenant=it.tenant) for it, s in zip(items, sources)])
+                table = p.encode_write([it.item(s.size) for it, s in zip(items, sources)])
                 await send_frame(conn.sock, Op.WRITE, request, table, p.FLAG_UCX)
                 ready = p.decode_lease_reply(await conn._reply(request, Op.WRITE_READY))
                 check_count(ready, items)

@@ -7,6 +7,11 @@ conductor is asked who holds more of the chain, and the missing blocks are pulle
 blocks; only the rest of the prompt is computed. New full blocks join the gpu tier without a copy
 and are written through to the node agent, which reports them to the conductor. Decode runs one
 token for every running sequence at once.
+
+Every block written through carries a seal (a MAC of its key and bytes under the tenant's seal key,
+``tiercake.blocks``); every pulled block's seal is checked before it is used, and a block whose seal
+does not verify (written by someone without the seal secret, or corrupted on a node) is dropped and
+recomputed: it costs time, never a wrong token.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from itertools import groupby
 
 import torch
 
-from tiercake.blocks import Namespace, block_keys, chain_key
+from tiercake.blocks import Namespace, Sealer, block_keys, chain_key, seal_material, sealer_for
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
-from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult, unreachable
+from tiercake.tiers.buffers import host_bytes
+from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine, TransferResult, unreachable
 
 from .contract import RequestRejected
 from .model import PagedChunk, ReferenceModel
@@ -65,7 +71,10 @@ class InferenceEngine:
         node: str | None = None,
         max_context: int = 4096,
         prefill_chunk: int = 0,
+        seals: bytes | None = None,
     ) -> None:
+        """``seals``: the seal material (``TransferConfig.seal_material``); default: derived from the
+        transfer engine's cluster secret."""
         self.model = model
         self.store = store
         self.namespace = namespace
@@ -84,6 +93,20 @@ class InferenceEngine:
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
         self._members_at = 0.0
         self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
+        if seals is None and transfer is not None:
+            seals = seal_material(b"cluster secret|" + transfer.secret)
+        self._seal_material = seals
+        self._sealers: dict[str, Sealer] = {}
+        self.refused_blocks = 0  # pulled blocks whose seal did not verify
+
+    def sealer(self, salt: str) -> Sealer:
+        """The sealer of blocks hashed with ``salt`` (a tenant's)."""
+        sealer = self._sealers.get(salt)
+        if sealer is None:
+            if self._seal_material is None:
+                raise RuntimeError("this engine has no seal material (no transfer engine and none given)")
+            sealer = self._sealers[salt] = sealer_for(self._seal_material, salt)
+        return sealer
 
     def namespace_for(self, tenant_salt: str) -> Namespace:
         return self.namespace.model_copy(update={"tenant_salt": tenant_salt})
@@ -113,7 +136,7 @@ class InferenceEngine:
         own = self.kv.cached_prefix(reusable)
         stats.sources = {"gpu": own} if own else {}
         if pull and own < len(reusable) and self.conductor is not None and self.transfer is not None:
-            await self._load(tenant, reusable, own, stats, source, staged)
+            await self._load(tenant, tenant if salt is None else salt, reusable, own, stats, source, staged)
         table = self.kv.open(reusable)
         cached = table.cached * self.block_size
         stats.cached_tokens = cached
@@ -137,7 +160,7 @@ class InferenceEngine:
             stats.written_blocks = max(0, len(tokens) // self.block_size - table.cached)
         return seq
 
-    async def _load(self, tenant: str, keys: list[bytes], own: int, stats: PrefillStats,
+    async def _load(self, tenant: str, salt: str, keys: list[bytes], own: int, stats: PrefillStats,
                     source: KVHandoff | None = None, staged: frozenset[bytes] | set[bytes] = frozenset()) -> None:
         """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
         started = time.perf_counter()
@@ -165,7 +188,15 @@ class InferenceEngine:
                      self.block_nbytes)
             for i, key in enumerate(keys[own:prefix.length], start=own)
         ]
-        results = await self._send(node, batch)
+        # a pulled block is committed only if its seal verifies under the tenant's key: a forged or
+        # corrupt one never enters the gpu tier, and the chain is cut there (recomputed from it)
+        results = await self._send(node, batch, verify=self.sealer(salt).verify)
+        refused = sum(isinstance(r.error, SealError) for r in results)
+        if refused:
+            self.refused_blocks += refused
+            stats.refused_blocks += refused
+            log.warning("worker %s: %d block(s) from %s failed their seal (forged or corrupt); recomputed",
+                        self.worker_id, refused, node)
         loaded = 0
         for result in results:  # a chain is only usable up to its first missing block
             if not result.ok and not self.store.contains(batch[loaded].dst.key):
@@ -227,17 +258,17 @@ class InferenceEngine:
         except ConductorError as exc:
             log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
 
-    async def _send(self, node: str, batch: list[Transfer]) -> list[TransferResult]:
+    async def _send(self, node: str, batch: list[Transfer], verify=None) -> list[TransferResult]:
         """The batch to or from ``node``, given up at the deadline its size calls for (a node that
         stalls costs about a second, then the caller recomputes); when the node could not be reached
         and the members list it at another address (its agent restarted), once more there."""
         deadline = self.transfer.deadline_for(sum(t.length for t in batch))
-        results = await self.transfer.transfer(batch, timeout=deadline)
+        results = await self.transfer.transfer(batch, timeout=deadline, verify=verify)
         if unreachable(results):
             known = self.transfer.address(node)
             await self._read_members()
             if self.transfer.address(node) not in (None, known):
-                results = await self.transfer.transfer(batch, timeout=deadline)
+                results = await self.transfer.transfer(batch, timeout=deadline, verify=verify)
         return results
 
     def _store_full_blocks(self, seq: Sequence, resend_cached: bool = False) -> None:
@@ -274,9 +305,12 @@ class InferenceEngine:
                 log.warning("worker %s: node %s is not a live member; blocks not written through",
                             self.worker_id, self.node)
                 return
+            sealer = self.sealer(seq.salt)
+            seals = await asyncio.to_thread(
+                lambda: [sealer.seal(seq.keys[i], host_bytes(lease.data)) for i, lease in zip(indices, leases)])
             batch = [Transfer(BufferLoc(lease.data), BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None,
-                                                              seq.tenant), self.block_nbytes)
-                     for i, lease in zip(indices, leases)]
+                                                              seq.tenant, seal), self.block_nbytes)
+                     for i, lease, seal in zip(indices, leases, seals)]
             for result in await self._send(self.node, batch):  # the gpu leases wait on it
                 if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)

@@ -58,7 +58,7 @@ class ReferenceEngine(ServingEngine):
             self.inference = InferenceEngine(
                 model, store, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,
                 conductor=client, node=cfg.node_id, max_context=serving.max_context,
-                prefill_chunk=serving.prefill_chunk_tokens,
+                prefill_chunk=serving.prefill_chunk_tokens, seals=cfg.transfer.seal_material(),
             )
             self._closers.append(self.inference.flush)
             self._perf = await asyncio.to_thread(calibrate, self.inference, self.data_dir)

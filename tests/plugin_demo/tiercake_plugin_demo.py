@@ -130,12 +130,13 @@ class SpoolTransport(TcpTransport):
             path = _spooled(request, index)
             it.dst.copy_(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
             path.unlink()
+            it.seal = reply.seal  # what the holder keeps with the block: a reader of KV checks it
             results.append(None)
         return results
 
     async def write(self, peer, items):
         async with peer.channel.connection() as conn, conn._request() as request:
-            table = p.encode_write([p.WriteItem(it.key, it.src.numel(), it.parent, tenant=it.tenant) for it in items])
+            table = p.encode_write([it.item(it.src.numel()) for it in items])
             await send_frame(conn.sock, p.Op.WRITE, request, table, FLAG_SPOOL)
             ready = p.decode_lease_reply(await conn._reply(request, p.Op.WRITE_READY))
             check_count(ready, items)

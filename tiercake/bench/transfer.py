@@ -9,7 +9,8 @@ the same run between the same two processes.
 
 Figures: throughput per block size and batch size; per-batch latency (median) against the raw
 stream's time for the same bytes; and at 64 KiB, the per-block overhead of a batch of 64 over the raw
-stream's time per block.
+stream's time per block; and ``seal.rate``, what sealing (or checking) a block costs against memcpy
+of the same bytes (a KV writer seals every block it writes, a KV reader checks every one it loads).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import uuid
 
 import torch
 
+from tiercake.blocks import seal_material, sealer_for
 from tiercake.transfer import TransferEngine
 from tiercake.transfer.ucx import available as ucx_available
 
@@ -115,6 +117,16 @@ async def _measure(engine: TransferEngine, size: int, batch: int, nblocks: int, 
     return best_write, best_read, latencies
 
 
+def _seal_seconds(src: torch.Tensor, nblocks: int) -> float:
+    """Sealing ``nblocks`` blocks (a KV writer seals each, a KV reader checks each: the same work)."""
+    sealer = sealer_for(seal_material(b"bench seal secret 0123"), "bench")
+    rows = [row.numpy() for row in src]
+    start = time.perf_counter()
+    for i in range(nblocks):
+        sealer.seal(i.to_bytes(8, "little"), rows[i % len(rows)])
+    return time.perf_counter() - start
+
+
 async def run(quick: bool = False, sizes: list[int] | None = None, batches: list[int] | None = None,
               streams: int = 2) -> Report:
     report = Report(bench="transfer", machine=machine())
@@ -144,6 +156,9 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
             area = _warm(min(nblocks, max(2, (256 * MiB) // size)), size)
             memcpy = min(_memcpy_seconds(src, area, area.shape[0]) for _ in range(reps)) * nblocks / area.shape[0]
             del area
+            seal_s = min(_seal_seconds(src, nblocks) for _ in range(reps))
+            report.add("seal.rate", nbytes / seal_s / 1e9, "GB/s", nbytes / memcpy / 1e9, block_bytes=size,
+                       blocks=nblocks, limit_name="memcpy")
             for name, engine in engines.items():
                 for batch in batches:
                     if batch > nblocks or (name != "tcp" and batch not in (1, max(b for b in batches if b <= nblocks))):

@@ -20,10 +20,11 @@ to save (key, parent, vLLM block).
 
 Worker side (vLLM's model runner): before the forward pass, the blocks are read from the holding
 node (the shared pool in place on the same host, TCP across hosts) and scattered into each layer's
-paged KV; a block that cannot be read is reported (``get_block_ids_with_load_errors``) and vLLM
-recomputes from it, so a dead node or a corrupt block costs time, never a wrong token. After the
-pass, newly full blocks are gathered from every layer into one tiercake block and written to the
-node agent in the background, within a bounded budget of bytes in flight (past it, saves are
+paged KV; a block that cannot be read, or whose seal does not verify under the request's salt
+(forged or corrupt, ``tiercake.blocks.Sealer``), is reported (``get_block_ids_with_load_errors``)
+and vLLM recomputes from it, so a dead node or a forged block costs time, never a wrong token. After
+the pass, newly full blocks are gathered from every layer into one tiercake block, sealed, and
+written to the node agent in the background, within a bounded budget of bytes in flight (past it, saves are
 dropped and counted: a missed save is a future miss, never a stall).
 """
 
@@ -45,7 +46,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tiercake.blocks import Namespace, chain_key
+from tiercake.blocks import Namespace, Sealer, chain_key, sealer_for
+from tiercake.config import TransferConfig
+from tiercake.transfer import SealError, TransferResult
 
 from .link import TiercakeLink
 
@@ -72,6 +75,8 @@ class ConnectorSettings(BaseModel):
                                  "vLLM's served model name)")
     tenant: str = Field(default="default", description="the index namespace of this instance's blocks")
     secret_env: str = "TIERCAKE_SECRET"
+    seal_secret_env: str = "TIERCAKE_SEAL_SECRET"  # blocks are sealed with it and checked by it (else: derived
+    # from the cluster secret); see TransferConfig
     token_env: str = "TIERCAKE_TOKEN"  # the conductor's bearer token, as every tiercake client reads it
     transports: list[str] = ["shm", "tcp"]
     lookup_timeout_s: float = Field(default=1.0, gt=0)
@@ -98,6 +103,7 @@ class RequestLoad:
     request_id: str
     node: str
     blocks: list[BlockLoad]
+    salt: str  # its keys' hashing salt: the seals are checked under it
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,7 @@ class BlockSave:
     parent: bytes | None
     block_id: int  # vLLM's block to copy out
     tenant: str  # the index tenant the block is saved under
+    salt: str  # the hashing salt of its key: it is sealed under it
 
 
 @dataclass
@@ -212,6 +219,9 @@ class TiercakeConnector(KVConnectorBase_V1):
         token = next(iter(os.environ.get(self.settings.token_env, "").split()), None)
         identity = f"vllm-{os.getpid()}-{role.name.lower()}"
         self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports))
+        self._seal_material = None if secret is None else TransferConfig(
+            secret_env=self.settings.secret_env, seal_secret_env=self.settings.seal_secret_env).seal_material()
+        self._sealers: dict[str, Sealer] = {}
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._plans: dict[str, _Plan] = {}
@@ -225,8 +235,14 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._reports: dict[str, LoadReport] = {}
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
-        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "saved_blocks": 0, "dropped_saves": 0,
-                      "failed_saves": 0}
+        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "refused_blocks": 0, "saved_blocks": 0,
+                      "dropped_saves": 0, "failed_saves": 0}
+
+    def _sealer(self, salt: str) -> Sealer:
+        sealer = self._sealers.get(salt)
+        if sealer is None:
+            sealer = self._sealers[salt] = sealer_for(self._seal_material, salt)
+        return sealer
 
     # ==== scheduler side ==========================================================================
 
@@ -288,7 +304,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         count = min(plan.count, num_external_tokens // self.block_size)
         keys = tracked.keys
         self._pending_loads.append(RequestLoad(request.request_id, plan.node, [
-            BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)]))
+            BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)], tracked.salt))
         tracked.next_save = plan.first + count
         tracked.external_tokens = count * self.block_size
 
@@ -322,7 +338,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         if full <= tracked.next_save:  # most steps of a decode: nothing new is full
             return []
         keys = self._keys(tracked, list(all_tokens[:full * self.block_size]), full)
-        saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i], tracked.tenant)
+        saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i], tracked.tenant, tracked.salt)
                  for i in range(tracked.next_save, full)]
         tracked.next_save = full
         return saves
@@ -403,8 +419,19 @@ class TiercakeConnector(KVConnectorBase_V1):
         staging = self._load_staging(len(load.blocks))
         results = self.link.read(load.node, [b.key for b in load.blocks], list(staging),
                                  self.settings.load_timeout_s)
-        # a chain is usable only up to its first missing block: the rest is recomputed
+        # a chain is usable only up to its first missing block, or its first whose seal does not
+        # verify (forged or corrupt): the rest is recomputed
         loaded = next((i for i, r in enumerate(results) if not r.ok), len(results))
+        sealer = self._sealer(load.salt)
+        verified = next((i for i in range(loaded) if not sealer.verify(load.blocks[i].key, staging[i].numpy(),
+                                                                        results[i].seal)), loaded)
+        if verified < loaded:
+            self.stats["refused_blocks"] += loaded - verified
+            log.warning("TiercakeConnector: request %s: block %d from %s failed its seal (forged or corrupt); vLLM "
+                        "recomputes from it", load.request_id, verified, load.node)
+            results = results[:verified] + [TransferResult(False, error=SealError("seal does not verify"))
+                                            for _ in results[verified:]]
+            loaded = verified
         failed = loaded < len(results)
         if loaded:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors (the staging is not:
@@ -438,11 +465,11 @@ class TiercakeConnector(KVConnectorBase_V1):
         with torch.inference_mode(False):  # the link's thread reads it after this step
             staging = torch.empty((len(meta.saves), self.block_nbytes), dtype=torch.uint8)
         self._gather([s.block_id for s in meta.saves], staging)  # copied now: vLLM may reuse its blocks later
-        by_tenant: dict[str, list] = {}
+        by_tenant: dict[tuple[str, str], list] = {}
         for s, row in zip(meta.saves, staging):
-            by_tenant.setdefault(s.tenant, []).append((s.key, s.parent, row))
-        for tenant, items in by_tenant.items():
-            future = self.link.write(self.settings.node, items, tenant, self.settings.save_timeout_s)
+            by_tenant.setdefault((s.tenant, s.salt), []).append((s.key, s.parent, row))
+        for (tenant, salt), items in by_tenant.items():
+            future = self.link.write(self.settings.node, items, tenant, self._sealer(salt), self.settings.save_timeout_s)
             future.add_done_callback(lambda f, n=len(items): self._saved(f, n * self.block_nbytes, n))
 
     def _saved(self, future, nbytes: int, count: int) -> None:

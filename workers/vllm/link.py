@@ -9,6 +9,7 @@ blocks vLLM longer than the deadline it was given.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Coroutine
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tiercake.blocks import Sealer
 from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.loop_thread import LoopThread
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
@@ -98,11 +100,14 @@ class TiercakeLink:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
             return [TransferResult(False, error=exc) for _ in keys]
 
-    def write(self, node: str, items: list[tuple[bytes, bytes | None, torch.Tensor]], tenant: str,
+    def write(self, node: str, items: list[tuple[bytes, bytes | None, torch.Tensor]], tenant: str, sealer: Sealer,
               timeout: float) -> concurrent.futures.Future[list[TransferResult]]:
-        """Store each (key, parent, bytes) on ``node`` in the background (parents first)."""
-        batch = [Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant), src.numel())
-                 for key, parent, src in items]
+        """Seal and store each (key, parent, host bytes) on ``node`` in the background (parents first)."""
+        async def write() -> list[TransferResult]:
+            seals = await asyncio.to_thread(lambda: [sealer.seal(key, src.numpy()) for key, _, src in items])
+            batch = [Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant, seal), src.numel())
+                     for (key, parent, src), seal in zip(items, seals)]
+            return await self.nodes.to_node(node, lambda: self.engine.transfer(batch, timeout=timeout))
 
-        return self.submit(self.nodes.to_node(node, lambda: self.engine.transfer(batch, timeout=timeout)))
+        return self.submit(write())
 
