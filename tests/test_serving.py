@@ -700,6 +700,14 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
             async with http.get(up.control_url + "/v1/cluster") as resp:
                 assert resp.status == 401
         worker, pid = await up.member_pid("worker")
+        # it made a seal secret too, and gave it to the worker alone: a taken-over node agent or
+        # conductor could not seal a block a worker would use
+        async with up.ops() as ops:
+            node_port = next(m for m in await ops.members() if m.role == "node").port
+        environ = {p: Path(f"/proc/{p}/environ").read_bytes().split(b"\0") for p in
+                   (pid, _pid_listening(node_port), _pid_listening(int(up.control_url.rsplit(":", 1)[1])))}
+        sealed = {p for p, env in environ.items() if any(e.startswith(b"TIERCAKE_SEAL_SECRET=") for e in env)}
+        assert sealed == {pid}
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # restarted, registered again
