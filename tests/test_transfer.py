@@ -5,6 +5,7 @@ import socket
 import struct
 import time
 
+import numpy as np
 import pytest
 import torch
 from transfer_helpers import (
@@ -567,3 +568,17 @@ def test_the_wire_tables_carry_seals_and_refuse_oversized_ones():
     assert p.decode_lease_reply(p.encode_lease_reply([reply]))[0].seal == reply.seal
     with pytest.raises(ValueError, match="seals are at most"):
         p.encode_write([p.WriteItem(b"k", 10, seal=b"s" * (p.MAX_SEAL + 1))])
+
+
+def test_small_and_large_tables_are_the_same_bytes():
+    """Up to SMALL_TABLE items a table is packed with struct, beyond with numpy: one format."""
+    items = [p.WriteItem(f"k{i}".encode(), i * 4096 + 1, b"p" if i % 2 else None, i, f"t{i}", bytes([i]) * (i % 3))
+             for i in range(3 * p.SMALL_TABLE)]
+    for n in (1, p.SMALL_TABLE, p.SMALL_TABLE + 1, len(items)):
+        body = p.encode_write(items[:n])
+        fixed = 4 + n * p.WRITE_DT.itemsize
+        rows = [(len(it.key), len(it.parent or b""), len(it.tenant), len(it.seal), it.length, it.checksum) for it in items[:n]]
+        assert body[4:fixed] == np.array(rows, dtype=p.WRITE_DT).tobytes()
+        assert p.decode_write(body) == items[:n]
+    with pytest.raises(ValueError):
+        p.encode_read([(b"k", 1 << 64)])

@@ -162,15 +162,34 @@ def _status(value: int) -> Status:
         raise ProtocolError(f"unknown status {value}") from None
 
 
+SMALL_TABLE = 8  # up to this many items a table is packed and parsed with struct: numpy's per-call cost
+# (several microseconds a call) is most of the time of a one-block request
+
+
+@functools.cache
+def _struct(dtype: np.dtype) -> struct.Struct:
+    """The struct layout of one packed record of ``dtype`` (same bytes as numpy's)."""
+    codes = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "<f8": "d"}
+    return struct.Struct("<" + "".join(codes[dtype.fields[name][0].str.replace("|", "")] for name in dtype.names))
+
+
 def _encode(dtype: np.dtype, rows: list[tuple], blobs: list[bytes]) -> bytes:
     if len(rows) > MAX_ITEMS:
         raise ValueError(f"a batch holds at most {MAX_ITEMS} items, got {len(rows)}")
-    fixed = np.array(rows, dtype=dtype).tobytes() if rows else b""
+    if len(rows) <= SMALL_TABLE:
+        record = _struct(dtype)
+        try:
+            fixed = b"".join(record.pack(*row) for row in rows)
+        except struct.error as exc:
+            raise ValueError(f"a table value is out of range: {exc}") from None
+    else:
+        fixed = np.array(rows, dtype=dtype).tobytes()
     return len(rows).to_bytes(4, "little") + fixed + b"".join(blobs)
 
 
-def _decode(dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]) -> tuple[np.ndarray, list[list[bytes]]]:
-    """The fixed records and, per item, the variable fields named by the length columns ``var``."""
+def _decode(dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]) -> tuple[dict[str, list], list[list[bytes]]]:
+    """The fixed records as one list per column, and, per item, the variable fields named by the
+    length columns ``var``."""
     view = memoryview(body)
     if len(view) < 4:
         raise ProtocolError("truncated table")
@@ -180,21 +199,25 @@ def _decode(dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]) -> t
     end = 4 + n * dtype.itemsize
     if end > len(view):
         raise ProtocolError("truncated table")
-    records = np.frombuffer(view[4:end], dtype=dtype)
-    sizes = [records[f].astype(np.int64) for f in var]
-    if sum(int(x.sum()) for x in sizes) != len(view) - end:
+    if n <= SMALL_TABLE:
+        rows = list(_struct(dtype).iter_unpack(view[4:end]))
+        columns = {name: [row[i] for row in rows] for i, name in enumerate(dtype.names)}
+    else:
+        records = np.frombuffer(view[4:end], dtype=dtype)
+        columns = {name: records[name].tolist() for name in dtype.names}
+    sizes = [columns[f] for f in var]
+    if sum(sum(column) for column in sizes) != len(view) - end:
         raise ProtocolError("table lengths do not match its body")
     blob = bytes(view[end:])
     fields: list[list[bytes]] = []
     pos = 0
-    columns = [x.tolist() for x in sizes]
     for i in range(n):
         item = []
-        for column in columns:
+        for column in sizes:
             item.append(blob[pos : pos + column[i]])
             pos += column[i]
         fields.append(item)
-    return records, fields
+    return columns, fields
 
 
 def _key(key: bytes) -> bytes:
@@ -225,7 +248,7 @@ def encode_read(items: list[tuple[bytes, int]]) -> bytes:
 
 def decode_read(body: bytes) -> list[tuple[bytes, int]]:
     records, fields = _decode(READ_DT, body, ("klen",))
-    return [(f[0], n) for f, n in zip(fields, records["length"].tolist())]
+    return [(f[0], n) for f, n in zip(fields, records["length"])]
 
 
 @dataclass(slots=True)
@@ -257,7 +280,7 @@ def decode_read_reply(body: bytes) -> list[ReplyItem]:
     records, fields = _decode(READ_REPLY_DT, body, ("mlen", "slen"))
     return [
         ReplyItem(_status(s), n, c, f[0].decode(errors="replace"), seal=f[1])
-        for s, n, c, f in zip(records["status"].tolist(), records["length"].tolist(), records["checksum"].tolist(), fields)
+        for s, n, c, f in zip(records["status"], records["length"], records["checksum"], fields)
     ]
 
 
@@ -289,7 +312,7 @@ def decode_write(body: bytes) -> list[WriteItem]:
     records, fields = _decode(WRITE_DT, body, ("klen", "plen", "tlen", "slen"))
     return [
         WriteItem(f[0], n, f[1] or None, c, f[2].decode(errors="replace"), f[3])
-        for f, n, c in zip(fields, records["length"].tolist(), records["checksum"].tolist())
+        for f, n, c in zip(fields, records["length"], records["checksum"])
     ]
 
 
@@ -300,7 +323,7 @@ def encode_statuses(items: list[ReplyItem]) -> bytes:
 
 def decode_statuses(body: bytes) -> list[ReplyItem]:
     records, fields = _decode(STATUS_DT, body, ("mlen",))
-    return [ReplyItem(_status(s), message=f[0].decode(errors="replace")) for s, f in zip(records["status"].tolist(), fields)]
+    return [ReplyItem(_status(s), message=f[0].decode(errors="replace")) for s, f in zip(records["status"], fields)]
 
 
 def encode_lease(items: list[tuple[bytes, int, float]]) -> bytes:
@@ -309,7 +332,7 @@ def encode_lease(items: list[tuple[bytes, int, float]]) -> bytes:
 
 def decode_lease(body: bytes) -> list[tuple[bytes, int, float]]:
     records, fields = _decode(LEASE_DT, body, ("klen",))
-    return [(f[0], n, t) for f, n, t in zip(fields, records["length"].tolist(), records["ttl"].tolist())]
+    return [(f[0], n, t) for f, n, t in zip(fields, records["length"], records["ttl"])]
 
 
 def encode_lease_reply(items: list[ReplyItem]) -> bytes:
@@ -320,7 +343,7 @@ def encode_lease_reply(items: list[ReplyItem]) -> bytes:
 
 def decode_lease_reply(body: bytes) -> list[ReplyItem]:
     records, fields = _decode(LEASE_REPLY_DT, body, ("mlen", "slen"))
-    columns = (records[c].tolist() for c in ("status", "offset", "length", "lease"))
+    columns = (records[c] for c in ("status", "offset", "length", "lease"))
     return [
         ReplyItem(_status(s), n, 0, f[0].decode(errors="replace"), o, lease, f[1])
         for s, o, n, lease, f in zip(*columns, fields)
@@ -333,7 +356,7 @@ def encode_release(items: list[tuple[bytes, int]]) -> bytes:
 
 def decode_release(body: bytes) -> list[tuple[bytes, int]]:
     records, fields = _decode(RELEASE_DT, body, ("klen",))
-    return [(f[0], lease) for f, lease in zip(fields, records["lease"].tolist())]
+    return [(f[0], lease) for f, lease in zip(fields, records["lease"])]
 
 
 def encode_keys(keys: list[bytes]) -> bytes:
