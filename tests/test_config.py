@@ -150,3 +150,31 @@ def test_every_setting_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TIERCAKE__SERVING__PORT", "not a port")
     with pytest.raises(ValidationError, match="serving.port"):
         load_config(path)
+
+
+def test_transfer_tls_needs_the_certificates_and_rules_out_ucx():
+    store = {"tiers": [{"kind": "pool", "capacity": "1MiB"}]}
+    with pytest.raises(ValidationError, match="transfer.tls needs tls.cert_file"):
+        TiercakeConfig.model_validate({"store": store, "transfer": {"tls": True}})
+    tls = {"cert_file": "c.pem", "key_file": "k.pem", "ca_file": "c.pem"}
+    with pytest.raises(ValidationError, match="take ucx out"):
+        TiercakeConfig.model_validate({"store": store, "tls": tls, "transfer": {"tls": True, "transports": ["ucx", "tcp"]}})
+    plain = TiercakeConfig.model_validate({"store": store, "tls": tls})
+    assert plain.transfer_tls_server() is None and plain.transfer_tls_client() is None
+
+
+def test_the_seal_secret_is_its_own_or_derived_from_the_cluster_secret(monkeypatch, tmp_path):
+    from tiercake.config import TransferConfig
+
+    monkeypatch.setenv("TIERCAKE_SECRET", "the-cluster-secret-0123")
+    monkeypatch.delenv("TIERCAKE_SEAL_SECRET", raising=False)
+    derived = TransferConfig().seal_material()
+    monkeypatch.setenv("TIERCAKE_SEAL_SECRET", "the-seal-secret-0123456")
+    own = TransferConfig().seal_material()
+    assert len(own) == len(derived) == 32 and own != derived
+    (tmp_path / "seal").write_text("the-seal-secret-0123456\n")
+    monkeypatch.delenv("TIERCAKE_SEAL_SECRET")
+    assert TransferConfig(seal_secret_file=str(tmp_path / "seal")).seal_material() == own
+    monkeypatch.setenv("TIERCAKE_SEAL_SECRET", "short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        TransferConfig().seal_material()

@@ -19,6 +19,7 @@ from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.etcd_process import free_port
 from tiercake.chaos import pid_listening as _pid_listening
 from tiercake.up import UpProcess
+from tiercake.devtls import self_signed
 
 MODEL = "tiercake-reference"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
@@ -805,41 +806,17 @@ async def test_tenant_quotas_refuse_one_tenant_with_429s_and_leave_the_other_ser
         up.stop()
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 that is its own CA, and its key."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    import ipaddress
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tiercake-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 async def test_tls_on_every_http_api_of_the_cluster(tmp_path):
     """With tls configured, the public API, the control API and the workers' API serve https only:
     a completion goes front -> worker over https, a client that does not trust the CA is refused, and
-    plain http gets nothing."""
+    plain http gets nothing. With transfer.tls the node agent's transfer port speaks TLS too: the
+    worker's blocks reach it (and come back) through it, and nothing on it is in the clear."""
+    import socket
     import ssl
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     up = UpCluster(tmp_path, args=["--workers", "1"],
-                   extra=f"tls: {{cert_file: {cert}, key_file: {key}, ca_file: {cert}}}\n")
+                   extra=f"tls: {{cert_file: {cert}, key_file: {key}, ca_file: {cert}}}\ntransfer: {{tls: true}}\n")
     try:
         assert up.url.startswith("https://") and up.control_url.startswith("https://")
         await up.wait_up(workers=1)
@@ -849,6 +826,19 @@ async def test_tls_on_every_http_api_of_the_cluster(tmp_path):
         async with Client([up.url], timeout=60, ssl=ssl.create_default_context(cafile=str(cert))) as client:
             answer = await client.complete(PROMPT + "Over TLS.", max_tokens=3)
         assert answer["usage"]["completion_tokens"] == 3
+        async with up.ops() as ops:  # the worker wrote its blocks through to the node, over the TLS port
+            node = next(m for m in await ops.members() if m.role == "node")
+            for _ in range(100):
+                view = await ops.cluster()
+                if any(m.id == node.node_id and m.indexed_bytes.get("pool", 0) for m in view.members):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the node never reported the worker's blocks")
+        with socket.create_connection((node.host, node.port), timeout=5) as raw:
+            raw.settimeout(0.5)
+            with pytest.raises(TimeoutError):  # no HELLO in the clear: it waits for a TLS ClientHello
+                raw.recv(64)
         async with aiohttp.ClientSession() as http:
             with pytest.raises(aiohttp.ClientConnectorCertificateError):  # the system does not trust it
                 await http.get(up.url + "/v1/models")

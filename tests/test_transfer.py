@@ -582,3 +582,46 @@ def test_small_and_large_tables_are_the_same_bytes():
         assert p.decode_write(body) == items[:n]
     with pytest.raises(ValueError):
         p.encode_read([(b"k", 1 << 64)])
+
+
+async def test_a_tls_transfer_port_carries_blocks_and_refuses_plain_or_untrusting_clients(tmp_path):
+    """With TLS the port speaks TLS only: blocks of every size (the event loop's and the bulk threads'
+    paths) go both ways inside it, the secret's challenge still runs inside, a plain client gets
+    nothing it can read, and a client that does not trust the certificate is refused."""
+    import ssl
+
+    from tiercake.devtls import self_signed
+
+    cert, key = self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    client_ctx.check_hostname = False
+    store, server = await start_node("node-b", pool_bytes=32 << 20, tls=server_ctx)
+    assert not server.info().ucx
+    engine = engine_for(server, ("tcp",), tls=client_ctx)
+    sizes = [4 * KB, 64 * KB, 4 << 20]  # 4 MiB: over BULK_THREAD_BYTES
+    keys = [f"tls-{n}".encode() for n in sizes]
+    srcs = [payload(i, n) for i, n in enumerate(sizes)]
+    assert all(r.ok for r in await engine.write_blocks("node-b", keys, srcs))
+    dsts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    assert all(r.ok for r in await engine.read_blocks("node-b", keys, dsts))
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    await engine.close()
+
+    # nothing in the clear: a plain server greets with its HELLO at once, a TLS one waits for a ClientHello
+    with socket.create_connection(server.address, timeout=5) as raw:
+        raw.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            raw.recv(64)
+    plain = engine_for(server, ("tcp",))
+    (res,) = await plain.read_blocks("node-b", keys[:1], dsts[:1], timeout=1)  # waits for a HELLO that never comes
+    assert isinstance(res.error, TimeoutError)
+    await plain.close()
+    # a client that does not trust the certificate
+    stranger = engine_for(server, ("tcp",), tls=ssl.create_default_context())
+    (res,) = await stranger.read_blocks("node-b", keys[:1], dsts[:1], timeout=5)
+    assert isinstance(res.error, p.AuthenticationError) and "TLS handshake failed" in str(res.error)
+    await stranger.close()
+    assert server.refused >= 2
+    await stop_node(store, server)

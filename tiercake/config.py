@@ -140,6 +140,9 @@ class TransferConfig(BaseModel):
     streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")
+    tls: bool = Field(default=False, description="the transfer port speaks TLS only, with the tls section's "
+                      "certificate (node agents) and CA (every client); UCX is then not used (its bytes would "
+                      "bypass TLS)")
     max_block_bytes: ByteSize = Field(default=ByteSize(1 << 30), description="largest block a peer may write")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="the node agent's own Prometheus "
                                      "/metrics on this port of host (0: any free port, announced; none: not "
@@ -317,8 +320,8 @@ class ServingConfig(BaseModel):
 
 class TlsConfig(BaseModel):
     """TLS for every HTTP API of the cluster: the conductor's control and OpenAI-compatible APIs and the
-    workers'. The transfer port is not encrypted: it authenticates both ends with the cluster secret
-    and carries KV bytes (keep it on the cluster's network)."""
+    workers'; and for the transfer port with ``transfer.tls`` (without it, the transfer port is not
+    encrypted: it authenticates both ends with the cluster secret and carries KV bytes in the clear)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -368,6 +371,31 @@ class TiercakeConfig(BaseModel):
     conductor: ConductorConfig = Field(default_factory=ConductorConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     tls: TlsConfig = Field(default_factory=TlsConfig)
+
+    @model_validator(mode="after")
+    def _transfer_tls(self) -> TiercakeConfig:
+        if self.transfer.tls:
+            if not (self.tls.cert_file and self.tls.ca_file):
+                raise ValueError("transfer.tls needs tls.cert_file, tls.key_file (node agents serve with them) and "
+                                 "tls.ca_file (every client checks them against it)")
+            if "ucx" in self.transfer.transports:
+                raise ValueError("transfer.tls: UCX moves bytes outside the TLS stream; take ucx out of "
+                                 "transfer.transports")
+        return self
+
+    def transfer_tls_server(self):
+        """The transfer server's TLS context (None: ``transfer.tls`` is off)."""
+        return self.tls.server_context() if self.transfer.tls else None
+
+    def transfer_tls_client(self):
+        """What transfer clients check node agents with (None: ``transfer.tls`` is off). Any certificate
+        the cluster's CA signed is accepted, whatever name it carries: node agents are reached by
+        address, and the secret's challenge inside the stream proves each end is of the cluster."""
+        if not self.transfer.tls:
+            return None
+        context = self.tls.client_context()
+        context.check_hostname = False
+        return context
 
     def serving_namespace(self, tenant_salt: str = "") -> Namespace:
         """The namespace of the served model's blocks (what workers and the front hash with)."""

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import os
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from tiercake.tiers.buffers import INLINE_COPY_MAX
 
 from . import protocol as p
 from .protocol import Op, ReplyItem, Status
-from .sockio import recv_frame, recv_into_all, send_all, send_frame, tune
+from .sockio import recv_frame, recv_into_all, send_all, send_frame, tls_handshake, tune
 
 _request_ids = itertools.count(1)
 
@@ -57,8 +58,10 @@ class PeerConnection:
     broken; the pool never hands it out again.
     """
 
-    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, buffer_bytes: int | None = None) -> None:
+    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, buffer_bytes: int | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = address
+        self.tls = tls  # a client context: the stream is TLS, the server's certificate checked against it
         self.secret = secret
         self.node_id = node_id
         self.buffer_bytes = buffer_bytes
@@ -77,6 +80,14 @@ class PeerConnection:
         tune(sock, self.buffer_bytes)
         try:
             await loop.sock_connect(sock, sockaddr)
+            if self.tls is not None:
+                hostname = self.address.host if self.tls.check_hostname else None  # ours checks the CA only
+                sock = self.tls.wrap_socket(sock, server_hostname=hostname, do_handshake_on_connect=False)
+                self.sock = sock
+                try:
+                    await tls_handshake(sock)
+                except ssl.SSLError as exc:
+                    raise p.AuthenticationError(f"{self.address.node_id}: TLS handshake failed: {exc}") from exc
             self.sock = sock
             await self._handshake()
         except BaseException:
@@ -230,7 +241,8 @@ class PeerChannel:
     """Up to ``streams`` connections to one peer, opened on demand and reused."""
 
     def __init__(self, address: PeerAddress, secret: bytes, node_id: str, streams: int = 2,
-                 buffer_bytes: int | None = None, connect_timeout: float = 5.0) -> None:
+                 buffer_bytes: int | None = None, connect_timeout: float = 5.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self.address = address
@@ -239,12 +251,13 @@ class PeerChannel:
         self.streams = streams
         self.buffer_bytes = buffer_bytes
         self.connect_timeout = connect_timeout
+        self.tls = tls
         self._idle: list[PeerConnection] = []
         self._slots = asyncio.Semaphore(streams)
         self.info: p.PeerInfo | None = None
 
     async def _open(self) -> PeerConnection:
-        conn = PeerConnection(self.address, self.secret, self.node_id, self.buffer_bytes)
+        conn = PeerConnection(self.address, self.secret, self.node_id, self.buffer_bytes, self.tls)
         try:
             async with asyncio.timeout(self.connect_timeout):
                 await conn.open()

@@ -11,6 +11,7 @@ visible only when it is whole; on a timeout or cancellation nothing half-written
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -107,7 +108,10 @@ class TransferEngine:
         checksum: bool = False,
         buffer_bytes: int | None = None,
         connect_timeout: float = 5.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: a client context (``transfer_tls_client``): every connection to a peer is TLS, its
+        certificate checked against it (peers must serve TLS then)."""
         unknown = [t for t in transports if t not in TRANSPORTS]
         if unknown:
             raise ValueError(f"unknown transports {unknown}; known: {TRANSPORTS.names()}")
@@ -117,6 +121,7 @@ class TransferEngine:
         self.streams = streams
         self.buffer_bytes = buffer_bytes
         self.connect_timeout = connect_timeout
+        self.tls = tls
         self._order = transports
         self._transports: dict[str, Transport] = {
             name: _transport_class(name).create(TransportContext(store, checksum)) for name in transports
@@ -141,7 +146,7 @@ class TransferEngine:
             old.close()
         self._channels[node_id] = PeerChannel(
             PeerAddress(node_id, host, port), self.secret, self.node_id, self.streams, self.buffer_bytes,
-            self.connect_timeout,
+            self.connect_timeout, self.tls,
         )
 
     @property

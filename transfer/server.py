@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import socket
+import ssl
 
 import numpy as np
 import xxhash
@@ -37,7 +38,7 @@ from . import protocol as p
 from . import ucx as ucx_module
 from .paths import ServerSide, Session, registered_paths
 from .protocol import Op, ReplyItem, Status
-from .sockio import recv_frame, send_frame, tune
+from .sockio import recv_frame, send_frame, tls_handshake, tune
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,10 @@ class TransferServer:
         max_block_bytes: int = 1 << 30,
         buffer_bytes: int | None = None,
         ucx: bool | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: a server context (``transfer_tls_server``): the port speaks TLS only, before the
+        cluster secret's challenge; UCX is then not served (its bytes would bypass TLS)."""
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         self.store = store
@@ -85,7 +89,10 @@ class TransferServer:
         self.max_block_bytes = max_block_bytes
         self.buffer_bytes = buffer_bytes
         self.pool_tier = pool_tier if pool_tier in {t.name for t in store.tiers} else None
-        self.ucx = ucx_module.available() if ucx is None else ucx
+        self.tls = tls
+        self.ucx = (ucx_module.available() and tls is None) if ucx is None else ucx
+        if self.ucx and tls is not None:
+            raise ValueError("UCX moves bytes outside the TLS stream: a TLS transfer server does not serve it")
         if self.ucx and not ucx_module.available():
             raise ValueError("ucx=True, but the ucxx package is not installed (pip install 'tiercake[ucx]')")
         self._side = ServerSide(store, node_id, self.pool_tier, self.ucx, secret)
@@ -145,6 +152,8 @@ class TransferServer:
         while True:
             conn, _addr = await loop.sock_accept(self._listener)
             tune(conn, self.buffer_bytes)
+            if self.tls is not None:  # the handshake runs in the connection's task, under its deadline
+                conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
             task = loop.create_task(self._serve(conn))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
@@ -155,7 +164,13 @@ class TransferServer:
         try:
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+                    if self.tls is not None:
+                        await tls_handshake(conn)
                     peer = await self._handshake(conn)
+            except ssl.SSLError as exc:  # not TLS, or no certificate we trust: nothing to answer in
+                self.refused += 1
+                log.warning("transfer server %s: refused a connection: TLS: %s", self.node_id, exc)
+                return
             except (p.TransferError, TimeoutError, OSError) as exc:
                 self.refused += 1
                 log.warning("transfer server %s: refused a connection: %s", self.node_id, exc)

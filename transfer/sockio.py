@@ -4,6 +4,10 @@ asyncio's own ``sock_sendall``/``sock_recv_into`` take one buffer; a batch of bl
 ``sendmsg`` of many buffers and one ``recvmsg_into`` that lands each block in its destination. These
 helpers try the system call first and wait for the socket only when it would block, so a ready
 socket costs no event-loop round trip. No data is copied in Python.
+
+A TLS socket (``ssl.SSLSocket``, the transfer port with ``transfer.tls``) takes the same calls: it
+has no ``sendmsg``/``recvmsg_into``, so its buffers go one ``send``/``recv_into`` at a time, and a
+call that would block waits for whichever direction TLS asks for (a read may need a write).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
@@ -79,10 +84,15 @@ _bulk_free = threading.BoundedSemaphore(BULK_THREADS)
 
 def _blocking(sock: socket.socket, views: list[memoryview], send: bool) -> None:
     sock.setblocking(True)
+    tls = isinstance(sock, ssl.SSLSocket)
     try:
         while views:
             try:
-                if send:
+                if tls:
+                    done = sock.send(views[0]) if send else sock.recv_into(views[0])
+                    if done == 0 and not send:
+                        raise PeerClosedError("peer closed the connection mid-transfer")
+                elif send:
                     done = sock.sendmsg(views[:IOV_MAX])
                 else:
                     done = sock.recvmsg_into(views[:IOV_MAX], 0, socket.MSG_WAITALL)[0]
@@ -120,11 +130,15 @@ async def send_all(sock: socket.socket, buffers: Sequence) -> None:
     views = _views(buffers)
     if await _bulk(sock, views, send=True):
         return
+    tls = isinstance(sock, ssl.SSLSocket)
     while views:
         try:
-            sent = sock.sendmsg(views[:IOV_MAX])
-        except (BlockingIOError, InterruptedError):
+            sent = sock.send(views[0]) if tls else sock.sendmsg(views[:IOV_MAX])
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
             await _ready(sock, writable=True)
+            continue
+        except ssl.SSLWantReadError:
+            await _ready(sock, writable=False)
             continue
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise PeerClosedError(f"peer closed the connection while we sent: {exc}") from exc
@@ -136,11 +150,15 @@ async def recv_into_all(sock: socket.socket, buffers: Sequence) -> None:
     views = _views(buffers)
     if await _bulk(sock, views, send=False):
         return
+    tls = isinstance(sock, ssl.SSLSocket)
     while views:
         try:
-            got = sock.recvmsg_into(views[:IOV_MAX])[0]
-        except (BlockingIOError, InterruptedError):
+            got = sock.recv_into(views[0]) if tls else sock.recvmsg_into(views[:IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
             await _ready(sock, writable=False)
+            continue
+        except ssl.SSLWantWriteError:
+            await _ready(sock, writable=True)
             continue
         except ConnectionResetError as exc:
             raise PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
@@ -178,6 +196,19 @@ async def wait_hangup(sock: socket.socket) -> None:
         if not peek:
             return
         await asyncio.Event().wait()  # alive: never set; the caller cancels us
+
+
+async def tls_handshake(sock: ssl.SSLSocket) -> None:
+    """Run a non-blocking socket's TLS handshake; ``ssl.SSLError`` when it fails (no certificate the
+    other side trusts, a plain peer)."""
+    while True:
+        try:
+            sock.do_handshake()
+            return
+        except ssl.SSLWantReadError:
+            await _ready(sock, writable=False)
+        except ssl.SSLWantWriteError:
+            await _ready(sock, writable=True)
 
 
 async def send_frame(

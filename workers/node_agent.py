@@ -50,6 +50,7 @@ class NodeAgent:
                 self.store, secret, cfg.node_id, cfg.transfer.host, cfg.transfer.port, pool_tier=pool,
                 max_block_bytes=int(cfg.transfer.max_block_bytes), buffer_bytes=cfg.transfer.buffer_bytes,
                 ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
+                tls=cfg.transfer_tls_server(),
             ).start()
             if cfg.transfer.metrics_port is not None:
                 await self._serve_metrics()
@@ -65,7 +66,8 @@ class NodeAgent:
         tokens = cfg.conductor.tokens()
         self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None, ssl=cfg.tls.client_context())
         self.engine = TransferEngine(cfg.node_id, secret, self.store, transports=tuple(cfg.transfer.transports),
-                                     streams=cfg.transfer.streams, checksum=cfg.transfer.checksum)
+                                     streams=cfg.transfer.streams, checksum=cfg.transfer.checksum,
+                                     tls=cfg.transfer_tls_client())
         host, port = self.server.address
         member = MemberInfo(node_id=cfg.node_id, role="node", host=reachable_host(host, cfg.transfer.advertise_host),
                             port=port,

@@ -53,7 +53,7 @@ class ReferenceEngine(ServingEngine):
             self._closers.append(store.close)
             transfer = TransferEngine(self.worker_id, cfg.transfer.secret(), store,
                                       transports=tuple(cfg.transfer.transports), streams=cfg.transfer.streams,
-                                      checksum=cfg.transfer.checksum)
+                                      checksum=cfg.transfer.checksum, tls=cfg.transfer_tls_client())
             self._closers.append(transfer.close)
             self.inference = InferenceEngine(
                 model, store, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,

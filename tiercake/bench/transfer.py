@@ -4,6 +4,8 @@ the same run between the same two processes.
 - tcp: batches of blocks read from and written to a node agent in another process, over loopback,
   against a plain blocking-socket stream of the same bytes in the same block-sized calls;
 - shm: the same through the shared pool (same host), against memcpy of the same bytes;
+- tls (where the ``cryptography`` package can make a throwaway certificate): tcp inside TLS
+  (``transfer.tls``) to a second, TLS, transfer port of the same peer, against the same raw stream;
 - ucx (where ucxx is installed): the same with the bytes over UCX endpoints made from exchanged worker
   addresses without peer-failure handling, so UCX uses shared memory; against memcpy.
 
@@ -21,14 +23,18 @@ import os
 import secrets
 import socket
 import statistics
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
 from tiercake.blocks import seal_material, sealer_for
+from tiercake.devtls import self_signed
 from tiercake.transfer import TransferEngine
 from tiercake.transfer.ucx import available as ucx_available
 
@@ -65,12 +71,15 @@ def _raw_seconds(port: int, op: bytes, total: int, rows: torch.Tensor) -> float:
 class Peer:
     """A node agent and a raw socket server in another process (``conductor``: the agent joins it)."""
 
-    def __init__(self, pool_bytes: int, conductor: str | None = None, token: str | None = None) -> None:
+    def __init__(self, pool_bytes: int, conductor: str | None = None, token: str | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
+        """``tls``: (certificate, key): the peer also serves a TLS transfer port (``address["tls_port"]``)."""
         self.secret = secrets.token_hex(16).encode()
         self.pool_path = f"/dev/shm/tiercake-bench-peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.bench.transfer_peer", "--pool-bytes", str(pool_bytes),
-             "--pool-path", self.pool_path, *(["--conductor", conductor] if conductor else [])],
+             "--pool-path", self.pool_path, *(["--conductor", conductor] if conductor else []),
+             *(["--tls", str(tls[0]), str(tls[1])] if tls else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": self.secret.decode(), **({"TIERCAKE_TOKEN": token} if token else {})},
         )
         line = self.proc.stdout.readline()
@@ -134,15 +143,21 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
     batches = batches or ([1, 64] if quick else [1, 4, 16, 64])
     total = (64 if quick else 256) * MiB
     reps = 2 if quick else 3
-    peer = Peer(pool_bytes=3 * total + 64 * MiB)
+    certs = tempfile.TemporaryDirectory()
+    tls = _certificate(Path(certs.name))
+    peer = Peer(pool_bytes=3 * total + 64 * MiB, tls=tls)
     engines = {
         "tcp": TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams),
         "shm": TransferEngine("bench", peer.secret, transports=("shm", "tcp"), streams=streams),
     }
     if ucx_available():  # same host: UCX's shared-memory transports, so memcpy is its limit
         engines["ucx"] = TransferEngine("bench", peer.secret, transports=("ucx",), streams=streams)
-    for engine in engines.values():
-        engine.add_peer(PEER, peer.address["host"], peer.address["port"])
+    if tls is not None:  # transfer.tls: TCP inside TLS, to the same store
+        context = ssl.create_default_context(cafile=str(tls[0]))
+        context.check_hostname = False
+        engines["tls"] = TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams, tls=context)
+    for name, engine in engines.items():
+        engine.add_peer(PEER, peer.address["host"], peer.address["tls_port" if name == "tls" else "port"])
     try:
         for size in sizes:
             nblocks = max(1, total // size)
@@ -164,8 +179,9 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
                     if batch > nblocks or (name != "tcp" and batch not in (1, max(b for b in batches if b <= nblocks))):
                         continue
                     write_s, read_s, lat = await _measure(engine, size, batch, nblocks, reps, src, dst, name)
-                    limit_name = "raw socket" if name == "tcp" else "memcpy"
-                    limits = (raw_write, raw_read) if name == "tcp" else (memcpy, memcpy)
+                    over_socket = name in ("tcp", "tls")
+                    limit_name = "raw socket" if over_socket else "memcpy"
+                    limits = (raw_write, raw_read) if over_socket else (memcpy, memcpy)
                     params = {"block_bytes": size, "batch": batch, "blocks": nblocks, "streams": streams}
                     report.add(f"{name}.write", nbytes / write_s / 1e9, "GB/s", nbytes / limits[0] / 1e9,
                                **params, limit_name=limit_name)
@@ -183,4 +199,13 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
         for engine in engines.values():
             await engine.close()
         peer.close()
+        certs.cleanup()
     return report
+
+
+def _certificate(directory: Path) -> tuple[Path, Path] | None:
+    """A throwaway certificate for the TLS figures (None without the ``cryptography`` package)."""
+    try:
+        return self_signed(directory)
+    except ImportError:  # cryptography is a dev dependency
+        return None

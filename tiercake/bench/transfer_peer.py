@@ -14,6 +14,7 @@ import threading
 import numpy as np
 
 from tiercake.config import ConductorConfig, StoreConfig, TierConfig, TiercakeConfig, TransferConfig
+from tiercake.transfer import TransferServer
 from tiercake.transfer.ucx import available as ucx_available
 from tiercake.workers.node_agent import NodeAgent
 
@@ -52,6 +53,8 @@ async def main() -> None:
     parser.add_argument("--pool-path", required=True)
     parser.add_argument("--raw-buffer", type=int, default=256 << 20)
     parser.add_argument("--conductor", metavar="URL", help="join this conductor's cluster (a node agent of it)")
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="also serve the same store on a TLS "
+                        "transfer port (announced as tls_port)")
     args = parser.parse_args()
     config = TiercakeConfig(
         node_id="bench-peer",
@@ -65,8 +68,19 @@ async def main() -> None:
     buffer = np.ones(args.raw_buffer, dtype=np.uint8)  # touched: pre-faulted
     threading.Thread(target=_serve_raw, args=(listener, buffer), daemon=True).start()
     host, port = agent.server.address
-    print(json.dumps({"host": host, "port": port, "raw_port": listener.getsockname()[1]}), flush=True)
+    announce = {"host": host, "port": port, "raw_port": listener.getsockname()[1]}
+    tls_server = None
+    if args.tls:
+        import ssl
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*args.tls)
+        tls_server = await TransferServer(agent.store, config.transfer.secret(), config.node_id, tls=context).start()
+        announce["tls_port"] = tls_server.address[1]
+    print(json.dumps(announce), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin
+    if tls_server is not None:
+        await tls_server.close()
     await agent.close()
 
 

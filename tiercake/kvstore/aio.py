@@ -80,10 +80,12 @@ class AsyncStore:
 
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
                  tenant: str = "default", tier: str = "pool", transports: Sequence[str] = ("shm", "tcp"),
-                 identity: str | None = None, ssl=None, streams: int = 2, conductor_timeout: float = 5.0) -> None:
+                 identity: str | None = None, ssl=None, streams: int = 2, conductor_timeout: float = 5.0,
+                 transfer_tls=None) -> None:
         """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
         control token; ``tenant``: whose objects (tenants never see each other's); ``tier``: where new
-        objects are placed (a tier the nodes have: ``pool``, or ``ssd`` on SSD-only nodes)."""
+        objects are placed (a tier the nodes have: ``pool``, or ``ssd`` on SSD-only nodes); ``ssl``: the
+        conductors' TLS client context; ``transfer_tls``: the node agents' (``transfer.tls``)."""
         if not tenant or "/" in tenant or "#" in tenant:
             raise ValueError(f"a tenant is a non-empty name without '/' or '#', got {tenant!r}")
         urls = [conductors] if isinstance(conductors, str) else list(conductors)
@@ -94,7 +96,7 @@ class AsyncStore:
         self.client = Client(urls, token=token, timeout=conductor_timeout, ssl=ssl)
         secret = secret.encode() if isinstance(secret, str) else secret
         identity = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
-        self.engine = TransferEngine(identity, secret, transports=tuple(transports), streams=streams)
+        self.engine = TransferEngine(identity, secret, transports=tuple(transports), streams=streams, tls=transfer_tls)
         self.nodes = NodeDirectory(self.client, self.engine, every=0.0)  # the live node agents
         self._slots = asyncio.Semaphore(self.CONCURRENCY)
         # head -> (node, head block bytes) where this client last put or found it: reads go there first

@@ -66,7 +66,7 @@ class DistributedStore:
         if self._store is not None:
             log.error("kvstore: setup called twice")
             return int(ErrorCode.INVALID_PARAMS)
-        ssl = None
+        ssl = transfer_tls = None
         if config is not None:
             from tiercake.config import load_config, with_environment
 
@@ -77,6 +77,7 @@ class DistributedStore:
                 token = token or (tokens[0] if tokens else None)
                 secret = secret or cfg.transfer.secret()
                 ssl = cfg.tls.client_context()
+                transfer_tls = cfg.transfer_tls_client()
             except (OSError, ValueError) as exc:  # no such file, an invalid config, no secret
                 log.error("kvstore: setup: config %s: %s", config, exc)
                 return int(ErrorCode.INVALID_PARAMS)
@@ -89,7 +90,7 @@ class DistributedStore:
 
         async def connect() -> AsyncStore:
             store = AsyncStore(conductor, secret=secret, token=token, tenant=tenant, tier=tier,
-                               transports=transports, ssl=ssl)
+                               transports=transports, ssl=ssl, transfer_tls=transfer_tls)
             try:
                 return await store.open()
             except BaseException:
