@@ -9,6 +9,7 @@ import sys
 import time
 
 import aiohttp
+import pytest
 
 from conductor_helpers import running_conductor
 
@@ -93,3 +94,50 @@ async def test_on_one_port_the_openai_paths_take_api_keys_and_the_rest_the_token
             for path in ("/v1/members", "/v1/cluster", "/v1/modelsx"):
                 async with http.get(url + path) as resp:
                     assert resp.status == 401, path
+
+
+async def test_the_vllm_connectors_link_saves_and_loads_over_a_tls_transfer_port(tmp_path):
+    """The connector's link (``ca_file`` + ``transfer_tls``) against a node agent whose transfer port
+    speaks TLS only: a save and a load go through; without ``transfer_tls`` the same load fails typed
+    (vLLM would recompute), it never reads a plain stream."""
+    import ssl
+
+    import torch
+    from transfer_helpers import SECRET, start_node, stop_node
+
+    from tiercake.blocks import sealer_for
+    from tiercake.conductor.client import Client
+    from tiercake.conductor.membership import MemberInfo
+    from tiercake.devtls import self_signed
+    from tiercake.workers.conductor_link import ConductorLink
+    from tiercake.workers.vllm.link import TiercakeLink
+
+    cert, key = self_signed(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    store, server = await start_node("node-tls", tls=context)
+    async with running_conductor() as (url, _):
+        client = Client([url])
+        member = MemberInfo(node_id="node-tls", host=server.address[0], port=server.address[1], tiers={"pool": 8 << 20})
+        link = await ConductorLink(client, member, store, ttl=2).start()
+        tls_link = await asyncio.to_thread(TiercakeLink, [url], None, SECRET, "vllm-tls", ("tcp",),
+                                           ca_file=str(cert), transfer_tls=True)
+        plain_link = await asyncio.to_thread(TiercakeLink, [url], None, SECRET, "vllm-plain", ("tcp",))
+        try:
+            block = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+            sealer = sealer_for(b"m" * 32, "")
+            saved = await asyncio.wrap_future(tls_link.write("node-tls", [(b"key-1", None, block)], "default", sealer, 5))
+            assert [r.ok for r in saved] == [True]
+            out = torch.empty_like(block)
+            (loaded,) = await asyncio.to_thread(tls_link.read, "node-tls", [b"key-1"], [out], 5)
+            assert loaded.ok and torch.equal(out, block) and sealer.verify(b"key-1", out.numpy(), loaded.seal)
+            (refused,) = await asyncio.to_thread(plain_link.read, "node-tls", [b"key-1"], [out], 1)
+            assert not refused.ok and isinstance(refused.error, TimeoutError)
+        finally:
+            await asyncio.to_thread(tls_link.close)
+            await asyncio.to_thread(plain_link.close)
+            await link.close()
+            await client.close()
+    await stop_node(store, server)
+    with pytest.raises(ValueError, match="transfer_tls needs ca_file"):
+        TiercakeLink(["http://127.0.0.1:1"], None, SECRET, "x", transfer_tls=True)

@@ -79,6 +79,8 @@ class ConnectorSettings(BaseModel):
     # from the cluster secret); see TransferConfig
     token_env: str = "TIERCAKE_TOKEN"  # the conductor's bearer token, as every tiercake client reads it
     transports: list[str] = ["shm", "tcp"]
+    ca_file: str | None = None  # the cluster's TLS CA: https conductors, and node agents with transfer_tls
+    transfer_tls: bool = False  # the node agents' transfer ports speak TLS (their transfer.tls)
     lookup_timeout_s: float = Field(default=1.0, gt=0)
     load_timeout_s: float = Field(default=10.0, gt=0)
     save_timeout_s: float = Field(default=30.0, gt=0)
@@ -218,7 +220,8 @@ class TiercakeConnector(KVConnectorBase_V1):
         # the variable may hold several whitespace-separated tokens (as the Secret's control-tokens do)
         token = next(iter(os.environ.get(self.settings.token_env, "").split()), None)
         identity = f"vllm-{os.getpid()}-{role.name.lower()}"
-        self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports))
+        self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports),
+                                 ca_file=self.settings.ca_file, transfer_tls=self.settings.transfer_tls)
         self._seal_material = None if secret is None else TransferConfig(
             secret_env=self.settings.secret_env, seal_secret_env=self.settings.seal_secret_env).seal_material()
         self._sealers: dict[str, Sealer] = {}

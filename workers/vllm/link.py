@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -31,13 +32,23 @@ class TiercakeLink:
     """A conductor client and a transfer engine on a private event loop (see the module docstring)."""
 
     def __init__(self, conductors: list[str], token: str | None, secret: bytes | None, identity: str,
-                 transports: tuple[str, ...] = ("shm", "tcp"), members_every: float = 0.5) -> None:
+                 transports: tuple[str, ...] = ("shm", "tcp"), members_every: float = 0.5,
+                 ca_file: str | None = None, transfer_tls: bool = False) -> None:
+        """``ca_file``: the CA of the cluster's TLS (https conductors; with ``transfer_tls``, the node
+        agents' TLS transfer ports too)."""
         self.identity = identity
         self._loop = LoopThread(f"tiercake-{identity}")
+        if transfer_tls and not ca_file:
+            raise ValueError("transfer_tls needs ca_file: the CA the node agents' certificates are checked against")
 
         async def build() -> tuple[Client, TransferEngine | None]:
-            client = Client(conductors, token=token, timeout=5.0, retries=2)
-            engine = TransferEngine(identity, secret, transports=transports) if secret else None
+            https = ssl.create_default_context(cafile=ca_file) if ca_file else None
+            client = Client(conductors, token=token, timeout=5.0, retries=2, ssl=https)
+            tls = None
+            if transfer_tls:  # node agents are reached by address: the CA vouches for them, and the secret
+                tls = ssl.create_default_context(cafile=ca_file)
+                tls.check_hostname = False
+            engine = TransferEngine(identity, secret, transports=transports, tls=tls) if secret else None
             return client, engine
 
         self.client, self.engine = self.call(build(), 10.0)
