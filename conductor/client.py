@@ -314,13 +314,15 @@ class Client:
 
 class NodeDirectory:
     """The live node agents, from the member list, kept for a process that moves blocks to and from
-    them (vLLM's connector, the key-value store): each known to ``engine`` (a ``TransferEngine``) by
-    its advertised address. ``refresh`` asks again at most every ``every`` seconds unless forced;
-    ``to_node`` runs a transfer against a node, learning it first if unknown and once more after asking
-    again when it could not be reached (a restarted node agent may listen elsewhere)."""
+    them (a worker, vLLM's connector, the key-value store): each known to ``engine`` (a
+    ``TransferEngine``) by its advertised address. ``refresh`` asks again at most every ``every``
+    seconds unless forced; ``to_node`` runs a transfer against a node, learning it first if unknown and
+    once more after asking again when it could not be reached (a restarted node agent may listen
+    elsewhere). ``moved_only``: that second attempt only when the node is listed at another address
+    (on a serving path, a node that stalls would otherwise cost a second deadline)."""
 
-    def __init__(self, client: Client, engine, every: float = 0.5) -> None:
-        self.client, self.engine, self.every = client, engine, every
+    def __init__(self, client: Client, engine, every: float = 0.5, moved_only: bool = False) -> None:
+        self.client, self.engine, self.every, self.moved_only = client, engine, every, moved_only
         self.members: dict[str, MemberInfo] = {}
         self._asked_at = -float("inf")
 
@@ -340,11 +342,15 @@ class NodeDirectory:
     async def to_node(self, node: str, attempt: Callable[[], Awaitable[list[T]]]) -> list[T]:
         from tiercake.transfer import unreachable
 
-        if node not in self.members:
+        if node not in self.members and self.engine.address(node) is None:
             await self.refresh()
         results = await attempt()
         if unreachable(results):
-            await self.refresh()
-            if node in self.members:
+            known = self.engine.address(node)
+            try:
+                await self.refresh()
+            except ConductorError:  # no second chance to learn of: the transfer's own failure stands
+                return results
+            if node in self.members and not (self.moved_only and self.engine.address(node) == known):
                 results = await attempt()
         return results

@@ -1,6 +1,6 @@
 """``tiercake chaos --quick``: the fault-injection run CI carries. Every fault of the list is injected
-into a real cluster (processes killed and stalled, SSD blocks corrupted, the SSD's file system filled,
-the etcd leader killed) under load; no answer may be wrong, no placement the index lists may be unservable, every fault must be
+into a real cluster (processes killed and stalled, the node agent cut off by a network partition, SSD
+blocks corrupted, the SSD's file system filled, the etcd leader killed) under load; no answer may be wrong, no placement the index lists may be unservable, every fault must be
 recovered from."""
 
 import json
@@ -22,12 +22,15 @@ def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
     assert wrong["value"] == 0 and wrong["limit"] == ok["value"]  # every answer checked, none wrong
     assert lost["value"] == 0 and lost["limit"] > 10, lost  # the index was read back against the nodes
     assert figures["ssd.corrupt_detected"]["value"] > 0  # the rotten blocks were found, not served
-    # a full disk needs a file system of its own for the SSD tier (a tmpfs: root); else it is said so
-    faults = FAULTS if os.geteuid() == 0 else tuple(f for f in FAULTS if f != "fill_ssd")
-    if "fill_ssd" not in faults:
-        assert "no fill_ssd fault" in done.stdout
+    # a full disk needs a file system of its own for the SSD tier (a tmpfs), a partition a network
+    # namespace: both need root; else the run says so
+    faults = FAULTS if os.geteuid() == 0 else tuple(f for f in FAULTS if f not in ("fill_ssd", "partition_node"))
+    for needs_root in ("fill_ssd", "partition_node"):
+        if needs_root not in faults:
+            assert f"no {needs_root} fault" in done.stdout
     for fault in faults:
         recovery = figures[f"recovery_s.{fault}"]
         assert recovery["params"]["recovered"] and 0 < recovery["value"] < 60, (fault, recovery)
-    for line in ("kill_prefill: recovered", "kill_etcd_leader: recovered", "placements on node agents"):
+    for line in ("kill_prefill: recovered", "partition_node: recovered", "kill_etcd_leader: recovered",
+                 "placements on node agents"):
         assert line in done.stdout, done.stdout[-3000:]

@@ -265,3 +265,9 @@ def test_the_replay_report_counts_pulled_blocks_read_from_memory_and_from_disk()
     assert memory.value == 3 / 4 and memory.limit == 1.0 and memory.params["disk_blocks"] == 1
     none_pulled = report(ReplayRun([Outcome(0, 0.0, prompt_tokens=64, sources={"gpu": 2})], None, None), records, "t")
     assert "load.from_memory" not in {f.name for f in none_pulled.figures}
+
+
+def test_up_under_vllm_refuses_half_a_disaggregated_setup(tmp_path):
+    done = tiercake("up", "--engine", "vllm", "--model", str(tmp_path), "--vllm-prefill", "1",
+                    "--data-dir", str(tmp_path / "data"))
+    assert done.returncode == 2 and "--vllm-prefill and --vllm-decode go together" in done.stderr

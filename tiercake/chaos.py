@@ -6,8 +6,12 @@ else on the embedded backend), replays a synthetic conversation trace against it
 (a few requests in flight at all times), and injects one fault after another:
 
 - ``kill_prefill`` / ``kill_decode`` / ``kill_node`` / ``kill_conductor``: SIGKILL (``up`` restarts it)
-- ``stall_node``: the node agent stopped for a few seconds (what a partition or a hung disk looks
-  like from the others), then resumed
+- ``stall_node``: the node agent stopped for a few seconds (what a hung disk or machine looks like
+  from the others), then resumed
+- ``partition_node``: the node agent's network cut for a few seconds, then healed: it runs in a
+  network namespace of its own behind a veth pair (``tiercake.netns``; needs root, else the fault is
+  left out and the run says so) and the link goes down: its connections black-hole, it leaves the
+  members, and once healed it registers again
 - ``corrupt_ssd``: bytes flipped inside block files of the node's SSD tier, after the caches above it
   were flushed so that the next requests read them
 - ``kill_etcd_leader``: SIGKILL of the etcd member that leads, restarted a few seconds later
@@ -41,6 +45,7 @@ import aiohttp
 from tiercake.bench.report import Report, machine
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import MemberInfo
+from tiercake.netns import Partition, PartitionUnavailable
 from tiercake.replay import TokenMap
 from tiercake.traces import synthetic_trace
 from tiercake.up import UpProcess
@@ -56,8 +61,8 @@ serving: {{gpu_blocks: 96, max_context: 320}}
 MAX_TOKENS = 4
 RECOVERY_TIMEOUT_S = 90.0
 CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
-FAULTS = ("kill_prefill", "kill_decode", "stall_node", "kill_node", "corrupt_ssd", "fill_ssd", "kill_conductor",
-          "kill_etcd_leader")
+FAULTS = ("kill_prefill", "kill_decode", "stall_node", "partition_node", "kill_node", "corrupt_ssd", "fill_ssd",
+          "kill_conductor", "kill_etcd_leader")
 SSD_FS_BYTES = 300 << 20  # the SSD tier's own file system (when one can be mounted): its 256 MiB and some
 
 
@@ -79,12 +84,19 @@ def ssd_filesystem(root: Path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-def pid_listening(port: int) -> int:
-    """The pid of the process listening on ``port`` on this host (from /proc)."""
+def pid_listening(port: int, netns: str | None = None) -> int:
+    """The pid of the process listening on ``port`` on this host (from /proc), or inside network
+    namespace ``netns``."""
     inode = None
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
+        if netns is None:
+            with open(table) as f:
+                lines = f.readlines()
+        else:  # the namespace's own table (socket inodes are unique across namespaces)
+            lines = subprocess.run(["ip", "netns", "exec", netns, "cat", table], capture_output=True, text=True,
+                                   timeout=10).stdout.splitlines()
+        if lines:
+            for line in lines[1:]:
                 fields = line.split()
                 if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
                     inode = fields[9]
@@ -231,8 +243,8 @@ class Faults:
     """How each fault is injected into the cluster ``up`` runs. Each returns a check that is true once
     what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
 
-    def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load) -> None:
-        self.up, self.ssd, self.etcd, self.load = up, ssd, etcd, load
+    def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load, partition: Partition | None = None) -> None:
+        self.up, self.ssd, self.etcd, self.load, self.partition = up, ssd, etcd, load, partition
 
     async def _members(self) -> list:
         return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
@@ -249,7 +261,8 @@ class Faults:
             return (await resp.json())["pid"]
 
     async def _node_pid(self) -> int:
-        return pid_listening((await self._member("node")).port)
+        netns = self.partition.ns if self.partition is not None else None
+        return await asyncio.to_thread(pid_listening, (await self._member("node")).port, netns)
 
     def _conductor_pid(self) -> int:
         return pid_listening(int(self.up.control_url.rsplit(":", 1)[1]))
@@ -283,6 +296,24 @@ class Faults:
         finally:
             os.kill(pid, signal.SIGCONT)
         return lambda: _replaced(self._node_pid(), -1)
+
+    async def partition_node(self, seconds: float = 4.0):
+        """Longer than the member lease: the node agent leaves the members while cut off; back once
+        the same process registered again (a new lease)."""
+        lease, pid = (await self._member("node")).lease, await self._node_pid()
+        await asyncio.to_thread(self.partition.cut)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await asyncio.to_thread(self.partition.heal)
+
+        async def rejoined() -> bool:
+            try:
+                return (await self._member("node")).lease != lease and await self._node_pid() == pid
+            except (LookupError, OSError, aiohttp.ClientError, ValueError):
+                return False
+
+        return rejoined
 
     async def fill_ssd(self, seconds: float = 4.0):
         """The SSD's file system full (a ballast file takes what is free) while the pool is flushed down
@@ -424,11 +455,22 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             progress(f"no etcd cluster ({exc}): the embedded backend, and no etcd fault")
             faults = tuple(f for f in faults if f != "kill_etcd_leader")
+        partition = None
+        if "partition_node" in faults:
+            try:
+                partition = Partition()
+            except PartitionUnavailable as exc:
+                progress(f"{exc}: no partition_node fault")
+                faults = tuple(f for f in faults if f != "partition_node")
         reached(0, "starting the cluster")
         secret = secrets.token_hex(24)  # the cluster's, given here so the checker can read the nodes back
         started = time.monotonic()
-        up = UpProcess(config_path, root / "data", free_port(), ["--etcd", ",".join(etcd.endpoints)] if etcd else [],
-                       env={**os.environ, "TIERCAKE_SECRET": secret})
+        args, host = ["--etcd", ",".join(etcd.endpoints)] if etcd else [], "127.0.0.1"
+        if partition is not None:  # the node agent behind the link; the APIs where it reaches them
+            host = partition.host_ip
+            args += ["--host", host, "--node-netns", f"{partition.ns}:{partition.ns_ip}"]
+        up = UpProcess(config_path, root / "data", free_port(), args, env={**os.environ, "TIERCAKE_SECRET": secret},
+                       host=host)
         load = None
         try:
             await asyncio.to_thread(up.wait_ready, 2)
@@ -441,7 +483,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             load.start()
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
-            injector = Faults(up, ssd, etcd, load)
+            injector = Faults(up, ssd, etcd, load, partition)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
@@ -470,6 +512,8 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             output = up.stop()
             if etcd is not None:
                 etcd.stop()
+            if partition is not None:
+                partition.close()
             pool.unlink(missing_ok=True)
         t = load.tally
         answered = t.ok + t.wrong

@@ -212,12 +212,27 @@ def cmd_up(args: argparse.Namespace) -> int:
         if not args.model:
             errors.print("error: --engine vllm needs --model DIR (a Hugging Face model directory)")
             return 2
-        return up_vllm(config, Path(args.data_dir), Path(args.model), args.vllm, args.port, args.host, print_fn=print_fn)
+        if args.vllm_prefill or args.vllm_decode:
+            if not (args.vllm_prefill and args.vllm_decode):
+                errors.print("error: --vllm-prefill and --vllm-decode go together (at least one of each)")
+                return 2
+            roles = ["prefill"] * args.vllm_prefill + ["decode"] * args.vllm_decode
+        else:
+            roles = ["worker"] * args.vllm
+        return up_vllm(config, Path(args.data_dir), Path(args.model), roles, args.port, args.host, print_fn=print_fn,
+                       vllm_args=args.vllm_arg or [])
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
+    node_netns = None
+    if args.node_netns:
+        namespace, _, address = args.node_netns.partition(":")
+        if not namespace or not address:
+            errors.print("error: --node-netns takes NAMESPACE:ADDRESS")
+            return 2
+        node_netns = (namespace, address)
     return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd, print_fn=print_fn,
-              control_port=args.control_port)
+              control_port=args.control_port, node_netns=node_netns)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -456,11 +471,23 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--ssd", metavar="SIZE", help="the node SSD tier's capacity, e.g. 20GiB")
     upp.add_argument("--pool-path", metavar="PATH", help="the node pool's file (default: /dev/shm/tiercake-<host>-<hash "
                      "of the data dir>, so clusters in different data dirs never share one)")
+    upp.add_argument("--node-netns", metavar="NAMESPACE:ADDRESS", help="fault injection: run the node agent in "
+                     "this network namespace, its transfer port at ADDRESS (tiercake chaos cuts its link; --host "
+                     "must be reachable from it; needs root)")
     upp.add_argument("--engine", choices=["reference", "vllm"], default="reference",
                      help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector")
     upp.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
     upp.add_argument("--vllm", type=int, default=1, metavar="N",
-                     help="--engine vllm: vLLM servers behind the front on --port (default 1)")
+                     help="--engine vllm: vLLM servers behind the front on --port, each prefilling and decoding "
+                     "(default 1)")
+    upp.add_argument("--vllm-arg", action="append", metavar="ARG", help="--engine vllm: one more flag for every "
+                     "vLLM server, as vllm serve takes it (repeatable; --vllm-arg=--enforce-eager skips its "
+                     "compilation, a minute less to start on CPU)")
+    upp.add_argument("--vllm-prefill", type=int, default=0, metavar="N",
+                     help="--engine vllm: disaggregated: N vLLM servers that prefill (with --vllm-decode)")
+    upp.add_argument("--vllm-decode", type=int, default=0, metavar="N",
+                     help="--engine vllm: N vLLM servers that decode what the prefill servers computed, "
+                     "loading its KV through tiercake")
     upp.set_defaults(func=cmd_up)
 
     ask = sub.add_parser(

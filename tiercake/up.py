@@ -50,10 +50,12 @@ def _die_with_parent(parent: int):
 class Child:
     """One process of the cluster (``tiercake <args>``, whose first stdout line announces where it
     listens; or, given ``argv``, any command, all of whose output goes to the log), its log in
-    ``logs/<name>.log`` (appended to across restarts), dying with the process that started it."""
+    ``logs/<name>.log`` (appended to across restarts), dying with the process that started it.
+    ``prefix``: what runs the command (``ip netns exec NS``: inside a network namespace)."""
 
-    def __init__(self, name: str, args: list[str], env: dict, logs: Path, argv: list[str] | None = None) -> None:
-        self.name, self.args, self.env, self.argv = name, args, env, argv
+    def __init__(self, name: str, args: list[str], env: dict, logs: Path, argv: list[str] | None = None,
+                 prefix: list[str] = ()) -> None:
+        self.name, self.args, self.env, self.argv, self.prefix = name, args, env, argv, list(prefix)
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
         self.log_path.write_bytes(b"")
@@ -63,7 +65,7 @@ class Child:
         self.start()
 
     def start(self) -> None:
-        command = self.argv or [sys.executable, "-m", "tiercake.cli", *self.args]
+        command = self.prefix + (self.argv or [sys.executable, "-m", "tiercake.cli", *self.args])
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor
             self.proc = subprocess.Popen(command, stdout=log if self.argv else subprocess.PIPE, stderr=log,
                                          env=self.env, start_new_session=True,
@@ -291,18 +293,26 @@ class VllmServer:
         self.child.stop(timeout)
 
 
-def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int, port: int, host: str = "127.0.0.1",
-            print_fn=print, ready_file: Path | None = None) -> int:
+def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str], port: int, host: str = "127.0.0.1",
+            print_fn=print, ready_file: Path | None = None, vllm_args: list[str] = ()) -> int:
     """``tiercake up --engine vllm``: a conductor serving the front (tiercake's OpenAI API, routing by
-    what each instance and the tiers hold) on ``host:port``, a node agent, and ``instances`` vLLM servers
-    with the TiercakeConnector on loopback ports of their own, each with a tiercake worker beside it
-    (``--engine vllm``) that the front routes to. Every process is supervised, as under ``up``: one
-    that exits is restarted (a restarted vLLM server loads what its predecessor saved back from the pool)."""
+    what each instance and the tiers hold) on ``host:port``, a node agent, and one vLLM server per
+    entry of ``roles`` with the TiercakeConnector on loopback ports of their own, each with a tiercake
+    worker beside it (``--engine vllm``) in that role that the front routes to: ``worker`` (prefill and
+    decode), or ``prefill`` and ``decode`` (disaggregated: a prefill instance computes the prompt and
+    saves its blocks, the decode instance loads them through tiercake and generates). Every process is
+    supervised, as under ``up``: one that exits is restarted (a restarted vLLM server loads what its
+    predecessor saved back from the pool). ``vllm_args``: more flags for every vLLM server."""
     from tiercake.conductor.etcd_process import free_port
     from tiercake.workers.vllm.process import serve_command
 
     if not (model / "config.json").exists():
         raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
+    if not roles or not set(roles) <= {"worker", "prefill", "decode"} or (
+            ("prefill" in roles) != ("decode" in roles)):
+        raise ValueError(f"vLLM roles must be workers, or prefill and decode instances together; got {roles}")
+    if "prefill" in roles and not config.serving.disaggregated:
+        raise ValueError("prefill and decode instances need serving.disaggregated: true")
     env = dict(os.environ)
     token_at = credentials(config, data_dir, env)
     cfg = config.model_copy(deep=True)
@@ -317,24 +327,27 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
     servers: list[VllmServer] = []
     workers: list[Child] = []
     try:
-        for i in range(instances):
+        for i in range(len(roles)):
             vllm_port = free_port()
-            command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id)
+            command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id, extra=list(vllm_args))
             servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
         for server in servers:
             server.wait_ready()
-        workers = [vllm_worker(cluster, server.url, "worker", f"vllm-worker-{i}") for i, server in enumerate(servers)]
+        workers = [vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}")
+                   for i, (server, role) in enumerate(zip(servers, roles))]
         urls = [server.url for server in servers]
-        print_fn(f"tiercake is up under vLLM: {cluster.front_url}  (the front over {instances} vLLM servers with the "
-                 f"TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; logs in "
-                 f"{data_dir / 'logs'})")
+        kinds = ", ".join(f"{roles.count(r)} {r}" for r in ("worker", "prefill", "decode") if r in roles)
+        print_fn(f"tiercake is up under vLLM: {cluster.front_url}  (the front over {len(roles)} vLLM servers ({kinds}) "
+                 f"with the TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; "
+                 f"logs in {data_dir / 'logs'})")
         if token_at:
             print_fn(f"  control token: {token_at}")
         print_fn(f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
                  f"    -d '{{\"model\": \"{model.name}\", \"prompt\": \"...\", \"max_tokens\": 16}}'")
         print_fn("Ctrl-C stops everything.")
         if ready_file is not None:
-            ready_file.write_text(json.dumps({"url": cluster.front_url, "vllm": urls, "conductor": cluster.url}))
+            ready_file.write_text(json.dumps({"url": cluster.front_url, "vllm": urls, "roles": roles,
+                                              "conductor": cluster.url}))
         children = [cluster.conductor, cluster.node, *(server.child for server in servers), *workers]
         return 0 if Supervisor(children, print_fn).watch(stop) else 1
     finally:
@@ -346,9 +359,13 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, instances: int,
 
 
 def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: int, decode: int, workers: int,
-       etcd: list[str], print_fn=print, ready_file: Path | None = None, control_port: int | None = None) -> int:
+       etcd: list[str], print_fn=print, ready_file: Path | None = None, control_port: int | None = None,
+       node_netns: tuple[str, str] | None = None) -> int:
     """The OpenAI-compatible API on ``host:port``, the control API on ``control_port`` (default
-    ``port + 1``) behind a token; each process supervised (restarted when it exits)."""
+    ``port + 1``) behind a token; each process supervised (restarted when it exits). ``node_netns``
+    (namespace, address): the node agent runs inside that network namespace, its transfer port at
+    that address (fault injection: ``tiercake chaos`` cuts its link; ``host`` must be reachable from
+    there)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     token_at = credentials(config, data_dir, env)
@@ -373,7 +390,15 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
         cfg.conductor.urls = [control]
         node_cfg = data_dir / "up-node.yaml"
         node_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        node = Child("node", ["node", "--config", str(node_cfg)], without_seal_secret(cfg, env), logs)
+        agent_cfg, prefix = node_cfg, []
+        if node_netns is not None:
+            namespace, address = node_netns
+            inside = cfg.model_copy(deep=True)
+            inside.transfer.host = address
+            agent_cfg = data_dir / "up-node-netns.yaml"
+            agent_cfg.write_text(yaml.safe_dump(inside.model_dump(mode="json")))
+            prefix = ["ip", "netns", "exec", namespace]
+        node = Child("node", ["node", "--config", str(agent_cfg)], without_seal_secret(cfg, env), logs, prefix=prefix)
         children.append(node)
         node.wait_announce(120)
         roles = [("prefill", prefill), ("decode", decode), ("worker", workers)]
@@ -415,15 +440,16 @@ class UpProcess:
     here; None: ``up`` makes its own, read from the data directory once it is ready)."""
 
     def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = (),
-                 token: str | None = "", env: dict[str, str] | None = None) -> None:
+                 token: str | None = "", env: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
+        """``host``: where its APIs are reached (pass ``--host`` in ``args`` to match)."""
         from tiercake.conductor.etcd_process import free_port
         from tiercake.config import load_config
 
         tls = load_config(config_path).tls
         self.ssl = tls.client_context()  # what to verify the cluster's https with (None: the system's CAs)
         control_port = free_port()
-        self.url = f"{tls.scheme}://127.0.0.1:{port}"
-        self.control_url = f"{tls.scheme}://127.0.0.1:{control_port}"
+        self.url = f"{tls.scheme}://{host}:{port}"
+        self.control_url = f"{tls.scheme}://{host}:{control_port}"
         self.data_dir = data_dir
         env = dict(os.environ if env is None else env)
         env.pop("TIERCAKE_TOKEN", None)

