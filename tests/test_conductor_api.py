@@ -536,3 +536,50 @@ async def test_a_member_that_left_takes_its_metric_series_with_it(api):
             await asyncio.sleep(0.05)
         async with http.get(url + "/metrics") as resp:
             assert 'member="gone-soon"' not in await resp.text()  # not frozen at its last value forever
+
+
+async def test_node_directory_retries_a_node_once_where_it_may_have_moved():
+    """``to_node`` after an unreachable attempt: reads the members again and retries once; with
+    ``moved_only`` (a worker's serving path) only when the node is listed at another address; a
+    members call that fails then leaves the attempt's own failure, it does not raise."""
+    from tiercake.conductor.client import NodeDirectory
+    from tiercake.messages import MemberInfo
+    from tiercake.transfer import PeerClosedError, TransferResult
+
+    class Members:  # the conductor's member list, as the client returns it
+        def __init__(self):
+            self.port, self.fail = 7001, False
+
+        async def members(self):
+            if self.fail:
+                raise ConductorError(503, "the conductor is down")
+            return [MemberInfo(node_id="n1", role="node", host="127.0.0.1", port=self.port)]
+
+    class Engine:  # the addresses a transfer engine knows
+        def __init__(self):
+            self.peers = {}
+
+        def ensure_peer(self, node, host, port):
+            self.peers[node] = (host, port)
+
+        def address(self, node):
+            return self.peers.get(node)
+
+    async def run(moved_only: bool, move: bool, fail: bool = False) -> int:
+        members, engine, attempts = Members(), Engine(), []
+        directory = NodeDirectory(members, engine, moved_only=moved_only)
+
+        async def attempt():
+            attempts.append(engine.address("n1"))
+            return [TransferResult(False, error=PeerClosedError("gone"))] if len(attempts) == 1 else [TransferResult(True)]
+
+        await directory.refresh()
+        members.port, members.fail = (7002 if move else 7001), fail
+        results = await directory.to_node("n1", attempt)
+        assert results[0].ok == (len(attempts) == 2)
+        return len(attempts)
+
+    assert await run(moved_only=False, move=False) == 2
+    assert await run(moved_only=True, move=False) == 1  # same address: a stalled node costs one deadline
+    assert await run(moved_only=True, move=True) == 2
+    assert await run(moved_only=False, move=False, fail=True) == 1  # the transfer's own failure stands

@@ -163,10 +163,30 @@ def seal_material(secret: bytes) -> bytes:
     return blake3.blake3(secret, derive_key_context=_SEAL_CONTEXT).digest()
 
 
+def cluster_seal_material(cluster_secret: bytes) -> bytes:
+    """The seal material when no seal secret is configured: derived from the cluster secret (then
+    whoever holds that could seal blocks too)."""
+    return seal_material(b"cluster secret|" + cluster_secret)
+
+
 def sealer_for(material: bytes, salt: str) -> Sealer:
     """The sealer of the blocks hashed with ``salt`` (tenants with equal salts share blocks, so their
     seals too)."""
     return Sealer(blake3.blake3(salt.encode(), key=material).digest())
+
+
+class SealKeys:
+    """Every tenant's sealer from one process's seal material, each made once (``for_salt``)."""
+
+    def __init__(self, material: bytes) -> None:
+        self.material = material
+        self._sealers: dict[str, Sealer] = {}
+
+    def for_salt(self, salt: str) -> Sealer:
+        sealer = self._sealers.get(salt)
+        if sealer is None:
+            sealer = self._sealers[salt] = sealer_for(self.material, salt)
+        return sealer
 
 
 def block_parents(keys: Iterable[BlockKey]) -> list[tuple[BlockKey, BlockKey | None]]:

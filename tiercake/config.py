@@ -176,14 +176,14 @@ class TransferConfig(BaseModel):
         secret, else the cluster secret."""
         import os
 
-        from .blocks import seal_material
+        from .blocks import cluster_seal_material, seal_material
 
         value = os.environ.get(self.seal_secret_env, "").encode()
         if not value and self.seal_secret_file:
             value = Path(self.seal_secret_file).read_bytes().strip()
         if value:
             return seal_material(value)
-        return seal_material(b"cluster secret|" + self.secret())
+        return cluster_seal_material(self.secret())
 
 
 class ConductorConfig(BaseModel):
@@ -354,11 +354,22 @@ class TlsConfig(BaseModel):
 
     def client_context(self):
         """What the cluster's own clients verify servers with (None: aiohttp's default, the system's CAs)."""
-        if not self.ca_file:
-            return None
-        import ssl
+        return ca_context(self.ca_file) if self.ca_file else None
 
-        return ssl.create_default_context(cafile=self.ca_file)
+    def transfer_client_context(self):
+        """What transfer clients check node agents with: any certificate the CA signed, whatever name
+        it carries (node agents are reached by address, and the secret's challenge inside the stream
+        proves each end is of the cluster)."""
+        return ca_context(self.ca_file, check_hostname=False)
+
+
+def ca_context(ca_file: str, check_hostname: bool = True):
+    """A TLS client context that trusts ``ca_file``."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=ca_file)
+    context.check_hostname = check_hostname
+    return context
 
 
 class TiercakeConfig(BaseModel):
@@ -388,14 +399,8 @@ class TiercakeConfig(BaseModel):
         return self.tls.server_context() if self.transfer.tls else None
 
     def transfer_tls_client(self):
-        """What transfer clients check node agents with (None: ``transfer.tls`` is off). Any certificate
-        the cluster's CA signed is accepted, whatever name it carries: node agents are reached by
-        address, and the secret's challenge inside the stream proves each end is of the cluster."""
-        if not self.transfer.tls:
-            return None
-        context = self.tls.client_context()
-        context.check_hostname = False
-        return context
+        """What transfer clients check node agents with (None: ``transfer.tls`` is off)."""
+        return self.tls.transfer_client_context() if self.transfer.tls else None
 
     def serving_namespace(self, tenant_salt: str = "") -> Namespace:
         """The namespace of the served model's blocks (what workers and the front hash with)."""

@@ -25,7 +25,7 @@ from itertools import groupby
 
 import torch
 
-from tiercake.blocks import Namespace, Sealer, block_keys, chain_key, seal_material, sealer_for
+from tiercake.blocks import Namespace, SealKeys, Sealer, block_keys, chain_key, cluster_seal_material
 from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
@@ -96,19 +96,15 @@ class InferenceEngine:
                       if conductor is not None and transfer is not None else None)
         self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
         if seals is None and transfer is not None:
-            seals = seal_material(b"cluster secret|" + transfer.secret)
-        self._seal_material = seals
-        self._sealers: dict[str, Sealer] = {}
+            seals = cluster_seal_material(transfer.secret)
+        self._seal_keys = None if seals is None else SealKeys(seals)
         self.refused_blocks = 0  # pulled blocks whose seal did not verify
 
     def sealer(self, salt: str) -> Sealer:
         """The sealer of blocks hashed with ``salt`` (a tenant's)."""
-        sealer = self._sealers.get(salt)
-        if sealer is None:
-            if self._seal_material is None:
-                raise RuntimeError("this engine has no seal material (no transfer engine and none given)")
-            sealer = self._sealers[salt] = sealer_for(self._seal_material, salt)
-        return sealer
+        if self._seal_keys is None:
+            raise RuntimeError("this engine has no seal material (no transfer engine and none given)")
+        return self._seal_keys.for_salt(salt)
 
     def namespace_for(self, tenant_salt: str) -> Namespace:
         return self.namespace.model_copy(update={"tenant_salt": tenant_salt})

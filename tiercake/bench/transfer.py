@@ -23,7 +23,6 @@ import os
 import secrets
 import socket
 import statistics
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tiercake.blocks import seal_material, sealer_for
+from tiercake.config import TlsConfig
 from tiercake.devtls import self_signed
 from tiercake.transfer import TransferEngine
 from tiercake.transfer.ucx import available as ucx_available
@@ -153,8 +153,7 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
     if ucx_available():  # same host: UCX's shared-memory transports, so memcpy is its limit
         engines["ucx"] = TransferEngine("bench", peer.secret, transports=("ucx",), streams=streams)
     if tls is not None:  # transfer.tls: TCP inside TLS, to the same store
-        context = ssl.create_default_context(cafile=str(tls[0]))
-        context.check_hostname = False
+        context = TlsConfig(ca_file=str(tls[0])).transfer_client_context()
         engines["tls"] = TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams, tls=context)
     for name, engine in engines.items():
         engine.add_peer(PEER, peer.address["host"], peer.address["tls_port" if name == "tls" else "port"])

@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tiercake.blocks import Namespace, Sealer, chain_key, sealer_for
+from tiercake.blocks import Namespace, SealKeys, chain_key
 from tiercake.config import TransferConfig
 from tiercake.transfer import SealError, TransferResult
 
@@ -222,9 +222,8 @@ class TiercakeConnector(KVConnectorBase_V1):
         identity = f"vllm-{os.getpid()}-{role.name.lower()}"
         self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports),
                                  ca_file=self.settings.ca_file, transfer_tls=self.settings.transfer_tls)
-        self._seal_material = None if secret is None else TransferConfig(
-            secret_env=self.settings.secret_env, seal_secret_env=self.settings.seal_secret_env).seal_material()
-        self._sealers: dict[str, Sealer] = {}
+        self._seal_keys = None if secret is None else SealKeys(TransferConfig(
+            secret_env=self.settings.secret_env, seal_secret_env=self.settings.seal_secret_env).seal_material())
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._plans: dict[str, _Plan] = {}
@@ -240,12 +239,6 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "refused_blocks": 0, "saved_blocks": 0,
                       "dropped_saves": 0, "failed_saves": 0}
-
-    def _sealer(self, salt: str) -> Sealer:
-        sealer = self._sealers.get(salt)
-        if sealer is None:
-            sealer = self._sealers[salt] = sealer_for(self._seal_material, salt)
-        return sealer
 
     # ==== scheduler side ==========================================================================
 
@@ -425,7 +418,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         # a chain is usable only up to its first missing block, or its first whose seal does not
         # verify (forged or corrupt): the rest is recomputed
         loaded = next((i for i, r in enumerate(results) if not r.ok), len(results))
-        sealer = self._sealer(load.salt)
+        sealer = self._seal_keys.for_salt(load.salt)
         verified = next((i for i in range(loaded) if not sealer.verify(load.blocks[i].key, staging[i].numpy(),
                                                                         results[i].seal)), loaded)
         if verified < loaded:
@@ -472,7 +465,8 @@ class TiercakeConnector(KVConnectorBase_V1):
         for s, row in zip(meta.saves, staging):
             by_tenant.setdefault((s.tenant, s.salt), []).append((s.key, s.parent, row))
         for (tenant, salt), items in by_tenant.items():
-            future = self.link.write(self.settings.node, items, tenant, self._sealer(salt), self.settings.save_timeout_s)
+            future = self.link.write(self.settings.node, items, tenant, self._seal_keys.for_salt(salt),
+                                     self.settings.save_timeout_s)
             future.add_done_callback(lambda f, n=len(items): self._saved(f, n * self.block_nbytes, n))
 
     def _saved(self, future, nbytes: int, count: int) -> None:

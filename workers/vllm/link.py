@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import ssl
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -20,6 +19,7 @@ import torch
 
 from tiercake.blocks import Sealer
 from tiercake.conductor.client import Client, ConductorError, NodeDirectory
+from tiercake.config import TlsConfig
 from tiercake.loop_thread import LoopThread
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
 
@@ -42,13 +42,10 @@ class TiercakeLink:
             raise ValueError("transfer_tls needs ca_file: the CA the node agents' certificates are checked against")
 
         async def build() -> tuple[Client, TransferEngine | None]:
-            https = ssl.create_default_context(cafile=ca_file) if ca_file else None
-            client = Client(conductors, token=token, timeout=5.0, retries=2, ssl=https)
-            tls = None
-            if transfer_tls:  # node agents are reached by address: the CA vouches for them, and the secret
-                tls = ssl.create_default_context(cafile=ca_file)
-                tls.check_hostname = False
-            engine = TransferEngine(identity, secret, transports=transports, tls=tls) if secret else None
+            tls = TlsConfig(ca_file=ca_file)
+            client = Client(conductors, token=token, timeout=5.0, retries=2, ssl=tls.client_context())
+            engine = TransferEngine(identity, secret, transports=transports,
+                                    tls=tls.transfer_client_context() if transfer_tls else None) if secret else None
             return client, engine
 
         self.client, self.engine = self.call(build(), 10.0)
