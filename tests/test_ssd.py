@@ -15,26 +15,60 @@ import torch
 from conftest import LAYOUT, block, key
 
 from tiercake.tiers import DiskFullError, ObjectNotFoundError, SsdTier, Tier, TieredStore, TierFullError
+from tiercake.tiers.buffers import round_up
 from tiercake.tiers.ssd import HEADER_SIZE, SsdLockedError, shuffle16, unshuffle16
+from tiercake.tiers.ssd_log import SsdLogTier, block_payloads, segment_records
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["files", "log"])
 
 
 def same(data, i):
     return torch.equal(data.view(torch.float16).view(LAYOUT.shape), block(i))
 
 
-async def ssd_store(path, capacity_blocks=64, payload_nbytes=LAYOUT.nbytes, **kw) -> TieredStore:
-    backend = SsdTier(path, capacity_bytes=capacity_blocks * (payload_nbytes + HEADER_SIZE), **kw)
+def ssd_tier(path, layout="files", **kw) -> SsdTier:
+    return (SsdLogTier if layout == "log" else SsdTier)(path, **kw)
+
+
+def record_bytes(layout: str, payload_nbytes: int) -> int:
+    """Disk bytes of one block: a header and the payload (the log pads both to pages)."""
+    return 4096 + round_up(payload_nbytes) if layout == "log" else HEADER_SIZE + payload_nbytes
+
+
+async def ssd_store(path, capacity_blocks=64, payload_nbytes=LAYOUT.nbytes, layout="files", **kw) -> TieredStore:
+    backend = ssd_tier(path, layout, capacity_bytes=capacity_blocks * record_bytes(layout, payload_nbytes), **kw)
     return await TieredStore([Tier(backend)], payload_nbytes=payload_nbytes).open()
 
 
-async def test_restart_keeps_every_block(tmp_path):
-    store = await ssd_store(tmp_path)
+def damage(store: TieredStore, k: bytes, at: int, tier: int = 0) -> Path:
+    """Flip the byte ``at`` bytes into block ``k``'s record on disk (negative: from its end)."""
+    backend = store.tiers[tier].backend
+    path, offset, length = backend.extent(store._entries[k].copies[tier].slot)
+    with open(path, "r+b") as f:
+        f.seek(offset + (at if at >= 0 else length + at))
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    return path
+
+
+@LAYOUTS
+async def test_restart_keeps_every_block(tmp_path, layout):
+    store = await ssd_store(tmp_path, layout=layout)
     for i in range(20):
         await store.put(key(i), block(i), parent=key(i - 1) if i else None)
     used = store.tier("ssd").backend.used_bytes
+    await store.remove(key(19))
+    await store.put(key(19), block(19))  # its first record is dead now: not listed, not recovered
     await store.close()
+    payloads = block_payloads(tmp_path)  # what a tool outside the process sees: every payload, in order
+    assert len(payloads) == 20 and all(length == LAYOUT.nbytes for _, _, length in payloads)
+    with open(payloads[3][0], "rb") as f:
+        f.seek(payloads[3][1])
+        assert same(torch.frombuffer(bytearray(f.read(LAYOUT.nbytes)), dtype=torch.uint8), 3)
 
-    store = await ssd_store(tmp_path)
+    store = await ssd_store(tmp_path, layout=layout)
     assert sorted(store.keys()) == sorted(key(i) for i in range(20))
     assert store.tier("ssd").backend.used_bytes == used
     assert store._entries[key(5)].meta.parent == key(4)  # the chain survives too
@@ -121,20 +155,22 @@ def _files(path: Path) -> list[Path]:
     return sorted((path / "blocks").rglob("*.blk"))
 
 
-async def test_corrupt_payload_is_a_miss_never_data(tmp_path):
-    store = await ssd_store(tmp_path)
+@LAYOUTS
+async def test_corrupt_payload_is_a_miss_never_data(tmp_path, layout):
+    store = await ssd_store(tmp_path, layout=layout)
     await store.put(key(1), block(1))
     await store.put(key(2), block(2))
-    path = store._entries[key(1)].copies[0].slot.path
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_SIZE + 100] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    path = damage(store, key(1), -100)
     with pytest.raises(ObjectNotFoundError):
         await store.get(key(1))
-    assert not path.exists()  # dropped
     assert store.tier("ssd").stats.corrupt == 1 and store.misses == 1
     assert not store.contains(key(1))
     assert same(await store.get(key(2)), 2)
+    if layout == "files":
+        assert not path.exists()  # dropped
+    await store.close()
+    store = await ssd_store(tmp_path, layout=layout)  # and it does not come back after a restart
+    assert store.keys() == [key(2)]
     await store.close()
 
 
@@ -183,18 +219,26 @@ async def test_io_runs_off_the_event_loop(tmp_path):
     await store.close()
 
 
-async def test_capacity_limit_drops_oldest_and_refuses_when_all_pinned(tmp_path):
-    store = await ssd_store(tmp_path, capacity_blocks=4)
+def _on_disk(path: Path, layout: str) -> int:
+    """Blocks a restart would find."""
+    if layout == "files":
+        return len(_files(path))
+    return sum(not dead for seg in sorted((path / "segments").glob("*.seg")) for _, _, dead in segment_records(seg))
+
+
+@LAYOUTS
+async def test_capacity_limit_drops_oldest_and_refuses_when_all_pinned(tmp_path, layout):
+    store = await ssd_store(tmp_path, capacity_blocks=4, layout=layout)
     store.tier("ssd").high_watermark = 1.0
     for i in range(6):
         await store.put(key(i), block(i))
     assert [store.contains(key(i)) for i in range(6)] == [False, False, True, True, True, True]
-    assert len(_files(tmp_path)) == 4
+    assert _on_disk(tmp_path, layout) == 4
     for i in range(2, 6):
         store.pin(key(i), hard=True)
     with pytest.raises(TierFullError):
         await store.put(key(9), block(9))
-    assert not store.contains(key(9)) and len(_files(tmp_path)) == 4
+    assert not store.contains(key(9)) and _on_disk(tmp_path, layout) == 4
     await store.close()
 
 
@@ -210,22 +254,26 @@ def tiny_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-async def test_full_disk_is_a_clear_error(tiny_fs):
+@LAYOUTS
+async def test_full_disk_is_a_clear_error(tiny_fs, layout):
     # the tier believes it has 1 MiB, the file system has 256 KiB: the disk fills first
-    backend = SsdTier(tiny_fs / "ssd", capacity_bytes=1 << 20)
+    backend = ssd_tier(tiny_fs / "ssd", layout, capacity_bytes=1 << 20)
     store = await TieredStore([Tier(backend, high_watermark=1.0)], payload_nbytes=LAYOUT.nbytes).open()
     stored = 0
     with pytest.raises(DiskFullError, match="No space left"):
         for i in range(100):
             await store.put(key(i), block(i))
             stored += 1
-    assert 20 < stored < 64  # 256 KiB of 4.5 KiB files, less the file system's own rounding
+    assert 20 < stored < 64  # 256 KiB of 4.5 KiB files (8 KiB records), less the file system's own rounding
     assert not store.contains(key(stored))  # the failed put left nothing behind
     assert not list((tiny_fs / "ssd" / "blocks").rglob("*.tmp-*"))
     for i in range(stored):
         assert same(await store.get(key(i)), i)
-    await store.remove(key(0))
-    await store.put(key(stored), block(stored))  # room again
+    # room again: a removed block's file goes, or its record's payload is punched out of the segment
+    # (the record's header page stays until compaction: two 4 KiB payloads make room for one record)
+    for i in range(2 if layout == "log" else 1):
+        await store.remove(key(i))
+    await store.put(key(stored), block(stored))
     await store.close()
 
 
@@ -248,25 +296,31 @@ KILLED_WRITER = textwrap.dedent(
     """
     import asyncio, sys, torch
     from tiercake.tiers import SsdTier, Tier, TieredStore
+    from tiercake.tiers.ssd_log import SsdLogTier
+
+    async def put(store, i):
+        g = torch.Generator().manual_seed(i)
+        data = torch.randint(0, 256, (int(sys.argv[3]),), dtype=torch.uint8, generator=g)
+        await store.put(i.to_bytes(8, "big"), data)
+        print(i, flush=True)
 
     async def main():
-        store = await TieredStore([Tier(SsdTier(sys.argv[1], capacity_bytes=1 << 34))]).open()
+        tier = (SsdLogTier if sys.argv[2] == "log" else SsdTier)(sys.argv[1], capacity_bytes=1 << 34)
+        store = await TieredStore([Tier(tier)]).open()
         i = 0
-        while True:
-            g = torch.Generator().manual_seed(i)
-            data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=g)
-            await store.put(i.to_bytes(8, "big"), data)
-            print(i, flush=True)
-            i += 1
+        while True:  # eight puts in flight: the log writes them in batches
+            await asyncio.gather(*(put(store, i + j) for j in range(8)))
+            i += 8
 
     asyncio.run(main())
     """
 )
 
 
-async def test_process_killed_mid_write_never_serves_half_a_block(tmp_path):
+@pytest.mark.parametrize("layout,nbytes", [("files", 4 << 20), ("log", 4 << 20), ("log", 64 << 10)])
+async def test_process_killed_mid_write_never_serves_half_a_block(tmp_path, layout, nbytes):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", KILLED_WRITER, str(tmp_path), stdout=asyncio.subprocess.PIPE
+        sys.executable, "-c", KILLED_WRITER, str(tmp_path), layout, str(nbytes), stdout=asyncio.subprocess.PIPE
     )
     written = []
     deadline = time.monotonic() + 60
@@ -275,13 +329,18 @@ async def test_process_killed_mid_write_never_serves_half_a_block(tmp_path):
     await asyncio.sleep(0.013)  # land somewhere inside a write
     proc.send_signal(signal.SIGKILL)
     await proc.wait()
-    store = await TieredStore([Tier(SsdTier(tmp_path, capacity_bytes=1 << 34))]).open()
+    store = await TieredStore([Tier(ssd_tier(tmp_path, layout, capacity_bytes=1 << 34))]).open()
     keys = sorted(int.from_bytes(k, "big") for k in store.keys())
     assert set(written) <= set(keys)  # every acknowledged block survived
     for i in keys:
         g = torch.Generator().manual_seed(i)
-        expected = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=g)
-        assert torch.equal(await store.get(i.to_bytes(8, "big")), expected)
+        expected = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+        try:
+            got = await store.get(i.to_bytes(8, "big"))
+        except ObjectNotFoundError:
+            assert i not in written  # a torn block that was never acknowledged: a miss
+            continue
+        assert torch.equal(got, expected)
     assert not list((tmp_path / "blocks").rglob("*.tmp-*"))
     await store.close()
 
@@ -296,8 +355,9 @@ def _aligned(nbytes: int, offset: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("nbytes", [3 * 4096, 3 * 4096 + 100, 5000])
 @pytest.mark.parametrize("src_offset", [0, 64])  # page-aligned (zero-copy) and not (staged)
 @pytest.mark.parametrize("compression", [False, True])
-async def test_direct_io_paths(tmp_path, nbytes, src_offset, compression):
-    backend = SsdTier(tmp_path, capacity_bytes=1 << 24, direct_min=0, compression=compression)
+@LAYOUTS
+async def test_direct_io_paths(tmp_path, nbytes, src_offset, compression, layout):
+    backend = ssd_tier(tmp_path, layout, capacity_bytes=1 << 24, direct_min=0, compression=compression)
     if not backend.direct_io:
         pytest.skip("this file system refuses O_DIRECT; the buffered path is tested everywhere else")
     store = await TieredStore([Tier(backend)]).open()
@@ -308,14 +368,138 @@ async def test_direct_io_paths(tmp_path, nbytes, src_offset, compression):
         dst = _aligned(nbytes, dst_offset)
         await store.get_into(b"k", dst)
         assert torch.equal(dst, src)
-    path = store._entries[b"k"].copies[0].slot.path
-    assert path.stat().st_size % 4096 == 0
-    await store.close()
+    path, _, length = backend.extent(store._entries[b"k"].copies[0].slot)
+    assert path.stat().st_size % 4096 == 0 and length % 4096 == 0
     # a damaged last byte is caught on the zero-copy read path too
-    raw = bytearray(path.read_bytes())
-    raw[4096 if compression else 4096 + nbytes - 1] ^= 0x5A
-    path.write_bytes(bytes(raw))
-    store = await TieredStore([Tier(SsdTier(tmp_path, capacity_bytes=1 << 24, direct_min=0))]).open()
+    damage(store, b"k", 4096 if compression else 4096 + nbytes - 1)
+    await store.close()
+    store = await TieredStore([Tier(ssd_tier(tmp_path, layout, capacity_bytes=1 << 24, direct_min=0))]).open()
     with pytest.raises(ObjectNotFoundError):
         await store.get_into(b"k", _aligned(nbytes))
+    await store.close()
+
+
+# The log layout ------------------------------------------------------------------------------------
+
+
+async def test_the_log_writes_concurrent_puts_in_a_few_batches(tmp_path):
+    store = await ssd_store(tmp_path, capacity_blocks=256, layout="log")
+    backend = store.tier("ssd").backend
+    calls, write = [], backend._write_records
+    backend._write_records = lambda seg, records: (calls.append(len(records)), write(seg, records))[1]
+    await asyncio.gather(*(store.put(key(i), block(i)) for i in range(64)))
+    assert sum(calls) == 64 and len(calls) <= 8  # one pwritev per batch, not a file per block
+    assert [p.name for p in (tmp_path / "segments").iterdir()] == ["0000000001.seg"]
+    assert not list((tmp_path / "blocks").rglob("*.blk"))
+    for i in range(64):
+        assert same(await store.get(key(i)), i)
+    await store.close()
+
+
+async def test_removed_and_evicted_blocks_stay_gone_after_a_restart(tmp_path):
+    store = await ssd_store(tmp_path, capacity_blocks=8, layout="log")
+    store.tier("ssd").high_watermark = 1.0
+    for i in range(10):  # 0 and 1 are evicted
+        await store.put(key(i), block(i))
+    await store.remove(key(5))
+    backend = store.tier("ssd").backend
+    # the payloads of the three dead records were punched out of the file: it holds live bytes and headers
+    assert backend.disk_bytes < 10 * 8192  # ext4 may add a block of extent tree over 7 * 8192 + 3 * 4096
+    await store.close()
+    store = await ssd_store(tmp_path, capacity_blocks=8, layout="log")
+    assert sorted(store.keys()) == sorted(key(i) for i in range(2, 10) if i != 5)
+    for i in range(2, 10):
+        if i != 5:
+            assert same(await store.get(key(i)), i)
+    await store.close()
+
+
+async def test_compaction_keeps_the_disk_near_the_capacity_and_every_block_readable(tmp_path):
+    capacity = 64
+    store = await ssd_store(tmp_path, capacity_blocks=capacity, layout="log", segment_bytes=64 << 10,
+                            compact_dead=0.25)
+    backend = store.tier("ssd").backend
+    for i in range(600):  # churn: blocks are removed after 40 puts, every fifth after 100
+        await store.put(key(i), block(i))
+        for old in (i - 40, i - 100):
+            if old >= 0 and (old % 5 != 0 or old == i - 100) and store.contains(key(old)):
+                await store.remove(key(old))
+    await store.drain()
+    alive = {i for i in range(600) if store.contains(key(i))}
+    assert len(alive) > 40
+    while backend._compactor is not None and not backend._compactor.done():
+        await asyncio.sleep(0.01)
+    assert backend.compactions > 0 and backend.compacted_bytes > 0
+    # dead records never span more than the limit (a quarter of the capacity) plus the active segment
+    assert backend.dead_bytes <= 0.25 * backend.capacity_bytes + backend.segment_bytes
+    assert len(list((tmp_path / "segments").glob("*.seg"))) <= capacity * 8192 * 1.25 // (64 << 10) + 2
+    for i in alive:
+        assert same(await store.get(key(i)), i)
+    await store.close()
+    store = await ssd_store(tmp_path, capacity_blocks=capacity, layout="log", segment_bytes=64 << 10)
+    assert sorted(store.keys()) == sorted(key(i) for i in alive)
+    for i in alive:
+        assert same(await store.get(key(i)), i)
+    await store.close()
+
+
+async def test_a_block_removed_while_compaction_copies_it_does_not_come_back(tmp_path):
+    store = await ssd_store(tmp_path, capacity_blocks=64, layout="log", segment_bytes=64 << 10)
+    backend = store.tier("ssd").backend
+    for i in range(16):  # two segments of eight records
+        await store.put(key(i), block(i))
+    victim = backend.segments[1]
+    read_raw = backend._read_raw
+
+    def slow_read(segment, offset, length):
+        time.sleep(0.05)  # the removals below land while the copy is in flight
+        return read_raw(segment, offset, length)
+
+    backend._read_raw = slow_read
+    compacting = asyncio.create_task(backend._evacuate(victim))
+    await asyncio.sleep(0.02)
+    for i in range(0, 8, 2):
+        await store.remove(key(i))
+    await compacting
+    assert 1 not in backend.segments and not victim.path.exists()
+    moved_to = {backend.extent(store._entries[key(i)].copies[0].slot)[0].name for i in range(1, 8, 2)}
+    assert moved_to == {"0000000003.seg"}  # the tail (segment 2 was full)
+    await store.close()
+    store = await ssd_store(tmp_path, capacity_blocks=64, layout="log")
+    assert sorted(store.keys()) == sorted(key(i) for i in range(16) if i >= 8 or i % 2)
+    for i in (1, 3, 9):
+        assert same(await store.get(key(i)), i)
+    await store.close()
+
+
+async def test_of_two_records_of_a_key_the_newer_is_recovered(tmp_path):
+    backend = SsdLogTier(tmp_path, capacity_bytes=1 << 20)
+    for i in (1, 2):  # as a crash between a compaction's copy and the segment's deletion leaves them
+        slot = backend.allocate(LAYOUT.nbytes)
+        await backend.persist(slot, key(0), None, block(i).view(torch.uint8).reshape(-1))
+    backend.close()
+    store = await TieredStore([Tier(SsdLogTier(tmp_path, capacity_bytes=1 << 20))]).open()
+    assert store.keys() == [key(0)] and same(await store.get(key(0)), 2)
+    assert store.tier("ssd").backend.used_bytes == 8192
+    await store.close()
+
+
+async def test_the_layout_is_a_setting_and_switching_it_drops_the_other_layouts_blocks(tmp_path, caplog):
+    from tiercake.config import TierConfig
+    from tiercake.tiers.build import backend_class
+
+    cfg = TierConfig(kind="ssd", capacity="1MiB", path=str(tmp_path), layout="log", segment_bytes="256KiB")
+    backend = backend_class("ssd").from_config(cfg, None)
+    assert isinstance(backend, SsdLogTier) and backend.segment_bytes == 256 << 10
+    store = await TieredStore([Tier(backend)]).open()
+    await store.put(key(1), block(1))
+    await store.close()
+    store = await ssd_store(tmp_path)  # the files layout now
+    assert store.keys() == [] and not list((tmp_path / "segments").glob("*.seg"))
+    await store.put(key(2), block(2))
+    await store.close()
+    with caplog.at_level("WARNING"):
+        store = await ssd_store(tmp_path, layout="log")
+    assert store.keys() == [] and not _files(tmp_path)
+    assert "other layout" in caplog.text
     await store.close()

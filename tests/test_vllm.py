@@ -28,6 +28,7 @@ from tiercake.config import TiercakeConfig
 from tiercake.chaos import pid_listening
 from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
 from tiercake.traces import read_trace
+from tiercake.tiers.ssd_log import block_payloads
 from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
@@ -203,12 +204,12 @@ async def test_a_corrupt_block_is_recomputed(served):
     async with Client([tc.url], token=TOKEN) as client:
         await client.flush(["pool"])
     await wait_indexed(tc, "ssd", 4 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
-    files = sorted((tc.root / "ssd" / "blocks").rglob("*"), key=lambda p: p.stat().st_mtime)
-    newest = [f for f in files if f.is_file()][-PROMPT_BLOCKS:]  # this prompt's blocks
-    for f in newest:
-        data = bytearray(f.read_bytes())
-        data[len(data) // 2] ^= 0xFF  # one flipped byte in the payload
-        f.write_bytes(bytes(data))
+    for path, offset, length in block_payloads(tc.root / "ssd")[-PROMPT_BLOCKS:]:  # this prompt's blocks
+        with open(path, "r+b") as f:  # one flipped byte in the payload
+            f.seek(offset + length // 2)
+            byte = f.read(1)[0]
+            f.seek(offset + length // 2)
+            f.write(bytes([byte ^ 0xFF]))
     other = await b.complete(tokens)
     # it was told the blocks were there; from the corrupt one on, loading failed and vLLM recomputed
     assert planned(other) == PROMPT_BLOCKS * BLOCK and loaded(other) < planned(other)

@@ -47,6 +47,7 @@ from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import MemberInfo
 from tiercake.netns import Partition, PartitionUnavailable
 from tiercake.replay import TokenMap
+from tiercake.tiers.ssd_log import block_payloads
 from tiercake.traces import synthetic_trace
 from tiercake.up import UpProcess
 
@@ -342,13 +343,13 @@ class Faults:
         await self.load.pause()  # requests write blocks into the pool again at once: a quiet moment
         async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
             await control.flush(["gpu", "pool"], wait=True, timeout_s=30)  # the next requests read the SSD
-        blocks = sorted(self.ssd.rglob("*.blk"))
-        for path in random.Random(3).sample(blocks, min(files, len(blocks))):
+        blocks = block_payloads(self.ssd)
+        for path, offset, length in random.Random(3).sample(blocks, min(files, len(blocks))):
+            at = offset + max(0, length - 100)  # 16 bytes near the end of the payload
             with open(path, "r+b") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - 100))
+                f.seek(at)
                 data = bytearray(f.read(16))
-                f.seek(max(0, size - 100))
+                f.seek(at)
                 f.write(bytes(b ^ 0x5A for b in data))
         self.load.resume()
         return lambda: _replaced(self._node_pid(), -1)

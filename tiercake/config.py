@@ -7,7 +7,7 @@ import json
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
@@ -70,6 +70,11 @@ class TierConfig(BaseModel):
     fsync: bool = False
     direct_io: bool | None = Field(default=None, description="ssd: O_DIRECT; default: probe the file system")
     io_threads: int = Field(default=4, ge=1, le=64)
+    layout: Literal["files", "log"] = Field(
+        default="files", description="ssd: 'files' (a file per block) or 'log' (blocks appended to segment files: "
+        "small blocks write several times faster; see docs/ARCHITECTURE.md)")
+    segment_bytes: ByteSize | None = Field(default=None, description="ssd, layout log: bytes per segment file "
+                                           "(default: a sixteenth of the capacity, 4-64 MiB)")
     # a plug-in backend
     options: dict[str, Any] = Field(default_factory=dict, description="settings of a plug-in tier backend")
 

@@ -44,6 +44,7 @@ _MAGIC = b"TCKV"
 _VERSION = 3  # 2: the block's tenant is in the header, so a restarted node can re-report it; 3: its seal
 _FLAG_ZSTD = 1
 _FLAG_SHUFFLE16 = 2
+_FLAG_DEAD = 4  # the log layout: a released record, kept until its segment is compacted
 MAX_TENANT = 128
 MAX_SEAL = 32
 # magic, version, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, payload_xxh,
@@ -123,6 +124,13 @@ class SsdTier(DiskTierBackend):
 
     @classmethod
     def from_config(cls, cfg, layout) -> SsdTier:
+        if cfg.layout == "log":
+            from .ssd_log import SsdLogTier
+
+            segment = int(cfg.segment_bytes) if cfg.segment_bytes else None
+            return SsdLogTier(cfg.path, capacity_bytes=int(cfg.capacity), segment_bytes=segment,
+                              compression=cfg.compression, shuffle=cfg.shuffle, zstd_level=cfg.zstd_level,
+                              direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads, name=cfg.tier_name)
         return cls(cfg.path, capacity_bytes=int(cfg.capacity), compression=cfg.compression, shuffle=cfg.shuffle,
                    zstd_level=cfg.zstd_level, direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads,
                    name=cfg.tier_name)
@@ -201,12 +209,7 @@ class SsdTier(DiskTierBackend):
     async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
                       tenant: str = "", seal: bytes = b"") -> None:
         """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible."""
-        if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
-            raise PayloadError(f"keys stored on SSD are at most {MAX_KEY} bytes")
-        if len(seal) > MAX_SEAL:
-            raise PayloadError(f"seals stored on SSD are at most {MAX_SEAL} bytes")
-        if len(tenant.encode()) > MAX_TENANT:
-            raise PayloadError(f"tenant names stored on SSD are at most {MAX_TENANT} bytes")
+        self._check_names(key, parent, tenant, seal)
         data = slot.staging if src is None else src
         if data is None:
             raise PayloadError("nothing to persist: no source and no staging buffer")
@@ -226,6 +229,15 @@ class SsdTier(DiskTierBackend):
         slot.staging = None
         self.stored_bytes += stored
         self.raw_bytes += slot.nbytes
+
+    @staticmethod
+    def _check_names(key: bytes, parent: bytes | None, tenant: str, seal: bytes) -> None:
+        if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
+            raise PayloadError(f"keys stored on SSD are at most {MAX_KEY} bytes")
+        if len(seal) > MAX_SEAL:
+            raise PayloadError(f"seals stored on SSD are at most {MAX_SEAL} bytes")
+        if len(tenant.encode()) > MAX_TENANT:
+            raise PayloadError(f"tenant names stored on SSD are at most {MAX_TENANT} bytes")
 
     def _encode(self, payload: np.ndarray) -> tuple[np.ndarray, int]:
         if not self.compression:
@@ -259,11 +271,7 @@ class SsdTier(DiskTierBackend):
         stored, flags = self._encode(payload)
         direct = self._direct(payload.size)
         data_offset = PAGE if direct else HEADER_SIZE
-        head = _HEAD.pack(
-            _MAGIC, _VERSION, flags, len(key), len(parent or b""), len(tenant), data_offset, payload.size,
-            stored.size, xxhash.xxh3_64_intdigest(stored), time.time_ns(), key, parent or b"", tenant, len(seal), seal,
-        )
-        head += _HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head))
+        head = pack_header(flags, data_offset, key, parent, tenant, seal, payload.size, stored)
         tls = self._tls
         page = tls.head_page
         page[:] = 0
@@ -325,41 +333,56 @@ class SsdTier(DiskTierBackend):
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise CorruptBlockError(f"{path}: file is gone") from None
-        tls = self._tls
         try:
-            size = os.fstat(fd).st_size
-            if direct and out.ctypes.data % PAGE == 0:
-                whole = nbytes - nbytes % PAGE
-                iov = [tls.head_page, out[:whole]] + ([tls.tail_page] if whole < nbytes else [])
-                got = os.preadv(fd, iov, 0)
-                head = _parse_header(path, tls.head_page[:HEADER_SIZE].tobytes(), size)
-                if head.flags == 0 and head.data_offset == PAGE and head.stored_len == nbytes:
-                    if got < PAGE + nbytes:
-                        raise CorruptBlockError(f"{path}: truncated: read {got} bytes")
-                    out[whole:] = tls.tail_page[: nbytes - whole]
-                    _check_block(path, head, key, nbytes, out)
-                    return
-            buf = tls.get(round_up(size))
-            got = os.preadv(fd, [buf[: round_up(size) if direct else size]], 0)
+            self._read_record(fd, 0, os.fstat(fd).st_size, path, key, nbytes, out, direct)
         finally:
             os.close(fd)
-        head = _parse_header(path, buf[:HEADER_SIZE].tobytes(), got)
+
+    def _read_record(self, fd: int, base: int, size: int, where: object, key: bytes, nbytes: int, out: np.ndarray,
+                     direct: bool) -> None:
+        """Read the record of ``size`` bytes at ``base`` (a header, then its payload at the header's
+        offset), check it and decode it into ``out``. ``where`` names it in errors.
+
+        With direct I/O, an uncompressed payload is read straight into a page-aligned ``out`` in one
+        ``preadv``; otherwise the whole record goes through a staging buffer."""
+        tls = self._tls
+        if direct and out.ctypes.data % PAGE == 0:
+            whole = nbytes - nbytes % PAGE
+            iov = [tls.head_page, out[:whole]] + ([tls.tail_page] if whole < nbytes else [])
+            got = os.preadv(fd, iov, base)
+            head = _parse_header(where, tls.head_page[:HEADER_SIZE].tobytes(), size)
+            if head.flags & ~_FLAG_DEAD == 0 and head.data_offset == PAGE and head.stored_len == nbytes:
+                if got < PAGE + nbytes:
+                    raise CorruptBlockError(f"{where}: truncated: read {got} bytes")
+                out[whole:] = tls.tail_page[: nbytes - whole]
+                _check_block(where, head, key, nbytes, out)
+                return
+        buf = tls.get(round_up(size))
+        got = os.preadv(fd, [buf[: round_up(size) if direct else size]], base)
+        head = _parse_header(where, buf[:HEADER_SIZE].tobytes(), got)
         stored = buf[head.data_offset : head.data_offset + head.stored_len]
-        _check_block(path, head, key, nbytes, stored)
+        _check_block(where, head, key, nbytes, stored)
+        self._decode(where, head, stored, nbytes, out)
+
+    def _decode(self, where: object, head: _Header, stored: np.ndarray, nbytes: int, out: np.ndarray) -> None:
         if not head.flags & _FLAG_ZSTD:
             out[:] = stored
             return
         try:
-            raw = tls.decompressor.decompress(stored, max_output_size=nbytes)
+            raw = self._tls.decompressor.decompress(stored, max_output_size=nbytes)
         except zstandard.ZstdError as exc:
-            raise CorruptBlockError(f"{path}: {exc}") from exc
+            raise CorruptBlockError(f"{where}: {exc}") from exc
         planes = np.frombuffer(raw, dtype=np.uint8)
         if planes.size != nbytes:
-            raise CorruptBlockError(f"{path}: decompressed to {planes.size} bytes, expected {nbytes}")
+            raise CorruptBlockError(f"{where}: decompressed to {planes.size} bytes, expected {nbytes}")
         if head.flags & _FLAG_SHUFFLE16:
             unshuffle16(planes, out)
         else:
             out[:] = planes
+
+    def extent(self, slot: SsdSlot) -> tuple[Path, int, int]:
+        """Where a block's record lies on disk: (file, offset, length). For tools and tests."""
+        return slot.path, 0, slot.reserved
 
     async def release(self, slot: SsdSlot) -> None:
         if slot.path is not None:
@@ -381,6 +404,7 @@ class SsdTier(DiskTierBackend):
         return found
 
     def _scan(self) -> list[RecoveredBlock]:
+        _drop_other_layout(self.root / "segments", "*.seg", self.name)
         found: list[RecoveredBlock] = []
         for sub in self.blocks_dir.iterdir():
             if not sub.is_dir():
@@ -420,6 +444,7 @@ class SsdTier(DiskTierBackend):
 
 @dataclass(frozen=True, slots=True)
 class _Header:
+    version: int
     flags: int
     data_offset: int
     raw_len: int
@@ -429,9 +454,29 @@ class _Header:
     parent: bytes | None
     tenant: str
     seal: bytes
+    created_ns: int = 0
 
 
-def _parse_header(path: Path, head: bytes, file_size: int) -> _Header:
+def pack_header(flags: int, data_offset: int, key: bytes, parent: bytes | None, tenant: bytes, seal: bytes,
+                raw_len: int, stored: np.ndarray, created_ns: int | None = None) -> bytes:
+    """A record's header, its own checksum included (``_HEAD`` then ``_HEAD_CHECK``)."""
+    head = _HEAD.pack(
+        _MAGIC, _VERSION, flags, len(key), len(parent or b""), len(tenant), data_offset, raw_len, stored.size,
+        xxhash.xxh3_64_intdigest(stored), time.time_ns() if created_ns is None else created_ns, key, parent or b"",
+        tenant, len(seal), seal,
+    )
+    return head + _HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def pack_header_check(head: bytes, flags: int) -> bytes:
+    """``head`` (a header that parsed) with its flags replaced and its own checksum recomputed."""
+    (version,) = struct.unpack_from("<H", head, 4)
+    body = bytearray(head[: (_HEAD if version == _VERSION else _HEAD_V2).size])
+    struct.pack_into("<H", body, 6, flags)
+    return bytes(body) + _HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _parse_header(path: object, head: bytes, file_size: int) -> _Header:
     if len(head) < HEADER_SIZE or file_size < HEADER_SIZE:
         raise CorruptBlockError(f"{path}: truncated header")
     magic, version = struct.unpack_from("<4sH", head)
@@ -442,16 +487,17 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> _Header:
     if xxhash.xxh3_64_intdigest(head[: layout.size]) != check:
         raise CorruptBlockError(f"{path}: header checksum mismatch")
     fields = layout.unpack_from(head)
-    (_, _, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, checksum, _, key,
+    (_, _, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, checksum, created_ns, key,
      parent, tenant) = fields[:14]
     seal = fields[15][: fields[14]] if version >= 3 else b""
     if data_offset + stored_len > file_size:
         raise CorruptBlockError(f"{path}: truncated: {file_size} bytes, header promises {data_offset + stored_len}")
-    return _Header(flags, data_offset, raw_len, stored_len, checksum, key[:key_len],
-                   parent[:parent_len] if parent_len else None, tenant[:tenant_len].decode(errors="replace"), seal)
+    return _Header(version, flags, data_offset, raw_len, stored_len, checksum, key[:key_len],
+                   parent[:parent_len] if parent_len else None, tenant[:tenant_len].decode(errors="replace"), seal,
+                   created_ns)
 
 
-def _check_block(path: Path, head: _Header, key: bytes, nbytes: int, stored: np.ndarray) -> None:
+def _check_block(path: object, head: _Header, key: bytes, nbytes: int, stored: np.ndarray) -> None:
     if head.key != key or head.raw_len != nbytes:
         raise CorruptBlockError(f"{path}: header names another block")
     if xxhash.xxh3_64_intdigest(stored) != head.checksum:
@@ -470,6 +516,16 @@ def _pwritev_all(fd: int, buffers: list[np.ndarray]) -> None:
             views.pop(0)
         if views and done:
             views[0] = views[0][done:]
+
+
+def _drop_other_layout(directory: Path, pattern: str, name: str) -> None:
+    """Blocks the other layout wrote here (the tier's layout was changed): deleted, since this layout
+    cannot serve them and they would hold disk space the tier does not count."""
+    stale = list(directory.rglob(pattern)) if directory.is_dir() else []
+    if stale:
+        log.warning("ssd tier %s: deleting %d block files of the other layout under %s", name, len(stale), directory)
+        for path in stale:
+            path.unlink(missing_ok=True)
 
 
 def _unlink(path: Path) -> None:

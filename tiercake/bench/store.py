@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ import torch
 
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
 from tiercake.tiers.buffers import aligned_buffer
+from tiercake.tiers.ssd_log import SsdLogTier
 
 from .report import Report, machine
 
@@ -167,19 +169,22 @@ async def bench_ssd(report: Report, sizes: list[int], working_set: int, reps: in
         write_limit = n * size / min(r[0] for r in raw) / 1e9
         read_limit = n * size / min(r[1] for r in raw) / 1e9
         direct = raw[0][2]
-        for batch in (1, 32):
-            tier_dir = root / f"ssd-{size}-{batch}"
+        for layout, batch in itertools.product(("files", "log"), (1, 32)):
+            tier_dir = root / f"ssd-{layout}-{size}-{batch}"
             # direct_min=0: every size goes to the device, as the raw limit does (no page cache)
-            backend = SsdTier(tier_dir, capacity_bytes=4 * n * size, direct_io=direct, direct_min=0)
+            tier_cls = SsdLogTier if layout == "log" else SsdTier
+            backend = tier_cls(tier_dir, capacity_bytes=4 * n * size, direct_io=direct, direct_min=0)
             store = TieredStore([Tier(backend, high_watermark=1.0)])
             try:
                 put_s, get_s = await _store_rates(store, src, dst, n, reps, batch)
             finally:
                 await store.close()
                 shutil.rmtree(tier_dir, ignore_errors=True)
-            params = {"tier": "ssd", "block_bytes": size, "blocks": n, "batch": batch, "direct_io": direct}
-            report.add("ssd.put", n * size / put_s / 1e9, "GB/s", write_limit, **params, limit_name="raw write")
-            report.add("ssd.get", n * size / get_s / 1e9, "GB/s", read_limit, **params, limit_name="raw read")
+            params = {"tier": "ssd", "layout": layout, "block_bytes": size, "blocks": n, "batch": batch,
+                      "direct_io": direct}
+            name = "ssd" if layout == "files" else "ssd.log"
+            report.add(f"{name}.put", n * size / put_s / 1e9, "GB/s", write_limit, **params, limit_name="raw write")
+            report.add(f"{name}.get", n * size / get_s / 1e9, "GB/s", read_limit, **params, limit_name="raw read")
 
 
 def real_kv_blocks(n_tokens: int, block_tokens: int) -> tuple[torch.Tensor, dict]:
