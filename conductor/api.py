@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import ApiError, body_deadline, error_middleware, require_bearer
+from tiercake.errors import ApiError, app_runner, body_deadline, error_middleware, require_bearer
 from tiercake.metrics import Collected, store_families
 from tiercake.messages import (
     BeginReply,
@@ -413,7 +413,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
         if public_sock is not None:
             sites.append((build_public_app(conductor, frontend), public_sock))
         for app, bound_sock in sites:
-            runner = web.AppRunner(app)
+            runner = app_runner(app)
             runners.append(runner)
             await runner.setup()
             await web.SockSite(runner, bound_sock, ssl_context=tls).start()

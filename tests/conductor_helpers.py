@@ -10,6 +10,7 @@ from aiohttp import web
 from tiercake.conductor.api import build_app
 from tiercake.conductor.embedded import EmbeddedBackend
 from tiercake.conductor.service import Conductor
+from tiercake.errors import app_runner
 
 
 @contextlib.asynccontextmanager
@@ -19,8 +20,8 @@ async def running_conductor(tokens: list[str] | None = None, frontend=None, metr
     returning the ``Frontend`` to serve beside the control API."""
     meta = await EmbeddedBackend().start()
     conductor = await Conductor(meta, conductor_kwargs.pop("conductor_id", "c1"), **{"ttl": 1, **conductor_kwargs}).start()
-    runner = web.AppRunner(build_app(conductor, tokens, frontend(conductor) if frontend else None,
-                                     metrics_open=metrics_open))
+    runner = app_runner(build_app(conductor, tokens, frontend(conductor) if frontend else None,
+                                  metrics_open=metrics_open))
     try:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -48,7 +49,7 @@ async def leader_and_follower(token: str = "peer-token"):
             sock.bind(("127.0.0.1", 0))
             url = f"http://127.0.0.1:{sock.getsockname()[1]}"
             conductor = await Conductor(meta, name, url=url, ttl=1, peer_token=token).start()
-            runner = web.AppRunner(build_app(conductor, [token]))
+            runner = app_runner(build_app(conductor, [token]))
             await runner.setup()
             await web.SockSite(runner, sock).start()
             started.append(conductor)

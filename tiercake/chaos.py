@@ -438,7 +438,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
     from tiercake.config import load_config
 
     report = Report(bench="chaos", machine=machine())
-    settle = 3.0 if quick else 15.0
+    settle = 2.0 if quick else 15.0
     with tempfile.TemporaryDirectory(prefix="tiercake-chaos-") as tmp, ssd_filesystem(Path(tmp)) as ssd_fs:
         root = Path(tmp)
         pool = Path(f"/dev/shm/tiercake-chaos-{os.getpid()}")

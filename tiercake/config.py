@@ -71,8 +71,8 @@ class TierConfig(BaseModel):
     direct_io: bool | None = Field(default=None, description="ssd: O_DIRECT; default: probe the file system")
     io_threads: int = Field(default=4, ge=1, le=64)
     layout: Literal["files", "log"] = Field(
-        default="files", description="ssd: 'files' (a file per block) or 'log' (blocks appended to segment files: "
-        "small blocks write several times faster; see docs/ARCHITECTURE.md)")
+        default="log", description="ssd: 'log' (blocks appended to segment files; small blocks write several times "
+        "faster) or 'files' (a file per block); see docs/ARCHITECTURE.md")
     segment_bytes: ByteSize | None = Field(default=None, description="ssd, layout log: bytes per segment file "
                                            "(default: a sixteenth of the capacity, 4-64 MiB)")
     # a plug-in backend

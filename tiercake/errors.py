@@ -18,6 +18,14 @@ log = logging.getLogger(__name__)
 # a body must arrive within this: a client that sends headers and then trickles (slowloris) holds a
 # connection and a buffer until it does
 BODY_DEADLINE_S = 30.0
+# after answering a request whose body it did not read (a 408, a 401), a server reads on for this long
+# before it closes the connection; aiohttp's own 10 s let a trickling client hold it that much longer
+LINGER_S = 2.0
+
+def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
+    """The ``AppRunner`` every tiercake HTTP server runs under (the linger above)."""
+    return web.AppRunner(app, lingering_time=LINGER_S, **kwargs)
+
 
 # OpenAI's error types by status, for errors that name none
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -19,7 +19,7 @@ from tiercake.tiers.build import build_store
 from tiercake.transfer import TransferEngine, TransferServer
 
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import bearer_guard, error_middleware
+from tiercake.errors import app_runner, bearer_guard, error_middleware
 from tiercake.messages import MemberInfo
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
@@ -81,7 +81,7 @@ class NodeAgent:
         tokens = [] if cfg.conductor.metrics_open else cfg.conductor.tokens()
         app = web.Application(middlewares=[error_middleware, bearer_guard(tokens)])
         app.add_routes([web.get("/metrics", metrics_handler(registry_of(self._families)))])
-        self._metrics = web.AppRunner(app, access_log=None)
+        self._metrics = app_runner(app, access_log=None)
         await self._metrics.setup()
         site = web.TCPSite(self._metrics, cfg.transfer.host, cfg.transfer.metrics_port,
                            ssl_context=cfg.tls.server_context())

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import bearer_guard, body_deadline, error_middleware, error_response, invalid
+from tiercake.errors import app_runner, bearer_guard, body_deadline, error_middleware, error_response, invalid
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
@@ -72,7 +72,7 @@ class Worker:
                 self._closers.append(client.close)
             self.engine = await self._factory(client)
             self._closers.append(self.engine.close)
-            runner = web.AppRunner(self._app())
+            runner = app_runner(self._app())
             await runner.setup()
             site = web.TCPSite(runner, host, port, ssl_context=cfg.tls.server_context())
             await site.start()
