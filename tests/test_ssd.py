@@ -503,3 +503,29 @@ async def test_the_layout_is_a_setting_and_switching_it_drops_the_other_layouts_
     assert store.keys() == [] and not _files(tmp_path)
     assert "other layout" in caplog.text
     await store.close()
+
+
+async def test_a_batch_of_adjacent_blocks_is_read_in_a_few_large_reads_and_a_bad_one_fails_alone(tmp_path):
+    nbytes = 16 << 10
+    backend = SsdLogTier(tmp_path, capacity_bytes=8 << 20)
+    if not backend.direct_io:
+        backend.close()
+        pytest.skip("this file system refuses O_DIRECT: reads go one at a time through the page cache")
+    store = await TieredStore([Tier(backend)]).open()
+    src = _aligned(32 * nbytes).view(32, nbytes)
+    src.copy_(torch.arange(32 * nbytes, dtype=torch.int64).remainder(241).to(torch.uint8).view(32, nbytes))
+    done = await store.put_many([(key(i), src[i]) for i in range(32)])
+    assert done == ["ssd"] * 32
+    runs, read_run = [], backend._read_run
+    backend._read_run = lambda run: (runs.append(len(run)), read_run(run))[1]
+    dst = _aligned(32 * nbytes).view(32, nbytes)
+    got = await store.get_many([(key(i), dst[i]) for i in range(32)], concurrency=32)
+    assert got == ["ssd"] * 32 and torch.equal(dst, src)
+    assert sum(runs) == 32 and len(runs) <= 3  # appended together, read together
+    damage(store, key(7), 4096 + 100)
+    dst.zero_()
+    got = await store.get_many([(key(i), dst[i]) for i in range(32)], concurrency=32)
+    assert isinstance(got[7], ObjectNotFoundError) and got[:7] + got[8:] == ["ssd"] * 31
+    assert torch.equal(dst[8:], src[8:]) and torch.equal(dst[:7], src[:7])
+    assert store.tier("ssd").stats.corrupt == 1
+    await store.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import functools
 import logging
 import os
 import threading
@@ -40,7 +41,7 @@ import torch
 from .backend import RecoveredBlock
 from .buffers import PAGE, aligned_buffer, round_up
 from .errors import CorruptBlockError, DiskFullError, PayloadError
-from .ssd import _FLAG_DEAD, HEADER_SIZE, SsdTier, _drop_other_layout, _parse_header, pack_header, pack_header_check
+from .ssd import _FLAG_DEAD, HEADER_SIZE, SsdTier, _check_block, _drop_other_layout, _parse_header, pack_header, pack_header_check
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,49 @@ class Segment:
     @property
     def dead_bytes(self) -> int:
         return self.length - self.live_bytes
+
+
+@dataclass(slots=True)
+class _Read:
+    """A queued read of one record straight into ``out`` (see ``SsdLogTier._coalesced``)."""
+
+    segment: Segment
+    offset: int
+    length: int  # the record's
+    key: bytes
+    out: np.ndarray
+    future: asyncio.Future | None = None
+
+
+def _finish_run(run: list[_Read], done: asyncio.Future) -> None:
+    if done.cancelled():
+        results = [None] * len(run)
+        for read in run:
+            read.future.cancel()
+    else:
+        failure = done.exception()
+        results = [failure] * len(run) if failure is not None else done.result()
+    for read, result in zip(run, results, strict=True):
+        if read.future.done():
+            continue  # its caller was cancelled
+        if result is None:
+            read.future.set_result(None)
+        else:
+            read.future.set_exception(result)
+
+
+class _HeadPages(threading.local):
+    """Per-I/O-thread aligned pages that the headers of a coalesced read land in."""
+
+    def __init__(self) -> None:
+        self._mem = None
+        self.pages: np.ndarray | None = None
+
+    def get(self, n: int) -> np.ndarray:
+        if self.pages is None or len(self.pages) < n:
+            self._mem, view = aligned_buffer(max(n, 64) * PAGE)
+            self.pages = np.frombuffer(view, dtype=np.uint8).reshape(-1, PAGE)
+        return self.pages
 
 
 @dataclass(slots=True)
@@ -155,6 +199,8 @@ class SsdLogTier(SsdTier):
         self.compactions = 0
         self.compacted_bytes = 0  # live bytes copied by compaction
         self._punch = True  # until the file system refuses FALLOC_FL_PUNCH_HOLE
+        self._reads: list[_Read] = []  # queued in this pass of the event loop (see _coalesced)
+        self._tls_pages = _HeadPages()
 
     # Capacity -------------------------------------------------------------------------------------
 
@@ -294,10 +340,14 @@ class SsdLogTier(SsdTier):
             raise PayloadError("block is not on disk yet")
         segment = self.segments[slot.segment]
         target = dst if dst.device.type == "cpu" else torch.empty(slot.nbytes, dtype=torch.uint8)
+        out = target.numpy()
         segment.readers += 1
         try:
-            await self._run(self._read_record, segment.fd, slot.offset, slot.reserved, f"{segment.path}@{slot.offset}",
-                            key, slot.nbytes, target.numpy(), self.direct_io)
+            if self.direct_io and slot.stored == slot.nbytes and slot.nbytes % PAGE == 0 and out.ctypes.data % PAGE == 0:
+                await self._coalesced(_Read(segment, slot.offset, slot.reserved, key, out))
+            else:
+                await self._run(self._read_record, segment.fd, slot.offset, slot.reserved,
+                                f"{segment.path}@{slot.offset}", key, slot.nbytes, out, self.direct_io)
         except CorruptBlockError:
             self.corrupt_dropped += 1  # the store drops the copy, which marks the record dead
             raise
@@ -306,6 +356,57 @@ class SsdLogTier(SsdTier):
             self._close_if_retired(segment)
         if target is not dst:
             dst.copy_(target)
+
+    def _coalesced(self, read: _Read) -> asyncio.Future:
+        """Queue a read of a whole, raw, page-sized record into page-aligned memory. The reads queued in
+        one pass of the event loop (a ``get_many``) are sorted, and each run of records that lie next to
+        each other (blocks appended together) is read with one ``preadv``, straight into the
+        destinations: a batch of small blocks becomes a few large sequential reads."""
+        loop = asyncio.get_running_loop()
+        read.future = loop.create_future()
+        self._reads.append(read)
+        if len(self._reads) == 1:
+            loop.call_soon(self._dispatch_reads)
+        return read.future
+
+    def _dispatch_reads(self) -> None:
+        reads, self._reads = sorted(self._reads, key=lambda r: (r.segment.id, r.offset)), []
+        loop = asyncio.get_running_loop()
+        run: list[_Read] = []
+        for read in reads + [None]:
+            if run and (read is None or read.segment is not run[-1].segment
+                        or read.offset != run[-1].offset + run[-1].length or len(run) == MAX_BATCH_RECORDS
+                        or sum(r.length for r in run) >= MAX_BATCH_BYTES):
+                done = loop.run_in_executor(self._executor, self._read_run, run)
+                done.add_done_callback(functools.partial(_finish_run, run))
+                run = []
+            if read is not None:
+                run.append(read)
+
+    def _read_run(self, run: list[_Read]) -> list[CorruptBlockError | None]:
+        """(I/O thread.) One ``preadv`` of adjacent records: each header into a page of its own, each
+        payload into its destination; then each record checked on its own."""
+        heads = self._tls_pages.get(len(run))
+        iov = []
+        for i, read in enumerate(run):
+            iov += [heads[i], read.out]
+        got = os.preadv(run[0].segment.fd, iov, run[0].offset)
+        results: list[CorruptBlockError | None] = []
+        end = 0
+        for i, read in enumerate(run):
+            end += read.length
+            where = f"{read.segment.path}@{read.offset}"
+            try:
+                if got < end:
+                    raise CorruptBlockError(f"{where}: truncated: the segment ends inside the record")
+                head = _parse_header(where, heads[i][:HEADER_SIZE].tobytes(), read.length)
+                if head.flags & ~_FLAG_DEAD or head.data_offset != PAGE or head.stored_len != read.out.size:
+                    raise CorruptBlockError(f"{where}: header does not describe this record")
+                _check_block(where, head, read.key, read.out.size, read.out)
+                results.append(None)
+            except CorruptBlockError as exc:
+                results.append(exc)
+        return results
 
     def extent(self, slot: LogSlot) -> tuple[Path, int, int]:
         """Where a block's record lies on disk: (segment file, offset, length). For tools and tests."""
