@@ -31,6 +31,10 @@ from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
+# the first test starts two vLLM servers for the module (45-60 s, more while the other test process
+# runs beside it): more than the suite's default limit of 120 s leaves for the test itself
+pytestmark = pytest.mark.timeout(300)
+
 SECRET = "vllm-test-secret-0123456789abcdef"
 SEAL_SECRET = "vllm-test-seal-secret-0123456789"  # the vLLM instances have it; the node agent does not
 TOKEN = "vllm-test-control-token"  # the control API asks for it: the connector must present it
