@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 MAX_BATCH_RECORDS = 256  # a pwritev takes at most 1024 buffers: header, payload, tail page per record
 MAX_BATCH_BYTES = 16 << 20
 SEGMENT_BYTES = 64 << 20
+# a coalesced read stops at this many bytes: past it one large read is no faster than several in
+# parallel on the I/O threads (measured: 16 x 1 MiB in one preadv read 0.6-0.8 of raw, in parallel 0.8-1.0)
+READ_RUN_BYTES = 2 << 20
 
 
 @dataclass(slots=True)
@@ -376,7 +379,7 @@ class SsdLogTier(SsdTier):
         for read in reads + [None]:
             if run and (read is None or read.segment is not run[-1].segment
                         or read.offset != run[-1].offset + run[-1].length or len(run) == MAX_BATCH_RECORDS
-                        or sum(r.length for r in run) >= MAX_BATCH_BYTES):
+                        or sum(r.length for r in run) + read.length > READ_RUN_BYTES):
                 done = loop.run_in_executor(self._executor, self._read_run, run)
                 done.add_done_callback(functools.partial(_finish_run, run))
                 run = []
