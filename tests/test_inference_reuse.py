@@ -404,10 +404,11 @@ def test_top_p_samples_only_from_the_nucleus():
     assert {next_token(logits, 1.0, g) for _ in range(2000)} == {0, 1, 2, 3}
 
 
-async def test_a_waiting_request_has_its_ssd_prefix_staged_into_the_pool_meanwhile(cluster, model):
+async def test_a_waiting_request_has_its_prefix_staged_and_pulled_into_the_worker_meanwhile(cluster, model):
     """Prefetching that acts: a request that must wait for the worker (another prefill runs) has the
-    node bring the prefix it holds only on SSD into its pool meanwhile; its load then reads the pool,
-    and the answer is the recomputed one."""
+    node bring the prefix it holds only on SSD into its pool meanwhile, and the worker pull it from
+    there into its own gpu tier; its prefill then loads nothing (the blocks are credited to the node's
+    pool, where they came from), and the answer is the recomputed one."""
     from tiercake.messages import GenerateRequest, KVHandoff
     from tiercake.workers.scheduler import Scheduler
 
@@ -421,6 +422,15 @@ async def test_a_waiting_request_has_its_ssd_prefix_staged_into_the_pool_meanwhi
     assert all(node["store"].where(key) == ["ssd"] for key in keys_of(PROMPT)[:n])
     reader = await cluster.worker(model, "w-reader", transports=("tcp",), blocks=256)
     scheduler = Scheduler(reader, prefetch=True).start()
+    pulled_before_prefill = []
+    prefill = reader.prefill
+
+    async def spy(tokens, *args, **kwargs):
+        if tokens == encode(PROMPT):
+            pulled_before_prefill.append(reader.kv.cached_prefix(keys_of(PROMPT)[:n]))
+        return await prefill(tokens, *args, **kwargs)
+
+    reader.prefill = spy
     try:
         busy = asyncio.create_task(collect(scheduler, GenerateRequest(tokens=[7] * 1500, max_tokens=1)))
         await asyncio.sleep(0)
@@ -429,11 +439,37 @@ async def test_a_waiting_request_has_its_ssd_prefix_staged_into_the_pool_meanwhi
         await busy
     finally:
         await scheduler.close()
-    assert reader.staged_blocks == n
-    assert events[0].stats.sources == {"node-p:pool": n}  # read from memory, staged while it waited
+    assert reader.staged_blocks == n and reader.prefetched_blocks == n
+    assert pulled_before_prefill == [n]  # in the worker's own gpu tier before its prefill began
+    stats = events[0].stats
+    assert stats.sources == {"node-p:pool": n}  # read from memory, staged while it waited
+    assert stats.prefetched_blocks == n and stats.load_bytes == 0  # nothing left to load at prefill
     assert all(node["store"].where(key)[0] == "pool" for key in keys_of(PROMPT)[:n])
     reference_tokens, _ = await recompute(model, PROMPT)
     assert [e.token for e in events] == reference_tokens
+
+
+async def test_a_prefetch_takes_only_the_room_below_the_watermark_and_evicts_nothing(cluster, model):
+    from tiercake.messages import KVHandoff
+
+    node = await cluster.node("node-q", pool=True)
+    writer = await cluster.worker(model, "w-writer-q", write_to=node)
+    await generate(writer, PROMPT)
+    await writer.flush()
+    n = full_blocks(PROMPT)
+    await wait_indexed(cluster.url, "default", PROMPT, "node-q", n)
+    reader = await cluster.worker(model, "w-full", transports=("tcp",), blocks=n)  # room for the prefix only
+    await generate(reader, "A short question.")  # a few blocks of its own in the gpu tier
+    held = set(reader.store.keys())
+    gpu = reader.store.tier("gpu")
+    room = (int(gpu.high_watermark * gpu.backend.capacity_bytes) - gpu.backend.used_bytes) // reader.block_nbytes
+    assert 0 < room < n
+    source = KVHandoff(node="node-q", blocks=n, tier="pool", runs=[("pool", n)])
+    done = await reader.prefetch(encode(PROMPT), "default", None, source)
+    assert [origin for _, origin in done.pulled] == ["node-q:pool"] * room  # the first `room` blocks of the chain
+    assert [k for k, _ in done.pulled] == keys_of(PROMPT)[:room]
+    assert held <= set(reader.store.keys())  # nothing of the worker's own was evicted for it
+    assert gpu.usage <= gpu.high_watermark
 
 
 async def collect(scheduler, request):

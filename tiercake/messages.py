@@ -562,6 +562,7 @@ class PrefillStats(Reply):
     compute_s: float = 0.0
     written_blocks: int = 0  # new full blocks of the prompt written through to the worker's node
     refused_blocks: int = 0  # pulled blocks whose seal did not verify (forged or corrupt): recomputed instead
+    prefetched_blocks: int = 0  # of the reused blocks, those pulled into the worker while the request waited
     copy_bytes_per_s: float | None = None  # the worker's memcpy rate, the floor of a load
     final: bool = Field(default=True, description="false: the engine learns what it reused only at the end "
                         "(vLLM streaming); its last event carries the final figures")

@@ -42,6 +42,14 @@ MEMORY_TIERS = frozenset({"gpu", "pool"})  # tiers a read finds in memory: nothi
 STAGE_TIER = "pool"  # where a node stages disk blocks (its memory tier above the disk)
 
 
+@dataclass(frozen=True, slots=True)
+class Prefetched:
+    """What a waiting request's prefetch did (``InferenceEngine.prefetch``)."""
+
+    staged: frozenset[bytes] = frozenset()  # keys the source node brought from disk into its memory
+    pulled: tuple[tuple[bytes, str], ...] = ()  # keys pulled into the gpu tier ahead, with "<node>:<tier>"
+
+
 class ContextLimitError(RequestRejected):
     """The prompt plus the tokens asked for do not fit the worker's context."""
 
@@ -95,6 +103,7 @@ class InferenceEngine:
         self.nodes = (NodeDirectory(conductor, transfer, moved_only=True)
                       if conductor is not None and transfer is not None else None)
         self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
+        self.prefetched_blocks = 0  # blocks pulled into the gpu tier while their request waited
         if seals is None and transfer is not None:
             seals = cluster_seal_material(transfer.secret)
         self._seal_keys = None if seals is None else SealKeys(seals)
@@ -113,14 +122,17 @@ class InferenceEngine:
 
     async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
                       max_new_tokens: int = 0, pull: bool = True, source: KVHandoff | None = None,
-                      staged: frozenset[bytes] | set[bytes] = frozenset()) -> Sequence:
+                      staged: frozenset[bytes] | set[bytes] = frozenset(),
+                      prefetched: Prefetched | None = None) -> Sequence:
         """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
         hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
         nodes hold beyond the own gpu tier's prefix (the router may say not to). ``source``:
         where to pull the prefix from without asking the index (the front routed with the index
         already; a decode worker taking over knows where the prefill worker wrote the blocks).
-        ``staged``: keys ``stage`` had the source bring into memory (their loads count as its pool's)."""
+        ``staged``: keys ``stage`` had the source bring into memory (their loads count as its pool's).
+        ``prefetched``: what ``prefetch`` did while the request waited (its blocks are credited to the
+        node and tier they came from, not to the own gpu tier they now sit in)."""
         try:
             self.model.check_tokens(tokens)
         except ValueError as exc:
@@ -133,6 +145,9 @@ class InferenceEngine:
         reusable = keys[: (len(tokens) - 1) // self.block_size]  # at least one token is computed
         own = self.kv.cached_prefix(reusable)
         stats.sources = {"gpu": own} if own else {}
+        if prefetched is not None:
+            staged = staged or prefetched.staged
+            self._credit_prefetched(stats, reusable[:own], prefetched)
         if pull and own < len(reusable) and self.conductor is not None and self.transfer is not None:
             await self._load(tenant, tenant if salt is None else salt, reusable, own, stats, source, staged)
         table = self.kv.open(reusable)
@@ -214,6 +229,49 @@ class InferenceEngine:
             stats.load_tier = max(served, key=served.get)
             stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
+
+    def _credit_prefetched(self, stats: PrefillStats, held: list[bytes], prefetched: Prefetched) -> None:
+        pulled = dict(prefetched.pulled)
+        for key in held:
+            origin = pulled.get(key)
+            if origin is not None:
+                stats.sources["gpu"] -= 1
+                stats.sources[origin] = stats.sources.get(origin, 0) + 1
+                stats.prefetched_blocks += 1
+        if not stats.sources.get("gpu", 1):
+            del stats.sources["gpu"]
+
+    async def prefetch(self, tokens: list[int], tenant: str, salt: str | None, source: KVHandoff) -> Prefetched:
+        """A request that waits for the worker: meanwhile, the source node brings the prefix blocks it
+        holds only on disk into its memory (``stage``), then the worker pulls the prefix into its own gpu
+        tier, as far as the tier has room below its high watermark (so the prefetch never evicts).
+        Best effort: what it did not do, the prefill's own load does."""
+        staged = await self.stage(tokens, tenant, salt, source)
+        salt = tenant if salt is None else salt
+        keys = block_keys(self.namespace_for(salt), tokens)[: min(source.blocks, (len(tokens) - 1) // self.block_size)]
+        own = self.kv.cached_prefix(keys)
+        gpu = self.store.tier("gpu")
+        room = int(gpu.high_watermark * gpu.backend.capacity_bytes) - gpu.backend.used_bytes
+        end = min(len(keys), own + max(0, room) // self.block_nbytes)
+        if end <= own or self.transfer is None or not await self._reachable(source.node):
+            return Prefetched(staged)
+        batch = [Transfer(BlockLoc(source.node, key), BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
+                          self.block_nbytes) for i, key in enumerate(keys[own:end], start=own)]
+        try:
+            results = await self._send(source.node, batch, verify=self.sealer(salt).verify)
+        except Exception as exc:  # noqa: BLE001 - a prefetch never fails the request
+            log.info("worker %s: prefetch from %s failed: %s", self.worker_id, source.node, exc)
+            return Prefetched(staged)
+        self.refused_blocks += sum(isinstance(r.error, SealError) for r in results)
+        tiers = [tier for tier, n in source.runs for _ in range(n)] or [source.tier] * len(keys)
+        pulled = []
+        for i, result in enumerate(results, start=own):  # a chain is usable up to its first missing block
+            if not result.ok and not self.store.contains(keys[i]):
+                break
+            tier = STAGE_TIER if keys[i] in staged else tiers[i] if i < len(tiers) else source.tier
+            pulled.append((keys[i], f"{source.node}:{tier}"))
+        self.prefetched_blocks += len(pulled)
+        return Prefetched(staged, tuple(pulled))
 
     async def stage(self, tokens: list[int], tenant: str, salt: str | None, source: KVHandoff) -> frozenset[bytes]:
         """A prefetch for a request that waits: ask ``source``'s node to bring the prefix blocks it

@@ -33,7 +33,7 @@ class _Running:
     cancelled: bool = False
     pending: int = 0  # the token the next decode step feeds
     started: float = field(default_factory=time.monotonic)
-    staging: asyncio.Task | None = None  # the prefix's prefetch while the job waits: the keys it staged
+    prefetch: asyncio.Task | None = None  # the prefix's prefetch while the job waits (a Prefetched)
 
 
 class Scheduler:
@@ -80,9 +80,10 @@ class Scheduler:
             job.generator = torch.Generator().manual_seed(request.seed)
         if self.prefetch and request.pull and request.source is not None and (
                 not self._waiting.empty() or len(self._prefilling) >= self.max_prefills):
-            # it will wait: meanwhile the node brings what it holds of the prefix only on disk into memory
-            job.staging = asyncio.get_running_loop().create_task(
-                self.engine.stage(request.tokens, request.tenant, request.salt, request.source))
+            # it will wait: meanwhile the node brings what it holds of the prefix only on disk into memory,
+            # and the worker pulls the prefix into its gpu tier as far as there is room
+            job.prefetch = asyncio.get_running_loop().create_task(
+                self.engine.prefetch(request.tokens, request.tenant, request.salt, request.source))
         await self._waiting.put(job)
         self._wake.set()
         try:
@@ -120,11 +121,15 @@ class Scheduler:
     async def _admit(self, job: _Running) -> None:
         r = job.request
         try:
-            staging = job.staging
-            staged = staging.result() if staging is not None and staging.done() and not staging.cancelled() \
-                else frozenset()
+            # a prefetch still under way is waited for: the prefill would load the same blocks itself
+            prefetched = None
+            if job.prefetch is not None:
+                try:
+                    prefetched = await job.prefetch
+                except Exception as exc:  # noqa: BLE001 - a prefetch never fails the request
+                    log.info("scheduler: prefetch failed: %s", exc)
             job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens,
-                                                pull=r.pull, source=r.source, staged=staged)
+                                                pull=r.pull, source=r.source, prefetched=prefetched)
         except asyncio.CancelledError:
             job.out.put_nowait(RuntimeError("worker shutting down"))
             raise
