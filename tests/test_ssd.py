@@ -529,3 +529,28 @@ async def test_a_batch_of_adjacent_blocks_is_read_in_a_few_large_reads_and_a_bad
     assert torch.equal(dst[8:], src[8:]) and torch.equal(dst[:7], src[:7])
     assert store.tier("ssd").stats.corrupt == 1
     await store.close()
+
+
+async def test_closing_the_log_fails_queued_appends_and_finishes_the_one_being_written(tmp_path):
+    from tiercake.tiers import StoreError
+
+    backend = SsdLogTier(tmp_path, capacity_bytes=1 << 20)
+    write = backend._write_records
+    backend._write_records = lambda seg, records: (time.sleep(0.2), write(seg, records))[1]
+
+    async def put(i):
+        slot = backend.allocate(LAYOUT.nbytes)
+        await backend.persist(slot, key(i), None, block(i).view(torch.uint8).reshape(-1))
+
+    first = asyncio.create_task(put(0))
+    await asyncio.sleep(0.05)  # in the writer now
+    queued = [asyncio.create_task(put(i)) for i in (1, 2)]
+    await asyncio.sleep(0.01)
+    backend.close()
+    await asyncio.wait_for(first, 5)  # written whole
+    for task in queued:
+        with pytest.raises(StoreError, match="closed"):
+            await asyncio.wait_for(task, 5)  # a clear error, not a hang
+    store = await TieredStore([Tier(SsdLogTier(tmp_path, capacity_bytes=1 << 20))]).open()
+    assert store.keys() == [key(0)] and same(await store.get(key(0)), 0)
+    await store.close()

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ import torch
 
 from .backend import RecoveredBlock
 from .buffers import PAGE, aligned_buffer, round_up
-from .errors import CorruptBlockError, DiskFullError, PayloadError
+from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
 from .ssd import _FLAG_DEAD, HEADER_SIZE, SsdTier, _check_block, _drop_other_layout, _parse_header, pack_header, pack_header_check
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class SsdLogTier(SsdTier):
         self.segments: dict[int, Segment] = {}
         self._active: Segment | None = None  # the writer thread's; the loop only reads it
         self._next_id = 1
-        self._queue: list[_Append] = []
+        self._queue: deque[_Append] = deque()
         self._flusher: asyncio.Task | None = None
         self._compactor: asyncio.Task | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiercake-{self.name}-log")
@@ -274,7 +275,7 @@ class SsdLogTier(SsdTier):
         while self._queue:
             batch, size = [], 0
             while self._queue and len(batch) < MAX_BATCH_RECORDS and (not batch or size < MAX_BATCH_BYTES):
-                item = self._queue.pop(0)
+                item = self._queue.popleft()
                 batch.append(item)
                 size += item.length
             try:
@@ -579,6 +580,12 @@ class SsdLogTier(SsdTier):
             offset += head.data_offset + round_up(head.stored_len)
 
     def close(self) -> None:
+        if self._compactor is not None and not self._compactor.done():
+            self._compactor.cancel()  # a compaction stopped between two moves leaves every block whole
+        while self._queue:  # appends not yet handed to the writer fail; the batch being written finishes
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(StoreError(f"tier {self.name!r} is closed"))
         self._writer.shutdown(wait=True)
         super().close()
         for segment in self.segments.values():
