@@ -273,7 +273,8 @@ class ServingConfig(BaseModel):
                                       "decode steps of the running batch go between two chunks, so a long prompt "
                                       "does not stall them (0: the whole prompt in one pass)")
     prefetch: bool = Field(default=True, description="a request that must wait for the worker has its prefix "
-                           "brought from the node's SSD into its pool meanwhile, so its load reads memory")
+                           "brought from the node's SSD into its pool meanwhile and pulled into the worker's gpu "
+                           "tier (as far as it has room below its watermark), so its prefill loads little or nothing")
     host: str | None = Field(default=None, description="the OpenAI-compatible API's own address; default: "
                              "conductor.host")
     port: int | None = Field(default=8080, ge=0, le=65535,
