@@ -251,6 +251,7 @@ class OpenAIApi:
                              "lookup_s": round(sum(t.lookup_s + t.stats.lookup_s for t in timings), 6),
                              "load_s": sum(t.stats.load_s for t in timings), "load_tier": timings[0].stats.load_tier,
                              "compute_s": sum(t.stats.compute_s for t in timings),
+                             "prefetched_blocks": sum(t.stats.prefetched_blocks for t in timings),
                              "decode_cached_tokens": sum(handed) if handed else None}}
 
     async def _whole(self, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent],

@@ -252,17 +252,20 @@ def test_a_child_of_up_is_a_process_group_stopped_and_restarted_whole(tmp_path):
 
 def test_the_replay_report_counts_pulled_blocks_read_from_memory_and_from_disk():
     """What prefetching moves: the share of the blocks pulled from nodes that the node read from
-    memory (pool) rather than disk, over every answered request; absent when nothing was pulled."""
+    memory (pool) rather than disk, and the share pulled before the prefill began, over every
+    answered request; absent when nothing was pulled."""
     from tiercake.replay import Outcome, ReplayRun, report
     from tiercake.traces import synthetic_trace
 
     records = synthetic_trace(3, tenants=1, system_blocks=1, turn_blocks=(1, 1), rate_per_s=10, seed=1)
-    outcomes = [Outcome(0, 0.0, prompt_tokens=64, cached_tokens=48, sources={"gpu": 1, "node-a:pool": 2}),
+    outcomes = [Outcome(0, 0.0, prompt_tokens=64, cached_tokens=48, sources={"gpu": 1, "node-a:pool": 2},
+                        prefetched_blocks=2),
                 Outcome(1, 0.0, prompt_tokens=64, cached_tokens=32, sources={"node-a:ssd": 1, "node-a:pool": 1}),
                 Outcome(2, 0.0, status="failed", sources={"node-a:ssd": 9})]
     figures = {f.name: f for f in report(ReplayRun(outcomes, None, None), records, "t").figures}
     memory = figures["load.from_memory"]
     assert memory.value == 3 / 4 and memory.limit == 1.0 and memory.params["disk_blocks"] == 1
+    assert figures["load.prefetched"].value == 2 / 4  # pulled while they waited, before their prefill
     none_pulled = report(ReplayRun([Outcome(0, 0.0, prompt_tokens=64, sources={"gpu": 2})], None, None), records, "t")
     assert "load.from_memory" not in {f.name for f in none_pulled.figures}
 

@@ -41,6 +41,7 @@ class Outcome:
     sources: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)  # the server's breakdown: route, lookup, load, compute
     load_tier: str | None = None  # where the pulled prefix came from (pool, ssd, ...); None: nothing pulled
+    prefetched_blocks: int = 0  # of the blocks pulled from nodes, those pulled while the request waited
     error: str = ""
 
 
@@ -126,6 +127,7 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                             outcome.phases = {k[:-2]: extra.get(k, 0.0) for k in ("route_s", "lookup_s", "load_s",
                                                                                    "compute_s")}
                             outcome.load_tier = extra.get("load_tier")
+                            outcome.prefetched_blocks = extra.get("prefetched_blocks") or 0
                 except ConductorError as exc:
                     outcome.status = "rejected" if exc.status == 429 else "failed"
                     outcome.error = str(exc)[:200]
@@ -199,6 +201,9 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     if sum(pulled.values()):  # what prefetching (serving.prefetch) moves up: the share read from memory
         rep.add("load.from_memory", pulled["memory"] / sum(pulled.values()), "ratio", 1.0,
                 limit_name="every pulled block from memory", **common, **{f"{k}_blocks": v for k, v in pulled.items()})
+        # ... and what it takes off the prefill: the share already in the worker when its prefill began
+        rep.add("load.prefetched", sum(o.prefetched_blocks for o in ok) / sum(pulled.values()), "ratio", 1.0,
+                limit_name="every pulled block before its prefill", **common)
     if run.cluster_before is not None and run.cluster_after is not None:
         cluster_figures(run.cluster_before, run.cluster_after, rep, **common)
         was, now = run.cluster_before.reuse, run.cluster_after.reuse

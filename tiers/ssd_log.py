@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,10 @@ import torch
 from .backend import RecoveredBlock
 from .buffers import PAGE, aligned_buffer, round_up
 from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
-from .ssd import _FLAG_DEAD, HEADER_SIZE, SsdTier, _check_block, _drop_other_layout, _parse_header, pack_header, pack_header_check
+from .ssd import (
+    _FLAG_DEAD, HEADER_SIZE, SsdTier, _check_block, _drop_other_layout, _Header, _parse_header, pack_header,
+    pack_header_check,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +147,8 @@ class _Append:
 def segment_records(path: Path) -> list[tuple[int, int, bool]]:
     """(offset, record length, dead) of every record a segment file holds, in order, up to the first
     that does not parse (a torn append). For tools and tests; recovery walks the same way."""
-    return [(offset, PAGE + round_up(stored), dead) for offset, stored, dead in _record_payloads(path)]
+    return [(offset, head.data_offset + round_up(head.stored_len), bool(head.flags & _FLAG_DEAD))
+            for offset, head in walk_records(path)]
 
 
 def block_payloads(root: str | Path) -> list[tuple[Path, int, int]]:
@@ -160,24 +165,29 @@ def block_payloads(root: str | Path) -> list[tuple[Path, int, int]]:
             continue
         out.append((path, head.data_offset, head.stored_len))
     for seg in sorted((root / "segments").glob("*.seg")):
-        out.extend((seg, offset + PAGE, stored) for offset, stored, dead in _record_payloads(seg) if not dead)
+        out.extend((seg, offset + head.data_offset, head.stored_len) for offset, head in walk_records(seg)
+                   if not head.flags & _FLAG_DEAD)
     return out
 
 
-def _record_payloads(path: Path) -> list[tuple[int, int, bool]]:
-    out = []
+def walk_records(path: Path, on_torn: Callable[[CorruptBlockError], None] | None = None) -> Iterator[tuple[int, _Header]]:
+    """(offset, header) of every record of a segment file, dead ones included, in order, up to the
+    first header that does not parse. ``on_torn`` hears of that one unless it is the zeros past the end
+    of what was written: anything else there is a torn append (and nothing after it was written)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         offset = 0
         while offset + PAGE <= size:
             f.seek(offset)
+            head = f.read(HEADER_SIZE)
             try:
-                head = _parse_header(path, f.read(HEADER_SIZE), size - offset)
-            except CorruptBlockError:
-                break
-            out.append((offset, head.stored_len, bool(head.flags & _FLAG_DEAD)))
-            offset += head.data_offset + round_up(head.stored_len)
-    return out
+                parsed = _parse_header(f"{path}@{offset}", head, size - offset)
+            except CorruptBlockError as exc:
+                if on_torn is not None and any(head):
+                    on_torn(exc)
+                return
+            yield offset, parsed
+            offset += parsed.data_offset + round_up(parsed.stored_len)
 
 
 class SsdLogTier(SsdTier):
@@ -542,7 +552,9 @@ class SsdLogTier(SsdTier):
             segment = Segment(seg_id, path, fd, length=os.fstat(fd).st_size)
             self.segments[seg_id] = segment
             self._next_id = max(self._next_id, seg_id + 1)
-            for offset, head in self._walk(segment):
+            for offset, head in walk_records(path, self._torn):
+                if head.flags & _FLAG_DEAD:
+                    continue
                 length = head.data_offset + round_up(head.stored_len)
                 slot = LogSlot(nbytes=head.raw_len, reserved=length, segment=seg_id, offset=offset, stored=head.stored_len)
                 block = RecoveredBlock(head.key, head.parent, head.raw_len, slot, head.created_ns / 1e9, head.tenant,
@@ -561,23 +573,9 @@ class SsdLogTier(SsdTier):
         found.sort(key=lambda b: b.mtime)
         return found
 
-    def _walk(self, segment: Segment):
-        """(offset, header) of each live record, in order, up to the first that does not parse."""
-        page = self._tls.head_page
-        offset = 0
-        while offset + PAGE <= segment.length:
-            if os.preadv(segment.fd, [page], offset) < PAGE:
-                break
-            try:
-                head = _parse_header(f"{segment.path}@{offset}", bytes(page[:HEADER_SIZE]), segment.length - offset)
-            except CorruptBlockError as exc:
-                if any(page):  # zeros: the end of what was written; anything else: a torn append
-                    log.warning("ssd tier %s: %s; the segment ends here", self.name, exc)
-                    self.corrupt_dropped += 1
-                break
-            if not head.flags & _FLAG_DEAD:
-                yield offset, head
-            offset += head.data_offset + round_up(head.stored_len)
+    def _torn(self, exc: CorruptBlockError) -> None:
+        log.warning("ssd tier %s: %s; the segment ends here", self.name, exc)
+        self.corrupt_dropped += 1
 
     def close(self) -> None:
         if self._compactor is not None and not self._compactor.done():
