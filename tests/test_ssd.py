@@ -554,3 +554,22 @@ async def test_closing_the_log_fails_queued_appends_and_finishes_the_one_being_w
     store = await TieredStore([Tier(SsdLogTier(tmp_path, capacity_bytes=1 << 20))]).open()
     assert store.keys() == [key(0)] and same(await store.get(key(0)), 0)
     await store.close()
+
+
+async def test_a_put_cancelled_while_its_record_is_written_leaves_no_live_orphan(tmp_path):
+    store = await ssd_store(tmp_path, layout="log")
+    backend = store.tier("ssd").backend
+    write = backend._write_records
+    backend._write_records = lambda seg, records: (time.sleep(0.2), write(seg, records))[1]
+    put = asyncio.create_task(store.put(key(1), block(1)))
+    await asyncio.sleep(0.05)  # in the writer now
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    await asyncio.sleep(0.5)  # the write lands, then its dead mark
+    assert not store.contains(key(1)) and backend.used_bytes == 0
+    assert backend.dead_bytes == record_bytes("log", LAYOUT.nbytes)  # counted dead, compacted in time
+    await store.close()
+    store = await ssd_store(tmp_path, layout="log")
+    assert store.keys() == []  # not revived by a restart
+    await store.close()

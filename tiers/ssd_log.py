@@ -214,6 +214,7 @@ class SsdLogTier(SsdTier):
         self.compacted_bytes = 0  # live bytes copied by compaction
         self._punch = True  # until the file system refuses FALLOC_FL_PUNCH_HOLE
         self._reads: list[_Read] = []  # queued in this pass of the event loop (see _coalesced)
+        self._marks: set[asyncio.Task] = set()  # dead marks of abandoned records, in flight
         self._tls_pages = _HeadPages()
 
     # Capacity -------------------------------------------------------------------------------------
@@ -247,7 +248,12 @@ class SsdLogTier(SsdTier):
         else:
             stored, flags = payload, 0
         header = pack_header(flags, PAGE, key, parent, tenant.encode(), seal, payload.size, stored)
-        segment, offset = await self._append(_Append(stored, header, stored.size))
+        appended = self._append(_Append(stored, header, stored.size))
+        try:
+            segment, offset = await asyncio.shield(appended)
+        except asyncio.CancelledError:  # the record may land anyway: then it is marked dead, not orphaned
+            appended.add_done_callback(self._abandoned)
+            raise
         self._place(slot, segment, offset, stored.size)
         slot.staging = None
         self.stored_bytes += stored.size
@@ -273,12 +279,32 @@ class SsdLogTier(SsdTier):
         segment.live[offset] = slot
         segment.live_bytes += length
 
-    async def _append(self, item: _Append) -> tuple[Segment, int]:
+    def _append(self, item: _Append) -> asyncio.Future:
+        """Queue a record; the future gives its (segment, offset) once written."""
         item.future = asyncio.get_running_loop().create_future()
         self._queue.append(item)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        return await item.future
+        return item.future
+
+    def _abandoned(self, appended: asyncio.Future) -> None:
+        """A record written for a put that was cancelled meanwhile: no slot holds it, so it is dead
+        (counted so: its segment's live bytes never included it) and is marked so on disk."""
+        if appended.cancelled() or appended.exception() is not None:
+            return
+        segment, offset = appended.result()
+        if not segment.retired:
+            segment.readers += 1
+
+            async def mark() -> None:
+                try:
+                    await self._run(self._mark_dead, segment, offset)
+                finally:
+                    segment.readers -= 1
+                    self._close_if_retired(segment)
+
+            self._marks.add(task := asyncio.get_running_loop().create_task(mark()))
+            task.add_done_callback(self._marks.discard)
 
     async def _flush(self) -> None:
         """Write what is queued, batch after batch, until the queue is empty: one writer at a time."""
