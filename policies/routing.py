@@ -105,12 +105,15 @@ class Router(ABC):
 class TtftRouter(Router):
     """Mooncake's Algorithm 1: the smallest predicted TTFT, pulling hot prefixes as a side effect.
 
-    ``margin``: predictions within this fraction of the smallest count as equal, and among them the
-    worker whose own cache holds the most of the prompt wins (then the smallest prediction). Each
-    worker's timings are fitted from its own measurements, so two equal workers' predictions differ by
-    the fits' noise; when a pull from the pool is cheap, that noise alone would send a conversation's
-    next turn away from the worker that holds it, and its blocks would then be loaded instead of used
-    in place (``tiercake simulate --fit-noise`` shows the cost)."""
+    ``margin``: predictions within this fraction of the smallest, plus the spread of the workers' fitted
+    fixed costs (``PrefillModel.a``), count as equal, and among them the worker whose own cache holds
+    the most of the prompt wins (then the smallest prediction). Each worker's timings are fitted from
+    its own measurements, so two equal workers' predictions differ by the fits' noise; when a pull from
+    the pool is cheap, that noise alone would send a conversation's next turn away from the worker that
+    holds it, and its blocks would then be loaded instead of used in place (``tiercake simulate
+    --fit-noise`` shows the cost). The fixed cost is where the noise is largest: a few probes of a
+    small model time mostly HTTP and scheduling (two equal vLLM servers fitted 0.020 and 0.029 s), and
+    a prompt mostly cached costs little beyond it, so a relative margin alone does not cover it."""
 
     name = "ttft"
 
@@ -127,7 +130,8 @@ class TtftRouter(Router):
         fastest = min(d.ttft_s for d in decisions)
         usable = max(0, (request.prompt_tokens - 1) // request.block_size)
         own = {w.worker: min(w.cached_blocks, usable) for w in workers}
-        near = [d for d in decisions if d.ttft_s <= fastest * (1 + self.margin)]
+        spread = max(w.prefill.a for w in workers) - min(w.prefill.a for w in workers) if self.margin else 0.0
+        near = [d for d in decisions if d.ttft_s <= fastest * (1 + self.margin) + spread]
         return min(near, key=lambda d: (-own[d.worker], d.ttft_s))
 
 
