@@ -209,19 +209,11 @@ class SsdTier(DiskTierBackend):
     async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
                       tenant: str = "", seal: bytes = b"") -> None:
         """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible."""
-        self._check_names(key, parent, tenant, seal)
-        data = slot.staging if src is None else src
-        if data is None:
-            raise PayloadError("nothing to persist: no source and no staging buffer")
-        if data.device.type != "cpu":
-            data = data.cpu()
-        if data.numel() != slot.nbytes:
-            raise PayloadError(f"block is {data.numel()} bytes, slot holds {slot.nbytes}")
+        payload = self._payload(slot, key, parent, tenant, seal, src)
         self._tmp_seq += 1
         path = self._path_for(key)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{self._tmp_seq}")
-        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), seal,
-                                           data.numpy())
+        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), seal, payload)
         self.used_bytes += size - slot.reserved
         slot.reserved = size
         slot.stored = stored
@@ -231,13 +223,24 @@ class SsdTier(DiskTierBackend):
         self.raw_bytes += slot.nbytes
 
     @staticmethod
-    def _check_names(key: bytes, parent: bytes | None, tenant: str, seal: bytes) -> None:
+    def _payload(slot, key: bytes, parent: bytes | None, tenant: str, seal: bytes,
+                 src: torch.Tensor | None) -> np.ndarray:
+        """The bytes a persist writes (``src``, else the slot's staging buffer), as host memory, once the
+        names that go in the header are checked against its fields."""
         if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
             raise PayloadError(f"keys stored on SSD are at most {MAX_KEY} bytes")
         if len(seal) > MAX_SEAL:
             raise PayloadError(f"seals stored on SSD are at most {MAX_SEAL} bytes")
         if len(tenant.encode()) > MAX_TENANT:
             raise PayloadError(f"tenant names stored on SSD are at most {MAX_TENANT} bytes")
+        data = slot.staging if src is None else src
+        if data is None:
+            raise PayloadError("nothing to persist: no source and no staging buffer")
+        if data.device.type != "cpu":
+            data = data.cpu()
+        if data.numel() != slot.nbytes:
+            raise PayloadError(f"block is {data.numel()} bytes, slot holds {slot.nbytes}")
+        return data.numpy()
 
     def _encode(self, payload: np.ndarray) -> tuple[np.ndarray, int]:
         if not self.compression:
@@ -297,7 +300,7 @@ class SsdTier(DiskTierBackend):
         try:
             fd = os.open(tmp, open_flags, 0o644)
             try:
-                _pwritev_all(fd, iov)
+                pwritev_all(fd, iov)
                 if self.fsync:
                     os.fdatasync(fd)
             finally:
@@ -504,12 +507,14 @@ def _check_block(path: object, head: _Header, key: bytes, nbytes: int, stored: n
         raise CorruptBlockError(f"{path}: payload checksum mismatch")
 
 
-def _pwritev_all(fd: int, buffers: list[np.ndarray]) -> None:
-    """pwritev until every byte is written (a short write is retried from where it stopped)."""
+def pwritev_all(fd: int, buffers: list[np.ndarray], offset: int = 0) -> None:
+    """pwritev of every buffer from ``offset``, at most IOV_MAX (1024) at a time; a short write is
+    retried from where it stopped."""
     views = [memoryview(b).cast("B") for b in buffers]
-    offset = 0
     while views:
-        done = os.pwritev(fd, views, offset)
+        done = os.pwritev(fd, views[:1024], offset)
+        if done == 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += done
         while views and done >= len(views[0]):
             done -= len(views[0])

@@ -45,7 +45,7 @@ from .buffers import PAGE, aligned_buffer, round_up
 from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
 from .ssd import (
     _FLAG_DEAD, HEADER_SIZE, SsdTier, _check_block, _drop_other_layout, _Header, _parse_header, pack_header,
-    pack_header_check,
+    pack_header_check, pwritev_all,
 )
 
 log = logging.getLogger(__name__)
@@ -259,18 +259,6 @@ class SsdLogTier(SsdTier):
         self.stored_bytes += stored.size
         self.raw_bytes += slot.nbytes
 
-    def _payload(self, slot: LogSlot, key: bytes, parent: bytes | None, tenant: str, seal: bytes,
-                 src: torch.Tensor | None) -> np.ndarray:
-        self._check_names(key, parent, tenant, seal)
-        data = slot.staging if src is None else src
-        if data is None:
-            raise PayloadError("nothing to persist: no source and no staging buffer")
-        if data.device.type != "cpu":
-            data = data.cpu()
-        if data.numel() != slot.nbytes:
-            raise PayloadError(f"block is {data.numel()} bytes, slot holds {slot.nbytes}")
-        return data.numpy()
-
     def _place(self, slot: LogSlot, segment: Segment, offset: int, stored: int) -> None:
         length = PAGE + round_up(stored)
         self.used_bytes += length - slot.reserved
@@ -350,7 +338,7 @@ class SsdLogTier(SsdTier):
     def _write_records(self, segment: Segment, records: list[_Append]) -> None:
         iov = self._wbuf.iov(records)
         try:
-            _pwritev_all(segment.fd, iov, segment.length)
+            pwritev_all(segment.fd, iov, segment.length)
             if self.fsync:
                 os.fdatasync(segment.fd)
         except OSError as exc:
@@ -558,15 +546,11 @@ class SsdLogTier(SsdTier):
     # Recovery -------------------------------------------------------------------------------------
 
     async def recover(self) -> list[RecoveredBlock]:
-        found = await self._run(self._scan_segments)
-        for block in found:
-            self.used_bytes += block.slot.reserved
-            self.stored_bytes += block.slot.stored
-            self.raw_bytes += block.nbytes
-        self._maybe_compact()
+        found = await super().recover()  # through _scan below
+        self._maybe_compact()  # what was dead at the crash may be past the limit already
         return found
 
-    def _scan_segments(self) -> list[RecoveredBlock]:
+    def _scan(self) -> list[RecoveredBlock]:
         _drop_other_layout(self.blocks_dir, "*.blk", self.name)
         newest: dict[bytes, tuple[int, RecoveredBlock, Segment]] = {}
         for path in sorted(self.segments_dir.glob("*.seg")):
@@ -694,19 +678,3 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS):
         return False
     raise OSError(err, os.strerror(err))
-
-
-def _pwritev_all(fd: int, buffers: list[np.ndarray], offset: int) -> None:
-    """pwritev of every buffer from ``offset`` (a short write is retried from where it stopped)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        done = os.pwritev(fd, views[:1024], offset)
-        if done == 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += done
-        while views and done >= len(views[0]):
-            done -= len(views[0])
-            views.pop(0)
-        if views and done:
-            views[0] = views[0][done:]
-
