@@ -22,6 +22,7 @@ BODY_DEADLINE_S = 30.0
 # before it closes the connection; aiohttp's own 10 s let a trickling client hold it that much longer
 LINGER_S = 2.0
 
+
 def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
     """The ``AppRunner`` every tiercake HTTP server runs under (the linger above)."""
     return web.AppRunner(app, lingering_time=LINGER_S, **kwargs)
