@@ -131,7 +131,7 @@ class _HeadPages(threading.local):
 
 @dataclass(slots=True)
 class _Append:
-    """One record to append: a block (``slot``) or a record copied whole by compaction (``raw``)."""
+    """One record to append: a block's header and payload, or a record copied whole by compaction (``raw``)."""
 
     payload: np.ndarray | None
     header: bytes | None
