@@ -97,6 +97,14 @@ class _ThreadBuffers(threading.local):
         self._pages = aligned_buffer(2 * PAGE)
         self.head_page = np.frombuffer(self._pages[1], dtype=np.uint8)[:PAGE]
         self.tail_page = np.frombuffer(self._pages[1], dtype=np.uint8)[PAGE:]
+        self._many: tuple | None = None  # (mmap, [n, PAGE] pages) for the headers of a coalesced read
+
+    def pages(self, n: int) -> np.ndarray:
+        """At least ``n`` aligned pages, as rows."""
+        if self._many is None or len(self._many[1]) < n:
+            mem, view = aligned_buffer(max(n, 64) * PAGE)
+            self._many = (mem, np.frombuffer(view, dtype=np.uint8).reshape(-1, PAGE))
+        return self._many[1]
 
     def get(self, nbytes: int) -> np.ndarray:
         if self.array is None or self.array.size < nbytes:
@@ -124,16 +132,14 @@ class SsdTier(DiskTierBackend):
 
     @classmethod
     def from_config(cls, cfg, layout) -> SsdTier:
+        settings = dict(capacity_bytes=int(cfg.capacity), compression=cfg.compression, shuffle=cfg.shuffle,
+                        zstd_level=cfg.zstd_level, direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads,
+                        name=cfg.tier_name)
         if cfg.layout == "log":
             from .ssd_log import SsdLogTier
 
-            segment = int(cfg.segment_bytes) if cfg.segment_bytes else None
-            return SsdLogTier(cfg.path, capacity_bytes=int(cfg.capacity), segment_bytes=segment,
-                              compression=cfg.compression, shuffle=cfg.shuffle, zstd_level=cfg.zstd_level,
-                              direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads, name=cfg.tier_name)
-        return cls(cfg.path, capacity_bytes=int(cfg.capacity), compression=cfg.compression, shuffle=cfg.shuffle,
-                   zstd_level=cfg.zstd_level, direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads,
-                   name=cfg.tier_name)
+            return SsdLogTier(cfg.path, segment_bytes=int(cfg.segment_bytes) if cfg.segment_bytes else None, **settings)
+        return cls(cfg.path, **settings)
 
     def __init__(
         self,

@@ -115,20 +115,6 @@ def _finish_run(run: list[_Read], done: asyncio.Future) -> None:
             read.future.set_exception(result)
 
 
-class _HeadPages(threading.local):
-    """Per-I/O-thread aligned pages that the headers of a coalesced read land in."""
-
-    def __init__(self) -> None:
-        self._mem = None
-        self.pages: np.ndarray | None = None
-
-    def get(self, n: int) -> np.ndarray:
-        if self.pages is None or len(self.pages) < n:
-            self._mem, view = aligned_buffer(max(n, 64) * PAGE)
-            self.pages = np.frombuffer(view, dtype=np.uint8).reshape(-1, PAGE)
-        return self.pages
-
-
 @dataclass(slots=True)
 class _Append:
     """One record to append: a block's header and payload, or a record copied whole by compaction (``raw``)."""
@@ -215,7 +201,6 @@ class SsdLogTier(SsdTier):
         self._punch = True  # until the file system refuses FALLOC_FL_PUNCH_HOLE
         self._reads: list[_Read] = []  # queued in this pass of the event loop (see _coalesced)
         self._marks: set[asyncio.Task] = set()  # dead marks of abandoned records, in flight
-        self._tls_pages = _HeadPages()
 
     # Capacity -------------------------------------------------------------------------------------
 
@@ -281,18 +266,8 @@ class SsdLogTier(SsdTier):
         if appended.cancelled() or appended.exception() is not None:
             return
         segment, offset = appended.result()
-        if not segment.retired:
-            segment.readers += 1
-
-            async def mark() -> None:
-                try:
-                    await self._run(self._mark_dead, segment, offset)
-                finally:
-                    segment.readers -= 1
-                    self._close_if_retired(segment)
-
-            self._marks.add(task := asyncio.get_running_loop().create_task(mark()))
-            task.add_done_callback(self._marks.discard)
+        self._marks.add(task := asyncio.get_running_loop().create_task(self._mark(segment, offset)))
+        task.add_done_callback(self._marks.discard)
 
     async def _flush(self) -> None:
         """Write what is queued, batch after batch, until the queue is empty: one writer at a time."""
@@ -401,20 +376,22 @@ class SsdLogTier(SsdTier):
         reads, self._reads = sorted(self._reads, key=lambda r: (r.segment.id, r.offset)), []
         loop = asyncio.get_running_loop()
         run: list[_Read] = []
+        run_bytes = 0
         for read in reads + [None]:
             if run and (read is None or read.segment is not run[-1].segment
                         or read.offset != run[-1].offset + run[-1].length or len(run) == MAX_BATCH_RECORDS
-                        or sum(r.length for r in run) + read.length > READ_RUN_BYTES):
+                        or run_bytes + read.length > READ_RUN_BYTES):
                 done = loop.run_in_executor(self._executor, self._read_run, run)
                 done.add_done_callback(functools.partial(_finish_run, run))
-                run = []
+                run, run_bytes = [], 0
             if read is not None:
                 run.append(read)
+                run_bytes += read.length
 
     def _read_run(self, run: list[_Read]) -> list[CorruptBlockError | None]:
         """(I/O thread.) One ``preadv`` of adjacent records: each header into a page of its own, each
         payload into its destination; then each record checked on its own."""
-        heads = self._tls_pages.get(len(run))
+        heads = self._tls.pages(len(run))
         iov = []
         for i, read in enumerate(run):
             iov += [heads[i], read.out]
@@ -454,14 +431,19 @@ class SsdLogTier(SsdTier):
         if segment is None or segment.live.pop(seg_offset, None) is not slot:
             return
         segment.live_bytes -= slot.reserved
-        if not segment.retired:
-            segment.readers += 1  # the file stays open until the mark is written
-            try:
-                await self._run(self._mark_dead, segment, seg_offset)
-            finally:
-                segment.readers -= 1
-                self._close_if_retired(segment)
+        await self._mark(segment, seg_offset)
         self._maybe_compact()
+
+    async def _mark(self, segment: Segment, offset: int) -> None:
+        """Mark the record dead on disk (``_mark_dead``); the file stays open until the mark is written."""
+        if segment.retired:
+            return  # the whole segment goes
+        segment.readers += 1
+        try:
+            await self._run(self._mark_dead, segment, offset)
+        finally:
+            segment.readers -= 1
+            self._close_if_retired(segment)
 
     def _mark_dead(self, segment: Segment, offset: int) -> None:
         """(I/O thread.) Rewrite the record's header with the dead flag, so no restart revives it, and
@@ -518,7 +500,7 @@ class SsdLogTier(SsdTier):
                 victim.live_bytes -= slot.reserved
                 self._place_moved(slot, segment, new_offset)
             else:  # released while it was copied: the copy must not come back either
-                await self._run(self._mark_dead, segment, new_offset)
+                await self._mark(segment, new_offset)
             self.compacted_bytes += slot.reserved
         victim.retired = True
         self.segments.pop(victim.id, None)

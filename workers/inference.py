@@ -196,26 +196,8 @@ class InferenceEngine:
             return
         started = time.perf_counter()
         await self.store.reclaim("gpu", (prefix.length - own) * self.block_nbytes)
-        batch = [
-            Transfer(BlockLoc(node, key), BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
-                     self.block_nbytes)
-            for i, key in enumerate(keys[own:prefix.length], start=own)
-        ]
-        # a pulled block is committed only if its seal verifies under the tenant's key: a forged or
-        # corrupt one never enters the gpu tier, and the chain is cut there (recomputed from it)
-        results = await self._send(node, batch, verify=self.sealer(salt).verify)
-        refused = sum(isinstance(r.error, SealError) for r in results)
-        if refused:
-            self.refused_blocks += refused
-            stats.refused_blocks += refused
-            log.warning("worker %s: %d block(s) from %s failed their seal (forged or corrupt); recomputed",
-                        self.worker_id, refused, node)
-        loaded = 0
-        for result in results:  # a chain is only usable up to its first missing block
-            if not result.ok and not self.store.contains(batch[loaded].dst.key):
-                log.info("worker %s: pull from %s stopped: %s", self.worker_id, node, result.error)
-                break
-            loaded += 1
+        loaded, refused = await self._pull(node, tenant, salt, keys, own, prefix.length)
+        stats.refused_blocks += refused
         if loaded:  # each block credited to the tier it came from (by the index's runs)
             if staged and prefix.runs:  # ... but what was staged came from memory
                 tiers = [tier for tier, n in prefix.runs for _ in range(n)]
@@ -229,6 +211,27 @@ class InferenceEngine:
             stats.load_tier = max(served, key=served.get)
             stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
+
+    async def _pull(self, node: str, tenant: str, salt: str, keys: list[bytes], start: int, end: int) -> tuple[int, int]:
+        """Pull ``keys[start:end]`` of a chain from ``node`` into the gpu tier; returns how many of them,
+        from ``start``, the tier now holds (a chain is usable up to its first missing block) and how many
+        failed their seal. A pulled block is committed only if its seal verifies under the tenant's key:
+        a forged or corrupt one never enters the gpu tier, and the chain is cut there."""
+        batch = [Transfer(BlockLoc(node, key), BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
+                          self.block_nbytes) for i, key in enumerate(keys[start:end], start=start)]
+        results = await self._send(node, batch, verify=self.sealer(salt).verify)
+        refused = sum(isinstance(r.error, SealError) for r in results)
+        if refused:
+            self.refused_blocks += refused
+            log.warning("worker %s: %d block(s) from %s failed their seal (forged or corrupt); recomputed",
+                        self.worker_id, refused, node)
+        loaded = 0
+        for result in results:
+            if not result.ok and not self.store.contains(batch[loaded].dst.key):
+                log.info("worker %s: pull from %s stopped: %s", self.worker_id, node, result.error)
+                break
+            loaded += 1
+        return loaded, refused
 
     def _credit_prefetched(self, stats: PrefillStats, held: list[bytes], prefetched: Prefetched) -> None:
         pulled = dict(prefetched.pulled)
@@ -255,23 +258,16 @@ class InferenceEngine:
         end = min(len(keys), own + max(0, room) // self.block_nbytes)
         if end <= own or self.transfer is None or not await self._reachable(source.node):
             return Prefetched(staged)
-        batch = [Transfer(BlockLoc(source.node, key), BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
-                          self.block_nbytes) for i, key in enumerate(keys[own:end], start=own)]
         try:
-            results = await self._send(source.node, batch, verify=self.sealer(salt).verify)
+            loaded, _ = await self._pull(source.node, tenant, salt, keys, own, end)
         except Exception as exc:  # noqa: BLE001 - a prefetch never fails the request
             log.info("worker %s: prefetch from %s failed: %s", self.worker_id, source.node, exc)
             return Prefetched(staged)
-        self.refused_blocks += sum(isinstance(r.error, SealError) for r in results)
-        tiers = [tier for tier, n in source.runs for _ in range(n)] or [source.tier] * len(keys)
-        pulled = []
-        for i, result in enumerate(results, start=own):  # a chain is usable up to its first missing block
-            if not result.ok and not self.store.contains(keys[i]):
-                break
-            tier = STAGE_TIER if keys[i] in staged else tiers[i] if i < len(tiers) else source.tier
-            pulled.append((keys[i], f"{source.node}:{tier}"))
+        tiers = [tier for tier, n in source.runs for _ in range(n)]
+        pulled = tuple((key, f"{source.node}:{STAGE_TIER if key in staged else tiers[i] if i < len(tiers) else source.tier}")
+                       for i, key in enumerate(keys[own:own + loaded], start=own))
         self.prefetched_blocks += len(pulled)
-        return Prefetched(staged, tuple(pulled))
+        return Prefetched(staged, pulled)
 
     async def stage(self, tokens: list[int], tenant: str, salt: str | None, source: KVHandoff) -> frozenset[bytes]:
         """A prefetch for a request that waits: ask ``source``'s node to bring the prefix blocks it
