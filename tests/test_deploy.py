@@ -308,9 +308,11 @@ def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_i
     c = container(vllm, "vllm")
     args = c["args"]
     expected = serve_command("/models/model", "model", 8000, "http://tiercake-conductor:8081", "$(TIERCAKE_NODE_ID)",
-                             host="0.0.0.0")
+                             host="0.0.0.0", kv_events=(5557, 5558))
     assert [*c["command"], *args] == ["python3", *expected[expected.index("-m"):]]
     transfer = json_.loads(args[args.index("--kv-transfer-config") + 1])
+    events = json_.loads(args[args.index("--kv-events-config") + 1])  # to the worker, over the pod's loopback
+    assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["replay_endpoint"].startswith("tcp://127.0.0.1:")
     assert transfer["kv_connector_extra_config"]["node"] == "$(TIERCAKE_NODE_ID)"  # expanded by the kubelet
     env = {e["name"]: e for e in c["env"]}
     assert env["TIERCAKE_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"

@@ -64,6 +64,7 @@ class Vllm(VllmServer):
     def __init__(self, name: str, model: Path, tc: NodeCluster) -> None:
         port = free_port()
         super().__init__(serve_command(model, MODEL, port, tc.url, "vllm-node", block_size=BLOCK, max_model_len=2048,
+                                       kv_events=(free_port(), free_port()),
                                        extra=["--enforce-eager"]),  # no compilation: a minute less to start
                          {**tc.env, **FAST_START}, tc.root / f"{name}.log", port)
 
@@ -439,6 +440,44 @@ async def repeated_prompts_go_where_they_were_computed(tc: NodeCluster, a: Vllm,
         if seed == 21:  # another tenant shares neither vLLM's own cache nor tiercake's blocks
             other = await front(tc, {"prompt": tokens, "max_tokens": 12}, tenant="someone-else")
             assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and answer(other) == answer(direct)
+
+
+async def test_the_worker_reports_what_vllm_caches_as_vllms_kv_events_say(served, sidecars):
+    """The worker follows the instance's KV events: the index shows the blocks vLLM cached for a request
+    (its answer's full blocks too), and none once vLLM's cache is reset. (An estimate from the prompts
+    sent showed the prompt's blocks only, and kept them after a reset.)"""
+    tc, a, _ = served
+    sidecars(["worker"])
+    name = f"vllm-{a.url.rsplit(':', 1)[1]}-worker"
+    tokens = prompt(41)
+    async with Client([tc.url], token=TOKEN) as client, aiohttp.ClientSession() as http:
+        for _ in range(100):
+            worker = next((m for m in await client.members() if m.node_id == name and m.kv_space), None)
+            if worker is not None:
+                break
+            await asyncio.sleep(0.2)
+        space = worker.kv_space.namespace.model_copy(update={"tenant_salt": "default"})
+        await front(tc, {"prompt": tokens, "max_tokens": BLOCK + 4})
+        body = {"model": MODEL, "prompt": tokens, "max_tokens": BLOCK + 4, "temperature": 0, "return_token_ids": True}
+        async with http.post(a.url + "/v1/completions", json=body) as resp:  # the same answer's tokens
+            answer_ids = (await resp.json())["choices"][0]["token_ids"]
+        # vLLM caches every full block it computed: the prompt's, then the answer's but its last token
+        keys = block_keys(space, tokens + answer_ids[:-1])
+        assert len(keys) > PROMPT_BLOCKS
+        for _ in range(50):
+            found = await client.lookup("default", keys)
+            if name in found and found[name].length == len(keys):
+                break
+            await asyncio.sleep(0.1)
+        assert found[name].length == len(keys) and found[name].tiers == {"gpu": len(keys)}
+        await a.reset_prefix_cache()
+        await a.complete(prompt(42)[:8], max_tokens=1)  # vLLM publishes the reset with its next step's events
+        for _ in range(50):
+            found = await client.lookup("default", keys)
+            if name not in found:
+                break
+            await asyncio.sleep(0.1)
+        assert name not in found, found
 
 
 async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_vllm_does(served, sidecars):

@@ -10,6 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
+from tiercake.conductor.etcd_process import free_port
 from tiercake.workers.vllm.engine import PrefixMirror, VllmEngine, VllmUnavailable, cache_salt
 
 
@@ -34,8 +35,8 @@ def test_the_cache_salt_given_to_vllm_is_valid_for_it_and_distinct_per_tenant():
     assert cache_salt("") is None
 
 
-async def test_a_server_without_the_connector_is_refused_by_name():
-    """An OpenAI server that answers but is not a vLLM with the TiercakeConnector (no tiercake figures)."""
+async def fake_openai_server(figures: dict | None):
+    """An OpenAI server that answers every completion with one token and these connector figures."""
     async def models(_):
         return web.json_response({"data": [{"id": "m"}]})
 
@@ -43,18 +44,39 @@ async def test_a_server_without_the_connector_is_refused_by_name():
         return web.Response(text='vllm:cache_config_info{num_gpu_blocks="100"} 1.0\n')
 
     async def completions(_):
-        return web.json_response({"choices": [{"text": "x", "token_ids": [5], "finish_reason": "length"}]})
+        reply = {"choices": [{"text": "x", "token_ids": [5], "finish_reason": "length"}]}
+        return web.json_response(reply | ({"kv_transfer_params": {"tiercake": figures}} if figures else {}))
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.get("/metrics", metrics), web.post("/v1/completions", completions)])
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+async def test_a_server_without_the_connector_is_refused_by_name():
+    """An OpenAI server that answers but is not a vLLM with the TiercakeConnector (no tiercake figures)."""
+    runner = await fake_openai_server(None)
     try:
         port = runner.addresses[0][1]
         with pytest.raises(ValueError, match="does not run the TiercakeConnector"):
             await VllmEngine(f"http://127.0.0.1:{port}").start()
+    finally:
+        await runner.cleanup()
+
+
+async def test_kv_events_that_never_come_are_a_clear_error_at_start(monkeypatch):
+    """The connector says vLLM publishes its KV events, but none come (the endpoints are wrong)."""
+    monkeypatch.setattr("tiercake.workers.vllm.engine.EVENTS_WAIT_S", 1.0)
+    events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": None, "topic": "tiercake"}
+    runner = await fake_openai_server({"namespace": {"model_id": "m", "kv_layout": "x", "block_size": 32},
+                                       "block_bytes": 1024, "node": None, "kv_events": events})
+    try:
+        engine = VllmEngine(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        with pytest.raises(VllmUnavailable, match="publishes KV events at .* but none came within 1 s"):
+            await engine.start()
+        assert engine._events_task.done()  # the follower stopped with it
     finally:
         await runner.cleanup()
 

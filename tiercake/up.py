@@ -329,7 +329,8 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
     try:
         for i in range(len(roles)):
             vllm_port = free_port()
-            command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id, extra=list(vllm_args))
+            command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id,
+                                    kv_events=(free_port(), free_port()), extra=list(vllm_args))
             servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
         for server in servers:
             server.wait_ready()

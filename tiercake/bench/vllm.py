@@ -222,5 +222,6 @@ async def run(quick: bool = False, trace: str | None = None) -> Report:
 
 def _server(model: Path, cluster: NodeCluster, env: dict, root: Path, name: str) -> VllmServer:
     port = free_port()
-    return VllmServer(serve_command(model, MODEL, port, cluster.url, "bench-node", block_size=BLOCK), env,
+    return VllmServer(serve_command(model, MODEL, port, cluster.url, "bench-node", block_size=BLOCK,
+                                    kv_events=(free_port(), free_port())), env,
                       root / f"{name}.log", port)

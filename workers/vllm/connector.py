@@ -210,6 +210,11 @@ class TiercakeConnector(KVConnectorBase_V1):
         # them (a front routing to it keys prompts the same way; a prefill's decode finds them there)
         self.space = {"namespace": self.namespace.model_dump(exclude={"tenant_salt"}),
                       "block_bytes": block_bytes(kv_cache_config), "node": self.settings.node}
+        events = vllm_config.kv_events_config
+        if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
+            # where this instance publishes its prefix cache's changes: the worker beside it follows them
+            self.space["kv_events"] = {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint,
+                                       "topic": events.topic}
         secret = os.environ.get(self.settings.secret_env, "").encode() or None
         if secret is None:
             log.warning("TiercakeConnector: no cluster secret in $%s: nothing is loaded or saved",

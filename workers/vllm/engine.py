@@ -16,11 +16,13 @@ come back as ``TokenEvent``s. A streamed answer's reuse figures come with its la
 them only at the end); a one-token request (a prefill for a decode worker) is asked whole, so its
 one event has them all.
 
-``PrefixMirror`` is the worker's account of vLLM's own prefix cache: the blocks of the prompts sent
-to the instance, least recently used out first, bounded by its KV blocks. It is reported to the index
-as the worker's gpu tier, so routing prefers the instance that computed a prompt's prefix (an
-estimate, as SGLang's router keeps one of what it sent to each worker: a prefix the instance evicted
-early, or a reset of its cache, costs a load from the tiers or a recompute, never a wrong token).
+The worker's account of vLLM's own prefix cache is reported to the index as its gpu tier, so routing
+prefers the instance that holds a prompt's prefix. Where vLLM publishes its KV events (the connector
+says where, ``process.kv_events_config``), it is exact: ``events.EventMirror`` follows them. Otherwise
+``PrefixMirror`` estimates it: the blocks of the prompts sent to the instance, least recently used out
+first, bounded by its KV blocks, as SGLang's router keeps one of what it sent to each worker. Either
+way, a block that is not where the index says costs a load from the tiers or a recompute, never a
+wrong token.
 
 For a prefill with a handoff (P/D), the event is sent once the prompt's full blocks are indexed on
 the node the instance saves to (the contract's rule), so the decode instance's connector finds them.
@@ -39,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
+import msgspec
 
 from tiercake.blocks import Namespace, block_keys
 from tiercake.conductor.client import Client, ConductorError
@@ -48,10 +51,12 @@ from tiercake.messages import (
 from tiercake.tiers import BlockChange
 
 from ..contract import EngineBusy, RequestRejected, ServingEngine
+from .events import EventMirror, EventsEndpoints
 
 log = logging.getLogger(__name__)
 
 PROBE_TENANT = "tiercake-probe"  # the probes' blocks are indexed apart from every real tenant
+EVENTS_WAIT_S = 10.0  # the most the worker waits at start for the KV events of its probes
 HANDOFF_WAIT_S = 10.0  # the most a prefill waits for its blocks to be indexed on the node
 
 
@@ -120,7 +125,8 @@ class VllmEngine(ServingEngine):
         self.model = ""
         self.space: KVSpace | None = None
         self.node: str | None = None  # where the connector saves
-        self.mirror: PrefixMirror | None = None
+        self.mirror: PrefixMirror | EventMirror | None = None
+        self._events_task: asyncio.Task | None = None
         self._perf = WorkerPerf()
         self._kv_blocks = 0
         self._in_flight = 0
@@ -131,14 +137,37 @@ class VllmEngine(ServingEngine):
         try:
             self.model = await self._served_model()
             self._kv_blocks = await self._num_kv_blocks()
-            await self._fit()
+            rng, salt = random.Random(), f"probe-{random.getrandbits(64):016x}"
+            events = await self._learn_space(rng, salt)
+            if events is not None:
+                self._follow_events(events)
+            await self._fit(rng, salt)
+            if events is not None:
+                await self._events_flowing(events)
         except BaseException:
             await self.close()
             raise
-        self.mirror = PrefixMirror(self._kv_blocks, self.space.block_bytes)
-        log.info("vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; fitted %s", self.url,
-                 self.model, self._kv_blocks, self.space.block_bytes, self.node, self._perf)
+        if events is None:
+            self.mirror = PrefixMirror(self._kv_blocks, self.space.block_bytes)
+        log.info("vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; its cache %s; fitted %s",
+                 self.url, self.model, self._kv_blocks, self.space.block_bytes, self.node,
+                 "from its KV events" if events else "estimated from the prompts sent", self._perf)
         return self
+
+    def _follow_events(self, where: EventsEndpoints) -> None:
+        self.mirror = EventMirror(self.space.namespace, self.space.block_bytes)
+        self._events_task = asyncio.create_task(self.mirror.follow(where), name="vllm-kv-events")
+
+    async def _events_flowing(self, where: EventsEndpoints) -> None:
+        """The fit's probes stored blocks: their events must have come (else the endpoints are wrong)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.mirror.batches.wait()), EVENTS_WAIT_S)
+        except asyncio.TimeoutError:
+            failed = self._events_task.done() and self._events_task.exception()
+            raise VllmUnavailable(
+                f"vLLM at {self.url} says it publishes KV events at {where.endpoint}, but none came within "
+                f"{EVENTS_WAIT_S:g} s" + (f" ({failed})" if failed else "") + ": check its --kv-events-config "
+                "(process.serve_command sets it up)") from None
 
     async def _served_model(self) -> str:
         """The model vLLM serves, asked until it answers or ``wait_s`` has passed."""
@@ -166,11 +195,9 @@ class VllmEngine(ServingEngine):
             return 0
         return int(found.group(1))
 
-    async def _fit(self) -> None:
-        """The KV space from a first probe, then prefill = a + b*t from the fastest of two tries at two
-        lengths, and one decode step from a longer answer (each probe a prompt never seen: a
-        per-start salt)."""
-        rng, salt = random.Random(), f"probe-{random.getrandbits(64):016x}"
+    async def _learn_space(self, rng: random.Random, salt: str) -> EventsEndpoints | None:
+        """How the instance keys its blocks, from a first probe's figures; where it publishes its KV
+        events, if it does."""
         first = await self._complete(self._probe([rng.randrange(3, 200) for _ in range(8)], 1, salt))
         figures = (first.get("kv_transfer_params") or {}).get("tiercake")
         if not figures or "namespace" not in figures:
@@ -179,6 +206,11 @@ class VllmEngine(ServingEngine):
         self.space = KVSpace(namespace=Namespace.model_validate(figures["namespace"]),
                              block_bytes=figures["block_bytes"])
         self.node = figures.get("node")
+        return msgspec.convert(figures["kv_events"], EventsEndpoints) if figures.get("kv_events") else None
+
+    async def _fit(self, rng: random.Random, salt: str) -> None:
+        """prefill = a + b*t from the fastest of two tries at two lengths, and one decode step from a
+        longer answer (each probe a prompt never seen: a per-start salt)."""
         bs = self.space.namespace.block_size
         short, long_ = 2 * bs + 1, 16 * bs + 1
         timed: dict[int, float] = {}
@@ -225,17 +257,23 @@ class VllmEngine(ServingEngine):
         return WorkerLoadReply(running=self._in_flight, blocks=self._kv_blocks, completed=self._completed)
 
     async def close(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
+            await asyncio.gather(self._events_task, return_exceptions=True)
         if self.http is not None:
             await self.http.close()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         self._in_flight += 1
+        if isinstance(self.mirror, EventMirror):  # so that the blocks vLLM stores for it can be keyed
+            salt = self._salt(request)
+            self.mirror.remember(cache_salt(salt), request.tenant, salt)
         try:
             events = self._one_event(request) if request.max_tokens == 1 else self._stream(request)
             async for event in events:
                 if event.finish_reason is not None:  # before it goes: the caller stops reading at the last
                     self._completed += 1
-                    if self.mirror is not None:
+                    if isinstance(self.mirror, PrefixMirror):
                         self.mirror.touch(request.tenant, self._keys(request))
                 yield event
         finally:
