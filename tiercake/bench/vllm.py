@@ -9,7 +9,8 @@ timed right after, with vLLM's prefix cache reset again. With loads for free the
 uncached fraction (0.5 and 0.1). Load throughput is what the connector reports per request (reading
 the blocks from the pool and scattering them into every layer's paged KV), against copying 32 of
 the model's blocks one by one between warm buffers (about one request's load) in this process,
-measured before vLLM starts.
+measured before vLLM starts. ``load.waited`` is how long the forward pass waited for the load, against
+the load's own time: the connector loads layer by layer, so the rest ran under the pass's layers.
 
 With ``--trace`` (a conversation trace, such as Mooncake's), routing across two vLLM servers behind
 tiercake's front: the conversations among the trace's first requests (the requests whose first two
@@ -125,7 +126,7 @@ def _memcpy_rate(blocks: int, block_bytes: int) -> float:
 
 
 async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:
-    rates, loaded_bytes = [], []
+    rates, loaded_bytes, waits = [], [], []
     async with aiohttp.ClientSession() as http:
         await _complete(http, url, [5] * 64)  # warm up: the first request pays one-time costs
         for fraction in FRACTIONS:
@@ -146,6 +147,7 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
                 if stats.get("load_s"):
                     rates.append(stats["load_bytes"] / stats["load_s"])
                     loaded_bytes.append(stats["load_bytes"])
+                    waits.append((stats.get("load_wait_s", stats["load_s"]), stats["load_s"]))
                 await _reset(http, url)
                 recomputed.append((await _complete(http, url, tokens, salt=secrets.token_hex(8)))[0])
             report.add(f"ttft.held{int(fraction * 100)}", statistics.median(held), "s", statistics.median(recomputed),
@@ -155,6 +157,10 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
         nbytes = int(statistics.median(loaded_bytes))
         report.add("load.throughput", statistics.median(rates) / 1e9, "GB/s", memcpy / 1e9,
                    limit_name="memcpy", bytes=nbytes)
+        # layer by layer, the forward pass waits only for what its next layer needs: the rest of the load
+        # runs under its computation (1.0: it waited for all of it)
+        report.add("load.waited", statistics.median(w for w, _ in waits) * 1e3, "ms",
+                   statistics.median(s for _, s in waits) * 1e3, limit_name="the load's own time", bytes=nbytes)
 
 
 async def _routing(cluster: NodeCluster, servers: list[VllmServer], prompts: list[list[int]], token: str,

@@ -18,9 +18,11 @@ which live node holds the longest run of them, and vLLM is told it may allocate 
 Every step it hands the worker side what to load (node, key, vLLM block) and which newly full blocks
 to save (key, parent, vLLM block).
 
-Worker side (vLLM's model runner): before the forward pass, the blocks are read from the holding
-node (the shared pool in place on the same host, TCP across hosts) and scattered into each layer's
-paged KV; a block that cannot be read, or whose seal does not verify under the request's salt
+Worker side (vLLM's model runner): when the forward pass starts, a loader thread reads the blocks from
+the holding node (the shared pool in place on the same host, TCP across hosts) and scatters them into
+vLLM's paged KV one layer at a time; each layer's attention waits only for its own layer
+(``wait_for_layer_load``), so the first layers compute while the later ones are filled.
+A block that cannot be read, or whose seal does not verify under the request's salt
 (forged or corrupt, ``tiercake.blocks.Sealer``), is reported (``get_block_ids_with_load_errors``)
 and vLLM recomputes from it, so a dead node or a forged block costs time, never a wrong token. After
 the pass, newly full blocks are gathered from every layer into one tiercake block, sealed, and
@@ -33,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +49,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tiercake.blocks import Namespace, SealKeys, chain_key
 from tiercake.config import TransferConfig
-from tiercake.transfer import SealError, TransferResult
-
 from .link import TiercakeLink
+from .loading import LayerwiseLoader, LoadReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -121,16 +121,6 @@ class BlockSave:
 class TiercakeMetadata(KVConnectorMetadata):
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    """What the worker side did with one request's load."""
-
-    loaded: int  # blocks now in vLLM's KV
-    failed: int  # blocks reported for recompute
-    nbytes: int  # bytes loaded
-    seconds: float  # reading and scattering them
 
 
 @dataclass
@@ -238,7 +228,8 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._layer_bytes: list[int] = []
         self.block_nbytes = 0
         self._load_errors: set[int] = set()
-        self._staging: torch.Tensor | None = None
+        self._layer_index: dict[str, int] = {}
+        self._loader: LayerwiseLoader | None = None
         self._reports: dict[str, LoadReport] = {}
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
@@ -363,7 +354,7 @@ class TiercakeConnector(KVConnectorBase_V1):
             report = LoadReport(0, 0, 0, 0.0)
         if report is not None:  # the worker's report comes a step late: unknown for a one-step request
             figures.update(loaded_tokens=report.loaded * self.block_size, load_bytes=report.nbytes,
-                           load_s=report.seconds)
+                           load_s=report.seconds, load_wait_s=report.waited)
         # in the request's output: what vLLM was told it could load, what it did (the rest it
         # recomputed), and how long loading took
         return False, {"tiercake": figures}
@@ -380,20 +371,15 @@ class TiercakeConnector(KVConnectorBase_V1):
                                  f"{kv.stride()}; expected {self.num_blocks} contiguous blocks along the first dimension")
             layers.append(kv.view(kv.shape[0], -1).view(torch.uint8))  # a row of bytes per block
         self._layers = layers
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        self._loader = LayerwiseLoader(layers, self._fetch)
         self._layer_bytes = [rows.shape[1] for rows in layers]
         self.block_nbytes = sum(self._layer_bytes)
 
-    def _scatter(self, staging: torch.Tensor, block_ids: list[int]) -> None:
-        """Row ``i`` of ``staging`` (a tiercake block: every layer's part, in layer order) into vLLM's
-        block ``block_ids[i]`` of every layer: one indexed copy per layer."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        offset = 0
-        for rows, n in zip(self._layers, self._layer_bytes):
-            rows.index_copy_(0, index, staging[:, offset:offset + n])
-            offset += n
-
     def _gather(self, block_ids: list[int], staging: torch.Tensor) -> None:
-        """The inverse of ``_scatter``."""
+        """Rows of ``staging`` (one tiercake block each: every layer's part, in layer order) from vLLM's
+        blocks ``block_ids`` of every layer: one indexed copy per layer (``_run_loads`` does the inverse,
+        layer by layer)."""
         index = torch.tensor(block_ids, dtype=torch.long)
         offset = 0
         for rows, n in zip(self._layers, self._layer_bytes):
@@ -402,58 +388,49 @@ class TiercakeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TiercakeMetadata):
-            return
-        for load in meta.loads:
-            self._load(load)
+        if isinstance(meta, TiercakeMetadata) and meta.loads and self._loader is not None:
+            self._loader.start(meta.loads)
 
-    def _load_staging(self, blocks: int) -> torch.Tensor:
-        """A reused host buffer for ``blocks`` blocks. A normal tensor even inside vLLM's inference
-        mode: the link's thread writes into it."""
-        if self._staging is None or self._staging.shape[0] < blocks:
-            with torch.inference_mode(False):
-                self._staging = torch.zeros((max(blocks, 16), self.block_nbytes), dtype=torch.uint8)
-        return self._staging[:blocks]
-
-    def _load(self, load: RequestLoad) -> None:
-        started = time.perf_counter()
-        staging = self._load_staging(len(load.blocks))
-        results = self.link.read(load.node, [b.key for b in load.blocks], list(staging),
-                                 self.settings.load_timeout_s)
-        # a chain is usable only up to its first missing block, or its first whose seal does not
-        # verify (forged or corrupt): the rest is recomputed
+    def _fetch(self, load: RequestLoad, rows: torch.Tensor) -> int:
+        """Read one request's blocks into ``rows``; how many of them, from the first, are usable: a
+        chain is usable only up to its first missing block, or its first whose seal does not verify
+        (forged or corrupt). The rest is recomputed."""
+        results = self.link.read(load.node, [b.key for b in load.blocks], list(rows), self.settings.load_timeout_s)
         loaded = next((i for i, r in enumerate(results) if not r.ok), len(results))
         sealer = self._seal_keys.for_salt(load.salt)
-        verified = next((i for i in range(loaded) if not sealer.verify(load.blocks[i].key, staging[i].numpy(),
+        verified = next((i for i in range(loaded) if not sealer.verify(load.blocks[i].key, rows[i].numpy(),
                                                                         results[i].seal)), loaded)
         if verified < loaded:
             self.stats["refused_blocks"] += loaded - verified
             log.warning("TiercakeConnector: request %s: block %d from %s failed its seal (forged or corrupt); vLLM "
                         "recomputes from it", load.request_id, verified, load.node)
-            results = results[:verified] + [TransferResult(False, error=SealError("seal does not verify"))
-                                            for _ in results[verified:]]
-            loaded = verified
-        failed = loaded < len(results)
-        if loaded:
-            with torch.inference_mode():  # vLLM's KV tensors are inference tensors (the staging is not:
-                self._scatter(staging[:loaded], [b.block_id for b in load.blocks[:loaded]])  # the link fills it)
-        self._load_errors.update(b.block_id for b in load.blocks[loaded:])
-        self.stats["loaded_blocks"] += loaded
-        self.stats["failed_blocks"] += len(results) - loaded
-        self._reports[load.request_id] = LoadReport(loaded, len(load.blocks) - loaded, loaded * self.block_nbytes,
-                                                    time.perf_counter() - started)
-        if failed:
+        elif loaded < len(results):
             error = next((r.error for r in results if not r.ok), None)
             log.warning("TiercakeConnector: request %s: %d of %d blocks from %s not loaded (%s); vLLM recomputes "
-                        "them", load.request_id, sum(1 for r in results if not r.ok), len(results), load.node, error)
+                        "them", load.request_id, len(results) - loaded, len(results), load.node, error)
+        return verified
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        layer = self._layer_index.get(layer_name)
+        if self._loader is not None and layer is not None:
+            self._loader.wait(layer)
+
+    def _finish_loads(self) -> None:
+        """The step's loads, done: their failed blocks and reports handed on."""
+        if self._loader is None:
+            return
+        errors, reports = self._loader.finish()
+        self._load_errors.update(errors)
+        self._reports.update(reports)
+        for report in reports.values():
+            self.stats["loaded_blocks"] += report.loaded
+            self.stats["failed_blocks"] += report.failed
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # blocks are gathered from every layer at once, after the pass (wait_for_save)
 
     def wait_for_save(self) -> None:
+        self._finish_loads()
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, TiercakeMetadata) or not meta.saves or not self._layers:
             return
@@ -492,16 +469,20 @@ class TiercakeConnector(KVConnectorBase_V1):
             log.warning("TiercakeConnector: %d of %d blocks not saved: %s", count - ok, count, first)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        self._finish_loads()
         if not self._reports:
             return None
         reports, self._reports = self._reports, {}
         return TiercakeWorkerMetadata(reports)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
         if self.role == KVConnectorRole.WORKER:
             log.info("TiercakeConnector: %s", ", ".join(f"{k} {v}" for k, v in self.stats.items()))
         self.link.close()
