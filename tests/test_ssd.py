@@ -18,6 +18,7 @@ from tiercake.tiers import DiskFullError, ObjectNotFoundError, SsdTier, Tier, Ti
 from tiercake.tiers.buffers import round_up
 from tiercake.tiers.ssd import HEADER_SIZE, SsdLockedError, shuffle16, unshuffle16
 from tiercake.tiers.ssd_log import SsdLogTier, block_payloads, segment_records
+from tiercake.tiers.store import MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES, in_flight
 
 
 LAYOUTS = pytest.mark.parametrize("layout", ["files", "log"])
@@ -394,6 +395,24 @@ async def test_the_log_writes_concurrent_puts_in_a_few_batches(tmp_path):
     for i in range(64):
         assert same(await store.get(key(i)), i)
     await store.close()
+
+
+async def test_a_put_many_of_small_blocks_goes_out_in_one_write_and_large_blocks_a_few_at_a_time(tmp_path):
+    """put_many keeps as many puts in flight as its bytes allow, so the log writes a batch of small
+    blocks together (with 16 in flight, 32 blocks went out in two writes, one after the other)."""
+    store = await ssd_store(tmp_path, capacity_blocks=256, layout="log")
+    backend = store.tier("ssd").backend
+    calls, write = [], backend._write_records
+    backend._write_records = lambda seg, records: (calls.append(len(records)), write(seg, records))[1]
+    done = await store.put_many([(key(i), block(i)) for i in range(32)])
+    assert done == ["ssd"] * 32 and calls == [32]
+    got = [torch.empty_like(block(0)) for _ in range(32)]
+    assert await store.get_many([(key(i), got[i]) for i in range(32)]) == ["ssd"] * 32
+    assert all(same(got[i], i) for i in range(32))
+    await store.close()
+    assert in_flight([bytes(64 << 10)] * 100) == MANY_IN_FLIGHT
+    assert in_flight([bytes(1 << 20), bytes(16 << 20)]) == MANY_IN_FLIGHT_BYTES // (16 << 20)
+    assert in_flight([torch.empty(MANY_IN_FLIGHT_BYTES + 1, dtype=torch.uint8)]) == 1
 
 
 async def test_removed_and_evicted_blocks_stay_gone_after_a_restart(tmp_path):

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -75,6 +75,15 @@ class _Throttled:
         log.warning(message + (f" (and {held} more like it in the last {self.every:g} s)" if held else ""), *args)
 
 MAX_KEY_BYTES = 64
+MANY_IN_FLIGHT = 64  # the most operations of one put_many/get_many in flight at once
+MANY_IN_FLIGHT_BYTES = 256 << 20  # ... and bytes: small blocks go together, large ones a few at a time
+
+
+def in_flight(payloads: Iterable[Payload]) -> int:
+    """How many of a batch's operations may be in flight at once: up to ``MANY_IN_FLIGHT``, as long as
+    that many of its largest item stay within ``MANY_IN_FLIGHT_BYTES`` (at least one)."""
+    largest = max((len(p) if isinstance(p, (bytes, bytearray)) else as_bytes(p).numel() for p in payloads), default=1)
+    return max(1, min(MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES // max(1, largest)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,12 +618,13 @@ class TieredStore:
 
     async def put_many(
         self, items: list[tuple[bytes, Payload]], *, tier: str | None = None, chain: bool = False,
-        concurrency: int = 16, tenant: str = "",
+        concurrency: int | None = None, tenant: str = "",
     ) -> list[str | BaseException]:
-        """Put a batch with up to ``concurrency`` puts in flight (disk tiers overlap their I/O).
-        With ``chain``, each item's parent is the item before it. Returns, per item, the tier that
-        took it or the error that refused it: one refused block does not fail the batch."""
-        gate = asyncio.Semaphore(concurrency)
+        """Put a batch with up to ``concurrency`` puts in flight (default: ``in_flight``'s rule; disk
+        tiers overlap their I/O, the log layout writes what is in flight together). With ``chain``,
+        each item's parent is the item before it. Returns, per item, the tier that took it or the
+        error that refused it: one refused block does not fail the batch."""
+        gate = asyncio.Semaphore(concurrency or in_flight(d for _, d in items))
 
         async def one(i: int, key: bytes, data: Payload) -> str:
             async with gate:
@@ -624,11 +634,12 @@ class TieredStore:
         return await asyncio.gather(*(one(i, k, d) for i, (k, d) in enumerate(items)), return_exceptions=True)
 
     async def get_many(
-        self, items: list[tuple[bytes, Payload]], *, concurrency: int = 16
+        self, items: list[tuple[bytes, Payload]], *, concurrency: int | None = None
     ) -> list[str | BaseException]:
-        """``get_into`` for a batch of (key, destination), up to ``concurrency`` in flight. Returns, per
+        """``get_into`` for a batch of (key, destination), up to ``concurrency`` in flight (default:
+        ``in_flight``'s rule; the log layout reads adjacent records in flight together). Returns, per
         item, the tier that served it or the error (a miss is an ``ObjectNotFoundError``)."""
-        gate = asyncio.Semaphore(concurrency)
+        gate = asyncio.Semaphore(concurrency or in_flight(d for _, d in items))
 
         async def one(key: bytes, dst: Payload) -> str:
             async with gate:
