@@ -227,6 +227,8 @@ class EventMirror:
 
     def _root(self, salt: str) -> bytes:
         if salt not in self._roots:
+            if len(self._roots) >= MAX_SALTS:  # bounded like the salts: recomputed when needed again
+                self._roots.clear()
             self._roots[salt] = self.namespace.model_copy(update={"tenant_salt": salt}).root()
         return self._roots[salt]
 
