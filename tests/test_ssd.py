@@ -475,11 +475,14 @@ async def test_a_block_removed_while_compaction_copies_it_does_not_come_back(tmp
         return read_raw(segment, offset, length)
 
     backend._read_raw = slow_read
+    calls, write = [], backend._write_records
+    backend._write_records = lambda seg, records: (calls.append(len(records)), write(seg, records))[1]
     compacting = asyncio.create_task(backend._evacuate(victim))
     await asyncio.sleep(0.02)
     for i in range(0, 8, 2):
         await store.remove(key(i))
     await compacting
+    assert calls == [8]  # the eight copies went out together, in one write
     assert 1 not in backend.segments and not victim.path.exists()
     moved_to = {backend.extent(store._entries[key(i)].copies[0].slot)[0].name for i in range(1, 8, 2)}
     assert moved_to == {"0000000003.seg"}  # the tail (segment 2 was full)
