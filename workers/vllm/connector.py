@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tiercake.blocks import Namespace, SealKeys, chain_key
 from tiercake.config import TransferConfig
+
 from .link import TiercakeLink
 from .loading import LayerwiseLoader, LoadReport
 

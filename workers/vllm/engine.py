@@ -157,13 +157,20 @@ class VllmEngine(ServingEngine):
     def _follow_events(self, where: EventsEndpoints) -> None:
         self.mirror = EventMirror(self.space.namespace, self.space.block_bytes)
         self._events_task = asyncio.create_task(self.mirror.follow(where), name="vllm-kv-events")
+        self._events_task.add_done_callback(self._events_ended)
+
+    def _events_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("vllm worker: following %s's KV events stopped (%s): what it caches is no longer "
+                      "reported as it changes", self.url, task.exception())
 
     async def _events_flowing(self, where: EventsEndpoints) -> None:
         """The fit's probes stored blocks: their events must have come (else the endpoints are wrong)."""
         try:
             await asyncio.wait_for(asyncio.shield(self.mirror.batches.wait()), EVENTS_WAIT_S)
         except asyncio.TimeoutError:
-            failed = self._events_task.done() and self._events_task.exception()
+            task = self._events_task
+            failed = task.done() and not task.cancelled() and task.exception()
             raise VllmUnavailable(
                 f"vLLM at {self.url} says it publishes KV events at {where.endpoint}, but none came within "
                 f"{EVENTS_WAIT_S:g} s" + (f" ({failed})" if failed else "") + ": check its --kv-events-config "
