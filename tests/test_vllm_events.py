@@ -6,6 +6,7 @@ takes blocks away, and batches missed while the worker was away come back from v
 import asyncio
 import time
 
+import msgspec
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
@@ -147,6 +148,19 @@ async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
         assert held(mirror) == {("t", k) for k in keys}  # the first batch back from the new process's replay
     finally:
         again.close()
+
+
+def test_past_its_bound_the_mirror_forgets_its_oldest_blocks():
+    """Removals lost for good (no replay) cannot grow the mirror without bound."""
+    mirror = EventMirror(SPACE, 64, max_blocks=2)
+    mirror.remember(cache_salt("s"), "t", "s")
+    chains = [list(range(30 + 10 * c, 30 + 10 * c + BS)) for c in range(3)]
+    for c, tokens in enumerate(chains):
+        batch = KVEventBatch(ts=time.time(), events=[stored([c], None, tokens, salt=cache_salt("s"))])
+        mirror.receive(c, msgspec.msgpack.encode(batch))
+    space = SPACE.model_copy(update={"tenant_salt": "s"})
+    assert held(mirror) == {("t", block_keys(space, tokens)[0]) for tokens in chains[1:]}
+    assert mirror.figures["overflowed"] == 1
 
 
 def test_an_event_stream_it_cannot_read_is_counted_never_applied():

@@ -155,7 +155,7 @@ class VllmEngine(ServingEngine):
         return self
 
     def _follow_events(self, where: EventsEndpoints) -> None:
-        self.mirror = EventMirror(self.space.namespace, self.space.block_bytes)
+        self.mirror = EventMirror(self.space.namespace, self.space.block_bytes, max_blocks=4 * self._kv_blocks or 1 << 20)
         self._events_task = asyncio.create_task(self.mirror.follow(where), name="vllm-kv-events")
         self._events_task.add_done_callback(self._events_ended)
 

@@ -97,8 +97,10 @@ class EventMirror:
 
     tier = "gpu"
 
-    def __init__(self, namespace: Namespace, block_bytes: int) -> None:
-        self.namespace, self.block_bytes = namespace, block_bytes
+    def __init__(self, namespace: Namespace, block_bytes: int, max_blocks: int = 1 << 20) -> None:
+        """``max_blocks``: the most vLLM blocks tracked (a few times vLLM's own): past it the oldest are
+        forgotten, so lost removals cannot grow the mirror without bound."""
+        self.namespace, self.block_bytes, self.max_blocks = namespace, block_bytes, max_blocks
         self.listeners: list[Callable[[BlockChange], None]] = []
         self._salts: OrderedDict[str, tuple[str, str]] = OrderedDict()  # vLLM cache_salt -> (tenant, salt)
         self._roots: dict[str, bytes] = {}
@@ -107,7 +109,8 @@ class EventMirror:
         self.last_seq, self.last_ts = -1, 0.0
         self._replay_failing = False
         self.batches = asyncio.Event()  # set once a batch has come
-        self.figures = Counter(stored=0, removed=0, cleared=0, unmapped=0, gaps=0, restarts=0, bad_batches=0)
+        self.figures = Counter(stored=0, removed=0, cleared=0, unmapped=0, gaps=0, restarts=0, bad_batches=0,
+                               overflowed=0)
 
     # What the worker tells it ------------------------------------------------------------------
 
@@ -187,6 +190,9 @@ class EventMirror:
                         entry = (above[0], chain_key(above[1], tokens))
             self._forget(vllm_hash)  # the same hash stored again: replaced, never counted twice
             self._blocks[vllm_hash] = entry
+            if len(self._blocks) > self.max_blocks:
+                self.figures["overflowed"] += 1
+                self._forget(next(iter(self._blocks)))
             if entry is None:
                 self.figures["unmapped"] += 1
             else:
