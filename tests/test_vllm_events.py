@@ -26,6 +26,14 @@ def stored(hashes, parent, tokens, salt=None):
                        medium="GPU", lora_name=None, extra_keys=extra)
 
 
+def salted(first_token: int, max_blocks: int = 1 << 20) -> tuple[EventMirror, list[int], list[bytes]]:
+    """A mirror whose worker sent tenant "t" with salt "s"; a two-block chain of tokens and its keys."""
+    mirror = EventMirror(SPACE, 64, max_blocks=max_blocks)
+    mirror.remember(cache_salt("s"), "t", "s")
+    tokens = list(range(first_token, first_token + 2 * BS))
+    return mirror, tokens, block_keys(SPACE.model_copy(update={"tenant_salt": "s"}), tokens)
+
+
 def held(mirror: EventMirror) -> set[tuple[str, bytes]]:
     return {(c.tenant, c.key) for c in mirror.holdings()}
 
@@ -99,10 +107,7 @@ async def test_stored_blocks_are_keyed_as_tiercake_keys_them_and_leave_when_vllm
 
 
 async def test_batches_published_while_the_worker_was_away_come_back_from_vllms_replay(follow):
-    mirror, publisher = EventMirror(SPACE, 64), Publisher()
-    mirror.remember(cache_salt("s"), "t", "s")
-    tokens = list(range(10, 10 + 2 * BS))
-    keys = block_keys(SPACE.model_copy(update={"tenant_salt": "s"}), tokens)
+    (mirror, tokens, keys), publisher = salted(10), Publisher()
     try:
         publisher.publish(stored([1], None, tokens[:BS], salt=cache_salt("s")))  # before anyone listens
         await asyncio.sleep(0.3)
@@ -121,10 +126,7 @@ async def test_batches_published_while_the_worker_was_away_come_back_from_vllms_
 
 
 async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
-    mirror, first = EventMirror(SPACE, 64), Publisher()
-    mirror.remember(cache_salt("s"), "t", "s")
-    tokens = list(range(20, 20 + 2 * BS))
-    keys = block_keys(SPACE.model_copy(update={"tenant_salt": "s"}), tokens)
+    (mirror, tokens, keys), first = salted(20), Publisher()
     try:
         follow(mirror, first)
         first.publish(stored([1, 2], None, tokens, salt=cache_salt("s")))
@@ -152,15 +154,11 @@ async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
 
 def test_past_its_bound_the_mirror_forgets_its_oldest_blocks():
     """Removals lost for good (no replay) cannot grow the mirror without bound."""
-    mirror = EventMirror(SPACE, 64, max_blocks=2)
-    mirror.remember(cache_salt("s"), "t", "s")
-    chains = [list(range(30 + 10 * c, 30 + 10 * c + BS)) for c in range(3)]
-    for c, tokens in enumerate(chains):
-        batch = KVEventBatch(ts=time.time(), events=[stored([c], None, tokens, salt=cache_salt("s"))])
-        mirror.receive(c, msgspec.msgpack.encode(batch))
-    space = SPACE.model_copy(update={"tenant_salt": "s"})
-    assert held(mirror) == {("t", block_keys(space, tokens)[0]) for tokens in chains[1:]}
-    assert mirror.figures["overflowed"] == 1
+    mirror, tokens, keys = salted(30, max_blocks=1)
+    for seq, (vllm_hash, parent, part) in enumerate([(1, None, tokens[:BS]), (2, 1, tokens[BS:])]):
+        batch = KVEventBatch(ts=time.time(), events=[stored([vllm_hash], parent, part, salt=cache_salt("s"))])
+        mirror.receive(seq, msgspec.msgpack.encode(batch))
+    assert held(mirror) == {("t", keys[1])} and mirror.figures["overflowed"] == 1
 
 
 def test_an_event_stream_it_cannot_read_is_counted_never_applied():
