@@ -70,6 +70,10 @@ def test_each_load_lands_in_every_layer_of_its_blocks_and_an_unusable_tail_is_re
             assert bool((layers[layer][block] == 10 * block + layer).all())
         assert bool((layers[layer][4] == 0).all())  # not written
     assert loader.finish() == (set(), {})  # the step is over
+    loader.start([Load("c", [Block(0)])])
+    with pytest.raises(RuntimeError, match="before the last step's were finished"):
+        loader.start([Load("d", [Block(1)])])  # its failures must reach vLLM first, never be dropped
+    loader.finish()
 
 
 def test_a_layer_is_ready_before_the_later_layers_are_in(made):

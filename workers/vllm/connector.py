@@ -390,6 +390,7 @@ class TiercakeConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, TiercakeMetadata) and meta.loads and self._loader is not None:
+            self._finish_loads()  # vLLM finishes each step (wait_for_save); this only guards against it not
             self._loader.start(meta.loads)
 
     def _fetch(self, load: RequestLoad, rows: torch.Tensor) -> int:

@@ -68,10 +68,12 @@ class LayerwiseLoader:
         self._step: _Step | None = None
 
     def start(self, loads: Sequence[Load]) -> None:
-        """Begin the step's loads (the previous step's must have been finished)."""
+        """Begin the step's loads. The previous step's must have been finished: its failed blocks must
+        reach vLLM, never be dropped."""
         if not loads:
             return
-        self.finish()  # a guard: the connector finishes every step within it
+        if self._step is not None:
+            raise RuntimeError("LayerwiseLoader: a step's loads started before the last step's were finished")
         rows = self._rows(sum(len(load.blocks) for load in loads))
         parts, at = [], 0
         for load in loads:
