@@ -490,16 +490,16 @@ class SsdLogTier(SsdTier):
     async def _evacuate(self, victim: Segment) -> None:
         """Copy the victim's live records to the tail, up to ``COMPACT_CHUNK_BYTES`` at a time (one thread
         hop reads them, one group commit writes them), then delete it."""
-        live = sorted(victim.live.items())
-        while live:
-            chunk, size = [], 0
-            while live and (not chunk or size + live[0][1].reserved <= COMPACT_CHUNK_BYTES):
-                offset, slot = live.pop(0)
-                if victim.live.get(offset) is slot:  # else released meanwhile
-                    chunk.append((offset, slot))
-                    size += slot.reserved
-            if chunk:
+        chunk, size = [], 0
+        for offset, slot in sorted(victim.live.items()):
+            if chunk and size + slot.reserved > COMPACT_CHUNK_BYTES:
                 await self._move(victim, chunk)
+                chunk, size = [], 0
+            if victim.live.get(offset) is slot:  # else released meanwhile
+                chunk.append((offset, slot))
+                size += slot.reserved
+        if chunk:
+            await self._move(victim, chunk)
         victim.retired = True
         self.segments.pop(victim.id, None)
         await self._run(os.unlink, victim.path)

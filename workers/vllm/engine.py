@@ -167,7 +167,7 @@ class VllmEngine(ServingEngine):
     async def _events_flowing(self, where: EventsEndpoints) -> None:
         """The fit's probes stored blocks: their events must have come (else the endpoints are wrong)."""
         try:
-            await asyncio.wait_for(asyncio.shield(self.mirror.batches.wait()), EVENTS_WAIT_S)
+            await asyncio.wait_for(self.mirror.batches.wait(), EVENTS_WAIT_S)
         except asyncio.TimeoutError:
             task = self._events_task
             failed = task.done() and not task.cancelled() and task.exception()

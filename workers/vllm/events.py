@@ -132,18 +132,20 @@ class EventMirror:
         """One batch as published, without the follower's catching up (``follow`` does that)."""
         batch = self._decode(seq, payload)
         if batch is not None:
-            if self._restarted(seq, batch):
-                self._restart(seq)
             self._apply(seq, batch)
 
     def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
+        """The batch, the mirror emptied first if it comes from a restarted vLLM; None if unreadable."""
         try:
-            return _decode(payload)
+            batch = _decode(payload)
         except msgspec.DecodeError as exc:
             self.figures["bad_batches"] += 1
             log.warning("vllm events: batch %d not understood (%s); the mirror may miss its changes", seq, exc)
             self.last_seq = max(self.last_seq, seq)  # not asked for again
             return None
+        if self._restarted(seq, batch):
+            self._restart(seq)
+        return batch
 
     def _restarted(self, seq: int, batch: EventBatch) -> bool:
         """A sequence number that goes back on a batch published later: a new vLLM process (an earlier
@@ -273,8 +275,6 @@ class EventMirror:
                 batch = self._decode(seq, frames[2])
                 if batch is None:
                     continue
-                if self._restarted(seq, batch):
-                    self._restart(seq)
                 if seq > self.last_seq + 1:  # missed some: vLLM's replay buffer may still have them
                     if where.replay_endpoint:
                         await self._replay(context, where, self.last_seq + 1)
