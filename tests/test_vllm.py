@@ -164,6 +164,8 @@ async def test_same_instance_loads_its_own_blocks_back_after_its_prefix_cache_is
     again = await a.complete(tokens)
     assert loaded(again) == PROMPT_BLOCKS * BLOCK and cached(again) >= PROMPT_BLOCKS * BLOCK
     assert tiercake(again)["load_bytes"] == PROMPT_BLOCKS * BLOCK_BYTES and tiercake(again)["load_s"] > 0
+    # loaded layer by layer beside the forward pass: it waited for part of the load at most
+    assert 0 <= tiercake(again)["load_wait_s"] <= tiercake(again)["load_s"]
     async with aiohttp.ClientSession() as http:  # the control API is closed: the connector got in with the token
         async with http.get(tc.url + "/v1/members") as resp:
             assert resp.status == 401
