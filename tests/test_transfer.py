@@ -30,6 +30,7 @@ from tiercake.transfer import (
     TransferEngine,
 )
 from tiercake.transfer import protocol as p
+from tiercake.transfer.sockio import BULK_THREAD_BYTES
 from tiercake.transfer.transports import TcpTransport
 from tiercake.tiers import SsdTier, Tier, TieredStore
 
@@ -600,7 +601,7 @@ async def test_a_tls_transfer_port_carries_blocks_and_refuses_plain_or_untrustin
     store, server = await start_node("node-b", pool_bytes=32 << 20, tls=server_ctx)
     assert not server.info().ucx
     engine = engine_for(server, ("tcp",), tls=client_ctx)
-    sizes = [4 * KB, 64 * KB, 4 << 20]  # 4 MiB: over BULK_THREAD_BYTES
+    sizes = [4 * KB, 64 * KB, BULK_THREAD_BYTES + (1 << 20)]  # the last through a bulk thread
     keys = [f"tls-{n}".encode() for n in sizes]
     srcs = [payload(i, n) for i, n in enumerate(sizes)]
     assert all(r.ok for r in await engine.write_blocks("node-b", keys, srcs))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import os
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +47,22 @@ def write_results(ready: list[ReplyItem], done: list[ReplyItem], peer: str) -> l
         failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
         results.append(None if failed is None else item_error(failed, peer))
     return results
+
+
+class _Request:
+    """One request on a connection (a class, not a generator: this is on every small read's path)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: PeerConnection) -> None:
+        self.conn = conn
+
+    async def __aenter__(self) -> int:
+        return next(_request_ids)
+
+    async def __aexit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self.conn.close()  # mid-request failure: the stream can no longer be trusted
 
 
 class PeerConnection:
@@ -119,15 +134,11 @@ class PeerConnection:
         if self.sock is not None:
             self.sock.close()
 
-    @contextlib.asynccontextmanager
-    async def _request(self) -> AsyncIterator[int]:
+    def _request(self) -> _Request:
+        """``async with conn._request() as request_id:`` one request; a failure inside closes the stream."""
         if self.broken or self.sock is None:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
-        try:
-            yield next(_request_ids)
-        except BaseException:
-            self.close()  # mid-request failure: the stream can no longer be trusted
-            raise
+        return _Request(self)
 
     async def _reply(self, request: int, op: Op) -> bytearray:
         await self._drain()
@@ -273,15 +284,9 @@ class PeerChannel:
         self.info = conn.info
         return conn
 
-    @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[PeerConnection]:
-        async with self._slots:
-            conn = self._idle.pop() if self._idle else await self._open()
-            try:
-                yield conn
-            finally:
-                if not conn.broken:
-                    self._idle.append(conn)
+    def connection(self) -> _Lent:
+        """``async with channel.connection() as conn:`` a connection of the pool, for one holder."""
+        return _Lent(self)
 
     async def peer_info(self) -> p.PeerInfo:
         if self.info is None:
@@ -293,3 +298,28 @@ class PeerChannel:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+
+class _Lent:
+    """A connection lent from a channel's pool; back to the pool unless it broke."""
+
+    __slots__ = ("channel", "conn")
+
+    def __init__(self, channel: PeerChannel) -> None:
+        self.channel = channel
+        self.conn: PeerConnection | None = None
+
+    async def __aenter__(self) -> PeerConnection:
+        channel = self.channel
+        await channel._slots.acquire()
+        try:
+            self.conn = channel._idle.pop() if channel._idle else await channel._open()
+        except BaseException:
+            channel._slots.release()
+            raise
+        return self.conn
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.conn.broken:
+            self.channel._idle.append(self.conn)
+        self.channel._slots.release()

@@ -74,9 +74,11 @@ def _advance(views: list[memoryview], done: int) -> None:
 
 # Above this many bytes, bulk data moves in a worker thread on a blocking socket: one thread blocked
 # in sendmsg / recvmsg_into(MSG_WAITALL) with the GIL released beats an event-loop wake-up per
-# socket-buffer's worth of data. A bounded pool: when every bulk thread is busy, the event loop does
-# the work itself, so no number of concurrent transfers (even both ends in one process) can deadlock.
-BULK_THREAD_BYTES = int(os.environ.get("TIERCAKE_BULK_THREAD_BYTES", 512 << 10))
+# socket-buffer's worth of data. Below it the hand-off to the thread (and back) costs more than it
+# saves: at 512 KiB, a 1 MiB read took twice as long as on the event loop (docs/BENCHMARKS.md). A
+# bounded pool: when every bulk thread is busy, the event loop does the work itself, so no number of
+# concurrent transfers (even both ends in one process) can deadlock.
+BULK_THREAD_BYTES = int(os.environ.get("TIERCAKE_BULK_THREAD_BYTES", 8 << 20))
 BULK_THREADS = 32
 _bulk_pool = ThreadPoolExecutor(max_workers=BULK_THREADS, thread_name_prefix="tiercake-bulk")
 _bulk_free = threading.BoundedSemaphore(BULK_THREADS)
@@ -128,7 +130,7 @@ async def _bulk(sock: socket.socket, views: list[memoryview], send: bool) -> boo
 
 async def send_all(sock: socket.socket, buffers: Sequence) -> None:
     views = _views(buffers)
-    if await _bulk(sock, views, send=True):
+    if (len(views) > 1 or (views and len(views[0]) >= BULK_THREAD_BYTES)) and await _bulk(sock, views, send=True):
         return
     tls = isinstance(sock, ssl.SSLSocket)
     while views:
@@ -148,8 +150,11 @@ async def send_all(sock: socket.socket, buffers: Sequence) -> None:
 async def recv_into_all(sock: socket.socket, buffers: Sequence) -> None:
     """Fill every buffer in order; PeerClosedError if the stream ends first."""
     views = _views(buffers)
-    if await _bulk(sock, views, send=False):
+    if not views:
         return
+    if len(views) > 1 or len(views[0]) >= BULK_THREAD_BYTES:
+        if await _bulk(sock, views, send=False):
+            return
     tls = isinstance(sock, ssl.SSLSocket)
     while views:
         try:
@@ -169,6 +174,20 @@ async def recv_into_all(sock: socket.socket, buffers: Sequence) -> None:
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
+    if n and not isinstance(sock, ssl.SSLSocket):
+        # A frame's header and table usually wait in the socket already: one call, no lists of views
+        try:
+            got = sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            got = 0
+        except ConnectionResetError as exc:
+            raise PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
+        else:
+            if got == 0:
+                raise PeerClosedError("peer closed the connection mid-transfer")
+        if got < n:
+            await recv_into_all(sock, [memoryview(buf)[got:]])
+        return buf
     await recv_into_all(sock, [buf])
     return buf
 
