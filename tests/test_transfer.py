@@ -29,9 +29,10 @@ from tiercake.transfer import (
     Transfer,
     TransferEngine,
 )
+from tiercake.transfer import connection as transfer_connection
 from tiercake.transfer import protocol as p
 from tiercake.transfer.sockio import BULK_THREAD_BYTES
-from tiercake.transfer.transports import TcpTransport
+from tiercake.transfer.transports import ShmTransport, TcpTransport
 from tiercake.tiers import SsdTier, Tier, TieredStore
 
 KB = 1024
@@ -303,19 +304,29 @@ async def test_shm_leases_hold_blocks_until_released(node):
     await store.remove(b"leased")
 
 
-async def test_a_pool_read_releases_its_leases_without_waiting_for_the_answer(node):
-    """A read through the shared pool leases, copies and releases; the release is pipelined (its
-    empty answer is read before the connection's next reply), so the read costs one round trip, and
-    the peer still frees the lease as soon as the frame arrives."""
+async def test_a_pool_read_releases_its_leases_without_an_answer(node):
+    """A read through the shared pool leases, copies and releases; the release asks for no answer
+    (FLAG_NO_REPLY), so the read costs one round trip and one reply, and the peer still frees the
+    lease as soon as the frame arrives. A release that waits gets its answer."""
     store, server = node
-    await store.put(b"pooled", payload(2, 64 << 10))
+    BIG = ShmTransport.stream_below_bytes  # smaller reads go over the stream (the next test)
+    await store.put(b"pooled", payload(2, BIG))
     engine = engine_for(server, ("shm", "tcp"))
-    dst = torch.empty(64 << 10, dtype=torch.uint8)
-    (result,) = await engine.read_blocks("node-b", [b"pooled"], [dst])
-    assert result.ok and result.transport == "shm" and torch.equal(dst, payload(2, 64 << 10))
-    peer = await engine._peer("node-b")
-    owed = sum(len(c._owed) for c in peer.channel._idle)
-    assert owed == 1  # the release went; its answer is not awaited
+    dst = torch.empty(BIG, dtype=torch.uint8)
+    sent = []
+    original = sockio_send_frame = transfer_connection.send_frame
+
+    async def recording(sock, op, request, body=b"", flags=0, data=()):
+        sent.append((op, flags))
+        return await sockio_send_frame(sock, op, request, body, flags, data)
+
+    transfer_connection.send_frame = recording
+    try:
+        (result,) = await engine.read_blocks("node-b", [b"pooled"], [dst])
+    finally:
+        transfer_connection.send_frame = original
+    assert result.ok and result.transport == "shm" and torch.equal(dst, payload(2, BIG))
+    assert sent[-2:] == [(p.Op.LEASE, 0), (p.Op.RELEASE, p.FLAG_NO_REPLY)]  # after the handshake
     for _ in range(100):  # the peer frees the lease when the frame arrives, with nobody waiting
         try:
             await store.remove(b"pooled")
@@ -323,10 +334,48 @@ async def test_a_pool_read_releases_its_leases_without_waiting_for_the_answer(no
         except Exception:  # noqa: BLE001 - still leased: the frame is on its way
             await asyncio.sleep(0.01)
     assert not store.contains(b"pooled")
-    await store.put(b"again", payload(3, 64 << 10))
-    (result,) = await engine.read_blocks("node-b", [b"again"], [dst])  # the owed answer is read first
-    assert result.ok and torch.equal(dst, payload(3, 64 << 10))
+    await store.put(b"again", payload(3, BIG))
+    (result,) = await engine.read_blocks("node-b", [b"again"], [dst])  # no stray answer in the stream
+    assert result.ok and torch.equal(dst, payload(3, BIG))
+    peer = await engine._peer("node-b")
+    async with peer.channel.connection() as conn:
+        (reply,) = await conn.lease([(b"again", BIG, 30.0)])
+        await conn.release([(b"again", reply.lease)], wait=True)  # answered: freed by now
+        await store.remove(b"again")
+        (reply,) = await conn.lease([(b"again", BIG, 30.0)])
+        assert reply.status is Status.NOT_FOUND  # the connection is still in step
     await engine.close()
+
+
+async def test_a_small_read_from_a_same_host_peer_goes_over_the_stream(node):
+    """Below ``stream_below_bytes`` a lease, a copy and a release cost more than the bytes through
+    the socket: the shm transport reads such a batch with one READ, and a larger one through the pool."""
+    store, server = node
+    small, big = 64 << 10, ShmTransport.stream_below_bytes
+    await store.put(b"small", payload(4, small))
+    await store.put(b"big", payload(5, big))
+    engine = engine_for(server, ("shm", "tcp"))
+    sent = []
+    original = transfer_connection.send_frame
+
+    async def recording(sock, op, request, body=b"", flags=0, data=()):
+        sent.append(op)
+        return await original(sock, op, request, body, flags, data)
+
+    transfer_connection.send_frame = recording
+    try:
+        dsts = [torch.empty(small, dtype=torch.uint8) for _ in range(2)]
+        results = await engine.read_blocks("node-b", [b"small", b"small"], dsts)
+        assert all(r.ok and r.transport == "shm" for r in results)
+        assert all(torch.equal(d, payload(4, small)) for d in dsts)
+        assert sent[-1] is p.Op.READ and p.Op.LEASE not in sent
+        sent.clear()
+        dst = torch.empty(big, dtype=torch.uint8)
+        (result,) = await engine.read_blocks("node-b", [b"big"], [dst])
+        assert result.ok and torch.equal(dst, payload(5, big))
+        assert sent == [p.Op.LEASE, p.Op.RELEASE]
+    finally:
+        transfer_connection.send_frame = original
     await engine.close()
 
 

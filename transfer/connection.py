@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import os
 import socket
@@ -85,7 +84,6 @@ class PeerConnection:
         self.broken = False
         self.ucx = None  # a transport's per-connection state (UCX endpoints)
         self.on_close: Callable[[], object] | None = None
-        self._owed: collections.deque[int] = collections.deque()  # releases whose replies are not read yet
 
     async def open(self) -> PeerConnection:
         loop = asyncio.get_running_loop()
@@ -141,7 +139,6 @@ class PeerConnection:
         return _Request(self)
 
     async def _reply(self, request: int, op: Op) -> bytearray:
-        await self._drain()
         _, _, got, body = await recv_frame(self.sock, expect=[op])
         if got != request:
             raise p.ProtocolError(f"reply to request {got}, expected {request}")
@@ -230,22 +227,14 @@ class PeerConnection:
         return [None if r.status is Status.OK else item_error(r, self.address.node_id) for r in replies]
 
     async def release(self, items: list[tuple[bytes, int]], wait: bool = False) -> None:
-        """Free the leases on the peer. Pipelined unless ``wait``: the frame goes now and its reply
-        (which carries nothing) is read before the next reply on this connection, so a read through
-        the shared pool costs one round trip, not two; the peer frees the leases when the frame
-        arrives. With ``wait``, returns once the peer has freed them."""
+        """Free the leases on the peer. Unless ``wait``, the frame goes with ``FLAG_NO_REPLY`` and
+        nothing comes back: the peer frees the leases when the frame arrives, so a read through the
+        shared pool costs one round trip and one answer. With ``wait``, returns once the peer has
+        freed them."""
         async with self._request() as request:
-            await send_frame(self.sock, Op.RELEASE, request, p.encode_release(items))
-            self._owed.append(request)
+            await send_frame(self.sock, Op.RELEASE, request, p.encode_release(items), 0 if wait else p.FLAG_NO_REPLY)
             if wait:
-                await self._drain()
-
-    async def _drain(self) -> None:
-        while self._owed:  # the peer answers in order: pipelined releases' replies come first
-            owed = self._owed.popleft()
-            _, _, got, _ = await recv_frame(self.sock, expect=[Op.RELEASE_REPLY])
-            if got != owed:
-                raise p.ProtocolError(f"reply to request {got}, expected the release {owed}")
+                await self._reply(request, Op.RELEASE_REPLY)
 
 
 class PeerChannel:

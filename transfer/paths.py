@@ -135,7 +135,8 @@ class ShmPath(DataPath):
         else:
             for key, lease in p.decode_release(body):
                 await self.server.store.release_lease(key, lease)
-            await send_frame(self.conn, Op.RELEASE_REPLY, request, b"", flags)
+            if not flags & p.FLAG_NO_REPLY:
+                await send_frame(self.conn, Op.RELEASE_REPLY, request, b"", flags)
 
     async def _lease(self, key: bytes, expected: int, ttl: float) -> ReplyItem:
         store, pool = self.server.store, self.server.pool_tier
@@ -180,8 +181,9 @@ def registered_paths() -> dict[int, type[DataPath]]:
         if path is None or path is StreamPath:
             continue
         flag = path.flag
-        if flag <= 0 or flag & (flag - 1) or flag & p.FLAG_CHECKSUM:
-            raise ValueError(f"transport {name!r}: data path flag {flag:#x} must be one bit other than the checksum's")
+        if flag <= 0 or flag & (flag - 1) or flag & (p.FLAG_CHECKSUM | p.FLAG_NO_REPLY):
+            raise ValueError(f"transport {name!r}: data path flag {flag:#x} must be one bit other than the "
+                             "checksum's and no-reply's")
         other = paths.get(flag)
         if other is not None and other is not path:
             raise ValueError(f"transports declare two data paths on flag {flag:#x}: {other.__name__} and {path.__name__}")
@@ -199,7 +201,7 @@ class Session:
 
     def path(self, flags: int) -> DataPath:
         """The path a request's flags select, ready to use."""
-        bits = flags & ~p.FLAG_CHECKSUM
+        bits = flags & ~(p.FLAG_CHECKSUM | p.FLAG_NO_REPLY)
         path = self.paths.get(bits)
         if path is None:
             raise p.ProtocolError(f"this node has no data path for request flags {bits:#x}")

@@ -19,7 +19,8 @@ Operations (one request in flight per connection; the client keeps several conne
                 those offsets and WRITE_COMMIT)  ->  WRITE_DONE table of (status)
     LEASE       table of (key, expected length, ttl)  ->  LEASE_REPLY (status, pool offset, lease id, seal):
                 same-host peers then copy from the shared pool in place, and RELEASE the leases
-    RELEASE     table of (key, lease id)  ->  RELEASE_REPLY
+    RELEASE     table of (key, lease id)  ->  RELEASE_REPLY, or nothing with FLAG_NO_REPLY (a reader
+                that does not wait: the peer frees the leases when the frame arrives)
     DELETE      table of (key)  ->  DELETE_REPLY table of (status): every copy of each block removed,
                 refused per item while a reader holds it (LEASED) or it is hard-pinned (PINNED)
     STAGE       table of (key)  ->  STAGE_REPLY table of (status): blocks only on disk brought into the
@@ -43,7 +44,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"
-VERSION = 2  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY
+VERSION = 3  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
 MAX_ITEMS = 4096
@@ -57,6 +58,7 @@ FRAME = struct.Struct("<4sBBHIQ")  # magic, version, op, flags, request id, body
 FLAG_CHECKSUM = 1  # the sender computes xxh3-64 of every item, the receiver verifies it
 FLAG_SHM = 2  # WRITE on the same host: the data is copied into the shared pool, not streamed
 FLAG_UCX = 4  # READ/WRITE whose bulk bytes travel over the connection's UCX endpoints
+FLAG_NO_REPLY = 8  # RELEASE: the peer answers nothing (a reply nobody waits for costs both sides a wake-up)
 
 
 class Op(enum.IntEnum):

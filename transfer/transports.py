@@ -234,11 +234,15 @@ class TcpTransport(Transport):
 class ShmTransport(TcpTransport):
     """Another process on the same host: control over the peer's stream, bytes through the shared
     pool mapped here, copied in place (memcpy speed). Blocks that are only on the peer's disk are
-    read over the stream instead."""
+    read over the stream instead, and so are reads too small to repay the lease and its release."""
 
     name = "shm"
     server_path = ShmPath
     lease_ttl = 30.0
+    # A read of fewer bytes goes over the stream: below it, the lease's extra frame and the wake-up it
+    # causes cost more than the two copies through the socket (crossover measured between 512 KiB and
+    # 1 MiB, docs/BENCHMARKS.md)
+    stream_below_bytes = 1 << 20
 
     def __init__(self, checksum: bool = False) -> None:
         super().__init__(checksum)
@@ -269,6 +273,8 @@ class ShmTransport(TcpTransport):
         return region
 
     async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
+        if sum(it.dst.numel() for it in items) < self.stream_below_bytes:
+            return await super().read(peer, items)
         results: Results = [None] * len(items)
         over_stream: list[int] = []
 
