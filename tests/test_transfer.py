@@ -233,6 +233,63 @@ async def test_truncated_frames_and_oversized_writes(node):
         p.encode_read([(b"k", -1)])
 
 
+async def test_a_small_write_is_one_round_trip_and_a_refused_item_keeps_the_rest_in_step(node):
+    """An eager write (FLAG_EAGER, up to MAX_EAGER_BYTES): the table and every item's bytes go at once,
+    the peer answers WRITE_DONE only. A refused item in the middle has its bytes read and dropped, so
+    the items after it land intact."""
+    store, server = node
+    await store.put(b"taken", payload(9, 3000))
+    engine = engine_for(server, ("tcp",))
+    frames = []
+    original = transfer_connection.send_frame
+
+    async def recording(sock, op, request, body=b"", flags=0, data=()):
+        frames.append((op, flags))
+        return await original(sock, op, request, body, flags, data)
+
+    transfer_connection.send_frame = recording
+    try:
+        keys, srcs = [b"e1", b"taken", b"e3"], [payload(1, 1000), payload(2, 3000), payload(3, 5000)]
+        results = await engine.write_blocks("node-b", keys, srcs)
+    finally:
+        transfer_connection.send_frame = original
+    assert frames[-1] == (p.Op.WRITE, p.FLAG_EAGER)
+    assert results[0].ok and results[2].ok
+    assert results[1].error.status is Status.EXISTS
+    assert torch.equal((await store.get(b"e1")).view(-1), srcs[0])
+    assert torch.equal((await store.get(b"e3")).view(-1), srcs[2])
+    assert torch.equal((await store.get(b"taken")).view(-1), payload(9, 3000))  # untouched
+
+    def by_hand():  # the peer sends nothing before WRITE_DONE
+        sock = authenticated_socket(server.address)
+        table = p.encode_write([p.WriteItem(b"hand", 4)])
+        sock.sendall(raw_frame(p.Op.WRITE, table, flags=p.FLAG_EAGER) + b"abcd")
+        return read_frame(sock)
+
+    op, body = await asyncio.to_thread(by_hand)
+    assert op == p.Op.WRITE_DONE and p.decode_statuses(body)[0].status is Status.OK
+    assert bytes((await store.get(b"hand")).numpy()) == b"abcd"
+    await engine.close()
+
+
+@pytest.mark.parametrize("flags, items, expect", [
+    (p.FLAG_EAGER, [p.WriteItem(b"big", p.MAX_EAGER_BYTES + 1)], b"over the limit"),
+    (p.FLAG_EAGER | p.FLAG_SHM, [p.WriteItem(b"small", 10)], b"over the stream only"),
+])
+async def test_an_eager_write_too_large_or_off_the_stream_is_refused(node, flags, items, expect):
+    store, server = node
+
+    def by_hand():
+        sock = authenticated_socket(server.address)
+        sock.sendall(raw_frame(p.Op.WRITE, p.encode_write(items), flags=flags))
+        op, body = read_frame(sock)
+        return op, body, closed(sock)
+
+    op, body, was_closed = await asyncio.to_thread(by_hand)
+    assert op == p.Op.ERROR and expect in body, body
+    assert was_closed and not store.contains(items[0].key)
+
+
 async def test_client_gone_mid_write_leaves_nothing_visible(node):
     store, server = node
     used = store.tier("pool").backend.used_bytes

@@ -184,6 +184,8 @@ class PeerConnection:
         for it, src in items:
             it.length = src.size
             it.checksum = xxhash.xxh3_64_intdigest(src) if checksum else 0
+        if copy_into_pool is None and sum(src.size for _, src in items) <= p.MAX_EAGER_BYTES:
+            return await self._write_eager(items, flags | p.FLAG_EAGER)
         async with self._request() as request:
             await send_frame(self.sock, Op.WRITE, request, p.encode_write([it for it, _ in items]), flags)
             ready = p.decode_lease_reply(await self._reply(request, Op.WRITE_READY))
@@ -203,6 +205,16 @@ class PeerConnection:
                 await send_all(self.sock, [src for src, _ in accepted])
             done = p.decode_statuses(await self._reply(request, Op.WRITE_DONE))
         return write_results(ready, done, self.address.node_id)
+
+    async def _write_eager(self, items: list[tuple[p.WriteItem, np.ndarray]], flags: int) -> list[p.ItemError | None]:
+        """A small write in one round trip: the table and every item's bytes at once, then WRITE_DONE
+        (an item the peer refuses has its bytes dropped there)."""
+        async with self._request() as request:
+            await send_frame(self.sock, Op.WRITE, request, p.encode_write([it for it, _ in items]), flags,
+                             [src for _, src in items])
+            done = p.decode_statuses(await self._reply(request, Op.WRITE_DONE))
+            check_count(done, items)
+        return [None if d.status is Status.OK else item_error(d, self.address.node_id) for d in done]
 
     async def lease(self, items: list[tuple[bytes, int, float]]) -> list[ReplyItem]:
         async with self._request() as request:

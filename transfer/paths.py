@@ -107,6 +107,17 @@ class StreamPath(DataPath):
         for handle, host in staged:
             handle.buffer.copy_(host)
 
+    async def receive_eager(self, lengths: list[int], handles: list[PutHandle | None]) -> None:
+        """An eager write's data: every item's bytes in order, into its slot, or, for an item that was
+        refused, into one scratch buffer that is dropped."""
+        targets, staged = receive_targets([h for h in handles if h is not None])
+        accepted = iter(targets)
+        scratch = memoryview(bytearray(max([n for n, h in zip(lengths, handles) if h is None], default=0)))
+        await recv_into_all(self.conn, [next(accepted) if h is not None else scratch[:n]
+                                        for n, h in zip(lengths, handles)])
+        for handle, host in staged:
+            handle.buffer.copy_(host)
+
 
 class ShmPath(DataPath):
     """Same host: a writer copies into the shared pool at the offsets reserved for it and says
@@ -181,9 +192,9 @@ def registered_paths() -> dict[int, type[DataPath]]:
         if path is None or path is StreamPath:
             continue
         flag = path.flag
-        if flag <= 0 or flag & (flag - 1) or flag & (p.FLAG_CHECKSUM | p.FLAG_NO_REPLY):
-            raise ValueError(f"transport {name!r}: data path flag {flag:#x} must be one bit other than the "
-                             "checksum's and no-reply's")
+        if flag <= 0 or flag & (flag - 1) or flag & p.MODIFIER_FLAGS:
+            raise ValueError(f"transport {name!r}: data path flag {flag:#x} must be one bit other than "
+                             f"the protocol's modifiers ({p.MODIFIER_FLAGS:#x})")
         other = paths.get(flag)
         if other is not None and other is not path:
             raise ValueError(f"transports declare two data paths on flag {flag:#x}: {other.__name__} and {path.__name__}")
@@ -201,7 +212,7 @@ class Session:
 
     def path(self, flags: int) -> DataPath:
         """The path a request's flags select, ready to use."""
-        bits = flags & ~(p.FLAG_CHECKSUM | p.FLAG_NO_REPLY)
+        bits = flags & ~p.MODIFIER_FLAGS
         path = self.paths.get(bits)
         if path is None:
             raise p.ProtocolError(f"this node has no data path for request flags {bits:#x}")

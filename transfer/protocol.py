@@ -17,6 +17,9 @@ Operations (one request in flight per connection; the client keeps several conne
     WRITE       table of (key, parent, tenant, length, xxh3, seal)  ->  WRITE_READY table of (status, pool offset)
                 then the data of accepted items (or, with FLAG_SHM, a copy into the shared pool at
                 those offsets and WRITE_COMMIT)  ->  WRITE_DONE table of (status)
+                With FLAG_EAGER (at most MAX_EAGER_BYTES, over the stream): the data of every item
+                follows the table at once, no WRITE_READY; the bytes of a refused item are read and
+                dropped  ->  WRITE_DONE
     LEASE       table of (key, expected length, ttl)  ->  LEASE_REPLY (status, pool offset, lease id, seal):
                 same-host peers then copy from the shared pool in place, and RELEASE the leases
     RELEASE     table of (key, lease id)  ->  RELEASE_REPLY, or nothing with FLAG_NO_REPLY (a reader
@@ -44,7 +47,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"
-VERSION = 3  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY
+VERSION = 3  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
 MAX_ITEMS = 4096
@@ -59,6 +62,9 @@ FLAG_CHECKSUM = 1  # the sender computes xxh3-64 of every item, the receiver ver
 FLAG_SHM = 2  # WRITE on the same host: the data is copied into the shared pool, not streamed
 FLAG_UCX = 4  # READ/WRITE whose bulk bytes travel over the connection's UCX endpoints
 FLAG_NO_REPLY = 8  # RELEASE: the peer answers nothing (a reply nobody waits for costs both sides a wake-up)
+FLAG_EAGER = 16  # WRITE over the stream: the data follows the table at once, no WRITE_READY round trip
+MODIFIER_FLAGS = FLAG_CHECKSUM | FLAG_NO_REPLY | FLAG_EAGER  # the bits that choose no data path
+MAX_EAGER_BYTES = 1 << 20  # an eager write's whole data; a refused item's bytes cross the wire for nothing
 
 
 class Op(enum.IntEnum):

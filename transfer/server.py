@@ -36,7 +36,7 @@ from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
 from . import ucx as ucx_module
-from .paths import ServerSide, Session, registered_paths
+from .paths import ServerSide, Session, StreamPath, registered_paths
 from .protocol import Op, ReplyItem, Status
 from .sockio import recv_frame, send_frame, tls_handshake, tune
 
@@ -307,6 +307,12 @@ class TransferServer:
     async def _write(self, session: Session, flags: int, request: int, body: bytearray) -> None:
         path = session.path(flags)
         items = p.decode_write(body)
+        eager = bool(flags & p.FLAG_EAGER)
+        if eager and not isinstance(path, StreamPath):
+            raise p.ProtocolError("an eager write goes over the stream only")
+        if eager and sum(it.length for it in items) > p.MAX_EAGER_BYTES:
+            raise p.ProtocolError(f"an eager write of {sum(it.length for it in items)} bytes is over the limit "
+                                  f"of {p.MAX_EAGER_BYTES}")
         handles: list[PutHandle | None] = []
         ready: list[ReplyItem] = []
         try:
@@ -326,13 +332,16 @@ class TransferServer:
                     continue
                 handles.append(handle)
                 ready.append(ReplyItem(Status.OK, it.length, offset=path.write_offset(handle)))
-            await send_frame(session.conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
-            accepted = [(i, h) for i, h in enumerate(handles) if h is not None]
-            await path.receive(request, accepted)
+            if eager:  # the data is on its way already: no WRITE_READY
+                await path.receive_eager([it.length for it in items], handles)
+            else:
+                await send_frame(session.conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
+                await path.receive(request, [(i, h) for i, h in enumerate(handles) if h is not None])
             done: list[ReplyItem] = []
-            for it, handle in zip(items, handles):
+            for it, handle, reserved in zip(items, handles, ready):
                 if handle is None:
-                    done.append(ReplyItem(Status.BAD_REQUEST, message="refused before the data was sent"))
+                    done.append(reserved if eager else ReplyItem(Status.BAD_REQUEST,
+                                                                 message="refused before the data was sent"))
                     continue
                 if flags & p.FLAG_CHECKSUM and xxhash.xxh3_64_intdigest(host_bytes(handle.buffer)) != it.checksum:
                     await self.store.revoke(handle)

@@ -241,7 +241,8 @@ class ShmTransport(TcpTransport):
     lease_ttl = 30.0
     # A read of fewer bytes goes over the stream: below it, the lease's extra frame and the wake-up it
     # causes cost more than the two copies through the socket (crossover measured between 512 KiB and
-    # 1 MiB, docs/BENCHMARKS.md)
+    # 1 MiB, docs/BENCHMARKS.md). Writes up to MAX_EAGER_BYTES go over the stream too: an eager write
+    # is one round trip, a write into the pool two.
     stream_below_bytes = 1 << 20
 
     def __init__(self, checksum: bool = False) -> None:
@@ -305,6 +306,9 @@ class ShmTransport(TcpTransport):
         return results
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
+        if sum(it.src.numel() for it in items) <= p.MAX_EAGER_BYTES:  # one round trip over the stream
+            return await super().write(peer, items)
+
         async def op(conn, run):
             region = self._region(conn.info)
 
