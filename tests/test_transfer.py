@@ -290,14 +290,17 @@ async def test_an_eager_write_too_large_or_off_the_stream_is_refused(node, flags
     assert was_closed and not store.contains(items[0].key)
 
 
-async def test_client_gone_mid_write_leaves_nothing_visible(node):
+@pytest.mark.parametrize("eager", [False, True])
+async def test_client_gone_mid_write_leaves_nothing_visible(node, eager):
     store, server = node
     used = store.tier("pool").backend.used_bytes
 
     def half_write():
         sock = authenticated_socket(server.address)
-        sock.sendall(raw_frame(p.Op.WRITE, p.encode_write([p.WriteItem(b"a", 64 * KB), p.WriteItem(b"b", 64 * KB)])))
-        read_frame(sock)  # WRITE_READY: both reserved
+        table = p.encode_write([p.WriteItem(b"a", 64 * KB), p.WriteItem(b"b", 64 * KB)])
+        sock.sendall(raw_frame(p.Op.WRITE, table, flags=p.FLAG_EAGER if eager else 0))
+        if not eager:
+            read_frame(sock)  # WRITE_READY: both reserved
         sock.sendall(bytes(64 * KB + 100))  # all of a, a little of b, then the client dies
         sock.close()
 
