@@ -61,8 +61,9 @@ FRAME = struct.Struct("<4sBBHIQ")  # magic, version, op, flags, request id, body
 FLAG_CHECKSUM = 1  # the sender computes xxh3-64 of every item, the receiver verifies it
 FLAG_SHM = 2  # WRITE on the same host: the data is copied into the shared pool, not streamed
 FLAG_UCX = 4  # READ/WRITE whose bulk bytes travel over the connection's UCX endpoints
-FLAG_NO_REPLY = 8  # RELEASE: the peer answers nothing (a reply nobody waits for costs both sides a wake-up)
-FLAG_EAGER = 16  # WRITE over the stream: the data follows the table at once, no WRITE_READY round trip
+# The protocol's own modifiers take the top bits, so that the low ones stay free for plug-in data paths
+FLAG_NO_REPLY = 1 << 15  # RELEASE: the peer answers nothing (a reply nobody waits for costs both sides a wake-up)
+FLAG_EAGER = 1 << 14  # WRITE over the stream: the data follows the table at once, no WRITE_READY round trip
 MODIFIER_FLAGS = FLAG_CHECKSUM | FLAG_NO_REPLY | FLAG_EAGER  # the bits that choose no data path
 MAX_EAGER_BYTES = 1 << 20  # an eager write's whole data; a refused item's bytes cross the wire for nothing
 
