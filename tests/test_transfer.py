@@ -45,6 +45,20 @@ async def node():
     await stop_node(store, server)
 
 
+@pytest.fixture
+def frames_sent(monkeypatch) -> list[tuple[p.Op, int]]:
+    """(op, flags) of every frame the client side sends, in order."""
+    sent = []
+    original = transfer_connection.send_frame
+
+    async def recording(sock, op, request, body=b"", flags=0, data=()):
+        sent.append((op, flags))
+        return await original(sock, op, request, body, flags, data)
+
+    monkeypatch.setattr(transfer_connection, "send_frame", recording)
+    return sent
+
+
 def engine_for(server, transports=("tcp",), **kw) -> TransferEngine:
     engine = TransferEngine("node-a", SECRET, transports=transports, **kw)
     engine.add_peer("node-b", *server.address)
@@ -233,27 +247,16 @@ async def test_truncated_frames_and_oversized_writes(node):
         p.encode_read([(b"k", -1)])
 
 
-async def test_a_small_write_is_one_round_trip_and_a_refused_item_keeps_the_rest_in_step(node):
+async def test_a_small_write_is_one_round_trip_and_a_refused_item_keeps_the_rest_in_step(node, frames_sent):
     """An eager write (FLAG_EAGER, up to MAX_EAGER_BYTES): the table and every item's bytes go at once,
     the peer answers WRITE_DONE only. A refused item in the middle has its bytes read and dropped, so
     the items after it land intact."""
     store, server = node
     await store.put(b"taken", payload(9, 3000))
     engine = engine_for(server, ("tcp",))
-    frames = []
-    original = transfer_connection.send_frame
-
-    async def recording(sock, op, request, body=b"", flags=0, data=()):
-        frames.append((op, flags))
-        return await original(sock, op, request, body, flags, data)
-
-    transfer_connection.send_frame = recording
-    try:
-        keys, srcs = [b"e1", b"taken", b"e3"], [payload(1, 1000), payload(2, 3000), payload(3, 5000)]
-        results = await engine.write_blocks("node-b", keys, srcs)
-    finally:
-        transfer_connection.send_frame = original
-    assert frames[-1] == (p.Op.WRITE, p.FLAG_EAGER)
+    keys, srcs = [b"e1", b"taken", b"e3"], [payload(1, 1000), payload(2, 3000), payload(3, 5000)]
+    results = await engine.write_blocks("node-b", keys, srcs)
+    assert frames_sent[-1] == (p.Op.WRITE, p.FLAG_EAGER)
     assert results[0].ok and results[2].ok
     assert results[1].error.status is Status.EXISTS
     assert torch.equal((await store.get(b"e1")).view(-1), srcs[0])
@@ -364,7 +367,7 @@ async def test_shm_leases_hold_blocks_until_released(node):
     await store.remove(b"leased")
 
 
-async def test_a_pool_read_releases_its_leases_without_an_answer(node):
+async def test_a_pool_read_releases_its_leases_without_an_answer(node, frames_sent):
     """A read through the shared pool leases, copies and releases; the release asks for no answer
     (FLAG_NO_REPLY), so the read costs one round trip and one reply, and the peer still frees the
     lease as soon as the frame arrives. A release that waits gets its answer."""
@@ -373,20 +376,9 @@ async def test_a_pool_read_releases_its_leases_without_an_answer(node):
     await store.put(b"pooled", payload(2, BIG))
     engine = engine_for(server, ("shm", "tcp"))
     dst = torch.empty(BIG, dtype=torch.uint8)
-    sent = []
-    original = sockio_send_frame = transfer_connection.send_frame
-
-    async def recording(sock, op, request, body=b"", flags=0, data=()):
-        sent.append((op, flags))
-        return await sockio_send_frame(sock, op, request, body, flags, data)
-
-    transfer_connection.send_frame = recording
-    try:
-        (result,) = await engine.read_blocks("node-b", [b"pooled"], [dst])
-    finally:
-        transfer_connection.send_frame = original
+    (result,) = await engine.read_blocks("node-b", [b"pooled"], [dst])
     assert result.ok and result.transport == "shm" and torch.equal(dst, payload(2, BIG))
-    assert sent[-2:] == [(p.Op.LEASE, 0), (p.Op.RELEASE, p.FLAG_NO_REPLY)]  # after the handshake
+    assert frames_sent[-2:] == [(p.Op.LEASE, 0), (p.Op.RELEASE, p.FLAG_NO_REPLY)]  # after the handshake
     for _ in range(100):  # the peer frees the lease when the frame arrives, with nobody waiting
         try:
             await store.remove(b"pooled")
@@ -407,7 +399,7 @@ async def test_a_pool_read_releases_its_leases_without_an_answer(node):
     await engine.close()
 
 
-async def test_a_small_read_from_a_same_host_peer_goes_over_the_stream(node):
+async def test_a_small_read_from_a_same_host_peer_goes_over_the_stream(node, frames_sent):
     """Below ``stream_below_bytes`` a lease, a copy and a release cost more than the bytes through
     the socket: the shm transport reads such a batch with one READ, and a larger one through the pool."""
     store, server = node
@@ -415,27 +407,17 @@ async def test_a_small_read_from_a_same_host_peer_goes_over_the_stream(node):
     await store.put(b"small", payload(4, small))
     await store.put(b"big", payload(5, big))
     engine = engine_for(server, ("shm", "tcp"))
-    sent = []
-    original = transfer_connection.send_frame
-
-    async def recording(sock, op, request, body=b"", flags=0, data=()):
-        sent.append(op)
-        return await original(sock, op, request, body, flags, data)
-
-    transfer_connection.send_frame = recording
-    try:
-        dsts = [torch.empty(small, dtype=torch.uint8) for _ in range(2)]
-        results = await engine.read_blocks("node-b", [b"small", b"small"], dsts)
-        assert all(r.ok and r.transport == "shm" for r in results)
-        assert all(torch.equal(d, payload(4, small)) for d in dsts)
-        assert sent[-1] is p.Op.READ and p.Op.LEASE not in sent
-        sent.clear()
-        dst = torch.empty(big, dtype=torch.uint8)
-        (result,) = await engine.read_blocks("node-b", [b"big"], [dst])
-        assert result.ok and torch.equal(dst, payload(5, big))
-        assert sent == [p.Op.LEASE, p.Op.RELEASE]
-    finally:
-        transfer_connection.send_frame = original
+    dsts = [torch.empty(small, dtype=torch.uint8) for _ in range(2)]
+    results = await engine.read_blocks("node-b", [b"small", b"small"], dsts)
+    assert all(r.ok and r.transport == "shm" for r in results)
+    assert all(torch.equal(d, payload(4, small)) for d in dsts)
+    ops = [op for op, _ in frames_sent]
+    assert ops[-1] is p.Op.READ and p.Op.LEASE not in ops
+    frames_sent.clear()
+    dst = torch.empty(big, dtype=torch.uint8)
+    (result,) = await engine.read_blocks("node-b", [b"big"], [dst])
+    assert result.ok and torch.equal(dst, payload(5, big))
+    assert [op for op, _ in frames_sent] == [p.Op.LEASE, p.Op.RELEASE]
     await engine.close()
 
 
