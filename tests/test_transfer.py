@@ -31,6 +31,7 @@ from tiercake.transfer import (
 )
 from tiercake.transfer import connection as transfer_connection
 from tiercake.transfer import protocol as p
+from tiercake.transfer.server import MIN_RATE
 from tiercake.transfer.sockio import BULK_THREAD_BYTES
 from tiercake.transfer.transports import ShmTransport, TcpTransport
 from tiercake.tiers import SsdTier, Tier, TieredStore
@@ -315,6 +316,58 @@ async def test_client_gone_mid_write_leaves_nothing_visible(node, eager):
     assert not store.contains(b"a") and not store.contains(b"b")  # a was whole, but its batch was not
     assert store.tier("pool").backend.used_bytes == used
     assert b"a" not in store._entries
+
+
+async def test_a_stalled_writer_or_reader_is_dropped_and_what_it_held_given_back():
+    """A peer that reserved slots and sends nothing, or that stops reading a reply while the server
+    holds the blocks' leases, is dropped after ``stall_timeout`` plus its bytes at MIN_RATE: the
+    reservations and leases are given back, and everyone else is served meanwhile."""
+    store, server = await start_node("node-b", pool_bytes=64 << 20, stall_timeout=0.3)
+    try:
+        pool = store.tier("pool").backend
+        used = pool.used_bytes
+
+        def stalled_writer():
+            sock = authenticated_socket(server.address)
+            sock.sendall(raw_frame(p.Op.WRITE, p.encode_write([p.WriteItem(b"stalled", 64 * KB)])))
+            op, _ = read_frame(sock)  # WRITE_READY: reserved; then silence
+            assert op == p.Op.WRITE_READY
+            return sock, closed(sock)
+
+        sock, was_closed = await asyncio.to_thread(stalled_writer)
+        sock.close()
+        assert was_closed and not store.contains(b"stalled") and pool.used_bytes == used
+
+        big = 32 << 20  # more than the socket buffers take: the server's send blocks
+        await store.put(b"big", payload(7, big))
+
+        def stalled_reader():
+            sock = authenticated_socket(server.address)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * KB)
+            sock.sendall(raw_frame(p.Op.READ, p.encode_read([(b"big", big)])))
+            return sock  # and never reads the reply
+
+        sock = await asyncio.to_thread(stalled_reader)
+        await asyncio.sleep(0.2)
+        with pytest.raises(Exception, match="leased"):
+            await store.remove(b"big")  # the reply is going out: its lease is held
+        engine = engine_for(server)  # another peer is served meanwhile
+        await store.put(b"small", payload(8, 4 * KB))
+        (res,) = await engine.read_blocks("node-b", [b"small"], [torch.empty(4 * KB, dtype=torch.uint8)])
+        assert res.ok
+        await engine.close()
+        deadline = 0.3 + big / MIN_RATE + 5
+        for _ in range(int(deadline / 0.1)):
+            await asyncio.sleep(0.1)
+            try:
+                await store.remove(b"big")
+                break
+            except Exception:  # noqa: BLE001 - still leased
+                continue
+        assert not store.contains(b"big")  # the stalled reader was dropped and its lease given back
+        sock.close()
+    finally:
+        await stop_node(store, server)
 
 
 async def test_checksum_catches_corruption_in_transit(node):

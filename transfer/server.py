@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import ssl
+import time
 
 import numpy as np
 import xxhash
@@ -43,6 +44,11 @@ from .sockio import recv_frame, send_frame, tls_handshake, tune
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+# A request's bytes must move within STALL_TIMEOUT plus their size at MIN_RATE: a peer that reserved
+# slots and went silent, or stopped reading a reply while the server holds the blocks' leases, would
+# otherwise pin that space until its connection closed.
+STALL_TIMEOUT = 30.0
+MIN_RATE = 10e6  # bytes per second
 
 
 def status_of(exc: BaseException) -> Status:
@@ -76,6 +82,7 @@ class TransferServer:
         buffer_bytes: int | None = None,
         ucx: bool | None = None,
         tls: ssl.SSLContext | None = None,
+        stall_timeout: float = STALL_TIMEOUT,
     ) -> None:
         """``tls``: a server context (``transfer_tls_server``): the port speaks TLS only, before the
         cluster secret's challenge; UCX is then not served (its bytes would bypass TLS)."""
@@ -87,6 +94,7 @@ class TransferServer:
         self.host = host
         self.port = port
         self.max_block_bytes = max_block_bytes
+        self.stall_timeout = stall_timeout
         self.buffer_bytes = buffer_bytes
         self.pool_tier = pool_tier if pool_tier in {t.name for t in store.tiers} else None
         self.tls = tls
@@ -101,6 +109,9 @@ class TransferServer:
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
         self.refused = 0  # connections that failed authentication
+        self.stalled = 0  # connections dropped because a request's bytes stopped moving
+        self._moving: dict[asyncio.Task, float] = {}  # connection task -> deadline of the bytes it moves
+        self._watchdog_task: asyncio.Task | None = None
         self.served_bytes = 0
 
     def info(self) -> p.PeerInfo:
@@ -128,13 +139,15 @@ class TransferServer:
         sock.setblocking(False)
         self._listener = sock
         self._accept_task = asyncio.get_running_loop().create_task(self._accept())
+        self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
         return self
 
     async def close(self) -> None:
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
+        for task in (self._accept_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._listener is not None:
             self._listener.close()
         for task in list(self._connections):
@@ -265,10 +278,29 @@ class TransferServer:
                 checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
                 replies.append(ReplyItem(Status.OK, view.size, checksum, seal=self.store.seal_of(key)))
                 data.append((len(replies) - 1, view))
-            await path.send(request, flags, p.encode_read_reply(replies), data)
+            with self._deadline(sum(view.size for _, view in data)):
+                await path.send(request, flags, p.encode_read_reply(replies), data)
             self.served_bytes += sum(view.size for _, view in data)
         finally:
             await self.store.release_leases(leases)
+
+    def _deadline(self, nbytes: int) -> _Deadline:
+        """``with self._deadline(n):`` a request's bytes must move within ``stall_timeout`` plus ``n`` at
+        ``MIN_RATE``; the watchdog cancels a connection past it, and what the request held (reservations,
+        leases) is given back by its caller's ``finally``. No timer per request: this is on every read."""
+        return _Deadline(self._moving, time.monotonic() + self.stall_timeout + nbytes / MIN_RATE)
+
+    async def _watchdog(self) -> None:
+        """Drop the connections whose request's bytes stopped moving (``_deadline``)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stall_timeout / 3))
+            now = time.monotonic()
+            for task, deadline in list(self._moving.items()):
+                if now > deadline and not task.done():
+                    self.stalled += 1
+                    log.warning("transfer server %s: dropped a peer whose request's bytes stopped moving for "
+                                "%.1f s", self.node_id, self.stall_timeout)
+                    task.cancel()
 
     def _leased_block(self, key: bytes) -> tuple[np.ndarray | None, int | None]:
         """The block's bytes in host memory under a lease (released by the caller), or (None, None)
@@ -332,11 +364,12 @@ class TransferServer:
                     continue
                 handles.append(handle)
                 ready.append(ReplyItem(Status.OK, it.length, offset=path.write_offset(handle)))
-            if eager:  # the data is on its way already: no WRITE_READY
-                await path.receive_eager([it.length for it in items], handles)
-            else:
-                await send_frame(session.conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
-                await path.receive(request, [(i, h) for i, h in enumerate(handles) if h is not None])
+            with self._deadline(sum(it.length for it, h in zip(items, handles) if h is not None or eager)):
+                if eager:  # the data is on its way already: no WRITE_READY
+                    await path.receive_eager([it.length for it in items], handles)
+                else:
+                    await send_frame(session.conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
+                    await path.receive(request, [(i, h) for i, h in enumerate(handles) if h is not None])
             done: list[ReplyItem] = []
             for it, handle, reserved in zip(items, handles, ready):
                 if handle is None:
@@ -358,3 +391,18 @@ class TransferServer:
             for handle in handles:  # anything not committed is revoked: nothing half-written is visible
                 if handle is not None and not handle.done:
                     await self.store.revoke(handle)
+
+
+class _Deadline:
+    """The current task's bytes must move by ``deadline`` (``time.monotonic``) while inside."""
+
+    __slots__ = ("moving", "deadline")
+
+    def __init__(self, moving: dict[asyncio.Task, float], deadline: float) -> None:
+        self.moving, self.deadline = moving, deadline
+
+    def __enter__(self) -> None:
+        self.moving[asyncio.current_task()] = self.deadline
+
+    def __exit__(self, *exc: object) -> None:
+        self.moving.pop(asyncio.current_task(), None)
