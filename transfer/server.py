@@ -278,9 +278,10 @@ class TransferServer:
                 checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
                 replies.append(ReplyItem(Status.OK, view.size, checksum, seal=self.store.seal_of(key)))
                 data.append((len(replies) - 1, view))
-            with self._deadline(sum(view.size for _, view in data)):
+            nbytes = sum(view.size for _, view in data)
+            with self._deadline(nbytes):
                 await path.send(request, flags, p.encode_read_reply(replies), data)
-            self.served_bytes += sum(view.size for _, view in data)
+            self.served_bytes += nbytes
         finally:
             await self.store.release_leases(leases)
 
@@ -342,9 +343,8 @@ class TransferServer:
         eager = bool(flags & p.FLAG_EAGER)
         if eager and not isinstance(path, StreamPath):
             raise p.ProtocolError("an eager write goes over the stream only")
-        if eager and sum(it.length for it in items) > p.MAX_EAGER_BYTES:
-            raise p.ProtocolError(f"an eager write of {sum(it.length for it in items)} bytes is over the limit "
-                                  f"of {p.MAX_EAGER_BYTES}")
+        if eager and (total := sum(it.length for it in items)) > p.MAX_EAGER_BYTES:
+            raise p.ProtocolError(f"an eager write of {total} bytes is over the limit of {p.MAX_EAGER_BYTES}")
         handles: list[PutHandle | None] = []
         ready: list[ReplyItem] = []
         try:
@@ -396,13 +396,14 @@ class TransferServer:
 class _Deadline:
     """The current task's bytes must move by ``deadline`` (``time.monotonic``) while inside."""
 
-    __slots__ = ("moving", "deadline")
+    __slots__ = ("moving", "deadline", "task")
 
     def __init__(self, moving: dict[asyncio.Task, float], deadline: float) -> None:
         self.moving, self.deadline = moving, deadline
 
     def __enter__(self) -> None:
-        self.moving[asyncio.current_task()] = self.deadline
+        self.task = asyncio.current_task()
+        self.moving[self.task] = self.deadline
 
     def __exit__(self, *exc: object) -> None:
-        self.moving.pop(asyncio.current_task(), None)
+        self.moving.pop(self.task, None)

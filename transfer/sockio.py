@@ -108,9 +108,15 @@ def _blocking(sock: socket.socket, views: list[memoryview], send: bool) -> None:
             sock.setblocking(False)
 
 
+def _worth_a_thread(views: list[memoryview]) -> bool:
+    """Whether these bytes are many enough for a bulk thread (``BULK_THREAD_BYTES``)."""
+    total = len(views[0]) if len(views) == 1 else sum(len(v) for v in views)
+    return total >= BULK_THREAD_BYTES
+
+
 async def _bulk(sock: socket.socket, views: list[memoryview], send: bool) -> bool:
-    """Move large payloads in a bulk thread; False when the payload is small or no thread is free."""
-    if sum(len(v) for v in views) < BULK_THREAD_BYTES or not _bulk_free.acquire(blocking=False):
+    """Move a large payload (``_worth_a_thread``) in a bulk thread; False when no thread is free."""
+    if not _bulk_free.acquire(blocking=False):
         return False
     loop = asyncio.get_running_loop()
     future = loop.run_in_executor(_bulk_pool, _blocking, sock, views, send)
@@ -130,7 +136,7 @@ async def _bulk(sock: socket.socket, views: list[memoryview], send: bool) -> boo
 
 async def send_all(sock: socket.socket, buffers: Sequence) -> None:
     views = _views(buffers)
-    if (len(views) > 1 or (views and len(views[0]) >= BULK_THREAD_BYTES)) and await _bulk(sock, views, send=True):
+    if views and _worth_a_thread(views) and await _bulk(sock, views, send=True):
         return
     tls = isinstance(sock, ssl.SSLSocket)
     while views:
@@ -150,11 +156,8 @@ async def send_all(sock: socket.socket, buffers: Sequence) -> None:
 async def recv_into_all(sock: socket.socket, buffers: Sequence) -> None:
     """Fill every buffer in order; PeerClosedError if the stream ends first."""
     views = _views(buffers)
-    if not views:
+    if views and _worth_a_thread(views) and await _bulk(sock, views, send=False):
         return
-    if len(views) > 1 or len(views[0]) >= BULK_THREAD_BYTES:
-        if await _bulk(sock, views, send=False):
-            return
     tls = isinstance(sock, ssl.SSLSocket)
     while views:
         try:
@@ -174,21 +177,15 @@ async def recv_into_all(sock: socket.socket, buffers: Sequence) -> None:
 
 async def recv_exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
+    got = 0
     if n and not isinstance(sock, ssl.SSLSocket):
-        # A frame's header and table usually wait in the socket already: one call, no lists of views
-        try:
+        # A frame's header and table usually wait in the socket already: one call, no lists of views.
+        # Anything else (nothing there yet, part of it, the peer gone) takes the general way, which
+        # says what happened.
+        with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionResetError):
             got = sock.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            got = 0
-        except ConnectionResetError as exc:
-            raise PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
-        else:
-            if got == 0:
-                raise PeerClosedError("peer closed the connection mid-transfer")
-        if got < n:
-            await recv_into_all(sock, [memoryview(buf)[got:]])
-        return buf
-    await recv_into_all(sock, [buf])
+    if got < n:
+        await recv_into_all(sock, [memoryview(buf)[got:]])
     return buf
 
 

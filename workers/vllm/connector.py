@@ -374,13 +374,12 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._layers = layers
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._loader = LayerwiseLoader(layers, self._fetch)
-        self._layer_bytes = [rows.shape[1] for rows in layers]
-        self.block_nbytes = sum(self._layer_bytes)
+        self._layer_bytes, self.block_nbytes = self._loader.layer_bytes, self._loader.block_bytes
 
     def _gather(self, block_ids: list[int], staging: torch.Tensor) -> None:
         """Rows of ``staging`` (one tiercake block each: every layer's part, in layer order) from vLLM's
-        blocks ``block_ids`` of every layer: one indexed copy per layer (``_run_loads`` does the inverse,
-        layer by layer)."""
+        blocks ``block_ids`` of every layer: one indexed copy per layer (``LayerwiseLoader`` does the
+        inverse, layer by layer)."""
         index = torch.tensor(block_ids, dtype=torch.long)
         offset = 0
         for rows, n in zip(self._layers, self._layer_bytes):
