@@ -52,6 +52,8 @@ from tiercake.messages import (
     ReplicationTask,
     ReportReply,
     RevokeReply,
+    SlotReports,
+    SlotReportsReply,
     UnpinReply,
     VolatileChange,
     VolatileReply,
@@ -298,7 +300,8 @@ def _member_routes(conductor: Conductor) -> list:
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
         return reply(KeepAliveReply(pins_version=conductor.pins_version, settings=conductor.settings, tasks=[
             ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
-            for t in tasks], term=await conductor.term(), volatile_tiers=sorted(conductor.index.volatile_tiers)))
+            for t in tasks], term=await conductor.term(), volatile_tiers=sorted(conductor.index.volatile_tiers),
+            objects_epoch=conductor.objects.map.epoch))
 
     async def flush_applied(request: web.Request) -> web.Response:
         """A member applied a flush (the leader answers synchronous flushes)."""
@@ -318,7 +321,19 @@ def _member_routes(conductor: Conductor) -> list:
     async def leader_info(_: web.Request) -> web.Response:
         return reply(LeaderReply.model_validate({"leader": await conductor.leader(), "self": conductor.conductor_id}))
 
+    async def object_map(_: web.Request) -> web.Response:
+        """Who owns each slot of the key-value store's objects (any conductor: the one it follows)."""
+        return reply(conductor.objects.map)
+
+    async def slot_reports(request: web.Request) -> web.Response:
+        """Primaries' word that backups hold their slots whole now (or no more), or took them over."""
+        body = await parse(request, SlotReports)
+        conductor.require_leader(await conductor.leader())
+        current, refused = await conductor.objects.mark(body.reports)
+        return reply(SlotReportsReply(map=current, refused=refused))
+
     return [
+        web.get("/v1/objects/map", object_map), web.post("/v1/objects/reports", slot_reports),
         web.post("/v1/members/register", register), web.post("/v1/members/keepalive", keep_alive),
         web.post("/v1/members/leave", leave), web.get("/v1/members", members), web.get("/v1/leader", leader_info),
         web.post("/v1/flush/applied", flush_applied),
@@ -405,7 +420,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
             replication=config.replication, replication_params=config.replication_params,
             put_timeout=config.put_timeout_s, peer_token=tokens[0] if tokens else None,
-            peer_ssl=full.tls.client_context(), volatile_tiers=tuple(config.volatile_tiers),
+            peer_ssl=full.tls.client_context(), volatile_tiers=tuple(config.volatile_tiers), objects=full.objects,
         ).start()
         frontend = Frontend(conductor, full)
         sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None,

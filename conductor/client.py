@@ -30,6 +30,7 @@ from tiercake.messages import (
     NodeBlock,
     NodeBlocksReply,
     NodePinsReply,
+    ObjectMap,
     PinPrefixReply,
     PinReply,
     PolicyReply,
@@ -39,6 +40,8 @@ from tiercake.messages import (
     RemoveReply,
     ReportReply,
     RevokeReply,
+    SlotReady,
+    SlotReportsReply,
     UnpinReply,
     VolatileReply,
 )
@@ -310,6 +313,16 @@ class Client:
     async def leader(self) -> ConductorInfo | None:
         """The leading conductor (None while there is none)."""
         return (await self._typed(LeaderReply, "GET", "/v1/leader")).leader
+
+    async def object_map(self) -> ObjectMap:
+        """Who owns each slot of the key-value store's objects."""
+        return await self._typed(ObjectMap, "GET", "/v1/objects/map")
+
+    async def slot_reports(self, reports: list[SlotReady]) -> SlotReportsReply:
+        """A primary's word that backups now hold its slots whole (or no more: ``lagging``), or took
+        them over (``handed_off``); per report, '' or why it was refused."""
+        return await self._typed(SlotReportsReply, "POST", "/v1/objects/reports",
+                                 {"reports": [r.model_dump() for r in reports]})
 
 
 class NodeDirectory:

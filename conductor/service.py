@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 
+from tiercake.config import ObjectsConfig
 from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
 from tiercake.policies import NodeLoad, create_placement, create_replication
 
@@ -22,6 +23,7 @@ from .client import Client, ConductorError
 from .election import LeaderElection
 from .heat import AccessRates
 from .membership import MEMBERS, Membership
+from .objects import ObjectMapKeeper
 from .metadata import (
     Delete, Guard, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
 )
@@ -79,7 +81,8 @@ class Conductor:
     def __init__(self, meta: MetadataBackend, conductor_id: str | None = None, url: str = "", ttl: int = 3,
                  placement: str = "least_used", replication: str = "fixed", replication_params: dict | None = None,
                  put_timeout: float = 60.0, heat_half_life: float = 10.0, peer_token: str | None = None,
-                 peer_ssl=None, volatile_tiers: tuple[str, ...] = ("gpu",)) -> None:
+                 peer_ssl=None, volatile_tiers: tuple[str, ...] = ("gpu",), objects=None) -> None:
+        """``objects``: the ``ObjectsConfig`` the object map is kept by (slots, replicas, failover)."""
         self.meta = meta
         self.placement = create_placement(placement)
         self.replication = create_replication(replication, replication_params)
@@ -117,6 +120,9 @@ class Conductor:
         self._flushes_applied: dict[str, int] = {}  # member -> the last flush epoch it confirmed (leader)
         self._flush_confirmed = asyncio.Event()
         self._settings_follower: asyncio.Task | None = None
+        objects = objects or ObjectsConfig()
+        self.objects = ObjectMapKeeper(meta, self.members, self.guard, lambda: self.is_leader, slots=objects.slots,
+                                       replicas_max=objects.replicas_max, failover_s=objects.failover_s)
 
     async def start(self) -> Conductor:
         await self.index.start()
@@ -131,6 +137,7 @@ class Conductor:
             self._apply_setting(WatchEvent("put", kv.key, kv.value, revision))
         self._settings_follower = asyncio.get_running_loop().create_task(
             follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings"))
+        await self.objects.start()
         await self.election.start()
         self._heat_forwarder = asyncio.get_running_loop().create_task(self._forward_heat_forever())
         if self.index.volatile_tiers:
@@ -139,6 +146,7 @@ class Conductor:
 
     async def close(self) -> None:
         await self.election.resign()
+        await self.objects.close()
         for task in (self._pin_follower, self._settings_follower, self._heat_forwarder, self._volatile_follower):
             if task is not None:
                 task.cancel()

@@ -157,3 +157,93 @@ def test_a_pool_larger_than_its_file_system_is_a_clear_error_not_a_sigbus(tmp_pa
                            f"{sys.executable} {script}"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr)  # not -7 (SIGBUS)
     assert "cannot reserve" in done.stdout and "less free space" in done.stdout and "left: []" in done.stdout
+
+
+_KILLED_OWNER = """
+import asyncio, os, signal, sys
+import torch
+from tiercake.tiers import PoolRegion, PoolTier, Tier, TieredStore
+
+async def main(path, n):
+    store = await TieredStore([Tier(PoolTier(PoolRegion.create(path, 4 << 20, adopt=True, index_entries=512), keep=True))]).open()
+    for i in range(n):
+        await store.put(i.to_bytes(8, "big") * 4, torch.full((5000 + i,), i % 251, dtype=torch.uint8),
+                        tenant=f"t{i % 3}", parent=b"p" * 32 if i % 2 else None, seal=bytes([i % 256]) * 16)
+    await store.remove((0).to_bytes(8, "big") * 4)  # removed before the kill: gone after it too
+    handle = await store.put_start(b"pending-".ljust(32, b"x"), 9000)  # reserved, never committed
+    handle.buffer.fill_(1)
+    print("ready", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def test_a_restarted_owner_adopts_every_committed_block_of_a_killed_one(shm_path, tmp_path):
+    """An owner SIGKILLed with blocks committed, one removed and a put half done: the next owner at the
+    same path finds exactly the committed blocks (bytes, sizes, tenants, parents, seals), and the
+    half-done put's space is free again."""
+    import subprocess
+    import sys
+
+    from tiercake.tiers import Tier, TieredStore
+
+    n = 300
+    script = tmp_path / "owner.py"
+    script.write_text(_KILLED_OWNER)
+    done = subprocess.run([sys.executable, str(script), str(shm_path), str(n)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -9 and "ready" in done.stdout, (done.returncode, done.stderr[-2000:])
+    tier = PoolTier(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512), keep=True)
+    store = await TieredStore([Tier(tier)]).open()
+    try:
+        assert tier.region.adopted
+        keys = {i.to_bytes(8, "big") * 4 for i in range(1, n)}
+        assert set(store.keys()) == keys
+        for i in range(1, n):
+            k = i.to_bytes(8, "big") * 4
+            got = await store.get(k)
+            assert got.numel() == 5000 + i and bool((got == i % 251).all())
+            entry = store._entries[k]
+            assert entry.meta.tenant == f"t{i % 3}" and entry.meta.parent == (b"p" * 32 if i % 2 else None)
+            assert store.seal_of(k) == bytes([i % 256]) * 16
+        pages = sum(-(-(5000 + i) // 4096) for i in range(1, n))
+        assert tier.allocator.used_pages == pages  # the pending put's extent and the removed block's are free
+        # and the adopted store keeps working: a new block, a removal, both described for the next owner
+        await store.put(b"new".ljust(32, b"n"), torch.ones(100, dtype=torch.uint8))
+        await store.remove((1).to_bytes(8, "big") * 4)
+    finally:
+        await store.close()
+    again = PoolTier(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512))
+    try:
+        found = {b.key for b in await again.recover()}
+        assert b"new".ljust(32, b"n") in found and (1).to_bytes(8, "big") * 4 not in found and len(found) == n - 1
+    finally:
+        again.close()
+
+
+def test_a_region_of_another_size_is_formatted_anew_not_misread(shm_path):
+    import asyncio
+
+    async def go():
+        region = PoolRegion.create(shm_path, 1 << 20, adopt=True)
+        tier = PoolTier(region, keep=True)
+        slot = tier.allocate(4096)
+        tier.on_commit(slot, b"k" * 32, None, "", b"")
+        tier.close()
+        bigger = PoolTier(PoolRegion.create(shm_path, 2 << 20, adopt=True))
+        assert not bigger.region.adopted and await bigger.recover() == []
+        bigger.close()
+
+    asyncio.run(go())
+
+
+def test_an_extent_can_be_reserved_only_where_it_is_free():
+    a = ExtentAllocator(16 * 4096)
+    assert a.reserve(4 * 4096, 8192) and a.used_pages == 2
+    assert not a.reserve(5 * 4096, 4096)  # overlaps the reserved one
+    assert not a.reserve(15 * 4096, 8192)  # past the end
+    assert not a.reserve(100, 10)  # not page-aligned
+    assert a.reserve(0, 4096) and a.allocate(4096) == 4096  # first fit goes around what is taken
+    a.free(4 * 4096, 8192)
+    assert a.allocate(3 * 4096) == 2 * 4096  # freed space coalesced with its neighbours

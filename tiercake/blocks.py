@@ -17,6 +17,7 @@ caught the same way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -113,25 +114,42 @@ def block_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list
     return keys
 
 
-def object_head_key(name: bytes, tenant: str = "") -> BlockKey:
-    """The key of a stored object's first block (the key-value store API): a chain of one block whose
-    "tokens" are the name's bytes, in a namespace of its own per tenant, so an object never shares a
-    key with KV blocks, another tenant's objects or another name."""
-    root = Namespace(model_id="tiercake.objects", kv_layout="bytes.v1", block_size=1, tenant_salt=tenant).root()
-    return chain_key(root, np.frombuffer(name, dtype=np.uint8))
+@functools.lru_cache(maxsize=1024)
+def _object_root(tenant: str) -> bytes:
+    return Namespace(model_id="tiercake.objects", kv_layout="bytes.v1", block_size=1, tenant_salt=tenant).root()
 
 
-def object_chunk_keys(head: bytes, version: int, count: int) -> list[BlockKey]:
-    """The keys of an object's further blocks, chained from its head. ``version`` (64 bits, new at each
-    put) is in every key, so a reader of a replaced object never mixes two versions' bytes."""
-    if not 0 <= version < 1 << 64:
-        raise ValueError("an object version is 64 bits")
-    keys: list[BlockKey] = []
-    parent = head
-    for i in range(count):
-        parent = chain_key(parent, [version >> 32, version & _MAX_TOKEN, i])
-        keys.append(parent)
-    return keys
+def object_id(name: bytes, tenant: str = "") -> BlockKey:
+    """A key-value store object's identity: a chain of one block whose "tokens" are the name's bytes,
+    in a namespace of its own per tenant, so an object never shares a key with KV blocks, another
+    tenant's objects or another name. It picks the object's slot (``object_slot``), and so its owner."""
+    return chain_key(_object_root(tenant), np.frombuffer(name, dtype=np.uint8))
+
+
+def object_slot(oid: bytes, slots: int) -> int:
+    """Which of the object map's ``slots`` an object lies in (the map says which nodes own each)."""
+    return int.from_bytes(oid[:8], "little") % slots
+
+
+def object_block_key(oid: bytes, nonce: int) -> BlockKey:
+    """The store key of one written version of an object: new at every write (``nonce``, 64 bits), so
+    an upsert's new bytes never share a block with the version readers may still be reading."""
+    if not 0 <= nonce < 1 << 64:
+        raise ValueError("an object block nonce is 64 bits")
+    return chain_key(oid, [nonce >> 32, nonce & _MAX_TOKEN])
+
+
+OBJECT_TENANT_SUFFIX = "#obj"  # object tenants have no '#': KV tenants never end so
+
+
+def object_block_tenant(tenant: str) -> str:
+    """The store tenant of a key-value store tenant's object blocks (quota, and how a node tells its
+    object blocks from KV blocks: only the latter are reported to the placement index)."""
+    return tenant + OBJECT_TENANT_SUFFIX
+
+
+def is_object_tenant(store_tenant: str) -> bool:
+    return store_tenant.endswith(OBJECT_TENANT_SUFFIX)
 
 
 class Sealer:

@@ -63,6 +63,11 @@ class TierConfig(BaseModel):
     path: str | None = Field(default=None, description="pool: shm/file/DAX path; ssd: directory")
     page_size: int = Field(default=4096, ge=4096, description="pool: allocation granularity")
     prefault: bool = Field(default=True, description="pool: touch every page at start")
+    adopt: bool = Field(default=True, description="pool: the region's file outlives the node agent, and a "
+                        "restarted one adopts the blocks it holds (false: every start begins empty, and a "
+                        "clean stop removes the file)")
+    index_entries: int | None = Field(default=None, ge=1, description="pool: how many blocks the region's "
+                                      "index can describe (default: one per four pages)")
     # ssd
     compression: bool = False
     shuffle: bool = True
@@ -243,6 +248,23 @@ class ConductorConfig(BaseModel):
         return found
 
 
+class ObjectsConfig(BaseModel):
+    """The key-value store's objects: how their owners are chosen and how long things last."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slots: int = Field(default=256, ge=1, le=65536, description="conductor: slots of the object map (fixed once "
+                       "the map exists: each object's slot comes from its name)")
+    replicas_max: int = Field(default=3, ge=1, le=16, description="conductor: nodes per slot (a primary and its "
+                              "backups); a put may ask for up to this many replicas")
+    failover_s: float = Field(default=10.0, gt=0, le=86400, description="conductor: how long a slot's primary may "
+                              "be absent (its lease expired) before a backup takes the slot over; a node agent that "
+                              "restarts sooner keeps its slots and, with its pool adopted, all it held")
+    lease_ttl_s: float = Field(default=5.0, gt=0, le=3600, description="node: how long a get or an exists keeps "
+                               "the object from a remove (unless forced) and from eviction, as Mooncake's "
+                               "default_kv_lease_ttl")
+
+
 class InsecureConfigError(ValueError):
     """A server of the cluster would run without authentication and the operator did not ask for it."""
 
@@ -388,6 +410,7 @@ class TiercakeConfig(BaseModel):
     conductor: ConductorConfig = Field(default_factory=ConductorConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     tls: TlsConfig = Field(default_factory=TlsConfig)
+    objects: ObjectsConfig = Field(default_factory=ObjectsConfig)
 
     @model_validator(mode="after")
     def _transfer_tls(self) -> TiercakeConfig:

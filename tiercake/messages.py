@@ -175,8 +175,56 @@ class ReplicationTask(Reply):
     source: str | None
 
 
+class ObjectMap(Reply):
+    """Who owns each slot of the key-value store's objects (``tiercake.blocks.object_slot``): per slot a
+    chain of nodes, the primary first, then its backups. The primary is the slot's one owner: every
+    write of its objects goes through it, in order, and to as many of the backups as each object's
+    replicas ask, before it is acknowledged. ``ready[s]`` of a chain's members, from the start, hold
+    every replicated object of the slot (a member after them is still being copied); ``handoff[s]``
+    names a ready backup the primary is to hand the slot to (a rebalance). Only the leading conductor
+    writes it, each change with a new ``epoch``."""
+
+    epoch: int = 0
+    chains: list[list[str]] = Field(default_factory=list)
+    ready: list[int] = Field(default_factory=list)
+    handoff: dict[int, str] = Field(default_factory=dict)
+
+    @property
+    def slots(self) -> int:
+        return len(self.chains)
+
+    def primary(self, slot: int) -> str | None:
+        chain = self.chains[slot] if 0 <= slot < len(self.chains) else []
+        return chain[0] if chain else None
+
+
+class SlotReady(Request):
+    """A primary's word that a backup now holds the whole slot, that it does no more (``lagging``), or
+    that the primary handed the slot to it."""
+
+    slot: int = Field(ge=0)
+    epoch: int = Field(ge=0, description="the map epoch the primary synced (or handed off) under")
+    node: Name = Field(description="the backup synced (a handoff: the new primary)")
+    primary: Name
+    handed_off: bool = Field(default=False, description="the primary stopped serving the slot for ``node`` to take it")
+    lagging: bool = Field(default=False, description="``node`` failed a write: it holds the slot whole no more, and "
+                          "is copied it again before it may be promoted")
+
+
+class SlotReports(Request):
+    """A primary's reports of several slots at once (one map change for all of them)."""
+
+    reports: list[SlotReady] = Field(min_length=1, max_length=65536)
+
+
+class SlotReportsReply(Reply):
+    map: ObjectMap
+    refused: list[str] = Field(default_factory=list, description="per report: why it was refused ('' when applied)")
+
+
 class KeepAliveReply(Reply):
     pins_version: int
+    objects_epoch: int = Field(default=0, description="the object map's epoch: a member with an older map fetches it")
     settings: ClusterSettings = Field(default_factory=ClusterSettings)
     tasks: list[ReplicationTask] = Field(default_factory=list)
     term: int = Field(default=0, description="the leader's term; when it changes, a member re-reports what it "

@@ -82,7 +82,8 @@ class TierBackend(ABC):
         """Give the slot back; its bytes are gone."""
 
     async def recover(self) -> list[RecoveredBlock]:
-        """What the tier still holds after a restart (memory tiers: nothing)."""
+        """What the tier still holds after a restart (a disk tier's files; a pool region adopted from
+        its previous owner; most memory tiers: nothing)."""
         return []
 
     @abstractmethod
@@ -104,6 +105,10 @@ class MemoryTierBackend(TierBackend):
         """Take a reference to a slot filled outside the store (a gpu block a sequence computed)."""
         raise TypeError(f"tier {self.name!r} ({self.kind}) cannot adopt blocks")
 
+    def on_commit(self, slot: Any, key: bytes, parent: bytes | None, tenant: str, seal: bytes) -> None:
+        """The block in ``slot`` became visible. A tier whose memory outlives its owner (the pool)
+        records it, so that ``recover`` can hand it back to the next owner; others do nothing."""
+
 
 class DiskTierBackend(TierBackend):
     in_memory = False
@@ -114,9 +119,10 @@ class DiskTierBackend(TierBackend):
 
     @abstractmethod
     async def persist(self, slot: Any, key: bytes, parent: bytes | None, src: torch.Tensor | None = None, *,
-                      tenant: str = "", seal: bytes = b"") -> None:
-        """Write the block (from ``src``, else the slot's staging buffer) durably enough to recover,
-        with its tenant and seal (``recover`` hands both back)."""
+                      tenant: str = "", seal: bytes = b"", sync: bool = False) -> None:
+        """Write the block (from ``src``, else the slot's staging buffer) durably enough to recover
+        after the process dies, with its tenant and seal (``recover`` hands both back); with ``sync``,
+        durably enough to recover after the machine does (on the device before this returns)."""
 
     @abstractmethod
     async def read_into(self, slot: Any, key: bytes, dst: torch.Tensor) -> None:

@@ -213,13 +213,14 @@ class SsdTier(DiskTierBackend):
         return self.blocks_dir / hexkey[:2] / f"{hexkey}.blk"
 
     async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
-                      tenant: str = "", seal: bytes = b"") -> None:
-        """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible."""
+                      tenant: str = "", seal: bytes = b"", sync: bool = False) -> None:
+        """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible
+        (with ``sync``, on the device, its name too, before this returns)."""
         payload = self._payload(slot, key, parent, tenant, seal, src)
         self._tmp_seq += 1
         path = self._path_for(key)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{self._tmp_seq}")
-        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), seal, payload)
+        size, stored = await self._run(self._write_file, path, tmp, key, parent, tenant.encode(), seal, payload, sync)
         self.used_bytes += size - slot.reserved
         slot.reserved = size
         slot.stored = stored
@@ -268,7 +269,7 @@ class SsdTier(DiskTierBackend):
 
     def _write_file(
         self, path: Path, tmp: Path, key: bytes, parent: bytes | None, tenant: bytes, seal: bytes,
-        payload: np.ndarray,
+        payload: np.ndarray, sync: bool = False,
     ) -> tuple[int, int]:
         """Write the file; returns its size on disk and the stored payload length.
 
@@ -307,11 +308,17 @@ class SsdTier(DiskTierBackend):
             fd = os.open(tmp, open_flags, 0o644)
             try:
                 pwritev_all(fd, iov)
-                if self.fsync:
+                if self.fsync or sync:
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, path)
+            if sync:  # the rename itself, durable
+                dirfd = os.open(path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dirfd)
+                finally:
+                    os.close(dirfd)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

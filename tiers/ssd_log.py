@@ -126,6 +126,7 @@ class _Append:
     stored: int  # payload bytes on disk
     raw: np.ndarray | None = None  # a whole record (compaction)
     future: asyncio.Future | None = None
+    sync: bool = False  # on the device (fdatasync) before its future is done
 
     @property
     def length(self) -> int:
@@ -227,15 +228,16 @@ class SsdLogTier(SsdTier):
     # Writes ---------------------------------------------------------------------------------------
 
     async def persist(self, slot: LogSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
-                      tenant: str = "", seal: bytes = b"") -> None:
-        """Append the block (from ``src`` or the slot's staging buffer) and wait until it is written."""
+                      tenant: str = "", seal: bytes = b"", sync: bool = False) -> None:
+        """Append the block (from ``src`` or the slot's staging buffer) and wait until it is written
+        (with ``sync``, until the device holds it: its batch ends with an ``fdatasync``)."""
         payload = self._payload(slot, key, parent, tenant, seal, src)
         if self.compression:
             stored, flags = await self._run(self._encode, payload)
         else:
             stored, flags = payload, 0
         header = pack_header(flags, PAGE, key, parent, tenant.encode(), seal, payload.size, stored)
-        appended = self._append(_Append(stored, header, stored.size))
+        appended = self._append(_Append(stored, header, stored.size, sync=sync))
         try:
             segment, offset = await asyncio.shield(appended)
         except asyncio.CancelledError:  # the record may land anyway: then it is marked dead, not orphaned
@@ -316,7 +318,7 @@ class SsdLogTier(SsdTier):
         iov = self._wbuf.iov(records)
         try:
             pwritev_all(segment.fd, iov, segment.length)
-            if self.fsync:
+            if self.fsync or any(r.sync for r in records):
                 os.fdatasync(segment.fd)
         except OSError as exc:
             try:  # cut what part of the batch landed, so the tail is known and the space comes back
@@ -333,6 +335,7 @@ class SsdLogTier(SsdTier):
         path = self.segments_dir / f"{seg_id:010d}.seg"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct_io else 0), 0o644)
         segment = Segment(seg_id, path, fd)
+        _sync_dir(self.segments_dir)  # the new file's name, durable before a synced record in it is acknowledged
         self._created.append(segment)  # list.append is atomic; the loop takes them after the batch
         return segment
 
@@ -512,7 +515,8 @@ class SsdLogTier(SsdTier):
             raws = await self._run(lambda: [self._read_raw(victim, offset, slot.reserved) for offset, slot in chunk])
         finally:
             victim.readers -= 1
-        appended = await asyncio.gather(*(self._append(_Append(None, None, slot.stored, raw=raw))
+        # synced: the victim is unlinked next, and a synced block must not exist only in the page cache
+        appended = await asyncio.gather(*(self._append(_Append(None, None, slot.stored, raw=raw, sync=True))
                                           for (_, slot), raw in zip(chunk, raws)), return_exceptions=True)
         failed = None
         for (offset, slot), result in zip(chunk, appended):
@@ -682,3 +686,11 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS):
         return False
     raise OSError(err, os.strerror(err))
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -131,6 +131,8 @@ class Entry:
     copies: dict[int, Copy] = field(default_factory=dict)  # tier index -> copy
     hard_pin: bool = False
     soft_pin_until: float = 0.0
+    keep: bool = False  # its last copy is never evicted: it spills down, and stays where it is at the bottom
+    hold_until: float = 0.0  # monotonic: not evicted before (a reader was promised it, as Mooncake's lease)
     seal: bytes = b""  # what the writer stored with the block (``tiercake.blocks.Sealer``): kept, never checked
 
     def committed(self) -> list[int]:
@@ -459,20 +461,22 @@ class TieredStore:
         self._check_size(src.numel())
         return src
 
-    def _check_size(self, nbytes: int) -> None:
+    def _check_size(self, nbytes: int, exact: bool = True) -> None:
         if nbytes <= 0:
             raise PayloadError("payload is empty")
-        if self.payload_nbytes is not None and nbytes != self.payload_nbytes:
+        if exact and self.payload_nbytes is not None and nbytes != self.payload_nbytes:
             raise PayloadError(f"payload is {nbytes} bytes, this store's blocks are {self.payload_nbytes} bytes")
 
     async def put_start(
         self, key: bytes, nbytes: int, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
-        tenant: str = "", seal: bytes = b"",
+        tenant: str = "", seal: bytes = b"", exact_size: bool = True, keep: bool = False,
     ) -> PutHandle:
         """Reserve space for ``key`` in ``tier`` (default: the fastest tier that admits it). ``seal``
-        is kept with the block and handed to its readers (``seal_of``)."""
+        is kept with the block and handed to its readers (``seal_of``). ``exact_size=False``: a block
+        of any size, whatever the store's KV block size (a key-value store object); ``keep``: its
+        last copy is never evicted (``set_keep``)."""
         self._check_key(key)
-        self._check_size(nbytes)
+        self._check_size(nbytes, exact_size)
         if tier is not None and not self.tier(tier).backend.accepts(nbytes):
             raise PayloadError(f"tier {tier!r} cannot hold a block of {nbytes} bytes")
         existing = self._entries.get(key)
@@ -481,7 +485,7 @@ class TieredStore:
                 raise ObjectExistsError(f"block {_short(key)} is already committed (objects are immutable)")
             raise PutInProgressError(f"a put of block {_short(key)} is already in progress")
         meta = BlockMeta(parent=parent, size=nbytes, cost=cost, tenant=tenant)
-        entry = Entry(key, nbytes, meta, seal=seal)
+        entry = Entry(key, nbytes, meta, seal=seal, keep=keep)
         self._entries[key] = entry  # claims the key while we wait for room
         try:
             start = 0 if tier is None else self.tier(tier).index
@@ -588,9 +592,11 @@ class TieredStore:
                 listener(change)
 
     def _commit_copy(self, entry: Entry, copy: Copy) -> None:
+        tier = copy.tier
+        if tier.backend.in_memory:  # before it is visible: the pool describes it in its region's index
+            tier.backend.on_commit(copy.slot, entry.key, entry.meta.parent, entry.meta.tenant, entry.seal)
         copy.state = State.COMMITTED
         copy.committed_at = time.monotonic()
-        tier = copy.tier
         tier.eviction.on_insert(entry.key, entry.meta)
         self._notify(entry, tier, True)
         if tier.usage > tier.high_watermark and (tier.background is None or tier.background.done()):
@@ -884,6 +890,53 @@ class TieredStore:
         else:
             entry.soft_pin_until = max(entry.soft_pin_until, time.monotonic() + (ttl if ttl is not None else 60.0))
 
+    def hold(self, key: bytes, until: float) -> None:
+        """Keep ``key`` from eviction until ``until`` (monotonic; a later hold extends it). Unlike a
+        lease it does not keep a remove from taking it: whoever decided the block's fate may still."""
+        entry = self._committed_entry(key)
+        entry.hold_until = max(entry.hold_until, until)
+
+    def set_keep(self, key: bytes, keep: bool) -> None:
+        """Whether ``key``'s last copy may be evicted (``put_start(keep=...)``)."""
+        self._committed_entry(key).keep = keep
+
+    async def persist_copy(self, key: bytes, tier: str, *, sync: bool = True) -> None:
+        """Write ``key``'s committed copy down into the disk tier ``tier`` too (if it has none there),
+        on the device before this returns with ``sync``. The copies stay inclusive: the memory copy
+        keeps serving reads, and may be evicted later without a spill."""
+        target = self.tier(tier)
+        if target.backend.in_memory:
+            raise ValueError(f"tier {tier!r} is not a disk tier")
+        entry = self._committed_entry(key)
+        present = entry.copies.get(target.index)
+        if present is not None:
+            if present.state is State.COMMITTED:
+                return  # already there (written synced, or recovered from the disk)
+            raise PutInProgressError(f"block {_short(key)} is being written to {tier!r} already")
+        source = next((entry.copies[i] for i in entry.committed() if entry.copies[i].tier.backend.in_memory), None)
+        if source is None:
+            raise ObjectNotFoundError(f"block {_short(key)} has no copy in memory to write down")
+        lease = self._lease(source, math.inf)
+        try:
+            slot = await self._allocate(target, entry.nbytes)
+            copy = Copy(target, slot)
+            entry.copies[target.index] = copy
+            try:
+                await target.backend.persist(slot, key, entry.meta.parent,
+                                             source.tier.backend.view(source.slot, entry.nbytes),
+                                             tenant=entry.meta.tenant, seal=entry.seal, sync=sync)
+            except BaseException:
+                entry.copies.pop(target.index, None)
+                await target.backend.release(slot)
+                raise
+        finally:
+            await self.release_lease(key, lease)
+        if self._entries.get(key) is not entry:  # removed while it was written
+            entry.copies.pop(target.index, None)
+            await target.backend.release(slot)
+            raise ObjectNotFoundError(f"block {_short(key)} was removed while it was written to {tier!r}")
+        self._commit_copy(entry, copy)
+
     def set_eviction(self, tier: str, policy: EvictionPolicy) -> None:
         """Switch ``tier`` to another eviction policy at run time; the resident blocks move over in
         the old policy's eviction order (the next victim first), so recency carries over."""
@@ -934,7 +987,7 @@ class TieredStore:
 
     def _evictable(self, tier: Tier, *, soft_ok: bool, tenant: str | None = None):
         now = time.monotonic()
-        index = tier.index
+        index, last = tier.index, len(self.tiers) - 1
 
         def can_evict(key: Any) -> bool:
             entry = self._entries.get(key)
@@ -943,8 +996,10 @@ class TieredStore:
             copy = entry.copies.get(index)
             if copy is None or copy.state is not State.COMMITTED or copy.evicting:
                 return False
-            if copy.leased(now) or tier.backend.in_use(copy.slot):
+            if copy.leased(now) or tier.backend.in_use(copy.slot) or entry.hold_until > now:
                 return False
+            if entry.keep and index == last and not any(i > index for i in entry.committed()):
+                return False  # a kept block's last copy, at the bottom: nowhere to spill it
             return soft_ok or entry.soft_pin_until <= now
 
         return can_evict
@@ -1001,6 +1056,8 @@ class TieredStore:
             if not has_lower:
                 spilled = await self._spill(entry, tier, copy)
                 if not spilled:
+                    if entry.keep and self._entries.get(key) is entry:
+                        return  # kept: where no lower tier takes it, it stays
                     tier.stats.drops += 1
         finally:
             copy.evicting = False

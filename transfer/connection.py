@@ -7,7 +7,7 @@ import itertools
 import os
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +132,15 @@ class PeerConnection:
         if self.sock is not None:
             self.sock.close()
 
+    def request(self) -> _Request:
+        """``async with conn.request() as request_id:`` one request of several frames (a same-host
+        object put); a failure inside closes the stream."""
+        return self._request()
+
+    async def reply(self, request: int, op: Op) -> bytearray:
+        """The body of the answer ``op`` to ``request``."""
+        return await self._reply(request, op)
+
     def _request(self) -> _Request:
         """``async with conn._request() as request_id:`` one request; a failure inside closes the stream."""
         if self.broken or self.sock is None:
@@ -145,6 +154,25 @@ class PeerConnection:
         return body
 
     # Operations -----------------------------------------------------------------------------------
+
+    async def exchange(self, op: Op, answer: Op, body: bytes, flags: int = 0, data: Sequence = (),
+                       receive: Callable[[bytearray], Sequence] | None = None) -> bytearray:
+        """One request of any operation (the key-value store's objects use it): the frame and the
+        bulk bytes ``data`` out, the answer's body back. ``receive``, given the answer's body, names
+        the buffers the bulk bytes that follow the answer land in, in order."""
+        async with self._request() as request:
+            await send_frame(self.sock, op, request, body, flags, data)
+            reply = await self._reply(request, answer)
+            if receive is not None:
+                targets = receive(reply)
+                if targets:
+                    await recv_into_all(self.sock, targets)
+        return reply
+
+    async def send_only(self, op: Op, body: bytes, flags: int = 0) -> None:
+        """A request the peer answers nothing to (a release of leases)."""
+        async with self._request() as request:
+            await send_frame(self.sock, op, request, body, flags)
 
     async def read(self, items: list[tuple[bytes, np.ndarray]],
                    checksum: bool = False) -> tuple[list[p.ItemError | None], list[bytes]]:
@@ -324,3 +352,43 @@ class _Lent:
         if not self.conn.broken:
             self.channel._idle.append(self.conn)
         self.channel._slots.release()
+
+
+class Channels:
+    """A ``PeerChannel`` per peer, its address learnt through ``resolve`` (node id -> (host, port), or
+    None when the node is unknown): node agents replicating to each other, a key-value store client
+    talking to the nodes that own its objects."""
+
+    def __init__(self, node_id: str, secret: bytes, resolve: Callable, *, streams: int = 2,
+                 tls: ssl.SSLContext | None = None, connect_timeout: float = 5.0,
+                 buffer_bytes: int | None = None) -> None:
+        self.node_id = node_id
+        self.secret = secret
+        self.resolve = resolve
+        self.streams = streams
+        self.tls = tls
+        self.connect_timeout = connect_timeout
+        self.buffer_bytes = buffer_bytes
+        self._channels: dict[str, PeerChannel] = {}
+
+    async def get(self, node: str) -> PeerChannel:
+        channel = self._channels.get(node)
+        if channel is None:
+            address = await self.resolve(node)
+            if address is None:
+                raise p.PeerClosedError(f"node {node} is not a live member")
+            channel = PeerChannel(PeerAddress(node, *address), self.secret, self.node_id, self.streams,
+                                  self.buffer_bytes, self.connect_timeout, self.tls)
+            self._channels[node] = channel
+        return channel
+
+    def forget(self, node: str) -> None:
+        """After a failure: the next ``get`` resolves the node again (a restarted one listens elsewhere)."""
+        channel = self._channels.pop(node, None)
+        if channel is not None:
+            channel.close()
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()

@@ -47,7 +47,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"
-VERSION = 3  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE
+VERSION = 4  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE;
+# 4: the key-value store's object operations (object_wire.py)
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
 MAX_ITEMS = 4096
@@ -88,6 +89,20 @@ class Op(enum.IntEnum):
     DELETE_REPLY = 22
     STAGE = 23
     STAGE_REPLY = 24
+    # the key-value store's objects (object_wire.py): bodies are msgpack, bulk bytes follow as above
+    OBJ_PUT = 30
+    OBJ_PUT_READY = 31
+    OBJ_PUT_COMMIT = 32
+    OBJ_PUT_REPLY = 33
+    OBJ_GET = 34
+    OBJ_GET_REPLY = 35
+    OBJ_RELEASE = 36
+    OBJ_QUERY = 37
+    OBJ_QUERY_REPLY = 38
+    OBJ_REMOVE = 39
+    OBJ_REMOVE_REPLY = 40
+    OBJ_REPLICATE = 41
+    OBJ_REPLICATE_REPLY = 42
 
 
 class Status(enum.IntEnum):
@@ -103,6 +118,11 @@ class Status(enum.IntEnum):
     INTERNAL = 9
     LEASED = 10  # a DELETE of a block a reader holds: retry once the read is over
     PINNED = 11  # a DELETE of a hard-pinned block
+    WRONG_OWNER = 12  # an object of a slot this node does not own (by its map: the reply's epoch)
+    UNAVAILABLE = 13  # a slot this node owns but cannot serve now (its lease is not surely alive, a handoff)
+    TOO_SMALL = 14  # the reader's buffer cannot hold the object
+    INVALID = 15  # a request's parameters make no sense (an empty name, a replica count of 0)
+    REPLICA_FAILED = 16  # the slot's backups could not take a replicated write: not stored
 
 
 class TransferError(Exception):

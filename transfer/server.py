@@ -83,9 +83,12 @@ class TransferServer:
         ucx: bool | None = None,
         tls: ssl.SSLContext | None = None,
         stall_timeout: float = STALL_TIMEOUT,
+        objects=None,
     ) -> None:
         """``tls``: a server context (``transfer_tls_server``): the port speaks TLS only, before the
-        cluster secret's challenge; UCX is then not served (its bytes would bypass TLS)."""
+        cluster secret's challenge; UCX is then not served (its bytes would bypass TLS). ``objects``:
+        what answers the key-value store's object operations (``workers.objects.ObjectServer``: its
+        ``ops`` and ``handle``); None: they are refused."""
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         self.store = store
@@ -103,6 +106,7 @@ class TransferServer:
             raise ValueError("UCX moves bytes outside the TLS stream: a TLS transfer server does not serve it")
         if self.ucx and not ucx_module.available():
             raise ValueError("ucx=True, but the ucxx package is not installed (pip install 'tiercake[ucx]')")
+        self.objects = objects
         self._side = ServerSide(store, node_id, self.pool_tier, self.ucx, secret)
         self._paths = registered_paths()  # every registered transport's server half, by request flag
         self._listener: socket.socket | None = None
@@ -241,6 +245,8 @@ class TransferServer:
                     await self._stage(session, request, body)
                 elif op in session.ops:
                     await session.ops[op].handle(op, flags, request, body)
+                elif self.objects is not None and op in self.objects.ops:
+                    await self.objects.handle(conn, op, flags, request, body, self._deadline)
                 else:
                     raise p.ProtocolError(f"{op.name} is not a request")
             except p.PeerClosedError as exc:

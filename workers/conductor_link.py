@@ -17,12 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.messages import ClusterSettings, EvictionSpec, MemberInfo, MemberStats, ReplicationTask, TierStats
+from tiercake.blocks import is_object_tenant
+from tiercake.messages import (
+    ClusterSettings,
+    EvictionSpec,
+    KeepAliveReply,
+    MemberInfo,
+    MemberStats,
+    ReplicationTask,
+    TierStats,
+)
 from tiercake.policies import create_eviction
 from tiercake.tiers import BlockChange, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, Transfer, TransferEngine
@@ -65,6 +75,10 @@ class ConductorLink:
         self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
         self._eviction: dict[str, EvictionSpec] = {}
         self._term = 0  # the leader's term the volatile tiers were reported in
+        # told of every registration (a new lease) and every keep-alive that succeeded, with the time
+        # it was sent: the key-value store's owner of slots serves only while its lease is surely alive
+        self.on_registered: list[Callable[[], None]] = []
+        self.on_keepalive: list[Callable[[float, KeepAliveReply], None]] = []
 
     async def start(self) -> ConductorLink:
         if self.report:
@@ -93,10 +107,15 @@ class ConductorLink:
         self.lease = await self.client.register(self.member, self.ttl)
         self.registrations += 1
         self._pins_version = -1
-        if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
+        for listener in self.on_registered:
+            listener()
+        if self._flush_epoch is None or self.on_keepalive:
+            sent = time.monotonic()
             answer = await self.client.keep_alive(self.member.node_id, self.lease)
-            self._flush_epoch = answer.settings.flush.epoch
-            self._term = answer.term
+            if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
+                self._flush_epoch = answer.settings.flush.epoch
+                self._term = answer.term
+            self._kept_alive(sent, answer)
         # everything held goes out again: the old lease took the node's placements with it
         for change in self.held.holdings() if self.report else ():
             self._on_change(change)
@@ -106,6 +125,7 @@ class ConductorLink:
     async def _keep_alive(self) -> None:
         while True:
             await asyncio.sleep(max(self.ttl / 3, 0.2))
+            sent = time.monotonic()
             try:
                 answer = await self.client.keep_alive(self.member.node_id, self.lease, self._stats())
             except ConductorError as exc:
@@ -116,6 +136,7 @@ class ConductorLink:
                 else:
                     log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
                 continue
+            self._kept_alive(sent, answer)
             self._note_term(answer.term, answer.volatile_tiers)
             try:
                 if self.store is not None:  # else nothing here to pin or copy into
@@ -128,6 +149,13 @@ class ConductorLink:
                 log.warning("node %s: %s", self.member.node_id, exc)
             except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
                 log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
+
+    def _kept_alive(self, sent: float, answer: KeepAliveReply) -> None:
+        for listener in self.on_keepalive:
+            try:
+                listener(sent, answer)
+            except Exception:  # noqa: BLE001 - a listener must not stop the keep-alives
+                log.exception("node %s: a keep-alive listener failed", self.member.node_id)
 
     # Reports --------------------------------------------------------------------------------------
 
@@ -143,6 +171,8 @@ class ConductorLink:
             self._term = term
 
     def _on_change(self, change: BlockChange) -> None:
+        if is_object_tenant(change.tenant):
+            return  # a key-value store object's block: its slot's owner knows it, the index does not
         self._changes[(change.tenant, change.key, change.tier)] = (change.added, change.nbytes)
         self._wakeup.set()
 

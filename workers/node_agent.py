@@ -24,6 +24,7 @@ from tiercake.messages import MemberInfo
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
 from .conductor_link import ConductorLink, member_stats
+from .objects import NodeObjects
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class NodeAgent:
         self.server: TransferServer | None = None
         self.engine: TransferEngine | None = None
         self.link: ConductorLink | None = None
+        self.objects: NodeObjects | None = None
         self._client: Client | None = None
         self._metrics: web.AppRunner | None = None
         self.metrics_url: str | None = None
@@ -45,12 +47,22 @@ class NodeAgent:
         # building pre-faults the pool (about 1 s per GB here): off the event loop
         self.store = await (await asyncio.to_thread(build_store, cfg.store)).open()
         pool = next((t.tier_name for t in cfg.store.tiers if t.kind == "pool"), None)
+        disk = next((t.tier_name for t in cfg.store.tiers if not t.backend().in_memory), None)
         try:
+            if cfg.conductor.urls:
+                tokens = cfg.conductor.tokens()
+                self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None,
+                                      ssl=cfg.tls.client_context())
+            # the key-value store's objects: their table rebuilt before anyone can ask for them
+            self.objects = NodeObjects(cfg.node_id, self.store, secret, self._client, ttl=cfg.conductor.member_ttl,
+                                       lease_ttl=cfg.objects.lease_ttl_s, pool_tier=pool, disk_tier=disk,
+                                       tls=cfg.transfer_tls_client())
+            await self.objects.recover()
             self.server = await TransferServer(
                 self.store, secret, cfg.node_id, cfg.transfer.host, cfg.transfer.port, pool_tier=pool,
                 max_block_bytes=int(cfg.transfer.max_block_bytes), buffer_bytes=cfg.transfer.buffer_bytes,
                 ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
-                tls=cfg.transfer_tls_server(),
+                tls=cfg.transfer_tls_server(), objects=self.objects.server,
             ).start()
             if cfg.transfer.metrics_port is not None:
                 await self._serve_metrics()
@@ -63,8 +75,6 @@ class NodeAgent:
 
     async def _join(self, secret: bytes) -> None:
         cfg = self.config
-        tokens = cfg.conductor.tokens()
-        self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None, ssl=cfg.tls.client_context())
         self.engine = TransferEngine(cfg.node_id, secret, self.store, transports=tuple(cfg.transfer.transports),
                                      streams=cfg.transfer.streams, checksum=cfg.transfer.checksum,
                                      tls=cfg.transfer_tls_client())
@@ -72,8 +82,10 @@ class NodeAgent:
         member = MemberInfo(node_id=cfg.node_id, role="node", host=reachable_host(host, cfg.transfer.advertise_host),
                             port=port,
                             tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers})
-        self.link = await ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl,
-                                        engine=self.engine).start()
+        link = ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl, engine=self.engine)
+        link.on_registered.append(self.objects.on_registered)
+        link.on_keepalive.append(self.objects.on_keepalive)
+        self.link = await link.start()
 
     async def _serve_metrics(self) -> None:
         """``/metrics``: the node's tiers as its store sees them now, and its transfer server's counts."""
@@ -105,12 +117,14 @@ class NodeAgent:
             await self._metrics.cleanup()
         if self.link is not None:
             await self.link.close()
+        if self.server is not None:
+            await self.server.close()
+        if self.objects is not None:
+            await self.objects.close()
         if self._client is not None:
             await self._client.close()
         if self.engine is not None:
             await self.engine.close()
-        if self.server is not None:
-            await self.server.close()
         if self.store is not None:
             await self.store.close()
 

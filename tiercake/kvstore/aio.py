@@ -1,24 +1,25 @@
 """``AsyncStore``: Mooncake Store's object API over a running tiercake cluster, for asyncio callers.
 
-An object is a name and its bytes. ``layout.py`` says how it lies in blocks; this module places the
-blocks with the conductor (its placement strategy and replication policy pick the nodes of each
-object's head, the chunks go with it), moves them with the transfer engine (the shared pool on the
-same host, TCP across hosts) and keeps the index exact: a put returns once every block is stored
-and its placement durable, a remove once the nodes dropped the blocks and the index forgot them.
+Each object's name picks its slot, and the object map (from the conductor, fetched once and again
+only when a node says it moved on) names the slot's primary: every call goes straight to the nodes
+that own its objects, one request per node, whatever the number of objects, and the conductor is
+not asked on the way. The contract (docs/ARCHITECTURE.md, "The key-value store"):
 
-Semantics (Mooncake's, checked against Mooncake Store 0.3.13 in ``tests/test_kvstore.py``):
-- a put of a name that exists keeps the first value and succeeds; ``replace=True`` (Mooncake's
-  ``upsert``) replaces it;
-- objects are whole or absent: the head is written last, and a reader follows one version;
-- a remove while a reader holds the object is refused (``ObjectHasLease``); ``force`` waits for the
-  readers (at most ``LEASE_WAIT_S``);
-- the cluster is a cache: a put into full nodes makes them evict (``begin_put(evict=True)``); an
-  object one of whose chunks was evicted is not found by ``get``. The head's parent is its last
-  chunk, so prefix-aware eviction (``leaf_lru``) takes the head, a leaf, before any chunk; under
-  other policies ``exists`` may answer true for such an object until its head goes too.
+- per object, linearizable: a get sees the last completed write; an upsert is atomic (old value or
+  new, never nothing, never a mix); of racing first puts one value wins and stays (Mooncake's rule: a
+  put of a present name succeeds and keeps the first value); a remove is final;
+- what ``Durability`` asks is kept before a put returns: ``replicas`` nodes hold the object (its
+  slot's primary and backups: a node's death loses nothing), ``persist`` puts it on each one's SSD,
+  synced. At the memory level it is a cache the node may evict, but a node agent restart does not
+  lose it (the pool is adopted);
+- a get or an exists grants Mooncake's read lease: the object is not evicted, nor removed unless by
+  force, for ``objects.lease_ttl_s`` (5 s);
+- a node that cannot answer (restarting, or its slots moving to another) is asked again, with the
+  map fetched anew, for up to ``retry_s``; a write whose request reached a node that then failed is
+  not sent again: its outcome is unknown (``TransferFailed``), as Mooncake's TRANSFER_FAIL.
 
-Each batch call costs one conductor request for the lookups (or the placements) and one transfer
-request per node, whatever the number of objects.
+Bytes move on the node's transfer port: on the stream (one round trip), or on the same host, for
+large objects, through the node's shared pool (the client copies in place).
 """
 
 from __future__ import annotations
@@ -28,86 +29,124 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from tiercake.blocks import BlockKey, object_head_key
-from tiercake.conductor.client import Client, ConductorError, NodeDirectory
-from tiercake.conductor.placement import TIER_ORDER
-from tiercake.messages import PrefixHolding
-from tiercake.tiers import StoreError
-from tiercake.tiers.buffers import as_bytes
-from tiercake.transfer import BlockLoc, BufferLoc, Status, Transfer, TransferEngine, TransferResult
+from tiercake.blocks import object_id, object_slot
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.messages import ObjectMap
+from tiercake.tiers.pool import PoolFormatError, PoolRegion
+from tiercake.transfer import object_wire as w
+from tiercake.transfer.connection import Channels, PeerConnection
+from tiercake.transfer.protocol import FLAG_EAGER, FLAG_SHM, MAX_ITEMS, Op, Status, TransferError, boot_id
 
 from .errors import InvalidParams, NoSpace, ObjectHasLease, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
-from .layout import HEADER, Header, LayoutError, ObjectBlocks, name_bytes, size_from_head
 
 log = logging.getLogger(__name__)
 
 Outcome = StoreApiError | None
+MAX_NAME_BYTES = 64 << 10
+MAX_REQUEST_BYTES = 256 << 20  # of one put request's bytes (a larger batch goes in several)
+MAX_TABLE_BYTES = 8 << 20  # of one request's names
+
+
+@dataclass(frozen=True, slots=True)
+class Durability:
+    """What a put asks of its objects (Mooncake's ``ReplicateConfig``, as tiercake obeys it)."""
+
+    replicas: int = 1  # nodes holding it before the put returns (at most ``objects.replicas_max``)
+    persist: bool = False  # on each of those nodes' SSD, synced, before the put returns
+    hard_pin: bool = False  # never evicted
+    soft_pin_ms: int | None = None  # evicted only when nothing else can be, for this long
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 255:
+            raise InvalidParams(f"replicas is 1 to 255, got {self.replicas!r}")
+        if self.soft_pin_ms is not None and (not isinstance(self.soft_pin_ms, int) or not 0 <= self.soft_pin_ms < 1 << 62):
+            raise InvalidParams(f"a soft pin's TTL is a non-negative number of milliseconds, got {self.soft_pin_ms!r}")
+
+
+MEMORY = Durability()
+
+
+class _Retry:
+    """An item to ask again (its node did not own it, could not serve it, or could not be reached)."""
+
+    __slots__ = ("why", "refresh")
+
+    def __init__(self, why: str, refresh: bool = True) -> None:
+        self.why, self.refresh = why, refresh
+
+
+class _NotSent(Exception):
+    """No connection to the node: nothing of the request reached it."""
 
 
 @dataclass(slots=True)
-class _Found:
-    """Where one object's head lies: (node, head block bytes), fastest tier first."""
-
-    name: str
-    head: BlockKey
-    holders: list[tuple[str, int]]
-
-
-@dataclass(slots=True, eq=False)
-class _Put:
-    """One object of a put batch on its way to its nodes."""
-
+class _Item:
     index: int
-    blocks: ObjectBlocks
-    src: torch.Tensor
-    nodes: list[str] = field(default_factory=list)
-    replacing: _Found | None = None  # the object a replace removes once the new chunks are stored
-    committed: int = 0
-    error: StoreApiError | None = None
+    name: bytes
+    oid: bytes
+    payload: np.ndarray | None = None  # a put's bytes
+    out: np.ndarray | None = None  # a get's buffer
+    device: torch.Tensor | None = None  # a get into device memory: received on the host, then copied
+    stream: bool = False  # a same-host get whose object is not in the pool: over the stream
+
+
+@dataclass(slots=True)
+class Described:
+    """What ``describe`` says of an object."""
+
+    size: int
+    version: int
+    replicas: int
+    persist: bool
+    holders: list[str] = field(default_factory=list)
 
 
 class AsyncStore:
-    LEASE_WAIT_S = 5.0  # how long a forced remove (and the chunks of any remove) waits out readers
-    CONCURRENCY = 16  # objects read one by one (chunked, or retried at another replica) at a time
-    PLACES = 1 << 16  # objects whose place this client remembers
+    SHM_MIN_BYTES = 1 << 20  # same host: objects from this size go through the shared pool
 
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
-                 tenant: str = "default", tier: str = "pool", transports: Sequence[str] = ("shm", "tcp"),
-                 identity: str | None = None, ssl=None, streams: int = 2, conductor_timeout: float = 5.0,
-                 transfer_tls=None) -> None:
+                 tenant: str = "default", transports: Sequence[str] = ("shm", "tcp"), identity: str | None = None,
+                 ssl=None, streams: int = 2, conductor_timeout: float = 5.0, transfer_tls=None,
+                 retry_s: float = 30.0, timeout_s: float = 120.0) -> None:
         """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
-        control token; ``tenant``: whose objects (tenants never see each other's); ``tier``: where new
-        objects are placed (a tier the nodes have: ``pool``, or ``ssd`` on SSD-only nodes); ``ssl``: the
-        conductors' TLS client context; ``transfer_tls``: the node agents' (``transfer.tls``)."""
-        if not tenant or "/" in tenant or "#" in tenant:
-            raise ValueError(f"a tenant is a non-empty name without '/' or '#', got {tenant!r}")
+        control token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
+        ``shm`` (same host, through the node's pool) and/or ``tcp``; ``ssl``: the conductors' TLS client
+        context; ``transfer_tls``: the node agents' (``transfer.tls``); ``retry_s``: how long a call
+        keeps asking when the owner of an object cannot answer; ``timeout_s``: the longest one request
+        to a node may take."""
+        if not isinstance(tenant, str) or not tenant or "/" in tenant or "#" in tenant or len(tenant.encode()) > 200:
+            raise ValueError(f"a tenant is a non-empty name of at most 200 bytes without '/' or '#', got {tenant!r}")
         urls = [conductors] if isinstance(conductors, str) else list(conductors)
         self.tenant = tenant
-        self.tier = tier
-        self._heads = f"{tenant}#objects"  # the index's tenants: heads apart from chunks, so that
-        self._chunks = f"{tenant}#chunks"  # remove_all counts objects
         self.client = Client(urls, token=token, timeout=conductor_timeout, ssl=ssl)
         secret = secret.encode() if isinstance(secret, str) else secret
-        identity = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
-        self.engine = TransferEngine(identity, secret, transports=tuple(transports), streams=streams, tls=transfer_tls)
-        self.nodes = NodeDirectory(self.client, self.engine, every=0.0)  # the live node agents
-        self._slots = asyncio.Semaphore(self.CONCURRENCY)
-        # head -> (node, head block bytes) where this client last put or found it: reads go there first
-        self._places: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+        self.identity = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
+        self.channels = Channels(self.identity, secret, self._address, streams=streams, tls=transfer_tls)
+        self.shm = "shm" in transports and transfer_tls is None  # TLS: every byte on the encrypted stream
+        self.retry_s = retry_s
+        self.timeout_s = timeout_s
+        self.map = ObjectMap()
+        self.members: dict[str, tuple[str, int]] = {}
+        self._pools: dict[str, PoolRegion | None] = {}  # node -> its pool, mapped here (None: not same host)
+        self._map_lock = asyncio.Lock()
 
     async def open(self) -> AsyncStore:
-        await self._refresh()
+        await self.refresh()
         return self
 
     async def close(self) -> None:
-        await self.engine.close()
+        self.channels.close()
+        for region in self._pools.values():
+            if region is not None:
+                region.close(unlink=False)
+        self._pools.clear()
         await self.client.close()
 
     async def __aenter__(self) -> AsyncStore:
@@ -116,23 +155,50 @@ class AsyncStore:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # The API, one object at a time: each is its batch of one ----------------------------------------
+    async def refresh(self, at_least: int = 0) -> None:
+        """Fetch the object map and the node agents' addresses again."""
+        async with self._map_lock:
+            if at_least and self.map.epoch >= at_least:
+                return
+            try:
+                fetched, members = await asyncio.gather(self.client.object_map(), self.client.members())
+            except ConductorError as exc:
+                raise RpcFailed(f"no conductor answered: {exc}") from None
+            if fetched.epoch >= self.map.epoch:
+                self.map = fetched
+            moved = {m.node_id: (m.host, m.port) for m in members if m.role == "node"}
+            for node, address in moved.items():
+                if self.members.get(node) not in (None, address):
+                    self.channels.forget(node)  # restarted elsewhere
+                    self._drop_pool(node)
+            self.members = moved
 
-    async def put(self, name: str, value, *, replace: bool = False) -> None:
-        """Store ``value`` (bytes, a buffer, an array or a tensor: its bytes) under ``name``."""
-        _raise((await self.put_many([name], [value], replace=replace))[0])
+    async def _address(self, node: str) -> tuple[str, int] | None:
+        if node not in self.members:
+            await self.refresh()
+        return self.members.get(node)
+
+    # Single objects: each a batch of one --------------------------------------------------------
+
+    async def put(self, name: str, value, *, replace: bool = False, durability: Durability = MEMORY) -> None:
+        """Store ``value`` (bytes, a buffer, an array or a tensor: its bytes) under ``name``; a present
+        object keeps its first value unless ``replace`` (Mooncake's ``upsert``)."""
+        _raise((await self.put_many([name], [value], replace=replace, durability=durability))[0])
 
     async def get(self, name: str) -> bytes:
-        return bytes((await self.get_tensor(name)).numpy())
+        return bytes(await self.get_array(name))
 
-    async def get_tensor(self, name: str) -> torch.Tensor:
-        """The object's bytes as a flat uint8 tensor (no copy beyond the transfer's)."""
+    async def get_array(self, name: str) -> np.ndarray:
+        """The object's bytes (a uint8 array of exactly its size)."""
         got = (await self.get_many([name]))[0]
         _raise(got if isinstance(got, StoreApiError) else None)
         return got
 
+    async def get_tensor(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(await self.get_array(name))
+
     async def get_into(self, name: str, buffer) -> int:
-        """Read the object into ``buffer`` (writable; at least its size); returns its size."""
+        """Read the object into ``buffer`` (writable, at least its size); returns its size."""
         got = (await self.get_many_into([name], [buffer]))[0]
         _raise(got if isinstance(got, StoreApiError) else None)
         return got
@@ -141,539 +207,530 @@ class AsyncStore:
         return (await self.exists_many([name]))[0]
 
     async def get_size(self, name: str) -> int:
-        found = (await self._locate([name]))[0]
-        if found is None:
-            raise ObjectNotFound(f"no object {name!r}")
-        last: StoreApiError | None = None
-        for node, head_bytes in found.holders:
-            inline = size_from_head(head_bytes)
-            if inline is not None:
-                return inline
-            try:
-                return (await self._header(node, found.head)).size
-            except (ObjectNotFound, TransferFailed) as exc:
-                last = exc
-        raise last
+        return (await self.describe(name)).size
+
+    async def describe(self, name: str) -> Described:
+        got = (await self.describe_many([name]))[0]
+        _raise(got if isinstance(got, StoreApiError) else None)
+        return got
 
     async def remove(self, name: str, *, force: bool = False) -> None:
         _raise((await self.remove_many([name], force=force))[0])
 
-    # Batches ------------------------------------------------------------------------------------
+    # Batches --------------------------------------------------------------------------------------
 
-    async def exists_many(self, names: Sequence[str]) -> list[bool]:
-        return [found is not None for found in await self._locate(names)]
+    async def put_many(self, names: Sequence[str], values: Sequence, *, replace: bool = False,
+                       durability: Durability = MEMORY) -> list[Outcome]:
+        """Store each value under the name beside it: None for each stored (or present already, without
+        ``replace``), or why not. An object that failed leaves nothing behind. A name twice in one
+        batch: the first value is stored, the second is Mooncake's second put of a name."""
+        if len(names) != len(values):
+            raise InvalidParams(f"{len(names)} keys for {len(values)} values")
+        outcomes: list = [None] * len(names)
+        items: list[_Item] = []
+        seen: dict[bytes, int] = {}
+        for i, (name, value) in enumerate(zip(names, values)):
+            try:
+                raw = _name(name)
+                payload = _readable(value)
+                if not payload.size:
+                    raise InvalidParams(f"object {name!r}: a value holds at least one byte")
+            except InvalidParams as exc:
+                outcomes[i] = exc
+                continue
+            oid = object_id(raw, self.tenant)
+            if oid in seen and not replace:
+                continue  # the first put of the name decides
+            seen[oid] = i
+            items.append(_Item(i, raw, oid, payload=payload))
+        item = w.PutItem(b"", 0, replace, durability.replicas, durability.persist, durability.hard_pin,
+                         w.NO_SOFT_PIN if durability.soft_pin_ms is None else durability.soft_pin_ms)
+        done = await self._dispatch(items, lambda node, group: self._put_on(node, group, item), writes=True)
+        for it in items:
+            outcomes[it.index] = done[it.index]
+        return outcomes
 
-    async def get_many(self, names: Sequence[str]) -> list[torch.Tensor | StoreApiError]:
-        """Each object's bytes (a tensor of exactly its size), or why not."""
+    async def get_many(self, names: Sequence[str]) -> list[np.ndarray | StoreApiError]:
+        """Each object's bytes (a uint8 array of exactly its size), or why not."""
         return await self._read_many(names, [None] * len(names))
 
     async def get_many_into(self, names: Sequence[str], buffers: Sequence) -> list[int | StoreApiError]:
-        """Read each object into the buffer beside it; its size, or why not."""
+        """Read each object into the buffer beside it; its size, or why not (a buffer too small is
+        ``InvalidParams``, and nothing is written into it)."""
         if len(names) != len(buffers):
             raise InvalidParams(f"{len(names)} keys for {len(buffers)} buffers")
-        outs: list[torch.Tensor | None] = []
-        errors: dict[int, StoreApiError] = {}
-        for i, buf in enumerate(buffers):
-            try:
-                outs.append(_writable(buf))
-            except (StoreError, TypeError, ValueError) as exc:
-                outs.append(None)
-                errors[i] = InvalidParams(f"buffer {i}: {exc}")
-        got = await self._read_many([n for i, n in enumerate(names) if i not in errors],
-                                    [o for i, o in enumerate(outs) if i not in errors])
-        it = iter(got)
-        return [errors[i] if i in errors else _size_or_error(next(it)) for i in range(len(names))]
+        got = await self._read_many(names, list(buffers))
+        return [g if isinstance(g, StoreApiError) else g.size if isinstance(g, np.ndarray) else g for g in got]
 
-    async def put_many(self, names: Sequence[str], values: Sequence, *, replace: bool = False) -> list[Outcome]:
-        """Store each value under the name beside it; None for each stored (or already there), or why
-        not. Nothing of an object that failed is visible."""
-        if len(names) != len(values):
-            raise InvalidParams(f"{len(names)} keys for {len(values)} values")
-        results: list[Outcome] = [None] * len(names)
-        puts: list[_Put] = []
-        seen: set[bytes] = set()
-        for i, (name, value) in enumerate(zip(names, values)):
-            try:
-                src = as_bytes(value)
-                blocks = ObjectBlocks.new(name_bytes(name), self.tenant, src.numel())
-            except (StoreError, TypeError, ValueError) as exc:
-                results[i] = InvalidParams(f"{name!r}: {exc}")
-                continue
-            if blocks.head not in seen:  # a name twice in one batch: the first value is stored
-                seen.add(blocks.head)
-                puts.append(_Put(i, blocks, src))
-        await self._find_existing(names, puts, replace)
-        todo = [p for p in puts if p.error is None and p.committed == 0]
-        if todo:
-            await self._place(todo, replace)
-        for p in puts:
-            results[p.index] = p.error if p.committed == 0 else None
-        return results
+    async def exists_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether each object exists (a read lease is granted on each found). ``StoreApiError`` when
+        the cluster cannot tell (Mooncake answers -1 for those: ``exists_codes``)."""
+        codes = await self.exists_codes(names)
+        for code in codes:
+            if isinstance(code, StoreApiError):
+                raise code
+        return codes
+
+    async def exists_codes(self, names: Sequence[str]) -> list[bool | StoreApiError]:
+        got = await self.describe_many(names)
+        return [False if isinstance(g, ObjectNotFound) else g if isinstance(g, StoreApiError) else True for g in got]
+
+    async def describe_many(self, names: Sequence[str], *, lease: bool = True) -> list[Described | StoreApiError]:
+        outcomes: list = [None] * len(names)
+        items = self._items(names, outcomes)
+        done = await self._dispatch(items, lambda node, group: self._query_on(node, group, lease), writes=False)
+        for it in items:
+            outcomes[it.index] = done[it.index]
+        return outcomes
 
     async def remove_many(self, names: Sequence[str], *, force: bool = False) -> list[Outcome]:
-        """Remove each object from every node that holds it; None for each removed, or why not."""
-        async def one(found: _Found | None, name: str) -> Outcome:
-            if found is None:
-                return ObjectNotFound(f"no object {name!r}")
-            try:
-                for node, head_bytes in found.holders:
-                    await self._remove_at(node, found.head, head_bytes, force)
-            except StoreApiError as exc:
-                return exc
-            return None
-
-        located = await self._locate(names)
-        return list(await asyncio.gather(*(one(f, n) for f, n in zip(located, names))))
+        """Remove each object; None for each removed, or why not (``ObjectHasLease`` while a reader's
+        lease holds it, unless ``force``)."""
+        outcomes: list = [None] * len(names)
+        items = self._items(names, outcomes)
+        done = await self._dispatch(items, lambda node, group: self._remove_on(node, group, force), writes=True)
+        for it in items:
+            outcomes[it.index] = done[it.index]
+        return outcomes
 
     async def remove_all(self, *, force: bool = False) -> int:
-        """Remove every object of this tenant from every node; returns how many objects went. Objects
-        being read are left (unless ``force``), as Mooncake's ``remove_all`` leaves leased ones."""
-        await self._refresh()
-        removed: set[bytes] = set()
-        for node in list(self.nodes.members):
-            blocks = await self._rpc(self.client.node_blocks(node))
-            heads = {bytes.fromhex(b.key): b.size for b in blocks if b.tenant == self._heads}
-            for head, size in heads.items():
+        """Remove every object of this tenant; returns how many went. Objects a reader's lease holds
+        stay (unless ``force``), as Mooncake's ``remove_all`` leaves them."""
+        return await self.remove_matching(None, force=force)
+
+    async def remove_matching(self, pattern: str | None, *, force: bool = False) -> int:
+        """Remove every object of this tenant whose name matches the regular expression ``pattern``
+        (Python's ``re.search``; None: every object); returns how many went."""
+        if pattern is not None and not isinstance(pattern, str):
+            raise InvalidParams("a pattern is a str")
+        await self.refresh()
+        nodes = sorted({chain[0] for chain in self.map.chains if chain})
+        counts = await asyncio.gather(*(self._remove_every_on(n, pattern, force) for n in nodes))
+        return sum(counts)
+
+    # Routing and retrying -----------------------------------------------------------------------
+
+    def _items(self, names: Sequence[str], outcomes: list) -> list[_Item]:
+        items = []
+        for i, name in enumerate(names):
+            try:
+                raw = _name(name)
+            except InvalidParams as exc:
+                outcomes[i] = exc
+                continue
+            items.append(_Item(i, raw, object_id(raw, self.tenant)))
+        return items
+
+    async def _read_many(self, names: Sequence[str], buffers: list) -> list:
+        outcomes: list = [None] * len(names)
+        items = self._items(names, outcomes)
+        for it in items:
+            buffer = buffers[it.index]
+            if buffer is None:
+                continue
+            try:
+                if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
+                    it.device = _device_bytes(buffer)
+                    it.out = np.empty(it.device.numel(), dtype=np.uint8)
+                else:
+                    it.out = _writable(buffer)
+            except InvalidParams as exc:
+                outcomes[it.index] = exc
+        items = [it for it in items if outcomes[it.index] is None]
+        done = await self._dispatch(items, self._get_on, writes=False)
+        for it in items:
+            got = done[it.index]
+            if it.device is not None and isinstance(got, np.ndarray):
+                it.device[: got.size].copy_(torch.from_numpy(got))
+            outcomes[it.index] = got
+        return outcomes
+
+    async def _dispatch(self, items: list[_Item], send: Callable[[str, list[_Item]], Awaitable[dict]],
+                        writes: bool) -> dict[int, object]:
+        """Send each item to its slot's primary, a request per node, until every item has its outcome
+        (asking again, with the map fetched anew, those a node could not take) or ``retry_s`` is over."""
+        results: dict[int, object] = {}
+        pending = items
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.02
+        if pending and not self.map.chains:
+            await self.refresh()
+        while pending:
+            groups: dict[str, list[_Item]] = defaultdict(list)
+            for it in pending:
+                node = self.map.primary(object_slot(it.oid, self.map.slots)) if self.map.slots else None
+                if node is None:
+                    results[it.index] = _Retry("no node owns its slot yet")
+                else:
+                    groups[node].append(it)
+            answers = await asyncio.gather(*(self._guarded(node, group, send, writes)
+                                             for node, group in groups.items()))
+            for answer in answers:
+                results.update(answer)
+            pending = [it for it in pending if isinstance(results.get(it.index), _Retry)]
+            if not pending:
+                break
+            if time.monotonic() + delay > deadline:
+                for it in pending:
+                    results[it.index] = TransferFailed(f"object {it.name[:80]!r}: {results[it.index].why} "
+                                                       f"(asked for {self.retry_s:.0f} s)")
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            if any(results[it.index].refresh for it in pending):
                 try:
-                    await self._remove_at(node, BlockKey(head), size, force)
-                    removed.add(head)
-                except ObjectHasLease:
-                    continue
-                except (ObjectNotFound, TransferFailed) as exc:
-                    log.warning("kvstore: remove_all on %s: %s", node, exc)
-        # Chunks no head leads to are not swept here: they could be a put's in flight (its head not yet
-        # written) or a leased object's. A failed put removes its own; eviction takes any left.
-        return len(removed)
-
-    # Finding objects --------------------------------------------------------------------------------
-
-    def _heads_of(self, names: Sequence[str]) -> list[BlockKey]:
-        try:
-            return [object_head_key(name_bytes(name), self.tenant) for name in names]
-        except (TypeError, ValueError) as exc:
-            raise InvalidParams(str(exc)) from None
-
-    async def _locate(self, names: Sequence[str], heads: list[BlockKey] | None = None) -> list[_Found | None]:
-        """Where each object's head lies (live nodes only), from one lookup for the whole batch."""
-        heads = self._heads_of(names) if heads is None else heads
-        if not heads:
-            return []
-        replies = await self._rpc(self.client.lookup_many(self._heads, [[h] for h in heads], sizes=True))
-        if any(node not in self.nodes for reply in replies for node in reply):
-            await self._refresh()
-        located = [self._found(name, head, reply) for name, head, reply in zip(names, heads, replies)]
-        for head, found in zip(heads, located):
-            if found is None:
-                self._places.pop(head, None)
-            else:
-                self._remember(head, *found.holders[0])
-        return located
-
-    def _known(self, name: str, head: BlockKey) -> _Found | None:
-        place = self._places.get(head)
-        if place is None or place[0] not in self.nodes:
-            return None
-        self._places.move_to_end(head)
-        return _Found(name, head, [place])
-
-    def _remember(self, head: bytes, node: str, head_bytes: int) -> None:
-        self._places[head] = (node, head_bytes)
-        self._places.move_to_end(head)
-        while len(self._places) > self.PLACES:
-            self._places.popitem(last=False)
-
-    def _found(self, name: str, head: BlockKey, reply: dict[str, PrefixHolding]) -> _Found | None:
-        def speed(item: tuple[str, PrefixHolding]) -> int:
-            runs = item[1].runs
-            return TIER_ORDER.get(runs[0][0], len(TIER_ORDER)) if runs else len(TIER_ORDER)
-
-        holders = [(node, holding.sizes[0]) for node, holding in sorted(reply.items(), key=speed)
-                   if node in self.nodes and holding.length and holding.sizes]
-        return _Found(name, head, holders) if holders else None
-
-    async def _find_existing(self, names: Sequence[str], puts: list[_Put], replace: bool) -> None:
-        """Mooncake keeps the first value of a name: without ``replace``, puts of names that exist are
-        done already; with it, what they replace is noted. Without ``replace`` only chunked objects
-        are looked up first (to spare their chunks' transfer): an inline head that exists is refused
-        by its node, which counts as done."""
-        puts = [p for p in puts if replace or p.blocks.chunks]
-        if not puts:
-            return
-        located = await self._locate([names[p.index] for p in puts])
-        for p, found in zip(puts, located):
-            if found is not None and replace:
-                p.replacing = found
-            elif found is not None:
-                p.committed = len(found.holders)
-
-    # Reading ------------------------------------------------------------------------------------
-
-    async def _read_many(self, names: Sequence[str], outs: list[torch.Tensor | None]
-                         ) -> list[torch.Tensor | StoreApiError]:
-        """Each object into ``outs[i]`` (or a new tensor). Objects this client knows the place of are
-        read there first, without a lookup; the node is the authority (the head names the object and
-        its version), so a stale place costs only the fallback: a lookup and a read at every holder."""
-        heads = self._heads_of(names)
-        results: list[torch.Tensor | StoreApiError | None] = [None] * len(names)
-        known = [self._known(name, head) for name, head in zip(names, heads)]
-        if any(known):
-            await self._read_located([i for i, f in enumerate(known) if f], known, outs, results, final=False)
-        rest = [i for i, r in enumerate(results) if r is None]
-        if rest:
-            found = await self._locate([names[i] for i in rest], [heads[i] for i in rest])
-            located: list[_Found | None] = [None] * len(names)
-            for i, f in zip(rest, found):
-                located[i] = f
-                if f is None:
-                    results[i] = ObjectNotFound(f"no object {names[i]!r}")
-            await self._read_located([i for i in rest if located[i] is not None], located, outs, results, final=True)
+                    await self.refresh()
+                except RpcFailed as exc:
+                    log.warning("kvstore: %s", exc)
         return results
 
-    async def _read_located(self, items: list[int], located: list[_Found | None], outs, results, final: bool) -> None:
-        """Inline objects in one request per node (their first holder), the others one by one. With
-        ``final``, every holder is tried and the outcome is the answer; without, a failure leaves the
-        item for the lookup."""
-        by_node: dict[str, list[int]] = defaultdict(list)
-        for i in items:
-            if size_from_head(located[i].holders[0][1]) is not None:
-                by_node[located[i].holders[0][0]].append(i)
-        await asyncio.gather(*(self._read_inline(node, group, located, outs, results, final)
-                               for node, group in by_node.items()))
-
-        async def one(i: int) -> None:
-            async with self._slots:
-                got = await self._read_anywhere(located[i], outs[i])
-            if final or not isinstance(got, StoreApiError):
-                results[i] = got
-
-        await asyncio.gather(*(one(i) for i in items if results[i] is None))
-
-    async def _read_inline(self, node: str, items: list[int], located: list[_Found], outs, results,
-                           final: bool) -> None:
-        """Inline objects whose first holder is ``node``: one read of their heads. Those that fail here
-        are left for ``_read_anywhere`` (or the lookup); a buffer too small for a size the index gave
-        fails at once."""
-        staged, keys, todo = [], [], []
-        for i in items:
-            size = size_from_head(located[i].holders[0][1])
-            if outs[i] is not None and outs[i].numel() < size:
-                if final:
-                    results[i] = _too_small(located[i].name, size, outs[i].numel())
-                continue
-            staged.append(torch.empty(HEADER + size, dtype=torch.uint8))
-            keys.append(located[i].head)
-            todo.append(i)
-        if not todo:
-            return
-        done = await self._to_node(node, lambda: self.engine.read_blocks(
-            node, keys, staged, timeout=self.engine.deadline_for(sum(s.numel() for s in staged))))
-        for i, block, result in zip(todo, staged, done):
-            if result.ok:
-                try:
-                    results[i] = _unpack_inline(block, outs[i])
-                except TransferFailed:
-                    pass  # read again from every holder
-            else:
-                self._places.pop(located[i].head, None)
-
-    async def _read_anywhere(self, found: _Found, out: torch.Tensor | None) -> torch.Tensor | StoreApiError:
-        last: StoreApiError = ObjectNotFound(f"no object {found.name!r}")
-        for node, head_bytes in found.holders:
+    async def _guarded(self, node: str, group: list[_Item], send, writes: bool) -> dict[int, object]:
+        """``send`` one node's items in requests of at most ``MAX_ITEMS`` items (and, for puts,
+        ``MAX_REQUEST_BYTES``); a node that cannot be reached has its items asked again."""
+        answers: dict[int, object] = {}
+        for chunk in _chunks(group):
             try:
-                return await self._read_at(node, found, head_bytes, out)
-            except (ObjectNotFound, TransferFailed) as exc:
-                last = exc  # removed or evicted there, or the node failed: the next replica
-            except InvalidParams as exc:
-                return exc
-        return last
-
-    async def _read_at(self, node: str, found: _Found, head_bytes: int, out: torch.Tensor | None) -> torch.Tensor:
-        size = size_from_head(head_bytes)
-        if size is not None:
-            if out is not None and out.numel() < size:
-                raise _too_small(found.name, size, out.numel())
-            (block,) = await self._read(node, [found.head], [torch.empty(head_bytes, dtype=torch.uint8)])
-            return _unpack_inline(block, out)
-        header = await self._header(node, found.head)
-        if out is not None and out.numel() < header.size:
-            raise _too_small(found.name, header.size, out.numel())
-        if out is None:
-            out = torch.empty(header.size, dtype=torch.uint8)
-        blocks = ObjectBlocks.of(found.head, header)
-        await self._read(node, blocks.chunks, [out[at:at + n] for at, n in blocks.chunk_spans()],
-                         what=f"object {found.name!r} (incomplete there: a chunk was evicted or removed)")
-        return out[:header.size]
-
-    async def _header(self, node: str, head: BlockKey) -> Header:
-        (block,) = await self._read(node, [head], [torch.empty(HEADER, dtype=torch.uint8)])
-        try:
-            return Header.decode(bytes(block.numpy()))
-        except LayoutError as exc:
-            raise TransferFailed(f"{node}: {exc}") from None
-
-    async def _read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], what: str = "object") -> list[torch.Tensor]:
-        nbytes = sum(d.numel() for d in dsts)
-        results = await self._to_node(node, lambda: self.engine.read_blocks(
-            node, keys, dsts, timeout=self.engine.deadline_for(nbytes)))
-        for result in results:
-            _check(result, node, what)
-        return dsts
-
-    # Writing ------------------------------------------------------------------------------------
-
-    async def _place(self, puts: list[_Put], replace: bool) -> None:
-        """Placement for every head (the chunks follow it); each node's chunks; with ``replace``, the
-        old objects removed; each node's heads. A replaced object is absent only while its head is
-        swapped, never while the new chunks travel."""
-        totals = [p.blocks.head_bytes + (p.blocks.header.size if p.blocks.chunks else 0) for p in puts]
-        try:
-            # evict: the cluster is a cache, as Mooncake Store is: a full node makes room for new objects
-            targets = await self._rpc(self.client.begin_put(self._heads, [p.blocks.head for p in puts], totals,
-                                                            self.tier, evict=True))
-        except StoreApiError as exc:
-            for p in puts:
-                p.error = exc
-            return
-        by_node: dict[str, list[_Put]] = defaultdict(list)
-        for p in puts:
-            p.nodes = targets.get(p.blocks.head, [])
-            for node in p.nodes:
-                by_node[node].append(p)
-        if any(node not in self.nodes for node in by_node):
-            await self._refresh()
-        await asyncio.gather(*(self._write_chunks(node, share) for node, share in by_node.items()))
-        if replace:
-            await self._remove_old([p for p in puts if p.error is None and p.replacing is not None])
-        await asyncio.gather(*(self._write_heads(node, share) for node, share in by_node.items()))
-        for p in puts:
-            if p.committed == 0 and p.error is None:
-                p.error = NoSpace(f"no node took object {p.index}")
-
-    async def _write_chunks(self, node: str, puts: list[_Put]) -> None:
-        """The chunks of the chunked objects placed on ``node``, their placement made durable by a
-        report (a head is committed only once everything it leads to is stored)."""
-        chunked = [p for p in puts if p.blocks.chunks and p.error is None]
-        if not chunked:
-            return
-        batch, owners = [], []
-        for p in chunked:
-            parent = None
-            for key, (at, n) in zip(p.blocks.chunks, p.blocks.chunk_spans()):
-                batch.append(Transfer(BufferLoc(p.src, at), BlockLoc(node, key, parent, self._chunks), n))
-                owners.append(p)
-                parent = key
-        done = await self._write(node, batch)
-        for p, result in zip(owners, done):
-            if not result.ok and p.error is None:
-                p.error = _error_of(result, node, "chunk")
-        stored = [(b.dst.key, b.length) for b, r in zip(batch, done) if r.ok]
-        if stored:
-            try:
-                await self._rpc(self.client.report(self._chunks, node, self.tier, [k for k, _ in stored],
-                                                   [n for _, n in stored]))
-            except StoreApiError as exc:
-                for p in chunked:
-                    p.error = p.error or exc
-        await self._undo(node, [p for p in chunked if p.error is not None], written_heads=[])
-
-    async def _remove_old(self, puts: list[_Put]) -> None:
-        async def one(p: _Put) -> None:
-            try:
-                for node, head_bytes in p.replacing.holders:
-                    await self._remove_at(node, p.replacing.head, head_bytes, force=False)
-            except ObjectNotFound:
-                pass
-            except StoreApiError as exc:
-                p.error = exc  # the old value stays; the new chunks go
-
-        await asyncio.gather(*(one(p) for p in puts))
-        for p in puts:
-            if p.error is not None:
-                for node in p.nodes:
-                    await self._undo(node, [p], written_heads=[])
-
-    async def _write_heads(self, node: str, puts: list[_Put]) -> None:
-        """The heads placed on ``node``, then their placement: committed where the conductor holds the
-        put begun, reported where the name was placed before (a replaced object)."""
-        heads = [p for p in puts if p.error is None]
-        if not heads:
-            return
-        # the head's parent is the last chunk: prefix-aware eviction (leaf_lru) takes the head, a leaf,
-        # before any chunk, so an object under pressure vanishes whole
-        batch = [Transfer(BufferLoc(_head_block(p)), BlockLoc(node, p.blocks.head, (p.blocks.chunks or [None])[-1],
-                                                              self._heads), p.blocks.head_bytes) for p in heads]
-        done = await self._write(node, batch)
-        written, existed, failed = [], [], []
-        for p, result in zip(heads, done):
-            if result.ok:
-                written.append(p)
-            elif result.exists:  # another put of the name won the race: its value stays (Mooncake's rule)
-                existed.append(p)
-            else:
-                p.error = _error_of(result, node, "head")
-                failed.append(p)
-        for begun, group in ((True, [p for p in written if p.replacing is None]),
-                             (False, [p for p in written if p.replacing is not None])):
-            if not group:
-                continue
-            call = self.client.commit if begun else self.client.report
-            try:
-                await self._rpc(call(self._heads, node, self.tier, [p.blocks.head for p in group],
-                                     [p.blocks.head_bytes for p in group]))
-                for p in group:
-                    p.committed += 1
-                    self._remember(p.blocks.head, node, p.blocks.head_bytes)
-            except StoreApiError as exc:
-                for p in group:
-                    p.error = exc
-                failed += group
-        for p in existed:
-            p.committed += 1
-        await self._undo(node, failed + existed, written_heads=[p for p in failed if p in written])
-
-    async def _undo(self, node: str, puts: list[_Put], written_heads: list[_Put]) -> None:
-        """What a failed (or superfluous) put left on ``node``: its chunks, a head stored but not
-        committed, the pending placement. Best effort: eviction takes what is left."""
-        if not puts:
-            return
-        chunks = [k for p in puts for k in p.blocks.chunks]
-        heads = [p.blocks.head for p in written_heads]
-        try:
-            await self._delete(node, self._chunks, chunks, wait=False)
-            await self._delete(node, self._heads, heads, wait=False)
-            pending = [p.blocks.head for p in puts if p.committed == 0]
-            if pending:
-                await self._rpc(self.client.revoke(self._heads, node, self.tier, pending))
-        except StoreApiError as exc:
-            log.warning("kvstore: cleaning up a failed put on %s: %s", node, exc)
-
-    async def _write(self, node: str, batch: list[Transfer]) -> list[TransferResult]:
-        nbytes = sum(t.length for t in batch)
-        return await self._to_node(node, lambda: self.engine.transfer(batch, timeout=self.engine.deadline_for(nbytes)))
-
-    # Removing -----------------------------------------------------------------------------------
-
-    async def _remove_at(self, node: str, head: BlockKey, head_bytes: int, force: bool) -> None:
-        """The head first (refused while read, unless ``force``): the object is gone for readers; then
-        its chunks (waiting out a reader that had read the head), then the index."""
-        chunks: list[bytes] = []
-        if size_from_head(head_bytes) is None:
-            try:
-                chunks = ObjectBlocks.of(head, await self._header(node, head)).chunks
-            except ObjectNotFound:
-                pass  # gone there already; the index is told below
-        await self._delete(node, self._heads, [head], wait=force)
-        self._places.pop(head, None)
-        await self._delete(node, self._chunks, chunks, wait=True)
-
-    async def _delete(self, node: str, tenant: str, keys: list[bytes], wait: bool) -> None:
-        """Delete ``keys`` on ``node`` and forget them in the index. A key a reader holds raises
-        ``ObjectHasLease``, or with ``wait`` is retried until ``LEASE_WAIT_S`` has passed."""
-        if not keys:
-            return
-        deadline = time.monotonic() + (self.LEASE_WAIT_S if wait else 0.0)
-        todo, gone = list(keys), []
-        while todo:
-            results = await self._to_node(node, lambda: self.engine.delete_blocks(node, todo))
-            leased = []
-            for key, result in zip(todo, results):
-                status = getattr(result.error, "status", None)
-                if result.ok or status is Status.NOT_FOUND:
-                    gone.append(key)
-                elif status is Status.LEASED:
-                    leased.append(key)
+                async with asyncio.timeout(self.timeout_s):
+                    answers.update(await send(node, chunk))
+            except _NotSent as exc:
+                self.channels.forget(node)
+                answers.update({it.index: _Retry(f"{node} could not be reached: {exc.__cause__}") for it in chunk})
+            except (TransferError, OSError, TimeoutError) as exc:
+                self.channels.forget(node)
+                if writes:  # it may have been applied: not sent again
+                    answers.update({it.index: TransferFailed(f"{node} failed mid-request: {exc or 'timed out'}")
+                                    for it in chunk})
                 else:
-                    raise _error_of(result, node, "remove")
-            todo = leased
-            if todo and time.monotonic() >= deadline:
-                break
-            if todo:
-                await asyncio.sleep(0.02)
-        member = self.nodes.members.get(node)
-        for tier in (member.tiers if member else {self.tier: 0}) if gone else ():
-            await self._rpc(self.client.remove(tenant, node, tier, gone))
-        if todo:
-            raise ObjectHasLease(f"{len(todo)} block(s) on {node} are being read; retry once the read is over "
-                                 "(or remove with force=True)")
+                    answers.update({it.index: _Retry(f"{node} failed mid-request: {exc}") for it in chunk})
+        return answers
 
-    # Plumbing -----------------------------------------------------------------------------------
-
-    async def _rpc(self, call):
+    async def _connection(self, node: str):
         try:
-            return await call
-        except ConductorError as exc:
-            if exc.status == 507 or exc.code == "no_room":
-                raise NoSpace(str(exc)) from None
-            if exc.status in (400, 404, 409, 413, 422):
-                raise InvalidParams(str(exc)) from None
-            raise RpcFailed(str(exc)) from None
+            channel = await self.channels.get(node)
+            lent = channel.connection()
+            conn = await lent.__aenter__()
+        except (TransferError, OSError, RpcFailed) as exc:
+            raise _NotSent() from exc
+        return lent, conn
 
-    async def _refresh(self) -> None:
-        await self._rpc(self.nodes.refresh())
+    async def _on(self, node: str, call: Callable[[PeerConnection], Awaitable]):
+        lent, conn = await self._connection(node)
+        try:
+            return await call(conn)
+        finally:
+            await lent.__aexit__(None, None, None)
 
-    async def _to_node(self, node: str, attempt) -> list[TransferResult]:
-        return await self._rpc(self.nodes.to_node(node, attempt))
+    def _note_epoch(self, epoch: int) -> None:
+        if epoch > self.map.epoch:
+            asyncio.get_running_loop().create_task(self._refresh_quietly(epoch))
+
+    async def _refresh_quietly(self, epoch: int) -> None:
+        try:
+            await self.refresh(at_least=epoch)
+        except RpcFailed as exc:
+            log.warning("kvstore: %s", exc)
+
+    # One node's share ---------------------------------------------------------------------------
+
+    async def _put_on(self, node: str, group: list[_Item], like: w.PutItem) -> dict[int, object]:
+        region = None
+        if any(it.payload.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
+            region = await self._pool(node)
+        pooled = [it for it in group if region is not None and it.payload.size >= self.SHM_MIN_BYTES and not it.stream]
+        streamed = [it for it in group if it not in pooled]
+        out: dict[int, object] = {}
+        for share, through in ((pooled, region), (streamed, None)):
+            if not share:
+                continue
+            request = w.PutRequest(self.tenant, self.map.epoch, [
+                w.PutItem(it.name, it.payload.size, like.upsert, like.replicas, like.persist, like.hard_pin,
+                          like.soft_pin_ms) for it in share])
+
+            async def call(conn: PeerConnection, share=share, through=through, request=request) -> w.PutReply:
+                if through is None:
+                    body = await conn.exchange(Op.OBJ_PUT, Op.OBJ_PUT_REPLY, w.encode(request), FLAG_EAGER,
+                                               [it.payload for it in share if it.payload.size])
+                    return w.decode(w.PutReply, body)
+                return await self._put_through_pool(conn, through, request, share)
+
+            reply = await self._on(node, call)
+            self._note_epoch(reply.epoch)
+            for it, result in zip(share, _exactly(reply.results, share)):
+                if result.status == Status.NOT_IN_MEMORY:
+                    it.stream = True  # the pool could not take it now: the stream carries it
+                    out[it.index] = _Retry("the pool had no room", refresh=False)
+                else:
+                    out[it.index] = _outcome(result.status, result.message, it.name, write=True)
+        return out
+
+    async def _put_through_pool(self, conn: PeerConnection, region: PoolRegion, request: w.PutRequest,
+                                group: list[_Item]) -> w.PutReply:
+        async with conn.request() as rid:
+            from tiercake.transfer.sockio import send_frame
+
+            await send_frame(conn.sock, Op.OBJ_PUT, rid, w.encode(request), FLAG_SHM)
+            ready = w.decode(w.PutReady, await conn.reply(rid, Op.OBJ_PUT_READY))
+            copies = [(offset, it.payload) for offset, it in zip(_exactly(ready.offsets, group), group) if offset >= 0]
+
+            def copy_all() -> None:
+                for offset, payload in copies:
+                    region.host_array(offset, payload.size)[:] = payload
+
+            if sum(p.size for _, p in copies) > 4 << 20:
+                await asyncio.to_thread(copy_all)  # a large copy off the event loop
+            else:
+                copy_all()
+            await send_frame(conn.sock, Op.OBJ_PUT_COMMIT, rid)
+            return w.decode(w.PutReply, await conn.reply(rid, Op.OBJ_PUT_REPLY))
+
+    async def _get_on(self, node: str, group: list[_Item]) -> dict[int, object]:
+        region = None
+        if any(it.out is not None and it.out.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
+            region = await self._pool(node)
+        pooled = [it for it in group if region is not None and it.out is not None
+                  and it.out.size >= self.SHM_MIN_BYTES and not it.stream]
+        streamed = [it for it in group if it not in pooled]
+        out: dict[int, object] = {}
+        if pooled:
+            out.update(await self._get_through_pool(node, region, pooled))
+        if streamed:
+            out.update(await self._get_streamed(node, streamed))
+        return out
+
+    async def _get_streamed(self, node: str, group: list[_Item]) -> dict[int, object]:
+        request = w.GetRequest(self.tenant, self.map.epoch, [
+            w.GetItem(it.name, -1 if it.out is None else it.out.size) for it in group])
+        decoded: list[w.GetReply] = []
+
+        def targets(body: bytearray) -> list:
+            reply = w.decode(w.GetReply, body)
+            decoded.append(reply)
+            views = []
+            for it, got in zip(group, _exactly(reply.items, group)):
+                if got.status == Status.OK and got.size:
+                    if it.out is None:
+                        it.out = np.empty(got.size, dtype=np.uint8)
+                    elif got.size > it.out.size:
+                        raise TransferError(f"{node} sends {got.size} bytes for a buffer of {it.out.size}")
+                    views.append(it.out[: got.size])
+            return views
+
+        await self._on(node, lambda conn: conn.exchange(Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request),
+                                                        receive=targets))
+        reply = decoded[0]
+        self._note_epoch(reply.epoch)
+        out = {}
+        for it, got in zip(group, reply.items):
+            if got.status == Status.OK:
+                out[it.index] = it.out[: got.size] if it.out is not None else np.empty(0, dtype=np.uint8)
+            else:
+                out[it.index] = _outcome(got.status, got.message, it.name, write=False)
+        return out
+
+    async def _get_through_pool(self, node: str, region: PoolRegion, group: list[_Item]) -> dict[int, object]:
+        request = w.GetRequest(self.tenant, self.map.epoch, [w.GetItem(it.name, it.out.size) for it in group])
+
+        async def call(conn: PeerConnection) -> w.GetReply:
+            reply = w.decode(w.GetReply, await conn.exchange(Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request), FLAG_SHM))
+            leased = [(it, got) for it, got in zip(group, _exactly(reply.items, group)) if got.status == Status.OK]
+
+            def copy_all() -> None:
+                for it, got in leased:
+                    it.out[: got.size] = region.host_array(got.offset, got.size)
+
+            try:
+                if sum(got.size for _, got in leased) > 4 << 20:
+                    await asyncio.to_thread(copy_all)
+                else:
+                    copy_all()
+            finally:
+                if leased:
+                    await conn.send_only(Op.OBJ_RELEASE, w.encode(w.ReleaseRequest([g.lease for _, g in leased])))
+            return reply
+
+        reply = await self._on(node, call)
+        self._note_epoch(reply.epoch)
+        out = {}
+        for it, got in zip(group, reply.items):
+            if got.status == Status.OK:
+                out[it.index] = it.out[: got.size]
+            elif got.status == Status.NOT_IN_MEMORY:
+                it.stream = True  # on the node's disk only: the stream brings it
+                out[it.index] = _Retry("not in the pool", refresh=False)
+            else:
+                out[it.index] = _outcome(got.status, got.message, it.name, write=False)
+        return out
+
+    async def _query_on(self, node: str, group: list[_Item], lease: bool) -> dict[int, object]:
+        request = w.QueryRequest(self.tenant, self.map.epoch, [it.name for it in group], lease)
+        body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_QUERY, Op.OBJ_QUERY_REPLY, w.encode(request)))
+        reply = w.decode(w.QueryReply, body)
+        self._note_epoch(reply.epoch)
+        out = {}
+        for it, d in zip(group, _exactly(reply.items, group)):
+            out[it.index] = (Described(d.size, d.version, d.replicas, d.persist, list(d.holders))
+                             if d.status == Status.OK else _outcome(d.status, d.message, it.name, write=False))
+        return out
+
+    async def _remove_on(self, node: str, group: list[_Item], force: bool) -> dict[int, object]:
+        request = w.RemoveRequest(self.tenant, self.map.epoch, [it.name for it in group], force)
+        body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY, w.encode(request)))
+        reply = w.decode(w.RemoveReply, body)
+        self._note_epoch(reply.epoch)
+        return {it.index: _outcome(r.status, r.message, it.name, write=True)
+                for it, r in zip(group, _exactly(reply.results, group))}
+
+    async def _remove_every_on(self, node: str, pattern: str | None, force: bool) -> int:
+        request = w.RemoveRequest(self.tenant, self.map.epoch, [], force, True, pattern)
+        try:
+            body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY,
+                                                                   w.encode(request)))
+        except _NotSent as exc:
+            raise TransferFailed(f"{node} could not be reached: {exc.__cause__}") from None
+        except (TransferError, OSError) as exc:
+            raise TransferFailed(f"{node} failed mid-request: {exc}") from None
+        reply = w.decode(w.RemoveReply, body)
+        for r in reply.results:
+            if r.status != Status.OK:
+                raise _outcome(r.status, r.message, b"", write=True)
+        return reply.removed
+
+    # The shared pool of a node on this host -----------------------------------------------------
+
+    async def _pool(self, node: str) -> PoolRegion | None:
+        if not self.shm:
+            return None
+        if node in self._pools:
+            return self._pools[node]
+        region = None
+        try:
+            channel = await self.channels.get(node)
+            info = await channel.peer_info()
+            if info.pool_path and info.boot_id == boot_id():
+                region = PoolRegion.attach(info.pool_path)
+                if region.instance != info.pool_id:  # a pool at the path, not the node's (yet)
+                    region.close(unlink=False)
+                    region = None
+        except (TransferError, OSError, PoolFormatError, RpcFailed) as exc:
+            log.info("kvstore: %s's pool cannot be mapped here (%s): the stream carries its bytes", node, exc)
+            region = None
+        self._pools[node] = region
+        return region
+
+    def _drop_pool(self, node: str) -> None:
+        region = self._pools.pop(node, None)
+        if region is not None:
+            region.close(unlink=False)
 
 
-def _raise(outcome: Outcome) -> None:
-    if outcome is not None:
+# Plumbing -------------------------------------------------------------------------------------------
+
+def _chunks(group: list[_Item]) -> list[list[_Item]]:
+    """Requests of at most ``MAX_ITEMS`` items, ``MAX_REQUEST_BYTES`` of a put's bytes and
+    ``MAX_TABLE_BYTES`` of names (a frame's body is at most 16 MiB)."""
+    chunks, current, nbytes, names = [], [], 0, 0
+    for it in group:
+        size = it.payload.size if it.payload is not None else 0
+        if current and (len(current) >= MAX_ITEMS or nbytes + size > MAX_REQUEST_BYTES
+                        or names + len(it.name) > MAX_TABLE_BYTES):
+            chunks.append(current)
+            current, nbytes, names = [], 0, 0
+        current.append(it)
+        nbytes += size
+        names += len(it.name)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _exactly(answers: list, items: list) -> list:
+    if len(answers) != len(items):
+        raise TransferError(f"{len(answers)} answers to {len(items)} items")
+    return answers
+
+
+def _outcome(status: int, message: str, name: bytes, *, write: bool):
+    """What one item's status means for the caller: None (done), an error, or ask again."""
+    what = f"object {name[:80]!r}" if name else "objects"
+    if status == Status.OK or (status == Status.EXISTS and write):
+        return None
+    if status in (Status.WRONG_OWNER, Status.UNAVAILABLE):
+        return _Retry(f"{Status(status).name.lower()}: {message}")
+    text = f"{what}: {Status(status).name.lower().replace('_', ' ')}" + (f": {message}" if message else "")
+    if status == Status.NOT_FOUND:
+        return ObjectNotFound(text)
+    if status == Status.LEASED:
+        return ObjectHasLease(text)
+    if status == Status.FULL:
+        return NoSpace(text)
+    if status in (Status.INVALID, Status.TOO_SMALL, Status.LENGTH_MISMATCH, Status.BAD_REQUEST):
+        return InvalidParams(text)
+    return TransferFailed(text)  # REPLICA_FAILED, INTERNAL: the outcome of a write is unknown
+
+
+def _raise(outcome) -> None:
+    if isinstance(outcome, StoreApiError):
         raise outcome
 
 
-def _size_or_error(got):
-    return got if isinstance(got, StoreApiError) else got.numel()
+def _name(name) -> bytes:
+    if not isinstance(name, str):
+        raise InvalidParams(f"object keys are str, got {type(name).__name__}")
+    raw = name.encode(errors="surrogatepass")
+    if not raw:
+        raise InvalidParams("object keys are not empty")
+    if len(raw) > MAX_NAME_BYTES:
+        raise InvalidParams(f"object keys are at most {MAX_NAME_BYTES} bytes, got {len(raw)}")
+    return raw
 
 
-def _writable(buffer) -> torch.Tensor:
-    """The buffer's bytes to write into, refusing read-only memory (bytes, a read-only array)."""
-    if isinstance(buffer, torch.Tensor):
-        return as_bytes(buffer)
-    readonly = not buffer.flags.writeable if isinstance(buffer, np.ndarray) else memoryview(buffer).readonly
-    if readonly:
-        raise ValueError(f"a {type(buffer).__name__} is read-only")
-    return as_bytes(buffer)
-
-
-def _too_small(name: str, size: int, have: int) -> InvalidParams:
-    return InvalidParams(f"object {name!r} is {size} bytes, the buffer holds {have}")
-
-
-def _head_block(p: _Put) -> torch.Tensor:
-    block = torch.empty(p.blocks.head_bytes, dtype=torch.uint8)
-    block[:HEADER] = torch.frombuffer(bytearray(p.blocks.header.encode()), dtype=torch.uint8)
-    if p.blocks.header.inline:
-        block[HEADER:] = p.src
-    return block
-
-
-def _unpack_inline(block: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _readable(value) -> np.ndarray:
+    """The bytes of a value to put, without a copy where they are host memory."""
     try:
-        header = Header.decode(bytes(block[:HEADER].numpy()))
-    except LayoutError as exc:
-        raise TransferFailed(str(exc)) from None
-    if header.size != block.numel() - HEADER:
-        raise TransferFailed(f"object header says {header.size} bytes, its block holds {block.numel() - HEADER}")
-    data = block[HEADER:]
-    if out is None:
-        return data
-    out[:header.size].copy_(data)
-    return out[:header.size]
+        if isinstance(value, torch.Tensor):
+            if not value.is_contiguous():
+                raise InvalidParams("a tensor to put must be contiguous")
+            flat = value.detach().reshape(-1)
+            flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+            return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+        if isinstance(value, np.ndarray):
+            if not value.flags.c_contiguous:
+                raise InvalidParams("an array to put must be C-contiguous (np.ascontiguousarray)")
+            return value.reshape(-1).view(np.uint8)
+        view = memoryview(value)
+        if not view.contiguous:
+            raise InvalidParams("a buffer to put must be contiguous")
+        return np.frombuffer(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view, dtype=np.uint8)
+    except InvalidParams:
+        raise
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidParams(f"a value to put is bytes, a buffer, an array or a tensor: {exc}") from None
 
 
-def _error_of(result: TransferResult, node: str, what: str) -> StoreApiError:
-    status = getattr(result.error, "status", None)
-    message = f"{what} on {node}: {result.error}"
-    if status is Status.NOT_FOUND:
-        return ObjectNotFound(message)
-    if status is Status.FULL:
-        return NoSpace(message)
-    if status is Status.LEASED:
-        return ObjectHasLease(message)
-    if status is Status.LENGTH_MISMATCH:
-        return InvalidParams(message)
-    return TransferFailed(message)
+def _writable(buffer) -> np.ndarray:
+    """A buffer to read into, refusing read-only memory (bytes, a read-only array)."""
+    try:
+        if isinstance(buffer, torch.Tensor):
+            if not buffer.is_contiguous():
+                raise InvalidParams("a tensor to read into must be contiguous")
+            flat = buffer.detach().reshape(-1)
+            return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
+        if isinstance(buffer, np.ndarray):
+            if not buffer.flags.writeable or not buffer.flags.c_contiguous:
+                raise InvalidParams("an array to read into must be writable and C-contiguous")
+            return buffer.reshape(-1).view(np.uint8)
+        view = memoryview(buffer)
+        if view.readonly or not view.contiguous:
+            raise InvalidParams(f"a {type(buffer).__name__} to read into must be writable and contiguous")
+        return np.frombuffer(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view, dtype=np.uint8)
+    except InvalidParams:
+        raise
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidParams(f"a buffer to read into is a writable buffer, array or tensor: {exc}") from None
 
 
-def _check(result: TransferResult, node: str, what: str) -> None:
-    if not result.ok:
-        raise _error_of(result, node, what)
+def _device_bytes(buffer: torch.Tensor) -> torch.Tensor:
+    if not buffer.is_contiguous():
+        raise InvalidParams("a tensor to read into must be contiguous")
+    flat = buffer.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

@@ -1,0 +1,232 @@
+"""The object map: which node owns each slot of the key-value store's objects (``ObjectMap``).
+
+Objects are not placed one by one: an object's name picks its slot, and the map gives each slot a
+chain of nodes, the primary first. The primary owns the slot's objects (their versions, their bytes,
+their replication to the backups, ``workers/objects.py``); the conductor is off the per-object path
+and only keeps the map, in etcd under ``OBJECT_MAP``, written by the leader alone (fenced like every
+leader write) and followed by every conductor. Members see its epoch in their keep-alive answers.
+
+How it changes (``plan``, on the leader, a few times a second):
+
+- the first map: every slot's chain is the live nodes in rendezvous order for that slot (highest
+  random weight), up to ``replicas_max``: each node is primary for about as many slots;
+- a member absent (its lease expired) for ``failover_s`` leaves every chain: where it was primary,
+  the first backup that holds the whole slot (``ready``) takes over. A node agent that restarts
+  sooner keeps its slots (and, with its pool adopted, what it held). A node's own check stops it
+  serving as soon as its lease is not surely alive, before anyone can take over: never two primaries;
+- a chain shorter than ``replicas_max`` (a node gone, or joined since) gets the best live node in
+  rendezvous order appended; it is not ready until its primary has copied the slot to it and says so
+  (``mark_ready``);
+- rebalance: where a slot's rendezvous-first node is a ready backup, the map asks the primary to hand
+  the slot to it (``handoff``); the primary stops serving it and says so (``mark_ready(handed_off=
+  True)``), and the next map makes that backup the primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+
+from tiercake.messages import ObjectMap, SlotReady
+
+from .membership import Membership
+from .metadata import Guard, MetadataBackend, Put, WatchEvent, follow
+
+log = logging.getLogger(__name__)
+
+OBJECT_MAP = b"/tiercake/objects/map"
+
+
+class MapRefused(Exception):
+    """A primary's report that does not fit the current map (an older epoch, another primary)."""
+
+
+def rendezvous(slot: int, nodes: list[str]) -> list[str]:
+    """``nodes`` in the slot's rendezvous order (highest random weight first): removing a node moves
+    only its own slots, adding one takes about 1/n of every other's."""
+    def weight(node: str) -> bytes:
+        return hashlib.blake2b(f"{slot}\0{node}".encode(), digest_size=8).digest()
+
+    return sorted(nodes, key=weight, reverse=True)
+
+
+def plan(current: ObjectMap, alive: list[str], gone: set[str], slots: int, replicas_max: int) -> ObjectMap:
+    """The next map: ``current`` without the members ``gone`` for good, each chain moving towards its
+    slot's rendezvous-best live nodes (the ones missing appended, to be copied; those no longer among
+    the best dropped once the best all hold the slot), and a handoff asked where the best node is a
+    ready backup. Returns ``current`` itself when nothing changes."""
+    alive = sorted(alive)
+    if not current.chains:
+        if not alive:
+            return current
+        chains = [rendezvous(s, alive)[:replicas_max] for s in range(slots)]
+        return ObjectMap(epoch=current.epoch + 1, chains=chains, ready=[len(c) for c in chains])
+    chains, ready, handoff = [], [], {}
+    for s, (chain, ready_n) in enumerate(zip(current.chains, current.ready)):
+        chain, ready_n = _next_chain(chain, ready_n, rendezvous(s, alive)[:replicas_max], gone, replicas_max)
+        chains.append(chain)
+        ready.append(ready_n)
+        best = rendezvous(s, alive)[0] if alive else None
+        if best is not None and best != chain[0] and best in chain[1:ready_n] and chain[0] in alive:
+            handoff[s] = best
+    proposal = ObjectMap(epoch=current.epoch, chains=chains, ready=ready, handoff=handoff)
+    if proposal.chains == current.chains and proposal.ready == current.ready and proposal.handoff == current.handoff:
+        return current
+    return proposal.model_copy(update={"epoch": current.epoch + 1})
+
+
+def _next_chain(chain: list[str], ready_n: int, ideal: list[str], gone: set[str],
+                replicas_max: int) -> tuple[list[str], int]:
+    # the members that held the whole slot stay in front, in their order: the first is the primary
+    whole = [n for n in chain[:ready_n] if n not in gone]
+    rest = [n for n in chain[ready_n:] if n not in gone]
+    if not whole:  # nobody holds the whole slot any more: what the others hold is all there is
+        whole, rest = rest[:1], rest[1:]
+    if not whole:  # a slot with nobody left starts empty on the best live nodes: nothing to copy
+        return list(ideal), len(ideal)
+    chain = whole + rest + [n for n in ideal if n not in whole and n not in rest]
+    ready_n = len(whole)
+    # past replicas_max, members no longer among the best leave, once the best all hold the slot (never
+    # the primary: a handoff moves it first)
+    while len(chain) > replicas_max and all(n in chain[:ready_n] for n in ideal):
+        extra = [i for i in range(len(chain) - 1, 0, -1) if chain[i] not in ideal]
+        if not extra:
+            break
+        at = extra[0]
+        del chain[at]
+        if at < ready_n:
+            ready_n -= 1
+    return chain, ready_n
+
+
+class ObjectMapKeeper:
+    def __init__(self, meta: MetadataBackend, members: Membership, guard: Guard, leading: Callable[[], bool], *,
+                 slots: int = 256, replicas_max: int = 3, failover_s: float = 10.0, every: float = 0.2) -> None:
+        self.meta = meta
+        self.members = members
+        self.guard = guard
+        self.leading = leading
+        self.slots = slots
+        self.replicas_max = replicas_max
+        self.failover_s = failover_s
+        self.every = every
+        self.map = ObjectMap()
+        self._absent: dict[str, float] = {}  # chain member -> monotonic time it was first seen absent
+        self._lock = asyncio.Lock()  # one writer of the map in this conductor
+        self._tasks: list[asyncio.Task] = []
+        self.changed = asyncio.Event()
+
+    async def start(self) -> ObjectMapKeeper:
+        kv = await self.meta.get(OBJECT_MAP)
+        revision = 0
+        if kv is not None:
+            self.map = ObjectMap.model_validate_json(kv.value)
+            revision = kv.mod_revision
+        else:
+            _, revision = await self.meta.range(OBJECT_MAP)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(follow(self.meta, OBJECT_MAP, revision + 1, self._apply, "object map")),
+                       loop.create_task(self._keep_forever())]
+        return self
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _apply(self, event: WatchEvent) -> None:
+        if event.kind == "put" and event.key == OBJECT_MAP:
+            seen = ObjectMap.model_validate_json(event.value)
+            if seen.epoch >= self.map.epoch:
+                self.map = seen
+                self.changed.set()
+                self.changed = asyncio.Event()
+
+    def nodes(self) -> list[str]:
+        return [m.node_id for m in self.members.alive("node")]
+
+    async def _keep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.every)
+            if not self.leading():
+                self._absent.clear()  # a new leader starts the clocks again: later, never sooner
+                continue
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - the map's keeper must outlive one failed round
+                log.exception("object map: a round failed")
+
+    async def step(self) -> ObjectMap:
+        """One round: the next map, written if it changed."""
+        async with self._lock:
+            alive = self.nodes()
+            now = time.monotonic()
+            members = {n for chain in self.map.chains for n in chain}
+            for node in members:
+                if node in alive:
+                    self._absent.pop(node, None)
+                else:
+                    self._absent.setdefault(node, now)
+            for node in [n for n in self._absent if n not in members]:
+                del self._absent[node]
+            gone = {n for n, since in self._absent.items() if now - since >= self.failover_s}
+            nxt = plan(self.map, alive, gone, self.slots, self.replicas_max)
+            if nxt is not self.map:
+                await self._write(nxt)
+            return self.map
+
+    async def mark(self, reports: list[SlotReady]) -> tuple[ObjectMap, list[str]]:
+        """Primaries' reports, in one change of the map: a backup now holds the whole slot (it was
+        copied there), holds it no more (``lagging``: it failed a write), or took the slot over
+        (``handed_off``). Per report, '' or why it was refused (the slot's primary or that member
+        changed since)."""
+        async with self._lock:
+            current = self.map
+            chains, ready, handoff = [list(c) for c in current.chains], list(current.ready), dict(current.handoff)
+            refused = []
+            for report in reports:
+                try:
+                    _apply_report(report, chains, ready, handoff)
+                    refused.append("")
+                except MapRefused as exc:
+                    refused.append(str(exc))
+            if chains != current.chains or ready != current.ready or handoff != current.handoff:
+                await self._write(current.model_copy(update={"epoch": current.epoch + 1, "chains": chains,
+                                                             "ready": ready, "handoff": handoff}))
+            return self.map, refused
+
+    async def _write(self, nxt: ObjectMap) -> None:
+        await self.meta.commit([Put(OBJECT_MAP, nxt.model_dump_json().encode())], guard=self.guard)
+        self.map = nxt
+        self.changed.set()
+        self.changed = asyncio.Event()
+        log.info("object map: epoch %d (%d slots over %s)", nxt.epoch, nxt.slots,
+                 ", ".join(sorted({n for c in nxt.chains for n in c})) or "no nodes")
+
+
+def _apply_report(report: SlotReady, chains: list[list[str]], ready: list[int], handoff: dict[int, str]) -> None:
+    s = report.slot
+    if not 0 <= s < len(chains) or not chains[s] or chains[s][0] != report.primary:
+        raise MapRefused(f"slot {s}: {report.primary} is not its primary")
+    chain = chains[s]
+    if report.node not in chain[1:]:
+        raise MapRefused(f"slot {s}: {report.node} is not one of its backups")
+    at = chain.index(report.node)
+    if report.lagging:
+        if at < ready[s]:  # after the ready members: never promoted before it is copied again
+            chain.append(chain.pop(at))
+            ready[s] -= 1
+            handoff.pop(s, None)
+    elif report.handed_off:
+        if handoff.get(s) != report.node or at >= ready[s]:
+            raise MapRefused(f"slot {s}: no handoff to {report.node} was asked")
+        chain.insert(0, chain.pop(at))  # the old primary stays, as a ready backup
+        del handoff[s]
+    elif at >= ready[s]:
+        chain.insert(ready[s], chain.pop(at))
+        ready[s] += 1

@@ -1,0 +1,454 @@
+"""A node's objects (the key-value store's): the current version of each object this node holds, and
+the blocks that hold their bytes.
+
+An object is a tenant, a name and bytes. Its identity (``tiercake.blocks.object_id``) picks its slot,
+and the object map says which node owns each slot; ``workers/objects.py`` keeps the rules of that
+ownership (who may write, replication to the slot's backups). This module is only the local state,
+and it has one owner: the table, on the event loop, with no await between a lookup and a change.
+
+- Each written version is one block of the node's ``TieredStore`` (key ``object_block_key(oid,
+  nonce)``, new at every write), laid out as a record: a header (``Record``: version, size, what the
+  writer asked for, the tenant and name) and then the object's bytes. So the table is rebuilt from
+  the store after a restart (an adopted pool, a recovered SSD): of two records of one object the
+  higher version is current and the other is removed.
+- A version is staged (``stage``: space reserved, the caller writes the bytes), then published
+  (``publish``: header written, block committed, synced to disk if asked, and only then the table
+  pointed at it, in one step): a reader finds the old version or the new one, whole, never nothing
+  and never a mix.
+- The version it replaced is retired: its block removed at once, or as soon as the readers copying
+  it let go of it.
+- Mooncake's read lease: a get or an exists holds the object for ``lease_ttl`` seconds; a remove
+  (unless forced) is refused meanwhile, and eviction passes it over.
+- Memory-level objects are a cache: the store may evict them (spilled to SSD first where there is
+  one); when an object's last copy goes, it leaves the table and ``on_evicted`` is told. Replicated
+  and persisted objects are kept (``Entry.keep``): they spill, but are never dropped; a node with no
+  room for more answers "full".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+import struct
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tiercake.blocks import is_object_tenant, object_block_key, object_block_tenant, object_id
+
+from .errors import ObjectLeasedError, ObjectNotFoundError, PayloadError, StoreError
+from .store import BlockChange, PutHandle, TieredStore
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"TCOR"
+_FORMAT = 1
+# magic, format, flags, replicas, persist, tenant bytes, name bytes, size, version, soft pin until (unix ms)
+_HEAD = struct.Struct("<4sBBBBHIQQQ")
+_ALIGN = 64  # the object's bytes start on a cache line
+HARD_PIN, SOFT_PIN = 1, 2
+MAX_NAME = 64 << 10
+MAX_TENANT = 255
+
+
+class RecordError(ValueError):
+    """A block whose header is not an object record (torn, or not one of ours)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """What a writer asked of one object (Mooncake's ``ReplicateConfig``, as far as it applies)."""
+
+    replicas: int = 1  # nodes holding it before the put is acknowledged (the slot's primary and backups)
+    persist: bool = False  # on SSD, synced, on each of them, before the acknowledgement
+    hard_pin: bool = False  # never evicted
+    soft_pin_ms: int | None = None  # evicted only when nothing else can be, for this long
+
+    @property
+    def kept(self) -> bool:
+        """Durability the caller asked for: never dropped by eviction."""
+        return self.replicas > 1 or self.persist or self.hard_pin
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """The header of an object's block."""
+
+    tenant: str
+    name: bytes
+    size: int
+    version: int
+    meta: Meta
+    soft_pin_until_ms: int = 0  # unix time: a soft pin outlives a restart
+
+    @property
+    def offset(self) -> int:
+        """Where the object's bytes start in its block."""
+        return payload_offset(self.tenant, self.name)
+
+    def encode(self) -> bytes:
+        tenant = self.tenant.encode()
+        flags = (HARD_PIN if self.meta.hard_pin else 0) | (SOFT_PIN if self.meta.soft_pin_ms is not None else 0)
+        head = _HEAD.pack(_MAGIC, _FORMAT, flags, self.meta.replicas, int(self.meta.persist), len(tenant), len(self.name),
+                          self.size, self.version, self.soft_pin_until_ms)
+        return head + tenant + self.name
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview | np.ndarray) -> Record:
+        raw = bytes(raw[: _HEAD.size + MAX_TENANT + MAX_NAME]) if not isinstance(raw, bytes) else raw
+        if len(raw) < _HEAD.size:
+            raise RecordError("shorter than an object record's header")
+        magic, fmt, flags, replicas, persist, tlen, nlen, size, version, soft_until = _HEAD.unpack_from(raw)
+        if magic != _MAGIC or fmt != _FORMAT or not replicas or len(raw) < _HEAD.size + tlen + nlen:
+            raise RecordError("not an object record")
+        tenant = raw[_HEAD.size : _HEAD.size + tlen].decode(errors="replace")
+        name = raw[_HEAD.size + tlen : _HEAD.size + tlen + nlen]
+        meta = Meta(replicas, bool(persist), bool(flags & HARD_PIN), 0 if flags & SOFT_PIN else None)
+        return cls(tenant, name, size, version, meta, soft_until)
+
+
+def payload_offset(tenant: str, name: bytes) -> int:
+    return -(-(_HEAD.size + len(tenant.encode()) + len(name)) // _ALIGN) * _ALIGN
+
+
+def header_bytes(tenant: str, name: bytes) -> int:
+    """How many bytes of a record come before its object's: what ``read_head`` must read."""
+    return payload_offset(tenant, name)
+
+
+@dataclass(slots=True, eq=False)
+class Stored:
+    """The current version of one object on this node."""
+
+    oid: bytes
+    record: Record
+    block: bytes
+    lease_until: float = 0.0  # monotonic: Mooncake's read lease
+
+    @property
+    def size(self) -> int:
+        return self.record.size
+
+    @property
+    def version(self) -> int:
+        return self.record.version
+
+    @property
+    def meta(self) -> Meta:
+        return self.record.meta
+
+    @property
+    def offset(self) -> int:
+        return self.record.offset
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    """A version on its way in: its block reserved, its bytes being written (``payload``)."""
+
+    oid: bytes
+    tenant: str
+    name: bytes
+    size: int
+    meta: Meta
+    handle: PutHandle
+    offset: int
+
+    @property
+    def block(self) -> bytes:
+        return self.handle.key
+
+    def payload(self) -> torch.Tensor:
+        """Where the object's bytes go (in place: the pool slot, or a disk tier's staging buffer)."""
+        return self.handle.buffer[self.offset : self.offset + self.size]
+
+    def payload_array(self) -> np.ndarray:
+        """The same bytes for sockets."""
+        return self.handle.host_target()[self.offset : self.offset + self.size]
+
+
+@dataclass(slots=True)
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class ObjectTable:
+    RETIRE_EVERY_S = 0.1
+
+    def __init__(self, store: TieredStore, *, lease_ttl: float = 5.0, disk_tier: str | None = None) -> None:
+        """``disk_tier``: where persisted objects go (the store's SSD tier; None: this node cannot
+        persist, and such a put is refused)."""
+        self.store = store
+        self.lease_ttl = lease_ttl
+        self.disk_tier = disk_tier
+        self.objects: dict[bytes, Stored] = {}
+        self.by_block: dict[bytes, bytes] = {}  # block of a current version -> its object
+        self.by_tenant: dict[str, set[bytes]] = defaultdict(set)
+        self._locks: dict[bytes, _KeyLock] = {}
+        self._retiring: set[bytes] = set()
+        self._retirer: asyncio.Task | None = None
+        self.on_evicted: list[Callable[[Stored], None]] = []  # told (synchronously) of objects eviction took
+        self.evicted = 0
+        store.listeners.append(self._on_change)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.store.listeners.remove(self._on_change)
+        if self._retirer is not None:
+            self._retirer.cancel()
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+    def __iter__(self) -> Iterator[Stored]:
+        return iter(list(self.objects.values()))
+
+    def get(self, oid: bytes) -> Stored | None:
+        return self.objects.get(oid)
+
+    # One writer per object --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lock(self, oid: bytes):
+        """Hold the object's lock: one write (and its replication) at a time per object, in order."""
+        held = self._locks.get(oid)
+        if held is None:
+            held = self._locks[oid] = _KeyLock()
+        held.users += 1
+        try:
+            async with held.lock:
+                yield
+        finally:
+            held.users -= 1
+            if not held.users:
+                del self._locks[oid]
+
+    # Writing ----------------------------------------------------------------------------------------
+
+    async def stage(self, oid: bytes, tenant: str, name: bytes, size: int, meta: Meta) -> Staged:
+        """Reserve a new version's block; the caller writes ``size`` bytes into ``payload()`` and then
+        publishes or aborts it. ``TierFullError`` when no tier has room (nothing may be evicted)."""
+        if meta.persist and self.disk_tier is None:
+            raise PayloadError("this node has no SSD tier: it cannot persist objects")
+        if len(name) > MAX_NAME or len(tenant.encode()) > MAX_TENANT:
+            raise PayloadError(f"object names are at most {MAX_NAME} bytes and tenants {MAX_TENANT}")
+        if size < 0:
+            raise PayloadError("an object's size is not negative")
+        offset = payload_offset(tenant, name)
+        block = object_block_key(oid, secrets.randbits(64))
+        handle = await self.store.put_start(block, offset + size, tenant=object_block_tenant(tenant),
+                                            exact_size=False, keep=meta.kept)
+        return Staged(oid, tenant, name, size, meta, handle, offset)
+
+    async def prepare(self, staged: Staged, version: int) -> Stored:
+        """Everything of a new version that can fail, done, and nothing of it visible yet: its record
+        written, its block committed, its synced disk copy when it is persisted. ``install`` then
+        makes it current; ``discard`` undoes it."""
+        record = Record(staged.tenant, staged.name, staged.size, version, staged.meta,
+                        _soft_pin_until_ms(staged.meta))
+        handle = staged.handle
+        head = record.encode()
+        handle.buffer[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        handle.note_written(handle.entry.nbytes - handle.written)
+        await self.store.commit(handle)
+        try:
+            if staged.meta.persist:
+                await self.store.persist_copy(staged.block, self.disk_tier, sync=True)
+            self._pin(staged.block, staged.meta, record.soft_pin_until_ms)
+        except BaseException:
+            self.retire(staged.block)
+            raise
+        return Stored(staged.oid, record, staged.block)
+
+    def install(self, stored: Stored) -> Stored | None:
+        """Make a prepared version current, in one step (no await): readers find it from now on, and
+        the version it replaces (returned) is retired."""
+        return self._install(stored)
+
+    def discard(self, stored: Stored) -> None:
+        """Undo a prepared version that will not be installed."""
+        self.retire(stored.block)
+
+    async def publish(self, staged: Staged, version: int) -> Stored | None:
+        """``prepare`` and ``install`` at once; returns the version it replaced."""
+        return self.install(await self.prepare(staged, version))
+
+    async def abort(self, staged: Staged) -> None:
+        if not staged.handle.done:
+            await self.store.revoke(staged.handle)
+
+    def _install(self, stored: Stored) -> Stored | None:
+        old = self.objects.get(stored.oid)
+        self.objects[stored.oid] = stored
+        self.by_block[stored.block] = stored.oid
+        self.by_tenant[stored.record.tenant].add(stored.oid)
+        if old is not None:
+            self.by_block.pop(old.block, None)
+            self.retire(old.block)
+        return old
+
+    def _pin(self, block: bytes, meta: Meta, soft_until_ms: int) -> None:
+        if meta.hard_pin:
+            self.store.pin(block, hard=True)
+        elif meta.soft_pin_ms is not None:
+            ttl = max(0.0, soft_until_ms / 1e3 - time.time())
+            if ttl > 0:
+                self.store.pin(block, ttl=ttl)
+
+    # Removing ---------------------------------------------------------------------------------------
+
+    def remove(self, oid: bytes) -> Stored | None:
+        """Forget the object (its block is retired); the version removed, or None."""
+        stored = self.objects.pop(oid, None)
+        if stored is None:
+            return None
+        self.by_block.pop(stored.block, None)
+        tenant = self.by_tenant.get(stored.record.tenant)
+        if tenant is not None:
+            tenant.discard(oid)
+            if not tenant:
+                del self.by_tenant[stored.record.tenant]
+        self.retire(stored.block)
+        return stored
+
+    def retire(self, block: bytes) -> None:
+        """Remove a block no version points at, now or once its readers are done."""
+        self._retiring.add(block)
+        if self._retirer is None or self._retirer.done():
+            self._retirer = asyncio.get_running_loop().create_task(self._retire())
+
+    async def _retire(self) -> None:
+        while self._retiring:
+            for block in list(self._retiring):
+                if block in self.by_block:  # current again (a backup handed the same version back)
+                    self._retiring.discard(block)
+                    continue
+                try:
+                    await self.store.remove(block)
+                except ObjectNotFoundError:
+                    pass
+                except ObjectLeasedError:
+                    continue  # a reader is copying it: next round
+                except StoreError as exc:
+                    log.warning("objects: could not remove retired block %s: %s", block.hex()[:16], exc)
+                    if self.store.contains(block):
+                        continue
+                self._retiring.discard(block)
+            if self._retiring:
+                await asyncio.sleep(self.RETIRE_EVERY_S)
+
+    async def drain(self) -> None:
+        """Wait until every retired block is gone (tests, and a clean stop)."""
+        while self._retirer is not None and not self._retirer.done():
+            await asyncio.shield(self._retirer)
+
+    # Mooncake's read lease --------------------------------------------------------------------------
+
+    def lease(self, stored: Stored) -> None:
+        """A reader found the object: it stays (no remove without force, no eviction) for ``lease_ttl``."""
+        until = time.monotonic() + self.lease_ttl
+        if until > stored.lease_until:
+            stored.lease_until = until
+            with contextlib.suppress(StoreError):
+                self.store.hold(stored.block, until)
+
+    @staticmethod
+    def leased(stored: Stored) -> bool:
+        return stored.lease_until > time.monotonic()
+
+    # Reading ----------------------------------------------------------------------------------------
+
+    def read_lease(self, stored: Stored):
+        """A lease on the version's block in memory (the store's ``Lease``: released by the caller), or
+        None when it is only on disk (``read_disk``)."""
+        try:
+            return self.store.acquire_lease(stored.block, math.inf)
+        except ObjectNotFoundError:
+            if not self.store.contains(stored.block):
+                raise
+            return None
+
+    async def read_disk(self, stored: Stored) -> torch.Tensor:
+        """The object's bytes read from a disk copy (maybe promoted into memory on the way)."""
+        block = await self.store.get(stored.block)
+        return block[stored.offset : stored.offset + stored.size]
+
+    # Eviction and recovery --------------------------------------------------------------------------
+
+    def _on_change(self, change: BlockChange) -> None:
+        """A block left a tier: if it was a current version's last copy, eviction took the object."""
+        if change.added or not is_object_tenant(change.tenant):
+            return
+        oid = self.by_block.get(change.key)
+        if oid is None or self.store.contains(change.key):
+            return
+        stored = self.objects.get(oid)
+        if stored is None or stored.block != change.key:
+            return
+        self.objects.pop(oid)
+        self.by_block.pop(change.key, None)
+        self.by_tenant[stored.record.tenant].discard(oid)
+        self.evicted += 1
+        for listener in self.on_evicted:
+            listener(stored)
+
+    async def recover(self) -> int:
+        """Rebuild the table from the object blocks the store holds (after a restart): the highest
+        version of each object is current, older ones and blocks that are no record are removed.
+        Returns how many objects it found."""
+        best: dict[bytes, tuple[Record, bytes]] = {}
+        stale: list[bytes] = []
+        for block in self.store.keys():
+            entry = self.store._entries.get(block)
+            if entry is None or not is_object_tenant(entry.meta.tenant):
+                continue
+            try:
+                record = Record.decode(await self._head(block))
+            except (RecordError, StoreError) as exc:
+                log.warning("objects: block %s is not a readable object record (%s); removed", block.hex()[:16], exc)
+                stale.append(block)
+                continue
+            if entry.nbytes != record.offset + record.size:
+                log.warning("objects: block %s is %d bytes, its record says %d; removed", block.hex()[:16],
+                            entry.nbytes, record.offset + record.size)
+                stale.append(block)
+                continue
+            oid = object_id(record.name, record.tenant)
+            held = best.get(oid)
+            if held is None or record.version > held[0].version:
+                if held is not None:
+                    stale.append(held[1])
+                best[oid] = (record, block)
+            else:
+                stale.append(block)
+        for block in stale:
+            with contextlib.suppress(StoreError):
+                await self.store.remove(block)
+        for oid, (record, block) in best.items():
+            self.store.set_keep(block, record.meta.kept)
+            self._pin(block, record.meta, record.soft_pin_until_ms)
+            self._install(Stored(oid, record, block))
+        return len(best)
+
+    async def _head(self, block: bytes) -> bytes:
+        """The first bytes of a block: its record header (a view in memory, a read from disk)."""
+        with contextlib.suppress(ObjectNotFoundError):
+            lease = self.store.acquire_lease(block, math.inf)
+            try:
+                data = lease.data
+                return bytes(data[: min(data.numel(), _HEAD.size + MAX_TENANT + MAX_NAME)].numpy())
+            finally:
+                await self.store.release_lease(block, lease.id)
+        return bytes((await self.store.get(block))[: _HEAD.size + MAX_TENANT + MAX_NAME].numpy())
+
+
+def _soft_pin_until_ms(meta: Meta) -> int:
+    return int(time.time() * 1e3) + meta.soft_pin_ms if meta.soft_pin_ms is not None else 0

@@ -1,0 +1,354 @@
+"""The key-value store's operations as a node answers them on its transfer port (``object_wire.py``).
+
+Each request is about objects of one tenant; each item is answered on its own. The primary of an
+item's slot (``Ownership.serves``) does the work; any other node answers WRONG_OWNER or UNAVAILABLE
+and the client finds the right one.
+
+A put stages each item's new version (its block reserved, the bytes received straight into it),
+then, per item under that object's lock: a present object keeps its first value unless the put is an
+upsert (Mooncake's rule), the new state goes to the slot's backups when it is replicated, and only
+then is it installed, in one step, and acknowledged. A get reads the current version under a
+store lease (the block cannot go while its bytes are sent) and grants Mooncake's read lease. A
+remove, under the object's lock, is refused while a read lease holds the object (unless forced),
+goes to the backups, then leaves the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from tiercake.blocks import object_id
+from tiercake.tiers import ObjectNotFoundError, StoreError, TierFullError
+from tiercake.tiers.objects import Meta, ObjectTable, Staged, Stored
+from tiercake.transfer import object_wire as w
+from tiercake.transfer.protocol import FLAG_EAGER, FLAG_SHM, Op, ProtocolError, Status
+from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_frame
+
+from .ownership import Ownership
+from .replication import BackupSide, ReplicaUnsafe, Replicator, replica_of
+
+log = logging.getLogger(__name__)
+
+SHM_LEASE_S = 30.0  # a same-host reader that dies holds its objects' blocks this long at most
+OBJECT_OPS = (Op.OBJ_PUT, Op.OBJ_GET, Op.OBJ_RELEASE, Op.OBJ_QUERY, Op.OBJ_REMOVE, Op.OBJ_REPLICATE)
+
+
+class ObjectServer:
+    """The transfer server's hook for object operations (``TransferServer(objects=...)``)."""
+
+    ops = OBJECT_OPS
+
+    def __init__(self, node_id: str, table: ObjectTable, ownership: Ownership, replicator: Replicator,
+                 pool_tier: str | None) -> None:
+        self.node_id = node_id
+        self.table = table
+        self.ownership = ownership
+        self.replicator = replicator
+        self.backup = BackupSide(node_id, table, ownership)
+        self.pool_tier = pool_tier
+        self.counts: dict[str, int] = {"put": 0, "get": 0, "query": 0, "remove": 0, "replicate": 0}
+
+    async def handle(self, conn: socket.socket, op: Op, flags: int, request: int, body: bytearray,
+                     deadline: Callable[[int], object]) -> None:
+        """Answer one request; ``deadline(nbytes)`` is the server's watchdog for the bytes it moves."""
+        if op is Op.OBJ_PUT:
+            await self._put(conn, flags, request, w.decode(w.PutRequest, body), deadline)
+        elif op is Op.OBJ_GET:
+            await self._get(conn, flags, request, w.decode(w.GetRequest, body), deadline)
+        elif op is Op.OBJ_RELEASE:
+            await self.table.store.release_leases(w.decode(w.ReleaseRequest, body).leases)
+        elif op is Op.OBJ_QUERY:
+            reply = self._query(w.decode(w.QueryRequest, body))
+            await send_frame(conn, Op.OBJ_QUERY_REPLY, request, w.encode(reply))
+        elif op is Op.OBJ_REMOVE:
+            reply = await self._remove(w.decode(w.RemoveRequest, body))
+            await send_frame(conn, Op.OBJ_REMOVE_REPLY, request, w.encode(reply))
+        elif op is Op.OBJ_REPLICATE:
+            await self._replicate(conn, request, w.decode(w.ReplicateRequest, body), deadline)
+        else:
+            raise ProtocolError(f"{op.name} is not an object request")
+
+    # Put ----------------------------------------------------------------------------------------
+
+    async def _put(self, conn, flags: int, request: int, req: w.PutRequest, deadline) -> None:
+        self.counts["put"] += 1
+        shm = bool(flags & FLAG_SHM)
+        if shm == bool(flags & FLAG_EAGER):
+            raise ProtocolError("an object put's bytes come either eagerly on the stream or through the pool")
+        if shm and self.pool_tier is None:
+            raise ProtocolError("this node has no shared pool to put objects into")
+        staged = [await self._stage(req, item, shm) for item in req.items]
+        try:
+            with deadline(sum(item.size for item in req.items)):
+                if shm:
+                    offsets = [s.handle.copy.slot[0] + s.offset if isinstance(s, Staged) else -1 for s in staged]
+                    ready = w.PutReady(self.ownership.map.epoch, offsets,
+                                       [s if isinstance(s, w.Result) else w.Result(Status.OK) for s in staged])
+                    await send_frame(conn, Op.OBJ_PUT_READY, request, w.encode(ready))
+                    await recv_frame(conn, expect=[Op.OBJ_PUT_COMMIT])  # the client copied into the pool
+                else:
+                    await _receive(conn, [(s.payload_array() if isinstance(s, Staged) else None, item.size)
+                                          for s, item in zip(staged, req.items)])
+            results = await asyncio.gather(*(self._finish_put(req, item, s) for item, s in zip(req.items, staged)))
+        finally:
+            for s in staged:
+                if isinstance(s, Staged) and not s.handle.done:
+                    await self.table.abort(s)
+        await send_frame(conn, Op.OBJ_PUT_REPLY, request, w.encode(w.PutReply(self.ownership.map.epoch, results)))
+
+    async def _stage(self, req: w.PutRequest, item: w.PutItem, shm: bool) -> Staged | w.Result:
+        if not item.name or not req.tenant:
+            return w.Result(Status.INVALID, "an object needs a name and a tenant")
+        oid = object_id(item.name, req.tenant)
+        refused = self._owner_check(oid, req.epoch) or self._check_put(item, self.ownership.slot_of(oid))
+        if refused is not None:
+            return refused
+        if not item.upsert and self.table.get(oid) is not None:
+            return w.Result(Status.EXISTS)  # Mooncake keeps the first value: no need for the bytes
+        meta = Meta(item.replicas, item.persist, item.hard_pin, None if item.soft_pin_ms < 0 else item.soft_pin_ms)
+        try:
+            staged = await self.table.stage(oid, req.tenant, item.name, item.size, meta)
+        except TierFullError as exc:
+            return w.Result(Status.FULL, str(exc))
+        except (StoreError, ValueError) as exc:
+            return w.Result(Status.INVALID, str(exc))
+        if shm and staged.handle.tier != self.pool_tier:
+            await self.table.abort(staged)
+            return w.Result(Status.NOT_IN_MEMORY, "the pool cannot take it: send it on the stream")
+        return staged
+
+    def _check_put(self, item: w.PutItem, slot: int) -> w.Result | None:
+        if item.size < 0:
+            return w.Result(Status.INVALID, f"an object's size is not negative, got {item.size}")
+        if not 1 <= item.replicas <= 255:
+            return w.Result(Status.INVALID, f"replicas is 1 to 255, got {item.replicas}")
+        nodes = 1 + len(self.ownership.backups(slot))
+        if item.replicas > nodes:
+            return w.Result(Status.FULL, f"{item.replicas} replicas asked, but this object's slot has {nodes} "
+                            "node(s) (objects.replicas_max, and the nodes alive)")
+        return None
+
+    def _owner_check(self, oid: bytes, epoch: int) -> w.Result | None:
+        status = self.ownership.serves(self.ownership.slot_of(oid), epoch)
+        return None if status is None else w.Result(status, f"by map epoch {self.ownership.map.epoch}")
+
+    async def _finish_put(self, req: w.PutRequest, item: w.PutItem, staged: Staged | w.Result) -> w.Result:
+        if isinstance(staged, w.Result):
+            return staged
+        oid, slot = staged.oid, self.ownership.slot_of(staged.oid)
+        async with self.table.lock(oid):
+            refused = self._owner_check(oid, req.epoch)  # the map may have moved while the bytes came
+            if refused is not None:
+                return refused
+            old = self.table.get(oid)
+            if old is not None and not item.upsert:
+                return w.Result(Status.EXISTS)  # a racing first put won: its value stays
+            version = max(old.version + 1 if old is not None else 0, time.time_ns())
+            try:
+                prepared = await self.table.prepare(staged, version)
+            except TierFullError as exc:
+                return w.Result(Status.FULL, str(exc))
+            except (StoreError, OSError) as exc:
+                return w.Result(Status.INTERNAL, str(exc))
+            if item.replicas > 1 or (old is not None and old.meta.replicas > 1):
+                replica = replica_of(prepared) if item.replicas > 1 else w.Replica(
+                    req.tenant, item.name, version, removed=True)  # no more on the backups
+                payload = staged.payload_array() if item.replicas > 1 else None
+                try:
+                    acks = await self.replicator.forward(slot, replica, payload, replicated=True)
+                except ReplicaUnsafe as exc:
+                    self.table.discard(prepared)
+                    return w.Result(Status.REPLICA_FAILED, str(exc))
+                if acks < item.replicas - 1:
+                    self.table.discard(prepared)
+                    return w.Result(Status.REPLICA_FAILED, f"{acks + 1} of {item.replicas} nodes took it")
+            if item.replicas <= 1 and self.replicator.wants(slot, replicated=False):
+                await self.replicator.forward(slot, replica_of(prepared), staged.payload_array(), replicated=False)
+            self.table.install(prepared)
+        return w.Result(Status.OK)
+
+    # Get ----------------------------------------------------------------------------------------
+
+    async def _get(self, conn, flags: int, request: int, req: w.GetRequest, deadline) -> None:
+        self.counts["get"] += 1
+        shm = bool(flags & FLAG_SHM)
+        answers: list[w.Got] = []
+        data: list[np.ndarray] = []
+        leases: list[int] = []
+        try:
+            for item in req.items:
+                got, payload, lease = await self._read(req, item, shm)
+                answers.append(got)
+                if lease is not None:
+                    leases.append(lease)
+                if payload is not None:
+                    data.append(payload)
+            reply = w.encode(w.GetReply(self.ownership.map.epoch, answers))
+            with deadline(sum(d.size for d in data)):
+                await send_frame(conn, Op.OBJ_GET_REPLY, request, reply, 0, data)
+            if shm:
+                leases = []  # the reader releases them (OBJ_RELEASE), or they expire
+        finally:
+            if leases:
+                await self.table.store.release_leases(leases)
+
+    async def _read(self, req: w.GetRequest, item: w.GetItem, shm: bool):
+        """(answer, bytes to send or None, store lease or None) for one item."""
+        if not item.name:
+            return w.Got(Status.INVALID, message="an object needs a name"), None, None
+        oid = object_id(item.name, req.tenant)
+        refused = self._owner_check(oid, req.epoch)
+        if refused is not None:
+            return w.Got(refused.status, message=refused.message), None, None
+        stored = self.table.get(oid)
+        if stored is None:
+            return w.Got(Status.NOT_FOUND), None, None
+        if 0 <= item.capacity < stored.size:
+            return w.Got(Status.TOO_SMALL, stored.size, stored.version,
+                         message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}"), None, None
+        self.table.lease(stored)
+        if stored.size == 0:
+            return w.Got(Status.OK, 0, stored.version), None, None
+        if shm:
+            return self._lease_in_pool(stored)
+        lease = self.table.read_lease(stored)
+        if lease is None:
+            try:
+                payload = (await self.table.read_disk(stored)).numpy()
+            except StoreError as exc:  # a corrupt copy: dropped by the store, never served
+                return w.Got(Status.NOT_FOUND, message=str(exc)), None, None
+            return w.Got(Status.OK, stored.size, stored.version), payload, None
+        view = lease.host_array()[stored.offset : stored.offset + stored.size]
+        return w.Got(Status.OK, stored.size, stored.version), view, lease.id
+
+    def _lease_in_pool(self, stored: Stored):
+        if self.pool_tier is None:
+            return w.Got(Status.NOT_IN_MEMORY, message="no shared pool here"), None, None
+        try:
+            lease = self.table.store.acquire_lease(stored.block, SHM_LEASE_S, tier=self.pool_tier)
+        except ObjectNotFoundError:
+            return w.Got(Status.NOT_IN_MEMORY, stored.size, stored.version), None, None
+        return w.Got(Status.OK, stored.size, stored.version, lease.slot[0] + stored.offset, lease.id), None, None
+
+    # Query and remove ---------------------------------------------------------------------------
+
+    def _query(self, req: w.QueryRequest) -> w.QueryReply:
+        self.counts["query"] += 1
+        items = []
+        for name in req.names:
+            if not name:
+                items.append(w.Described(Status.INVALID, message="an object needs a name"))
+                continue
+            oid = object_id(name, req.tenant)
+            refused = self._owner_check(oid, req.epoch)
+            if refused is not None:
+                items.append(w.Described(refused.status, message=refused.message))
+                continue
+            stored = self.table.get(oid)
+            if stored is None:
+                items.append(w.Described(Status.NOT_FOUND))
+                continue
+            if req.lease:
+                self.table.lease(stored)
+            slot = self.ownership.slot_of(oid)
+            holders = [self.node_id] + (sorted(self.replicator.forward_to.get(slot, ())) if stored.meta.replicas > 1 else [])
+            items.append(w.Described(Status.OK, stored.size, stored.version, stored.meta.replicas, stored.meta.persist,
+                                     holders))
+        return w.QueryReply(self.ownership.map.epoch, items)
+
+    async def _remove(self, req: w.RemoveRequest) -> w.RemoveReply:
+        self.counts["remove"] += 1
+        if req.every:
+            return await self._remove_every(req)
+        results = await asyncio.gather(*(self._remove_one(req.tenant, name, req.epoch, req.force) for name in req.names))
+        return w.RemoveReply(self.ownership.map.epoch, list(results))
+
+    async def _remove_one(self, tenant: str, name: bytes, epoch: int, force: bool) -> w.Result:
+        if not name:
+            return w.Result(Status.INVALID, "an object needs a name")
+        oid = object_id(name, tenant)
+        async with self.table.lock(oid):
+            refused = self._owner_check(oid, epoch)
+            if refused is not None:
+                return refused
+            stored = self.table.get(oid)
+            if stored is None:
+                return w.Result(Status.NOT_FOUND)
+            if not force and self.table.leased(stored):
+                return w.Result(Status.LEASED, "a reader's lease holds it (Mooncake's default_kv_lease_ttl)")
+            slot, replicated = self.ownership.slot_of(oid), stored.meta.replicas > 1
+            if self.replicator.wants(slot, replicated):
+                try:
+                    await self.replicator.forward(slot, w.Replica(tenant, name, stored.version, removed=True), None,
+                                                  replicated=replicated)
+                except ReplicaUnsafe as exc:
+                    return w.Result(Status.REPLICA_FAILED, str(exc))
+            self.table.remove(oid)
+        return w.Result(Status.OK)
+
+    async def _remove_every(self, req: w.RemoveRequest) -> w.RemoveReply:
+        """Every object of the tenant in the slots this node serves (matching ``pattern``, if any)."""
+        try:
+            pattern = re.compile(req.pattern.encode()) if req.pattern is not None else None
+        except re.error as exc:
+            return w.RemoveReply(self.ownership.map.epoch, [w.Result(Status.INVALID, f"bad pattern: {exc}")])
+        names = [s.record.name for s in self.table
+                 if s.record.tenant == req.tenant and (pattern is None or pattern.search(s.record.name))
+                 and self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None]
+        results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in names))
+        removed = sum(1 for r in results if r.status == Status.OK)
+        return w.RemoveReply(self.ownership.map.epoch, [], removed)
+
+    # Replication (a backup's side) ----------------------------------------------------------------
+
+    async def _replicate(self, conn, request: int, req: w.ReplicateRequest, deadline) -> None:
+        self.counts["replicate"] += 1
+        sizes = [0 if item.removed else item.size for item in req.items]
+        if not await self.backup.accepts(req):
+            with deadline(sum(sizes)):
+                await _receive(conn, [(None, n) for n in sizes])
+            refused = w.Result(Status.WRONG_OWNER, f"{req.primary} is not slot {req.slot}'s primary by map epoch "
+                               f"{self.ownership.map.epoch}, or this node is not its backup")
+            reply = w.ReplicateReply(self.ownership.map.epoch, [refused] * max(1, len(req.items)))
+            await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(reply))
+            return
+        if req.phase == w.SYNC_BEGIN:
+            dropped = self.backup.drop_slot(req.slot)
+            log.info("node %s: slot %d is copied here from %s (dropped %d objects it had)", self.node_id, req.slot,
+                     req.primary, dropped)
+        staged = await self.backup.stage(req)
+        try:
+            with deadline(sum(sizes)):
+                await _receive(conn, [(s.payload_array() if isinstance(s, Staged) else None, n)
+                                      for s, n in zip(staged, sizes)])
+            results = await self.backup.finish(req, staged)
+        finally:
+            for s in staged:
+                if isinstance(s, Staged) and not s.handle.done:
+                    await self.table.abort(s)
+        await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request,
+                         w.encode(w.ReplicateReply(self.ownership.map.epoch, results)))
+
+
+async def _receive(conn, items: list[tuple[np.ndarray | None, int]]) -> None:
+    """Each item's bytes, in order: into its target, or read and dropped (an item refused)."""
+    run: list[np.ndarray] = []
+    for target, n in items:
+        if target is not None:
+            run.append(target)
+            continue
+        if run:
+            await recv_into_all(conn, run)
+            run = []
+        if n:
+            await discard(conn, n)
+    if run:
+        await recv_into_all(conn, run)
+
