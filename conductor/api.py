@@ -52,6 +52,7 @@ from tiercake.messages import (
     ReplicationTask,
     ReportReply,
     RevokeReply,
+    ObjectMap,
     SlotReports,
     SlotReportsReply,
     UnpinReply,
@@ -332,8 +333,16 @@ def _member_routes(conductor: Conductor) -> list:
         current, refused = await conductor.objects.mark(body.reports)
         return reply(SlotReportsReply(map=current, refused=refused))
 
+    async def seed_map(request: web.Request) -> web.Response:
+        """A node's last map, for a conductor that lost its own (taken only when it has none)."""
+        body = await parse(request, ObjectMap)
+        conductor.require_leader(await conductor.leader())
+        taken = await conductor.objects.seed(body)
+        return reply(SlotReportsReply(map=conductor.objects.map, refused=[] if taken else ["the conductor has a map"]))
+
     return [
         web.get("/v1/objects/map", object_map), web.post("/v1/objects/reports", slot_reports),
+        web.post("/v1/objects/seed", seed_map),
         web.post("/v1/members/register", register), web.post("/v1/members/keepalive", keep_alive),
         web.post("/v1/members/leave", leave), web.get("/v1/members", members), web.get("/v1/leader", leader_info),
         web.post("/v1/flush/applied", flush_applied),

@@ -318,6 +318,10 @@ class Client:
         """Who owns each slot of the key-value store's objects."""
         return await self._typed(ObjectMap, "GET", "/v1/objects/map")
 
+    async def seed_object_map(self, offered: ObjectMap) -> SlotReportsReply:
+        """Offer a node's last object map to a conductor that has none (after it lost its backend)."""
+        return await self._typed(SlotReportsReply, "POST", "/v1/objects/seed", offered.model_dump(mode="json"))
+
     async def slot_reports(self, reports: list[SlotReady]) -> SlotReportsReply:
         """A primary's word that backups now hold its slots whole (or no more: ``lagging``), or took
         them over (``handed_off``); per report, '' or why it was refused."""

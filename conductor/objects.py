@@ -105,7 +105,11 @@ def _next_chain(chain: list[str], ready_n: int, ideal: list[str], gone: set[str]
 
 class ObjectMapKeeper:
     def __init__(self, meta: MetadataBackend, members: Membership, guard: Guard, leading: Callable[[], bool], *,
-                 slots: int = 256, replicas_max: int = 3, failover_s: float = 10.0, every: float = 0.2) -> None:
+                 slots: int = 256, replicas_max: int = 3, failover_s: float = 10.0, bootstrap_s: float = 2.0,
+                 every: float = 0.2) -> None:
+        """``bootstrap_s``: how long after the first node is seen the first map is made, so that
+        restarted nodes can offer the map they last had (``seed``) to a conductor that lost it (the
+        embedded backend keeps nothing across a restart)."""
         self.meta = meta
         self.members = members
         self.guard = guard
@@ -113,7 +117,9 @@ class ObjectMapKeeper:
         self.slots = slots
         self.replicas_max = replicas_max
         self.failover_s = failover_s
+        self.bootstrap_s = bootstrap_s
         self.every = every
+        self._first_node_at: float | None = None
         self.map = ObjectMap()
         self._absent: dict[str, float] = {}  # chain member -> monotonic time it was first seen absent
         self._lock = asyncio.Lock()  # one writer of the map in this conductor
@@ -175,10 +181,27 @@ class ObjectMapKeeper:
             for node in [n for n in self._absent if n not in members]:
                 del self._absent[node]
             gone = {n for n, since in self._absent.items() if now - since >= self.failover_s}
+            if not self.map.chains:
+                if not alive:
+                    return self.map
+                self._first_node_at = self._first_node_at or now
+                if now - self._first_node_at < self.bootstrap_s:
+                    return self.map  # a restarted node may still offer the map it had
             nxt = plan(self.map, alive, gone, self.slots, self.replicas_max)
             if nxt is not self.map:
                 await self._write(nxt)
             return self.map
+
+    async def seed(self, offered: ObjectMap) -> bool:
+        """A node's last map, offered to a conductor that has none (its backend forgot it): taken
+        when this conductor has no map yet, so the slots stay with the nodes that hold them."""
+        async with self._lock:
+            if self.map.chains or not offered.chains or len(offered.ready) != len(offered.chains):
+                return False
+            await self._write(offered.model_copy(update={"epoch": max(offered.epoch, self.map.epoch) + 1,
+                                                         "handoff": {}}))
+            log.info("object map: seeded from a node's last map (%d slots)", offered.slots)
+            return True
 
     async def mark(self, reports: list[SlotReady]) -> tuple[ObjectMap, list[str]]:
         """Primaries' reports, in one change of the map: a backup now holds the whole slot (it was

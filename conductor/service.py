@@ -122,7 +122,8 @@ class Conductor:
         self._settings_follower: asyncio.Task | None = None
         objects = objects or ObjectsConfig()
         self.objects = ObjectMapKeeper(meta, self.members, self.guard, lambda: self.is_leader, slots=objects.slots,
-                                       replicas_max=objects.replicas_max, failover_s=objects.failover_s)
+                                       replicas_max=objects.replicas_max, failover_s=objects.failover_s,
+                                       bootstrap_s=objects.bootstrap_s)
 
     async def start(self) -> Conductor:
         await self.index.start()

@@ -76,10 +76,78 @@ def exercise(store) -> list:
     note("is_exist removed", store.is_exist("pf"))
     note("remove_all", store.remove_all(force=True))
     note("batch_is_exist after remove_all", store.batch_is_exist(["a", "big", "blk0"]))
+    exercise_more(store, ptr, note)
     note("unregister_buffer", store.unregister_buffer(ptr))
     note("unregister_buffer again", store.unregister_buffer(ptr))
     note("close", store.close())
     return out
+
+
+def exercise_more(store, ptr, note) -> None:
+    """Batches, leases, buffers, parts, descriptors, multi-buffer and range reads, tensors."""
+    import torch
+
+    note("put_batch with an empty value", store.put_batch(["pb1", "pb2", "pb3"], [b"x", b"", b"z"]))
+    note("put_batch stored none of it", store.batch_is_exist(["pb1", "pb2", "pb3"]))
+    note("put_batch twice one key", store.put_batch(["d1", "d1"], [b"one", b"two"]))
+    note("get of it", store.get("d1").decode())
+    note("put_batch of nothing", store.put_batch([], []))
+    note("put_batch of unequal lists", store.put_batch(["a1", "a2"], [b"x"]))
+    store.put("k", b"value-k")
+    store.is_exist("k")
+    note("remove after is_exist", store.remove("k"))  # the exists granted a read lease
+    note("upsert under a lease", store.upsert("k", b"new-k"))
+    note("get after it", store.get("k").decode())
+    handle = store.get_buffer("k")
+    note("get_buffer", [handle.size(), ctypes.string_at(handle.ptr(), handle.size()).decode()])
+    note("get_buffer missing", store.get_buffer("nope"))
+    note("batch_get_buffer", [None if h is None else h.size() for h in store.batch_get_buffer(["k", "nope", "d1"])])
+    note("put_parts", store.put_parts("parts", b"ab", b"cd", b"ef"))
+    note("get parts", store.get("parts").decode())
+    note("upsert_parts", store.upsert_parts("parts", b"XY", b"Z"))
+    note("get parts again", store.get("parts").decode())
+    note("upsert_batch", store.upsert_batch(["k", "u2"], [b"v1", b"v2"]))
+    note("get u2", store.get("u2").decode())
+    note("replica desc", [[d.is_memory_replica(), d.is_disk_replica(),
+                           d.get_memory_descriptor().buffer_descriptor.size > 0] for d in store.get_replica_desc("k")][:1])
+    note("replica desc missing", len(store.get_replica_desc("nope")))
+    note("batch replica desc", sorted(store.batch_get_replica_desc(["k", "nope"])))
+    note("health_check", store.health_check())
+    note("remove_by_regex bad pattern", store.remove_by_regex("([", True))
+    ctypes.memmove(ptr, b"AAAA", 4)
+    ctypes.memmove(ptr + 4096, b"BBBBBB", 6)
+    note("multi-buffer put", store.batch_put_from_multi_buffers(["m1", "m2"], [[ptr, ptr + 4096], [ptr + 4096]],
+                                                                [[4, 6], [6]]))
+    note("multi-buffer object", store.get("m1").decode())
+    note("multi-buffer get", store.batch_get_into_multi_buffers(["m1", "nope"], [[ptr + 100000, ptr + 200000],
+                                                                                 [ptr + 300000]], [[5, 5], [10]]))
+    note("multi-buffer got", [ctypes.string_at(ptr + 100000, 5).decode(), ctypes.string_at(ptr + 200000, 5).decode()])
+    note("multi-buffer get too small", store.batch_get_into_multi_buffers(["m1"], [[ptr + 100000]], [[3]]))
+    note("ranges", store.get_into_ranges([ptr + 500000], [["m1", "m2"]], [[[0, 10], [20]]], [[[0, 2], [1]]],
+                                         [[[2, 2], [3]]]))
+    note("ranges got", [ctypes.string_at(ptr + 500000, 2).decode(), ctypes.string_at(ptr + 500010, 2).decode(),
+                        ctypes.string_at(ptr + 500020, 3).decode()])
+    note("put_from_with_metadata", store.put_from_with_metadata("pm", ptr + 4096, ptr, 6, 4))
+    note("its object", store.get("pm").decode())
+    note("batch_upsert_from", store.batch_upsert_from(["m1"], [ptr + 4096], [6]))
+    note("upserted from a buffer", store.get("m1").decode())
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    note("put_tensor", store.put_tensor("t", t))
+    note("get_tensor", store.get_tensor("t").tolist())
+    note("get_tensor missing", store.get_tensor("nope"))
+    note("put_tensor of a transposed tensor", store.put_tensor("tn", t.t()))
+    note("its tensor", store.get_tensor("tn").tolist())
+    note("put_tensor_with_tp", store.put_tensor_with_tp("tp", t, tp_rank=0, tp_size=2, split_dim=1))
+    note("its shards", store.batch_is_exist(["tp", "tp_tp_0", "tp_tp_1"]))
+    note("get_tensor_with_tp rank 1", store.get_tensor_with_tp("tp", tp_rank=1, tp_size=2, split_dim=1).tolist())
+    note("get_tensor of the base key", store.get_tensor("tp"))
+    note("put_tensor of bytes", store.put_tensor("tb", b"xx"))
+    note("get_tensor of bytes", store.get_tensor("k"))
+    note("put of an empty tensor", store.put_tensor("te", torch.empty(0)))
+    note("get of an empty tensor", store.get_tensor("te").tolist())
+    for name in ("rx1", "rx2", "rx3"):
+        store.put(name, b"r")
+    note("remove_by_regex", store.remove_by_regex("^rx", True))
 
 
 if __name__ == "__main__":

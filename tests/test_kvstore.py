@@ -1,124 +1,56 @@
 """The key-value store API (tiercake.kvstore) against a real cluster: a conductor and two node agents
-as processes, with a control token, talking over loopback sockets and shared memory."""
+as processes, with a control token, talking over loopback sockets and shared memory. What Mooncake
+Store answers is checked against Mooncake itself where its master can run here."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Processes
+import torch
+from kvstore_helpers import KB, MB, SECRET, TOKEN, KvCluster, blob, ready
 
+from tiercake.kvstore.tensors import pack
 from tiercake.kvstore import (
     AsyncStore,
     DistributedStore,
+    Durability,
     ErrorCode,
     InvalidParams,
+    MooncakeDistributedStoreAsync,
+    NoSpace,
     ObjectHasLease,
     ObjectNotFound,
+    ReplicateConfig,
+    SoftPinAction,
 )
-from tiercake.kvstore.layout import CHUNK, INLINE_MAX
-
-SECRET = "kvstore-test-secret-0123456789"
-TOKEN = "kvstore-test-token"
-KB, MB = 1 << 10, 1 << 20
-
-
-def blob(seed: int, n: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def node_config(tmp: Path, name: str, conductors: list[str], pool: str = "64MiB", ssd: str = "256MiB") -> str:
-    path = tmp / f"{name}.yaml"
-    path.write_text(
-        f"node_id: {name}\n"
-        "store:\n  layout: null\n  tiers:\n"
-        f"    - {{kind: pool, capacity: {pool}, path: /dev/shm/tiercake-kv-{uuid.uuid4().hex[:12]}}}\n"
-        f"    - {{kind: ssd, capacity: {ssd}, path: {tmp / name / 'ssd'}}}\n"
-        f"conductor: {{urls: {json.dumps(conductors)}, member_ttl: 1}}\n"
-        "transfer: {host: 127.0.0.1}\n"
-    )
-    return str(path)
-
-
-class Cluster:
-    """A conductor (or several on etcd) and two node agents, as processes, with a control token."""
-
-    def __init__(self, tmp: Path, etcd=None, conductors: int = 1, conductor_yaml: str | None = None) -> None:
-        self.tmp = tmp
-        self.group = Processes()
-        self.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
-        self.conductors = []
-        for i in range(conductors):
-            args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}"]
-            if etcd is not None:
-                args += ["--etcd", ",".join(etcd.endpoints), "--ttl", "1"]
-            if conductor_yaml is not None:
-                (tmp / "conductor.yml").write_text(conductor_yaml)
-                args += ["--config", str(tmp / "conductor.yml")]
-            proc, info = self.group.start(args, self.env)
-            self.conductors.append((proc, info["url"]))
-            if i == 0 and conductors > 1:
-                time.sleep(1.0)  # the first one wins the election
-        self.urls = [url for _, url in self.conductors]
-        self.url = self.urls[0]
-        self.nodes = {name: self.start_node(name) for name in ("kv-a", "kv-b")}
-
-    def start_node(self, name: str):
-        config = self.tmp / f"{name}.yaml"
-        if not config.exists():
-            node_config(self.tmp, name, self.urls)
-        proc, _ = self.group.start(["node", "--config", str(config)], self.env)
-        return proc
-
-    def store(self, **kw) -> AsyncStore:
-        return AsyncStore(self.urls, secret=SECRET, token=TOKEN, **kw)
-
-    def close(self) -> None:
-        self.group.close()
-        for config in self.tmp.glob("*.yaml"):
-            pool = config.read_text().split("path: ")[1].split("}")[0]
-            if pool.startswith("/dev/shm/"):
-                Path(pool).unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("kvstore"))
+    c = KvCluster(tmp_path_factory.mktemp("kvstore"))
     yield c
     c.close()
 
 
-@pytest.fixture
-async def store(cluster):
-    async with cluster.store(tenant=f"t{uuid.uuid4().hex[:8]}") as s:
-        await wait_nodes(s, 2)
+@pytest.fixture(params=["shm", "tcp"])
+async def store(cluster, request):
+    transports = ("shm", "tcp") if request.param == "shm" else ("tcp",)
+    async with cluster.store(tenant=f"t{uuid.uuid4().hex[:8]}", transports=transports) as s:
+        await ready(s, 2)
         yield s
 
 
-async def wait_nodes(store: AsyncStore, n: int, timeout: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        await store._refresh()
-        if len(store.nodes.members) >= n:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{len(store.nodes.members)} of {n} node agents registered")
-        await asyncio.sleep(0.1)
-
-
-@pytest.mark.parametrize("size", [1, 64 * KB, INLINE_MAX, INLINE_MAX + 1, 2 * CHUNK + 12345])
+@pytest.mark.parametrize("size", [1, 64 * KB, MB - 1, MB + 1, 20 * MB])
 async def test_put_get_round_trip_at_every_size(store, size):
     value = blob(size, size)
     await store.put("obj", value)
@@ -128,34 +60,40 @@ async def test_put_get_round_trip_at_every_size(store, size):
     assert await store.get_into("obj", out) == size and bytes(out[:size]) == value and out[size:] == bytes(100)
 
 
-async def test_mooncake_semantics_first_put_wins_upsert_replaces_remove(store):
+async def test_first_put_wins_upsert_replaces_and_a_remove_is_final(store):
     await store.put("k", b"first")
     await store.put("k", b"second value")  # Mooncake: succeeds and keeps the first value
     assert await store.get("k") == b"first"
-    big = blob(7, CHUNK + 5)
+    big = blob(7, 3 * MB + 5)
     await store.put("k", big, replace=True)  # upsert
     assert await store.get("k") == big and await store.get_size("k") == len(big)
     await store.put("k", b"small again", replace=True)
     assert await store.get("k") == b"small again"
-    await store.remove("k")
+    await store.remove("k", force=True)  # the gets above hold Mooncake's read lease
     assert not await store.exists("k")
-    with pytest.raises(ObjectNotFound):
-        await store.get("k")
-    with pytest.raises(ObjectNotFound):
-        await store.remove("k")
-    with pytest.raises(ObjectNotFound):
-        await store.get_size("k")
+    for call in (store.get("k"), store.remove("k"), store.get_size("k")):
+        with pytest.raises(ObjectNotFound):
+            await call
+    await store.put("k", b"back")  # a new object of the name
+    assert await store.get("k") == b"back"
 
 
-async def test_a_removed_object_leaves_nothing_on_the_nodes_or_in_the_index(store, cluster):
-    await store.put("gone", blob(1, 3 * CHUNK))  # a head and three chunks
-    await store.remove("gone")
-    for node in store.nodes.members:
-        listed = await store.client.node_blocks(node)
-        assert not [b for b in listed if b.tenant.startswith(store.tenant + "#")]
-    # and a new put of the name is a new object
-    await store.put("gone", b"back")
-    assert await store.get("gone") == b"back"
+async def test_racing_first_puts_store_one_value_and_it_stays(store):
+    values = [blob(i, 1000 + i) for i in range(8)]
+    clients = [store] + [AsyncStore(store.client.urls, secret=SECRET, token=TOKEN, tenant=store.tenant)
+                         for _ in range(3)]
+    for c in clients[1:]:
+        await c.open()
+    try:
+        results = await asyncio.gather(*(clients[i % 4].put("race", v) for i, v in enumerate(values)))
+        assert results == [None] * 8  # every racing first put succeeds, as Mooncake's do
+        winner = await store.get("race")
+        assert winner in values
+        for _ in range(3):
+            assert [await c.get("race") for c in clients] == [winner] * 4
+    finally:
+        for c in clients[1:]:
+            await c.close()
 
 
 async def test_tenants_do_not_see_each_others_objects(store, cluster):
@@ -166,14 +104,14 @@ async def test_tenants_do_not_see_each_others_objects(store, cluster):
             await other.get("shared-name")
         await other.put("shared-name", b"theirs")
         assert await other.get("shared-name") == b"theirs"
-        assert await other.remove_all() == 1
+        assert await other.remove_all(force=True) == 1
     assert await store.get("shared-name") == b"mine"
 
 
 async def test_batches_answer_per_item(store):
     names = [f"b{i}" for i in range(40)]
     values = [blob(i, 1 + (i * 7919) % (96 * KB)) for i in range(40)]
-    values[5] = blob(5, CHUNK + 1)  # one chunked object among inline ones
+    values[5] = blob(5, 2 * MB + 1)  # one object through the pool among small ones
     assert await store.put_many(names, values) == [None] * 40
     outs = [bytearray(len(v)) for v in values]
     outs[3] = bytearray(len(values[3]) - 1)  # one buffer too small
@@ -185,7 +123,15 @@ async def test_batches_answer_per_item(store):
     assert await store.exists_many(["b0", "nope", "b5"]) == [True, False, True]
     results = await store.put_many(["ok", "", "empty", "x" * (64 * KB + 1)], [b"1", b"2", b"", b"3"])
     assert results[0] is None and all(isinstance(r, InvalidParams) for r in results[1:])
-    assert await store.remove_all() == 41
+    assert await store.remove_all(force=True) == 41
+
+
+async def test_a_batch_larger_than_one_request_is_split(store):
+    names = [f"many{i}" for i in range(5000)]  # more than a request's 4096 items
+    assert await store.put_many(names, [i.to_bytes(4, "little") for i in range(5000)]) == [None] * 5000
+    got = await store.get_many(names)
+    assert [int.from_bytes(g.tobytes(), "little") for g in got] == list(range(5000))
+    assert await store.remove_matching(r"^many\d+$", force=True) == 5000
 
 
 @pytest.mark.parametrize("bad", ["", "x" * (64 * KB + 1), 17, None])
@@ -197,19 +143,60 @@ async def test_bad_keys_are_clear_errors(store, bad):
 
 
 async def test_bad_values_and_buffers_are_clear_errors(store):
-    with pytest.raises(InvalidParams):
-        await store.put("v", b"")
-    with pytest.raises(InvalidParams):
-        await store.put("v", 12345)
+    for value in (b"", 12345, object(), np.arange(10)[::2], torch.arange(10)[::2]):  # empty, no buffer, strided
+        with pytest.raises(InvalidParams):
+            await store.put("v", value)
     await store.put("v", blob(3, 5000))
-    with pytest.raises(InvalidParams):
-        await store.get_into("v", bytearray(4999))
-    with pytest.raises(InvalidParams):
-        await store.get_into("v", bytes(6000))  # read-only: never written into
-    with pytest.raises(InvalidParams):
-        await store.get_into("v", object())
+    for buffer in (bytearray(4999), bytes(6000), object(), np.zeros(20000, dtype=np.uint8)[::2]):
+        with pytest.raises(InvalidParams):  # too small, read-only, no buffer, strided: never written into
+            await store.get_into("v", buffer)
     assert await store.get("v") == blob(3, 5000)
+    with pytest.raises(InvalidParams):
+        Durability(replicas=0)
+    with pytest.raises(InvalidParams):
+        Durability(soft_pin_ms=-5)
 
+
+async def test_a_get_or_an_exists_grants_mooncakes_read_lease(store, cluster):
+    await store.put("leased", b"value")
+    assert await store.get("leased") == b"value"
+    with pytest.raises(ObjectHasLease):
+        await store.remove("leased")  # within the lease a reader was granted
+    await store.put("leased", b"upserted", replace=True)  # an upsert is not held back by it
+    await asyncio.sleep(cluster.lease_ttl_s + 0.3)
+    await store.remove("leased")  # the lease ended
+    await store.put("checked", b"v")
+    assert await store.exists("checked")
+    with pytest.raises(ObjectHasLease):
+        await store.remove("checked")
+    await store.remove("checked", force=True)
+    assert not await store.exists("checked")
+
+
+async def test_replicated_objects_are_on_the_slots_nodes_and_more_than_there_are_is_refused(store):
+    await store.put("one", b"memory level")
+    await store.put("two", b"on two nodes", durability=Durability(replicas=2))
+    assert len((await store.describe("one")).holders) == 1
+    described = await store.describe("two")
+    assert described.replicas == 2 and sorted(described.holders) == sorted(store.members)
+    with pytest.raises(NoSpace):
+        await store.put("three", b"x", durability=Durability(replicas=3))  # two nodes: never quietly fewer
+    assert not await store.exists("three")
+    await store.put("two", b"now memory level", replace=True)  # the backup's copy goes
+    assert len((await store.describe("two")).holders) == 1
+
+
+async def test_remove_all_and_remove_matching_count_what_went(store):
+    assert await store.put_many([f"a{i}" for i in range(6)] + ["b1"], [b"x"] * 7) == [None] * 7
+    assert await store.remove_matching(r"^a[0-2]$") == 3
+    assert await store.exists_many(["a0", "a3", "b1"]) == [False, True, True]  # read leases on a3 and b1
+    assert await store.remove_all() == 2  # a4 and a5: leased objects stay, as Mooncake's remove_all leaves them
+    assert await store.remove_all(force=True) == 2
+    with pytest.raises(InvalidParams):
+        await store.remove_matching(12)
+
+
+# Mooncake's synchronous API ------------------------------------------------------------------------------
 
 # What Mooncake Store 0.3.13 answers to tests/mooncake_script.py (checked against it below whenever
 # its master can run here): the behaviour tiercake's DistributedStore promises.
@@ -222,14 +209,32 @@ MOONCAKE_TRANSCRIPT = [
     ["get_into big", 20 * MB], ["get_into big equal", True], ["batch_put_from", [0] * 8],
     ["batch_get_into", [64 * KB] * 8 + [-704]], ["batch_get_into equal", [True] * 8], ["get_batch", [True] * 3],
     ["remove missing", -704], ["remove", 0], ["is_exist removed", 0], ["remove_all", 10],
-    ["batch_is_exist after remove_all", [0, 0, 0]], ["unregister_buffer", 0], ["unregister_buffer again", -600],
-    ["close", 0],
+    ["batch_is_exist after remove_all", [0, 0, 0]],
+    ["put_batch with an empty value", -600], ["put_batch stored none of it", [0, 0, 0]],
+    ["put_batch twice one key", 0], ["get of it", "one"], ["put_batch of nothing", 0],
+    ["put_batch of unequal lists", -600], ["remove after is_exist", -706], ["upsert under a lease", 0],
+    ["get after it", "new-k"], ["get_buffer", [5, "new-k"]], ["get_buffer missing", None],
+    ["batch_get_buffer", [5, None, 3]], ["put_parts", 0], ["get parts", "abcdef"], ["upsert_parts", 0],
+    ["get parts again", "XYZ"], ["upsert_batch", 0], ["get u2", "v2"], ["replica desc", [[True, False, True]]],
+    ["replica desc missing", 0], ["batch replica desc", ["k"]], ["health_check", 0],
+    ["remove_by_regex bad pattern", -600], ["multi-buffer put", [0, 0]], ["multi-buffer object", "AAAABBBBBB"],
+    ["multi-buffer get", [10, -704]], ["multi-buffer got", ["AAAAB", "BBBBB"]], ["multi-buffer get too small", [-600]],
+    ["ranges", [[[2, 2], [3]]]], ["ranges got", ["AA", "AA", "BBB"]], ["put_from_with_metadata", 0],
+    ["its object", "AAAABBBBBB"], ["batch_upsert_from", [0]], ["upserted from a buffer", "BBBBBB"],
+    ["put_tensor", 0], ["get_tensor", [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]],
+    ["get_tensor missing", None], ["put_tensor of a transposed tensor", 0],
+    ["its tensor", [[0.0, 4.0, 8.0], [1.0, 5.0, 9.0], [2.0, 6.0, 10.0], [3.0, 7.0, 11.0]]],
+    ["put_tensor_with_tp", 0], ["its shards", [0, 1, 1]], ["get_tensor_with_tp rank 1", [[2.0, 3.0], [6.0, 7.0],
+                                                                                     [10.0, 11.0]]],
+    ["get_tensor of the base key", None], ["put_tensor of bytes", -600], ["get_tensor of bytes", None],
+    ["put of an empty tensor", 0], ["get of an empty tensor", []],
+    ["remove_by_regex", 3], ["unregister_buffer", 0], ["unregister_buffer again", -600], ["close", 0],
 ]
 SCRIPT = Path(__file__).with_name("mooncake_script.py")
 
 
 def run_script(args: list[str], env: dict | None = None, prefix: list[str] = ()) -> list:
-    done = subprocess.run([*prefix, sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=180,
+    done = subprocess.run([*prefix, sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240,
                           env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -239,12 +244,16 @@ def run_on_mooncake() -> list | None:
     """The script against a Mooncake master in a network namespace of its own (its master binds every
     address); None when Mooncake's package, its master or unshare is not available here."""
     master = Path(sys.executable).with_name("mooncake_master")
+    if not master.exists():
+        master = Path(sys.executable).parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" \
+            / "site-packages" / "mooncake" / "mooncake_master"
     if not master.exists() or shutil.which("unshare") is None:
         return None
-    inner = (f"ip link set lo up 2>/dev/null; {master} --rpc_port 50071 --enable_http_metadata_server=false "
-             f">/dev/null 2>&1 & sleep 1.5; {sys.executable} {SCRIPT} mooncake 127.0.0.1:50071; rc=$?; kill %1; exit $rc")
+    inner = (f"ip link set lo up 2>/dev/null; export MC_TCP_BIND_ADDRESS=127.0.0.1; {master} --rpc_port 50071 "
+             "--enable_http_metadata_server=false --default_kv_lease_ttl=5000 >/dev/null 2>&1 & sleep 1.5; "
+             f"{sys.executable} {SCRIPT} mooncake 127.0.0.1:50071; rc=$?; kill %1; exit $rc")
     try:
-        done = subprocess.run(["unshare", "-n", "bash", "-c", inner], capture_output=True, text=True, timeout=180)
+        done = subprocess.run(["unshare", "-n", "bash", "-c", inner], capture_output=True, text=True, timeout=240)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0 or not done.stdout.strip():
@@ -261,151 +270,36 @@ def test_code_written_for_mooncake_runs_unchanged_on_tiercake(cluster):
     assert theirs == MOONCAKE_TRANSCRIPT
 
 
-async def _lease_head(store: AsyncStore, name: str, ttl: float):
-    """Hold a reader's lease on the object's head on its node, as a same-host reader copying it out of
-    the pool does (the transfer protocol's LEASE)."""
-    from tiercake.blocks import object_head_key
-
-    (found,) = await store._locate([name])
-    node, head_bytes = found.holders[0]
-    head = object_head_key(name.encode(), store.tenant)
-    async with store.engine._channels[node].connection() as conn:
-        (reply,) = await conn.lease([(head, head_bytes, ttl)])
-    assert reply.status.name == "OK", reply.message
-    return node, head, reply.lease
-
-
-async def test_remove_while_read_is_refused_and_force_waits_for_the_reader(store):
-    await store.put("busy", blob(9, 4 * KB))
-    node, head, lease = await _lease_head(store, "busy", ttl=30.0)
-    with pytest.raises(ObjectHasLease):
-        await store.remove("busy")
-    assert await store.get("busy") == blob(9, 4 * KB)  # refused: nothing changed
-
-    async def reader_done():
-        await asyncio.sleep(0.5)
-        async with store.engine._channels[node].connection() as conn:
-            await conn.release([(head, lease)], wait=True)
-
-    done = asyncio.create_task(reader_done())
-    await store.remove("busy", force=True)  # waits the reader out
-    await done
-    assert not await store.exists("busy")
-
-
-async def test_readers_racing_replacements_and_removes_never_see_a_torn_object(store):
-    versions = [blob(100 + v, CHUNK + 3 * v * KB + 1) for v in range(3)]
-    await store.put("hot", versions[0])
-    seen = {"whole": 0, "missing": 0}
-
-    async def reader():
-        for _ in range(30):
-            try:
-                got = await store.get("hot")
-            except ObjectNotFound:
-                seen["missing"] += 1
-                continue
-            assert got in versions, "a read mixed two versions or returned a torn object"
-            seen["whole"] += 1
-
-    async def writer():
-        for i in range(12):
-            if i % 4 == 3:
-                with contextlib.suppress(ObjectNotFound, ObjectHasLease):
-                    await store.remove("hot")
-            else:
-                with contextlib.suppress(ObjectHasLease):
-                    await store.put("hot", versions[i % 3], replace=True)
-
-    await asyncio.gather(reader(), reader(), writer())
-    assert seen["whole"] > 0, seen
-    print("torn-read race:", seen)
-
-
-@pytest.fixture
-def own_cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
-
-
-async def test_a_node_stalling_mid_batch_fails_its_objects_cleanly(own_cluster):
-    names = [f"s{i}" for i in range(24)]
-    values = [blob(i, (i % 3 + 1) * 700 * KB if i % 5 else CHUNK + i) for i in range(24)]
-    async with own_cluster.store() as store:
-        await wait_nodes(store, 2)
-        stalled = own_cluster.nodes["kv-b"]
-        stalled.send_signal(signal.SIGSTOP)
-        try:
-            started = time.monotonic()
-            results = await asyncio.wait_for(store.put_many(names, values), 30)
-            took = time.monotonic() - started
-        finally:
-            stalled.send_signal(signal.SIGCONT)
-        failed = [n for n, r in zip(names, results) if r is not None]
-        assert failed and len(failed) < len(names), results  # kv-b's share failed, kv-a's was stored
-        assert all(r.code in (ErrorCode.TRANSFER_FAIL, ErrorCode.NO_AVAILABLE_HANDLE) for r in results if r), results
-        assert took < 15, f"a stalled node held the batch {took:.1f} s"
-        print(f"stalled node: {len(failed)} of {len(names)} failed in {took:.1f} s")
-        await asyncio.sleep(2.0)  # kv-b resumes and reads the frames sent to it while stopped
-        got = await store.get_many(names)
-        for name, value, result, read in zip(names, values, results, got):
-            if result is None:
-                assert bytes(read.numpy()) == value
-            else:  # nothing of a failed put is visible, even after the node came back
-                assert isinstance(read, ObjectNotFound), name
-
-
-async def _put_a_mix(store: AsyncStore) -> dict[str, bytes]:
-    objects = {f"m{i}": blob(200 + i, [3 * KB, 200 * KB, CHUNK + 77][i % 3]) for i in range(9)}
-    assert await store.put_many(list(objects), list(objects.values())) == [None] * len(objects)
-    return objects
-
-
-async def _all_back(store: AsyncStore, objects: dict[str, bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await store.get_many(list(objects))
-        if all(not isinstance(g, Exception) and bytes(g.numpy()) == v for g, v in zip(got, objects.values())):
-            return
-        assert time.monotonic() < deadline, [g for g in got if isinstance(g, Exception)]
-        await asyncio.sleep(0.2)
-
-
-async def test_objects_survive_node_agent_restarts_from_their_ssd(own_cluster):
-    async with own_cluster.store() as store:
-        await wait_nodes(store, 2)
-        objects = await _put_a_mix(store)
-        await store.client.flush(["pool"], wait=True)  # down to the SSD tier
-        for name, proc in list(own_cluster.nodes.items()):
-            proc.kill()
-            proc.wait(10)
-            own_cluster.nodes[name] = own_cluster.start_node(name)  # same SSD directory
-        await _all_back(store, objects)
-        assert await store.remove_all() == len(objects)
-
-
-async def test_objects_survive_a_conductor_failover(etcd, tmp_path):
-    from tiercake.conductor.etcd import EtcdBackend
-
-    meta = await EtcdBackend(etcd.endpoints).start()  # a clean slate on the shared etcd
-    for prefix in (b"/tiercake/leader/", b"/tiercake/placements/", b"/tiercake/members/"):
-        for kv in (await meta.range(prefix))[0]:
-            await meta.delete(kv.key)
-    await meta.close()
-    cluster = Cluster(tmp_path, etcd=etcd, conductors=2)
+def test_setup_takes_mooncakes_forms(cluster, monkeypatch):
+    monkeypatch.setenv("TIERCAKE_SECRET", SECRET)
+    monkeypatch.setenv("TIERCAKE_TOKEN", TOKEN)
+    address = cluster.url.split("://")[1]  # Mooncake's master address is host:port
+    positional = DistributedStore()
+    assert positional.setup("localhost", "P2PHANDSHAKE", 512 * MB, 64 * MB, "tcp", "", address) == 0
+    as_dict = DistributedStore()
+    assert as_dict.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                          "global_segment_size": "16MB", "local_buffer_size": "16 MB", "protocol": "tcp",
+                          "master_server_addr": address}) == 0
+    other_tenant = DistributedStore()  # Mooncake's tenant_id keeps tenants apart, as tiercake's tenants do
+    assert other_tenant.setup("localhost", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", address, None, False, "",
+                              f"tn{uuid.uuid4().hex[:6]}") == 0
     try:
-        async with cluster.store() as store:
-            await wait_nodes(store, 2)
-            objects = await _put_a_mix(store)
-            leader, _ = cluster.conductors[0]
-            leader.kill()
-            leader.wait(10)
-            await _all_back(store, objects)  # every placement was in etcd: the standby serves them
-            await store.put("after", b"the failover")
-            assert await store.get("after") == b"the failover"
+        key = f"forms-{uuid.uuid4().hex[:8]}"
+        assert positional.put(key, b"from positional") == 0
+        assert as_dict.get(key) == b"from positional"
+        assert other_tenant.get(key) == b""
+        assert positional.get_hostname() == "localhost" and positional.health_check() == 0
+        assert positional.remove(key, force=True) == 0
     finally:
-        cluster.close()
+        for s in (positional, as_dict, other_tenant):
+            assert s.close() == 0
+    assert positional.health_check() == 1  # closed
+    bad = DistributedStore()
+    assert bad.setup({"local_hostname": "x", "global_segment_size": "50%", "master_server_addr": address}) != 0
+    zero = DistributedStore()  # a local buffer of 0 bytes holds no value, as in Mooncake
+    assert zero.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", address) == 0
+    assert zero.put("zero-buffer", b"v") != 0 and zero.is_exist("zero-buffer") == 0
+    zero.close()
 
 
 def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_path):
@@ -426,11 +320,21 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_p
         assert store.put_from("k", ptr, 7) == 0
         assert store.get_into("k", ctypes.addressof(other), 100) == ErrorCode.INVALID_PARAMS  # not registered
         assert store.get_into("k", ptr + (1 << 20) - 3, 7) == ErrorCode.INVALID_PARAMS  # runs past its end
-        assert store.put_from("k2", ctypes.addressof(other), 10) == ErrorCode.INVALID_PARAMS
+        assert store.put_from("k2", ctypes.addressof(other), 10) == ErrorCode.INVALID_PARAMS  # Mooncake segfaults
+        assert store.batch_put_from(["k9"], [12345678], [10]) == [ErrorCode.INVALID_PARAMS]
         assert store.batch_get_into(["k", "k"], [ptr + 64, ctypes.addressof(other)], [7, 7]) == [7, ErrorCode.INVALID_PARAMS]
         assert bytes(buf[64:71]) == b"payload"
         assert store.put("k3", 12345) == ErrorCode.INVALID_PARAMS  # no buffer
         assert store.get_size("nope") == ErrorCode.OBJECT_NOT_FOUND and store.get("nope") == b""
+        assert store.mount_segment("/x", 10) == {"error": ErrorCode.NOT_SUPPORTED}
+        assert store.create_copy_task("k", ["n"])[1] == ErrorCode.NOT_SUPPORTED
+        config = ReplicateConfig()
+        config.soft_pin_ttl_ms = 1000  # a TTL without ENABLE: Mooncake's INVALID_PARAMS
+        assert store.upsert("k", b"v", config) == ErrorCode.INVALID_PARAMS
+        config.soft_pin_action = SoftPinAction.ENABLE
+        assert store.upsert("k", b"v", config) == 0
+        with pytest.raises(TypeError):
+            config.soft_pin_ttl_ms = -1
         assert store.unregister_buffer(ptr) == 0
         assert store.get_into("k", ptr, 7) == ErrorCode.INVALID_PARAMS  # unregistered now
     finally:
@@ -446,6 +350,57 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_p
     assert store.close() == 0
 
 
+def test_tensors_keep_their_dtype_shape_and_shards(cluster):
+    store = DistributedStore()
+    assert store.setup(cluster.urls, secret=SECRET, token=TOKEN, tenant=f"tensor{uuid.uuid4().hex[:6]}") == 0
+    try:
+        for i, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
+                                   torch.float8_e4m3fn]):
+            t = (torch.arange(24).reshape(2, 3, 4) % 2 == 0) if dtype is torch.bool else \
+                torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+            assert store.put_tensor(f"t{i}", t) == 0
+            got = store.get_tensor(f"t{i}")
+            assert got.dtype == dtype and got.shape == t.shape and torch.equal(got.float(), t.float())
+        assert store.batch_get_tensor(["t0", "missing"])[1] is None
+        full = torch.randn(6, 10)
+        assert store.batch_put_tensor_with_tp(["w"], [full], tp_size=4, split_dim=1) == [0]
+        shards = store.batch_get_tensor_with_tp(["w"] * 1, tp_rank=3, tp_size=4)
+        assert torch.equal(shards[0], torch.tensor_split(full, 4, 1)[3])
+        assert torch.equal(torch.cat([store.get_tensor_with_tp("w", r, 4, 1) for r in range(4)], 1), full)
+        buf = (ctypes.c_ubyte * (1 << 16))()
+        ptr = ctypes.addressof(buf)
+        assert store.register_buffer(ptr, 1 << 16) == 0
+        into = store.get_tensor_into("t0", ptr, 1 << 16)
+        assert torch.equal(into, store.get_tensor("t0"))
+        packed = pack(into).size  # the buffer holds the packed tensor now: header and data
+        assert store.put_tensor_from("t-from", ptr, packed) == 0
+        assert torch.equal(store.get_tensor("t-from"), into)
+        dst = torch.zeros(2, 3, 4)
+        assert store.get_tensor_into_cuda("t0", dst) == 96 and torch.equal(dst, into)  # any device's tensor
+        assert store.put_tensor("not-a-tensor", b"bytes") == ErrorCode.INVALID_PARAMS
+        assert store.remove_all(True) >= 8
+    finally:
+        store.close()
+
+
+def test_the_async_flavour_answers_every_call_as_a_coroutine(cluster):
+    async def go():
+        store = MooncakeDistributedStoreAsync()
+        assert store.setup(cluster.urls, secret=SECRET, token=TOKEN, tenant=f"async{uuid.uuid4().hex[:6]}") == 0
+        try:
+            assert await store.async_put("a", b"1") == 0
+            assert await asyncio.gather(store.async_get("a"), store.async_is_exist("a")) == [b"1", 1]
+            t = torch.arange(6.0)
+            assert await store.async_put_tensor_with_tp("t", t, tp_size=2) == 0
+            assert torch.equal(await store.async_get_tensor_with_tp("t", tp_rank=1, tp_size=2), t[3:])
+            with pytest.raises(AttributeError):
+                store.async_no_such_call  # noqa: B018
+        finally:
+            store.close()
+
+    asyncio.run(go())
+
+
 def test_the_readme_example_runs(cluster, tmp_path):
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     example = readme.split("## Key-value store API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
@@ -453,49 +408,3 @@ def test_the_readme_example_runs(cluster, tmp_path):
     script.write_text(f"CONDUCTOR_URL, SECRET, TOKEN = {cluster.url!r}, {SECRET!r}, {TOKEN!r}\n" + example)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-
-
-async def test_objects_are_replicated_as_the_conductor_says_and_outlive_a_node(tmp_path):
-    cluster = Cluster(tmp_path, conductor_yaml="store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
-                      "conductor: {replication: fixed, replication_params: {count: 2}}\n")
-    try:
-        async with cluster.store() as store:
-            await wait_nodes(store, 2)
-            objects = await _put_a_mix(store)
-            for node in ("kv-a", "kv-b"):  # every head on both nodes
-                heads = [b for b in await store.client.node_blocks(node) if b.tenant == "default#objects"]
-                assert len(heads) == len(objects), node
-            cluster.nodes["kv-a"].kill()  # where this client remembers some of them
-            await _all_back(store, objects)
-    finally:
-        cluster.close()
-
-
-async def test_under_pressure_what_exists_reads_whole_and_puts_evict_for_room(tmp_path):
-    cluster = Cluster.__new__(Cluster)  # one node, a pool of 12 MiB and nothing below it
-    cluster.tmp, cluster.group = tmp_path, Processes()
-    cluster.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
-    _, info = cluster.group.start(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"], cluster.env)
-    cluster.urls = [info["url"]]
-    (tmp_path / "kv-p.yaml").write_text(
-        "node_id: kv-p\nstore:\n  layout: null\n  tiers:\n"
-        f"    - {{kind: pool, capacity: 12MiB, eviction: leaf_lru, high_watermark: 1.0, path: /dev/shm/tiercake-kv-{uuid.uuid4().hex[:12]}}}\n"
-        f"conductor: {{urls: {json.dumps(cluster.urls)}, member_ttl: 1}}\ntransfer: {{host: 127.0.0.1}}\n")
-    cluster.nodes = {"kv-p": cluster.start_node("kv-p")}
-    try:
-        async with cluster.store() as store:
-            await wait_nodes(store, 1)
-            objects = {f"p{i}": blob(300 + i, CHUNK + MB) for i in range(8)}  # 5 MiB each: 2 fit
-            for name, value in objects.items():
-                await store.put(name, value)
-            await asyncio.sleep(1.5)  # the node's reports of what it evicted reach the index
-            alive = await store.exists_many(list(objects))
-            got = await store.get_many(list(objects))
-            assert 0 < sum(alive) < len(objects), alive
-            for name, value, exists, read in zip(objects, objects.values(), alive, got):
-                if exists:  # a head it still finds leads to a whole object
-                    assert not isinstance(read, Exception) and bytes(read.numpy()) == value, name
-                else:
-                    assert isinstance(read, ObjectNotFound), name
-    finally:
-        cluster.close()

@@ -260,6 +260,9 @@ class ObjectsConfig(BaseModel):
     failover_s: float = Field(default=10.0, gt=0, le=86400, description="conductor: how long a slot's primary may "
                               "be absent (its lease expired) before a backup takes the slot over; a node agent that "
                               "restarts sooner keeps its slots and, with its pool adopted, all it held")
+    bootstrap_s: float = Field(default=2.0, ge=0, le=600, description="conductor: how long after the first node "
+                               "registers the first object map is made (restarted nodes offer the map they had to "
+                               "a conductor that lost it)")
     lease_ttl_s: float = Field(default=5.0, gt=0, le=3600, description="node: how long a get or an exists keeps "
                                "the object from a remove (unless forced) and from eviction, as Mooncake's "
                                "default_kv_lease_ttl")

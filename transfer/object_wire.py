@@ -28,6 +28,7 @@ import msgspec
 from .protocol import MAX_ITEMS, ProtocolError
 
 NO_SOFT_PIN = -1
+KEEP_SOFT_PIN = -2  # an upsert: the object keeps the soft pin it had (Mooncake's PRESERVE)
 
 
 class PutItem(msgspec.Struct, array_like=True, frozen=True):

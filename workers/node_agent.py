@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
@@ -56,7 +57,7 @@ class NodeAgent:
             # the key-value store's objects: their table rebuilt before anyone can ask for them
             self.objects = NodeObjects(cfg.node_id, self.store, secret, self._client, ttl=cfg.conductor.member_ttl,
                                        lease_ttl=cfg.objects.lease_ttl_s, pool_tier=pool, disk_tier=disk,
-                                       tls=cfg.transfer_tls_client())
+                                       tls=cfg.transfer_tls_client(), map_path=_map_path(cfg))
             await self.objects.recover()
             self.server = await TransferServer(
                 self.store, secret, cfg.node_id, cfg.transfer.host, cfg.transfer.port, pool_tier=pool,
@@ -147,3 +148,15 @@ class NodeAgent:
                 with contextlib.suppress(Exception):
                     loop.remove_signal_handler(sig)
             await self.close()
+
+
+def _map_path(cfg: TiercakeConfig) -> Path | None:
+    """Where the node keeps its last object map: in its SSD directory, else beside its pool file."""
+    for tier in cfg.store.tiers:
+        if tier.kind == "ssd" and tier.path:
+            Path(tier.path).mkdir(parents=True, exist_ok=True)
+            return Path(tier.path) / "object-map.json"
+    for tier in cfg.store.tiers:
+        if tier.kind == "pool" and tier.adopt:
+            return Path(f"{tier.path or f'/dev/shm/tiercake-{tier.tier_name}'}.object-map.json")
+    return None

@@ -1,23 +1,44 @@
 """A key-value store API over a running tiercake cluster, with Mooncake Store's calls and semantics:
-``DistributedStore`` (synchronous, Mooncake's method names and return codes) and ``AsyncStore``
-(asyncio, typed exceptions). See the README's "Key-value store API"."""
+``DistributedStore`` (synchronous, Mooncake's method names and return codes, also as
+``MooncakeDistributedStore``), ``MooncakeDistributedStoreAsync`` (its ``async_*`` flavour) and
+``AsyncStore`` (asyncio, typed exceptions). See the README's "Key-value store API" and
+docs/ARCHITECTURE.md's "The key-value store" (the contract)."""
 
-from .aio import AsyncStore
+from .aio import AsyncStore, Described, Durability
 from .errors import (
     ErrorCode,
     InvalidParams,
     NoSpace,
+    NotSupported,
     ObjectHasLease,
     ObjectNotFound,
     RpcFailed,
     StoreApiError,
     TransferFailed,
 )
-from .sync import DistributedStore, ReplicateConfig
-
-MooncakeDistributedStore = DistributedStore  # the name code written for Mooncake imports
+from .sync import DistributedStore, MooncakeDistributedStore, MooncakeDistributedStoreAsync
+from .types import (
+    BufferHandle,
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    ObjectDataType,
+    ParallelAxis,
+    QueryTaskResponse,
+    ReadTarget,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    ReplicateConfig,
+    SoftPinAction,
+    TaskStatus,
+    TaskType,
+    TensorParallelism,
+)
 
 __all__ = [
-    "AsyncStore", "DistributedStore", "ErrorCode", "InvalidParams", "MooncakeDistributedStore", "NoSpace",
-    "ObjectHasLease", "ObjectNotFound", "ReplicateConfig", "RpcFailed", "StoreApiError", "TransferFailed",
+    "AsyncStore", "BufferHandle", "Described", "Descriptor", "DiskDescriptor", "DistributedStore", "Durability",
+    "ErrorCode", "InvalidParams", "MemoryDescriptor", "MooncakeDistributedStore", "MooncakeDistributedStoreAsync",
+    "NoSpace", "NotSupported", "ObjectDataType", "ObjectHasLease", "ObjectNotFound", "ParallelAxis",
+    "QueryTaskResponse", "ReadTarget", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "RpcFailed",
+    "SoftPinAction", "StoreApiError", "TaskStatus", "TaskType", "TensorParallelism", "TransferFailed",
 ]

@@ -62,6 +62,7 @@ class Durability:
     persist: bool = False  # on each of those nodes' SSD, synced, before the put returns
     hard_pin: bool = False  # never evicted
     soft_pin_ms: int | None = None  # evicted only when nothing else can be, for this long
+    keep_pin: bool = False  # an upsert: the object keeps the soft pin it had (Mooncake's PRESERVE)
 
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 255:
@@ -114,13 +115,14 @@ class AsyncStore:
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
                  tenant: str = "default", transports: Sequence[str] = ("shm", "tcp"), identity: str | None = None,
                  ssl=None, streams: int = 2, conductor_timeout: float = 5.0, transfer_tls=None,
-                 retry_s: float = 30.0, timeout_s: float = 120.0) -> None:
+                 retry_s: float = 30.0, timeout_s: float = 5.0) -> None:
         """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
         control token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
         ``shm`` (same host, through the node's pool) and/or ``tcp``; ``ssl``: the conductors' TLS client
         context; ``transfer_tls``: the node agents' (``transfer.tls``); ``retry_s``: how long a call
-        keeps asking when the owner of an object cannot answer; ``timeout_s``: the longest one request
-        to a node may take."""
+        keeps asking when the owner of an object cannot answer; ``timeout_s``: how long one request
+        to a node may take, plus its bytes at 20 MB/s (a node that stops answering fails its share of
+        a call by then, not the whole call)."""
         if not isinstance(tenant, str) or not tenant or "/" in tenant or "#" in tenant or len(tenant.encode()) > 200:
             raise ValueError(f"a tenant is a non-empty name of at most 200 bytes without '/' or '#', got {tenant!r}")
         urls = [conductors] if isinstance(conductors, str) else list(conductors)
@@ -243,8 +245,10 @@ class AsyncStore:
                 continue  # the first put of the name decides
             seen[oid] = i
             items.append(_Item(i, raw, oid, payload=payload))
-        item = w.PutItem(b"", 0, replace, durability.replicas, durability.persist, durability.hard_pin,
-                         w.NO_SOFT_PIN if durability.soft_pin_ms is None else durability.soft_pin_ms)
+        pin = w.NO_SOFT_PIN if durability.soft_pin_ms is None else durability.soft_pin_ms
+        if durability.keep_pin and replace:
+            pin = w.KEEP_SOFT_PIN
+        item = w.PutItem(b"", 0, replace, durability.replicas, durability.persist, durability.hard_pin, pin)
         done = await self._dispatch(items, lambda node, group: self._put_on(node, group, item), writes=True)
         for it in items:
             outcomes[it.index] = done[it.index]
@@ -390,7 +394,10 @@ class AsyncStore:
         answers: dict[int, object] = {}
         for chunk in _chunks(group):
             try:
-                async with asyncio.timeout(self.timeout_s):
+                nbytes = sum((it.payload.size if it.payload is not None else 0)
+                             + (it.out.size if it.out is not None else 0) for it in chunk)
+                unknown = any(it.payload is None and it.out is None for it in chunk)  # a get of any size
+                async with asyncio.timeout(self.timeout_s * (6 if unknown else 1) + nbytes / 20e6):
                     answers.update(await send(node, chunk))
             except _NotSent as exc:
                 self.channels.forget(node)

@@ -11,12 +11,14 @@ class ErrorCode(enum.IntEnum):
 
     OK = 0
     INTERNAL_ERROR = -1
-    NO_AVAILABLE_HANDLE = -200  # no node has room for the object
+    BUFFER_OVERFLOW = -10  # a value larger than the local buffer the Mooncake-style setup gave
+    NO_AVAILABLE_HANDLE = -200  # no room for the object (nothing may be evicted), or fewer nodes than replicas
     INVALID_PARAMS = -600  # an empty or oversized key, an empty value, a buffer too small or unregistered
     OBJECT_NOT_FOUND = -704
-    OBJECT_HAS_LEASE = -706  # a remove while a reader holds the object
-    TRANSFER_FAIL = -800  # a node died or stalled mid-transfer
+    OBJECT_HAS_LEASE = -706  # a remove while a reader's lease holds the object
+    TRANSFER_FAIL = -800  # a node died or stalled mid-transfer: a write's outcome is unknown
     RPC_FAIL = -900  # no conductor answered
+    NOT_SUPPORTED = -1012  # a call of Mooncake's that has no meaning on tiercake (segments, CUDA memory on a host without one)
 
 
 class StoreApiError(Exception):
@@ -42,6 +44,10 @@ class ObjectHasLease(StoreApiError):
 
 class NoSpace(StoreApiError):
     code = ErrorCode.NO_AVAILABLE_HANDLE
+
+
+class NotSupported(StoreApiError):
+    code = ErrorCode.NOT_SUPPORTED
 
 
 class TransferFailed(StoreApiError, ConnectionError):

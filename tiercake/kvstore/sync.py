@@ -1,18 +1,24 @@
 """``DistributedStore``: Mooncake Store's ``MooncakeDistributedStore``, method for method, over tiercake.
 
-Code written for Mooncake runs by changing its import and its ``setup`` call:
+Code written for Mooncake runs with its import changed; its ``setup`` call may stay as it is:
 
-    from mooncake.store import MooncakeDistributedStore          from tiercake.kvstore import DistributedStore
-    store.setup("host", "P2PHANDSHAKE", seg, buf, "tcp", "",       store.setup("http://conductor:8081",
-                "master:50051")                                                secret=..., token=...)
+    from mooncake.store import MooncakeDistributedStore    from tiercake.kvstore import MooncakeDistributedStore
+    store.setup("host", "P2PHANDSHAKE", seg, buf, "tcp",    store.setup("host", "P2PHANDSHAKE", seg, buf, "tcp",
+                "", "master:50051")                                     "", "http://conductor:8081")
+
+``setup`` takes Mooncake's seven (or more) positional arguments, its dict form, or tiercake's own
+(``setup(conductor_url, secret=..., token=...)``); with Mooncake's forms the master address is the
+conductor's URL (``host:port`` means http), and the cluster's transfer secret and control token come
+from ``$TIERCAKE_SECRET`` and ``$TIERCAKE_TOKEN`` (or ``$TIERCAKE_CONFIG``, a tiercake config file).
+The segment and buffer sizes are accepted: tiercake's node agents hold the memory, not the clients
+(``local_buffer_size`` still bounds what one put of Python values may stage, as in Mooncake).
 
 Every call blocks the caller (an event loop runs on a thread of its own underneath) and answers as
 Mooncake's does: 0 or a size on success, a negative ``ErrorCode`` otherwise; ``get`` answers ``b""``
-for a missing object, ``is_exist`` 1, 0 or -1. Buffers are raw addresses, as in Mooncake: ``put_from``,
-``get_into`` and their batches take only memory inside a ``register_buffer``ed range (checked, so a
-wrong address is an error, never a crash), and move the bytes in place. Mooncake's TCP transport
-takes unregistered memory too; tiercake refuses it (INVALID_PARAMS), since it cannot tell a valid
-address from a wild one.
+for a missing object, ``is_exist`` 1, 0 or -1, ``get_buffer`` None. Raw addresses (``put_from``,
+``get_into`` and their batches) must lie inside a ``register_buffer``ed range: checked, so a wrong
+address is INVALID_PARAMS, never a crash (Mooncake's TCP transport faults on one). Calls with no
+meaning here (mounting segments, copy and move tasks) answer NOT_SUPPORTED (-1012).
 """
 
 from __future__ import annotations
@@ -21,31 +27,32 @@ import bisect
 import ctypes
 import logging
 import os
+import re
+import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from tiercake.loop_thread import LoopThread
 
-from .aio import AsyncStore
-from .errors import ErrorCode, InvalidParams, StoreApiError, code_of
+from .aio import MEMORY, AsyncStore, Described, Durability
+from .errors import ErrorCode, InvalidParams, NotSupported, ObjectNotFound, StoreApiError, code_of
+from .tensor_calls import TensorCalls
+from .types import BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class ReplicateConfig:
-    """Accepted where Mooncake takes one. tiercake's conductor decides the replicas (its replication
-    policy) and the nodes (its placement strategy), so the fields are read but not obeyed."""
-
-    replica_num: int = 1
-    with_soft_pin: bool = False
-    preferred_segment: str = ""
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1e9, "gb": 1 << 30, "gib": 1 << 30, "t": 1e12, "tb": 1 << 40, "tib": 1 << 40}
 
 
-class DistributedStore:
+class _Failed(int):
+    """A call's negative code, told apart from a result that is an int (a size, a count, a bool)."""
+
+
+class DistributedStore(TensorCalls):
     TIMEOUT_S = 120.0  # the longest any one call may block
 
     def __init__(self) -> None:
@@ -53,25 +60,37 @@ class DistributedStore:
         self._store: AsyncStore | None = None
         self._buffers: list[tuple[int, int]] = []  # registered (start, end), sorted
         self._lock = threading.Lock()
+        self._hostname = ""
+        self._local_buffer: int | None = None  # Mooncake's local_buffer_size, when a Mooncake setup gave one
 
     # Setup --------------------------------------------------------------------------------------
 
-    def setup(self, conductor: str | Sequence[str] | None = None, *, config: str | None = None,
-              secret: str | bytes | None = None, token: str | None = None, tenant: str = "default",
-              tier: str = "pool", transports: Sequence[str] = ("shm", "tcp"), connect_timeout: float = 30.0) -> int:
-        """Connect to a tiercake cluster: its conductor URL(s), the cluster's transfer ``secret`` and
-        control ``token`` (default: ``$TIERCAKE_SECRET`` and ``$TIERCAKE_TOKEN``), or a tiercake
-        config file (``config``) that names all three. 0, or a negative code (logged) on failure (RPC_FAIL
-        when no conductor answered within ``connect_timeout`` seconds)."""
+    def setup(self, *args, **kwargs) -> int:
+        """Connect to a tiercake cluster. Mooncake's forms: ``setup(local_hostname, metadata_server,
+        global_segment_size, local_buffer_size, protocol, rdma_devices, master_server_addr, ...,
+        tenant_id=...)`` and ``setup(config_dict)``; tiercake's: ``setup(conductor_url(s), *,
+        config=, secret=, token=, tenant=, transports=)``. 0, or a negative code (logged)."""
         if self._store is not None:
-            log.error("kvstore: setup called twice")
+            log.error("kvstore: setup called twice (close first)")
             return int(ErrorCode.INVALID_PARAMS)
+        try:
+            conductor, options = _setup_form(args, kwargs)
+        except (InvalidParams, TypeError, ValueError) as exc:
+            log.error("kvstore: setup: %s", exc)
+            return int(ErrorCode.INVALID_PARAMS)
+        self._hostname = options.pop("hostname", "") or socket.gethostname()
+        self._local_buffer = options.pop("local_buffer", None)
+        return self._connect(conductor, **options)
+
+    def _connect(self, conductor, *, config: str | None = None, secret=None, token=None, tenant: str = "default",
+                 transports: Sequence[str] = ("shm", "tcp"), connect_timeout: float = 30.0) -> int:
         ssl = transfer_tls = None
-        if config is not None:
-            from tiercake.config import load_config, with_environment
+        config = config or (os.environ.get("TIERCAKE_CONFIG") if not (conductor and secret) else None)
+        if config:
+            from tiercake.config import load_config
 
             try:
-                cfg = with_environment(load_config(config))
+                cfg = load_config(config)
                 conductor = conductor or cfg.conductor.urls
                 tokens = cfg.conductor.tokens()
                 token = token or (tokens[0] if tokens else None)
@@ -84,13 +103,14 @@ class DistributedStore:
         secret = secret or os.environ.get("TIERCAKE_SECRET")
         token = token or os.environ.get("TIERCAKE_TOKEN") or None
         if not conductor or not secret:
-            log.error("kvstore: setup needs the conductor URL(s) and the cluster secret ($TIERCAKE_SECRET)")
+            log.error("kvstore: setup needs the conductor URL(s) and the cluster secret ($TIERCAKE_SECRET, or a "
+                      "config file: $TIERCAKE_CONFIG)")
             return int(ErrorCode.INVALID_PARAMS)
         self._loop = LoopThread("tiercake-kvstore")
 
         async def connect() -> AsyncStore:
-            store = AsyncStore(conductor, secret=secret, token=token, tenant=tenant, tier=tier,
-                               transports=transports, ssl=ssl, transfer_tls=transfer_tls)
+            store = AsyncStore(conductor, secret=secret, token=token, tenant=tenant, transports=transports, ssl=ssl,
+                               transfer_tls=transfer_tls)
             try:
                 return await store.open()
             except BaseException:
@@ -117,56 +137,128 @@ class DistributedStore:
                 self._store, self._loop = None, None
         return 0
 
-    # Calls --------------------------------------------------------------------------------------
+    def health_check(self) -> int:
+        """0 healthy, 1 not set up (or closed), 2 the conductor cannot be reached (Mooncake's codes)."""
+        if self._store is None:
+            return 1
+        got = self._run(lambda s: s.refresh())
+        return 2 if isinstance(got, _Failed) else 0
+
+    def get_hostname(self) -> str:
+        """The name this client was set up with (Mooncake's local_hostname)."""
+        return self._hostname
+
+    # Bytes --------------------------------------------------------------------------------------
 
     def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
-        return self._code(lambda s: s.put(key, _readable(value)))
+        return self._put([key], [value], config, upsert=False, whole=True)
 
     def upsert(self, key: str, value, config: ReplicateConfig | None = None) -> int:
-        return self._code(lambda s: s.put(key, _readable(value), replace=True))
+        return self._put([key], [value], config, upsert=True, whole=True)
 
     def put_batch(self, keys: list[str], values: list, config: ReplicateConfig | None = None) -> int:
-        """0 if every value was stored, else the first failure's code."""
-        outcomes = self._run(lambda s: s.put_many(keys, [_readable(v) for v in values]))
-        if isinstance(outcomes, _Failed):
-            return outcomes
-        return next((code_of(o) for o in outcomes if o is not None), 0)
+        """0 if every value was stored; a bad value anywhere stores nothing (INVALID_PARAMS), as in
+        Mooncake; else the first failure's code."""
+        return self._put(keys, values, config, upsert=False, whole=True)
+
+    def upsert_batch(self, keys: list[str], values: list, config: ReplicateConfig | None = None) -> int:
+        return self._put(keys, values, config, upsert=True, whole=True)
+
+    def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """One object of the parts' bytes, in order."""
+        return self._put_joined(key, parts, config, upsert=False)
+
+    def upsert_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        return self._put_joined(key, parts, config, upsert=True)
 
     def get(self, key: str) -> bytes:
-        got = self._run(lambda s: s.get(key))
-        return got if isinstance(got, bytes) else b""
+        got = self._run(lambda s: s.get_many([key]))
+        if isinstance(got, _Failed) or isinstance(got[0], StoreApiError):
+            return b""
+        return got[0].tobytes()
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
         got = self._run(lambda s: s.get_many(keys))
         if isinstance(got, _Failed):
             return [b""] * len(keys)
-        return [b"" if isinstance(g, StoreApiError) else bytes(g.numpy()) for g in got]
+        return [b"" if isinstance(g, StoreApiError) else g.tobytes() for g in got]
+
+    def get_buffer(self, key: str) -> BufferHandle | None:
+        """The object's bytes in memory this process owns (None when missing)."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
+        got = self._run(lambda s: s.get_many(keys))
+        if isinstance(got, _Failed):
+            return [None] * len(keys)
+        return [None if isinstance(g, StoreApiError) else BufferHandle(g) for g in got]
 
     def get_size(self, key: str) -> int:
-        return self._run(lambda s: s.get_size(key))
+        got = self._run(lambda s: s.describe_many([key]))
+        if isinstance(got, _Failed):
+            return got
+        return _logged(got[0]) if isinstance(got[0], StoreApiError) else got[0].size
 
     def is_exist(self, key: str) -> int:
-        got = self._run(lambda s: s.exists(key))
-        return -1 if isinstance(got, _Failed) else int(got)
+        return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        got = self._run(lambda s: s.exists_many(keys))
-        return [-1] * len(keys) if isinstance(got, _Failed) else [int(g) for g in got]
+        """1, 0, or -1 (could not tell) per key; a found object gets Mooncake's read lease."""
+        got = self._run(lambda s: s.exists_codes(keys))
+        if isinstance(got, _Failed):
+            return [-1] * len(keys)
+        return [-1 if isinstance(g, StoreApiError) else int(g) for g in got]
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """One descriptor per node holding the object in memory (and one per synced disk copy);
+        [] when it is missing."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        got = self._run(lambda s: s.describe_many(keys, lease=False))
+        if isinstance(got, _Failed):
+            return {}
+        members = self._store.members if self._store is not None else {}
+        return {key: _descriptors(d, members) for key, d in zip(keys, got) if isinstance(d, Described)}
+
+    # Removing -----------------------------------------------------------------------------------
 
     def remove(self, key: str, force: bool = False) -> int:
-        return self._code(lambda s: s.remove(key, force=force))
+        return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
         got = self._run(lambda s: s.remove_many(keys, force=force))
-        return [got] * len(keys) if isinstance(got, _Failed) else [0 if o is None else code_of(o) for o in got]
+        return [got] * len(keys) if isinstance(got, _Failed) else [0 if o is None else _logged(o) for o in got]
 
     def remove_all(self, force: bool = False) -> int:
         return self._run(lambda s: s.remove_all(force=force))
 
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """How many objects whose names match went (Python's ``re.search``); INVALID_PARAMS for a bad pattern."""
+        try:
+            re.compile(regex_pattern)
+        except (re.error, TypeError) as exc:
+            return _logged(InvalidParams(f"bad pattern {regex_pattern!r}: {exc}"))
+        return self._run(lambda s: s.remove_matching(regex_pattern, force=force))
+
+    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+        """Clear the objects' replicas (every one, or those on node ``segment_name``); only objects no
+        reader's lease holds. Returns the keys cleared. Clearing a single backup's copy is not done
+        (a backup keeps every replicated object of its slot): such keys are not cleared."""
+        described = self._run(lambda s: s.describe_many(keys, lease=False))
+        if isinstance(described, _Failed):
+            return []
+        wanted = [k for k, d in zip(keys, described) if isinstance(d, Described)
+                  and (not segment_name or (d.holders and d.holders[0] == segment_name))]
+        if not wanted:
+            return []
+        got = self._run(lambda s: s.remove_many(wanted, force=False))
+        return [] if isinstance(got, _Failed) else [k for k, o in zip(wanted, got) if o is None]
+
     # Registered memory --------------------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        if buffer_ptr <= 0 or size <= 0:
+        if not _is_int(buffer_ptr) or not _is_int(size) or buffer_ptr <= 0 or size <= 0:
             return int(ErrorCode.INVALID_PARAMS)
         with self._lock:
             start, end = buffer_ptr, buffer_ptr + size
@@ -187,51 +279,128 @@ class DistributedStore:
         return int(ErrorCode.INVALID_PARAMS)
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        try:
-            view = self._memory(buffer_ptr, size)
-        except InvalidParams as exc:
-            return _logged(exc)
-        return self._code(lambda s: s.put(key, view))
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+        return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
+
+    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int, size: int,
+                               metadata_size: int, config: ReplicateConfig | None = None) -> int:
+        """One object: the metadata's bytes, then the data's (both in registered memory)."""
+        return self.batch_put_from_multi_buffers([key], [[metadata_buffer_ptr, buffer_ptr]], [[metadata_size, size]],
+                                                 config)[0]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """The object's size once it is in the buffer, or a negative code."""
-        try:
-            view = self._memory(buffer_ptr, size)
-        except InvalidParams as exc:
-            return _logged(exc)
-        return self._run(lambda s: s.get_into(key, view))
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
-        views, codes = self._memories(keys, buffer_ptrs, sizes)
-        todo = [i for i, c in enumerate(codes) if c == 0]
-        got = self._run(lambda s: s.put_many([keys[i] for i in todo], [views[i] for i in todo]))
-        for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
-            codes[i] = int(outcome) if isinstance(outcome, _Failed) else (0 if outcome is None else code_of(outcome))
-        return codes
+        return self._put_views(keys, self._memories(keys, buffer_ptrs, sizes), config, upsert=False)
+
+    def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
+                          config: ReplicateConfig | None = None) -> list[int]:
+        return self._put_views(keys, self._memories(keys, buffer_ptrs, sizes), config, upsert=True)
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         views, codes = self._memories(keys, buffer_ptrs, sizes)
         todo = [i for i, c in enumerate(codes) if c == 0]
         got = self._run(lambda s: s.get_many_into([keys[i] for i in todo], [views[i] for i in todo]))
         for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
-            codes[i] = int(outcome) if isinstance(outcome, int) else code_of(outcome)  # a size, or why not
+            codes[i] = int(outcome) if isinstance(outcome, int) else _logged(outcome)  # a size, or why not
         return codes
 
-    def _memory(self, ptr: int, size: int) -> torch.Tensor:
-        """The registered memory ``[ptr, ptr + size)`` as a uint8 tensor (no copy)."""
-        if not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0:
+    def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
+                                     all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
+        """One object per key, made of its buffers' bytes in order (vLLM's connector saves a block's
+        layers so)."""
+        return self._put_views(keys, self._gathered(keys, all_buffer_ptrs, all_sizes), config, upsert=False)
+
+    def batch_put_from_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
+                                           all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
+        return self.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, config)
+
+    def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
+                                     all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
+        """Each object's bytes spread over its buffers in order; its size, or a negative code
+        (INVALID_PARAMS when the buffers together cannot hold it)."""
+        if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        codes = [0] * len(keys)
+        parts: list[list[np.ndarray] | None] = []
+        for i, (ptrs, sizes) in enumerate(zip(all_buffer_ptrs, all_sizes)):
+            try:
+                parts.append(self._many(ptrs, sizes))
+            except InvalidParams as exc:
+                parts.append(None)
+                codes[i] = _logged(exc)
+        todo = [i for i, c in enumerate(codes) if c == 0]
+        got = self._run(lambda s: s.get_many([keys[i] for i in todo]))
+        for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
+            if isinstance(outcome, int):
+                codes[i] = outcome
+            elif isinstance(outcome, StoreApiError):
+                codes[i] = _logged(outcome)
+            else:
+                codes[i] = _scatter(outcome, parts[i])
+        return codes
+
+    def batch_get_into_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
+                                           all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
+        return self.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node)
+
+    def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]],
+                        all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
+                        all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
+        """For each buffer, for each of its objects, copy ranges (source offset in the object, size) to
+        destination offsets in the buffer; per range its size, or a negative code."""
+        out: list[list[list[int]]] = []
+        names = sorted({k for keys in all_keys for k in keys})
+        got = self._run(lambda s: s.get_many(names))
+        objects = {} if isinstance(got, _Failed) else dict(zip(names, got))
+        for b, ptr in enumerate(buffer_ptrs):
+            per_key = []
+            for k, key in enumerate(all_keys[b]):
+                obj = objects.get(key, got if isinstance(got, _Failed) else ObjectNotFound(key))
+                ranges = []
+                for dst, src, n in zip(all_dst_offsets[b][k], all_src_offsets[b][k], all_sizes[b][k]):
+                    ranges.append(self._copy_range(obj, ptr, dst, src, n))
+                per_key.append(ranges)
+            out.append(per_key)
+        return out
+
+    def _copy_range(self, obj, ptr: int, dst: int, src: int, n: int) -> int:
+        if isinstance(obj, (int, StoreApiError)):
+            return obj if isinstance(obj, int) else _logged(obj)
+        if not all(_is_int(v) and v >= 0 for v in (dst, src, n)) or src + n > obj.size:
+            return int(ErrorCode.INVALID_PARAMS)
+        try:
+            view = self._memory(ptr + dst, n) if n else None
+        except InvalidParams as exc:
+            return _logged(exc)
+        if view is not None:
+            view[:] = obj[src : src + n]
+        return n
+
+    def _memory(self, ptr: int, size: int) -> np.ndarray:
+        """The registered memory ``[ptr, ptr + size)`` as a uint8 array (no copy)."""
+        if not _is_int(ptr) or not _is_int(size) or ptr <= 0 or size <= 0:
             raise InvalidParams(f"a buffer is a positive address and size, got {ptr!r}, {size!r}")
         with self._lock:
             i = bisect.bisect(self._buffers, (ptr, float("inf"))) - 1
             if i < 0 or ptr + size > self._buffers[i][1]:
                 raise InvalidParams(f"{size} bytes at {ptr:#x} are not inside a registered buffer (register_buffer)")
-        return torch.frombuffer((ctypes.c_ubyte * size).from_address(ptr), dtype=torch.uint8)
+        return np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
 
-    def _memories(self, keys, ptrs, sizes) -> tuple[list[torch.Tensor | None], list[int]]:
+    def _many(self, ptrs: list[int], sizes: list[int]) -> list[np.ndarray]:
+        if len(ptrs) != len(sizes) or not ptrs:
+            raise InvalidParams(f"{len(ptrs)} buffers for {len(sizes)} sizes")
+        return [self._memory(p, n) for p, n in zip(ptrs, sizes)]
+
+    def _memories(self, keys, ptrs, sizes) -> tuple[list[np.ndarray | None], list[int]]:
         if not len(keys) == len(ptrs) == len(sizes):
-            return [], [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        views: list[torch.Tensor | None] = []
+            return [None] * len(keys), [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        views: list[np.ndarray | None] = []
         codes: list[int] = []
         for ptr, size in zip(ptrs, sizes):
             try:
@@ -242,7 +411,68 @@ class DistributedStore:
                 codes.append(_logged(exc))
         return views, codes
 
+    def _gathered(self, keys, all_ptrs, all_sizes) -> tuple[list[np.ndarray | None], list[int]]:
+        if not len(keys) == len(all_ptrs) == len(all_sizes):
+            return [None] * len(keys), [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        views: list[np.ndarray | None] = []
+        codes: list[int] = []
+        for ptrs, sizes in zip(all_ptrs, all_sizes):
+            try:
+                parts = self._many(ptrs, sizes)
+                views.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+                codes.append(0)
+            except InvalidParams as exc:
+                views.append(None)
+                codes.append(_logged(exc))
+        return views, codes
+
     # Plumbing -----------------------------------------------------------------------------------
+
+    def _put(self, keys: list[str], values: list, config: ReplicateConfig | None, *, upsert: bool, whole: bool) -> int:
+        """A put of Python values: every value checked first, and nothing stored if one is bad."""
+        if len(keys) != len(values):
+            return _logged(InvalidParams(f"{len(keys)} keys for {len(values)} values"))
+        if not keys:
+            return 0
+        try:
+            durability = _durability(config, upsert)
+            views = [_value(v) for v in values]
+            if self._local_buffer is not None and max(v.size for v in views) > self._local_buffer:
+                log.warning("kvstore: a value of %d bytes is larger than this client's local_buffer_size (%d)",
+                            max(v.size for v in views), self._local_buffer)
+                return int(ErrorCode.BUFFER_OVERFLOW)
+            for key, view in zip(keys, views):
+                if not isinstance(key, str) or not key or not view.size:
+                    raise InvalidParams(f"{key!r}: an object needs a non-empty str key and at least one byte")
+        except InvalidParams as exc:
+            return _logged(exc)
+        got = self._run(lambda s: s.put_many(keys, views, replace=upsert, durability=durability))
+        if isinstance(got, _Failed):
+            return got
+        return next((_logged(o) for o in got if o is not None), 0)
+
+    def _put_joined(self, key: str, parts, config: ReplicateConfig | None, *, upsert: bool) -> int:
+        try:
+            views = [_value(p) for p in parts]
+        except InvalidParams as exc:
+            return _logged(exc)
+        if not views:
+            return 0  # Mooncake answers 0 for no parts and stores nothing
+        return self._put([key], [views[0] if len(views) == 1 else np.concatenate(views)], config, upsert=upsert,
+                         whole=True)
+
+    def _put_views(self, keys: list[str], memories, config: ReplicateConfig | None, *, upsert: bool) -> list[int]:
+        views, codes = memories
+        try:
+            durability = _durability(config, upsert)
+        except InvalidParams as exc:
+            return [_logged(exc)] * len(keys)
+        todo = [i for i, c in enumerate(codes) if c == 0]
+        got = self._run(lambda s: s.put_many([keys[i] for i in todo], [views[i] for i in todo], replace=upsert,
+                                             durability=durability))
+        for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
+            codes[i] = int(outcome) if isinstance(outcome, _Failed) else (0 if outcome is None else _logged(outcome))
+        return codes
 
     def _run(self, call):
         """``call(store)`` on the loop; its result, or ``_Failed`` with the negative code of what went
@@ -264,16 +494,193 @@ class DistributedStore:
         got = self._run(call)
         return got if isinstance(got, _Failed) else 0
 
+    # Mooncake's calls that have no meaning on tiercake ------------------------------------------
 
-class _Failed(int):
-    """A call's negative code, told apart from a result that is an int (a size, a count, a bool)."""
+    def _not_supported(self, what: str) -> int:
+        return _logged(NotSupported(f"{what}: tiercake's node agents own the memory and the placement"))
+
+    def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp", location: str = "") -> dict:
+        self._not_supported("mount_segment")
+        return {"error": int(ErrorCode.NOT_SUPPORTED)}
+
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp", location: str = "") -> dict:
+        self._not_supported("allocate_and_mount_segment")
+        return {"error": int(ErrorCode.NOT_SUPPORTED)}
+
+    def unmount_segment(self, segment_ids: list[str], grace_period_seconds: int = 0) -> int:
+        return self._not_supported("unmount_segment")
+
+    def unmount_and_free_segment(self, *args, **kwargs) -> int:
+        return self._not_supported("unmount_and_free_segment")
+
+    def unmount_local_disk_segment(self, *args, **kwargs) -> int:
+        return self._not_supported("unmount_local_disk_segment")
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        self._not_supported("alloc_from_mem_pool")
+        return 0  # Mooncake's null address: no memory was given
+
+    def create_copy_task(self, key: str, targets: list[str]) -> tuple:
+        return (0, 0), self._not_supported("create_copy_task (replicas follow the object's slot)")
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple:
+        return (0, 0), self._not_supported("create_move_task (an object's owner follows from its name)")
+
+    def query_task(self, task_id) -> tuple:
+        return None, self._not_supported("query_task")
+
+    def batch_put_session_start(self, keys: list[str], sizes: list[int], config: ReplicateConfig | None = None) -> list[int]:
+        return [self._not_supported("batch_put_session_start (put_from writes in one round trip)")] * len(keys)
+
+    def batch_put_session_end(self, keys: list[str], *args, **kwargs) -> list[int]:
+        return [self._not_supported("batch_put_session_end")] * len(keys)
+
+    def batch_put_session_revoke(self, keys: list[str], *args, **kwargs) -> list[int]:
+        return [self._not_supported("batch_put_session_revoke")] * len(keys)
+
+    def batch_get_session_start(self, keys: list[str], *args, **kwargs) -> list[int]:
+        return [self._not_supported("batch_get_session_start (get_into reads in one round trip)")] * len(keys)
+
+    def batch_get_session_end(self, keys: list[str], *args, **kwargs) -> list[int]:
+        return [self._not_supported("batch_get_session_end")] * len(keys)
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Mooncake's dummy client shares a real client's memory over IPC; a tiercake client needs no
+        such parent: ``server_address`` is taken as the conductor's URL."""
+        return self.setup("localhost", "", mem_pool_size, local_buffer_size, "tcp", "", server_address)
+
+    def init_all(self, protocol: str, device_name: str, mount_segment_size: int) -> int:
+        return self._not_supported("init_all (setup connects and needs no segment)")
+
+    def get_offload_rpc_read_count(self) -> int:
+        return 0
 
 
-def _readable(value):
-    """Mooncake's put takes any buffer (bytes, bytearray, memoryview, numpy arrays)."""
-    return value if isinstance(value, torch.Tensor) else memoryview(value)
+MooncakeDistributedStore = DistributedStore
+
+
+class MooncakeDistributedStoreAsync(DistributedStore):
+    """Mooncake's asyncio flavour: every method ``m`` also as ``async_m``, run off the event loop."""
+
+    def __getattr__(self, name: str):
+        if not name.startswith("async_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        sync = getattr(self, name[len("async_"):], None)
+        if sync is None or not callable(sync):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+        async def call(*args, **kwargs):
+            import asyncio
+            import functools
+
+            return await asyncio.get_running_loop().run_in_executor(None, functools.partial(sync, *args, **kwargs))
+
+        call.__name__ = name
+        setattr(self, name, call)
+        return call
+
+
+# Helpers ----------------------------------------------------------------------------------------------
+
+def _setup_form(args: tuple, kwargs: dict) -> tuple[object, dict]:
+    """(conductor URL(s), the other settings) from any of setup's forms."""
+    mooncake_names = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
+                      "rdma_devices", "master_server_addr")
+    if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+        return _mooncake_setup(dict(args[0]))
+    if len(args) >= 7 or "master_server_addr" in kwargs:
+        named = dict(zip(mooncake_names, args))
+        extra = ("engine", "enable_ssd_offload", "ssd_offload_path", "tenant_id", "enable_client_http_server",
+                 "client_http_port")
+        named.update(dict(zip(extra, args[7:])))
+        named.update(kwargs)
+        return _mooncake_setup(named)
+    conductor = args[0] if args else kwargs.pop("conductor", None)
+    if len(args) > 1:
+        raise TypeError("tiercake's setup takes the conductor URL(s) and keyword arguments")
+    allowed = {"config", "secret", "token", "tenant", "transports", "connect_timeout"}
+    unknown = set(kwargs) - allowed
+    if unknown:
+        raise TypeError(f"setup got unknown arguments {sorted(unknown)}")
+    return conductor, dict(kwargs)
+
+
+def _mooncake_setup(named: dict) -> tuple[str, dict]:
+    master = named.get("master_server_addr") or named.get("master_server_address")
+    if not master or not isinstance(master, str):
+        raise InvalidParams("master_server_addr is the conductor's URL (or host:port)")
+    for size in ("global_segment_size", "local_buffer_size"):
+        if size in named:
+            named[size] = _size(named[size], size)
+    options: dict = {"hostname": str(named.get("local_hostname") or "")}
+    if "local_buffer_size" in named:
+        options["local_buffer"] = named["local_buffer_size"]
+    tenant = named.get("tenant_id")
+    if tenant:
+        options["tenant"] = str(tenant)
+    urls = [u if "://" in u else f"http://{u}" for u in master.split(",") if u.strip()]
+    return urls, options
+
+
+def _size(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidParams(f"{what} is a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidParams(f"{what} is not negative")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    raise InvalidParams(f"{what}: {value!r} is not a size (a number of bytes, or '16MB', '1 GiB')")
+
+
+def _durability(config: ReplicateConfig | None, upsert: bool) -> Durability:
+    if config is None:
+        return Durability(keep_pin=upsert) if upsert else MEMORY
+    if not isinstance(config, ReplicateConfig):
+        raise InvalidParams(f"config is a ReplicateConfig, got {type(config).__name__}")
+    durability = config.durability(upsert=upsert)
+    if config.preserves_pin(upsert=upsert):
+        durability = Durability(durability.replicas, durability.persist, durability.hard_pin, None, keep_pin=True)
+    return durability
+
+
+def _value(value) -> np.ndarray:
+    """Mooncake's put takes any buffer (bytes, bytearray, memoryview, numpy arrays, tensors)."""
+    from .aio import _readable
+
+    return _readable(value)
+
+
+def _scatter(data: np.ndarray, parts: list[np.ndarray]) -> int:
+    if data.size > sum(p.size for p in parts):
+        return _logged(InvalidParams(f"the object is {data.size} bytes, the buffers hold {sum(p.size for p in parts)}"))
+    at = 0
+    for part in parts:
+        n = min(part.size, data.size - at)
+        part[:n] = data[at : at + n]
+        at += n
+    return int(data.size)
+
+
+def _descriptors(described: Described, members: dict) -> list[ReplicaDescriptor]:
+    out = []
+    for node in described.holders:
+        host, port = members.get(node, ("", 0))
+        out.append(ReplicaDescriptor(memory=MemoryDescriptor(Descriptor(described.size, 0, f"{host}:{port}")), node=node))
+        if described.persist:
+            out.append(ReplicaDescriptor(disk=DiskDescriptor(f"{node}:ssd", described.size), node=node))
+    return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _logged(exc: StoreApiError) -> int:
     log.warning("kvstore: %s", exc)
     return code_of(exc)
+
+

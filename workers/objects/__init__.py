@@ -9,6 +9,7 @@ agent; the contract they keep is in docs/ARCHITECTURE.md ("The key-value store")
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from tiercake.conductor.client import Client
 from tiercake.messages import KeepAliveReply
@@ -30,10 +31,11 @@ class NodeObjects:
 
     def __init__(self, node_id: str, store: TieredStore, secret: bytes, client: Client | None, *, ttl: float,
                  lease_ttl: float = 5.0, pool_tier: str | None = None, disk_tier: str | None = None,
-                 tls=None) -> None:
+                 tls=None, map_path: Path | None = None) -> None:
+        """``map_path``: where the node keeps its last object map (beside its pool or SSD)."""
         self.client = client
         self.table = ObjectTable(store, lease_ttl=lease_ttl, disk_tier=disk_tier)
-        self.ownership = Ownership(node_id, client, ttl)
+        self.ownership = Ownership(node_id, client, ttl, map_path)
         self.channels = Channels(node_id, secret, self._address, tls=tls)
         self.replicator = Replicator(node_id, self.table, self.ownership, self.channels, client)
         self.server = ObjectServer(node_id, self.table, self.ownership, self.replicator, pool_tier)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from tiercake.blocks import object_slot
 from tiercake.conductor.client import Client, ConductorError
@@ -33,12 +35,16 @@ LEASE_MARGIN = 0.9  # of the member TTL: the node's own view of its lease ends b
 
 
 class Ownership:
-    def __init__(self, node_id: str, client: Client | None, ttl: float) -> None:
-        """``client``: the conductor (None: a standalone node serves no objects)."""
+    def __init__(self, node_id: str, client: Client | None, ttl: float, map_path: Path | None = None) -> None:
+        """``client``: the conductor (None: a standalone node serves no objects); ``map_path``: where
+        the last map is kept, to offer a conductor that lost it (it is never served by)."""
         self.node_id = node_id
         self.client = client
         self.ttl = ttl
         self.map = ObjectMap()
+        self.map_path = map_path
+        self.saved = _load(map_path)  # the map this node had before it restarted, if any
+        self._offered = False
         self.lease_until = 0.0  # monotonic
         self.known_epoch = 0  # the newest map epoch the conductor told of
         self.frozen: set[int] = set()
@@ -52,6 +58,9 @@ class Ownership:
         """A keep-alive sent at ``sent_at`` (monotonic) succeeded: the lease is alive until
         ``sent_at`` plus most of the TTL, once this node's map is as new as the answer's epoch."""
         until = sent_at + LEASE_MARGIN * self.ttl
+        if answer.objects_epoch == 0 and self.saved is not None and not self._offered:
+            self._offered = True  # the conductor has no map: offer the one this node had
+            asyncio.get_running_loop().create_task(self._offer(self.saved))
         self.known_epoch = max(self.known_epoch, answer.objects_epoch)
         if self.map.epoch >= answer.objects_epoch:
             self.lease_until = max(self.lease_until, until)
@@ -82,6 +91,17 @@ class Ownership:
                 return
             await asyncio.sleep(0.05)  # a follower that has not seen the newest map yet: ask again
 
+    async def _offer(self, saved: ObjectMap) -> None:
+        try:
+            answer = await self.client.seed_object_map(saved)
+        except ConductorError as exc:
+            log.warning("node %s: offering the last object map failed: %s", self.node_id, exc)
+            self._offered = False
+            return
+        log.info("node %s: offered its last object map (epoch %d): %s", self.node_id, saved.epoch,
+                 "taken" if not answer.refused else answer.refused[0])
+        self.install(answer.map)
+
     def install(self, fetched: ObjectMap) -> None:
         if fetched.epoch < self.map.epoch:
             return
@@ -91,6 +111,7 @@ class Ownership:
             self.lease_until = max(self.lease_until, self._pending_lease)
             self._pending_lease = 0.0
         if fetched.epoch != old.epoch:
+            _save(self.map_path, fetched)
             self.frozen = {s for s in self.frozen if self.map.primary(s) == self.node_id}
             for listener in self.listeners:
                 listener(old, fetched)
@@ -133,3 +154,24 @@ class Ownership:
 
     def primary_slots(self) -> list[int]:
         return [s for s in range(self.map.slots) if self.map.primary(s) == self.node_id]
+
+
+def _load(path: Path | None) -> ObjectMap | None:
+    if path is None or not path.exists():
+        return None
+    try:
+        return ObjectMap.model_validate_json(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        log.warning("the saved object map %s cannot be read (%s); ignored", path, exc)
+        return None
+
+
+def _save(path: Path | None, current: ObjectMap) -> None:
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(current.model_dump_json())
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot keep the object map in %s: %s", path, exc)

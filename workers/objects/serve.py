@@ -113,6 +113,8 @@ class ObjectServer:
         if not item.upsert and self.table.get(oid) is not None:
             return w.Result(Status.EXISTS)  # Mooncake keeps the first value: no need for the bytes
         meta = Meta(item.replicas, item.persist, item.hard_pin, None if item.soft_pin_ms < 0 else item.soft_pin_ms)
+        if item.soft_pin_ms < w.KEEP_SOFT_PIN:
+            return w.Result(Status.INVALID, f"a soft pin's TTL is not negative, got {item.soft_pin_ms}")
         try:
             staged = await self.table.stage(oid, req.tenant, item.name, item.size, meta)
         except TierFullError as exc:
@@ -151,6 +153,8 @@ class ObjectServer:
             if old is not None and not item.upsert:
                 return w.Result(Status.EXISTS)  # a racing first put won: its value stays
             version = max(old.version + 1 if old is not None else 0, time.time_ns())
+            if item.soft_pin_ms == w.KEEP_SOFT_PIN:
+                staged.meta = _kept_pin(staged.meta, old)
             try:
                 prepared = await self.table.prepare(staged, version)
             except TierFullError as exc:
@@ -335,6 +339,14 @@ class ObjectServer:
                     await self.table.abort(s)
         await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request,
                          w.encode(w.ReplicateReply(self.ownership.map.epoch, results)))
+
+
+def _kept_pin(meta: Meta, old: Stored | None) -> Meta:
+    """An upsert that keeps the object's soft pin: what is left of the old one, if any."""
+    left = None
+    if old is not None and old.meta.soft_pin_ms is not None:
+        left = max(0, old.record.soft_pin_until_ms - int(time.time() * 1e3))
+    return Meta(meta.replicas, meta.persist, meta.hard_pin, left)
 
 
 async def _receive(conn, items: list[tuple[np.ndarray | None, int]]) -> None:

@@ -1,0 +1,113 @@
+"""A key-value store cluster of real processes for the tests: a conductor (embedded backend, or
+several on etcd) and node agents, each with its own shared-memory pool and SSD directory, talking over
+loopback; node agents can be killed, restarted (same pool and SSD: adopted), or replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from conftest import Processes
+
+from tiercake.kvstore import AsyncStore
+
+SECRET = "kvstore-test-secret-0123456789"
+TOKEN = "kvstore-test-token"
+KB, MB = 1 << 10, 1 << 20
+
+
+def blob(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+class KvCluster:
+    def __init__(self, tmp: Path, nodes: tuple[str, ...] = ("kv-a", "kv-b"), *, etcd=None, conductors: int = 1,
+                 pool: str = "96MiB", ssd: str | None = "256MiB", failover_s: float = 2.0, lease_ttl_s: float = 1.0,
+                 replicas_max: int = 3, pool_extra: str = "", start: bool = True) -> None:
+        self.tmp = tmp
+        self.group = Processes()
+        self.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
+        self.pool, self.ssd, self.pool_extra = pool, ssd, pool_extra
+        self.lease_ttl_s = lease_ttl_s
+        self.objects = f"{{failover_s: {failover_s}, lease_ttl_s: {lease_ttl_s}, bootstrap_s: 0.5, " \
+                       f"replicas_max: {replicas_max}}}"
+        self.etcd = etcd
+        self.conductors = []
+        self.pools: dict[str, str] = {}
+        (tmp / "conductor.yaml").write_text(f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nobjects: {self.objects}\n")
+        for i in range(conductors):
+            self.conductors.append(self.start_conductor(i))
+            if i == 0 and conductors > 1:
+                time.sleep(1.0)  # the first one wins the election
+        self.urls = [url for _, url in self.conductors]
+        self.url = self.urls[0]
+        self.nodes: dict = {}
+        for name in nodes if start else ():
+            self.start_node(name)
+
+    def start_conductor(self, i: int):
+        args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}",
+                "--config", str(self.tmp / "conductor.yaml")]
+        if self.etcd is not None:
+            args += ["--etcd", ",".join(self.etcd.endpoints), "--ttl", "1"]
+        proc, info = self.group.start(args, self.env)
+        return proc, info["url"]
+
+    def config(self, name: str) -> Path:
+        path = self.tmp / f"{name}.yaml"
+        if not path.exists():
+            pool = self.pools.setdefault(name, f"/dev/shm/tiercake-kv-{uuid.uuid4().hex[:12]}")
+            ssd = f"    - {{kind: ssd, capacity: {self.ssd}, path: {self.tmp / name / 'ssd'}}}\n" if self.ssd else ""
+            path.write_text(
+                f"node_id: {name}\n"
+                "store:\n  layout: null\n  tiers:\n"
+                f"    - {{kind: pool, capacity: {self.pool}, path: {pool}{self.pool_extra}}}\n{ssd}"
+                f"conductor: {{urls: {json.dumps(self.urls)}, member_ttl: 1}}\n"
+                f"objects: {self.objects}\n"
+                "transfer: {host: 127.0.0.1}\n")
+        return path
+
+    def start_node(self, name: str):
+        proc, _ = self.group.start(["node", "--config", str(self.config(name))], self.env)
+        self.nodes[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        proc = self.nodes.pop(name)
+        proc.kill()
+        proc.wait(10)
+
+    def restart(self, name: str) -> None:
+        """SIGKILL the node agent and start it again on the same pool file and SSD directory."""
+        self.kill(name)
+        self.start_node(name)
+
+    def store(self, **kw) -> AsyncStore:
+        return AsyncStore(self.urls, secret=SECRET, token=TOKEN, **kw)
+
+    def close(self) -> None:
+        self.group.close()
+        for pool in self.pools.values():
+            Path(pool).unlink(missing_ok=True)
+            Path(pool + ".object-map.json").unlink(missing_ok=True)
+
+
+async def ready(store: AsyncStore, nodes: int, timeout: float = 20.0) -> None:
+    """Until ``nodes`` node agents are members, each slot has a primary among them, every chain is
+    whole (the backups hold their slots) and no handoff is pending."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        await store.refresh()
+        m = store.map
+        if (len(store.members) >= nodes and m.chains and all(m.chains) and not m.handoff
+                and all(r == min(len(c), nodes) for r, c in zip(m.ready, m.chains))
+                and {c[0] for c in m.chains} <= set(store.members)):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"cluster not ready: {len(store.members)} of {nodes} nodes, map epoch {m.epoch}, "
+                                 f"ready {sorted(set(m.ready))}, handoffs {len(m.handoff)}")
+        await asyncio.sleep(0.1)
