@@ -96,16 +96,21 @@ class KvCluster:
             Path(pool + ".object-map.json").unlink(missing_ok=True)
 
 
-async def ready(store: AsyncStore, nodes: int, timeout: float = 20.0) -> None:
-    """Until ``nodes`` node agents are members, each slot has a primary among them, every chain is
-    whole (the backups hold their slots) and no handoff is pending."""
+async def ready(store: AsyncStore, nodes: int, timeout: float = 20.0, replicas_max: int = 3) -> None:
+    """Until ``nodes`` node agents are members, every slot's chain is as long as it can be and made of
+    them, every backup holds its slot whole, and every slot has its best node as primary (the
+    rebalance is over)."""
+    from tiercake.conductor.objects import rendezvous
+
     deadline = asyncio.get_running_loop().time() + timeout
+    length = min(nodes, replicas_max)
     while True:
         await store.refresh()
         m = store.map
-        if (len(store.members) >= nodes and m.chains and all(m.chains) and not m.handoff
-                and all(r == min(len(c), nodes) for r, c in zip(m.ready, m.chains))
-                and {c[0] for c in m.chains} <= set(store.members)):
+        members = set(store.members)
+        if (len(members) >= nodes and m.chains and not m.handoff
+                and all(len(c) == length and r == length and set(c) <= members for r, c in zip(m.ready, m.chains))
+                and all(c[0] == rendezvous(slot, sorted(members))[0] for slot, c in enumerate(m.chains))):
             return
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"cluster not ready: {len(store.members)} of {nodes} nodes, map epoch {m.epoch}, "

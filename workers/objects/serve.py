@@ -161,6 +161,11 @@ class ObjectServer:
                 return w.Result(Status.FULL, str(exc))
             except (StoreError, OSError) as exc:
                 return w.Result(Status.INTERNAL, str(exc))
+            if item.replicas > 1 and len(self.replicator.forward_to.get(slot, ())) < item.replicas - 1:
+                self.table.discard(prepared)  # nothing was sent: the client may ask again
+                if len(self.ownership.backups(slot)) >= item.replicas - 1:
+                    return w.Result(Status.UNAVAILABLE, "a backup of this slot is being copied it: ask again")
+                return w.Result(Status.FULL, f"{item.replicas} replicas asked, the slot has fewer nodes")
             if item.replicas > 1 or (old is not None and old.meta.replicas > 1):
                 replica = replica_of(prepared) if item.replicas > 1 else w.Replica(
                     req.tenant, item.name, version, removed=True)  # no more on the backups

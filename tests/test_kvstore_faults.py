@@ -1,0 +1,279 @@
+"""The key-value store's durability levels, kept through real faults: node agents SIGKILLed (and
+everything at once), a node gone for good, a pool file deleted, a node stopped mid-batch, a full
+node. Every acknowledged put is checksummed and read back; the processes are real, on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvstore_helpers import KB, MB, SECRET, TOKEN, KvCluster, blob, ready
+
+from tiercake.kvstore import Durability, ErrorCode, NoSpace, ObjectNotFound
+
+N = 500
+
+
+def values(prefix: str, n: int = N, size: int = 8 * KB) -> dict[str, bytes]:
+    return {f"{prefix}{i}": blob(hash(prefix) % 1000 + i, size + i % 97) for i in range(n)}
+
+
+async def put_all(store, objects: dict[str, bytes], durability: Durability = Durability()) -> None:
+    names = list(objects)
+    for lo in range(0, len(names), 64):  # acknowledged batch by batch
+        chunk = names[lo:lo + 64]
+        assert await store.put_many(chunk, [objects[n] for n in chunk], durability=durability) == [None] * len(chunk)
+
+
+async def lost(store, objects: dict[str, bytes]) -> list[str]:
+    """The names whose bytes do not read back as they were put (checksums compared)."""
+    got = await store.get_many(list(objects))
+    return [n for n, g in zip(objects, got)
+            if isinstance(g, Exception) or hashlib.sha256(g.tobytes()).digest() != hashlib.sha256(objects[n]).digest()]
+
+
+async def eventually_none_lost(store, objects, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = await lost(store, objects)
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"{len(missing)} of {len(objects)} lost: {missing[:5]}"
+        await asyncio.sleep(0.3)
+
+
+def primaries(store) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for chain in store.map.chains:
+        counts[chain[0]] = counts.get(chain[0], 0) + 1
+    return counts
+
+
+async def test_a_sigkilled_node_agent_comes_back_with_everything_it_held(tmp_path):
+    """Memory level: the pool region outlives the node agent, and its index with it."""
+    cluster = KvCluster(tmp_path, failover_s=30.0)  # back well before its slots could move
+    try:
+        async with cluster.store() as store:
+            await ready(store, 2)
+            objects = values("mem")
+            await put_all(store, objects)
+            cluster.restart("kv-a")  # SIGKILL, then the same config: same pool file, same SSD directory
+            await eventually_none_lost(store, objects)
+            # and everything at once: the conductor (embedded: it forgets the map) and both node agents
+            for proc, _ in cluster.conductors:
+                proc.kill()
+            for name in list(cluster.nodes):
+                cluster.kill(name)
+        cluster.conductors = [cluster.start_conductor(0)]
+        cluster.urls = [cluster.conductors[0][1]]
+        for name in ("kv-a", "kv-b"):
+            (tmp_path / f"{name}.yaml").write_text((tmp_path / f"{name}.yaml").read_text().replace(
+                cluster.url, cluster.urls[0]))
+            cluster.start_node(name)
+        cluster.url = cluster.urls[0]
+        async with cluster.store() as store:
+            await ready(store, 2)
+            await eventually_none_lost(store, objects)  # the nodes offered their maps: the slots stayed put
+    finally:
+        cluster.close()
+
+
+async def test_a_sigkill_mid_batch_loses_nothing_that_was_acknowledged(tmp_path):
+    cluster = KvCluster(tmp_path, nodes=("kv-a",), failover_s=30.0)
+    writer = tmp_path / "writer.py"
+    writer.write_text(
+        "import asyncio, sys\n"
+        "from tiercake.kvstore import AsyncStore\n"
+        "async def main(url):\n"
+        f"    async with AsyncStore(url, secret={SECRET!r}, token={TOKEN!r}, retry_s=2) as s:\n"
+        "        for b in range(1000):\n"
+        "            names = [f'w{b}-{i}' for i in range(16)]\n"
+        "            got = await s.put_many(names, [n.encode() * 200 for n in names])\n"
+        "            for n, g in zip(names, got):\n"
+        "                if g is None:\n"
+        "                    print(n, flush=True)\n"
+        "            if any(g is not None for g in got):\n"
+        "                return  # the node died: what was acknowledged is printed\n"
+        "asyncio.run(main(sys.argv[1]))\n")
+    try:
+        async with cluster.store() as store:
+            await ready(store, 1)
+        proc = subprocess.Popen([sys.executable, str(writer), cluster.url], stdout=subprocess.PIPE, text=True)
+        acked = []
+        while len(acked) < 600:  # the node agent dies in the middle of the writer's batches
+            acked.append(proc.stdout.readline().strip())
+        cluster.kill("kv-a")
+        rest, _ = proc.communicate(timeout=120)
+        acked += [line for line in rest.splitlines() if line]
+        cluster.start_node("kv-a")
+        async with cluster.store() as store:
+            await ready(store, 1)
+            await eventually_none_lost(store, {n: n.encode() * 200 for n in acked})
+        print(f"mid-batch kill: {len(acked)} acknowledged, none lost")
+    finally:
+        cluster.close()
+
+
+async def test_replicated_objects_outlive_a_node_gone_for_good(tmp_path):
+    cluster = KvCluster(tmp_path, failover_s=1.5)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 2)
+            objects = values("rep")
+            await put_all(store, objects, Durability(replicas=2))
+            assert primaries(store).get("kv-b", 0) > 0  # it owned slots, now to be taken over
+            cluster.kill("kv-b")  # and never comes back
+            await eventually_none_lost(store, objects)
+            assert set(primaries(store)) == {"kv-a"}
+            await store.put("after", b"the failover")  # the slots it left take writes again
+            assert await store.get("after") == b"the failover"
+            with pytest.raises(NoSpace):  # one node left: two replicas cannot be kept
+                await store.put("two", b"x", durability=Durability(replicas=2))
+    finally:
+        cluster.close()
+
+
+async def test_persisted_objects_outlive_the_pool_file(tmp_path):
+    cluster = KvCluster(tmp_path, failover_s=30.0)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 2)
+            objects = values("disk")
+            await put_all(store, objects, Durability(persist=True))
+            for name in ("kv-a", "kv-b"):  # as a host reboot: the processes and the memory go
+                cluster.kill(name)
+                Path(cluster.pools[name]).unlink()
+                cluster.start_node(name)
+            await eventually_none_lost(store, objects)
+    finally:
+        cluster.close()
+
+
+async def test_memory_level_objects_are_lost_with_the_pool_file_and_say_so(tmp_path):
+    """The contrast the levels promise: without persist, a host reboot loses the memory level."""
+    cluster = KvCluster(tmp_path, nodes=("kv-a",), failover_s=30.0)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 1)
+            await store.put("volatile", b"in memory only")
+            await store.put("durable", b"on disk too", durability=Durability(persist=True))
+            cluster.kill("kv-a")
+            Path(cluster.pools["kv-a"]).unlink()
+            cluster.start_node("kv-a")
+            await ready(store, 1)
+            assert await store.get("durable") == b"on disk too"
+            with pytest.raises(ObjectNotFound):
+                await store.get("volatile")
+    finally:
+        cluster.close()
+
+
+async def test_a_stopped_node_fails_its_share_quickly_and_the_rest_goes_through(tmp_path):
+    cluster = KvCluster(tmp_path, failover_s=60.0)
+    try:
+        async with cluster.store(retry_s=3.0, timeout_s=2.0) as store:
+            await ready(store, 2)
+            names = [f"s{i}" for i in range(48)]
+            stalled = cluster.nodes["kv-b"]
+            stalled.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                results = await asyncio.wait_for(store.put_many(names, [n.encode() for n in names]), 30)
+                took = time.monotonic() - started
+            finally:
+                stalled.send_signal(signal.SIGCONT)
+            failed = [n for n, r in zip(names, results) if r is not None]
+            assert failed and len(failed) < len(names), results  # kv-b's share failed, kv-a's was stored
+            assert all(r.code == ErrorCode.TRANSFER_FAIL for r in results if r is not None), results
+            assert took < 10, f"a stopped node held the batch {took:.1f} s"
+            got = await store.get_many(names)
+            for name, result, read in zip(names, results, got):
+                if result is None:
+                    assert read.tobytes() == name.encode()
+    finally:
+        cluster.close()
+
+
+async def test_a_full_node_answers_no_room_and_evicts_only_what_is_a_cache(tmp_path):
+    cluster = KvCluster(tmp_path, nodes=("kv-p",), pool="8MiB", ssd=None, pool_extra=", high_watermark: 1.0")
+    try:
+        async with cluster.store() as store:
+            await ready(store, 1)
+            cache = {f"c{i}": blob(i, MB) for i in range(12)}  # 12 MiB of cache into 8: the oldest go
+            for name, value in cache.items():
+                await store.put(name, value)
+            kept = await store.describe_many(list(cache), lease=False)
+            assert 0 < sum(not isinstance(k, ObjectNotFound) for k in kept) < len(cache)
+            for name, k in zip(cache, kept):  # what is there reads whole
+                if not isinstance(k, ObjectNotFound):
+                    assert await store.get(name) == cache[name]
+            await store.remove_all(force=True)
+            pinned = Durability(hard_pin=True)
+            stored = 0
+            with pytest.raises(NoSpace):
+                for i in range(12):  # hard-pinned objects cannot be evicted: the node says it is full
+                    await store.put(f"p{i}", blob(100 + i, MB), durability=pinned)
+                    stored += 1
+            assert 4 <= stored < 12
+            for i in range(stored):
+                assert await store.get(f"p{i}") == blob(100 + i, MB)
+    finally:
+        cluster.close()
+
+
+async def test_objects_keep_serving_through_a_conductor_failover(etcd, tmp_path):
+    from tiercake.conductor.etcd import EtcdBackend
+
+    meta = await EtcdBackend(etcd.endpoints).start()  # a clean slate on the shared etcd
+    for prefix in (b"/tiercake/leader/", b"/tiercake/objects/", b"/tiercake/members/"):
+        for kv in (await meta.range(prefix))[0]:
+            await meta.delete(kv.key)
+    await meta.close()
+    cluster = KvCluster(tmp_path, etcd=etcd, conductors=2, failover_s=30.0)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 2)
+            objects = values("ha", 64)
+            await put_all(store, objects, Durability(replicas=2))
+            epoch = store.map.epoch
+            leader, _ = cluster.conductors[0]
+            leader.kill()
+            leader.wait(10)
+            assert not await lost(store, objects)  # the conductor is not on an object's path
+            await store.put("after", b"the failover")
+            await store.refresh()
+            assert store.map.epoch >= epoch and await store.get("after") == b"the failover"
+    finally:
+        cluster.close()
+
+
+async def test_a_node_that_joins_takes_over_slots_without_losing_any_object(tmp_path):
+    cluster = KvCluster(tmp_path, nodes=("kv-a",), failover_s=1.5)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 1)
+            memory, replicated = values("j", 200), values("jr", 100)
+            await put_all(store, memory)
+            cluster.start_node("kv-b")
+            deadline = time.monotonic() + 20
+            while not all(len(c) == 2 for c in store.map.chains):  # in every chain, not yet holding the slots
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+                await store.refresh()
+            # replicated writes while the slots are copied to kv-b and then handed to it
+            writes = asyncio.create_task(put_all(store, replicated, Durability(replicas=2)))
+            await ready(store, 2, timeout=40)
+            await writes
+            assert primaries(store).get("kv-b", 0) > 0  # handed over
+            await eventually_none_lost(store, {**memory, **replicated})
+            cluster.kill("kv-a")  # for good: every replicated object is on kv-b as well
+            await eventually_none_lost(store, replicated)
+            assert set(primaries(store)) == {"kv-b"}
+    finally:
+        cluster.close()
