@@ -94,6 +94,7 @@ class KvCluster:
         for pool in self.pools.values():
             Path(pool).unlink(missing_ok=True)
             Path(pool + ".object-map.json").unlink(missing_ok=True)
+            Path(pool + ".objects").unlink(missing_ok=True)
 
 
 async def ready(store: AsyncStore, nodes: int, timeout: float = 20.0, replicas_max: int = 3) -> None:

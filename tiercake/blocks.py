@@ -114,16 +114,23 @@ def block_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list
     return keys
 
 
+_PERSON_OBJECT = b"tiercake.obj.v1"
+_PERSON_VERSION = b"tiercake.ver.v1"
+
+
 @functools.lru_cache(maxsize=1024)
 def _object_root(tenant: str) -> bytes:
     return Namespace(model_id="tiercake.objects", kv_layout="bytes.v1", block_size=1, tenant_salt=tenant).root()
 
 
 def object_id(name: bytes, tenant: str = "") -> BlockKey:
-    """A key-value store object's identity: a chain of one block whose "tokens" are the name's bytes,
-    in a namespace of its own per tenant, so an object never shares a key with KV blocks, another
-    tenant's objects or another name. It picks the object's slot (``object_slot``), and so its owner."""
-    return chain_key(_object_root(tenant), np.frombuffer(name, dtype=np.uint8))
+    """A key-value store object's identity: BLAKE2b-256 of its name in a namespace of its own per
+    tenant (personalised apart from KV blocks' chain keys), so an object never shares a key with KV
+    blocks, another tenant's objects or another name. It picks the object's slot (``object_slot``),
+    and so its owner; every client and node computes it the same way."""
+    h = hashlib.blake2b(_object_root(tenant), digest_size=KEY_BYTES, person=_PERSON_OBJECT)
+    h.update(name)
+    return BlockKey(h.digest())
 
 
 def object_slot(oid: bytes, slots: int) -> int:
@@ -136,7 +143,8 @@ def object_block_key(oid: bytes, nonce: int) -> BlockKey:
     an upsert's new bytes never share a block with the version readers may still be reading."""
     if not 0 <= nonce < 1 << 64:
         raise ValueError("an object block nonce is 64 bits")
-    return chain_key(oid, [nonce >> 32, nonce & _MAX_TOKEN])
+    return BlockKey(hashlib.blake2b(oid + nonce.to_bytes(8, "little"), digest_size=KEY_BYTES,
+                                    person=_PERSON_VERSION).digest())
 
 
 OBJECT_TENANT_SUFFIX = "#obj"  # object tenants have no '#': KV tenants never end so

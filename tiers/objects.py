@@ -43,6 +43,7 @@ import torch
 
 from tiercake.blocks import is_object_tenant, object_block_key, object_block_tenant, object_id
 
+from .directory import ObjectDirectory
 from .errors import ObjectLeasedError, ObjectNotFoundError, PayloadError, StoreError
 from .store import BlockChange, PutHandle, TieredStore
 
@@ -180,13 +181,50 @@ class _KeyLock:
     users: int = 0
 
 
+class _Held:
+    """One holder of an object's lock (a class, not a generator: it is on every write's path); the
+    lock is forgotten when its last user is done."""
+
+    __slots__ = ("locks", "oid", "held")
+
+    def __init__(self, locks: dict[bytes, _KeyLock], oid: bytes) -> None:
+        self.locks, self.oid = locks, oid
+
+    async def __aenter__(self) -> None:
+        held = self.locks.get(self.oid)
+        if held is None:
+            held = self.locks[self.oid] = _KeyLock()
+        held.users += 1
+        self.held = held
+        try:
+            await held.lock.acquire()
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.held.lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        self.held.users -= 1
+        if not self.held.users and self.locks.get(self.oid) is self.held:
+            del self.locks[self.oid]
+
+
 class ObjectTable:
     RETIRE_EVERY_S = 0.1
 
-    def __init__(self, store: TieredStore, *, lease_ttl: float = 5.0, disk_tier: str | None = None) -> None:
+    def __init__(self, store: TieredStore, *, lease_ttl: float = 5.0, disk_tier: str | None = None,
+                 directory: ObjectDirectory | None = None, pool_tier: str | None = None) -> None:
         """``disk_tier``: where persisted objects go (the store's SSD tier; None: this node cannot
-        persist, and such a put is refused)."""
+        persist, and such a put is refused). ``directory``: where the versions this node serves are
+        published for same-host readers (``directory.py``), with ``publishes`` saying which objects
+        those are (its owner's rule) and ``pool_tier`` where their bytes must lie to be published."""
         self.store = store
+        self.directory = directory
+        self.pool_tier = pool_tier
+        self.publishes: Callable[[bytes], bool] = lambda oid: False
         self.lease_ttl = lease_ttl
         self.disk_tier = disk_tier
         self.objects: dict[bytes, Stored] = {}
@@ -216,20 +254,9 @@ class ObjectTable:
 
     # One writer per object --------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def lock(self, oid: bytes):
-        """Hold the object's lock: one write (and its replication) at a time per object, in order."""
-        held = self._locks.get(oid)
-        if held is None:
-            held = self._locks[oid] = _KeyLock()
-        held.users += 1
-        try:
-            async with held.lock:
-                yield
-        finally:
-            held.users -= 1
-            if not held.users:
-                del self._locks[oid]
+    def lock(self, oid: bytes) -> _Held:
+        """``async with table.lock(oid):`` one write (and its replication) at a time per object, in order."""
+        return _Held(self._locks, oid)
 
     # Writing ----------------------------------------------------------------------------------------
 
@@ -256,7 +283,11 @@ class ObjectTable:
                         _soft_pin_until_ms(staged.meta))
         handle = staged.handle
         head = record.encode()
-        handle.buffer[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        target = handle.host_target()
+        if target is not None:
+            target[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        else:  # device memory
+            handle.buffer[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         handle.note_written(handle.entry.nbytes - handle.written)
         await self.store.commit(handle)
         try:
@@ -293,7 +324,33 @@ class ObjectTable:
         if old is not None:
             self.by_block.pop(old.block, None)
             self.retire(old.block)
+        self.publish(stored)  # the new version first: the old block is retired (freed) after it
         return old
+
+    # The same-host directory -------------------------------------------------------------------
+
+    def publish(self, stored: Stored) -> None:
+        """Publish the object's current version for same-host readers, where its owner serves it and
+        its bytes are in the pool; else make sure it is not published."""
+        if self.directory is None:
+            return
+        slot = self.store.slot_of(stored.block, self.pool_tier) if self.publishes(stored.oid) else None
+        if slot is None or not self.directory.publish(stored.oid, slot[0] + stored.offset, stored.size,
+                                                      stored.version):
+            self.directory.unpublish(stored.oid)
+
+    def unpublish_if(self, which: Callable[[bytes], bool]) -> None:
+        """Take the objects ``which`` picks out of the directory (their slot stopped being served)."""
+        if self.directory is not None:
+            for oid in [o for o in self.objects if which(o)]:
+                self.directory.unpublish(oid)
+
+    def republish(self) -> None:
+        """Publish anew what this node serves (its map changed)."""
+        if self.directory is not None:
+            self.directory.clear()
+            for stored in list(self.objects.values()):
+                self.publish(stored)
 
     def _pin(self, block: bytes, meta: Meta, soft_until_ms: int) -> None:
         if meta.hard_pin:
@@ -310,6 +367,8 @@ class ObjectTable:
         stored = self.objects.pop(oid, None)
         if stored is None:
             return None
+        if self.directory is not None:
+            self.directory.unpublish(oid)
         self.by_block.pop(stored.block, None)
         tenant = self.by_tenant.get(stored.record.tenant)
         if tenant is not None:
@@ -384,14 +443,23 @@ class ObjectTable:
     # Eviction and recovery --------------------------------------------------------------------------
 
     def _on_change(self, change: BlockChange) -> None:
-        """A block left a tier: if it was a current version's last copy, eviction took the object."""
-        if change.added or not is_object_tenant(change.tenant):
+        """A block came into or left a tier: a current version leaving the pool is unpublished (before
+        its slot is freed: the store tells before it releases); coming back into it, published again;
+        its last copy leaving, eviction took the object."""
+        if not is_object_tenant(change.tenant):
             return
         oid = self.by_block.get(change.key)
-        if oid is None or self.store.contains(change.key):
+        if oid is None:
             return
         stored = self.objects.get(oid)
         if stored is None or stored.block != change.key:
+            return
+        if change.tier == self.pool_tier and self.directory is not None:
+            if change.added:
+                self.publish(stored)
+            else:
+                self.directory.unpublish(oid)
+        if change.added or self.store.contains(change.key):
             return
         self.objects.pop(oid)
         self.by_block.pop(change.key, None)

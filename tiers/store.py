@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import heapq
 import itertools
 import logging
 import math
@@ -320,6 +321,7 @@ class TieredStore:
         self._entries: dict[bytes, Entry] = {}
         self._lease_ids = itertools.count(1)
         self._leases: dict[int, Copy] = {}  # every lease handed out, by id (a copy may leave its entry)
+        self._holds: list[tuple[float, bytes]] = []  # (until, key) of held blocks, out of their tiers' policies
         self.misses = 0
         self._closed = False
         self._spill_failures = _Throttled()
@@ -597,7 +599,8 @@ class TieredStore:
             tier.backend.on_commit(copy.slot, entry.key, entry.meta.parent, entry.meta.tenant, entry.seal)
         copy.state = State.COMMITTED
         copy.committed_at = time.monotonic()
-        tier.eviction.on_insert(entry.key, entry.meta)
+        if entry.hold_until <= copy.committed_at:  # a held block joins its policy when the hold ends
+            tier.eviction.on_insert(entry.key, entry.meta)
         self._notify(entry, tier, True)
         if tier.usage > tier.high_watermark and (tier.background is None or tier.background.done()):
             tier.background = asyncio.get_running_loop().create_task(self._watermark_round(tier))
@@ -894,7 +897,28 @@ class TieredStore:
         """Keep ``key`` from eviction until ``until`` (monotonic; a later hold extends it). Unlike a
         lease it does not keep a remove from taking it: whoever decided the block's fate may still."""
         entry = self._committed_entry(key)
+        if entry.hold_until <= time.monotonic():
+            # out of the eviction policies while held, so that a scan for victims never walks over held
+            # blocks (a burst of reads would hold thousands); back in, as just used, once it ends
+            for index in entry.committed():
+                self.tiers[index].eviction.on_remove(key)
+            heapq.heappush(self._holds, (until, key))
         entry.hold_until = max(entry.hold_until, until)
+
+    def _end_holds(self) -> None:
+        """Holds that ended: their blocks go back into their tiers' eviction policies."""
+        now = time.monotonic()
+        while self._holds and self._holds[0][0] <= now:
+            _, key = heapq.heappop(self._holds)
+            entry = self._entries.get(key)
+            if entry is None:
+                continue  # removed while held
+            if entry.hold_until > now:  # extended meanwhile
+                heapq.heappush(self._holds, (entry.hold_until, key))
+                continue
+            for index in entry.committed():
+                if not entry.copies[index].evicting:
+                    self.tiers[index].eviction.on_insert(key, entry.meta)
 
     def set_keep(self, key: bytes, keep: bool) -> None:
         """Whether ``key``'s last copy may be evicted (``put_start(keep=...)``)."""
@@ -1021,6 +1045,8 @@ class TieredStore:
     async def _evict_some(self, tier: Tier, nbytes: int, tenant: str | None = None) -> bool:
         """Evict blocks worth about ``nbytes`` from ``tier`` (only ``tenant``'s, when given); False
         when nothing may be evicted."""
+        if self._holds:
+            self._end_holds()
         avg = max(1, tier.backend.used_bytes // max(1, len(tier.eviction)))
         want = max(1, min(64, -(-nbytes // avg)))
         victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False, tenant=tenant))

@@ -17,7 +17,7 @@ from tiercake.tiers.buffers import INLINE_COPY_MAX
 
 from . import protocol as p
 from .protocol import Op, ReplyItem, Status
-from .sockio import recv_frame, recv_into_all, send_all, send_frame, tls_handshake, tune
+from .sockio import IOV_MAX, recv_frame, recv_into_all, send_all, send_frame, tls_handshake, tune
 
 _request_ids = itertools.count(1)
 
@@ -392,3 +392,143 @@ class Channels:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+
+
+class BlockingConnection:
+    """``PeerConnection``'s blocking twin, for a caller with no event loop on its hot path (the
+    key-value store's synchronous client): the same handshake and frames, one request at a time on
+    the caller's thread. A failure in the middle of a request closes it; ``broken`` then says so."""
+
+    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, tls: ssl.SSLContext | None = None,
+                 connect_timeout: float = 5.0) -> None:
+        self.address, self.secret, self.node_id, self.tls = address, secret, node_id, tls
+        self.connect_timeout = connect_timeout
+        self.sock: socket.socket | None = None
+        self.info: p.PeerInfo | None = None
+        self.broken = False
+
+    def open(self) -> BlockingConnection:
+        try:
+            sock = socket.create_connection((self.address.host, self.address.port), self.connect_timeout)
+        except OSError as exc:
+            raise p.PeerClosedError(f"cannot reach {self.address.node_id} at {self.address.host}:"
+                                    f"{self.address.port}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            if self.tls is not None:
+                hostname = self.address.host if self.tls.check_hostname else None
+                try:
+                    sock = self.tls.wrap_socket(sock, server_hostname=hostname)
+                except ssl.SSLError as exc:
+                    raise p.AuthenticationError(f"{self.address.node_id}: TLS handshake failed: {exc}") from exc
+            self.sock = sock
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _handshake(self) -> None:
+        try:
+            _, _, _, nonce = _recv_frame(self.sock, [Op.HELLO], p.HANDSHAKE_BODY)
+        except p.ProtocolError as exc:
+            raise p.AuthenticationError(f"{self.address.node_id}: {exc}") from exc
+        mine = os.urandom(p.NONCE_BYTES)
+        claim = p.proof(self.secret, b"client", bytes(nonce), mine)
+        _send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
+        try:
+            _, _, _, body = _recv_frame(self.sock, [Op.WELCOME], p.WELCOME_BODY)
+        except (p.ProtocolError, p.PeerClosedError) as exc:
+            raise p.AuthenticationError(f"{self.address.node_id} refused us: {exc}") from exc
+        if not p.verify(self.secret, b"server", mine, bytes(nonce), bytes(body[:32])):
+            raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the cluster secret")
+        self.info = p.PeerInfo.model_validate_json(bytes(body[32:]))
+
+    def exchange(self, op: Op, answer: Op, body: bytes, flags: int = 0, data: Sequence = (),
+                 receive: Callable[[bytearray], Sequence] | None = None, timeout: float | None = None) -> bytearray:
+        """``PeerConnection.exchange``, blocking, within ``timeout`` seconds (``TimeoutError``)."""
+        if self.broken or self.sock is None:
+            raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
+        request = next(_request_ids)
+        try:
+            self.sock.settimeout(timeout)
+            _send_frame(self.sock, op, request, body, flags, data)
+            _, _, got, reply = _recv_frame(self.sock, [answer], p.MAX_BODY)
+            if got != request:
+                raise p.ProtocolError(f"reply to request {got}, expected {request}")
+            if receive is not None:
+                targets = receive(reply)
+                if targets:
+                    _recv_into(self.sock, targets)
+            return reply
+        except socket.timeout:
+            self.close()
+            raise TimeoutError(f"{self.address.node_id} did not answer within {timeout} s") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def send_only(self, op: Op, body: bytes, flags: int = 0) -> None:
+        """A request the peer answers nothing to."""
+        if self.broken or self.sock is None:
+            raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
+        try:
+            self.sock.settimeout(self.connect_timeout)
+            _send_frame(self.sock, op, next(_request_ids), body, flags)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.broken = True
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _send_frame(sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0,
+                data: Sequence = ()) -> None:
+    views = [memoryview(p.FRAME.pack(p.MAGIC, p.VERSION, op, flags, request, len(body))), memoryview(body)]
+    views += [memoryview(d).cast("B") if memoryview(d).ndim != 1 else memoryview(d) for d in data]
+    views = [v for v in views if len(v)]
+    tls = isinstance(sock, ssl.SSLSocket)
+    while views:
+        try:
+            sent = sock.send(views[0]) if tls else sock.sendmsg(views[:IOV_MAX])
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise p.PeerClosedError(f"peer closed the connection while we sent: {exc}") from exc
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def _recv_into(sock: socket.socket, buffers: Sequence) -> None:
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B") if memoryview(buffer).ndim != 1 else memoryview(buffer)
+        while len(view):
+            try:
+                got = sock.recv_into(view)
+            except ConnectionResetError as exc:
+                raise p.PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
+            if got == 0:
+                raise p.PeerClosedError("peer closed the connection mid-transfer")
+            view = view[got:]
+
+
+def _recv_frame(sock: socket.socket, expect: Sequence[Op], max_body: int) -> tuple[Op, int, int, bytearray]:
+    head = bytearray(p.FRAME.size)
+    _recv_into(sock, [head])
+    magic, version, op, flags, request, length = p.FRAME.unpack(head)
+    if magic != p.MAGIC:
+        raise p.ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
+    if version != p.VERSION:
+        raise p.ProtocolError(f"protocol version {version} is not supported (this side speaks {p.VERSION})")
+    if length > max_body:
+        raise p.ProtocolError(f"frame body of {length} bytes is over the limit of {max_body}")
+    body = bytearray(length)
+    _recv_into(sock, [body])
+    if op == Op.ERROR:
+        raise p.ProtocolError(f"peer refused: {body.decode(errors='replace')}")
+    if op not in expect:
+        raise p.ProtocolError(f"expected {'/'.join(o.name for o in expect)}, got {op}")
+    return Op(op), flags, request, body

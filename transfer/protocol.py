@@ -413,6 +413,7 @@ class PeerInfo(BaseModel):
     pool_id: str | None = None  # the pool region's instance: a restarted node has a new one
     max_block_bytes: int
     ucx: bool = False  # the server speaks UCX_HELLO (ucxx installed there)
+    objects_path: str | None = None  # the node's directory of objects for same-host readers (tiers/directory.py)
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

@@ -123,9 +123,10 @@ class TransferServer:
         if self.pool_tier is not None:
             region = self.store.tier(self.pool_tier).backend.region
             pool_path, pool_size, pool_id = str(region.path), region.size, region.instance
+        directory = getattr(self.objects, "directory_path", None)
         return p.PeerInfo(
             node_id=self.node_id, boot_id=p.boot_id(), pool_path=pool_path, pool_size=pool_size, pool_id=pool_id,
-            max_block_bytes=self.max_block_bytes, ucx=self.ucx,
+            max_block_bytes=self.max_block_bytes, ucx=self.ucx, objects_path=directory,
         )
 
     @property

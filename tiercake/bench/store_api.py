@@ -8,9 +8,9 @@ its own) and this process as the client, over TCP and over the shared pool; Moon
 a client process that contributes the memory, and a client that only reads and writes, all in a
 network namespace of their own (its master binds every address), over TCP. The limit of every figure
 is a plain blocking-socket stream of the same bytes in the same object-sized calls, to the node
-agent's process, measured in this run; ``vs_mooncake`` figures are tiercake over Mooncake. tiercake's
-client remembers where it put an object and reads it there without a lookup; ``get_cold`` is the
-same reads by a second client that never saw the objects (against Mooncake's ``get``).
+agent's process, measured in this run; ``vs_mooncake`` figures are tiercake over Mooncake.
+``get_cold`` is the same reads by a second client that never saw the objects (against Mooncake's
+``get``): with the object map, a client needs no lookup either way.
 """
 
 from __future__ import annotations
@@ -165,12 +165,12 @@ def _tiercake(url: str, secret: bytes, token: str, transports: tuple[str, ...], 
             raise RuntimeError("the kvstore client could not connect")
     try:
         deadline = time.monotonic() + 15
-        while not (store._store.nodes.members and cold._store.nodes.members):  # the agent registers after printing its address
-            if time.monotonic() > deadline:
+        while not all(c._store.members and c._store.map.chains for c in (store, cold)):  # the agent registers
+            if time.monotonic() > deadline:  # after it prints its address, and owns the slots after that
                 raise RuntimeError("the node agent did not join the bench's conductor")
             time.sleep(0.1)
             for client in (store, cold):
-                client._loop.call(client._store._refresh(), 10)
+                client._run(lambda s: s.refresh())
         return measure(store, sizes, reps, cold=cold)
     finally:
         store.close()

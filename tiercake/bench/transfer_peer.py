@@ -59,7 +59,8 @@ async def main() -> None:
     config = TiercakeConfig(
         node_id="bench-peer",
         conductor=ConductorConfig(urls=[args.conductor] if args.conductor else [], member_ttl=2),
-        store=StoreConfig(layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path)]),
+        store=StoreConfig(layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path,
+                                                         adopt=False)]),  # a scratch pool: gone with the bench
         # the bench measures UCX too where it is installed: the agent serves it only when listed
         transfer=TransferConfig(transports=["local", "shm", "tcp", *(["ucx"] if ucx_available() else [])]),
     )

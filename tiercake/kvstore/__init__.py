@@ -4,7 +4,8 @@
 ``AsyncStore`` (asyncio, typed exceptions). See the README's "Key-value store API" and
 docs/ARCHITECTURE.md's "The key-value store" (the contract)."""
 
-from .aio import AsyncStore, Described, Durability
+from .aio import AsyncStore
+from .requests import Described, Durability
 from .errors import (
     ErrorCode,
     InvalidParams,

@@ -31,7 +31,6 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,90 +38,59 @@ import torch
 from tiercake.blocks import object_id, object_slot
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import ObjectMap
+from tiercake.tiers.directory import DirectoryReader
 from tiercake.tiers.pool import PoolFormatError, PoolRegion
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.connection import Channels, PeerConnection
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_SHM, MAX_ITEMS, Op, Status, TransferError, boot_id
+from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
+from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, Status, TransferError, boot_id
 
-from .errors import InvalidParams, NoSpace, ObjectHasLease, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
+from .errors import InvalidParams, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
+from .requests import (
+    MEMORY,
+    Described,
+    Durability,
+    Item,
+    NotSent,
+    Outcome,
+    Retry,
+    chunks,
+    device_bytes,
+    exactly,
+    get_request,
+    get_results,
+    get_targets,
+    name_bytes,
+    outcome,
+    put_request,
+    put_results,
+    query_results,
+    raise_for,
+    readable,
+    remove_results,
+    writable,
+)
 
 log = logging.getLogger(__name__)
 
-Outcome = StoreApiError | None
-MAX_NAME_BYTES = 64 << 10
-MAX_REQUEST_BYTES = 256 << 20  # of one put request's bytes (a larger batch goes in several)
-MAX_TABLE_BYTES = 8 << 20  # of one request's names
-
-
-@dataclass(frozen=True, slots=True)
-class Durability:
-    """What a put asks of its objects (Mooncake's ``ReplicateConfig``, as tiercake obeys it)."""
-
-    replicas: int = 1  # nodes holding it before the put returns (at most ``objects.replicas_max``)
-    persist: bool = False  # on each of those nodes' SSD, synced, before the put returns
-    hard_pin: bool = False  # never evicted
-    soft_pin_ms: int | None = None  # evicted only when nothing else can be, for this long
-    keep_pin: bool = False  # an upsert: the object keeps the soft pin it had (Mooncake's PRESERVE)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 255:
-            raise InvalidParams(f"replicas is 1 to 255, got {self.replicas!r}")
-        if self.soft_pin_ms is not None and (not isinstance(self.soft_pin_ms, int) or not 0 <= self.soft_pin_ms < 1 << 62):
-            raise InvalidParams(f"a soft pin's TTL is a non-negative number of milliseconds, got {self.soft_pin_ms!r}")
-
-
-MEMORY = Durability()
-
-
-class _Retry:
-    """An item to ask again (its node did not own it, could not serve it, or could not be reached)."""
-
-    __slots__ = ("why", "refresh")
-
-    def __init__(self, why: str, refresh: bool = True) -> None:
-        self.why, self.refresh = why, refresh
-
-
-class _NotSent(Exception):
-    """No connection to the node: nothing of the request reached it."""
-
-
-@dataclass(slots=True)
-class _Item:
-    index: int
-    name: bytes
-    oid: bytes
-    payload: np.ndarray | None = None  # a put's bytes
-    out: np.ndarray | None = None  # a get's buffer
-    device: torch.Tensor | None = None  # a get into device memory: received on the host, then copied
-    stream: bool = False  # a same-host get whose object is not in the pool: over the stream
-
-
-@dataclass(slots=True)
-class Described:
-    """What ``describe`` says of an object."""
-
-    size: int
-    version: int
-    replicas: int
-    persist: bool
-    holders: list[str] = field(default_factory=list)
 
 
 class AsyncStore:
     SHM_MIN_BYTES = 1 << 20  # same host: objects from this size go through the shared pool
+    NOTES_MAX = 256  # reads from a node's directory it is told of at once (their leases)
 
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
                  tenant: str = "default", transports: Sequence[str] = ("shm", "tcp"), identity: str | None = None,
                  ssl=None, streams: int = 2, conductor_timeout: float = 5.0, transfer_tls=None,
-                 retry_s: float = 30.0, timeout_s: float = 5.0) -> None:
+                 retry_s: float = 30.0, timeout_s: float = 5.0, blocking: bool = False) -> None:
         """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
         control token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
         ``shm`` (same host, through the node's pool) and/or ``tcp``; ``ssl``: the conductors' TLS client
         context; ``transfer_tls``: the node agents' (``transfer.tls``); ``retry_s``: how long a call
         keeps asking when the owner of an object cannot answer; ``timeout_s``: how long one request
         to a node may take, plus its bytes at 20 MB/s (a node that stops answering fails its share of
-        a call by then, not the whole call)."""
+        a call by then, not the whole call). ``blocking``: requests on the stream go on blocking
+        connections, waited for in place: for a store whose event loop serves one blocking caller
+        (the synchronous client's, ``threads.py``), where an asyncio wait costs more than the wait."""
         if not isinstance(tenant, str) or not tenant or "/" in tenant or "#" in tenant or len(tenant.encode()) > 200:
             raise ValueError(f"a tenant is a non-empty name of at most 200 bytes without '/' or '#', got {tenant!r}")
         urls = [conductors] if isinstance(conductors, str) else list(conductors)
@@ -131,12 +99,17 @@ class AsyncStore:
         secret = secret.encode() if isinstance(secret, str) else secret
         self.identity = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
         self.channels = Channels(self.identity, secret, self._address, streams=streams, tls=transfer_tls)
+        self.blocking = blocking
+        self.stale = False  # a node answered with a newer map epoch than this store's (the fast path saw it)
+        self._idle: dict[str, list[BlockingConnection]] = defaultdict(list)  # blocking: per node
         self.shm = "shm" in transports and transfer_tls is None  # TLS: every byte on the encrypted stream
         self.retry_s = retry_s
         self.timeout_s = timeout_s
         self.map = ObjectMap()
         self.members: dict[str, tuple[str, int]] = {}
         self._pools: dict[str, PoolRegion | None] = {}  # node -> its pool, mapped here (None: not same host)
+        self._directories: dict[str, DirectoryReader] = {}  # node -> its object directory, mapped here
+        self._notes: dict[str, list[bytes]] = defaultdict(list)  # node -> names read from its directory
         self._map_lock = asyncio.Lock()
 
     async def open(self) -> AsyncStore:
@@ -145,6 +118,10 @@ class AsyncStore:
 
     async def close(self) -> None:
         self.channels.close()
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
         for region in self._pools.values():
             if region is not None:
                 region.close(unlink=False)
@@ -172,6 +149,7 @@ class AsyncStore:
             for node, address in moved.items():
                 if self.members.get(node) not in (None, address):
                     self.channels.forget(node)  # restarted elsewhere
+                    self._forget_blocking(node)
                     self._drop_pool(node)
             self.members = moved
 
@@ -185,7 +163,7 @@ class AsyncStore:
     async def put(self, name: str, value, *, replace: bool = False, durability: Durability = MEMORY) -> None:
         """Store ``value`` (bytes, a buffer, an array or a tensor: its bytes) under ``name``; a present
         object keeps its first value unless ``replace`` (Mooncake's ``upsert``)."""
-        _raise((await self.put_many([name], [value], replace=replace, durability=durability))[0])
+        raise_for((await self.put_many([name], [value], replace=replace, durability=durability))[0])
 
     async def get(self, name: str) -> bytes:
         return bytes(await self.get_array(name))
@@ -193,7 +171,7 @@ class AsyncStore:
     async def get_array(self, name: str) -> np.ndarray:
         """The object's bytes (a uint8 array of exactly its size)."""
         got = (await self.get_many([name]))[0]
-        _raise(got if isinstance(got, StoreApiError) else None)
+        raise_for(got if isinstance(got, StoreApiError) else None)
         return got
 
     async def get_tensor(self, name: str) -> torch.Tensor:
@@ -202,7 +180,7 @@ class AsyncStore:
     async def get_into(self, name: str, buffer) -> int:
         """Read the object into ``buffer`` (writable, at least its size); returns its size."""
         got = (await self.get_many_into([name], [buffer]))[0]
-        _raise(got if isinstance(got, StoreApiError) else None)
+        raise_for(got if isinstance(got, StoreApiError) else None)
         return got
 
     async def exists(self, name: str) -> bool:
@@ -213,11 +191,11 @@ class AsyncStore:
 
     async def describe(self, name: str) -> Described:
         got = (await self.describe_many([name]))[0]
-        _raise(got if isinstance(got, StoreApiError) else None)
+        raise_for(got if isinstance(got, StoreApiError) else None)
         return got
 
     async def remove(self, name: str, *, force: bool = False) -> None:
-        _raise((await self.remove_many([name], force=force))[0])
+        raise_for((await self.remove_many([name], force=force))[0])
 
     # Batches --------------------------------------------------------------------------------------
 
@@ -226,15 +204,21 @@ class AsyncStore:
         """Store each value under the name beside it: None for each stored (or present already, without
         ``replace``), or why not. An object that failed leaves nothing behind. A name twice in one
         batch: the first value is stored, the second is Mooncake's second put of a name."""
+        outcomes, items, like = self.plan_puts(names, values, replace, durability)
+        return merged(outcomes, items, await self.put_items(items, like))
+
+    def plan_puts(self, names: Sequence[str], values: Sequence, replace: bool,
+                  durability: Durability) -> tuple[list, list[Item], w.PutItem]:
+        """(outcomes so far: the refusals, the items to send, what each put asks)."""
         if len(names) != len(values):
             raise InvalidParams(f"{len(names)} keys for {len(values)} values")
         outcomes: list = [None] * len(names)
-        items: list[_Item] = []
+        items: list[Item] = []
         seen: dict[bytes, int] = {}
         for i, (name, value) in enumerate(zip(names, values)):
             try:
-                raw = _name(name)
-                payload = _readable(value)
+                raw = name_bytes(name)
+                payload = readable(value)
                 if not payload.size:
                     raise InvalidParams(f"object {name!r}: a value holds at least one byte")
             except InvalidParams as exc:
@@ -244,15 +228,15 @@ class AsyncStore:
             if oid in seen and not replace:
                 continue  # the first put of the name decides
             seen[oid] = i
-            items.append(_Item(i, raw, oid, payload=payload))
+            items.append(Item(i, raw, oid, payload=payload))
         pin = w.NO_SOFT_PIN if durability.soft_pin_ms is None else durability.soft_pin_ms
         if durability.keep_pin and replace:
             pin = w.KEEP_SOFT_PIN
-        item = w.PutItem(b"", 0, replace, durability.replicas, durability.persist, durability.hard_pin, pin)
-        done = await self._dispatch(items, lambda node, group: self._put_on(node, group, item), writes=True)
-        for it in items:
-            outcomes[it.index] = done[it.index]
-        return outcomes
+        return outcomes, items, w.PutItem(b"", 0, replace, durability.replicas, durability.persist,
+                                          durability.hard_pin, pin)
+
+    async def put_items(self, items: list[Item], like: w.PutItem) -> dict[int, object]:
+        return await self._dispatch(items, lambda node, group: self._put_on(node, group, like), writes=True)
 
     async def get_many(self, names: Sequence[str]) -> list[np.ndarray | StoreApiError]:
         """Each object's bytes (a uint8 array of exactly its size), or why not."""
@@ -280,22 +264,20 @@ class AsyncStore:
         return [False if isinstance(g, ObjectNotFound) else g if isinstance(g, StoreApiError) else True for g in got]
 
     async def describe_many(self, names: Sequence[str], *, lease: bool = True) -> list[Described | StoreApiError]:
-        outcomes: list = [None] * len(names)
-        items = self._items(names, outcomes)
-        done = await self._dispatch(items, lambda node, group: self._query_on(node, group, lease), writes=False)
-        for it in items:
-            outcomes[it.index] = done[it.index]
-        return outcomes
+        outcomes, items = self.plan_names(names)
+        return merged(outcomes, items, await self.query_items(items, lease))
+
+    async def query_items(self, items: list[Item], lease: bool) -> dict[int, object]:
+        return await self._dispatch(items, lambda node, group: self._query_on(node, group, lease), writes=False)
 
     async def remove_many(self, names: Sequence[str], *, force: bool = False) -> list[Outcome]:
         """Remove each object; None for each removed, or why not (``ObjectHasLease`` while a reader's
         lease holds it, unless ``force``)."""
-        outcomes: list = [None] * len(names)
-        items = self._items(names, outcomes)
-        done = await self._dispatch(items, lambda node, group: self._remove_on(node, group, force), writes=True)
-        for it in items:
-            outcomes[it.index] = done[it.index]
-        return outcomes
+        outcomes, items = self.plan_names(names)
+        return merged(outcomes, items, await self.remove_items(items, force))
+
+    async def remove_items(self, items: list[Item], force: bool) -> dict[int, object]:
+        return await self._dispatch(items, lambda node, group: self._remove_on(node, group, force), writes=True)
 
     async def remove_all(self, *, force: bool = False) -> int:
         """Remove every object of this tenant; returns how many went. Objects a reader's lease holds
@@ -314,42 +296,44 @@ class AsyncStore:
 
     # Routing and retrying -----------------------------------------------------------------------
 
-    def _items(self, names: Sequence[str], outcomes: list) -> list[_Item]:
+    def plan_names(self, names: Sequence[str]) -> tuple[list, list[Item]]:
+        """(outcomes so far: the bad names, an item for each good one)."""
+        outcomes: list = [None] * len(names)
         items = []
         for i, name in enumerate(names):
             try:
-                raw = _name(name)
+                raw = name_bytes(name)
             except InvalidParams as exc:
                 outcomes[i] = exc
                 continue
-            items.append(_Item(i, raw, object_id(raw, self.tenant)))
-        return items
+            items.append(Item(i, raw, object_id(raw, self.tenant)))
+        return outcomes, items
 
-    async def _read_many(self, names: Sequence[str], buffers: list) -> list:
-        outcomes: list = [None] * len(names)
-        items = self._items(names, outcomes)
+    def plan_reads(self, names: Sequence[str], buffers: list) -> tuple[list, list[Item]]:
+        """``plan_names``, with each item's buffer to read into (None: one of the object's size)."""
+        outcomes, items = self.plan_names(names)
         for it in items:
             buffer = buffers[it.index]
             if buffer is None:
                 continue
             try:
                 if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
-                    it.device = _device_bytes(buffer)
+                    it.device = device_bytes(buffer)
                     it.out = np.empty(it.device.numel(), dtype=np.uint8)
                 else:
-                    it.out = _writable(buffer)
+                    it.out = writable(buffer)
             except InvalidParams as exc:
                 outcomes[it.index] = exc
-        items = [it for it in items if outcomes[it.index] is None]
-        done = await self._dispatch(items, self._get_on, writes=False)
-        for it in items:
-            got = done[it.index]
-            if it.device is not None and isinstance(got, np.ndarray):
-                it.device[: got.size].copy_(torch.from_numpy(got))
-            outcomes[it.index] = got
-        return outcomes
+        return outcomes, [it for it in items if outcomes[it.index] is None]
 
-    async def _dispatch(self, items: list[_Item], send: Callable[[str, list[_Item]], Awaitable[dict]],
+    async def get_items(self, items: list[Item]) -> dict[int, object]:
+        return await self._dispatch(items, self._get_on, writes=False)
+
+    async def _read_many(self, names: Sequence[str], buffers: list) -> list:
+        outcomes, items = self.plan_reads(names, buffers)
+        return finish_reads(outcomes, items, await self.get_items(items))
+
+    async def _dispatch(self, items: list[Item], send: Callable[[str, list[Item]], Awaitable[dict]],
                         writes: bool) -> dict[int, object]:
         """Send each item to its slot's primary, a request per node, until every item has its outcome
         (asking again, with the map fetched anew, those a node could not take) or ``retry_s`` is over."""
@@ -360,18 +344,21 @@ class AsyncStore:
         if pending and not self.map.chains:
             await self.refresh()
         while pending:
-            groups: dict[str, list[_Item]] = defaultdict(list)
+            groups: dict[str, list[Item]] = defaultdict(list)
             for it in pending:
                 node = self.map.primary(object_slot(it.oid, self.map.slots)) if self.map.slots else None
                 if node is None:
-                    results[it.index] = _Retry("no node owns its slot yet")
+                    results[it.index] = Retry("no node owns its slot yet")
                 else:
                     groups[node].append(it)
-            answers = await asyncio.gather(*(self._guarded(node, group, send, writes)
-                                             for node, group in groups.items()))
+            if len(groups) == 1:  # the common case: no task for it
+                answers = [await self._guarded(*next(iter(groups.items())), send, writes)]
+            else:
+                answers = await asyncio.gather(*(self._guarded(node, group, send, writes)
+                                                 for node, group in groups.items()))
             for answer in answers:
                 results.update(answer)
-            pending = [it for it in pending if isinstance(results.get(it.index), _Retry)]
+            pending = [it for it in pending if isinstance(results.get(it.index), Retry)]
             if not pending:
                 break
             if time.monotonic() + delay > deadline:
@@ -388,27 +375,29 @@ class AsyncStore:
                     log.warning("kvstore: %s", exc)
         return results
 
-    async def _guarded(self, node: str, group: list[_Item], send, writes: bool) -> dict[int, object]:
+    async def _guarded(self, node: str, group: list[Item], send, writes: bool) -> dict[int, object]:
         """``send`` one node's items in requests of at most ``MAX_ITEMS`` items (and, for puts,
         ``MAX_REQUEST_BYTES``); a node that cannot be reached has its items asked again."""
         answers: dict[int, object] = {}
-        for chunk in _chunks(group):
+        for chunk in chunks(group):
             try:
                 nbytes = sum((it.payload.size if it.payload is not None else 0)
                              + (it.out.size if it.out is not None else 0) for it in chunk)
                 unknown = any(it.payload is None and it.out is None for it in chunk)  # a get of any size
                 async with asyncio.timeout(self.timeout_s * (6 if unknown else 1) + nbytes / 20e6):
                     answers.update(await send(node, chunk))
-            except _NotSent as exc:
+            except NotSent as exc:
                 self.channels.forget(node)
-                answers.update({it.index: _Retry(f"{node} could not be reached: {exc.__cause__}") for it in chunk})
+                self._forget_blocking(node)
+                answers.update({it.index: Retry(f"{node} could not be reached: {exc.__cause__}") for it in chunk})
             except (TransferError, OSError, TimeoutError) as exc:
                 self.channels.forget(node)
+                self._forget_blocking(node)
                 if writes:  # it may have been applied: not sent again
                     answers.update({it.index: TransferFailed(f"{node} failed mid-request: {exc or 'timed out'}")
                                     for it in chunk})
                 else:
-                    answers.update({it.index: _Retry(f"{node} failed mid-request: {exc}") for it in chunk})
+                    answers.update({it.index: Retry(f"{node} failed mid-request: {exc}") for it in chunk})
         return answers
 
     async def _connection(self, node: str):
@@ -417,7 +406,7 @@ class AsyncStore:
             lent = channel.connection()
             conn = await lent.__aenter__()
         except (TransferError, OSError, RpcFailed) as exc:
-            raise _NotSent() from exc
+            raise NotSent() from exc
         return lent, conn
 
     async def _on(self, node: str, call: Callable[[PeerConnection], Awaitable]):
@@ -426,6 +415,34 @@ class AsyncStore:
             return await call(conn)
         finally:
             await lent.__aexit__(None, None, None)
+
+    async def _exchange(self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(),
+                        receive=None, nbytes: int = 0) -> bytearray:
+        """One request on the stream: on an asyncio connection, or a blocking one (``blocking``)."""
+        if node in self._notes:
+            await self._flush_notes(node)
+        if not self.blocking:
+            return await self._on(node, lambda conn: conn.exchange(op, answer, body, flags, data, receive))
+        idle = self._idle[node]
+        if idle:
+            conn = idle.pop()
+        else:
+            address = await self._address(node)
+            if address is None:
+                raise NotSent() from TransferError(f"node {node} is not a live member")
+            conn = BlockingConnection(PeerAddress(node, *address), self.channels.secret, self.identity,
+                                      self.channels.tls, connect_timeout=self.timeout_s)
+            try:
+                conn.open()
+            except (TransferError, OSError) as exc:
+                raise NotSent() from exc
+        reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.timeout_s + nbytes / 20e6)
+        idle.append(conn)
+        return reply
+
+    def _forget_blocking(self, node: str) -> None:
+        for conn in self._idle.pop(node, []):
+            conn.close()
 
     def _note_epoch(self, epoch: int) -> None:
         if epoch > self.map.epoch:
@@ -439,7 +456,7 @@ class AsyncStore:
 
     # One node's share ---------------------------------------------------------------------------
 
-    async def _put_on(self, node: str, group: list[_Item], like: w.PutItem) -> dict[int, object]:
+    async def _put_on(self, node: str, group: list[Item], like: w.PutItem) -> dict[int, object]:
         region = None
         if any(it.payload.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
             region = await self._pool(node)
@@ -449,35 +466,28 @@ class AsyncStore:
         for share, through in ((pooled, region), (streamed, None)):
             if not share:
                 continue
-            request = w.PutRequest(self.tenant, self.map.epoch, [
-                w.PutItem(it.name, it.payload.size, like.upsert, like.replicas, like.persist, like.hard_pin,
-                          like.soft_pin_ms) for it in share])
+            request = put_request(self.tenant, self.map.epoch, share, like)
 
-            async def call(conn: PeerConnection, share=share, through=through, request=request) -> w.PutReply:
-                if through is None:
-                    body = await conn.exchange(Op.OBJ_PUT, Op.OBJ_PUT_REPLY, w.encode(request), FLAG_EAGER,
-                                               [it.payload for it in share if it.payload.size])
-                    return w.decode(w.PutReply, body)
-                return await self._put_through_pool(conn, through, request, share)
-
-            reply = await self._on(node, call)
+            if through is None:
+                data = [it.payload for it in share if it.payload.size]
+                body = await self._exchange(node, Op.OBJ_PUT, Op.OBJ_PUT_REPLY, w.encode(request), FLAG_EAGER, data,
+                                            nbytes=sum(d.size for d in data))
+                reply = w.decode(w.PutReply, body)
+            else:
+                reply = await self._on(node, lambda conn, share=share, through=through, request=request:
+                                       self._put_through_pool(conn, through, request, share))
             self._note_epoch(reply.epoch)
-            for it, result in zip(share, _exactly(reply.results, share)):
-                if result.status == Status.NOT_IN_MEMORY:
-                    it.stream = True  # the pool could not take it now: the stream carries it
-                    out[it.index] = _Retry("the pool had no room", refresh=False)
-                else:
-                    out[it.index] = _outcome(result.status, result.message, it.name, write=True)
+            out.update(put_results(reply, share))
         return out
 
     async def _put_through_pool(self, conn: PeerConnection, region: PoolRegion, request: w.PutRequest,
-                                group: list[_Item]) -> w.PutReply:
+                                group: list[Item]) -> w.PutReply:
         async with conn.request() as rid:
             from tiercake.transfer.sockio import send_frame
 
             await send_frame(conn.sock, Op.OBJ_PUT, rid, w.encode(request), FLAG_SHM)
             ready = w.decode(w.PutReady, await conn.reply(rid, Op.OBJ_PUT_READY))
-            copies = [(offset, it.payload) for offset, it in zip(_exactly(ready.offsets, group), group) if offset >= 0]
+            copies = [(offset, it.payload) for offset, it in zip(exactly(ready.offsets, group), group) if offset >= 0]
 
             def copy_all() -> None:
                 for offset, payload in copies:
@@ -490,7 +500,13 @@ class AsyncStore:
             await send_frame(conn.sock, Op.OBJ_PUT_COMMIT, rid)
             return w.decode(w.PutReply, await conn.reply(rid, Op.OBJ_PUT_REPLY))
 
-    async def _get_on(self, node: str, group: list[_Item]) -> dict[int, object]:
+    async def _get_on(self, node: str, group: list[Item]) -> dict[int, object]:
+        out, group = await self._from_directory(node, group)
+        if group:
+            out.update(await self._get_asked(node, group))
+        return out
+
+    async def _get_asked(self, node: str, group: list[Item]) -> dict[int, object]:
         region = None
         if any(it.out is not None and it.out.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
             region = await self._pool(node)
@@ -504,42 +520,25 @@ class AsyncStore:
             out.update(await self._get_streamed(node, streamed))
         return out
 
-    async def _get_streamed(self, node: str, group: list[_Item]) -> dict[int, object]:
-        request = w.GetRequest(self.tenant, self.map.epoch, [
-            w.GetItem(it.name, -1 if it.out is None else it.out.size) for it in group])
+    async def _get_streamed(self, node: str, group: list[Item]) -> dict[int, object]:
+        request = get_request(self.tenant, self.map.epoch, group)
         decoded: list[w.GetReply] = []
 
         def targets(body: bytearray) -> list:
-            reply = w.decode(w.GetReply, body)
-            decoded.append(reply)
-            views = []
-            for it, got in zip(group, _exactly(reply.items, group)):
-                if got.status == Status.OK and got.size:
-                    if it.out is None:
-                        it.out = np.empty(got.size, dtype=np.uint8)
-                    elif got.size > it.out.size:
-                        raise TransferError(f"{node} sends {got.size} bytes for a buffer of {it.out.size}")
-                    views.append(it.out[: got.size])
-            return views
+            decoded.append(w.decode(w.GetReply, body))
+            return get_targets(decoded[0], group, node)
 
-        await self._on(node, lambda conn: conn.exchange(Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request),
-                                                        receive=targets))
-        reply = decoded[0]
-        self._note_epoch(reply.epoch)
-        out = {}
-        for it, got in zip(group, reply.items):
-            if got.status == Status.OK:
-                out[it.index] = it.out[: got.size] if it.out is not None else np.empty(0, dtype=np.uint8)
-            else:
-                out[it.index] = _outcome(got.status, got.message, it.name, write=False)
-        return out
+        await self._exchange(node, Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request), receive=targets,
+                             nbytes=sum(it.out.size for it in group if it.out is not None))
+        self._note_epoch(decoded[0].epoch)
+        return get_results(decoded[0], group)
 
-    async def _get_through_pool(self, node: str, region: PoolRegion, group: list[_Item]) -> dict[int, object]:
+    async def _get_through_pool(self, node: str, region: PoolRegion, group: list[Item]) -> dict[int, object]:
         request = w.GetRequest(self.tenant, self.map.epoch, [w.GetItem(it.name, it.out.size) for it in group])
 
         async def call(conn: PeerConnection) -> w.GetReply:
             reply = w.decode(w.GetReply, await conn.exchange(Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request), FLAG_SHM))
-            leased = [(it, got) for it, got in zip(group, _exactly(reply.items, group)) if got.status == Status.OK]
+            leased = [(it, got) for it, got in zip(group, exactly(reply.items, group)) if got.status == Status.OK]
 
             def copy_all() -> None:
                 for it, got in leased:
@@ -563,43 +562,38 @@ class AsyncStore:
                 out[it.index] = it.out[: got.size]
             elif got.status == Status.NOT_IN_MEMORY:
                 it.stream = True  # on the node's disk only: the stream brings it
-                out[it.index] = _Retry("not in the pool", refresh=False)
+                out[it.index] = Retry("not in the pool", refresh=False)
             else:
-                out[it.index] = _outcome(got.status, got.message, it.name, write=False)
+                out[it.index] = outcome(got.status, got.message, it.name, write=False)
         return out
 
-    async def _query_on(self, node: str, group: list[_Item], lease: bool) -> dict[int, object]:
+    async def _query_on(self, node: str, group: list[Item], lease: bool) -> dict[int, object]:
         request = w.QueryRequest(self.tenant, self.map.epoch, [it.name for it in group], lease)
-        body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_QUERY, Op.OBJ_QUERY_REPLY, w.encode(request)))
+        body = await self._exchange(node, Op.OBJ_QUERY, Op.OBJ_QUERY_REPLY, w.encode(request))
         reply = w.decode(w.QueryReply, body)
         self._note_epoch(reply.epoch)
-        out = {}
-        for it, d in zip(group, _exactly(reply.items, group)):
-            out[it.index] = (Described(d.size, d.version, d.replicas, d.persist, list(d.holders))
-                             if d.status == Status.OK else _outcome(d.status, d.message, it.name, write=False))
-        return out
+        return query_results(reply, group)
 
-    async def _remove_on(self, node: str, group: list[_Item], force: bool) -> dict[int, object]:
+    async def _remove_on(self, node: str, group: list[Item], force: bool) -> dict[int, object]:
         request = w.RemoveRequest(self.tenant, self.map.epoch, [it.name for it in group], force)
-        body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY, w.encode(request)))
+        body = await self._exchange(node, Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY, w.encode(request))
         reply = w.decode(w.RemoveReply, body)
         self._note_epoch(reply.epoch)
-        return {it.index: _outcome(r.status, r.message, it.name, write=True)
-                for it, r in zip(group, _exactly(reply.results, group))}
+        return remove_results(reply, group)
 
     async def _remove_every_on(self, node: str, pattern: str | None, force: bool) -> int:
         request = w.RemoveRequest(self.tenant, self.map.epoch, [], force, True, pattern)
         try:
             body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY,
                                                                    w.encode(request)))
-        except _NotSent as exc:
+        except NotSent as exc:
             raise TransferFailed(f"{node} could not be reached: {exc.__cause__}") from None
         except (TransferError, OSError) as exc:
             raise TransferFailed(f"{node} failed mid-request: {exc}") from None
         reply = w.decode(w.RemoveReply, body)
         for r in reply.results:
             if r.status != Status.OK:
-                raise _outcome(r.status, r.message, b"", write=True)
+                raise outcome(r.status, r.message, b"", write=True)
         return reply.removed
 
     # The shared pool of a node on this host -----------------------------------------------------
@@ -618,6 +612,8 @@ class AsyncStore:
                 if region.instance != info.pool_id:  # a pool at the path, not the node's (yet)
                     region.close(unlink=False)
                     region = None
+                elif info.objects_path:
+                    self._directories[node] = DirectoryReader(info.objects_path, region.array[region.data_offset:])
         except (TransferError, OSError, PoolFormatError, RpcFailed) as exc:
             log.info("kvstore: %s's pool cannot be mapped here (%s): the stream carries its bytes", node, exc)
             region = None
@@ -625,119 +621,72 @@ class AsyncStore:
         return region
 
     def _drop_pool(self, node: str) -> None:
+        reader = self._directories.pop(node, None)
+        if reader is not None:
+            reader.close()
         region = self._pools.pop(node, None)
         if region is not None:
             region.close(unlink=False)
 
+    async def _from_directory(self, node: str, group: list[Item]) -> tuple[dict[int, object], list[Item]]:
+        """Same host: the items the node's directory has, copied straight out of its pool (no round
+        trip), and those left to ask it for."""
+        if not self.shm or (node not in self._pools and await self._pool(node) is None):
+            return {}, group
+        reader = self._directories.get(node)
+        if reader is None or not reader.valid():
+            return {}, group
+        found: dict[int, object] = {}
+        rest = []
+        for it in group:
+            got = reader.read(it.oid, it.out) if it.device is None else None
+            if isinstance(got, np.ndarray):
+                found[it.index] = got
+            else:
+                rest.append(it)  # not there (or the buffer is too small: the node says so)
+        if found:
+            # Mooncake's read lease, granted as the node would for a get: noted, and told the node ahead of
+            # the next request to it, on the same connection (so a remove after this read finds the
+            # lease), or once NOTES_MAX are noted; telling it at once would cost the node a turn per read
+            notes = self._notes[node]
+            notes.extend(it.name for it in group if it.index in found)
+            if len(notes) >= self.NOTES_MAX:
+                await self._flush_notes(node)
+        return found, rest
+
+    async def _flush_notes(self, node: str) -> None:
+        names = self._notes.pop(node, None)
+        if names:
+            note = w.QueryRequest(self.tenant, self.map.epoch, names, True)
+            await self._send_only(node, Op.OBJ_QUERY, w.encode(note), FLAG_NO_REPLY)
+
+    async def _send_only(self, node: str, op: Op, body: bytes, flags: int) -> None:
+        try:
+            if self.blocking:
+                idle = self._idle.get(node)
+                if idle:
+                    idle[-1].send_only(op, body, flags)
+                    return
+            await self._on(node, lambda conn: conn.send_only(op, body, flags))
+        except (TransferError, OSError, NotSent) as exc:
+            log.info("kvstore: a note to %s was lost (%s): its read leases are not granted", node, exc)
+            self._forget_blocking(node)
+
 
 # Plumbing -------------------------------------------------------------------------------------------
 
-def _chunks(group: list[_Item]) -> list[list[_Item]]:
-    """Requests of at most ``MAX_ITEMS`` items, ``MAX_REQUEST_BYTES`` of a put's bytes and
-    ``MAX_TABLE_BYTES`` of names (a frame's body is at most 16 MiB)."""
-    chunks, current, nbytes, names = [], [], 0, 0
-    for it in group:
-        size = it.payload.size if it.payload is not None else 0
-        if current and (len(current) >= MAX_ITEMS or nbytes + size > MAX_REQUEST_BYTES
-                        or names + len(it.name) > MAX_TABLE_BYTES):
-            chunks.append(current)
-            current, nbytes, names = [], 0, 0
-        current.append(it)
-        nbytes += size
-        names += len(it.name)
-    if current:
-        chunks.append(current)
-    return chunks
+
+def merged(outcomes: list, items: list[Item], done: dict[int, object]) -> list:
+    for it in items:
+        outcomes[it.index] = done[it.index]
+    return outcomes
 
 
-def _exactly(answers: list, items: list) -> list:
-    if len(answers) != len(items):
-        raise TransferError(f"{len(answers)} answers to {len(items)} items")
-    return answers
-
-
-def _outcome(status: int, message: str, name: bytes, *, write: bool):
-    """What one item's status means for the caller: None (done), an error, or ask again."""
-    what = f"object {name[:80]!r}" if name else "objects"
-    if status == Status.OK or (status == Status.EXISTS and write):
-        return None
-    if status in (Status.WRONG_OWNER, Status.UNAVAILABLE):
-        return _Retry(f"{Status(status).name.lower()}: {message}")
-    text = f"{what}: {Status(status).name.lower().replace('_', ' ')}" + (f": {message}" if message else "")
-    if status == Status.NOT_FOUND:
-        return ObjectNotFound(text)
-    if status == Status.LEASED:
-        return ObjectHasLease(text)
-    if status == Status.FULL:
-        return NoSpace(text)
-    if status in (Status.INVALID, Status.TOO_SMALL, Status.LENGTH_MISMATCH, Status.BAD_REQUEST):
-        return InvalidParams(text)
-    return TransferFailed(text)  # REPLICA_FAILED, INTERNAL: the outcome of a write is unknown
-
-
-def _raise(outcome) -> None:
-    if isinstance(outcome, StoreApiError):
-        raise outcome
-
-
-def _name(name) -> bytes:
-    if not isinstance(name, str):
-        raise InvalidParams(f"object keys are str, got {type(name).__name__}")
-    raw = name.encode(errors="surrogatepass")
-    if not raw:
-        raise InvalidParams("object keys are not empty")
-    if len(raw) > MAX_NAME_BYTES:
-        raise InvalidParams(f"object keys are at most {MAX_NAME_BYTES} bytes, got {len(raw)}")
-    return raw
-
-
-def _readable(value) -> np.ndarray:
-    """The bytes of a value to put, without a copy where they are host memory."""
-    try:
-        if isinstance(value, torch.Tensor):
-            if not value.is_contiguous():
-                raise InvalidParams("a tensor to put must be contiguous")
-            flat = value.detach().reshape(-1)
-            flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-            return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
-        if isinstance(value, np.ndarray):
-            if not value.flags.c_contiguous:
-                raise InvalidParams("an array to put must be C-contiguous (np.ascontiguousarray)")
-            return value.reshape(-1).view(np.uint8)
-        view = memoryview(value)
-        if not view.contiguous:
-            raise InvalidParams("a buffer to put must be contiguous")
-        return np.frombuffer(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view, dtype=np.uint8)
-    except InvalidParams:
-        raise
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidParams(f"a value to put is bytes, a buffer, an array or a tensor: {exc}") from None
-
-
-def _writable(buffer) -> np.ndarray:
-    """A buffer to read into, refusing read-only memory (bytes, a read-only array)."""
-    try:
-        if isinstance(buffer, torch.Tensor):
-            if not buffer.is_contiguous():
-                raise InvalidParams("a tensor to read into must be contiguous")
-            flat = buffer.detach().reshape(-1)
-            return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
-        if isinstance(buffer, np.ndarray):
-            if not buffer.flags.writeable or not buffer.flags.c_contiguous:
-                raise InvalidParams("an array to read into must be writable and C-contiguous")
-            return buffer.reshape(-1).view(np.uint8)
-        view = memoryview(buffer)
-        if view.readonly or not view.contiguous:
-            raise InvalidParams(f"a {type(buffer).__name__} to read into must be writable and contiguous")
-        return np.frombuffer(view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view, dtype=np.uint8)
-    except InvalidParams:
-        raise
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidParams(f"a buffer to read into is a writable buffer, array or tensor: {exc}") from None
-
-
-def _device_bytes(buffer: torch.Tensor) -> torch.Tensor:
-    if not buffer.is_contiguous():
-        raise InvalidParams("a tensor to read into must be contiguous")
-    flat = buffer.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+def finish_reads(outcomes: list, items: list[Item], done: dict[int, object]) -> list:
+    """The reads' outcomes, device buffers filled from the host copies they were read into."""
+    for it in items:
+        got = done[it.index]
+        if it.device is not None and isinstance(got, np.ndarray):
+            it.device[: got.size].copy_(torch.from_numpy(got))
+        outcomes[it.index] = got
+    return outcomes

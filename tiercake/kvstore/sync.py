@@ -13,8 +13,8 @@ from ``$TIERCAKE_SECRET`` and ``$TIERCAKE_TOKEN`` (or ``$TIERCAKE_CONFIG``, a ti
 The segment and buffer sizes are accepted: tiercake's node agents hold the memory, not the clients
 (``local_buffer_size`` still bounds what one put of Python values may stage, as in Mooncake).
 
-Every call blocks the caller (an event loop runs on a thread of its own underneath) and answers as
-Mooncake's does: 0 or a size on success, a negative ``ErrorCode`` otherwise; ``get`` answers ``b""``
+Every call blocks the caller (it runs on an event loop of the calling thread's own, ``threads.py``)
+and answers as Mooncake's does: 0 or a size on success, a negative ``ErrorCode`` otherwise; ``get`` answers ``b""``
 for a missing object, ``is_exist`` 1, 0 or -1, ``get_buffer`` None. Raw addresses (``put_from``,
 ``get_into`` and their batches) must lie inside a ``register_buffer``ed range: checked, so a wrong
 address is INVALID_PARAMS, never a crash (Mooncake's TCP transport faults on one). Calls with no
@@ -34,11 +34,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tiercake.loop_thread import LoopThread
-
-from .aio import MEMORY, AsyncStore, Described, Durability
+from .aio import AsyncStore, finish_reads, merged
+from .fast import FastPath
+from .requests import MEMORY, Described, Durability, readable
 from .errors import ErrorCode, InvalidParams, NotSupported, ObjectNotFound, StoreApiError, code_of
 from .tensor_calls import TensorCalls
+from .threads import ThreadClients
 from .types import BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,7 @@ class DistributedStore(TensorCalls):
     TIMEOUT_S = 120.0  # the longest any one call may block
 
     def __init__(self) -> None:
-        self._loop: LoopThread | None = None
-        self._store: AsyncStore | None = None
+        self._clients: ThreadClients | None = None
         self._buffers: list[tuple[int, int]] = []  # registered (start, end), sorted
         self._lock = threading.Lock()
         self._hostname = ""
@@ -70,7 +70,7 @@ class DistributedStore(TensorCalls):
         global_segment_size, local_buffer_size, protocol, rdma_devices, master_server_addr, ...,
         tenant_id=...)`` and ``setup(config_dict)``; tiercake's: ``setup(conductor_url(s), *,
         config=, secret=, token=, tenant=, transports=)``. 0, or a negative code (logged)."""
-        if self._store is not None:
+        if self._clients is not None:
             log.error("kvstore: setup called twice (close first)")
             return int(ErrorCode.INVALID_PARAMS)
         try:
@@ -106,40 +106,41 @@ class DistributedStore(TensorCalls):
             log.error("kvstore: setup needs the conductor URL(s) and the cluster secret ($TIERCAKE_SECRET, or a "
                       "config file: $TIERCAKE_CONFIG)")
             return int(ErrorCode.INVALID_PARAMS)
-        self._loop = LoopThread("tiercake-kvstore")
-
         async def connect() -> AsyncStore:
             store = AsyncStore(conductor, secret=secret, token=token, tenant=tenant, transports=transports, ssl=ssl,
-                               transfer_tls=transfer_tls)
+                               transfer_tls=transfer_tls, blocking=True)
             try:
                 return await store.open()
             except BaseException:
                 await store.close()
                 raise
 
+        clients = ThreadClients(connect)
         try:
-            self._store = self._loop.call(connect(), connect_timeout)
+            clients.run(lambda store: store.refresh(), connect_timeout)  # this thread's client, connected
         except (StoreApiError, ValueError, TimeoutError) as exc:
             log.error("kvstore: setup failed: %s", exc)
-            self._loop.stop()
-            self._loop = None
+            clients.close(5.0)
             if isinstance(exc, TimeoutError):
                 return int(ErrorCode.RPC_FAIL)
             return code_of(exc) if isinstance(exc, StoreApiError) else int(ErrorCode.INVALID_PARAMS)
+        self._clients = clients
         return 0
 
     def close(self) -> int:
-        if self._store is not None:
-            try:
-                self._loop.call(self._store.close(), self.TIMEOUT_S)
-            finally:
-                self._loop.stop()
-                self._store, self._loop = None, None
+        if self._clients is not None:
+            clients, self._clients = self._clients, None
+            clients.close(self.TIMEOUT_S)
         return 0
+
+    @property
+    def _store(self) -> AsyncStore | None:
+        """A store of this client (what every thread's knows alike: the members, the map)."""
+        return self._clients.any_store() if self._clients is not None else None
 
     def health_check(self) -> int:
         """0 healthy, 1 not set up (or closed), 2 the conductor cannot be reached (Mooncake's codes)."""
-        if self._store is None:
+        if self._clients is None:
             return 1
         got = self._run(lambda s: s.refresh())
         return 2 if isinstance(got, _Failed) else 0
@@ -172,13 +173,13 @@ class DistributedStore(TensorCalls):
         return self._put_joined(key, parts, config, upsert=True)
 
     def get(self, key: str) -> bytes:
-        got = self._run(lambda s: s.get_many([key]))
+        got = self._gets([key])
         if isinstance(got, _Failed) or isinstance(got[0], StoreApiError):
             return b""
         return got[0].tobytes()
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
-        got = self._run(lambda s: s.get_many(keys))
+        got = self._gets(keys)
         if isinstance(got, _Failed):
             return [b""] * len(keys)
         return [b"" if isinstance(g, StoreApiError) else g.tobytes() for g in got]
@@ -188,13 +189,13 @@ class DistributedStore(TensorCalls):
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
-        got = self._run(lambda s: s.get_many(keys))
+        got = self._gets(keys)
         if isinstance(got, _Failed):
             return [None] * len(keys)
         return [None if isinstance(g, StoreApiError) else BufferHandle(g) for g in got]
 
     def get_size(self, key: str) -> int:
-        got = self._run(lambda s: s.describe_many([key]))
+        got = self._describes([key])
         if isinstance(got, _Failed):
             return got
         return _logged(got[0]) if isinstance(got[0], StoreApiError) else got[0].size
@@ -204,7 +205,7 @@ class DistributedStore(TensorCalls):
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """1, 0, or -1 (could not tell) per key; a found object gets Mooncake's read lease."""
-        got = self._run(lambda s: s.exists_codes(keys))
+        got = self._exists(keys)
         if isinstance(got, _Failed):
             return [-1] * len(keys)
         return [-1 if isinstance(g, StoreApiError) else int(g) for g in got]
@@ -215,7 +216,7 @@ class DistributedStore(TensorCalls):
         return self.batch_get_replica_desc([key]).get(key, [])
 
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
-        got = self._run(lambda s: s.describe_many(keys, lease=False))
+        got = self._describes(keys, lease=False)
         if isinstance(got, _Failed):
             return {}
         members = self._store.members if self._store is not None else {}
@@ -227,7 +228,7 @@ class DistributedStore(TensorCalls):
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
-        got = self._run(lambda s: s.remove_many(keys, force=force))
+        got = self._removes(keys, force)
         return [got] * len(keys) if isinstance(got, _Failed) else [0 if o is None else _logged(o) for o in got]
 
     def remove_all(self, force: bool = False) -> int:
@@ -245,14 +246,14 @@ class DistributedStore(TensorCalls):
         """Clear the objects' replicas (every one, or those on node ``segment_name``); only objects no
         reader's lease holds. Returns the keys cleared. Clearing a single backup's copy is not done
         (a backup keeps every replicated object of its slot): such keys are not cleared."""
-        described = self._run(lambda s: s.describe_many(keys, lease=False))
+        described = self._describes(keys, lease=False)
         if isinstance(described, _Failed):
             return []
         wanted = [k for k, d in zip(keys, described) if isinstance(d, Described)
                   and (not segment_name or (d.holders and d.holders[0] == segment_name))]
         if not wanted:
             return []
-        got = self._run(lambda s: s.remove_many(wanted, force=False))
+        got = self._removes(wanted, False)
         return [] if isinstance(got, _Failed) else [k for k, o in zip(wanted, got) if o is None]
 
     # Registered memory --------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class DistributedStore(TensorCalls):
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         views, codes = self._memories(keys, buffer_ptrs, sizes)
         todo = [i for i, c in enumerate(codes) if c == 0]
-        got = self._run(lambda s: s.get_many_into([keys[i] for i in todo], [views[i] for i in todo]))
+        got = self._gets([keys[i] for i in todo], [views[i] for i in todo], sizes=True)
         for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
             codes[i] = int(outcome) if isinstance(outcome, int) else _logged(outcome)  # a size, or why not
         return codes
@@ -335,7 +336,7 @@ class DistributedStore(TensorCalls):
                 parts.append(None)
                 codes[i] = _logged(exc)
         todo = [i for i, c in enumerate(codes) if c == 0]
-        got = self._run(lambda s: s.get_many([keys[i] for i in todo]))
+        got = self._gets([keys[i] for i in todo])
         for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
             if isinstance(outcome, int):
                 codes[i] = outcome
@@ -356,7 +357,7 @@ class DistributedStore(TensorCalls):
         destination offsets in the buffer; per range its size, or a negative code."""
         out: list[list[list[int]]] = []
         names = sorted({k for keys in all_keys for k in keys})
-        got = self._run(lambda s: s.get_many(names))
+        got = self._gets(names)
         objects = {} if isinstance(got, _Failed) else dict(zip(names, got))
         for b, ptr in enumerate(buffer_ptrs):
             per_key = []
@@ -446,7 +447,7 @@ class DistributedStore(TensorCalls):
                     raise InvalidParams(f"{key!r}: an object needs a non-empty str key and at least one byte")
         except InvalidParams as exc:
             return _logged(exc)
-        got = self._run(lambda s: s.put_many(keys, views, replace=upsert, durability=durability))
+        got = self._puts(keys, views, upsert, durability)
         if isinstance(got, _Failed):
             return got
         return next((_logged(o) for o in got if o is not None), 0)
@@ -468,8 +469,7 @@ class DistributedStore(TensorCalls):
         except InvalidParams as exc:
             return [_logged(exc)] * len(keys)
         todo = [i for i, c in enumerate(codes) if c == 0]
-        got = self._run(lambda s: s.put_many([keys[i] for i in todo], [views[i] for i in todo], replace=upsert,
-                                             durability=durability))
+        got = self._puts([keys[i] for i in todo], [views[i] for i in todo], upsert, durability)
         for i, outcome in zip(todo, [got] * len(todo) if isinstance(got, _Failed) else got):
             codes[i] = int(outcome) if isinstance(outcome, _Failed) else (0 if outcome is None else _logged(outcome))
         return codes
@@ -477,11 +477,11 @@ class DistributedStore(TensorCalls):
     def _run(self, call):
         """``call(store)`` on the loop; its result, or ``_Failed`` with the negative code of what went
         wrong (logged)."""
-        if self._store is None:
+        if self._clients is None:
             log.error("kvstore: call before setup (or after close)")
             return _Failed(ErrorCode.INVALID_PARAMS)
         try:
-            return self._loop.call(call(self._store), self.TIMEOUT_S)
+            return self._clients.run(call, self.TIMEOUT_S)
         except StoreApiError as exc:
             return _Failed(_logged(exc))
         except (TypeError, ValueError) as exc:  # a value that is no buffer, a key that is no str
@@ -489,6 +489,45 @@ class DistributedStore(TensorCalls):
         except TimeoutError as exc:
             log.error("kvstore: %s", exc)
             return _Failed(ErrorCode.TRANSFER_FAIL)
+
+    def _fast(self, plan, fast, slow, finish=merged):
+        """A call through the calling thread's fast path first (``ThreadClients.fast``); its
+        outcomes, or ``_Failed`` as ``_run``'s."""
+        if self._clients is None:
+            log.error("kvstore: call before setup (or after close)")
+            return _Failed(ErrorCode.INVALID_PARAMS)
+        try:
+            return self._clients.fast(plan, fast, slow, finish, self.TIMEOUT_S)
+        except StoreApiError as exc:
+            return _Failed(_logged(exc))
+        except (TypeError, ValueError) as exc:
+            return _Failed(_logged(InvalidParams(str(exc))))
+        except TimeoutError as exc:
+            log.error("kvstore: %s", exc)
+            return _Failed(ErrorCode.TRANSFER_FAIL)
+
+    def _puts(self, keys: list[str], values: list, upsert: bool, durability: Durability):
+        return self._fast(lambda s: s.plan_puts(keys, values, upsert, durability), FastPath.put, AsyncStore.put_items)
+
+    def _gets(self, keys: list[str], buffers: list | None = None, sizes: bool = False):
+        """Each object's bytes (its size instead, with ``sizes``), or why not."""
+        got = self._fast(lambda s: s.plan_reads(keys, buffers if buffers is not None else [None] * len(keys)),
+                         FastPath.get, AsyncStore.get_items, finish_reads)
+        if sizes and not isinstance(got, _Failed):
+            return [g.size if isinstance(g, np.ndarray) else g for g in got]
+        return got
+
+    def _describes(self, keys: list[str], lease: bool = True):
+        return self._fast(lambda s: (*s.plan_names(keys), lease), FastPath.query, AsyncStore.query_items)
+
+    def _exists(self, keys: list[str]):
+        got = self._describes(keys)
+        if isinstance(got, _Failed):
+            return got
+        return [False if isinstance(g, ObjectNotFound) else g if isinstance(g, StoreApiError) else True for g in got]
+
+    def _removes(self, keys: list[str], force: bool):
+        return self._fast(lambda s: (*s.plan_names(keys), force), FastPath.remove, AsyncStore.remove_items)
 
     def _code(self, call) -> int:
         got = self._run(call)
@@ -649,9 +688,7 @@ def _durability(config: ReplicateConfig | None, upsert: bool) -> Durability:
 
 def _value(value) -> np.ndarray:
     """Mooncake's put takes any buffer (bytes, bytearray, memoryview, numpy arrays, tensors)."""
-    from .aio import _readable
-
-    return _readable(value)
+    return readable(value)
 
 
 def _scatter(data: np.ndarray, parts: list[np.ndarray]) -> int:

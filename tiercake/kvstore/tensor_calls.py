@@ -62,7 +62,7 @@ class TensorCalls:
         return self.batch_get_tensor([key])[0]
 
     def batch_get_tensor(self, keys: list[str]) -> list:
-        got = self._run(lambda s: s.get_many(keys))
+        got = self._gets(keys)
         if isinstance(got, int):
             return [None] * len(keys)
         return [self._tensor_of(key, g) for key, g in zip(keys, got)]
@@ -103,7 +103,7 @@ class TensorCalls:
         any device's tensor works); its size in bytes, or a negative code."""
         if len(keys) != len(tensors_list):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        got = self._run(lambda s: s.get_many(keys))
+        got = self._gets(keys)
         if isinstance(got, int):
             return [got] * len(keys)
         codes = []

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .aio import Durability
+from .requests import Durability
 from .errors import InvalidParams
 
 DEFAULT_SOFT_PIN_MS = 30 * 60 * 1000  # as Mooncake master's default_kv_soft_pin_ttl

@@ -14,6 +14,7 @@ from pathlib import Path
 from tiercake.conductor.client import Client
 from tiercake.messages import KeepAliveReply
 from tiercake.tiers import TieredStore
+from tiercake.tiers.directory import ObjectDirectory, ordered_memory
 from tiercake.tiers.objects import ObjectTable
 from tiercake.transfer.connection import Channels
 
@@ -34,8 +35,13 @@ class NodeObjects:
                  tls=None, map_path: Path | None = None) -> None:
         """``map_path``: where the node keeps its last object map (beside its pool or SSD)."""
         self.client = client
-        self.table = ObjectTable(store, lease_ttl=lease_ttl, disk_tier=disk_tier)
+        self.directory = _directory(store, pool_tier)
+        self._pool_backend = store.tier(pool_tier).backend if pool_tier is not None else None
+        self.table = ObjectTable(store, lease_ttl=lease_ttl, disk_tier=disk_tier, directory=self.directory,
+                                 pool_tier=pool_tier)
         self.ownership = Ownership(node_id, client, ttl, map_path)
+        self.table.publishes = self._serves_object
+        self.ownership.listeners.append(lambda old, new: self._map_changed())
         self.channels = Channels(node_id, secret, self._address, tls=tls)
         self.replicator = Replicator(node_id, self.table, self.ownership, self.channels, client)
         self.server = ObjectServer(node_id, self.table, self.ownership, self.replicator, pool_tier)
@@ -55,15 +61,43 @@ class NodeObjects:
 
     # What the conductor link tells --------------------------------------------------------------
 
+    def _serves_object(self, oid: bytes) -> bool:
+        slot = self.ownership.slot_of(oid)
+        return self.ownership.map.primary(slot) == self.ownership.node_id and slot not in self.ownership.frozen
+
+    def _map_changed(self) -> None:
+        self.table.republish()
+        self._lease_changed()
+
+    def _lease_changed(self) -> None:
+        """Same-host readers trust the directory while this node's lease is surely alive, no longer."""
+        if self.directory is not None:
+            current = self.ownership.map.epoch >= self.ownership.known_epoch
+            self.directory.set_valid_until(self.ownership.lease_until if current else 0.0)
+
     def on_keepalive(self, sent_at: float, answer: KeepAliveReply) -> None:
         self.ownership.note_keepalive(sent_at, answer)
+        self._lease_changed()
 
     def on_registered(self) -> None:
         self.ownership.note_registered()
+        self._lease_changed()
 
     async def close(self) -> None:
         await self.replicator.close()
         await self.ownership.close()
         self.channels.close()
         self.table.close()
+        if self.directory is not None:
+            self.directory.close(unlink=not getattr(self._pool_backend, "keep", True))
+
+
+def _directory(store: TieredStore, pool_tier: str | None) -> ObjectDirectory | None:
+    """The same-host readers' directory, beside the node's pool file (none without a pool, or where
+    memory order needs fences a Python reader cannot issue)."""
+    if pool_tier is None or not ordered_memory():
+        return None
+    backend = store.tier(pool_tier).backend
+    path = Path(f"{backend.region.path}.objects")
+    return ObjectDirectory(path, 2 * len(backend.index))
 

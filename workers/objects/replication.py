@@ -332,7 +332,8 @@ class Replicator:
             self._handoff_dirty.discard(slot)
             try:
                 await self._copy_objects(slot, target, replicated=False)
-                self.ownership.frozen.add(slot)
+                self.ownership.frozen.add(slot)  # no write gets in now, and same-host readers ask the node
+                self.table.unpublish_if(lambda oid: self.ownership.slot_of(oid) == slot)
                 for oid in [o for o in list(self.table._locks) if self.ownership.slot_of(o) == slot]:
                     async with self.table.lock(oid):  # the writes that got in before the freeze are done
                         pass
@@ -355,7 +356,11 @@ class Replicator:
                          exc, delay)
             finally:
                 self.handing.pop(slot, None)
-                self.ownership.frozen.discard(slot)
+                if slot in self.ownership.frozen:
+                    self.ownership.frozen.discard(slot)
+                    for stored in self.table:  # still this node's (a failed handoff): published again
+                        if self.ownership.slot_of(stored.oid) == slot:
+                            self.table.publish(stored)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

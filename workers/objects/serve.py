@@ -28,7 +28,7 @@ from tiercake.blocks import object_id
 from tiercake.tiers import ObjectNotFoundError, StoreError, TierFullError
 from tiercake.tiers.objects import Meta, ObjectTable, Staged, Stored
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_SHM, Op, ProtocolError, Status
+from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, ProtocolError, Status
 from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_frame
 
 from .ownership import Ownership
@@ -55,6 +55,12 @@ class ObjectServer:
         self.pool_tier = pool_tier
         self.counts: dict[str, int] = {"put": 0, "get": 0, "query": 0, "remove": 0, "replicate": 0}
 
+    @property
+    def directory_path(self) -> str | None:
+        """Where same-host readers find this node's directory of objects (``PeerInfo.objects_path``)."""
+        directory = self.table.directory
+        return str(directory.path) if directory is not None else None
+
     async def handle(self, conn: socket.socket, op: Op, flags: int, request: int, body: bytearray,
                      deadline: Callable[[int], object]) -> None:
         """Answer one request; ``deadline(nbytes)`` is the server's watchdog for the bytes it moves."""
@@ -66,7 +72,8 @@ class ObjectServer:
             await self.table.store.release_leases(w.decode(w.ReleaseRequest, body).leases)
         elif op is Op.OBJ_QUERY:
             reply = self._query(w.decode(w.QueryRequest, body))
-            await send_frame(conn, Op.OBJ_QUERY_REPLY, request, w.encode(reply))
+            if not flags & FLAG_NO_REPLY:  # without: a same-host reader's note of what it read (the leases)
+                await send_frame(conn, Op.OBJ_QUERY_REPLY, request, w.encode(reply))
         elif op is Op.OBJ_REMOVE:
             reply = await self._remove(w.decode(w.RemoveRequest, body))
             await send_frame(conn, Op.OBJ_REMOVE_REPLY, request, w.encode(reply))
@@ -96,7 +103,10 @@ class ObjectServer:
                 else:
                     await _receive(conn, [(s.payload_array() if isinstance(s, Staged) else None, item.size)
                                           for s, item in zip(staged, req.items)])
-            results = await asyncio.gather(*(self._finish_put(req, item, s) for item, s in zip(req.items, staged)))
+            if len(staged) == 1:  # the common case: no task for it
+                results = [await self._finish_put(req, req.items[0], staged[0])]
+            else:
+                results = await asyncio.gather(*(self._finish_put(req, item, s) for item, s in zip(req.items, staged)))
         finally:
             for s in staged:
                 if isinstance(s, Staged) and not s.handle.done:
@@ -276,7 +286,10 @@ class ObjectServer:
         self.counts["remove"] += 1
         if req.every:
             return await self._remove_every(req)
-        results = await asyncio.gather(*(self._remove_one(req.tenant, name, req.epoch, req.force) for name in req.names))
+        if len(req.names) == 1:
+            results = [await self._remove_one(req.tenant, req.names[0], req.epoch, req.force)]
+        else:
+            results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in req.names))
         return w.RemoveReply(self.ownership.map.epoch, list(results))
 
     async def _remove_one(self, tenant: str, name: bytes, epoch: int, force: bool) -> w.Result:
