@@ -740,11 +740,15 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
             prompt = PROMPT + "After a restart. Written to the node agent after its restart."
             async with Client([up.url], timeout=60, retries=5) as client:
                 await client.complete(prompt, max_tokens=2)
+            # the pool region survives the restart (its blocks are recovered), so wait for the new
+            # blocks, not just for the node to hold something
+            want = len(prompt.encode()) // 16
             for _ in range(50):
-                if "test-node" in (await ops.prefix(prompt)).holders:
+                held = (await ops.prefix(prompt)).holders.get("test-node")
+                if held is not None and held.blocks == want:
                     break
                 await asyncio.sleep(0.2)
-            assert (await ops.prefix(prompt)).holders["test-node"].blocks == len(prompt.encode()) // 16
+            assert (await ops.prefix(prompt)).holders["test-node"].blocks == want
         pids = {new_pid, _pid_listening(node.port), _pid_listening(int(up.control_url.rsplit(":", 1)[1]))}
         up.proc.kill()  # SIGKILL: no chance to stop anything itself
         up.proc.wait()

@@ -411,9 +411,10 @@ class ObjectTable:
 
     # Mooncake's read lease --------------------------------------------------------------------------
 
-    def lease(self, stored: Stored) -> None:
-        """A reader found the object: it stays (no remove without force, no eviction) for ``lease_ttl``."""
-        until = time.monotonic() + self.lease_ttl
+    def lease(self, stored: Stored, age: float = 0.0) -> None:
+        """A reader found the object ``age`` seconds ago: it stays (no remove without force, no
+        eviction) for ``lease_ttl`` from then."""
+        until = time.monotonic() - age + self.lease_ttl
         if until > stored.lease_until:
             stored.lease_until = until
             with contextlib.suppress(StoreError):

@@ -99,6 +99,7 @@ class QueryRequest(msgspec.Struct, array_like=True, frozen=True):
     epoch: int
     names: list[bytes]
     lease: bool = True  # Mooncake's exists grants a read lease
+    ages_ms: list[int] = []  # a same-host reader's note (FLAG_NO_REPLY): how long ago it read each name
 
 
 class Described(msgspec.Struct, array_like=True, frozen=True):

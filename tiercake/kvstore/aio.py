@@ -109,7 +109,7 @@ class AsyncStore:
         self.members: dict[str, tuple[str, int]] = {}
         self._pools: dict[str, PoolRegion | None] = {}  # node -> its pool, mapped here (None: not same host)
         self._directories: dict[str, DirectoryReader] = {}  # node -> its object directory, mapped here
-        self._notes: dict[str, list[bytes]] = defaultdict(list)  # node -> names read from its directory
+        self._notes: dict[str, list[tuple[bytes, float]]] = defaultdict(list)  # node -> (name, when) read from its directory
         self._map_lock = asyncio.Lock()
 
     async def open(self) -> AsyncStore:
@@ -419,9 +419,9 @@ class AsyncStore:
     async def _exchange(self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(),
                         receive=None, nbytes: int = 0) -> bytearray:
         """One request on the stream: on an asyncio connection, or a blocking one (``blocking``)."""
-        if node in self._notes:
-            await self._flush_notes(node)
         if not self.blocking:
+            if node in self._notes:
+                await self._flush_notes(node)
             return await self._on(node, lambda conn: conn.exchange(op, answer, body, flags, data, receive))
         idle = self._idle[node]
         if idle:
@@ -436,6 +436,9 @@ class AsyncStore:
                 conn.open()
             except (TransferError, OSError) as exc:
                 raise NotSent() from exc
+        note = self.take_note(node) if node in self._notes else None
+        if note is not None:  # ahead of the request, on its connection (a remove after the reads finds their leases)
+            conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
         reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.timeout_s + nbytes / 20e6)
         idle.append(conn)
         return reply
@@ -648,17 +651,31 @@ class AsyncStore:
             # Mooncake's read lease, granted as the node would for a get: noted, and told the node ahead of
             # the next request to it, on the same connection (so a remove after this read finds the
             # lease), or once NOTES_MAX are noted; telling it at once would cost the node a turn per read
-            notes = self._notes[node]
-            notes.extend(it.name for it in group if it.index in found)
-            if len(notes) >= self.NOTES_MAX:
+            if self.note_reads(node, [it.name for it in group if it.index in found]):
                 await self._flush_notes(node)
         return found, rest
 
+    def note_reads(self, node: str, names: list[bytes]) -> bool:
+        """Note reads from ``node``'s directory (their leases, from now); True when it is time to tell it."""
+        notes = self._notes[node]
+        now = time.monotonic()
+        notes.extend((name, now) for name in names)
+        return len(notes) >= self.NOTES_MAX
+
+    def take_note(self, node: str) -> bytes | None:
+        """What to tell ``node`` of the reads noted: the names and how long ago each was read, so that
+        its leases run from the reads, not from the note."""
+        notes = self._notes.pop(node, None)
+        if not notes:
+            return None
+        now = time.monotonic()
+        return w.encode(w.QueryRequest(self.tenant, self.map.epoch, [n for n, _ in notes], True,
+                                       [int((now - when) * 1e3) for _, when in notes]))
+
     async def _flush_notes(self, node: str) -> None:
-        names = self._notes.pop(node, None)
-        if names:
-            note = w.QueryRequest(self.tenant, self.map.epoch, names, True)
-            await self._send_only(node, Op.OBJ_QUERY, w.encode(note), FLAG_NO_REPLY)
+        note = self.take_note(node)
+        if note is not None:
+            await self._send_only(node, Op.OBJ_QUERY, note, FLAG_NO_REPLY)
 
     async def _send_only(self, node: str, op: Op, body: bytes, flags: int) -> None:
         try:

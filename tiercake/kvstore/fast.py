@@ -70,10 +70,8 @@ class FastPath:
                         done[it.index] = got
                     else:
                         rest.append(it)
-                if done:
-                    self.store._notes[node].extend(it.name for it in group if it.index in done)
-                    if len(self.store._notes[node]) >= self.store.NOTES_MAX:
-                        self._flush_notes(node)
+                if done and self.store.note_reads(node, [it.name for it in group if it.index in done]):
+                    self._flush_notes(node)
                 group = rest
             if not group:
                 return done
@@ -161,10 +159,11 @@ class FastPath:
 
     def _exchange(self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(), receive=None,
                   nbytes: int = 0, write: bool = False) -> bytearray:
-        if node in self.store._notes:
-            self._flush_notes(node)
         conn = self._connection(node)
         try:
+            note = self.store.take_note(node) if node in self.store._notes else None
+            if note is not None:  # ahead of the request, on its connection: a remove after the reads finds their leases
+                conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
             reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.store.timeout_s + nbytes / 20e6)
         except (TransferError, OSError, TimeoutError) as exc:
             self.store._forget_blocking(node)
@@ -179,13 +178,14 @@ class FastPath:
             self.store.stale = True  # the caller fetches the map before its next call
 
     def _flush_notes(self, node: str) -> None:
-        names = self.store._notes.pop(node, None)
         idle = self.store._idle.get(node)
-        if not names or not idle:
+        if not idle:
+            return  # told with the next request, once there is a connection
+        note = self.store.take_note(node)
+        if note is None:
             return
-        note = w.QueryRequest(self.store.tenant, self.store.map.epoch, names, True)
         try:
-            idle[-1].send_only(Op.OBJ_QUERY, w.encode(note), FLAG_NO_REPLY)
+            idle[-1].send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
         except (TransferError, OSError):
             self.store._forget_blocking(node)
 

@@ -355,6 +355,9 @@ class DistributedStore(TensorCalls):
                         all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
         """For each buffer, for each of its objects, copy ranges (source offset in the object, size) to
         destination offsets in the buffer; per range its size, or a negative code."""
+        if not len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
+            _logged(InvalidParams("get_into_ranges: the lists of buffers, keys and ranges differ in length"))
+            return [[[int(ErrorCode.INVALID_PARAMS)] for _ in keys] for keys in all_keys]
         out: list[list[list[int]]] = []
         names = sorted({k for keys in all_keys for k in keys})
         got = self._gets(names)
@@ -363,10 +366,11 @@ class DistributedStore(TensorCalls):
             per_key = []
             for k, key in enumerate(all_keys[b]):
                 obj = objects.get(key, got if isinstance(got, _Failed) else ObjectNotFound(key))
-                ranges = []
-                for dst, src, n in zip(all_dst_offsets[b][k], all_src_offsets[b][k], all_sizes[b][k]):
-                    ranges.append(self._copy_range(obj, ptr, dst, src, n))
-                per_key.append(ranges)
+                dsts, srcs, sizes = all_dst_offsets[b][k], all_src_offsets[b][k], all_sizes[b][k]
+                if not len(dsts) == len(srcs) == len(sizes):  # ranges that do not line up: refused whole
+                    per_key.append([int(ErrorCode.INVALID_PARAMS)] * max(len(dsts), len(srcs), len(sizes)))
+                    continue
+                per_key.append([self._copy_range(obj, ptr, dst, src, n) for dst, src, n in zip(dsts, srcs, sizes)])
             out.append(per_key)
         return out
 

@@ -261,7 +261,8 @@ class ObjectServer:
     def _query(self, req: w.QueryRequest) -> w.QueryReply:
         self.counts["query"] += 1
         items = []
-        for name in req.names:
+        ages = req.ages_ms if len(req.ages_ms) == len(req.names) else None
+        for i, name in enumerate(req.names):
             if not name:
                 items.append(w.Described(Status.INVALID, message="an object needs a name"))
                 continue
@@ -274,8 +275,8 @@ class ObjectServer:
             if stored is None:
                 items.append(w.Described(Status.NOT_FOUND))
                 continue
-            if req.lease:
-                self.table.lease(stored)
+            if req.lease:  # from when it was read (a note comes after the reads it tells of)
+                self.table.lease(stored, 0.0 if ages is None else min(max(ages[i], 0), 60_000) / 1e3)
             slot = self.ownership.slot_of(oid)
             holders = [self.node_id] + (sorted(self.replicator.forward_to.get(slot, ())) if stored.meta.replicas > 1 else [])
             items.append(w.Described(Status.OK, stored.size, stored.version, stored.meta.replicas, stored.meta.persist,
