@@ -6,7 +6,8 @@
 - tensor parallelism (``*_with_tp``): a put stores every shard, split along ``split_dim`` in
   ``tp_size`` parts, as ``<key>_tp_<rank>``; a get reads one rank's. Each shard records its place in
   the whole, so ``get_tensor_with_parallelism(key, ReadTarget("full"))`` puts the whole together;
-- ``*_with_parallelism``: the same, with the layout given as ``TensorParallelism`` (axes of ranks);
+- ``*_with_parallelism`` (``parallel_calls.py``): shards named by axes (tp, dp, pp, ep), read as
+  stored, as a shard of any split, or whole;
 - safetensors files: ``save_tensor_to_safetensor``, ``load_tensor_from_safetensor``.
 
 A missing tensor reads as None (Mooncake's answer); a put that fails answers the negative code.
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import ErrorCode, InvalidParams, StoreApiError
+from .parallel_calls import ParallelCalls
 from .tensors import TensorHeader, assemble, pack, split, unpack
 from .types import ReadTarget, ReplicateConfig, TensorParallelism
 
@@ -30,7 +32,7 @@ def tp_key(key: str, rank: int) -> str:
     return f"{key}_tp_{rank}"
 
 
-class TensorCalls:
+class TensorCalls(ParallelCalls):
     # Whole tensors ------------------------------------------------------------------------------
 
     def put_tensor(self, key: str, tensor) -> int:
@@ -216,8 +218,7 @@ class TensorCalls:
         packed, codes = [], []
         for i, tensor in enumerate(tensors):
             try:
-                whole, start = parts[i] if parts is not None else (None, None)
-                packed.append(pack(tensor, whole, start))
+                packed.append(pack(tensor, parts[i] if parts is not None else None))
                 codes.append(0)
             except (InvalidParams, RuntimeError, TypeError) as exc:
                 log.warning("kvstore: %r: %s", keys[i], exc)
@@ -233,10 +234,10 @@ class TensorCalls:
         names, pieces, places, owner, codes = [], [], [], [], [0] * len(keys)
         for i, (key, tensor) in enumerate(zip(keys, tensors)):
             try:
-                for rank, (piece, start) in enumerate(split(tensor, parts, dim)):
+                for rank, (piece, place) in enumerate(split(tensor, parts, dim)):
                     names.append(tp_key(key, rank))
                     pieces.append(piece)
-                    places.append((tuple(tensor.shape), start))
+                    places.append(place)
                     owner.append(i)
             except InvalidParams as exc:
                 log.warning("kvstore: %r: %s", key, exc)

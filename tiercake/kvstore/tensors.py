@@ -1,11 +1,13 @@
-"""How a tensor lies in an object: a small header (dtype, shape, and for a part of a larger tensor its
-place in it), then the tensor's bytes, C-contiguous.
+"""How a tensor lies in an object: a fixed 304-byte header (dtype, shape, and for a part of a larger
+tensor its place in it and the split that made it), then the tensor's bytes, C-contiguous.
 
-    magic "TCTN" | format u8 | dtype u8 | ndim u8 | kind u8 (0 whole, 1 part) | shape i64 x ndim
-    | (a part) the whole tensor's shape i64 x ndim, this part's start in it i64 x ndim | padding to 16
+    magic "TCTN" | format u8 | dtype u8 | ndim u8 | kind u8 (0 whole, 1 part) | parts u16 | split_dim i8
+    | pad u8 | shape i64 x 8 | (a part) whole shape i64 x 8 | start i64 x 8 | zeros to 304 bytes
 
-A part records where it lies in the whole, so the whole can be put together from any set of parts
-that covers it, whatever split made them (``assemble``).
+The header's size is fixed (Mooncake's tensor objects use the same 304, so a caller sizing a
+buffer as ``304 + nbytes`` for ``get_tensor_into`` gets what it expects). A part records where it
+lies in the whole and how many parts its split made, so any region of the whole can be cut from
+any set of parts that covers it, whatever split made them (``assemble``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import torch
 from .errors import InvalidParams
 
 _MAGIC = b"TCTN"
-_FORMAT = 1
-_HEAD = struct.Struct("<4sBBBB")
+_FORMAT = 2
+_HEAD = struct.Struct("<4sBBBBHbx")
+MAX_DIMS = 8
+_DIMS = struct.Struct(f"<{3 * MAX_DIMS}q")
+HEADER_BYTES = 304
 WHOLE, PART = 0, 1
-MAX_DIMS = 16
 
 DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16, torch.int32,
@@ -32,6 +36,7 @@ for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "flo
     if hasattr(torch, _name):
         DTYPES.append(getattr(torch, _name))
 _CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
+_ITEM = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,65 +44,90 @@ class TensorHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     whole: tuple[int, ...] | None = None  # a part: the whole tensor's shape
-    start: tuple[int, ...] | None = None  # and where this part starts in it
+    start: tuple[int, ...] | None = None  # where this part starts in it
+    parts: int = 0  # and how many parts the split that made it has, along ``split_dim``
+    split_dim: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        """The header's own size."""
-        dims = len(self.shape) * (3 if self.whole is not None else 1)
-        return -(-(_HEAD.size + 8 * dims) // 16) * 16
+    nbytes = HEADER_BYTES  # the header's own size
 
     @property
     def data_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+        return int(np.prod(self.shape, dtype=np.int64)) * _ITEM[self.dtype]
+
+    @property
+    def is_part(self) -> bool:
+        return self.whole is not None
 
     def encode(self) -> bytes:
-        kind = WHOLE if self.whole is None else PART
-        head = _HEAD.pack(_MAGIC, _FORMAT, _CODE[self.dtype], len(self.shape), kind)
-        dims = list(self.shape) + (list(self.whole) + list(self.start) if kind == PART else [])
-        return (head + struct.pack(f"<{len(dims)}q", *dims)).ljust(self.nbytes, b"\0")
+        kind = PART if self.is_part else WHOLE
+        pad = [0] * (MAX_DIMS - len(self.shape))
+        dims = list(self.shape) + pad
+        if kind == PART:
+            dims += list(self.whole) + pad + list(self.start) + pad
+        else:
+            dims += [0] * (2 * MAX_DIMS)
+        head = _HEAD.pack(_MAGIC, _FORMAT, _CODE[self.dtype], len(self.shape), kind, self.parts, self.split_dim)
+        return (head + _DIMS.pack(*dims)).ljust(HEADER_BYTES, b"\0")
 
     @classmethod
     def decode(cls, raw: bytes | np.ndarray) -> TensorHeader:
-        raw = bytes(raw[: _HEAD.size + 8 * 3 * MAX_DIMS]) if not isinstance(raw, bytes) else raw
-        if len(raw) < _HEAD.size:
+        if len(raw) < HEADER_BYTES:
             raise InvalidParams("not a tensor object (too short)")
-        magic, fmt, code, ndim, kind = _HEAD.unpack_from(raw)
+        raw = bytes(raw[: _HEAD.size + _DIMS.size])
+        magic, fmt, code, ndim, kind, parts, split_dim = _HEAD.unpack_from(raw)
         if magic != _MAGIC or fmt != _FORMAT or code >= len(DTYPES) or ndim > MAX_DIMS or kind not in (WHOLE, PART):
             raise InvalidParams("not a tensor object")
-        count = ndim * (3 if kind == PART else 1)
-        if len(raw) < _HEAD.size + 8 * count:
-            raise InvalidParams("not a tensor object (truncated header)")
-        dims = struct.unpack_from(f"<{count}q", raw, _HEAD.size)
-        if any(d < 0 for d in dims):
-            raise InvalidParams("not a tensor object (a negative dimension)")
+        dims = _DIMS.unpack_from(raw, _HEAD.size)
         shape = tuple(dims[:ndim])
+        if any(d < 0 for d in shape):
+            raise InvalidParams("not a tensor object (a negative dimension)")
         if kind == WHOLE:
             return cls(DTYPES[code], shape)
-        return cls(DTYPES[code], shape, tuple(dims[ndim : 2 * ndim]), tuple(dims[2 * ndim :]))
+        whole = tuple(dims[MAX_DIMS : MAX_DIMS + ndim])
+        start = tuple(dims[2 * MAX_DIMS : 2 * MAX_DIMS + ndim])
+        if any(s < 0 or s + n > w for s, n, w in zip(start, shape, whole)) or not 0 <= split_dim < max(ndim, 1):
+            raise InvalidParams("not a tensor object (a part that lies outside its whole)")
+        return cls(DTYPES[code], shape, whole, start, parts, split_dim)
 
 
-def header_of(tensor, whole: tuple[int, ...] | None = None, start: tuple[int, ...] | None = None) -> TensorHeader:
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Where a part lies in its whole tensor, and the split that made it."""
+
+    whole: tuple[int, ...]
+    start: tuple[int, ...]
+    parts: int
+    split_dim: int
+
+
+def header_of(tensor, part: Part | None = None) -> TensorHeader:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidParams(f"a tensor is a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in _CODE:
         raise InvalidParams(f"tensors of {tensor.dtype} are not supported")
     if tensor.dim() > MAX_DIMS:
         raise InvalidParams(f"tensors have at most {MAX_DIMS} dimensions")
-    return TensorHeader(tensor.dtype, tuple(tensor.shape), whole, start)
+    if part is None:
+        return TensorHeader(tensor.dtype, tuple(tensor.shape))
+    return TensorHeader(tensor.dtype, tuple(tensor.shape), part.whole, part.start, part.parts, part.split_dim)
 
 
-def pack(tensor: torch.Tensor, whole: tuple[int, ...] | None = None, start: tuple[int, ...] | None = None) -> np.ndarray:
+def pack(tensor: torch.Tensor, part: Part | None = None) -> np.ndarray:
     """A tensor as an object's bytes (a copy: the header and the contiguous data in one buffer)."""
-    header = header_of(tensor, whole, start)
+    header = header_of(tensor, part)
+    out = np.empty(header.nbytes + header.data_bytes, dtype=np.uint8)
+    pack_into(out, tensor, header)
+    return out
+
+
+def pack_into(out: np.ndarray, tensor: torch.Tensor, header: TensorHeader) -> None:
+    """Write ``header`` and ``tensor``'s bytes into ``out`` (exactly their size)."""
     data = tensor.detach().contiguous()
     if data.device.type != "cpu":
         data = data.cpu()
-    out = np.empty(header.nbytes + header.data_bytes, dtype=np.uint8)
     out[: header.nbytes] = np.frombuffer(header.encode(), dtype=np.uint8)
     if header.data_bytes:
         out[header.nbytes :] = data.reshape(-1).view(torch.uint8).numpy()
-    return out
 
 
 def unpack(raw: np.ndarray) -> tuple[TensorHeader, torch.Tensor]:
@@ -109,24 +139,36 @@ def unpack(raw: np.ndarray) -> tuple[TensorHeader, torch.Tensor]:
     return header, data.view(header.dtype).reshape(header.shape)
 
 
-def split(tensor: torch.Tensor, parts: int, dim: int) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+def split(tensor: torch.Tensor, parts: int, dim: int) -> list[tuple[torch.Tensor, Part]]:
     """``tensor`` in ``parts`` pieces along ``dim`` (the first ones one longer when it does not divide),
-    each with where it starts in ``tensor``."""
+    each with its place in ``tensor``."""
     if not isinstance(tensor, torch.Tensor):
         raise InvalidParams(f"a tensor is a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(parts, int) or parts < 1:
-        raise InvalidParams(f"a tensor is split in at least one part, got {parts!r}")
-    if not isinstance(dim, int) or not -tensor.dim() <= dim < max(tensor.dim(), 1):
-        raise InvalidParams(f"split_dim {dim!r} is not a dimension of a {tensor.dim()}-dimensional tensor")
-    dim = dim % max(tensor.dim(), 1)
+    if not isinstance(parts, int) or not 1 <= parts <= 65535:
+        raise InvalidParams(f"a tensor is split in 1 to 65535 parts, got {parts!r}")
     if tensor.dim() == 0:
         raise InvalidParams("a 0-dimensional tensor cannot be split")
-    out, at = [], 0
-    for piece in torch.tensor_split(tensor, parts, dim):
+    if not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+        raise InvalidParams(f"split_dim {dim!r} is not a dimension of a {tensor.dim()}-dimensional tensor")
+    dim %= tensor.dim()
+    whole = tuple(tensor.shape)
+    out = []
+    for piece, at in zip(torch.tensor_split(tensor, parts, dim), bounds(whole[dim], parts)):
         start = [0] * tensor.dim()
-        start[dim] = at
-        out.append((piece, tuple(start)))
-        at += piece.shape[dim]
+        start[dim] = at[0]
+        out.append((piece, Part(whole, tuple(start), parts, dim)))
+    return out
+
+
+def bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """Where each of ``parts`` pieces of ``length`` starts and ends (``torch.tensor_split``'s rule:
+    the first ``length % parts`` are one longer)."""
+    base, extra = divmod(length, parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        out.append((at, at + n))
+        at += n
     return out
 
 
