@@ -100,6 +100,9 @@ class ParallelCalls:
             log.warning("kvstore: %d keys, %d tensors, %d parallelisms, %d writer partitions", count, len(tensors),
                         len(parallelisms), len(partitions))
             return [int(ErrorCode.INVALID_PARAMS)] * max(count, 1)
+        if config is not None and config.group_ids is not None and len(config.group_ids) != count:
+            log.warning("kvstore: group_ids has %d entries for %d tensors", len(config.group_ids), count)
+            return [int(ErrorCode.INVALID_PARAMS)] * count
         names, shards, places, owners = [], [], [], []
         for i, (key, tensor) in enumerate(zip(keys, tensors)):
             if codes[i]:
@@ -116,7 +119,8 @@ class ParallelCalls:
             places.append(place)
             owners.append(i)
         if names:
-            for i, code in zip(owners, self._put_packed(names, shards, config, upsert=upsert, parts=places)):
+            for i, code in zip(owners, self._put_packed(names, shards, config, upsert=upsert, parts=places,
+                                                                       groups=False)):
                 codes[i] = code
         return codes
 

@@ -441,6 +441,8 @@ class DistributedStore(TensorCalls):
             return 0
         try:
             durability = _durability(config, upsert)
+            if config is not None:
+                config.check_groups(len(keys))
             views = [_value(v) for v in values]
             if self._local_buffer is not None and max(v.size for v in views) > self._local_buffer:
                 log.warning("kvstore: a value of %d bytes is larger than this client's local_buffer_size (%d)",
@@ -466,10 +468,14 @@ class DistributedStore(TensorCalls):
         return self._put([key], [views[0] if len(views) == 1 else np.concatenate(views)], config, upsert=upsert,
                          whole=True)
 
-    def _put_views(self, keys: list[str], memories, config: ReplicateConfig | None, *, upsert: bool) -> list[int]:
+    def _put_views(self, keys: list[str], memories, config: ReplicateConfig | None, *, upsert: bool,
+                   groups: bool = True) -> list[int]:
+        """``groups``: ``keys`` are the caller's (one ``group_ids`` entry each); tensor shards are not."""
         views, codes = memories
         try:
             durability = _durability(config, upsert)
+            if config is not None and groups:
+                config.check_groups(len(keys))
         except InvalidParams as exc:
             return [_logged(exc)] * len(keys)
         todo = [i for i, c in enumerate(codes) if c == 0]

@@ -212,7 +212,7 @@ class TensorCalls(ParallelCalls):
         return tensor
 
     def _put_packed(self, keys: list[str], tensors: list, config: ReplicateConfig | None, *, upsert: bool,
-                    parts: list | None = None) -> list[int]:
+                    parts: list | None = None, groups: bool = True) -> list[int]:
         if len(keys) != len(tensors):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         packed, codes = [], []
@@ -225,11 +225,14 @@ class TensorCalls(ParallelCalls):
                 packed.append(None)
                 codes.append(int(ErrorCode.INVALID_PARAMS))
         views = ([p for p in packed], codes)
-        return self._put_views(keys, views, config, upsert=upsert)
+        return self._put_views(keys, views, config, upsert=upsert, groups=groups)
 
     def _put_shards(self, keys: list[str], tensors: list, config: ReplicateConfig | None, parts: int, dim: int, *,
                     upsert: bool) -> list[int]:
         if len(keys) != len(tensors):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        if config is not None and config.group_ids is not None and len(config.group_ids) != len(keys):
+            log.warning("kvstore: group_ids has %d entries for %d tensors", len(config.group_ids), len(keys))
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         names, pieces, places, owner, codes = [], [], [], [], [0] * len(keys)
         for i, (key, tensor) in enumerate(zip(keys, tensors)):
@@ -242,7 +245,7 @@ class TensorCalls(ParallelCalls):
             except InvalidParams as exc:
                 log.warning("kvstore: %r: %s", key, exc)
                 codes[i] = int(ErrorCode.INVALID_PARAMS)
-        for i, code in zip(owner, self._put_packed(names, pieces, config, upsert=upsert, parts=places)):
+        for i, code in zip(owner, self._put_packed(names, pieces, config, upsert=upsert, parts=places, groups=False)):
             if code and not codes[i]:
                 codes[i] = code
         return codes

@@ -52,8 +52,8 @@ class TaskType(enum.IntEnum):
 class TaskStatus(enum.IntEnum):
     PENDING = 0
     PROCESSING = 1
-    SUCCESS = 2
-    FAILED = 3
+    FAILED = 2
+    SUCCESS = 3  # Mooncake's numbers
 
 
 _U64 = 1 << 64
@@ -73,7 +73,11 @@ class ReplicateConfig:
     - ``preferred_segment(s)``, ``preferred_nof_segments``, ``prefer_alloc_in_same_node``: accepted,
       not obeyed: an object's owner follows from its name (that is what makes every call one round
       trip and every object linearizable), so a caller cannot place it;
-    - ``data_type``, ``group_ids``: kept on the config, for the caller.
+    - ``group_ids`` (None, or one str per key written): checked (a batch's list has one per key, or
+      the put is INVALID_PARAMS) and kept. Mooncake treats a group as a best-effort lifecycle hint
+      (a read lease or an eviction of one member reaching the others); tiercake places and evicts
+      each object on its own, so grouped objects are not evicted together;
+    - ``data_type``: kept on the config, for the caller.
     """
 
     def __init__(self) -> None:
@@ -88,7 +92,22 @@ class ReplicateConfig:
         self.preferred_segment = ""
         self.prefer_alloc_in_same_node = False
         self.data_type = ObjectDataType.UNKNOWN
-        self.group_ids: list[int] = []
+        self._group_ids: list[str] | None = None
+
+    @property
+    def group_ids(self) -> list[str] | None:
+        return self._group_ids
+
+    @group_ids.setter
+    def group_ids(self, value) -> None:
+        if value is not None and (not isinstance(value, (list, tuple)) or not all(isinstance(g, str) for g in value)):
+            raise TypeError(f"group_ids is None or a list of str, got {value!r}")
+        self._group_ids = None if value is None else list(value)
+
+    def check_groups(self, count: int) -> None:
+        """``InvalidParams`` unless ``group_ids`` is unset or names one group per object written."""
+        if self._group_ids is not None and len(self._group_ids) != count:
+            raise InvalidParams(f"group_ids has {len(self._group_ids)} entries for {count} objects")
 
     @property
     def soft_pin_ttl_ms(self) -> int | None:
@@ -107,7 +126,7 @@ class ReplicateConfig:
                 f"soft_pin_ttl_ms: {ttl}, with_hard_pin: {int(bool(self.with_hard_pin))}, "
                 f"preferred_segments: {self.preferred_segments}, preferred_segment: {self.preferred_segment!r}, "
                 f"prefer_alloc_in_same_node: {int(bool(self.prefer_alloc_in_same_node))}, "
-                f"data_type: {ObjectDataType(self.data_type).name} }}")
+                f"data_type: {ObjectDataType(self.data_type).name}, group_ids: {self._group_ids} }}")
 
     __repr__ = __str__
 
