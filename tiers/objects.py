@@ -31,7 +31,8 @@ import asyncio
 import contextlib
 import logging
 import math
-import secrets
+import itertools
+import os
 import struct
 import time
 from collections import defaultdict
@@ -181,6 +182,11 @@ class _KeyLock:
     users: int = 0
 
 
+# Block ids of staged versions: unique per process (a random start, then counting), never a syscall
+_U64 = (1 << 64) - 1
+_BLOCK_IDS = itertools.count(int.from_bytes(os.urandom(8), "little"))
+
+
 class _Held:
     """One holder of an object's lock (a class, not a generator: it is on every write's path); the
     lock is forgotten when its last user is done."""
@@ -258,6 +264,10 @@ class ObjectTable:
         """``async with table.lock(oid):`` one write (and its replication) at a time per object, in order."""
         return _Held(self._locks, oid)
 
+    def locked(self, oid: bytes) -> bool:
+        """A write of the object is under way (or waiting): a write that cannot wait goes the long way."""
+        return oid in self._locks
+
     # Writing ----------------------------------------------------------------------------------------
 
     async def stage(self, oid: bytes, tenant: str, name: bytes, size: int, meta: Meta) -> Staged:
@@ -270,15 +280,52 @@ class ObjectTable:
         if size < 0:
             raise PayloadError("an object's size is not negative")
         offset = payload_offset(tenant, name)
-        block = object_block_key(oid, secrets.randbits(64))
+        block = object_block_key(oid, next(_BLOCK_IDS) & _U64)
         handle = await self.store.put_start(block, offset + size, tenant=object_block_tenant(tenant),
                                             exact_size=False, keep=meta.kept)
         return Staged(oid, tenant, name, size, meta, handle, offset)
+
+    def stage_now(self, oid: bytes, tenant: str, name: bytes, size: int, meta: Meta) -> Staged | None:
+        """``stage`` when it needs no wait (memory has room as it is, nothing to persist); None
+        otherwise. ``PayloadError`` as ``stage``'s."""
+        if meta.persist:
+            return None
+        if len(name) > MAX_NAME or len(tenant.encode()) > MAX_TENANT or size < 0:
+            raise PayloadError(f"object names are at most {MAX_NAME} bytes and tenants {MAX_TENANT}; sizes are "
+                               "not negative")
+        offset = payload_offset(tenant, name)
+        block = object_block_key(oid, next(_BLOCK_IDS) & _U64)
+        handle = self.store.put_start_now(block, offset + size, tenant=object_block_tenant(tenant), exact_size=False,
+                                          keep=meta.kept)
+        return None if handle is None else Staged(oid, tenant, name, size, meta, handle, offset)
 
     async def prepare(self, staged: Staged, version: int) -> Stored:
         """Everything of a new version that can fail, done, and nothing of it visible yet: its record
         written, its block committed, its synced disk copy when it is persisted. ``install`` then
         makes it current; ``discard`` undoes it."""
+        record = self._write_record(staged, version)
+        await self.store.commit(staged.handle)
+        try:
+            if staged.meta.persist:
+                await self.store.persist_copy(staged.block, self.disk_tier, sync=True)
+            self._pin(staged.block, staged.meta, record.soft_pin_until_ms)
+        except BaseException:
+            self.retire(staged.block)
+            raise
+        return Stored(staged.oid, record, staged.block)
+
+    def prepare_now(self, staged: Staged, version: int) -> Stored:
+        """``prepare`` of a version in memory that is not persisted (``stage_now``'s): no wait."""
+        record = self._write_record(staged, version)
+        self.store.commit_now(staged.handle)
+        try:
+            self._pin(staged.block, staged.meta, record.soft_pin_until_ms)
+        except BaseException:
+            self.retire(staged.block)
+            raise
+        return Stored(staged.oid, record, staged.block)
+
+    def _write_record(self, staged: Staged, version: int) -> Record:
         record = Record(staged.tenant, staged.name, staged.size, version, staged.meta,
                         _soft_pin_until_ms(staged.meta))
         handle = staged.handle
@@ -289,15 +336,7 @@ class ObjectTable:
         else:  # device memory
             handle.buffer[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         handle.note_written(handle.entry.nbytes - handle.written)
-        await self.store.commit(handle)
-        try:
-            if staged.meta.persist:
-                await self.store.persist_copy(staged.block, self.disk_tier, sync=True)
-            self._pin(staged.block, staged.meta, record.soft_pin_until_ms)
-        except BaseException:
-            self.retire(staged.block)
-            raise
-        return Stored(staged.oid, record, staged.block)
+        return record
 
     def install(self, stored: Stored) -> Stored | None:
         """Make a prepared version current, in one step (no await): readers find it from now on, and

@@ -500,6 +500,41 @@ class TieredStore:
             raise
         return PutHandle(self, entry, copy)
 
+    def put_start_now(self, key: bytes, nbytes: int, *, tenant: str = "", exact_size: bool = True,
+                      keep: bool = False) -> PutHandle | None:
+        """``put_start`` into the fastest tier, when that needs no wait: the tier is in memory, admits
+        the block and has room without evicting anything (or the tenant's quota would make it evict).
+        None otherwise: the caller takes ``put_start``, which may evict or go down a tier."""
+        self._check_key(key)
+        self._check_size(nbytes, exact_size)
+        if key in self._entries or not self.tiers:
+            return None
+        tier = self.tiers[0]
+        if not tier.backend.in_memory or not tier.backend.accepts(nbytes):
+            return None
+        meta = BlockMeta(size=nbytes, tenant=tenant)
+        quota = tier.tenant_quota_bytes
+        if quota is not None and tier.tenant_bytes[tenant] + nbytes > quota:
+            return None
+        if not tier.admission.admit(key, meta):
+            return None
+        slot = tier.backend.allocate(nbytes)
+        if slot is None:
+            return None
+        entry = Entry(key, nbytes, meta, keep=keep)
+        copy = Copy(tier, slot)
+        entry.copies[tier.index] = copy
+        self._entries[key] = entry
+        return PutHandle(self, entry, copy)
+
+    def commit_now(self, handle: PutHandle) -> None:
+        """``commit`` of a copy in memory (no file to write): nothing to wait for."""
+        if handle.done or handle.written < handle.entry.nbytes or not handle.copy.tier.backend.in_memory:
+            raise InvalidStateError(f"put of {_short(handle.key)} cannot be committed now")
+        handle.done = True
+        self._commit_copy(handle.entry, handle.copy)
+        handle.copy.tier.stats.puts += 1
+
     async def _place(self, entry: Entry, start: int, *, offer: bool, src: torch.Tensor | None = None) -> Copy | None:
         """A pending copy in the first tier from ``start`` down that admits the block and has room.
 

@@ -39,6 +39,7 @@ from . import protocol as p
 from . import ucx as ucx_module
 from .paths import ServerSide, Session, StreamPath, registered_paths
 from .protocol import Op, ReplyItem, Status
+from .inbox import Inbox
 from .sockio import recv_frame, send_frame, tls_handshake, tune
 
 log = logging.getLogger(__name__)
@@ -225,9 +226,22 @@ class TransferServer:
 
     async def _serve_requests(self, session: Session, peer: str) -> None:
         conn = session.conn
+        inbox = None
+        if self.objects is not None and not isinstance(conn, ssl.SSLSocket):
+            def fast(op: Op, flags: int, request: int, body: bytearray):
+                return op in self.objects.ops and self.objects.fast(conn, op, flags, request, body, self._deadline)
+
+            inbox = Inbox(conn, fast)  # small object requests answered by the reader callback
         while True:
             try:
-                op, flags, request, body = await recv_frame(conn)
+                if inbox is None:
+                    op, flags, request, body = await recv_frame(conn)
+                else:
+                    got = await inbox.next()
+                    if callable(got):  # the rest of a request the callback began
+                        op, request = None, 0
+                    else:
+                        op, flags, request, body = got
             except p.PeerClosedError:
                 return  # the client hung up between requests: normal
             except p.ProtocolError as exc:
@@ -236,7 +250,9 @@ class TransferServer:
                     await send_frame(conn, Op.ERROR, 0, str(exc).encode())
                 return
             try:
-                if op is Op.READ:
+                if op is None:
+                    await got()
+                elif op is Op.READ:
                     await self._read(session, flags, request, body)
                 elif op is Op.WRITE:
                     await self._write(session, flags, request, body)

@@ -31,6 +31,7 @@ from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, ProtocolError, Status
 from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_frame
 
+from .answer_now import AnswerNow
 from .ownership import Ownership
 from .replication import BackupSide, ReplicaUnsafe, Replicator, replica_of
 
@@ -40,7 +41,7 @@ SHM_LEASE_S = 30.0  # a same-host reader that dies holds its objects' blocks thi
 OBJECT_OPS = (Op.OBJ_PUT, Op.OBJ_GET, Op.OBJ_RELEASE, Op.OBJ_QUERY, Op.OBJ_REMOVE, Op.OBJ_REPLICATE)
 
 
-class ObjectServer:
+class ObjectServer(AnswerNow):
     """The transfer server's hook for object operations (``TransferServer(objects=...)``)."""
 
     ops = OBJECT_OPS
@@ -103,15 +104,24 @@ class ObjectServer:
                 else:
                     await _receive(conn, [(s.payload_array() if isinstance(s, Staged) else None, item.size)
                                           for s, item in zip(staged, req.items)])
-            if len(staged) == 1:  # the common case: no task for it
-                results = [await self._finish_put(req, req.items[0], staged[0])]
-            else:
+            if len(staged) == 1 or not any(self._forwards(req, item) for item in req.items):
+                results = [await self._finish_put(req, item, s) for item, s in zip(req.items, staged)]  # no task each
+            else:  # backups to wait for: the items' round trips overlap
                 results = await asyncio.gather(*(self._finish_put(req, item, s) for item, s in zip(req.items, staged)))
         finally:
             for s in staged:
                 if isinstance(s, Staged) and not s.handle.done:
                     await self.table.abort(s)
         await send_frame(conn, Op.OBJ_PUT_REPLY, request, w.encode(w.PutReply(self.ownership.map.epoch, results)))
+
+    def _forwards(self, req: w.PutRequest, item: w.PutItem) -> bool:
+        """The item's write goes to backups too (its put waits for them)."""
+        if item.replicas > 1 or not item.name:
+            return item.replicas > 1
+        oid = object_id(item.name, req.tenant)
+        old = self.table.get(oid)
+        return (old is not None and old.meta.replicas > 1) or self.replicator.wants(self.ownership.slot_of(oid),
+                                                                                    replicated=False)
 
     async def _stage(self, req: w.PutRequest, item: w.PutItem, shm: bool) -> Staged | w.Result:
         if not item.name or not req.tenant:
@@ -126,7 +136,8 @@ class ObjectServer:
         if item.soft_pin_ms < w.KEEP_SOFT_PIN:
             return w.Result(Status.INVALID, f"a soft pin's TTL is not negative, got {item.soft_pin_ms}")
         try:
-            staged = await self.table.stage(oid, req.tenant, item.name, item.size, meta)
+            staged = self.table.stage_now(oid, req.tenant, item.name, item.size, meta) \
+                or await self.table.stage(oid, req.tenant, item.name, item.size, meta)
         except TierFullError as exc:
             return w.Result(Status.FULL, str(exc))
         except (StoreError, ValueError) as exc:
