@@ -91,6 +91,7 @@ def node(tmp_path_factory):
     async def address():
         async with cluster.store() as s:
             await ready(s, 1)
+            await s.put("warm", b"up")  # answered once the node serves its slots (it retries until then)
             return s.map.epoch, s.members["kv-a"]
 
     epoch, (host, port) = asyncio.run(address())
