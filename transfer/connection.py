@@ -7,6 +7,7 @@ import itertools
 import os
 import socket
 import ssl
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -406,6 +407,7 @@ class BlockingConnection:
         self.sock: socket.socket | None = None
         self.info: p.PeerInfo | None = None
         self.broken = False
+        self._timeout: float | None = -1.0  # what the socket's timeouts are set to (-1: not yet)
 
     def open(self) -> BlockingConnection:
         try:
@@ -427,6 +429,23 @@ class BlockingConnection:
             self.close()
             raise
         return self
+
+    def _timeouts(self, timeout: float | None) -> None:
+        """Each send and receive waits at most ``timeout`` seconds for the peer. A plain socket stays
+        blocking with the kernel's timeouts (SO_RCVTIMEO, SO_SNDTIMEO): Python's own timeout would
+        poll before every call, a system call more each time; set again only when it changes much."""
+        current = self._timeout
+        if current is not None and current >= 0 and timeout is not None and current / 2 <= timeout <= current:
+            return
+        if self.tls is not None:
+            self.sock.settimeout(timeout)
+        else:
+            self.sock.settimeout(None)
+            seconds = timeout or 0.0
+            value = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        self._timeout = timeout
 
     def _handshake(self) -> None:
         try:
@@ -451,7 +470,7 @@ class BlockingConnection:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
         request = next(_request_ids)
         try:
-            self.sock.settimeout(timeout)
+            self._timeouts(timeout)
             _send_frame(self.sock, op, request, body, flags, data)
             _, _, got, reply = _recv_frame(self.sock, [answer], p.MAX_BODY)
             if got != request:
@@ -461,7 +480,7 @@ class BlockingConnection:
                 if targets:
                     _recv_into(self.sock, targets)
             return reply
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):  # BlockingIOError: the kernel's timeout (SO_RCVTIMEO)
             self.close()
             raise TimeoutError(f"{self.address.node_id} did not answer within {timeout} s") from None
         except BaseException:
@@ -473,7 +492,7 @@ class BlockingConnection:
         if self.broken or self.sock is None:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
         try:
-            self.sock.settimeout(self.connect_timeout)
+            self._timeouts(self.connect_timeout)
             _send_frame(self.sock, op, next(_request_ids), body, flags)
         except BaseException:
             self.close()

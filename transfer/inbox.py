@@ -57,7 +57,7 @@ class Inbox:
                 self.loop.remove_reader(self.fd)
 
     def _on_readable(self) -> None:
-        got = self._pump()
+        got = self._pump(from_loop=True)
         if got is None or self._waiter is None or self._waiter.done():
             return
         self._registered = False  # the task takes over: no reads until it waits again
@@ -67,8 +67,9 @@ class Inbox:
         else:
             self._waiter.set_result(got)
 
-    def _pump(self) -> Frame | Callable | BaseException | None:
-        """Read and serve frames until the socket is empty (None), or one is for the task."""
+    def _pump(self, from_loop: bool = False) -> Frame | Callable | BaseException | None:
+        """Read and serve frames until the socket is empty (None), or one is for the task; from the
+        selector's callback, one frame a call (the selector calls again while more is there)."""
         while True:
             target = self._head if self._body is None else self._body
             if self._pos < len(target):
@@ -98,6 +99,8 @@ class Inbox:
                 return ProtocolError(f"answering {op.name} failed: {exc!r}")
             if answer is True:
                 self.fast_served += 1
+                if from_loop:
+                    return None  # a next frame waiting makes the selector call again: no receive to find none
                 continue
             return (op, flags, request, body) if answer is False else answer
 

@@ -75,7 +75,10 @@ log = logging.getLogger(__name__)
 
 
 class AsyncStore:
-    SHM_MIN_BYTES = 1 << 20  # same host: objects from this size go through the shared pool
+    SHM_MIN_BYTES = 1 << 20  # same host: objects read from this size go through the shared pool
+    # and written from this one: below it a put on the stream is answered in one round trip by the
+    # node's reader callback, where the pool's takes two through its event loop (docs/BENCHMARKS.md)
+    SHM_PUT_MIN_BYTES = 4 << 20
     NOTES_MAX = 256  # reads from a node's directory it is told of at once (their leases)
 
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
@@ -461,9 +464,10 @@ class AsyncStore:
 
     async def _put_on(self, node: str, group: list[Item], like: w.PutItem) -> dict[int, object]:
         region = None
-        if any(it.payload.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
+        if any(it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream for it in group):
             region = await self._pool(node)
-        pooled = [it for it in group if region is not None and it.payload.size >= self.SHM_MIN_BYTES and not it.stream]
+        pooled = [it for it in group
+                  if region is not None and it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream]
         streamed = [it for it in group if it not in pooled]
         out: dict[int, object] = {}
         for share, through in ((pooled, region), (streamed, None)):

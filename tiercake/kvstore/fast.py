@@ -46,7 +46,7 @@ class FastPath:
     def put(self, items: list[Item], like: w.PutItem) -> tuple[dict[int, object], list[Item]]:
         """(outcomes of the items done here, the items left to the asyncio path)."""
         def send(node: str, group: list[Item]) -> dict[int, object]:
-            if any(it.payload.size >= self.store.SHM_MIN_BYTES for it in group) and self.store.shm:
+            if any(it.payload.size >= self.store.SHM_PUT_MIN_BYTES for it in group) and self.store.shm:
                 return {it.index: Retry("through the pool", refresh=False) for it in group}
             data = [it.payload for it in group if it.payload.size]
             body = self._exchange(node, Op.OBJ_PUT, Op.OBJ_PUT_REPLY,
