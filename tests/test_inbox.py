@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 import uuid
 
@@ -137,3 +138,44 @@ def test_a_put_whose_bytes_trickle_in_and_a_get_larger_than_the_socket_takes(nod
         assert w.decode(w.PutReply, reply).results[0].status == Status.OK  # its first put is this one
     finally:
         fresh.close()
+
+
+def test_a_blocking_caller_polls_for_its_reply_a_while_then_blocks_and_stops_polling_when_it_finds_nothing():
+    from tiercake.transfer.connection import SpinWait
+
+    a, b = socket.socketpair()
+    spin = SpinWait(0.05)
+    try:
+        threading.Timer(0.01, lambda: a.send(b"x")).start()
+        start = time.perf_counter()
+        spin.wait(b)
+        assert 0.009 < time.perf_counter() - start < 0.045  # returned when the reply came, not at the budget
+        assert b.recv(1) == b"x" and spin.misses == 0
+        for i in range(SpinWait.MISSES_OFF):  # nothing comes: each poll spends its budget
+            start = time.perf_counter()
+            spin.wait(b)
+            assert time.perf_counter() - start >= 0.05
+        start = time.perf_counter()
+        spin.wait(b)  # off now: the caller blocks at once
+        assert time.perf_counter() - start < 0.01 and spin.off == SpinWait.OFF_CALLS - 1
+        a.close()
+        spin.off = 0
+        spin.wait(b)  # a peer that left ends the poll (the receive then says so)
+        assert spin.misses == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_only_a_blocking_store_on_more_than_one_core_polls_and_the_budget_is_checked(monkeypatch):
+    from tiercake.kvstore import AsyncStore
+
+    kw = {"secret": SECRET}
+    assert AsyncStore("http://127.0.0.1:1", blocking=True, **kw).spin is not None
+    assert AsyncStore("http://127.0.0.1:1", **kw).spin is None
+    assert AsyncStore("http://127.0.0.1:1", blocking=True, spin_s=0, **kw).spin is None
+    for bad in (float("nan"), -1e-6, 1.0, "1"):
+        with pytest.raises(ValueError):
+            AsyncStore("http://127.0.0.1:1", blocking=True, spin_s=bad, **kw)
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert AsyncStore("http://127.0.0.1:1", blocking=True, **kw).spin is None

@@ -109,7 +109,7 @@ def cmd_bench_store_api(args: argparse.Namespace) -> int:
     from tiercake.bench import store_api
 
     return _bench(args, "the key-value store API (a conductor, a node agent and, if installed, Mooncake start for it)",
-                  store_api.run(quick=args.quick))
+                  store_api.run(quick=args.quick, load=args.load))
 
 
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
@@ -347,8 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="put_from/get_into one object at a time and in batches at 64 KiB, 1 MiB and 16 MiB between "
         "this process and a node agent (over TCP and the shared pool), each as a ratio to a raw socket stream of "
         "the same bytes measured in the same run, and, where Mooncake's package is installed, the same calls on "
-        "Mooncake Store in the same run (vs_mooncake: tiercake over Mooncake).",
+        "Mooncake Store in the same run, repetitions interleaved (vs_mooncake: tiercake over Mooncake).",
     )
+    store_api.add_argument("--load", type=int, default=0, metavar="N",
+                           help="N processes spinning on the CPU while it measures (a busy machine; default 0)")
     store_api.set_defaults(func=cmd_bench_store_api)
 
     meta = bench_parser(

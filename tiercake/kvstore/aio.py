@@ -41,7 +41,7 @@ from tiercake.messages import ObjectMap
 from tiercake.tiers.directory import DirectoryReader
 from tiercake.tiers.pool import PoolFormatError, PoolRegion
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
+from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection, SpinWait
 from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, Status, TransferError, boot_id
 
 from .errors import InvalidParams, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
@@ -72,6 +72,7 @@ from .requests import (
 
 log = logging.getLogger(__name__)
 
+SPIN_S = 300e-6  # a blocking connection's poll for a reply before it blocks (SpinWait)
 
 
 class AsyncStore:
@@ -84,7 +85,8 @@ class AsyncStore:
     def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
                  tenant: str = "default", transports: Sequence[str] = ("shm", "tcp"), identity: str | None = None,
                  ssl=None, streams: int = 2, conductor_timeout: float = 5.0, transfer_tls=None,
-                 retry_s: float = 30.0, timeout_s: float = 5.0, blocking: bool = False) -> None:
+                 retry_s: float = 30.0, timeout_s: float = 5.0, blocking: bool = False,
+                 spin_s: float = SPIN_S) -> None:
         """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
         control token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
         ``shm`` (same host, through the node's pool) and/or ``tcp``; ``ssl``: the conductors' TLS client
@@ -93,7 +95,9 @@ class AsyncStore:
         to a node may take, plus its bytes at 20 MB/s (a node that stops answering fails its share of
         a call by then, not the whole call). ``blocking``: requests on the stream go on blocking
         connections, waited for in place: for a store whose event loop serves one blocking caller
-        (the synchronous client's, ``threads.py``), where an asyncio wait costs more than the wait."""
+        (the synchronous client's, ``threads.py``), where an asyncio wait costs more than the wait;
+        ``spin_s``: how long such a connection polls for a reply before it blocks (``SpinWait``; 0:
+        never; never on a single core, where polling only keeps the node from answering)."""
         if not isinstance(tenant, str) or not tenant or "/" in tenant or "#" in tenant or len(tenant.encode()) > 200:
             raise ValueError(f"a tenant is a non-empty name of at most 200 bytes without '/' or '#', got {tenant!r}")
         urls = [conductors] if isinstance(conductors, str) else list(conductors)
@@ -105,6 +109,9 @@ class AsyncStore:
         self.blocking = blocking
         self.stale = False  # a node answered with a newer map epoch than this store's (the fast path saw it)
         self._idle: dict[str, list[BlockingConnection]] = defaultdict(list)  # blocking: per node
+        if not (isinstance(spin_s, (int, float)) and 0 <= spin_s <= 0.1):
+            raise ValueError(f"spin_s is between 0 and 0.1 seconds, got {spin_s!r}")
+        self.spin = SpinWait(spin_s) if blocking and spin_s > 0 and (os.cpu_count() or 1) > 1 else None
         self.shm = "shm" in transports and transfer_tls is None  # TLS: every byte on the encrypted stream
         self.retry_s = retry_s
         self.timeout_s = timeout_s
@@ -434,7 +441,7 @@ class AsyncStore:
             if address is None:
                 raise NotSent() from TransferError(f"node {node} is not a live member")
             conn = BlockingConnection(PeerAddress(node, *address), self.channels.secret, self.identity,
-                                      self.channels.tls, connect_timeout=self.timeout_s)
+                                      self.channels.tls, connect_timeout=self.timeout_s, spin=self.spin)
             try:
                 conn.open()
             except (TransferError, OSError) as exc:

@@ -151,7 +151,7 @@ class FastPath:
             return idle.pop()
         host, port = self.store.members[node]
         conn = BlockingConnection(PeerAddress(node, host, port), self.store.channels.secret, self.store.identity,
-                                  self.store.channels.tls, connect_timeout=self.store.timeout_s)
+                                  self.store.channels.tls, connect_timeout=self.store.timeout_s, spin=self.store.spin)
         try:
             return conn.open()
         except (TransferError, OSError) as exc:

@@ -6,8 +6,8 @@ order, with the same answers):
 
 - a put whose bytes come on the stream, of objects that are not replicated or persisted, whose
   keys no other write holds, into memory with room as it is (what of its bytes has not arrived
-  yet, the connection's task waits for; it then finishes the put the long way, under each
-  object's lock);
+  yet, or is more than ``INLINE_BYTES``, the connection's task receives; it then finishes the put
+  the long way, under each object's lock);
 - a get of objects in memory, whose reply the socket takes at once (else the connection's task
   sends the rest, and releases the leases after);
 - a query, and a same-host reader's release of its leases.
@@ -34,7 +34,8 @@ from tiercake.transfer.sockio import IOV_MAX, recv_into_all, send_all
 
 log = logging.getLogger(__name__)
 
-FAST_MAX_BYTES = 4 << 20  # above this a request's bytes take the task's way (and its bulk threads)
+FAST_MAX_BYTES = 4 << 20  # a larger get's bytes take the task's way (and its bulk threads)
+INLINE_BYTES = 1 << 20  # what of a put's bytes the callback receives itself; the task waits for the rest
 
 
 class AnswerNow:
@@ -127,8 +128,6 @@ class AnswerNow:
     def _put_now(self, conn, flags: int, request: int, req: w.PutRequest, deadline):
         if flags & FLAG_SHM or not flags & FLAG_EAGER:
             return False
-        if sum(max(0, item.size) for item in req.items) > FAST_MAX_BYTES:
-            return False
         plans: list[Staged | w.Result] = []
         for item in req.items:
             plan = self._stage_now(req, item)
@@ -141,13 +140,16 @@ class AnswerNow:
         self.counts["put"] += 1
         views = [p.payload_array() if isinstance(p, Staged) else np.empty(max(0, item.size), dtype=np.uint8)
                  for p, item in zip(plans, req.items)]
-        left = _recv_now(conn, views)
+        left = _recv_now(conn, views, INLINE_BYTES)
         if left:  # not all there after all: the task waits for the rest, then finishes the long way
             async def rest() -> None:  # (under each object's lock: other writes may start meanwhile)
                 try:
                     with deadline(sum(len(v) for v in left)):
                         await recv_into_all(conn, left)
-                    results = [await self._finish_put(req, item, p) for item, p in zip(req.items, plans)]
+                    if all(self._still_now(req, item, p) for item, p in zip(req.items, plans)):
+                        results = self._finish_now(req, plans)
+                    else:
+                        results = [await self._finish_put(req, item, p) for item, p in zip(req.items, plans)]
                 finally:
                     for p in plans:
                         if isinstance(p, Staged) and not p.handle.done:
@@ -180,6 +182,18 @@ class AnswerNow:
             return self.table.stage_now(oid, req.tenant, item.name, item.size, meta)
         except (StoreError, ValueError) as exc:
             return w.Result(Status.INVALID, str(exc))
+
+    def _still_now(self, req: w.PutRequest, item: w.PutItem, plan: Staged | w.Result) -> bool:
+        """Whether a put staged by ``_stage_now`` may still finish without waiting, after its bytes
+        took awaits to come: what made it so is checked again (no write of the key began, the map
+        did not move, no backup wants the slot, the version it replaces is not replicated)."""
+        if isinstance(plan, w.Result):
+            return True
+        if self.table.locked(plan.oid) or self._owner_check(plan.oid, req.epoch) is not None:
+            return False
+        old = self.table.get(plan.oid)
+        return not (old is not None and old.meta.replicas > 1) and \
+            not self.replicator.wants(self.ownership.slot_of(plan.oid), replicated=False)
 
     def _finish_now(self, req: w.PutRequest, plans: list) -> list[w.Result]:
         """``_finish_put`` for each staged item, in order, with nothing to wait for (no backup, no
@@ -220,16 +234,19 @@ def _frame(op: Op, request: int, length: int, flags: int = 0) -> bytes:
     return FRAME.pack(MAGIC, VERSION, op, flags, request, length)
 
 
-def _recv_now(conn: socket.socket, views: list[np.ndarray]) -> list[memoryview]:
-    """Receive into ``views`` what the socket holds; what is still to come (empty: all of it)."""
+def _recv_now(conn: socket.socket, views: list[np.ndarray], most: int) -> list[memoryview]:
+    """Receive into ``views`` what the socket holds, up to about ``most`` bytes (the loop is not held
+    longer); what is still to come (empty: all of it)."""
     left = [memoryview(v).cast("B") for v in views if v.nbytes]
-    while left:
+    taken = 0
+    while left and taken < most:
         try:
             got = conn.recvmsg_into(left[:IOV_MAX])[0]
         except (BlockingIOError, InterruptedError):
             break
         if got == 0:
             break  # the peer left: the task's receive says so
+        taken += got
         while left and got >= len(left[0]):
             got -= len(left.pop(0))
         if left and got:
