@@ -8,6 +8,7 @@ not take at once is sent in full."""
 from __future__ import annotations
 
 import asyncio
+import selectors
 import socket
 import threading
 import time
@@ -141,7 +142,7 @@ def test_a_put_whose_bytes_trickle_in_and_a_get_larger_than_the_socket_takes(nod
 
 
 def test_a_blocking_caller_polls_for_its_reply_a_while_then_blocks_and_stops_polling_when_it_finds_nothing():
-    from tiercake.transfer.connection import SpinWait
+    from tiercake.transfer.spin import SpinWait
 
     a, b = socket.socketpair()
     spin = SpinWait(0.05)
@@ -179,3 +180,31 @@ def test_only_a_blocking_store_on_more_than_one_core_polls_and_the_budget_is_che
             AsyncStore("http://127.0.0.1:1", blocking=True, spin_s=bad, **kw)
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert AsyncStore("http://127.0.0.1:1", blocking=True, **kw).spin is None
+
+
+def test_a_loop_polls_for_its_next_event_only_just_after_one_and_never_past_its_timeout(monkeypatch):
+    from tiercake.transfer.spin import SpinningSelector
+
+    a, b = socket.socketpair()
+    selector = SpinningSelector(0.05)
+    selector.register(b, selectors.EVENT_READ)
+    timeouts = []
+    real = selectors.EpollSelector.select
+    monkeypatch.setattr(selectors.EpollSelector, "select", lambda self, t=None: timeouts.append(t) or real(self, t))
+    try:
+        assert selector.select(0.02) == [] and len(timeouts) == 1 and timeouts[0] > 0.015  # idle: no poll, a wait
+        a.send(b"x")
+        assert len(selector.select(None)) == 1  # an event: it polls for the next one from now
+        b.recv(1)
+        threading.Timer(0.01, lambda: a.send(b"y")).start()
+        timeouts.clear()
+        assert len(selector.select(None)) == 1
+        assert len(timeouts) > 1 and set(timeouts) == {0}  # found by polling, never slept
+        b.recv(1)
+        start = time.perf_counter()
+        assert selector.select(0.01) == [] and time.perf_counter() - start < 0.03  # its timeout bounds the poll
+        assert selector.budget.misses == 1
+    finally:
+        selector.close()
+        a.close()
+        b.close()

@@ -161,13 +161,14 @@ def cmd_conductor(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from tiercake.transfer import spin
     from tiercake.workers.node_agent import NodeAgent
 
     config = _load(args.config, args.data_dir)
     if args.listen:
         host, _, port = args.listen.rpartition(":")
         config.transfer.host, config.transfer.port = host or config.transfer.host, int(port)
-    asyncio.run(NodeAgent(config).serve_forever())
+    spin.run(NodeAgent(config).serve_forever(), config.transfer.spin_us / 1e6)
     return 0
 
 

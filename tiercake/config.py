@@ -148,6 +148,9 @@ class TransferConfig(BaseModel):
                                   description="transports in order of preference: local, shm, tcp, ucx, plug-ins "
                                   "(a node agent serves UCX only when ucx is listed)")
     streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
+    spin_us: int = Field(default=300, ge=0, le=100_000, description="the node agent polls for the next request this "
+                         "long after it was busy, before it sleeps (an idle core wakes slowly; 0: never; "
+                         "transfer/spin.py)")
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")
     tls: bool = Field(default=False, description="the transfer port speaks TLS only, with the tls section's "

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from tiercake.config import ConductorConfig, StoreConfig, TierConfig, TiercakeConfig, TransferConfig
-from tiercake.transfer import TransferServer
+from tiercake.transfer import TransferServer, spin
 from tiercake.transfer.ucx import available as ucx_available
 from tiercake.workers.node_agent import NodeAgent
 
@@ -86,4 +86,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    spin.run(main(), TransferConfig().spin_us / 1e6)  # the node agent's own loop

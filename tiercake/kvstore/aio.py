@@ -41,7 +41,8 @@ from tiercake.messages import ObjectMap
 from tiercake.tiers.directory import DirectoryReader
 from tiercake.tiers.pool import PoolFormatError, PoolRegion
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection, SpinWait
+from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
+from tiercake.transfer.spin import SpinWait
 from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, Status, TransferError, boot_id
 
 from .errors import InvalidParams, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
@@ -109,9 +110,8 @@ class AsyncStore:
         self.blocking = blocking
         self.stale = False  # a node answered with a newer map epoch than this store's (the fast path saw it)
         self._idle: dict[str, list[BlockingConnection]] = defaultdict(list)  # blocking: per node
-        if not (isinstance(spin_s, (int, float)) and 0 <= spin_s <= 0.1):
-            raise ValueError(f"spin_s is between 0 and 0.1 seconds, got {spin_s!r}")
-        self.spin = SpinWait(spin_s) if blocking and spin_s > 0 and (os.cpu_count() or 1) > 1 else None
+        spin = SpinWait(spin_s)  # checks spin_s
+        self.spin = spin if blocking and spin.budget_s > 0 else None
         self.shm = "shm" in transports and transfer_tls is None  # TLS: every byte on the encrypted stream
         self.retry_s = retry_s
         self.timeout_s = timeout_s
