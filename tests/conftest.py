@@ -14,6 +14,7 @@ import torch
 from tiercake.blocks import BlockLayout
 from tiercake.policies import LRU
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.tiers.pool import remove_pool
 
 LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_size=16)  # 4 KiB blocks
 
@@ -22,7 +23,7 @@ LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_size=16)  # 4 KiB 
 def shm_path():
     path = Path(f"/dev/shm/tiercake-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     yield path
-    path.unlink(missing_ok=True)
+    remove_pool(path)
 
 
 def block(i: int, layout: BlockLayout = LAYOUT) -> torch.Tensor:

@@ -14,6 +14,7 @@ import numpy as np
 from conftest import Processes
 
 from tiercake.kvstore import AsyncStore
+from tiercake.tiers.pool import remove_pool
 
 SECRET = "kvstore-test-secret-0123456789"
 TOKEN = "kvstore-test-token"
@@ -92,9 +93,7 @@ class KvCluster:
     def close(self) -> None:
         self.group.close()
         for pool in self.pools.values():
-            Path(pool).unlink(missing_ok=True)
-            Path(pool + ".object-map.json").unlink(missing_ok=True)
-            Path(pool + ".objects").unlink(missing_ok=True)
+            remove_pool(pool)
 
 
 async def ready(store: AsyncStore, nodes: int, timeout: float = 20.0, replicas_max: int = 3) -> None:

@@ -31,6 +31,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from tiercake.kvstore.as_mooncake import PATH as SHIM
+from tiercake.tiers.pool import remove_pool
 
 FILES = (
     "mooncake-wheel/tests/test_distributed_object_store.py",
@@ -130,7 +131,7 @@ class TiercakeCluster:
         for log in self.logs:
             log.close()
         for pool in self.pools:
-            Path(pool).unlink(missing_ok=True)
+            remove_pool(pool)
 
 
 def _mooncake_env(master: str, work: Path) -> dict:
@@ -161,8 +162,8 @@ def against_mooncake(repo: Path, work: Path) -> dict[str, str]:
         raise SystemExit("Mooncake's wheel (mooncake_master) or unshare is missing")
     out = work / "result.json"
     inner = (f"ip link set lo up && {master} --rpc_port {MASTER_PORT} --enable_http_metadata_server=true --default_kv_lease_ttl=5000 "
-             f"--http_metadata_server_port 8080 > {work}/master.log 2>&1 & sleep 2; "
-             f"{sys.executable} {__file__} {repo} --inside {work} --json {out}; kill %1")
+             f"--http_metadata_server_port 8080 > {work}/master.log 2>&1 & master=$!; sleep 2; "
+             f"{sys.executable} {__file__} {repo} --inside {work} --json {out}; kill $master; wait")
     subprocess.run(["unshare", "-n", "bash", "-c", inner], check=False)
     return json.loads(out.read_text()) if out.exists() else {}
 

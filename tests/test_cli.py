@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from tiercake.tiers.pool import remove_pool
+
 
 def tiercake(*args, cwd=None, timeout=120):
     return subprocess.run(
@@ -54,12 +56,15 @@ def test_demo_twice_finds_its_ssd_blocks(tmp_path):
         f"    - {{kind: pool, capacity: 1MiB, path: /dev/shm/tiercake-cli-test-{os.getpid()}}}\n"
         f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / 'ssd'}}}\n"
     )
-    first = tiercake("demo", "--config", str(config))
-    assert first.returncode == 0, first.stderr
-    assert "blocks reused" in first.stdout and "from ssd" in first.stdout
-    second = tiercake("demo", "--config", str(config))
-    assert second.returncode == 0, second.stderr
-    assert "the ssd tier still holds" in second.stdout
+    try:
+        first = tiercake("demo", "--config", str(config))
+        assert first.returncode == 0, first.stderr
+        assert "blocks reused" in first.stdout and "from ssd" in first.stdout
+        second = tiercake("demo", "--config", str(config))
+        assert second.returncode == 0, second.stderr
+        assert "the ssd tier still holds" in second.stdout
+    finally:
+        remove_pool(f"/dev/shm/tiercake-cli-test-{os.getpid()}")
 
 
 def test_bench_store_json(tmp_path, monkeypatch):

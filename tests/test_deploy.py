@@ -18,6 +18,7 @@ import yaml
 from pydantic import ByteSize, TypeAdapter
 
 from tiercake.config import TiercakeConfig
+from tiercake.tiers.pool import remove_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -605,4 +606,4 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
         for child in reversed(children):
             child.stop()
         etcd.stop()
-        Path(pool).unlink(missing_ok=True)
+        remove_pool(pool)

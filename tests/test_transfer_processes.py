@@ -13,6 +13,7 @@ import pytest
 import torch
 from transfer_helpers import SECRET, payload
 
+from tiercake.tiers.pool import remove_pool
 from tiercake.transfer import PeerClosedError, TransferEngine
 
 MB = 1 << 20
@@ -57,7 +58,7 @@ def node_process(tmp_path):
             proc.kill()
         proc.wait(10)
     for name in names:  # a killed node agent leaves its pool behind (a restart would take it over)
-        pool_path(name).unlink(missing_ok=True)
+        remove_pool(pool_path(name))
 
 
 async def test_node_agent_serves_and_stops_cleanly(node_process):
@@ -100,7 +101,9 @@ async def test_peer_killed_during_a_batch(node_process):
     for r, d, s in zip(results, dsts, srcs):  # nothing reported as read is wrong
         if r.ok:
             assert torch.equal(d, s)
-    # and the next call fails fast and clearly instead of hanging
+    # and the next call fails fast and clearly instead of hanging (once the process is gone: until the
+    # kernel has closed a killed process's files, its listening socket may still take a connection)
+    await asyncio.to_thread(proc.wait, 10)
     t0 = time.monotonic()
     (again,) = await engine.read_blocks("node-b", keys[:1], dsts[:1], timeout=10)
     assert isinstance(again.error, PeerClosedError) and "cannot reach" in str(again.error)

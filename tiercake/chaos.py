@@ -47,6 +47,7 @@ from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import MemberInfo
 from tiercake.netns import Partition, PartitionUnavailable
 from tiercake.replay import TokenMap
+from tiercake.tiers.pool import remove_pool
 from tiercake.tiers.ssd_log import block_payloads
 from tiercake.traces import synthetic_trace
 from tiercake.up import UpProcess
@@ -515,7 +516,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                 etcd.stop()
             if partition is not None:
                 partition.close()
-            pool.unlink(missing_ok=True)
+            remove_pool(pool)
         t = load.tally
         answered = t.ok + t.wrong
         report.add("requests.ok", t.ok, "requests", t.ok + t.wrong + t.failed, limit_name="requests sent",

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 from tiercake.conductor.client import Client
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
+from tiercake.tiers.pool import OBJECT_MAP_SUFFIX, beside
 from tiercake.transfer import TransferEngine, TransferServer
 
 from tiercake.config import TiercakeConfig, reachable_host
@@ -158,5 +159,5 @@ def _map_path(cfg: TiercakeConfig) -> Path | None:
             return Path(tier.path) / "object-map.json"
     for tier in cfg.store.tiers:
         if tier.kind == "pool" and tier.adopt:
-            return Path(f"{tier.path or f'/dev/shm/tiercake-{tier.tier_name}'}.object-map.json")
+            return beside(tier.path or f"/dev/shm/tiercake-{tier.tier_name}", OBJECT_MAP_SUFFIX)
     return None
