@@ -146,6 +146,7 @@ def test_a_blocking_caller_polls_for_its_reply_a_while_then_blocks_and_stops_pol
 
     a, b = socket.socketpair()
     spin = SpinWait(0.05)
+    spin.CHECK_S = float("inf")  # whatever else this machine runs meanwhile (the contention rule: below)
     try:
         threading.Timer(0.01, lambda: a.send(b"x")).start()
         start = time.perf_counter()
@@ -182,11 +183,26 @@ def test_only_a_blocking_store_on_more_than_one_core_polls_and_the_budget_is_che
     assert AsyncStore("http://127.0.0.1:1", blocking=True, **kw).spin is None
 
 
+def test_a_thread_that_waits_for_a_core_does_not_poll(monkeypatch):
+    from tiercake.transfer import spin as spin_module
+
+    queued = iter([0, 2_000_000, 2_300_000])  # run-queue ns: 2 ms of 10 waited, then 0.3 ms of 10
+    clock = iter([100.0, 100.01, 100.02])
+    monkeypatch.setattr(spin_module, "_queued_ns", lambda: next(queued))
+    monkeypatch.setattr(spin_module.time, "monotonic", lambda: next(clock))
+    budget = spin_module.SpinWait(0.001)
+    budget.CHECK_S = 0.005
+    assert budget.polls()  # the first sample: nothing to compare with yet
+    assert not budget.polls() and budget.contended  # 20% of the time waiting for a core
+    assert budget.polls() and not budget.contended  # 3%: under the line again
+
+
 def test_a_loop_polls_for_its_next_event_only_just_after_one_and_never_past_its_timeout(monkeypatch):
     from tiercake.transfer.spin import SpinningSelector
 
     a, b = socket.socketpair()
     selector = SpinningSelector(0.05)
+    selector.budget.CHECK_S = float("inf")
     selector.register(b, selectors.EVENT_READ)
     timeouts = []
     real = selectors.EpollSelector.select
