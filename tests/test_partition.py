@@ -18,6 +18,7 @@ from conftest import Processes
 from tiercake.blocks import object_id, object_slot
 from tiercake.kvstore import AsyncStore, Durability, ObjectNotFound, TransferFailed
 from tiercake.netns import Partition, PartitionUnavailable
+from tiercake.tiers.pool import remove_pool
 
 SECRET = "partition-test-secret-0123456789"
 TOKEN = "partition-test-token"
@@ -131,8 +132,7 @@ async def test_a_partitioned_node_stops_serving_its_slots_move_and_replicas_surv
             text = config.read_text()
             if "path: /dev/shm/" in text:
                 pool = text.split("path: ")[1].split("}")[0]
-                for leftover in (pool, pool + ".objects", pool + ".object-map.json"):
-                    Path(leftover).unlink(missing_ok=True)
+                remove_pool(pool)
 
 
 async def _both(store: AsyncStore) -> bool:

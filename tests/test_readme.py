@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiercake.tiers.pool import remove_pool
+
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
@@ -22,7 +24,7 @@ def test_the_store_example_runs(tmp_path):
     try:
         done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     finally:
-        Path(f"/dev/shm/tiercake-readme-{os.getpid()}").unlink(missing_ok=True)
+        remove_pool(f"/dev/shm/tiercake-readme-{os.getpid()}")
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -20,6 +20,7 @@ from tiercake.conductor.etcd_process import free_port
 from tiercake.chaos import pid_listening as _pid_listening
 from tiercake.up import UpProcess
 from tiercake.devtls import self_signed
+from tiercake.tiers.pool import remove_pool
 
 MODEL = "tiercake-reference"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
@@ -44,7 +45,7 @@ class UpCluster(UpProcess):
         try:
             return super().stop()
         finally:
-            self.pool.unlink(missing_ok=True)  # the node keeps its pool for a restart; a test's goes
+            remove_pool(self.pool)  # the node keeps its pool for a restart; a test's goes
 
     async def wait_up(self, workers: int) -> None:
         await asyncio.to_thread(self.wait_ready, workers)

@@ -13,6 +13,7 @@ pytest.importorskip("ucxx", reason="the optional 'ucx' extra (ucxx) is not insta
 from tiercake.transfer import Status, TransferEngine  # noqa: E402
 from tiercake.transfer import protocol as p  # noqa: E402
 from tiercake.transfer.ucx import tag  # noqa: E402
+from tiercake.tiers.pool import remove_pool
 
 MB = 1 << 20
 
@@ -94,7 +95,7 @@ def test_tags_do_not_collide():
 async def test_ucx_across_processes(tmp_path):
     """A node agent in another process: same host, so the endpoints skip failure handling and UCX
     moves the bytes through shared memory."""
-    from test_transfer_processes import node_config
+    from test_transfer_processes import node_config, pool_path
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tiercake.cli", "node", "--config",
@@ -115,11 +116,12 @@ async def test_ucx_across_processes(tmp_path):
     await engine.close()
     proc.terminate()
     assert await asyncio.wait_for(proc.wait(), 30) == 0
+    remove_pool(pool_path("node-u"))  # a node agent keeps its pool for a restart; a test's goes
 
 
 async def test_a_node_agent_serves_ucx_only_when_its_transports_list_it(tmp_path):
     """UCX is code a peer can reach: a node agent whose cluster does not use it does not serve it."""
-    from test_transfer_processes import node_config
+    from test_transfer_processes import node_config, pool_path
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, "node-t"),
@@ -136,6 +138,7 @@ async def test_a_node_agent_serves_ucx_only_when_its_transports_list_it(tmp_path
     finally:
         proc.terminate()
         await proc.wait()
+        remove_pool(pool_path("node-t"))
 
 
 async def test_a_garbage_ucx_address_is_refused_not_handed_to_ucx(node):

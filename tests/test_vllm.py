@@ -30,6 +30,7 @@ from tiercake.tiers.ssd_log import block_payloads
 from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
+from tiercake.tiers.pool import remove_pool
 
 # the first test starts two vLLM servers for the module (45-60 s, more while the other test process
 # runs beside it): more than the suite's default limit of 120 s leaves for the test itself
@@ -106,6 +107,7 @@ def served(tmp_path_factory, model):
         for engine in engines:
             engine.stop()
         tc.close()
+        remove_pool(tc.config.store.tiers[0].path)
 
 
 def prompt(seed: int) -> list[int]:
