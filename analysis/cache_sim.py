@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from tiercake.policies.admission import AlwaysAdmit
-from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy
+from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy, one_victim
 
 from tiercake.traces import TraceRecord
 
@@ -92,7 +92,7 @@ def simulate(stream: list[Access], tiers: list[TierSpec]) -> SimResult:
             if tier.capacity <= 0 or not tier.admission.admit(key, meta):
                 continue
             if sizes[i] >= tier.capacity:
-                (victim,) = tier.eviction.victims(1)
+                victim = one_victim(tier.eviction, where)
                 del where[victim]
                 sizes[i] -= 1
                 place(victim, i + 1)

@@ -28,6 +28,7 @@ from tiercake.policies import (
     create_eviction,
     create_router,
 )
+from tiercake.policies.base import one_victim
 
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -134,7 +135,7 @@ class _Cache:
                 self.policy.on_access(key)
                 continue
             if len(self.keys) >= self.capacity:
-                (victim,) = self.policy.victims(1)
+                victim = one_victim(self.policy, self.keys)
                 self.keys.discard(victim)
                 changes += 1
             self.keys.add(key)

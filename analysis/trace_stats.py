@@ -20,7 +20,7 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from tiercake.policies.base import BlockMeta, EvictionPolicy
+from tiercake.policies.base import BlockMeta, EvictionPolicy, one_victim
 
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -200,7 +200,7 @@ def residency(stream, capacity: int, policy: EvictionPolicy, times: list[float] 
             policy.on_access(key)
             continue
         if len(inserted) >= capacity:
-            (victim,) = policy.victims(1)
+            victim = one_victim(policy, inserted)
             start = inserted.pop(victim)
             out.append(times[i] - times[start] if times else i - start)
         inserted[key] = i

@@ -7,7 +7,7 @@ trace's integer hash ids; the same policy object serves both.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -67,6 +67,21 @@ class EvictionPolicy(ABC):
     def describe(self) -> dict[str, Any]:
         """State worth showing an operator (queue sizes, adaptive targets)."""
         return {"policy": self.name, "resident": len(self)}
+
+
+class PolicyContractError(ValueError):
+    """A policy answered against its contract (a plug-in's bug, named with what it returned)."""
+
+
+def one_victim(policy: EvictionPolicy, resident: Container) -> Key:
+    """``policy.victims(1)`` where the caller evicts exactly one key it holds: the key, checked."""
+    got = policy.victims(1)
+    if not isinstance(got, list | tuple) or len(got) != 1 or got[0] not in resident:
+        name = policy.name or type(policy).__name__
+        raise PolicyContractError(
+            f"eviction policy {name!r}: victims(1) returned {got!r:.200}; it must return a list of one key that "
+            "was given to on_insert and is still resident (the contract in tiercake.policies.EvictionPolicy)")
+    return got[0]
 
 
 class AdmissionPolicy(ABC):

@@ -83,17 +83,24 @@ def resolve(spec: str, kind: str | None = None) -> type:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == spec:
             return ep.load()
+    known = sorted({n for n, k in _BUILTINS if kind is None or k == kind})
     raise PolicyNotFoundError(
-        f"unknown policy {spec!r}: not a built-in ({', '.join(sorted({n for n, _ in _BUILTINS}))}), "
-        f"not an entry point "
-        f"in group {ENTRY_POINT_GROUP!r}, and not a 'module:Class' path"
+        f"unknown {kind + ' ' if kind else ''}policy {spec!r}: not a built-in ({', '.join(known)}), "
+        f"not an entry point in group {ENTRY_POINT_GROUP!r}, and not a 'module:Class' path"
     )
 
 
-def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
-    cls = resolve(spec, _KINDS[base])
+def resolve_kind(spec: str, kind: str) -> type:
+    """``resolve``, and the class must be a policy of ``kind`` (``TypeError`` otherwise)."""
+    base = next(b for b, k in _KINDS.items() if k == kind)
+    cls = resolve(spec, kind)
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise TypeError(f"policy {spec!r} resolves to {cls!r}, which is not a {base.__name__}")
+        raise TypeError(f"policy {spec!r} resolves to {cls!r}, which is not a {base.__name__} ({kind} policy)")
+    return cls
+
+
+def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
+    cls = resolve_kind(spec, _KINDS[base])
     try:
         return cls(**(params or {}))
     except TypeError as exc:

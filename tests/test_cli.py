@@ -1,9 +1,13 @@
 """The CLI as a user runs it: real subprocesses."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+import yaml
 
 from tiercake.tiers.pool import remove_pool
 
@@ -46,6 +50,13 @@ def test_every_command_and_subcommand_has_a_help_that_renders():
         for name in path:
             node = next(a for a in node._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
         assert node.format_help(), path  # raises on a help string that does not format
+        helpless = [a.dest for a in node._actions if not a.help and not isinstance(a, argparse._SubParsersAction)]
+        assert not helpless, (path, helpless)  # every argument says what it is
+
+
+def test_version():
+    done = tiercake("--version")
+    assert done.returncode == 0 and done.stdout.startswith("tiercake ") and done.stdout.split()[1][0].isdigit()
 
 
 def test_demo_twice_finds_its_ssd_blocks(tmp_path):
@@ -160,6 +171,97 @@ def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+@pytest.mark.parametrize("text, said", [
+    ("store:\n  tiers:\n    - {kind: pool, capacity: 1MiB, eviction: lruu}\n",
+     "store.tiers.0.eviction: unknown eviction policy 'lruu': not a built-in (arc, fifo, leaf_lru, lfu, lru"),
+    ("serving: {router: fifo}\n", "serving.router: policy 'fifo' resolves to"),
+    ("store:\n  tiers:\n    - {kind: pool, capacity: lots}\n",
+     "store.tiers.0.capacity: a size is a number of bytes, or a number and a unit: 512MiB"),
+    ("serving:\n\tport: 9000\n", "not valid YAML: while scanning for the next token found character '\\t'"),
+    ("serving: {port: 70000}\n", "serving.port: Input should be less than or equal to 65535 (got 70000)"),
+])
+def test_a_config_error_is_one_line_naming_the_field_and_what_is_accepted(tmp_path, text, said):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    for command in (["config", "show"], ["up", "--data-dir", str(tmp_path / "d")]):
+        done = tiercake(*command, "--config", str(config), timeout=60)
+        assert done.returncode in (1, 2) and said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "d").exists()  # up refused before it wrote anything
+
+
+def test_a_partial_config_merges_over_the_defaults_and_show_prints_sizes_it_reads_back(tmp_path):
+    config = tmp_path / "part.yaml"
+    config.write_text("serving: {port: 9000}\n")
+    done = tiercake("config", "show", "--config", str(config))
+    assert done.returncode == 0, done.stderr
+    shown = yaml.safe_load(done.stdout)
+    assert shown["serving"]["port"] == 9000 and [t["kind"] for t in shown["store"]["tiers"]] == ["gpu", "pool", "ssd"]
+    assert shown["store"]["tiers"][1]["capacity"] == "16MiB"  # as a person writes it, not 16777216
+    (tmp_path / "again.yaml").write_text(done.stdout)
+    again = tiercake("config", "show", "--config", str(tmp_path / "again.yaml"))
+    assert again.stdout == done.stdout  # what it prints, it reads back the same
+
+
+def test_up_refuses_a_size_it_cannot_read_and_a_data_dir_another_up_holds(tmp_path):
+    from tiercake.up_state import DataDirLock
+
+    done = tiercake("up", "--pool", "lots", "--data-dir", str(tmp_path / "d"))
+    assert done.returncode == 2 and "--pool: a size is a number of bytes" in done.stderr
+    data = tmp_path / "held"
+    lock = DataDirLock(data).acquire()
+    lock.record(pid=os.getpid(), url="http://127.0.0.1:1")
+    (data / "control-token").write_text("the running cluster's\n")
+    (data / "logs").mkdir()
+    (data / "logs" / "conductor.log").write_text("the running cluster's log\n")
+    try:
+        done = tiercake("up", "--data-dir", str(data), "--port", "0")
+    finally:
+        lock.release()
+    assert done.returncode == 1 and "another tiercake up runs in" in done.stderr, done.stderr
+    assert f"pid {os.getpid()}, url http://127.0.0.1:1" in done.stderr
+    assert (data / "control-token").read_text() == "the running cluster's\n"  # nothing of it touched
+    assert (data / "logs" / "conductor.log").read_text() == "the running cluster's log\n"
+
+
+def test_ctrl_c_while_up_starts_stops_everything_at_once_and_leaves_no_shared_memory(tmp_path):
+    import signal
+    import time
+
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "up", "--data-dir", str(tmp_path / "d"), "--port",
+                             "0", "--control-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(3)  # the conductor and the node agent are starting; the workers not yet ready
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - sent < 5 and proc.returncode == 130, proc.stderr.read()
+    assert not running_with(str(tmp_path / "d"))  # no child left (each has a session of its own)
+    assert secret_mode(tmp_path / "d" / "cluster-secret") == 0o600 and secret_mode(tmp_path / "d" / "control-token") == 0o600
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def running_with(text: str) -> list[str]:
+    """The command lines of live processes that mention ``text``."""
+    found = []
+    for proc in os.listdir("/proc"):
+        if proc.isdigit():
+            with contextlib.suppress(OSError):
+                line = open(f"/proc/{proc}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+                if text in line and "pytest" not in line:
+                    found.append(line)
+    return found
+
+
+def secret_mode(path) -> int:
+    return path.stat().st_mode & 0o777
 
 
 def test_up_on_a_busy_port_says_so(tmp_path):

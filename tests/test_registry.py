@@ -93,7 +93,7 @@ async def test_store_uses_an_outside_policy(plugin_dir, make_store):
 
 
 def test_errors(plugin_dir):
-    with pytest.raises(PolicyNotFoundError, match="unknown policy 'nope'"):
+    with pytest.raises(PolicyNotFoundError, match=r"unknown eviction policy 'nope': not a built-in \(arc, fifo"):
         create_eviction("nope")
     with pytest.raises(PolicyNotFoundError, match="cannot import"):
         create_eviction("no_such_module_xyz:Thing")

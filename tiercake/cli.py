@@ -11,17 +11,18 @@ import sys
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
+from pydantic import ByteSize, ValidationError
 
 from .cli_analysis import cmd_policy_eval, cmd_replay, cmd_simulate, cmd_trace_generate, cmd_trace_stats
-from .cli_common import console, errors, progress_bar, write_json
+from .cli_common import byte_size, config_problems, console, errors, policy_problems, progress_bar, write_json
 from .up import StartError
+from .up_state import DataDirBusy
 
 
 def _load(config_path: str | None, data_dir: str):
     from tiercake.config import default_config, load_config, with_environment
 
-    return load_config(config_path) if config_path else with_environment(default_config(data_dir))
+    return load_config(config_path, data_dir) if config_path else with_environment(default_config(data_dir))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -193,9 +194,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from tiercake.up import up
 
-    from pydantic import ByteSize, TypeAdapter
-
     config = _load(args.config, args.data_dir)
+    if _refused(config):
+        return 2
     if args.gpu_blocks:
         config.serving.gpu_blocks = args.gpu_blocks
     if args.insecure:
@@ -203,7 +204,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for kind, size in (("pool", args.pool), ("ssd", args.ssd)):
         for tier in config.store.tiers:
             if size and tier.kind == kind:
-                tier.capacity = TypeAdapter(ByteSize).validate_python(size)
+                tier.capacity = ByteSize(size)
             if args.pool_path and tier.kind == "pool":
                 tier.path = args.pool_path
     print_fn = lambda text: console.print(text, soft_wrap=True, markup=False, highlight=False)  # noqa: E731
@@ -239,14 +240,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     import time
 
-    from tiercake.conductor.client import Client
+    from tiercake.conductor.client import Client, ConductorError
 
     async def ask() -> None:
         async with Client([args.url], token=args.api_key, timeout=120, retries=3) as client:
+            model = args.model or (await client.models())[0]["id"]  # the model the cluster serves
             started = time.perf_counter()
             first = None
             text, usage = [], {}
-            async for chunk in client.stream_completion(args.prompt, model=args.model, max_tokens=args.max_tokens,
+            async for chunk in client.stream_completion(args.prompt, model=model, max_tokens=args.max_tokens,
                                                         temperature=args.temperature, tenant=args.tenant):
                 if chunk.get("choices"):
                     if first is None:
@@ -265,7 +267,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
                           f"cached prompt tokens {cached}/{usage.get('prompt_tokens', '?')} · "
                           f"sources {extra.get('sources', {})}[/dim]")
 
-    asyncio.run(ask())
+    try:
+        asyncio.run(ask())
+    except ConductorError as exc:
+        errors.print(f"error: {args.url} answered {exc}", markup=False, highlight=False)
+        return 1
     return 0
 
 
@@ -285,10 +291,53 @@ def cmd_policy_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_make(args: argparse.Namespace) -> int:
+    from tiercake.workers.vllm.tiny_model import make_tiny_llama
+
+    print(make_tiny_llama(args.dir, seed=args.seed))
+    return 0
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = _load(args.config, args.data_dir)
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    if _refused(config):
+        return 2
+    print(yaml.safe_dump(_readable(config), sort_keys=False), end="")
     return 0
+
+
+def _refused(config) -> bool:
+    """Print every name in ``config`` that resolves to nothing; whether there was one."""
+    problems = policy_problems(config)
+    for line in problems:
+        errors.print(line, markup=False, highlight=False)
+    return bool(problems)
+
+
+def _readable(value):
+    """A config for people: sizes with their unit (16MiB, as a config may give them), everything else
+    as its JSON form."""
+    from pydantic import BaseModel
+    from pydantic_core import to_jsonable_python
+
+    if isinstance(value, BaseModel):
+        return {name: _readable(getattr(value, name)) for name in type(value).model_fields}
+    if isinstance(value, ByteSize):
+        return value.human_readable(separator="").replace(".0", "") if value >= 1024 else int(value)
+    if isinstance(value, dict):
+        return {k: _readable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_readable(v) for v in value]
+    return to_jsonable_python(value)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tiercake")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         "to measure why it is fast (benchmarks, trace replay, simulators). Start with: tiercake up",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the store does")
+    parser.add_argument("--version", action="version", version=f"tiercake {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_config(p: argparse.ArgumentParser) -> None:
@@ -440,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         "front. Prints its id and URL as JSON.",
     )
     with_config(worker)
-    worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker")
+    worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker",
+                        help="prefill, decode, or both (worker; the default)")
     worker.add_argument("--engine", choices=["reference", "vllm"], default="reference",
                         help="reference: tiercake's model; vllm: stand for the vLLM server at --vllm-url")
     worker.add_argument("--vllm-wait", type=float, default=0.0, metavar="SECONDS",
@@ -470,8 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     upp.add_argument("--workers", type=int, help="combined prefill+decode workers instead of separate ones")
     upp.add_argument("--gpu-blocks", type=int, help="KV blocks in each worker's gpu tier (serving.gpu_blocks)")
-    upp.add_argument("--pool", metavar="SIZE", help="the node pool's capacity, e.g. 1GiB")
-    upp.add_argument("--ssd", metavar="SIZE", help="the node SSD tier's capacity, e.g. 20GiB")
+    upp.add_argument("--pool", metavar="SIZE", type=byte_size, help="the node pool's capacity, e.g. 1GiB")
+    upp.add_argument("--ssd", metavar="SIZE", type=byte_size, help="the node SSD tier's capacity, e.g. 20GiB")
     upp.add_argument("--pool-path", metavar="PATH", help="the node pool's file (default: /dev/shm/tiercake-<host>-<hash "
                      "of the data dir>, so clusters in different data dirs never share one)")
     upp.add_argument("--node-netns", metavar="NAMESPACE:ADDRESS", help="fault injection: run the node agent in "
@@ -498,11 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Streams the completion and prints TTFT, tokens per second and how many prompt tokens "
         "came from the cache: send the same prompt twice to see the cache work.",
     )
-    ask.add_argument("prompt")
-    ask.add_argument("--url", default="http://127.0.0.1:8080")
-    ask.add_argument("--model", default="tiercake-reference")
-    ask.add_argument("--max-tokens", type=int, default=32)
-    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("prompt", help="the prompt's text")
+    ask.add_argument("--url", default="http://127.0.0.1:8080", help="the cluster's OpenAI-compatible API "
+                     "(default: tiercake up's, http://127.0.0.1:8080)")
+    ask.add_argument("--model", help="the model to ask (default: the one the cluster serves, from /v1/models)")
+    ask.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     ask.add_argument("--api-key", help="an API key (serving.api_keys)")
     ask.add_argument("--tenant", help="the tenant header, when the cluster has no API keys")
     ask.set_defaults(func=cmd_ask)
@@ -517,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
         "module:Class), LRU and the tree-constrained Belady optimum at each capacity; print a table, write a "
         "PNG plot of hit ratio against capacity, and --json the figures in the benchmark format.",
     )
-    peval.add_argument("policy")
+    peval.add_argument("policy", help="an eviction policy: a built-in name, an entry point or module:Class")
     peval.add_argument("--trace", required=True, metavar="FILE", help="a trace in the Mooncake format")
     peval.add_argument("--capacity", required=True, metavar="N[,N...]", help="blocks, e.g. 1000,10k,100k,inf")
     peval.add_argument("--params", metavar="JSON", help="the policy's parameters as a JSON object")
@@ -533,19 +585,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-scale; each 512-token trace block becomes --tokens-per-block tokens derived from its hash id, "
         "so reuse in the trace is reuse in the cluster. Prints a table, writes a PNG and --json.",
     )
-    rep.add_argument("trace")
-    rep.add_argument("--target", default="http://127.0.0.1:8080")
+    rep.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
+    rep.add_argument("--target", default="http://127.0.0.1:8080", help="the cluster's OpenAI-compatible API "
+                     "(default http://127.0.0.1:8080)")
     rep.add_argument("--time-scale", type=float, default=1.0, help="0.1: ten times faster (default 1)")
     rep.add_argument("--limit", type=int, help="only the first N requests")
     rep.add_argument("--tokens-per-block", type=int, default=16, help="tokens per trace block (default 16)")
     rep.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
-    rep.add_argument("--concurrency", type=int, default=64)
-    rep.add_argument("--api-key")
+    rep.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
+    rep.add_argument("--api-key", help="an API key of the cluster (serving.api_keys)")
     rep.add_argument("--control", metavar="URL", help="the control API, for the cluster's own counters "
                      "(default: --target, where both APIs share a port)")
     rep.add_argument("--control-token", help="a control API token (default: --api-key)")
     rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
-    rep.add_argument("--json", metavar="PATH")
+    rep.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     rep.set_defaults(func=cmd_replay)
 
     sim = sub.add_parser(
@@ -554,23 +607,23 @@ def build_parser() -> argparse.ArgumentParser:
         "optional global pool, routed by the live router code. --ablation runs Mooncake's four schedulers "
         "(random, load balancing, local cache-aware, global cache-aware) on the same trace.",
     )
-    sim.add_argument("trace")
+    sim.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
     sim.add_argument("--router", default="ttft", help="routing policy (default ttft)")
     sim.add_argument("--router-params", metavar="JSON", help='its parameters, e.g. \'{"margin": 0}\'')
     sim.add_argument("--fit-noise", type=float, default=0.0, metavar="F", help="each prefill worker's timings as "
                      "the router sees them are off by a factor drawn once from [1-F, 1+F] (live workers fit their own)")
     sim.add_argument("--ablation", action="store_true", help="the four schedulers of Mooncake's ablation")
-    sim.add_argument("--prefill", type=int, default=8)
-    sim.add_argument("--decode", type=int, default=8)
+    sim.add_argument("--prefill", type=int, default=8, help="prefill workers (default 8)")
+    sim.add_argument("--decode", type=int, default=8, help="decode workers (default 8)")
     sim.add_argument("--local-blocks", default="2000", help="each prefill worker's cache (blocks)")
     sim.add_argument("--global-blocks", default="inf", help="the shared pool (blocks; 0: none)")
     sim.add_argument("--slo-ttft", type=float, help="seconds; predicted over it: rejected")
     sim.add_argument("--slo-tbt", type=float, help="seconds")
     sim.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by it")
-    sim.add_argument("--limit", type=int)
+    sim.add_argument("--limit", type=int, help="only the first N requests")
     sim.add_argument("--plot", metavar="PATH", help="the PNG: TTFT CDFs, SLO attainment and hit ratios "
                      "(default simulate.png)")
-    sim.add_argument("--json", metavar="PATH")
+    sim.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     sim.set_defaults(func=cmd_simulate)
 
     trace = sub.add_parser("trace", help="traces in the Mooncake format")
@@ -580,13 +633,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Multi-turn sessions whose prompts grow turn by turn, system prompts shared within a "
         "tenant, several tenants, Poisson or bursty arrivals; the same seed gives the same file.",
     )
-    generate.add_argument("--out", required=True, metavar="FILE")
-    generate.add_argument("--requests", type=int, default=1000)
-    generate.add_argument("--tenants", type=int, default=2)
+    generate.add_argument("--out", required=True, metavar="FILE", help="the trace file to write")
+    generate.add_argument("--requests", type=int, default=1000, help="how many requests (default 1000)")
+    generate.add_argument("--tenants", type=int, default=2, help="how many tenants (default 2)")
     generate.add_argument("--system-prompts", type=int, default=4, help="per tenant")
     generate.add_argument("--rate", type=float, default=2.0, help="requests per second (mean)")
     generate.add_argument("--bursty", action="store_true", help="alternate busy and quiet periods")
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=0, help="the same seed writes the same file (default 0)")
     generate.set_defaults(func=cmd_trace_generate)
     tstats = trace_sub.add_parser(
         "stats", help="reuse distance, reuse time, residency under a policy, prefetchability",
@@ -594,14 +647,25 @@ def build_parser() -> argparse.ArgumentParser:
         "reuse time and block residency under POLICY at CAPACITY, and the share of re-accesses a system could "
         "have prefetched (follow-up turns of a conversation, announced at least --lead seconds ahead).",
     )
-    tstats.add_argument("trace")
+    tstats.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
     tstats.add_argument("--capacity", default="10k", help="blocks, for residency (default 10k)")
-    tstats.add_argument("--policy", default="lru")
+    tstats.add_argument("--policy", default="lru", help="the eviction policy for residency (default lru)")
     tstats.add_argument("--lead", type=float, default=0.0, help="seconds a prefetch needs (default 0)")
-    tstats.add_argument("--limit", type=int)
+    tstats.add_argument("--limit", type=int, help="only the first N requests")
     tstats.add_argument("--plot", metavar="PATH", help="the PNG (default trace-stats.png)")
-    tstats.add_argument("--json", metavar="PATH")
+    tstats.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     tstats.set_defaults(func=cmd_trace_stats)
+
+    model = sub.add_parser("model", help="models for vLLM, made here (nothing is downloaded)")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    make = model_sub.add_parser(
+        "make", help="write a small Llama (Hugging Face layout: config, tokenizer, weights from a seed) to DIR",
+        description="Write a 4-layer, 256-wide Llama with a byte-level BPE tokenizer and seeded random weights to "
+        "DIR, for `tiercake up --engine vllm --model DIR` where nothing can be downloaded. Its answers are noise; "
+        "every instance that loads it computes the same KV for the same tokens. Kept if DIR already holds it.")
+    make.add_argument("dir", metavar="DIR", help="where to write it (created)")
+    make.add_argument("--seed", type=int, default=0, help="the weights' seed (default 0)")
+    make.set_defaults(func=cmd_model_make)
 
     config = sub.add_parser("config", help="configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -620,9 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValidationError as exc:
-        errors.print(f"[red]invalid configuration[/red]\n{exc}")
+        for line in config_problems(exc):
+            errors.print(line, markup=False, highlight=False)
         return 2
-    except (OSError, ValueError, StartError) as exc:
+    except (OSError, ValueError, StartError, DataDirBusy) as exc:
         errors.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
         return 1
 

@@ -4,11 +4,42 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 
 from rich.console import Console
 
-console = Console()
-errors = Console(stderr=True)  # errors go to stderr: a parent reading stdout reads only what it asked for
+# a terminal's own width; piped or redirected, 160 columns (rich would cut tables at 80)
+_WIDTH = max(80, shutil.get_terminal_size((160, 24)).columns)
+console = Console(width=_WIDTH, soft_wrap=True)
+errors = Console(stderr=True, width=_WIDTH, soft_wrap=True)  # stderr: a parent reading stdout reads only what it asked for
+
+
+SIZE_HELP = "a size is a number of bytes, or a number and a unit: 512MiB, 2GiB, 1.5GB, 4096"
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size such as 512MiB (the config's sizes, from the command line)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"{SIZE_HELP}; got {text!r}") from None
+
+
+def config_problems(exc) -> list[str]:
+    """A pydantic ``ValidationError`` as one line per problem: the field, what is wrong (and what is
+    accepted, where the validator says), and the value given."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(part) for part in err.get("loc", ())) or "config"
+        message = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        if str(err.get("type", "")).startswith("byte_size"):
+            message = SIZE_HELP
+        given = err.get("input")
+        shown = "" if isinstance(given, dict) else f" (got {given!r:.80})"
+        lines.append(f"invalid configuration: {where}: {message}{shown}")
+    return lines
 
 
 def write_json(args: argparse.Namespace, report) -> int:
@@ -36,3 +67,22 @@ def progress_bar(description: str, total: float | None = None):
                        **({"description": description} if description is not None else {}))
 
         yield update
+
+
+def policy_problems(config) -> list[str]:
+    """Every policy a config names that does not resolve to a policy of its kind, one line each (the
+    config model validates tier kinds and transports itself; policies live a layer above it)."""
+    from tiercake.policies.registry import PolicyNotFoundError, resolve_kind
+
+    named = [(f"store.tiers.{i}.{field}", getattr(tier, field), field)
+             for i, tier in enumerate(config.store.tiers) for field in ("eviction", "admission")]
+    named += [("conductor.placement", config.conductor.placement, "placement"),
+              ("conductor.replication", config.conductor.replication, "replication"),
+              ("serving.router", config.serving.router, "routing")]
+    problems = []
+    for where, spec, kind in named:
+        try:
+            resolve_kind(spec, kind)
+        except (PolicyNotFoundError, ImportError, AttributeError, TypeError) as exc:
+            problems.append(f"invalid configuration: {where}: {exc}")
+    return problems

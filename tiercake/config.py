@@ -219,6 +219,7 @@ class ConductorConfig(BaseModel):
     placement: str = Field(default="least_used", description="placement strategy: least_used, local_first, random")
     replication: str = Field(default="fixed", description="replication policy: fixed, hot")
     replication_params: dict[str, Any] = Field(default_factory=dict)
+
     put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
     volatile_tiers: list[str] = Field(default_factory=lambda: ["gpu"], description="tiers whose placements "
                                       "live in the leading conductor's memory only, not in etcd: they change with "
@@ -314,6 +315,7 @@ class ServingConfig(BaseModel):
                                   "the reference model's UTF-8 bytes")
     router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
     router_params: dict[str, Any] = Field(default_factory=dict)
+
     slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")
     slo_tbt_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TBT exceeds it")
     api_keys: dict[str, str] = Field(default_factory=dict,
@@ -486,19 +488,37 @@ def default_config(data_dir: str | Path = ".tiercake") -> TiercakeConfig:
     )
 
 
-def load_config(path: str | Path) -> TiercakeConfig:
-    """Read YAML, JSON or TOML (by extension) and validate it."""
+def load_config(path: str | Path, data_dir: str | Path = ".tiercake") -> TiercakeConfig:
+    """Read YAML, JSON or TOML (by extension), over the embedded default (``default_config``): a
+    section or field the file does not name keeps its default (mappings merge; a list, such as the
+    tiers, is replaced whole). A file that does not parse is a ``ValueError`` naming the file and the
+    place."""
     path = Path(path)
     text = path.read_text()
-    if path.suffix == ".toml":
-        data = tomllib.loads(text)
-    elif path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        data = yaml.safe_load(text)
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError) as exc:
+        raise ValueError(f"{path}: not valid {path.suffix.lstrip('.').upper() or 'YAML'}: "
+                         f"{' '.join(str(exc).split())}") from None
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping, got {type(data).__name__}")
-    return with_environment(TiercakeConfig.model_validate(data))
+    merged = merge(default_config(data_dir).model_dump(mode="json"), data)
+    return with_environment(TiercakeConfig.model_validate(merged))
+
+
+def merge(base: dict, over: dict) -> dict:
+    """``over`` on ``base``: mappings merge key by key, anything else (a list, a value, null) replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 ENV_PREFIX = "TIERCAKE__"

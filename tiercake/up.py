@@ -24,10 +24,27 @@ from pathlib import Path
 import yaml
 
 from .config import TiercakeConfig
+from tiercake.tiers.pool import remove_pool
+from .up_state import DataDirLock, ShmLeftovers, write_private
 
 
 class StartError(RuntimeError):
     """A process of the cluster did not start; the message says why (the tail of its log)."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) while the cluster was starting."""
+
+
+STOP_GRACE_S = 3.0  # how long a child may take to stop after SIGTERM, before SIGKILL (Ctrl-C: all down in 5 s)
+
+
+def on_stop_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set from now on (start-up waits watch it too)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _die_with_parent(parent: int):
@@ -85,12 +102,17 @@ class Child:
         if self.proc.stdout is not None:
             threading.Thread(target=self.proc.stdout.readline, daemon=True).start()
 
-    def wait_announce(self, timeout: float) -> dict:
-        """The child's first stdout line (JSON: where it listens)."""
+    def wait_announce(self, timeout: float, stop: threading.Event | None = None) -> dict:
+        """The child's first stdout line (JSON: where it listens); ``Interrupted`` once ``stop`` is set."""
         result: list[bytes] = []
         reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
-        reader.join(timeout)
+        deadline = time.monotonic() + timeout
+        while reader.is_alive() and time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                self.stop()
+                raise Interrupted()
+            reader.join(min(0.1, max(0.0, deadline - time.monotonic())))
         try:
             if not result or not result[0]:
                 raise ValueError("no announcement")
@@ -108,11 +130,11 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
         stop_all([self], timeout)
 
 
-def stop_all(children: list[Child], timeout: float = 10.0) -> None:
+def stop_all(children: list[Child], timeout: float = STOP_GRACE_S) -> None:
     """SIGTERM to all at once, then SIGKILL to whoever is still running after ``timeout``."""
     for child in children:
         child.terminate()
@@ -136,8 +158,9 @@ class Supervisor:
     MAX_RESTARTS = 5
     WINDOW_S = 60.0
 
-    def __init__(self, children: list[Child], print_fn) -> None:
-        self.children, self.print_fn = children, print_fn
+    def __init__(self, children: list[Child], print_fn, on_restart=None) -> None:
+        """``on_restart(child)``: after a child was started again (what the dead one left is cleaned)."""
+        self.children, self.print_fn, self.on_restart = children, print_fn, on_restart
         self._due: dict[str, float] = {}  # name -> when to restart it
         self._exits: dict[str, list[float]] = {}
 
@@ -163,21 +186,27 @@ class Supervisor:
                 elif now >= due:
                     del self._due[child.name]
                     child.restart()
+                    if self.on_restart is not None:
+                        self.on_restart(child)
             stop.wait(0.2)
         return True
 
 
 def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> str | None:
     """The environment of the cluster's processes: the transfer secret and the seal secret (each made
-    up when none is configured: only this cluster's processes need them) and the control token (made up when none is
-    configured and the config does not say insecure, and written to ``<data dir>/control-token``,
-    readable by its owner only, for the operator). Returns where the token is, for the printout."""
+    up when none is configured: only this cluster's processes need them; a made-up transfer secret is
+    written to ``<data dir>/cluster-secret`` for the key-value store's clients) and the control token
+    (made up when none is configured and the config does not say insecure, and written to
+    ``<data dir>/control-token``); both files readable by their owner only. Returns where the token
+    is, for the printout."""
     from .config import ENV_PREFIX
 
     for name in [n for n in env if n.startswith(ENV_PREFIX)]:
         del env[name]  # already in the config written for the children: they must not apply them over it
+    data_dir.mkdir(parents=True, exist_ok=True)
     if not env.get(config.transfer.secret_env) and not config.transfer.secret_file:
         env[config.transfer.secret_env] = secrets.token_hex(24)
+        write_private(data_dir / "cluster-secret", env[config.transfer.secret_env])
     if not env.get(config.transfer.seal_secret_env) and not config.transfer.seal_secret_file:
         env[config.transfer.seal_secret_env] = secrets.token_hex(24)
     conductor = config.conductor
@@ -188,11 +217,8 @@ def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> 
     if conductor.token_file:
         return conductor.token_file
     token = secrets.token_urlsafe(24)
-    data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / "control-token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    write_private(path, token)
     env[conductor.token_env] = token
     return str(path)
 
@@ -209,10 +235,10 @@ class NodeCluster:
     the control token (or the config says insecure)."""
 
     def __init__(self, config: TiercakeConfig, root: Path, env: dict[str, str], port: int = 0,
-                 serving_port: int | None = None) -> None:
+                 serving_port: int | None = None, stop: threading.Event | None = None) -> None:
         """``port``: the control API's; ``serving_port``: the front's (None: no front, the engines serve
-        the OpenAI API themselves)."""
-        self.root, self.env, self.logs = root, env, root / "logs"
+        the OpenAI API themselves); ``stop``: set, it ends the waits for the processes to start."""
+        self.root, self.env, self.logs, self.stop_event = root, env, root / "logs", stop
         root.mkdir(parents=True, exist_ok=True)
         cfg = config.model_copy(deep=True)
         cfg.conductor.port = port
@@ -221,7 +247,7 @@ class NodeCluster:
         self.conductor = Child("conductor", ["conductor", "--config", str(root / "up-conductor.yaml"),
                                              "--id", "conductor-0"], without_seal_secret(config, env), self.logs)
         try:
-            announced = self.conductor.wait_announce(60)
+            announced = self.conductor.wait_announce(60, stop)
             self.url = announced["url"]
             self.front_url = announced.get("api_url") if serving_port is not None else None
             cfg.conductor.urls = [self.url]
@@ -235,7 +261,7 @@ class NodeCluster:
     def start_node(self) -> Child:
         node = Child("node", ["node", "--config", str(self.root / "up-node.yaml")],
                      without_seal_secret(self.config, self.env), self.logs)
-        node.wait_announce(120)
+        node.wait_announce(120, self.stop_event)
         return node
 
     def restart_node(self) -> None:
@@ -247,14 +273,18 @@ class NodeCluster:
         self.conductor.stop()
 
 
-def vllm_worker(cluster: NodeCluster, vllm_url: str, role: str, name: str) -> Child:
+def vllm_worker(cluster: NodeCluster, vllm_url: str, role: str, name: str, stop: threading.Event | None = None) -> Child:
     """``tiercake worker --engine vllm`` for the vLLM server at ``vllm_url``, registered with the cluster's
     conductor, whose front then routes to it; returns once it is serving."""
     # --vllm-wait: restarted while its vLLM server restarts too, it waits for it instead of exiting again
     child = Child(name, ["worker", "--config", str(cluster.root / "up-node.yaml"), "--engine", "vllm",
                          "--vllm-url", vllm_url, "--vllm-wait", "600", "--role", role, "--id", name],
                   cluster.env, cluster.logs)
-    child.wait_announce(120)
+    try:
+        child.wait_announce(120, stop)
+    except BaseException:
+        child.stop()
+        raise
     return child
 
 
@@ -274,10 +304,13 @@ class VllmServer:
     def _tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def wait_ready(self, timeout: float = 300) -> None:
-        """Until its /health answers; RuntimeError (with its log's tail) if it exits first."""
+    def wait_ready(self, timeout: float = 300, stop: threading.Event | None = None) -> None:
+        """Until its /health answers; RuntimeError (with its log's tail) if it exits first,
+        ``Interrupted`` once ``stop`` is set."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise Interrupted()
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self._tail()}")
             try:
@@ -286,10 +319,10 @@ class VllmServer:
                         return
             except OSError:
                 pass
-            time.sleep(0.5)
+            (stop or threading.Event()).wait(0.5)
         raise TimeoutError(f"vLLM did not answer /health within {timeout} s:\n{self._tail()}")
 
-    def stop(self, timeout: float = 30) -> None:
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
         self.child.stop(timeout)
 
 
@@ -313,28 +346,30 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
         raise ValueError(f"vLLM roles must be workers, or prefill and decode instances together; got {roles}")
     if "prefill" in roles and not config.serving.disaggregated:
         raise ValueError("prefill and decode instances need serving.disaggregated: true")
+    stop = on_stop_signals()
+    lock = DataDirLock(data_dir).acquire()
+    shm = ShmLeftovers()
     env = dict(os.environ)
     token_at = credentials(config, data_dir, env)
     cfg = config.model_copy(deep=True)
     cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
+    cfg.store.tiers = [t for t in cfg.store.tiers if t.kind != "gpu"]  # vLLM keeps its own KV on the device
     cfg.model_id = model.name  # the name vLLM serves it under
     cfg.serving.host = host
     cfg.serving.tokenizer = cfg.serving.tokenizer or str(model)  # the front tokenizes as vLLM does
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    cluster = NodeCluster(cfg, data_dir, env, port=free_port(), serving_port=port)
+    cluster = None
     servers: list[VllmServer] = []
     workers: list[Child] = []
     try:
+        cluster = NodeCluster(cfg, data_dir, env, port=free_port(), serving_port=port, stop=stop)
         for i in range(len(roles)):
             vllm_port = free_port()
             command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id,
                                     kv_events=(free_port(), free_port()), extra=list(vllm_args))
             servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
         for server in servers:
-            server.wait_ready()
-        workers = [vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}")
+            server.wait_ready(stop=stop)
+        workers = [vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}", stop)
                    for i, (server, role) in enumerate(zip(servers, roles))]
         urls = [server.url for server in servers]
         kinds = ", ".join(f"{roles.count(r)} {r}" for r in ("worker", "prefill", "decode") if r in roles)
@@ -349,13 +384,17 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
         if ready_file is not None:
             ready_file.write_text(json.dumps({"url": cluster.front_url, "vllm": urls, "roles": roles,
                                               "conductor": cluster.url}))
+        lock.record(pid=os.getpid(), url=cluster.front_url)
         children = [cluster.conductor, cluster.node, *(server.child for server in servers), *workers]
-        return 0 if Supervisor(children, print_fn).watch(stop) else 1
+        return 0 if Supervisor(children, print_fn, on_restart=lambda _: shm.clean(_pools(cfg))).watch(stop) else 1
+    except Interrupted:
+        return 130
     finally:
-        stop_all(workers)
-        for server in servers:
-            server.stop()
-        cluster.close()
+        stop_all(workers + [server.child for server in servers])
+        if cluster is not None:
+            cluster.close()
+        _give_back(cfg, shm)
+        lock.release()
         print_fn("tiercake is down")
 
 
@@ -367,16 +406,15 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
     (namespace, address): the node agent runs inside that network namespace, its transfer port at
     that address (fault injection: ``tiercake chaos`` cuts its link; ``host`` must be reachable from
     there)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    stop = on_stop_signals()
+    lock = DataDirLock(data_dir).acquire()
+    shm = ShmLeftovers()
     env = dict(os.environ)
     token_at = credentials(config, data_dir, env)
     logs = data_dir / "logs"
     children: list[Child] = []
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    cfg = config.model_copy(deep=True)
     try:
-        cfg = config.model_copy(deep=True)
         cfg.conductor.host, cfg.conductor.port = host, port + 1 if control_port is None else control_port
         cfg.serving.host, cfg.serving.port = host, port
         if etcd:
@@ -386,7 +424,7 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
         conductor = Child("conductor", ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"],
                           without_seal_secret(cfg, env), logs)
         children.append(conductor)
-        announced = conductor.wait_announce(60)
+        announced = conductor.wait_announce(60, stop)
         control, url = announced["url"], announced.get("api_url", announced["url"])
         cfg.conductor.urls = [control]
         node_cfg = data_dir / "up-node.yaml"
@@ -401,7 +439,7 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
             prefix = ["ip", "netns", "exec", namespace]
         node = Child("node", ["node", "--config", str(agent_cfg)], without_seal_secret(cfg, env), logs, prefix=prefix)
         children.append(node)
-        node.wait_announce(120)
+        node.wait_announce(120, stop)
         roles = [("prefill", prefill), ("decode", decode), ("worker", workers)]
         for role, count in roles:
             for i in range(count):
@@ -410,23 +448,50 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
                                      "--id", f"{cfg.node_id}-{name}", "--data-dir", str(data_dir)], env, logs)
                 children.append(child)
         for child in children[2:]:
-            child.wait_announce(300)  # a worker calibrates its timings first (persisted for next time)
-        _print_up(print_fn, cfg.model_id, url, control, token_at, len(children) - 2, logs)
+            child.wait_announce(300, stop)  # a worker calibrates its timings first (persisted for next time)
+        _print_up(print_fn, cfg.model_id, url, control, token_at, len(children) - 2, logs, data_dir)
         if ready_file is not None:
             ready_file.write_text(json.dumps({"url": url, "control_url": control, "token": token_at}))
-        return 0 if Supervisor(children, print_fn).watch(stop) else 1
+        lock.record(pid=os.getpid(), url=url)
+        return 0 if Supervisor(children, print_fn, on_restart=lambda _: shm.clean(_pools(cfg))).watch(stop) else 1
+    except Interrupted:
+        return 130
     finally:
         stop_all([c for c in children if c.name != "conductor"])  # members leave while the conductor answers
         stop_all([c for c in children if c.name == "conductor"])
+        _give_back(cfg, shm)
+        lock.release()
         print_fn("tiercake is down")
 
 
-def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None, workers: int, logs: Path) -> None:
+def _pools(cfg: TiercakeConfig) -> set[str]:
+    """The names in /dev/shm of the node's pool and what lies beside it (kept while up runs)."""
+    names = set()
+    for tier in cfg.store.tiers:
+        if tier.kind == "pool" and tier.path and Path(tier.path).parent == Path("/dev/shm"):
+            name = Path(tier.path).name
+            names |= {name, f"{name}.objects", f"{name}.object-map.json"}
+    return names
+
+
+def _give_back(cfg: TiercakeConfig, shm: ShmLeftovers) -> None:
+    """A stopped cluster gives its memory back: the node's pool file under /dev/shm (what it held at
+    the memory level goes with it; what was persisted stays on SSD), and what its children left."""
+    for tier in cfg.store.tiers:
+        if tier.kind == "pool" and tier.path and Path(tier.path).parent == Path("/dev/shm"):
+            remove_pool(tier.path)
+    shm.clean()
+
+
+def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None, workers: int, logs: Path,
+              data_dir: Path) -> None:
     print_fn(f"tiercake is up: {url}  (conductor, node agent, {workers} workers; logs in {logs})")
     if token_at:
         print_fn(f"control API: {control}  (bearer token: {token_at})")
     else:
         print_fn(f"control API: {control}  (INSECURE: no token, as configured)")
+    if (data_dir / "cluster-secret").exists():
+        print_fn(f"key-value store clients: the conductor {control}, the secret in {data_dir / 'cluster-secret'}")
     print_fn("send a request:")
     print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
              f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers! Which of you holds my cached prefix?\", \"max_tokens\": 16, "

@@ -176,6 +176,21 @@ def block_bytes(kv_cache_config: KVCacheConfig) -> int:
     return groups[0].kv_cache_spec.page_size_bytes * len(groups[0].layer_names) if groups else 0
 
 
+def allow_amx() -> bool:
+    """Ask Linux for Intel AMX tiles for this process, before its first attention step.
+
+    vLLM's CPU attention picks its AMX kernel for bf16 wherever the CPU has AMX
+    (``cpu_attn._get_attn_isa``), but never asks for the tiles (``arch_prctl(ARCH_REQ_XCOMP_PERM)``),
+    without which the first AMX instruction is SIGILL; torch asks only when one of its own oneDNN
+    kernels first uses AMX. A server whose first step is attention over KV it loaded (a restarted
+    instance asked for a prompt the pool holds) reached vLLM's kernel first and died ("Illegal
+    instruction" in ``cpu_attention_with_kv_cache``). Asking is harmless on a CPU without AMX.
+    Whether this process may now use AMX (False: no AMX, or not granted)."""
+    cpu = getattr(torch, "cpu", None)
+    init = getattr(cpu, "_init_amx", None)
+    return bool(init()) if init is not None else False
+
+
 class TiercakeConnector(KVConnectorBase_V1):
     """See the module docstring."""
 
@@ -363,6 +378,7 @@ class TiercakeConnector(KVConnectorBase_V1):
     # ==== worker side =============================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        allow_amx()
         names = self.layer_names or sorted(kv_caches)
         layers = []
         for name in names:

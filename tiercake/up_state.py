@@ -1,0 +1,122 @@
+"""What ``tiercake up`` holds in its data directory and in /dev/shm, and gives back when it stops.
+
+- **The data directory is one cluster's.** ``DataDirLock`` takes ``<data dir>/up.lock`` (an exclusive
+  ``flock``, released by the kernel when ``up`` dies however it dies) before ``up`` writes anything
+  there, and records who holds it; a second ``up`` on the same directory is refused with the first
+  one's pid and address, before it can overwrite the running cluster's token or logs.
+- **Credentials for the operator.** The control token and the cluster's transfer secret that ``up``
+  makes up are written beside each other (mode 0600): ``control-token`` and ``cluster-secret``, for
+  the control API and for clients of the key-value store.
+- **Nothing left in /dev/shm.** A killed vLLM server leaves its shared memory behind (hundreds of MB:
+  Python's ``SharedMemory`` segments and semaphores, whose tracker dies with it). ``ShmLeftovers``
+  notes what /dev/shm held when ``up`` started and removes what appeared since and no live process
+  has open or mapped: after a child is restarted, and when ``up`` stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+
+
+class DataDirBusy(RuntimeError):
+    """Another ``tiercake up`` runs in this data directory."""
+
+
+class DataDirLock:
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / "up.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> DataDirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise DataDirBusy(f"another tiercake up runs in {self.path.parent} ({holder}); stop it first, or give this "
+                              "one its own --data-dir") from None
+        self._fd = fd
+        self.record(pid=os.getpid())
+        return self
+
+    def record(self, **about) -> None:
+        """Say who holds the directory (its pid, then where it listens), for a second ``up`` to name."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(about).encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the lock goes with the descriptor
+            self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        about = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return "pid unknown"
+    return ", ".join(f"{k} {v}" for k, v in about.items()) or "pid unknown"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (a token, a secret)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+class ShmLeftovers:
+    def __init__(self, shm: Path = SHM) -> None:
+        self.shm = shm
+        self.before = self._names()
+
+    def _names(self) -> set[str]:
+        try:
+            return {p.name for p in self.shm.iterdir()}
+        except OSError:
+            return set()
+
+    def clean(self, keep: set[str] = frozenset()) -> list[str]:
+        """Remove what appeared in /dev/shm since this was made, is not in ``keep`` and no live process
+        has open or mapped; the names removed."""
+        new = self._names() - self.before - set(keep)
+        if not new:
+            return []
+        used = _in_use(self.shm)
+        removed = []
+        for name in sorted(new - used):
+            with contextlib.suppress(OSError):
+                (self.shm / name).unlink()
+                removed.append(name)
+        return removed
+
+
+def _in_use(shm: Path) -> set[str]:
+    """Names under ``shm`` that some process has open or mapped (what /proc shows us)."""
+    prefix = f"{shm}/"
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text(errors="replace").splitlines():
+                at = line.find(prefix)
+                if at >= 0:
+                    used.add(line[at + len(prefix):].split(" ")[0])
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith(prefix):
+                        used.add(target[len(prefix):].split(" ")[0])
+    return used
