@@ -14,7 +14,10 @@ token (``WorkerUnavailable``) is skipped for ``FAIL_BACKOFF_S`` and the phase pl
 ``ATTEMPTS`` times; a worker that is alive but full (``WorkerBusy``: its gpu tier is held by running
 sequences) is skipped only for ``BUSY_BACKOFF_S``, and when every worker is full the answer is a 429
 with Retry-After, not a 503; a refusal of the request itself (``WorkerRefused``) is the client's 4xx;
-a failure after a token reached the client (``StreamBroken``) ends the stream with an error.
+a worker that answers with a server error of its own (``RequestFailed``) is up, and not skipped:
+the request goes to one more worker, and fails alone (a 500) when that one fails it too, so a
+request that breaks workers cannot sideline them for everyone else; a failure after a token reached
+the client (``StreamBroken``) ends the stream with an error.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, Router,
 
 from .service import Conductor
 from .serving_stats import ServingStats, Timing
-from .worker_client import StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
+from .worker_client import RequestFailed, StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class Job:
     top_p: float = 1.0
     logprobs: int | None = None
     timing: Timing = field(default_factory=Timing)
+    failed_on: set[str] = field(default_factory=set)  # workers that answered this request with a server error
     _keys_in: dict = field(default_factory=dict, init=False, repr=False)  # namespace -> the prompt's keys in it
 
     def keys_in(self, space: KVSpace | None) -> list[bytes]:
@@ -103,6 +107,7 @@ class Dispatcher:
     ATTEMPTS = 3
     FAIL_BACKOFF_S = 2.0
     BUSY_BACKOFF_S = 0.25
+    REQUEST_FAILURES = 2  # workers that answered a request with a server error before the request fails
 
     def __init__(self, conductor: Conductor, config: TiercakeConfig, stats: ServingStats,
                  workers: WorkerClient | None = None) -> None:
@@ -140,7 +145,7 @@ class Dispatcher:
         roles = ("prefill",) if split else ANY_WORKER
         finished, handoff, first = False, None, 0
         prefill = self._attempts("prefill", lambda: self._plan_prefill(job, roles, split), len(job.tokens),
-                                 lambda event, load, first: self._prefilled(job, event, load, first))
+                                 lambda event, load, first: self._prefilled(job, event, load, first), job.failed_on)
         async for event in prefill:
             if event.finish_reason is None:
                 yield event
@@ -153,7 +158,7 @@ class Dispatcher:
         if not finished:
             raise StreamBroken("prefill", "the worker ended the stream before its last token")
         decode = self._attempts("decode", lambda: self._plan_decode(job, first, handoff), 0,
-                                lambda event, _, first: self._decoding(job, event))
+                                lambda event, _, first: self._decoding(job, event), job.failed_on)
         async for event in decode:
             yield event
             if event.finish_reason is not None:
@@ -164,10 +169,11 @@ class Dispatcher:
         return bool(self.serving.disaggregated and self._candidates(("prefill",)) and self._candidates(("decode",)))
 
     async def _attempts(self, phase: str, plan: Callable[[], tuple[MemberInfo, GenerateRequest]], queued: int,
-                        on_stats: Callable[[TokenEvent, WorkerLoad, bool], None]) -> AsyncIterator[TokenEvent]:
+                        on_stats: Callable[[TokenEvent, WorkerLoad, bool], None],
+                        tried: set[str]) -> AsyncIterator[TokenEvent]:
         """The one retry rule (module docstring). ``on_stats`` sees the first event, and any later one
         with figures (an engine that learns its reuse only at the end sends them with the last)."""
-        errors, busy = [], 0
+        errors, busy, failed = [], 0, 0
         for _ in range(self.ATTEMPTS):
             member, request = plan()
             load = self.loads[member.node_id]
@@ -190,6 +196,14 @@ class Dispatcher:
                 errors.append(str(exc))
                 busy += 1
                 log.info("front: %s; trying another %s worker", exc, phase)
+            except RequestFailed as exc:  # the worker is up: not sidelined; two such answers fail the request only
+                errors.append(str(exc))
+                failed += 1
+                tried.add(member.node_id)
+                log.warning("front: %s", exc)
+                if failed >= self.REQUEST_FAILURES:
+                    raise ApiError(500, f"the request failed on {failed} {phase} workers: " + "; ".join(errors),
+                                   "server_error", "request_failed") from None
             except WorkerUnavailable as exc:
                 load.failed_until = time.monotonic() + self.FAIL_BACKOFF_S
                 errors.append(str(exc))
@@ -233,7 +247,7 @@ class Dispatcher:
     def route(self, job: Job, roles: tuple[str, ...], split: bool = False) -> Route:
         """The worker for the prompt, the router's decision, and where to pull the prefix from when
         it says pull (the node holding the longest prefix, so the worker need not ask the index)."""
-        members = self._candidates(roles)
+        members = self._candidates(roles, job.failed_on)
         if not members:
             raise self._no_worker(roles)
         space = self._space(members)
@@ -295,7 +309,7 @@ class Dispatcher:
     # HANDOFF and DECODE -------------------------------------------------------------------------
 
     def _plan_decode(self, job: Job, first: int, handoff: KVHandoff | None) -> tuple[MemberInfo, GenerateRequest]:
-        members = self._candidates(("decode",))
+        members = self._candidates(("decode",), job.failed_on)
         if not members:
             raise self._no_worker(("decode",))
         tokens = [*job.tokens, first]
@@ -319,9 +333,11 @@ class Dispatcher:
         """The live workers of these roles that serve an API (what the front may send work to)."""
         return [m for m in self.conductor.members.alive() if m.role in roles and m.url]
 
-    def _candidates(self, roles: tuple[str, ...]) -> list[MemberInfo]:
+    def _candidates(self, roles: tuple[str, ...], skip: set[str] = frozenset()) -> list[MemberInfo]:
+        """Workers of ``roles`` not failed or full a moment ago, and not in ``skip``."""
         now = time.monotonic()
-        return [m for m in self._workers(roles) if self.loads[m.node_id].failed_until <= now and self.loads[m.node_id].busy_until <= now]
+        return [m for m in self._workers(roles) if m.node_id not in skip and self.loads[m.node_id].failed_until <= now
+                and self.loads[m.node_id].busy_until <= now]
 
     def _state(self, member: MemberInfo, cached: int) -> WorkerState:
         load, perf = self.loads[member.node_id], member.perf

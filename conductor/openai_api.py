@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
-from tiercake.errors import ApiError, invalid
+from tiercake.errors import ApiError, invalid, parse_body
 from tiercake.messages import TokenEvent
 from tiercake.tokenizer import Tokenizer, load_tokenizer
 
@@ -74,7 +74,7 @@ def _ask(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]
 
 
 def completion_ask(raw: bytes, tokenizer: Tokenizer) -> Ask:
-    req = CompletionRequest.model_validate_json(raw)
+    req = parse_body(CompletionRequest, raw, "invalid request")
     try:
         prompts = req.prompts(tokenizer)
     except ValueError as exc:
@@ -83,7 +83,7 @@ def completion_ask(raw: bytes, tokenizer: Tokenizer) -> Ask:
 
 
 def chat_ask(raw: bytes, tokenizer: Tokenizer) -> Ask:
-    req = ChatCompletionRequest.model_validate_json(raw)
+    req = parse_body(ChatCompletionRequest, raw, "invalid request")
     try:
         limit, alternatives = req.limit(), req.alternatives()
     except ValueError as exc:
@@ -217,6 +217,8 @@ class OpenAIApi:
             if len(tokens) + ask.max_tokens > self.serving.max_context:
                 raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {ask.max_tokens} exceed the context "
                                f"length of {self.serving.max_context} ({which})", code="context_length_exceeded")
+        if any(not 0 <= t < vocab for t in ask.stop_ids):
+            raise ApiError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
         held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
         index_tenant, salt = self.tenants.namespace(tenant)
         namespace = self.config.serving_namespace(salt)

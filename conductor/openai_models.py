@@ -5,7 +5,7 @@ text through the served model's tokenizer (``tiercake.tokenizer``)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -31,10 +31,11 @@ def only_neutral(unhonoured: dict, value, info: ValidationInfo):
 
 MAX_CHOICES = 16  # answers in one response (prompts times n): each is a request to a worker
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default limit
+MAX_STOP_TOKEN_IDS = 256
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     include_usage: bool = False
 
@@ -46,22 +47,24 @@ class _OpenAIRequest(BaseModel):
     clients that send them at that value are served, any other value is a 400 that names the
     parameter, never an answer that silently ignored it."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     UNHONOURED: ClassVar[dict[str, Any]] = {}
 
     model: str = Field(min_length=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1 - MAX_CHOICES,
+                             description="a 64-bit integer (choice j samples with seed + j)")
     user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="answers per prompt (choice i*n+j: prompt i's "
                    "j-th); with a seed, choice j samples with seed+j")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
     stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
                                          "first one it would contain (finish_reason stop)")
-    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extension: token ids that end "
-                                             "the answer (not included)")
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM's extension: token ids that end the answer "
+        "(not included; at most 256, each in the vocabulary's range)")
     presence_penalty: float = 0
     frequency_penalty: float = 0
     logit_bias: dict[str, float] | None = None
@@ -106,7 +109,7 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant"]
     content: str

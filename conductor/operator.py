@@ -123,6 +123,11 @@ class OperatorApi:
     async def policy(self, request: web.Request) -> web.Response:
         body = await parse(request, PolicyRequest)
         warnings = []
+        for spec in [body.router, *(e.policy for e in (body.eviction or {}).values())]:
+            if spec is not None and ":" in spec:  # checked before anything resolves it: no import on a request
+                raise ApiError(400, f"policy {spec!r}: a run-time switch takes a policy by name (a built-in or an "
+                               "entry point, `tiercake policy list`); a module:Class path only from the config",
+                               param="router" if spec == body.router else "eviction")
         try:
             if body.router is not None:
                 router = create_router(body.router, body.router_params)  # refuse what would not build

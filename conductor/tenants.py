@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections import defaultdict
@@ -12,13 +13,21 @@ from aiohttp import web
 from tiercake.config import ServingConfig, TenantQuota
 from tiercake.errors import ApiError, bearer
 
+log = logging.getLogger(__name__)
 TENANT_HEADER = "X-Tiercake-Tenant"
+
+
+SHARED_CACHE_NOTE = ("no API keys are configured: callers that send no tenant header all share the tenant "
+                     "'default' and its cache, so one can tell from its cached tokens whether another sent a "
+                     "prompt. Give each caller an API key (serving.api_keys: key -> tenant), or send "
+                     f"{TENANT_HEADER} per caller")
 
 
 class Tenants:
     def __init__(self, serving: ServingConfig) -> None:
         self.api_keys = serving.all_api_keys()
         self.shared = serving.shared_namespace
+        self._said = False
 
     def of(self, request: web.Request) -> str:
         """The tenant of a request: its API key's when keys are configured (else a 401), or the tenant
@@ -32,6 +41,9 @@ class Tenants:
         tenant = request.headers.get(TENANT_HEADER, "default")
         if not tenant or "/" in tenant or len(tenant) > 128:
             raise ApiError(400, f"{TENANT_HEADER} must be 1-128 characters without '/'")
+        if not self._said:  # said once, where an operator reads the front's log
+            self._said = True
+            log.warning("front: %s", SHARED_CACHE_NOTE)
         return tenant
 
     def namespace(self, tenant: str) -> tuple[str, str]:

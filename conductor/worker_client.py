@@ -2,7 +2,9 @@
 into ``TokenEvent``s, and every failure typed by what the caller may do about it:
 
 - ``WorkerUnavailable``: the worker could not be reached, or failed before its first token (5xx):
-  another worker may serve the request (the one retry rule of the dispatcher).
+  another worker may serve the request (the one retry rule of the dispatcher). ``RequestFailed``, a
+  kind of it: the worker is alive and answered that this request failed (a 5xx it wrote): the worker
+  is not at fault until other workers serve other requests and this one fails everywhere.
 - ``WorkerRefused``: the worker refused the request as malformed (4xx): no other worker will take it.
 - ``StreamBroken``: the worker failed after some tokens: the client's response is already under way.
 """
@@ -33,6 +35,11 @@ class WorkerUnavailable(WorkerError):
 class WorkerBusy(WorkerUnavailable):
     """Alive, but with no room for the request now (its gpu tier is held by running sequences):
     another worker may take it, and this one will again soon."""
+
+
+class RequestFailed(WorkerUnavailable):
+    """The worker answered, with a server error for this request: it is up; the request may be what
+    fails (the dispatcher tries it on one more worker, and does not sideline this one)."""
 
 
 class WorkerRefused(WorkerError):
@@ -85,7 +92,7 @@ class WorkerClient:
                     raise WorkerRefused(worker, resp.status, error.message)
                 if error.code == "worker_busy":
                     raise WorkerBusy(worker, error.message)
-                raise WorkerUnavailable(worker, error.message)
+                raise RequestFailed(worker, error.message)
             emitted = 0
             try:
                 async for line in resp.content:

@@ -583,3 +583,30 @@ async def test_node_directory_retries_a_node_once_where_it_may_have_moved():
     assert await run(moved_only=True, move=False) == 1  # same address: a stalled node costs one deadline
     assert await run(moved_only=True, move=True) == 2
     assert await run(moved_only=False, move=False, fail=True) == 1  # the transfer's own failure stands
+
+
+
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"GET /health HTTP/9.9\r\n\r\n",
+    b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 20000 + b"\r\n\r\n",
+])
+async def test_a_request_aiohttp_cannot_parse_is_answered_in_the_one_error_format(api, raw):
+    url, _ = api
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+
+    def send() -> bytes:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            return data
+
+    head, _, body = (await asyncio.to_thread(send)).partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400" and b"application/json" in head, head
+    error = ErrorReply.model_validate_json(body).error
+    assert error.type == "invalid_request_error" and error.message.startswith("unparsable request: ")

@@ -75,6 +75,36 @@ async def test_no_live_worker_is_a_503_and_a_dead_one_is_skipped():
         assert front.dispatcher.loads["w-dead"].failed_until > 0 and front.dispatcher.loads["w-dead"].running == 0
 
 
+async def test_a_request_that_fails_on_live_workers_fails_alone_and_sidelines_none():
+    """A worker that answers a request with its own server error is up: the request goes to one more
+    worker, then fails with a 500 of its own; neither worker is skipped for the others' requests
+    (one client's poisoned request once turned every worker away from everyone for seconds)."""
+    from aiohttp import web
+
+    async def failing(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"error": {"message": "this request broke me", "type": "server_error"}}, status=500)
+
+    app = web.Application()
+    app.router.add_post("/generate", failing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    live = [worker(name).model_copy(update={"url": url}) for name in ("w-a", "w-b", "w-c")]
+    body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 2}
+    try:
+        async with _front(ServingConfig(), live) as (front_url, front):
+            async with aiohttp.ClientSession() as http:
+                async with http.post(front_url + "/v1/completions", json=body) as resp:
+                    error = (await resp.json())["error"]
+            assert resp.status == 500 and error["code"] == "request_failed" and "failed on 2 prefill workers: worker w-a" in error["message"]
+            assert all(load.failed_until == 0 for load in front.dispatcher.loads.values())
+    finally:
+        await runner.cleanup()
+
+
 async def test_routing_sees_each_workers_own_prefix():
     from tiercake.blocks import block_keys
 
@@ -169,3 +199,37 @@ async def test_a_front_started_with_a_router_that_ignores_the_tiers_says_so(capl
         async with _front(ServingConfig(router="cache_aware"), []):
             pass
     assert not any("never loaded" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_run_time_policy_switch_takes_names_only_and_imports_nothing():
+    """A control token is not an import primitive: `module:Class` on /v1/policy is refused before any
+    module is looked up (it once imported whatever it named); names of the registry still switch."""
+    import sys
+
+    sys.modules.pop("this", None)
+    async with _front(ServingConfig(), []) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            for body in ({"router": "this:X"}, {"eviction": {"pool": {"policy": "this:LRU"}}}):
+                async with http.post(url + "/v1/policy", json=body) as resp:
+                    error = (await resp.json())["error"]
+                    assert resp.status == 400 and "by name" in error["message"], error
+            assert "this" not in sys.modules
+            async with http.post(url + "/v1/policy", json={"router": "least_loaded"}) as resp:
+                assert resp.status == 200, await resp.text()
+
+
+async def test_a_front_without_api_keys_says_once_that_its_callers_share_a_cache(caplog):
+    body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 2}
+    async with _front(ServingConfig(), []) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 503  # no worker: still a caller the note is for
+    notes = [r for r in caplog.records if "share the tenant 'default' and its cache" in r.getMessage()]
+    assert len(notes) == 1 and "serving.api_keys" in notes[0].getMessage()
+    caplog.clear()
+    async with _front(ServingConfig(api_keys={"sk-a": "alice"}), []) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-a"}):
+                pass
+    assert not [r for r in caplog.records if "share the tenant" in r.getMessage()]

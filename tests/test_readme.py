@@ -137,6 +137,9 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
         [".venv/bin/tiercake", "ask", '"Hello,']], commands
     before = set(os.listdir("/dev/shm"))
     cluster = Server(commands[0], "tiercake is up:", 600)
+    while not any("Ctrl-C stops everything" in line for line in cluster.lines):
+        cluster.lines.append(cluster.proc.stdout.readline())
+    assert any("note: no API keys are configured" in line for line in cluster.lines)  # the shared cache, said
     try:
         _run(commands[1])
         again = _run(commands[2])

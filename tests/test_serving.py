@@ -194,6 +194,15 @@ async def test_bad_requests_are_clear_errors(cluster):
         (json.dumps(completion(max_tokens=True)).encode(), 400, "max_tokens"),
         (json.dumps(completion(text=[True, False])).encode(), 400, "prompt"),
         (json.dumps(completion(stream="yes")).encode(), 400, "stream"),
+        # numbers are numbers, in range: a NaN, an infinity or a seed past 64 bits is the request's fault
+        (b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(), 400, "temperature"),
+        (b'{"model": "%s", "prompt": "hi", "top_p": Infinity}' % MODEL.encode(), 400, "top_p"),
+        (json.dumps({**completion(), "seed": 2**64}).encode(), 400, "seed"),
+        (json.dumps({**completion(), "stop_token_ids": [-5]}).encode(), 400, "stop_token_ids"),
+        (json.dumps({**completion(), "stop_token_ids": [10**12]}).encode(), 400, "stop_token_ids"),
+        (json.dumps({**completion(), "stop_token_ids": list(range(10_000))}).encode(), 400, "stop_token_ids"),
+        # one value per name: a body that says max_tokens twice is ambiguous, not the last one wins
+        (b'{"model": "%s", "prompt": "hi", "max_tokens": 4, "max_tokens": 900}' % MODEL.encode(), 400, "max_tokens"),
     ]
     async with aiohttp.ClientSession() as http:
         for body, status, words in cases:
@@ -247,6 +256,27 @@ async def test_workers_take_work_only_from_who_holds_the_cluster_token(cluster):
             assert resp.status == 404
         async with http.get(cluster.control_url + "/v1/members") as resp:
             assert resp.status == 401
+
+
+async def test_one_tenants_bad_seeds_get_400s_and_cost_the_other_tenant_nothing(cluster):
+    """A seed past 64 bits once overflowed in the worker, which the front took for a dead worker: it
+    sidelined the workers for everyone while one client sent it twice a second. The request's fault is
+    the request's 400, at the front and at a worker asked directly."""
+    bad = {**completion(), "seed": 2**64, "max_tokens": 4}
+    good = {**completion(PROMPT + "Other tenant."), "max_tokens": 4, "temperature": 0}
+
+    async def send(http, body, tenant):
+        async with http.post(cluster.url + "/v1/completions", json=body, headers={"X-Tiercake-Tenant": tenant}) as r:
+            return r.status
+
+    async with aiohttp.ClientSession() as http:
+        statuses = await asyncio.gather(*([send(http, bad, "mallory") for _ in range(40)] +
+                                          [send(http, good, "alice") for _ in range(20)]))
+        worker, _ = await cluster.member_pid("prefill")
+        direct = {"request_id": "r", "tokens": list(b"hello"), "max_tokens": 2, "seed": 2**64}
+        async with http.post(worker["url"] + "/generate", json=direct, headers=cluster.auth()) as resp:
+            assert resp.status == 400 and "seed" in (await resp.json())["error"]["message"]
+    assert statuses[:40] == [400] * 40 and statuses[40:] == [200] * 20, statuses
 
 
 def test_fuzzed_http_requests_get_clear_4xx_never_a_5xx_a_hang_or_a_leak(cluster):

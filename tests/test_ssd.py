@@ -494,6 +494,47 @@ async def test_a_block_removed_while_compaction_copies_it_does_not_come_back(tmp
     await store.close()
 
 
+@pytest.mark.parametrize("removed", ["after the copy", "while it was copied"])
+async def test_a_crash_between_a_compactions_copy_and_the_old_segments_deletion_brings_back_nothing_removed(
+        tmp_path, removed):
+    """The compaction's crash points: its copies written, the victim still on disk with its records
+    live (never marked: it is deleted whole). A block removed meanwhile (its copy marked dead, either
+    after the move or by the move itself when the remove landed while it copied) must stay removed
+    after the restart; the others come back from their copies, once."""
+    store = await ssd_store(tmp_path, capacity_blocks=64, layout="log", segment_bytes=64 << 10)
+    backend = store.tier("ssd").backend
+    backend._maybe_compact = lambda: None  # this test moves the records itself, and stops before the delete
+    for i in range(16):  # two segments of eight records
+        await store.put(key(i), block(i))
+    victim = backend.segments[1]
+    chunk = sorted(victim.live.items())
+    if removed == "while it was copied":
+        read_raw = backend._read_raw
+
+        def slow_read(segment, offset, length):
+            time.sleep(0.05)
+            return read_raw(segment, offset, length)
+
+        backend._read_raw = slow_read
+        moving = asyncio.create_task(backend._move(victim, chunk))
+        await asyncio.sleep(0.02)
+        for i in (0, 2):
+            await store.remove(key(i))
+        await moving
+    else:
+        await backend._move(victim, chunk)
+        for i in (0, 2):
+            await store.remove(key(i))
+    assert victim.path.exists()  # the crash: the victim was never deleted
+    backend._close_if_retired = lambda segment: None
+    await store.close()
+    store = await ssd_store(tmp_path, capacity_blocks=64, layout="log")
+    assert sorted(store.keys()) == sorted(key(i) for i in range(16) if i not in (0, 2))
+    for i in (1, 3, 9):
+        assert same(await store.get(key(i)), i)
+    await store.close()
+
+
 async def test_of_two_records_of_a_key_the_newer_is_recovered(tmp_path):
     backend = SsdLogTier(tmp_path, capacity_bytes=1 << 20)
     for i in (1, 2):  # as a crash between a compaction's copy and the segment's deletion leaves them

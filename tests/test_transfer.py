@@ -193,6 +193,9 @@ async def test_server_checks_that_the_client_knows_the_secret_too(node):
         (raw_frame(p.Op.READ, struct.pack("<I", 5) + b"\x01"), b"truncated table"),
         (raw_frame(p.Op.READ, struct.pack("<I", 10**6)), b"over the limit"),
         (raw_frame(p.Op.READ, p.encode_read([(b"k", 4)]) + b"junk"), b"do not match"),
+        # a lease for NaN or infinite seconds once held a block past any remove, for good
+        (raw_frame(p.Op.LEASE, p.encode_lease([(b"still", 100, float("nan"))])), b"ttl: not a finite number"),
+        (raw_frame(p.Op.LEASE, p.encode_lease([(b"still", 100, float("inf"))])), b"ttl: not a finite number"),
     ],
 )
 async def test_malformed_frames_get_an_error_and_a_closed_connection(node, frame, expect):

@@ -66,7 +66,7 @@ class Namespace(BaseModel):
     Two tenants share cache hits only if they are configured with the same ``tenant_salt``.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     model_id: str = Field(min_length=1, description="model name and revision")
     kv_layout: str = Field(min_length=1, description="KV layout and dtype, e.g. 'L2.H2.D16.float16'")
@@ -231,7 +231,7 @@ _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "
 class BlockLayout(BaseModel):
     """The KV payload of one block: ``[layers, 2 (k, v), block_size, kv_heads, head_dim]``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     layers: int = Field(gt=0)
     kv_heads: int = Field(gt=0)

@@ -18,7 +18,7 @@ from .blocks import BlockLayout, Namespace
 class ModelConfig(BaseModel):
     """The reference model's dimensions; its weights come from ``seed`` (nothing is downloaded)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     vocab: int = Field(default=256, gt=0, description="byte-level: 256")
     dim: int = Field(default=128, gt=0)
@@ -43,7 +43,7 @@ class ModelConfig(BaseModel):
 class TierConfig(BaseModel):
     """One storage tier. Fields that do not apply to a tier's ``kind`` must be left unset."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     kind: str = Field(description="a registered tier backend: gpu, pool, ssd, or a plug-in's name")
     name: str | None = Field(default=None, description="defaults to the kind")
@@ -103,7 +103,7 @@ class TierConfig(BaseModel):
 
 
 class StoreConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     layout: BlockLayout | None = Field(
         default_factory=lambda: BlockLayout(layers=4, kv_heads=2, head_dim=32),
@@ -130,7 +130,7 @@ class StoreConfig(BaseModel):
 class TransferConfig(BaseModel):
     """The node's transfer server and engine."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = Field(default="127.0.0.1", description="address the transfer server listens on")
     advertise_host: str | None = Field(default=None, description="the address peers reach it at (default: the "
@@ -202,7 +202,7 @@ class TransferConfig(BaseModel):
 class ConductorConfig(BaseModel):
     """The control plane: how a conductor runs, and how nodes and workers reach it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     urls: list[str] = Field(default_factory=list,
                             description="conductor URLs nodes and workers talk to; empty: a standalone node")
@@ -255,7 +255,7 @@ class ConductorConfig(BaseModel):
 class ObjectsConfig(BaseModel):
     """The key-value store's objects: how their owners are chosen and how long things last."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     slots: int = Field(default=256, ge=1, le=65536, description="conductor: slots of the object map (fixed once "
                        "the map exists: each object's slot comes from its name)")
@@ -280,7 +280,7 @@ class TenantQuota(BaseModel):
     """What one tenant may use of a front at once (each front counts on its own); unset: no limit.
     Over a limit, a request is refused with 429 and Retry-After, so one tenant cannot starve the others."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     requests_in_flight: int | None = Field(default=None, gt=0, description="requests being served at once")
     tokens_per_minute: int | None = Field(default=None, gt=0, description="prompt tokens plus max_tokens "
@@ -290,7 +290,7 @@ class TenantQuota(BaseModel):
 class ServingConfig(BaseModel):
     """The serving path: the model, the workers' gpu tiers, the OpenAI-compatible front, routing."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     block_size: int = Field(default=16, gt=0, le=4096, description="tokens per KV block")
@@ -359,7 +359,7 @@ class TlsConfig(BaseModel):
     workers'; and for the transfer port with ``transfer.tls`` (without it, the transfer port is not
     encrypted: it authenticates both ends with the cluster secret and carries KV bytes in the clear)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     cert_file: str | None = Field(default=None, description="the server certificate chain (PEM); with key_file, "
                                   "every HTTP API serves https only")
@@ -409,7 +409,7 @@ def ca_context(ca_file: str, check_hostname: bool = True):
 
 
 class TiercakeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     node_id: str = Field(default_factory=socket.gethostname)
     model_id: str = "tiercake-reference"

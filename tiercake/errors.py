@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+from http import HTTPStatus
+from typing import TypeVar
 
 from aiohttp import web
-from pydantic import ValidationError
+from aiohttp.web_protocol import RequestHandler
+from pydantic import BaseModel, ValidationError
 
 from .messages import ErrorInfo, ErrorReply
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 # a body must arrive within this: a client that sends headers and then trickles (slowloris) holds a
 # connection and a buffer until it does
@@ -24,8 +29,36 @@ LINGER_S = 2.0
 
 
 def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
-    """The ``AppRunner`` every tiercake HTTP server runs under (the linger above)."""
-    return web.AppRunner(app, lingering_time=LINGER_S, **kwargs)
+    """The ``AppRunner`` every tiercake HTTP server runs under (the linger above; aiohttp's own
+    answers to requests it cannot parse in the one error format too)."""
+    return _Runner(app, lingering_time=LINGER_S, **kwargs)
+
+
+class _JsonErrors(RequestHandler):
+    """aiohttp answers a request it cannot parse (a bad request line, header, chunk or method) before any
+    handler or middleware sees it, in plain text; here in the one JSON format."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        self.logger.debug("unparsable request from %s: %s", request.remote, exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response is under way: no error can follow it")
+        text = "internal error" if status >= 500 else (message or HTTPStatus(status).phrase).splitlines()[0]
+        resp = ApiError(status, f"unparsable request: {text}"[:300]).response()
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrors(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorsServer  # the same server, handing connections to _JsonErrors
+        return server
 
 
 # OpenAI's error types by status, for errors that name none
@@ -57,6 +90,41 @@ class ApiError(Exception):
 def error_response(status: int, message: str, kind: str | None = None, code: str | None = None,
                    headers: dict | None = None, **extra) -> web.Response:
     return ApiError(status, message, kind, code, headers, **extra).response()
+
+
+def parse_body(model: type[M], raw: bytes, what: str = "invalid body") -> M:
+    """A request body as ``model``: JSON that says one thing (a name given twice in one object is a 400,
+    not the last one winning, as pydantic's parser would have it; NaN and Infinity are not numbers),
+    then the model's own rules (``invalid`` names the field)."""
+    try:
+        json.loads(raw, object_pairs_hook=_once, parse_constant=_no_constant)
+    except _Twice as exc:
+        raise ApiError(400, f"{what}: {exc.name}: given twice in one object", param=exc.name) from None
+    except (ValueError, UnicodeDecodeError):
+        pass  # not JSON: pydantic's parser says where
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise invalid(exc, what) from None
+
+
+class _Twice(ValueError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _once(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict = {}
+    for name, value in pairs:
+        if name in seen:
+            raise _Twice(name)
+        seen[name] = value
+    return seen
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number")
 
 
 def invalid(exc: ValidationError, what: str = "invalid body") -> ApiError:

@@ -32,13 +32,13 @@ KeyHex = Annotated[str, Field(pattern=r"^([0-9a-f]{2}){1,64}$")]
 class Request(BaseModel):
     """A message a server validates: unknown fields are refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Reply(BaseModel):
     """A message a client reads: unknown fields are ignored (newer servers may add some)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # Errors: one format for every HTTP API -----------------------------------------------------------
@@ -586,7 +586,7 @@ class GenerateRequest(Request):
                          "whose probabilities add up to it")
     tenant: Name = "default"
     salt: str | None = Field(default=None, description="the hashing salt; default: the tenant")
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64, description="torch's generator takes 64 bits")
     pull: bool = Field(default=True, description="load what nodes hold beyond the worker's own prefix")
     source: KVHandoff | None = Field(default=None, description="pull the prefix from here without asking the index")
     handoff: bool = Field(default=False, description="a prefill for a decode worker: its last event carries the "

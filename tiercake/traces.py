@@ -23,7 +23,7 @@ class TraceError(ValueError):
 
 
 class TraceRecord(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     timestamp: int = Field(ge=0, description="arrival, in milliseconds")
     input_length: int = Field(gt=0)

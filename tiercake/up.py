@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from .config import TiercakeConfig
+from tiercake.conductor.tenants import SHARED_CACHE_NOTE
 from tiercake.tiers.pool import remove_pool
 from .up_state import DataDirLock, ShmLeftovers, write_private
 
@@ -378,6 +379,8 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
                  f"logs in {data_dir / 'logs'})")
         if token_at:
             print_fn(f"  control token: {token_at}")
+        if not cfg.serving.all_api_keys():
+            print_fn(f"  note: {SHARED_CACHE_NOTE}")
         print_fn(f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
                  f"    -d '{{\"model\": \"{model.name}\", \"prompt\": \"...\", \"max_tokens\": 16}}'")
         print_fn("Ctrl-C stops everything.")
@@ -449,7 +452,8 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
                 children.append(child)
         for child in children[2:]:
             child.wait_announce(300, stop)  # a worker calibrates its timings first (persisted for next time)
-        _print_up(print_fn, cfg.model_id, url, control, token_at, len(children) - 2, logs, data_dir)
+        _print_up(print_fn, cfg.model_id, url, control, token_at, len(children) - 2, logs, data_dir,
+                  bool(cfg.serving.all_api_keys()))
         if ready_file is not None:
             ready_file.write_text(json.dumps({"url": url, "control_url": control, "token": token_at}))
         lock.record(pid=os.getpid(), url=url)
@@ -484,7 +488,7 @@ def _give_back(cfg: TiercakeConfig, shm: ShmLeftovers) -> None:
 
 
 def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None, workers: int, logs: Path,
-              data_dir: Path) -> None:
+              data_dir: Path, shared_keys: bool) -> None:
     print_fn(f"tiercake is up: {url}  (conductor, node agent, {workers} workers; logs in {logs})")
     if token_at:
         print_fn(f"control API: {control}  (bearer token: {token_at})")
@@ -492,6 +496,8 @@ def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None
         print_fn(f"control API: {control}  (INSECURE: no token, as configured)")
     if (data_dir / "cluster-secret").exists():
         print_fn(f"key-value store clients: the conductor {control}, the secret in {data_dir / 'cluster-secret'}")
+    if not shared_keys:
+        print_fn(f"note: {SHARED_CACHE_NOTE}")
     print_fn("send a request:")
     print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
              f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers! Which of you holds my cached prefix?\", \"max_tokens\": 16, "

@@ -559,8 +559,12 @@ class SsdLogTier(SsdTier):
         return found
 
     def _scan(self) -> list[RecoveredBlock]:
+        """Every key's newest record decides, dead ones included: a compaction that copied a record
+        and then saw it removed (the copy marked dead) may have crashed before it deleted the old
+        segment, whose record of the key is still live; the dead copy outranks it (a copy keeps its
+        creation time and lies in a newer segment), so the removed block stays removed."""
         _drop_other_layout(self.blocks_dir, "*.blk", self.name)
-        newest: dict[bytes, tuple[int, RecoveredBlock, Segment]] = {}
+        newest: dict[bytes, tuple[tuple, RecoveredBlock | None, Segment]] = {}
         for path in sorted(self.segments_dir.glob("*.seg")):
             try:
                 seg_id = int(path.stem)
@@ -571,23 +575,24 @@ class SsdLogTier(SsdTier):
             self.segments[seg_id] = segment
             self._next_id = max(self._next_id, seg_id + 1)
             for offset, head in walk_records(path, self._torn):
+                rank = (head.created_ns, seg_id, offset)
+                if head.key in newest and newest[head.key][0] > rank:
+                    continue
+                if head.key in newest and newest[head.key][1] is not None:  # an older live record: left dead
+                    _, old, old_segment = newest[head.key]  # (not marked; never read)
+                    old_segment.live.pop(old.slot.offset, None)
+                    old_segment.live_bytes -= old.slot.reserved
                 if head.flags & _FLAG_DEAD:
+                    newest[head.key] = (rank, None, segment)
                     continue
                 length = head.data_offset + round_up(head.stored_len)
                 slot = LogSlot(nbytes=head.raw_len, reserved=length, segment=seg_id, offset=offset, stored=head.stored_len)
                 block = RecoveredBlock(head.key, head.parent, head.raw_len, slot, head.created_ns / 1e9, head.tenant,
                                        head.seal)
-                rank = (head.created_ns, seg_id, offset)
-                if head.key in newest and newest[head.key][0] > rank:
-                    continue
-                if head.key in newest:  # an older record of the key: left dead (not marked; never read)
-                    _, old, old_segment = newest[head.key]
-                    old_segment.live.pop(old.slot.offset, None)
-                    old_segment.live_bytes -= old.slot.reserved
                 newest[head.key] = (rank, block, segment)
                 segment.live[offset] = slot
                 segment.live_bytes += length
-        found = [block for _, block, _ in newest.values()]
+        found = [block for _, block, _ in newest.values() if block is not None]
         found.sort(key=lambda b: b.mtime)
         return found
 

@@ -39,6 +39,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import math
 import struct
 from dataclasses import dataclass
 
@@ -234,6 +235,9 @@ def _decode(dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]) -> t
     else:
         records = np.frombuffer(view[4:end], dtype=dtype)
         columns = {name: records[name].tolist() for name in dtype.names}
+    for name in dtype.names:  # every float on the wire is a number (a NaN TTL once pinned a block for good)
+        if dtype.fields[name][0].kind == "f" and not all(math.isfinite(v) for v in columns[name]):
+            raise ProtocolError(f"{name}: not a finite number")
     sizes = [columns[f] for f in var]
     if sum(sum(column) for column in sizes) != len(view) - end:
         raise ProtocolError("table lengths do not match its body")
@@ -404,7 +408,7 @@ def decode_keys(body: bytes) -> list[bytes]:
 class PeerInfo(BaseModel):
     """What a transfer server tells an authenticated client about itself."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     node_id: str
     boot_id: str  # equal boot ids: same kernel, so the shared pool can be mapped

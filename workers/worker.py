@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import app_runner, bearer_guard, body_deadline, error_middleware, error_response, invalid
+from tiercake.errors import app_runner, bearer_guard, body_deadline, error_middleware, error_response, invalid, parse_body
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
@@ -135,10 +135,7 @@ class Worker:
             yield from store_families({self.worker_id: member_stats(engine.store)})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = GenerateRequest.model_validate_json(await request.read())
-        except ValidationError as exc:
-            raise invalid(exc) from None
+        body = parse_body(GenerateRequest, await request.read())
         events = self.engine.generate(body)
         try:
             first = await anext(events)

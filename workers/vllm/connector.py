@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 class ConnectorSettings(BaseModel):
     """``kv_connector_extra_config``: where tiercake is and how this instance uses it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     conductor: str | list[str] = Field(description="control API URL(s) of the conductor")
     node: str | None = Field(default=None, description="node agent that new blocks are saved to "
