@@ -610,3 +610,39 @@ async def test_a_request_aiohttp_cannot_parse_is_answered_in_the_one_error_forma
     assert head.split(b" ")[1] == b"400" and b"application/json" in head, head
     error = ErrorReply.model_validate_json(body).error
     assert error.type == "invalid_request_error" and error.message.startswith("unparsable request: ")
+
+
+async def test_a_request_head_that_trickles_is_cut_at_its_deadline(api, monkeypatch):
+    """A client that sends its headers a byte at a time held a connection for as long as it liked
+    (aiohttp has no deadline for a request's head); now it has HEAD_DEADLINE_S from its first byte."""
+    import tiercake.errors
+
+    monkeypatch.setattr(tiercake.errors, "HEAD_DEADLINE_S", 1.0)
+    url, _ = api
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+
+    def trickle() -> float:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for _ in range(30):  # 9 s of headers, if it let us
+                    sock.sendall(b"X-Slow: 1\r\n")
+                    time.sleep(0.3)
+                    sock.setblocking(False)
+                    try:
+                        if sock.recv(1) == b"":
+                            break  # closed
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        sock.setblocking(True)
+            except OSError:
+                pass  # reset
+            return time.monotonic() - start
+
+    took = await asyncio.to_thread(trickle)
+    assert took < 3.0, took
+    async with aiohttp.ClientSession() as http:  # and everyone else is served
+        async with http.get(url + "/health") as resp:
+            assert resp.status == 200

@@ -224,3 +224,23 @@ def test_a_loop_polls_for_its_next_event_only_just_after_one_and_never_past_its_
         selector.close()
         a.close()
         b.close()
+
+
+async def test_a_body_announced_large_and_sent_small_holds_what_came_not_what_was_announced():
+    from tiercake.transfer.inbox import BODY_CHUNK
+
+    a, b = await pair()
+    seen = []
+    inbox = Inbox(b, lambda op, flags, request, body: seen.append(bytes(body)) or True)
+    a.sendall(frame(Op.OBJ_QUERY, 1, b"x" * (3 * BODY_CHUNK + 5))[: FRAME.size + 100])  # 16 MiB-style: announced,
+    await asyncio.sleep(0.05)                                                          # then a trickle
+    inbox._pump()
+    assert inbox._length == 3 * BODY_CHUNK + 5 and len(inbox._body) == BODY_CHUNK  # not the announced size
+    a.sendall(frame(Op.OBJ_QUERY, 1, b"x" * (3 * BODY_CHUNK + 5))[FRAME.size + 100:] + frame(Op.OBJ_QUERY, 2, b"y"))
+    await asyncio.sleep(0.05)
+    while len(seen) < 2:
+        inbox._pump()
+        await asyncio.sleep(0.01)
+    assert seen == [b"x" * (3 * BODY_CHUNK + 5), b"y"]  # and every byte in place once it all came
+    a.close()
+    b.close()

@@ -23,6 +23,8 @@ M = TypeVar("M", bound=BaseModel)
 # a body must arrive within this: a client that sends headers and then trickles (slowloris) holds a
 # connection and a buffer until it does
 BODY_DEADLINE_S = 30.0
+# and its line and headers within this of their first byte (a slow-headers client, the same attack)
+HEAD_DEADLINE_S = 10.0
 # after answering a request whose body it did not read (a 408, a 401), a server reads on for this long
 # before it closes the connection; aiohttp's own 10 s let a trickling client hold it that much longer
 LINGER_S = 2.0
@@ -36,7 +38,34 @@ def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
 
 class _JsonErrors(RequestHandler):
     """aiohttp answers a request it cannot parse (a bad request line, header, chunk or method) before any
-    handler or middleware sees it, in plain text; here in the one JSON format."""
+    handler or middleware sees it, in plain text; here in the one JSON format. And a request's head
+    (its line and headers) must be whole within ``HEAD_DEADLINE_S`` of its first byte: aiohttp has no
+    such deadline, and a client trickling headers held a connection for as long as it liked."""
+
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        heads = self._request_count
+        super().data_received(data)
+        if self._request_count > heads:  # a request's head is whole: its body has BODY_DEADLINE_S
+            self._stop_head_deadline()
+        elif self._head_deadline is None and self._current_request is None and self.transport is not None:
+            self._head_deadline = self._loop.call_later(HEAD_DEADLINE_S, self._head_too_slow)
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self._current_request is None and self.transport is not None:
+            self.logger.info("closing a connection whose request head took over %g s", HEAD_DEADLINE_S)
+            self.transport.abort()
+
+    def _stop_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_head_deadline()
+        super().connection_lost(exc)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from .protocol import FRAME, MAGIC, MAX_BODY, VERSION, Op, PeerClosedError, ProtocolError
 
+BODY_CHUNK = 64 << 10  # a body's first allocation; it doubles as its bytes arrive
+
 Frame = tuple[Op, int, int, bytearray]
 Fast = Callable[[Op, int, int, bytearray], object]  # True: answered; False: the task's; else a continuation
 
@@ -33,6 +35,7 @@ class Inbox:
         self.fd = sock.fileno()
         self._head = bytearray(FRAME.size)
         self._body: bytearray | None = None  # None: reading a header
+        self._length = 0  # the body's announced length (``_body`` grows to it as its bytes come)
         self._pos = 0
         self._frame: tuple[Op, int, int] | None = None
         self._waiter: asyncio.Future | None = None
@@ -72,6 +75,8 @@ class Inbox:
         selector's callback, one frame a call (the selector calls again while more is there)."""
         while True:
             target = self._head if self._body is None else self._body
+            if self._body is not None and self._pos == len(target) < self._length:
+                target.extend(bytes(min(len(target), self._length - len(target))))  # what came: room for as much more
             if self._pos < len(target):
                 try:
                     n = self.sock.recv_into(memoryview(target)[self._pos :])
@@ -117,7 +122,9 @@ class Inbox:
         except ValueError:
             return ProtocolError(f"unknown operation {op}")
         self._frame = (op, flags, request)
-        self._body, self._pos = bytearray(length), 0
+        # room for the body as it comes, not as announced: a peer that announces 16 MiB and sends a
+        # few bytes holds a few bytes' worth (20 such peers once held 320 MiB)
+        self._body, self._pos, self._length = bytearray(min(length, BODY_CHUNK)), 0, length
         return None
 
 
