@@ -76,47 +76,55 @@ def write_private(path: Path, text: str) -> None:
 
 
 class ShmLeftovers:
+    """What appeared in /dev/shm under the names multiprocessing and torch give shared memory
+    (``LEFTOVER_PREFIXES``: vLLM's segments and semaphores), since this was made."""
+
+    LEFTOVER_PREFIXES = ("psm_", "sem.mp-", "torch_")
+
     def __init__(self, shm: Path = SHM) -> None:
         self.shm = shm
         self.before = self._names()
 
     def _names(self) -> set[str]:
         try:
-            return {p.name for p in self.shm.iterdir()}
+            return {p.name for p in self.shm.iterdir() if p.name.startswith(self.LEFTOVER_PREFIXES)}
         except OSError:
             return set()
 
     def clean(self, keep: set[str] = frozenset()) -> list[str]:
-        """Remove what appeared in /dev/shm since this was made, is not in ``keep`` and no live process
-        has open or mapped; the names removed."""
+        """Remove what appeared since this was made, is not in ``keep`` and no live process has open
+        or mapped; the names removed."""
         new = self._names() - self.before - set(keep)
         if not new:
             return []
-        used = _in_use(self.shm)
+        used = _inodes_in_use(self.shm)
         removed = []
-        for name in sorted(new - used):
+        for name in sorted(new):
+            path = self.shm / name
             with contextlib.suppress(OSError):
-                (self.shm / name).unlink()
-                removed.append(name)
+                if path.stat().st_ino not in used:
+                    path.unlink()
+                    removed.append(name)
         return removed
 
 
-def _in_use(shm: Path) -> set[str]:
-    """Names under ``shm`` that some process has open or mapped (what /proc shows us)."""
-    prefix = f"{shm}/"
-    used: set[str] = set()
+def _inodes_in_use(shm: Path) -> set[int]:
+    """The inodes of files under ``shm`` that some process has open or mapped, by inode, not name: a
+    POSIX semaphore is mapped under the temporary name it was made as, then linked to its own."""
+    device = shm.stat().st_dev
+    used: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
             for line in (proc / "maps").read_text(errors="replace").splitlines():
-                at = line.find(prefix)
-                if at >= 0:
-                    used.add(line[at + len(prefix):].split(" ")[0])
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(str(shm)):
+                    used.add(int(fields[4]))
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith(prefix):
-                        used.add(target[len(prefix):].split(" ")[0])
+                    st = fd.stat()  # follows the link to the open file
+                    if st.st_dev == device:
+                        used.add(st.st_ino)
     return used
