@@ -669,6 +669,33 @@ async def test_delete_on_a_dead_peer_fails_every_item_in_time(node):
     await engine.close()
 
 
+async def test_answers_tells_a_live_peer_from_a_stalled_or_dead_one(node):
+    """The fence's probe (workers/fence.py): a round trip that moves nothing, bounded by its timeout."""
+    store, server = node
+    engine = engine_for(server)
+    assert await engine.answers("node-b")
+    gate = asyncio.Event()
+    original = server._stage
+
+    async def stalled(*args):
+        await gate.wait()
+        return await original(*args)
+
+    server._stage = stalled
+    started = time.monotonic()
+    assert not await engine.answers("node-b", timeout=0.3)
+    assert time.monotonic() - started < 1.0
+    gate.set()
+    server._stage = original
+    assert await engine.answers("node-b")
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        engine.add_peer("node-x", *spare.getsockname())  # nothing listens there
+        assert not await engine.answers("node-x", timeout=0.5)
+    assert await engine.answers("node-unknown")  # not this question: membership decides
+    await engine.close()
+
+
 @pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")])
 async def test_a_block_keeps_its_seal_on_every_path_and_across_a_restart(tmp_path, make_store, transports):
     store, server = await start_node("node-b", pool_bytes=256 * KB, ssd_dir=tmp_path / "ssd")

@@ -6,8 +6,9 @@ else on the embedded backend), replays a synthetic conversation trace against it
 (a few requests in flight at all times), and injects one fault after another:
 
 - ``kill_prefill`` / ``kill_decode`` / ``kill_node`` / ``kill_conductor``: SIGKILL (``up`` restarts it)
-- ``stall_node``: the node agent stopped for a few seconds (what a hung disk or machine looks like
-  from the others), then resumed
+- ``stall_node``: the node agent stopped for 20 s (4 with ``--quick``: what a hung disk or machine
+  looks like from the others), then resumed; the requests served meanwhile against the rate just
+  before (``throughput_during``: workers fence a node out of their path at its first timeout)
 - ``partition_node``: the node agent's network cut for a few seconds, then healed: it runs in a
   network namespace of its own behind a veth pair (``tiercake.netns``; needs root, else the fault is
   left out and the run says so) and the link goes down: its connections black-hole, it leaves the
@@ -63,6 +64,8 @@ serving: {{gpu_blocks: 96, max_context: 320}}
 MAX_TOKENS = 4
 RECOVERY_TIMEOUT_S = 90.0
 CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
+RATE_WINDOW_S = 4.0  # how long the load's rate is measured before each fault
+
 FAULTS = ("kill_prefill", "kill_decode", "stall_node", "partition_node", "kill_node", "corrupt_ssd", "fill_ssd",
           "kill_conductor", "kill_etcd_leader")
 SSD_FS_BYTES = 300 << 20  # the SSD tier's own file system (when one can be mounted): its 256 MiB and some
@@ -245,8 +248,10 @@ class Faults:
     """How each fault is injected into the cluster ``up`` runs. Each returns a check that is true once
     what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
 
-    def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load, partition: Partition | None = None) -> None:
+    def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load, partition: Partition | None = None,
+                 stall_s: float = 4.0) -> None:
         self.up, self.ssd, self.etcd, self.load, self.partition = up, ssd, etcd, load, partition
+        self.stall_s = stall_s
 
     async def _members(self) -> list:
         return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
@@ -290,11 +295,11 @@ class Faults:
         os.kill(pid, signal.SIGKILL)
         return lambda: _replaced(asyncio.to_thread(self._conductor_pid), pid)
 
-    async def stall_node(self, seconds: float = 4.0):
+    async def stall_node(self):
         pid = await self._node_pid()
         os.kill(pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(seconds)
+            await asyncio.sleep(self.stall_s)
         finally:
             os.kill(pid, signal.SIGCONT)
         return lambda: _replaced(self._node_pid(), -1)
@@ -485,13 +490,19 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             load.start()
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
-            injector = Faults(up, ssd, etcd, load, partition)
+            during: dict[str, tuple[float, float, float]] = {}  # fault -> (requests/s during, before, seconds)
+            injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
+                await asyncio.sleep(RATE_WINDOW_S)  # the rate just before, to hold the rate during it against
+                rate_before = (load.tally.ok - before[0]) / RATE_WINDOW_S
                 progress(f"{fault} ...")
-                at = time.monotonic()
+                at, ok_at = time.monotonic(), load.tally.ok
                 back = await getattr(injector, fault)()
+                lasted = time.monotonic() - at
+                if lasted >= 1.0:  # a fault that lasts (a stall, a partition): what the cluster served meanwhile
+                    during[fault] = ((load.tally.ok - ok_at) / lasted, rate_before, lasted)
                 recovery[fault] = await _recovered(back, load, at, timeout=RECOVERY_TIMEOUT_S)
                 await asyncio.sleep(settle)
                 t = load.tally
@@ -526,6 +537,9 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         if "corrupt_ssd" in faults:
             report.add("ssd.corrupt_detected", detected, "blocks", CORRUPTED_FILES, limit_name="block files corrupted "
                        "(only those read again can be detected)")
+        for fault, (rate, rate_before, lasted) in during.items():
+            report.add(f"throughput_during.{fault}", rate, "requests/s", max(rate_before, 1e-9),
+                       limit_name="requests/s just before the fault", seconds=round(lasted, 1))
         for fault, seconds in recovery.items():
             report.add(f"recovery_s.{fault}", seconds if seconds is not None else RECOVERY_TIMEOUT_S, "s", cold_start,
                        limit_name="the cluster's cold start, same run", recovered=seconds is not None)

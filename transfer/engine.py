@@ -29,6 +29,8 @@ from tiercake.plugins import TRANSPORTS
 
 from .transports import Peer, ReadReq, Transport, TransportContext, WriteReq
 
+PROBE_KEY = bytes(32)  # asked for by answers(): no content hashes to it
+
 
 @dataclass(frozen=True, slots=True)
 class BlockLoc:
@@ -358,6 +360,15 @@ class TransferEngine:
 
         return await self._keys_op(node, keys, "stage", here, lambda conn: conn.stage(keys),
                                    timeout if timeout is not None else self.deadline_for(len(keys) * (1 << 20)))
+
+    async def answers(self, node: str, timeout: float = 1.0) -> bool:
+        """Whether ``node`` answers a request within ``timeout`` (a stage of a key no block has: the
+        node looks it up and says it is not there, and nothing moves). A node this engine no longer
+        knows counts as answering: whether it is a member is not this question."""
+        if node != self.node_id and node not in self._channels:
+            return True
+        results = await self.stage_blocks(node, [PROBE_KEY], timeout=timeout)
+        return not isinstance(results[0].error, (TimeoutError, OSError))
 
     async def _keys_op(self, node: str, keys: list[bytes], what: str, here, there,
                        timeout: float | None) -> list[TransferResult]:

@@ -33,6 +33,7 @@ from tiercake.tiers.buffers import host_bytes
 from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine, TransferResult
 
 from .contract import RequestRejected
+from .fence import NodeFence
 from .model import PagedChunk, ReferenceModel
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class InferenceEngine:
             seals = cluster_seal_material(transfer.secret)
         self._seal_keys = None if seals is None else SealKeys(seals)
         self.refused_blocks = 0  # pulled blocks whose seal did not verify
+        # nodes whose transfers timed out, skipped until they answer a probe
+        self.fence = NodeFence(worker_id, self._answers)
 
     def sealer(self, salt: str) -> Sealer:
         """The sealer of blocks hashed with ``salt`` (a tenant's)."""
@@ -292,7 +295,7 @@ class InferenceEngine:
     async def _reachable(self, node: str, force: bool = False) -> bool:
         """A node agent the transfer engine can reach (workers hold blocks too, but serve none).
         Unknown ids are looked up among the members (at most twice a second unless ``force``)."""
-        if node == self.worker_id:
+        if node == self.worker_id or not self.fence.open(node):
             return False
         if node not in self.transfer.peers and self.nodes is not None:
             try:
@@ -308,7 +311,7 @@ class InferenceEngine:
         deadline = self.transfer.deadline_for(sum(t.length for t in batch))
 
         async def attempt() -> list[TransferResult]:
-            return await self.transfer.transfer(batch, timeout=deadline, verify=verify)
+            return self._heard(node, await self.transfer.transfer(batch, timeout=deadline, verify=verify))
 
         if self.nodes is None:
             return await attempt()
@@ -317,6 +320,15 @@ class InferenceEngine:
         except ConductorError as exc:  # the members could not be read: what the attempt gave stands
             log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
             return [TransferResult(False, error=exc) for _ in batch]
+
+    async def _answers(self, node: str) -> bool:
+        return self.transfer is None or await self.transfer.answers(node)
+
+    def _heard(self, node: str, results: list[TransferResult]) -> list[TransferResult]:
+        """A batch that got nothing but timeouts fences its node."""
+        if results and all(isinstance(r.error, TimeoutError) for r in results):
+            self.fence.timed_out(node)
+        return results
 
     def _store_full_blocks(self, seq: Sequence, resend_cached: bool = False) -> None:
         """Adopt the sequence's newly full blocks into the gpu tier and write them through. With
@@ -348,6 +360,8 @@ class InferenceEngine:
         taken when they were adopted (the sequence may end and the blocks be evicted meanwhile
         otherwise); they are released here whatever happens."""
         try:
+            if not self.fence.open(self.node):
+                return  # the node is fenced: the blocks stay in the gpu tier only
             if not await self._reachable(self.node, force=True):
                 log.warning("worker %s: node %s is not a live member; blocks not written through",
                             self.worker_id, self.node)
@@ -375,7 +389,7 @@ class InferenceEngine:
         """Where a prompt of ``prompt_tokens`` now has its full blocks, for a decode worker to pull
         them: this worker's node, once the write-throughs in flight are done (None: not written)."""
         blocks = prompt_tokens // self.block_size
-        if self.node is None or self.transfer is None or not blocks:
+        if self.node is None or self.transfer is None or not blocks or not self.fence.open(self.node):
             return None
         await self.flush()
         return KVHandoff(node=self.node, blocks=blocks)
