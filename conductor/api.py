@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import ApiError, app_runner, body_deadline, error_middleware, require_bearer
+from tiercake.errors import ApiError, app_runner, body_reader, error_middleware, require_bearer
 from tiercake.metrics import Collected, store_families
 from tiercake.messages import (
     BeginReply,
@@ -358,7 +358,8 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
     if frontend is not None:
         frontend.bind_metrics(metrics.registry)
     open_paths = (OPEN_PATHS if frontend is not None and with_public else ()) + (("/metrics",) if metrics_open else ())
-    app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics), body_deadline],
+    keys = [frontend.openai.key_first] if frontend is not None and with_public else []
+    app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics), *keys, body_reader()],
                           client_max_size=MAX_BODY)
     app.add_routes([*_probe_routes(conductor), web.get("/metrics", metrics.handler),
                     *_member_routes(conductor), *_placement_routes(conductor, metrics)])
@@ -389,7 +390,8 @@ def build_public_app(conductor: Conductor, frontend) -> web.Application:
     """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
     control tokens), with health and readiness for probes (ready: a worker can serve)."""
 
-    app = web.Application(middlewares=[error_middleware, body_deadline], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[error_middleware, frontend.openai.key_first, body_reader()],
+                          client_max_size=MAX_BODY)
     app.add_routes(_probe_routes(conductor, frontend))
     frontend.add_routes(app, control=False)
     return app

@@ -149,6 +149,15 @@ class OpenAIApi:
         return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                 web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model)]
 
+    @web.middleware
+    async def key_first(self, request: web.Request, handler):
+        """The caller's API key checked before its body is read (the handler checks it again, cheaply):
+        a stranger gets a 401, not a buffer."""
+        path = request.path
+        if path in OPEN_PATHS or path.startswith("/v1/models/"):
+            self.tenants.of(request)
+        return await handler(request)
+
     async def models(self, request: web.Request) -> web.Response:
         """The served model, once a worker that can take a prompt is a member (a 503 with Retry-After
         before: a client that lists models and then asks would otherwise get "no live worker")."""

@@ -16,54 +16,12 @@ import aiohttp
 import pytest
 
 from tiercake.conductor.client import Client, ConductorError
-from tiercake.conductor.etcd_process import free_port
 from tiercake.chaos import pid_listening as _pid_listening
-from tiercake.up import UpProcess
+from up_helpers import UpCluster
 from tiercake.devtls import self_signed
-from tiercake.tiers.pool import remove_pool
 
 MODEL = "tiercake-reference"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
-
-
-class UpCluster(UpProcess):
-    def __init__(self, tmp, serving: str = "", args: list[str] = (), token: str | None = "", extra: str = ""):
-        port = free_port()
-        self.pool = Path(f"/dev/shm/tiercake-serving-{os.getpid()}-{port}")
-        config = tmp / "cluster.yaml"
-        config.write_text(
-            "node_id: test-node\n"
-            "store:\n  tiers:\n"
-            f"    - {{kind: pool, capacity: 8MiB, path: {self.pool}}}\n"
-            f"    - {{kind: ssd, capacity: 64MiB, path: {tmp / 'ssd'}}}\n"
-            "conductor: {member_ttl: 2}\n"
-            f"serving: {{gpu_blocks: 128, max_context: 1024{serving}}}\n" + extra
-        )
-        super().__init__(config, tmp / "data", port, list(args), token=token)
-
-    def stop(self) -> str:
-        try:
-            return super().stop()
-        finally:
-            remove_pool(self.pool)  # the node keeps its pool for a restart; a test's goes
-
-    async def wait_up(self, workers: int) -> None:
-        await asyncio.to_thread(self.wait_ready, workers)
-
-    def ops(self) -> Client:
-        """A client of the control API (the operator's token)."""
-        return Client([self.control_url], token=self.token, timeout=60, ssl=self.ssl)
-
-    def auth(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"}
-
-    async def member_pid(self, role: str) -> tuple[dict, int]:
-        async with aiohttp.ClientSession() as http:
-            async with http.get(self.control_url + "/v1/members", headers=self.auth()) as resp:
-                members = [m for m in (await resp.json())["members"] if m["role"] == role]
-            member = members[0]
-            async with http.get(member["url"] + "/health") as resp:
-                return member, (await resp.json())["pid"]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ HEAD_DEADLINE_S = 10.0
 # after answering a request whose body it did not read (a 408, a 401), a server reads on for this long
 # before it closes the connection; aiohttp's own 10 s let a trickling client hold it that much longer
 LINGER_S = 2.0
+# the request bodies one HTTP server holds at once (body_reader)
+BODY_BUDGET_BYTES = 64 << 20
 
 
 def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
@@ -40,9 +42,16 @@ class _JsonErrors(RequestHandler):
     """aiohttp answers a request it cannot parse (a bad request line, header, chunk or method) before any
     handler or middleware sees it, in plain text; here in the one JSON format. And a request's head
     (its line and headers) must be whole within ``HEAD_DEADLINE_S`` of its first byte: aiohttp has no
-    such deadline, and a client trickling headers held a connection for as long as it liked."""
+    such deadline, and a client trickling headers held a connection for as long as it liked. A new
+    connection's first head has the same deadline from the moment it is accepted (an idle one is
+    closed); between requests, aiohttp's keep-alive timeout closes an idle one."""
 
     _head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # a connection that sends nothing at all is held no longer than one that trickles its head
+        self._head_deadline = self._loop.call_later(HEAD_DEADLINE_S, self._head_too_slow)
 
     def data_received(self, data: bytes) -> None:
         heads = self._request_count
@@ -218,15 +227,34 @@ def parse_error(data: object, status: int) -> ErrorInfo:
     return ErrorInfo(message=str(message), type="server_error" if status >= 500 else "invalid_request_error")
 
 
-@web.middleware
-async def body_deadline(request: web.Request, handler):
-    """The body read whole within ``BODY_DEADLINE_S`` (else a 408), before the handler, which then
-    reads it from memory. Innermost, after any authentication: nobody unknown gets a buffer."""
-    if request.can_read_body:
+def body_reader(budget_bytes: int = BODY_BUDGET_BYTES):
+    """A middleware that reads the body whole within ``BODY_DEADLINE_S`` (else a 408), before the
+    handler, which then reads it from memory. Innermost, after any authentication: nobody unknown gets
+    a buffer. The bodies a server holds at once (announced, being read, or held by a handler still
+    running) stay within ``budget_bytes``: past it a new body is a 503 with Retry-After, before a byte
+    of it is read (64 clients announcing 8 MiB bodies once held 512 MiB of a front)."""
+    held = 0
+
+    @web.middleware
+    async def read_body(request: web.Request, handler):
+        nonlocal held
+        if not request.can_read_body:
+            return await handler(request)
+        # a chunked body may grow to the app's limit; a larger announced one is aiohttp's 413
+        charge = min(request.content_length or request.client_max_size, request.client_max_size)
+        if held + charge > budget_bytes:
+            raise ApiError(503, "the server holds as many request bodies as it may; retry", code="busy",
+                           headers={"Retry-After": "1", "Connection": "close"}, retryable=True)
+        held += charge
         try:
-            async with asyncio.timeout(BODY_DEADLINE_S):
-                await request.read()
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
-                           code="body_timeout", headers={"Connection": "close"}) from None
-    return await handler(request)
+            try:
+                async with asyncio.timeout(BODY_DEADLINE_S):
+                    await request.read()
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
+                               code="body_timeout", headers={"Connection": "close"}) from None
+            return await handler(request)
+        finally:
+            held -= charge
+
+    return read_body

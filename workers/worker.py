@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import app_runner, bearer_guard, body_deadline, error_middleware, error_response, invalid, parse_body
+from tiercake.errors import app_runner, bearer_guard, body_reader, error_middleware, error_response, invalid, parse_body
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
@@ -110,7 +110,7 @@ class Worker:
         ``/metrics`` for scrapers (unless ``conductor.metrics_open`` is false)."""
         open_paths = ("/health", "/metrics") if self.config.conductor.metrics_open else ("/health",)
         app = web.Application(client_max_size=16 << 20,
-                              middlewares=[error_middleware, bearer_guard(self._tokens, open_paths), body_deadline])
+                              middlewares=[error_middleware, bearer_guard(self._tokens, open_paths), body_reader()])
         app.add_routes([web.post("/generate", self._generate), web.get("/health", self._health),
                         web.get("/load", self._load),
                         web.get("/metrics", metrics_handler(registry_of(self._families)))])
