@@ -21,6 +21,7 @@ from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import ApiError, app_runner, body_reader, error_middleware, require_bearer
 from tiercake.metrics import Collected, store_families
 from tiercake.messages import (
+    CONTROL_API,
     BeginReply,
     FlushAppliedRequest,
     FlushReply,
@@ -375,7 +376,7 @@ def _probe_routes(conductor: Conductor, frontend=None) -> list:
     (PROBE_PATHS)."""
 
     async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "conductor": conductor.conductor_id})
+        return web.json_response({"status": "ok", "conductor": conductor.conductor_id, "api": CONTROL_API})
 
     async def ready(_: web.Request) -> web.Response:
         ok, why = await conductor.ready()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -45,6 +46,8 @@ from tiercake.messages import (
     UnpinReply,
     VolatileReply,
 )
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=BaseModel)
 T = TypeVar("T")
@@ -216,6 +219,13 @@ class Client:
     async def register(self, member: MemberInfo, ttl: int = 5) -> int:
         """Register a node or worker; returns its lease."""
         body = {"member": member.model_dump(exclude={"lease"}), "ttl": ttl}
+        try:
+            return (await self._typed(RegisterReply, "POST", "/v1/members/register", body)).lease
+        except ConductorError as exc:  # a conductor of the previous release refuses the fields it does not know
+            if exc.status != 400 or not any(f"member.{name}:" in str(exc) for name in MemberInfo.ADDED):
+                raise
+        log.info("the conductor is of an earlier release: %s registers as that release knew members", member.node_id)
+        body["member"] = member.model_dump(exclude={"lease", *MemberInfo.ADDED})
         return (await self._typed(RegisterReply, "POST", "/v1/members/register", body)).lease
 
     async def keep_alive(self, node_id: str, lease: int, stats: MemberStats | None = None) -> KeepAliveReply:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from tiercake.messages import ObjectMap, SlotReady
+from tiercake.transfer.protocol import OBJECTS_SINCE
 
 from .membership import Membership
 from .metadata import Guard, MetadataBackend, Put, WatchEvent, follow
@@ -154,7 +155,9 @@ class ObjectMapKeeper:
                 self.changed = asyncio.Event()
 
     def nodes(self) -> list[str]:
-        return [m.node_id for m in self.members.alive("node")]
+        """The node agents that may own slots: those that speak the object operations (a node agent of
+        the previous release, during an upgrade, serves blocks only)."""
+        return [m.node_id for m in self.members.alive("node") if m.transfer_version >= OBJECTS_SINCE]
 
     async def _keep_forever(self) -> None:
         while True:

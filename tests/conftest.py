@@ -105,10 +105,13 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[tuple[subprocess.Popen, object]] = []
 
-    def start(self, args: list[str], env: dict | None = None, prefix: list[str] = ()) -> tuple[subprocess.Popen, dict]:
-        """``prefix``: what runs the command (``ip netns exec NS``, say)."""
+    def start(self, args: list[str], env: dict | None = None, prefix: list[str] = (),
+              runner: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
+        """``prefix``: what runs the command (``ip netns exec NS``, say); ``runner``: the command line of
+        a ``tiercake`` other than this checkout's (the previous release, say)."""
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE,
+        runner = runner or [sys.executable, "-m", "tiercake.cli"]
+        proc = subprocess.Popen([*prefix, *runner, *args], stdout=subprocess.PIPE,
                                 stderr=log, env={**os.environ, **(env or {})})
         self.procs.append((proc, log))
         line = proc.stdout.readline()

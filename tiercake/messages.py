@@ -17,7 +17,7 @@ them, so an older client keeps working against a newer server.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +27,12 @@ MAX_KEYS = 65536  # block keys in one control request
 
 Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]  # tenants, nodes, tiers: parts of etcd keys
 KeyHex = Annotated[str, Field(pattern=r"^([0-9a-f]{2}){1,64}$")]
+
+
+# The control API's version: 2 numbers it (``/health`` says it) and adds ``MemberInfo.ADDED``'s fields.
+# A conductor takes members of its release and the one before; a member of this release registers
+# with a conductor of the one before too (without the fields it would refuse).
+CONTROL_API = 2
 
 
 class Request(BaseModel):
@@ -83,6 +89,13 @@ class KVSpace(Reply):
 
 
 class MemberInfo(Request):
+    """A member as it registers. Fields added after the first release are in ``ADDED`` (field ->
+    the control API version that added it): a member sends them to an older conductor no more (it
+    refuses fields it does not know), and a member of an older release does not send them (their
+    defaults say what such a member is)."""
+
+    ADDED: ClassVar[dict[str, int]] = {"transfer_version": 2}
+
     node_id: Name
     role: Literal["node", "prefill", "decode", "worker", "conductor"] = "node"
     host: str = "127.0.0.1"
@@ -94,6 +107,8 @@ class MemberInfo(Request):
     perf: WorkerPerf = Field(default_factory=WorkerPerf, description="a worker's fitted timings (routing)")
     kv_space: KVSpace | None = Field(default=None, description="a worker's block keys, when not the serving "
                                      "config's")
+    transfer_version: int = Field(default=3, ge=1, le=255, description="the transfer protocol the member "
+                                  "speaks (3: a member from before members said it)")
 
 
 # the upper bounds (s) of TierStats.residency's buckets: how long evicted copies had stayed

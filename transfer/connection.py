@@ -75,14 +75,17 @@ class PeerConnection:
     """
 
     def __init__(self, address: PeerAddress, secret: bytes, node_id: str, buffer_bytes: int | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, needs: int = p.OLDEST) -> None:
+        """``needs``: the oldest protocol version the caller can use with the server."""
         self.address = address
+        self.needs = needs
         self.tls = tls  # a client context: the stream is TLS, the server's certificate checked against it
         self.secret = secret
         self.node_id = node_id
         self.buffer_bytes = buffer_bytes
         self.sock: socket.socket | None = None
         self.info: p.PeerInfo | None = None
+        self.version = p.VERSION  # the session's, once the handshake has chosen it
         self.broken = False
         self.ucx = None  # a transport's per-connection state (UCX endpoints)
         self.on_close: Callable[[], object] | None = None
@@ -115,6 +118,8 @@ class PeerConnection:
             _, _, _, nonce = await recv_frame(self.sock, expect=[Op.HELLO], max_body=p.HANDSHAKE_BODY)
         except p.ProtocolError as exc:
             raise p.AuthenticationError(f"{self.address.node_id}: {exc}") from exc
+        self.version = p.session_version(nonce, self.address.node_id, self.needs)
+        p.speak(self.sock, self.version)
         mine = os.urandom(p.NONCE_BYTES)
         claim = p.proof(self.secret, b"client", bytes(nonce), mine)
         await send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
@@ -284,7 +289,7 @@ class PeerChannel:
 
     def __init__(self, address: PeerAddress, secret: bytes, node_id: str, streams: int = 2,
                  buffer_bytes: int | None = None, connect_timeout: float = 5.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, needs: int = p.OLDEST) -> None:
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self.address = address
@@ -294,12 +299,14 @@ class PeerChannel:
         self.buffer_bytes = buffer_bytes
         self.connect_timeout = connect_timeout
         self.tls = tls
+        self.needs = needs
         self._idle: list[PeerConnection] = []
         self._slots = asyncio.Semaphore(streams)
         self.info: p.PeerInfo | None = None
+        self.version = p.VERSION  # the session's, once the handshake has chosen it
 
     async def _open(self) -> PeerConnection:
-        conn = PeerConnection(self.address, self.secret, self.node_id, self.buffer_bytes, self.tls)
+        conn = PeerConnection(self.address, self.secret, self.node_id, self.buffer_bytes, self.tls, self.needs)
         try:
             async with asyncio.timeout(self.connect_timeout):
                 await conn.open()
@@ -312,7 +319,7 @@ class PeerChannel:
                 raise
             raise p.PeerClosedError(f"cannot reach {self.address.node_id} at {self.address.host}:"
                                     f"{self.address.port}: {exc}") from exc
-        self.info = conn.info
+        self.info, self.version = conn.info, conn.version
         return conn
 
     def connection(self) -> _Lent:
@@ -380,7 +387,7 @@ class Channels:
             if address is None:
                 raise p.PeerClosedError(f"node {node} is not a live member")
             channel = PeerChannel(PeerAddress(node, *address), self.secret, self.node_id, self.streams,
-                                  self.buffer_bytes, self.connect_timeout, self.tls)
+                                  self.buffer_bytes, self.connect_timeout, self.tls, needs=p.OBJECTS_SINCE)
             self._channels[node] = channel
         return channel
 
@@ -402,12 +409,14 @@ class BlockingConnection:
     the caller's thread. A failure in the middle of a request closes it; ``broken`` then says so."""
 
     def __init__(self, address: PeerAddress, secret: bytes, node_id: str, tls: ssl.SSLContext | None = None,
-                 connect_timeout: float = 5.0, spin: SpinWait | None = None) -> None:
+                 connect_timeout: float = 5.0, spin: SpinWait | None = None, needs: int = p.OLDEST) -> None:
         self.address, self.secret, self.node_id, self.tls = address, secret, node_id, tls
+        self.needs = needs
         self.connect_timeout = connect_timeout
         self.spin = spin if tls is None else None  # a TLS socket cannot peek without blocking
         self.sock: socket.socket | None = None
         self.info: p.PeerInfo | None = None
+        self.version = p.VERSION  # the session's, once the handshake has chosen it
         self.broken = False
         self._timeout: float | None = -1.0  # what the socket's timeouts are set to (-1: not yet)
 
@@ -454,6 +463,8 @@ class BlockingConnection:
             _, _, _, nonce = _recv_frame(self.sock, [Op.HELLO], p.HANDSHAKE_BODY)
         except p.ProtocolError as exc:
             raise p.AuthenticationError(f"{self.address.node_id}: {exc}") from exc
+        self.version = p.session_version(nonce, self.address.node_id, self.needs)
+        p.speak(self.sock, self.version)
         mine = os.urandom(p.NONCE_BYTES)
         claim = p.proof(self.secret, b"client", bytes(nonce), mine)
         _send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
@@ -510,7 +521,7 @@ class BlockingConnection:
 
 def _send_frame(sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0,
                 data: Sequence = ()) -> None:
-    views = [memoryview(p.FRAME.pack(p.MAGIC, p.VERSION, op, flags, request, len(body))), memoryview(body)]
+    views = [memoryview(p.FRAME.pack(p.MAGIC, p.version_of(sock), op, flags, request, len(body))), memoryview(body)]
     views += [memoryview(d).cast("B") if memoryview(d).ndim != 1 else memoryview(d) for d in data]
     views = [v for v in views if len(v)]
     tls = isinstance(sock, ssl.SSLSocket)
@@ -544,8 +555,8 @@ def _recv_frame(sock: socket.socket, expect: Sequence[Op], max_body: int) -> tup
     magic, version, op, flags, request, length = p.FRAME.unpack(head)
     if magic != p.MAGIC:
         raise p.ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
-    if version != p.VERSION:
-        raise p.ProtocolError(f"protocol version {version} is not supported (this side speaks {p.VERSION})")
+    if (why := p.spoken(version)) is not None:
+        raise p.ProtocolError(why)
     if length > max_body:
         raise p.ProtocolError(f"frame body of {length} bytes is over the limit of {max_body}")
     body = bytearray(length)

@@ -20,7 +20,7 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from .protocol import FRAME, MAGIC, MAX_BODY, VERSION, Op, PeerClosedError, ProtocolError
+from .protocol import FRAME, MAGIC, MAX_BODY, Op, PeerClosedError, ProtocolError, spoken
 
 BODY_CHUNK = 64 << 10  # a body's first allocation; it doubles as its bytes arrive
 
@@ -113,8 +113,8 @@ class Inbox:
         magic, version, op, flags, request, length = FRAME.unpack(self._head)
         if magic != MAGIC:
             return ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
-        if version != VERSION:
-            return ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+        if (why := spoken(version)) is not None:
+            return ProtocolError(why)
         if length > self.max_body:
             return ProtocolError(f"frame body of {length} bytes is over the limit of {self.max_body}")
         try:

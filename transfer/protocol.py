@@ -11,6 +11,14 @@ Connection start (mutual HMAC-SHA256 over fresh nonces; the secret never crosses
     client -> AUTH    {nonce_c, HMAC(secret, "client" | nonce_s | nonce_c), client node}
     server -> WELCOME {HMAC(secret, "server" | nonce_c | nonce_s), PeerInfo JSON}   or ERROR + close
 
+Versions, N and N-1 (``OLDEST``..``VERSION``): the server frames its HELLO at ``OLDEST`` and ends
+``nonce_s`` with a byte naming its own version (a version-3 server sends a bare 32-byte nonce; every
+version proves over HELLO's whole body, so the byte is covered). The client speaks the lower of the
+two versions and frames its AUTH at it; the server speaks what AUTH is framed at. Each side frames
+everything after at that session version (``speak``/``version_of``), takes frames of any version it
+speaks, and sends an older peer only what that version has (no object operations, no ``PeerInfo``
+field added after it).
+
 Operations (one request in flight per connection; the client keeps several connections):
 
     READ        table of (key, expected length)  ->  READ_REPLY table of (status, length, xxh3, seal) + data
@@ -40,8 +48,11 @@ import functools
 import hashlib
 import hmac
 import math
+import os
 import struct
+import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -49,7 +60,10 @@ from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"
 VERSION = 4  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE;
-# 4: the key-value store's object operations (object_wire.py)
+# 4: the key-value store's object operations (object_wire.py), HELLO names the server's version
+OLDEST = 3  # the oldest version this side still speaks: a cluster upgrades one process at a time
+OBJECTS_SINCE = 4  # the object operations: not sent to, nor asked of, an older peer
+POOL_FORMAT_SINCE = 4  # the shared pool's region format (TCPOOL02): an older peer's pool is not mapped, nor ours by it
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
 MAX_ITEMS = 4096
@@ -418,6 +432,58 @@ class PeerInfo(BaseModel):
     max_block_bytes: int
     ucx: bool = False  # the server speaks UCX_HELLO (ucxx installed there)
     objects_path: str | None = None  # the node's directory of objects for same-host readers (tiers/directory.py)
+
+    ADDED: ClassVar[dict[str, int]] = {"objects_path": 4}  # fields by the version that added them
+
+    def encode_for(self, version: int) -> bytes:
+        """The JSON a peer speaking ``version`` reads: an older one refuses fields it does not know, and
+        cannot map a pool of a later format (it is told of none, and reads over the stream)."""
+        info = self if version >= POOL_FORMAT_SINCE else self.model_copy(update={"pool_path": None, "pool_id": None})
+        return info.model_dump_json(exclude={f for f, since in self.ADDED.items() if since > version}).encode()
+
+
+# The session version of each socket whose peer speaks an older one (absent: ``VERSION``); weak, so a
+# closed socket leaves nothing behind, and empty while every peer is current (the hot path's test).
+_older: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def speak(sock: object, version: int) -> None:
+    """Frame everything sent on ``sock`` at ``version`` from now on."""
+    if version == VERSION:
+        _older.pop(sock, None)
+    else:
+        _older[sock] = version
+
+
+def version_of(sock: object) -> int:
+    """The version frames sent on ``sock`` are framed at."""
+    return _older.get(sock, VERSION) if _older else VERSION
+
+
+def spoken(version: int) -> str | None:
+    """Why a frame of ``version`` cannot be read (None: it can)."""
+    if OLDEST <= version <= VERSION:
+        return None
+    return f"protocol version {version} is not supported (this side speaks {OLDEST} to {VERSION})"
+
+
+def hello_nonce() -> bytes:
+    """A server's HELLO body: a fresh nonce ending in the server's version."""
+    return os.urandom(NONCE_BYTES) + bytes([VERSION])
+
+
+def session_version(hello: bytes | bytearray, peer: str, needs: int = OLDEST) -> int:
+    """The version a client speaks with the server that sent ``hello``; ``needs``: the oldest one its
+    caller can use (the object operations need ``OBJECTS_SINCE``)."""
+    theirs = hello[NONCE_BYTES] if len(hello) > NONCE_BYTES else 3  # version 3 sent a bare nonce
+    version = min(VERSION, theirs)
+    if version < OLDEST:
+        raise AuthenticationError(f"{peer} speaks transfer protocol {theirs}; this side speaks {OLDEST} to "
+                                  f"{VERSION}: upgrade it")
+    if version < needs:
+        raise AuthenticationError(f"{peer} speaks transfer protocol {theirs}, which has no object operations "
+                                  f"(since {needs}): upgrade it")
+    return version
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import socket
 import ssl
 import time
@@ -40,7 +39,7 @@ from . import ucx as ucx_module
 from .paths import ServerSide, Session, StreamPath, registered_paths
 from .protocol import Op, ReplyItem, Status
 from .inbox import Inbox
-from .sockio import recv_frame, send_frame, tls_handshake, tune
+from .sockio import recv_frame, recv_versioned, send_frame, tls_handshake, tune
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +202,9 @@ class TransferServer:
             conn.close()
 
     async def _handshake(self, conn: socket.socket) -> str:
-        nonce = os.urandom(p.NONCE_BYTES)
-        await send_frame(conn, Op.HELLO, 0, nonce)
-        _, _, _, body = await recv_frame(conn, expect=[Op.AUTH], max_body=p.HANDSHAKE_BODY)
+        nonce = p.hello_nonce()
+        await send_frame(conn, Op.HELLO, 0, nonce, version=p.OLDEST)  # any version we speak can read it
+        version, _, _, _, body = await recv_versioned(conn, expect=[Op.AUTH], max_body=p.HANDSHAKE_BODY)
         if len(body) < p.NONCE_BYTES + 32:
             raise p.AuthenticationError("short AUTH frame")
         client_nonce, claimed, peer = (
@@ -214,7 +213,8 @@ class TransferServer:
         if not p.verify(self.secret, b"client", nonce, client_nonce, claimed):
             raise p.AuthenticationError("wrong proof of the cluster secret")
         server_proof = p.proof(self.secret, b"server", client_nonce, nonce)
-        await send_frame(conn, Op.WELCOME, 0, server_proof + self.info().model_dump_json().encode())
+        p.speak(conn, version)  # the client's choice: ours, or an older one it speaks
+        await send_frame(conn, Op.WELCOME, 0, server_proof + self.info().encode_for(version))
         return peer.decode(errors="replace")
 
     async def _requests(self, conn: socket.socket, peer: str) -> None:

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
-from .protocol import FRAME, MAGIC, MAX_BODY, VERSION, Op, PeerClosedError, ProtocolError
+from .protocol import FRAME, MAGIC, MAX_BODY, Op, PeerClosedError, ProtocolError, spoken, version_of
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
@@ -228,9 +228,12 @@ async def tls_handshake(sock: ssl.SSLSocket) -> None:
 
 
 async def send_frame(
-    sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0, data: Sequence = ()
+    sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0, data: Sequence = (),
+    version: int | None = None,
 ) -> None:
-    await send_all(sock, [FRAME.pack(MAGIC, VERSION, op, flags, request, len(body)), body, *data])
+    """A frame at the socket's session version (``version``: at that one, for a HELLO)."""
+    version = version_of(sock) if version is None else version
+    await send_all(sock, [FRAME.pack(MAGIC, version, op, flags, request, len(body)), body, *data])
 
 
 async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None,
@@ -238,12 +241,19 @@ async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None,
     """(op, flags, request id, body). ProtocolError on a bad magic, version, op or size. Before the
     peer is authenticated, ``max_body`` is what its handshake can need: nothing larger is allocated or
     read for a stranger."""
+    _, op, flags, request, body = await recv_versioned(sock, expect, max_body)
+    return op, flags, request, body
+
+
+async def recv_versioned(sock: socket.socket, expect: Sequence[Op] | None = None,
+                         max_body: int = MAX_BODY) -> tuple[int, Op, int, int, bytearray]:
+    """``recv_frame`` with the version the frame was framed at first."""
     head = await recv_exactly(sock, FRAME.size)
     magic, version, op, flags, request, length = FRAME.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if (why := spoken(version)) is not None:
+        raise ProtocolError(why)
     if length > max_body:
         raise ProtocolError(f"frame body of {length} bytes is over the limit of {max_body}")
     try:
@@ -255,4 +265,4 @@ async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None,
     body = await recv_exactly(sock, length)
     if op is Op.ERROR:
         raise ProtocolError(f"peer refused: {body.decode(errors='replace')}")
-    return op, flags, request, body
+    return version, op, flags, request, body

@@ -254,7 +254,7 @@ class ShmTransport(TcpTransport):
         info = peer.info
         return (
             peer.channel is not None and info is not None and info.pool_path is not None
-            and info.boot_id == p.boot_id()
+            and info.boot_id == p.boot_id() and peer.channel.version >= p.POOL_FORMAT_SINCE
         )
 
     def _region(self, info: p.PeerInfo) -> PoolRegion:

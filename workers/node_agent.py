@@ -19,6 +19,7 @@ from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
 from tiercake.tiers.pool import OBJECT_MAP_SUFFIX, beside
 from tiercake.transfer import TransferEngine, TransferServer
+from tiercake.transfer import protocol as p
 
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import app_runner, bearer_guard, error_middleware
@@ -82,7 +83,7 @@ class NodeAgent:
                                      tls=cfg.transfer_tls_client())
         host, port = self.server.address
         member = MemberInfo(node_id=cfg.node_id, role="node", host=reachable_host(host, cfg.transfer.advertise_host),
-                            port=port,
+                            port=port, transfer_version=p.VERSION,
                             tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers})
         link = ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl, engine=self.engine)
         link.on_registered.append(self.objects.on_registered)

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import ValidationError
 
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import app_runner, bearer_guard, body_reader, error_middleware, error_response, invalid, parse_body
+from tiercake.errors import app_runner, bearer_guard, body_reader, error_middleware, error_response, parse_body
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
+from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
 from tiercake.metrics import metrics_handler, registry_of, store_families
 
 from .conductor_link import ConductorLink, member_stats
@@ -91,7 +91,7 @@ class Worker:
         engine = self.engine
         member = MemberInfo(node_id=self.worker_id, role=self.role, host=host, port=port, url=self.url,
                             tiers={"gpu": engine.gpu_capacity_bytes}, engine=engine.name, perf=engine.perf,
-                            kv_space=engine.kv_space)
+                            kv_space=engine.kv_space, transfer_version=TRANSFER_VERSION)
         # a decode worker's gpu blocks are not indexed: work is routed to it by load, never by its
         # cache (the prompt's blocks are on the node already), and each block it pulled would cost
         # two durable index changes (in, then evicted)

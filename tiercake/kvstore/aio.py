@@ -43,7 +43,8 @@ from tiercake.tiers.pool import PoolFormatError, PoolRegion
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
 from tiercake.transfer.spin import SpinWait
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, Status, TransferError, boot_id
+from tiercake.transfer.protocol import (FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, OBJECTS_SINCE, Op, Status, TransferError,
+                                        boot_id)
 
 from .errors import InvalidParams, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
 from .requests import (
@@ -441,7 +442,8 @@ class AsyncStore:
             if address is None:
                 raise NotSent() from TransferError(f"node {node} is not a live member")
             conn = BlockingConnection(PeerAddress(node, *address), self.channels.secret, self.identity,
-                                      self.channels.tls, connect_timeout=self.timeout_s, spin=self.spin)
+                                      self.channels.tls, connect_timeout=self.timeout_s, spin=self.spin,
+                                      needs=OBJECTS_SINCE)
             try:
                 conn.open()
             except (TransferError, OSError) as exc:

@@ -20,7 +20,7 @@ import numpy as np
 from tiercake.blocks import object_slot
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.connection import BlockingConnection, PeerAddress
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, Op, TransferError
+from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, OBJECTS_SINCE, Op, TransferError
 
 from .aio import AsyncStore
 from .errors import TransferFailed
@@ -151,7 +151,8 @@ class FastPath:
             return idle.pop()
         host, port = self.store.members[node]
         conn = BlockingConnection(PeerAddress(node, host, port), self.store.channels.secret, self.store.identity,
-                                  self.store.channels.tls, connect_timeout=self.store.timeout_s, spin=self.store.spin)
+                                  self.store.channels.tls, connect_timeout=self.store.timeout_s, spin=self.store.spin,
+                                  needs=OBJECTS_SINCE)
         try:
             return conn.open()
         except (TransferError, OSError) as exc:

@@ -1,0 +1,131 @@
+"""A cluster upgrades one process at a time: this release beside the previous one (N and N-1), every
+process real, the previous release built from this repository's history (tests/previous_release.py).
+
+- transfer protocol 4 and 3 both ways: blocks written and read back byte for byte, over the stream
+  and through the shared pool;
+- a node agent of the previous release joins a current conductor (its control API), reports what it
+  holds, and serves blocks; it gets no slot of the key-value store's objects (its protocol has no
+  object operations), and a store client asking it for objects is told so;
+- a current node agent joins a conductor of the previous release (registering as that release knew
+  members) and serves blocks.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from previous_release import previous_python, previous_site
+from test_node_agent import k, node_config, wait_until
+from transfer_helpers import SECRET, payload
+
+from tiercake.conductor.client import Client
+from tiercake.transfer import TransferEngine
+from tiercake.transfer import protocol as p
+from tiercake.transfer.connection import BlockingConnection, PeerAddress
+
+PEER = str(Path(__file__).resolve().parent / "version_peer.py")
+KB = 1 << 10
+
+
+@pytest.fixture(scope="module")
+def previous() -> Path:
+    return previous_site()
+
+
+def _peer(previous: Path | None, *args: str, **kw) -> subprocess.Popen:
+    argv = previous_python(previous, PEER) if previous is not None else [sys.executable, PEER]
+    return subprocess.Popen([*argv, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw)
+
+
+def _client(previous: Path | None, port: int, transports: str) -> dict:
+    done = _peer(previous, "client", SECRET.decode(), str(port), "24", transports, stderr=subprocess.PIPE)
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("transports", ["tcp", "shm,tcp"])
+def test_transfer_protocol_4_and_3_read_and_write_each_others_blocks(previous, transports):
+    for server_release, client_release in ((previous, None), (None, previous)):
+        server = _peer(server_release, "serve", SECRET.decode())
+        try:
+            served = json.loads(server.stdout.readline())
+            got = _client(client_release, served["port"], transports)
+        finally:
+            server.stdin.close()
+            server.wait(30)
+        assert {served["version"], got["version"]} == {3, 4}
+        assert got["written"] == got["read_back"] == 24, got
+
+
+async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serves_blocks(previous, processes,
+                                                                                          tmp_path):
+    _, conductor = processes(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"])
+    url = conductor["url"]
+    env = {"TIERCAKE_SECRET": SECRET.decode(), "TIERCAKE_ADVERTISE_HOST": "127.0.0.1"}
+    processes(["node", "--config", node_config(tmp_path, "node-old", url)], env,
+              runner=previous_python(previous, "tiercake.cli"))
+    processes(["node", "--config", node_config(tmp_path, "node-new", url)], env)
+    keys = [k(i) for i in range(6)]
+    async with Client([url]) as client:
+        members = {m.node_id: m for m in await wait_until(lambda: _two_nodes(client), what="both nodes")}
+        assert members["node-old"].transfer_version == 3 and members["node-new"].transfer_version == p.VERSION
+        engine = TransferEngine("writer", SECRET, transports=("tcp",))
+        old = members["node-old"]
+        engine.add_peer("node-old", old.host, old.port)
+        written = await engine.write_blocks("node-old", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
+                                            tenant="acme")
+        assert all(r.ok for r in written), [r.error for r in written]
+        # the previous release's link reports to this conductor: the index finds the blocks there
+        found = await wait_until(lambda: client.lookup("acme", keys), what="the old node's report")
+        assert found["node-old"].length == 6
+        dsts = [torch.empty(64 * KB, dtype=torch.uint8) for _ in keys]
+        read = await engine.read_blocks("node-old", keys, dsts)
+        assert all(r.ok for r in read) and all(torch.equal(d, payload(i, 64 * KB)) for i, d in enumerate(dsts))
+        await engine.close()
+        # the object map gives slots only to the node agent that speaks the object operations
+        chains = (await wait_until(lambda: _mapped(client), what="an object map")).chains
+        assert all(chain and "node-old" not in chain for chain in chains)
+        with pytest.raises(p.AuthenticationError, match="no object operations"):
+            BlockingConnection(PeerAddress("node-old", old.host, old.port), SECRET, "store-client",
+                               needs=p.OBJECTS_SINCE).open()
+
+
+async def test_a_current_node_agent_joins_a_previous_release_conductor_and_serves_blocks(previous, processes,
+                                                                                          tmp_path):
+    _, conductor = processes(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"],
+                             runner=previous_python(previous, "tiercake.cli"))
+    url = conductor["url"]
+    env = {"TIERCAKE_SECRET": SECRET.decode(), "TIERCAKE_ADVERTISE_HOST": "127.0.0.1"}
+    processes(["node", "--config", node_config(tmp_path, "node-new", url)], env)
+    keys = [k(i) for i in range(6)]
+    async with Client([url]) as client:
+        (member,) = await wait_until(client.members, what="the node's registration")
+        engine = TransferEngine("writer", SECRET, transports=("tcp",))
+        engine.add_peer("node-new", member.host, member.port)
+        written = await engine.write_blocks("node-new", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
+                                            tenant="acme")
+        assert all(r.ok for r in written), [r.error for r in written]
+        found = await wait_until(lambda: client.lookup("acme", keys), what="the node's report")
+        assert found["node-new"].length == 6
+        await engine.close()
+
+
+async def _two_nodes(client: Client):
+    members = [m for m in await client.members() if m.role == "node"]
+    return members if len(members) == 2 else None
+
+
+async def _mapped(client: Client):
+    view = await client.object_map()
+    return view if view.chains else None
+
+
+def test_the_previous_release_is_the_last_of_protocol_3(previous):
+    """PREVIOUS pins the release the N-1 tests run against: when VERSION moves on, so must it."""
+    assert p.OLDEST == p.VERSION - 1
+    spoken = subprocess.run([*previous_python(previous, PEER), "version"], capture_output=True, text=True, timeout=60)
+    assert spoken.stdout.strip() == str(p.OLDEST), spoken.stderr[-2000:]
