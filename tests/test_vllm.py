@@ -280,6 +280,26 @@ async def test_a_dead_node_is_recomputed(served):
     tc.node = tc.start_node()
 
 
+async def test_running_instances_ride_through_a_node_agent_restart_and_load_from_its_adopted_pool(served):
+    """The node agent killed (SIGKILL) and started again while both vLLM servers keep running: the new
+    process adopts the pool its predecessor left (the region carries its index), reports it, and an
+    instance that never saw the prompt loads it from there; the connectors reconnect on their own."""
+    tc, a, b = served
+    tokens = prompt(6)
+    first = await a.complete(tokens)
+    keys = block_keys(Namespace(**tiercake(first)["namespace"]), tokens)[:PROMPT_BLOCKS]
+    async with Client([tc.url], token=TOKEN) as client:
+        await wait_held(client, keys)
+        os.killpg(tc.node.proc.pid, signal.SIGKILL)
+        tc.node.proc.wait()
+        tc.node = tc.start_node()
+        await wait_held(client, keys)  # re-reported by the new process, from the pool it adopted
+        held = (await client.lookup("default", keys))["vllm-node"]
+        assert held.tiers == {"pool": PROMPT_BLOCKS}, held.tiers
+    other = await b.complete(tokens)
+    assert loaded(other) == PROMPT_BLOCKS * BLOCK and answer(other) == answer(first)
+
+
 @pytest.mark.timeout(400)
 async def test_tiercake_up_starts_the_front_the_tiers_and_vllm_with_the_connector(tmp_path, model):
     """The one command: `tiercake up --engine vllm --model DIR --vllm-prefill 1 --vllm-decode 1` serves
