@@ -38,6 +38,11 @@ def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
     # that, each request waited out a transfer deadline and the run served 3% of its rate meanwhile
     stalled = figures["throughput_during.stall_node"]
     assert stalled["ratio"] > 0.25, stalled
+    # the key-value workload beside it: every object checked, every history explained
+    kv = {name: figures[f"kv.{name}"]["value"] for name in ("ops", "lost", "torn", "violations")}
+    assert kv["ops"] > 500 and kv["lost"] == kv["torn"] == kv["violations"] == 0, kv
+    # a rolling restart of every process fails no request a retrying client sends, and keeps the cache
+    assert figures["hit_ratio_during.rolling_restart"]["ratio"] > 0.9, figures["hit_ratio_during.rolling_restart"]
     for line in ("kill_prefill: recovered", "partition_node: recovered", "kill_etcd_leader: recovered",
                  "placements on node agents"):
         assert line in done.stdout, done.stdout[-3000:]

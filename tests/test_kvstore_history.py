@@ -9,100 +9,42 @@ did not happen and is left out. Reads of keys that always hold a value must neve
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import random
 import signal
-import time
-from collections import defaultdict
 
 import pytest
-from kvstore_helpers import KB, KvCluster, ready
-from linearizability import Op, check, explain
+from kvstore_helpers import KvCluster, ready
 
-from tiercake.kvstore import Durability, ObjectNotFound, StoreApiError, TransferFailed
+from tiercake.chaos_kv import KvLoad
+from tiercake.kvstore import Durability
 
 CLIENTS = 8
-STEADY = ["s0", "s1", "s2"]  # put once at the start, then only upserted and read: never absent
-CHURN = ["c0", "c1", "c2"]  # put, upserted, removed and read
 
 
-def value(client: int, seq: int, rng: random.Random) -> bytes:
-    size = 256 * KB if rng.random() < 0.05 else rng.randrange(16, 3000)
-    body = f"{client}-{seq}-".encode() + rng.randbytes(size)
-    return hashlib.sha256(body).digest() + body  # a read checks it whole: never torn, never mixed
-
-
-def whole(raw: bytes) -> bool:
-    return hashlib.sha256(raw[32:]).digest() == raw[:32]
-
-
-async def client_run(store, client: int, ops_each: int, history: dict, durability: Durability, stop: asyncio.Event):
-    rng = random.Random(client)
-    for seq in range(ops_each):
-        key = rng.choice(STEADY + CHURN)
-        kinds = ["upsert", "get", "get"] if key in STEADY else ["put", "upsert", "remove", "get", "get"]
-        kind = rng.choice(kinds)
-        v = value(client, seq, rng) if kind in ("put", "upsert") else None
-        called = time.monotonic()
-        try:
-            if kind == "get":
-                try:
-                    got = await store.get(key)
-                except ObjectNotFound:
-                    got = None
-                assert got is None or whole(got), f"a torn or mixed read of {key}"
-                result = got
-            elif kind == "remove":
-                try:
-                    await store.remove(key, force=True)
-                    result = "ok"
-                except ObjectNotFound:
-                    result = "not_found"
-            else:
-                await store.put(key, v, replace=kind == "upsert", durability=durability)
-                result = "ok"
-            history[key].append(Op(kind, v, result, called, time.monotonic()))
-        except TransferFailed:
-            if kind != "get":  # its outcome is unknown; a failed read says nothing
-                history[key].append(Op(kind, v, "ok" if kind != "remove" else "ok", called, None))
-        except StoreApiError:
-            pass  # refused: it did not happen
-        if stop.is_set():
-            return
-        await asyncio.sleep(0)
-
-
-async def run_history(cluster: KvCluster, nodes: int, durability: Durability, faults, ops_each: int = 700):
-    stores = [cluster.store(retry_s=20.0, timeout_s=3.0) for _ in range(CLIENTS)]
-    for s in stores:
-        await s.open()
+async def run_history(cluster: KvCluster, nodes: int, durability: Durability, faults, ops_each: int = 700) -> KvLoad:
+    """``CLIENTS`` clients of ``tiercake.chaos_kv`` (the workload ``tiercake chaos`` runs), ``ops_each``
+    operations each, while ``faults()`` runs."""
+    probe = await cluster.store().open()
     try:
-        await ready(stores[0], nodes)
-        history: dict[str, list[Op]] = defaultdict(list)
-        for key in STEADY:
-            v = value(99, 0, random.Random(key))
-            called = time.monotonic()
-            await stores[0].put(key, v, durability=durability)
-            history[key].append(Op("put", v, "ok", called, time.monotonic()))
-        stop = asyncio.Event()
-        clients = [asyncio.create_task(client_run(s, i, ops_each, history, durability, stop))
-                   for i, s in enumerate(stores)]
-        await faults()
-        await asyncio.gather(*clients)
-        return history
+        await ready(probe, nodes)
     finally:
-        for s in stores:
-            await s.close()
+        await probe.close()
+    load = KvLoad(lambda: cluster.store(retry_s=20.0, timeout_s=3.0), clients=CLIENTS, durability=durability)
+    await load.start(ops_each)
+    try:
+        await faults()
+        await load.wait()
+        await load.read_back()
+    finally:
+        await load.stop()
+    return load
 
 
-def verify(history: dict[str, list[Op]]) -> int:
-    total = sum(len(ops) for ops in history.values())
-    for key, ops in history.items():
-        assert check(ops), f"{key}: {explain(ops)}"
-        if key in STEADY:
-            nothing = [o for o in ops if o.kind == "get" and o.result is None]
-            assert not nothing, f"{key} always holds a value, yet {len(nothing)} reads found nothing"
-    return total
+def verify(load: KvLoad) -> int:
+    verdict = load.verdict()
+    assert not verdict.violations, verdict.violations[0]
+    assert verdict.lost == 0, f"{verdict.lost} reads of a key that always holds a value found nothing"
+    assert verdict.torn == 0, f"{verdict.torn} torn or mixed reads"
+    return verdict.ops
 
 
 async def test_histories_stay_linearizable_while_node_agents_restart_and_stall(tmp_path):
@@ -118,10 +60,9 @@ async def test_histories_stay_linearizable_while_node_agents_restart_and_stall(t
         stalled.send_signal(signal.SIGCONT)
 
     try:
-        history = await run_history(cluster, 2, Durability(), faults)
-        total = verify(history)
-        unknown = sum(o.returned is None for ops in history.values() for o in ops)
-        print(f"history with restarts: {total} operations over {len(history)} keys, {unknown} of unknown outcome")
+        load = await run_history(cluster, 2, Durability(), faults)
+        total = verify(load)
+        print(f"history with restarts: {total} operations, {load.verdict().unknown} of unknown outcome")
         assert total >= 5000
     finally:
         cluster.close()
@@ -136,8 +77,8 @@ async def test_replicated_histories_stay_linearizable_through_a_failover(tmp_pat
         cluster.kill("kv-c")  # for good: its slots go to their backups, which hold every replicated write
 
     try:
-        history = await run_history(cluster, 3, Durability(replicas=2), faults, ops_each=650)
-        total = verify(history)
+        load = await run_history(cluster, 3, Durability(replicas=2), faults, ops_each=650)
+        total = verify(load)
         print(f"replicated history through a failover: {total} operations")
         assert total >= 5000
     finally:

@@ -2,7 +2,7 @@
 register may answer and refuse each way a store can go wrong (a stale read, a lost update, a second
 put's value winning, a read of nothing while the key holds a value)."""
 
-from linearizability import Op, check, explain
+from tiercake.linearizability import Op, check, explain
 
 
 def op(kind, value, result, called, returned):

@@ -16,6 +16,16 @@ else on the embedded backend), replays a synthetic conversation trace against it
 - ``corrupt_ssd``: bytes flipped inside block files of the node's SSD tier, after the caches above it
   were flushed so that the next requests read them
 - ``kill_etcd_leader``: SIGKILL of the etcd member that leads, restarted a few seconds later
+- ``rolling_restart``: every process in turn stopped as a rolling update stops it (SIGTERM) and
+  started again by ``up``, the next once the one before serves (``hit_ratio_during`` beside the
+  ratio just before)
+
+Beside the requests, a key-value workload (``tiercake.chaos_kv``: clients of the cluster's store
+putting, upserting, removing and reading checksummed values) runs throughout; after each fault every
+key is read back, and at the end each key's history is checked for linearizability: an acknowledged
+object gone (``kv.lost``), a read not whole (``kv.torn``) or a history no order explains
+(``kv.violations``) fails the run. Requests are retried as OpenAI's client retries them (``RETRIES``
+on 408, 429, 5xx and lost connections, backing off): ``failed`` counts those that failed after that.
 
 Every answer is compared with the same prompt computed here from scratch by the reference model (no
 cache anywhere): a different answer is ``wrong``. After the faults, every placement the index still
@@ -44,7 +54,10 @@ from pathlib import Path
 import aiohttp
 
 from tiercake.bench.report import Report, machine
+from tiercake.blocks import is_object_tenant
+from tiercake.chaos_kv import KvLoad, KvVerdict
 from tiercake.conductor.client import Client, ConductorError
+from tiercake.kvstore import AsyncStore, Durability
 from tiercake.messages import MemberInfo
 from tiercake.netns import Partition, PartitionUnavailable
 from tiercake.replay import TokenMap
@@ -67,7 +80,12 @@ CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
 RATE_WINDOW_S = 4.0  # how long the load's rate is measured before each fault
 
 FAULTS = ("kill_prefill", "kill_decode", "stall_node", "partition_node", "kill_node", "corrupt_ssd", "fill_ssd",
-          "kill_conductor", "kill_etcd_leader")
+          "kill_conductor", "kill_etcd_leader", "rolling_restart")
+KV_CLIENTS = 2  # the key-value workload beside the serving one
+# its puts ask to be on disk, synced, before they are acknowledged: what may not be lost then is every
+# acknowledged object (a memory-level object is a cache entry the store may evict under pressure, as
+# Mooncake's may, and the 2 MiB pool here is under pressure all the time)
+KV_DURABILITY = Durability(persist=True)
 SSD_FS_BYTES = 300 << 20  # the SSD tier's own file system (when one can be mounted): its 256 MiB and some
 
 
@@ -175,9 +193,21 @@ class Oracle:
 class Tally:
     ok: int = 0
     wrong: int = 0
-    failed: int = 0
+    failed: int = 0  # after the retries a client makes (RETRIES)
+    retried: int = 0
     errors: list[str] = field(default_factory=list)
     last_ok: float = 0.0  # monotonic time of the latest correct answer
+    served: list[tuple[float, int, int]] = field(default_factory=list)  # (when, prompt tokens, cached tokens)
+
+    def hit_ratio(self, since: float, until: float) -> float | None:
+        """Cached prompt tokens over prompt tokens of the requests answered in [since, until)."""
+        window = [(p, c) for at, p, c in self.served if since <= at < until]
+        prompt = sum(p for p, _ in window)
+        return sum(c for _, c in window) / prompt if prompt else None
+
+
+RETRIES = 5  # a request's tries after its first, as OpenAI's client makes them (on 408, 429, 5xx, a lost connection)
+RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 
 
 class Load:
@@ -228,12 +258,8 @@ class Load:
 
     async def one(self, client: Client, prompt: list[int], tenant: str) -> bool:
         tally = self.tally
-        try:
-            answer = await client.complete(prompt, max_tokens=MAX_TOKENS, tenant=tenant)
-        except (ConductorError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            tally.failed += 1
-            tally.errors.append(str(exc)[:160])
-            await asyncio.sleep(0.2)  # a failing cluster is not hammered
+        answer = await self._asked(client, prompt, tenant)
+        if answer is None:
             return False
         if answer["choices"][0]["text"] != await self.oracle.answer(prompt, MAX_TOKENS):
             tally.wrong += 1
@@ -241,7 +267,30 @@ class Load:
             return False
         tally.ok += 1
         tally.last_ok = time.monotonic()
+        usage = answer["usage"]
+        tally.served.append((tally.last_ok, usage["prompt_tokens"],
+                             (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
         return True
+
+    async def _asked(self, client: Client, prompt: list[int], tenant: str) -> dict | None:
+        """The answer, after as many retries as a client makes, backing off (None: it failed)."""
+        tally = self.tally
+        for attempt in range(RETRIES + 1):
+            try:
+                return await client.complete(prompt, max_tokens=MAX_TOKENS, tenant=tenant)
+            except ConductorError as exc:
+                error: Exception = exc
+                if exc.status not in RETRYABLE:
+                    break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                error = exc
+            if attempt < RETRIES:
+                tally.retried += 1
+                await asyncio.sleep(min(4.0, 0.25 * 2 ** attempt))
+        tally.failed += 1
+        tally.errors.append(str(error)[:160])
+        await asyncio.sleep(0.2)  # a failing cluster is not hammered
+        return None
 
 
 class Faults:
@@ -304,6 +353,26 @@ class Faults:
             os.kill(pid, signal.SIGCONT)
         return lambda: _replaced(self._node_pid(), -1)
 
+    async def rolling_restart(self):
+        """Every process in turn stopped as a rolling update stops it (SIGTERM; ``up`` starts it again):
+        node agent, prefill worker, decode worker, conductor with the front; the next only once the one
+        before is back and a request was answered after it. Back: every one came back in time."""
+        steps = (("node", self._node_pid), ("prefill", lambda: self._worker_pid("prefill")),
+                 ("decode", lambda: self._worker_pid("decode")),
+                 ("conductor", lambda: asyncio.to_thread(self._conductor_pid)))
+        slow = []
+        for role, pid_of in steps:
+            pid = await pid_of()
+            os.kill(pid, signal.SIGTERM)
+            if await _recovered(lambda: _replaced(pid_of(), pid), self.load, time.monotonic(),  # noqa: B023
+                                RECOVERY_TIMEOUT_S) is None:
+                slow.append(role)
+
+        async def all_back() -> bool:
+            return not slow
+
+        return all_back
+
     async def partition_node(self, seconds: float = 4.0):
         """Longer than the member lease: the node agent leaves the members while cut off; back once
         the same process registered again (a new lease)."""
@@ -349,7 +418,8 @@ class Faults:
         await self.load.pause()  # requests write blocks into the pool again at once: a quiet moment
         async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
             await control.flush(["gpu", "pool"], wait=True, timeout_s=30)  # the next requests read the SSD
-        blocks = block_payloads(self.ssd)
+        blocks = block_payloads(self.ssd, tenants=lambda tenant: not is_object_tenant(tenant))  # KV blocks only:
+        # an object is the store's to keep (a corrupted object would be a loss chaos made, not the store)
         for path, offset, length in random.Random(3).sample(blocks, min(files, len(blocks))):
             at = offset + max(0, length - 100)  # 16 bytes near the end of the payload
             with open(path, "r+b") as f:
@@ -478,7 +548,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             args += ["--host", host, "--node-netns", f"{partition.ns}:{partition.ns_ip}"]
         up = UpProcess(config_path, root / "data", free_port(), args, env={**os.environ, "TIERCAKE_SECRET": secret},
                        host=host)
-        load = None
+        load = kv = None
         try:
             await asyncio.to_thread(up.wait_ready, 2)
             cold_start = time.monotonic() - started
@@ -488,28 +558,36 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             prompts = [(tokens.prompt(r, 320 - MAX_TOKENS), r.tenant) for r in records]
             load = Load(up.url, Oracle(config), prompts)
             load.start()
+            kv = KvLoad(lambda: AsyncStore([up.control_url], secret=secret, token=up.token, ssl=up.ssl, retry_s=20.0,
+                                           timeout_s=3.0), clients=KV_CLIENTS, durability=KV_DURABILITY,
+                        large=64 << 10, pause_s=0.01)
+            await kv.start()
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
             during: dict[str, tuple[float, float, float]] = {}  # fault -> (requests/s during, before, seconds)
+            hits: dict[str, tuple[float | None, float | None]] = {}  # fault -> (hit ratio during, before)
             injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
                 await asyncio.sleep(RATE_WINDOW_S)  # the rate just before, to hold the rate during it against
                 rate_before = (load.tally.ok - before[0]) / RATE_WINDOW_S
-                progress(f"{fault} ...")
+                progress(f"{fault} ... (at {time.monotonic():.1f} s on the monotonic clock)")
                 at, ok_at = time.monotonic(), load.tally.ok
                 back = await getattr(injector, fault)()
                 lasted = time.monotonic() - at
                 if lasted >= 1.0:  # a fault that lasts (a stall, a partition): what the cluster served meanwhile
                     during[fault] = ((load.tally.ok - ok_at) / lasted, rate_before, lasted)
+                    hits[fault] = (load.tally.hit_ratio(at, at + lasted), load.tally.hit_ratio(at - RATE_WINDOW_S, at))
                 recovery[fault] = await _recovered(back, load, at, timeout=RECOVERY_TIMEOUT_S)
+                await kv.read_back()  # every object once more: one a fault lost shows in its history
                 await asyncio.sleep(settle)
                 t = load.tally
                 progress(f"{fault}: recovered in {recovery[fault]} s; {t.ok - before[0]} ok, "
                          f"{t.failed - before[1]} failed, {t.wrong - before[2]} wrong")
             reached(1 + len(faults), "checking every placement")
             await load.stop()
+            await kv.stop()
             await asyncio.sleep(3)  # reports of the last changes and the statistics reach the conductor
             detected_before = await injector.corrupt_detected()
             listed, unservable = await _unservable(up, secret.encode())
@@ -522,6 +600,8 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         finally:
             if load is not None and not load.stopped:
                 await load.stop()
+            if kv is not None:
+                await kv.stop()
             output = up.stop()
             if etcd is not None:
                 etcd.stop()
@@ -531,7 +611,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         t = load.tally
         answered = t.ok + t.wrong
         report.add("requests.ok", t.ok, "requests", t.ok + t.wrong + t.failed, limit_name="requests sent",
-                   failed=t.failed, faults=list(faults), errors=t.errors[:8])
+                   failed=t.failed, retried=t.retried, faults=list(faults), errors=t.errors[:8])
         report.add("requests.wrong", t.wrong, "requests", max(answered, 1), limit_name="requests answered")
         report.add("placements.lost", lost, "placements", max(listed, 1), limit_name="placements the index lists")
         if "corrupt_ssd" in faults:
@@ -540,6 +620,11 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         for fault, (rate, rate_before, lasted) in during.items():
             report.add(f"throughput_during.{fault}", rate, "requests/s", max(rate_before, 1e-9),
                        limit_name="requests/s just before the fault", seconds=round(lasted, 1))
+        for fault, (ratio, ratio_before) in hits.items():
+            if ratio is not None and ratio_before:
+                report.add(f"hit_ratio_during.{fault}", ratio, "cached/prompt tokens", ratio_before,
+                           limit_name="hit ratio just before the fault")
+        _kv_figures(report, kv.verdict())
         for fault, seconds in recovery.items():
             report.add(f"recovery_s.{fault}", seconds if seconds is not None else RECOVERY_TIMEOUT_S, "s", cold_start,
                        limit_name="the cluster's cold start, same run", recovered=seconds is not None)
@@ -549,14 +634,26 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
     return report
 
 
+def _kv_figures(report: Report, verdict: KvVerdict) -> None:
+    report.add("kv.ops", verdict.ops, "operations", verdict.ops, limit_name="operations in the histories",
+               unknown_outcome=verdict.unknown)
+    report.add("kv.lost", verdict.lost, "reads", max(verdict.ops, 1),
+               limit_name="operations (a read of an object put and never removed that found nothing)")
+    report.add("kv.violations", len(verdict.violations), "keys", 6, limit_name="keys (a history no order explains)",
+               first=verdict.violations[:1])
+    report.add("kv.torn", verdict.torn, "reads", max(verdict.ops, 1), limit_name="operations (a read not whole)")
+
+
 def failed(report: Report) -> list[str]:
-    """What makes a chaos run fail: a wrong answer, a lost placement, a fault never recovered from."""
+    """What makes a chaos run fail: a wrong answer, a lost placement, a lost, torn or unexplained
+    object, a fault never recovered from."""
     figures = {f.name: f for f in report.figures}
     reasons = []
-    if figures["requests.wrong"].value:
-        reasons.append(f"{figures['requests.wrong'].value:.0f} wrong answers")
-    if figures["placements.lost"].value:
-        reasons.append(f"{figures['placements.lost'].value:.0f} placements lost")
+    for name, what in (("requests.wrong", "wrong answers"), ("placements.lost", "placements lost"),
+                       ("kv.lost", "reads that found an acknowledged object gone"), ("kv.torn", "torn reads"),
+                       ("kv.violations", "keys whose history is not linearizable")):
+        if figures[name].value:
+            reasons.append(f"{figures[name].value:.0f} {what}")
     reasons += [f"never recovered from {name.split('.', 1)[1]}" for name, f in figures.items()
                 if name.startswith("recovery_s.") and not f.params["recovered"]]
     return reasons

@@ -448,6 +448,18 @@ class ObjectTable:
         while self._retirer is not None and not self._retirer.done():
             await asyncio.shield(self._retirer)
 
+    async def retired(self, within: float = 2.0) -> bool:
+        """Wait (at most ``within`` seconds) until every retired block is gone from the store, so that
+        an acknowledged remove stays done across a crash: a restarted node rebuilds its table from the
+        blocks it finds (``recover``), and a removed version, or an older one still retiring, would come
+        back. False when a reader held one past ``within`` (it goes once the reader lets go)."""
+        try:
+            async with asyncio.timeout(within):
+                await self.drain()
+        except TimeoutError:
+            return False
+        return True
+
     # Mooncake's read lease --------------------------------------------------------------------------
 
     def lease(self, stored: Stored, age: float = 0.0) -> None:

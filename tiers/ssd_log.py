@@ -140,10 +140,11 @@ def segment_records(path: Path) -> list[tuple[int, int, bool]]:
             for offset, head in walk_records(path)]
 
 
-def block_payloads(root: str | Path) -> list[tuple[Path, int, int]]:
+def block_payloads(root: str | Path, tenants: Callable[[str], bool] = lambda tenant: True) -> list[tuple[Path, int, int]]:
     """(file, offset, length) of the stored payload of every live block an ssd tier directory holds, of
-    either layout, oldest first (files by modification time, then the log's records in append order).
-    For tools and tests that look at (or damage) a tier from outside its process."""
+    either layout, oldest first (files by modification time, then the log's records in append order),
+    of the store tenants ``tenants`` admits. For tools and tests that look at (or damage) a tier from
+    outside its process."""
     root = Path(root)
     out = []
     for path in sorted((root / "blocks").rglob("*.blk"), key=lambda p: p.stat().st_mtime):
@@ -152,10 +153,11 @@ def block_payloads(root: str | Path) -> list[tuple[Path, int, int]]:
                 head = _parse_header(path, f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size)
         except (CorruptBlockError, OSError):
             continue
-        out.append((path, head.data_offset, head.stored_len))
+        if tenants(head.tenant):
+            out.append((path, head.data_offset, head.stored_len))
     for seg in sorted((root / "segments").glob("*.seg")):
         out.extend((seg, offset + head.data_offset, head.stored_len) for offset, head in walk_records(seg)
-                   if not head.flags & _FLAG_DEAD)
+                   if not head.flags & _FLAG_DEAD and tenants(head.tenant))
     return out
 
 

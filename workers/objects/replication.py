@@ -444,6 +444,7 @@ class BackupSide:
                 continue
             if one is None:
                 self.table.remove(oid)
+                await self.table.retired()  # as the primary's remove: nothing left for a restart to find
                 results.append(w.Result(Status.OK))
                 continue
             try:

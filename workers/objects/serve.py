@@ -325,6 +325,7 @@ class ObjectServer(AnswerNow):
                 except ReplicaUnsafe as exc:
                     return w.Result(Status.REPLICA_FAILED, str(exc))
             self.table.remove(oid)
+            await self.table.retired()  # answered once no block of it is left for a restart to find
         return w.Result(Status.OK)
 
     async def _remove_every(self, req: w.RemoveRequest) -> w.RemoveReply:

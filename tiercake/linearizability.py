@@ -19,6 +19,8 @@ return, explains every result; ``explain`` says where a history first fails.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -150,8 +152,10 @@ def _pending_returns(head: _Entry) -> bool:
     return False
 
 
-def explain(ops: list[Op], initial: bytes | None = None) -> str:
-    """The shortest prefix of the history (by call time) that is not linearizable, as text."""
+def explain(ops: list[Op], initial: bytes | None = None, label: Callable[[bytes], str] | None = None) -> str:
+    """The shortest prefix of the history (by call time) that is not linearizable, as text (the last
+    operations of it; ``label`` names a value, by default a short hash of it)."""
+    label = label or _digest
     ordered = sorted(ops, key=lambda o: o.called)
     for n in range(1, len(ordered) + 1):
         prefix = ordered[:n]
@@ -161,13 +165,15 @@ def explain(ops: list[Op], initial: bytes | None = None) -> str:
                    Op(o.kind, o.value, o.result, o.called, None if o.kind != "get" else o.returned) for o in prefix]
         trimmed = [o for o in trimmed if not (o.kind == "get" and o.returned is None)]
         if not check(trimmed, initial):
-            lines = [f"{o.kind}({_short(o.value)}) -> {_short(o.result)} [{o.called:.6f}, "
+            lines = [f"{o.kind}({_short(o.value, label)}) -> {_short(o.result, label)} [{o.called:.6f}, "
                      f"{'?' if o.returned is None else f'{o.returned:.6f}'}]" for o in trimmed[-12:]]
             return "not linearizable at:\n  " + "\n  ".join(lines)
     return "linearizable"
 
 
-def _short(value: object) -> str:
-    if isinstance(value, bytes):
-        return value[:12].decode(errors="replace")
-    return repr(value)
+def _short(value: object, label: Callable[[bytes], str]) -> str:
+    return label(value) if isinstance(value, bytes) else repr(value)
+
+
+def _digest(value: bytes) -> str:
+    return f"{hashlib.blake2b(value, digest_size=4).hexdigest()}/{len(value)}B"
