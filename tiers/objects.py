@@ -347,10 +347,6 @@ class ObjectTable:
         """Undo a prepared version that will not be installed."""
         self.retire(stored.block)
 
-    async def publish(self, staged: Staged, version: int) -> Stored | None:
-        """``prepare`` and ``install`` at once; returns the version it replaced."""
-        return self.install(await self.prepare(staged, version))
-
     async def abort(self, staged: Staged) -> None:
         if not staged.handle.done:
             await self.store.revoke(staged.handle)
