@@ -439,13 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_bench.set_defaults(func=cmd_bench_vllm)
 
     chaos_parser = sub.add_parser(
-        "chaos", help="fault injection under load: kills, stalls, corrupt SSD blocks, etcd leader loss",
+        "chaos", help="fault injection under load: kills, stalls, corrupt SSD blocks, etcd leader loss, a rolling "
+        "restart",
         description="Starts its own cluster (tiercake up, on a 3-member etcd when etcd is installed), replays a "
-        "synthetic trace against it with greedy decoding and injects faults one after another; every answer is "
-        "checked against a recompute from scratch, every placement the index lists at the end is read back. "
-        "Figures: requests ok / wrong, placements lost, recovery time per fault against the cluster's cold start. "
-        "Exits 1 on any wrong answer, lost placement or fault not recovered from. --quick takes about two "
-        "minutes.",
+        "synthetic trace against it with greedy decoding beside a key-value workload, and injects faults one after "
+        "another; every answer is checked against a recompute from scratch, every placement the index lists at the "
+        "end is read back, every key's history is checked for linearizability. Figures: requests ok / wrong, "
+        "placements lost, objects lost, histories not linearizable, throughput and hit ratio during lasting "
+        "faults, recovery time per fault against the cluster's cold start. Exits 1 on any wrong answer, lost "
+        "placement or object, unexplained history or fault not recovered from. --quick takes about three minutes; "
+        "--faults with an unknown name lists the faults.",
     )
     chaos_parser.add_argument("--quick", action="store_true", help="a short run (CI runs it)")
     chaos_parser.add_argument("--faults", metavar="F,...", help="which faults, in order (default: all)")
