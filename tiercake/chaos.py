@@ -298,9 +298,9 @@ class Faults:
     what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
 
     def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load, partition: Partition | None = None,
-                 stall_s: float = 4.0) -> None:
+                 stall_s: float = 4.0, progress: Callable[[str], None] = print) -> None:
         self.up, self.ssd, self.etcd, self.load, self.partition = up, ssd, etcd, load, partition
-        self.stall_s = stall_s
+        self.stall_s, self.progress = stall_s, progress
 
     async def _members(self) -> list:
         return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
@@ -362,11 +362,14 @@ class Faults:
                  ("conductor", lambda: asyncio.to_thread(self._conductor_pid)))
         slow = []
         for role, pid_of in steps:
-            pid = await pid_of()
+            pid, at = await pid_of(), time.monotonic()
             os.kill(pid, signal.SIGTERM)
-            if await _recovered(lambda: _replaced(pid_of(), pid), self.load, time.monotonic(),  # noqa: B023
+            if await _recovered(lambda: _replaced(pid_of(), pid), self.load, at,  # noqa: B023
                                 RECOVERY_TIMEOUT_S) is None:
                 slow.append(role)
+            ratio = self.load.tally.hit_ratio(at, time.monotonic())
+            self.progress(f"  {role} restarted in {time.monotonic() - at:.1f} s; hit ratio meanwhile "
+                          f"{'-' if ratio is None else f'{ratio:.3f}'}")
 
         async def all_back() -> bool:
             return not slow
@@ -566,7 +569,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             recovery: dict[str, float | None] = {}
             during: dict[str, tuple[float, float, float]] = {}  # fault -> (requests/s during, before, seconds)
             hits: dict[str, tuple[float | None, float | None]] = {}  # fault -> (hit ratio during, before)
-            injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0)
+            injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0, progress=progress)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
