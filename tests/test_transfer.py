@@ -1,6 +1,7 @@
 """The transfer engine and server over real loopback sockets (both ends in this process)."""
 
 import asyncio
+import contextlib
 import socket
 import struct
 import time
@@ -58,6 +59,24 @@ def frames_sent(monkeypatch) -> list[tuple[p.Op, int]]:
 
     monkeypatch.setattr(transfer_connection, "send_frame", recording)
     return sent
+
+
+@contextlib.contextmanager
+def stalling(server, handler: str):
+    """The server's ``handler`` waits until the block ends (a stalled peer), then goes on as before."""
+    gate = asyncio.Event()
+    original = getattr(server, handler)
+
+    async def stalled(*args):
+        await gate.wait()
+        return await original(*args)
+
+    setattr(server, handler, stalled)
+    try:
+        yield
+    finally:
+        gate.set()
+        setattr(server, handler, original)
 
 
 def engine_for(server, transports=("tcp",), **kw) -> TransferEngine:
@@ -502,19 +521,10 @@ async def test_timeout_reports_every_unfinished_item(node):
     store, server = node
     await store.put(b"k", payload(1, 4 * KB))
     engine = engine_for(server)
-    gate = asyncio.Event()
-    original = server._read
-
-    async def stalled(*args):
-        await gate.wait()
-        return await original(*args)
-
-    server._read = stalled
-    results = await engine.read_blocks("node-b", [b"k", b"k"], [torch.empty(4 * KB, dtype=torch.uint8)] * 2,
-                                       timeout=0.3)
+    with stalling(server, "_read"):
+        results = await engine.read_blocks("node-b", [b"k", b"k"], [torch.empty(4 * KB, dtype=torch.uint8)] * 2,
+                                           timeout=0.3)
     assert all(isinstance(r.error, TimeoutError) for r in results)
-    gate.set()
-    server._read = original
     (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4 * KB, dtype=torch.uint8)])
     assert res.ok  # the stalled connection was dropped; a fresh one works
     await engine.close()
@@ -674,19 +684,10 @@ async def test_answers_tells_a_live_peer_from_a_stalled_or_dead_one(node):
     store, server = node
     engine = engine_for(server)
     assert await engine.answers("node-b")
-    gate = asyncio.Event()
-    original = server._stage
-
-    async def stalled(*args):
-        await gate.wait()
-        return await original(*args)
-
-    server._stage = stalled
-    started = time.monotonic()
-    assert not await engine.answers("node-b", timeout=0.3)
-    assert time.monotonic() - started < 1.0
-    gate.set()
-    server._stage = original
+    with stalling(server, "_stage"):
+        started = time.monotonic()
+        assert not await engine.answers("node-b", timeout=0.3)
+        assert time.monotonic() - started < 1.0
     assert await engine.answers("node-b")
     with socket.socket() as spare:
         spare.bind(("127.0.0.1", 0))

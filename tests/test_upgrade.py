@@ -73,19 +73,9 @@ async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serve
     async with Client([url]) as client:
         members = {m.node_id: m for m in await wait_until(lambda: _two_nodes(client), what="both nodes")}
         assert members["node-old"].transfer_version == 3 and members["node-new"].transfer_version == p.VERSION
-        engine = TransferEngine("writer", SECRET, transports=("tcp",))
         old = members["node-old"]
-        engine.add_peer("node-old", old.host, old.port)
-        written = await engine.write_blocks("node-old", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
-                                            tenant="acme")
-        assert all(r.ok for r in written), [r.error for r in written]
         # the previous release's link reports to this conductor: the index finds the blocks there
-        found = await wait_until(lambda: client.lookup("acme", keys), what="the old node's report")
-        assert found["node-old"].length == 6
-        dsts = [torch.empty(64 * KB, dtype=torch.uint8) for _ in keys]
-        read = await engine.read_blocks("node-old", keys, dsts)
-        assert all(r.ok for r in read) and all(torch.equal(d, payload(i, 64 * KB)) for i, d in enumerate(dsts))
-        await engine.close()
+        await _written_found_and_read(client, old, keys)
         # the object map gives slots only to the node agent that speaks the object operations
         chains = (await wait_until(lambda: _mapped(client), what="an object map")).chains
         assert all(chain and "node-old" not in chain for chain in chains)
@@ -104,13 +94,24 @@ async def test_a_current_node_agent_joins_a_previous_release_conductor_and_serve
     keys = [k(i) for i in range(6)]
     async with Client([url]) as client:
         (member,) = await wait_until(client.members, what="the node's registration")
-        engine = TransferEngine("writer", SECRET, transports=("tcp",))
-        engine.add_peer("node-new", member.host, member.port)
-        written = await engine.write_blocks("node-new", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
-                                            tenant="acme")
+        await _written_found_and_read(client, member, keys)
+
+
+async def _written_found_and_read(client: Client, node, keys: list[bytes]) -> None:
+    """Blocks written to ``node``, found there by the index (its report reached the conductor), and
+    read back byte for byte."""
+    engine = TransferEngine("writer", SECRET, transports=("tcp",))
+    try:
+        engine.add_peer(node.node_id, node.host, node.port)
+        blocks = [payload(i, 64 * KB) for i in range(len(keys))]
+        written = await engine.write_blocks(node.node_id, keys, blocks, chain=True, tenant="acme")
         assert all(r.ok for r in written), [r.error for r in written]
-        found = await wait_until(lambda: client.lookup("acme", keys), what="the node's report")
-        assert found["node-new"].length == 6
+        found = await wait_until(lambda: client.lookup("acme", keys), what=f"{node.node_id}'s report")
+        assert found[node.node_id].length == len(keys)
+        dsts = [torch.empty(64 * KB, dtype=torch.uint8) for _ in keys]
+        read = await engine.read_blocks(node.node_id, keys, dsts)
+        assert all(r.ok for r in read) and all(torch.equal(d, b) for d, b in zip(dsts, blocks))
+    finally:
         await engine.close()
 
 
