@@ -1,6 +1,8 @@
 """``tiercake chaos --quick``: the fault-injection run CI carries. Every fault of the list is injected
 into a real cluster (processes killed and stalled, the node agent cut off by a network partition, SSD
-blocks corrupted, the SSD's file system filled, the etcd leader killed) under load; no answer may be wrong, no placement the index lists may be unservable, every fault must be
+blocks corrupted, the SSD's file system filled, the etcd leader killed, every process restarted in turn,
+a node agent of the previous release upgraded in place) under load, beside a key-value workload whose
+histories must stay linearizable; no answer may be wrong, no placement the index lists may be unservable, every fault must be
 recovered from."""
 
 import json
@@ -9,15 +11,17 @@ import subprocess
 import sys
 
 import pytest
+from previous_release import previous_site
 
 from tiercake.chaos import FAULTS
 
 
-@pytest.mark.timeout(420)  # the run's own limit is 400 s; a quick run takes 150-170 s
+@pytest.mark.timeout(420)  # the run's own limit is 400 s; a quick run takes 170-190 s
 def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
     out = tmp_path / "chaos.json"
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "chaos", "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=400)
+    previous = previous_site()  # the upgrade fault runs a node agent of the previous release
+    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "chaos", "--quick", "--json", str(out),
+                           "--previous", str(previous)], capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     ok, wrong, lost = figures["requests.ok"], figures["requests.wrong"], figures["placements.lost"]
@@ -43,6 +47,8 @@ def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
     assert kv["ops"] > 500 and kv["lost"] == kv["torn"] == kv["violations"] == 0, kv
     # a rolling restart of every process fails no request a retrying client sends, and keeps the cache
     assert figures["hit_ratio_during.rolling_restart"]["ratio"] > 0.9, figures["hit_ratio_during.rolling_restart"]
+    # the previous release's node agent served blocks over its protocol, and was upgraded in place
+    assert figures["upgrade.read_back"]["ratio"] == 1, figures["upgrade.read_back"]
     for line in ("kill_prefill: recovered", "partition_node: recovered", "kill_etcd_leader: recovered",
                  "placements on node agents"):
         assert line in done.stdout, done.stdout[-3000:]

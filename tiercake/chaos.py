@@ -19,6 +19,9 @@ else on the embedded backend), replays a synthetic conversation trace against it
 - ``rolling_restart``: every process in turn stopped as a rolling update stops it (SIGTERM) and
   started again by ``up``, the next once the one before serves (``hit_ratio_during`` beside the
   ratio just before)
+- ``upgrade``: a node agent of the previous release (``--previous DIR``; else the fault is left out
+  and the run says so) joins beside the current one, serves blocks over the previous protocol, and is
+  upgraded in place (``tiercake.chaos_upgrade``)
 
 Beside the requests, a key-value workload (``tiercake.chaos_kv``: clients of the cluster's store
 putting, upserting, removing and reading checksummed values) runs throughout; after each fault every
@@ -56,6 +59,8 @@ import aiohttp
 from tiercake.bench.report import Report, machine
 from tiercake.blocks import is_object_tenant
 from tiercake.chaos_kv import KvLoad, KvVerdict
+from tiercake.chaos_upgrade import BLOCKS as UPGRADE_BLOCKS
+from tiercake.chaos_upgrade import UpgradedNode
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.kvstore import AsyncStore, Durability
 from tiercake.messages import MemberInfo
@@ -80,7 +85,7 @@ CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
 RATE_WINDOW_S = 4.0  # how long the load's rate is measured before each fault
 
 FAULTS = ("kill_prefill", "kill_decode", "stall_node", "partition_node", "kill_node", "corrupt_ssd", "fill_ssd",
-          "kill_conductor", "kill_etcd_leader", "rolling_restart")
+          "kill_conductor", "kill_etcd_leader", "rolling_restart", "upgrade")
 KV_CLIENTS = 2  # the key-value workload beside the serving one
 # its puts ask to be on disk, synced, before they are acknowledged: what may not be lost then is every
 # acknowledged object (a memory-level object is a cache entry the store may evict under pressure, as
@@ -298,9 +303,10 @@ class Faults:
     what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
 
     def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load, partition: Partition | None = None,
-                 stall_s: float = 4.0, progress: Callable[[str], None] = print) -> None:
+                 stall_s: float = 4.0, progress: Callable[[str], None] = print,
+                 upgraded: UpgradedNode | None = None) -> None:
         self.up, self.ssd, self.etcd, self.load, self.partition = up, ssd, etcd, load, partition
-        self.stall_s, self.progress = stall_s, progress
+        self.stall_s, self.progress, self.upgraded = stall_s, progress, upgraded
 
     async def _members(self) -> list:
         return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
@@ -375,6 +381,10 @@ class Faults:
             return not slow
 
         return all_back
+
+    async def upgrade(self):
+        """A node agent of the previous release joins, serves, and is upgraded in place (chaos_upgrade)."""
+        return await self.upgraded.inject()
 
     async def partition_node(self, seconds: float = 4.0):
         """Longer than the member lease: the node agent leaves the members while cut off; back once
@@ -506,9 +516,10 @@ async def _unservable(up: UpProcess, secret: bytes) -> tuple[int, int]:
 
 
 async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=print,
-              stage: Callable[[int, int, str], None] | None = None) -> Report:
+              stage: Callable[[int, int, str], None] | None = None, previous: Path | None = None) -> Report:
     """The fault-injection run; ``progress(message)`` tells what happened, ``stage(done, total, name)``
-    where the run is: the cluster starting, each fault, the final check."""
+    where the run is: the cluster starting, each fault, the final check. ``previous``: the folder the
+    previous release is installed in (the ``upgrade`` fault; left out without it)."""
     def reached(done: int, name: str) -> None:
         if stage is not None:
             stage(done, len(faults) + 2, name)
@@ -535,6 +546,9 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         except (FileNotFoundError, RuntimeError, TimeoutError) as exc:
             progress(f"no etcd cluster ({exc}): the embedded backend, and no etcd fault")
             faults = tuple(f for f in faults if f != "kill_etcd_leader")
+        if previous is None and "upgrade" in faults:
+            progress("no previous release given (--previous DIR): no upgrade fault")
+            faults = tuple(f for f in faults if f != "upgrade")
         partition = None
         if "partition_node" in faults:
             try:
@@ -551,7 +565,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             args += ["--host", host, "--node-netns", f"{partition.ns}:{partition.ns_ip}"]
         up = UpProcess(config_path, root / "data", free_port(), args, env={**os.environ, "TIERCAKE_SECRET": secret},
                        host=host)
-        load = kv = None
+        load = kv = upgraded = None
         try:
             await asyncio.to_thread(up.wait_ready, 2)
             cold_start = time.monotonic() - started
@@ -569,7 +583,10 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             recovery: dict[str, float | None] = {}
             during: dict[str, tuple[float, float, float]] = {}  # fault -> (requests/s during, before, seconds)
             hits: dict[str, tuple[float | None, float | None]] = {}  # fault -> (hit ratio during, before)
-            injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0, progress=progress)
+            if "upgrade" in faults:
+                upgraded = UpgradedNode(root, up.control_url, up.token, secret, previous, progress)
+            injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0, progress=progress,
+                              upgraded=upgraded)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
@@ -605,6 +622,8 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                 await load.stop()
             if kv is not None:
                 await kv.stop()
+            if upgraded is not None:
+                upgraded.close()
             output = up.stop()
             if etcd is not None:
                 etcd.stop()
@@ -628,6 +647,9 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                 report.add(f"hit_ratio_during.{fault}", ratio, "cached/prompt tokens", ratio_before,
                            limit_name="hit ratio just before the fault")
         _kv_figures(report, kv.verdict())
+        if upgraded is not None:
+            report.add("upgrade.read_back", upgraded.read_back, "blocks", UPGRADE_BLOCKS,
+                       limit_name="blocks written to the previous release's node agent")
         for fault, seconds in recovery.items():
             report.add(f"recovery_s.{fault}", seconds if seconds is not None else RECOVERY_TIMEOUT_S, "s", cold_start,
                        limit_name="the cluster's cold start, same run", recovered=seconds is not None)
@@ -657,6 +679,8 @@ def failed(report: Report) -> list[str]:
                        ("kv.violations", "keys whose history is not linearizable")):
         if figures[name].value:
             reasons.append(f"{figures[name].value:.0f} {what}")
+    if "upgrade.read_back" in figures and figures["upgrade.read_back"].ratio < 1:
+        reasons.append("blocks written to the previous release's node agent did not read back")
     reasons += [f"never recovered from {name.split('.', 1)[1]}" for name, f in figures.items()
                 if name.startswith("recovery_s.") and not f.params["recovered"]]
     return reasons

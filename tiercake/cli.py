@@ -128,7 +128,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         errors.print(f"error: unknown faults {unknown}; known: {', '.join(chaos.FAULTS)}")
         return 2
     with progress_bar("chaos") as stage:  # messages print above the bar
-        report = asyncio.run(chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage))
+        report = asyncio.run(chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage,
+                                       previous=args.previous))
     report.print(console)
     write_json(args, report)
     reasons = chaos.failed(report)
@@ -453,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     chaos_parser.add_argument("--quick", action="store_true", help="a short run (CI runs it)")
     chaos_parser.add_argument("--faults", metavar="F,...", help="which faults, in order (default: all)")
     chaos_parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    chaos_parser.add_argument("--previous", metavar="DIR", type=Path,
+                              help="the previous release, installed in DIR (pip install --no-deps --target DIR "
+                              "tiercake==X): the upgrade fault runs a node agent of it beside this one")
     chaos_parser.set_defaults(func=cmd_chaos)
 
     conductor = sub.add_parser(
