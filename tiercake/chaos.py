@@ -60,6 +60,7 @@ from tiercake.bench.report import Report, machine
 from tiercake.blocks import is_object_tenant
 from tiercake.chaos_kv import KvLoad, KvVerdict
 from tiercake.chaos_upgrade import BLOCKS as UPGRADE_BLOCKS
+from tiercake.chaos_upgrade import NAME as UPGRADED_NODE
 from tiercake.chaos_upgrade import UpgradedNode
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.kvstore import AsyncStore, Durability
@@ -307,6 +308,7 @@ class Faults:
                  upgraded: UpgradedNode | None = None) -> None:
         self.up, self.ssd, self.etcd, self.load, self.partition = up, ssd, etcd, load, partition
         self.stall_s, self.progress, self.upgraded = stall_s, progress, upgraded
+        self._corrupt_total = self._corrupt_last = 0
 
     async def _members(self) -> list:
         return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
@@ -422,10 +424,25 @@ class Faults:
         return lambda: _replaced(self._node_pid(), -1)
 
     async def corrupt_detected(self) -> int:
-        """Copies the node agents' tiers found corrupt (checksums) and dropped, so far."""
-        async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
-            view = await control.cluster()
-        return sum(t.corrupt for m in view.members if m.role == "node" for t in m.tiers.values())
+        """Copies the node agents' tiers found corrupt (checksums) and dropped, so far in this run: the
+        counts are each process's, so what a node agent found before it was restarted is kept here
+        (``sample_corrupt`` is called around every fault)."""
+        await self.sample_corrupt()
+        return self._corrupt_total
+
+    async def sample_corrupt(self) -> None:
+        try:
+            async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
+                view = await control.cluster()
+        except (ConductorError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.progress(f"  could not read the nodes' corruption counts: {exc}")
+            return
+        now = sum(t.corrupt for m in view.members if m.role == "node" and m.id != UPGRADED_NODE  # up's node
+                  for t in m.tiers.values())
+        # a count lower than the last one is a new process's, counting from 0
+        self._corrupt_total += now - self._corrupt_last if now >= self._corrupt_last else now
+        self._corrupt_last = now
+
 
     async def corrupt_ssd(self, files: int = CORRUPTED_FILES):
         await self.load.pause()  # requests write blocks into the pool again at once: a quiet moment
@@ -577,7 +594,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             load.start()
             kv = KvLoad(lambda: AsyncStore([up.control_url], secret=secret, token=up.token, ssl=up.ssl, retry_s=20.0,
                                            timeout_s=3.0), clients=KV_CLIENTS, durability=KV_DURABILITY,
-                        large=64 << 10, pause_s=0.01)
+                        large=16 << 10, pause_s=0.02)
             await kv.start()
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
@@ -592,6 +609,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
                 await asyncio.sleep(RATE_WINDOW_S)  # the rate just before, to hold the rate during it against
                 rate_before = (load.tally.ok - before[0]) / RATE_WINDOW_S
+                await injector.sample_corrupt()  # before a fault that may restart the node agent
                 progress(f"{fault} ... (at {time.monotonic():.1f} s on the monotonic clock)")
                 at, ok_at = time.monotonic(), load.tally.ok
                 back = await getattr(injector, fault)()
@@ -600,6 +618,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                     during[fault] = ((load.tally.ok - ok_at) / lasted, rate_before, lasted)
                     hits[fault] = (load.tally.hit_ratio(at, at + lasted), load.tally.hit_ratio(at - RATE_WINDOW_S, at))
                 recovery[fault] = await _recovered(back, load, at, timeout=RECOVERY_TIMEOUT_S)
+                await injector.sample_corrupt()
                 await kv.read_back()  # every object once more: one a fault lost shows in its history
                 await asyncio.sleep(settle)
                 t = load.tally
