@@ -300,10 +300,18 @@ class AsyncStore:
         (Python's ``re.search``; None: every object); returns how many went."""
         if pattern is not None and not isinstance(pattern, str):
             raise InvalidParams("a pattern is a str")
-        await self.refresh()
-        nodes = sorted({chain[0] for chain in self.map.chains if chain})
-        counts = await asyncio.gather(*(self._remove_every_on(n, pattern, force) for n in nodes))
-        return sum(counts)
+        removed, deadline = 0, time.monotonic() + self.retry_s
+        while True:
+            await self.refresh()
+            nodes = sorted({chain[0] for chain in self.map.chains if chain})
+            answers = await asyncio.gather(*(self._remove_every_on(n, pattern, force) for n in nodes))
+            removed += sum(count for count, _ in answers)
+            again = [why for _, why in answers if why is not None]
+            if not again:
+                return removed
+            if time.monotonic() > deadline:  # some objects could not be removed in time: how many is unknown
+                raise TransferFailed(f"{removed} removed, and not all: {again[0]}")
+            await asyncio.sleep(0.05)
 
     # Routing and retrying -----------------------------------------------------------------------
 
@@ -597,7 +605,8 @@ class AsyncStore:
         self._note_epoch(reply.epoch)
         return remove_results(reply, group)
 
-    async def _remove_every_on(self, node: str, pattern: str | None, force: bool) -> int:
+    async def _remove_every_on(self, node: str, pattern: str | None, force: bool) -> tuple[int, str | None]:
+        """(how many ``node`` removed, why it could not remove the rest now: None when it could)."""
         request = w.RemoveRequest(self.tenant, self.map.epoch, [], force, True, pattern)
         try:
             body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY,
@@ -607,10 +616,14 @@ class AsyncStore:
         except (TransferError, OSError) as exc:
             raise TransferFailed(f"{node} failed mid-request: {exc}") from None
         reply = w.decode(w.RemoveReply, body)
+        self._note_epoch(reply.epoch)
         for r in reply.results:
-            if r.status != Status.OK:
-                raise outcome(r.status, r.message, b"", write=True)
-        return reply.removed
+            answer = outcome(r.status, r.message, b"", write=True)
+            if isinstance(answer, Retry):
+                return reply.removed, answer.why  # the rest of its objects: ask again
+            if answer is not None:
+                raise answer
+        return reply.removed, None
 
     # The shared pool of a node on this host -----------------------------------------------------
 

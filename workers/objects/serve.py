@@ -339,7 +339,10 @@ class ObjectServer(AnswerNow):
                  and self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None]
         results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in names))
         removed = sum(1 for r in results if r.status == Status.OK)
-        return w.RemoveReply(self.ownership.map.epoch, [], removed)
+        # what this node could not remove now but may later (its lease not surely alive, the slot moved):
+        # said, so that the caller asks again; leased and vanished objects are simply not counted
+        again = [r for r in results if r.status in (Status.UNAVAILABLE, Status.WRONG_OWNER)]
+        return w.RemoveReply(self.ownership.map.epoch, again[:1], removed)
 
     # Replication (a backup's side) ----------------------------------------------------------------
 
