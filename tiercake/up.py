@@ -393,7 +393,9 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
     except Interrupted:
         return 130
     finally:
-        stop_all(workers + [server.child for server in servers])
+        # the members at once (the node agent with them), so a Ctrl-C costs one grace period, not one per
+        # kind of process; then the conductor, which they may still tell that they leave
+        stop_all(workers + [server.child for server in servers] + ([cluster.node] if cluster is not None else []))
         if cluster is not None:
             cluster.close()
         _give_back(cfg, shm)
