@@ -393,11 +393,10 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
     except Interrupted:
         return 130
     finally:
-        # the members at once (the node agent with them), so a Ctrl-C costs one grace period, not one per
-        # kind of process; then the conductor, which they may still tell that they leave
-        stop_all(workers + [server.child for server in servers] + ([cluster.node] if cluster is not None else []))
-        if cluster is not None:
-            cluster.close()
+        # every process at once, so a Ctrl-C costs one grace period, not one per kind of process (staged,
+        # a worker's last calls to a node agent or conductor already going away waited out the grace)
+        stop_all(workers + [server.child for server in servers] +
+                 ([cluster.node, cluster.conductor] if cluster is not None else []))
         _give_back(cfg, shm)
         lock.release()
         print_fn("tiercake is down")
