@@ -180,4 +180,5 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
     finally:
         took = vllm.ctrl_c()
     assert took < 5, took
-    assert set(os.listdir("/dev/shm")) - before == set()
+    # what the chaos test's cluster, beside this one under xdist, holds meanwhile is its own to give back
+    assert {n for n in set(os.listdir("/dev/shm")) - before if not n.startswith("tiercake-chaos-")} == set()
