@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from tiercake.policies.admission import AlwaysAdmit
 from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy, one_victim
-
 from tiercake.traces import TraceRecord
 
 

@@ -29,7 +29,6 @@ from tiercake.policies import (
     create_router,
 )
 from tiercake.policies.base import one_victim
-
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from tiercake.policies.registry import create_admission, create_eviction

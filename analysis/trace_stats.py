@@ -21,7 +21,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tiercake.policies.base import BlockMeta, EvictionPolicy, one_victim
-
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 

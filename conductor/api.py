@@ -19,15 +19,14 @@ from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import ApiError, app_runner, body_reader, error_middleware, require_bearer
-from tiercake.metrics import Collected, store_families
 from tiercake.messages import (
     CONTROL_API,
     BeginReply,
-    FlushAppliedRequest,
-    FlushReply,
     BeginRequest,
     CommitReply,
     CommitRequest,
+    FlushAppliedRequest,
+    FlushReply,
     HeatReply,
     HeatRequest,
     KeepAliveReply,
@@ -43,6 +42,7 @@ from tiercake.messages import (
     NodeBlocksReply,
     NodePin,
     NodePinsReply,
+    ObjectMap,
     PinReply,
     PinRequest,
     PrefixHolding,
@@ -53,7 +53,6 @@ from tiercake.messages import (
     ReplicationTask,
     ReportReply,
     RevokeReply,
-    ObjectMap,
     SlotReports,
     SlotReportsReply,
     UnpinReply,
@@ -61,6 +60,7 @@ from tiercake.messages import (
     VolatileReply,
     VolatileRequest,
 )
+from tiercake.metrics import Collected, store_families
 
 from .metadata import FencedError, MetadataUnavailableError
 from .openai_api import OPEN_PATHS

@@ -17,8 +17,8 @@ from tiercake.errors import parse_error
 from tiercake.messages import (
     BeginReply,
     ClusterView,
-    ConductorInfo,
     CommitReply,
+    ConductorInfo,
     FlushReply,
     HeatReply,
     KeepAliveReply,
@@ -128,7 +128,7 @@ class Client:
                             continue
                     else:
                         raise ConductorError(resp.status, error.message, error.code)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 last = f"{url}: {exc!r}"
                 trail.append(f"{url} {type(exc).__name__}")
                 self._down[url] = time.monotonic() + 1.0

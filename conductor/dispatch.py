@@ -32,7 +32,7 @@ from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError
 from tiercake.messages import GenerateRequest, KVHandoff, KVSpace, MemberInfo, PrefillStats, RouterSpec, TokenEvent
-from tiercake.policies import PrefillModel, RouteDecision, RouteRequest, Router, WorkerState, create_router
+from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest, WorkerState, create_router
 
 from .service import Conductor
 from .serving_stats import ServingStats, Timing

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import urllib.request
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+
 from tiercake.messages import MemberInfo
 
 from .metadata import LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, WatchEvent, follow

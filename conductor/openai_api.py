@@ -27,10 +27,15 @@ from tiercake.errors import ApiError, invalid, parse_body
 from tiercake.messages import TokenEvent
 from tiercake.tokenizer import Tokenizer, load_tokenizer
 
-from .openai_models import (
-    ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, Stopper, stop_strings,
-)
 from .dispatch import Dispatcher, Job
+from .openai_models import (
+    ChatCompletionRequest,
+    ChatShape,
+    CompletionRequest,
+    CompletionShape,
+    Stopper,
+    stop_strings,
+)
 from .serving_stats import ServingStats
 from .tenants import Quotas, Tenants
 from .worker_client import StreamBroken, WorkerError

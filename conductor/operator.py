@@ -8,7 +8,6 @@ import logging
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
-from tiercake.policies import create_eviction, create_router
 
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
@@ -29,6 +28,7 @@ from tiercake.messages import (
     RouterSpec,
     TierStats,
 )
+from tiercake.policies import create_eviction, create_router
 
 from .dispatch import Dispatcher, own_cache_only
 from .service import Conductor

@@ -25,10 +25,11 @@ import logging
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable
-from itertools import chain, islice
 from dataclasses import dataclass, field
+from itertools import chain, islice
 
-from .metadata import TXN_OPS, Delete, Guard, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow as follow_changes
+from .metadata import TXN_OPS, Delete, Guard, MetadataBackend, MetadataUnavailableError, Put, WatchEvent
+from .metadata import follow as follow_changes
 
 log = logging.getLogger(__name__)
 

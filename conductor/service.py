@@ -14,7 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-
 from tiercake.config import ObjectsConfig
 from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
 from tiercake.policies import NodeLoad, create_placement, create_replication
@@ -23,10 +22,17 @@ from .client import Client, ConductorError
 from .election import LeaderElection
 from .heat import AccessRates
 from .membership import MEMBERS, Membership
-from .objects import ObjectMapKeeper
 from .metadata import (
-    Delete, Guard, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError, Put, WatchEvent, follow,
+    Delete,
+    Guard,
+    LeaseNotFoundError,
+    MetadataBackend,
+    MetadataUnavailableError,
+    Put,
+    WatchEvent,
+    follow,
 )
+from .objects import ObjectMapKeeper
 from .placement import PlacementIndex, Replica
 
 log = logging.getLogger(__name__)

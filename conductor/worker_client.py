@@ -11,7 +11,6 @@ into ``TokenEvent``s, and every failure typed by what the caller may do about it
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -80,13 +79,13 @@ class WorkerClient:
         try:
             resp = await self.http().post(member.url + "/generate", data=body,
                                           headers={"Content-Type": "application/json"})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise WorkerUnavailable(worker, repr(exc)) from exc
         async with resp:
             if resp.status >= 400:
                 try:
                     error = parse_error(await resp.json(content_type=None), resp.status)
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                     raise WorkerUnavailable(worker, f"HTTP {resp.status}: {exc!r}") from exc
                 if resp.status < 500:
                     raise WorkerRefused(worker, resp.status, error.message)
@@ -100,7 +99,7 @@ class WorkerClient:
                         event = _event(line)
                         emitted += 1
                         yield event
-            except (aiohttp.ClientError, asyncio.TimeoutError, _BadLine) as exc:
+            except (TimeoutError, aiohttp.ClientError, _BadLine) as exc:
                 message = str(exc) if isinstance(exc, _BadLine) else f"failed mid-stream: {exc!r}"
                 raise (StreamBroken if emitted else WorkerUnavailable)(worker, message) from exc
             if not emitted:

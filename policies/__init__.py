@@ -17,6 +17,16 @@ from .placement import (
     RandomPlacement,
     ReplicationPolicy,
 )
+from .registry import (
+    PolicyNotFoundError,
+    available,
+    create_admission,
+    create_eviction,
+    create_placement,
+    create_replication,
+    create_router,
+    resolve,
+)
 from .routing import (
     CacheAwareRouter,
     LeastLoadedRouter,
@@ -29,16 +39,6 @@ from .routing import (
     TtftRouter,
     WorkerState,
     fit_prefill,
-)
-from .registry import (
-    PolicyNotFoundError,
-    available,
-    create_admission,
-    create_eviction,
-    create_placement,
-    create_replication,
-    create_router,
-    resolve,
 )
 
 __all__ = [

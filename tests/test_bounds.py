@@ -14,13 +14,13 @@ import time
 import aiohttp
 import psutil
 import pytest
+from transfer_helpers import raw_frame
+from up_helpers import UpCluster
 
 from tiercake.chaos import pid_listening
 from tiercake.errors import BODY_BUDGET_BYTES, BODY_DEADLINE_S, HEAD_DEADLINE_S
 from tiercake.transfer import protocol as p
 from tiercake.transfer.connection import BlockingConnection, PeerAddress
-from transfer_helpers import raw_frame
-from up_helpers import UpCluster
 
 KEY = "key-a"
 CONNECTIONS = 256

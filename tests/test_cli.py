@@ -234,7 +234,11 @@ def test_ctrl_c_while_up_starts_stops_everything_at_once_and_leaves_no_shared_me
     proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "up", "--data-dir", str(tmp_path / "d"), "--port",
                              "0", "--control-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    time.sleep(3)  # the conductor and the node agent are starting; the workers not yet ready
+    # Ctrl-C once the node agent is starting (the workers not yet ready): a fixed sleep under CI's load
+    # sometimes landed while the command was still importing torch, before it handles signals at all
+    started = time.monotonic()
+    while not (tmp_path / "d" / "logs" / "node.log").exists() and time.monotonic() - started < 60:
+        time.sleep(0.05)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     try:

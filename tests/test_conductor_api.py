@@ -11,15 +11,12 @@ import time
 
 import aiohttp
 import pytest
-
 from conductor_helpers import leader_and_follower, running_conductor
 from conftest import block
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.service import Conductor
-from tiercake.messages import ErrorReply, MemberInfo
-
-from tiercake.messages import MAX_KEYS
+from tiercake.messages import MAX_KEYS, ErrorReply, MemberInfo
 
 
 def k(i: int) -> bytes:

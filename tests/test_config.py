@@ -3,7 +3,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from tiercake.config import StoreConfig, TierConfig, TiercakeConfig, default_config, load_config
+from tiercake.config import StoreConfig, TiercakeConfig, TierConfig, default_config, load_config
 from tiercake.tiers.build import build_store
 
 YAML = """

@@ -153,7 +153,7 @@ def test_a_blocking_caller_polls_for_its_reply_a_while_then_blocks_and_stops_pol
         spin.wait(b)
         assert 0.009 < time.perf_counter() - start < 0.045  # returned when the reply came, not at the budget
         assert b.recv(1) == b"x" and spin.misses == 0
-        for i in range(SpinWait.MISSES_OFF):  # nothing comes: each poll spends its budget
+        for _ in range(SpinWait.MISSES_OFF):  # nothing comes: each poll spends its budget
             start = time.perf_counter()
             spin.wait(b)
             assert time.perf_counter() - start >= 0.05

@@ -3,8 +3,8 @@ worker's own gpu tier, the node pool over shared memory, a remote pool over TCP,
 the node agent restarted. Real conductor API, real transfer servers and sockets, the real model."""
 
 import asyncio
-import time
 import os
+import time
 import uuid
 
 import pytest
@@ -243,8 +243,8 @@ async def test_bad_prompts_are_clear_errors(cluster, model):
 
 
 async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
-    from tiercake.tiers import TierFullError
     from tiercake.messages import GenerateRequest
+    from tiercake.tiers import TierFullError
     from tiercake.workers.scheduler import Scheduler
 
     pool = GpuBlockPool(12, LAYOUT.shape, torch.float16, "cpu")

@@ -19,7 +19,6 @@ import pytest
 import torch
 from kvstore_helpers import KB, MB, SECRET, TOKEN, KvCluster, blob, ready
 
-from tiercake.kvstore.tensors import pack
 from tiercake.kvstore import (
     AsyncStore,
     DistributedStore,
@@ -33,6 +32,7 @@ from tiercake.kvstore import (
     ReplicateConfig,
     SoftPinAction,
 )
+from tiercake.kvstore.tensors import pack
 
 
 @pytest.fixture(scope="module")

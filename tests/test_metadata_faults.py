@@ -4,11 +4,10 @@ import asyncio
 
 import pytest
 
-from tiercake.messages import MemberInfo
-from tiercake.conductor.etcd_process import EtcdCluster
-
 from tiercake.conductor.etcd import EtcdBackend
+from tiercake.conductor.etcd_process import EtcdCluster
 from tiercake.conductor.metadata import MetadataUnavailableError, retry_unavailable
+from tiercake.messages import MemberInfo
 
 
 async def test_three_member_cluster_survives_a_dead_member(tmp_path):
@@ -76,7 +75,8 @@ async def test_conductor_on_three_members_through_member_deaths_and_quorum_loss(
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        url = "http://%s:%d" % runner.addresses[0][:2]
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
         await asyncio.wait_for(conductor.election.leading.wait(), 20)
         async with Client([url], timeout=5.0, retries=60) as client:
             await client.register(MemberInfo(node_id="n", tiers={"pool": 1 << 30}), ttl=600)

@@ -110,7 +110,6 @@ async def test_a_dead_nodes_placements_vanish_from_followers(meta, prefix):
 
 async def test_lookups_served_while_etcd_is_down(tmp_path):
     from tiercake.conductor.etcd_process import EtcdCluster
-
     from tiercake.conductor.metadata import MetadataUnavailableError, retry_unavailable
 
     cluster = EtcdCluster(tmp_path, size=1).start()

@@ -3,7 +3,16 @@ import random
 import pytest
 
 from tiercake.policies import (
-    ARC, FIFO, LFU, LRU, S3FIFO, AdmitOnNth, AlwaysAdmit, BlockMeta, LeafFirstLRU, ReuseAware,
+    ARC,
+    FIFO,
+    LFU,
+    LRU,
+    S3FIFO,
+    AdmitOnNth,
+    AlwaysAdmit,
+    BlockMeta,
+    LeafFirstLRU,
+    ReuseAware,
 )
 
 ALL = [LRU, FIFO, LFU, S3FIFO, ARC, LeafFirstLRU, ReuseAware]

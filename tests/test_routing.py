@@ -3,7 +3,12 @@
 import pytest
 
 from tiercake.policies import (
-    PrefillModel, RouteRequest, TtftRouter, WorkerState, create_router, fit_prefill,
+    PrefillModel,
+    RouteRequest,
+    TtftRouter,
+    WorkerState,
+    create_router,
+    fit_prefill,
 )
 
 SLOW = PrefillModel(a=0.01, b=0.001, q=0.0)  # 1 ms per computed token

@@ -10,7 +10,6 @@ import time
 
 import aiohttp
 import pytest
-
 from conductor_helpers import running_conductor
 
 from tiercake import errors

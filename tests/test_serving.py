@@ -14,10 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
-from tiercake.conductor.client import Client, ConductorError
-from tiercake.chaos import pid_listening as _pid_listening
 from up_helpers import UpCluster
+
+from tiercake.chaos import pid_listening as _pid_listening
+from tiercake.conductor.client import Client, ConductorError
 from tiercake.devtls import self_signed
 
 MODEL = "tiercake-reference"

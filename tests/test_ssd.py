@@ -20,7 +20,6 @@ from tiercake.tiers.ssd import HEADER_SIZE, SsdLockedError, shuffle16, unshuffle
 from tiercake.tiers.ssd_log import SsdLogTier, block_payloads, segment_records
 from tiercake.tiers.store import MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES, in_flight
 
-
 LAYOUTS = pytest.mark.parametrize("layout", ["files", "log"])
 
 

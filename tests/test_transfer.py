@@ -20,6 +20,7 @@ from transfer_helpers import (
     stop_node,
 )
 
+from tiercake.tiers import SsdTier, Tier, TieredStore
 from tiercake.transfer import (
     TRANSPORTS,
     AuthenticationError,
@@ -35,7 +36,6 @@ from tiercake.transfer import protocol as p
 from tiercake.transfer.server import MIN_RATE
 from tiercake.transfer.sockio import BULK_THREAD_BYTES
 from tiercake.transfer.transports import ShmTransport, TcpTransport
-from tiercake.tiers import SsdTier, Tier, TieredStore
 
 KB = 1024
 
@@ -586,7 +586,7 @@ async def test_shm_follows_a_node_agent_that_restarted_with_a_new_pool_at_the_sa
         assert (await engine.write_blocks("node-r", [b"a" * 32], [payload(1, 8192)]))[0].ok
         await stop_node(store, server)  # the pool file goes with it
         store, server = await node(port)  # the same path, the same port, a new region
-        for attempt in range(2):  # the first use may find the old connection broken
+        for _attempt in range(2):  # the first use may find the old connection broken
             (wrote,) = await engine.write_blocks("node-r", [b"b" * 32], [payload(2, 8192)])
             if wrote.ok:
                 break

@@ -10,10 +10,10 @@ from transfer_helpers import SECRET, authenticated_socket, payload, raw_frame, r
 
 pytest.importorskip("ucxx", reason="the optional 'ucx' extra (ucxx) is not installed")
 
+from tiercake.tiers.pool import remove_pool
 from tiercake.transfer import Status, TransferEngine  # noqa: E402
 from tiercake.transfer import protocol as p  # noqa: E402
 from tiercake.transfer.ucx import tag  # noqa: E402
-from tiercake.tiers.pool import remove_pool
 
 MB = 1 << 20
 

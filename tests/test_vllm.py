@@ -15,22 +15,21 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 import yaml
 
-import torch
-
+from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
 from tiercake.blocks import Namespace, block_keys, seal_material, sealer_for
-from tiercake.transfer import TransferEngine
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
-from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
-from tiercake.traces import read_trace
+from tiercake.tiers.pool import remove_pool
 from tiercake.tiers.ssd_log import block_payloads
+from tiercake.traces import read_trace
+from tiercake.transfer import TransferEngine
 from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
-from tiercake.tiers.pool import remove_pool
 
 # the first test starts two vLLM servers for the module (45-60 s, more while the other test process
 # runs beside it): more than the suite's default limit of 120 s leaves for the test itself

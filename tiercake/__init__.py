@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .blocks import BlockKey, BlockLayout, Namespace, block_keys, chain_key
-from .config import StoreConfig, TierConfig, TiercakeConfig, default_config, load_config
+from .config import StoreConfig, TiercakeConfig, TierConfig, default_config, load_config
 
 __version__ = "0.1.0"
 

@@ -288,7 +288,7 @@ class Load:
                 error: Exception = exc
                 if exc.status not in RETRYABLE:
                     break
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 error = exc
             if attempt < RETRIES:
                 tally.retried += 1
@@ -434,7 +434,7 @@ class Faults:
         try:
             async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
                 view = await control.cluster()
-        except (ConductorError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ConductorError, aiohttp.ClientError) as exc:
             self.progress(f"  could not read the nodes' corruption counts: {exc}")
             return
         now = sum(t.corrupt for m in view.members if m.role == "node" and m.id != UPGRADED_NODE  # up's node

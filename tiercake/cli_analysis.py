@@ -18,9 +18,9 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
-    from tiercake.bench.report import Report, machine
-    from tiercake.analysis.evaluate import evaluate, parse_capacities, plot
     from tiercake.analysis.cache_sim import accesses
+    from tiercake.analysis.evaluate import evaluate, parse_capacities, plot
+    from tiercake.bench.report import Report, machine
     from tiercake.traces import read_trace
 
     capacities = parse_capacities(args.capacity)
@@ -66,11 +66,11 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
+    from tiercake.analysis.cache_sim import accesses
+    from tiercake.analysis.evaluate import parse_capacities
+    from tiercake.analysis.trace_stats import histogram, residency, trace_stats
     from tiercake.bench.report import Report, machine
     from tiercake.policies import create_eviction
-    from tiercake.analysis.evaluate import parse_capacities
-    from tiercake.analysis.cache_sim import accesses
-    from tiercake.analysis.trace_stats import histogram, residency, trace_stats
     from tiercake.traces import read_trace
 
     records = read_trace(args.trace, args.limit)
@@ -141,9 +141,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
-    from tiercake.bench.report import Report, machine
     from tiercake.analysis.cluster_sim import ABLATION, ClusterSpec, plot, simulate_cluster
     from tiercake.analysis.evaluate import parse_capacities
+    from tiercake.bench.report import Report, machine
     from tiercake.traces import read_trace
 
     records = read_trace(args.trace, args.limit)
@@ -173,7 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             results[name] = simulate_cluster(records, run, router, params,
                                              progress=lambda done, i=i, name=name: update(i * len(records) + done,
                                                                                           description=name))
-    for name, (router, params, with_pool) in runs.items():
+    for name in runs:
         summary = results[name].summary()
         phases.add_row(name, *(f"{summary[f'{p}_p50_s']:.3g} / {summary[f'{p}_p99_s']:.3g}" for p in phase_names))
         table.add_row(name, f"{summary['ttft_mean_s']:.2f} s", f"{summary['ttft_p50_s']:.2f}",

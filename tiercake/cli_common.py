@@ -54,8 +54,14 @@ def write_json(args: argparse.Namespace, report) -> int:
 def progress_bar(description: str, total: float | None = None):
     """A bar with done / total, time elapsed and time left (ETA) for a long command; yields
     ``update(done, total=None, description=None)``. A total of None: no ETA until one is known."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())

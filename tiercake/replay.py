@@ -131,7 +131,7 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                 except ConductorError as exc:
                     outcome.status = "rejected" if exc.status == 429 else "failed"
                     outcome.error = str(exc)[:200]
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+                except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
                     # a stream cut mid-way, a malformed event: this request failed, the replay goes on
                     outcome.status = "failed"
                     outcome.error = f"{type(exc).__name__}: {exc}"[:200]
@@ -160,9 +160,9 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     against those requests' TTFT; hit ratio, in all and per source tier, against the trace's ceiling
     (every earlier block still cached); how many completed, were rejected, failed; and from the
     cluster's counters, metadata cost and the live prefetchable share against the offline one."""
-    from tiercake.policies import LRU
     from tiercake.analysis.cache_sim import TierSpec, accesses, simulate
     from tiercake.analysis.trace_stats import trace_stats
+    from tiercake.policies import LRU
 
     outcomes = run.outcomes
     rep = Report(bench="replay", machine=machine())

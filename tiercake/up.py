@@ -23,9 +23,10 @@ from pathlib import Path
 
 import yaml
 
-from .config import TiercakeConfig
 from tiercake.conductor.tenants import SHARED_CACHE_NOTE
-from tiercake.tiers.pool import remove_pool
+from tiercake.tiers.pool_files import remove_pool
+
+from .config import TiercakeConfig
 from .up_state import DataDirLock, ShmLeftovers, write_private
 
 

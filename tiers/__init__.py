@@ -1,4 +1,12 @@
-"""Storage tiers (gpu, pool, ssd) and the node-local tiered block store that composes them."""
+"""Storage tiers (gpu, pool, ssd) and the node-local tiered block store that composes them.
+
+The errors load at once (callers catch them without the store); the tiers, which need torch, load on
+first use, so a process that never touches a tier (the conductor, the command line) starts without it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CorruptBlockError,
@@ -13,15 +21,30 @@ from .errors import (
     StoreError,
     TierFullError,
 )
-from .gpu import GpuBlockPool, GpuTier
-from .pool import PoolRegion, PoolTier
-from .sequences import BlockTable, SequenceKV
-from .ssd import SsdTier
-from .store import BlockChange, BlockView, Lease, PutHandle, Tier, TieredStore
+
+if TYPE_CHECKING:  # the names as the type checker sees them
+    from .gpu import GpuBlockPool, GpuTier
+    from .pool import PoolRegion, PoolTier
+    from .sequences import BlockTable, SequenceKV
+    from .ssd import SsdTier
+    from .store import BlockChange, BlockView, Lease, PutHandle, Tier, TieredStore
+
+_LAZY = {
+    "GpuBlockPool": ".gpu", "GpuTier": ".gpu", "PoolRegion": ".pool", "PoolTier": ".pool",
+    "BlockTable": ".sequences", "SequenceKV": ".sequences", "SsdTier": ".ssd",
+    "BlockChange": ".store", "BlockView": ".store", "Lease": ".store", "PutHandle": ".store", "Tier": ".store",
+    "TieredStore": ".store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "BlockChange", "BlockTable", "BlockView", "SequenceKV", "Lease", "CorruptBlockError", "DiskFullError", "GpuBlockPool", "GpuTier", "InvalidStateError",
-    "ObjectExistsError", "ObjectLeasedError", "ObjectNotFoundError", "ObjectPinnedError", "PayloadError",
-    "PoolRegion", "PoolTier", "PutHandle", "PutInProgressError", "SsdTier", "StoreError", "Tier",
-    "TierFullError", "TieredStore",
+    "CorruptBlockError", "DiskFullError", "InvalidStateError", "ObjectExistsError", "ObjectLeasedError",
+    "ObjectNotFoundError", "ObjectPinnedError", "PayloadError", "PutInProgressError", "StoreError", "TierFullError",
+    "GpuBlockPool", "GpuTier", "PoolRegion", "PoolTier", "BlockTable", "SequenceKV", "SsdTier", "BlockChange", "BlockView", "Lease", "PutHandle", "Tier", "TieredStore",
 ]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from tiercake.config import StoreConfig, TierConfig
-from tiercake.policies import create_admission, create_eviction
-
 from tiercake.plugins import TIER_BACKENDS
+from tiercake.policies import create_admission, create_eviction
 
 from .backend import TierBackend
 from .store import Tier, TieredStore

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
-import itertools
 import os
 import struct
 import time

@@ -45,8 +45,16 @@ from .backend import RecoveredBlock
 from .buffers import PAGE, aligned_buffer, round_up
 from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
 from .ssd import (
-    _FLAG_DEAD, HEADER_SIZE, SsdTier, _check_block, _drop_other_layout, _Header, _parse_header, pack_header,
-    pack_header_check, pwritev_all,
+    _FLAG_DEAD,
+    HEADER_SIZE,
+    SsdTier,
+    _check_block,
+    _drop_other_layout,
+    _Header,
+    _parse_header,
+    pack_header,
+    pack_header_check,
+    pwritev_all,
 )
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tiercake.messages import RESIDENCY_BUCKETS
-from tiercake.policies import AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy, LRU
+from tiercake.policies import LRU, AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy
 
 from .backend import TierBackend
 from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_async

@@ -495,7 +495,7 @@ class BlockingConnection:
                 if targets:
                     _recv_into(self.sock, targets)
             return reply
-        except (socket.timeout, BlockingIOError):  # BlockingIOError: the kernel's timeout (SO_RCVTIMEO)
+        except (TimeoutError, BlockingIOError):  # BlockingIOError: the kernel's timeout (SO_RCVTIMEO)
             self.close()
             raise TimeoutError(f"{self.address.node_id} did not answer within {timeout} s") from None
         except BaseException:

@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiercake.plugins import TRANSPORTS
 from tiercake.tiers import ObjectExistsError, StoreError, TieredStore
 from tiercake.tiers.buffers import INLINE_COPY_MAX, as_bytes, host_bytes
 
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
 from .protocol import Status
-from tiercake.plugins import TRANSPORTS
-
 from .transports import Peer, ReadReq, Transport, TransportContext, WriteReq
 
 PROBE_KEY = bytes(32)  # asked for by answers(): no content hashes to it

@@ -20,10 +20,10 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from tiercake.tiers import ObjectNotFoundError, TieredStore
-from tiercake.tiers.store import PutHandle
 
 from tiercake.plugins import TRANSPORTS, PluginNotFoundError
+from tiercake.tiers import ObjectNotFoundError, TieredStore
+from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
 from .protocol import Op, ReplyItem, Status

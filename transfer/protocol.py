@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
-
 from pydantic import BaseModel, ConfigDict
 
 MAGIC = b"TCXF"

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import xxhash
+
 from tiercake.tiers import (
     ObjectExistsError,
     ObjectLeasedError,
@@ -36,9 +37,9 @@ from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
 from . import ucx as ucx_module
+from .inbox import Inbox
 from .paths import ServerSide, Session, StreamPath, registered_paths
 from .protocol import Op, ReplyItem, Status
-from .inbox import Inbox
 from .sockio import recv_frame, recv_versioned, send_frame, tls_handshake, tune
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import os
 import socket
 import ssl
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from .protocol import FRAME, MAGIC, MAX_BODY, Op, PeerClosedError, ProtocolError, spoken, version_of
 

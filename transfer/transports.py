@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+
 from tiercake.tiers import PoolRegion, StoreError, TieredStore
 from tiercake.tiers.buffers import copy_async
 

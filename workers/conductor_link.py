@@ -22,8 +22,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
-from tiercake.conductor.client import Client, ConductorError
 from tiercake.blocks import is_object_tenant
+from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import (
     ClusterSettings,
     EvictionSpec,
@@ -266,10 +266,10 @@ class ConductorLink:
     async def _sync_pins(self) -> None:
         version, pins = await self.client.node_pins(self.member.node_id)
         wanted = set(pins)
-        for tenant, key in wanted - self.pins:
+        for _tenant, key in wanted - self.pins:
             with contextlib.suppress(StoreError):  # gone meanwhile: the next report says so
                 self.store.pin(key, hard=True)
-        for tenant, key in self.pins - wanted:
+        for _tenant, key in self.pins - wanted:
             with contextlib.suppress(StoreError):
                 self.store.unpin(key)
         self.pins = wanted

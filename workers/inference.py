@@ -17,15 +17,15 @@ recomputed: it costs time, never a wrong token.
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 import time
 from dataclasses import dataclass
 from itertools import groupby
 
 import torch
 
-from tiercake.blocks import Namespace, SealKeys, Sealer, block_keys, chain_key, cluster_seal_material
+from tiercake.blocks import Namespace, Sealer, SealKeys, block_keys, chain_key, cluster_seal_material
 from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore

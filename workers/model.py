@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tiercake.config import ModelConfig
 
 __all__ = ["ModelConfig", "PagedChunk", "ReferenceModel", "decode", "encode"]

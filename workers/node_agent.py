@@ -15,16 +15,15 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily
 
 from tiercake.conductor.client import Client
+from tiercake.config import TiercakeConfig, reachable_host
+from tiercake.errors import app_runner, bearer_guard, error_middleware
+from tiercake.messages import MemberInfo
+from tiercake.metrics import metrics_handler, registry_of, store_families
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
 from tiercake.tiers.pool import OBJECT_MAP_SUFFIX, beside
 from tiercake.transfer import TransferEngine, TransferServer
 from tiercake.transfer import protocol as p
-
-from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import app_runner, bearer_guard, error_middleware
-from tiercake.messages import MemberInfo
-from tiercake.metrics import metrics_handler, registry_of, store_families
 
 from .conductor_link import ConductorLink, member_stats
 from .objects import NodeObjects

@@ -29,8 +29,8 @@ from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import app_runner, bearer_guard, body_reader, error_middleware, error_response, parse_body
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
-from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
 from tiercake.metrics import metrics_handler, registry_of, store_families
+from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
 
 from .conductor_link import ConductorLink, member_stats
 from .contract import EngineBusy, RequestRejected, ServingEngine

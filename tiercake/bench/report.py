@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextvars
 import json
-import platform
 import os
+import platform
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.table import Table
 
 from tiercake.messages import ClusterView
-
 
 # told of each figure as a bench adds it (the CLI's progress bar); benches need not pass it along
 ON_FIGURE: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("on_figure", default=None)

@@ -75,38 +75,44 @@ def measure(store, sizes: list[tuple[int, int, int]], rep: int, buffers: Buffers
     registered); the best seconds so far in ``best``. ``cold``: another client of the same store,
     which also reads every object one at a time (``get_cold``): a reader that never saw the objects,
     where ``store`` may remember where it put them."""
-    src, dst = buffers.src, buffers.dst
     for size, count, batch in sizes:
-        keys = [f"o{size}-{rep}-{i}" for i in range(count)]
-        ptrs = [src + i * size for i in range(count)]
-        outs = [dst + i * size for i in range(count)]
-        timed = {
-            "put": lambda: [_check(store.put_from(k, p, size), "put_from") for k, p in zip(keys, ptrs)],
-            "get": lambda: [_check(store.get_into(k, o, size) - size, "get_into") for k, o in zip(keys, outs)],
-        }
-        if cold is not None:
-            timed["get_cold"] = lambda: [_check(cold.get_into(k, o, size) - size, "get_into (cold)")
-                                         for k, o in zip(keys, outs)]
-        for op, run in timed.items():
-            if op != "put":  # each read proves itself: nothing left from the last one
-                ctypes.memset(dst, 0, size * count)
-            _keep(best, f"{op}.{size}", _seconds(run))
-            if op != "put":
-                _check(int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)),
-                       "read back other bytes")
-        _check(store.remove_all(True) < 0, "remove_all")
-        keys = [f"b{size}-{rep}-{i}" for i in range(count)]
-        groups = [range(lo, min(count, lo + batch)) for lo in range(0, count, batch)]
-        _keep(best, f"batch_put.{size}", _seconds(lambda: [
-            _check(any(store.batch_put_from([keys[i] for i in g], [ptrs[i] for i in g], [size] * len(g))),
-                   "batch_put_from") for g in groups]))
-        ctypes.memset(dst, 0, size * count)
-        _keep(best, f"batch_get.{size}", _seconds(lambda: [
-            _check(sum(store.batch_get_into([keys[i] for i in g], [outs[i] for i in g], [size] * len(g)))
-                   - size * len(g), "batch_get_into") for g in groups]))
-        _check(int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)),
-               "read back other bytes (batch)")
-        _check(store.remove_all(True) < 0, "remove_all")
+        _measure_size(store, size, count, batch, rep, buffers, best, cold)
+
+
+def _measure_size(store, size: int, count: int, batch: int, rep: int, buffers: Buffers, best: dict[str, float],
+                  cold) -> None:
+    """``measure`` at one size: singles, then batches of ``batch``, each read checked against what was put."""
+    src, dst = buffers.src, buffers.dst
+    keys = [f"o{size}-{rep}-{i}" for i in range(count)]
+    ptrs = [src + i * size for i in range(count)]
+    outs = [dst + i * size for i in range(count)]
+    timed = {
+        "put": lambda: [_check(store.put_from(k, p, size), "put_from") for k, p in zip(keys, ptrs)],
+        "get": lambda: [_check(store.get_into(k, o, size) - size, "get_into") for k, o in zip(keys, outs)],
+    }
+    if cold is not None:
+        timed["get_cold"] = lambda: [_check(cold.get_into(k, o, size) - size, "get_into (cold)")
+                                     for k, o in zip(keys, outs)]
+    for op, run in timed.items():
+        if op != "put":  # each read proves itself: nothing left from the last one
+            ctypes.memset(dst, 0, size * count)
+        _keep(best, f"{op}.{size}", _seconds(run))
+        if op != "put":
+            _check(int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)),
+                   "read back other bytes")
+    _check(store.remove_all(True) < 0, "remove_all")
+    keys = [f"b{size}-{rep}-{i}" for i in range(count)]
+    groups = [range(lo, min(count, lo + batch)) for lo in range(0, count, batch)]
+    _keep(best, f"batch_put.{size}", _seconds(lambda: [
+        _check(any(store.batch_put_from([keys[i] for i in g], [ptrs[i] for i in g], [size] * len(g))),
+               "batch_put_from") for g in groups]))
+    ctypes.memset(dst, 0, size * count)
+    _keep(best, f"batch_get.{size}", _seconds(lambda: [
+        _check(sum(store.batch_get_into([keys[i] for i in g], [outs[i] for i in g], [size] * len(g)))
+               - size * len(g), "batch_get_into") for g in groups]))
+    _check(int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)),
+           "read back other bytes (batch)")
+    _check(store.remove_all(True) < 0, "remove_all")
 
 
 def _keep(best: dict[str, float], name: str, seconds: float) -> None:

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from tiercake.config import ConductorConfig, StoreConfig, TierConfig, TiercakeConfig, TransferConfig
+from tiercake.config import ConductorConfig, StoreConfig, TiercakeConfig, TierConfig, TransferConfig
 from tiercake.transfer import TransferServer, spin
 from tiercake.transfer.ucx import available as ucx_available
 from tiercake.workers.node_agent import NodeAgent

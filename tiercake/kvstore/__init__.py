@@ -5,7 +5,6 @@
 docs/ARCHITECTURE.md's "The key-value store" (the contract)."""
 
 from .aio import AsyncStore
-from .requests import Described, Durability
 from .errors import (
     ErrorCode,
     InvalidParams,
@@ -17,6 +16,7 @@ from .errors import (
     StoreApiError,
     TransferFailed,
 )
+from .requests import Described, Durability
 from .sync import DistributedStore, MooncakeDistributedStore, MooncakeDistributedStoreAsync
 from .types import (
     BufferHandle,

@@ -42,9 +42,17 @@ from tiercake.tiers.directory import DirectoryReader
 from tiercake.tiers.pool import PoolFormatError, PoolRegion
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
+from tiercake.transfer.protocol import (
+    FLAG_EAGER,
+    FLAG_NO_REPLY,
+    FLAG_SHM,
+    OBJECTS_SINCE,
+    Op,
+    Status,
+    TransferError,
+    boot_id,
+)
 from tiercake.transfer.spin import SpinWait
-from tiercake.transfer.protocol import (FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, OBJECTS_SINCE, Op, Status, TransferError,
-                                        boot_id)
 
 from .errors import InvalidParams, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
 from .requests import (

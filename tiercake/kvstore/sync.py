@@ -36,9 +36,9 @@ import aiohttp
 import numpy as np
 
 from .aio import AsyncStore, finish_reads, merged
+from .errors import ErrorCode, InvalidParams, NotSupported, ObjectNotFound, StoreApiError, code_of
 from .fast import FastPath
 from .requests import MEMORY, Described, Durability, readable
-from .errors import ErrorCode, InvalidParams, NotSupported, ObjectNotFound, StoreApiError, code_of
 from .tensor_calls import TensorCalls
 from .threads import ThreadClients
 from .types import BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, ReplicaDescriptor, ReplicateConfig

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .requests import Durability
 from .errors import InvalidParams
+from .requests import Durability
 
 DEFAULT_SOFT_PIN_MS = 30 * 60 * 1000  # as Mooncake master's default_kv_soft_pin_ttl
 

@@ -29,7 +29,17 @@ from tiercake.blocks import object_id
 from tiercake.tiers import StoreError, TierFullError
 from tiercake.tiers.objects import Meta, Staged
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, FRAME, MAGIC, VERSION, Op, ProtocolError, Status
+from tiercake.transfer.protocol import (
+    FLAG_EAGER,
+    FLAG_NO_REPLY,
+    FLAG_SHM,
+    FRAME,
+    MAGIC,
+    VERSION,
+    Op,
+    ProtocolError,
+    Status,
+)
 from tiercake.transfer.sockio import IOV_MAX, recv_into_all, send_all
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_fr
 
 from .answer_now import AnswerNow
 from .ownership import Ownership
-from .replication import BackupSide, ReplicaUnsafe, Replicator, replica_of
+from .replication import BackupSide, Replicator, ReplicaUnsafe, replica_of
 
 log = logging.getLogger(__name__)
 

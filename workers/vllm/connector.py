@@ -466,7 +466,8 @@ class TiercakeConnector(KVConnectorBase_V1):
         for (tenant, salt), items in by_tenant.items():
             future = self.link.write(self.settings.node, items, tenant, self._seal_keys.for_salt(salt),
                                      self.settings.save_timeout_s)
-            future.add_done_callback(lambda f, n=len(items): self._saved(f, n * self.block_nbytes, n))
+            count = len(items)
+            future.add_done_callback(lambda f, n=count: self._saved(f, n * self.block_nbytes, n))
 
     def _saved(self, future, nbytes: int, count: int) -> None:
         """On the link's thread, when a background save ends."""

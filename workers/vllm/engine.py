@@ -46,7 +46,14 @@ import msgspec
 from tiercake.blocks import Namespace, block_keys
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import (
-    GenerateRequest, KVHandoff, KVSpace, PrefillStats, TokenEvent, TokenLogprob, WorkerLoadReply, WorkerPerf,
+    GenerateRequest,
+    KVHandoff,
+    KVSpace,
+    PrefillStats,
+    TokenEvent,
+    TokenLogprob,
+    WorkerLoadReply,
+    WorkerPerf,
 )
 from tiercake.tiers import BlockChange
 
@@ -168,7 +175,7 @@ class VllmEngine(ServingEngine):
         """The fit's probes stored blocks: their events must have come (else the endpoints are wrong)."""
         try:
             await asyncio.wait_for(self.mirror.batches.wait(), EVENTS_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             task = self._events_task
             failed = task.done() and not task.cancelled() and task.exception()
             raise VllmUnavailable(
@@ -184,7 +191,7 @@ class VllmEngine(ServingEngine):
                 async with self.http.get(self.url + "/v1/models") as resp:
                     resp.raise_for_status()
                     return (await resp.json())["data"][0]["id"]
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
                 if time.monotonic() >= deadline:
                     waited = f" within {self.wait_s:g} s" if self.wait_s else ""
                     raise VllmUnavailable(f"no vLLM OpenAI server at {self.url}{waited} ({exc or type(exc).__name__}): "
@@ -314,7 +321,7 @@ class VllmEngine(ServingEngine):
         """vLLM's answer, its status checked: 400 is the request's fault, anything else the server's."""
         try:
             resp = await self.http.post(self.url + "/v1/completions", json=body)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise VllmUnavailable(f"vLLM at {self.url}: {exc or type(exc).__name__}") from None
         if resp.status == 200:
             return resp
