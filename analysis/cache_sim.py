@@ -80,8 +80,9 @@ def simulate(stream: list[Access], tiers: list[TierSpec]) -> SimResult:
     where: dict[Hashable, int] = {}  # key -> the tier holding it
     sizes = [0] * len(tiers)
     metas: dict[Hashable, BlockMeta] = {}
-    result = SimResult(hits=[0] * len(tiers), token_hits=[0] * len(tiers),
-                       tiers=[t.name or f"tier{i}" for i, t in enumerate(tiers)])
+    result = SimResult(
+        hits=[0] * len(tiers), token_hits=[0] * len(tiers), tiers=[t.name or f"tier{i}" for i, t in enumerate(tiers)]
+    )
 
     def place(key: Hashable, start: int) -> None:
         """Put ``key`` into the first tier from ``start`` that admits it, spilling victims down."""

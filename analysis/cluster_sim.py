@@ -64,8 +64,9 @@ class ClusterResult:
     tbt: list[float] = field(default_factory=list)
     # the TTFT breakdown, as on the live front: waiting for the worker, the index lookup, pulling the
     # prefix from the global pool (the one remote tier simulated), computing the rest
-    phases: dict[str, list[float]] = field(default_factory=lambda: {"queue": [], "lookup": [], "load_pool": [],
-                                                                    "compute": []})
+    phases: dict[str, list[float]] = field(
+        default_factory=lambda: {"queue": [], "lookup": [], "load_pool": [], "compute": []}
+    )
     rejected: int = 0
     slo_met: int = 0
     blocks: int = 0
@@ -90,10 +91,13 @@ class ClusterResult:
     def summary(self) -> dict[str, float]:
         total = self.served + self.rejected
         return {
-            "requests": total, "rejected": self.rejected,
+            "requests": total,
+            "rejected": self.rejected,
             "ttft_mean_s": sum(self.ttft) / len(self.ttft) if self.ttft else 0.0,
-            "ttft_p50_s": self.percentile(self.ttft, 50), "ttft_p99_s": self.percentile(self.ttft, 99),
-            "tbt_p50_s": self.percentile(self.tbt, 50), "tbt_p99_s": self.percentile(self.tbt, 99),
+            "ttft_p50_s": self.percentile(self.ttft, 50),
+            "ttft_p99_s": self.percentile(self.ttft, 99),
+            "tbt_p50_s": self.percentile(self.tbt, 50),
+            "tbt_p99_s": self.percentile(self.tbt, 99),
             "slo_attainment": self.slo_met / total if total else 0.0,
             "hit_ratio": self.reused_blocks / self.blocks if self.blocks else 0.0,
             "local_hit_ratio": self.local_hits / self.blocks if self.blocks else 0.0,
@@ -101,7 +105,8 @@ class ClusterResult:
             "bytes_moved": self.bytes_moved,
             "metadata_ops_per_request": self.metadata_ops / self.served if self.served else 0.0,
             "metadata_bytes_per_kv_byte": self.metadata_bytes / (self.bytes_moved + self.kv_bytes_written)
-            if self.bytes_moved + self.kv_bytes_written else 0.0,
+            if self.bytes_moved + self.kv_bytes_written
+            else 0.0,
             **{f"{phase}_p50_s": self.percentile(v, 50) for phase, v in self.phases.items()},
             **{f"{phase}_p99_s": self.percentile(v, 99) for phase, v in self.phases.items()},
         }
@@ -147,17 +152,22 @@ def _scaled(model: PrefillModel, factor: float) -> PrefillModel:
     return PrefillModel(model.a * factor, model.b * factor, model.q * factor)
 
 
-def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Router | str,
-                     router_params: dict | None = None,
-                     progress: Callable[[int], None] | None = None) -> ClusterResult:
+def simulate_cluster(
+    records: list[TraceRecord],
+    spec: ClusterSpec,
+    router: Router | str,
+    router_params: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ClusterResult:
     """``progress(requests done)``, every 1,000 requests and at the end."""
     router = create_router(router, router_params) if isinstance(router, str) else router
     caches = [_Cache(spec.local_blocks, spec.eviction) for _ in range(spec.prefill_workers)]
     pool = _Cache(spec.global_blocks, spec.eviction) if spec.global_blocks else None
     free_at = [0.0] * spec.prefill_workers
     rng = random.Random(spec.seed)
-    believed = [_scaled(spec.prefill, 1 + rng.uniform(-spec.fit_noise, spec.fit_noise))
-                for _ in range(spec.prefill_workers)]
+    believed = [
+        _scaled(spec.prefill, 1 + rng.uniform(-spec.fit_noise, spec.fit_noise)) for _ in range(spec.prefill_workers)
+    ]
     decoding: list[list[float]] = [[] for _ in range(spec.decode_workers)]  # heaps of end times
     result = ClusterResult(router.describe())
     for done, record in enumerate(sorted(records, key=lambda r: r.timestamp)):
@@ -170,16 +180,30 @@ def simulate_cluster(records: list[TraceRecord], spec: ClusterSpec, router: Rout
         for ends in decoding:
             while ends and ends[0] <= now:
                 heapq.heappop(ends)
-        states = [WorkerState(f"p{i}", own[i], 0, 0, believed[i], spec.decode_step_s, spec.bandwidth_bytes_per_s,
-                              queue_s=max(0.0, free_at[i] - now)) for i in range(spec.prefill_workers)]
+        states = [
+            WorkerState(
+                f"p{i}",
+                own[i],
+                0,
+                0,
+                believed[i],
+                spec.decode_step_s,
+                spec.bandwidth_bytes_per_s,
+                queue_s=max(0.0, free_at[i] - now),
+            )
+            for i in range(spec.prefill_workers)
+        ]
         request = RouteRequest(record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best)
         decision = router.choose(states, request)
-        decoders = [WorkerState(f"d{j}", running=len(decoding[j]), prefill=spec.prefill,
-                                decode_step_s=spec.decode_step_s) for j in range(spec.decode_workers)]
+        decoders = [
+            WorkerState(f"d{j}", running=len(decoding[j]), prefill=spec.prefill, decode_step_s=spec.decode_step_s)
+            for j in range(spec.decode_workers)
+        ]
         decode = router.choose_decode(decoders, request)  # the live front's rule
         d, tbt = int(decode.worker[1:]), decode.tbt_s
-        if (spec.slo_ttft_s is not None and decision.ttft_s > spec.slo_ttft_s) or \
-                (spec.slo_tbt_s is not None and tbt > spec.slo_tbt_s):
+        if (spec.slo_ttft_s is not None and decision.ttft_s > spec.slo_ttft_s) or (
+            spec.slo_tbt_s is not None and tbt > spec.slo_tbt_s
+        ):
             result.rejected += 1
             continue
         w = int(decision.worker[1:])
@@ -270,4 +294,3 @@ def plot(results: dict[str, ClusterResult], path: str | Path, title: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

@@ -30,8 +30,9 @@ class Score:
         return self.accesses / self.seconds if self.seconds else 0.0
 
 
-def score(stream: list[Access], policy: str, capacity: float, params: dict[str, Any] | None = None,
-          admission: str = "always") -> Score:
+def score(
+    stream: list[Access], policy: str, capacity: float, params: dict[str, Any] | None = None, admission: str = "always"
+) -> Score:
     started = time.perf_counter()
     if policy == "optimum":
         result = optimum(stream, capacity)
@@ -42,8 +43,14 @@ def score(stream: list[Access], policy: str, capacity: float, params: dict[str, 
     return Score(policy, capacity, result.hit_ratio, result.token_hit_ratio, seconds, result.accesses)
 
 
-def evaluate(stream: list[Access], policy: str, capacities: list[float], params: dict[str, Any] | None = None,
-             admission: str = "always", progress: Callable[[int, int, str], None] | None = None) -> list[Score]:
+def evaluate(
+    stream: list[Access],
+    policy: str,
+    capacities: list[float],
+    params: dict[str, Any] | None = None,
+    admission: str = "always",
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[Score]:
     """The policy, LRU (unless it is the policy) and the optimum at each capacity; ``progress`` is
     called with (runs done, runs in all, what runs next) before each run and once at the end."""
     names = [policy] + (["lru"] if policy != "lru" else []) + ["optimum"]
@@ -52,8 +59,9 @@ def evaluate(stream: list[Access], policy: str, capacities: list[float], params:
     for done, (cap, name) in enumerate(runs):
         if progress is not None:
             progress(done, len(runs), f"{name} @ {'inf' if math.isinf(cap) else f'{cap:,}'} blocks")
-        scores.append(score(stream, name, cap, params if name == policy else None,
-                            admission if name == policy else "always"))
+        scores.append(
+            score(stream, name, cap, params if name == policy else None, admission if name == policy else "always")
+        )
     if progress is not None:
         progress(len(runs), len(runs), "done")
     return scores
@@ -91,8 +99,7 @@ def plot(scores: list[Score], path: str | Path, title: str) -> None:
     for name in dict.fromkeys(s.policy for s in scores):
         mine = [s for s in scores if s.policy == name]
         xs = [s.capacity if math.isfinite(s.capacity) else top for s in mine]
-        ax.plot(xs, [s.hit_ratio for s in mine], marker="o", label=name,
-                linestyle="--" if name == "optimum" else "-")
+        ax.plot(xs, [s.hit_ratio for s in mine], marker="o", label=name, linestyle="--" if name == "optimum" else "-")
     ax.set_xscale("log")
     infinite = any(not math.isfinite(s.capacity) for s in scores)
     ax.set_xlabel("capacity (blocks; the rightmost point is infinite)" if infinite else "capacity (blocks)")

@@ -118,8 +118,9 @@ class ReuseTracker:
                 distance = self._marks.prefix(self._pos) - self._marks.prefix(previous + 1)
                 leads = [now - extended[end] for end in self._users.get(key, ()) if end in extended]
                 lead = max(leads, default=None)
-                out.append(Reaccess(distance, now - self._last_time[key], lead,
-                                    lead is not None and lead >= self.lead_s))
+                out.append(
+                    Reaccess(distance, now - self._last_time[key], lead, lead is not None and lead >= self.lead_s)
+                )
                 self._marks.add(previous, -1)
             self._marks.add(self._pos, 1)
             self._last_pos[key] = self._pos
@@ -142,7 +143,7 @@ class ReuseTracker:
         """Renumber the blocks remembered (the most recent ``max_blocks``) from 0, in order."""
         alive = list(self._last_pos)  # least recently accessed first
         if self.max_blocks is not None and len(alive) > self.max_blocks:
-            alive = alive[len(alive) - self.max_blocks:]
+            alive = alive[len(alive) - self.max_blocks :]
             self._last_time = {key: self._last_time[key] for key in alive}
             self._users = {key: users for key in alive if (users := self._users.get(key)) is not None}
             # the chain ends still named by a remembered block's users are all a check can ask for

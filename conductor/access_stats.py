@@ -33,17 +33,34 @@ class LiveAccessStats:
 
     def bind_metrics(self, registry) -> None:
         self.m_accesses = Counter("tiercake_block_accesses", "full prompt blocks requested", registry=registry)
-        self.m_reaccesses = Counter("tiercake_block_reaccesses", "requested blocks seen before (within the "
-                                    "window of recent blocks)", registry=registry)
-        self.m_prefetchable = Counter("tiercake_prefetchable_reaccesses", "re-accesses announced by an earlier "
-                                      "request this one extends (a follow-up turn)", registry=registry)
-        self.m_distance = Histogram("tiercake_reuse_distance_blocks", "distinct blocks requested between two "
-                                    "accesses to a block (an LRU cache of C blocks hits those under C)",
-                                    buckets=DISTANCE_BUCKETS, registry=registry)
-        self.m_reuse_time = Histogram("tiercake_reuse_time_seconds", "time between two accesses to a block",
-                                      buckets=TIME_BUCKETS, registry=registry)
-        self.m_lead = Histogram("tiercake_prefetch_lead_seconds", "for prefetchable re-accesses: how long before "
-                                "an earlier request announced them", buckets=TIME_BUCKETS, registry=registry)
+        self.m_reaccesses = Counter(
+            "tiercake_block_reaccesses",
+            "requested blocks seen before (within the window of recent blocks)",
+            registry=registry,
+        )
+        self.m_prefetchable = Counter(
+            "tiercake_prefetchable_reaccesses",
+            "re-accesses announced by an earlier request this one extends (a follow-up turn)",
+            registry=registry,
+        )
+        self.m_distance = Histogram(
+            "tiercake_reuse_distance_blocks",
+            "distinct blocks requested between two accesses to a block (an LRU cache of C blocks hits those under C)",
+            buckets=DISTANCE_BUCKETS,
+            registry=registry,
+        )
+        self.m_reuse_time = Histogram(
+            "tiercake_reuse_time_seconds",
+            "time between two accesses to a block",
+            buckets=TIME_BUCKETS,
+            registry=registry,
+        )
+        self.m_lead = Histogram(
+            "tiercake_prefetch_lead_seconds",
+            "for prefetchable re-accesses: how long before an earlier request announced them",
+            buckets=TIME_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, keys: list[bytes], now: float) -> None:
         """One request's full blocks, in chain order, at ``now`` (seconds, monotonic); counted on the
@@ -73,10 +90,13 @@ class LiveAccessStats:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     def _summary(self) -> dict:
-        return {"block_accesses": self.accesses, "reaccesses": self.reaccesses,
-                "reaccess_share": self.reaccesses / self.accesses if self.accesses else 0.0,
-                "prefetchable_share": self.prefetchable / self.reaccesses if self.reaccesses else 0.0,
-                "window_blocks": self.window_blocks}
+        return {
+            "block_accesses": self.accesses,
+            "reaccesses": self.reaccesses,
+            "reaccess_share": self.reaccesses / self.accesses if self.accesses else 0.0,
+            "prefetchable_share": self.prefetchable / self.reaccesses if self.reaccesses else 0.0,
+            "window_blocks": self.window_blocks,
+        }
 
 
 def _log_failure(future) -> None:

@@ -82,8 +82,10 @@ def _keys(hexes: list[str]) -> list[bytes]:
 
 
 def _holdings(found: dict, sizes: bool) -> dict[str, PrefixHolding]:
-    return {n: PrefixHolding(length=p.length, tiers=p.tiers, runs=p.runs(), sizes=p.sizes() if sizes else None)
-            for n, p in found.items()}
+    return {
+        n: PrefixHolding(length=p.length, tiers=p.tiers, runs=p.runs(), sizes=p.sizes() if sizes else None)
+        for n, p in found.items()
+    }
 
 
 def _member_families(conductor: Conductor):
@@ -105,8 +107,9 @@ class _ElectionCollector:
 
         election = self.conductor.election
         yield CounterMetricFamily("tiercake_leader_terms", "terms this conductor has won", value=election.terms)
-        yield CounterMetricFamily("tiercake_leader_changes", "leader changes this conductor has seen",
-                                  value=election.changes_seen)
+        yield CounterMetricFamily(
+            "tiercake_leader_changes", "leader changes this conductor has seen", value=election.changes_seen
+        )
 
 
 class _Metrics:
@@ -116,19 +119,31 @@ class _Metrics:
         self.conductor = conductor
         self.registry = registry = CollectorRegistry()
         self.index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
-        self.ops = Counter("tiercake_placement_ops", "placement changes made durable (rate: ops per second)",
-                           registry=registry)
-        self.batch_ops = Histogram("tiercake_group_commit_batch_ops", "placement changes per group-commit batch",
-                                   buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048), registry=registry)
-        self.commit_seconds = Histogram("tiercake_metadata_commit_seconds", "time to make one batch durable in the "
-                                        "backend", buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1,
-                                                            5), registry=registry)
+        self.ops = Counter(
+            "tiercake_placement_ops", "placement changes made durable (rate: ops per second)", registry=registry
+        )
+        self.batch_ops = Histogram(
+            "tiercake_group_commit_batch_ops",
+            "placement changes per group-commit batch",
+            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048),
+            registry=registry,
+        )
+        self.commit_seconds = Histogram(
+            "tiercake_metadata_commit_seconds",
+            "time to make one batch durable in the backend",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5),
+            registry=registry,
+        )
         self.leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
         self.members = Gauge("tiercake_members", "live members", ["role"], registry=registry)
         self.pins = Gauge("tiercake_pins", "pinned blocks", registry=registry)
         self.requests = Counter("tiercake_api_requests", "API requests", ["endpoint"], registry=registry)
-        self.lookup_seconds = Histogram("tiercake_lookup_seconds", "placement lookup time in the conductor",
-                                        buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3), registry=registry)
+        self.lookup_seconds = Histogram(
+            "tiercake_lookup_seconds",
+            "placement lookup time in the conductor",
+            buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3),
+            registry=registry,
+        )
         conductor.index.stats.on_batch = self.on_batch
         registry.register(Collected(lambda: _member_families(conductor)))
         registry.register(_ElectionCollector(conductor))
@@ -155,16 +170,26 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
     @web.middleware
     async def auth(request: web.Request, handler):
         path = request.path
-        if tokens and path not in PROBE_PATHS and path not in open_paths and not any(
-                p.endswith("/") and path.startswith(p) for p in open_paths):
+        if (
+            tokens
+            and path not in PROBE_PATHS
+            and path not in open_paths
+            and not any(p.endswith("/") and path.startswith(p) for p in open_paths)
+        ):
             require_bearer(request, tokens)
         resource = request.match_info.route.resource
         metrics.requests.labels(resource.canonical if resource else "unmatched").inc()
         try:
             return await handler(request)
         except NotLeaderError as exc:
-            raise ApiError(503, str(exc), code="not_leader", headers={"X-Tiercake-Leader": exc.leader or ""},
-                           retryable=True, leader=exc.leader) from None
+            raise ApiError(
+                503,
+                str(exc),
+                code="not_leader",
+                headers={"X-Tiercake-Leader": exc.leader or ""},
+                retryable=True,
+                leader=exc.leader,
+            ) from None
         except (MetadataUnavailableError, FencedError) as exc:  # fenced: deposed while the write was in flight
             raise ApiError(503, f"{exc}; retry", code="unavailable", retryable=True) from None
         except LeaseExpiredError as exc:
@@ -203,8 +228,9 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
     async def begin(request: web.Request) -> web.Response:
         body = await leader_only(request, BeginRequest)
         keys = _keys([b.key for b in body.blocks])
-        targets = conductor.begin_put(body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local,
-                                      body.evict)
+        targets = conductor.begin_put(
+            body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local, body.evict
+        )
         return reply(BeginReply(targets={k.hex(): nodes for k, nodes in targets.items()}))
 
     async def commit(request: web.Request) -> web.Response:
@@ -257,31 +283,64 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         changes = index.volatile_changes(body.after) if body.term == term else None
         if changes is None:
             seq, snapshot = index.volatile_seq, index.volatile_snapshot()
-            return reply(VolatileReply(term=term, seq=seq, reset=True, changes=[
-                VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in snapshot]))
+            return reply(
+                VolatileReply(
+                    term=term,
+                    seq=seq,
+                    reset=True,
+                    changes=[
+                        VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size)
+                        for t, k, n, tier, size in snapshot
+                    ],
+                )
+            )
         changes = changes[:VOLATILE_BATCH]
-        return reply(VolatileReply(term=term, seq=body.after + len(changes), reset=False, changes=[
-            VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in changes]))
+        return reply(
+            VolatileReply(
+                term=term,
+                seq=body.after + len(changes),
+                reset=False,
+                changes=[
+                    VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size)
+                    for t, k, n, tier, size in changes
+                ],
+            )
+        )
 
     async def node_blocks(request: web.Request) -> web.Response:
         pins = conductor.pins
-        return reply(NodeBlocksReply(blocks=[
-            NodeBlock(tenant=t, key=k.hex(), tier=tier, size=size, pinned=(t, k) in pins)
-            for t, k, tier, size in conductor.index.node_blocks(request.match_info["node"])]))
+        return reply(
+            NodeBlocksReply(
+                blocks=[
+                    NodeBlock(tenant=t, key=k.hex(), tier=tier, size=size, pinned=(t, k) in pins)
+                    for t, k, tier, size in conductor.index.node_blocks(request.match_info["node"])
+                ]
+            )
+        )
 
     async def node_pins(request: web.Request) -> web.Response:
         version = conductor.pins_version
-        return reply(NodePinsReply(version=version, pins=[
-            NodePin(tenant=t, key=k.hex()) for t, k in conductor.node_pins(request.match_info["node"])]))
+        return reply(
+            NodePinsReply(
+                version=version,
+                pins=[NodePin(tenant=t, key=k.hex()) for t, k in conductor.node_pins(request.match_info["node"])],
+            )
+        )
 
     return [
-        web.post("/v1/placements/lookup", lookup), web.post("/v1/placements/lookup-many", lookup_many),
+        web.post("/v1/placements/lookup", lookup),
+        web.post("/v1/placements/lookup-many", lookup_many),
         web.post("/v1/placements/begin", begin),
-        web.post("/v1/placements/commit", commit), web.post("/v1/placements/revoke", revoke),
-        web.post("/v1/placements/report", report), web.post("/v1/placements/remove", remove),
-        web.post("/v1/placements/pin", pin), web.post("/v1/placements/unpin", unpin), web.post("/v1/heat", heat),
+        web.post("/v1/placements/commit", commit),
+        web.post("/v1/placements/revoke", revoke),
+        web.post("/v1/placements/report", report),
+        web.post("/v1/placements/remove", remove),
+        web.post("/v1/placements/pin", pin),
+        web.post("/v1/placements/unpin", unpin),
+        web.post("/v1/heat", heat),
         web.post("/v1/placements/volatile", volatile),
-        web.get("/v1/nodes/{node}/blocks", node_blocks), web.get("/v1/nodes/{node}/pins", node_pins),
+        web.get("/v1/nodes/{node}/blocks", node_blocks),
+        web.get("/v1/nodes/{node}/pins", node_pins),
     ]
 
 
@@ -300,10 +359,19 @@ def _member_routes(conductor: Conductor) -> list:
         if body.stats is not None:
             conductor.note_stats(body.node_id, body.stats)
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
-        return reply(KeepAliveReply(pins_version=conductor.pins_version, settings=conductor.settings, tasks=[
-            ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
-            for t in tasks], term=await conductor.term(), volatile_tiers=sorted(conductor.index.volatile_tiers),
-            objects_epoch=conductor.objects.map.epoch))
+        return reply(
+            KeepAliveReply(
+                pins_version=conductor.pins_version,
+                settings=conductor.settings,
+                tasks=[
+                    ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
+                    for t in tasks
+                ],
+                term=await conductor.term(),
+                volatile_tiers=sorted(conductor.index.volatile_tiers),
+                objects_epoch=conductor.objects.map.epoch,
+            )
+        )
 
     async def flush_applied(request: web.Request) -> web.Response:
         """A member applied a flush (the leader answers synchronous flushes)."""
@@ -342,16 +410,25 @@ def _member_routes(conductor: Conductor) -> list:
         return reply(SlotReportsReply(map=conductor.objects.map, refused=[] if taken else ["the conductor has a map"]))
 
     return [
-        web.get("/v1/objects/map", object_map), web.post("/v1/objects/reports", slot_reports),
+        web.get("/v1/objects/map", object_map),
+        web.post("/v1/objects/reports", slot_reports),
         web.post("/v1/objects/seed", seed_map),
-        web.post("/v1/members/register", register), web.post("/v1/members/keepalive", keep_alive),
-        web.post("/v1/members/leave", leave), web.get("/v1/members", members), web.get("/v1/leader", leader_info),
+        web.post("/v1/members/register", register),
+        web.post("/v1/members/keepalive", keep_alive),
+        web.post("/v1/members/leave", leave),
+        web.get("/v1/members", members),
+        web.get("/v1/leader", leader_info),
         web.post("/v1/flush/applied", flush_applied),
     ]
 
 
-def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=None,
-              with_public: bool = True, metrics_open: bool = True) -> web.Application:
+def build_app(
+    conductor: Conductor,
+    tokens: list[str] | None = None,
+    frontend=None,
+    with_public: bool = True,
+    metrics_open: bool = True,
+) -> web.Application:
     """The control API; with ``frontend`` (a ``Frontend``), its operator endpoints and, unless
     ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it.
     ``metrics_open``: /metrics without a token (for scrapers)."""
@@ -360,10 +437,18 @@ def build_app(conductor: Conductor, tokens: list[str] | None = None, frontend=No
         frontend.bind_metrics(metrics.registry)
     open_paths = (OPEN_PATHS if frontend is not None and with_public else ()) + (("/metrics",) if metrics_open else ())
     keys = [frontend.openai.key_first] if frontend is not None and with_public else []
-    app = web.Application(middlewares=[error_middleware, _auth(tokens, open_paths, metrics), *keys, body_reader()],
-                          client_max_size=MAX_BODY)
-    app.add_routes([*_probe_routes(conductor), web.get("/metrics", metrics.handler),
-                    *_member_routes(conductor), *_placement_routes(conductor, metrics)])
+    app = web.Application(
+        middlewares=[error_middleware, _auth(tokens, open_paths, metrics), *keys, body_reader()],
+        client_max_size=MAX_BODY,
+    )
+    app.add_routes(
+        [
+            *_probe_routes(conductor),
+            web.get("/metrics", metrics.handler),
+            *_member_routes(conductor),
+            *_placement_routes(conductor, metrics),
+        ]
+    )
     if frontend is not None:
         frontend.add_routes(app, public=with_public)
     return app
@@ -391,8 +476,9 @@ def build_public_app(conductor: Conductor, frontend) -> web.Application:
     """The OpenAI-compatible API alone, for its own port: completions and models (API keys, not
     control tokens), with health and readiness for probes (ready: a worker can serve)."""
 
-    app = web.Application(middlewares=[error_middleware, frontend.openai.key_first, body_reader()],
-                          client_max_size=MAX_BODY)
+    app = web.Application(
+        middlewares=[error_middleware, frontend.openai.key_first, body_reader()], client_max_size=MAX_BODY
+    )
     app.add_routes(_probe_routes(conductor, frontend))
     frontend.add_routes(app, control=False)
     return app
@@ -416,27 +502,45 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
     if tokens is None:
         logging.getLogger(__name__).warning(
             "INSECURE: the control API runs without a token (conductor.insecure): anyone who reaches port %s can "
-            "register workers, read every tenant's cached keys and answer requests", config.port)
+            "register workers, read every tenant's cached keys and answer requests",
+            config.port,
+        )
     sock = _bind(config.host, config.port)  # bound first: the URL the conductor publishes is the one it serves
     bound = sock.getsockname()
     scheme, tls = full.tls.scheme, full.tls.server_context()
     url = config.advertise_url or f"{scheme}://{reachable_host(bound[0])}:{bound[1]}"
     public_port = full.serving.port
-    beside = public_port is None or (public_port == config.port != 0 and (full.serving.host or config.host) == config.host)
+    beside = public_port is None or (
+        public_port == config.port != 0 and (full.serving.host or config.host) == config.host
+    )
     public_sock = None if beside else _bind(full.serving.host or config.host, public_port)
     meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
     conductor = None
     runners: list[web.AppRunner] = []
     try:
         conductor = await Conductor(
-            meta, conductor_id, url=url, ttl=config.leader_ttl, placement=config.placement,
-            replication=config.replication, replication_params=config.replication_params,
-            put_timeout=config.put_timeout_s, peer_token=tokens[0] if tokens else None,
-            peer_ssl=full.tls.client_context(), volatile_tiers=tuple(config.volatile_tiers), objects=full.objects,
+            meta,
+            conductor_id,
+            url=url,
+            ttl=config.leader_ttl,
+            placement=config.placement,
+            replication=config.replication,
+            replication_params=config.replication_params,
+            put_timeout=config.put_timeout_s,
+            peer_token=tokens[0] if tokens else None,
+            peer_ssl=full.tls.client_context(),
+            volatile_tiers=tuple(config.volatile_tiers),
+            objects=full.objects,
         ).start()
         frontend = Frontend(conductor, full)
-        sites = [(build_app(conductor, tokens, frontend, with_public=public_sock is None,
-                            metrics_open=config.metrics_open), sock)]
+        sites = [
+            (
+                build_app(
+                    conductor, tokens, frontend, with_public=public_sock is None, metrics_open=config.metrics_open
+                ),
+                sock,
+            )
+        ]
         if public_sock is not None:
             sites.append((build_public_app(conductor, frontend), public_sock))
         for app, bound_sock in sites:

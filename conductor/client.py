@@ -64,8 +64,9 @@ class ConductorError(Exception):
 
 
 class Client:
-    def __init__(self, urls: list[str], token: str | None = None, timeout: float = 5.0, retries: int = 20,
-                 ssl=None) -> None:
+    def __init__(
+        self, urls: list[str], token: str | None = None, timeout: float = 5.0, retries: int = 20, ssl=None
+    ) -> None:
         """``ssl``: an ``ssl.SSLContext`` to verify https servers with (None: the system's CAs)."""
         if not urls:
             raise ValueError("at least one conductor URL is needed")
@@ -93,12 +94,19 @@ class Client:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             connector = aiohttp.TCPConnector(ssl=self.ssl) if self.ssl is not None else None
-            self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  connector=connector)
+            self._session = aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout), connector=connector
+            )
         return self._session
 
-    async def _call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-                    timeout: float | None = None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        headers: dict | None = None,
+        timeout: float | None = None,
+    ) -> Any:
         last = "no conductor answered"
         trail: list[str] = []  # what each attempt met, for the error
         # each call walks the conductors on its own (concurrent calls must not steer each other),
@@ -107,7 +115,9 @@ class Client:
         for attempt in range(self.retries):
             url = self.urls[index % len(self.urls)]
             try:
-                limit = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}  # else the session's
+                limit = (
+                    {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
+                )  # else the session's
                 async with self._http().request(method, url + path, json=body, headers=headers, **limit) as resp:
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
@@ -145,14 +155,22 @@ class Client:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys], **({"sizes": True} if sizes else {})}
         return (await self._typed(LookupReply, "POST", "/v1/placements/lookup", body)).nodes
 
-    async def lookup_many(self, tenant: str, chains: list[list[bytes]], sizes: bool = False
-                          ) -> list[dict[str, PrefixHolding]]:
+    async def lookup_many(
+        self, tenant: str, chains: list[list[bytes]], sizes: bool = False
+    ) -> list[dict[str, PrefixHolding]]:
         """``lookup`` of each chain, in one request."""
         body = {"tenant": tenant, "chains": [[k.hex() for k in chain] for chain in chains], "sizes": sizes}
         return (await self._typed(LookupManyReply, "POST", "/v1/placements/lookup-many", body)).found
 
-    async def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
-                        local: str | None = None, evict: bool = False) -> dict[bytes, list[str]]:
+    async def begin_put(
+        self,
+        tenant: str,
+        keys: list[bytes],
+        sizes: list[int],
+        tier: str = "pool",
+        local: str | None = None,
+        evict: bool = False,
+    ) -> dict[bytes, list[str]]:
         """Where each new block goes (as many nodes as the replication policy wants; with ``evict``,
         also onto nodes that must evict to make room)."""
         blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
@@ -200,8 +218,9 @@ class Client:
         """The leader's volatile replicas for a follower conductor: the changes after ``after`` in
         ``term``, or a snapshot (``reset``); waits up to ``wait_s`` for a change."""
         body = {"term": term, "after": after, "wait_s": wait_s}
-        return VolatileReply.model_validate(await self._call("POST", "/v1/placements/volatile", body,
-                                                             timeout=wait_s + self.timeout))
+        return VolatileReply.model_validate(
+            await self._call("POST", "/v1/placements/volatile", body, timeout=wait_s + self.timeout)
+        )
 
     async def unpin(self, tenant: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
@@ -240,8 +259,16 @@ class Client:
 
     # The OpenAI-compatible API ------------------------------------------------------------------
 
-    async def complete(self, prompt: str | list[int], *, model: str = "tiercake-reference", max_tokens: int = 16,
-                       temperature: float = 0.0, tenant: str | None = None, **extra) -> dict:
+    async def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        model: str = "tiercake-reference",
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        tenant: str | None = None,
+        **extra,
+    ) -> dict:
         """``/v1/completions``, whole: the OpenAI response (usage includes cached prompt tokens)."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
         headers = {"X-Tiercake-Tenant": tenant} if tenant else None
@@ -251,11 +278,26 @@ class Client:
         """``/v1/models``: the served model, with ``max_model_len`` (its context)."""
         return (await self._call("GET", "/v1/models"))["data"]
 
-    async def stream_completion(self, prompt: str | list[int], *, model: str = "tiercake-reference",
-                                max_tokens: int = 16, temperature: float = 0.0, tenant: str | None = None, **extra):
+    async def stream_completion(
+        self,
+        prompt: str | list[int],
+        *,
+        model: str = "tiercake-reference",
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        tenant: str | None = None,
+        **extra,
+    ):
         """``/v1/completions`` streamed: each server-sent chunk as a dict, the last one with usage."""
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-                "stream": True, "stream_options": {"include_usage": True}, **extra}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra,
+        }
         headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
         url = self.urls[self._current % len(self.urls)]
         async with self._http().post(url + "/v1/completions", json=body, headers=headers) as resp:
@@ -311,8 +353,9 @@ class Client:
         """A member tells the leader it has applied flush ``epoch`` (and reported what it removed)."""
         await self._call("POST", "/v1/flush/applied", {"node_id": node_id, "epoch": epoch})
 
-    async def set_policy(self, router: str | None = None, router_params: dict | None = None,
-                         eviction: dict[str, dict] | None = None) -> PolicyReply:
+    async def set_policy(
+        self, router: str | None = None, router_params: dict | None = None, eviction: dict[str, dict] | None = None
+    ) -> PolicyReply:
         """Switch the router and/or tiers' eviction policies (``{tier: {"policy", "params"}}``) at run time."""
         body = {"router": router, "router_params": router_params or {}, "eviction": eviction}
         return await self._typed(PolicyReply, "POST", "/v1/policy", body)
@@ -335,8 +378,9 @@ class Client:
     async def slot_reports(self, reports: list[SlotReady]) -> SlotReportsReply:
         """A primary's word that backups now hold its slots whole (or no more: ``lagging``), or took
         them over (``handed_off``); per report, '' or why it was refused."""
-        return await self._typed(SlotReportsReply, "POST", "/v1/objects/reports",
-                                 {"reports": [r.model_dump() for r in reports]})
+        return await self._typed(
+            SlotReportsReply, "POST", "/v1/objects/reports", {"reports": [r.model_dump() for r in reports]}
+        )
 
 
 class NodeDirectory:

@@ -43,8 +43,11 @@ log = logging.getLogger(__name__)
 
 def own_cache_only(router: str) -> str:
     """The warning for a router that never loads what the nodes hold."""
-    return (f"router {router!r} with pull: false reuses only each worker's own gpu cache: blocks in the nodes' "
-            "pool and SSD are never loaded (drop pull: false, or use ttft)")
+    return (
+        f"router {router!r} with pull: false reuses only each worker's own gpu cache: blocks in the nodes' "
+        "pool and SSD are never loaded (drop pull: false, or use ttft)"
+    )
+
 
 ANY_WORKER = ("worker", "prefill", "decode")
 
@@ -78,9 +81,16 @@ class Job:
         return keys
 
     def request(self, **fields) -> GenerateRequest:
-        base = {"tokens": self.tokens, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "tenant": self.tenant, "salt": self.salt, "seed": self.seed, "top_p": self.top_p,
-                "logprobs": self.logprobs}
+        base = {
+            "tokens": self.tokens,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "tenant": self.tenant,
+            "salt": self.salt,
+            "seed": self.seed,
+            "top_p": self.top_p,
+            "logprobs": self.logprobs,
+        }
         return GenerateRequest(**(base | fields))
 
 
@@ -109,8 +119,9 @@ class Dispatcher:
     BUSY_BACKOFF_S = 0.25
     REQUEST_FAILURES = 2  # workers that answered a request with a server error before the request fails
 
-    def __init__(self, conductor: Conductor, config: TiercakeConfig, stats: ServingStats,
-                 workers: WorkerClient | None = None) -> None:
+    def __init__(
+        self, conductor: Conductor, config: TiercakeConfig, stats: ServingStats, workers: WorkerClient | None = None
+    ) -> None:
         self.conductor = conductor
         self.config = config
         self.serving = config.serving
@@ -144,8 +155,13 @@ class Dispatcher:
         split = self._split()
         roles = ("prefill",) if split else ANY_WORKER
         finished, handoff, first = False, None, 0
-        prefill = self._attempts("prefill", lambda: self._plan_prefill(job, roles, split), len(job.tokens),
-                                 lambda event, load, first: self._prefilled(job, event, load, first), job.failed_on)
+        prefill = self._attempts(
+            "prefill",
+            lambda: self._plan_prefill(job, roles, split),
+            len(job.tokens),
+            lambda event, load, first: self._prefilled(job, event, load, first),
+            job.failed_on,
+        )
         async for event in prefill:
             if event.finish_reason is None:
                 yield event
@@ -157,8 +173,13 @@ class Dispatcher:
             yield event.model_copy(update={"finish_reason": None, "handoff": None})  # decode goes on
         if not finished:
             raise StreamBroken("prefill", "the worker ended the stream before its last token")
-        decode = self._attempts("decode", lambda: self._plan_decode(job, first, handoff), 0,
-                                lambda event, _, first: self._decoding(job, event), job.failed_on)
+        decode = self._attempts(
+            "decode",
+            lambda: self._plan_decode(job, first, handoff),
+            0,
+            lambda event, _, first: self._decoding(job, event),
+            job.failed_on,
+        )
         async for event in decode:
             yield event
             if event.finish_reason is not None:
@@ -168,9 +189,14 @@ class Dispatcher:
     def _split(self) -> bool:
         return bool(self.serving.disaggregated and self._candidates(("prefill",)) and self._candidates(("decode",)))
 
-    async def _attempts(self, phase: str, plan: Callable[[], tuple[MemberInfo, GenerateRequest]], queued: int,
-                        on_stats: Callable[[TokenEvent, WorkerLoad, bool], None],
-                        tried: set[str]) -> AsyncIterator[TokenEvent]:
+    async def _attempts(
+        self,
+        phase: str,
+        plan: Callable[[], tuple[MemberInfo, GenerateRequest]],
+        queued: int,
+        on_stats: Callable[[TokenEvent, WorkerLoad, bool], None],
+        tried: set[str],
+    ) -> AsyncIterator[TokenEvent]:
         """The one retry rule (module docstring). ``on_stats`` sees the first event, and any later one
         with figures (an engine that learns its reuse only at the end sends them with the last)."""
         errors, busy, failed = [], 0, 0
@@ -202,8 +228,12 @@ class Dispatcher:
                 tried.add(member.node_id)
                 log.warning("front: %s", exc)
                 if failed >= self.REQUEST_FAILURES:
-                    raise ApiError(500, f"the request failed on {failed} {phase} workers: " + "; ".join(errors),
-                                   "server_error", "request_failed") from None
+                    raise ApiError(
+                        500,
+                        f"the request failed on {failed} {phase} workers: " + "; ".join(errors),
+                        "server_error",
+                        "request_failed",
+                    ) from None
             except WorkerUnavailable as exc:
                 load.failed_until = time.monotonic() + self.FAIL_BACKOFF_S
                 errors.append(str(exc))
@@ -218,13 +248,23 @@ class Dispatcher:
                 load.running -= 1
         if busy == len(errors):
             raise self._full(phase)
-        raise ApiError(503, f"every {phase} worker tried failed: " + "; ".join(errors), "server_error",
-                       "worker_failed", retryable=True)
+        raise ApiError(
+            503,
+            f"every {phase} worker tried failed: " + "; ".join(errors),
+            "server_error",
+            "worker_failed",
+            retryable=True,
+        )
 
     def _full(self, phase: str) -> ApiError:
         self.stats.rejected += 1
-        return ApiError(429, f"every {phase} worker's gpu tier is full (its blocks are held by running requests); "
-                        "retry later", "rate_limit_error", "gpu_full", headers={"Retry-After": "1"})
+        return ApiError(
+            429,
+            f"every {phase} worker's gpu tier is full (its blocks are held by running requests); retry later",
+            "rate_limit_error",
+            "gpu_full",
+            headers={"Retry-After": "1"},
+        )
 
     def _no_worker(self, roles: tuple[str, ...]) -> ApiError:
         """No candidate: 429 when the workers are alive but full, 503 when there are none."""
@@ -240,8 +280,9 @@ class Dispatcher:
         started = time.perf_counter()
         route = self.route(job, roles, split)
         job.timing.route_s += time.perf_counter() - started
-        request = job.request(max_tokens=1 if split else job.max_tokens, pull=route.decision.pull,
-                              source=route.source, handoff=split)
+        request = job.request(
+            max_tokens=1 if split else job.max_tokens, pull=route.decision.pull, source=route.source, handoff=split
+        )
         return route.member, request
 
     def route(self, job: Job, roles: tuple[str, ...], split: bool = False) -> Route:
@@ -258,8 +299,13 @@ class Dispatcher:
         best, best_node = max(((p.length, n) for n, p in found.items() if n in nodes), default=(0, None))
         request = self._route_request(space, len(job.tokens), best)
         router = self.router()
-        decision = router.choose([self._state(m, found[m.node_id].length if m.node_id in found and m.kv_space == space
-                                              else 0) for m in members], request)
+        decision = router.choose(
+            [
+                self._state(m, found[m.node_id].length if m.node_id in found and m.kv_space == space else 0)
+                for m in members
+            ],
+            request,
+        )
         tbt = decision.tbt_s
         decoders = self._candidates(("decode",)) if split else []
         if decoders:  # the time between tokens is the decode worker's
@@ -269,8 +315,12 @@ class Dispatcher:
         source = None
         if decision.pull and best_node is not None:
             held = found[best_node]
-            source = KVHandoff(node=best_node, blocks=best, runs=held.runs(),
-                               tier=max(held.tiers, key=held.tiers.get) if held.tiers else "?")
+            source = KVHandoff(
+                node=best_node,
+                blocks=best,
+                runs=held.runs(),
+                tier=max(held.tiers, key=held.tiers.get) if held.tiers else "?",
+            )
         return Route(member, decision, source)
 
     @staticmethod
@@ -289,12 +339,22 @@ class Dispatcher:
         slo_ttft, slo_tbt = self.serving.slo_ttft_s, self.serving.slo_tbt_s
         if slo_ttft is not None and ttft_s > slo_ttft:
             self.stats.rejected += 1
-            raise ApiError(429, f"predicted time to first token {ttft_s:.3f} s exceeds the SLO of {slo_ttft} s; "
-                           "retry later", "rate_limit_error", "slo_ttft", headers={"Retry-After": "1"})
+            raise ApiError(
+                429,
+                f"predicted time to first token {ttft_s:.3f} s exceeds the SLO of {slo_ttft} s; retry later",
+                "rate_limit_error",
+                "slo_ttft",
+                headers={"Retry-After": "1"},
+            )
         if slo_tbt is not None and tbt_s > slo_tbt:
             self.stats.rejected += 1
-            raise ApiError(429, f"predicted time between tokens {tbt_s:.4f} s exceeds the SLO of {slo_tbt} s; "
-                           "retry later", "rate_limit_error", "slo_tbt", headers={"Retry-After": "1"})
+            raise ApiError(
+                429,
+                f"predicted time between tokens {tbt_s:.4f} s exceeds the SLO of {slo_tbt} s; retry later",
+                "rate_limit_error",
+                "slo_tbt",
+                headers={"Retry-After": "1"},
+            )
 
     def _prefilled(self, job: Job, event: TokenEvent, load: WorkerLoad, first: bool) -> None:
         """The first token's figures; or, from an engine that sends them at the end, the final ones."""
@@ -336,11 +396,22 @@ class Dispatcher:
     def _candidates(self, roles: tuple[str, ...], skip: set[str] = frozenset()) -> list[MemberInfo]:
         """Workers of ``roles`` not failed or full a moment ago, and not in ``skip``."""
         now = time.monotonic()
-        return [m for m in self._workers(roles) if m.node_id not in skip and self.loads[m.node_id].failed_until <= now
-                and self.loads[m.node_id].busy_until <= now]
+        return [
+            m
+            for m in self._workers(roles)
+            if m.node_id not in skip
+            and self.loads[m.node_id].failed_until <= now
+            and self.loads[m.node_id].busy_until <= now
+        ]
 
     def _state(self, member: MemberInfo, cached: int) -> WorkerState:
         load, perf = self.loads[member.node_id], member.perf
-        return WorkerState(member.node_id, cached, load.queued_tokens, load.running,
-                           PrefillModel(perf.prefill_a, perf.prefill_b, perf.prefill_q), perf.decode_step_s,
-                           load.load_bytes_per_s)
+        return WorkerState(
+            member.node_id,
+            cached,
+            load.queued_tokens,
+            load.running,
+            PrefillModel(perf.prefill_a, perf.prefill_b, perf.prefill_q),
+            perf.decode_step_s,
+            load.load_bytes_per_s,
+        )

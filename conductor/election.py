@@ -19,8 +19,9 @@ ELECTION = b"/tiercake/leader/"
 
 
 class LeaderElection:
-    def __init__(self, meta: MetadataBackend, candidate: str, name: str = "conductor", ttl: int = 3,
-                 prefix: bytes = ELECTION) -> None:
+    def __init__(
+        self, meta: MetadataBackend, candidate: str, name: str = "conductor", ttl: int = 3, prefix: bytes = ELECTION
+    ) -> None:
         self.meta = meta
         self.candidate = candidate
         self.key = prefix + name.encode()

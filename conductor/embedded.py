@@ -126,8 +126,10 @@ class EmbeddedBackend(MetadataBackend):
             if guard is not None:
                 held = self._data.get(guard.key)
                 if held is None or held.value != guard.value:
-                    raise FencedError(f"refused: {guard.key.decode(errors='replace')} no longer holds this "
-                                      "writer's record (a new leader was elected)")
+                    raise FencedError(
+                        f"refused: {guard.key.decode(errors='replace')} no longer holds this "
+                        "writer's record (a new leader was elected)"
+                    )
             revision = self._apply(chunk)
         return revision
 

@@ -103,15 +103,18 @@ class EtcdBackend(MetadataBackend):
 
         async def one(chunk: Sequence[Put | Delete]) -> int:
             requests = [
-                KVService.txn_op_put(op.key, op.value, lease=op.lease) if isinstance(op, Put)
+                KVService.txn_op_put(op.key, op.value, lease=op.lease)
+                if isinstance(op, Put)
                 else KVService.txn_op_delete(op.key)
                 for op in chunk
             ]
             async with gate:
                 resp = await self._call(self.client.kv.txn, compare, requests, timeout=self.timeout)
             if not resp.succeeded:
-                raise FencedError(f"refused: {guard.key.decode(errors='replace')} no longer holds this writer's "
-                                  "record (a new leader was elected)")
+                raise FencedError(
+                    f"refused: {guard.key.decode(errors='replace')} no longer holds this writer's "
+                    "record (a new leader was elected)"
+                )
             return resp.header.revision
 
         parts = chunks(ops, TXN_OPS)

@@ -44,13 +44,35 @@ class EtcdMember:
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.proc = subprocess.Popen(
-            [etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", self.cluster, "--initial-cluster-state", self.state,
-             "--initial-cluster-token", "tiercake-test", "--heartbeat-interval", "50", "--election-timeout", "500",
-             "--log-level", "error"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                etcd_binary(),
+                "--name",
+                self.name,
+                "--data-dir",
+                str(self.data_dir),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                self.cluster,
+                "--initial-cluster-state",
+                self.state,
+                "--initial-cluster-token",
+                "tiercake-test",
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+                "--log-level",
+                "error",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
 
     def wait_ready(self, timeout: float = 20.0) -> None:

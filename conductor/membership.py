@@ -98,11 +98,12 @@ class Membership:
             info = MemberInfo.model_validate_json(kv.value)
             self.members[info.node_id] = info
         self._task = asyncio.get_running_loop().create_task(
-            follow(self.meta, self.prefix, revision + 1, self._apply, "membership"))
+            follow(self.meta, self.prefix, revision + 1, self._apply, "membership")
+        )
         return self
 
     def _apply(self, event: WatchEvent) -> None:
-        node = event.key[len(self.prefix):].decode()
+        node = event.key[len(self.prefix) :].decode()
         if event.kind == "put":
             self.members[node] = MemberInfo.model_validate_json(event.value)
         else:

@@ -163,8 +163,9 @@ class MetadataBackend(ABC):
         """Events for keys with ``prefix`` from ``start_revision`` (0: from now), in order."""
 
 
-async def follow(meta: MetadataBackend, prefix: bytes, start_revision: int,
-                 apply: Callable[[WatchEvent], None], what: str) -> None:
+async def follow(
+    meta: MetadataBackend, prefix: bytes, start_revision: int, apply: Callable[[WatchEvent], None], what: str
+) -> None:
     """Apply every change under ``prefix`` from ``start_revision`` on, forever; a watch cut by an
     unreachable backend resumes where it stopped, so no change is missed."""
     while True:

@@ -49,6 +49,7 @@ class MapRefused(Exception):
 def rendezvous(slot: int, nodes: list[str]) -> list[str]:
     """``nodes`` in the slot's rendezvous order (highest random weight first): removing a node moves
     only its own slots, adding one takes about 1/n of every other's."""
+
     def weight(node: str) -> bytes:
         return hashlib.blake2b(f"{slot}\0{node}".encode(), digest_size=8).digest()
 
@@ -80,8 +81,9 @@ def plan(current: ObjectMap, alive: list[str], gone: set[str], slots: int, repli
     return proposal.model_copy(update={"epoch": current.epoch + 1})
 
 
-def _next_chain(chain: list[str], ready_n: int, ideal: list[str], gone: set[str],
-                replicas_max: int) -> tuple[list[str], int]:
+def _next_chain(
+    chain: list[str], ready_n: int, ideal: list[str], gone: set[str], replicas_max: int
+) -> tuple[list[str], int]:
     # the members that held the whole slot stay in front, in their order: the first is the primary
     whole = [n for n in chain[:ready_n] if n not in gone]
     rest = [n for n in chain[ready_n:] if n not in gone]
@@ -105,9 +107,19 @@ def _next_chain(chain: list[str], ready_n: int, ideal: list[str], gone: set[str]
 
 
 class ObjectMapKeeper:
-    def __init__(self, meta: MetadataBackend, members: Membership, guard: Guard, leading: Callable[[], bool], *,
-                 slots: int = 256, replicas_max: int = 3, failover_s: float = 10.0, bootstrap_s: float = 2.0,
-                 every: float = 0.2) -> None:
+    def __init__(
+        self,
+        meta: MetadataBackend,
+        members: Membership,
+        guard: Guard,
+        leading: Callable[[], bool],
+        *,
+        slots: int = 256,
+        replicas_max: int = 3,
+        failover_s: float = 10.0,
+        bootstrap_s: float = 2.0,
+        every: float = 0.2,
+    ) -> None:
         """``bootstrap_s``: how long after the first node is seen the first map is made, so that
         restarted nodes can offer the map they last had (``seed``) to a conductor that lost it (the
         embedded backend keeps nothing across a restart)."""
@@ -136,8 +148,10 @@ class ObjectMapKeeper:
         else:
             _, revision = await self.meta.range(OBJECT_MAP)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(follow(self.meta, OBJECT_MAP, revision + 1, self._apply, "object map")),
-                       loop.create_task(self._keep_forever())]
+        self._tasks = [
+            loop.create_task(follow(self.meta, OBJECT_MAP, revision + 1, self._apply, "object map")),
+            loop.create_task(self._keep_forever()),
+        ]
         return self
 
     async def close(self) -> None:
@@ -201,8 +215,9 @@ class ObjectMapKeeper:
         async with self._lock:
             if self.map.chains or not offered.chains or len(offered.ready) != len(offered.chains):
                 return False
-            await self._write(offered.model_copy(update={"epoch": max(offered.epoch, self.map.epoch) + 1,
-                                                         "handoff": {}}))
+            await self._write(
+                offered.model_copy(update={"epoch": max(offered.epoch, self.map.epoch) + 1, "handoff": {}})
+            )
             log.info("object map: seeded from a node's last map (%d slots)", offered.slots)
             return True
 
@@ -222,8 +237,11 @@ class ObjectMapKeeper:
                 except MapRefused as exc:
                     refused.append(str(exc))
             if chains != current.chains or ready != current.ready or handoff != current.handoff:
-                await self._write(current.model_copy(update={"epoch": current.epoch + 1, "chains": chains,
-                                                             "ready": ready, "handoff": handoff}))
+                await self._write(
+                    current.model_copy(
+                        update={"epoch": current.epoch + 1, "chains": chains, "ready": ready, "handoff": handoff}
+                    )
+                )
             return self.map, refused
 
     async def _write(self, nxt: ObjectMap) -> None:
@@ -231,8 +249,12 @@ class ObjectMapKeeper:
         self.map = nxt
         self.changed.set()
         self.changed = asyncio.Event()
-        log.info("object map: epoch %d (%d slots over %s)", nxt.epoch, nxt.slots,
-                 ", ".join(sorted({n for c in nxt.chains for n in c})) or "no nodes")
+        log.info(
+            "object map: epoch %d (%d slots over %s)",
+            nxt.epoch,
+            nxt.slots,
+            ", ".join(sorted({n for c in nxt.chains for n in c})) or "no nodes",
+        )
 
 
 def _apply_report(report: SlotReady, chains: list[list[str]], ready: list[int], handoff: dict[int, str]) -> None:

@@ -70,12 +70,29 @@ class Ask:
         return None if self.seed is None else self.seed + choice
 
 
-def _ask(req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int,
-         logprobs: int | None, tokenizer: Tokenizer) -> Ask:
+def _ask(
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    max_tokens: int,
+    logprobs: int | None,
+    tokenizer: Tokenizer,
+) -> Ask:
     """The parts both requests share, taken the same way."""
-    return Ask(req.model, prompts, req.n, max_tokens, req.temperature, req.seed, req.stream,
-               bool(req.stream_options and req.stream_options.include_usage), stop_strings(req.stop),
-               frozenset(req.stop_token_ids or ()), req.top_p, logprobs, tokenizer)
+    return Ask(
+        req.model,
+        prompts,
+        req.n,
+        max_tokens,
+        req.temperature,
+        req.seed,
+        req.stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        stop_strings(req.stop),
+        frozenset(req.stop_token_ids or ()),
+        req.top_p,
+        logprobs,
+        tokenizer,
+    )
 
 
 def completion_ask(raw: bytes, tokenizer: Tokenizer) -> Ask:
@@ -151,8 +168,12 @@ class OpenAIApi:
         self.tokenizer = load_tokenizer(config.serving.tokenizer, config.serving.model.vocab)
 
     def routes(self) -> list:
-        return [web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-                web.get("/v1/models", self.models), web.get("/v1/models/{model}", self.model)]
+        return [
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
+        ]
 
     @web.middleware
     async def key_first(self, request: web.Request, handler):
@@ -172,17 +193,32 @@ class OpenAIApi:
         """``/v1/models/{id}``: the served model by its id, else OpenAI's 404."""
         served = self._served(request)
         if request.match_info["model"] != served["id"]:
-            raise ApiError(404, f"model {request.match_info['model']!r} does not exist; this cluster serves "
-                           f"{served['id']!r}", "invalid_request_error", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {request.match_info['model']!r} does not exist; this cluster serves {served['id']!r}",
+                "invalid_request_error",
+                "model_not_found",
+            )
         return web.json_response(served)
 
     def _served(self, request: web.Request) -> dict:
         self.tenants.of(request)
         if not self.dispatcher.can_serve():
-            raise ApiError(503, f"{self.config.model_id!r} is not served yet: no worker has registered; retry",
-                           "server_error", "no_worker", headers={"Retry-After": "1"}, retryable=True)
-        return {"id": self.config.model_id, "object": "model", "created": 0, "owned_by": "tiercake",
-                "max_model_len": self.serving.max_context}
+            raise ApiError(
+                503,
+                f"{self.config.model_id!r} is not served yet: no worker has registered; retry",
+                "server_error",
+                "no_worker",
+                headers={"Retry-After": "1"},
+                retryable=True,
+            )
+        return {
+            "id": self.config.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tiercake",
+            "max_model_len": self.serving.max_context,
+        }
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, completion_ask, CompletionShape)
@@ -210,8 +246,9 @@ class OpenAIApi:
                 return await self._sse(request, rid, ask, answers, firsts, shape)
             return await self._whole(rid, ask, answers, firsts, shape)
 
-    async def _jobs(self, request: web.Request, held: contextlib.ExitStack,
-                    parse: Callable[[bytes, Tokenizer], Ask]) -> tuple[Ask, list[Job]]:
+    async def _jobs(
+        self, request: web.Request, held: contextlib.ExitStack, parse: Callable[[bytes, Tokenizer], Ask]
+    ) -> tuple[Ask, list[Job]]:
         """The request checked and admitted, as one job per answer (prompt i's j-th answer: job i*n+j)."""
         tenant = self.tenants.of(request)
         try:
@@ -219,8 +256,12 @@ class OpenAIApi:
         except ValidationError as exc:
             raise invalid(exc, "invalid request") from None
         if ask.model != self.config.model_id:
-            raise ApiError(404, f"model {ask.model!r} does not exist; this cluster serves {self.config.model_id!r}",
-                           "invalid_request_error", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {ask.model!r} does not exist; this cluster serves {self.config.model_id!r}",
+                "invalid_request_error",
+                "model_not_found",
+            )
         vocab, several = self.tokenizer.vocab, len(ask.prompts) > 1
         for i, tokens in enumerate(ask.prompts):
             which = f"prompt {i}" if several else "the prompt"
@@ -229,8 +270,12 @@ class OpenAIApi:
             if any(not 0 <= t < vocab for t in tokens):
                 raise ApiError(400, f"token ids must lie in [0, {vocab}) ({which})", param="prompt")
             if len(tokens) + ask.max_tokens > self.serving.max_context:
-                raise ApiError(400, f"{len(tokens)} prompt tokens + max_tokens {ask.max_tokens} exceed the context "
-                               f"length of {self.serving.max_context} ({which})", code="context_length_exceeded")
+                raise ApiError(
+                    400,
+                    f"{len(tokens)} prompt tokens + max_tokens {ask.max_tokens} exceed the context "
+                    f"length of {self.serving.max_context} ({which})",
+                    code="context_length_exceeded",
+                )
         if any(not 0 <= t < vocab for t in ask.stop_ids):
             raise ApiError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
         held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
@@ -241,8 +286,19 @@ class OpenAIApi:
             keys = block_keys(namespace, tokens)  # the front's only hashing of it
             for j in range(ask.n):
                 await self.stats.arrived(keys, tokens, ask.max_tokens, index_tenant)
-                jobs.append(Job(tokens, keys, index_tenant, salt, ask.max_tokens, ask.temperature, ask.seed_of(j),
-                                ask.top_p, ask.logprobs))
+                jobs.append(
+                    Job(
+                        tokens,
+                        keys,
+                        index_tenant,
+                        salt,
+                        ask.max_tokens,
+                        ask.temperature,
+                        ask.seed_of(j),
+                        ask.top_p,
+                        ask.logprobs,
+                    )
+                )
         return ask, jobs
 
     # Rendering ----------------------------------------------------------------------------------
@@ -251,27 +307,32 @@ class OpenAIApi:
     def _usage(ask: Ask, answers: list[Answer]) -> dict:
         """Tokens as OpenAI counts them (each prompt once, every answer's tokens); tiercake's figures
         summed over the answers' requests (``ttft_s``: the slowest first token)."""
-        per_prompt = answers[::ask.n]
+        per_prompt = answers[:: ask.n]
         timings = [a.job.timing for a in answers]
         prompt_tokens, completion_tokens = sum(len(a.job.tokens) for a in per_prompt), sum(a.generated for a in answers)
         sources: Counter[str] = Counter()
         for t in timings:
             sources.update(t.stats.sources)
         handed = [t.decode_cached_tokens for t in timings if t.decode_cached_tokens is not None]
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(a.job.timing.stats.cached_tokens for a in per_prompt)},
-                "tiercake": {"ttft_s": round(max(t.ttft_s for t in timings), 6),
-                             "route_s": round(sum(t.route_s - t.lookup_s for t in timings), 6),
-                             "sources": dict(sources),
-                             "lookup_s": round(sum(t.lookup_s + t.stats.lookup_s for t in timings), 6),
-                             "load_s": sum(t.stats.load_s for t in timings), "load_tier": timings[0].stats.load_tier,
-                             "compute_s": sum(t.stats.compute_s for t in timings),
-                             "prefetched_blocks": sum(t.stats.prefetched_blocks for t in timings),
-                             "decode_cached_tokens": sum(handed) if handed else None}}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(a.job.timing.stats.cached_tokens for a in per_prompt)},
+            "tiercake": {
+                "ttft_s": round(max(t.ttft_s for t in timings), 6),
+                "route_s": round(sum(t.route_s - t.lookup_s for t in timings), 6),
+                "sources": dict(sources),
+                "lookup_s": round(sum(t.lookup_s + t.stats.lookup_s for t in timings), 6),
+                "load_s": sum(t.stats.load_s for t in timings),
+                "load_tier": timings[0].stats.load_tier,
+                "compute_s": sum(t.stats.compute_s for t in timings),
+                "prefetched_blocks": sum(t.stats.prefetched_blocks for t in timings),
+                "decode_cached_tokens": sum(handed) if handed else None,
+            },
+        }
 
-    async def _whole(self, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent],
-                     shape) -> web.Response:
+    async def _whole(self, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent], shape) -> web.Response:
         try:
             texts = await _together(_rest(a, first) for a, first in zip(answers, firsts))
         except MidStreamError as exc:
@@ -280,13 +341,23 @@ class OpenAIApi:
         finally:
             await _close(answers)  # stopped early, or a client gone mid-request: the worker streams close too
         self.stats.served += 1
-        choices = [shape.choice(a.index, text, a.finish or "length", a.logprobs(shape))
-                   for a, text in zip(answers, texts)]
-        return web.json_response({"id": rid, "object": shape.object, "created": int(time.time()),
-                                  "model": ask.model, "choices": choices, "usage": self._usage(ask, answers)})
+        choices = [
+            shape.choice(a.index, text, a.finish or "length", a.logprobs(shape)) for a, text in zip(answers, texts)
+        ]
+        return web.json_response(
+            {
+                "id": rid,
+                "object": shape.object,
+                "created": int(time.time()),
+                "model": ask.model,
+                "choices": choices,
+                "usage": self._usage(ask, answers),
+            }
+        )
 
-    async def _sse(self, request: web.Request, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent],
-                   shape) -> web.StreamResponse:
+    async def _sse(
+        self, request: web.Request, rid: str, ask: Ask, answers: list[Answer], firsts: list[TokenEvent], shape
+    ) -> web.StreamResponse:
         """One chunk per token of each answer, as its tokens come (answers interleave, told apart by
         their index), then the usage if asked for and ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -301,8 +372,9 @@ class OpenAIApi:
             since = len(answer.scored)
             text = answer.take(event)  # even empty (held back): a chat's first delta names the role
             choice = shape.chunk_choice(answer.index, text, answer.finish, first, answer.logprobs(shape, since))
-            await send({"id": rid, "object": shape.chunk_object, "created": created, "model": ask.model,
-                        "choices": [choice]})
+            await send(
+                {"id": rid, "object": shape.chunk_object, "created": created, "model": ask.model, "choices": [choice]}
+            )
             if answer.finish is not None:
                 await answer.close()  # ended by a stop: the worker's stream closes, freeing the sequence
 
@@ -320,8 +392,16 @@ class OpenAIApi:
                     if answer.finish is None:
                         pending[asyncio.ensure_future(_next(answer))] = answer
             if ask.include_usage:
-                await send({"id": rid, "object": shape.chunk_object, "created": created, "model": ask.model,
-                            "choices": [], "usage": self._usage(ask, answers)})
+                await send(
+                    {
+                        "id": rid,
+                        "object": shape.chunk_object,
+                        "created": created,
+                        "model": ask.model,
+                        "choices": [],
+                        "usage": self._usage(ask, answers),
+                    }
+                )
             await send("[DONE]")
             self.stats.served += 1
         except MidStreamError as exc:  # a worker died mid-stream: say so, end the stream

@@ -54,17 +54,30 @@ class _OpenAIRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1 - MAX_CHOICES,
-                             description="a 64-bit integer (choice j samples with seed + j)")
+    seed: int | None = Field(
+        default=None,
+        ge=-(2**63),
+        le=2**64 - 1 - MAX_CHOICES,
+        description="a 64-bit integer (choice j samples with seed + j)",
+    )
     user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="answers per prompt (choice i*n+j: prompt i's "
-                   "j-th); with a seed, choice j samples with seed+j")
+    n: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="answers per prompt (choice i*n+j: prompt i's j-th); with a seed, choice j samples with seed+j",
+    )
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling")
-    stop: str | list[str] | None = Field(default=None, description="up to 4 strings: the answer ends before the "
-                                         "first one it would contain (finish_reason stop)")
+    stop: str | list[str] | None = Field(
+        default=None,
+        description="up to 4 strings: the answer ends before the first one it would contain (finish_reason stop)",
+    )
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = Field(
-        default=None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM's extension: token ids that end the answer "
-        "(not included; at most 256, each in the vocabulary's range)")
+        default=None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="vLLM's extension: token ids that end the answer "
+        "(not included; at most 256, each in the vocabulary's range)",
+    )
     presence_penalty: float = 0
     frequency_penalty: float = 0
     logit_bias: dict[str, float] | None = None
@@ -84,16 +97,27 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     """OpenAI's completion request."""
 
-    UNHONOURED: ClassVar[dict[str, Any]] = {"best_of": 1, "echo": False, "suffix": None,
-                                            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
+    UNHONOURED: ClassVar[dict[str, Any]] = {
+        "best_of": 1,
+        "echo": False,
+        "suffix": None,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "logit_bias": None,
+    }
 
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="text or token ids (of the served model's tokenizer; bytes for the reference model), or a "
-        "list of them: one answer each")
+        "list of them: one answer each"
+    )
     max_tokens: int = Field(default=16, ge=1)
     best_of: int = 1
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
-                                 "and this many most likely alternatives")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each token's log-probability and this many most likely alternatives",
+    )
     echo: bool = False
     suffix: str | None = None
 
@@ -120,16 +144,22 @@ class ChatCompletionRequest(_OpenAIRequest):
     """OpenAI's chat completion request; ``max_completion_tokens`` is the newer name of
     ``max_tokens`` (one of the two)."""
 
-    UNHONOURED: ClassVar[dict[str, Any]] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-                                            "tools": None,
-                                            "tool_choice": None, "response_format": None}
+    UNHONOURED: ClassVar[dict[str, Any]] = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "logit_bias": None,
+        "tools": None,
+        "tool_choice": None,
+        "response_format": None,
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = Field(default=False, description="each answer token's log-probability")
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many "
-                                     "most likely alternatives per token")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many most likely alternatives per token"
+    )
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -161,9 +191,12 @@ class CompletionShape:
 
     @staticmethod
     def logprobs(events: list[TokenEvent], offsets: list[int], tok: Tokenizer) -> dict:
-        return {"tokens": [tok.token_text(e.token) for e in events], "token_logprobs": [e.logprob for e in events],
-                "top_logprobs": [{tok.token_text(a.token): a.logprob for a in e.top_logprobs or ()} for e in events],
-                "text_offset": offsets}
+        return {
+            "tokens": [tok.token_text(e.token) for e in events],
+            "token_logprobs": [e.logprob for e in events],
+            "top_logprobs": [{tok.token_text(a.token): a.logprob for a in e.top_logprobs or ()} for e in events],
+            "text_offset": offsets,
+        }
 
 
 class ChatShape:
@@ -174,8 +207,12 @@ class ChatShape:
 
     @staticmethod
     def choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
 
     @staticmethod
     def chunk_choice(index: int, text: str, finish: str | None, first: bool, logprobs: dict | None) -> dict:
@@ -187,9 +224,12 @@ class ChatShape:
         def entry(token: int, logprob: float) -> dict:
             return {"token": tok.token_text(token), "logprob": logprob, "bytes": tok.token_bytes(token)}
 
-        return {"content": [entry(e.token, e.logprob) | {"top_logprobs": [entry(a.token, a.logprob)
-                                                                            for a in e.top_logprobs or ()]}
-                            for e in events]}
+        return {
+            "content": [
+                entry(e.token, e.logprob) | {"top_logprobs": [entry(a.token, a.logprob) for a in e.top_logprobs or ()]}
+                for e in events
+            ]
+        }
 
 
 class Stopper:
@@ -214,10 +254,10 @@ class Stopper:
         self.pending += piece
         hits = [self.pending.find(s) for s in self.stops if s in self.pending]
         if hits:
-            out, self.pending, self.stopped = self.pending[:min(hits)], "", True
+            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
             return out
         hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
         return out
 
     def rest(self) -> str:

@@ -52,8 +52,14 @@ async def parse(request: web.Request, model: type[BaseModel], empty: bytes | Non
 
 
 class OperatorApi:
-    def __init__(self, conductor: Conductor, config: TiercakeConfig, tenants: Tenants, dispatcher: Dispatcher,
-                 stats: ServingStats) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        config: TiercakeConfig,
+        tenants: Tenants,
+        dispatcher: Dispatcher,
+        stats: ServingStats,
+    ) -> None:
         self.conductor = conductor
         self.config = config
         self.tenants = tenants
@@ -62,9 +68,14 @@ class OperatorApi:
         self.block_size = config.serving.layout().block_size
 
     def routes(self) -> list:
-        return [web.get("/v1/cluster", self.cluster), web.post("/v1/prefix", self.prefix),
-                web.post("/v1/prefix/pin", self.pin), web.post("/v1/prefix/unpin", self.unpin),
-                web.post("/v1/flush", self.flush), web.post("/v1/policy", self.policy)]
+        return [
+            web.get("/v1/cluster", self.cluster),
+            web.post("/v1/prefix", self.prefix),
+            web.post("/v1/prefix/pin", self.pin),
+            web.post("/v1/prefix/unpin", self.unpin),
+            web.post("/v1/flush", self.flush),
+            web.post("/v1/policy", self.policy),
+        ]
 
     async def cluster(self, _: web.Request) -> web.Response:
         """Nodes and workers with their tiers (capacity, use, blocks, hits), loads, and the serving
@@ -78,13 +89,28 @@ class OperatorApi:
             if m.role != "node":
                 counted = self.dispatcher.loads[m.node_id]
                 load = CountedLoad(queued_tokens=counted.queued_tokens, running=counted.running)
-            members.append(ClusterMember(
-                id=m.node_id, role=m.role, address=f"{m.host}:{m.port}", url=m.url, tiers=tiers, load=load,
-                indexed_bytes={t: conductor.index.used.get((m.node_id, t), 0) for t in m.tiers}))
-        return reply(ClusterView(
-            members=members, router=self.dispatcher.router_spec, settings=conductor.settings,
-            serving=self.stats.figures(), index=IndexFigures(replicas=len(conductor.index), pins=len(conductor.pins)),
-            metadata=self.stats.metadata_costs(conductor.index.stats), reuse=await self.stats.reuse()))
+            members.append(
+                ClusterMember(
+                    id=m.node_id,
+                    role=m.role,
+                    address=f"{m.host}:{m.port}",
+                    url=m.url,
+                    tiers=tiers,
+                    load=load,
+                    indexed_bytes={t: conductor.index.used.get((m.node_id, t), 0) for t in m.tiers},
+                )
+            )
+        return reply(
+            ClusterView(
+                members=members,
+                router=self.dispatcher.router_spec,
+                settings=conductor.settings,
+                serving=self.stats.figures(),
+                index=IndexFigures(replicas=len(conductor.index), pins=len(conductor.pins)),
+                metadata=self.stats.metadata_costs(conductor.index.stats),
+                reuse=await self.stats.reuse(),
+            )
+        )
 
     async def _prompt_keys(self, request: web.Request) -> tuple[PromptRequest, str, list[bytes]]:
         body = await parse(request, PromptRequest)
@@ -96,8 +122,15 @@ class OperatorApi:
         _, tenant, keys = await self._prompt_keys(request)
         found = self.conductor.index.lookup(tenant, keys)  # an operator's look: no access counted
         bs = self.block_size
-        return reply(PrefixReply(blocks=len(keys), block_size=bs, holders={
-            n: PrefixHolder(tokens=p.length * bs, blocks=p.length, tiers=p.tiers) for n, p in found.items()}))
+        return reply(
+            PrefixReply(
+                blocks=len(keys),
+                block_size=bs,
+                holders={
+                    n: PrefixHolder(tokens=p.length * bs, blocks=p.length, tiers=p.tiers) for n, p in found.items()
+                },
+            )
+        )
 
     async def pin(self, request: web.Request) -> web.Response:
         body, tenant, keys = await self._prompt_keys(request)
@@ -125,9 +158,12 @@ class OperatorApi:
         warnings = []
         for spec in [body.router, *(e.policy for e in (body.eviction or {}).values())]:
             if spec is not None and ":" in spec:  # checked before anything resolves it: no import on a request
-                raise ApiError(400, f"policy {spec!r}: a run-time switch takes a policy by name (a built-in or an "
-                               "entry point, `tiercake policy list`); a module:Class path only from the config",
-                               param="router" if spec == body.router else "eviction")
+                raise ApiError(
+                    400,
+                    f"policy {spec!r}: a run-time switch takes a policy by name (a built-in or an "
+                    "entry point, `tiercake policy list`); a module:Class path only from the config",
+                    param="router" if spec == body.router else "eviction",
+                )
         try:
             if body.router is not None:
                 router = create_router(body.router, body.router_params)  # refuse what would not build
@@ -145,5 +181,6 @@ class OperatorApi:
             await conductor.put_setting("eviction", {**conductor.settings.eviction, **body.eviction})
         for warning in warnings:
             log.warning("%s", warning)
-        return reply(PolicyReply(router=self.dispatcher.router_spec, eviction=conductor.settings.eviction,
-                                 warnings=warnings))
+        return reply(
+            PolicyReply(router=self.dispatcher.router_spec, eviction=conductor.settings.eviction, warnings=warnings)
+        )

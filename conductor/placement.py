@@ -94,8 +94,15 @@ def _check(name: str, value: str) -> str:
 
 
 class PlacementIndex:
-    def __init__(self, meta: MetadataBackend, prefix: bytes = PREFIX, max_batch: int = 2048,
-                 concurrency: int = 8, volatile_tiers: Iterable[str] = (), volatile_log: int = VOLATILE_LOG) -> None:
+    def __init__(
+        self,
+        meta: MetadataBackend,
+        prefix: bytes = PREFIX,
+        max_batch: int = 2048,
+        concurrency: int = 8,
+        volatile_tiers: Iterable[str] = (),
+        volatile_log: int = VOLATILE_LOG,
+    ) -> None:
         self.meta = meta
         self.prefix = prefix
         self.max_batch = max_batch
@@ -122,13 +129,16 @@ class PlacementIndex:
     # Keys -----------------------------------------------------------------------------------------
 
     def _meta_key(self, tenant: str, key: bytes, replica: Replica) -> bytes:
-        return self.prefix + f"{_check('tenant', tenant)}/{key.hex()}/{_check('node', replica.node)}/" \
+        return (
+            self.prefix
+            + f"{_check('tenant', tenant)}/{key.hex()}/{_check('node', replica.node)}/"
             f"{_check('tier', replica.tier)}".encode()
+        )
 
     def _parse(self, meta_key: bytes) -> tuple[str, bytes, Replica] | None:
         """The replica a backend key names; None for a malformed key and for a volatile tier's (left
         by a conductor that kept that tier durable: the tier's replicas are re-reported instead)."""
-        parts = meta_key[len(self.prefix):].decode(errors="replace").split("/")
+        parts = meta_key[len(self.prefix) :].decode(errors="replace").split("/")
         if len(parts) != 4 or parts[3] in self.volatile_tiers:
             return None
         tenant, key_hex, node, tier = parts
@@ -149,8 +159,9 @@ class PlacementIndex:
         loop = asyncio.get_running_loop()
         self._flusher = loop.create_task(self._flush_forever())
         if follow:
-            self._follower = loop.create_task(follow_changes(self.meta, self.prefix, self.revision + 1, self._apply,
-                                                     "placement index"))
+            self._follower = loop.create_task(
+                follow_changes(self.meta, self.prefix, self.revision + 1, self._apply, "placement index")
+            )
         return self
 
     async def close(self) -> None:
@@ -201,8 +212,9 @@ class PlacementIndex:
         """Record a committed replica; returns once durable. ``lease``: the node's lease."""
         await self.add_many(tenant, [key], node, tier, [size], lease)
 
-    async def add_many(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int],
-                       lease: int = 0) -> None:
+    async def add_many(
+        self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int], lease: int = 0
+    ) -> None:
         """Record replicas of many blocks on one node and tier (a request's new blocks); returns
         once all are durable. They travel as one item of the group commit."""
         if len(keys) != len(sizes):
@@ -214,7 +226,9 @@ class PlacementIndex:
                 self._set_volatile(tenant, key, replica, size, log=True)
             self.stats.volatile_ops += len(keys)
             return
-        ops = [Put(self._meta_key(tenant, key, replica), b'{"size": %d}' % size, lease) for key, size in zip(keys, sizes)]
+        ops = [
+            Put(self._meta_key(tenant, key, replica), b'{"size": %d}' % size, lease) for key, size in zip(keys, sizes)
+        ]
         self.stats.changes[tier + "+"] += len(ops)
         await self._submit(ops)
         for key, size in zip(keys, sizes):
@@ -289,8 +303,11 @@ class PlacementIndex:
     def volatile_snapshot(self) -> list[tuple[str, bytes, str, str, int]]:
         """Every volatile replica: (tenant, key, node, tier, size)."""
         blocks = self._tenants
-        return [(tenant, key, node, tier, blocks[tenant][key][node][tier])
-                for node, held in self._volatile.items() for tenant, key, tier in held]
+        return [
+            (tenant, key, node, tier, blocks[tenant][key][node][tier])
+            for node, held in self._volatile.items()
+            for tenant, key, tier in held
+        ]
 
     async def wait_volatile(self, after: int, timeout: float) -> None:
         """Return once a change after ``after`` is logged, or after ``timeout`` seconds."""
@@ -331,8 +348,9 @@ class PlacementIndex:
                 latest = {op.key: op for ops, _ in batch for op in ops}
                 started = time.perf_counter()
                 try:
-                    revision = await self.meta.commit(list(latest.values()), concurrency=self.concurrency,
-                                                      guard=self.guard)
+                    revision = await self.meta.commit(
+                        list(latest.values()), concurrency=self.concurrency, guard=self.guard
+                    )
                 except Exception as exc:  # noqa: BLE001 - every waiter gets the error, none hangs
                     for _, future in batch:
                         if not future.done():

@@ -84,10 +84,22 @@ class ReplicationTask:
 
 
 class Conductor:
-    def __init__(self, meta: MetadataBackend, conductor_id: str | None = None, url: str = "", ttl: int = 3,
-                 placement: str = "least_used", replication: str = "fixed", replication_params: dict | None = None,
-                 put_timeout: float = 60.0, heat_half_life: float = 10.0, peer_token: str | None = None,
-                 peer_ssl=None, volatile_tiers: tuple[str, ...] = ("gpu",), objects=None) -> None:
+    def __init__(
+        self,
+        meta: MetadataBackend,
+        conductor_id: str | None = None,
+        url: str = "",
+        ttl: int = 3,
+        placement: str = "least_used",
+        replication: str = "fixed",
+        replication_params: dict | None = None,
+        put_timeout: float = 60.0,
+        heat_half_life: float = 10.0,
+        peer_token: str | None = None,
+        peer_ssl=None,
+        volatile_tiers: tuple[str, ...] = ("gpu",),
+        objects=None,
+    ) -> None:
         """``objects``: the ``ObjectsConfig`` the object map is kept by (slots, replicas, failover)."""
         self.meta = meta
         self.placement = create_placement(placement)
@@ -98,8 +110,9 @@ class Conductor:
         self.url = url
         self.index = PlacementIndex(meta, volatile_tiers=volatile_tiers)
         self.members = Membership(meta)
-        self.election = LeaderElection(meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(),
-                                       ttl=ttl)
+        self.election = LeaderElection(
+            meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(), ttl=ttl
+        )
         # Volatile placements are the leader's alone: a term starts and ends with none (members
         # re-report theirs to each new term), and a member that leaves takes its own along.
         self.election.on_change = lambda leading: self.index.drop_volatile()
@@ -127,9 +140,16 @@ class Conductor:
         self._flush_confirmed = asyncio.Event()
         self._settings_follower: asyncio.Task | None = None
         objects = objects or ObjectsConfig()
-        self.objects = ObjectMapKeeper(meta, self.members, self.guard, lambda: self.is_leader, slots=objects.slots,
-                                       replicas_max=objects.replicas_max, failover_s=objects.failover_s,
-                                       bootstrap_s=objects.bootstrap_s)
+        self.objects = ObjectMapKeeper(
+            meta,
+            self.members,
+            self.guard,
+            lambda: self.is_leader,
+            slots=objects.slots,
+            replicas_max=objects.replicas_max,
+            failover_s=objects.failover_s,
+            bootstrap_s=objects.bootstrap_s,
+        )
 
     async def start(self) -> Conductor:
         await self.index.start()
@@ -138,12 +158,14 @@ class Conductor:
         for kv in kvs:
             self._apply_pin(WatchEvent("put", kv.key, kv.value, revision))
         self._pin_follower = asyncio.get_running_loop().create_task(
-            follow(self.meta, PINS, revision + 1, self._apply_pin, "pins"))
+            follow(self.meta, PINS, revision + 1, self._apply_pin, "pins")
+        )
         kvs, revision = await self.meta.range(SETTINGS)
         for kv in kvs:
             self._apply_setting(WatchEvent("put", kv.key, kv.value, revision))
         self._settings_follower = asyncio.get_running_loop().create_task(
-            follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings"))
+            follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings")
+        )
         await self.objects.start()
         await self.election.start()
         self._heat_forwarder = asyncio.get_running_loop().create_task(self._forward_heat_forever())
@@ -237,11 +259,19 @@ class Conductor:
     def _loads(self, tier: str, exclude: set[str] = frozenset()) -> list[NodeLoad]:
         return [
             NodeLoad(m.node_id, m.tiers[tier], self.index.used.get((m.node_id, tier), 0))
-            for m in self.members.alive("node") if tier in m.tiers and m.node_id not in exclude
+            for m in self.members.alive("node")
+            if tier in m.tiers and m.node_id not in exclude
         ]
 
-    def begin_put(self, tenant: str, keys: list[bytes], sizes: list[int], tier: str = "pool",
-                  local: str | None = None, evict: bool = False) -> dict[bytes, list[str]]:
+    def begin_put(
+        self,
+        tenant: str,
+        keys: list[bytes],
+        sizes: list[int],
+        tier: str = "pool",
+        local: str | None = None,
+        evict: bool = False,
+    ) -> dict[bytes, list[str]]:
         """Choose target nodes for each new block (as many as the replication policy wants) and
         remember the put until it is committed, revoked or times out. Blocks already placed keep
         their placement (objects are immutable). With ``evict`` (a cache's put: the node's store
@@ -259,12 +289,14 @@ class Conductor:
             count = self.replication.replicas((tenant, key), 0.0)
             chosen = self.placement.choose(list(loads.values()), size, count, local)
             if not chosen and evict:
-                room = [NodeLoad(n.node, n.capacity, min(n.used, n.capacity - size)) for n in loads.values()
-                        if n.capacity >= size]
+                room = [
+                    NodeLoad(n.node, n.capacity, min(n.used, n.capacity - size))
+                    for n in loads.values()
+                    if n.capacity >= size
+                ]
                 chosen = self.placement.choose(room, size, count, local)
             if not chosen:
-                raise NoRoomError(f"no node has {size} bytes free in tier {tier!r} "
-                                  f"({len(loads)} candidate nodes)")
+                raise NoRoomError(f"no node has {size} bytes free in tier {tier!r} ({len(loads)} candidate nodes)")
             for node in chosen:
                 self._pending[(tenant, key, node)] = (tier, now + self.put_timeout)
                 load = loads[node]
@@ -274,12 +306,17 @@ class Conductor:
 
     def _take_pending(self, tenant: str, keys: list[bytes], node: str, tier: str) -> None:
         now = time.monotonic()
-        missing = [k.hex()[:16] for k in keys
-                   if self._pending.get((tenant, k, node), (None, 0.0))[0] != tier
-                   or self._pending[(tenant, k, node)][1] <= now]
+        missing = [
+            k.hex()[:16]
+            for k in keys
+            if self._pending.get((tenant, k, node), (None, 0.0))[0] != tier
+            or self._pending[(tenant, k, node)][1] <= now
+        ]
         if missing:
-            raise PlacementError(f"no put in progress on {node}/{tier} for {len(missing)} blocks "
-                                 f"(first {missing[0]}…): unknown, timed out, revoked or already committed")
+            raise PlacementError(
+                f"no put in progress on {node}/{tier} for {len(missing)} blocks "
+                f"(first {missing[0]}…): unknown, timed out, revoked or already committed"
+            )
         for key in keys:
             del self._pending[(tenant, key, node)]
 
@@ -300,8 +337,11 @@ class Conductor:
         after a restart): record what is new; returns how many were. Only members may report, and
         only into tiers they registered."""
         member = self._member(node, tier)
-        new = [(k, s) for k, s in zip(keys, sizes, strict=True)
-               if self.index.holders(tenant, k).get(Replica(node, tier)) != s]
+        new = [
+            (k, s)
+            for k, s in zip(keys, sizes, strict=True)
+            if self.index.holders(tenant, k).get(Replica(node, tier)) != s
+        ]
         if new:
             await self.index.add_many(tenant, [k for k, _ in new], node, tier, [s for _, s in new], member.lease)
         return len(new)
@@ -357,8 +397,9 @@ class Conductor:
         if leader is None or not leader.url or leader.conductor_id == self.conductor_id:
             return None
         if leader.url not in self._peers:  # kept until close: leaders are few, and calls may be in flight
-            self._peers[leader.url] = Client([leader.url], token=self.peer_token, timeout=5, retries=1,
-                                             ssl=self.peer_ssl)
+            self._peers[leader.url] = Client(
+                [leader.url], token=self.peer_token, timeout=5, retries=1, ssl=self.peer_ssl
+            )
         return self._peers[leader.url]
 
     async def _follow_volatile_forever(self) -> None:
@@ -384,8 +425,9 @@ class Conductor:
                 continue
             if self.is_leader:  # it won meanwhile: its own term began with none
                 continue
-            self.index.apply_volatile(((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size)
-                                       for c in answer.changes), answer.reset)
+            self.index.apply_volatile(
+                ((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size) for c in answer.changes), answer.reset
+            )
             term, seq = answer.term, answer.seq
             self._followed_term = term
             if answer.changes:
@@ -397,7 +439,7 @@ class Conductor:
         return PINS + f"{tenant}/{key.hex()}".encode()
 
     def _apply_pin(self, event: WatchEvent) -> None:
-        tenant, _, key_hex = event.key[len(PINS):].decode().partition("/")
+        tenant, _, key_hex = event.key[len(PINS) :].decode().partition("/")
         pin = (tenant, bytes.fromhex(key_hex))
         if event.kind == "put":
             self.pins.add(pin)
@@ -423,7 +465,7 @@ class Conductor:
     # Run-time settings ----------------------------------------------------------------------------
 
     def _apply_setting(self, event: WatchEvent) -> None:
-        name = event.key[len(SETTINGS):].decode()
+        name = event.key[len(SETTINGS) :].decode()
         if event.kind == "put":
             self._settings[name] = json.loads(event.value)
         else:
@@ -478,8 +520,10 @@ class Conductor:
                 return
             left = deadline - loop.time()
             if left <= 0:
-                raise FlushTimeoutError(f"flush {epoch} is not yet applied by {', '.join(late)} after {wait_s:g} s "
-                                        "(they apply it at their next keep-alive; it stays in force)")
+                raise FlushTimeoutError(
+                    f"flush {epoch} is not yet applied by {', '.join(late)} after {wait_s:g} s "
+                    "(they apply it at their next keep-alive; it stays in force)"
+                )
             with contextlib.suppress(TimeoutError):  # woken by a confirmation, or to notice members that left
                 async with asyncio.timeout(min(left, 0.5)):
                     await self._flush_confirmed.wait()
@@ -495,8 +539,11 @@ class Conductor:
         self._issued = {k: v for k, v in self._issued.items() if v > now}
         tasks: list[ReplicationTask] = []
         for (tenant, key), rate in self.heat.items():
-            holders = {r: size for r, size in self.index.holders(tenant, key).items()
-                       if getattr(self.members.members.get(r.node), "role", None) == "node"}  # not workers
+            holders = {
+                r: size
+                for r, size in self.index.holders(tenant, key).items()
+                if getattr(self.members.members.get(r.node), "role", None) == "node"
+            }  # not workers
             if not holders:
                 self.heat.forget((tenant, key))
                 continue

@@ -50,10 +50,13 @@ class TraceRecorder:
             keys = keys + [bytes(chain_key(keys[-1] if keys else b"partial", tokens[-partial:]))]
         ids = [self.ids.setdefault(k, len(self.ids) + 1) for k in keys]
         scale = TRACE_BLOCK_TOKENS / self.block_size
-        record = TraceRecord(timestamp=int((time.monotonic() - self.started) * 1000),
-                             input_length=TRACE_BLOCK_TOKENS * (len(ids) - 1) + max(1, round(
-                                 (partial or self.block_size) * scale)),
-                             output_length=max_tokens, hash_ids=tuple(ids), tenant=tenant)
+        record = TraceRecord(
+            timestamp=int((time.monotonic() - self.started) * 1000),
+            input_length=TRACE_BLOCK_TOKENS * (len(ids) - 1) + max(1, round((partial or self.block_size) * scale)),
+            output_length=max_tokens,
+            hash_ids=tuple(ids),
+            tenant=tenant,
+        )
         line = record.model_dump_json(exclude_none=True) + "\n"
         async with self._lock:  # in arrival order, off the event loop
             await asyncio.to_thread(self._append, line)
@@ -81,24 +84,45 @@ class ServingStats:
 
     def bind_metrics(self, registry) -> None:
         """Serving metrics on the conductor's /metrics."""
-        self.m_requests = Counter("tiercake_completions", "completion requests by outcome", ["outcome"],
-                                  registry=registry)
-        self.m_ttft = Histogram("tiercake_ttft_seconds", "time to first token at the front",
-                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
-        self.m_phase = Histogram("tiercake_ttft_phase_seconds", "where the time to first token went",
-                                 ["phase"], buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
-                                 registry=registry)
-        self.m_overhead = Histogram("tiercake_load_overhead_seconds", "time loading a prefix beyond copying its "
-                                    "bytes at the worker's measured memcpy rate (completion overhead)",
-                                    buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 1), registry=registry)
+        self.m_requests = Counter(
+            "tiercake_completions", "completion requests by outcome", ["outcome"], registry=registry
+        )
+        self.m_ttft = Histogram(
+            "tiercake_ttft_seconds",
+            "time to first token at the front",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.m_phase = Histogram(
+            "tiercake_ttft_phase_seconds",
+            "where the time to first token went",
+            ["phase"],
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=registry,
+        )
+        self.m_overhead = Histogram(
+            "tiercake_load_overhead_seconds",
+            "time loading a prefix beyond copying its bytes at the worker's measured memcpy rate (completion overhead)",
+            buckets=(1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 1),
+            registry=registry,
+        )
         self.m_prompt = Counter("tiercake_prompt_tokens", "prompt tokens served", registry=registry)
-        self.m_cached = Counter("tiercake_cached_prompt_tokens", "prompt tokens whose KV was reused, by source tier",
-                                ["source"], registry=registry)
-        self.m_load = Histogram("tiercake_prefix_load_seconds", "time pulling a prefix into a worker, by the source "
-                                "tier that held most of it", ["tier"],
-                                buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5), registry=registry)
-        self.m_load_bytes = Counter("tiercake_prefix_load_bytes", "KV bytes pulled into workers, by source tier",
-                                    ["tier"], registry=registry)
+        self.m_cached = Counter(
+            "tiercake_cached_prompt_tokens",
+            "prompt tokens whose KV was reused, by source tier",
+            ["source"],
+            registry=registry,
+        )
+        self.m_load = Histogram(
+            "tiercake_prefix_load_seconds",
+            "time pulling a prefix into a worker, by the source tier that held most of it",
+            ["tier"],
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+            registry=registry,
+        )
+        self.m_load_bytes = Counter(
+            "tiercake_prefix_load_bytes", "KV bytes pulled into workers, by source tier", ["tier"], registry=registry
+        )
         if self.access is not None:
             self.access.bind_metrics(registry)
 
@@ -148,15 +172,24 @@ class ServingStats:
         route = timing.route_s - timing.lookup_s
         lookup = timing.lookup_s + stats.lookup_s
         known = route + lookup + stats.load_s + stats.compute_s
-        for phase, seconds in (("route", route), ("lookup", lookup), ("load", stats.load_s),
-                               ("compute", stats.compute_s), ("queue_and_transport", max(0.0, timing.ttft_s - known))):
+        for phase, seconds in (
+            ("route", route),
+            ("lookup", lookup),
+            ("load", stats.load_s),
+            ("compute", stats.compute_s),
+            ("queue_and_transport", max(0.0, timing.ttft_s - known)),
+        ):
             self.m_phase.labels(phase).observe(seconds)
 
     def figures(self) -> ServingFigures:
-        return ServingFigures(requests=self.served, rejected=self.rejected, prompt_tokens=self.prompt_tokens,
-                              cached_tokens=self.cached_tokens,
-                              hit_ratio=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                              cached_tokens_by_source=dict(self.cached_by_source))
+        return ServingFigures(
+            requests=self.served,
+            rejected=self.rejected,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            hit_ratio=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            cached_tokens_by_source=dict(self.cached_by_source),
+        )
 
     def metadata_costs(self, index_stats) -> MetadataCosts:
         """Metadata work per request and per KV byte moved: index lookups and durable placement
@@ -164,13 +197,19 @@ class ServingStats:
         requests = max(1, self.served + self.rejected)
         ops = index_stats.ops + index_stats.lookups
         return MetadataCosts(
-            lookups=index_stats.lookups, durable_ops=index_stats.ops, durable_txns=index_stats.txns,
-            volatile_ops=index_stats.volatile_ops, durable_changes=dict(index_stats.changes),
+            lookups=index_stats.lookups,
+            durable_ops=index_stats.ops,
+            durable_txns=index_stats.txns,
+            volatile_ops=index_stats.volatile_ops,
+            durable_changes=dict(index_stats.changes),
             durable_bytes=index_stats.bytes,
-            ops_per_request=ops / requests, bytes_per_request=index_stats.bytes / requests,
-            kv_bytes_moved=self.kv_bytes_moved, block_bytes=self.block_nbytes,
+            ops_per_request=ops / requests,
+            bytes_per_request=index_stats.bytes / requests,
+            kv_bytes_moved=self.kv_bytes_moved,
+            block_bytes=self.block_nbytes,
             metadata_bytes_per_kv_byte=index_stats.bytes / self.kv_bytes_moved if self.kv_bytes_moved else 0.0,
-            load_overhead_s=self.load_overhead_s)
+            load_overhead_s=self.load_overhead_s,
+        )
 
     async def reuse(self) -> dict | None:
         return await asyncio.to_thread(self.access.summary) if self.access is not None else None

@@ -17,10 +17,12 @@ log = logging.getLogger(__name__)
 TENANT_HEADER = "X-Tiercake-Tenant"
 
 
-SHARED_CACHE_NOTE = ("no API keys are configured: callers that send no tenant header all share the tenant "
-                     "'default' and its cache, so one can tell from its cached tokens whether another sent a "
-                     "prompt. Give each caller an API key (serving.api_keys: key -> tenant), or send "
-                     f"{TENANT_HEADER} per caller")
+SHARED_CACHE_NOTE = (
+    "no API keys are configured: callers that send no tenant header all share the tenant "
+    "'default' and its cache, so one can tell from its cached tokens whether another sent a "
+    "prompt. Give each caller an API key (serving.api_keys: key -> tenant), or send "
+    f"{TENANT_HEADER} per caller"
+)
 
 
 class Tenants:
@@ -35,8 +37,9 @@ class Tenants:
         if self.api_keys:
             tenant = self.api_keys.get(bearer(request))
             if tenant is None:
-                raise ApiError(401, "unknown API key: send Authorization: Bearer <key>", "authentication_error",
-                               "invalid_api_key")
+                raise ApiError(
+                    401, "unknown API key: send Authorization: Bearer <key>", "authentication_error", "invalid_api_key"
+                )
             return tenant
         tenant = request.headers.get(TENANT_HEADER, "default")
         if not tenant or "/" in tenant or len(tenant) > 128:
@@ -80,8 +83,12 @@ class Quotas:
 
     def _take(self, tenant: str, tokens: int, per_minute: int) -> None:
         if tokens > per_minute:
-            raise ApiError(400, f"{tokens} tokens (prompt + max_tokens) exceed tenant {tenant!r}'s limit of "
-                           f"{per_minute} per minute: no wait would admit the request", code="tenant_quota")
+            raise ApiError(
+                400,
+                f"{tokens} tokens (prompt + max_tokens) exceed tenant {tenant!r}'s limit of "
+                f"{per_minute} per minute: no wait would admit the request",
+                code="tenant_quota",
+            )
         now = time.monotonic()
         available, at = self._buckets.get(tenant, (float(per_minute), now))
         available = min(per_minute, available + (now - at) * per_minute / 60)
@@ -93,5 +100,11 @@ class Quotas:
 
     def _refuse(self, tenant: str, why: str, retry_after: int) -> None:
         self.refused[tenant] += 1
-        raise ApiError(429, f"{why}; retry in {retry_after} s", "rate_limit_error", "tenant_quota",
-                       headers={"Retry-After": str(retry_after)}, retryable=True)
+        raise ApiError(
+            429,
+            f"{why}; retry in {retry_after} s",
+            "rate_limit_error",
+            "tenant_quota",
+            headers={"Retry-After": str(retry_after)},
+            retryable=True,
+        )

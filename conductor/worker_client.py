@@ -63,8 +63,11 @@ class WorkerClient:
         if self._http is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
             connector = aiohttp.TCPConnector(ssl=self.ssl) if self.ssl is not None else None
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
-                                               headers=headers, connector=connector)
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
+                headers=headers,
+                connector=connector,
+            )
         return self._http
 
     async def close(self) -> None:
@@ -77,8 +80,9 @@ class WorkerClient:
         worker = member.node_id
         body = request.model_dump_json(exclude_defaults=True)
         try:
-            resp = await self.http().post(member.url + "/generate", data=body,
-                                          headers={"Content-Type": "application/json"})
+            resp = await self.http().post(
+                member.url + "/generate", data=body, headers={"Content-Type": "application/json"}
+            )
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise WorkerUnavailable(worker, repr(exc)) from exc
         async with resp:

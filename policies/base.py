@@ -80,7 +80,8 @@ def one_victim(policy: EvictionPolicy, resident: Container) -> Key:
         name = policy.name or type(policy).__name__
         raise PolicyContractError(
             f"eviction policy {name!r}: victims(1) returned {got!r:.200}; it must return a list of one key that "
-            "was given to on_insert and is still resident (the contract in tiercake.policies.EvictionPolicy)")
+            "was given to on_insert and is still resident (the contract in tiercake.policies.EvictionPolicy)"
+        )
     return got[0]
 
 

@@ -189,9 +189,7 @@ class S3FIFO(EvictionPolicy):
         budget = (self._MAX_FREQ + 2) * (len(self._freq) + 1)
         while len(chosen) < n and self._freq and budget > 0:
             budget -= 1
-            use_small = self._small and (
-                self._small_bytes >= self.small_fraction * self._total_bytes or not self._main
-            )
+            use_small = self._small and (self._small_bytes >= self.small_fraction * self._total_bytes or not self._main)
             if use_small:
                 key, _ = self._small.popitem(last=False)
                 if not can_evict(key):
@@ -539,7 +537,11 @@ class ReuseAware(EvictionPolicy):
                     if not candidates:
                         break
             victim = min(candidates, key=self._value)
-            if victim != oldest and oldest in candidates and self._value(victim) > self.lru_margin * self._value(oldest):
+            if (
+                victim != oldest
+                and oldest in candidates
+                and self._value(victim) > self.lru_margin * self._value(oldest)
+            ):
                 victim = oldest  # not clearly better than LRU's choice: LRU's choice
             _, reads, kind = self._forget_resident(victim)
             self._ghost[victim] = (reads, kind)

@@ -22,8 +22,13 @@ from .routing import Router
 ENTRY_POINT_GROUP = "tiercake.policies"
 
 P = TypeVar("P", EvictionPolicy, AdmissionPolicy, PlacementStrategy, ReplicationPolicy, Router)
-_KINDS = {EvictionPolicy: "eviction", AdmissionPolicy: "admission", PlacementStrategy: "placement",
-          ReplicationPolicy: "replication", Router: "routing"}
+_KINDS = {
+    EvictionPolicy: "eviction",
+    AdmissionPolicy: "admission",
+    PlacementStrategy: "placement",
+    ReplicationPolicy: "replication",
+    Router: "routing",
+}
 
 # A name is unique within a kind ("random" is a placement strategy and a router).
 _BUILTINS: dict[tuple[str, str], type] = {

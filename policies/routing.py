@@ -29,8 +29,7 @@ class PrefillModel:
     def from_perf(cls, perf: dict[str, float]) -> PrefillModel:
         """From the timings a worker publishes (``prefill_a``, ``prefill_b``, ``prefill_q``)."""
         default = cls()
-        return cls(perf.get("prefill_a", default.a), perf.get("prefill_b", default.b),
-                   perf.get("prefill_q", default.q))
+        return cls(perf.get("prefill_a", default.a), perf.get("prefill_b", default.b), perf.get("prefill_q", default.q))
 
     def seconds(self, computed: int, cached: int = 0) -> float:
         return self.a + self.b * computed + self.q * computed * (computed + 2 * cached)

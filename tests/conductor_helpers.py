@@ -14,14 +14,18 @@ from tiercake.errors import app_runner
 
 
 @contextlib.asynccontextmanager
-async def running_conductor(tokens: list[str] | None = None, frontend=None, metrics_open: bool = True,
-                            **conductor_kwargs):
+async def running_conductor(
+    tokens: list[str] | None = None, frontend=None, metrics_open: bool = True, **conductor_kwargs
+):
     """Yields (url, conductor) once it leads; ``frontend``: a callable taking the conductor and
     returning the ``Frontend`` to serve beside the control API."""
     meta = await EmbeddedBackend().start()
-    conductor = await Conductor(meta, conductor_kwargs.pop("conductor_id", "c1"), **{"ttl": 1, **conductor_kwargs}).start()
-    runner = app_runner(build_app(conductor, tokens, frontend(conductor) if frontend else None,
-                                  metrics_open=metrics_open))
+    conductor = await Conductor(
+        meta, conductor_kwargs.pop("conductor_id", "c1"), **{"ttl": 1, **conductor_kwargs}
+    ).start()
+    runner = app_runner(
+        build_app(conductor, tokens, frontend(conductor) if frontend else None, metrics_open=metrics_open)
+    )
     try:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

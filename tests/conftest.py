@@ -16,6 +16,15 @@ from tiercake.policies import LRU
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
 from tiercake.tiers.pool import remove_pool
 
+pytest_plugins = ["process_guard"]
+
+
+def pytest_configure(config):
+    import process_guard
+
+    process_guard.install()
+
+
 LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_size=16)  # 4 KiB blocks
 
 
@@ -105,14 +114,16 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[tuple[subprocess.Popen, object]] = []
 
-    def start(self, args: list[str], env: dict | None = None, prefix: list[str] = (),
-              runner: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
+    def start(
+        self, args: list[str], env: dict | None = None, prefix: list[str] = (), runner: list[str] | None = None
+    ) -> tuple[subprocess.Popen, dict]:
         """``prefix``: what runs the command (``ip netns exec NS``, say); ``runner``: the command line of
         a ``tiercake`` other than this checkout's (the previous release, say)."""
         log = tempfile.TemporaryFile()
         runner = runner or [sys.executable, "-m", "tiercake.cli"]
-        proc = subprocess.Popen([*prefix, *runner, *args], stdout=subprocess.PIPE,
-                                stderr=log, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            [*prefix, *runner, *args], stdout=subprocess.PIPE, stderr=log, env={**os.environ, **(env or {})}
+        )
         self.procs.append((proc, log))
         line = proc.stdout.readline()
         if not line:

@@ -26,20 +26,35 @@ def blob(seed: int, n: int) -> bytes:
 
 
 class KvCluster:
-    def __init__(self, tmp: Path, nodes: tuple[str, ...] = ("kv-a", "kv-b"), *, etcd=None, conductors: int = 1,
-                 pool: str = "96MiB", ssd: str | None = "256MiB", failover_s: float = 2.0, lease_ttl_s: float = 1.0,
-                 replicas_max: int = 3, pool_extra: str = "", start: bool = True) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        nodes: tuple[str, ...] = ("kv-a", "kv-b"),
+        *,
+        etcd=None,
+        conductors: int = 1,
+        pool: str = "96MiB",
+        ssd: str | None = "256MiB",
+        failover_s: float = 2.0,
+        lease_ttl_s: float = 1.0,
+        replicas_max: int = 3,
+        pool_extra: str = "",
+        start: bool = True,
+    ) -> None:
         self.tmp = tmp
         self.group = Processes()
         self.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
         self.pool, self.ssd, self.pool_extra = pool, ssd, pool_extra
         self.lease_ttl_s = lease_ttl_s
-        self.objects = f"{{failover_s: {failover_s}, lease_ttl_s: {lease_ttl_s}, bootstrap_s: 0.5, " \
-                       f"replicas_max: {replicas_max}}}"
+        self.objects = (
+            f"{{failover_s: {failover_s}, lease_ttl_s: {lease_ttl_s}, bootstrap_s: 0.5, replicas_max: {replicas_max}}}"
+        )
         self.etcd = etcd
         self.conductors = []
         self.pools: dict[str, str] = {}
-        (tmp / "conductor.yaml").write_text(f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nobjects: {self.objects}\n")
+        (tmp / "conductor.yaml").write_text(
+            f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nobjects: {self.objects}\n"
+        )
         for i in range(conductors):
             self.conductors.append(self.start_conductor(i))
             if i == 0 and conductors > 1:
@@ -51,8 +66,17 @@ class KvCluster:
             self.start_node(name)
 
     def start_conductor(self, i: int):
-        args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}",
-                "--config", str(self.tmp / "conductor.yaml")]
+        args = [
+            "conductor",
+            "--listen",
+            "127.0.0.1:0",
+            "--api-listen",
+            "127.0.0.1:0",
+            "--id",
+            f"c{i}",
+            "--config",
+            str(self.tmp / "conductor.yaml"),
+        ]
         if self.etcd is not None:
             args += ["--etcd", ",".join(self.etcd.endpoints), "--ttl", "1"]
         proc, info = self.group.start(args, self.env)
@@ -69,7 +93,8 @@ class KvCluster:
                 f"    - {{kind: pool, capacity: {self.pool}, path: {pool}{self.pool_extra}}}\n{ssd}"
                 f"conductor: {{urls: {json.dumps(self.urls)}, member_ttl: 1}}\n"
                 f"objects: {self.objects}\n"
-                "transfer: {host: 127.0.0.1}\n")
+                "transfer: {host: 127.0.0.1}\n"
+            )
         return path
 
     def start_node(self, name: str):
@@ -108,11 +133,17 @@ async def ready(store: AsyncStore, nodes: int, timeout: float = 20.0, replicas_m
         await store.refresh()
         m = store.map
         members = set(store.members)
-        if (len(members) >= nodes and m.chains and not m.handoff
-                and all(len(c) == length and r == length and set(c) <= members for r, c in zip(m.ready, m.chains))
-                and all(c[0] == rendezvous(slot, sorted(members))[0] for slot, c in enumerate(m.chains))):
+        if (
+            len(members) >= nodes
+            and m.chains
+            and not m.handoff
+            and all(len(c) == length and r == length and set(c) <= members for r, c in zip(m.ready, m.chains))
+            and all(c[0] == rendezvous(slot, sorted(members))[0] for slot, c in enumerate(m.chains))
+        ):
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"cluster not ready: {len(store.members)} of {nodes} nodes, map epoch {m.epoch}, "
-                                 f"ready {sorted(set(m.ready))}, handoffs {len(m.handoff)}")
+            raise AssertionError(
+                f"cluster not ready: {len(store.members)} of {nodes} nodes, map epoch {m.epoch}, "
+                f"ready {sorted(set(m.ready))}, handoffs {len(m.handoff)}"
+            )
         await asyncio.sleep(0.1)

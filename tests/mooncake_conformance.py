@@ -56,17 +56,39 @@ def run_files(repo: Path, env: dict, out: Path, prefix: list[str]) -> dict[str, 
             print(f"  (no {rel} in this checkout)", file=sys.stderr)
             continue
         xml = out / (rel.replace("/", "_") + ".xml")
-        cmd = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(path.parent),
-               f"--junitxml={xml}", "-o", "junit_family=xunit2", str(path)]
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(path.parent),
+            f"--junitxml={xml}",
+            "-o",
+            "junit_family=xunit2",
+            str(path),
+        ]
         started = time.monotonic()
         try:
-            subprocess.run(cmd, env=env, cwd=path.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=FILE_TIMEOUT_S)
+            subprocess.run(
+                cmd,
+                env=env,
+                cwd=path.parent,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=FILE_TIMEOUT_S,
+            )
         except subprocess.TimeoutExpired:
             print(f"  {rel}: timed out after {FILE_TIMEOUT_S} s", file=sys.stderr)
         got = _outcomes(xml, rel)
-        print(f"  {rel}: {sum(v == 'passed' for v in got.values())} of {len(got)} passed "
-              f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
+        print(
+            f"  {rel}: {sum(v == 'passed' for v in got.values())} of {len(got)} passed "
+            f"({time.monotonic() - started:.0f} s)",
+            file=sys.stderr,
+        )
         outcomes.update(got)
     return outcomes
 
@@ -78,8 +100,15 @@ def _outcomes(xml: Path, rel: str) -> dict[str, str]:
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{rel}::{case.get('classname', '').rpartition('.')[2]}::{case.get('name')}"
         tags = {child.tag for child in case}
-        got[name] = ("failed" if "failure" in tags else "error" if "error" in tags
-                     else "skipped" if "skipped" in tags else "passed")
+        got[name] = (
+            "failed"
+            if "failure" in tags
+            else "error"
+            if "error" in tags
+            else "skipped"
+            if "skipped" in tags
+            else "passed"
+        )
     return got
 
 
@@ -103,14 +132,16 @@ class TiercakeCluster:
                 f"node_id: conformance-{i}\nstore:\n  layout: null\n  tiers:\n"
                 f"    - {{kind: pool, capacity: 2GiB, path: {pool}}}\n"
                 f"    - {{kind: ssd, capacity: 4GiB, path: {work / f'ssd{i}'}}}\n"
-                f"conductor: {{urls: [{self.url}]}}\ntransfer: {{host: 127.0.0.1}}\n")
+                f"conductor: {{urls: [{self.url}]}}\ntransfer: {{host: 127.0.0.1}}\n"
+            )
             self.logs.append(open(work / f"node{i}.log", "wb"))
             self._start(["node", "--config", str(config)], self.logs[-1])
         time.sleep(3.0)  # the first object map is made bootstrap_s after the nodes register
 
     def _start(self, args: list[str], log) -> dict:
-        proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE, stderr=log,
-                                env=self.env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercake.cli", *args], stdout=subprocess.PIPE, stderr=log, env=self.env
+        )
         self.procs.append(proc)
         line = proc.stdout.readline()
         if not line:
@@ -138,14 +169,31 @@ def _mooncake_env(master: str, work: Path) -> dict:
     """What Mooncake's tests read to find their master (each file reads a different name). Its lease
     TTL is 5 s on both sides: what the tests assume (Mooncake's master defaults to 10 s)."""
     config = work / "mooncake.json"
-    config.write_text(json.dumps({
-        "local_hostname": "localhost", "metadata_server": "http://127.0.0.1:8080/metadata",
-        "global_segment_size": "1GB", "local_buffer_size": 512 << 20, "protocol": "tcp", "device_name": "",
-        "master_server_address": master}))
-    return {"MASTER_SERVER": master, "MOONCAKE_MASTER": master, "MOONCAKE_CONFIG_PATH": str(config),
-            "MC_METADATA_SERVER": "http://127.0.0.1:8080/metadata",
-            "MOONCAKE_TE_META_DATA_SERVER": "http://127.0.0.1:8080/metadata", "MOONCAKE_PROTOCOL": "tcp",
-            "PROTOCOL": "tcp", "DEVICE_NAME": "", "MOONCAKE_DEVICE": "", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    config.write_text(
+        json.dumps(
+            {
+                "local_hostname": "localhost",
+                "metadata_server": "http://127.0.0.1:8080/metadata",
+                "global_segment_size": "1GB",
+                "local_buffer_size": 512 << 20,
+                "protocol": "tcp",
+                "device_name": "",
+                "master_server_address": master,
+            }
+        )
+    )
+    return {
+        "MASTER_SERVER": master,
+        "MOONCAKE_MASTER": master,
+        "MOONCAKE_CONFIG_PATH": str(config),
+        "MC_METADATA_SERVER": "http://127.0.0.1:8080/metadata",
+        "MOONCAKE_TE_META_DATA_SERVER": "http://127.0.0.1:8080/metadata",
+        "MOONCAKE_PROTOCOL": "tcp",
+        "PROTOCOL": "tcp",
+        "DEVICE_NAME": "",
+        "MOONCAKE_DEVICE": "",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    }
 
 
 def against_tiercake(repo: Path, work: Path) -> dict[str, str]:
@@ -161,9 +209,11 @@ def against_mooncake(repo: Path, work: Path) -> dict[str, str]:
     if not master.exists() or not shutil.which("unshare"):
         raise SystemExit("Mooncake's wheel (mooncake_master) or unshare is missing")
     out = work / "result.json"
-    inner = (f"ip link set lo up && {master} --rpc_port {MASTER_PORT} --enable_http_metadata_server=true --default_kv_lease_ttl=5000 "
-             f"--http_metadata_server_port 8080 > {work}/master.log 2>&1 & master=$!; sleep 2; "
-             f"{sys.executable} {__file__} {repo} --inside {work} --json {out}; kill $master; wait")
+    inner = (
+        f"ip link set lo up && {master} --rpc_port {MASTER_PORT} --enable_http_metadata_server=true --default_kv_lease_ttl=5000 "
+        f"--http_metadata_server_port 8080 > {work}/master.log 2>&1 & master=$!; sleep 2; "
+        f"{sys.executable} {__file__} {repo} --inside {work} --json {out}; kill $master; wait"
+    )
     subprocess.run(["unshare", "-n", "bash", "-c", inner], check=False)
     return json.loads(out.read_text()) if out.exists() else {}
 
@@ -179,8 +229,9 @@ def main() -> int:
     if args.files:
         os.environ["CONFORMANCE_FILES"] = args.files
     if args.inside is not None:
-        got = run_files(args.repo, {**os.environ, **_mooncake_env(f"127.0.0.1:{MASTER_PORT}", args.inside)},
-                        args.inside, [])
+        got = run_files(
+            args.repo, {**os.environ, **_mooncake_env(f"127.0.0.1:{MASTER_PORT}", args.inside)}, args.inside, []
+        )
         args.json.write_text(json.dumps(got))
         return 0
     results: dict[str, dict[str, str]] = {}

@@ -61,7 +61,7 @@ def exercise(store) -> list:
     note("get_into bytes", bytes(buf[1000:1008]).decode())
     note("get_into missing", store.get_into("missing", ptr + 1000, 100))
     note("get_into big", store.get_into("big", ptr + (8 << 20), 20 << 20))
-    note("get_into big equal", bytes(buf[8 << 20:28 << 20]) == big)
+    note("get_into big equal", bytes(buf[8 << 20 : 28 << 20]) == big)
     blocks = [np.random.default_rng(10 + i).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes() for i in range(8)]
     for i, b in enumerate(blocks):
         ctypes.memmove(ptr + i * (64 << 10), b, len(b))
@@ -69,7 +69,7 @@ def exercise(store) -> list:
     note("batch_put_from", store.batch_put_from(keys, [ptr + i * (64 << 10) for i in range(8)], [64 << 10] * 8))
     dsts = [ptr + (1 << 20) + i * (64 << 10) for i in range(8)]
     note("batch_get_into", store.batch_get_into(keys + ["missing"], dsts + [ptr + (2 << 20)], [64 << 10] * 9))
-    note("batch_get_into equal", [bytes(buf[d - ptr:d - ptr + (64 << 10)]) == b for d, b in zip(dsts, blocks)])
+    note("batch_get_into equal", [bytes(buf[d - ptr : d - ptr + (64 << 10)]) == b for d, b in zip(dsts, blocks)])
     note("get_batch", [v == b for v, b in zip(store.get_batch(keys[:3]), blocks)])
     note("remove missing", store.remove("missing", force=True))
     note("remove", store.remove("pf", force=True))
@@ -108,25 +108,44 @@ def exercise_more(store, ptr, note) -> None:
     note("get parts again", store.get("parts").decode())
     note("upsert_batch", store.upsert_batch(["k", "u2"], [b"v1", b"v2"]))
     note("get u2", store.get("u2").decode())
-    note("replica desc", [[d.is_memory_replica(), d.is_disk_replica(),
-                           d.get_memory_descriptor().buffer_descriptor.size > 0] for d in store.get_replica_desc("k")][:1])
+    note(
+        "replica desc",
+        [
+            [d.is_memory_replica(), d.is_disk_replica(), d.get_memory_descriptor().buffer_descriptor.size > 0]
+            for d in store.get_replica_desc("k")
+        ][:1],
+    )
     note("replica desc missing", len(store.get_replica_desc("nope")))
     note("batch replica desc", sorted(store.batch_get_replica_desc(["k", "nope"])))
     note("health_check", store.health_check())
     note("remove_by_regex bad pattern", store.remove_by_regex("([", True))
     ctypes.memmove(ptr, b"AAAA", 4)
     ctypes.memmove(ptr + 4096, b"BBBBBB", 6)
-    note("multi-buffer put", store.batch_put_from_multi_buffers(["m1", "m2"], [[ptr, ptr + 4096], [ptr + 4096]],
-                                                                [[4, 6], [6]]))
+    note(
+        "multi-buffer put",
+        store.batch_put_from_multi_buffers(["m1", "m2"], [[ptr, ptr + 4096], [ptr + 4096]], [[4, 6], [6]]),
+    )
     note("multi-buffer object", store.get("m1").decode())
-    note("multi-buffer get", store.batch_get_into_multi_buffers(["m1", "nope"], [[ptr + 100000, ptr + 200000],
-                                                                                 [ptr + 300000]], [[5, 5], [10]]))
+    note(
+        "multi-buffer get",
+        store.batch_get_into_multi_buffers(
+            ["m1", "nope"], [[ptr + 100000, ptr + 200000], [ptr + 300000]], [[5, 5], [10]]
+        ),
+    )
     note("multi-buffer got", [ctypes.string_at(ptr + 100000, 5).decode(), ctypes.string_at(ptr + 200000, 5).decode()])
     note("multi-buffer get too small", store.batch_get_into_multi_buffers(["m1"], [[ptr + 100000]], [[3]]))
-    note("ranges", store.get_into_ranges([ptr + 500000], [["m1", "m2"]], [[[0, 10], [20]]], [[[0, 2], [1]]],
-                                         [[[2, 2], [3]]]))
-    note("ranges got", [ctypes.string_at(ptr + 500000, 2).decode(), ctypes.string_at(ptr + 500010, 2).decode(),
-                        ctypes.string_at(ptr + 500020, 3).decode()])
+    note(
+        "ranges",
+        store.get_into_ranges([ptr + 500000], [["m1", "m2"]], [[[0, 10], [20]]], [[[0, 2], [1]]], [[[2, 2], [3]]]),
+    )
+    note(
+        "ranges got",
+        [
+            ctypes.string_at(ptr + 500000, 2).decode(),
+            ctypes.string_at(ptr + 500010, 2).decode(),
+            ctypes.string_at(ptr + 500020, 3).decode(),
+        ],
+    )
     note("put_from_with_metadata", store.put_from_with_metadata("pm", ptr + 4096, ptr, 6, 4))
     note("its object", store.get("pm").decode())
     note("batch_upsert_from", store.batch_upsert_from(["m1"], [ptr + 4096], [6]))

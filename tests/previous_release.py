@@ -30,7 +30,21 @@ def previous_site() -> Path:
     source.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", PREVIOUS], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(site.with_suffix(".part")), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site.with_suffix(".part")),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     site.with_suffix(".part").rename(site)
     return site

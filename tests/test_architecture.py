@@ -7,8 +7,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # the shared types every part may use; the rest of ``tiercake/`` (CLI, bench, replay, up) is the top
-BASE = {"tiercake", "tiercake.blocks", "tiercake.config", "tiercake.errors", "tiercake.messages", "tiercake.metrics",
-        "tiercake.loop_thread", "tiercake.plugins", "tiercake.tokenizer", "tiercake.traces"}
+BASE = {
+    "tiercake",
+    "tiercake.blocks",
+    "tiercake.config",
+    "tiercake.errors",
+    "tiercake.messages",
+    "tiercake.metrics",
+    "tiercake.loop_thread",
+    "tiercake.plugins",
+    "tiercake.tokenizer",
+    "tiercake.traces",
+}
 # lowest first: a part imports only from its own layer and the ones before it
 LAYERS = ["base", "policies", "analysis", "tiers", "transfer", "conductor", "workers", "top"]
 PARTS = {"policies", "analysis", "tiers", "transfer", "conductor", "workers"}

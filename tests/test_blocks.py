@@ -57,6 +57,7 @@ def test_block_size_is_part_of_the_namespace():
     assert NS.root() != ns32.root()
 
 
+@pytest.mark.cluster
 def test_keys_are_stable_across_processes():
     """The key of a fixed input is a constant: no per-process hash seed, no Python hash()."""
     code = (
@@ -65,8 +66,9 @@ def test_keys_are_stable_across_processes():
         "print(block_keys(ns, [1, 2, 3, 4, 5, 6, 7, 8])[-1].hex())"
     )
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}
+        ).stdout.strip()
         for seed in ("0", "1", "12345")
     }
     assert len(outs) == 1

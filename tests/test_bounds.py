@@ -22,6 +22,8 @@ from tiercake.errors import BODY_BUDGET_BYTES, BODY_DEADLINE_S, HEAD_DEADLINE_S
 from tiercake.transfer import protocol as p
 from tiercake.transfer.connection import BlockingConnection, PeerAddress
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 KEY = "key-a"
 CONNECTIONS = 256
 MIB = 1 << 20
@@ -98,8 +100,12 @@ async def _body_held(host: str, port: int, key: str | None, announced: int, sent
     server answers meanwhile (b"" if it closed without one) and how long it took."""
     reader, writer = await asyncio.open_connection(host, port)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    writer.write((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
-                  f"Content-Length: {announced}\r\n\r\n").encode())
+    writer.write(
+        (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {announced}\r\n\r\n"
+        ).encode()
+    )
     chunk = b" " * MIB
     for start in range(0, sent, MIB):
         writer.write(chunk[: min(MIB, sent - start)])
@@ -142,12 +148,16 @@ async def test_strangers_and_slow_peers_hold_no_connection_or_memory_past_a_dead
     secret = (cluster.data_dir / "cluster-secret").read_text().strip().encode()
     peers = [await asyncio.to_thread(_announcing_peer, *ports["transfer"], secret) for _ in range(32)]
     within = HEAD_DEADLINE_S + 5
-    idle = [_idle_or_trickling(h, port, trickle=i % 2 == 1, within=within)
-            for h, port in ports.values() for i in range(CONNECTIONS)]
+    idle = [
+        _idle_or_trickling(h, port, trickle=i % 2 == 1, within=within)
+        for h, port in ports.values()
+        for i in range(CONNECTIONS)
+    ]
     strangers = [_body_held(host, public, None, 8 * MIB, 8 * MIB - 1) for _ in range(16)]
     holders = [_body_held(host, public, KEY, 8 * MIB, 8 * MIB - 1) for _ in range(16)]
     closed, stranger_answers, holder_answers = await asyncio.gather(
-        asyncio.gather(*idle), asyncio.gather(*strangers), asyncio.gather(*holders))
+        asyncio.gather(*idle), asyncio.gather(*strangers), asyncio.gather(*holders)
+    )
     sampling = False
     await sampler
     for sock in peers:
@@ -174,8 +184,9 @@ async def test_abandoned_streams_leave_nothing_running(cluster):
     body = {"model": "tiercake-reference", "prompt": "Abandoned stream. " * 4, "max_tokens": 200, "stream": True}
 
     async def abandon(http: aiohttp.ClientSession) -> None:
-        async with http.post(cluster.url + "/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        async with http.post(
+            cluster.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as resp:
             assert resp.status in (200, 429, 503), resp.status
             if resp.status == 200:
                 await resp.content.readline()  # the first chunk, then the client goes away

@@ -15,13 +15,19 @@ from previous_release import previous_site
 
 from tiercake.chaos import FAULTS
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.mark.timeout(420)  # the run's own limit is 400 s; a quick run takes 170-190 s
 def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
     out = tmp_path / "chaos.json"
     previous = previous_site()  # the upgrade fault runs a node agent of the previous release
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "chaos", "--quick", "--json", str(out),
-                           "--previous", str(previous)], capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", "chaos", "--quick", "--json", str(out), "--previous", str(previous)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     ok, wrong, lost = figures["requests.ok"], figures["requests.wrong"], figures["placements.lost"]
@@ -49,6 +55,10 @@ def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
     assert figures["hit_ratio_during.rolling_restart"]["ratio"] > 0.9, figures["hit_ratio_during.rolling_restart"]
     # the previous release's node agent served blocks over its protocol, and was upgraded in place
     assert figures["upgrade.read_back"]["ratio"] == 1, figures["upgrade.read_back"]
-    for line in ("kill_prefill: recovered", "partition_node: recovered", "kill_etcd_leader: recovered",
-                 "placements on node agents"):
+    for line in (
+        "kill_prefill: recovered",
+        "partition_node: recovered",
+        "kill_etcd_leader: recovered",
+        "placements on node agents",
+    ):
         assert line in done.stdout, done.stdout[-3000:]

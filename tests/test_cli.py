@@ -14,11 +14,16 @@ from tiercake.tiers.pool import remove_pool
 
 def tiercake(*args, cwd=None, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "tiercake.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+        [sys.executable, "-m", "tiercake.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
         env={**os.environ, "COLUMNS": "200"},
     )
 
 
+@pytest.mark.cluster
 def test_help_reads_well():
     done = tiercake("--help")
     assert done.returncode == 0
@@ -54,11 +59,13 @@ def test_every_command_and_subcommand_has_a_help_that_renders():
         assert not helpless, (path, helpless)  # every argument says what it is
 
 
+@pytest.mark.cluster
 def test_version():
     done = tiercake("--version")
     assert done.returncode == 0 and done.stdout.startswith("tiercake ") and done.stdout.split()[1][0].isdigit()
 
 
+@pytest.mark.cluster
 def test_demo_twice_finds_its_ssd_blocks(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(
@@ -78,12 +85,25 @@ def test_demo_twice_finds_its_ssd_blocks(tmp_path):
         remove_pool(f"/dev/shm/tiercake-cli-test-{os.getpid()}")
 
 
+@pytest.mark.cluster
 def test_bench_store_json(tmp_path, monkeypatch):
     """The JSON every bench writes, its plot, and the figure count kept for the next run's ETA."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out, png = tmp_path / "store.json", tmp_path / "store.png"
-    done = tiercake("bench", "store", "--quick", "--sizes", "1048576", "--json", str(out), "--ssd-dir", str(tmp_path),
-                    "--plot", str(png), timeout=300)
+    done = tiercake(
+        "bench",
+        "store",
+        "--quick",
+        "--sizes",
+        "1048576",
+        "--json",
+        str(out),
+        "--ssd-dir",
+        str(tmp_path),
+        "--plot",
+        str(png),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (memory,) = (tmp_path / "cache" / "tiercake" / "bench").glob("store-*.json")
@@ -99,6 +119,7 @@ def test_bench_store_json(tmp_path, monkeypatch):
     assert "ratio" in done.stdout
 
 
+@pytest.mark.cluster
 def test_policy_list_and_config_show():
     done = tiercake("policy", "list")
     assert done.returncode == 0 and "s3fifo" in done.stdout and "leaf_lru" in done.stdout
@@ -106,6 +127,7 @@ def test_policy_list_and_config_show():
     assert shown.returncode == 0 and "tiers:" in shown.stdout
 
 
+@pytest.mark.cluster
 def test_bad_config_is_a_clear_error(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("store:\n  tiers:\n    - {kind: ssd, capacity: 1MiB}\n")
@@ -116,6 +138,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
     assert missing.returncode == 1 and "error" in missing.stderr
 
 
+@pytest.mark.cluster
 def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
     """A load tool must survive the server it loads: against an OpenAI server that cuts every other
     stream after its first event (and ends one without [DONE]), `tiercake replay` finishes, counts
@@ -163,8 +186,17 @@ def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
         trace = tmp_path / "syn.jsonl"
         write_trace(trace, synthetic_trace(9, tenants=1, system_blocks=1, turn_blocks=(1, 2), rate_per_s=100, seed=1))
         out = tmp_path / "replay.json"
-        done = tiercake("replay", str(trace), "--target", f"http://127.0.0.1:{port}", "--max-output", "2",
-                        "--json", str(out), timeout=120)
+        done = tiercake(
+            "replay",
+            str(trace),
+            "--target",
+            f"http://127.0.0.1:{port}",
+            "--max-output",
+            "2",
+            "--json",
+            str(out),
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         figures = {f["name"]: f["value"] for f in json.loads(out.read_text())["figures"]}
         assert figures["requests.ok"] == 3 and figures["requests.failed"] == 6
@@ -173,15 +205,23 @@ def test_replay_counts_broken_streams_as_failures_and_still_reports(tmp_path):
         thread.join(5)
 
 
-@pytest.mark.parametrize("text, said", [
-    ("store:\n  tiers:\n    - {kind: pool, capacity: 1MiB, eviction: lruu}\n",
-     "store.tiers.0.eviction: unknown eviction policy 'lruu': not a built-in (arc, fifo, leaf_lru, lfu, lru"),
-    ("serving: {router: fifo}\n", "serving.router: policy 'fifo' resolves to"),
-    ("store:\n  tiers:\n    - {kind: pool, capacity: lots}\n",
-     "store.tiers.0.capacity: a size is a number of bytes, or a number and a unit: 512MiB"),
-    ("serving:\n\tport: 9000\n", "not valid YAML: while scanning for the next token found character '\\t'"),
-    ("serving: {port: 70000}\n", "serving.port: Input should be less than or equal to 65535 (got 70000)"),
-])
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (
+            "store:\n  tiers:\n    - {kind: pool, capacity: 1MiB, eviction: lruu}\n",
+            "store.tiers.0.eviction: unknown eviction policy 'lruu': not a built-in (arc, fifo, leaf_lru, lfu, lru",
+        ),
+        ("serving: {router: fifo}\n", "serving.router: policy 'fifo' resolves to"),
+        (
+            "store:\n  tiers:\n    - {kind: pool, capacity: lots}\n",
+            "store.tiers.0.capacity: a size is a number of bytes, or a number and a unit: 512MiB",
+        ),
+        ("serving:\n\tport: 9000\n", "not valid YAML: while scanning for the next token found character '\\t'"),
+        ("serving: {port: 70000}\n", "serving.port: Input should be less than or equal to 65535 (got 70000)"),
+    ],
+)
 def test_a_config_error_is_one_line_naming_the_field_and_what_is_accepted(tmp_path, text, said):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
@@ -192,6 +232,7 @@ def test_a_config_error_is_one_line_naming_the_field_and_what_is_accepted(tmp_pa
     assert not (tmp_path / "d").exists()  # up refused before it wrote anything
 
 
+@pytest.mark.cluster
 def test_a_partial_config_merges_over_the_defaults_and_show_prints_sizes_it_reads_back(tmp_path):
     config = tmp_path / "part.yaml"
     config.write_text("serving: {port: 9000}\n")
@@ -205,6 +246,7 @@ def test_a_partial_config_merges_over_the_defaults_and_show_prints_sizes_it_read
     assert again.stdout == done.stdout  # what it prints, it reads back the same
 
 
+@pytest.mark.cluster
 def test_up_refuses_a_size_it_cannot_read_and_a_data_dir_another_up_holds(tmp_path):
     from tiercake.up_state import DataDirLock
 
@@ -226,14 +268,30 @@ def test_up_refuses_a_size_it_cannot_read_and_a_data_dir_another_up_holds(tmp_pa
     assert (data / "logs" / "conductor.log").read_text() == "the running cluster's log\n"
 
 
+@pytest.mark.cluster
 def test_ctrl_c_while_up_starts_stops_everything_at_once_and_leaves_no_shared_memory(tmp_path):
     import signal
     import time
 
     before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "up", "--data-dir", str(tmp_path / "d"), "--port",
-                             "0", "--control-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "up",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--port",
+            "0",
+            "--control-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     # Ctrl-C once the node agent is starting (the workers not yet ready): a fixed sleep under CI's load
     # sometimes landed while the command was still importing torch, before it handles signals at all
     started = time.monotonic()
@@ -248,7 +306,10 @@ def test_ctrl_c_while_up_starts_stops_everything_at_once_and_leaves_no_shared_me
             os.killpg(proc.pid, signal.SIGKILL)
     assert time.monotonic() - sent < 5 and proc.returncode == 130, proc.stderr.read()
     assert not running_with(str(tmp_path / "d"))  # no child left (each has a session of its own)
-    assert secret_mode(tmp_path / "d" / "cluster-secret") == 0o600 and secret_mode(tmp_path / "d" / "control-token") == 0o600
+    assert (
+        secret_mode(tmp_path / "d" / "cluster-secret") == 0o600
+        and secret_mode(tmp_path / "d" / "control-token") == 0o600
+    )
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
@@ -268,6 +329,7 @@ def secret_mode(path) -> int:
     return path.stat().st_mode & 0o777
 
 
+@pytest.mark.cluster
 def test_up_on_a_busy_port_says_so(tmp_path):
     """The conductor's bind error reaches the user as what it is, not as a JSON parse error."""
     import socket
@@ -301,6 +363,7 @@ def test_long_commands_show_a_bar_with_the_time_left(monkeypatch):
     assert "6/10" in shown and "global_cache_aware" in shown and "ETA" in shown and "0:00:0" in shown
 
 
+@pytest.mark.cluster
 def test_simulate_prints_its_tables_and_plots(tmp_path):
     from tiercake.traces import synthetic_trace, write_trace
 
@@ -312,10 +375,12 @@ def test_simulate_prints_its_tables_and_plots(tmp_path):
     assert "global_cache_aware" in done.stdout and f"plot: {png}" in done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = json.loads((tmp_path / "sim.json").read_text())["figures"]
-    assert {f["name"] for f in figures} == {f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware",
-                                                                      "global_cache_aware")}
+    assert {f["name"] for f in figures} == {
+        f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware", "global_cache_aware")
+    }
 
 
+@pytest.mark.cluster
 def test_a_child_of_up_is_a_process_group_stopped_and_restarted_whole(tmp_path):
     """What a child starts (vLLM's engine core under its API server) ends with it: on a stop, and
     when the supervisor restarts a child whose leader died and left its own children running."""
@@ -369,10 +434,11 @@ def test_the_replay_report_counts_pulled_blocks_read_from_memory_and_from_disk()
     from tiercake.traces import synthetic_trace
 
     records = synthetic_trace(3, tenants=1, system_blocks=1, turn_blocks=(1, 1), rate_per_s=10, seed=1)
-    outcomes = [Outcome(0, 0.0, prompt_tokens=64, cached_tokens=48, sources={"gpu": 1, "node-a:pool": 2},
-                        prefetched_blocks=2),
-                Outcome(1, 0.0, prompt_tokens=64, cached_tokens=32, sources={"node-a:ssd": 1, "node-a:pool": 1}),
-                Outcome(2, 0.0, status="failed", sources={"node-a:ssd": 9})]
+    outcomes = [
+        Outcome(0, 0.0, prompt_tokens=64, cached_tokens=48, sources={"gpu": 1, "node-a:pool": 2}, prefetched_blocks=2),
+        Outcome(1, 0.0, prompt_tokens=64, cached_tokens=32, sources={"node-a:ssd": 1, "node-a:pool": 1}),
+        Outcome(2, 0.0, status="failed", sources={"node-a:ssd": 9}),
+    ]
     figures = {f.name: f for f in report(ReplayRun(outcomes, None, None), records, "t").figures}
     memory = figures["load.from_memory"]
     assert memory.value == 3 / 4 and memory.limit == 1.0 and memory.params["disk_blocks"] == 1
@@ -381,7 +447,9 @@ def test_the_replay_report_counts_pulled_blocks_read_from_memory_and_from_disk()
     assert "load.from_memory" not in {f.name for f in none_pulled.figures}
 
 
+@pytest.mark.cluster
 def test_up_under_vllm_refuses_half_a_disaggregated_setup(tmp_path):
-    done = tiercake("up", "--engine", "vllm", "--model", str(tmp_path), "--vllm-prefill", "1",
-                    "--data-dir", str(tmp_path / "data"))
+    done = tiercake(
+        "up", "--engine", "vllm", "--model", str(tmp_path), "--vllm-prefill", "1", "--data-dir", str(tmp_path / "data")
+    )
     assert done.returncode == 2 and "--vllm-prefill and --vllm-decode go together" in done.stderr

@@ -44,15 +44,34 @@ def test_slo_rejections_and_the_live_router_object():
     assert summary["slo_attainment"] == tight.slo_met / 300 < 1
 
 
+@pytest.mark.cluster
 def test_simulate_cli_writes_the_ablation(tmp_path):
     trace = tmp_path / "syn.jsonl"
     write_trace(trace, synthetic_trace(200, rate_per_s=20, seed=1))
     out = tmp_path / "sim.json"
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "simulate", str(trace), "--ablation", "--prefill", "2",
-                           "--decode", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "simulate",
+            str(trace),
+            "--ablation",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
-    assert set(figures) == {f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware",
-                                                       "global_cache_aware")}
+    assert set(figures) == {
+        f"ttft_mean.{n}" for n in ("random", "load_balancing", "local_cache_aware", "global_cache_aware")
+    }
     assert len({f["limit"] for f in figures.values()}) == 1  # one compute-only reference for all four
     assert all(f["value"] > 0 and 0 <= f["params"]["hit_ratio"] <= 1 for f in figures.values())

@@ -91,8 +91,9 @@ async def test_bad_requests_are_clear_4xx(api):
             assert resp.status == 200
         async with http.post(url + "/v1/placements/lookup", json={"tenant": "t", "keys": []}) as resp:
             assert resp.status == 401 and "bearer token" in (await resp.json())["error"]["message"]
-        async with http.post(url + "/v1/placements/lookup", headers={"Authorization": "Bearer wrong"},
-                             json={"tenant": "t", "keys": []}) as resp:
+        async with http.post(
+            url + "/v1/placements/lookup", headers={"Authorization": "Bearer wrong"}, json={"tenant": "t", "keys": []}
+        ) as resp:
             assert resp.status == 401
         cases = [
             ("/v1/placements/lookup", b"{not json"),
@@ -102,10 +103,18 @@ async def test_bad_requests_are_clear_4xx(api):
             ("/v1/placements/lookup", json.dumps({"tenant": "a/b", "keys": []}).encode()),
             ("/v1/placements/lookup", json.dumps({"tenant": "t", "keys": ["zz"]}).encode()),
             ("/v1/placements/report", json.dumps({"tenant": "t", "node": "n", "tier": "pool", "blocks": []}).encode()),
-            ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool",
-                                                  "blocks": [{"key": "abc", "size": 1}]}).encode()),
-            ("/v1/placements/commit", json.dumps({"tenant": "t", "node": "n", "tier": "pool",
-                                                  "blocks": [{"key": "ab", "size": -1}]}).encode()),
+            (
+                "/v1/placements/commit",
+                json.dumps(
+                    {"tenant": "t", "node": "n", "tier": "pool", "blocks": [{"key": "abc", "size": 1}]}
+                ).encode(),
+            ),
+            (
+                "/v1/placements/commit",
+                json.dumps(
+                    {"tenant": "t", "node": "n", "tier": "pool", "blocks": [{"key": "ab", "size": -1}]}
+                ).encode(),
+            ),
         ]
         for path, body in cases:
             async with http.post(url + path, headers=headers, data=body) as resp:
@@ -123,9 +132,14 @@ async def test_bad_requests_are_clear_4xx(api):
             text = await resp.text()
             assert resp.status == 200 and "tiercake_is_leader 1.0" in text and "tiercake_index_replicas" in text
             assert "# TYPE tiercake_leader_changes_total counter" in text and "tiercake_leader_terms_total 1.0" in text
-            for name in ("tiercake_placement_ops_total", "tiercake_group_commit_batch_ops_bucket",
-                         "tiercake_metadata_commit_seconds_bucket", "tiercake_leader_changes",
-                         "tiercake_lookup_seconds_bucket", 'tiercake_members{role="node"}'):
+            for name in (
+                "tiercake_placement_ops_total",
+                "tiercake_group_commit_batch_ops_bucket",
+                "tiercake_metadata_commit_seconds_bucket",
+                "tiercake_leader_changes",
+                "tiercake_lookup_seconds_bucket",
+                'tiercake_members{role="node"}',
+            ):
                 assert name in text, name
     async with Client([url], token="s3cret-token") as client:
         with pytest.raises(ConductorError) as err:
@@ -139,9 +153,25 @@ def conductors(etcd, tmp_path):
 
     def start(name: str):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercake.cli", "conductor", "--etcd", ",".join(etcd.endpoints), "--ttl", "1",
-             "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure",  # elections, not auth
-             "--id", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "tiercake.cli",
+                "conductor",
+                "--etcd",
+                ",".join(etcd.endpoints),
+                "--ttl",
+                "1",
+                "--listen",
+                "127.0.0.1:0",
+                "--api-listen",
+                "127.0.0.1:0",
+                "--insecure",  # elections, not auth
+                "--id",
+                name,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         procs.append(proc)
         line = proc.stdout.readline()
@@ -155,6 +185,7 @@ def conductors(etcd, tmp_path):
         proc.wait(10)
 
 
+@pytest.mark.cluster
 async def test_leader_killed_standby_takes_over_with_every_placement(conductors, etcd):
     # a clean slate for this test's election and index on the shared etcd
     from tiercake.conductor.etcd import EtcdBackend
@@ -182,6 +213,7 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
         assert found["node-a"].length == 100  # every placement committed before the kill
 
 
+@pytest.mark.cluster
 async def test_gpu_placements_stay_out_of_etcd_and_come_back_under_a_new_leader(conductors, etcd, make_store):
     """A worker's gpu tier is volatile: its placements are in the conductors' memory only (the leader
     hears of them, the follower follows the leader). When the leader is killed, the worker sees the new
@@ -256,8 +288,10 @@ async def test_begin_commit_revoke_and_their_refusals(api):
     url, conductor = api
     from tiercake.conductor.membership import MemberInfo, Registration
 
-    regs = [await Registration(conductor.meta, MemberInfo(node_id=f"node-{n}", tiers={"pool": 10_000}), ttl=5).start()
-            for n in "abc"]
+    regs = [
+        await Registration(conductor.meta, MemberInfo(node_id=f"node-{n}", tiers={"pool": 10_000}), ttl=5).start()
+        for n in "abc"
+    ]
     await conductor.members.wait_for(lambda m: len(m.alive("node")) == 3, 10)
     async with Client([url], token="s3cret-token") as client:
         targets = await client.begin_put("t", [k(1), k(2), k(3)], [4000, 4000, 4000])
@@ -310,6 +344,7 @@ def test_placement_strategies_and_replication():
     assert [hot.replicas("k", r) for r in (0, 12, 25, 40, 18, 14, 9, 2)] == [1, 2, 3, 3, 3, 3, 2, 1]
 
 
+@pytest.mark.cluster
 async def test_leader_killed_mid_batch_loses_no_acknowledged_placement(conductors, etcd):
     first, url1 = conductors("m-one")
     async with Client([url1]) as client:
@@ -337,6 +372,7 @@ async def test_leader_killed_mid_batch_loses_no_acknowledged_placement(conductor
         assert missing == []
 
 
+@pytest.mark.cluster
 async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors, etcd):
     first, url1 = conductors("p-one")
     async with Client([url1]) as client:
@@ -360,14 +396,20 @@ async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors
             assert "tiercake_is_leader 0.0" in await resp.text()
 
 
+@pytest.mark.cluster
 async def test_conductor_runs_from_the_config_file_with_tokens_from_the_environment(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
-                      "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS, placement: random}\n"
-                      "serving: {port: 0}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config), "--id", "cfg"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "MY_TOKENS": "tok-1 tok-2"})
+    config.write_text(
+        "store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
+        "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS, placement: random}\n"
+        "serving: {port: 0}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config), "--id", "cfg"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "MY_TOKENS": "tok-1 tok-2"},
+    )
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read().decode()[-2000:]
@@ -392,6 +434,7 @@ async def wait_for_leader(client, name: str | None = None):
     raise AssertionError(f"no leader {name or ''}")
 
 
+@pytest.mark.cluster
 async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_path):
     """serving.port set: completions and models there (no control token), the control endpoints only
     on the control port (token), so a firewall can open one port and keep the other internal."""
@@ -399,12 +442,17 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
         probe.bind(("127.0.0.1", 0))
         public_port = probe.getsockname()[1]
     config = tmp_path / "c.yaml"
-    config.write_text("store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
-                      "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS}\n"
-                      f"serving: {{host: 127.0.0.1, port: {public_port}}}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "MY_TOKENS": "tok-1"})
+    config.write_text(
+        "store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
+        "conductor: {host: 127.0.0.1, port: 0, token_env: MY_TOKENS}\n"
+        f"serving: {{host: 127.0.0.1, port: {public_port}}}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiercake.cli", "conductor", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "MY_TOKENS": "tok-1"},
+    )
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read().decode()[-2000:]
@@ -418,8 +466,13 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
                 assert resp.status == 503 and body["error"]["code"] == "no_worker" and resp.headers["Retry-After"]
             async with http.post(public + "/v1/completions", json={"model": "nope", "prompt": "x"}) as resp:
                 assert resp.status == 404 and "model" in (await resp.json())["error"]["message"]
-            for method, path in (("GET", "/v1/cluster"), ("POST", "/v1/flush"), ("GET", "/v1/members"),
-                                 ("POST", "/v1/placements/lookup"), ("GET", "/metrics")):
+            for method, path in (
+                ("GET", "/v1/cluster"),
+                ("POST", "/v1/flush"),
+                ("GET", "/v1/members"),
+                ("POST", "/v1/placements/lookup"),
+                ("GET", "/metrics"),
+            ):
                 async with http.request(method, public + path, headers=token) as resp:
                     assert resp.status in (404, 405), (path, resp.status)
             for _ in range(50):  # the control port: ready once a leader is known
@@ -431,8 +484,17 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
             async with http.get(public + "/ready") as resp:  # the public port: not before a worker can serve
                 body = await resp.json()
                 assert resp.status == 503 and "no worker" in body["reason"], body
-            worker = {"member": {"node_id": "w1", "role": "prefill", "host": "127.0.0.1", "port": 9,
-                                 "url": "http://127.0.0.1:9", "tiers": {"gpu": 1}}, "ttl": 60}
+            worker = {
+                "member": {
+                    "node_id": "w1",
+                    "role": "prefill",
+                    "host": "127.0.0.1",
+                    "port": 9,
+                    "url": "http://127.0.0.1:9",
+                    "tiers": {"gpu": 1},
+                },
+                "ttl": 60,
+            }
             async with http.post(control + "/v1/members/register", json=worker, headers=token) as resp:
                 assert resp.status == 200, await resp.text()
             for _ in range(50):
@@ -472,11 +534,13 @@ async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
             await asyncio.sleep(0.1)
         assert set(rates) == {("t", key) for key in keys} and min(rates.values()) > 0
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer peer-token"}) as http:
-            async with http.post(follower.url + "/v1/heat",
-                                 json={"hits": [{"tenant": "t", "key": keys[0].hex(), "count": 1}]}) as resp:
+            async with http.post(
+                follower.url + "/v1/heat", json={"hits": [{"tenant": "t", "key": keys[0].hex(), "count": 1}]}
+            ) as resp:
                 assert resp.status == 503  # only the leader takes counts
-            async with http.post(leader.url + "/v1/heat",
-                                 json={"hits": [{"tenant": "t", "key": "zz", "count": 1}]}) as resp:
+            async with http.post(
+                leader.url + "/v1/heat", json={"hits": [{"tenant": "t", "key": "zz", "count": 1}]}
+            ) as resp:
                 assert resp.status == 400
             async with http.post(leader.url + "/v1/heat", json={"hits": []}) as resp:
                 assert resp.status == 400
@@ -485,6 +549,7 @@ async def test_a_followers_lookups_reach_the_leaders_access_rates(tmp_path):
 async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
     """Only the leader hears of gpu replicas; a follower's lookups see them through its feed from the
     leader (snapshot, then each change), and a worker that leaves is forgotten by both."""
+
     async def seen(conductor: Conductor, keys: list[bytes], want: int) -> int:
         for _ in range(100):
             found = conductor.index.lookup("t", keys).get("w")
@@ -507,9 +572,11 @@ async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
             assert await seen(leader, keys, 0) == 0 and await seen(follower, keys, 0) == 0
             assert not follower.index.holders("t", keys[5])
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer peer-token"}) as http:
-            for url, body, status in ((follower.url, {"term": 0, "after": 0}, 503),
-                                      (leader.url, {"term": 0, "after": -1}, 400),
-                                      (leader.url, {"term": 0, "after": 0, "wait_s": 60}, 400)):
+            for url, body, status in (
+                (follower.url, {"term": 0, "after": 0}, 503),
+                (leader.url, {"term": 0, "after": -1}, 400),
+                (leader.url, {"term": 0, "after": 0, "wait_s": 60}, 400),
+            ):
                 async with http.post(url + "/v1/placements/volatile", json=body) as resp:
                     assert resp.status == status, await resp.text()
             async with http.post(leader.url + "/v1/placements/volatile", json={"term": 0, "after": 0}) as resp:
@@ -568,7 +635,9 @@ async def test_node_directory_retries_a_node_once_where_it_may_have_moved():
 
         async def attempt():
             attempts.append(engine.address("n1"))
-            return [TransferResult(False, error=PeerClosedError("gone"))] if len(attempts) == 1 else [TransferResult(True)]
+            return (
+                [TransferResult(False, error=PeerClosedError("gone"))] if len(attempts) == 1 else [TransferResult(True)]
+            )
 
         await directory.refresh()
         members.port, members.fail = (7002 if move else 7001), fail
@@ -582,15 +651,17 @@ async def test_node_directory_retries_a_node_once_where_it_may_have_moved():
     assert await run(moved_only=False, move=False, fail=True) == 1  # the transfer's own failure stands
 
 
-
-@pytest.mark.parametrize("raw", [
-    b"GARBAGE\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
-    b"GET /health HTTP/9.9\r\n\r\n",
-    b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-    b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 20000 + b"\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+        b"GET /health HTTP/9.9\r\n\r\n",
+        b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"GET /" + b"a" * 10000 + b" HTTP/1.1\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 20000 + b"\r\n\r\n",
+    ],
+)
 async def test_a_request_aiohttp_cannot_parse_is_answered_in_the_one_error_format(api, raw):
     url, _ = api
     host, port = url.removeprefix("http://").rsplit(":", 1)

@@ -24,16 +24,12 @@ def test_load_yaml_json_toml(tmp_path, shm_path):
     assert cfg.store.tiers[0].capacity == 64 * 1024 and cfg.store.tiers[2].admission_params == {"n": 2}
     (tmp_path / "c.json").write_text(json.dumps(cfg.model_dump(mode="json")))
     assert load_config(tmp_path / "c.json") == cfg
-    (tmp_path / "c.toml").write_text(
-        'node_id = "n"\n[store]\n[[store.tiers]]\nkind = "pool"\ncapacity = "1MiB"\n'
-    )
+    (tmp_path / "c.toml").write_text('node_id = "n"\n[store]\n[[store.tiers]]\nkind = "pool"\ncapacity = "1MiB"\n')
     assert load_config(tmp_path / "c.toml").store.tiers[0].kind == "pool"
 
 
 async def test_config_builds_a_working_store(tmp_path, shm_path):
-    cfg = TiercakeConfig.model_validate(
-        __import__("yaml").safe_load(YAML % {"shm": shm_path, "ssd": tmp_path / "ssd"})
-    )
+    cfg = TiercakeConfig.model_validate(__import__("yaml").safe_load(YAML % {"shm": shm_path, "ssd": tmp_path / "ssd"}))
     store = await build_store(cfg.store).open()
     assert [t.eviction.name for t in store.tiers] == ["arc", "s3fifo", "lru"]
     assert store.tiers[2].admission.n == 2
@@ -158,7 +154,9 @@ def test_transfer_tls_needs_the_certificates_and_rules_out_ucx():
         TiercakeConfig.model_validate({"store": store, "transfer": {"tls": True}})
     tls = {"cert_file": "c.pem", "key_file": "k.pem", "ca_file": "c.pem"}
     with pytest.raises(ValidationError, match="take ucx out"):
-        TiercakeConfig.model_validate({"store": store, "tls": tls, "transfer": {"tls": True, "transports": ["ucx", "tcp"]}})
+        TiercakeConfig.model_validate(
+            {"store": store, "tls": tls, "transfer": {"tls": True, "transports": ["ucx", "tcp"]}}
+        )
     plain = TiercakeConfig.model_validate({"store": store, "tls": tls})
     assert plain.transfer_tls_server() is None and plain.transfer_tls_client() is None
 

@@ -28,6 +28,8 @@ OVERLAYS = ("dev", "gpu", "external-etcd", "vllm")
 def compute(overlay: str) -> tuple[str, ...]:
     """The Deployments that compute: tiercake's own workers, or vLLM's servers in the vllm overlay."""
     return ("tiercake-vllm",) if overlay == "vllm" else ("tiercake-prefill", "tiercake-decode")
+
+
 KUBERNETES_VERSION = "1.32.0"
 TIERCAKE_PODS = {"app.kubernetes.io/part-of": "tiercake"}
 
@@ -53,8 +55,9 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
         shutil.copy(example, example.with_name(example.name.removesuffix(".example")))
     out = {}
     for overlay in OVERLAYS:
-        done = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / overlay)], capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [kubectl(), "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0, f"{overlay}: {done.stderr}"
         out[overlay] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     return out
@@ -95,6 +98,7 @@ def port_of(c: dict, name: str) -> int:
 # Rendering and schemas ----------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay):
     docs = rendered[overlay]
@@ -103,6 +107,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
+@pytest.mark.cluster
 def test_the_schema_check_catches_a_wrong_field(rendered):
     """A negative control: the validator does reject a mistyped or misplaced field."""
     broken = yaml.safe_load(yaml.safe_dump(one(rendered["dev"], "Deployment", "tiercake-conductor")))
@@ -115,19 +120,22 @@ def test_the_schema_check_catches_a_wrong_field(rendered):
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
 
 
+@pytest.mark.cluster
 def test_a_missing_secret_file_is_a_clear_render_error(tmp_path):
     tree = tmp_path / "k8s"
     shutil.copytree(K8S, tree)
     for untracked in ("secrets.env", "api-keys.yaml"):
         (tree / "overlays" / "gpu" / untracked).unlink(missing_ok=True)
-    done = subprocess.run([kubectl(), "kustomize", str(tree / "overlays" / "gpu")], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(tree / "overlays" / "gpu")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0 and "secrets.env" in done.stderr
 
 
 # The config ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_configmap_holds_a_valid_tiercake_config_that_matches_the_manifests(rendered, overlay):
     docs = rendered[overlay]
@@ -156,6 +164,7 @@ def test_the_configmap_holds_a_valid_tiercake_config_that_matches_the_manifests(
         assert config.conductor.etcd == members
 
 
+@pytest.mark.cluster
 def test_overlay_configs_stay_in_step_with_the_base_config(rendered):
     base = yaml.safe_load((K8S / "base" / "config.yaml").read_text())
     assert config_of(rendered["gpu"])[1] == base
@@ -166,6 +175,7 @@ def test_overlay_configs_stay_in_step_with_the_base_config(rendered):
 # The properties of the deployment -----------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_run_unprivileged_with_probes_and_limits(rendered, overlay):
     for w in workloads(rendered[overlay]):
@@ -183,6 +193,7 @@ def test_pods_run_unprivileged_with_probes_and_limits(rendered, overlay):
             assert "livenessProbe" in c and "readinessProbe" in c, name
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_conductors_are_replicated_behind_readiness_and_scraped(rendered, overlay):
     docs = rendered[overlay]
@@ -205,6 +216,7 @@ def test_conductors_are_replicated_behind_readiness_and_scraped(rendered, overla
     assert pdb["spec"]["minAvailable"] >= 1
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_tiercake_process_is_annotated_for_scraping_on_a_port_it_serves(rendered, overlay):
     docs = rendered[overlay]
@@ -215,12 +227,17 @@ def test_every_tiercake_process_is_annotated_for_scraping_on_a_port_it_serves(re
             continue
         annotations = w["spec"]["template"]["metadata"].get("annotations", {})
         name = w["metadata"]["name"]
-        assert annotations.get("prometheus.io/scrape") == "true" and annotations["prometheus.io/path"] == "/metrics", name
+        assert annotations.get("prometheus.io/scrape") == "true" and annotations["prometheus.io/path"] == "/metrics", (
+            name
+        )
         assert int(annotations["prometheus.io/port"]) in {p["containerPort"] for p in container(w)["ports"]}, name
     node = one(docs, "DaemonSet", "tiercake-node")
-    assert int(node["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]) == config.transfer.metrics_port
+    assert (
+        int(node["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]) == config.transfer.metrics_port
+    )
 
 
+@pytest.mark.cluster
 def test_the_prometheus_operator_component_monitors_every_process(tmp_path):
     """The optional component, added to the dev overlay as its comment says: a PodMonitor whose
     endpoints name ports every kind of tiercake pod has."""
@@ -245,6 +262,7 @@ def test_the_prometheus_operator_component_monitors_every_process(tmp_path):
         assert named & ports, (w["metadata"]["name"], named, ports)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", ("dev", "gpu"))
 def test_etcd_is_three_members_on_persistent_volumes(rendered, overlay):
     docs = rendered[overlay]
@@ -258,6 +276,7 @@ def test_etcd_is_three_members_on_persistent_volumes(rendered, overlay):
     assert one(docs, "PodDisruptionBudget", "tiercake-etcd")["spec"]["minAvailable"] == 2
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_node_agents_and_workers_share_the_pool_and_the_node_id(rendered, overlay):
     docs = rendered[overlay]
@@ -281,6 +300,7 @@ def test_node_agents_and_workers_share_the_pool_and_the_node_id(rendered, overla
         assert container(w)["startupProbe"]["httpGet"]["path"] == "/health"
 
 
+@pytest.mark.cluster
 def test_gpu_workers_request_gpus_and_dev_workers_none(rendered):
     for overlay, gpus in (("gpu", 1), ("external-etcd", 1), ("dev", 0)):
         for role in ("prefill", "decode"):
@@ -293,6 +313,7 @@ def test_gpu_workers_request_gpus_and_dev_workers_none(rendered):
                 assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
 
 
+@pytest.mark.cluster
 def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_it(rendered, monkeypatch):
     """The vllm overlay: vLLM servers (one GPU each, on the node pool through /dev/shm) started with
     exactly the line ``serve_command`` builds (the one the README prints), saving to the agent of
@@ -308,12 +329,21 @@ def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_i
     vllm = one(docs, "Deployment", "tiercake-vllm")
     c = container(vllm, "vllm")
     args = c["args"]
-    expected = serve_command("/models/model", "model", 8000, "http://tiercake-conductor:8081", "$(TIERCAKE_NODE_ID)",
-                             host="0.0.0.0", kv_events=(5557, 5558))
-    assert [*c["command"], *args] == ["python3", *expected[expected.index("-m"):]]
+    expected = serve_command(
+        "/models/model",
+        "model",
+        8000,
+        "http://tiercake-conductor:8081",
+        "$(TIERCAKE_NODE_ID)",
+        host="0.0.0.0",
+        kv_events=(5557, 5558),
+    )
+    assert [*c["command"], *args] == ["python3", *expected[expected.index("-m") :]]
     transfer = json_.loads(args[args.index("--kv-transfer-config") + 1])
     events = json_.loads(args[args.index("--kv-events-config") + 1])  # to the worker, over the pod's loopback
-    assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["replay_endpoint"].startswith("tcp://127.0.0.1:")
+    assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["replay_endpoint"].startswith(
+        "tcp://127.0.0.1:"
+    )
     assert transfer["kv_connector_extra_config"]["node"] == "$(TIERCAKE_NODE_ID)"  # expanded by the kubelet
     env = {e["name"]: e for e in c["env"]}
     assert env["TIERCAKE_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -336,8 +366,9 @@ def test_the_vllm_overlay_runs_vllm_with_the_connector_as_serve_command_builds_i
     peers = _policy_ports(policy)
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     assert peers[8000] == [monitoring]
-    assert {p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers[listen]} \
-        == {"conductor", None} and monitoring in peers[listen]
+    assert {
+        p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers[listen]
+    } == {"conductor", None} and monitoring in peers[listen]
 
     # the front names the model as vLLM serves it and tokenizes with its tokenizer, from the volume
     conductor = container(one(docs, "Deployment", "tiercake-conductor"))
@@ -360,6 +391,7 @@ def _policy_ports(policy: dict) -> dict[int, list]:
     return out
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policies_open_the_api_and_keep_the_control_and_transfer_ports_internal(rendered, overlay):
     docs = rendered[overlay]
@@ -370,15 +402,28 @@ def test_network_policies_open_the_api_and_keep_the_control_and_transfer_ports_i
     own_pods = {"podSelector": {"matchLabels": TIERCAKE_PODS}}
     control_peers = conductor[config.conductor.port]
     assert own_pods in control_peers
-    assert all("podSelector" in p and p["podSelector"]["matchLabels"] == TIERCAKE_PODS or
-               p == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-               for p in control_peers)
+    assert all(
+        "podSelector" in p
+        and p["podSelector"]["matchLabels"] == TIERCAKE_PODS
+        or p == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        for p in control_peers
+    )
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    assert _policy_ports(policies["tiercake-node"]) == {config.transfer.port: [own_pods],
-                                                         config.transfer.metrics_port: [monitoring]}
+    assert _policy_ports(policies["tiercake-node"]) == {
+        config.transfer.port: [own_pods],
+        config.transfer.metrics_port: [monitoring],
+    }
     workers = policies["tiercake-workers"]
-    assert _policy_ports(workers) == {8000: [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "tiercake", "app.kubernetes.io/component": "conductor"}}}, monitoring]}
+    assert _policy_ports(workers) == {
+        8000: [
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/name": "tiercake", "app.kubernetes.io/component": "conductor"}
+                }
+            },
+            monitoring,
+        ]
+    }
     # every port any tiercake pod listens on is covered by a policy selecting that pod
     for w in workloads(docs):
         labels = w["spec"]["template"]["metadata"]["labels"]
@@ -388,8 +433,13 @@ def test_network_policies_open_the_api_and_keep_the_control_and_transfer_ports_i
         assert {p["containerPort"] for p in container(w)["ports"]} <= allowed, w["metadata"]["name"]
     if overlay != "external-etcd":
         etcd = _policy_ports(policies["tiercake-etcd"])
-        assert etcd[2379] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tiercake",
-                                                                "app.kubernetes.io/component": "conductor"}}}]
+        assert etcd[2379] == [
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/name": "tiercake", "app.kubernetes.io/component": "conductor"}
+                }
+            }
+        ]
 
 
 def raw_port(docs: list[dict], workload: str) -> int:
@@ -408,6 +458,7 @@ def _selects(selector: dict, labels: dict) -> bool:
     return True
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_services_budgets_and_secrets_point_at_what_exists(rendered, overlay):
     docs = rendered[overlay]
@@ -450,6 +501,7 @@ def test_dockerfile_is_multi_stage_non_root_with_cpu_and_cuda_variants():
 def test_the_vllm_image_installs_what_the_tiercake_image_does():
     """deploy/vllm.Dockerfile (the vllm overlay's image): the same sources as the tiercake image,
     installed over vLLM's own torch, checked with pip check and an import of the connector."""
+
     def copies(name: str) -> list[str]:
         return re.findall(r"^COPY (?!--from)(.+)$", (ROOT / "deploy" / name).read_text(), re.M)
 
@@ -459,12 +511,14 @@ def test_the_vllm_image_installs_what_the_tiercake_image_does():
     assert "pip check" in text and "import tiercake.workers.vllm.connector" in text
 
 
+@pytest.mark.cluster
 def test_the_build_context_builds_the_whole_package(tmp_path):
     """What the Dockerfile copies (and .dockerignore lets through) builds a wheel with every module."""
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     copied = [s for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M) for s in line.split()[:-1]]
-    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {
+        line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
     assert set(copied) <= allowed, set(copied) - allowed
     context = tmp_path / "src"
     context.mkdir()
@@ -474,8 +528,23 @@ def test_the_build_context_builds_the_whole_package(tmp_path):
             shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(src, context / source)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(tmp_path), str(context)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("tiercake-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -504,6 +573,7 @@ def _pod_env(c: dict, pod: str, node: str, secret: dict[str, str]) -> dict[str, 
     return env
 
 
+@pytest.mark.cluster
 async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
     """The rendered dev overlay's own commands, environment, config and secrets, run as processes on
     this machine (a real etcd; ports, paths and addresses moved onto it): the workers and the node agent
@@ -530,10 +600,12 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
     ports = {name: free_port() for name in ("control", "api", "transfer", "metrics")}
     raw["store"]["tiers"][0]["path"] = pool
     raw["store"]["tiers"][1]["path"] = str(tmp_path / "ssd")
-    raw["conductor"].update(host="127.0.0.1", port=ports["control"], etcd=etcd.endpoints,
-                            urls=[f"http://127.0.0.1:{ports['control']}"])
-    raw["serving"].update(host="127.0.0.1", port=ports["api"], gpu_blocks=128,
-                          api_keys_file=str(tmp_path / "secrets" / "api-keys.yaml"))
+    raw["conductor"].update(
+        host="127.0.0.1", port=ports["control"], etcd=etcd.endpoints, urls=[f"http://127.0.0.1:{ports['control']}"]
+    )
+    raw["serving"].update(
+        host="127.0.0.1", port=ports["api"], gpu_blocks=128, api_keys_file=str(tmp_path / "secrets" / "api-keys.yaml")
+    )
     raw["transfer"].update(host="127.0.0.1", port=ports["transfer"], metrics_port=ports["metrics"])
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -541,8 +613,9 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
 
     def start(workload: str, pod: str) -> Child:
         c = container(next(w for w in workloads(docs) if w["metadata"]["name"] == workload))
-        args = [a.replace("$(POD_NAME)", pod).replace("/etc/tiercake/config/config.yaml", str(config))
-                for a in c["args"]]
+        args = [
+            a.replace("$(POD_NAME)", pod).replace("/etc/tiercake/config/config.yaml", str(config)) for a in c["args"]
+        ]
         args = [("127.0.0.1:0" if a.startswith("0.0.0.0:") else a) for a in args]
         args = [(str(tmp_path / pod) if a == "/var/lib/tiercake" else a) for a in args]
         env = {**os.environ, **_pod_env(c, pod, "node-a", secret)}
@@ -584,8 +657,11 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
         with socket.create_connection(("127.0.0.1", ports["transfer"]), timeout=5):
             pass  # the node agent's tcpSocket probe
         # each process scraped as its annotations say, without a token (as Prometheus does)
-        moved = {raw_port(docs, "tiercake-conductor"): [control], raw_port(docs, "tiercake-node"):
-                 [f"http://127.0.0.1:{ports['metrics']}"], raw_port(docs, "tiercake-prefill"): urls}
+        moved = {
+            raw_port(docs, "tiercake-conductor"): [control],
+            raw_port(docs, "tiercake-node"): [f"http://127.0.0.1:{ports['metrics']}"],
+            raw_port(docs, "tiercake-prefill"): urls,
+        }
         async with aiohttp.ClientSession() as http:
             for name, bases in moved.items():
                 for base in bases:

@@ -99,7 +99,11 @@ async def test_a_request_that_fails_on_live_workers_fails_alone_and_sidelines_no
             async with aiohttp.ClientSession() as http:
                 async with http.post(front_url + "/v1/completions", json=body) as resp:
                     error = (await resp.json())["error"]
-            assert resp.status == 500 and error["code"] == "request_failed" and "failed on 2 prefill workers: worker w-a" in error["message"]
+            assert (
+                resp.status == 500
+                and error["code"] == "request_failed"
+                and "failed on 2 prefill workers: worker w-a" in error["message"]
+            )
             assert all(load.failed_until == 0 for load in front.dispatcher.loads.values())
     finally:
         await runner.cleanup()
@@ -121,8 +125,9 @@ async def test_routing_sees_each_workers_own_prefix():
         node_keys = block_keys(front.config.serving_namespace("default"), other)
         await front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
         route = front.dispatcher.route(Job(other, node_keys, "default", "default", 4), ("worker",))
-        assert route.decision.pull and route.source == KVHandoff(node="n1", blocks=len(node_keys), tier="pool",
-                                                                 runs=[("pool", len(node_keys))])
+        assert route.decision.pull and route.source == KVHandoff(
+            node="n1", blocks=len(node_keys), tier="pool", runs=[("pool", len(node_keys))]
+        )
 
 
 async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):

@@ -25,16 +25,30 @@ LENGTHS = st.one_of(st.integers(0, 1 << 16), st.integers(0, (1 << 63) - 1))
 def _tables() -> st.SearchStrategy[bytes]:
     """Bodies the server will parse: well-formed tables with hostile values, and the same cut or padded."""
     reads = st.lists(st.tuples(KEYS, LENGTHS), max_size=6).map(
-        lambda items: p.encode_read([(k[:p.MAX_KEY], n) for k, n in items]))
-    writes = st.lists(st.builds(p.WriteItem, KEYS.map(lambda k: k[:p.MAX_KEY]), st.integers(0, 1 << 12),
-                                st.none(), st.integers(0, (1 << 64) - 1), st.text(max_size=8)), max_size=4).map(
-        p.encode_write)
+        lambda items: p.encode_read([(k[: p.MAX_KEY], n) for k, n in items])
+    )
+    writes = st.lists(
+        st.builds(
+            p.WriteItem,
+            KEYS.map(lambda k: k[: p.MAX_KEY]),
+            st.integers(0, 1 << 12),
+            st.none(),
+            st.integers(0, (1 << 64) - 1),
+            st.text(max_size=8),
+        ),
+        max_size=4,
+    ).map(p.encode_write)
     leases = st.lists(st.tuples(KEYS, LENGTHS, st.floats(allow_nan=True)), max_size=4).map(
-        lambda items: p.encode_lease([(k[:p.MAX_KEY], n, t) for k, n, t in items]))
+        lambda items: p.encode_lease([(k[: p.MAX_KEY], n, t) for k, n, t in items])
+    )
     counts = st.integers(0, (1 << 32) - 1).map(lambda n: struct.pack("<I", n))
     whole = st.one_of(reads, writes, leases, counts)
-    return st.one_of(whole, st.tuples(whole, st.integers(0, 40), st.binary(max_size=40)).map(
-        lambda t: t[0][: max(0, len(t[0]) - t[1])] + t[2]))
+    return st.one_of(
+        whole,
+        st.tuples(whole, st.integers(0, 40), st.binary(max_size=40)).map(
+            lambda t: t[0][: max(0, len(t[0]) - t[1])] + t[2]
+        ),
+    )
 
 
 FRAMES = st.tuples(OPS, st.integers(0, 255), st.one_of(_tables(), st.binary(max_size=600)), st.binary(max_size=256))

@@ -101,6 +101,7 @@ def node(tmp_path_factory):
     cluster.close()
 
 
+@pytest.mark.cluster
 def test_a_put_whose_bytes_trickle_in_and_a_get_larger_than_the_socket_takes(node):
     cluster, epoch, host, port = node
     conn = BlockingConnection(PeerAddress("kv-a", host, port), SECRET.encode(), "test").open()
@@ -233,10 +234,10 @@ async def test_a_body_announced_large_and_sent_small_holds_what_came_not_what_wa
     seen = []
     inbox = Inbox(b, lambda op, flags, request, body: seen.append(bytes(body)) or True)
     a.sendall(frame(Op.OBJ_QUERY, 1, b"x" * (3 * BODY_CHUNK + 5))[: FRAME.size + 100])  # 16 MiB-style: announced,
-    await asyncio.sleep(0.05)                                                          # then a trickle
+    await asyncio.sleep(0.05)  # then a trickle
     inbox._pump()
     assert inbox._length == 3 * BODY_CHUNK + 5 and len(inbox._body) == BODY_CHUNK  # not the announced size
-    a.sendall(frame(Op.OBJ_QUERY, 1, b"x" * (3 * BODY_CHUNK + 5))[FRAME.size + 100:] + frame(Op.OBJ_QUERY, 2, b"y"))
+    a.sendall(frame(Op.OBJ_QUERY, 1, b"x" * (3 * BODY_CHUNK + 5))[FRAME.size + 100 :] + frame(Op.OBJ_QUERY, 2, b"y"))
     await asyncio.sleep(0.05)
     while len(seen) < 2:
         inbox._pump()

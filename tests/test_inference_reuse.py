@@ -78,14 +78,22 @@ class Cluster:
         node["close_once"] = close_once
         return node
 
-    async def worker(self, model, name: str, write_to: dict | None = None, transports=("local", "shm", "tcp"),
-                     blocks: int = 64):
+    async def worker(
+        self, model, name: str, write_to: dict | None = None, transports=("local", "shm", "tcp"), blocks: int = 64
+    ):
         pool = GpuBlockPool(blocks, LAYOUT.shape, torch.float16, "cpu")
         store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
         engine = TransferEngine(name, SECRET, store, transports=transports)
         client = Client([self.url])
-        inference = InferenceEngine(model, store, NS, worker_id=name, transfer=engine, conductor=client,
-                                    node=write_to["server"].node_id if write_to else None)
+        inference = InferenceEngine(
+            model,
+            store,
+            NS,
+            worker_id=name,
+            transfer=engine,
+            conductor=client,
+            node=write_to["server"].node_id if write_to else None,
+        )
 
         async def close():
             await inference.flush()
@@ -185,8 +193,11 @@ async def test_reuse_from_own_gpu(cluster, model):
         same_answer(await generate(worker, OTHER), reference)
 
 
-@pytest.mark.parametrize("transports,moved_by", [(("local", "shm", "tcp"), "shm"), (("tcp",), "tcp")],
-                         ids=["local-pool-shm", "remote-pool-tcp"])
+@pytest.mark.parametrize(
+    "transports,moved_by",
+    [(("local", "shm", "tcp"), "shm"), (("tcp",), "tcp")],
+    ids=["local-pool-shm", "remote-pool-tcp"],
+)
 async def test_reuse_from_the_node_pool(cluster, model, transports, moved_by):
     node = await cluster.node("node-p")
     writer = await cluster.worker(model, "w-writer", write_to=node)
@@ -252,6 +263,7 @@ async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
     engine = InferenceEngine(model, store, NS, worker_id="small")
     scheduler = Scheduler(engine).start()
     try:
+
         async def run(text: str, n: int):
             return [e async for e in scheduler.generate(GenerateRequest(tokens=encode(text), max_tokens=n))]
 
@@ -311,6 +323,7 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
     scheduler = Scheduler(engine).start()
     arrivals: list[float] = []
     try:
+
         async def running() -> None:
             async for _ in scheduler.generate(GenerateRequest(tokens=encode("a" * 40), max_tokens=3000)):
                 arrivals.append(time.perf_counter())
@@ -348,8 +361,11 @@ async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_
     engine = InferenceEngine(model, store, NS, worker_id="burst", prefill_chunk=32)
     scheduler = Scheduler(engine).start()
     try:
+
         async def run(i: int):
-            return [e async for e in scheduler.generate(GenerateRequest(tokens=[i] * 160, max_tokens=2))]  # 10 blocks each
+            return [
+                e async for e in scheduler.generate(GenerateRequest(tokens=[i] * 160, max_tokens=2))
+            ]  # 10 blocks each
 
         results = await asyncio.gather(*(run(i) for i in range(1, 5)), return_exceptions=True)
         assert all(isinstance(r, list) and r[-1].finish_reason == "length" for r in results), results
@@ -494,8 +510,10 @@ async def test_a_forged_or_corrupted_block_is_recomputed_never_used(cluster, mod
     writer = await cluster.worker(model, "w-writer", write_to=node)
     await generate(writer, decoy, tenant="mallory")
     await writer.flush()
-    keys = {t: block_keys(NS.model_copy(update={"tenant_salt": t}), encode(text))[:n]
-            for t, text in (("mallory", decoy), ("default", PROMPT))}
+    keys = {
+        t: block_keys(NS.model_copy(update={"tenant_salt": t}), encode(text))[:n]
+        for t, text in (("mallory", decoy), ("default", PROMPT))
+    }
     forger = TransferEngine("forger", SECRET)
     forger.add_peer("node-f", *node["server"].address)
     stolen = [torch.empty(LAYOUT.nbytes, dtype=torch.uint8) for _ in range(n)]

@@ -34,6 +34,8 @@ from tiercake.kvstore import (
 )
 from tiercake.kvstore.tensors import pack
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -80,8 +82,9 @@ async def test_first_put_wins_upsert_replaces_and_a_remove_is_final(store):
 
 async def test_racing_first_puts_store_one_value_and_it_stays(store):
     values = [blob(i, 1000 + i) for i in range(8)]
-    clients = [store] + [AsyncStore(store.client.urls, secret=SECRET, token=TOKEN, tenant=store.tenant)
-                         for _ in range(3)]
+    clients = [store] + [
+        AsyncStore(store.client.urls, secret=SECRET, token=TOKEN, tenant=store.tenant) for _ in range(3)
+    ]
     for c in clients[1:]:
         await c.open()
     try:
@@ -136,8 +139,13 @@ async def test_a_batch_larger_than_one_request_is_split(store):
 
 @pytest.mark.parametrize("bad", ["", "x" * (64 * KB + 1), 17, None])
 async def test_bad_keys_are_clear_errors(store, bad):
-    for call in (lambda: store.put(bad, b"v"), lambda: store.get(bad), lambda: store.exists(bad),
-                 lambda: store.remove(bad), lambda: store.get_size(bad)):
+    for call in (
+        lambda: store.put(bad, b"v"),
+        lambda: store.get(bad),
+        lambda: store.exists(bad),
+        lambda: store.remove(bad),
+        lambda: store.get_size(bad),
+    ):
         with pytest.raises(InvalidParams):
             await call()
 
@@ -201,41 +209,102 @@ async def test_remove_all_and_remove_matching_count_what_went(store):
 # What Mooncake Store 0.3.13 answers to tests/mooncake_script.py (checked against it below whenever
 # its master can run here): the behaviour tiercake's DistributedStore promises.
 MOONCAKE_TRANSCRIPT = [
-    ["put", 0], ["put again", 0], ["get", "hello"], ["get missing", ""], ["get_size", 5],
-    ["get_size missing", -704], ["is_exist", [1, 0]], ["batch_is_exist", [1, 0, 1]], ["put empty value", -600],
-    ["put empty key", -600], ["put big", 0], ["get_size big", 20 * MB], ["get big equal", True], ["upsert", 0],
-    ["get after upsert", "replaced"], ["register_buffer", 0], ["put_from", 0], ["get pf", "from a buffer"],
-    ["get_into too small", -600], ["get_into", 8], ["get_into bytes", "replaced"], ["get_into missing", -704],
-    ["get_into big", 20 * MB], ["get_into big equal", True], ["batch_put_from", [0] * 8],
-    ["batch_get_into", [64 * KB] * 8 + [-704]], ["batch_get_into equal", [True] * 8], ["get_batch", [True] * 3],
-    ["remove missing", -704], ["remove", 0], ["is_exist removed", 0], ["remove_all", 10],
+    ["put", 0],
+    ["put again", 0],
+    ["get", "hello"],
+    ["get missing", ""],
+    ["get_size", 5],
+    ["get_size missing", -704],
+    ["is_exist", [1, 0]],
+    ["batch_is_exist", [1, 0, 1]],
+    ["put empty value", -600],
+    ["put empty key", -600],
+    ["put big", 0],
+    ["get_size big", 20 * MB],
+    ["get big equal", True],
+    ["upsert", 0],
+    ["get after upsert", "replaced"],
+    ["register_buffer", 0],
+    ["put_from", 0],
+    ["get pf", "from a buffer"],
+    ["get_into too small", -600],
+    ["get_into", 8],
+    ["get_into bytes", "replaced"],
+    ["get_into missing", -704],
+    ["get_into big", 20 * MB],
+    ["get_into big equal", True],
+    ["batch_put_from", [0] * 8],
+    ["batch_get_into", [64 * KB] * 8 + [-704]],
+    ["batch_get_into equal", [True] * 8],
+    ["get_batch", [True] * 3],
+    ["remove missing", -704],
+    ["remove", 0],
+    ["is_exist removed", 0],
+    ["remove_all", 10],
     ["batch_is_exist after remove_all", [0, 0, 0]],
-    ["put_batch with an empty value", -600], ["put_batch stored none of it", [0, 0, 0]],
-    ["put_batch twice one key", 0], ["get of it", "one"], ["put_batch of nothing", 0],
-    ["put_batch of unequal lists", -600], ["remove after is_exist", -706], ["upsert under a lease", 0],
-    ["get after it", "new-k"], ["get_buffer", [5, "new-k"]], ["get_buffer missing", None],
-    ["batch_get_buffer", [5, None, 3]], ["put_parts", 0], ["get parts", "abcdef"], ["upsert_parts", 0],
-    ["get parts again", "XYZ"], ["upsert_batch", 0], ["get u2", "v2"], ["replica desc", [[True, False, True]]],
-    ["replica desc missing", 0], ["batch replica desc", ["k"]], ["health_check", 0],
-    ["remove_by_regex bad pattern", -600], ["multi-buffer put", [0, 0]], ["multi-buffer object", "AAAABBBBBB"],
-    ["multi-buffer get", [10, -704]], ["multi-buffer got", ["AAAAB", "BBBBB"]], ["multi-buffer get too small", [-600]],
-    ["ranges", [[[2, 2], [3]]]], ["ranges got", ["AA", "AA", "BBB"]], ["put_from_with_metadata", 0],
-    ["its object", "AAAABBBBBB"], ["batch_upsert_from", [0]], ["upserted from a buffer", "BBBBBB"],
-    ["put_tensor", 0], ["get_tensor", [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]],
-    ["get_tensor missing", None], ["put_tensor of a transposed tensor", 0],
+    ["put_batch with an empty value", -600],
+    ["put_batch stored none of it", [0, 0, 0]],
+    ["put_batch twice one key", 0],
+    ["get of it", "one"],
+    ["put_batch of nothing", 0],
+    ["put_batch of unequal lists", -600],
+    ["remove after is_exist", -706],
+    ["upsert under a lease", 0],
+    ["get after it", "new-k"],
+    ["get_buffer", [5, "new-k"]],
+    ["get_buffer missing", None],
+    ["batch_get_buffer", [5, None, 3]],
+    ["put_parts", 0],
+    ["get parts", "abcdef"],
+    ["upsert_parts", 0],
+    ["get parts again", "XYZ"],
+    ["upsert_batch", 0],
+    ["get u2", "v2"],
+    ["replica desc", [[True, False, True]]],
+    ["replica desc missing", 0],
+    ["batch replica desc", ["k"]],
+    ["health_check", 0],
+    ["remove_by_regex bad pattern", -600],
+    ["multi-buffer put", [0, 0]],
+    ["multi-buffer object", "AAAABBBBBB"],
+    ["multi-buffer get", [10, -704]],
+    ["multi-buffer got", ["AAAAB", "BBBBB"]],
+    ["multi-buffer get too small", [-600]],
+    ["ranges", [[[2, 2], [3]]]],
+    ["ranges got", ["AA", "AA", "BBB"]],
+    ["put_from_with_metadata", 0],
+    ["its object", "AAAABBBBBB"],
+    ["batch_upsert_from", [0]],
+    ["upserted from a buffer", "BBBBBB"],
+    ["put_tensor", 0],
+    ["get_tensor", [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0, 10.0, 11.0]]],
+    ["get_tensor missing", None],
+    ["put_tensor of a transposed tensor", 0],
     ["its tensor", [[0.0, 4.0, 8.0], [1.0, 5.0, 9.0], [2.0, 6.0, 10.0], [3.0, 7.0, 11.0]]],
-    ["put_tensor_with_tp", 0], ["its shards", [0, 1, 1]], ["get_tensor_with_tp rank 1", [[2.0, 3.0], [6.0, 7.0],
-                                                                                     [10.0, 11.0]]],
-    ["get_tensor of the base key", None], ["put_tensor of bytes", -600], ["get_tensor of bytes", None],
-    ["put of an empty tensor", 0], ["get of an empty tensor", []],
-    ["remove_by_regex", 3], ["unregister_buffer", 0], ["unregister_buffer again", -600], ["close", 0],
+    ["put_tensor_with_tp", 0],
+    ["its shards", [0, 1, 1]],
+    ["get_tensor_with_tp rank 1", [[2.0, 3.0], [6.0, 7.0], [10.0, 11.0]]],
+    ["get_tensor of the base key", None],
+    ["put_tensor of bytes", -600],
+    ["get_tensor of bytes", None],
+    ["put of an empty tensor", 0],
+    ["get of an empty tensor", []],
+    ["remove_by_regex", 3],
+    ["unregister_buffer", 0],
+    ["unregister_buffer again", -600],
+    ["close", 0],
 ]
 SCRIPT = Path(__file__).with_name("mooncake_script.py")
 
 
 def run_script(args: list[str], env: dict | None = None, prefix: list[str] = ()) -> list:
-    done = subprocess.run([*prefix, sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [*prefix, sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -245,13 +314,21 @@ def run_on_mooncake() -> list | None:
     address); None when Mooncake's package, its master or unshare is not available here."""
     master = Path(sys.executable).with_name("mooncake_master")
     if not master.exists():
-        master = Path(sys.executable).parent.parent / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" \
-            / "site-packages" / "mooncake" / "mooncake_master"
+        master = (
+            Path(sys.executable).parent.parent
+            / "lib"
+            / f"python{sys.version_info.major}.{sys.version_info.minor}"
+            / "site-packages"
+            / "mooncake"
+            / "mooncake_master"
+        )
     if not master.exists() or shutil.which("unshare") is None:
         return None
-    inner = (f"ip link set lo up 2>/dev/null; export MC_TCP_BIND_ADDRESS=127.0.0.1; {master} --rpc_port 50071 "
-             "--enable_http_metadata_server=false --default_kv_lease_ttl=5000 >/dev/null 2>&1 & sleep 1.5; "
-             f"{sys.executable} {SCRIPT} mooncake 127.0.0.1:50071; rc=$?; kill %1; exit $rc")
+    inner = (
+        f"ip link set lo up 2>/dev/null; export MC_TCP_BIND_ADDRESS=127.0.0.1; {master} --rpc_port 50071 "
+        "--enable_http_metadata_server=false --default_kv_lease_ttl=5000 >/dev/null 2>&1 & sleep 1.5; "
+        f"{sys.executable} {SCRIPT} mooncake 127.0.0.1:50071; rc=$?; kill %1; exit $rc"
+    )
     try:
         done = subprocess.run(["unshare", "-n", "bash", "-c", inner], capture_output=True, text=True, timeout=240)
     except (OSError, subprocess.TimeoutExpired):
@@ -277,12 +354,26 @@ def test_setup_takes_mooncakes_forms(cluster, monkeypatch):
     positional = DistributedStore()
     assert positional.setup("localhost", "P2PHANDSHAKE", 512 * MB, 64 * MB, "tcp", "", address) == 0
     as_dict = DistributedStore()
-    assert as_dict.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
-                          "global_segment_size": "16MB", "local_buffer_size": "16 MB", "protocol": "tcp",
-                          "master_server_addr": address}) == 0
+    assert (
+        as_dict.setup(
+            {
+                "local_hostname": "localhost",
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": "16MB",
+                "local_buffer_size": "16 MB",
+                "protocol": "tcp",
+                "master_server_addr": address,
+            }
+        )
+        == 0
+    )
     other_tenant = DistributedStore()  # Mooncake's tenant_id keeps tenants apart, as tiercake's tenants do
-    assert other_tenant.setup("localhost", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", address, None, False, "",
-                              f"tn{uuid.uuid4().hex[:6]}") == 0
+    assert (
+        other_tenant.setup(
+            "localhost", "P2PHANDSHAKE", 0, 16 * MB, "tcp", "", address, None, False, "", f"tn{uuid.uuid4().hex[:6]}"
+        )
+        == 0
+    )
     try:
         key = f"forms-{uuid.uuid4().hex[:8]}"
         assert positional.put(key, b"from positional") == 0
@@ -322,7 +413,10 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_p
         assert store.get_into("k", ptr + (1 << 20) - 3, 7) == ErrorCode.INVALID_PARAMS  # runs past its end
         assert store.put_from("k2", ctypes.addressof(other), 10) == ErrorCode.INVALID_PARAMS  # Mooncake segfaults
         assert store.batch_put_from(["k9"], [12345678], [10]) == [ErrorCode.INVALID_PARAMS]
-        assert store.batch_get_into(["k", "k"], [ptr + 64, ctypes.addressof(other)], [7, 7]) == [7, ErrorCode.INVALID_PARAMS]
+        assert store.batch_get_into(["k", "k"], [ptr + 64, ctypes.addressof(other)], [7, 7]) == [
+            7,
+            ErrorCode.INVALID_PARAMS,
+        ]
         assert bytes(buf[64:71]) == b"payload"
         assert store.put("k3", 12345) == ErrorCode.INVALID_PARAMS  # no buffer
         assert store.get_size("nope") == ErrorCode.OBJECT_NOT_FOUND and store.get("nope") == b""
@@ -341,7 +435,9 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_p
         assert store.close() == 0
     # or from a tiercake config naming the conductors, with the secret and token from the environment
     config = tmp_path / "client.yaml"
-    config.write_text(f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nconductor: {{urls: {json.dumps(cluster.urls)}}}\n")
+    config.write_text(
+        f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nconductor: {{urls: {json.dumps(cluster.urls)}}}\n"
+    )
     monkeypatch.setenv("TIERCAKE_SECRET", SECRET)
     monkeypatch.setenv("TIERCAKE_TOKEN", TOKEN)
     store = DistributedStore()
@@ -354,10 +450,14 @@ def test_tensors_keep_their_dtype_shape_and_shards(cluster):
     store = DistributedStore()
     assert store.setup(cluster.urls, secret=SECRET, token=TOKEN, tenant=f"tensor{uuid.uuid4().hex[:6]}") == 0
     try:
-        for i, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool,
-                                   torch.float8_e4m3fn]):
-            t = (torch.arange(24).reshape(2, 3, 4) % 2 == 0) if dtype is torch.bool else \
-                torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+        for i, dtype in enumerate(
+            [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.float8_e4m3fn]
+        ):
+            t = (
+                (torch.arange(24).reshape(2, 3, 4) % 2 == 0)
+                if dtype is torch.bool
+                else torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(dtype)
+            )
             assert store.put_tensor(f"t{i}", t) == 0
             got = store.get_tensor(f"t{i}")
             assert got.dtype == dtype and got.shape == t.shape and torch.equal(got.float(), t.float())
@@ -407,6 +507,11 @@ def test_the_readme_example_runs(cluster, tmp_path):
     assert '"127.0.0.1:8081"' in example  # make run's conductor (tests/test_readme.py runs it there too)
     script = tmp_path / "example.py"
     script.write_text(example.replace('"127.0.0.1:8081"', repr(cluster.url)))  # here: this test's cluster
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN})
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN},
+    )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,13 +24,23 @@ from tiercake.kvstore import DistributedStore
 from tiercake.up import VllmServer
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]  # every test here starts processes
 SHIM = subprocess.check_output([sys.executable, "-m", "tiercake.kvstore.as_mooncake"], text=True).strip()
 # Mooncake's module has these too; they are not the store's (pools of its own registered buffers, an
 # embedding table store, NVMe-oF registration, the addresses of its C allocator for torch)
-NOT_PROVIDED = {"BufferLease", "BufferLeaseView", "BufferPool", "RegisteredBufferLease", "RegisteredBufferLeaseView",
-                "RegisteredBufferPool", "EngramStore", "EngramStoreConfig", "MooncakeDistributedNoFRegister",
-                "get_alloc_func_addr", "get_free_func_addr"}
+NOT_PROVIDED = {
+    "BufferLease",
+    "BufferLeaseView",
+    "BufferPool",
+    "RegisteredBufferLease",
+    "RegisteredBufferLeaseView",
+    "RegisteredBufferPool",
+    "EngramStore",
+    "EngramStoreConfig",
+    "MooncakeDistributedNoFRegister",
+    "get_alloc_func_addr",
+    "get_free_func_addr",
+}
 
 SHAPE = """
 import json, enum, mooncake.store as m
@@ -72,9 +82,13 @@ def cluster(tmp_path_factory):
 
 
 def run_as_mooncake(cluster: KvCluster, script: str, **env) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **cluster.env, "PYTHONPATH": SHIM,
-                               "MASTER": cluster.url.split("://")[1], **env})
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **cluster.env, "PYTHONPATH": SHIM, "MASTER": cluster.url.split("://")[1], **env},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -148,13 +162,42 @@ class MooncakeVllm(VllmServer):
     def __init__(self, name: str, model: Path, config: Path, env: dict[str, str], logs: Path, role: str) -> None:
         port = free_port()
         transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
-        command = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(model), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-                   "--block-size", "32", "--max-model-len", "2048", "--enable-prefix-caching",
-                   "--enable-prompt-tokens-details", "--enforce-eager", "--kv-transfer-config", json.dumps(transfer)]
-        super().__init__(command, {**env, "PYTHONPATH": SHIM, "MOONCAKE_CONFIG_PATH": str(config),
-                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_SERVER_DEV_MODE": "1"},
-                         logs / f"{name}.log", port)
+        command = [
+            sys.executable,
+            "-W",
+            "ignore::DeprecationWarning",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "2048",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--enforce-eager",
+            "--kv-transfer-config",
+            json.dumps(transfer),
+        ]
+        super().__init__(
+            command,
+            {
+                **env,
+                "PYTHONPATH": SHIM,
+                "MOONCAKE_CONFIG_PATH": str(config),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_SERVER_DEV_MODE": "1",
+            },
+            logs / f"{name}.log",
+            port,
+        )
 
     async def complete(self, tokens: list[int], max_tokens: int = 16) -> dict:
         async with aiohttp.ClientSession() as http:
@@ -173,13 +216,25 @@ async def test_vllms_mooncake_store_connector_serves_from_tiercake(cluster, tmp_
     model = make_tiny_llama(tmp_path / "model")
     tenant = f"vllm{uuid.uuid4().hex[:6]}"
     config = tmp_path / "mooncake.json"  # what a Mooncake user writes, the master being tiercake's conductor
-    config.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",
-                                  "master_server_address": cluster.url.split("://")[1], "tenant_id": tenant,
-                                  "global_segment_size": "64MB", "local_buffer_size": "64MB"}))
+    config.write_text(
+        json.dumps(
+            {
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp",
+                "device_name": "",
+                "master_server_address": cluster.url.split("://")[1],
+                "tenant_id": tenant,
+                "global_segment_size": "64MB",
+                "local_buffer_size": "64MB",
+            }
+        )
+    )
     prompt = [(7 * i) % 500 + 1 for i in range(6 * 32 + 5)]  # six full blocks and a bit
     # a saves (and loads); b only loads: what b finds, a saved
-    engines = [MooncakeVllm(name, model, config, cluster.env, tmp_path, role)
-               for name, role in (("a", "kv_both"), ("b", "kv_consumer"))]
+    engines = [
+        MooncakeVllm(name, model, config, cluster.env, tmp_path, role)
+        for name, role in (("a", "kv_both"), ("b", "kv_consumer"))
+    ]
     try:
         for engine in engines:
             engine.wait_ready()
@@ -187,8 +242,12 @@ async def test_vllms_mooncake_store_connector_serves_from_tiercake(cluster, tmp_
         computed = await a.complete(prompt)  # from scratch: nothing is stored yet
         assert computed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         store = DistributedStore()
-        assert store.setup(cluster.urls, secret=cluster.env["TIERCAKE_SECRET"], token=cluster.env["TIERCAKE_TOKEN"],
-                           tenant=tenant) == 0
+        assert (
+            store.setup(
+                cluster.urls, secret=cluster.env["TIERCAKE_SECRET"], token=cluster.env["TIERCAKE_TOKEN"], tenant=tenant
+            )
+            == 0
+        )
         try:
             for _ in range(100):  # the connector saves in the background, after the answer
                 loaded = await b.complete(prompt)

@@ -17,6 +17,8 @@ from kvstore_helpers import KB, MB, SECRET, TOKEN, KvCluster, blob, ready
 
 from tiercake.kvstore import Durability, ErrorCode, NoSpace, ObjectNotFound
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 N = 500
 
 
@@ -27,15 +29,18 @@ def values(prefix: str, n: int = N, size: int = 8 * KB) -> dict[str, bytes]:
 async def put_all(store, objects: dict[str, bytes], durability: Durability = Durability()) -> None:
     names = list(objects)
     for lo in range(0, len(names), 64):  # acknowledged batch by batch
-        chunk = names[lo:lo + 64]
+        chunk = names[lo : lo + 64]
         assert await store.put_many(chunk, [objects[n] for n in chunk], durability=durability) == [None] * len(chunk)
 
 
 async def lost(store, objects: dict[str, bytes]) -> list[str]:
     """The names whose bytes do not read back as they were put (checksums compared)."""
     got = await store.get_many(list(objects))
-    return [n for n, g in zip(objects, got)
-            if isinstance(g, Exception) or hashlib.sha256(g.tobytes()).digest() != hashlib.sha256(objects[n]).digest()]
+    return [
+        n
+        for n, g in zip(objects, got)
+        if isinstance(g, Exception) or hashlib.sha256(g.tobytes()).digest() != hashlib.sha256(objects[n]).digest()
+    ]
 
 
 async def eventually_none_lost(store, objects, timeout: float = 30.0) -> None:
@@ -84,8 +89,9 @@ async def test_a_sigkilled_node_agent_comes_back_with_everything_it_held(tmp_pat
         cluster.conductors = [cluster.start_conductor(0)]
         cluster.urls = [cluster.conductors[0][1]]
         for name in ("kv-a", "kv-b"):
-            (tmp_path / f"{name}.yaml").write_text((tmp_path / f"{name}.yaml").read_text().replace(
-                cluster.url, cluster.urls[0]))
+            (tmp_path / f"{name}.yaml").write_text(
+                (tmp_path / f"{name}.yaml").read_text().replace(cluster.url, cluster.urls[0])
+            )
             cluster.start_node(name)
         cluster.url = cluster.urls[0]
         async with cluster.store() as store:
@@ -111,7 +117,8 @@ async def test_a_sigkill_mid_batch_loses_nothing_that_was_acknowledged(tmp_path)
         "                    print(n, flush=True)\n"
         "            if any(g is not None for g in got):\n"
         "                return  # the node died: what was acknowledged is printed\n"
-        "asyncio.run(main(sys.argv[1]))\n")
+        "asyncio.run(main(sys.argv[1]))\n"
+    )
     procs = []
     try:
         async with cluster.store() as store:
@@ -153,15 +160,20 @@ async def test_a_sigkill_right_after_removes_brings_none_of_them_back(tmp_path):
         "            except Exception:\n"
         "                return  # the node died: what was acknowledged is printed\n"
         "            print(f'r{i}', flush=True)\n"
-        "asyncio.run(main(sys.argv[1]))\n")
+        "asyncio.run(main(sys.argv[1]))\n"
+    )
     proc = None
     try:
         async with cluster.store() as store:
             await ready(store, 1)
             for start in range(0, 2000, 100):
                 names = [f"r{i}" for i in range(start, start + 100)]
-                assert all(g is None for g in await store.put_many(names, [n.encode() * 100 for n in names],
-                                                                   durability=Durability(persist=True)))
+                assert all(
+                    g is None
+                    for g in await store.put_many(
+                        names, [n.encode() * 100 for n in names], durability=Durability(persist=True)
+                    )
+                )
         proc = subprocess.Popen([sys.executable, str(remover), cluster.url], stdout=subprocess.PIPE, text=True)
         removed = [proc.stdout.readline().strip() for _ in range(300)]
         cluster.kill("kv-a")  # right after an acknowledged remove, while the next is in flight

@@ -17,6 +17,8 @@ from kvstore_helpers import KvCluster, ready
 from tiercake.chaos_kv import KvLoad
 from tiercake.kvstore import Durability
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 CLIENTS = 8
 
 

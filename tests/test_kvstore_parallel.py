@@ -57,15 +57,20 @@ def test_the_header_is_304_bytes_and_a_part_keeps_its_place_and_split():
 # Axes ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    axes(("dp", 0, 2), ("tp", 0, 2, 0), ("dp", 1, 2)),  # a kind twice
-    TensorParallelism([ParallelAxis("dp", size=2, rank=0, split_dim=0)]),  # dp does not split
-    TensorParallelism([ParallelAxis("ep", size=2, rank=0)]),  # an expert axis names its expert
-    TensorParallelism([ParallelAxis("pp", size=2, rank=0)]),  # a stage axis names its stage
-    TensorParallelism([ParallelAxis("tp", size=2, rank=0)]),  # tp splits along a dimension
-    axes(("tp", 2, 2, 0)), axes(("tp", 0, 0, 0)), axes(("xp", 0, 1)),
-    TensorParallelism([ParallelAxis("tp", size=2, rank=0, split_dim=0.5)]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        axes(("dp", 0, 2), ("tp", 0, 2, 0), ("dp", 1, 2)),  # a kind twice
+        TensorParallelism([ParallelAxis("dp", size=2, rank=0, split_dim=0)]),  # dp does not split
+        TensorParallelism([ParallelAxis("ep", size=2, rank=0)]),  # an expert axis names its expert
+        TensorParallelism([ParallelAxis("pp", size=2, rank=0)]),  # a stage axis names its stage
+        TensorParallelism([ParallelAxis("tp", size=2, rank=0)]),  # tp splits along a dimension
+        axes(("tp", 2, 2, 0)),
+        axes(("tp", 0, 0, 0)),
+        axes(("xp", 0, 1)),
+        TensorParallelism([ParallelAxis("tp", size=2, rank=0, split_dim=0.5)]),
+    ],
+)
 def test_bad_axes_are_refused(bad):
     with pytest.raises(InvalidParams):
         layout_of(bad)
@@ -133,6 +138,7 @@ def store(tmp_path_factory):
     cluster.close()
 
 
+@pytest.mark.cluster
 def test_shards_written_one_way_are_read_any_way(store):
     t = grid(8, 12, 6)
     for mode in ("tp", "dp_tp", "pp_tp", "ep_tp"):
@@ -152,34 +158,42 @@ def test_shards_written_one_way_are_read_any_way(store):
     assert torch.equal(store.get_tensor_with_tp("m-tp", 2, 4, 1), t.chunk(4, 1)[2])  # the wrapper's names
 
 
+@pytest.mark.cluster
 def test_writer_partitions_and_upserts_and_refusals(store):
     t = grid(6, 8)
     for rank in range(4):
-        assert store.put_tensor_with_parallelism("w", t, writer_partition=SimpleNamespace(rank=rank, size=4,
-                                                                                          split_dim=1)) == 0
+        assert (
+            store.put_tensor_with_parallelism("w", t, writer_partition=SimpleNamespace(rank=rank, size=4, split_dim=1))
+            == 0
+        )
     assert torch.equal(store.get_tensor_with_parallelism("w", ReadTarget("full")), t)
     assert torch.equal(store.get_tensor_with_parallelism("w", ReadTarget("shard", axes(("tp", 1, 2, 1)))), t[:, 4:])
     new = t + 100
     codes = store.batch_upsert_tensor_with_parallelism(
-        ["w"] * 4, [new] * 4, writer_partitions=[SimpleNamespace(rank=r, size=4, split_dim=1) for r in range(4)])
+        ["w"] * 4, [new] * 4, writer_partitions=[SimpleNamespace(rank=r, size=4, split_dim=1) for r in range(4)]
+    )
     assert codes == [0] * 4 and torch.equal(store.get_tensor_with_parallelism("w", ReadTarget("full")), new)
     # refused, and nothing stored: an uneven split, bad axes, both routes at once, mismatched lists
     odd = grid(2, 3)
-    assert store.put_tensor_with_parallelism("odd", odd, axes(("dp", 0, 2), ("tp", 0, 2, 1))) \
-        == ErrorCode.INVALID_PARAMS
+    assert (
+        store.put_tensor_with_parallelism("odd", odd, axes(("dp", 0, 2), ("tp", 0, 2, 1))) == ErrorCode.INVALID_PARAMS
+    )
     assert store.get_tensor_with_parallelism("odd", ReadTarget("shard", axes(("dp", 0, 2), ("tp", 0, 2, 1)))) is None
     assert store.put_tensor_with_parallelism("odd", odd, TensorParallelism([ParallelAxis("ep", 2, 0)])) != 0
-    both = store.batch_put_tensor_with_parallelism(["x"], [t], [axes(("tp", 0, 2, 0))],
-                                                   writer_partitions=[SimpleNamespace(rank=0, size=2, split_dim=0)])
+    both = store.batch_put_tensor_with_parallelism(
+        ["x"], [t], [axes(("tp", 0, 2, 0))], writer_partitions=[SimpleNamespace(rank=0, size=2, split_dim=0)]
+    )
     assert both == [ErrorCode.INVALID_PARAMS]
     assert store.batch_put_tensor_with_parallelism(["x", "y"], [t]) == [ErrorCode.INVALID_PARAMS] * 2
-    mixed = store.batch_put_tensor_with_parallelism(["ok", "bad"], [grid(2, 4), odd],
-                                                    [axes(("dp", 0, 2), ("tp", 1, 2, 1))] * 2)
+    mixed = store.batch_put_tensor_with_parallelism(
+        ["ok", "bad"], [grid(2, 4), odd], [axes(("dp", 0, 2), ("tp", 1, 2, 1))] * 2
+    )
     assert mixed[0] == 0 and mixed[1] == ErrorCode.INVALID_PARAMS  # per item, as Mooncake answers
     assert store.get_tensor_with_parallelism("nothing", ReadTarget("full")) is None
     assert store.get_tensor_with_parallelism("w", ReadTarget("sideways")) is None  # a bad mode: no answer
 
 
+@pytest.mark.cluster
 def test_reads_into_registered_buffers_and_writes_from_them(store):
     t = grid(8, 6)
     size = HEADER_BYTES + t.numel() * 4  # exactly what a packed tensor takes
@@ -193,8 +207,9 @@ def test_reads_into_registered_buffers_and_writes_from_them(store):
             p = axes(("pp", 0, 2, 4), ("tp", rank, 2, 0))
             assert store.put_tensor_with_parallelism_from("f", ptr, size, p) == 0
         p = axes(("pp", 0, 2, 4), ("tp", 1, 2, 0))
-        got = store.batch_get_tensor_with_parallelism_into(["f", "f"], [ptr + size, ptr], [size, 100],
-                                                           [ReadTarget("full", p), ReadTarget("full", p)])
+        got = store.batch_get_tensor_with_parallelism_into(
+            ["f", "f"], [ptr + size, ptr], [size, 100], [ReadTarget("full", p), ReadTarget("full", p)]
+        )
         assert torch.equal(got[0], t) and got[1] is None  # the second buffer is too small
         got[0].fill_(7)  # a view of the buffer
         assert bytes(buf)[size + HEADER_BYTES : size + HEADER_BYTES + 4] == torch.tensor([7.0]).numpy().tobytes()

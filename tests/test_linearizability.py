@@ -10,10 +10,19 @@ def op(kind, value, result, called, returned):
 
 
 def test_sequential_histories_follow_the_model():
-    assert check([op("put", b"a", "ok", 0, 1), op("get", None, b"a", 2, 3), op("put", b"b", "ok", 4, 5),
-                  op("get", None, b"a", 6, 7), op("upsert", b"c", "ok", 8, 9), op("get", None, b"c", 10, 11),
-                  op("remove", None, "ok", 12, 13), op("get", None, None, 14, 15),
-                  op("remove", None, "not_found", 16, 17)])
+    assert check(
+        [
+            op("put", b"a", "ok", 0, 1),
+            op("get", None, b"a", 2, 3),
+            op("put", b"b", "ok", 4, 5),
+            op("get", None, b"a", 6, 7),
+            op("upsert", b"c", "ok", 8, 9),
+            op("get", None, b"c", 10, 11),
+            op("remove", None, "ok", 12, 13),
+            op("get", None, None, 14, 15),
+            op("remove", None, "not_found", 16, 17),
+        ]
+    )
 
 
 def test_a_stale_read_after_a_completed_write_is_refused():
@@ -26,18 +35,36 @@ def test_a_read_overlapping_a_write_may_see_either_value_but_not_go_back():
     assert check([op("upsert", b"a", "ok", 0, 1), op("upsert", b"b", "ok", 2, 6), op("get", None, b"a", 3, 4)])
     assert check([op("upsert", b"a", "ok", 0, 1), op("upsert", b"b", "ok", 2, 6), op("get", None, b"b", 3, 4)])
     # once a reader saw the new value, a later reader cannot see the old one
-    assert not check([op("upsert", b"a", "ok", 0, 1), op("upsert", b"b", "ok", 2, 10),
-                      op("get", None, b"b", 3, 4), op("get", None, b"a", 5, 6)])
+    assert not check(
+        [
+            op("upsert", b"a", "ok", 0, 1),
+            op("upsert", b"b", "ok", 2, 10),
+            op("get", None, b"b", 3, 4),
+            op("get", None, b"a", 5, 6),
+        ]
+    )
 
 
 def test_first_put_wins_and_a_second_put_cannot_replace_it():
     assert check([op("put", b"a", "ok", 0, 1), op("put", b"b", "ok", 2, 3), op("get", None, b"a", 4, 5)])
     assert not check([op("put", b"a", "ok", 0, 1), op("put", b"b", "ok", 2, 3), op("get", None, b"b", 4, 5)])
     # racing first puts: either may win, and then it stays
-    assert check([op("put", b"a", "ok", 0, 3), op("put", b"b", "ok", 1, 2), op("get", None, b"b", 4, 5),
-                  op("get", None, b"b", 6, 7)])
-    assert not check([op("put", b"a", "ok", 0, 3), op("put", b"b", "ok", 1, 2), op("get", None, b"b", 4, 5),
-                      op("get", None, b"a", 6, 7)])
+    assert check(
+        [
+            op("put", b"a", "ok", 0, 3),
+            op("put", b"b", "ok", 1, 2),
+            op("get", None, b"b", 4, 5),
+            op("get", None, b"b", 6, 7),
+        ]
+    )
+    assert not check(
+        [
+            op("put", b"a", "ok", 0, 3),
+            op("put", b"b", "ok", 1, 2),
+            op("get", None, b"b", 4, 5),
+            op("get", None, b"a", 6, 7),
+        ]
+    )
 
 
 def test_a_read_of_nothing_while_the_key_holds_a_value_is_refused():
@@ -45,13 +72,25 @@ def test_a_read_of_nothing_while_the_key_holds_a_value_is_refused():
 
 
 def test_a_lost_update_is_refused():
-    assert not check([op("upsert", b"a", "ok", 0, 1), op("upsert", b"b", "ok", 2, 3), op("get", None, b"b", 4, 5),
-                      op("get", None, b"a", 6, 7)])
+    assert not check(
+        [
+            op("upsert", b"a", "ok", 0, 1),
+            op("upsert", b"b", "ok", 2, 3),
+            op("get", None, b"b", 4, 5),
+            op("get", None, b"a", 6, 7),
+        ]
+    )
 
 
 def test_a_write_of_unknown_outcome_may_land_late_or_never():
-    assert check([op("upsert", b"a", "ok", 0, 1), op("upsert", b"b", None, 2, None), op("get", None, b"a", 3, 4),
-                  op("get", None, b"b", 5, 6)])
+    assert check(
+        [
+            op("upsert", b"a", "ok", 0, 1),
+            op("upsert", b"b", None, 2, None),
+            op("get", None, b"a", 3, 4),
+            op("get", None, b"b", 5, 6),
+        ]
+    )
     assert check([op("upsert", b"a", "ok", 0, 1), op("upsert", b"b", None, 2, None), op("get", None, b"a", 3, 4)])
     # but not before it was called
     assert not check([op("upsert", b"a", "ok", 0, 1), op("get", None, b"b", 2, 3), op("upsert", b"b", None, 4, None)])

@@ -9,6 +9,8 @@ import pytest
 from tiercake.conductor.election import LeaderElection
 from tiercake.conductor.membership import MemberInfo, Membership, Registration
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.fixture
 def prefix():
@@ -17,10 +19,12 @@ def prefix():
 
 async def test_members_come_and_go(meta, prefix):
     view = await Membership(meta, prefix + b"members/").start()
-    a = await Registration(meta, MemberInfo(node_id="node-a", port=7450, tiers={"pool": 1 << 30}), ttl=1,
-                           prefix=prefix + b"members/").start()
-    b = await Registration(meta, MemberInfo(node_id="node-b", role="decode"), ttl=1,
-                           prefix=prefix + b"members/").start()
+    a = await Registration(
+        meta, MemberInfo(node_id="node-a", port=7450, tiers={"pool": 1 << 30}), ttl=1, prefix=prefix + b"members/"
+    ).start()
+    b = await Registration(
+        meta, MemberInfo(node_id="node-b", role="decode"), ttl=1, prefix=prefix + b"members/"
+    ).start()
     await view.wait_for(lambda v: len(v.members) == 2, 10)
     assert view.members["node-a"].tiers == {"pool": 1 << 30} and [m.node_id for m in view.alive("decode")] == ["node-b"]
     await b.stop()  # a clean leave: gone at once

@@ -27,6 +27,7 @@ def ns():
     return f"/t/{uuid.uuid4().hex[:10]}/".encode()
 
 
+@pytest.mark.cluster
 async def test_put_get_range_delete(backend, ns):
     r1 = await backend.put(ns + b"b", b"2")
     r2 = await backend.put(ns + b"a", b"1")
@@ -43,6 +44,7 @@ async def test_put_get_range_delete(backend, ns):
     assert [kv.key for kv in (await backend.range(ns))[0]] == [ns + b"b", ns + b"c/x"]
 
 
+@pytest.mark.cluster
 async def test_commit_spans_several_transactions(backend, ns):
     ops = [Put(ns + b"k%04d" % i, b"v%d" % i) for i in range(3 * TXN_OPS + 7)]
     revision = await backend.commit(ops)
@@ -55,12 +57,14 @@ async def test_commit_spans_several_transactions(backend, ns):
     assert len(kvs) == len(ops) // 2 + 1
 
 
+@pytest.mark.cluster
 async def test_create_only_if_absent(backend, ns):
     assert await backend.create(ns + b"leader", b"me") is True
     assert await backend.create(ns + b"leader", b"you") is False
     assert (await backend.get(ns + b"leader")).value == b"me"
 
 
+@pytest.mark.cluster
 async def test_lease_keys_vanish_when_it_expires(backend, ns):
     lease = await backend.grant_lease(1)
     await backend.put(ns + b"node/a", b"alive", lease=lease)
@@ -76,6 +80,7 @@ async def test_lease_keys_vanish_when_it_expires(backend, ns):
         await backend.refresh_lease(lease)
 
 
+@pytest.mark.cluster
 async def test_revoke_deletes_at_once(backend, ns):
     lease = await backend.grant_lease(30)
     await backend.put(ns + b"x", b"1", lease=lease)
@@ -84,11 +89,13 @@ async def test_revoke_deletes_at_once(backend, ns):
     await backend.revoke_lease(lease)  # revoking twice is not an error
 
 
+@pytest.mark.cluster
 async def test_put_with_unknown_lease_is_refused(backend, ns):
     with pytest.raises(LeaseNotFoundError):
         await backend.put(ns + b"x", b"1", lease=0x7777777)
 
 
+@pytest.mark.cluster
 async def test_watch_sees_changes_in_order(backend, ns):
     events = []
 
@@ -105,10 +112,15 @@ async def test_watch_sees_changes_in_order(backend, ns):
     await backend.commit([Put(ns + b"b", b"2"), Delete(ns + b"a")])
     await backend.delete(ns + b"b")
     await asyncio.wait_for(task, 10)
-    assert events == [("put", ns + b"a", b"1"), ("put", ns + b"b", b"2"), ("delete", ns + b"a", b""),
-                      ("delete", ns + b"b", b"")]
+    assert events == [
+        ("put", ns + b"a", b"1"),
+        ("put", ns + b"b", b"2"),
+        ("delete", ns + b"a", b""),
+        ("delete", ns + b"b", b""),
+    ]
 
 
+@pytest.mark.cluster
 async def test_watch_from_a_revision_misses_nothing(backend, ns):
     """A follower rebuilds from range() at revision R, then watches from R + 1."""
     await backend.put(ns + b"a", b"1")

@@ -9,6 +9,8 @@ from tiercake.conductor.etcd_process import EtcdCluster
 from tiercake.conductor.metadata import MetadataUnavailableError, retry_unavailable
 from tiercake.messages import MemberInfo
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 async def test_three_member_cluster_survives_a_dead_member(tmp_path):
     cluster = EtcdCluster(tmp_path, size=3).start()

@@ -46,6 +46,7 @@ def node_config(tmp_path, name: str, conductor: str) -> str:
     return str(path)
 
 
+@pytest.mark.cluster
 async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processes, tmp_path):
     _, conductor = processes(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"])
     url = conductor["url"]
@@ -58,8 +59,9 @@ async def test_node_reports_dies_and_re_reports_its_ssd_after_a_restart(processe
         member = (await client.members())[0]  # listening on every address, advertised at one
         assert address["host"] == "0.0.0.0" and member.host == "127.0.0.1"
         engine.add_peer("node-s", member.host, member.port)
-        results = await engine.write_blocks("node-s", keys, [payload(i, 64 * KB) for i in range(6)], chain=True,
-                                            tenant="acme")
+        results = await engine.write_blocks(
+            "node-s", keys, [payload(i, 64 * KB) for i in range(6)], chain=True, tenant="acme"
+        )
         assert all(r.ok for r in results), [r.error for r in results]
         await engine.close()
         # the node told the conductor, under the tenant the writer gave: only that tenant finds them
@@ -84,8 +86,9 @@ async def _empty(awaitable) -> bool:
 
 @pytest.fixture
 async def conductor_api():
-    async with running_conductor(replication="hot", replication_params={"base": 1, "threshold": 5.0, "maximum": 2},
-                                 heat_half_life=1.0) as running:
+    async with running_conductor(
+        replication="hot", replication_params={"base": 1, "threshold": 5.0, "maximum": 2}, heat_half_life=1.0
+    ) as running:
         yield running
 
 
@@ -93,8 +96,7 @@ async def _linked_node(name: str, url: str):
     store, server = await start_node(name)
     client = Client([url])
     engine = TransferEngine(name, SECRET, store)
-    member = MemberInfo(node_id=name, host=server.address[0], port=server.address[1],
-                        tiers={"pool": 8 << 20})
+    member = MemberInfo(node_id=name, host=server.address[0], port=server.address[1], tiers={"pool": 8 << 20})
     link = await ConductorLink(client, member, store, ttl=1, engine=engine).start()
     return store, server, client, engine, link
 
@@ -140,18 +142,23 @@ async def test_hot_block_is_replicated_while_hot_and_dropped_when_it_cools(condu
         await a[0].put(k(7), payload(7, 64 * KB), tenant="t")
         async with Client([url]) as client:
             await wait_until(lambda: client.lookup("t", [k(7)]), what="the report")
+
             # a hot block: lookups at well over 5/s make the policy want a second replica
             async def heat_and_check():
                 for _ in range(10):
                     await client.lookup("t", [k(7)])
                 return len(await client.lookup("t", [k(7)])) == 2
+
             await wait_until(heat_and_check, what="a second replica")
             assert b[0].contains(k(7))  # node-b pulled it from node-a over the transfer engine
             assert (await b[0].get(k(7))).equal(payload(7, 64 * KB))
             # no more lookups (the index is read directly, which counts no access): the rate decays
             # (half-life 1 s) and one replica is dropped, from its node's store and from the index
-            await wait_until(lambda: _async(len({r.node for r in conductor.index.holders("t", k(7))}) == 1),
-                             timeout=20, what="the drop")
+            await wait_until(
+                lambda: _async(len({r.node for r in conductor.index.holders("t", k(7))}) == 1),
+                timeout=20,
+                what="the drop",
+            )
             assert a[0].contains(k(7)) != b[0].contains(k(7))
     finally:
         await _unlink(*b)
@@ -161,10 +168,14 @@ async def test_hot_block_is_replicated_while_hot_and_dropped_when_it_cools(condu
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
+@pytest.mark.cluster
 async def test_a_node_agent_serves_its_own_metrics(processes, tmp_path):
     """The node agent's /metrics (transfer.metrics_port): its tiers as its store sees them at the scrape
     and its transfer server's counts, in Prometheus' naming; open to scrapers by default, behind the
@@ -174,13 +185,16 @@ async def test_a_node_agent_serves_its_own_metrics(processes, tmp_path):
     from tiercake.config import TiercakeConfig
 
     path = tmp_path / "node-m.yaml"
-    path.write_text("node_id: node-m\nstore:\n  layout: null\n  tiers:\n"
-                    f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / 'ssd'}}}\n"
-                    "transfer: {host: 127.0.0.1, metrics_port: 0}\n")
+    path.write_text(
+        "node_id: node-m\nstore:\n  layout: null\n  tiers:\n"
+        f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / 'ssd'}}}\n"
+        "transfer: {host: 127.0.0.1, metrics_port: 0}\n"
+    )
     env = {"TIERCAKE_SECRET": SECRET.decode()}
     _, address = processes(["node", "--config", str(path)], env)
     url = address["metrics_url"]
     async with aiohttp.ClientSession() as http:
+
         async def scrape() -> dict:
             async with http.get(url) as resp:
                 assert resp.status == 200
@@ -205,8 +219,10 @@ async def test_a_node_agent_serves_its_own_metrics(processes, tmp_path):
 
     config = TiercakeConfig.model_validate(yaml.safe_load(path.read_text()))
     assert config.conductor.metrics_open  # the default: scrapers need no token
-    path.write_text(path.read_text().replace("node_id: node-m", "node_id: node-t").replace("/ssd}", "/ssd-t}") +
-                    "conductor: {metrics_open: false}\n")
+    path.write_text(
+        path.read_text().replace("node_id: node-m", "node_id: node-t").replace("/ssd}", "/ssd-t}")
+        + "conductor: {metrics_open: false}\n"
+    )
     _, address = processes(["node", "--config", str(path)], {**env, "TIERCAKE_TOKEN": "tok-m"})
     async with aiohttp.ClientSession() as http:
         async with http.get(address["metrics_url"]) as resp:

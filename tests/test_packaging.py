@@ -12,10 +12,18 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"tiercake": "tiercake", "conductor": "tiercake/conductor", "tiers": "tiercake/tiers",
-         "transfer": "tiercake/transfer", "workers": "tiercake/workers", "policies": "tiercake/policies",
-         "analysis": "tiercake/analysis"}
+PARTS = {
+    "tiercake": "tiercake",
+    "conductor": "tiercake/conductor",
+    "tiers": "tiercake/tiers",
+    "transfer": "tiercake/transfer",
+    "workers": "tiercake/workers",
+    "policies": "tiercake/policies",
+    "analysis": "tiercake/analysis",
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +31,9 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     (built,) = out.glob("tiercake-*.whl")
@@ -43,14 +53,30 @@ def test_wheel_holds_every_module(wheel):
 # third-party modules the installed package imports, by the distribution that must provide them
 # (torch, the base of it all, is installed first: its version picks the build; vLLM's extra brings
 # transformers, pyzmq and tokenizers for the vLLM side; ucxx, mooncake and cryptography are optional)
-CORE = {"numpy", "pydantic", "aiohttp", "zstandard", "xxhash", "blake3", "prometheus-client", "rich", "pyyaml",
-        "etcd3aio", "matplotlib", "msgspec", "torch"}
+CORE = {
+    "numpy",
+    "pydantic",
+    "aiohttp",
+    "zstandard",
+    "xxhash",
+    "blake3",
+    "prometheus-client",
+    "rich",
+    "pyyaml",
+    "etcd3aio",
+    "matplotlib",
+    "msgspec",
+    "torch",
+}
 
 
 def test_the_wheel_declares_what_the_core_imports(wheel):
     meta = Parser().parsestr(zipfile.ZipFile(wheel).read("tiercake-0.1.0.dist-info/METADATA").decode())
-    required = {r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip().lower()
-                for r in meta.get_all("Requires-Dist") if "extra ==" not in r}
+    required = {
+        r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip().lower()
+        for r in meta.get_all("Requires-Dist")
+        if "extra ==" not in r
+    }
     assert CORE <= required, CORE - required
 
 
@@ -63,16 +89,55 @@ def test_pip_install_of_the_wheel_alone_serves_a_completion(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
     (site / "suite-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-                                "--no-deps", "-q", str(wheel)], capture_output=True, text=True, timeout=180)
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert installed.returncode == 0, installed.stderr
     tiercake = str(venv / "bin" / "tiercake")
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import tiercake.transfer.object_wire as m; print(m.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import tiercake.transfer.object_wire as m; print(m.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr  # the wheel's, not the checkout's
-    proc = subprocess.Popen([tiercake, "up", "--data-dir", str(tmp_path / "data"), "--port", "0", "--control-port",
-                             "0", "--prefill", "0", "--decode", "0", "--workers", "1"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            tiercake,
+            "up",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            "0",
+            "--control-port",
+            "0",
+            "--prefill",
+            "0",
+            "--decode",
+            "0",
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lines = []
         while not any("tiercake is up:" in line for line in lines):
@@ -80,8 +145,13 @@ def test_pip_install_of_the_wheel_alone_serves_a_completion(wheel, tmp_path):
             assert line, "".join(lines)
             lines.append(line)
         url = next(line for line in lines if "tiercake is up:" in line).split()[3]
-        asked = subprocess.run([tiercake, "ask", "Hello from a wheel!", "--url", url, "--max-tokens", "4"],
-                               capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        asked = subprocess.run(
+            [tiercake, "ask", "Hello from a wheel!", "--url", url, "--max-tokens", "4"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
         assert asked.returncode == 0 and "cached prompt tokens" in asked.stdout, asked.stdout + asked.stderr
     finally:
         os.killpg(proc.pid, signal.SIGINT)

@@ -20,6 +20,8 @@ from tiercake.kvstore import AsyncStore, Durability, ObjectNotFound, TransferFai
 from tiercake.netns import Partition, PartitionUnavailable
 from tiercake.tiers.pool import remove_pool
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 SECRET = "partition-test-secret-0123456789"
 TOKEN = "partition-test-token"
 
@@ -32,7 +34,8 @@ def node_config(tmp: Path, name: str, conductor: str, host: str) -> Path:
         f"    - {{kind: pool, capacity: 64MiB, path: /dev/shm/tiercake-part-{uuid.uuid4().hex[:12]}}}\n"
         f"conductor: {{urls: [{conductor}], member_ttl: 1}}\n"
         "objects: {failover_s: 2, bootstrap_s: 0.5, lease_ttl_s: 1}\n"
-        f"transfer: {{host: {host}}}\n")
+        f"transfer: {{host: {host}}}\n"
+    )
     return path
 
 
@@ -72,21 +75,35 @@ async def test_a_partitioned_node_stops_serving_its_slots_move_and_replicas_surv
     try:
         # the conductor listens on the host's end of the link, reachable from both sides
         conductor_cfg = tmp_path / "conductor.yaml"
-        conductor_cfg.write_text("store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
-                                 "objects: {failover_s: 2, bootstrap_s: 0.5}\n")
-        _, info = group.start(["conductor", "--listen", f"{part.host_ip}:0", "--api-listen", f"{part.host_ip}:0",
-                               "--config", str(conductor_cfg)], env)
+        conductor_cfg.write_text(
+            "store: {tiers: [{kind: pool, capacity: 1MiB}]}\nobjects: {failover_s: 2, bootstrap_s: 0.5}\n"
+        )
+        _, info = group.start(
+            [
+                "conductor",
+                "--listen",
+                f"{part.host_ip}:0",
+                "--api-listen",
+                f"{part.host_ip}:0",
+                "--config",
+                str(conductor_cfg),
+            ],
+            env,
+        )
         url = info["url"]
         group.start(["node", "--config", str(node_config(tmp_path, "near", url, part.host_ip))], env)
         group.start(["node", "--config", str(node_config(tmp_path, "far", url, part.ns_ip))], env, prefix=part.prefix)
-        async with AsyncStore([url], secret=SECRET, token=TOKEN, transports=("tcp",), retry_s=2.0,
-                              timeout_s=2.0) as store:
+        async with AsyncStore(
+            [url], secret=SECRET, token=TOKEN, transports=("tcp",), retry_s=2.0, timeout_s=2.0
+        ) as store:
             await until(lambda: _both(store), 20, "both node agents registered")
             await until(lambda: _balanced(store), 30, "the slots were not spread over both nodes")
             replicated = {f"r{i}": blob(i, 64 << 10) for i in range(16)}
             cached = {f"m{i}": blob(100 + i, 64 << 10) for i in range(16)}
-            assert await store.put_many(list(replicated), list(replicated.values()),
-                                        durability=Durability(replicas=2)) == [None] * 16
+            assert (
+                await store.put_many(list(replicated), list(replicated.values()), durability=Durability(replicas=2))
+                == [None] * 16
+            )
             assert await store.put_many(list(cached), list(cached.values())) == [None] * 16
             far = [n for n in cached if owner(store, n) == "far"]
             assert far and len(far) < len(cached), far
@@ -121,8 +138,10 @@ async def test_a_partitioned_node_stops_serving_its_slots_move_and_replicas_surv
 
             async def whole():
                 got = await store.get_many(list(replicated) + list(fresh))
-                return all(not isinstance(v, Exception) and v.tobytes() == {**replicated, **fresh}[n]
-                           for n, v in zip(list(replicated) + list(fresh), got))
+                return all(
+                    not isinstance(v, Exception) and v.tobytes() == {**replicated, **fresh}[n]
+                    for n, v in zip(list(replicated) + list(fresh), got)
+                )
 
             await until(whole, 30, "objects were lost across the partition")
     finally:
@@ -146,5 +165,9 @@ async def _only_near(store: AsyncStore) -> bool:
 async def _balanced(store: AsyncStore) -> bool:
     await store.refresh()
     m = store.map
-    return bool(m.chains) and not m.handoff and {c[0] for c in m.chains} == {"near", "far"} and all(
-        r == len(c) == 2 for r, c in zip(m.ready, m.chains))
+    return (
+        bool(m.chains)
+        and not m.handoff
+        and {c[0] for c in m.chains} == {"near", "far"}
+        and all(r == len(c) == 2 for r, c in zip(m.ready, m.chains))
+    )

@@ -8,6 +8,8 @@ import pytest
 from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.placement import PlacementIndex, Replica
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.fixture
 def prefix():

@@ -38,10 +38,13 @@ def test_names_come_from_entry_points_and_unknown_ones_are_refused(installed):
 
 
 async def test_a_plug_in_memory_tier_serves_and_spills_to_ssd(installed, tmp_path):
-    config = StoreConfig(layout=None, tiers=[
-        TierConfig(kind="slots", capacity="256KiB", options={"slot_bytes": 64 << 10}),
-        TierConfig(kind="ssd", capacity="16MiB", path=str(tmp_path / "ssd")),
-    ])
+    config = StoreConfig(
+        layout=None,
+        tiers=[
+            TierConfig(kind="slots", capacity="256KiB", options={"slot_bytes": 64 << 10}),
+            TierConfig(kind="ssd", capacity="16MiB", path=str(tmp_path / "ssd")),
+        ],
+    )
     with pytest.raises(ValidationError, match="fastest first"):  # ranked by the plug-in's ``rank``
         StoreConfig(layout=None, tiers=list(reversed(config.tiers)))
     store = await build_store(config).open()
@@ -119,10 +122,14 @@ async def test_a_server_refuses_a_data_path_it_does_not_have():
 async def test_a_plug_in_eviction_policy_and_router_by_name(installed, tmp_path):
     from tiercake.policies import RouteRequest, WorkerState, create_router
 
-    config = StoreConfig(layout=None, tiers=[
-        TierConfig(kind="pool", capacity="256KiB", path=str(tmp_path / "pool"), eviction="newest_first",
-                   high_watermark=1.0),
-    ])
+    config = StoreConfig(
+        layout=None,
+        tiers=[
+            TierConfig(
+                kind="pool", capacity="256KiB", path=str(tmp_path / "pool"), eviction="newest_first", high_watermark=1.0
+            ),
+        ],
+    )
     store = await build_store(config).open()
     try:
         for i in range(5):  # four fit: the fifth evicts the newest (the fourth), as the plug-in says

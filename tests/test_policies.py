@@ -178,7 +178,9 @@ def test_arc_adapts_between_recency_and_frequency():
 
 
 def test_arc_beats_lru_on_mixed_workload():
-    assert hits(ARC(), 50, hot_set_with_scan(3, 40, 0.6, 30_000)) > hits(LRU(), 50, hot_set_with_scan(3, 40, 0.6, 30_000))
+    assert hits(ARC(), 50, hot_set_with_scan(3, 40, 0.6, 30_000)) > hits(
+        LRU(), 50, hot_set_with_scan(3, 40, 0.6, 30_000)
+    )
 
 
 def _chains(rng, n_chains=60, depth=8, branch=0.3):

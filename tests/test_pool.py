@@ -20,6 +20,7 @@ def _reader(path, offset, nbytes, conn):
     conn.close()
 
 
+@pytest.mark.cluster
 def test_two_processes_share_the_region(shm_path):
     region = PoolRegion.create(shm_path, 1 << 20)
     tier = PoolTier(region)
@@ -41,6 +42,7 @@ def test_two_processes_share_the_region(shm_path):
     assert not shm_path.exists()
 
 
+@pytest.mark.cluster
 def test_store_block_read_in_place_by_another_process(shm_path, make_store):
     import asyncio
 
@@ -132,7 +134,7 @@ def test_one_owner_per_region(shm_path):
     PoolRegion.create(shm_path, 1 << 16).close()  # free once the owner is gone
 
 
-
+@pytest.mark.cluster
 def test_a_pool_larger_than_its_file_system_is_a_clear_error_not_a_sigbus(tmp_path):
     """On a tmpfs smaller than the pool, an unreserved file is a SIGBUS at the first page touched (a
     node agent died that way, leaving its file and an empty log). The space is reserved at creation:
@@ -153,8 +155,12 @@ def test_a_pool_larger_than_its_file_system_is_a_clear_error_not_a_sigbus(tmp_pa
         "except OSError as exc:\n"
         f"    print(exc)\n    print('left:', os.listdir('{mnt}'))\n    sys.exit(3)\n"
     )
-    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt} && "
-                           f"{sys.executable} {script}"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} {script}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr)  # not -7 (SIGBUS)
     assert "cannot reserve" in done.stdout and "less free space" in done.stdout and "left: []" in done.stdout
 
@@ -179,6 +185,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
 
+@pytest.mark.cluster
 async def test_a_restarted_owner_adopts_every_committed_block_of_a_killed_one(shm_path, tmp_path):
     """An owner SIGKILLed with blocks committed, one removed and a put half done: the next owner at the
     same path finds exactly the committed blocks (bytes, sizes, tenants, parents, seals), and the
@@ -191,8 +198,9 @@ async def test_a_restarted_owner_adopts_every_committed_block_of_a_killed_one(sh
     n = 300
     script = tmp_path / "owner.py"
     script.write_text(_KILLED_OWNER)
-    done = subprocess.run([sys.executable, str(script), str(shm_path), str(n)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), str(shm_path), str(n)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == -9 and "ready" in done.stdout, (done.returncode, done.stderr[-2000:])
     tier = PoolTier(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512), keep=True)
     store = await TieredStore([Tier(tier)]).open()

@@ -23,11 +23,13 @@ def _block(after: str) -> str:
     return README.split(after, 1)[1].split("```python", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.cluster
 def test_the_store_example_runs(tmp_path):
     (tmp_path / "tiercake.yaml").write_text(
         "store:\n  tiers:\n"
         f"    - {{kind: pool, capacity: 4MiB, path: /dev/shm/tiercake-readme-{os.getpid()}}}\n"
-        f"    - {{kind: ssd, capacity: 16MiB, path: {tmp_path / 'ssd'}}}\n")
+        f"    - {{kind: ssd, capacity: 16MiB, path: {tmp_path / 'ssd'}}}\n"
+    )
     (tmp_path / "example.py").write_text(_block("## Python API"))
     try:
         done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -68,8 +70,15 @@ class Server:
     user's terminal would (its own process group: Ctrl-C reaches make and what it runs)."""
 
     def __init__(self, command: str, ready: str, timeout: float) -> None:
-        self.proc = subprocess.Popen(command, shell=True, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            shell=True,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         deadline = time.monotonic() + timeout
         while not any(ready in line for line in self.lines):
@@ -92,8 +101,15 @@ class Server:
 
 
 def _run(command: str, env: dict | None = None) -> str:
-    done = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+    done = subprocess.run(
+        command,
+        shell=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
     assert done.returncode == 0, f"{command}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -122,6 +138,7 @@ def _vllm_server_pids(model: str) -> list[int]:
     return pids
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_same_after_its_restart():
     """Every command of the README's quick start, as printed, from the repository's root: make run,
@@ -132,9 +149,13 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
     5 s and nothing is left in /dev/shm."""
     commands = _commands("## Quick start")
     assert [c.split()[:3] for c in commands] == [
-        ["make", "run"], [".venv/bin/tiercake", "ask", '"Hello,'], [".venv/bin/tiercake", "ask", '"Hello,'],
-        [".venv/bin/tiercake", "model", "make"], [".venv/bin/tiercake", "up", "--engine"],
-        [".venv/bin/tiercake", "ask", '"Hello,']], commands
+        ["make", "run"],
+        [".venv/bin/tiercake", "ask", '"Hello,'],
+        [".venv/bin/tiercake", "ask", '"Hello,'],
+        [".venv/bin/tiercake", "model", "make"],
+        [".venv/bin/tiercake", "up", "--engine"],
+        [".venv/bin/tiercake", "ask", '"Hello,'],
+    ], commands
     before = set(os.listdir("/dev/shm"))
     cluster = Server(commands[0], "tiercake is up:", 600)
     while not any("Ctrl-C stops everything" in line for line in cluster.lines):
@@ -171,8 +192,9 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
             if done.returncode == 0:
                 break
             # while it restarts the front says so, and retryably: no worker (503), or none ready (429)
-            assert time.monotonic() < deadline and ("answered 503" in done.stderr or "answered 429" in done.stderr
-                                                     or "no live" in done.stderr), done.stderr
+            assert time.monotonic() < deadline and (
+                "answered 503" in done.stderr or "answered 429" in done.stderr or "no live" in done.stderr
+            ), done.stderr
             time.sleep(2)
         assert done.stdout.splitlines()[0] == first  # the same answer, its prompt's blocks from the pool
         cached, prompt = map(int, ANSWER.search(done.stdout).groups())

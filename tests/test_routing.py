@@ -67,8 +67,9 @@ def test_ttft_router_counts_the_spread_of_fitted_fixed_costs_as_noise():
     assert TtftRouter(margin=0.1).choose([a, b], request).worker == "a"
     assert TtftRouter(margin=0.0).choose([a, b], request).worker == "b"  # no margin: the prediction alone
     # a queue is work, not noise: a holder with 400 prompt tokens ahead (0.24 s) loses to b (0.02 s)
-    busy = WorkerState("a", cached_blocks=32, queued_tokens=400, prefill=PrefillModel(a=0.029, b=0.00052),
-                       load_bytes_per_s=2e9)
+    busy = WorkerState(
+        "a", cached_blocks=32, queued_tokens=400, prefill=PrefillModel(a=0.029, b=0.00052), load_bytes_per_s=2e9
+    )
     assert TtftRouter(margin=0.1).choose([busy, b], request).worker == "b"
 
 

@@ -16,11 +16,25 @@ from tiercake import errors
 
 
 def _conductor(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tiercake.cli", "conductor", "--listen", "127.0.0.1:0",
-                             "--api-listen", "127.0.0.1:0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={k: v for k, v in (env or os.environ).items() if k != "TIERCAKE_TOKEN"})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "conductor",
+            "--listen",
+            "127.0.0.1:0",
+            "--api-listen",
+            "127.0.0.1:0",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={k: v for k, v in (env or os.environ).items() if k != "TIERCAKE_TOKEN"},
+    )
 
 
+@pytest.mark.cluster
 async def test_a_conductor_without_a_token_refuses_to_start_unless_told_insecure():
     refused = _conductor()
     out, err = refused.communicate(timeout=60)
@@ -48,8 +62,10 @@ async def test_a_body_that_trickles_in_is_cut_off_with_a_408(monkeypatch):
     async with running_conductor(tokens=["t0ken"]) as (url, _):
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"ten")
+        writer.write(
+            b"POST /v1/placements/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0ken\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"ten'
+        )
         await writer.drain()
         started = time.monotonic()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -119,13 +135,16 @@ async def test_the_vllm_connectors_link_saves_and_loads_over_a_tls_transfer_port
         client = Client([url])
         member = MemberInfo(node_id="node-tls", host=server.address[0], port=server.address[1], tiers={"pool": 8 << 20})
         link = await ConductorLink(client, member, store, ttl=2).start()
-        tls_link = await asyncio.to_thread(TiercakeLink, [url], None, SECRET, "vllm-tls", ("tcp",),
-                                           ca_file=str(cert), transfer_tls=True)
+        tls_link = await asyncio.to_thread(
+            TiercakeLink, [url], None, SECRET, "vllm-tls", ("tcp",), ca_file=str(cert), transfer_tls=True
+        )
         plain_link = await asyncio.to_thread(TiercakeLink, [url], None, SECRET, "vllm-plain", ("tcp",))
         try:
             block = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
             sealer = sealer_for(b"m" * 32, "")
-            saved = await asyncio.wrap_future(tls_link.write("node-tls", [(b"key-1", None, block)], "default", sealer, 5))
+            saved = await asyncio.wrap_future(
+                tls_link.write("node-tls", [(b"key-1", None, block)], "default", sealer, 5)
+            )
             assert [r.ok for r in saved] == [True]
             out = torch.empty_like(block)
             (loaded,) = await asyncio.to_thread(tls_link.read, "node-tls", [b"key-1"], [out], 5)

@@ -20,6 +20,8 @@ from tiercake.chaos import pid_listening as _pid_listening
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.devtls import self_signed
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 MODEL = "tiercake-reference"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
 
@@ -100,8 +102,9 @@ async def test_reuse_distance_and_prefetchability_measured_live(cluster):
     async with aiohttp.ClientSession() as http:
         async with http.get(cluster.control_url + "/metrics", headers=cluster.auth()) as resp:
             text = await resp.text()
-    count = next(float(line.split()[-1]) for line in text.splitlines()
-                 if line.startswith("tiercake_reuse_distance_blocks_count"))
+    count = next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("tiercake_reuse_distance_blocks_count")
+    )
     assert count == after["reaccesses"]
     assert "tiercake_prefetch_lead_seconds_bucket" in text and "tiercake_reuse_time_seconds_bucket" in text
 
@@ -164,21 +167,31 @@ async def test_bad_requests_are_clear_errors(cluster):
     ]
     async with aiohttp.ClientSession() as http:
         for body, status, words in cases:
-            async with http.post(cluster.url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"}) as resp:
+            async with http.post(
+                cluster.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
                 data = await resp.json()
                 assert resp.status == status, (body, data)
                 assert data["error"]["message"] and (words is None or words in data["error"]["message"]), data
         async with http.post(cluster.url + "/v1/completions", json=completion(temperature=-1)) as resp:
             assert (await resp.json())["error"]["param"] == "temperature"  # OpenAI's field for what was refused
-        neutral = {"n": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False, "user": "u-1",
-                   "presence_penalty": 0, "frequency_penalty": 0}  # what OpenAI clients send by default
+        neutral = {
+            "n": 1,
+            "top_p": 1,
+            "stop": None,
+            "logprobs": None,
+            "echo": False,
+            "user": "u-1",
+            "presence_penalty": 0,
+            "frequency_penalty": 0,
+        }  # what OpenAI clients send by default
         async with http.post(cluster.url + "/v1/completions", json={**completion(), **neutral}) as resp:
             assert resp.status == 200, await resp.text()
         async with http.get(cluster.url + "/v1/models") as resp:
             assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
-        async with http.post(cluster.url + "/v1/completions", json=completion(),
-                             headers={"X-Tiercake-Tenant": "a/b"}) as resp:
+        async with http.post(
+            cluster.url + "/v1/completions", json=completion(), headers={"X-Tiercake-Tenant": "a/b"}
+        ) as resp:
             assert resp.status == 400
 
 
@@ -196,8 +209,13 @@ async def test_workers_take_work_only_from_who_holds_the_cluster_token(cluster):
     """A worker's /generate names the tenant and salt it runs under: a caller without the cluster's
     token (anyone but the front) is refused, so nobody can read or answer another tenant's request."""
     prefill, _ = await cluster.member_pid("prefill")
-    forged = {"request_id": "forged", "tokens": list(b"hello there, general kenobi"), "max_tokens": 2,
-              "tenant": "alice", "salt": "alice"}
+    forged = {
+        "request_id": "forged",
+        "tokens": list(b"hello there, general kenobi"),
+        "max_tokens": 2,
+        "tenant": "alice",
+        "salt": "alice",
+    }
     async with aiohttp.ClientSession() as http:
         for headers in ({}, {"Authorization": "Bearer not-the-token"}):
             async with http.post(prefill["url"] + "/generate", json=forged, headers=headers) as resp:
@@ -228,8 +246,9 @@ async def test_one_tenants_bad_seeds_get_400s_and_cost_the_other_tenant_nothing(
             return r.status
 
     async with aiohttp.ClientSession() as http:
-        statuses = await asyncio.gather(*([send(http, bad, "mallory") for _ in range(40)] +
-                                          [send(http, good, "alice") for _ in range(20)]))
+        statuses = await asyncio.gather(
+            *([send(http, bad, "mallory") for _ in range(40)] + [send(http, good, "alice") for _ in range(20)])
+        )
         worker, _ = await cluster.member_pid("prefill")
         direct = {"request_id": "r", "tokens": list(b"hello"), "max_tokens": 2, "seed": 2**64}
         async with http.post(worker["url"] + "/generate", json=direct, headers=cluster.auth()) as resp:
@@ -247,34 +266,76 @@ def test_fuzzed_http_requests_get_clear_4xx_never_a_5xx_a_hang_or_a_leak(cluster
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=30),
-                          lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner,
-                                                                                      max_size=5), max_leaves=12)
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=30),
+        lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+        max_leaves=12,
+    )
     # mostly well-formed, each field sometimes hostile: deep into validation, and sometimes served
-    completion_fields = st.fixed_dictionaries({
-        "model": st.sampled_from([MODEL, MODEL, "", "nope"]) | values,
-        "prompt": st.text(min_size=1, max_size=60) | st.lists(st.integers(-3, 300), max_size=30) | values,
-    }, optional={
-        "max_tokens": st.integers(-2, 6) | values, "temperature": st.floats(-1, 3) | values,
-        "stream": st.booleans() | values, "seed": st.integers(-5, 5) | values, "stream_options": values,
-        "n": values, "stop": values, "logprobs": values, "user": values})
-    control_fields = st.fixed_dictionaries({}, optional={
-        "tenant": st.text(max_size=12) | values, "keys": st.lists(st.text("0123456789abcdef", max_size=70), max_size=4)
-        | values, "prompt": st.text(min_size=1, max_size=60) | values})
-    chat_fields = st.fixed_dictionaries({
-        "model": st.sampled_from([MODEL, MODEL, "nope"]) | values,
-        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"])
-                                                    | values, "content": st.text(max_size=40) | values}),
-                             max_size=3) | values,
-    }, optional={"max_tokens": st.integers(-2, 6) | values, "max_completion_tokens": st.integers(0, 6) | values,
-                 "stream": st.booleans() | values, "tools": values, "temperature": st.floats(-1, 3) | values})
-    bodies = st.one_of(completion_fields.map(json.dumps), chat_fields.map(json.dumps), control_fields.map(json.dumps),
-                       values.map(json.dumps), st.binary(max_size=200))
+    completion_fields = st.fixed_dictionaries(
+        {
+            "model": st.sampled_from([MODEL, MODEL, "", "nope"]) | values,
+            "prompt": st.text(min_size=1, max_size=60) | st.lists(st.integers(-3, 300), max_size=30) | values,
+        },
+        optional={
+            "max_tokens": st.integers(-2, 6) | values,
+            "temperature": st.floats(-1, 3) | values,
+            "stream": st.booleans() | values,
+            "seed": st.integers(-5, 5) | values,
+            "stream_options": values,
+            "n": values,
+            "stop": values,
+            "logprobs": values,
+            "user": values,
+        },
+    )
+    control_fields = st.fixed_dictionaries(
+        {},
+        optional={
+            "tenant": st.text(max_size=12) | values,
+            "keys": st.lists(st.text("0123456789abcdef", max_size=70), max_size=4) | values,
+            "prompt": st.text(min_size=1, max_size=60) | values,
+        },
+    )
+    chat_fields = st.fixed_dictionaries(
+        {
+            "model": st.sampled_from([MODEL, MODEL, "nope"]) | values,
+            "messages": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": st.sampled_from(["system", "user", "assistant", "tool"]) | values,
+                        "content": st.text(max_size=40) | values,
+                    }
+                ),
+                max_size=3,
+            )
+            | values,
+        },
+        optional={
+            "max_tokens": st.integers(-2, 6) | values,
+            "max_completion_tokens": st.integers(0, 6) | values,
+            "stream": st.booleans() | values,
+            "tools": values,
+            "temperature": st.floats(-1, 3) | values,
+        },
+    )
+    bodies = st.one_of(
+        completion_fields.map(json.dumps),
+        chat_fields.map(json.dumps),
+        control_fields.map(json.dumps),
+        values.map(json.dumps),
+        st.binary(max_size=200),
+    )
     control = cluster.control_url
-    targets = [(cluster.url, "/v1/completions", None), (cluster.url, "/v1/chat/completions", None),
-               (control, "/v1/placements/lookup", cluster.token),
-               (control, "/v1/prefix", cluster.token), (control, "/v1/placements/commit", None),
-               (control, "/v1/members/register", None), (control, "/v1/policy", None)]
+    targets = [
+        (cluster.url, "/v1/completions", None),
+        (cluster.url, "/v1/chat/completions", None),
+        (control, "/v1/placements/lookup", cluster.token),
+        (control, "/v1/prefix", cluster.token),
+        (control, "/v1/placements/commit", None),
+        (control, "/v1/members/register", None),
+        (control, "/v1/policy", None),
+    ]
     conductor = _pid_listening(int(control.rsplit(":", 1)[1]))
     rss_before = _rss_mb(conductor)
     seen: dict[int, int] = {}
@@ -283,9 +344,11 @@ def test_fuzzed_http_requests_get_clear_4xx_never_a_5xx_a_hang_or_a_leak(cluster
     @given(body=bodies, target=st.sampled_from(targets))
     def fuzz(body, target):
         base, path, token = target
-        request = urllib.request.Request(base + path, data=body if isinstance(body, bytes) else body.encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  **({"Authorization": f"Bearer {token}"} if token else {})})
+        request = urllib.request.Request(
+            base + path,
+            data=body if isinstance(body, bytes) else body.encode(),
+            headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})},
+        )
         started = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=30) as resp:
@@ -315,8 +378,10 @@ async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_
     the completion of that text; the next turn extends the prompt and reuses the conversation's KV."""
     from tiercake.tokenizer import chat_text
 
-    messages = [{"role": "system", "content": "You answer in riddles about caches and tiers."},
-                {"role": "user", "content": PROMPT}]
+    messages = [
+        {"role": "system", "content": "You answer in riddles about caches and tiers."},
+        {"role": "user", "content": PROMPT},
+    ]
     chat = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
     async with aiohttp.ClientSession() as http:
         async with http.post(cluster.url + "/v1/chat/completions", json=chat) as resp:
@@ -331,8 +396,10 @@ async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_
             assert (await resp.json())["choices"][0]["text"] == message["content"]  # the template, as documented
         assert whole["usage"]["prompt_tokens"] == len(text.encode())
 
-        async with http.post(cluster.url + "/v1/chat/completions",
-                             json={**chat, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        async with http.post(
+            cluster.url + "/v1/chat/completions",
+            json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+        ) as resp:
             events = [line[6:] for line in (await resp.read()).decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
@@ -347,12 +414,16 @@ async def test_chat_completions_whole_streamed_and_a_follow_up_turn_reusing_the_
             second = await resp.json()
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(text.encode()) // 16 * 16 - 16
 
-        bad = [({**chat, "messages": []}, "messages"), ({**chat, "messages": [{"role": "tool", "content": "x"}]},
-                                                        "role"),
-               ({**chat, "n": 17}, "n"), ({**chat, "top_logprobs": 2}, "needs logprobs"),
-               ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-               ({**chat, "max_completion_tokens": 3}, "not both"),
-               ({**chat, "tools": [{"type": "function"}]}, "tools"), ({**chat, "max_tokens": "6"}, "max_tokens")]
+        bad = [
+            ({**chat, "messages": []}, "messages"),
+            ({**chat, "messages": [{"role": "tool", "content": "x"}]}, "role"),
+            ({**chat, "n": 17}, "n"),
+            ({**chat, "top_logprobs": 2}, "needs logprobs"),
+            ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ({**chat, "max_completion_tokens": 3}, "not both"),
+            ({**chat, "tools": [{"type": "function"}]}, "tools"),
+            ({**chat, "max_tokens": "6"}, "max_tokens"),
+        ]
         for body, words in bad:
             async with http.post(cluster.url + "/v1/chat/completions", json=body) as resp:
                 error = (await resp.json())["error"]
@@ -367,6 +438,7 @@ async def test_usage_credits_each_loaded_block_to_the_tier_it_came_from(cluster)
     prompt = head + tail
     head_blocks = len(head.encode()) // 16
     async with Client([cluster.url], timeout=60) as client, cluster.ops() as ops:
+
         async def settle(what: str, holds) -> None:
             """Until ``holds(holders)`` of the prompt's prefix: each member applies a flush and reports
             what it moved on its own keep-alive, so every step waits for the index to say so."""
@@ -378,16 +450,23 @@ async def test_usage_credits_each_loaded_block_to_the_tier_it_came_from(cluster)
             raise AssertionError(f"never {what}: {holders}")
 
         await client.complete(prompt, tenant="acct", max_tokens=1)  # every block: gpu and the node's pool
-        await settle("in the gpu and the pool", lambda h: set(h) == {"test-node", "test-node-prefill-0"}
-                     and h["test-node"].tiers.get("pool", 0) >= head_blocks)
+        await settle(
+            "in the gpu and the pool",
+            lambda h: (
+                set(h) == {"test-node", "test-node-prefill-0"} and h["test-node"].tiers.get("pool", 0) >= head_blocks
+            ),
+        )
         await ops.flush(["gpu", "pool"])  # down to the SSD
         await settle("on the SSD only", lambda h: set(h) == {"test-node"} and "pool" not in h["test-node"].tiers)
         await client.complete(head + " ", tenant="acct", max_tokens=1)  # reads the head: promoted to the pool
-        await settle("the head back in the pool", lambda h: "test-node-prefill-0" in h
-                     and h["test-node"].tiers.get("pool", 0) >= head_blocks)
+        await settle(
+            "the head back in the pool",
+            lambda h: "test-node-prefill-0" in h and h["test-node"].tiers.get("pool", 0) >= head_blocks,
+        )
         await ops.flush(["gpu"])
-        await settle("out of the gpu", lambda h: set(h) == {"test-node"} and h["test-node"].tiers.get("pool", 0)
-                     >= head_blocks)
+        await settle(
+            "out of the gpu", lambda h: set(h) == {"test-node"} and h["test-node"].tiers.get("pool", 0) >= head_blocks
+        )
         answer = await client.complete(prompt + " More.", tenant="acct", max_tokens=1)
     sources = answer["usage"]["tiercake"]["sources"]
     whole = len(prompt.encode()) // 16
@@ -488,14 +567,35 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
 
 def test_bench_serve_against_the_cluster(cluster, tmp_path):
     out = tmp_path / "serve.json"
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "bench", "serve", "--quick", "--target", cluster.url,
-                           "--control", cluster.control_url, "--json", str(out)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TIERCAKE_TOKEN": cluster.token})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "bench",
+            "serve",
+            "--quick",
+            "--target",
+            cluster.url,
+            "--control",
+            cluster.control_url,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TIERCAKE_TOKEN": cluster.token},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
-    assert set(figures) == {"ttft.none.cached0", *(f"ttft.{s}.cached{p}" for s in ("gpu", "pool", "ssd")
-                                                  for p in (50, 90)),
-                            "metadata.bytes_per_kv_byte", "metadata.ops_per_request", "metadata.txns_per_request"}
+    assert set(figures) == {
+        "ttft.none.cached0",
+        *(f"ttft.{s}.cached{p}" for s in ("gpu", "pool", "ssd") for p in (50, 90)),
+        "metadata.bytes_per_kv_byte",
+        "metadata.ops_per_request",
+        "metadata.txns_per_request",
+    }
     meta = figures.pop("metadata.bytes_per_kv_byte")
     assert meta["params"]["kv_bytes_moved"] > 0 and meta["params"]["metadata_bytes"] > 0
     assert meta["ratio"] >= 1  # never below one key per block moved
@@ -515,12 +615,18 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
     request = urllib.request.Request(cluster.control_url + "/metrics", headers=cluster.auth())
     with urllib.request.urlopen(request) as resp:
         metrics = resp.read().decode()
-    count = next(float(line.split()[-1]) for line in metrics.splitlines()
-                 if line.startswith("tiercake_load_overhead_seconds_count"))
+    count = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("tiercake_load_overhead_seconds_count")
+    )
     assert count >= 4  # pool and ssd at two fractions, at least
     for tier in ("pool", "ssd"):  # load time by the tier the prefix came from
-        loads = next(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith(f'tiercake_prefix_load_seconds_count{{tier="{tier}"}}'))
+        loads = next(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith(f'tiercake_prefix_load_seconds_count{{tier="{tier}"}}')
+        )
         assert loads >= 2, tier
 
 
@@ -588,9 +694,12 @@ async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_pa
     recorded = tmp_path / "recorded.jsonl"
     keys = tmp_path / "keys.yaml"  # keys from a file too (a mounted Secret in Kubernetes)
     keys.write_text("key-b: bob\n")
-    up = UpCluster(tmp_path, serving=f", shared_namespace: true, api_keys: {{key-a: alice}}, "
-                                     f"api_keys_file: {keys}, record_trace: {recorded}",
-                   args=["--workers", "1"])
+    up = UpCluster(
+        tmp_path,
+        serving=f", shared_namespace: true, api_keys: {{key-a: alice}}, "
+        f"api_keys_file: {keys}, record_trace: {recorded}",
+        args=["--workers", "1"],
+    )
     try:
         await up.wait_up(workers=1)
         prompt = PROMPT + "Shared."
@@ -637,10 +746,30 @@ def test_replay_a_synthetic_trace_against_the_cluster(cluster, tmp_path):
     trace = tmp_path / "syn.jsonl"
     write_trace(trace, synthetic_trace(40, tenants=2, system_blocks=3, turn_blocks=(1, 3), rate_per_s=50, seed=3))
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "replay", str(trace), "--target", cluster.url,
-                           "--control", cluster.control_url, "--control-token", cluster.token,
-                           "--max-output", "4", "--json", str(out), "--plot", str(png)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "replay",
+            str(trace),
+            "--target",
+            cluster.url,
+            "--control",
+            cluster.control_url,
+            "--control-token",
+            cluster.token,
+            "--max-output",
+            "4",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     assert figures["requests.ok"]["value"] == 40
@@ -662,8 +791,10 @@ async def test_a_full_gpu_tier_is_a_429_with_retry_after_not_a_dead_worker(tmp_p
     try:
         await up.wait_up(workers=1)
         async with aiohttp.ClientSession() as http:
-            holder = await http.post(up.url + "/v1/completions",  # 16 blocks at once, 22 by its end
-                                     json=completion(text="a" * 250, max_tokens=100, stream=True))
+            holder = await http.post(
+                up.url + "/v1/completions",  # 16 blocks at once, 22 by its end
+                json=completion(text="a" * 250, max_tokens=100, stream=True),
+            )
             assert holder.status == 200
             await holder.content.readline()  # its first token: it holds its blocks now
             async with http.post(up.url + "/v1/completions", json=completion(text="b" * 250, max_tokens=4)) as resp:
@@ -698,8 +829,10 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
         # conductor could not seal a block a worker would use
         async with up.ops() as ops:
             node_port = next(m for m in await ops.members() if m.role == "node").port
-        environ = {p: Path(f"/proc/{p}/environ").read_bytes().split(b"\0") for p in
-                   (pid, _pid_listening(node_port), _pid_listening(int(up.control_url.rsplit(":", 1)[1])))}
+        environ = {
+            p: Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            for p in (pid, _pid_listening(node_port), _pid_listening(int(up.control_url.rsplit(":", 1)[1])))
+        }
         sealed = {p for p, env in environ.items() if any(e.startswith(b"TIERCAKE_SEAL_SECRET=") for e in env)}
         assert sealed == {pid}
         os.kill(pid, signal.SIGKILL)
@@ -767,14 +900,19 @@ async def test_tenant_quotas_refuse_one_tenant_with_429s_and_leave_the_other_ser
     """alice may have one request in flight; bob 300 tokens (prompt + max_tokens) a minute. While
     alice streams, her second request is a 429 and bob's are served; bob's third request within the
     minute is a 429 with the wait in Retry-After; one larger than a minute's worth is a 400."""
-    up = UpCluster(tmp_path, serving=", api_keys: {key-a: alice, key-b: bob}, quota: {requests_in_flight: 1}, "
-                                     "tenant_quotas: {bob: {tokens_per_minute: 300}}", args=["--workers", "1"])
+    up = UpCluster(
+        tmp_path,
+        serving=", api_keys: {key-a: alice, key-b: bob}, quota: {requests_in_flight: 1}, "
+        "tenant_quotas: {bob: {tokens_per_minute: 300}}",
+        args=["--workers", "1"],
+    )
     try:
         await up.wait_up(workers=1)
         alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("key-a", "key-b"))
         async with aiohttp.ClientSession() as http:
-            stream = await http.post(up.url + "/v1/completions", headers=alice,
-                                     json=completion(text="a" * 40, max_tokens=200, stream=True))
+            stream = await http.post(
+                up.url + "/v1/completions", headers=alice, json=completion(text="a" * 40, max_tokens=200, stream=True)
+            )
             assert stream.status == 200
             await stream.content.readline()  # alice's first request is being served
             async with http.post(up.url + "/v1/completions", headers=alice, json=completion(max_tokens=2)) as resp:
@@ -783,16 +921,19 @@ async def test_tenant_quotas_refuse_one_tenant_with_429s_and_leave_the_other_ser
                 assert "requests in flight" in body["error"]["message"] and resp.headers["Retry-After"] == "1"
             bob_prompt = "b" * 100
             for _ in range(2):  # 150 tokens each, while alice's stream runs: bob is not held back by her
-                async with http.post(up.url + "/v1/completions", headers=bob,
-                                     json=completion(text=bob_prompt, max_tokens=50)) as resp:
+                async with http.post(
+                    up.url + "/v1/completions", headers=bob, json=completion(text=bob_prompt, max_tokens=50)
+                ) as resp:
                     assert resp.status == 200, await resp.text()
-            async with http.post(up.url + "/v1/completions", headers=bob,
-                                 json=completion(text=bob_prompt, max_tokens=50)) as resp:
+            async with http.post(
+                up.url + "/v1/completions", headers=bob, json=completion(text=bob_prompt, max_tokens=50)
+            ) as resp:
                 body = await resp.json()
                 assert resp.status == 429 and body["error"]["code"] == "tenant_quota", body
                 assert 20 <= int(resp.headers["Retry-After"]) <= 31  # 150 tokens at 5 a second
-            async with http.post(up.url + "/v1/completions", headers=bob,
-                                 json=completion(text="b" * 300, max_tokens=50)) as resp:
+            async with http.post(
+                up.url + "/v1/completions", headers=bob, json=completion(text="b" * 300, max_tokens=50)
+            ) as resp:
                 assert resp.status == 400 and "per minute" in (await resp.json())["error"]["message"]
             rest = await stream.read()
             assert b"[DONE]" in rest and b'"error"' not in rest  # alice's stream was never disturbed
@@ -812,8 +953,11 @@ async def test_tls_on_every_http_api_of_the_cluster(tmp_path):
     import ssl
 
     cert, key = self_signed(tmp_path)
-    up = UpCluster(tmp_path, args=["--workers", "1"],
-                   extra=f"tls: {{cert_file: {cert}, key_file: {key}, ca_file: {cert}}}\ntransfer: {{tls: true}}\n")
+    up = UpCluster(
+        tmp_path,
+        args=["--workers", "1"],
+        extra=f"tls: {{cert_file: {cert}, key_file: {key}, ca_file: {cert}}}\ntransfer: {{tls: true}}\n",
+    )
     try:
         assert up.url.startswith("https://") and up.control_url.startswith("https://")
         await up.wait_up(workers=1)
@@ -861,9 +1005,12 @@ async def test_workers_serve_their_own_metrics(cluster):
         for worker in workers:
             async with http.get(worker["url"] + "/metrics") as resp:
                 assert resp.status == 200
-                samples = {(x.name, x.labels.get("tier")): x.value for f in
-                           text_string_to_metric_families(await resp.text()) for x in f.samples
-                           if x.labels.get("member", x.labels.get("worker")) == worker["node_id"]}
+                samples = {
+                    (x.name, x.labels.get("tier")): x.value
+                    for f in text_string_to_metric_families(await resp.text())
+                    for x in f.samples
+                    if x.labels.get("member", x.labels.get("worker")) == worker["node_id"]
+                }
             assert samples[("tiercake_worker_kv_blocks", None)] == 128, samples
             assert samples[("tiercake_worker_sequences_completed_total", None)] >= 1
             assert 0 <= samples[("tiercake_worker_kv_free_blocks", None)] <= 128
@@ -878,10 +1025,15 @@ def test_the_shipped_dashboard_queries_only_series_the_cluster_exports(cluster):
     import re
     import urllib.request
 
-    dashboard = json.loads((Path(__file__).resolve().parent.parent / "deploy/grafana/tiercake-dashboard.json")
-                           .read_text())
-    wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
-              for name in re.findall(r"tiercake_[a-z_]+", target["expr"])}
+    dashboard = json.loads(
+        (Path(__file__).resolve().parent.parent / "deploy/grafana/tiercake-dashboard.json").read_text()
+    )
+    wanted = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"tiercake_[a-z_]+", target["expr"])
+    }
     with urllib.request.urlopen(cluster.control_url + "/metrics") as resp:
         exported = resp.read().decode()
     families = set(re.findall(r"^# TYPE (\S+) ", exported, re.M))
@@ -891,8 +1043,9 @@ def test_the_shipped_dashboard_queries_only_series_the_cluster_exports(cluster):
         base = re.sub(r"_(bucket|sum|count|total)$", "", name)
         return name in series or name in families or base in families or f"{base}_total" in families
 
-    assert len(wanted) >= 12 and not [n for n in sorted(wanted) if not known(n)], sorted(n for n in wanted
-                                                                                       if not known(n))
+    assert len(wanted) >= 12 and not [n for n in sorted(wanted) if not known(n)], sorted(
+        n for n in wanted if not known(n)
+    )
 
 
 def test_the_official_openai_client_works_against_the_front(cluster):
@@ -909,8 +1062,9 @@ def test_the_official_openai_client_works_against_the_front(cluster):
     messages = [{"role": "user", "content": PROMPT + "Chatting through the client."}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
-    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
-                                           stream_options={"include_usage": True})
+    again = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(again)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
@@ -919,8 +1073,9 @@ def test_the_official_openai_client_works_against_the_front(cluster):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, best_of=2)
     assert "best_of: 2 is not supported" in str(err.value)
-    scored = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2,
-                                            logprobs=True, top_logprobs=2)
+    scored = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, n=2, logprobs=True, top_logprobs=2
+    )
     assert [c.index for c in scored.choices] == [0, 1]
     for choice in scored.choices:
         entries = choice.logprobs.content
@@ -932,6 +1087,7 @@ async def test_n_answers_and_lists_of_prompts(cluster):
     streamed; with a seed, each answer samples with its own (seed+j), so they differ and repeat."""
     first, second = PROMPT + "Many answers, one.", PROMPT + "Many answers, two!"
     async with aiohttp.ClientSession() as http:
+
         async def ask(**kw) -> dict:
             async with http.post(cluster.url + "/v1/completions", json=completion(**kw)) as resp:
                 assert resp.status == 200, await resp.text()
@@ -948,14 +1104,17 @@ async def test_n_answers_and_lists_of_prompts(cluster):
         sampled = await ask(text=first, n=3, max_tokens=8, temperature=1.0, seed=7)
         texts = [c["text"] for c in sampled["choices"]]
         assert len(set(texts)) > 1, texts  # seed+j: not three copies of one sample
-        assert [c["text"] for c in (await ask(text=first, n=3, max_tokens=8, temperature=1.0, seed=7))["choices"]] \
-            == texts  # and reproducible
+        assert [
+            c["text"] for c in (await ask(text=first, n=3, max_tokens=8, temperature=1.0, seed=7))["choices"]
+        ] == texts  # and reproducible
 
-        async with http.post(cluster.url + "/v1/completions",
-                             json=completion(text=[first, second], max_tokens=5, stream=True,
-                                             stream_options={"include_usage": True})) as resp:
-            events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
-                      if line.startswith("data: {")]
+        async with http.post(
+            cluster.url + "/v1/completions",
+            json=completion(text=[first, second], max_tokens=5, stream=True, stream_options={"include_usage": True}),
+        ) as resp:
+            events = [
+                json.loads(line[6:]) for line in (await resp.read()).decode().splitlines() if line.startswith("data: {")
+            ]
         streamed: dict[int, str] = {}
         finished = set()
         for event in events:
@@ -973,9 +1132,11 @@ async def test_logprobs_score_each_token_and_do_not_change_with_the_cache(cluste
     them; the stream carries the same figures token by token."""
     prompt = PROMPT + "Scored tokens, twice."
     async with aiohttp.ClientSession() as http:
+
         async def ask(**kw) -> dict:
-            async with http.post(cluster.url + "/v1/completions",
-                                 json=completion(text=prompt, max_tokens=6, logprobs=3, **kw)) as resp:
+            async with http.post(
+                cluster.url + "/v1/completions", json=completion(text=prompt, max_tokens=6, logprobs=3, **kw)
+            ) as resp:
                 assert resp.status == 200, await resp.text()
                 return await resp.json()
 
@@ -984,7 +1145,7 @@ async def test_logprobs_score_each_token_and_do_not_change_with_the_cache(cluste
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         lp = cold["choices"][0]["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
-        raw = bytes(int(t[len("bytes:\\x"):], 16) if t.startswith("bytes:") else ord(t) for t in lp["tokens"])
+        raw = bytes(int(t[len("bytes:\\x") :], 16) if t.startswith("bytes:") else ord(t) for t in lp["tokens"])
         assert raw.decode("utf-8", errors="replace") == cold["choices"][0]["text"]  # every token, named uniquely
         for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
             assert len(top) == 3 and logprob <= 0
@@ -994,15 +1155,22 @@ async def test_logprobs_score_each_token_and_do_not_change_with_the_cache(cluste
         assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
         assert warm["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
 
-        async with http.post(cluster.url + "/v1/completions",
-                             json=completion(text=prompt, max_tokens=6, logprobs=3, stream=True)) as resp:
-            events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
-                      if line.startswith("data: {")]
+        async with http.post(
+            cluster.url + "/v1/completions", json=completion(text=prompt, max_tokens=6, logprobs=3, stream=True)
+        ) as resp:
+            events = [
+                json.loads(line[6:]) for line in (await resp.read()).decode().splitlines() if line.startswith("data: {")
+            ]
         streamed = [v for e in events for v in e["choices"][0]["logprobs"]["token_logprobs"]]
         assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-4)
 
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
-                "temperature": 0, "logprobs": True}
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 2,
+            "temperature": 0,
+            "logprobs": True,
+        }
         async with http.post(cluster.url + "/v1/chat/completions", json=chat) as resp:
             content = (await resp.json())["choices"][0]["logprobs"]["content"]
         assert [len(e["bytes"]) for e in content] == [1, 1] and all(e["top_logprobs"] == [] for e in content)
@@ -1013,8 +1181,11 @@ async def test_stop_strings_and_stop_token_ids_end_the_answer_before_them(cluste
     streamed (a stream never shows the start of a stop it then cuts), or before a stop token id."""
     prompt = PROMPT + "Stop sequences."
     async with aiohttp.ClientSession() as http:
+
         async def ask(**kw) -> dict:
-            async with http.post(cluster.url + "/v1/completions", json=completion(text=prompt, max_tokens=16, **kw)) as r:
+            async with http.post(
+                cluster.url + "/v1/completions", json=completion(text=prompt, max_tokens=16, **kw)
+            ) as r:
                 return await r.json()
 
         full = (await ask())["choices"][0]["text"]
@@ -1025,22 +1196,31 @@ async def test_stop_strings_and_stop_token_ids_end_the_answer_before_them(cluste
         cut, stop = max((at, ch) for ch, at in firsts.items())
         stopped = await ask(stop=[stop, "never-in-this-answer"])
         assert stopped["choices"][0]["text"] == full[:cut] and stopped["choices"][0]["finish_reason"] == "stop"
-        async with http.post(cluster.url + "/v1/completions",
-                             json=completion(text=prompt, max_tokens=16, stop=stop, stream=True)) as resp:
-            events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
-                      if line.startswith("data: {")]
+        async with http.post(
+            cluster.url + "/v1/completions", json=completion(text=prompt, max_tokens=16, stop=stop, stream=True)
+        ) as resp:
+            events = [
+                json.loads(line[6:]) for line in (await resp.read()).decode().splitlines() if line.startswith("data: {")
+            ]
         assert "".join(e["choices"][0]["text"] for e in events) == full[:cut]
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
         by_id = await ask(stop_token_ids=[ord(stop)])  # the same character as a token id
         assert by_id["choices"][0] == {**by_id["choices"][0], "text": full[:cut], "finish_reason": "stop"}
-        longer = await ask(stop=[full[cut:cut + 2] + "\u2603"])  # a stop that starts in the answer, then differs
+        longer = await ask(stop=[full[cut : cut + 2] + "\u2603"])  # a stop that starts in the answer, then differs
         assert longer["choices"][0]["text"] == full and longer["choices"][0]["finish_reason"] == "length"
         for bad in ({"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]}, {"stop_token_ids": ["x"]}):
             async with http.post(cluster.url + "/v1/completions", json=completion(**bad)) as resp:
                 assert resp.status == 400, bad
-        async with http.post(cluster.url + "/v1/chat/completions", json={
-                "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
-                "temperature": 0, "stop": ["\n", "."]}) as resp:
+        async with http.post(
+            cluster.url + "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 16,
+                "temperature": 0,
+                "stop": ["\n", "."],
+            },
+        ) as resp:
             assert resp.status == 200 and (await resp.json())["choices"][0]["finish_reason"] in ("stop", "length")
 
 
@@ -1049,8 +1229,14 @@ async def test_top_p_reaches_the_sampler(cluster):
     answer whatever the seed; at top_p 1 the seeds give different answers."""
     async with Client([cluster.url], timeout=60) as client:
         greedy = (await client.complete(PROMPT + "Nucleus.", max_tokens=8))["choices"][0]["text"]
-        narrow = {(await client.complete(PROMPT + "Nucleus.", max_tokens=8, temperature=1.0, top_p=1e-6,
-                                         seed=s))["choices"][0]["text"] for s in range(4)}
-        wide = {(await client.complete(PROMPT + "Nucleus.", max_tokens=8, temperature=1.0, seed=s))["choices"][0]["text"]
-                for s in range(4)}
+        narrow = {
+            (await client.complete(PROMPT + "Nucleus.", max_tokens=8, temperature=1.0, top_p=1e-6, seed=s))["choices"][
+                0
+            ]["text"]
+            for s in range(4)
+        }
+        wide = {
+            (await client.complete(PROMPT + "Nucleus.", max_tokens=8, temperature=1.0, seed=s))["choices"][0]["text"]
+            for s in range(4)
+        }
     assert narrow == {greedy} and len(wide) > 1

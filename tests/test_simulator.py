@@ -36,8 +36,7 @@ def rec(ids, t=0, tenant=None):
 
 
 @needs_trace
-@pytest.mark.parametrize("capacity,expected", [(1000, 0.0445), (10_000, 0.2116), (100_000, 0.3637),
-                                               (math.inf, 0.3664)])
+@pytest.mark.parametrize("capacity,expected", [(1000, 0.0445), (10_000, 0.2116), (100_000, 0.3637), (math.inf, 0.3664)])
 def test_block_lru_reproduces_the_reference_table(capacity, expected):
     stream = accesses(read_trace(TRACE))
     assert len(stream) == 288_500
@@ -88,20 +87,35 @@ def test_trace_files_round_trip_and_bad_lines_are_named(tmp_path):
         read_trace(path)
 
 
+@pytest.mark.cluster
 def test_policy_eval_scores_a_plug_in_against_lru_and_the_optimum(tmp_path):
     trace = tmp_path / "small.jsonl"
     records = [rec([i % 7, 100 + i % 5, 200 + i % 3], t=i) for i in range(300)]
     write_trace(trace, records)
     plugin = tmp_path / "my_policies.py"
-    plugin.write_text(
-        "from tiercake.policies import FIFO\n\n"
-        "class MyFifo(FIFO):\n    name = 'my_fifo'\n"
-    )
+    plugin.write_text("from tiercake.policies import FIFO\n\nclass MyFifo(FIFO):\n    name = 'my_fifo'\n")
     out, png = tmp_path / "eval.json", tmp_path / "eval.png"
     done = subprocess.run(
-        [sys.executable, "-m", "tiercake.cli", "policy", "eval", "my_policies:MyFifo", "--trace", str(trace),
-         "--capacity", "4,8,inf", "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "policy",
+            "eval",
+            "my_policies:MyFifo",
+            "--trace",
+            str(trace),
+            "--capacity",
+            "4,8,inf",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "optimum" in done.stdout and "gap to optimum" in done.stdout
@@ -112,8 +126,12 @@ def test_policy_eval_scores_a_plug_in_against_lru_and_the_optimum(tmp_path):
     for f in report["figures"]:
         assert f["value"] <= f["limit"] + 1e-12 and f["ratio"] <= 1 + 1e-9
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "tiercake.cli", "policy", "eval", "lru", "--trace", str(trace),
-                          "--capacity", "ten"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", "policy", "eval", "lru", "--trace", str(trace), "--capacity", "ten"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "not a number of blocks" in bad.stderr
 
 
@@ -134,7 +152,7 @@ def test_synthetic_traces_are_seeded_valid_and_reuse_within_tenants(tmp_path):
     for r in first:
         tenant_ids.setdefault(r.tenant, set()).update(r.hash_ids)
     sets = list(tenant_ids.values())
-    assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(sets) for b in sets[i + 1 :])
     bursty = synthetic_trace(400, bursty=True, seed=5)
     gaps = [b.timestamp - a.timestamp for a, b in zip(bursty, bursty[1:])]
     assert max(gaps) > 20 * (sorted(gaps)[len(gaps) // 2] + 1)  # quiet periods between bursts
@@ -184,11 +202,28 @@ def test_a_bounded_reuse_tracker_is_exact_below_its_bound():
     assert len(bounded._marks) < 4096 and len(bounded._last_pos) < len(exact._last_pos) / 2  # bounded memory
 
 
+@pytest.mark.cluster
 def test_trace_stats_on_the_conversation_trace(tmp_path, any_trace):
     out = tmp_path / "stats.json"
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "trace", "stats", str(any_trace), "--capacity",
-                           "10k", "--json", str(out), "--plot", str(tmp_path / "stats.png")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "trace",
+            "stats",
+            str(any_trace),
+            "--capacity",
+            "10k",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "stats.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
     stack_lru = figures["lru_hit_ratio.from_stack_distance"]
@@ -209,8 +244,9 @@ def test_policy_eval_reports_progress_run_by_run():
 
     stream = accesses(synthetic_trace(60, seed=2))
     seen = []
-    scores = evaluate(stream, "s3fifo", [50, 500], progress=lambda done, total, running: seen.append((done, total,
-                                                                                                        running)))
+    scores = evaluate(
+        stream, "s3fifo", [50, 500], progress=lambda done, total, running: seen.append((done, total, running))
+    )
     assert len(scores) == 6 and [s[0] for s in seen] == list(range(7)) and {s[1] for s in seen} == {6}
     assert seen[0][2] == "s3fifo @ 50 blocks" and seen[-1][2] == "done"
 
@@ -240,6 +276,8 @@ def test_the_reuse_policy_is_never_worse_than_lru_on_other_shapes(shape):
 def test_the_reuse_policy_beats_lru_and_arc_on_the_conversation_trace(any_trace):
     stream = accesses(read_trace(any_trace, limit=6000))
     for capacity in (1000, 5000):
-        scores = {name: simulate(stream, [TierSpec(capacity, create_eviction(name))]).hit_ratio
-                  for name in ("lru", "arc", "reuse")}
+        scores = {
+            name: simulate(stream, [TierSpec(capacity, create_eviction(name))]).hit_ratio
+            for name in ("lru", "arc", "reuse")
+        }
         assert scores["reuse"] > max(scores["lru"], scores["arc"]), (capacity, scores)

@@ -93,8 +93,8 @@ async def test_a_blocks_seal_survives_a_restart_and_blocks_from_before_seals_sti
     fields[1] = 2
     old = ssd._HEAD_V2.pack(*fields[:14])
     raw[:HEADER_SIZE] = bytes(HEADER_SIZE)
-    raw[:len(old)] = old
-    raw[len(old):len(old) + 8] = ssd._HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(old))
+    raw[: len(old)] = old
+    raw[len(old) : len(old) + 8] = ssd._HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(old))
     path.write_bytes(bytes(raw))
     store = await ssd_store(tmp_path)
     assert store.seal_of(key(1)) == b"s" * 16 and store.seal_of(key(2)) == b""
@@ -254,6 +254,7 @@ def tiny_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.cluster
 @LAYOUTS
 async def test_full_disk_is_a_clear_error(tiny_fs, layout):
     # the tier believes it has 1 MiB, the file system has 256 KiB: the disk fills first
@@ -277,6 +278,7 @@ async def test_full_disk_is_a_clear_error(tiny_fs, layout):
     await store.close()
 
 
+@pytest.mark.cluster
 async def test_a_full_disk_under_spills_logs_a_line_now_and_then_not_one_per_spill(tiny_fs, make_store, caplog):
     """Blocks keep spilling from the pool to an SSD tier whose file system is full: every spill
     fails (the blocks are dropped, as a spill that cannot land is), but the log gets one line with a
@@ -317,6 +319,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("layout,nbytes", [("files", 4 << 20), ("log", 4 << 20), ("log", 64 << 10)])
 async def test_process_killed_mid_write_never_serves_half_a_block(tmp_path, layout, nbytes):
     proc = await asyncio.create_subprocess_exec(
@@ -434,8 +437,7 @@ async def test_removed_and_evicted_blocks_stay_gone_after_a_restart(tmp_path):
 
 async def test_compaction_keeps_the_disk_near_the_capacity_and_every_block_readable(tmp_path):
     capacity = 64
-    store = await ssd_store(tmp_path, capacity_blocks=capacity, layout="log", segment_bytes=64 << 10,
-                            compact_dead=0.25)
+    store = await ssd_store(tmp_path, capacity_blocks=capacity, layout="log", segment_bytes=64 << 10, compact_dead=0.25)
     backend = store.tier("ssd").backend
     for i in range(600):  # churn: blocks are removed after 40 puts, every fifth after 100
         await store.put(key(i), block(i))
@@ -495,7 +497,8 @@ async def test_a_block_removed_while_compaction_copies_it_does_not_come_back(tmp
 
 @pytest.mark.parametrize("removed", ["after the copy", "while it was copied"])
 async def test_a_crash_between_a_compactions_copy_and_the_old_segments_deletion_brings_back_nothing_removed(
-        tmp_path, removed):
+    tmp_path, removed
+):
     """The compaction's crash points: its copies written, the victim still on disk with its records
     live (never marked: it is deleted whole). A block removed meanwhile (its copy marked dead, either
     after the move or by the move itself when the remove landed while it copied) must stay removed

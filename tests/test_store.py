@@ -56,7 +56,9 @@ async def test_two_phase_put(make_store):
     with pytest.raises(PayloadError, match="written"):
         await store.commit(handle)  # only a quarter written
     handle.write(block(1).view(torch.uint8).view(-1)[LAYOUT.nbytes // 2 :], offset=LAYOUT.nbytes // 2)
-    handle.write(block(1).view(torch.uint8).view(-1)[LAYOUT.nbytes // 4 : LAYOUT.nbytes // 2], offset=LAYOUT.nbytes // 4)
+    handle.write(
+        block(1).view(torch.uint8).view(-1)[LAYOUT.nbytes // 4 : LAYOUT.nbytes // 2], offset=LAYOUT.nbytes // 4
+    )
     await store.commit(handle)
     assert same(await store.get(key(1)), 1)
     with pytest.raises(InvalidStateError):

@@ -109,16 +109,18 @@ async def test_per_item_errors_leave_the_rest_alone(node):
     store, server = node
     await store.put(b"exists", payload(1, 4 * KB))
     engine = engine_for(server)
-    got = await engine.transfer([
-        Transfer(BlockLoc("node-b", b"exists"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
-        Transfer(BlockLoc("node-b", b"missing"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
-        Transfer(BlockLoc("node-b", b"exists"), BufferLoc(torch.empty(100, dtype=torch.uint8)), 100),
-        Transfer(BufferLoc(payload(2, 4 * KB)), BlockLoc("node-b", b"exists"), 4 * KB),
-        Transfer(BufferLoc(payload(3, 4 * KB)), BlockLoc("node-b", b"new"), 4 * KB),
-        Transfer(BlockLoc("node-x", b"exists"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
-        Transfer(BufferLoc(torch.empty(10, dtype=torch.uint8)), BlockLoc("node-b", b"neg"), -5),
-        Transfer(BufferLoc(torch.empty(10, dtype=torch.uint8)), BlockLoc("node-b", b"big"), 11),
-    ])
+    got = await engine.transfer(
+        [
+            Transfer(BlockLoc("node-b", b"exists"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
+            Transfer(BlockLoc("node-b", b"missing"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
+            Transfer(BlockLoc("node-b", b"exists"), BufferLoc(torch.empty(100, dtype=torch.uint8)), 100),
+            Transfer(BufferLoc(payload(2, 4 * KB)), BlockLoc("node-b", b"exists"), 4 * KB),
+            Transfer(BufferLoc(payload(3, 4 * KB)), BlockLoc("node-b", b"new"), 4 * KB),
+            Transfer(BlockLoc("node-x", b"exists"), BufferLoc(torch.empty(4 * KB, dtype=torch.uint8)), 4 * KB),
+            Transfer(BufferLoc(torch.empty(10, dtype=torch.uint8)), BlockLoc("node-b", b"neg"), -5),
+            Transfer(BufferLoc(torch.empty(10, dtype=torch.uint8)), BlockLoc("node-b", b"big"), 11),
+        ]
+    )
     assert got[0].ok and got[4].ok
     assert isinstance(got[1].error, ItemError) and got[1].error.status is Status.NOT_FOUND
     assert got[2].error.status is Status.LENGTH_MISMATCH and "100 were asked" in str(got[2].error)
@@ -298,10 +300,13 @@ async def test_a_small_write_is_one_round_trip_and_a_refused_item_keeps_the_rest
     await engine.close()
 
 
-@pytest.mark.parametrize("flags, items, expect", [
-    (p.FLAG_EAGER, [p.WriteItem(b"big", p.MAX_EAGER_BYTES + 1)], b"over the limit"),
-    (p.FLAG_EAGER | p.FLAG_SHM, [p.WriteItem(b"small", 10)], b"over the stream only"),
-])
+@pytest.mark.parametrize(
+    "flags, items, expect",
+    [
+        (p.FLAG_EAGER, [p.WriteItem(b"big", p.MAX_EAGER_BYTES + 1)], b"over the limit"),
+        (p.FLAG_EAGER | p.FLAG_SHM, [p.WriteItem(b"small", 10)], b"over the stream only"),
+    ],
+)
 async def test_an_eager_write_too_large_or_off_the_stream_is_refused(node, flags, items, expect):
     store, server = node
 
@@ -522,8 +527,9 @@ async def test_timeout_reports_every_unfinished_item(node):
     await store.put(b"k", payload(1, 4 * KB))
     engine = engine_for(server)
     with stalling(server, "_read"):
-        results = await engine.read_blocks("node-b", [b"k", b"k"], [torch.empty(4 * KB, dtype=torch.uint8)] * 2,
-                                           timeout=0.3)
+        results = await engine.read_blocks(
+            "node-b", [b"k", b"k"], [torch.empty(4 * KB, dtype=torch.uint8)] * 2, timeout=0.3
+        )
     assert all(isinstance(r.error, TimeoutError) for r in results)
     (res,) = await engine.read_blocks("node-b", [b"k"], [torch.empty(4 * KB, dtype=torch.uint8)])
     assert res.ok  # the stalled connection was dropped; a fresh one works
@@ -720,8 +726,9 @@ async def test_a_block_keeps_its_seal_on_every_path_and_across_a_restart(tmp_pat
         checked.append((key, bytes(data[:8]), seal))
         return key == keys[0]
 
-    pulled = await puller.transfer([Transfer(BlockLoc("node-b", k), BlockLoc("node-a", k), 64 * KB) for k in keys],
-                                   verify=verify)
+    pulled = await puller.transfer(
+        [Transfer(BlockLoc("node-b", k), BlockLoc("node-a", k), 64 * KB) for k in keys], verify=verify
+    )
     assert checked == [(k, bytes(s[:8].numpy()), seal) for k, s, seal in zip(keys, srcs, seals)]
     assert pulled[0].ok and pulled[0].seal == seals[0] and local.seal_of(keys[0]) == seals[0]
     assert isinstance(pulled[1].error, p.SealError) and pulled[1].error.status is Status.CHECKSUM
@@ -748,12 +755,17 @@ def test_the_wire_tables_carry_seals_and_refuse_oversized_ones():
 
 def test_small_and_large_tables_are_the_same_bytes():
     """Up to SMALL_TABLE items a table is packed with struct, beyond with numpy: one format."""
-    items = [p.WriteItem(f"k{i}".encode(), i * 4096 + 1, b"p" if i % 2 else None, i, f"t{i}", bytes([i]) * (i % 3))
-             for i in range(3 * p.SMALL_TABLE)]
+    items = [
+        p.WriteItem(f"k{i}".encode(), i * 4096 + 1, b"p" if i % 2 else None, i, f"t{i}", bytes([i]) * (i % 3))
+        for i in range(3 * p.SMALL_TABLE)
+    ]
     for n in (1, p.SMALL_TABLE, p.SMALL_TABLE + 1, len(items)):
         body = p.encode_write(items[:n])
         fixed = 4 + n * p.WRITE_DT.itemsize
-        rows = [(len(it.key), len(it.parent or b""), len(it.tenant), len(it.seal), it.length, it.checksum) for it in items[:n]]
+        rows = [
+            (len(it.key), len(it.parent or b""), len(it.tenant), len(it.seal), it.length, it.checksum)
+            for it in items[:n]
+        ]
         assert body[4:fixed] == np.array(rows, dtype=p.WRITE_DT).tobytes()
         assert p.decode_write(body) == items[:n]
     with pytest.raises(ValueError):

@@ -16,6 +16,8 @@ from transfer_helpers import SECRET, payload
 from tiercake.tiers.pool import remove_pool
 from tiercake.transfer import PeerClosedError, TransferEngine
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 MB = 1 << 20
 
 
@@ -44,7 +46,9 @@ def node_process(tmp_path):
         names.append(name)
         proc = subprocess.Popen(
             [sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, name, pool)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": secret.decode()},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "TIERCAKE_SECRET": secret.decode()},
         )
         procs.append(proc)
         line = proc.stdout.readline()
@@ -78,8 +82,13 @@ async def test_node_agent_serves_and_stops_cleanly(node_process):
 
 def test_node_agent_without_a_secret_is_a_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TIERCAKE_SECRET"}
-    done = subprocess.run([sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, "n")],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, "n")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 1 and "no cluster secret" in done.stderr  # errors go to stderr
 
 
@@ -148,8 +157,9 @@ async def test_client_process_killed_mid_write(node_process, tmp_path):
     engine = TransferEngine("client", SECRET, transports=("tcp",))
     engine.add_peer("node-b", address["host"], address["port"])
     await asyncio.sleep(0.2)
-    results = await engine.read_blocks("node-b", [b"w%d" % i for i in range(16)],
-                                       [torch.empty(16 << 20, dtype=torch.uint8) for _ in range(16)])
+    results = await engine.read_blocks(
+        "node-b", [b"w%d" % i for i in range(16)], [torch.empty(16 << 20, dtype=torch.uint8) for _ in range(16)]
+    )
     served = [r for r in results if r.ok]
     assert not served or len(served) == 16  # all of the batch committed before the kill, or none of it
     await engine.close()

@@ -92,14 +92,20 @@ def test_tags_do_not_collide():
     assert tag(1, 1, 0) != tag(2, 1, 0) and tag(1, 1, 0) != tag(1, 2, 0) and tag(1, 1, 0) != tag(1, 1, 1)
 
 
+@pytest.mark.cluster
 async def test_ucx_across_processes(tmp_path):
     """A node agent in another process: same host, so the endpoints skip failure handling and UCX
     moves the bytes through shared memory."""
     from test_transfer_processes import node_config, pool_path
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tiercake.cli", "node", "--config",
-        node_config(tmp_path, "node-u", transports="local, shm, tcp, ucx"), stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "tiercake.cli",
+        "node",
+        "--config",
+        node_config(tmp_path, "node-u", transports="local, shm, tcp, ucx"),
+        stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "TIERCAKE_SECRET": SECRET.decode(), "UCX_WARN_UNUSED_ENV_VARS": "n"},
     )
     import json
@@ -119,13 +125,21 @@ async def test_ucx_across_processes(tmp_path):
     remove_pool(pool_path("node-u"))  # a node agent keeps its pool for a restart; a test's goes
 
 
+@pytest.mark.cluster
 async def test_a_node_agent_serves_ucx_only_when_its_transports_list_it(tmp_path):
     """UCX is code a peer can reach: a node agent whose cluster does not use it does not serve it."""
     from test_transfer_processes import node_config, pool_path
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tiercake.cli", "node", "--config", node_config(tmp_path, "node-t"),
-        stdout=asyncio.subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": SECRET.decode()})
+        sys.executable,
+        "-m",
+        "tiercake.cli",
+        "node",
+        "--config",
+        node_config(tmp_path, "node-t"),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "TIERCAKE_SECRET": SECRET.decode()},
+    )
     import json
 
     try:

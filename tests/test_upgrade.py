@@ -26,6 +26,8 @@ from tiercake.transfer import TransferEngine
 from tiercake.transfer import protocol as p
 from tiercake.transfer.connection import BlockingConnection, PeerAddress
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 PEER = str(Path(__file__).resolve().parent / "version_peer.py")
 KB = 1 << 10
 
@@ -61,13 +63,15 @@ def test_transfer_protocol_4_and_3_read_and_write_each_others_blocks(previous, t
         assert got["written"] == got["read_back"] == 24, got
 
 
-async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serves_blocks(previous, processes,
-                                                                                          tmp_path):
+async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serves_blocks(previous, processes, tmp_path):
     _, conductor = processes(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"])
     url = conductor["url"]
     env = {"TIERCAKE_SECRET": SECRET.decode(), "TIERCAKE_ADVERTISE_HOST": "127.0.0.1"}
-    processes(["node", "--config", node_config(tmp_path, "node-old", url)], env,
-              runner=previous_python(previous, "tiercake.cli"))
+    processes(
+        ["node", "--config", node_config(tmp_path, "node-old", url)],
+        env,
+        runner=previous_python(previous, "tiercake.cli"),
+    )
     processes(["node", "--config", node_config(tmp_path, "node-new", url)], env)
     keys = [k(i) for i in range(6)]
     async with Client([url]) as client:
@@ -80,14 +84,16 @@ async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serve
         chains = (await wait_until(lambda: _mapped(client), what="an object map")).chains
         assert all(chain and "node-old" not in chain for chain in chains)
         with pytest.raises(p.AuthenticationError, match="no object operations"):
-            BlockingConnection(PeerAddress("node-old", old.host, old.port), SECRET, "store-client",
-                               needs=p.OBJECTS_SINCE).open()
+            BlockingConnection(
+                PeerAddress("node-old", old.host, old.port), SECRET, "store-client", needs=p.OBJECTS_SINCE
+            ).open()
 
 
-async def test_a_current_node_agent_joins_a_previous_release_conductor_and_serves_blocks(previous, processes,
-                                                                                          tmp_path):
-    _, conductor = processes(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"],
-                             runner=previous_python(previous, "tiercake.cli"))
+async def test_a_current_node_agent_joins_a_previous_release_conductor_and_serves_blocks(previous, processes, tmp_path):
+    _, conductor = processes(
+        ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--insecure"],
+        runner=previous_python(previous, "tiercake.cli"),
+    )
     url = conductor["url"]
     env = {"TIERCAKE_SECRET": SECRET.decode(), "TIERCAKE_ADVERTISE_HOST": "127.0.0.1"}
     processes(["node", "--config", node_config(tmp_path, "node-new", url)], env)

@@ -33,7 +33,7 @@ from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 # the first test starts two vLLM servers for the module (45-60 s, more while the other test process
 # runs beside it): more than the suite's default limit of 120 s leaves for the test itself
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]  # every test here starts processes
 
 SECRET = "vllm-test-secret-0123456789abcdef"
 SEAL_SECRET = "vllm-test-seal-secret-0123456789"  # the vLLM instances have it; the node agent does not
@@ -47,15 +47,25 @@ FAST_START = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 
 
 def tiercake_config(root: Path, model: Path | None = None) -> TiercakeConfig:
-    return TiercakeConfig.model_validate({
-        "node_id": "vllm-node", "model_id": MODEL,
-        "serving": {"tokenizer": str(model) if model else None},  # the front tokenizes as vLLM does
-        "store": {"layout": None, "tiers": [
-            {"kind": "pool", "capacity": "64MiB", "path": f"/dev/shm/tiercake-vllm-test-{uuid.uuid4().hex[:12]}"},
-            {"kind": "ssd", "capacity": "256MiB", "path": str(root / "ssd")},
-        ]},
-        "conductor": {"member_ttl": 2},
-    })
+    return TiercakeConfig.model_validate(
+        {
+            "node_id": "vllm-node",
+            "model_id": MODEL,
+            "serving": {"tokenizer": str(model) if model else None},  # the front tokenizes as vLLM does
+            "store": {
+                "layout": None,
+                "tiers": [
+                    {
+                        "kind": "pool",
+                        "capacity": "64MiB",
+                        "path": f"/dev/shm/tiercake-vllm-test-{uuid.uuid4().hex[:12]}",
+                    },
+                    {"kind": "ssd", "capacity": "256MiB", "path": str(root / "ssd")},
+                ],
+            },
+            "conductor": {"member_ttl": 2},
+        }
+    )
 
 
 class Vllm(VllmServer):
@@ -63,10 +73,22 @@ class Vllm(VllmServer):
 
     def __init__(self, name: str, model: Path, tc: NodeCluster) -> None:
         port = free_port()
-        super().__init__(serve_command(model, MODEL, port, tc.url, "vllm-node", block_size=BLOCK, max_model_len=2048,
-                                       kv_events=(free_port(), free_port()),
-                                       extra=["--enforce-eager"]),  # no compilation: a minute less to start
-                         {**tc.env, **FAST_START}, tc.root / f"{name}.log", port)
+        super().__init__(
+            serve_command(
+                model,
+                MODEL,
+                port,
+                tc.url,
+                "vllm-node",
+                block_size=BLOCK,
+                max_model_len=2048,
+                kv_events=(free_port(), free_port()),
+                extra=["--enforce-eager"],
+            ),  # no compilation: a minute less to start
+            {**tc.env, **FAST_START},
+            tc.root / f"{name}.log",
+            port,
+        )
 
     async def complete(self, tokens: list[int], max_tokens: int = 12) -> dict:
         async with aiohttp.ClientSession() as http:
@@ -94,8 +116,16 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model):
     root = tmp_path_factory.mktemp("vllm")
-    tc = NodeCluster(tiercake_config(root, model), root, {**os.environ, "TIERCAKE_SECRET": SECRET, "TIERCAKE_SEAL_SECRET": SEAL_SECRET,
-                                                               "TIERCAKE_TOKEN": f"{TOKEN} a-second-token"})  # as the Secret holds them
+    tc = NodeCluster(
+        tiercake_config(root, model),
+        root,
+        {
+            **os.environ,
+            "TIERCAKE_SECRET": SECRET,
+            "TIERCAKE_SEAL_SECRET": SEAL_SECRET,
+            "TIERCAKE_TOKEN": f"{TOKEN} a-second-token",
+        },
+    )  # as the Secret holds them
     engines = []
     try:
         engines = [Vllm(name, model, tc) for name in ("a", "b")]
@@ -137,7 +167,9 @@ def cached(reply: dict) -> int:
     return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def wait_indexed(tc: NodeCluster | str, tier: str, at_least: int, only: bool = False, timeout: float = 30) -> None:
+async def wait_indexed(
+    tc: NodeCluster | str, tier: str, at_least: int, only: bool = False, timeout: float = 30
+) -> None:
     """Until the index shows ``at_least`` bytes of the node's blocks in ``tier`` (``only``: and none in
     the node's other tiers)."""
     async with Client([tc if isinstance(tc, str) else tc.url], token=TOKEN) as client:
@@ -145,8 +177,11 @@ async def wait_indexed(tc: NodeCluster | str, tier: str, at_least: int, only: bo
         while time.monotonic() < deadline:
             view = await client.cluster()
             node = next((m for m in view.members if m.id == "vllm-node"), None)
-            if node is not None and node.indexed_bytes.get(tier, 0) >= at_least and (
-                    not only or all(v == 0 for t, v in node.indexed_bytes.items() if t != tier)):
+            if (
+                node is not None
+                and node.indexed_bytes.get(tier, 0) >= at_least
+                and (not only or all(v == 0 for t, v in node.indexed_bytes.items() if t != tier))
+            ):
                 return
             await asyncio.sleep(0.2)
     raise TimeoutError(f"the node's {tier} tier never held {at_least} indexed bytes")
@@ -243,8 +278,14 @@ async def test_blocks_forged_with_the_transfer_secret_are_recomputed_never_used(
         assert all(r.ok for r in await forger.delete_blocks(node.node_id, keys["victim"]))
         await wait_held(client, keys["victim"], held=False)
         own = sealer_for(seal_material(b"the forger's own seal secret"), "")
-        written = await forger.write_blocks(node.node_id, keys["victim"], stolen, chain=True, tenant="default",
-                                            seals=[own.seal(k, s.numpy()) for k, s in zip(keys["victim"], stolen)])
+        written = await forger.write_blocks(
+            node.node_id,
+            keys["victim"],
+            stolen,
+            chain=True,
+            tenant="default",
+            seals=[own.seal(k, s.numpy()) for k, s in zip(keys["victim"], stolen)],
+        )
         assert all(r.ok for r in written)
         await forger.close()
         await wait_held(client, keys["victim"])
@@ -312,12 +353,32 @@ async def test_tiercake_up_starts_the_front_the_tiers_and_vllm_with_the_connecto
     config.write_text(yaml.safe_dump(tiercake_config(tmp_path).model_dump(mode="json")))
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tiercake.cli", "up", "--engine", "vllm", "--model", str(model), "--port", str(port),
-         "--vllm-prefill", "1", "--vllm-decode", "1", "--vllm-arg=--enforce-eager", "--config", str(config),
-         "--data-dir", str(tmp_path / "data")],
-        env={**os.environ, **FAST_START, "TIERCAKE_TOKEN": TOKEN}, stdout=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "tiercake.cli",
+            "up",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--vllm-prefill",
+            "1",
+            "--vllm-decode",
+            "1",
+            "--vllm-arg=--enforce-eager",
+            "--config",
+            str(config),
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        env={**os.environ, **FAST_START, "TIERCAKE_TOKEN": TOKEN},
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        start_new_session=True, text=True,
+        start_new_session=True,
+        text=True,
     )
     try:
         lines = []
@@ -337,7 +398,10 @@ async def test_tiercake_up_starts_the_front_the_tiers_and_vllm_with_the_connecto
                 assert resp.status == 200, await resp.text()
                 first = await resp.json()
             # one step on each: the decode server never saw the prompt, it loaded every full block
-            assert [await vllm_counter(http, url, "vllm:request_success_total") - was for url, was in zip((vllm, decoder), before)] == [1, 1]
+            assert [
+                await vllm_counter(http, url, "vllm:request_success_total") - was
+                for url, was in zip((vllm, decoder), before)
+            ] == [1, 1]
             assert first["usage"]["tiercake"]["decode_cached_tokens"] == PROMPT_BLOCKS * BLOCK
             await wait_indexed(conductor, "pool", PROMPT_BLOCKS * BLOCK_BYTES)  # saved in the background
             for url in (vllm, decoder):
@@ -382,8 +446,9 @@ async def served_requests(engine: Vllm) -> float:
 
 async def front(tc: NodeCluster, body: dict, tenant: str = "default", path: str = "/v1/completions") -> dict:
     async with aiohttp.ClientSession() as http:
-        async with http.post(tc.url + path, json={"model": MODEL, "temperature": 0, **body},
-                             headers={"X-Tiercake-Tenant": tenant}) as resp:
+        async with http.post(
+            tc.url + path, json={"model": MODEL, "temperature": 0, **body}, headers={"X-Tiercake-Tenant": tenant}
+        ) as resp:
             reply = await resp.json()
             assert resp.status == 200, reply
             return reply
@@ -448,7 +513,9 @@ async def repeated_prompts_go_where_they_were_computed(tc: NodeCluster, a: Vllm,
                 if worker.node_id in found:
                     break
                 await asyncio.sleep(0.1)
-            assert found[worker.node_id].length == PROMPT_BLOCKS and found[worker.node_id].tiers == {"gpu": PROMPT_BLOCKS}
+            assert found[worker.node_id].length == PROMPT_BLOCKS and found[worker.node_id].tiers == {
+                "gpu": PROMPT_BLOCKS
+            }
         before = [await served_requests(e) for e in (a, b)]
         async with Client([tc.url], token=TOKEN) as client:
             by_source = (await client.cluster()).serving.cached_tokens_by_source.get("vllm", 0)
@@ -524,8 +591,11 @@ async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_
                 if data and data != b"[DONE]":
                     streamed += "".join(c["text"] for c in __import__("json").loads(data)["choices"])
     assert streamed == answer(direct)
-    chat = await front(tc, {"messages": [{"role": "user", "content": "Which tier holds the block?"}],
-                            "max_tokens": 8}, path="/v1/chat/completions")
+    chat = await front(
+        tc,
+        {"messages": [{"role": "user", "content": "Which tier holds the block?"}], "max_tokens": 8},
+        path="/v1/chat/completions",
+    )
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] >= 1
 
 

@@ -22,8 +22,16 @@ SPACE = Namespace(model_id="m", kv_layout="L4.x", block_size=BS)
 
 def stored(hashes, parent, tokens, salt=None):
     extra = [(salt,) if salt and i == 0 and parent is None else None for i in range(len(hashes))]
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
-                       medium="GPU", lora_name=None, extra_keys=extra)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=extra,
+    )
 
 
 def salted(first_token: int, max_blocks: int = 1 << 20) -> tuple[EventMirror, list[int], list[bytes]]:
@@ -43,10 +51,12 @@ class Publisher:
 
     def __init__(self) -> None:
         config = kv_events_config(free_port(), free_port())
-        self.where = EventsEndpoints(endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"],
-                                     topic=config["topic"])
-        self.pub = ZmqEventPublisher(0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"],
-                                     topic=config["topic"])
+        self.where = EventsEndpoints(
+            endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"], topic=config["topic"]
+        )
+        self.pub = ZmqEventPublisher(
+            0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"], topic=config["topic"]
+        )
 
     def publish(self, *events) -> None:
         self.pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
@@ -86,11 +96,12 @@ async def test_stored_blocks_are_keyed_as_tiercake_keys_them_and_leave_when_vllm
         tokens = list(range(3, 3 + 3 * BS))
         keys = block_keys(SPACE.model_copy(update={"tenant_salt": "s1"}), tokens)
         # a chain stored in two steps (the prompt, then a block of its answer), as vLLM does
-        publisher.publish(stored([b"h1", b"h2"], None, tokens[:2 * BS], salt=cache_salt("s1")))
-        publisher.publish(stored([b"h3"], b"h2", tokens[2 * BS:]))
+        publisher.publish(stored([b"h1", b"h2"], None, tokens[: 2 * BS], salt=cache_salt("s1")))
+        publisher.publish(stored([b"h3"], b"h2", tokens[2 * BS :]))
         # a request that did not come through the worker: its salt is unknown, and so is its child
-        publisher.publish(stored([b"x1"], None, tokens[:BS], salt=cache_salt("someone")),
-                          stored([b"x2"], b"x1", tokens[BS:2 * BS]))
+        publisher.publish(
+            stored([b"x1"], None, tokens[:BS], salt=cache_salt("someone")), stored([b"x2"], b"x1", tokens[BS : 2 * BS])
+        )
         await until(lambda: mirror.last_seq == 2)
         assert held(mirror) == {("alice", k) for k in keys}
         assert mirror.figures["stored"] == 3 and mirror.figures["unmapped"] == 2
@@ -100,8 +111,11 @@ async def test_stored_blocks_are_keyed_as_tiercake_keys_them_and_leave_when_vllm
         publisher.publish(AllBlocksCleared())  # vLLM's prefix cache reset
         await until(lambda: mirror.last_seq == 4)
         assert held(mirror) == set()
-        assert changes == ([("alice", k, True, "gpu") for k in keys] + [("alice", keys[2], False, "gpu")]
-                           + [("alice", k, False, "gpu") for k in keys[:2]])
+        assert changes == (
+            [("alice", k, True, "gpu") for k in keys]
+            + [("alice", keys[2], False, "gpu")]
+            + [("alice", k, False, "gpu") for k in keys[:2]]
+        )
     finally:
         publisher.close()
 
@@ -139,8 +153,9 @@ async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
     await asyncio.sleep(0.3)
     again = Publisher.__new__(Publisher)  # a new vLLM process on the same ports: its numbers start at 0
     again.where = first.where
-    again.pub = ZmqEventPublisher(0, endpoint=first.where.endpoint, replay_endpoint=first.where.replay_endpoint,
-                                  topic=first.where.topic)
+    again.pub = ZmqEventPublisher(
+        0, endpoint=first.where.endpoint, replay_endpoint=first.where.replay_endpoint, topic=first.where.topic
+    )
     try:
         # its first batch may go before its socket has connected (dropped): the next one shows the restart
         again.publish(stored([3], None, tokens[:BS], salt=cache_salt("s")))

@@ -29,8 +29,9 @@ def kv_layers() -> list[torch.Tensor]:
 
 def payload(load: Load, i: int) -> torch.Tensor:
     """Tiercake block ``i`` of a load: layer l's part filled with a byte naming the block and layer."""
-    return torch.cat([torch.full((LAYER_BYTES,), 10 * load.blocks[i].block_id + layer, dtype=torch.uint8)
-                      for layer in range(LAYERS)])
+    return torch.cat(
+        [torch.full((LAYER_BYTES,), 10 * load.blocks[i].block_id + layer, dtype=torch.uint8) for layer in range(LAYERS)]
+    )
 
 
 def fetch_all_but(unusable: dict[str, int]):
@@ -38,6 +39,7 @@ def fetch_all_but(unusable: dict[str, int]):
         for i in range(len(load.blocks)):
             rows[i].copy_(payload(load, i))
         return len(load.blocks) - unusable.get(load.request_id, 0)
+
     return fetch
 
 

@@ -21,8 +21,13 @@ def test_the_mirror_reports_prompts_least_recently_used_out_first_within_vllms_b
     mirror.touch("t", [b"a", b"b"])
     mirror.touch("t", [b"a"])  # used again: now the newest
     mirror.touch("t", [b"c", b"d"])  # one over: the least recently used (b) leaves
-    assert [(k, added) for k, added, *_ in changes] == [(b"a", True), (b"b", True), (b"c", True), (b"d", True),
-                                                       (b"b", False)]
+    assert [(k, added) for k, added, *_ in changes] == [
+        (b"a", True),
+        (b"b", True),
+        (b"c", True),
+        (b"d", True),
+        (b"b", False),
+    ]
     assert all(c[2:] == ("t", "gpu", 64) for c in changes)
     assert sorted(c.key for c in mirror.holdings()) == [b"a", b"c", b"d"]
     mirror.touch("u", [b"a"])  # another tenant's block of the same key is another copy: (t, a) leaves
@@ -37,6 +42,7 @@ def test_the_cache_salt_given_to_vllm_is_valid_for_it_and_distinct_per_tenant():
 
 async def fake_openai_server(figures: dict | None):
     """An OpenAI server that answers every completion with one token and these connector figures."""
+
     async def models(_):
         return web.json_response({"data": [{"id": "m"}]})
 
@@ -48,7 +54,9 @@ async def fake_openai_server(figures: dict | None):
         return web.json_response(reply | ({"kv_transfer_params": {"tiercake": figures}} if figures else {}))
 
     app = web.Application()
-    app.add_routes([web.get("/v1/models", models), web.get("/metrics", metrics), web.post("/v1/completions", completions)])
+    app.add_routes(
+        [web.get("/v1/models", models), web.get("/metrics", metrics), web.post("/v1/completions", completions)]
+    )
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -70,8 +78,14 @@ async def test_kv_events_that_never_come_are_a_clear_error_at_start(monkeypatch)
     """The connector says vLLM publishes its KV events, but none come (the endpoints are wrong)."""
     monkeypatch.setattr("tiercake.workers.vllm.engine.EVENTS_WAIT_S", 1.0)
     events = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": None, "topic": "tiercake"}
-    runner = await fake_openai_server({"namespace": {"model_id": "m", "kv_layout": "x", "block_size": 32},
-                                       "block_bytes": 1024, "node": None, "kv_events": events})
+    runner = await fake_openai_server(
+        {
+            "namespace": {"model_id": "m", "kv_layout": "x", "block_size": 32},
+            "block_bytes": 1024,
+            "node": None,
+            "kv_events": events,
+        }
+    )
     try:
         engine = VllmEngine(f"http://127.0.0.1:{runner.addresses[0][1]}")
         with pytest.raises(VllmUnavailable, match="publishes KV events at .* but none came within 1 s"):
@@ -90,10 +104,19 @@ async def test_no_server_at_the_url_is_a_clear_error():
     assert 2 <= time.monotonic() - started < 6
 
 
+@pytest.mark.cluster
 def test_the_worker_command_says_what_is_missing():
     env = {**os.environ, "TIERCAKE_TOKEN": "t", "COLUMNS": "200"}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "tiercake.cli", "worker", "--engine", "vllm", *a],  # noqa: E731
-                                    capture_output=True, text=True, env=env, timeout=60)
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "tiercake.cli", "worker", "--engine", "vllm", *a],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+
     missing = run()
     assert missing.returncode == 2 and "--engine vllm needs --vllm-url" in missing.stderr
     gone = run("--vllm-url", "http://127.0.0.1:1")
@@ -108,8 +131,10 @@ def test_the_routing_benchs_bound_and_prompts_come_from_the_trace_as_documented(
     a, b, c, d = ([i] * 4 for i in range(4))
     # the first prompt has nothing seen before; the second its first two blocks; the third its first
     assert seen_before([a + b, a + b + c, a + d], 4) == (0 + 8 + 4) / (8 + 12 + 8)
-    records = [TraceRecord(timestamp=0, input_length=512 * n, output_length=1, hash_ids=ids)
-               for n, ids in ((2, (0, 1)), (3, (0, 1, 2)), (2, (0, 5)), (1, (7,)))]
+    records = [
+        TraceRecord(timestamp=0, input_length=512 * n, output_length=1, hash_ids=ids)
+        for n, ids in ((2, (0, 1)), (3, (0, 1, 2)), (2, (0, 5)), (1, (7,)))
+    ]
     prompts = conversation_prompts(records, block=4)
     # the two turns sharing their first two blocks, each hash id a block of 4, then 3 tokens of its own
     assert [len(p) for p in prompts] == [2 * 4 + 3, 3 * 4 + 3] and prompts[1][:8] == prompts[0][:8]
@@ -133,8 +158,9 @@ async def test_a_prefill_hands_off_once_the_index_shows_its_blocks_and_no_later_
         vllm = VllmEngine("http://127.0.0.1:1", client)  # never started: only its handoff is used
         vllm.node = "node-v"
         vllm.space = KVSpace(namespace=Namespace(model_id="m", kv_layout="L1", block_size=4), block_bytes=64)
-        request = GenerateRequest(tokens=list(range(3, 3 + 4 * 6 + 2)), max_tokens=1, tenant="t", salt="s",
-                                  handoff=True)
+        request = GenerateRequest(
+            tokens=list(range(3, 3 + 4 * 6 + 2)), max_tokens=1, tenant="t", salt="s", handoff=True
+        )
         keys = vllm._keys(request)
         assert len(keys) == 6
 

@@ -36,8 +36,15 @@ async def stop_node(store, server) -> None:
     await store.close()
 
 
-def raw_frame(op: int, body: bytes = b"", request: int = 1, flags: int = 0, magic: bytes = p.MAGIC,
-              version: int = p.VERSION, length: int | None = None) -> bytes:
+def raw_frame(
+    op: int,
+    body: bytes = b"",
+    request: int = 1,
+    flags: int = 0,
+    magic: bytes = p.MAGIC,
+    version: int = p.VERSION,
+    length: int | None = None,
+) -> bytes:
     return p.FRAME.pack(magic, version, op, flags, request, len(body) if length is None else length) + body
 
 

@@ -51,8 +51,10 @@ async def client(secret: bytes, port: int, n: int, transports: tuple[str, ...]) 
     read = await engine.read_blocks("node", keys, dsts)
     back = sum(r.ok and torch.equal(d, block(i)) for i, (r, d) in enumerate(zip(read, dsts)))
     errors = sorted({str(r.error) for r in written + read if r.error is not None})
-    print(json.dumps({"version": p.VERSION, "written": sum(r.ok for r in written), "read_back": back,
-                      "errors": errors}), flush=True)
+    print(
+        json.dumps({"version": p.VERSION, "written": sum(r.ok for r in written), "read_back": back, "errors": errors}),
+        flush=True,
+    )
     await engine.close()
 
 

@@ -34,6 +34,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BlockKey", "BlockLayout", "Namespace", "StoreConfig", "TierConfig", "TiercakeConfig", "block_keys",
-    "chain_key", "default_config", "load_config", *_LAZY,
+    "BlockKey",
+    "BlockLayout",
+    "Namespace",
+    "StoreConfig",
+    "TierConfig",
+    "TiercakeConfig",
+    "block_keys",
+    "chain_key",
+    "default_config",
+    "load_config",
+    *_LAZY,
 ]

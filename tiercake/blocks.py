@@ -143,8 +143,9 @@ def object_block_key(oid: bytes, nonce: int) -> BlockKey:
     an upsert's new bytes never share a block with the version readers may still be reading."""
     if not 0 <= nonce < 1 << 64:
         raise ValueError("an object block nonce is 64 bits")
-    return BlockKey(hashlib.blake2b(oid + nonce.to_bytes(8, "little"), digest_size=KEY_BYTES,
-                                    person=_PERSON_VERSION).digest())
+    return BlockKey(
+        hashlib.blake2b(oid + nonce.to_bytes(8, "little"), digest_size=KEY_BYTES, person=_PERSON_VERSION).digest()
+    )
 
 
 OBJECT_TENANT_SUFFIX = "#obj"  # object tenants have no '#': KV tenants never end so

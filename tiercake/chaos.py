@@ -85,8 +85,19 @@ RECOVERY_TIMEOUT_S = 90.0
 CORRUPTED_FILES = 8  # a fault not recovered from by then fails the run
 RATE_WINDOW_S = 4.0  # how long the load's rate is measured before each fault
 
-FAULTS = ("kill_prefill", "kill_decode", "stall_node", "partition_node", "kill_node", "corrupt_ssd", "fill_ssd",
-          "kill_conductor", "kill_etcd_leader", "rolling_restart", "upgrade")
+FAULTS = (
+    "kill_prefill",
+    "kill_decode",
+    "stall_node",
+    "partition_node",
+    "kill_node",
+    "corrupt_ssd",
+    "fill_ssd",
+    "kill_conductor",
+    "kill_etcd_leader",
+    "rolling_restart",
+    "upgrade",
+)
 KV_CLIENTS = 2  # the key-value workload beside the serving one
 # its puts ask to be on disk, synced, before they are acknowledged: what may not be lost then is every
 # acknowledged object (a memory-level object is a cache entry the store may evict under pressure, as
@@ -102,8 +113,11 @@ def ssd_filesystem(root: Path):
     where none can be mounted (fill_ssd is then left out)."""
     mount = root / "ssd-fs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SSD_FS_BYTES}", "tmpfs", str(mount)],
-                          capture_output=True) if os.geteuid() == 0 else None
+    done = (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SSD_FS_BYTES}", "tmpfs", str(mount)], capture_output=True)
+        if os.geteuid() == 0
+        else None
+    )
     if done is None or done.returncode != 0:
         yield None
         return
@@ -122,8 +136,9 @@ def pid_listening(port: int, netns: str | None = None) -> int:
             with open(table) as f:
                 lines = f.readlines()
         else:  # the namespace's own table (socket inodes are unique across namespaces)
-            lines = subprocess.run(["ip", "netns", "exec", netns, "cat", table], capture_output=True, text=True,
-                                   timeout=10).stdout.splitlines()
+            lines = subprocess.run(
+                ["ip", "netns", "exec", netns, "cat", table], capture_output=True, text=True, timeout=10
+            ).stdout.splitlines()
         if lines:
             for line in lines[1:]:
                 fields = line.split()
@@ -190,8 +205,13 @@ class Oracle:
             layout = serving.layout()
             pool = GpuBlockPool(64, layout.shape, getattr(torch, layout.dtype), "cpu")
             store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
-            self._engine = InferenceEngine(ReferenceModel(serving.model), store, self.config.serving_namespace(),
-                                           worker_id="oracle", max_context=serving.max_context)
+            self._engine = InferenceEngine(
+                ReferenceModel(serving.model),
+                store,
+                self.config.serving_namespace(),
+                worker_id="oracle",
+                max_context=serving.max_context,
+            )
         return self._engine
 
 
@@ -274,8 +294,13 @@ class Load:
         tally.ok += 1
         tally.last_ok = time.monotonic()
         usage = answer["usage"]
-        tally.served.append((tally.last_ok, usage["prompt_tokens"],
-                             (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+        tally.served.append(
+            (
+                tally.last_ok,
+                usage["prompt_tokens"],
+                (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            )
+        )
         return True
 
     async def _asked(self, client: Client, prompt: list[int], tenant: str) -> dict | None:
@@ -292,7 +317,7 @@ class Load:
                 error = exc
             if attempt < RETRIES:
                 tally.retried += 1
-                await asyncio.sleep(min(4.0, 0.25 * 2 ** attempt))
+                await asyncio.sleep(min(4.0, 0.25 * 2**attempt))
         tally.failed += 1
         tally.errors.append(str(error)[:160])
         await asyncio.sleep(0.2)  # a failing cluster is not hammered
@@ -303,9 +328,17 @@ class Faults:
     """How each fault is injected into the cluster ``up`` runs. Each returns a check that is true once
     what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
 
-    def __init__(self, up: UpProcess, ssd: Path, etcd, load: Load, partition: Partition | None = None,
-                 stall_s: float = 4.0, progress: Callable[[str], None] = print,
-                 upgraded: UpgradedNode | None = None) -> None:
+    def __init__(
+        self,
+        up: UpProcess,
+        ssd: Path,
+        etcd,
+        load: Load,
+        partition: Partition | None = None,
+        stall_s: float = 4.0,
+        progress: Callable[[str], None] = print,
+        upgraded: UpgradedNode | None = None,
+    ) -> None:
         self.up, self.ssd, self.etcd, self.load, self.partition = up, ssd, etcd, load, partition
         self.stall_s, self.progress, self.upgraded = stall_s, progress, upgraded
         self._corrupt_total = self._corrupt_last = 0
@@ -365,19 +398,31 @@ class Faults:
         """Every process in turn stopped as a rolling update stops it (SIGTERM; ``up`` starts it again):
         node agent, prefill worker, decode worker, conductor with the front; the next only once the one
         before is back and a request was answered after it. Back: every one came back in time."""
-        steps = (("node", self._node_pid), ("prefill", lambda: self._worker_pid("prefill")),
-                 ("decode", lambda: self._worker_pid("decode")),
-                 ("conductor", lambda: asyncio.to_thread(self._conductor_pid)))
+        steps = (
+            ("node", self._node_pid),
+            ("prefill", lambda: self._worker_pid("prefill")),
+            ("decode", lambda: self._worker_pid("decode")),
+            ("conductor", lambda: asyncio.to_thread(self._conductor_pid)),
+        )
         slow = []
         for role, pid_of in steps:
             pid, at = await pid_of(), time.monotonic()
             os.kill(pid, signal.SIGTERM)
-            if await _recovered(lambda: _replaced(pid_of(), pid), self.load, at,  # noqa: B023
-                                RECOVERY_TIMEOUT_S) is None:
+            if (
+                await _recovered(
+                    lambda: _replaced(pid_of(), pid),  # noqa: B023 (awaited within this turn)
+                    self.load,
+                    at,
+                    RECOVERY_TIMEOUT_S,
+                )
+                is None
+            ):
                 slow.append(role)
             ratio = self.load.tally.hit_ratio(at, time.monotonic())
-            self.progress(f"  {role} restarted in {time.monotonic() - at:.1f} s; hit ratio meanwhile "
-                          f"{'-' if ratio is None else f'{ratio:.3f}'}")
+            self.progress(
+                f"  {role} restarted in {time.monotonic() - at:.1f} s; hit ratio meanwhile "
+                f"{'-' if ratio is None else f'{ratio:.3f}'}"
+            )
 
         async def all_back() -> bool:
             return not slow
@@ -437,12 +482,15 @@ class Faults:
         except (TimeoutError, ConductorError, aiohttp.ClientError) as exc:
             self.progress(f"  could not read the nodes' corruption counts: {exc}")
             return
-        now = sum(t.corrupt for m in view.members if m.role == "node" and m.id != UPGRADED_NODE  # up's node
-                  for t in m.tiers.values())
+        now = sum(
+            t.corrupt
+            for m in view.members
+            if m.role == "node" and m.id != UPGRADED_NODE  # up's node
+            for t in m.tiers.values()
+        )
         # a count lower than the last one is a new process's, counting from 0
         self._corrupt_total += now - self._corrupt_last if now >= self._corrupt_last else now
         self._corrupt_last = now
-
 
     async def corrupt_ssd(self, files: int = CORRUPTED_FILES):
         await self.load.pause()  # requests write blocks into the pool again at once: a quiet moment
@@ -522,21 +570,28 @@ async def _unservable(up: UpProcess, secret: bytes) -> tuple[int, int]:
                 blocks = await control.node_blocks(node.node_id)
                 listed += len(blocks)
                 for i in range(0, len(blocks), 64):
-                    batch = blocks[i:i + 64]
+                    batch = blocks[i : i + 64]
                     dsts = [torch.empty(b.size, dtype=torch.uint8) for b in batch]
-                    results = await engine.read_blocks(node.node_id, [bytes.fromhex(b.key) for b in batch], dsts,
-                                                       timeout=30)
+                    results = await engine.read_blocks(
+                        node.node_id, [bytes.fromhex(b.key) for b in batch], dsts, timeout=30
+                    )
                     lost += sum(not r.ok for r in results)
         finally:
             await engine.close()
     return listed, lost
 
 
-async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=print,
-              stage: Callable[[int, int, str], None] | None = None, previous: Path | None = None) -> Report:
+async def run(
+    quick: bool = False,
+    faults: tuple[str, ...] = FAULTS,
+    progress=print,
+    stage: Callable[[int, int, str], None] | None = None,
+    previous: Path | None = None,
+) -> Report:
     """The fault-injection run; ``progress(message)`` tells what happened, ``stage(done, total, name)``
     where the run is: the cluster starting, each fault, the final check. ``previous``: the folder the
     previous release is installed in (the ``upgrade`` fault; left out without it)."""
+
     def reached(done: int, name: str) -> None:
         if stage is not None:
             stage(done, len(faults) + 2, name)
@@ -580,21 +635,29 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
         if partition is not None:  # the node agent behind the link; the APIs where it reaches them
             host = partition.host_ip
             args += ["--host", host, "--node-netns", f"{partition.ns}:{partition.ns_ip}"]
-        up = UpProcess(config_path, root / "data", free_port(), args, env={**os.environ, "TIERCAKE_SECRET": secret},
-                       host=host)
+        up = UpProcess(
+            config_path, root / "data", free_port(), args, env={**os.environ, "TIERCAKE_SECRET": secret}, host=host
+        )
         load = kv = upgraded = None
         try:
             await asyncio.to_thread(up.wait_ready, 2)
             cold_start = time.monotonic() - started
-            records = synthetic_trace(40 if quick else 400, tenants=2, system_prompts=2, system_blocks=4,
-                                      turn_blocks=(1, 3), seed=11)
+            records = synthetic_trace(
+                40 if quick else 400, tenants=2, system_prompts=2, system_blocks=4, turn_blocks=(1, 3), seed=11
+            )
             tokens = TokenMap(16)
             prompts = [(tokens.prompt(r, 320 - MAX_TOKENS), r.tenant) for r in records]
             load = Load(up.url, Oracle(config), prompts)
             load.start()
-            kv = KvLoad(lambda: AsyncStore([up.control_url], secret=secret, token=up.token, ssl=up.ssl, retry_s=20.0,
-                                           timeout_s=3.0), clients=KV_CLIENTS, durability=KV_DURABILITY,
-                        large=16 << 10, pause_s=0.02)
+            kv = KvLoad(
+                lambda: AsyncStore(
+                    [up.control_url], secret=secret, token=up.token, ssl=up.ssl, retry_s=20.0, timeout_s=3.0
+                ),
+                clients=KV_CLIENTS,
+                durability=KV_DURABILITY,
+                large=16 << 10,
+                pause_s=0.02,
+            )
             await kv.start()
             await asyncio.sleep(settle)
             recovery: dict[str, float | None] = {}
@@ -602,8 +665,9 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             hits: dict[str, tuple[float | None, float | None]] = {}  # fault -> (hit ratio during, before)
             if "upgrade" in faults:
                 upgraded = UpgradedNode(root, up.control_url, up.token, secret, previous, progress)
-            injector = Faults(up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0, progress=progress,
-                              upgraded=upgraded)
+            injector = Faults(
+                up, ssd, etcd, load, partition, stall_s=4.0 if quick else 20.0, progress=progress, upgraded=upgraded
+            )
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 before = (load.tally.ok, load.tally.failed, load.tally.wrong)
@@ -622,8 +686,10 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
                 await kv.read_back()  # every object once more: one a fault lost shows in its history
                 await asyncio.sleep(settle)
                 t = load.tally
-                progress(f"{fault}: recovered in {recovery[fault]} s; {t.ok - before[0]} ok, "
-                         f"{t.failed - before[1]} failed, {t.wrong - before[2]} wrong")
+                progress(
+                    f"{fault}: recovered in {recovery[fault]} s; {t.ok - before[0]} ok, "
+                    f"{t.failed - before[1]} failed, {t.wrong - before[2]} wrong"
+                )
             reached(1 + len(faults), "checking every placement")
             await load.stop()
             await kv.stop()
@@ -634,8 +700,10 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             detected = await injector.corrupt_detected()
             # a rotten block the load never read again is found by the check itself: detected, not lost
             lost = max(0, unservable - (detected - detected_before))
-            progress(f"the index lists {listed} placements on node agents; {unservable} of them cannot be served, "
-                     f"{detected - detected_before} of those found corrupt by the check")
+            progress(
+                f"the index lists {listed} placements on node agents; {unservable} of them cannot be served, "
+                f"{detected - detected_before} of those found corrupt by the check"
+            )
         finally:
             if load is not None and not load.stopped:
                 await load.stop()
@@ -651,27 +719,63 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
             remove_pool(pool)
         t = load.tally
         answered = t.ok + t.wrong
-        report.add("requests.ok", t.ok, "requests", t.ok + t.wrong + t.failed, limit_name="requests sent",
-                   failed=t.failed, retried=t.retried, faults=list(faults), errors=t.errors[:8])
+        report.add(
+            "requests.ok",
+            t.ok,
+            "requests",
+            t.ok + t.wrong + t.failed,
+            limit_name="requests sent",
+            failed=t.failed,
+            retried=t.retried,
+            faults=list(faults),
+            errors=t.errors[:8],
+        )
         report.add("requests.wrong", t.wrong, "requests", max(answered, 1), limit_name="requests answered")
         report.add("placements.lost", lost, "placements", max(listed, 1), limit_name="placements the index lists")
         if "corrupt_ssd" in faults:
-            report.add("ssd.corrupt_detected", detected, "blocks", CORRUPTED_FILES, limit_name="block files corrupted "
-                       "(only those read again can be detected)")
+            report.add(
+                "ssd.corrupt_detected",
+                detected,
+                "blocks",
+                CORRUPTED_FILES,
+                limit_name="block files corrupted (only those read again can be detected)",
+            )
         for fault, (rate, rate_before, lasted) in during.items():
-            report.add(f"throughput_during.{fault}", rate, "requests/s", max(rate_before, 1e-9),
-                       limit_name="requests/s just before the fault", seconds=round(lasted, 1))
+            report.add(
+                f"throughput_during.{fault}",
+                rate,
+                "requests/s",
+                max(rate_before, 1e-9),
+                limit_name="requests/s just before the fault",
+                seconds=round(lasted, 1),
+            )
         for fault, (ratio, ratio_before) in hits.items():
             if ratio is not None and ratio_before:
-                report.add(f"hit_ratio_during.{fault}", ratio, "cached/prompt tokens", ratio_before,
-                           limit_name="hit ratio just before the fault")
+                report.add(
+                    f"hit_ratio_during.{fault}",
+                    ratio,
+                    "cached/prompt tokens",
+                    ratio_before,
+                    limit_name="hit ratio just before the fault",
+                )
         _kv_figures(report, kv.verdict())
         if upgraded is not None:
-            report.add("upgrade.read_back", upgraded.read_back, "blocks", UPGRADE_BLOCKS,
-                       limit_name="blocks written to the previous release's node agent")
+            report.add(
+                "upgrade.read_back",
+                upgraded.read_back,
+                "blocks",
+                UPGRADE_BLOCKS,
+                limit_name="blocks written to the previous release's node agent",
+            )
         for fault, seconds in recovery.items():
-            report.add(f"recovery_s.{fault}", seconds if seconds is not None else RECOVERY_TIMEOUT_S, "s", cold_start,
-                       limit_name="the cluster's cold start, same run", recovered=seconds is not None)
+            report.add(
+                f"recovery_s.{fault}",
+                seconds if seconds is not None else RECOVERY_TIMEOUT_S,
+                "s",
+                cold_start,
+                limit_name="the cluster's cold start, same run",
+                recovered=seconds is not None,
+            )
         if "restarting" not in output and any(f.startswith("kill_") and f != "kill_etcd_leader" for f in faults):
             progress("note: tiercake up never said it restarted anything")
     reached(len(faults) + 2, "done")
@@ -679,12 +783,29 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress=pr
 
 
 def _kv_figures(report: Report, verdict: KvVerdict) -> None:
-    report.add("kv.ops", verdict.ops, "operations", verdict.ops, limit_name="operations in the histories",
-               unknown_outcome=verdict.unknown)
-    report.add("kv.lost", verdict.lost, "reads", max(verdict.ops, 1),
-               limit_name="operations (a read of an object put and never removed that found nothing)")
-    report.add("kv.violations", len(verdict.violations), "keys", 6, limit_name="keys (a history no order explains)",
-               first=verdict.violations[:1])
+    report.add(
+        "kv.ops",
+        verdict.ops,
+        "operations",
+        verdict.ops,
+        limit_name="operations in the histories",
+        unknown_outcome=verdict.unknown,
+    )
+    report.add(
+        "kv.lost",
+        verdict.lost,
+        "reads",
+        max(verdict.ops, 1),
+        limit_name="operations (a read of an object put and never removed that found nothing)",
+    )
+    report.add(
+        "kv.violations",
+        len(verdict.violations),
+        "keys",
+        6,
+        limit_name="keys (a history no order explains)",
+        first=verdict.violations[:1],
+    )
     report.add("kv.torn", verdict.torn, "reads", max(verdict.ops, 1), limit_name="operations (a read not whole)")
 
 
@@ -693,15 +814,22 @@ def failed(report: Report) -> list[str]:
     object, a fault never recovered from."""
     figures = {f.name: f for f in report.figures}
     reasons = []
-    for name, what in (("requests.wrong", "wrong answers"), ("placements.lost", "placements lost"),
-                       ("kv.lost", "reads that found an acknowledged object gone"), ("kv.torn", "torn reads"),
-                       ("kv.violations", "keys whose history is not linearizable")):
+    for name, what in (
+        ("requests.wrong", "wrong answers"),
+        ("placements.lost", "placements lost"),
+        ("kv.lost", "reads that found an acknowledged object gone"),
+        ("kv.torn", "torn reads"),
+        ("kv.violations", "keys whose history is not linearizable"),
+    ):
         if figures[name].value:
             reasons.append(f"{figures[name].value:.0f} {what}")
     if "upgrade.read_back" in figures and figures["upgrade.read_back"].ratio < 1:
         reasons.append("blocks written to the previous release's node agent did not read back")
-    reasons += [f"never recovered from {name.split('.', 1)[1]}" for name, f in figures.items()
-                if name.startswith("recovery_s.") and not f.params["recovered"]]
+    reasons += [
+        f"never recovered from {name.split('.', 1)[1]}"
+        for name, f in figures.items()
+        if name.startswith("recovery_s.") and not f.params["recovered"]
+    ]
     return reasons
 
 

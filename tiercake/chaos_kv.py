@@ -57,8 +57,14 @@ class KvVerdict:
 class KvLoad:
     """``clients`` stores, each running operations on the keys until ``stop``."""
 
-    def __init__(self, open_store: Callable[[], AsyncStore], clients: int = 4, durability: Durability | None = None,
-                 large: int = 256 * KB, pause_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        open_store: Callable[[], AsyncStore],
+        clients: int = 4,
+        durability: Durability | None = None,
+        large: int = 256 * KB,
+        pause_s: float = 0.0,
+    ) -> None:
         """``large``: the size of one value in twenty; ``pause_s``: each client's pause between operations
         (a workload beside another on a small machine)."""
         self.open_store, self.clients, self.large = open_store, clients, large
@@ -105,7 +111,9 @@ class KvLoad:
         while not self._stop.is_set() and (ops_each is None or seq < ops_each):
             key = rng.choice(STEADY + CHURN)
             kind = rng.choice(["upsert", "get", "get"] if key in STEADY else ["put", "upsert", "remove", "get", "get"])
-            await self._one(store, key, kind, value(client, seq, rng, self.large) if kind in ("put", "upsert") else None)
+            await self._one(
+                store, key, kind, value(client, seq, rng, self.large) if kind in ("put", "upsert") else None
+            )
             seq += 1
             await asyncio.sleep(self.pause_s)
 
@@ -141,6 +149,8 @@ class KvLoad:
 
     def verdict(self) -> KvVerdict:
         ops = [o for ops in self.history.values() for o in ops]
-        violations = [f"{key}: {explain(ops, label=label)}" for key, ops in sorted(self.history.items()) if not check(ops)]
+        violations = [
+            f"{key}: {explain(ops, label=label)}" for key, ops in sorted(self.history.items()) if not check(ops)
+        ]
         lost = sum(o.kind == "get" and o.result is None for key in STEADY for o in self.history[key])
         return KvVerdict(len(ops), sum(o.returned is None for o in ops), violations, lost, self.torn)

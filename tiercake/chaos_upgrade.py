@@ -34,8 +34,15 @@ START_TIMEOUT_S = 120.0
 
 
 class UpgradedNode:
-    def __init__(self, root: Path, control_url: str, token: str, secret: str, previous: Path,
-                 progress: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        root: Path,
+        control_url: str,
+        token: str,
+        secret: str,
+        previous: Path,
+        progress: Callable[[str], None] = print,
+    ) -> None:
         self.root, self.control_url, self.token, self.secret = root, control_url, token, secret
         self.previous, self.progress = previous, progress
         self.pool = Path(f"/dev/shm/tiercake-chaos-upgraded-{os.getpid()}")
@@ -50,7 +57,8 @@ class UpgradedNode:
             f"    - {{kind: pool, capacity: 4MiB, path: {self.pool}}}\n"
             f"    - {{kind: ssd, capacity: 64MiB, path: {self.root / 'upgraded-ssd'}}}\n"
             f"conductor: {{urls: ['{self.control_url}'], member_ttl: 2}}\n"
-            "transfer: {host: 127.0.0.1}\n")
+            "transfer: {host: 127.0.0.1}\n"
+        )
         return path
 
     async def inject(self) -> Callable:
@@ -76,8 +84,13 @@ class UpgradedNode:
     def _start(self, runner: list[str]) -> subprocess.Popen:
         env = {**os.environ, "TIERCAKE_SECRET": self.secret, "TIERCAKE_TOKEN": self.token}
         with open(self.root / "upgraded-node.log", "ab") as log:
-            proc = subprocess.Popen([*runner, "node", "--config", str(self.config())], stdout=subprocess.PIPE,
-                                    stderr=log, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [*runner, "node", "--config", str(self.config())],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
         line = proc.stdout.readline()  # the node's address, once it serves
         if not line:
             proc.wait(10)
@@ -109,8 +122,10 @@ class UpgradedNode:
         try:
             engine.add_peer(NAME, member.host, member.port)
             keys = [f"chaos-upgrade-{i}".encode().ljust(32, b".") for i in range(BLOCKS)]
-            blocks = [torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8,
-                                    generator=torch.Generator().manual_seed(i)) for i in range(BLOCKS)]
+            blocks = [
+                torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i))
+                for i in range(BLOCKS)
+            ]
             await engine.write_blocks(NAME, keys, blocks, tenant="chaos-upgrade")
             dsts = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in keys]
             read = await engine.read_blocks(NAME, keys, dsts)

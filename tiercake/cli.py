@@ -95,22 +95,29 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tiercake.bench import serve
 
     what = f"the cluster at {args.target}" if args.target else "a local cluster (tiercake up, started for it)"
-    return _bench(args, f"time to first token on {what}", serve.run(quick=args.quick, target=args.target,
-                                                                     control=args.control))
+    return _bench(
+        args, f"time to first token on {what}", serve.run(quick=args.quick, target=args.target, control=args.control)
+    )
 
 
 def cmd_bench_vllm(args: argparse.Namespace) -> int:
     from tiercake.bench import vllm
 
-    return _bench(args, "vLLM with the TiercakeConnector (a conductor, a node agent and vLLM start for it)",
-                  vllm.run(quick=args.quick, trace=args.trace))
+    return _bench(
+        args,
+        "vLLM with the TiercakeConnector (a conductor, a node agent and vLLM start for it)",
+        vllm.run(quick=args.quick, trace=args.trace),
+    )
 
 
 def cmd_bench_store_api(args: argparse.Namespace) -> int:
     from tiercake.bench import store_api
 
-    return _bench(args, "the key-value store API (a conductor, a node agent and, if installed, Mooncake start for it)",
-                  store_api.run(quick=args.quick, load=args.load))
+    return _bench(
+        args,
+        "the key-value store API (a conductor, a node agent and, if installed, Mooncake start for it)",
+        store_api.run(quick=args.quick, load=args.load),
+    )
 
 
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
@@ -128,8 +135,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         errors.print(f"error: unknown faults {unknown}; known: {', '.join(chaos.FAULTS)}")
         return 2
     with progress_bar("chaos") as stage:  # messages print above the bar
-        report = asyncio.run(chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage,
-                                       previous=args.previous))
+        report = asyncio.run(
+            chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage, previous=args.previous)
+        )
     report.print(console)
     write_json(args, report)
     reasons = chaos.failed(report)
@@ -222,8 +230,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             roles = ["prefill"] * args.vllm_prefill + ["decode"] * args.vllm_decode
         else:
             roles = ["worker"] * args.vllm
-        return up_vllm(config, Path(args.data_dir), Path(args.model), roles, args.port, args.host, print_fn=print_fn,
-                       vllm_args=args.vllm_arg or [])
+        return up_vllm(
+            config,
+            Path(args.data_dir),
+            Path(args.model),
+            roles,
+            args.port,
+            args.host,
+            print_fn=print_fn,
+            vllm_args=args.vllm_arg or [],
+        )
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
@@ -234,8 +250,19 @@ def cmd_up(args: argparse.Namespace) -> int:
             errors.print("error: --node-netns takes NAMESPACE:ADDRESS")
             return 2
         node_netns = (namespace, address)
-    return up(config, Path(args.data_dir), args.host, args.port, prefill, decode, workers, etcd, print_fn=print_fn,
-              control_port=args.control_port, node_netns=node_netns)
+    return up(
+        config,
+        Path(args.data_dir),
+        args.host,
+        args.port,
+        prefill,
+        decode,
+        workers,
+        etcd,
+        print_fn=print_fn,
+        control_port=args.control_port,
+        node_netns=node_netns,
+    )
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -249,8 +276,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             first = None
             text, usage = [], {}
-            async for chunk in client.stream_completion(args.prompt, model=model, max_tokens=args.max_tokens,
-                                                        temperature=args.temperature, tenant=args.tenant):
+            async for chunk in client.stream_completion(
+                args.prompt, model=model, max_tokens=args.max_tokens, temperature=args.temperature, tenant=args.tenant
+            ):
                 if chunk.get("choices"):
                     if first is None:
                         first = time.perf_counter() - started
@@ -264,9 +292,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
             rate = (generated - 1) / (total - first) if first is not None and total > first and generated > 1 else 0
             cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
             extra = usage.get("tiercake", {})
-            console.print(f"[dim]TTFT {first or 0:.3f} s · {rate:.1f} tokens/s · {generated} tokens · "
-                          f"cached prompt tokens {cached}/{usage.get('prompt_tokens', '?')} · "
-                          f"sources {extra.get('sources', {})}[/dim]")
+            console.print(
+                f"[dim]TTFT {first or 0:.3f} s · {rate:.1f} tokens/s · {generated} tokens · "
+                f"cached prompt tokens {cached}/{usage.get('prompt_tokens', '?')} · "
+                f"sources {extra.get('sources', {})}[/dim]"
+            )
 
     try:
         asyncio.run(ask())
@@ -357,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data-dir", default=".tiercake", metavar="DIR", help="where the default config keeps SSD data")
 
     demo = sub.add_parser(
-        "demo", help="run the store on the embedded default and show what it did",
+        "demo",
+        help="run the store on the embedded default and show what it did",
         description="Compute KV with the reference model for prompts that share a prefix, store it in "
         "the tiers, reuse it, and restart onto the SSD tier. Runs twice in a row to see the restart.",
     )
@@ -374,8 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
         p.add_argument("--plot", metavar="PATH", help="a PNG of each figure's ratio to its limit")
         return p
+
     store = bench_parser(
-        "store", help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
+        "store",
+        help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
         description="Put and get throughput of the gpu (on this device), pool and ssd tiers for blocks "
         "of 64 KiB to 16 MiB, each as a ratio to memcpy or raw sequential file I/O measured in the same run.",
     )
@@ -384,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     store.set_defaults(func=cmd_bench_store)
 
     transfer = bench_parser(
-        "transfer", help="transfer engine between two processes vs raw socket and memcpy",
+        "transfer",
+        help="transfer engine between two processes vs raw socket and memcpy",
         description="Read and write batches of blocks between this process and a node agent in another "
         "process, over TCP and through the shared pool, each as a ratio to a plain blocking-socket stream "
         "or memcpy of the same bytes measured in the same run.",
@@ -395,18 +429,25 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.set_defaults(func=cmd_bench_transfer)
 
     store_api = bench_parser(
-        "store-api", help="the key-value store API vs a raw socket and Mooncake Store",
+        "store-api",
+        help="the key-value store API vs a raw socket and Mooncake Store",
         description="put_from/get_into one object at a time and in batches at 64 KiB, 1 MiB and 16 MiB between "
         "this process and a node agent (over TCP and the shared pool), each as a ratio to a raw socket stream of "
         "the same bytes measured in the same run, and, where Mooncake's package is installed, the same calls on "
         "Mooncake Store in the same run, repetitions interleaved (vs_mooncake: tiercake over Mooncake).",
     )
-    store_api.add_argument("--load", type=int, default=0, metavar="N",
-                           help="N processes spinning on the CPU while it measures (a busy machine; default 0)")
+    store_api.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spinning on the CPU while it measures (a busy machine; default 0)",
+    )
     store_api.set_defaults(func=cmd_bench_store_api)
 
     meta = bench_parser(
-        "metadata", help="placement index lookups and durable commits vs dict probes and raw etcd",
+        "metadata",
+        help="placement index lookups and durable commits vs dict probes and raw etcd",
         description="Lookups of 64-block chains in an index of 1M blocks against the same dictionary probes, "
         "and placements made durable in a local etcd (started from the installed binary) through group "
         "commit against raw batched etcd transactions of the same operations; metadata bytes per block.",
@@ -414,19 +455,24 @@ def build_parser() -> argparse.ArgumentParser:
     meta.set_defaults(func=cmd_bench_metadata)
 
     serve = bench_parser(
-        "serve", help="TTFT with 0/50/90%% of the prompt cached, per source tier, vs compute only",
+        "serve",
+        help="TTFT with 0/50/90%% of the prompt cached, per source tier, vs compute only",
         description="Time to first token for prompts whose prefix is cached in the prefill worker's gpu tier, "
         "the node pool or the node's SSD, beside the same prompt with nothing cached, measured in the same run, "
         "with the server's breakdown (routing, lookup, load, compute). Starts its own cluster unless --target.",
     )
-    serve.add_argument("--target", metavar="URL", help="a running cluster's OpenAI-compatible API (default: "
-                       "start one)")
-    serve.add_argument("--control", metavar="URL", help="that cluster's control API, with the token in "
-                       "$TIERCAKE_TOKEN (default: --target, where both share a port)")
+    serve.add_argument("--target", metavar="URL", help="a running cluster's OpenAI-compatible API (default: start one)")
+    serve.add_argument(
+        "--control",
+        metavar="URL",
+        help="that cluster's control API, with the token in "
+        "$TIERCAKE_TOKEN (default: --target, where both share a port)",
+    )
     serve.set_defaults(func=cmd_bench_serve)
 
     vllm_bench = bench_parser(
-        "vllm", help="TTFT on vLLM with 50/90%% of the prompt held in tiercake vs recomputed; load vs memcpy",
+        "vllm",
+        help="TTFT on vLLM with 50/90%% of the prompt held in tiercake vs recomputed; load vs memcpy",
         description="Starts a conductor, a node agent and a vLLM server with the TiercakeConnector (a locally "
         "made Llama). Time to first token of prompts whose first 50% or 90% of blocks are held in tiercake's "
         "pool (vLLM's own prefix cache reset), against the same prompts recomputed in the same run; the "
@@ -435,13 +481,17 @@ def build_parser() -> argparse.ArgumentParser:
         "each router, against the offline bound. --quick takes about a minute (more with --trace): vLLM "
         "itself starts in 30-40 s here.",
     )
-    vllm_bench.add_argument("--trace", metavar="FILE", help="a conversation trace (Mooncake's format): also "
-                            "measure routing across two vLLM servers on its first 300 requests (600 without --quick)")
+    vllm_bench.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="a conversation trace (Mooncake's format): also "
+        "measure routing across two vLLM servers on its first 300 requests (600 without --quick)",
+    )
     vllm_bench.set_defaults(func=cmd_bench_vllm)
 
     chaos_parser = sub.add_parser(
-        "chaos", help="fault injection under load: kills, stalls, corrupt SSD blocks, etcd leader loss, a rolling "
-        "restart",
+        "chaos",
+        help="fault injection under load: kills, stalls, corrupt SSD blocks, etcd leader loss, a rolling restart",
         description="Starts its own cluster (tiercake up, on a 3-member etcd when etcd is installed), replays a "
         "synthetic trace against it with greedy decoding beside a key-value workload, and injects faults one after "
         "another; every answer is checked against a recompute from scratch, every placement the index lists at the "
@@ -454,34 +504,51 @@ def build_parser() -> argparse.ArgumentParser:
     chaos_parser.add_argument("--quick", action="store_true", help="a short run (CI runs it)")
     chaos_parser.add_argument("--faults", metavar="F,...", help="which faults, in order (default: all)")
     chaos_parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
-    chaos_parser.add_argument("--previous", metavar="DIR", type=Path,
-                              help="the previous release, installed in DIR (pip install --no-deps --target DIR "
-                              "tiercake==X): the upgrade fault runs a node agent of it beside this one")
+    chaos_parser.add_argument(
+        "--previous",
+        metavar="DIR",
+        type=Path,
+        help="the previous release, installed in DIR (pip install --no-deps --target DIR "
+        "tiercake==X): the upgrade fault runs a node agent of it beside this one",
+    )
     chaos_parser.set_defaults(func=cmd_chaos)
 
     conductor = sub.add_parser(
-        "conductor", help="run a conductor: placement index, membership and election behind an HTTP API",
+        "conductor",
+        help="run a conductor: placement index, membership and election behind an HTTP API",
         description="Serve the control API on --listen. With --etcd, the state lives in etcd and several "
         "conductors elect one leader (followers serve lookups and point writers at the leader); without it, "
         "an embedded in-process backend. Prints its id and URL as JSON, then runs until SIGINT or SIGTERM.",
     )
     with_config(conductor)
-    conductor.add_argument("--etcd", metavar="HOST:PORT,...", help="etcd endpoints (default: conductor.etcd; "
-                           "none: embedded backend)")
-    conductor.add_argument("--listen", metavar="HOST:PORT", help="the control API's address, port 0: any "
-                           "(default: conductor.host and conductor.port)")
-    conductor.add_argument("--api-listen", metavar="HOST:PORT", help="the OpenAI-compatible API's address, port "
-                           "0: any (default: serving.host and serving.port, 8080)")
-    conductor.add_argument("--insecure", action="store_true", help="serve the control API without a token "
-                           "(refused otherwise when none is configured)")
-    conductor.add_argument("--token-file", metavar="PATH", help="bearer tokens, whitespace-separated "
-                           "(also read from $TIERCAKE_TOKEN)")
+    conductor.add_argument(
+        "--etcd", metavar="HOST:PORT,...", help="etcd endpoints (default: conductor.etcd; none: embedded backend)"
+    )
+    conductor.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="the control API's address, port 0: any (default: conductor.host and conductor.port)",
+    )
+    conductor.add_argument(
+        "--api-listen",
+        metavar="HOST:PORT",
+        help="the OpenAI-compatible API's address, port 0: any (default: serving.host and serving.port, 8080)",
+    )
+    conductor.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve the control API without a token (refused otherwise when none is configured)",
+    )
+    conductor.add_argument(
+        "--token-file", metavar="PATH", help="bearer tokens, whitespace-separated (also read from $TIERCAKE_TOKEN)"
+    )
     conductor.add_argument("--ttl", type=int, help="leader lease TTL in seconds (default: conductor.leader_ttl)")
     conductor.add_argument("--id", help="conductor id (default: random)")
     conductor.set_defaults(func=cmd_conductor)
 
     node = sub.add_parser(
-        "node", help="run a node agent: the node's tiers behind a transfer server",
+        "node",
+        help="run a node agent: the node's tiers behind a transfer server",
         description="Open the store of the config (rebuilding the SSD index), serve it to peers that know "
         "the cluster secret ($TIERCAKE_SECRET or transfer.secret_file), print the address as JSON, and run "
         "until SIGINT or SIGTERM.",
@@ -491,38 +558,68 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=cmd_node)
 
     worker = sub.add_parser(
-        "worker", help="run a prefill, decode or combined worker: the model over its own gpu tier, or a vLLM server",
+        "worker",
+        help="run a prefill, decode or combined worker: the model over its own gpu tier, or a vLLM server",
         description="Load the reference model (or stand for a vLLM server: --engine vllm), fit its timings "
         "(persisted in --data-dir), register with the conductor (conductor.urls) and serve /generate for the "
         "front. Prints its id and URL as JSON.",
     )
     with_config(worker)
-    worker.add_argument("--role", choices=["prefill", "decode", "worker"], default="worker",
-                        help="prefill, decode, or both (worker; the default)")
-    worker.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                        help="reference: tiercake's model; vllm: stand for the vLLM server at --vllm-url")
-    worker.add_argument("--vllm-wait", type=float, default=0.0, metavar="SECONDS",
-                        help="--engine vllm: wait this long for the vLLM server to answer at start (default 0)")
-    worker.add_argument("--vllm-url", metavar="URL", help="--engine vllm: the vLLM OpenAI server (started with "
-                        "the TiercakeConnector) this worker sends its requests to")
+    worker.add_argument(
+        "--role",
+        choices=["prefill", "decode", "worker"],
+        default="worker",
+        help="prefill, decode, or both (worker; the default)",
+    )
+    worker.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="reference: tiercake's model; vllm: stand for the vLLM server at --vllm-url",
+    )
+    worker.add_argument(
+        "--vllm-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="--engine vllm: wait this long for the vLLM server to answer at start (default 0)",
+    )
+    worker.add_argument(
+        "--vllm-url",
+        metavar="URL",
+        help="--engine vllm: the vLLM OpenAI server (started with "
+        "the TiercakeConnector) this worker sends its requests to",
+    )
     worker.add_argument("--listen", metavar="HOST:PORT", help="its HTTP API (default 127.0.0.1, any port)")
     worker.add_argument("--id", help="worker id (default: <node_id>-<role>)")
-    worker.add_argument("--advertise", metavar="HOST", help="the address the front reaches it at "
-                        "(default: $TIERCAKE_ADVERTISE_HOST, else the listen address)")
+    worker.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="the address the front reaches it at (default: $TIERCAKE_ADVERTISE_HOST, else the listen address)",
+    )
     worker.set_defaults(func=cmd_worker)
 
     upp = sub.add_parser(
-        "up", help="start a local cluster: conductor, node agent, prefill and decode workers",
+        "up",
+        help="start a local cluster: conductor, node agent, prefill and decode workers",
         description="One command for a whole cluster on this machine (embedded metadata unless --etcd). "
         "Prints where it listens and how to send a request; Ctrl-C stops everything.",
     )
     with_config(upp)
     upp.add_argument("--port", type=int, default=8080, help="the OpenAI-compatible API's port (default 8080)")
-    upp.add_argument("--control-port", type=int, help="the control API's port (default: --port + 1); it needs "
-                     "the token in $TIERCAKE_TOKEN, or one made up and written to <data dir>/control-token")
+    upp.add_argument(
+        "--control-port",
+        type=int,
+        help="the control API's port (default: --port + 1); it needs "
+        "the token in $TIERCAKE_TOKEN, or one made up and written to <data dir>/control-token",
+    )
     upp.add_argument("--host", default="127.0.0.1", help="the address both APIs listen on (default 127.0.0.1)")
-    upp.add_argument("--insecure", action="store_true", help="no control token: anyone who reaches the control "
-                     "API or a worker can register workers and read every tenant's keys (a throwaway cluster)")
+    upp.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no control token: anyone who reaches the control "
+        "API or a worker can register workers and read every tenant's keys (a throwaway cluster)",
+    )
     upp.add_argument("--etcd", metavar="HOST:PORT,...", help="keep the metadata in this etcd")
     upp.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     upp.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
@@ -530,35 +627,70 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--gpu-blocks", type=int, help="KV blocks in each worker's gpu tier (serving.gpu_blocks)")
     upp.add_argument("--pool", metavar="SIZE", type=byte_size, help="the node pool's capacity, e.g. 1GiB")
     upp.add_argument("--ssd", metavar="SIZE", type=byte_size, help="the node SSD tier's capacity, e.g. 20GiB")
-    upp.add_argument("--pool-path", metavar="PATH", help="the node pool's file (default: /dev/shm/tiercake-<host>-<hash "
-                     "of the data dir>, so clusters in different data dirs never share one)")
-    upp.add_argument("--node-netns", metavar="NAMESPACE:ADDRESS", help="fault injection: run the node agent in "
-                     "this network namespace, its transfer port at ADDRESS (tiercake chaos cuts its link; --host "
-                     "must be reachable from it; needs root)")
-    upp.add_argument("--engine", choices=["reference", "vllm"], default="reference",
-                     help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector")
+    upp.add_argument(
+        "--pool-path",
+        metavar="PATH",
+        help="the node pool's file (default: /dev/shm/tiercake-<host>-<hash "
+        "of the data dir>, so clusters in different data dirs never share one)",
+    )
+    upp.add_argument(
+        "--node-netns",
+        metavar="NAMESPACE:ADDRESS",
+        help="fault injection: run the node agent in "
+        "this network namespace, its transfer port at ADDRESS (tiercake chaos cuts its link; --host "
+        "must be reachable from it; needs root)",
+    )
+    upp.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector",
+    )
     upp.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
-    upp.add_argument("--vllm", type=int, default=1, metavar="N",
-                     help="--engine vllm: vLLM servers behind the front on --port, each prefilling and decoding "
-                     "(default 1)")
-    upp.add_argument("--vllm-arg", action="append", metavar="ARG", help="--engine vllm: one more flag for every "
-                     "vLLM server, as vllm serve takes it (repeatable; --vllm-arg=--enforce-eager skips its "
-                     "compilation, a minute less to start on CPU)")
-    upp.add_argument("--vllm-prefill", type=int, default=0, metavar="N",
-                     help="--engine vllm: disaggregated: N vLLM servers that prefill (with --vllm-decode)")
-    upp.add_argument("--vllm-decode", type=int, default=0, metavar="N",
-                     help="--engine vllm: N vLLM servers that decode what the prefill servers computed, "
-                     "loading its KV through tiercake")
+    upp.add_argument(
+        "--vllm",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--engine vllm: vLLM servers behind the front on --port, each prefilling and decoding (default 1)",
+    )
+    upp.add_argument(
+        "--vllm-arg",
+        action="append",
+        metavar="ARG",
+        help="--engine vllm: one more flag for every "
+        "vLLM server, as vllm serve takes it (repeatable; --vllm-arg=--enforce-eager skips its "
+        "compilation, a minute less to start on CPU)",
+    )
+    upp.add_argument(
+        "--vllm-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--engine vllm: disaggregated: N vLLM servers that prefill (with --vllm-decode)",
+    )
+    upp.add_argument(
+        "--vllm-decode",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--engine vllm: N vLLM servers that decode what the prefill servers computed, "
+        "loading its KV through tiercake",
+    )
     upp.set_defaults(func=cmd_up)
 
     ask = sub.add_parser(
-        "ask", help="send a prompt to a running cluster and print the answer with its timing",
+        "ask",
+        help="send a prompt to a running cluster and print the answer with its timing",
         description="Streams the completion and prints TTFT, tokens per second and how many prompt tokens "
         "came from the cache: send the same prompt twice to see the cache work.",
     )
     ask.add_argument("prompt", help="the prompt's text")
-    ask.add_argument("--url", default="http://127.0.0.1:8080", help="the cluster's OpenAI-compatible API "
-                     "(default: tiercake up's, http://127.0.0.1:8080)")
+    ask.add_argument(
+        "--url",
+        default="http://127.0.0.1:8080",
+        help="the cluster's OpenAI-compatible API (default: tiercake up's, http://127.0.0.1:8080)",
+    )
     ask.add_argument("--model", help="the model to ask (default: the one the cluster serves, from /v1/models)")
     ask.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     ask.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
@@ -571,7 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     plist = policy_sub.add_parser("list", help="the policies that resolve by name, built-in and plug-in")
     plist.set_defaults(func=cmd_policy_list)
     peval = policy_sub.add_parser(
-        "eval", help="score an eviction policy on a trace against LRU and the offline optimum",
+        "eval",
+        help="score an eviction policy on a trace against LRU and the offline optimum",
         description="Replay a trace in the Mooncake format through POLICY (a built-in name, an entry point or "
         "module:Class), LRU and the tree-constrained Belady optimum at each capacity; print a table, write a "
         "PNG plot of hit ratio against capacity, and --json the figures in the benchmark format.",
@@ -587,38 +720,52 @@ def build_parser() -> argparse.ArgumentParser:
     peval.set_defaults(func=cmd_policy_eval)
 
     rep = sub.add_parser(
-        "replay", help="drive a running cluster with a trace; report TTFT and hit ratio",
+        "replay",
+        help="drive a running cluster with a trace; report TTFT and hit ratio",
         description="Send the trace's requests to a cluster (tiercake up) at their timestamps, scaled by "
         "--time-scale; each 512-token trace block becomes --tokens-per-block tokens derived from its hash id, "
         "so reuse in the trace is reuse in the cluster. Prints a table, writes a PNG and --json.",
     )
     rep.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
-    rep.add_argument("--target", default="http://127.0.0.1:8080", help="the cluster's OpenAI-compatible API "
-                     "(default http://127.0.0.1:8080)")
+    rep.add_argument(
+        "--target",
+        default="http://127.0.0.1:8080",
+        help="the cluster's OpenAI-compatible API (default http://127.0.0.1:8080)",
+    )
     rep.add_argument("--time-scale", type=float, default=1.0, help="0.1: ten times faster (default 1)")
     rep.add_argument("--limit", type=int, help="only the first N requests")
     rep.add_argument("--tokens-per-block", type=int, default=16, help="tokens per trace block (default 16)")
     rep.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
     rep.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
     rep.add_argument("--api-key", help="an API key of the cluster (serving.api_keys)")
-    rep.add_argument("--control", metavar="URL", help="the control API, for the cluster's own counters "
-                     "(default: --target, where both APIs share a port)")
+    rep.add_argument(
+        "--control",
+        metavar="URL",
+        help="the control API, for the cluster's own counters (default: --target, where both APIs share a port)",
+    )
     rep.add_argument("--control-token", help="a control API token (default: --api-key)")
     rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
     rep.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     rep.set_defaults(func=cmd_replay)
 
     sim = sub.add_parser(
-        "simulate", help="simulate a cluster on a trace: routers, local and global caches, SLOs",
+        "simulate",
+        help="simulate a cluster on a trace: routers, local and global caches, SLOs",
         description="A discrete-event simulation of prefill and decode workers with per-worker caches and an "
         "optional global pool, routed by the live router code. --ablation runs Mooncake's four schedulers "
         "(random, load balancing, local cache-aware, global cache-aware) on the same trace.",
     )
     sim.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
     sim.add_argument("--router", default="ttft", help="routing policy (default ttft)")
-    sim.add_argument("--router-params", metavar="JSON", help='its parameters, e.g. \'{"margin": 0}\'')
-    sim.add_argument("--fit-noise", type=float, default=0.0, metavar="F", help="each prefill worker's timings as "
-                     "the router sees them are off by a factor drawn once from [1-F, 1+F] (live workers fit their own)")
+    sim.add_argument("--router-params", metavar="JSON", help="its parameters, e.g. '{\"margin\": 0}'")
+    sim.add_argument(
+        "--fit-noise",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="each prefill worker's timings as "
+        "the router sees them are off by a factor drawn once from [1-F, 1+F] (live workers fit their own)",
+    )
     sim.add_argument("--ablation", action="store_true", help="the four schedulers of Mooncake's ablation")
     sim.add_argument("--prefill", type=int, default=8, help="prefill workers (default 8)")
     sim.add_argument("--decode", type=int, default=8, help="decode workers (default 8)")
@@ -628,15 +775,17 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--slo-tbt", type=float, help="seconds")
     sim.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by it")
     sim.add_argument("--limit", type=int, help="only the first N requests")
-    sim.add_argument("--plot", metavar="PATH", help="the PNG: TTFT CDFs, SLO attainment and hit ratios "
-                     "(default simulate.png)")
+    sim.add_argument(
+        "--plot", metavar="PATH", help="the PNG: TTFT CDFs, SLO attainment and hit ratios (default simulate.png)"
+    )
     sim.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     sim.set_defaults(func=cmd_simulate)
 
     trace = sub.add_parser("trace", help="traces in the Mooncake format")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     generate = trace_sub.add_parser(
-        "generate", help="write a seeded synthetic trace: sessions, shared system prompts, tenants",
+        "generate",
+        help="write a seeded synthetic trace: sessions, shared system prompts, tenants",
         description="Multi-turn sessions whose prompts grow turn by turn, system prompts shared within a "
         "tenant, several tenants, Poisson or bursty arrivals; the same seed gives the same file.",
     )
@@ -649,7 +798,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="the same seed writes the same file (default 0)")
     generate.set_defaults(func=cmd_trace_generate)
     tstats = trace_sub.add_parser(
-        "stats", help="reuse distance, reuse time, residency under a policy, prefetchability",
+        "stats",
+        help="reuse distance, reuse time, residency under a policy, prefetchability",
         description="Histograms of reuse distance (distinct blocks between two uses: LRU's stack distance), "
         "reuse time and block residency under POLICY at CAPACITY, and the share of re-accesses a system could "
         "have prefetched (follow-up turns of a conversation, announced at least --lead seconds ahead).",
@@ -666,10 +816,12 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="models for vLLM, made here (nothing is downloaded)")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     make = model_sub.add_parser(
-        "make", help="write a small Llama (Hugging Face layout: config, tokenizer, weights from a seed) to DIR",
+        "make",
+        help="write a small Llama (Hugging Face layout: config, tokenizer, weights from a seed) to DIR",
         description="Write a 4-layer, 256-wide Llama with a byte-level BPE tokenizer and seeded random weights to "
         "DIR, for `tiercake up --engine vllm --model DIR` where nothing can be downloaded. Its answers are noise; "
-        "every instance that loads it computes the same KV for the same tokens. Kept if DIR already holds it.")
+        "every instance that loads it computes the same KV for the same tokens. Kept if DIR already holds it.",
+    )
     make.add_argument("dir", metavar="DIR", help="where to write it (created)")
     make.add_argument("--seed", type=int, default=0, help="the weights' seed (default 0)")
     make.set_defaults(func=cmd_model_make)

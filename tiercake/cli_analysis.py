@@ -36,12 +36,25 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
     for cap in capacities:
         row = {s.policy: s for s in scores if s.capacity == cap}
         mine, best = row[args.policy], row["optimum"]
-        table.add_row("inf" if math.isinf(cap) else f"{cap:,}", f"{mine.hit_ratio:.4f}", f"{row['lru'].hit_ratio:.4f}",
-                      f"{best.hit_ratio:.4f}", f"{best.hit_ratio - mine.hit_ratio:.4f}", f"{mine.accesses_per_s:,.0f}")
+        table.add_row(
+            "inf" if math.isinf(cap) else f"{cap:,}",
+            f"{mine.hit_ratio:.4f}",
+            f"{row['lru'].hit_ratio:.4f}",
+            f"{best.hit_ratio:.4f}",
+            f"{best.hit_ratio - mine.hit_ratio:.4f}",
+            f"{mine.accesses_per_s:,.0f}",
+        )
         for s in row.values():
-            figure = report.add(f"hit_ratio.{s.policy}", s.hit_ratio, "ratio", best.hit_ratio,
-                                capacity="inf" if math.isinf(cap) else cap, limit_name="optimum",
-                                token_hit_ratio=round(s.token_hit_ratio, 5), accesses_per_s=round(s.accesses_per_s))
+            figure = report.add(
+                f"hit_ratio.{s.policy}",
+                s.hit_ratio,
+                "ratio",
+                best.hit_ratio,
+                capacity="inf" if math.isinf(cap) else cap,
+                limit_name="optimum",
+                token_hit_ratio=round(s.token_hit_ratio, 5),
+                accesses_per_s=round(s.accesses_per_s),
+            )
             figure.params["trace"] = Path(args.trace).name
     console.print(table)
     plot_path = args.plot or f"policy-eval-{args.policy.replace(':', '-').replace('/', '-')}.png"
@@ -53,11 +66,19 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
 def cmd_trace_generate(args: argparse.Namespace) -> int:
     from tiercake.traces import synthetic_trace, write_trace
 
-    records = synthetic_trace(args.requests, tenants=args.tenants, system_prompts=args.system_prompts,
-                              rate_per_s=args.rate, bursty=args.bursty, seed=args.seed)
+    records = synthetic_trace(
+        args.requests,
+        tenants=args.tenants,
+        system_prompts=args.system_prompts,
+        rate_per_s=args.rate,
+        bursty=args.bursty,
+        seed=args.seed,
+    )
     write_trace(args.out, records)
-    console.print(f"wrote {len(records)} requests ({sum(len(r.hash_ids) for r in records)} block accesses, "
-                  f"{records[-1].timestamp / 1000:.0f} s) to {args.out}")
+    console.print(
+        f"wrote {len(records)} requests ({sum(len(r.hash_ids) for r in records)} block accesses, "
+        f"{records[-1].timestamp / 1000:.0f} s) to {args.out}"
+    )
     return 0
 
 
@@ -93,20 +114,42 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
         for bucket, count in counts.items():
             table.add_row(bucket, f"{count:,}")
         console.print(table)
-    console.print(f"{stats.accesses:,} block accesses, {stats.reaccesses:,} re-accesses; prefetchable "
-                  f"(follow-up turns announced at least {args.lead:g} s ahead): {stats.prefetchable_share:.1%}")
+    console.print(
+        f"{stats.accesses:,} block accesses, {stats.reaccesses:,} re-accesses; prefetchable "
+        f"(follow-up turns announced at least {args.lead:g} s ahead): {stats.prefetchable_share:.1%}"
+    )
     report = Report(bench="trace-stats", machine=machine())
     common = {"trace": Path(args.trace).name}
     report.add("prefetchable_share", stats.prefetchable_share, "ratio", 1.0, lead_s=args.lead, **common)
-    report.add("lru_hit_ratio.from_stack_distance", stats.lru_hit_ratio(capacity), "ratio",
-               stats.reaccesses / stats.accesses, capacity=args.capacity, limit_name="infinite cache", **common)
+    report.add(
+        "lru_hit_ratio.from_stack_distance",
+        stats.lru_hit_ratio(capacity),
+        "ratio",
+        stats.reaccesses / stats.accesses,
+        capacity=args.capacity,
+        limit_name="infinite cache",
+        **common,
+    )
     for title, counts in sections.items():
         for bucket, count in counts.items():
-            report.add(f"histogram.{title.split(' (')[0].split(' under')[0].replace(' ', '_')}", count, "count",
-                       max(1, sum(counts.values())), bucket=bucket, **common)
+            report.add(
+                f"histogram.{title.split(' (')[0].split(' under')[0].replace(' ', '_')}",
+                count,
+                "count",
+                max(1, sum(counts.values())),
+                bucket=bucket,
+                **common,
+            )
     plot_path = args.plot or "trace-stats.png"
-    _plot_cdfs({"reuse distance (blocks)": finite, "reuse time (s)": stats.reuse_times_s,
-                f"residency, {args.policy} @ {args.capacity} (s)": stays}, plot_path, Path(args.trace).name)
+    _plot_cdfs(
+        {
+            "reuse distance (blocks)": finite,
+            "reuse time (s)": stats.reuse_times_s,
+            f"residency, {args.policy} @ {args.capacity} (s)": stays,
+        },
+        plot_path,
+        Path(args.trace).name,
+    )
     console.print(f"plot: {plot_path}")
     return write_json(args, report)
 
@@ -149,18 +192,40 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     records = read_trace(args.trace, args.limit)
     (local,) = parse_capacities(args.local_blocks)
     (pool,) = parse_capacities(args.global_blocks)
-    spec = ClusterSpec(prefill_workers=args.prefill, decode_workers=args.decode, local_blocks=local,
-                       global_blocks=pool, slo_ttft_s=args.slo_ttft, slo_tbt_s=args.slo_tbt,
-                       time_scale=args.time_scale, fit_noise=args.fit_noise)
+    spec = ClusterSpec(
+        prefill_workers=args.prefill,
+        decode_workers=args.decode,
+        local_blocks=local,
+        global_blocks=pool,
+        slo_ttft_s=args.slo_ttft,
+        slo_tbt_s=args.slo_tbt,
+        time_scale=args.time_scale,
+        fit_noise=args.fit_noise,
+    )
     router_params = json.loads(args.router_params) if args.router_params else {}
-    runs = ({name: (router, params, with_pool) for name, (router, params, with_pool) in ABLATION.items()}
-            if args.ablation else {args.router: (args.router, router_params, pool > 0)})
+    runs = (
+        {name: (router, params, with_pool) for name, (router, params, with_pool) in ABLATION.items()}
+        if args.ablation
+        else {args.router: (args.router, router_params, pool > 0)}
+    )
     compute_only = sum(spec.prefill.seconds(r.input_length) for r in records) / len(records)
     report = Report(bench="simulate", machine=machine())
-    table = Table(title=f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
-                        f"decode workers, local {args.local_blocks} blocks, global {args.global_blocks}")
-    for column in ("scheduler", "TTFT mean", "P50", "P99", "TBT P99", "SLO met", "rejected", "hit ratio",
-                   "local / global", "moved"):
+    table = Table(
+        title=f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
+        f"decode workers, local {args.local_blocks} blocks, global {args.global_blocks}"
+    )
+    for column in (
+        "scheduler",
+        "TTFT mean",
+        "P50",
+        "P99",
+        "TBT P99",
+        "SLO met",
+        "rejected",
+        "hit ratio",
+        "local / global",
+        "moved",
+    ):
         table.add_column(column, justify="left" if column == "scheduler" else "right")
     phases = Table(title="TTFT by phase, P50 / P99 (s)")
     phase_names = ("queue", "lookup", "load_pool", "compute")
@@ -170,20 +235,37 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with progress_bar(f"simulating {len(records)} requests", len(records) * len(runs)) as update:
         for i, (name, (router, params, with_pool)) in enumerate(runs.items()):
             run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
-            results[name] = simulate_cluster(records, run, router, params,
-                                             progress=lambda done, i=i, name=name: update(i * len(records) + done,
-                                                                                          description=name))
+            results[name] = simulate_cluster(
+                records,
+                run,
+                router,
+                params,
+                progress=lambda done, i=i, name=name: update(i * len(records) + done, description=name),
+            )
     for name in runs:
         summary = results[name].summary()
         phases.add_row(name, *(f"{summary[f'{p}_p50_s']:.3g} / {summary[f'{p}_p99_s']:.3g}" for p in phase_names))
-        table.add_row(name, f"{summary['ttft_mean_s']:.2f} s", f"{summary['ttft_p50_s']:.2f}",
-                      f"{summary['ttft_p99_s']:.2f}", f"{summary['tbt_p99_s'] * 1000:.0f} ms",
-                      f"{summary['slo_attainment']:.1%}", str(summary["rejected"]), f"{summary['hit_ratio']:.3f}",
-                      f"{summary['local_hit_ratio']:.3f} / {summary['global_hit_ratio']:.3f}",
-                      f"{summary['bytes_moved'] / 1e12:.2f} TB")
-        report.add(f"ttft_mean.{name}", summary["ttft_mean_s"], "s", compute_only,
-                   limit_name="compute only, no queue", router=router,
-                   **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in summary.items()})
+        table.add_row(
+            name,
+            f"{summary['ttft_mean_s']:.2f} s",
+            f"{summary['ttft_p50_s']:.2f}",
+            f"{summary['ttft_p99_s']:.2f}",
+            f"{summary['tbt_p99_s'] * 1000:.0f} ms",
+            f"{summary['slo_attainment']:.1%}",
+            str(summary["rejected"]),
+            f"{summary['hit_ratio']:.3f}",
+            f"{summary['local_hit_ratio']:.3f} / {summary['global_hit_ratio']:.3f}",
+            f"{summary['bytes_moved'] / 1e12:.2f} TB",
+        )
+        report.add(
+            f"ttft_mean.{name}",
+            summary["ttft_mean_s"],
+            "s",
+            compute_only,
+            limit_name="compute only, no queue",
+            router=router,
+            **{k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in summary.items()},
+        )
     console.print(table)
     console.print(phases)
     plot_path = args.plot or "simulate.png"
@@ -209,15 +291,28 @@ def cmd_replay(args: argparse.Namespace) -> int:
             done += 1
             update(done)
 
-        run = asyncio.run(rp.replay(
-            records, args.target, time_scale=args.time_scale, tokens_per_block=args.tokens_per_block,
-            max_output=args.max_output, concurrency=args.concurrency, api_key=args.api_key,
-            control=args.control, control_token=args.control_token, progress=advance))
+        run = asyncio.run(
+            rp.replay(
+                records,
+                args.target,
+                time_scale=args.time_scale,
+                tokens_per_block=args.tokens_per_block,
+                max_output=args.max_output,
+                concurrency=args.concurrency,
+                api_key=args.api_key,
+                control=args.control,
+                control_token=args.control_token,
+                progress=advance,
+            )
+        )
     if run.cluster_before is None:
-        console.print(f"note: no cluster view at {args.control or args.target}/v1/cluster (give --control and "
-                      "--control-token): metadata and prefetchability figures left out")
-    report = rp.report(run, records, Path(args.trace).name, time_scale=args.time_scale,
-                       tokens_per_block=args.tokens_per_block)
+        console.print(
+            f"note: no cluster view at {args.control or args.target}/v1/cluster (give --control and "
+            "--control-token): metadata and prefetchability figures left out"
+        )
+    report = rp.report(
+        run, records, Path(args.trace).name, time_scale=args.time_scale, tokens_per_block=args.tokens_per_block
+    )
     report.print(console)
     plot_path = args.plot or "replay.png"
     rp.plot(run.outcomes, plot_path, f"{Path(args.trace).name} on {args.target}")

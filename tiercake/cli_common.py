@@ -11,7 +11,9 @@ from rich.console import Console
 # a terminal's own width; piped or redirected, 160 columns (rich would cut tables at 80)
 _WIDTH = max(80, shutil.get_terminal_size((160, 24)).columns)
 console = Console(width=_WIDTH, soft_wrap=True)
-errors = Console(stderr=True, width=_WIDTH, soft_wrap=True)  # stderr: a parent reading stdout reads only what it asked for
+errors = Console(
+    stderr=True, width=_WIDTH, soft_wrap=True
+)  # stderr: a parent reading stdout reads only what it asked for
 
 
 SIZE_HELP = "a size is a number of bytes, or a number and a unit: 512MiB, 2GiB, 1.5GB, 4096"
@@ -63,14 +65,24 @@ def progress_bar(description: str, total: float | None = None):
         TimeRemainingColumn,
     )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(description, total=total)
 
         def update(done: float, total: float | None = None, description: str | None = None) -> None:
-            bar.update(task, completed=done, **({"total": total} if total is not None else {}),
-                       **({"description": description} if description is not None else {}))
+            bar.update(
+                task,
+                completed=done,
+                **({"total": total} if total is not None else {}),
+                **({"description": description} if description is not None else {}),
+            )
 
         yield update
 
@@ -80,11 +92,16 @@ def policy_problems(config) -> list[str]:
     config model validates tier kinds and transports itself; policies live a layer above it)."""
     from tiercake.policies.registry import PolicyNotFoundError, resolve_kind
 
-    named = [(f"store.tiers.{i}.{field}", getattr(tier, field), field)
-             for i, tier in enumerate(config.store.tiers) for field in ("eviction", "admission")]
-    named += [("conductor.placement", config.conductor.placement, "placement"),
-              ("conductor.replication", config.conductor.replication, "replication"),
-              ("serving.router", config.serving.router, "routing")]
+    named = [
+        (f"store.tiers.{i}.{field}", getattr(tier, field), field)
+        for i, tier in enumerate(config.store.tiers)
+        for field in ("eviction", "admission")
+    ]
+    named += [
+        ("conductor.placement", config.conductor.placement, "placement"),
+        ("conductor.replication", config.conductor.replication, "replication"),
+        ("serving.router", config.serving.router, "routing"),
+    ]
     problems = []
     for where, spec, kind in named:
         try:

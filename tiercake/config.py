@@ -54,20 +54,29 @@ class TierConfig(BaseModel):
     admission_params: dict[str, Any] = Field(default_factory=dict)
     high_watermark: float = Field(default=0.9, gt=0, le=1)
     evict_fraction: float = Field(default=0.05, gt=0, lt=1)
-    tenant_quota: ByteSize | None = Field(default=None, description="the most one tenant may hold in this tier; "
-                                          "beyond it the tenant's own blocks leave first (by the tier's policy), "
-                                          "so one tenant cannot evict the others' (null: no limit)")
+    tenant_quota: ByteSize | None = Field(
+        default=None,
+        description="the most one tenant may hold in this tier; "
+        "beyond it the tenant's own blocks leave first (by the tier's policy), "
+        "so one tenant cannot evict the others' (null: no limit)",
+    )
     # gpu
     device: str | None = Field(default=None, description="gpu: torch device; default cuda if present, else cpu")
     # pool
     path: str | None = Field(default=None, description="pool: shm/file/DAX path; ssd: directory")
     page_size: int = Field(default=4096, ge=4096, description="pool: allocation granularity")
     prefault: bool = Field(default=True, description="pool: touch every page at start")
-    adopt: bool = Field(default=True, description="pool: the region's file outlives the node agent, and a "
-                        "restarted one adopts the blocks it holds (false: every start begins empty, and a "
-                        "clean stop removes the file)")
-    index_entries: int | None = Field(default=None, ge=1, description="pool: how many blocks the region's "
-                                      "index can describe (default: one per four pages)")
+    adopt: bool = Field(
+        default=True,
+        description="pool: the region's file outlives the node agent, and a "
+        "restarted one adopts the blocks it holds (false: every start begins empty, and a "
+        "clean stop removes the file)",
+    )
+    index_entries: int | None = Field(
+        default=None,
+        ge=1,
+        description="pool: how many blocks the region's index can describe (default: one per four pages)",
+    )
     # ssd
     compression: bool = False
     shuffle: bool = True
@@ -76,10 +85,14 @@ class TierConfig(BaseModel):
     direct_io: bool | None = Field(default=None, description="ssd: O_DIRECT; default: probe the file system")
     io_threads: int = Field(default=4, ge=1, le=64)
     layout: Literal["files", "log"] = Field(
-        default="log", description="ssd: 'log' (blocks appended to segment files; small blocks write several times "
-        "faster) or 'files' (a file per block); see docs/ARCHITECTURE.md")
-    segment_bytes: ByteSize | None = Field(default=None, description="ssd, layout log: bytes per segment file "
-                                           "(default: a sixteenth of the capacity, 4-64 MiB)")
+        default="log",
+        description="ssd: 'log' (blocks appended to segment files; small blocks write several times "
+        "faster) or 'files' (a file per block); see docs/ARCHITECTURE.md",
+    )
+    segment_bytes: ByteSize | None = Field(
+        default=None,
+        description="ssd, layout log: bytes per segment file (default: a sixteenth of the capacity, 4-64 MiB)",
+    )
     # a plug-in backend
     options: dict[str, Any] = Field(default_factory=dict, description="settings of a plug-in tier backend")
 
@@ -120,8 +133,9 @@ class StoreConfig(BaseModel):
             raise ValueError(f"tier names must be unique: {names}")
         ranks = [t.backend().rank for t in self.tiers]
         if ranks != sorted(ranks):
-            raise ValueError(f"tiers must be listed fastest first (gpu, then pool, then ssd): got "
-                             f"{[t.kind for t in self.tiers]}")
+            raise ValueError(
+                f"tiers must be listed fastest first (gpu, then pool, then ssd): got {[t.kind for t in self.tiers]}"
+            )
         if self.layout is None and any(t.kind == "gpu" for t in self.tiers):
             raise ValueError("a gpu tier needs the block layout (store.layout)")
         return self
@@ -133,33 +147,54 @@ class TransferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     host: str = Field(default="127.0.0.1", description="address the transfer server listens on")
-    advertise_host: str | None = Field(default=None, description="the address peers reach it at (default: the "
-                                       "listen address, or this host's address when listening on all; "
-                                       "$TIERCAKE_ADVERTISE_HOST overrides)")
+    advertise_host: str | None = Field(
+        default=None,
+        description="the address peers reach it at (default: the "
+        "listen address, or this host's address when listening on all; "
+        "$TIERCAKE_ADVERTISE_HOST overrides)",
+    )
     port: int = Field(default=0, ge=0, le=65535, description="0: any free port (printed at start)")
     secret_file: str | None = Field(default=None, description="file holding the cluster secret")
     secret_env: str = Field(default="TIERCAKE_SECRET", description="environment variable with the secret")
     seal_secret_file: str | None = Field(default=None, description="file holding the seal secret")
-    seal_secret_env: str = Field(default="TIERCAKE_SEAL_SECRET", description="environment variable with the seal "
-                                 "secret: the key KV writers seal blocks with and KV readers check them by. Give it "
-                                 "to workers only; when unset it is derived from the cluster secret, and then anyone "
-                                 "holding that (node agents, key-value store clients) could forge a block")
-    transports: list[str] = Field(default_factory=lambda: ["local", "shm", "tcp"],
-                                  description="transports in order of preference: local, shm, tcp, ucx, plug-ins "
-                                  "(a node agent serves UCX only when ucx is listed)")
+    seal_secret_env: str = Field(
+        default="TIERCAKE_SEAL_SECRET",
+        description="environment variable with the seal "
+        "secret: the key KV writers seal blocks with and KV readers check them by. Give it "
+        "to workers only; when unset it is derived from the cluster secret, and then anyone "
+        "holding that (node agents, key-value store clients) could forge a block",
+    )
+    transports: list[str] = Field(
+        default_factory=lambda: ["local", "shm", "tcp"],
+        description="transports in order of preference: local, shm, tcp, ucx, plug-ins "
+        "(a node agent serves UCX only when ucx is listed)",
+    )
     streams: int = Field(default=2, ge=1, le=64, description="connections per peer")
-    spin_us: int = Field(default=300, ge=0, le=100_000, description="the node agent polls for the next request this "
-                         "long after it was busy, before it sleeps (an idle core wakes slowly; 0: never; "
-                         "transfer/spin.py)")
+    spin_us: int = Field(
+        default=300,
+        ge=0,
+        le=100_000,
+        description="the node agent polls for the next request this "
+        "long after it was busy, before it sleeps (an idle core wakes slowly; 0: never; "
+        "transfer/spin.py)",
+    )
     checksum: bool = Field(default=False, description="xxh3 every block in transit and verify it")
     buffer_bytes: int | None = Field(default=None, description="socket buffers; default: kernel autotuning")
-    tls: bool = Field(default=False, description="the transfer port speaks TLS only, with the tls section's "
-                      "certificate (node agents) and CA (every client); UCX is then not used (its bytes would "
-                      "bypass TLS)")
+    tls: bool = Field(
+        default=False,
+        description="the transfer port speaks TLS only, with the tls section's "
+        "certificate (node agents) and CA (every client); UCX is then not used (its bytes would "
+        "bypass TLS)",
+    )
     max_block_bytes: ByteSize = Field(default=ByteSize(1 << 30), description="largest block a peer may write")
-    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="the node agent's own Prometheus "
-                                     "/metrics on this port of host (0: any free port, announced; none: not "
-                                     "served); the conductor token guards it unless conductor.metrics_open")
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="the node agent's own Prometheus "
+        "/metrics on this port of host (0: any free port, announced; none: not "
+        "served); the conductor token guards it unless conductor.metrics_open",
+    )
 
     @field_validator("transports")
     @classmethod
@@ -204,15 +239,20 @@ class ConductorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    urls: list[str] = Field(default_factory=list,
-                            description="conductor URLs nodes and workers talk to; empty: a standalone node")
+    urls: list[str] = Field(
+        default_factory=list, description="conductor URLs nodes and workers talk to; empty: a standalone node"
+    )
     host: str = Field(default="127.0.0.1", description="address a conductor's API listens on")
-    advertise_url: str | None = Field(default=None, description="the URL clients and other conductors use (default: "
-                                      "from the bound address; $TIERCAKE_ADVERTISE_HOST sets its host)")
+    advertise_url: str | None = Field(
+        default=None,
+        description="the URL clients and other conductors use (default: "
+        "from the bound address; $TIERCAKE_ADVERTISE_HOST sets its host)",
+    )
     port: int = Field(default=8081, ge=0, le=65535, description="0: any free port (printed at start)")
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port; empty: embedded backend")
-    token_env: str = Field(default="TIERCAKE_TOKEN",
-                           description="environment variable with the bearer token (clients) or tokens (server)")
+    token_env: str = Field(
+        default="TIERCAKE_TOKEN", description="environment variable with the bearer token (clients) or tokens (server)"
+    )
     token_file: str | None = Field(default=None, description="file with bearer tokens, whitespace-separated")
     leader_ttl: int = Field(default=3, ge=1, description="seconds a dead leader keeps the lead")
     member_ttl: int = Field(default=5, ge=1, description="seconds a silent node or worker stays a member")
@@ -221,16 +261,25 @@ class ConductorConfig(BaseModel):
     replication_params: dict[str, Any] = Field(default_factory=dict)
 
     put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
-    volatile_tiers: list[str] = Field(default_factory=lambda: ["gpu"], description="tiers whose placements "
-                                      "live in the leading conductor's memory only, not in etcd: they change with "
-                                      "every request and serve only routing; members re-report them to a new "
-                                      "leader, and followers' lookups do without them")
-    metrics_open: bool = Field(default=True, description="serve /metrics without the token, so Prometheus scrapes "
-                               "it by annotation (it holds counts by member, tier and phase: no tenant, prompt or "
-                               "key); false: the token, as every other control endpoint")
-    insecure: bool = Field(default=False, description="serve the control API and the workers' API without a token "
-                           "(anyone who reaches them can register workers, read every tenant's keys and answer "
-                           "requests): for a throwaway cluster on a laptop only; refused by default")
+    volatile_tiers: list[str] = Field(
+        default_factory=lambda: ["gpu"],
+        description="tiers whose placements "
+        "live in the leading conductor's memory only, not in etcd: they change with "
+        "every request and serve only routing; members re-report them to a new "
+        "leader, and followers' lookups do without them",
+    )
+    metrics_open: bool = Field(
+        default=True,
+        description="serve /metrics without the token, so Prometheus scrapes "
+        "it by annotation (it holds counts by member, tier and phase: no tenant, prompt or "
+        "key); false: the token, as every other control endpoint",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="serve the control API and the workers' API without a token "
+        "(anyone who reaches them can register workers, read every tenant's keys and answer "
+        "requests): for a throwaway cluster on a laptop only; refused by default",
+    )
 
     def tokens(self) -> list[str]:
         """Bearer tokens from the environment variable and the token file, as found (maybe none)."""
@@ -248,7 +297,8 @@ class ConductorConfig(BaseModel):
         if not found and not self.insecure:
             raise InsecureConfigError(
                 f"no control token: set ${self.token_env} or conductor.token_file (the control API and the "
-                "workers never run open), or say conductor.insecure: true / --insecure for a throwaway cluster")
+                "workers never run open), or say conductor.insecure: true / --insecure for a throwaway cluster"
+            )
         return found
 
 
@@ -257,19 +307,43 @@ class ObjectsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    slots: int = Field(default=256, ge=1, le=65536, description="conductor: slots of the object map (fixed once "
-                       "the map exists: each object's slot comes from its name)")
-    replicas_max: int = Field(default=3, ge=1, le=16, description="conductor: nodes per slot (a primary and its "
-                              "backups); a put may ask for up to this many replicas")
-    failover_s: float = Field(default=10.0, gt=0, le=86400, description="conductor: how long a slot's primary may "
-                              "be absent (its lease expired) before a backup takes the slot over; a node agent that "
-                              "restarts sooner keeps its slots and, with its pool adopted, all it held")
-    bootstrap_s: float = Field(default=2.0, ge=0, le=600, description="conductor: how long after the first node "
-                               "registers the first object map is made (restarted nodes offer the map they had to "
-                               "a conductor that lost it)")
-    lease_ttl_s: float = Field(default=5.0, gt=0, le=3600, description="node: how long a get or an exists keeps "
-                               "the object from a remove (unless forced) and from eviction, as Mooncake's "
-                               "default_kv_lease_ttl")
+    slots: int = Field(
+        default=256,
+        ge=1,
+        le=65536,
+        description="conductor: slots of the object map (fixed once "
+        "the map exists: each object's slot comes from its name)",
+    )
+    replicas_max: int = Field(
+        default=3,
+        ge=1,
+        le=16,
+        description="conductor: nodes per slot (a primary and its backups); a put may ask for up to this many replicas",
+    )
+    failover_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=86400,
+        description="conductor: how long a slot's primary may "
+        "be absent (its lease expired) before a backup takes the slot over; a node agent that "
+        "restarts sooner keeps its slots and, with its pool adopted, all it held",
+    )
+    bootstrap_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=600,
+        description="conductor: how long after the first node "
+        "registers the first object map is made (restarted nodes offer the map they had to "
+        "a conductor that lost it)",
+    )
+    lease_ttl_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="node: how long a get or an exists keeps "
+        "the object from a remove (unless forced) and from eviction, as Mooncake's "
+        "default_kv_lease_ttl",
+    )
 
 
 class InsecureConfigError(ValueError):
@@ -283,8 +357,11 @@ class TenantQuota(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     requests_in_flight: int | None = Field(default=None, gt=0, description="requests being served at once")
-    tokens_per_minute: int | None = Field(default=None, gt=0, description="prompt tokens plus max_tokens "
-                                          "admitted per minute (a token bucket of a minute's worth)")
+    tokens_per_minute: int | None = Field(
+        default=None,
+        gt=0,
+        description="prompt tokens plus max_tokens admitted per minute (a token bucket of a minute's worth)",
+    )
 
 
 class ServingConfig(BaseModel):
@@ -298,40 +375,65 @@ class ServingConfig(BaseModel):
     device: str | None = Field(default=None, description="torch device; default cuda if present, else cpu")
     max_context: int = Field(default=2048, gt=1, description="prompt plus generated tokens, per request")
     max_batch: int = Field(default=32, gt=0, description="sequences a worker decodes at once")
-    prefill_chunk_tokens: int = Field(default=256, ge=0, description="tokens per forward pass of a prefill; "
-                                      "decode steps of the running batch go between two chunks, so a long prompt "
-                                      "does not stall them (0: the whole prompt in one pass)")
-    prefetch: bool = Field(default=True, description="a request that must wait for the worker has its prefix "
-                           "brought from the node's SSD into its pool meanwhile and pulled into the worker's gpu "
-                           "tier (as far as it has room below its watermark), so its prefill loads little or nothing")
-    host: str | None = Field(default=None, description="the OpenAI-compatible API's own address; default: "
-                             "conductor.host")
-    port: int | None = Field(default=8080, ge=0, le=65535,
-                             description="the OpenAI-compatible API's own port (/v1/completions, /v1/models), apart "
-                             "from the control API, so a firewall can open one and close the other (0: any free "
-                             "port, printed at start); null: beside the control API on conductor.port")
-    tokenizer: str | None = Field(default=None, description="a Hugging Face tokenizer directory (the served "
-                                  "model's, e.g. vLLM's --model directory): the front tokenizes with it; null: "
-                                  "the reference model's UTF-8 bytes")
+    prefill_chunk_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="tokens per forward pass of a prefill; "
+        "decode steps of the running batch go between two chunks, so a long prompt "
+        "does not stall them (0: the whole prompt in one pass)",
+    )
+    prefetch: bool = Field(
+        default=True,
+        description="a request that must wait for the worker has its prefix "
+        "brought from the node's SSD into its pool meanwhile and pulled into the worker's gpu "
+        "tier (as far as it has room below its watermark), so its prefill loads little or nothing",
+    )
+    host: str | None = Field(
+        default=None, description="the OpenAI-compatible API's own address; default: conductor.host"
+    )
+    port: int | None = Field(
+        default=8080,
+        ge=0,
+        le=65535,
+        description="the OpenAI-compatible API's own port (/v1/completions, /v1/models), apart "
+        "from the control API, so a firewall can open one and close the other (0: any free "
+        "port, printed at start); null: beside the control API on conductor.port",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="a Hugging Face tokenizer directory (the served "
+        "model's, e.g. vLLM's --model directory): the front tokenizes with it; null: "
+        "the reference model's UTF-8 bytes",
+    )
     router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
     router_params: dict[str, Any] = Field(default_factory=dict)
 
     slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")
     slo_tbt_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TBT exceeds it")
-    api_keys: dict[str, str] = Field(default_factory=dict,
-                                     description="API key -> tenant; when set, every request needs a known key")
-    api_keys_file: str | None = Field(default=None, description="more API keys: a YAML or JSON mapping of key -> "
-                                      "tenant (a mounted Secret keeps them out of the config)")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, description="API key -> tenant; when set, every request needs a known key"
+    )
+    api_keys_file: str | None = Field(
+        default=None,
+        description="more API keys: a YAML or JSON mapping of key -> "
+        "tenant (a mounted Secret keeps them out of the config)",
+    )
     shared_namespace: bool = Field(default=False, description="all tenants share one cache namespace")
-    quota: TenantQuota = Field(default_factory=TenantQuota, description="every tenant's limits, unless "
-                               "tenant_quotas names the tenant")
+    quota: TenantQuota = Field(
+        default_factory=TenantQuota, description="every tenant's limits, unless tenant_quotas names the tenant"
+    )
     tenant_quotas: dict[str, TenantQuota] = Field(default_factory=dict, description="tenant -> its own limits")
     disaggregated: bool = Field(default=True, description="separate prefill and decode workers when both exist")
-    reuse_window_blocks: int = Field(default=100_000, ge=0, description="the front measures reuse distance and "
-                                     "prefetchability over this many recent distinct blocks (about 0.5 KB each); "
-                                     "0: not measured")
-    record_trace: str | None = Field(default=None, description="append every served request to this file in the "
-                                     "Mooncake trace format (with tenant)")
+    reuse_window_blocks: int = Field(
+        default=100_000,
+        ge=0,
+        description="the front measures reuse distance and "
+        "prefetchability over this many recent distinct blocks (about 0.5 KB each); "
+        "0: not measured",
+    )
+    record_trace: str | None = Field(
+        default=None, description="append every served request to this file in the Mooncake trace format (with tenant)"
+    )
 
     def layout(self) -> BlockLayout:
         return self.model.layout(self.block_size)
@@ -346,10 +448,12 @@ class ServingConfig(BaseModel):
                 loaded = yaml.safe_load(Path(self.api_keys_file).read_text()) or {}
             except (OSError, yaml.YAMLError) as exc:
                 raise ValueError(f"serving.api_keys_file {self.api_keys_file}: {exc}") from None
-            if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
-                                                       for k, v in loaded.items()):
-                raise ValueError(f"serving.api_keys_file {self.api_keys_file}: expected a mapping of API key "
-                                 "-> tenant name")
+            if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and v for k, v in loaded.items()
+            ):
+                raise ValueError(
+                    f"serving.api_keys_file {self.api_keys_file}: expected a mapping of API key -> tenant name"
+                )
             keys.update(loaded)
         return keys
 
@@ -361,11 +465,13 @@ class TlsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    cert_file: str | None = Field(default=None, description="the server certificate chain (PEM); with key_file, "
-                                  "every HTTP API serves https only")
+    cert_file: str | None = Field(
+        default=None, description="the server certificate chain (PEM); with key_file, every HTTP API serves https only"
+    )
     key_file: str | None = Field(default=None, description="its private key (PEM)")
-    ca_file: str | None = Field(default=None, description="the CA the cluster's own clients trust (default: the "
-                                "system's, or $SSL_CERT_FILE)")
+    ca_file: str | None = Field(
+        default=None, description="the CA the cluster's own clients trust (default: the system's, or $SSL_CERT_FILE)"
+    )
 
     @model_validator(mode="after")
     def _pair(self) -> TlsConfig:
@@ -424,11 +530,14 @@ class TiercakeConfig(BaseModel):
     def _transfer_tls(self) -> TiercakeConfig:
         if self.transfer.tls:
             if not (self.tls.cert_file and self.tls.ca_file):
-                raise ValueError("transfer.tls needs tls.cert_file, tls.key_file (node agents serve with them) and "
-                                 "tls.ca_file (every client checks them against it)")
+                raise ValueError(
+                    "transfer.tls needs tls.cert_file, tls.key_file (node agents serve with them) and "
+                    "tls.ca_file (every client checks them against it)"
+                )
             if "ucx" in self.transfer.transports:
-                raise ValueError("transfer.tls: UCX moves bytes outside the TLS stream; take ucx out of "
-                                 "transfer.transports")
+                raise ValueError(
+                    "transfer.tls: UCX moves bytes outside the TLS stream; take ucx out of transfer.transports"
+                )
         return self
 
     def transfer_tls_server(self):
@@ -442,8 +551,9 @@ class TiercakeConfig(BaseModel):
     def serving_namespace(self, tenant_salt: str = "") -> Namespace:
         """The namespace of the served model's blocks (what workers and the front hash with)."""
         layout = self.serving.layout()
-        return Namespace(model_id=self.model_id, kv_layout=layout.tag, block_size=layout.block_size,
-                         tenant_salt=tenant_salt)
+        return Namespace(
+            model_id=self.model_id, kv_layout=layout.tag, block_size=layout.block_size, tenant_salt=tenant_salt
+        )
 
     def namespace(self, tenant_salt: str = "") -> Namespace:
         layout = self.store.layout
@@ -503,8 +613,9 @@ def load_config(path: str | Path, data_dir: str | Path = ".tiercake") -> Tiercak
         else:
             data = yaml.safe_load(text)
     except (yaml.YAMLError, ValueError) as exc:
-        raise ValueError(f"{path}: not valid {path.suffix.lstrip('.').upper() or 'YAML'}: "
-                         f"{' '.join(str(exc).split())}") from None
+        raise ValueError(
+            f"{path}: not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {' '.join(str(exc).split())}"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -536,7 +647,7 @@ def with_environment(config: TiercakeConfig) -> TiercakeConfig:
     for name, raw in sorted(os.environ.items()):
         if not name.startswith(ENV_PREFIX):
             continue
-        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
         node, model = data, TiercakeConfig
         for part in path[:-1]:
             field = model.model_fields.get(part) if model is not None else None

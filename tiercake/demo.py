@@ -39,13 +39,15 @@ def _model_for(config: TiercakeConfig) -> ReferenceModel:
     layout = config.store.layout
     heads = layout.kv_heads * 2
     return ReferenceModel(
-        ModelConfig(layers=layout.layers, kv_heads=layout.kv_heads, heads=heads, dim=heads * layout.head_dim,
-                    dtype=layout.dtype)
+        ModelConfig(
+            layers=layout.layers, kv_heads=layout.kv_heads, heads=heads, dim=heads * layout.head_dim, dtype=layout.dtype
+        )
     )
 
 
-def _check_reuse(served: torch.Tensor, put_digests: dict[bytes, int], key: bytes, recomputed: torch.Tensor,
-                 tier: str) -> None:
+def _check_reuse(
+    served: torch.Tensor, put_digests: dict[bytes, int], key: bytes, recomputed: torch.Tensor, tier: str
+) -> None:
     """Served bytes are exactly the bytes stored, and within float tolerance of a recompute (the
     recompute runs over a different prompt length, so its kernels may round differently)."""
     if key in put_digests and xxhash.xxh3_64_intdigest(served.numpy().tobytes()) != put_digests[key]:
@@ -69,9 +71,11 @@ async def run_demo(config: TiercakeConfig, console: Console) -> None:
     await store.open()
     try:
         recovered = len(store.keys())
-        console.print(f"[bold]tiercake demo[/bold] on node [cyan]{config.node_id}[/cyan]: tiers "
-                      + ", ".join(f"{t.name} ({t.backend.capacity_bytes >> 20} MiB)" for t in store.tiers)
-                      + f"; KV block {layout.nbytes >> 10} KiB ({layout.tag})")
+        console.print(
+            f"[bold]tiercake demo[/bold] on node [cyan]{config.node_id}[/cyan]: tiers "
+            + ", ".join(f"{t.name} ({t.backend.capacity_bytes >> 20} MiB)" for t in store.tiers)
+            + f"; KV block {layout.nbytes >> 10} KiB ({layout.tag})"
+        )
         if recovered:
             console.print(f"restart: the ssd tier still holds [green]{recovered}[/green] blocks from the last run")
         put_digests: dict[bytes, int] = {}
@@ -102,16 +106,29 @@ async def run_demo(config: TiercakeConfig, console: Console) -> None:
                 computed += len(keys) - cached
             await store.drain()
             where = ", ".join(f"{v} from {k}" for k, v in served.items()) or "none"
-            console.print(f"{phase}: {len(requests)} requests, [green]{reused} blocks reused[/green] ({where}; "
-                          f"each verified), {computed} computed and stored")
+            console.print(
+                f"{phase}: {len(requests)} requests, [green]{reused} blocks reused[/green] ({where}; "
+                f"each verified), {computed} computed and stored"
+            )
         table = Table(title="tiers after the run")
         for col in ("tier", "blocks", "used", "hits", "puts", "spilled in", "promoted in", "evicted", "dropped"):
             table.add_column(col, justify="left" if col == "tier" else "right")
         stats = store.stats()["tiers"]
         for name, s in stats.items():
-            table.add_row(name, str(s["blocks"]), f"{s['used_bytes'] >> 10} KiB", str(s["hits"]), str(s["puts"]),
-                          str(s["spills_in"]), str(s["promotions_in"]), str(s["evictions"]), str(s["drops"]))
+            table.add_row(
+                name,
+                str(s["blocks"]),
+                f"{s['used_bytes'] >> 10} KiB",
+                str(s["hits"]),
+                str(s["puts"]),
+                str(s["spills_in"]),
+                str(s["promotions_in"]),
+                str(s["evictions"]),
+                str(s["drops"]),
+            )
         console.print(table)
-        console.print(f"the ssd tier keeps {len(store.keys('ssd'))} blocks across restarts: run again to see them found")
+        console.print(
+            f"the ssd tier keeps {len(store.keys('ssd'))} blocks across restarts: run again to see them found"
+        )
     finally:
         await store.close()

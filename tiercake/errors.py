@@ -76,8 +76,9 @@ class _JsonErrors(RequestHandler):
         self._stop_head_deadline()
         super().connection_lost(exc)
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         self.logger.debug("unparsable request from %s: %s", request.remote, exc)
         if request.writer.output_size > 0:
             raise ConnectionError("the response is under way: no error can follow it")
@@ -100,33 +101,59 @@ class _Runner(web.AppRunner):
 
 
 # OpenAI's error types by status, for errors that name none
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class ApiError(Exception):
     """An error to answer with: raise it from a handler (the middleware renders it) or call
     ``response()``."""
 
-    def __init__(self, status: int, message: str, kind: str | None = None, code: str | None = None,
-                 headers: dict | None = None, *, retryable: bool = False, leader: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+        *,
+        retryable: bool = False,
+        leader: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.headers, self.param = status, code, headers or {}, param
         self.kind = kind or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.retryable, self.leader = retryable, leader
 
     def reply(self) -> ErrorReply:
-        return ErrorReply(error=ErrorInfo(message=str(self), type=self.kind, code=self.code, param=self.param,
-                                          retryable=self.retryable, leader=self.leader))
+        return ErrorReply(
+            error=ErrorInfo(
+                message=str(self),
+                type=self.kind,
+                code=self.code,
+                param=self.param,
+                retryable=self.retryable,
+                leader=self.leader,
+            )
+        )
 
     def response(self) -> web.Response:
         body = self.reply().model_dump_json(exclude_defaults=False)
         return web.json_response(text=body, status=self.status, headers=self.headers)
 
 
-def error_response(status: int, message: str, kind: str | None = None, code: str | None = None,
-                   headers: dict | None = None, **extra) -> web.Response:
+def error_response(
+    status: int, message: str, kind: str | None = None, code: str | None = None, headers: dict | None = None, **extra
+) -> web.Response:
     return ApiError(status, message, kind, code, headers, **extra).response()
 
 
@@ -209,8 +236,11 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
-        return error_response(exc.status, exc.text if exc.status == 413 and exc.text else exc.reason, headers={
-                                  k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")})
+        return error_response(
+            exc.status,
+            exc.text if exc.status == 413 and exc.text else exc.reason,
+            headers={k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")},
+        )
     except Exception as exc:  # noqa: BLE001 - a bug: logged, answered in the format
         log.exception("%s %s failed", request.method, request.path)
         return error_response(500, f"internal error: {type(exc).__name__}", retryable=True)
@@ -243,16 +273,25 @@ def body_reader(budget_bytes: int = BODY_BUDGET_BYTES):
         # a chunked body may grow to the app's limit; a larger announced one is aiohttp's 413
         charge = min(request.content_length or request.client_max_size, request.client_max_size)
         if held + charge > budget_bytes:
-            raise ApiError(503, "the server holds as many request bodies as it may; retry", code="busy",
-                           headers={"Retry-After": "1", "Connection": "close"}, retryable=True)
+            raise ApiError(
+                503,
+                "the server holds as many request bodies as it may; retry",
+                code="busy",
+                headers={"Retry-After": "1", "Connection": "close"},
+                retryable=True,
+            )
         held += charge
         try:
             try:
                 async with asyncio.timeout(BODY_DEADLINE_S):
                     await request.read()
             except TimeoutError:
-                raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
-                               code="body_timeout", headers={"Connection": "close"}) from None
+                raise ApiError(
+                    408,
+                    f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
+                    code="body_timeout",
+                    headers={"Connection": "close"},
+                ) from None
             return await handler(request)
         finally:
             held -= charge

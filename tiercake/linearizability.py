@@ -161,12 +161,19 @@ def explain(ops: list[Op], initial: bytes | None = None, label: Callable[[bytes]
         prefix = ordered[:n]
         cut = prefix[-1].called
         # operations still running at the cut are of unknown outcome within the prefix
-        trimmed = [o if o.returned is not None and o.returned <= cut or o is prefix[-1] else
-                   Op(o.kind, o.value, o.result, o.called, None if o.kind != "get" else o.returned) for o in prefix]
+        trimmed = [
+            o
+            if o.returned is not None and o.returned <= cut or o is prefix[-1]
+            else Op(o.kind, o.value, o.result, o.called, None if o.kind != "get" else o.returned)
+            for o in prefix
+        ]
         trimmed = [o for o in trimmed if not (o.kind == "get" and o.returned is None)]
         if not check(trimmed, initial):
-            lines = [f"{o.kind}({_short(o.value, label)}) -> {_short(o.result, label)} [{o.called:.6f}, "
-                     f"{'?' if o.returned is None else f'{o.returned:.6f}'}]" for o in trimmed[-12:]]
+            lines = [
+                f"{o.kind}({_short(o.value, label)}) -> {_short(o.result, label)} [{o.called:.6f}, "
+                f"{'?' if o.returned is None else f'{o.returned:.6f}'}]"
+                for o in trimmed[-12:]
+            ]
             return "not linearizable at:\n  " + "\n  ".join(lines)
     return "linearizable"
 

@@ -75,8 +75,9 @@ class WorkerPerf(Reply):
     prefill_b: float = 1e-4
     prefill_q: float = 0.0
     decode_step_s: float = 0.005
-    copy_bytes_per_s: float | None = Field(default=None, description="warm copies into its gpu tier (the floor "
-                                           "of loading a block)")
+    copy_bytes_per_s: float | None = Field(
+        default=None, description="warm copies into its gpu tier (the floor of loading a block)"
+    )
 
 
 class KVSpace(Reply):
@@ -105,10 +106,13 @@ class MemberInfo(Request):
     url: str = Field(default="", description="a worker's HTTP API")
     engine: str = Field(default="reference", description="the inference engine behind a worker")
     perf: WorkerPerf = Field(default_factory=WorkerPerf, description="a worker's fitted timings (routing)")
-    kv_space: KVSpace | None = Field(default=None, description="a worker's block keys, when not the serving "
-                                     "config's")
-    transfer_version: int = Field(default=3, ge=1, le=255, description="the transfer protocol the member "
-                                  "speaks (3: a member from before members said it)")
+    kv_space: KVSpace | None = Field(default=None, description="a worker's block keys, when not the serving config's")
+    transfer_version: int = Field(
+        default=3,
+        ge=1,
+        le=255,
+        description="the transfer protocol the member speaks (3: a member from before members said it)",
+    )
 
 
 # the upper bounds (s) of TierStats.residency's buckets: how long evicted copies had stayed
@@ -222,8 +226,11 @@ class SlotReady(Request):
     node: Name = Field(description="the backup synced (a handoff: the new primary)")
     primary: Name
     handed_off: bool = Field(default=False, description="the primary stopped serving the slot for ``node`` to take it")
-    lagging: bool = Field(default=False, description="``node`` failed a write: it holds the slot whole no more, and "
-                          "is copied it again before it may be promoted")
+    lagging: bool = Field(
+        default=False,
+        description="``node`` failed a write: it holds the slot whole no more, and "
+        "is copied it again before it may be promoted",
+    )
 
 
 class SlotReports(Request):
@@ -242,10 +249,14 @@ class KeepAliveReply(Reply):
     objects_epoch: int = Field(default=0, description="the object map's epoch: a member with an older map fetches it")
     settings: ClusterSettings = Field(default_factory=ClusterSettings)
     tasks: list[ReplicationTask] = Field(default_factory=list)
-    term: int = Field(default=0, description="the leader's term; when it changes, a member re-reports what it "
-                      "holds in the volatile tiers (the new leader has none of those placements)")
-    volatile_tiers: list[str] = Field(default_factory=list, description="tiers whose placements the conductors "
-                                      "keep in memory only")
+    term: int = Field(
+        default=0,
+        description="the leader's term; when it changes, a member re-reports what it "
+        "holds in the volatile tiers (the new leader has none of those placements)",
+    )
+    volatile_tiers: list[str] = Field(
+        default_factory=list, description="tiers whose placements the conductors keep in memory only"
+    )
 
 
 # Placements --------------------------------------------------------------------------------------
@@ -262,10 +273,12 @@ class PrefixHolding(Reply):
 
     length: int
     tiers: dict[str, int] = Field(default_factory=dict)
-    runs: list[tuple[str, int]] = Field(default_factory=list, description="the tier each block is served from, "
-                                        "run-length encoded in chain order")
-    sizes: list[int] | None = Field(default=None, description="each held block's bytes, in chain order "
-                                    "(only when the lookup asked for them)")
+    runs: list[tuple[str, int]] = Field(
+        default_factory=list, description="the tier each block is served from, run-length encoded in chain order"
+    )
+    sizes: list[int] | None = Field(
+        default=None, description="each held block's bytes, in chain order (only when the lookup asked for them)"
+    )
 
     @property
     def majority_tier(self) -> str:
@@ -318,8 +331,11 @@ class BeginRequest(Request):
     tier: Name
     blocks: list[BlockSize] = Field(min_length=1, max_length=MAX_KEYS)
     local: str | None = Field(default=None, description="the writer's node, for the local_first strategy")
-    evict: bool = Field(default=False, description="the nodes may evict to make room (a cache's put): placed "
-                        "even where the index counts the tier full")
+    evict: bool = Field(
+        default=False,
+        description="the nodes may evict to make room (a cache's put): placed "
+        "even where the index counts the tier full",
+    )
 
 
 class BeginReply(Reply):
@@ -486,10 +502,17 @@ class PinPrefixReply(Reply):
 
 class FlushRequest(Request):
     tiers: list[str] | None = Field(default=None, description="only these tiers, pushed down; default: all")
-    wait: bool = Field(default=False, description="answer once every member has applied it and reported what "
-                       "it dropped (else: once it is durable; members apply it at their next keep-alive)")
-    timeout_s: float = Field(default=30.0, gt=0, le=600, description="with wait: how long; then a 504 naming the "
-                             "members that have not applied it")
+    wait: bool = Field(
+        default=False,
+        description="answer once every member has applied it and reported what "
+        "it dropped (else: once it is durable; members apply it at their next keep-alive)",
+    )
+    timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="with wait: how long; then a 504 naming the members that have not applied it",
+    )
 
 
 class FlushReply(Reply):
@@ -515,8 +538,10 @@ class PolicyRequest(Request):
 class PolicyReply(Reply):
     router: RouterSpec
     eviction: dict[str, EvictionSpec]
-    warnings: list[str] = Field(default_factory=list, description="what the switch costs (a router that "
-                                "never loads from the nodes' pool and SSD)")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="what the switch costs (a router that never loads from the nodes' pool and SSD)",
+    )
 
 
 class CountedLoad(Reply):
@@ -587,8 +612,10 @@ class KVHandoff(Request):
     node: Name
     blocks: int = Field(ge=0)
     tier: str = Field(default="handoff", description="the tier the node holds them in (for the statistics)")
-    runs: list[tuple[str, int]] = Field(default_factory=list, description="the tier of each block, run-length "
-                                        "encoded (PrefixHolding.runs), when the index said")
+    runs: list[tuple[str, int]] = Field(
+        default_factory=list,
+        description="the tier of each block, run-length encoded (PrefixHolding.runs), when the index said",
+    )
 
 
 class GenerateRequest(Request):
@@ -597,17 +624,28 @@ class GenerateRequest(Request):
     tokens: list[int] = Field(min_length=1)
     max_tokens: int = Field(gt=0)
     temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens "
-                         "whose probabilities add up to it")
+    top_p: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling: the smallest set of tokens whose probabilities add up to it",
+    )
     tenant: Name = "default"
     salt: str | None = Field(default=None, description="the hashing salt; default: the tenant")
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64, description="torch's generator takes 64 bits")
     pull: bool = Field(default=True, description="load what nodes hold beyond the worker's own prefix")
     source: KVHandoff | None = Field(default=None, description="pull the prefix from here without asking the index")
-    handoff: bool = Field(default=False, description="a prefill for a decode worker: its last event carries the "
-                          "KVHandoff, sent only once the blocks are on the node")
-    logprobs: int | None = Field(default=None, ge=0, le=20, description="each token's log-probability and this "
-                                 "many most likely alternatives (none: no log-probabilities)")
+    handoff: bool = Field(
+        default=False,
+        description="a prefill for a decode worker: its last event carries the "
+        "KVHandoff, sent only once the blocks are on the node",
+    )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="each token's log-probability and this many most likely alternatives (none: no log-probabilities)",
+    )
 
 
 class PrefillStats(Reply):
@@ -616,8 +654,12 @@ class PrefillStats(Reply):
     prompt_tokens: int = 0
     cached_tokens: int = 0  # tokens whose KV was reused, from any source
     sources: dict[str, int] = Field(default_factory=dict, description='"gpu" / "<node>:<tier>" -> blocks')
-    block_size: int = Field(default=0, ge=0, description="tokens per block of sources (0: the serving config's; "
-                            "an engine with its own block size, as vLLM, says)")
+    block_size: int = Field(
+        default=0,
+        ge=0,
+        description="tokens per block of sources (0: the serving config's; "
+        "an engine with its own block size, as vLLM, says)",
+    )
     lookup_s: float = 0.0
     load_s: float = 0.0
     load_bytes: int = 0
@@ -627,8 +669,11 @@ class PrefillStats(Reply):
     refused_blocks: int = 0  # pulled blocks whose seal did not verify (forged or corrupt): recomputed instead
     prefetched_blocks: int = 0  # of the reused blocks, those pulled into the worker while the request waited
     copy_bytes_per_s: float | None = None  # the worker's memcpy rate, the floor of a load
-    final: bool = Field(default=True, description="false: the engine learns what it reused only at the end "
-                        "(vLLM streaming); its last event carries the final figures")
+    final: bool = Field(
+        default=True,
+        description="false: the engine learns what it reused only at the end "
+        "(vLLM streaming); its last event carries the final figures",
+    )
 
 
 class TokenLogprob(Reply):

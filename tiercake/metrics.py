@@ -21,14 +21,14 @@ def store_families(stats: Mapping[str, MemberStats]) -> Iterator[Metric]:
     used = GaugeMetricFamily("tiercake_tier_used_bytes", "bytes held in each member's tiers", labels=labels)
     blocks = GaugeMetricFamily("tiercake_tier_blocks", "blocks held in each member's tiers", labels=labels)
     hits = CounterMetricFamily("tiercake_tier_hits", "reads served by each member's tiers", labels=labels)
-    evictions = CounterMetricFamily("tiercake_tier_evictions", "blocks evicted from each member's tiers",
-                                    labels=labels)
-    corrupt = CounterMetricFamily("tiercake_tier_corrupt", "copies that failed their checksum on a read "
-                                  "(dropped, never served)", labels=labels)
-    misses = CounterMetricFamily("tiercake_store_misses", "reads no tier of the member could serve",
-                                 labels=["member"])
-    residency = HistogramMetricFamily("tiercake_block_residency_seconds",
-                                      "how long blocks stayed in a tier before eviction", labels=labels)
+    evictions = CounterMetricFamily("tiercake_tier_evictions", "blocks evicted from each member's tiers", labels=labels)
+    corrupt = CounterMetricFamily(
+        "tiercake_tier_corrupt", "copies that failed their checksum on a read (dropped, never served)", labels=labels
+    )
+    misses = CounterMetricFamily("tiercake_store_misses", "reads no tier of the member could serve", labels=["member"])
+    residency = HistogramMetricFamily(
+        "tiercake_block_residency_seconds", "how long blocks stayed in a tier before eviction", labels=labels
+    )
     for member, member_stats in stats.items():
         misses.add_metric([member], member_stats.misses)
         for tier, t in member_stats.tiers.items():

@@ -29,8 +29,10 @@ class Partition:
             _ip("netns", "add", self.ns)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            raise PartitionUnavailable(f"no network namespaces here (root or CAP_NET_ADMIN and iproute2 are "
-                                       f"needed): {exc} {detail.decode(errors='replace').strip()}") from None
+            raise PartitionUnavailable(
+                f"no network namespaces here (root or CAP_NET_ADMIN and iproute2 are "
+                f"needed): {exc} {detail.decode(errors='replace').strip()}"
+            ) from None
         try:
             _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
             _ip("link", "set", self.ns_if, "netns", self.ns)

@@ -48,8 +48,9 @@ class PluginRegistry:
         return sorted({*self._paths, *self._loaded, *(ep.name for ep in entry_points(group=self.group))})
 
     def __contains__(self, name: str) -> bool:
-        return name in self._paths or name in self._loaded or any(
-            ep.name == name for ep in entry_points(group=self.group))
+        return (
+            name in self._paths or name in self._loaded or any(ep.name == name for ep in entry_points(group=self.group))
+        )
 
     def resolve(self, name: str) -> Any:
         if name in self._loaded:
@@ -58,8 +59,10 @@ class PluginRegistry:
         if path is None:
             found = [ep for ep in entry_points(group=self.group) if ep.name == name]
             if not found:
-                raise PluginNotFoundError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())} (plug-ins "
-                                          f"register in the entry-point group {self.group!r})")
+                raise PluginNotFoundError(
+                    f"unknown {self.kind} {name!r}; known: {', '.join(self.names())} (plug-ins "
+                    f"register in the entry-point group {self.group!r})"
+                )
             plugin = found[0].load()
         else:
             module, _, attr = path.partition(":")
@@ -68,15 +71,23 @@ class PluginRegistry:
         return plugin
 
 
-TIER_BACKENDS = PluginRegistry("tier backend", "tiercake.tiers", {
-    "gpu": "tiercake.tiers.gpu:GpuTier",
-    "pool": "tiercake.tiers.pool:PoolTier",
-    "ssd": "tiercake.tiers.ssd:SsdTier",
-})
+TIER_BACKENDS = PluginRegistry(
+    "tier backend",
+    "tiercake.tiers",
+    {
+        "gpu": "tiercake.tiers.gpu:GpuTier",
+        "pool": "tiercake.tiers.pool:PoolTier",
+        "ssd": "tiercake.tiers.ssd:SsdTier",
+    },
+)
 
-TRANSPORTS = PluginRegistry("transport", "tiercake.transports", {
-    "local": "tiercake.transfer.transports:LocalTransport",
-    "shm": "tiercake.transfer.transports:ShmTransport",
-    "tcp": "tiercake.transfer.transports:TcpTransport",
-    "ucx": "tiercake.transfer.ucx:UcxTransport",
-})
+TRANSPORTS = PluginRegistry(
+    "transport",
+    "tiercake.transports",
+    {
+        "local": "tiercake.transfer.transports:LocalTransport",
+        "shm": "tiercake.transfer.transports:ShmTransport",
+        "tcp": "tiercake.transfer.transports:TcpTransport",
+        "ucx": "tiercake.transfer.ucx:UcxTransport",
+    },
+)

@@ -87,9 +87,20 @@ async def _cluster_view(url: str, token: str | None) -> ClusterView | None:
         return None
 
 
-async def replay(records: list[TraceRecord], target: str, *, time_scale: float = 1.0, tokens_per_block: int = 16,
-                 max_output: int = 32, concurrency: int = 64, api_key: str | None = None, model: str | None = None,
-                 control: str | None = None, control_token: str | None = None, progress=None) -> ReplayRun:
+async def replay(
+    records: list[TraceRecord],
+    target: str,
+    *,
+    time_scale: float = 1.0,
+    tokens_per_block: int = 16,
+    max_output: int = 32,
+    concurrency: int = 64,
+    api_key: str | None = None,
+    model: str | None = None,
+    control: str | None = None,
+    control_token: str | None = None,
+    progress=None,
+) -> ReplayRun:
     """``control``: the control API's URL, for the cluster's own counters (default: ``target``, where
     the OpenAI API and the control API share a port)."""
     control = control or target
@@ -114,8 +125,9 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
             async with gate:
                 sent = time.perf_counter()
                 try:
-                    async for chunk in client.stream_completion(prompt, model=model, max_tokens=max_tokens,
-                                                                temperature=0.0, tenant=record.tenant):
+                    async for chunk in client.stream_completion(
+                        prompt, model=model, max_tokens=max_tokens, temperature=0.0, tenant=record.tenant
+                    ):
                         if chunk.get("choices") and not outcome.ttft_s:
                             outcome.ttft_s = time.perf_counter() - sent
                         usage = chunk.get("usage")
@@ -124,8 +136,9 @@ async def replay(records: list[TraceRecord], target: str, *, time_scale: float =
                             outcome.completion_tokens = usage["completion_tokens"]
                             extra = usage.get("tiercake", {})
                             outcome.sources = extra.get("sources", {})
-                            outcome.phases = {k[:-2]: extra.get(k, 0.0) for k in ("route_s", "lookup_s", "load_s",
-                                                                                   "compute_s")}
+                            outcome.phases = {
+                                k[:-2]: extra.get(k, 0.0) for k in ("route_s", "lookup_s", "load_s", "compute_s")
+                            }
                             outcome.load_tier = extra.get("load_tier")
                             outcome.prefetched_blocks = extra.get("prefetched_blocks") or 0
                 except ConductorError as exc:
@@ -171,19 +184,40 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     common = {"trace": trace_name, "requests": len(outcomes), **params}
     tiers = sorted({o.load_tier for o in ok if o.load_tier})
     for p in (50, 99):
-        breakdown = {f"{phase}_s": round(_pct([o.phases.get(phase, 0.0) for o in ok], p), 5)
-                     for phase in ("route", "lookup", "load", "compute")}
-        rep.add(f"ttft.p{p}", _pct([o.ttft_s for o in ok], p), "s", _pct(cold, p),
-                limit_name="requests with nothing cached", **common, **breakdown)
+        breakdown = {
+            f"{phase}_s": round(_pct([o.phases.get(phase, 0.0) for o in ok], p), 5)
+            for phase in ("route", "lookup", "load", "compute")
+        }
+        rep.add(
+            f"ttft.p{p}",
+            _pct([o.ttft_s for o in ok], p),
+            "s",
+            _pct(cold, p),
+            limit_name="requests with nothing cached",
+            **common,
+            **breakdown,
+        )
         for tier in tiers:  # load time of the requests that pulled from this tier, against their whole TTFT
             pulled = [o for o in ok if o.load_tier == tier]
-            rep.add(f"load.{tier}.p{p}", _pct([o.phases.get("load", 0.0) for o in pulled], p), "s",
-                    _pct([o.ttft_s for o in pulled], p), limit_name="TTFT of those requests",
-                    **common, loads=len(pulled))
+            rep.add(
+                f"load.{tier}.p{p}",
+                _pct([o.phases.get("load", 0.0) for o in pulled], p),
+                "s",
+                _pct([o.ttft_s for o in pulled], p),
+                limit_name="TTFT of those requests",
+                **common,
+                loads=len(pulled),
+            )
     prompt = sum(o.prompt_tokens for o in ok)
     ceiling = simulate(accesses(records), [TierSpec(math.inf, LRU())]).token_hit_ratio
-    rep.add("hit_ratio.tokens", sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0, "ratio", ceiling,
-            limit_name="infinite cache (simulated)", **common)
+    rep.add(
+        "hit_ratio.tokens",
+        sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+        "ratio",
+        ceiling,
+        limit_name="infinite cache (simulated)",
+        **common,
+    )
     by_tier: dict[str, int] = {}
     for o in ok:
         reused = sum(o.sources.values())
@@ -191,27 +225,53 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
             tier = source.rsplit(":", 1)[-1]
             by_tier[tier] = by_tier.get(tier, 0) + (o.cached_tokens * blocks // reused if reused else 0)
     for tier, tokens in sorted(by_tier.items()):
-        rep.add(f"hit_ratio.tokens.{tier}", tokens / prompt if prompt else 0.0, "ratio", ceiling,
-                limit_name="infinite cache (simulated)", **common)
+        rep.add(
+            f"hit_ratio.tokens.{tier}",
+            tokens / prompt if prompt else 0.0,
+            "ratio",
+            ceiling,
+            limit_name="infinite cache (simulated)",
+            **common,
+        )
     pulled = {"memory": 0, "disk": 0}  # blocks loaded from nodes, by where the node read them
     for o in ok:
         for source, blocks in o.sources.items():
             if ":" in source:
                 pulled["memory" if source.rsplit(":", 1)[-1] in MEMORY_TIERS else "disk"] += blocks
     if sum(pulled.values()):  # what prefetching (serving.prefetch) moves up: the share read from memory
-        rep.add("load.from_memory", pulled["memory"] / sum(pulled.values()), "ratio", 1.0,
-                limit_name="every pulled block from memory", **common, **{f"{k}_blocks": v for k, v in pulled.items()})
+        rep.add(
+            "load.from_memory",
+            pulled["memory"] / sum(pulled.values()),
+            "ratio",
+            1.0,
+            limit_name="every pulled block from memory",
+            **common,
+            **{f"{k}_blocks": v for k, v in pulled.items()},
+        )
         # ... and what it takes off the prefill: the share already in the worker when its prefill began
-        rep.add("load.prefetched", sum(o.prefetched_blocks for o in ok) / sum(pulled.values()), "ratio", 1.0,
-                limit_name="every pulled block before its prefill", **common)
+        rep.add(
+            "load.prefetched",
+            sum(o.prefetched_blocks for o in ok) / sum(pulled.values()),
+            "ratio",
+            1.0,
+            limit_name="every pulled block before its prefill",
+            **common,
+        )
     if run.cluster_before is not None and run.cluster_after is not None:
         cluster_figures(run.cluster_before, run.cluster_after, rep, **common)
         was, now = run.cluster_before.reuse, run.cluster_after.reuse
         if was and now and now["reaccesses"] > was["reaccesses"]:
-            live = (now["prefetchable_share"] * now["reaccesses"] - was["prefetchable_share"] * was["reaccesses"]) \
-                / (now["reaccesses"] - was["reaccesses"])
-            rep.add("prefetchable_share.live", live, "ratio", trace_stats(records).prefetchable_share,
-                    limit_name="the trace's own, measured offline", **common)
+            live = (now["prefetchable_share"] * now["reaccesses"] - was["prefetchable_share"] * was["reaccesses"]) / (
+                now["reaccesses"] - was["reaccesses"]
+            )
+            rep.add(
+                "prefetchable_share.live",
+                live,
+                "ratio",
+                trace_stats(records).prefetchable_share,
+                limit_name="the trace's own, measured offline",
+                **common,
+            )
     for status in ("ok", "rejected", "failed"):
         rep.add(f"requests.{status}", sum(o.status == status for o in outcomes), "requests", len(outcomes), **common)
     return rep
@@ -226,14 +286,17 @@ def plot(outcomes: list[Outcome], path: str | Path, title: str) -> None:
     ok = [o for o in outcomes if o.status == "ok"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     shade = [o.cached_tokens / o.prompt_tokens if o.prompt_tokens else 0 for o in ok]
-    points = left.scatter([o.sent_at for o in ok], [o.ttft_s for o in ok], c=shade, cmap="viridis", s=12,
-                          vmin=0, vmax=1)
+    points = left.scatter(
+        [o.sent_at for o in ok], [o.ttft_s for o in ok], c=shade, cmap="viridis", s=12, vmin=0, vmax=1
+    )
     fig.colorbar(points, ax=left, label="cached share of the prompt")
     left.set_xlabel("arrival (s)")
     left.set_ylabel("TTFT (s)")
     left.set_title("time to first token")
-    for label, values in (("all", [o.ttft_s for o in ok]),
-                          ("nothing cached", [o.ttft_s for o in ok if o.cached_tokens == 0])):
+    for label, values in (
+        ("all", [o.ttft_s for o in ok]),
+        ("nothing cached", [o.ttft_s for o in ok if o.cached_tokens == 0]),
+    ):
         if values:
             values = sorted(values)
             right.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)

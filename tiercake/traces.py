@@ -35,8 +35,10 @@ class TraceRecord(BaseModel):
     def _blocks_cover_the_input(self) -> TraceRecord:
         expected = -(-self.input_length // TRACE_BLOCK_TOKENS)
         if len(self.hash_ids) != expected:
-            raise ValueError(f"{len(self.hash_ids)} hash_ids for {self.input_length} input tokens "
-                             f"(expected {expected} blocks of {TRACE_BLOCK_TOKENS})")
+            raise ValueError(
+                f"{len(self.hash_ids)} hash_ids for {self.input_length} input tokens "
+                f"(expected {expected} blocks of {TRACE_BLOCK_TOKENS})"
+            )
         return self
 
     def block_tokens(self, i: int) -> int:
@@ -102,8 +104,9 @@ def synthetic_trace(
         raise ValueError("requests, tenants, system_prompts and rate_per_s must be positive")
     rng = random.Random(seed)
     next_id = iter(range(1, 1 << 62))
-    prompts = {(t, p): [next(next_id) for _ in range(system_blocks)]
-               for t in range(tenants) for p in range(system_prompts)}
+    prompts = {
+        (t, p): [next(next_id) for _ in range(system_blocks)] for t in range(tenants) for p in range(system_prompts)
+    }
     sessions: list[tuple[int, list[int]]] = []  # (tenant, the conversation's ids so far)
     records: list[TraceRecord] = []
     clock = 0.0
@@ -127,7 +130,13 @@ def synthetic_trace(
         ids = ids + [next(next_id) for _ in range(rng.randint(*turn_blocks))]
         sessions[index] = (tenant, ids)
         input_length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(1, TRACE_BLOCK_TOKENS)
-        records.append(TraceRecord(timestamp=int(clock * 1000), input_length=input_length,
-                                   output_length=rng.randint(*output_tokens), hash_ids=tuple(ids),
-                                   tenant=f"tenant-{tenant}" if tenants > 1 else None))
+        records.append(
+            TraceRecord(
+                timestamp=int(clock * 1000),
+                input_length=input_length,
+                output_length=rng.randint(*output_tokens),
+                hash_ids=tuple(ids),
+                tenant=f"tenant-{tenant}" if tenants > 1 else None,
+            )
+        )
     return records

@@ -72,8 +72,9 @@ class Child:
     ``logs/<name>.log`` (appended to across restarts), dying with the process that started it.
     ``prefix``: what runs the command (``ip netns exec NS``: inside a network namespace)."""
 
-    def __init__(self, name: str, args: list[str], env: dict, logs: Path, argv: list[str] | None = None,
-                 prefix: list[str] = ()) -> None:
+    def __init__(
+        self, name: str, args: list[str], env: dict, logs: Path, argv: list[str] | None = None, prefix: list[str] = ()
+    ) -> None:
         self.name, self.args, self.env, self.argv, self.prefix = name, args, env, argv, list(prefix)
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
@@ -86,9 +87,14 @@ class Child:
     def start(self) -> None:
         command = self.prefix + (self.argv or [sys.executable, "-m", "tiercake.cli", *self.args])
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor
-            self.proc = subprocess.Popen(command, stdout=log if self.argv else subprocess.PIPE, stderr=log,
-                                         env=self.env, start_new_session=True,
-                                         preexec_fn=_die_with_parent(os.getpid()))
+            self.proc = subprocess.Popen(
+                command,
+                stdout=log if self.argv else subprocess.PIPE,
+                stderr=log,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
+            )
         self.started_at = time.monotonic()
 
     def restart(self) -> None:
@@ -123,7 +129,9 @@ class Child:
             self.stop()
             tail = self.log_path.read_text(errors="replace").strip()[-2000:]
             said = result[0].decode(errors="replace").strip() if result and result[0] else ""
-            raise StartError(f"the {self.name} did not start (its log: {self.log_path}):\n{said}\n{tail}".rstrip()) from None
+            raise StartError(
+                f"the {self.name} did not start (its log: {self.log_path}):\n{said}\n{tail}".rstrip()
+            ) from None
         return self.announce
 
     def terminate(self) -> None:
@@ -177,14 +185,18 @@ class Supervisor:
                     exits = [t for t in self._exits.get(child.name, []) if now - t < self.WINDOW_S] + [now]
                     self._exits[child.name] = exits
                     if len(exits) > self.MAX_RESTARTS:
-                        self.print_fn(f"{child.name} exited {len(exits)} times in {self.WINDOW_S:.0f} s (see "
-                                      f"{child.log_path}); giving up")
+                        self.print_fn(
+                            f"{child.name} exited {len(exits)} times in {self.WINDOW_S:.0f} s (see "
+                            f"{child.log_path}); giving up"
+                        )
                         return False
                     ran = now - child.started_at
                     backoff = 0.5 if ran > self.WINDOW_S else min(0.5 * 2 ** (len(exits) - 1), 10.0)
                     self._due[child.name] = now + backoff
-                    self.print_fn(f"{child.name} exited with {child.proc.returncode} (see {child.log_path}); "
-                                  f"restarting in {backoff:.1f} s")
+                    self.print_fn(
+                        f"{child.name} exited with {child.proc.returncode} (see {child.log_path}); "
+                        f"restarting in {backoff:.1f} s"
+                    )
                 elif now >= due:
                     del self._due[child.name]
                     child.restart()
@@ -236,8 +248,15 @@ class NodeCluster:
     beside them (vLLM instances with the TiercakeConnector). ``env`` must carry the cluster secret and
     the control token (or the config says insecure)."""
 
-    def __init__(self, config: TiercakeConfig, root: Path, env: dict[str, str], port: int = 0,
-                 serving_port: int | None = None, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        config: TiercakeConfig,
+        root: Path,
+        env: dict[str, str],
+        port: int = 0,
+        serving_port: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
         """``port``: the control API's; ``serving_port``: the front's (None: no front, the engines serve
         the OpenAI API themselves); ``stop``: set, it ends the waits for the processes to start."""
         self.root, self.env, self.logs, self.stop_event = root, env, root / "logs", stop
@@ -246,8 +265,12 @@ class NodeCluster:
         cfg.conductor.port = port
         cfg.serving.port = serving_port
         (root / "up-conductor.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        self.conductor = Child("conductor", ["conductor", "--config", str(root / "up-conductor.yaml"),
-                                             "--id", "conductor-0"], without_seal_secret(config, env), self.logs)
+        self.conductor = Child(
+            "conductor",
+            ["conductor", "--config", str(root / "up-conductor.yaml"), "--id", "conductor-0"],
+            without_seal_secret(config, env),
+            self.logs,
+        )
         try:
             announced = self.conductor.wait_announce(60, stop)
             self.url = announced["url"]
@@ -261,8 +284,12 @@ class NodeCluster:
             raise
 
     def start_node(self) -> Child:
-        node = Child("node", ["node", "--config", str(self.root / "up-node.yaml")],
-                     without_seal_secret(self.config, self.env), self.logs)
+        node = Child(
+            "node",
+            ["node", "--config", str(self.root / "up-node.yaml")],
+            without_seal_secret(self.config, self.env),
+            self.logs,
+        )
         node.wait_announce(120, self.stop_event)
         return node
 
@@ -275,13 +302,32 @@ class NodeCluster:
         self.conductor.stop()
 
 
-def vllm_worker(cluster: NodeCluster, vllm_url: str, role: str, name: str, stop: threading.Event | None = None) -> Child:
+def vllm_worker(
+    cluster: NodeCluster, vllm_url: str, role: str, name: str, stop: threading.Event | None = None
+) -> Child:
     """``tiercake worker --engine vllm`` for the vLLM server at ``vllm_url``, registered with the cluster's
     conductor, whose front then routes to it; returns once it is serving."""
     # --vllm-wait: restarted while its vLLM server restarts too, it waits for it instead of exiting again
-    child = Child(name, ["worker", "--config", str(cluster.root / "up-node.yaml"), "--engine", "vllm",
-                         "--vllm-url", vllm_url, "--vllm-wait", "600", "--role", role, "--id", name],
-                  cluster.env, cluster.logs)
+    child = Child(
+        name,
+        [
+            "worker",
+            "--config",
+            str(cluster.root / "up-node.yaml"),
+            "--engine",
+            "vllm",
+            "--vllm-url",
+            vllm_url,
+            "--vllm-wait",
+            "600",
+            "--role",
+            role,
+            "--id",
+            name,
+        ],
+        cluster.env,
+        cluster.logs,
+    )
     try:
         child.wait_announce(120, stop)
     except BaseException:
@@ -328,8 +374,17 @@ class VllmServer:
         self.child.stop(timeout)
 
 
-def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str], port: int, host: str = "127.0.0.1",
-            print_fn=print, ready_file: Path | None = None, vllm_args: list[str] = ()) -> int:
+def up_vllm(
+    config: TiercakeConfig,
+    data_dir: Path,
+    model: Path,
+    roles: list[str],
+    port: int,
+    host: str = "127.0.0.1",
+    print_fn=print,
+    ready_file: Path | None = None,
+    vllm_args: list[str] = (),
+) -> int:
     """``tiercake up --engine vllm``: a conductor serving the front (tiercake's OpenAI API, routing by
     what each instance and the tiers hold) on ``host:port``, a node agent, and one vLLM server per
     entry of ``roles`` with the TiercakeConnector on loopback ports of their own, each with a tiercake
@@ -343,8 +398,7 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
 
     if not (model / "config.json").exists():
         raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
-    if not roles or not set(roles) <= {"worker", "prefill", "decode"} or (
-            ("prefill" in roles) != ("decode" in roles)):
+    if not roles or not set(roles) <= {"worker", "prefill", "decode"} or (("prefill" in roles) != ("decode" in roles)):
         raise ValueError(f"vLLM roles must be workers, or prefill and decode instances together; got {roles}")
     if "prefill" in roles and not config.serving.disaggregated:
         raise ValueError("prefill and decode instances need serving.disaggregated: true")
@@ -366,28 +420,42 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
         cluster = NodeCluster(cfg, data_dir, env, port=free_port(), serving_port=port, stop=stop)
         for i in range(len(roles)):
             vllm_port = free_port()
-            command = serve_command(model, model.name, vllm_port, cluster.url, cfg.node_id,
-                                    kv_events=(free_port(), free_port()), extra=list(vllm_args))
+            command = serve_command(
+                model,
+                model.name,
+                vllm_port,
+                cluster.url,
+                cfg.node_id,
+                kv_events=(free_port(), free_port()),
+                extra=list(vllm_args),
+            )
             servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
         for server in servers:
             server.wait_ready(stop=stop)
-        workers = [vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}", stop)
-                   for i, (server, role) in enumerate(zip(servers, roles))]
+        workers = [
+            vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}", stop)
+            for i, (server, role) in enumerate(zip(servers, roles))
+        ]
         urls = [server.url for server in servers]
         kinds = ", ".join(f"{roles.count(r)} {r}" for r in ("worker", "prefill", "decode") if r in roles)
-        print_fn(f"tiercake is up under vLLM: {cluster.front_url}  (the front over {len(roles)} vLLM servers ({kinds}) "
-                 f"with the TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; "
-                 f"logs in {data_dir / 'logs'})")
+        print_fn(
+            f"tiercake is up under vLLM: {cluster.front_url}  (the front over {len(roles)} vLLM servers ({kinds}) "
+            f"with the TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; "
+            f"logs in {data_dir / 'logs'})"
+        )
         if token_at:
             print_fn(f"  control token: {token_at}")
         if not cfg.serving.all_api_keys():
             print_fn(f"  note: {SHARED_CACHE_NOTE}")
-        print_fn(f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
-                 f"    -d '{{\"model\": \"{model.name}\", \"prompt\": \"...\", \"max_tokens\": 16}}'")
+        print_fn(
+            f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{model.name}", "prompt": "...", "max_tokens": 16}}\''
+        )
         print_fn("Ctrl-C stops everything.")
         if ready_file is not None:
-            ready_file.write_text(json.dumps({"url": cluster.front_url, "vllm": urls, "roles": roles,
-                                              "conductor": cluster.url}))
+            ready_file.write_text(
+                json.dumps({"url": cluster.front_url, "vllm": urls, "roles": roles, "conductor": cluster.url})
+            )
         lock.record(pid=os.getpid(), url=cluster.front_url)
         children = [cluster.conductor, cluster.node, *(server.child for server in servers), *workers]
         return 0 if Supervisor(children, print_fn, on_restart=lambda _: shm.clean(_pools(cfg))).watch(stop) else 1
@@ -396,16 +464,30 @@ def up_vllm(config: TiercakeConfig, data_dir: Path, model: Path, roles: list[str
     finally:
         # every process at once, so a Ctrl-C costs one grace period, not one per kind of process (staged,
         # a worker's last calls to a node agent or conductor already going away waited out the grace)
-        stop_all(workers + [server.child for server in servers] +
-                 ([cluster.node, cluster.conductor] if cluster is not None else []))
+        stop_all(
+            workers
+            + [server.child for server in servers]
+            + ([cluster.node, cluster.conductor] if cluster is not None else [])
+        )
         _give_back(cfg, shm)
         lock.release()
         print_fn("tiercake is down")
 
 
-def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: int, decode: int, workers: int,
-       etcd: list[str], print_fn=print, ready_file: Path | None = None, control_port: int | None = None,
-       node_netns: tuple[str, str] | None = None) -> int:
+def up(
+    config: TiercakeConfig,
+    data_dir: Path,
+    host: str,
+    port: int,
+    prefill: int,
+    decode: int,
+    workers: int,
+    etcd: list[str],
+    print_fn=print,
+    ready_file: Path | None = None,
+    control_port: int | None = None,
+    node_netns: tuple[str, str] | None = None,
+) -> int:
     """The OpenAI-compatible API on ``host:port``, the control API on ``control_port`` (default
     ``port + 1``) behind a token; each process supervised (restarted when it exits). ``node_netns``
     (namespace, address): the node agent runs inside that network namespace, its transfer port at
@@ -426,8 +508,12 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
             cfg.conductor.etcd = etcd
         conductor_cfg = data_dir / "up-conductor.yaml"
         conductor_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        conductor = Child("conductor", ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"],
-                          without_seal_secret(cfg, env), logs)
+        conductor = Child(
+            "conductor",
+            ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"],
+            without_seal_secret(cfg, env),
+            logs,
+        )
         children.append(conductor)
         announced = conductor.wait_announce(60, stop)
         control, url = announced["url"], announced.get("api_url", announced["url"])
@@ -449,13 +535,36 @@ def up(config: TiercakeConfig, data_dir: Path, host: str, port: int, prefill: in
         for role, count in roles:
             for i in range(count):
                 name = f"{role}-{i}"
-                child = Child(name, ["worker", "--config", str(node_cfg), "--role", role,
-                                     "--id", f"{cfg.node_id}-{name}", "--data-dir", str(data_dir)], env, logs)
+                child = Child(
+                    name,
+                    [
+                        "worker",
+                        "--config",
+                        str(node_cfg),
+                        "--role",
+                        role,
+                        "--id",
+                        f"{cfg.node_id}-{name}",
+                        "--data-dir",
+                        str(data_dir),
+                    ],
+                    env,
+                    logs,
+                )
                 children.append(child)
         for child in children[2:]:
             child.wait_announce(300, stop)  # a worker calibrates its timings first (persisted for next time)
-        _print_up(print_fn, cfg.model_id, url, control, token_at, len(children) - 2, logs, data_dir,
-                  bool(cfg.serving.all_api_keys()))
+        _print_up(
+            print_fn,
+            cfg.model_id,
+            url,
+            control,
+            token_at,
+            len(children) - 2,
+            logs,
+            data_dir,
+            bool(cfg.serving.all_api_keys()),
+        )
         if ready_file is not None:
             ready_file.write_text(json.dumps({"url": url, "control_url": control, "token": token_at}))
         lock.record(pid=os.getpid(), url=url)
@@ -489,8 +598,17 @@ def _give_back(cfg: TiercakeConfig, shm: ShmLeftovers) -> None:
     shm.clean()
 
 
-def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None, workers: int, logs: Path,
-              data_dir: Path, shared_keys: bool) -> None:
+def _print_up(
+    print_fn,
+    model: str,
+    url: str,
+    control: str,
+    token_at: str | None,
+    workers: int,
+    logs: Path,
+    data_dir: Path,
+    shared_keys: bool,
+) -> None:
     print_fn(f"tiercake is up: {url}  (conductor, node agent, {workers} workers; logs in {logs})")
     if token_at:
         print_fn(f"control API: {control}  (bearer token: {token_at})")
@@ -501,10 +619,14 @@ def _print_up(print_fn, model: str, url: str, control: str, token_at: str | None
     if not shared_keys:
         print_fn(f"note: {SHARED_CACHE_NOTE}")
     print_fn("send a request:")
-    print_fn(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-             f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello, tiers! Which of you holds my cached prefix?\", \"max_tokens\": 16, "
-             f"\"temperature\": 0}}'")
-    print_fn(f"  tiercake ask 'Hello, tiers! Which of you holds my cached prefix?' --url {url}     (twice: the second reuses the cached prefix)")
+    print_fn(
+        f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{model}", "prompt": "Hello, tiers! Which of you holds my cached prefix?", "max_tokens": 16, '
+        f'"temperature": 0}}\''
+    )
+    print_fn(
+        f"  tiercake ask 'Hello, tiers! Which of you holds my cached prefix?' --url {url}     (twice: the second reuses the cached prefix)"
+    )
     print_fn("Ctrl-C stops everything.")
 
 
@@ -513,8 +635,16 @@ class UpProcess:
     OpenAI-compatible API at ``url``, the control API at ``control_url`` with ``token`` (one made up
     here; None: ``up`` makes its own, read from the data directory once it is ready)."""
 
-    def __init__(self, config_path: Path, data_dir: Path, port: int, args: list[str] = (),
-                 token: str | None = "", env: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        data_dir: Path,
+        port: int,
+        args: list[str] = (),
+        token: str | None = "",
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         """``host``: where its APIs are reached (pass ``--host`` in ``args`` to match)."""
         from tiercake.conductor.etcd_process import free_port
         from tiercake.config import load_config
@@ -531,9 +661,25 @@ class UpProcess:
         if self.token:
             env["TIERCAKE_TOKEN"] = self.token
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercake.cli", "up", "--config", str(config_path), "--data-dir", str(data_dir),
-             "--port", str(port), "--control-port", str(control_port), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "tiercake.cli",
+                "up",
+                "--config",
+                str(config_path),
+                "--data-dir",
+                str(data_dir),
+                "--port",
+                str(port),
+                "--control-port",
+                str(control_port),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
             preexec_fn=_die_with_parent(os.getpid()),  # a test or bench that dies takes its cluster along
         )
 
@@ -542,8 +688,9 @@ class UpProcess:
 
         if self.token is None and (self.data_dir / "control-token").exists():
             self.token = (self.data_dir / "control-token").read_text().strip()
-        request = urllib.request.Request(self.control_url + "/v1/members",
-                                         headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
+        request = urllib.request.Request(
+            self.control_url + "/v1/members", headers={"Authorization": f"Bearer {self.token}"} if self.token else {}
+        )
         with urllib.request.urlopen(request, timeout=2, context=self.ssl) as resp:
             return json.loads(resp.read())["members"]
 

@@ -41,8 +41,10 @@ class DataDirLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise DataDirBusy(f"another tiercake up runs in {self.path.parent} ({holder}); stop it first, or give this "
-                              "one its own --data-dir") from None
+            raise DataDirBusy(
+                f"another tiercake up runs in {self.path.parent} ({holder}); stop it first, or give this "
+                "one its own --data-dir"
+            ) from None
         self._fd = fd
         self.record(pid=os.getpid())
         return self

@@ -30,9 +30,18 @@ if TYPE_CHECKING:  # the names as the type checker sees them
     from .store import BlockChange, BlockView, Lease, PutHandle, Tier, TieredStore
 
 _LAZY = {
-    "GpuBlockPool": ".gpu", "GpuTier": ".gpu", "PoolRegion": ".pool", "PoolTier": ".pool",
-    "BlockTable": ".sequences", "SequenceKV": ".sequences", "SsdTier": ".ssd",
-    "BlockChange": ".store", "BlockView": ".store", "Lease": ".store", "PutHandle": ".store", "Tier": ".store",
+    "GpuBlockPool": ".gpu",
+    "GpuTier": ".gpu",
+    "PoolRegion": ".pool",
+    "PoolTier": ".pool",
+    "BlockTable": ".sequences",
+    "SequenceKV": ".sequences",
+    "SsdTier": ".ssd",
+    "BlockChange": ".store",
+    "BlockView": ".store",
+    "Lease": ".store",
+    "PutHandle": ".store",
+    "Tier": ".store",
     "TieredStore": ".store",
 }
 
@@ -44,7 +53,28 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CorruptBlockError", "DiskFullError", "InvalidStateError", "ObjectExistsError", "ObjectLeasedError",
-    "ObjectNotFoundError", "ObjectPinnedError", "PayloadError", "PutInProgressError", "StoreError", "TierFullError",
-    "GpuBlockPool", "GpuTier", "PoolRegion", "PoolTier", "BlockTable", "SequenceKV", "SsdTier", "BlockChange", "BlockView", "Lease", "PutHandle", "Tier", "TieredStore",
+    "CorruptBlockError",
+    "DiskFullError",
+    "InvalidStateError",
+    "ObjectExistsError",
+    "ObjectLeasedError",
+    "ObjectNotFoundError",
+    "ObjectPinnedError",
+    "PayloadError",
+    "PutInProgressError",
+    "StoreError",
+    "TierFullError",
+    "GpuBlockPool",
+    "GpuTier",
+    "PoolRegion",
+    "PoolTier",
+    "BlockTable",
+    "SequenceKV",
+    "SsdTier",
+    "BlockChange",
+    "BlockView",
+    "Lease",
+    "PutHandle",
+    "Tier",
+    "TieredStore",
 ]

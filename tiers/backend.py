@@ -118,8 +118,17 @@ class DiskTierBackend(TierBackend):
         """Host memory a put is written into before ``persist`` (flat uint8, the slot's size)."""
 
     @abstractmethod
-    async def persist(self, slot: Any, key: bytes, parent: bytes | None, src: torch.Tensor | None = None, *,
-                      tenant: str = "", seal: bytes = b"", sync: bool = False) -> None:
+    async def persist(
+        self,
+        slot: Any,
+        key: bytes,
+        parent: bytes | None,
+        src: torch.Tensor | None = None,
+        *,
+        tenant: str = "",
+        seal: bytes = b"",
+        sync: bool = False,
+    ) -> None:
         """Write the block (from ``src``, else the slot's staging buffer) durably enough to recover
         after the process dies, with its tenant and seal (``recover`` hands both back); with ``sync``,
         durably enough to recover after the machine does (on the device before this returns)."""

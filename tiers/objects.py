@@ -98,8 +98,18 @@ class Record:
     def encode(self) -> bytes:
         tenant = self.tenant.encode()
         flags = (HARD_PIN if self.meta.hard_pin else 0) | (SOFT_PIN if self.meta.soft_pin_ms is not None else 0)
-        head = _HEAD.pack(_MAGIC, _FORMAT, flags, self.meta.replicas, int(self.meta.persist), len(tenant), len(self.name),
-                          self.size, self.version, self.soft_pin_until_ms)
+        head = _HEAD.pack(
+            _MAGIC,
+            _FORMAT,
+            flags,
+            self.meta.replicas,
+            int(self.meta.persist),
+            len(tenant),
+            len(self.name),
+            self.size,
+            self.version,
+            self.soft_pin_until_ms,
+        )
         return head + tenant + self.name
 
     @classmethod
@@ -221,8 +231,15 @@ class _Held:
 class ObjectTable:
     RETIRE_EVERY_S = 0.1
 
-    def __init__(self, store: TieredStore, *, lease_ttl: float = 5.0, disk_tier: str | None = None,
-                 directory: ObjectDirectory | None = None, pool_tier: str | None = None) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        lease_ttl: float = 5.0,
+        disk_tier: str | None = None,
+        directory: ObjectDirectory | None = None,
+        pool_tier: str | None = None,
+    ) -> None:
         """``disk_tier``: where persisted objects go (the store's SSD tier; None: this node cannot
         persist, and such a put is refused). ``directory``: where the versions this node serves are
         published for same-host readers (``directory.py``), with ``publishes`` saying which objects
@@ -281,8 +298,9 @@ class ObjectTable:
             raise PayloadError("an object's size is not negative")
         offset = payload_offset(tenant, name)
         block = object_block_key(oid, next(_BLOCK_IDS) & _U64)
-        handle = await self.store.put_start(block, offset + size, tenant=object_block_tenant(tenant),
-                                            exact_size=False, keep=meta.kept)
+        handle = await self.store.put_start(
+            block, offset + size, tenant=object_block_tenant(tenant), exact_size=False, keep=meta.kept
+        )
         return Staged(oid, tenant, name, size, meta, handle, offset)
 
     def stage_now(self, oid: bytes, tenant: str, name: bytes, size: int, meta: Meta) -> Staged | None:
@@ -291,12 +309,14 @@ class ObjectTable:
         if meta.persist:
             return None
         if len(name) > MAX_NAME or len(tenant.encode()) > MAX_TENANT or size < 0:
-            raise PayloadError(f"object names are at most {MAX_NAME} bytes and tenants {MAX_TENANT}; sizes are "
-                               "not negative")
+            raise PayloadError(
+                f"object names are at most {MAX_NAME} bytes and tenants {MAX_TENANT}; sizes are not negative"
+            )
         offset = payload_offset(tenant, name)
         block = object_block_key(oid, next(_BLOCK_IDS) & _U64)
-        handle = self.store.put_start_now(block, offset + size, tenant=object_block_tenant(tenant), exact_size=False,
-                                          keep=meta.kept)
+        handle = self.store.put_start_now(
+            block, offset + size, tenant=object_block_tenant(tenant), exact_size=False, keep=meta.kept
+        )
         return None if handle is None else Staged(oid, tenant, name, size, meta, handle, offset)
 
     async def prepare(self, staged: Staged, version: int) -> Stored:
@@ -326,8 +346,7 @@ class ObjectTable:
         return Stored(staged.oid, record, staged.block)
 
     def _write_record(self, staged: Staged, version: int) -> Record:
-        record = Record(staged.tenant, staged.name, staged.size, version, staged.meta,
-                        _soft_pin_until_ms(staged.meta))
+        record = Record(staged.tenant, staged.name, staged.size, version, staged.meta, _soft_pin_until_ms(staged.meta))
         handle = staged.handle
         head = record.encode()
         target = handle.host_target()
@@ -370,8 +389,7 @@ class ObjectTable:
         if self.directory is None:
             return
         slot = self.store.slot_of(stored.block, self.pool_tier) if self.publishes(stored.oid) else None
-        if slot is None or not self.directory.publish(stored.oid, slot[0] + stored.offset, stored.size,
-                                                      stored.version):
+        if slot is None or not self.directory.publish(stored.oid, slot[0] + stored.offset, stored.size, stored.version):
             self.directory.unpublish(stored.oid)
 
     def unpublish_if(self, which: Callable[[bytes], bool]) -> None:
@@ -533,8 +551,12 @@ class ObjectTable:
                 stale.append(block)
                 continue
             if entry.nbytes != record.offset + record.size:
-                log.warning("objects: block %s is %d bytes, its record says %d; removed", block.hex()[:16],
-                            entry.nbytes, record.offset + record.size)
+                log.warning(
+                    "objects: block %s is %d bytes, its record says %d; removed",
+                    block.hex()[:16],
+                    entry.nbytes,
+                    record.offset + record.size,
+                )
                 stale.append(block)
                 continue
             oid = object_id(record.name, record.tenant)

@@ -41,12 +41,24 @@ HEADER_BYTES = PAGE
 
 # One index entry. The variable fields have room for the longest each may be (keys and parents up to
 # 64 bytes, seals up to 32, tenants up to 255, as the transfer protocol allows).
-ENTRY_DT = np.dtype([
-    ("state", "u1"), ("klen", "u1"), ("plen", "u1"), ("slen", "u1"), ("tlen", "u1"), ("_pad", "u1", (3,)),
-    ("offset", "<u8"), ("nbytes", "<u8"), ("_pad2", "<u8"),
-    ("key", "u1", (64,)), ("parent", "u1", (64,)), ("seal", "u1", (32,)), ("tenant", "u1", (255,)),
-    ("_pad3", "u1", (65,)),
-])
+ENTRY_DT = np.dtype(
+    [
+        ("state", "u1"),
+        ("klen", "u1"),
+        ("plen", "u1"),
+        ("slen", "u1"),
+        ("tlen", "u1"),
+        ("_pad", "u1", (3,)),
+        ("offset", "<u8"),
+        ("nbytes", "<u8"),
+        ("_pad2", "<u8"),
+        ("key", "u1", (64,)),
+        ("parent", "u1", (64,)),
+        ("seal", "u1", (32,)),
+        ("tenant", "u1", (255,)),
+        ("_pad3", "u1", (65,)),
+    ]
+)
 assert ENTRY_DT.itemsize == 512
 # the same entry, all but its state byte, for one struct.pack_into (numpy's per-field writes cost ~30 us)
 _ENTRY = struct.Struct("<xBBBB3xQQ8x64s64s32s255s65x")
@@ -73,8 +85,19 @@ def default_index_entries(data_bytes: int, page_size: int) -> int:
 class PoolRegion:
     """A mapped shared-memory region. Use ``create`` in the owner and ``attach`` elsewhere."""
 
-    def __init__(self, path: Path, size: int, fd: int, mem: mmap.mmap, owner: bool, page_size: int,
-                 instance: str, data_offset: int, entries: int, adopted: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        size: int,
+        fd: int,
+        mem: mmap.mmap,
+        owner: bool,
+        page_size: int,
+        instance: str,
+        data_offset: int,
+        entries: int,
+        adopted: bool = False,
+    ) -> None:
         self.path = path
         # new at every format: a process that mapped an earlier region at the same path (a node agent
         # that restarted onto a new pool) can tell its mapping is stale; kept when a region is adopted
@@ -91,8 +114,15 @@ class PoolRegion:
         self.index = np.frombuffer(mem, dtype=ENTRY_DT, count=entries, offset=HEADER_BYTES) if entries else None
 
     @classmethod
-    def create(cls, path: str | Path, size: int, page_size: int = PAGE, prefault: bool = True,
-               index_entries: int | None = None, adopt: bool = False) -> PoolRegion:
+    def create(
+        cls,
+        path: str | Path,
+        size: int,
+        page_size: int = PAGE,
+        prefault: bool = True,
+        index_entries: int | None = None,
+        adopt: bool = False,
+    ) -> PoolRegion:
         """Create (or take over) the region at ``path`` with ``size`` bytes of data space. With
         ``adopt``, a region already there with the same size, page size and index is kept as it is
         (its blocks, its instance id); anything else is formatted anew."""
@@ -123,15 +153,28 @@ class PoolRegion:
                 except OSError as exc:
                     if not existed:
                         path.unlink(missing_ok=True)
-                    raise OSError(exc.errno, f"pool region {path}: cannot reserve {total} bytes ({exc.strerror}); "
-                                  f"the file system has less free space than the pool's capacity") from None
+                    raise OSError(
+                        exc.errno,
+                        f"pool region {path}: cannot reserve {total} bytes ({exc.strerror}); "
+                        f"the file system has less free space than the pool's capacity",
+                    ) from None
             mem = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         instance = kept if kept is not None else os.urandom(16)
-        region = cls(path, total, fd, mem, owner=True, page_size=page_size, instance=instance.hex(),
-                     data_offset=data_offset, entries=entries, adopted=kept is not None)
+        region = cls(
+            path,
+            total,
+            fd,
+            mem,
+            owner=True,
+            page_size=page_size,
+            instance=instance.hex(),
+            data_offset=data_offset,
+            entries=entries,
+            adopted=kept is not None,
+        )
         if kept is None:
             # a new format: no entry of an earlier region may survive (not truncated to nothing first: a
             # process that still maps the old region would fault on the pages in between)
@@ -141,8 +184,9 @@ class PoolRegion:
                 step = 64 << 20
                 for start in range(data_offset, total, step):
                     region.array[start : start + step] = 0
-            mem[: _HEADER.size] = _HEADER.pack(_MAGIC, total, data_offset, page_size, instance, entries,
-                                               ENTRY_DT.itemsize)
+            mem[: _HEADER.size] = _HEADER.pack(
+                _MAGIC, total, data_offset, page_size, instance, entries, ENTRY_DT.itemsize
+            )
         return region
 
     @classmethod
@@ -159,8 +203,17 @@ class PoolRegion:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, total, fd, mem, owner=False, page_size=page_size, instance=instance.hex(),
-                   data_offset=data_offset, entries=entries)
+        return cls(
+            path,
+            total,
+            fd,
+            mem,
+            owner=False,
+            page_size=page_size,
+            instance=instance.hex(),
+            data_offset=data_offset,
+            entries=entries,
+        )
 
     @property
     def data_size(self) -> int:
@@ -214,8 +267,9 @@ def _same_geometry(fd: int, total: int, data_offset: int, page_size: int, entrie
     header = _read_header(fd)
     if header is None or header[:3] != (total, data_offset, page_size) or header[4] != entries:
         if header is not None or os.fstat(fd).st_size:
-            log.warning("pool region: the region found has another size or format; formatting it anew "
-                        "(its blocks are dropped)")
+            log.warning(
+                "pool region: the region found has another size or format; formatting it anew (its blocks are dropped)"
+            )
         return None
     if os.fstat(fd).st_size < total:
         return None
@@ -239,8 +293,9 @@ class PoolIndex:
     def give(self, entry: int) -> None:
         self._free.append(entry)
 
-    def commit(self, entry: int, offset: int, nbytes: int, key: bytes, parent: bytes | None, tenant: str,
-               seal: bytes) -> bool:
+    def commit(
+        self, entry: int, offset: int, nbytes: int, key: bytes, parent: bytes | None, tenant: str, seal: bytes
+    ) -> bool:
         """Describe a block in ``entry``, then mark it committed (the state byte last). False when a
         field is longer than an entry holds (longer than the transfer protocol allows): the block is
         then not described, and a restarted owner does not find it."""
@@ -249,8 +304,20 @@ class PoolIndex:
             return False
         at = HEADER_BYTES + entry * ENTRY_DT.itemsize
         self._mem[at] = FREE
-        _ENTRY.pack_into(self._mem, at, len(key), len(parent), len(seal), len(tenant_raw), offset, nbytes, key,
-                         parent, seal, tenant_raw)
+        _ENTRY.pack_into(
+            self._mem,
+            at,
+            len(key),
+            len(parent),
+            len(seal),
+            len(tenant_raw),
+            offset,
+            nbytes,
+            key,
+            parent,
+            seal,
+            tenant_raw,
+        )
         self._mem[at] = COMMITTED  # last: until here the entry describes nothing
         return True
 
@@ -265,10 +332,20 @@ class PoolIndex:
             row = self.table[entry]
             key = bytes(row["key"][: row["klen"]])
             parent = bytes(row["parent"][: row["plen"]]) or None
-            found.append((entry, RecoveredBlock(
-                key, parent, int(row["nbytes"]), (int(row["offset"]), int(row["nbytes"])), 0.0,
-                tenant=bytes(row["tenant"][: row["tlen"]]).decode(errors="replace"),
-                seal=bytes(row["seal"][: row["slen"]]))))
+            found.append(
+                (
+                    entry,
+                    RecoveredBlock(
+                        key,
+                        parent,
+                        int(row["nbytes"]),
+                        (int(row["offset"]), int(row["nbytes"])),
+                        0.0,
+                        tenant=bytes(row["tenant"][: row["tlen"]]).decode(errors="replace"),
+                        seal=bytes(row["seal"][: row["slen"]]),
+                    ),
+                )
+            )
         found.sort(key=lambda item: item[1].slot[0])
         return found
 
@@ -360,8 +437,14 @@ class PoolTier(MemoryTierBackend):
     @classmethod
     def from_config(cls, cfg, layout) -> PoolTier:
         path = cfg.path or f"/dev/shm/tiercake-{cfg.tier_name}"
-        region = PoolRegion.create(path, int(cfg.capacity), page_size=cfg.page_size, prefault=cfg.prefault,
-                                   index_entries=cfg.index_entries, adopt=cfg.adopt)
+        region = PoolRegion.create(
+            path,
+            int(cfg.capacity),
+            page_size=cfg.page_size,
+            prefault=cfg.prefault,
+            index_entries=cfg.index_entries,
+            adopt=cfg.adopt,
+        )
         return cls(region, name=cfg.tier_name, keep=cfg.adopt)
 
     def __init__(self, region: PoolRegion, name: str = "pool", keep: bool = False) -> None:
@@ -399,8 +482,12 @@ class PoolTier(MemoryTierBackend):
 
     def on_commit(self, slot: tuple[int, int], key: bytes, parent: bytes | None, tenant: str, seal: bytes) -> None:
         if not self.index.commit(self._entries[slot[0]], slot[0], slot[1], key, parent, tenant, seal):
-            log.warning("pool %s: block %s has a key, parent, seal or tenant too long for the region's index; "
-                        "a restarted node agent will not find it", self.name, key.hex()[:16])
+            log.warning(
+                "pool %s: block %s has a key, parent, seal or tenant too long for the region's index; "
+                "a restarted node agent will not find it",
+                self.name,
+                key.hex()[:16],
+            )
 
     async def recover(self) -> list[RecoveredBlock]:
         """The committed blocks of an adopted region (nothing for a new one)."""
@@ -410,8 +497,13 @@ class PoolTier(MemoryTierBackend):
         for entry, block in self.index.committed():
             offset, nbytes = block.slot
             if not 0 < block.nbytes <= self.capacity_bytes or not self.allocator.reserve(offset, nbytes):
-                log.warning("pool %s: index entry %d (%d bytes at %d) overlaps another or lies outside the "
-                            "region; dropped", self.name, entry, nbytes, offset)
+                log.warning(
+                    "pool %s: index entry %d (%d bytes at %d) overlaps another or lies outside the region; dropped",
+                    self.name,
+                    entry,
+                    nbytes,
+                    offset,
+                )
                 self.index.clear(entry)
                 continue
             self._entries[offset] = entry
@@ -419,8 +511,13 @@ class PoolTier(MemoryTierBackend):
             blocks.append(block)
         self.index.adopted(kept)
         if blocks:
-            log.info("pool %s: adopted %d blocks (%d bytes) from %s", self.name, len(blocks), self.used_bytes,
-                     self.region.path)
+            log.info(
+                "pool %s: adopted %d blocks (%d bytes) from %s",
+                self.name,
+                len(blocks),
+                self.used_bytes,
+                self.region.path,
+            )
         return blocks
 
     def view(self, slot: tuple[int, int], nbytes: int) -> torch.Tensor:

@@ -132,9 +132,16 @@ class SsdTier(DiskTierBackend):
 
     @classmethod
     def from_config(cls, cfg, layout) -> SsdTier:
-        settings = dict(capacity_bytes=int(cfg.capacity), compression=cfg.compression, shuffle=cfg.shuffle,
-                        zstd_level=cfg.zstd_level, direct_io=cfg.direct_io, fsync=cfg.fsync, io_threads=cfg.io_threads,
-                        name=cfg.tier_name)
+        settings = dict(
+            capacity_bytes=int(cfg.capacity),
+            compression=cfg.compression,
+            shuffle=cfg.shuffle,
+            zstd_level=cfg.zstd_level,
+            direct_io=cfg.direct_io,
+            fsync=cfg.fsync,
+            io_threads=cfg.io_threads,
+            name=cfg.tier_name,
+        )
         if cfg.layout == "log":
             from .ssd_log import SsdLogTier
 
@@ -212,8 +219,16 @@ class SsdTier(DiskTierBackend):
         hexkey = key.hex()
         return self.blocks_dir / hexkey[:2] / f"{hexkey}.blk"
 
-    async def persist(self, slot: SsdSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
-                      tenant: str = "", seal: bytes = b"", sync: bool = False) -> None:
+    async def persist(
+        self,
+        slot: SsdSlot,
+        key: bytes,
+        parent: bytes | None,
+        src: torch.Tensor | None = None,
+        tenant: str = "",
+        seal: bytes = b"",
+        sync: bool = False,
+    ) -> None:
         """Write the block's file from ``src`` (or the slot's staging buffer) and make it visible
         (with ``sync``, on the device, its name too, before this returns)."""
         payload = self._payload(slot, key, parent, tenant, seal, src)
@@ -230,8 +245,9 @@ class SsdTier(DiskTierBackend):
         self.raw_bytes += slot.nbytes
 
     @staticmethod
-    def _payload(slot, key: bytes, parent: bytes | None, tenant: str, seal: bytes,
-                 src: torch.Tensor | None) -> np.ndarray:
+    def _payload(
+        slot, key: bytes, parent: bytes | None, tenant: str, seal: bytes, src: torch.Tensor | None
+    ) -> np.ndarray:
         """The bytes a persist writes (``src``, else the slot's staging buffer), as host memory, once the
         names that go in the header are checked against its fields."""
         if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
@@ -268,8 +284,15 @@ class SsdTier(DiskTierBackend):
         return self.direct_io and nbytes >= self.direct_min
 
     def _write_file(
-        self, path: Path, tmp: Path, key: bytes, parent: bytes | None, tenant: bytes, seal: bytes,
-        payload: np.ndarray, sync: bool = False,
+        self,
+        path: Path,
+        tmp: Path,
+        key: bytes,
+        parent: bytes | None,
+        tenant: bytes,
+        seal: bytes,
+        payload: np.ndarray,
+        sync: bool = False,
     ) -> tuple[int, int]:
         """Write the file; returns its size on disk and the stored payload length.
 
@@ -354,8 +377,9 @@ class SsdTier(DiskTierBackend):
         finally:
             os.close(fd)
 
-    def _read_record(self, fd: int, base: int, size: int, where: object, key: bytes, nbytes: int, out: np.ndarray,
-                     direct: bool) -> None:
+    def _read_record(
+        self, fd: int, base: int, size: int, where: object, key: bytes, nbytes: int, out: np.ndarray, direct: bool
+    ) -> None:
         """Read the record of ``size`` bytes at ``base`` (a header, then its payload at the header's
         offset), check it and decode it into ``out``. ``where`` names it in errors.
 
@@ -444,8 +468,11 @@ class SsdTier(DiskTierBackend):
                     path.unlink(missing_ok=True)
                     continue
                 slot = SsdSlot(nbytes=header.raw_len, reserved=st.st_size, path=path, stored=header.stored_len)
-                found.append(RecoveredBlock(header.key, header.parent, header.raw_len, slot, st.st_mtime, header.tenant,
-                                            header.seal))
+                found.append(
+                    RecoveredBlock(
+                        header.key, header.parent, header.raw_len, slot, st.st_mtime, header.tenant, header.seal
+                    )
+                )
         found.sort(key=lambda b: b.mtime)
         return found
 
@@ -473,13 +500,35 @@ class _Header:
     created_ns: int = 0
 
 
-def pack_header(flags: int, data_offset: int, key: bytes, parent: bytes | None, tenant: bytes, seal: bytes,
-                raw_len: int, stored: np.ndarray, created_ns: int | None = None) -> bytes:
+def pack_header(
+    flags: int,
+    data_offset: int,
+    key: bytes,
+    parent: bytes | None,
+    tenant: bytes,
+    seal: bytes,
+    raw_len: int,
+    stored: np.ndarray,
+    created_ns: int | None = None,
+) -> bytes:
     """A record's header, its own checksum included (``_HEAD`` then ``_HEAD_CHECK``)."""
     head = _HEAD.pack(
-        _MAGIC, _VERSION, flags, len(key), len(parent or b""), len(tenant), data_offset, raw_len, stored.size,
-        xxhash.xxh3_64_intdigest(stored), time.time_ns() if created_ns is None else created_ns, key, parent or b"",
-        tenant, len(seal), seal,
+        _MAGIC,
+        _VERSION,
+        flags,
+        len(key),
+        len(parent or b""),
+        len(tenant),
+        data_offset,
+        raw_len,
+        stored.size,
+        xxhash.xxh3_64_intdigest(stored),
+        time.time_ns() if created_ns is None else created_ns,
+        key,
+        parent or b"",
+        tenant,
+        len(seal),
+        seal,
     )
     return head + _HEAD_CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
@@ -503,14 +552,38 @@ def _parse_header(path: object, head: bytes, file_size: int) -> _Header:
     if xxhash.xxh3_64_intdigest(head[: layout.size]) != check:
         raise CorruptBlockError(f"{path}: header checksum mismatch")
     fields = layout.unpack_from(head)
-    (_, _, flags, key_len, parent_len, tenant_len, data_offset, raw_len, stored_len, checksum, created_ns, key,
-     parent, tenant) = fields[:14]
+    (
+        _,
+        _,
+        flags,
+        key_len,
+        parent_len,
+        tenant_len,
+        data_offset,
+        raw_len,
+        stored_len,
+        checksum,
+        created_ns,
+        key,
+        parent,
+        tenant,
+    ) = fields[:14]
     seal = fields[15][: fields[14]] if version >= 3 else b""
     if data_offset + stored_len > file_size:
         raise CorruptBlockError(f"{path}: truncated: {file_size} bytes, header promises {data_offset + stored_len}")
-    return _Header(version, flags, data_offset, raw_len, stored_len, checksum, key[:key_len],
-                   parent[:parent_len] if parent_len else None, tenant[:tenant_len].decode(errors="replace"), seal,
-                   created_ns)
+    return _Header(
+        version,
+        flags,
+        data_offset,
+        raw_len,
+        stored_len,
+        checksum,
+        key[:key_len],
+        parent[:parent_len] if parent_len else None,
+        tenant[:tenant_len].decode(errors="replace"),
+        seal,
+        created_ns,
+    )
 
 
 def _check_block(path: object, head: _Header, key: bytes, nbytes: int, stored: np.ndarray) -> None:

@@ -144,11 +144,15 @@ class _Append:
 def segment_records(path: Path) -> list[tuple[int, int, bool]]:
     """(offset, record length, dead) of every record a segment file holds, in order, up to the first
     that does not parse (a torn append). For tools and tests; recovery walks the same way."""
-    return [(offset, head.data_offset + round_up(head.stored_len), bool(head.flags & _FLAG_DEAD))
-            for offset, head in walk_records(path)]
+    return [
+        (offset, head.data_offset + round_up(head.stored_len), bool(head.flags & _FLAG_DEAD))
+        for offset, head in walk_records(path)
+    ]
 
 
-def block_payloads(root: str | Path, tenants: Callable[[str], bool] = lambda tenant: True) -> list[tuple[Path, int, int]]:
+def block_payloads(
+    root: str | Path, tenants: Callable[[str], bool] = lambda tenant: True
+) -> list[tuple[Path, int, int]]:
     """(file, offset, length) of the stored payload of every live block an ssd tier directory holds, of
     either layout, oldest first (files by modification time, then the log's records in append order),
     of the store tenants ``tenants`` admits. For tools and tests that look at (or damage) a tier from
@@ -164,12 +168,17 @@ def block_payloads(root: str | Path, tenants: Callable[[str], bool] = lambda ten
         if tenants(head.tenant):
             out.append((path, head.data_offset, head.stored_len))
     for seg in sorted((root / "segments").glob("*.seg")):
-        out.extend((seg, offset + head.data_offset, head.stored_len) for offset, head in walk_records(seg)
-                   if not head.flags & _FLAG_DEAD and tenants(head.tenant))
+        out.extend(
+            (seg, offset + head.data_offset, head.stored_len)
+            for offset, head in walk_records(seg)
+            if not head.flags & _FLAG_DEAD and tenants(head.tenant)
+        )
     return out
 
 
-def walk_records(path: Path, on_torn: Callable[[CorruptBlockError], None] | None = None) -> Iterator[tuple[int, _Header]]:
+def walk_records(
+    path: Path, on_torn: Callable[[CorruptBlockError], None] | None = None
+) -> Iterator[tuple[int, _Header]]:
     """(offset, header) of every record of a segment file, dead ones included, in order, up to the
     first header that does not parse. ``on_torn`` hears of that one unless it is the zeros past the end
     of what was written: anything else there is a torn append (and nothing after it was written)."""
@@ -192,8 +201,15 @@ def walk_records(path: Path, on_torn: Callable[[CorruptBlockError], None] | None
 class SsdLogTier(SsdTier):
     """The ssd tier with blocks appended to segment files under ``root/segments``."""
 
-    def __init__(self, root: str | Path, capacity_bytes: int | None = None, *, segment_bytes: int | None = None,
-                 compact_dead: float = 0.25, **kw) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int | None = None,
+        *,
+        segment_bytes: int | None = None,
+        compact_dead: float = 0.25,
+        **kw,
+    ) -> None:
         super().__init__(root, capacity_bytes, **kw)
         self.segments_dir = self.root / "segments"
         self.segments_dir.mkdir(exist_ok=True)
@@ -237,8 +253,16 @@ class SsdLogTier(SsdTier):
 
     # Writes ---------------------------------------------------------------------------------------
 
-    async def persist(self, slot: LogSlot, key: bytes, parent: bytes | None, src: torch.Tensor | None = None,
-                      tenant: str = "", seal: bytes = b"", sync: bool = False) -> None:
+    async def persist(
+        self,
+        slot: LogSlot,
+        key: bytes,
+        parent: bytes | None,
+        src: torch.Tensor | None = None,
+        tenant: str = "",
+        seal: bytes = b"",
+        sync: bool = False,
+    ) -> None:
         """Append the block (from ``src`` or the slot's staging buffer) and wait until it is written
         (with ``sync``, until the device holds it: its batch ends with an ``fdatasync``)."""
         payload = self._payload(slot, key, parent, tenant, seal, src)
@@ -361,11 +385,25 @@ class SsdLogTier(SsdTier):
         out = target.numpy()
         segment.readers += 1
         try:
-            if self.direct_io and slot.stored == slot.nbytes and slot.nbytes % PAGE == 0 and out.ctypes.data % PAGE == 0:
+            if (
+                self.direct_io
+                and slot.stored == slot.nbytes
+                and slot.nbytes % PAGE == 0
+                and out.ctypes.data % PAGE == 0
+            ):
                 await self._coalesced(_Read(segment, slot.offset, slot.reserved, key, out))
             else:
-                await self._run(self._read_record, segment.fd, slot.offset, slot.reserved,
-                                f"{segment.path}@{slot.offset}", key, slot.nbytes, out, self.direct_io)
+                await self._run(
+                    self._read_record,
+                    segment.fd,
+                    slot.offset,
+                    slot.reserved,
+                    f"{segment.path}@{slot.offset}",
+                    key,
+                    slot.nbytes,
+                    out,
+                    self.direct_io,
+                )
         except CorruptBlockError:
             self.corrupt_dropped += 1  # the store drops the copy, which marks the record dead
             raise
@@ -393,9 +431,13 @@ class SsdLogTier(SsdTier):
         run: list[_Read] = []
         run_bytes = 0
         for read in reads + [None]:
-            if run and (read is None or read.segment is not run[-1].segment
-                        or read.offset != run[-1].offset + run[-1].length or len(run) == MAX_BATCH_RECORDS
-                        or run_bytes + read.length > READ_RUN_BYTES):
+            if run and (
+                read is None
+                or read.segment is not run[-1].segment
+                or read.offset != run[-1].offset + run[-1].length
+                or len(run) == MAX_BATCH_RECORDS
+                or run_bytes + read.length > READ_RUN_BYTES
+            ):
                 done = loop.run_in_executor(self._executor, self._read_run, run)
                 done.add_done_callback(functools.partial(_finish_run, run))
                 run, run_bytes = [], 0
@@ -526,8 +568,13 @@ class SsdLogTier(SsdTier):
         finally:
             victim.readers -= 1
         # synced: the victim is unlinked next, and a synced block must not exist only in the page cache
-        appended = await asyncio.gather(*(self._append(_Append(None, None, slot.stored, raw=raw, sync=True))
-                                          for (_, slot), raw in zip(chunk, raws)), return_exceptions=True)
+        appended = await asyncio.gather(
+            *(
+                self._append(_Append(None, None, slot.stored, raw=raw, sync=True))
+                for (_, slot), raw in zip(chunk, raws)
+            ),
+            return_exceptions=True,
+        )
         failed = None
         for (offset, slot), result in zip(chunk, appended):
             if isinstance(result, BaseException):
@@ -596,9 +643,12 @@ class SsdLogTier(SsdTier):
                     newest[head.key] = (rank, None, segment)
                     continue
                 length = head.data_offset + round_up(head.stored_len)
-                slot = LogSlot(nbytes=head.raw_len, reserved=length, segment=seg_id, offset=offset, stored=head.stored_len)
-                block = RecoveredBlock(head.key, head.parent, head.raw_len, slot, head.created_ns / 1e9, head.tenant,
-                                       head.seal)
+                slot = LogSlot(
+                    nbytes=head.raw_len, reserved=length, segment=seg_id, offset=offset, stored=head.stored_len
+                )
+                block = RecoveredBlock(
+                    head.key, head.parent, head.raw_len, slot, head.created_ns / 1e9, head.tenant, head.seal
+                )
                 newest[head.key] = (rank, block, segment)
                 segment.live[offset] = slot
                 segment.live_bytes += length

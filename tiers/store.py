@@ -75,6 +75,7 @@ class _Throttled:
         held, self._held, self._last = self._held, 0, now
         log.warning(message + (f" (and {held} more like it in the last {self.every:g} s)" if held else ""), *args)
 
+
 MAX_KEY_BYTES = 64
 MANY_IN_FLIGHT = 64  # the most operations of one put_many/get_many in flight at once
 MANY_IN_FLIGHT_BYTES = 256 << 20  # ... and bytes: small blocks go together, large ones a few at a time
@@ -229,7 +230,9 @@ class PutHandle:
         if self._buffer is None:
             backend = self.copy.tier.backend
             nbytes = self.entry.nbytes
-            self._buffer = backend.view(self.copy.slot, nbytes) if backend.in_memory else backend.staging(self.copy.slot)
+            self._buffer = (
+                backend.view(self.copy.slot, nbytes) if backend.in_memory else backend.staging(self.copy.slot)
+            )
         return self._buffer
 
     @property
@@ -396,7 +399,8 @@ class TieredStore:
     def keys(self, tier: str | None = None) -> list[bytes]:
         index = None if tier is None else self.tier(tier).index
         return [
-            k for k, e in self._entries.items()
+            k
+            for k, e in self._entries.items()
             if any(c.state is State.COMMITTED and (index is None or i == index) for i, c in e.copies.items())
         ]
 
@@ -406,8 +410,9 @@ class TieredStore:
         copy = entry.copies.get(self.tier(tier).index) if entry is not None else None
         return copy.slot if copy is not None and copy.state is State.COMMITTED else None
 
-    def adopt(self, key: bytes, tier: str, slot: Any, nbytes: int, *, parent: bytes | None = None,
-              tenant: str = "") -> bool:
+    def adopt(
+        self, key: bytes, tier: str, slot: Any, nbytes: int, *, parent: bytes | None = None, tenant: str = ""
+    ) -> bool:
         """Make ``slot`` of ``tier``, already filled (a gpu block a sequence computed), the committed
         copy of ``key`` without copying it; the tier takes its own reference to the slot. False when
         the key is already present (the caller keeps its slot to itself)."""
@@ -438,7 +443,9 @@ class TieredStore:
         """Every committed copy, as the change that made it appear (what a restarted node reports)."""
         return [
             BlockChange(e.key, c.tier.name, e.nbytes, e.meta.tenant, True)
-            for e in self._entries.values() for c in e.copies.values() if c.state is State.COMMITTED
+            for e in self._entries.values()
+            for c in e.copies.values()
+            if c.state is State.COMMITTED
         ]
 
     def prefix_length(self, keys: list[bytes]) -> int:
@@ -470,8 +477,17 @@ class TieredStore:
             raise PayloadError(f"payload is {nbytes} bytes, this store's blocks are {self.payload_nbytes} bytes")
 
     async def put_start(
-        self, key: bytes, nbytes: int, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
-        tenant: str = "", seal: bytes = b"", exact_size: bool = True, keep: bool = False,
+        self,
+        key: bytes,
+        nbytes: int,
+        *,
+        tier: str | None = None,
+        parent: bytes | None = None,
+        cost: float = 1.0,
+        tenant: str = "",
+        seal: bytes = b"",
+        exact_size: bool = True,
+        keep: bool = False,
     ) -> PutHandle:
         """Reserve space for ``key`` in ``tier`` (default: the fastest tier that admits it). ``seal``
         is kept with the block and handed to its readers (``seal_of``). ``exact_size=False``: a block
@@ -500,8 +516,9 @@ class TieredStore:
             raise
         return PutHandle(self, entry, copy)
 
-    def put_start_now(self, key: bytes, nbytes: int, *, tenant: str = "", exact_size: bool = True,
-                      keep: bool = False) -> PutHandle | None:
+    def put_start_now(
+        self, key: bytes, nbytes: int, *, tenant: str = "", exact_size: bool = True, keep: bool = False
+    ) -> PutHandle | None:
         """``put_start`` into the fastest tier, when that needs no wait: the tier is in memory, admits
         the block and has room without evicting anything (or the tenant's quota would make it evict).
         None otherwise: the caller takes ``put_start``, which may evict or go down a tier."""
@@ -593,14 +610,13 @@ class TieredStore:
         if handle.done:
             raise InvalidStateError(f"put of {_short(handle.key)} is already committed or revoked")
         if handle.written < handle.entry.nbytes:
-            raise PayloadError(
-                f"put of {_short(handle.key)}: {handle.written} of {handle.entry.nbytes} bytes written"
-            )
+            raise PayloadError(f"put of {_short(handle.key)}: {handle.written} of {handle.entry.nbytes} bytes written")
         copy, entry = handle.copy, handle.entry
         if not copy.tier.backend.in_memory:
             try:
-                await copy.tier.backend.persist(copy.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant,
-                                                seal=entry.seal)
+                await copy.tier.backend.persist(
+                    copy.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant, seal=entry.seal
+                )
             except BaseException:
                 await self.revoke(handle)
                 raise
@@ -641,8 +657,15 @@ class TieredStore:
             tier.background = asyncio.get_running_loop().create_task(self._watermark_round(tier))
 
     async def put(
-        self, key: bytes, data: Payload, *, tier: str | None = None, parent: bytes | None = None, cost: float = 1.0,
-        tenant: str = "", seal: bytes = b"",
+        self,
+        key: bytes,
+        data: Payload,
+        *,
+        tier: str | None = None,
+        parent: bytes | None = None,
+        cost: float = 1.0,
+        tenant: str = "",
+        seal: bytes = b"",
     ) -> str:
         """Start, write and commit in one call; returns the tier that took the block."""
         src = self._check_payload(data)
@@ -661,8 +684,13 @@ class TieredStore:
         return handle.tier
 
     async def put_many(
-        self, items: list[tuple[bytes, Payload]], *, tier: str | None = None, chain: bool = False,
-        concurrency: int | None = None, tenant: str = "",
+        self,
+        items: list[tuple[bytes, Payload]],
+        *,
+        tier: str | None = None,
+        chain: bool = False,
+        concurrency: int | None = None,
+        tenant: str = "",
     ) -> list[str | BaseException]:
         """Put a batch with up to ``concurrency`` puts in flight (default: ``in_flight``'s rule; disk
         tiers overlap their I/O, the log layout writes what is in flight together). With ``chain``,
@@ -672,8 +700,9 @@ class TieredStore:
 
         async def one(i: int, key: bytes, data: Payload) -> str:
             async with gate:
-                return await self.put(key, data, tier=tier, parent=items[i - 1][0] if chain and i else None,
-                                      tenant=tenant)
+                return await self.put(
+                    key, data, tier=tier, parent=items[i - 1][0] if chain and i else None, tenant=tenant
+                )
 
         return await asyncio.gather(*(one(i, k, d) for i, (k, d) in enumerate(items)), return_exceptions=True)
 
@@ -787,8 +816,12 @@ class TieredStore:
                 results.append(None)
                 continue
             if index == 0 or staged + entry.nbytes > max_bytes:
-                results.append(TierFullError(f"block {_short(key)} stays on {copy.tier.name}: "
-                                             + ("no memory tier above it" if index == 0 else "over this call's bound")))
+                results.append(
+                    TierFullError(
+                        f"block {_short(key)} stays on {copy.tier.name}: "
+                        + ("no memory tier above it" if index == 0 else "over this call's bound")
+                    )
+                )
                 continue
             data = torch.empty(entry.nbytes, dtype=torch.uint8)
             try:
@@ -805,8 +838,11 @@ class TieredStore:
                 staged += entry.nbytes
                 results.append(None)
             else:
-                results.append(TierFullError(f"block {_short(key)} stays on {copy.tier.name}: "
-                                             f"{self.tiers[index - 1].name} did not take it"))
+                results.append(
+                    TierFullError(
+                        f"block {_short(key)} stays on {copy.tier.name}: {self.tiers[index - 1].name} did not take it"
+                    )
+                )
         return results
 
     @contextlib.asynccontextmanager
@@ -981,9 +1017,15 @@ class TieredStore:
             copy = Copy(target, slot)
             entry.copies[target.index] = copy
             try:
-                await target.backend.persist(slot, key, entry.meta.parent,
-                                             source.tier.backend.view(source.slot, entry.nbytes),
-                                             tenant=entry.meta.tenant, seal=entry.seal, sync=sync)
+                await target.backend.persist(
+                    slot,
+                    key,
+                    entry.meta.parent,
+                    source.tier.backend.view(source.slot, entry.nbytes),
+                    tenant=entry.meta.tenant,
+                    seal=entry.seal,
+                    sync=sync,
+                )
             except BaseException:
                 entry.copies.pop(target.index, None)
                 await target.backend.release(slot)
@@ -1013,8 +1055,11 @@ class TieredStore:
         now = time.monotonic()
         indexes = None if tiers is None else {self.tier(name).index for name in tiers}
         victims = [
-            (e.key, [i for i in e.committed() if indexes is None or i in indexes]) for e in self._entries.values()
-            if e.committed() and not e.hard_pin and e.soft_pin_until <= now
+            (e.key, [i for i in e.committed() if indexes is None or i in indexes])
+            for e in self._entries.values()
+            if e.committed()
+            and not e.hard_pin
+            and e.soft_pin_until <= now
             and not any(c.leased(now) or c.tier.backend.in_use(c.slot) for c in e.copies.values())
         ]
         gone = 0
@@ -1149,13 +1194,13 @@ class TieredStore:
             if lower.tier.backend.in_memory:
                 await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
             else:
-                await lower.tier.backend.persist(lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant,
-                                                 seal=entry.seal)
+                await lower.tier.backend.persist(
+                    lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant, seal=entry.seal
+                )
         except StoreError as exc:
             entry.copies.pop(lower.tier.index, None)
             await lower.tier.backend.release(lower.slot)
-            self._spill_failures.warning("store: spill of %s to %s failed: %s", _short(entry.key), lower.tier.name,
-                                         exc)
+            self._spill_failures.warning("store: spill of %s to %s failed: %s", _short(entry.key), lower.tier.name, exc)
             return False
         if self._entries.get(entry.key) is not entry:  # removed while we wrote
             entry.copies.pop(lower.tier.index, None)

@@ -27,9 +27,16 @@ if TYPE_CHECKING:  # the names as the type checker sees them
     from .ucx import UcxTransport
 
 _LAZY = {
-    "BlockLoc": ".engine", "BufferLoc": ".engine", "Transfer": ".engine", "TransferEngine": ".engine",
-    "TransferResult": ".engine", "unreachable": ".engine", "TransferServer": ".server",
-    "Transport": ".transports", "TransportContext": ".transports", "UcxTransport": ".ucx",
+    "BlockLoc": ".engine",
+    "BufferLoc": ".engine",
+    "Transfer": ".engine",
+    "TransferEngine": ".engine",
+    "TransferResult": ".engine",
+    "unreachable": ".engine",
+    "TransferServer": ".server",
+    "Transport": ".transports",
+    "TransportContext": ".transports",
+    "UcxTransport": ".ucx",
 }
 
 
@@ -40,7 +47,22 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "TRANSPORTS", "AuthenticationError", "ItemError", "PeerClosedError", "ProtocolError", "SealError", "Status",
+    "TRANSPORTS",
+    "AuthenticationError",
+    "ItemError",
+    "PeerClosedError",
+    "ProtocolError",
+    "SealError",
+    "Status",
     "TransferError",
-    "BlockLoc", "BufferLoc", "Transfer", "TransferEngine", "TransferResult", "unreachable", "TransferServer", "Transport", "TransportContext", "UcxTransport",
+    "BlockLoc",
+    "BufferLoc",
+    "Transfer",
+    "TransferEngine",
+    "TransferResult",
+    "unreachable",
+    "TransferServer",
+    "Transport",
+    "TransportContext",
+    "UcxTransport",
 ]

@@ -74,8 +74,15 @@ class PeerConnection:
     broken; the pool never hands it out again.
     """
 
-    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, buffer_bytes: int | None = None,
-                 tls: ssl.SSLContext | None = None, needs: int = p.OLDEST) -> None:
+    def __init__(
+        self,
+        address: PeerAddress,
+        secret: bytes,
+        node_id: str,
+        buffer_bytes: int | None = None,
+        tls: ssl.SSLContext | None = None,
+        needs: int = p.OLDEST,
+    ) -> None:
         """``needs``: the oldest protocol version the caller can use with the server."""
         self.address = address
         self.needs = needs
@@ -162,8 +169,15 @@ class PeerConnection:
 
     # Operations -----------------------------------------------------------------------------------
 
-    async def exchange(self, op: Op, answer: Op, body: bytes, flags: int = 0, data: Sequence = (),
-                       receive: Callable[[bytearray], Sequence] | None = None) -> bytearray:
+    async def exchange(
+        self,
+        op: Op,
+        answer: Op,
+        body: bytes,
+        flags: int = 0,
+        data: Sequence = (),
+        receive: Callable[[bytearray], Sequence] | None = None,
+    ) -> bytearray:
         """One request of any operation (the key-value store's objects use it): the frame and the
         bulk bytes ``data`` out, the answer's body back. ``receive``, given the answer's body, names
         the buffers the bulk bytes that follow the answer land in, in order."""
@@ -181,8 +195,9 @@ class PeerConnection:
         async with self._request() as request:
             await send_frame(self.sock, op, request, body, flags)
 
-    async def read(self, items: list[tuple[bytes, np.ndarray]],
-                   checksum: bool = False) -> tuple[list[p.ItemError | None], list[bytes]]:
+    async def read(
+        self, items: list[tuple[bytes, np.ndarray]], checksum: bool = False
+    ) -> tuple[list[p.ItemError | None], list[bytes]]:
         """Fill each destination with its block, in place; per-item errors, and the seals the peer
         keeps with the blocks."""
         flags = p.FLAG_CHECKSUM if checksum else 0
@@ -227,6 +242,7 @@ class PeerConnection:
             check_count(ready, items)
             accepted = [(src, r) for (_, src), r in zip(items, ready) if r.status is Status.OK]
             if copy_into_pool is not None:
+
                 def copy_all() -> None:
                     for src, r in accepted:
                         copy_into_pool(r.offset, src)
@@ -245,8 +261,9 @@ class PeerConnection:
         """A small write in one round trip: the table and every item's bytes at once, then WRITE_DONE
         (an item the peer refuses has its bytes dropped there)."""
         async with self._request() as request:
-            await send_frame(self.sock, Op.WRITE, request, p.encode_write([it for it, _ in items]), flags,
-                             [src for _, src in items])
+            await send_frame(
+                self.sock, Op.WRITE, request, p.encode_write([it for it, _ in items]), flags, [src for _, src in items]
+            )
             done = p.decode_statuses(await self._reply(request, Op.WRITE_DONE))
             check_count(done, items)
         return [None if d.status is Status.OK else item_error(d, self.address.node_id) for d in done]
@@ -287,9 +304,17 @@ class PeerConnection:
 class PeerChannel:
     """Up to ``streams`` connections to one peer, opened on demand and reused."""
 
-    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, streams: int = 2,
-                 buffer_bytes: int | None = None, connect_timeout: float = 5.0,
-                 tls: ssl.SSLContext | None = None, needs: int = p.OLDEST) -> None:
+    def __init__(
+        self,
+        address: PeerAddress,
+        secret: bytes,
+        node_id: str,
+        streams: int = 2,
+        buffer_bytes: int | None = None,
+        connect_timeout: float = 5.0,
+        tls: ssl.SSLContext | None = None,
+        needs: int = p.OLDEST,
+    ) -> None:
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self.address = address
@@ -312,13 +337,16 @@ class PeerChannel:
                 await conn.open()
         except TimeoutError:
             conn.close()
-            raise p.PeerClosedError(f"{self.address.node_id} at {self.address.host}:{self.address.port} did not "
-                                    f"answer within {self.connect_timeout} s") from None
+            raise p.PeerClosedError(
+                f"{self.address.node_id} at {self.address.host}:{self.address.port} did not "
+                f"answer within {self.connect_timeout} s"
+            ) from None
         except OSError as exc:
             if isinstance(exc, p.TransferError):
                 raise
-            raise p.PeerClosedError(f"cannot reach {self.address.node_id} at {self.address.host}:"
-                                    f"{self.address.port}: {exc}") from exc
+            raise p.PeerClosedError(
+                f"cannot reach {self.address.node_id} at {self.address.host}:{self.address.port}: {exc}"
+            ) from exc
         self.info, self.version = conn.info, conn.version
         return conn
 
@@ -368,9 +396,17 @@ class Channels:
     None when the node is unknown): node agents replicating to each other, a key-value store client
     talking to the nodes that own its objects."""
 
-    def __init__(self, node_id: str, secret: bytes, resolve: Callable, *, streams: int = 2,
-                 tls: ssl.SSLContext | None = None, connect_timeout: float = 5.0,
-                 buffer_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        secret: bytes,
+        resolve: Callable,
+        *,
+        streams: int = 2,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = 5.0,
+        buffer_bytes: int | None = None,
+    ) -> None:
         self.node_id = node_id
         self.secret = secret
         self.resolve = resolve
@@ -386,8 +422,16 @@ class Channels:
             address = await self.resolve(node)
             if address is None:
                 raise p.PeerClosedError(f"node {node} is not a live member")
-            channel = PeerChannel(PeerAddress(node, *address), self.secret, self.node_id, self.streams,
-                                  self.buffer_bytes, self.connect_timeout, self.tls, needs=p.OBJECTS_SINCE)
+            channel = PeerChannel(
+                PeerAddress(node, *address),
+                self.secret,
+                self.node_id,
+                self.streams,
+                self.buffer_bytes,
+                self.connect_timeout,
+                self.tls,
+                needs=p.OBJECTS_SINCE,
+            )
             self._channels[node] = channel
         return channel
 
@@ -408,8 +452,16 @@ class BlockingConnection:
     key-value store's synchronous client): the same handshake and frames, one request at a time on
     the caller's thread. A failure in the middle of a request closes it; ``broken`` then says so."""
 
-    def __init__(self, address: PeerAddress, secret: bytes, node_id: str, tls: ssl.SSLContext | None = None,
-                 connect_timeout: float = 5.0, spin: SpinWait | None = None, needs: int = p.OLDEST) -> None:
+    def __init__(
+        self,
+        address: PeerAddress,
+        secret: bytes,
+        node_id: str,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = 5.0,
+        spin: SpinWait | None = None,
+        needs: int = p.OLDEST,
+    ) -> None:
         self.address, self.secret, self.node_id, self.tls = address, secret, node_id, tls
         self.needs = needs
         self.connect_timeout = connect_timeout
@@ -424,8 +476,9 @@ class BlockingConnection:
         try:
             sock = socket.create_connection((self.address.host, self.address.port), self.connect_timeout)
         except OSError as exc:
-            raise p.PeerClosedError(f"cannot reach {self.address.node_id} at {self.address.host}:"
-                                    f"{self.address.port}: {exc}") from exc
+            raise p.PeerClosedError(
+                f"cannot reach {self.address.node_id} at {self.address.host}:{self.address.port}: {exc}"
+            ) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if self.tls is not None:
@@ -476,8 +529,16 @@ class BlockingConnection:
             raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the cluster secret")
         self.info = p.PeerInfo.model_validate_json(bytes(body[32:]))
 
-    def exchange(self, op: Op, answer: Op, body: bytes, flags: int = 0, data: Sequence = (),
-                 receive: Callable[[bytearray], Sequence] | None = None, timeout: float | None = None) -> bytearray:
+    def exchange(
+        self,
+        op: Op,
+        answer: Op,
+        body: bytes,
+        flags: int = 0,
+        data: Sequence = (),
+        receive: Callable[[bytearray], Sequence] | None = None,
+        timeout: float | None = None,
+    ) -> bytearray:
         """``PeerConnection.exchange``, blocking, within ``timeout`` seconds (``TimeoutError``)."""
         if self.broken or self.sock is None:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
@@ -519,8 +580,9 @@ class BlockingConnection:
             self.sock.close()
 
 
-def _send_frame(sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0,
-                data: Sequence = ()) -> None:
+def _send_frame(
+    sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0, data: Sequence = ()
+) -> None:
     views = [memoryview(p.FRAME.pack(p.MAGIC, p.version_of(sock), op, flags, request, len(body))), memoryview(body)]
     views += [memoryview(d).cast("B") if memoryview(d).ndim != 1 else memoryview(d) for d in data]
     views = [v for v in views if len(v)]

@@ -131,7 +131,6 @@ class TransferEngine:
         self.bytes_moved: dict[str, int] = defaultdict(int)
         self.rate = self.ASSUMED_RATE  # bytes/s of recent batches (EWMA), for deadlines
 
-
     def deadline_for(self, nbytes: int) -> float:
         """Seconds a batch of ``nbytes`` may take before it is given up on: the floor plus a slack
         times its expected time at the measured rate, at most the ceiling."""
@@ -146,8 +145,13 @@ class TransferEngine:
         if old is not None:
             old.close()
         self._channels[node_id] = PeerChannel(
-            PeerAddress(node_id, host, port), self.secret, self.node_id, self.streams, self.buffer_bytes,
-            self.connect_timeout, self.tls,
+            PeerAddress(node_id, host, port),
+            self.secret,
+            self.node_id,
+            self.streams,
+            self.buffer_bytes,
+            self.connect_timeout,
+            self.tls,
         )
 
     @property
@@ -188,8 +192,12 @@ class TransferEngine:
 
     # The batch API --------------------------------------------------------------------------------
 
-    async def transfer(self, batch: list[Transfer], timeout: float | None = None,
-                       verify: Callable[[bytes, object, bytes], bool] | None = None) -> list[TransferResult]:
+    async def transfer(
+        self,
+        batch: list[Transfer],
+        timeout: float | None = None,
+        verify: Callable[[bytes, object, bytes], bool] | None = None,
+    ) -> list[TransferResult]:
         """Run a batch; one result per item, in order. Items fail alone, with a typed error; on a
         timeout, every unfinished item reports ``TimeoutError``. ``verify(key, host bytes, seal)``
         checks each block pulled into this node's store before it is committed: one it refuses is
@@ -208,8 +216,9 @@ class TransferEngine:
         jobs = [self._pull(items, results, verify) for items in by_node.values()]
         return await self._execute(groups, results, timeout, jobs)
 
-    async def _execute(self, groups: dict[str, _Group], results: list[TransferResult], timeout: float | None,
-                       jobs: list | None = None) -> list[TransferResult]:
+    async def _execute(
+        self, groups: dict[str, _Group], results: list[TransferResult], timeout: float | None, jobs: list | None = None
+    ) -> list[TransferResult]:
         jobs = [self._run_group(node, group, results) for node, group in groups.items()] + (jobs or [])
         started = time.perf_counter()
         try:
@@ -236,14 +245,17 @@ class TransferEngine:
         elif isinstance(src, BlockLoc) and isinstance(dst, BufferLoc):
             groups[src.node].reads.append((i, ReadReq(src.key, _slice(dst, item.length))))
         elif isinstance(src, BufferLoc) and isinstance(dst, BlockLoc):
-            groups[dst.node].writes.append((i, WriteReq(dst.key, _slice(src, item.length), dst.parent, dst.tenant,
-                                                                  dst.seal)))
+            groups[dst.node].writes.append(
+                (i, WriteReq(dst.key, _slice(src, item.length), dst.parent, dst.tenant, dst.seal))
+            )
         elif isinstance(src, BlockLoc) and isinstance(dst, BlockLoc) and dst.node == self.node_id != src.node:
             pulls.append((i, src, dst))
         else:
-            raise ValueError(f"item {i}: unsupported transfer {type(src).__name__}({getattr(src, 'node', '')}) -> "
-                             f"{type(dst).__name__}({getattr(dst, 'node', '')}); a block moves between this "
-                             "process and one node, or from a node into this node's store")
+            raise ValueError(
+                f"item {i}: unsupported transfer {type(src).__name__}({getattr(src, 'node', '')}) -> "
+                f"{type(dst).__name__}({getattr(dst, 'node', '')}); a block moves between this "
+                "process and one node, or from a node into this node's store"
+            )
 
     async def _run_group(self, node: str, group: _Group, results: list[TransferResult]) -> None:
         try:
@@ -260,8 +272,9 @@ class TransferEngine:
             for (i, req), err in zip(pairs, done):
                 read = isinstance(req, ReadReq)
                 nbytes = (req.dst if read else req.src).numel()
-                results[i] = TransferResult(err is None, transport.name, err, 0 if err else nbytes,
-                                            req.seal if read and err is None else b"")
+                results[i] = TransferResult(
+                    err is None, transport.name, err, 0 if err else nbytes, req.seal if read and err is None else b""
+                )
                 if err is None:
                     self.bytes_moved[transport.name] += nbytes
 
@@ -276,8 +289,9 @@ class TransferEngine:
         try:
             for i, _, dst, length in items:
                 try:
-                    handles.append((i, length, await self.store.put_start(dst.key, length, parent=dst.parent,
-                                                                          tenant=dst.tenant)))
+                    handles.append(
+                        (i, length, await self.store.put_start(dst.key, length, parent=dst.parent, tenant=dst.tenant))
+                    )
                 except (StoreError, ValueError, TypeError) as exc:
                     results[i].error = exc
             if not handles:
@@ -316,28 +330,47 @@ class TransferEngine:
     # The two common batches skip the general planning: each whole destination (or source) buffer
     # is one block of ``node``.
 
-    async def read_blocks(self, node: str, keys: list[bytes], dsts: list, timeout: float | None = None) -> list[TransferResult]:
+    async def read_blocks(
+        self, node: str, keys: list[bytes], dsts: list, timeout: float | None = None
+    ) -> list[TransferResult]:
         """Read each key of ``node`` into the buffer beside it (exactly the block's size)."""
         if len(keys) != len(dsts):
             raise ValueError(f"{len(keys)} keys for {len(dsts)} buffers")
         group = _Group(reads=[(i, ReadReq(k, as_bytes(d))) for i, (k, d) in enumerate(zip(keys, dsts))])
         return await self._execute({node: group}, [TransferResult(False) for _ in keys], timeout)
 
-    async def write_blocks(self, node: str, keys: list[bytes], srcs: list, *, chain: bool = False,
-                           tenant: str = "", seals: list[bytes] | None = None,
-                           timeout: float | None = None) -> list[TransferResult]:
+    async def write_blocks(
+        self,
+        node: str,
+        keys: list[bytes],
+        srcs: list,
+        *,
+        chain: bool = False,
+        tenant: str = "",
+        seals: list[bytes] | None = None,
+        timeout: float | None = None,
+    ) -> list[TransferResult]:
         """Store each buffer as the block of the key beside it on ``node`` (``chain``: each block's
         parent is the previous key; ``seals``: each block's seal, kept with it)."""
         if len(keys) != len(srcs) or (seals is not None and len(seals) != len(keys)):
-            raise ValueError(f"{len(keys)} keys for {len(srcs)} buffers" + ("" if seals is None else f" and {len(seals)} seals"))
-        writes = [(i, WriteReq(k, as_bytes(s), keys[i - 1] if chain and i else None, tenant,
-                               b"" if seals is None else seals[i]))
-                  for i, (k, s) in enumerate(zip(keys, srcs))]
+            raise ValueError(
+                f"{len(keys)} keys for {len(srcs)} buffers" + ("" if seals is None else f" and {len(seals)} seals")
+            )
+        writes = [
+            (
+                i,
+                WriteReq(
+                    k, as_bytes(s), keys[i - 1] if chain and i else None, tenant, b"" if seals is None else seals[i]
+                ),
+            )
+            for i, (k, s) in enumerate(zip(keys, srcs))
+        ]
         return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
 
     async def delete_blocks(self, node: str, keys: list[bytes], timeout: float | None = None) -> list[TransferResult]:
         """Remove each key's every copy on ``node``. An item fails alone: ``Status.NOT_FOUND`` (nothing
         to remove), ``LEASED`` (a reader holds it now: retry), ``PINNED`` (hard-pinned there)."""
+
         async def here(store) -> list[BaseException | None]:
             errors: list[BaseException | None] = []
             for key in keys:
@@ -354,11 +387,18 @@ class TransferEngine:
         """Ask ``node`` to bring the blocks it holds only on disk into its memory tier, ahead of a read
         (a prefetch: nothing moves here). An item fails alone: ``NOT_FOUND``, or ``FULL`` when it
         stays on disk (not admitted, no room, or past the node's bound for one call)."""
+
         async def here(store) -> list[BaseException | None]:
             return list(await store.stage(keys))
 
-        return await self._keys_op(node, keys, "stage", here, lambda conn: conn.stage(keys),
-                                   timeout if timeout is not None else self.deadline_for(len(keys) * (1 << 20)))
+        return await self._keys_op(
+            node,
+            keys,
+            "stage",
+            here,
+            lambda conn: conn.stage(keys),
+            timeout if timeout is not None else self.deadline_for(len(keys) * (1 << 20)),
+        )
 
     async def answers(self, node: str, timeout: float = 1.0) -> bool:
         """Whether ``node`` answers a request within ``timeout`` (a stage of a key no block has: the
@@ -369,8 +409,9 @@ class TransferEngine:
         results = await self.stage_blocks(node, [PROBE_KEY], timeout=timeout)
         return not isinstance(results[0].error, (TimeoutError, OSError))
 
-    async def _keys_op(self, node: str, keys: list[bytes], what: str, here, there,
-                       timeout: float | None) -> list[TransferResult]:
+    async def _keys_op(
+        self, node: str, keys: list[bytes], what: str, here, there, timeout: float | None
+    ) -> list[TransferResult]:
         """A control op over keys on ``node``: ``here(store)`` on this process's own store, else
         ``there(connection)`` on the node's; each item's result apart."""
         results = [TransferResult(False) for _ in keys]
@@ -398,6 +439,7 @@ class TransferEngine:
 async def _verified(verify, reads: list[ReadReq], done: list) -> list:
     """``done`` with a ``SealError`` for each read that arrived but fails ``verify`` (off the event
     loop when the bytes are many)."""
+
     def check() -> list:
         out = list(done)
         for j, (req, err) in enumerate(zip(reads, done)):

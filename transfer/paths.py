@@ -113,8 +113,9 @@ class StreamPath(DataPath):
         targets, staged = receive_targets([h for h in handles if h is not None])
         accepted = iter(targets)
         scratch = memoryview(bytearray(max([n for n, h in zip(lengths, handles) if h is None], default=0)))
-        await recv_into_all(self.conn, [next(accepted) if h is not None else scratch[:n]
-                                        for n, h in zip(lengths, handles)])
+        await recv_into_all(
+            self.conn, [next(accepted) if h is not None else scratch[:n] for n, h in zip(lengths, handles)]
+        )
         for handle, host in staged:
             handle.buffer.copy_(host)
 
@@ -159,7 +160,9 @@ class ShmPath(DataPath):
             return ReplyItem(Status.NOT_IN_MEMORY if store.contains(key) else Status.NOT_FOUND, message=str(exc))
         if lease.data.numel() != expected:
             await store.release_lease(key, lease.id)
-            return ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {lease.data.numel()} bytes, {expected} were asked")
+            return ReplyItem(
+                Status.LENGTH_MISMATCH, message=f"block is {lease.data.numel()} bytes, {expected} were asked"
+            )
         return ReplyItem(Status.OK, expected, offset=lease.slot[0], lease=lease.id, seal=store.seal_of(key))
 
 
@@ -193,11 +196,15 @@ def registered_paths() -> dict[int, type[DataPath]]:
             continue
         flag = path.flag
         if flag <= 0 or flag & (flag - 1) or flag & p.MODIFIER_FLAGS:
-            raise ValueError(f"transport {name!r}: data path flag {flag:#x} must be one bit other than "
-                             f"the protocol's modifiers ({p.MODIFIER_FLAGS:#x})")
+            raise ValueError(
+                f"transport {name!r}: data path flag {flag:#x} must be one bit other than "
+                f"the protocol's modifiers ({p.MODIFIER_FLAGS:#x})"
+            )
         other = paths.get(flag)
         if other is not None and other is not path:
-            raise ValueError(f"transports declare two data paths on flag {flag:#x}: {other.__name__} and {path.__name__}")
+            raise ValueError(
+                f"transports declare two data paths on flag {flag:#x}: {other.__name__} and {path.__name__}"
+            )
         paths[flag] = path
     return paths
 
@@ -221,4 +228,3 @@ class Session:
 
     async def close(self) -> None:
         await asyncio.gather(*(path.close() for path in self.paths.values()), return_exceptions=True)
-

@@ -181,6 +181,7 @@ class SealError(ItemError):
 # whole batch in one call), then the variable bytes (keys, parents, messages) back to back in item
 # order. Every length is checked against the body: a malformed table is a ProtocolError.
 
+
 def _dt(*fields: tuple[str, str]) -> np.dtype:
     return np.dtype(list(fields))  # packed: no alignment padding
 
@@ -190,10 +191,13 @@ READ_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("slen", "u1"), ("length"
 WRITE_DT = _dt(("klen", "u1"), ("plen", "u1"), ("tlen", "u1"), ("slen", "u1"), ("length", "<u8"), ("checksum", "<u8"))
 STATUS_DT = _dt(("status", "u1"), ("mlen", "<u2"))
 LEASE_DT = _dt(("klen", "u1"), ("length", "<u8"), ("ttl", "<f8"))
-LEASE_REPLY_DT = _dt(("status", "u1"), ("mlen", "<u2"), ("slen", "u1"), ("offset", "<u8"), ("length", "<u8"),
-                    ("lease", "<u8"))
+LEASE_REPLY_DT = _dt(
+    ("status", "u1"), ("mlen", "<u2"), ("slen", "u1"), ("offset", "<u8"), ("length", "<u8"), ("lease", "<u8")
+)
 RELEASE_DT = _dt(("klen", "u1"), ("lease", "<u8"))
-KEYS_DT = _dt(("klen", "u1"),)
+KEYS_DT = _dt(
+    ("klen", "u1"),
+)
 
 _STATUSES = {int(s): s for s in Status}
 
@@ -230,7 +234,9 @@ def _encode(dtype: np.dtype, rows: list[tuple], blobs: list[bytes]) -> bytes:
     return len(rows).to_bytes(4, "little") + fixed + b"".join(blobs)
 
 
-def _decode(dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]) -> tuple[dict[str, list], list[list[bytes]]]:
+def _decode(
+    dtype: np.dtype, body: bytes | bytearray, var: tuple[str, ...]
+) -> tuple[dict[str, list], list[list[bytes]]]:
     """The fixed records as one list per column, and, per item, the variable fields named by the
     length columns ``var``."""
     view = memoryview(body)
@@ -477,11 +483,13 @@ def session_version(hello: bytes | bytearray, peer: str, needs: int = OLDEST) ->
     theirs = hello[NONCE_BYTES] if len(hello) > NONCE_BYTES else 3  # version 3 sent a bare nonce
     version = min(VERSION, theirs)
     if version < OLDEST:
-        raise AuthenticationError(f"{peer} speaks transfer protocol {theirs}; this side speaks {OLDEST} to "
-                                  f"{VERSION}: upgrade it")
+        raise AuthenticationError(
+            f"{peer} speaks transfer protocol {theirs}; this side speaks {OLDEST} to {VERSION}: upgrade it"
+        )
     if version < needs:
-        raise AuthenticationError(f"{peer} speaks transfer protocol {theirs}, which has no object operations "
-                                  f"(since {needs}): upgrade it")
+        raise AuthenticationError(
+            f"{peer} speaks transfer protocol {theirs}, which has no object operations (since {needs}): upgrade it"
+        )
     return version
 
 

@@ -126,8 +126,14 @@ class TransferServer:
             pool_path, pool_size, pool_id = str(region.path), region.size, region.instance
         directory = getattr(self.objects, "directory_path", None)
         return p.PeerInfo(
-            node_id=self.node_id, boot_id=p.boot_id(), pool_path=pool_path, pool_size=pool_size, pool_id=pool_id,
-            max_block_bytes=self.max_block_bytes, ucx=self.ucx, objects_path=directory,
+            node_id=self.node_id,
+            boot_id=p.boot_id(),
+            pool_path=pool_path,
+            pool_size=pool_size,
+            pool_id=pool_id,
+            max_block_bytes=self.max_block_bytes,
+            ucx=self.ucx,
+            objects_path=directory,
         )
 
     @property
@@ -209,7 +215,9 @@ class TransferServer:
         if len(body) < p.NONCE_BYTES + 32:
             raise p.AuthenticationError("short AUTH frame")
         client_nonce, claimed, peer = (
-            bytes(body[: p.NONCE_BYTES]), bytes(body[p.NONCE_BYTES : p.NONCE_BYTES + 32]), bytes(body[p.NONCE_BYTES + 32 :])
+            bytes(body[: p.NONCE_BYTES]),
+            bytes(body[p.NONCE_BYTES : p.NONCE_BYTES + 32]),
+            bytes(body[p.NONCE_BYTES + 32 :]),
         )
         if not p.verify(self.secret, b"client", nonce, client_nonce, claimed):
             raise p.AuthenticationError("wrong proof of the cluster secret")
@@ -229,6 +237,7 @@ class TransferServer:
         conn = session.conn
         inbox = None
         if self.objects is not None and not isinstance(conn, ssl.SSLSocket):
+
             def fast(op: Op, flags: int, request: int, body: bytearray):
                 return op in self.objects.ops and self.objects.fast(conn, op, flags, request, body, self._deadline)
 
@@ -296,8 +305,9 @@ class TransferServer:
                 if lease is not None:
                     leases.append(lease)
                 if view.size != expected:
-                    replies.append(ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {view.size} bytes, "
-                                             f"{expected} were asked"))
+                    replies.append(
+                        ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {view.size} bytes, {expected} were asked")
+                    )
                     continue
                 checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
                 replies.append(ReplyItem(Status.OK, view.size, checksum, seal=self.store.seal_of(key)))
@@ -323,8 +333,11 @@ class TransferServer:
             for task, deadline in list(self._moving.items()):
                 if now > deadline and not task.done():
                     self.stalled += 1
-                    log.warning("transfer server %s: dropped a peer whose request's bytes stopped moving for "
-                                "%.1f s", self.node_id, self.stall_timeout)
+                    log.warning(
+                        "transfer server %s: dropped a peer whose request's bytes stopped moving for %.1f s",
+                        self.node_id,
+                        self.stall_timeout,
+                    )
                     task.cancel()
 
     def _leased_block(self, key: bytes) -> tuple[np.ndarray | None, int | None]:
@@ -375,8 +388,12 @@ class TransferServer:
             for it in items:
                 if it.length > self.max_block_bytes:
                     handles.append(None)
-                    ready.append(ReplyItem(Status.LENGTH_MISMATCH, message=f"{it.length} bytes is over this node's "
-                                           f"limit of {self.max_block_bytes}"))
+                    ready.append(
+                        ReplyItem(
+                            Status.LENGTH_MISMATCH,
+                            message=f"{it.length} bytes is over this node's limit of {self.max_block_bytes}",
+                        )
+                    )
                     continue
                 try:
                     handle = await self.store.put_start(
@@ -397,8 +414,9 @@ class TransferServer:
             done: list[ReplyItem] = []
             for it, handle, reserved in zip(items, handles, ready):
                 if handle is None:
-                    done.append(reserved if eager else ReplyItem(Status.BAD_REQUEST,
-                                                                 message="refused before the data was sent"))
+                    done.append(
+                        reserved if eager else ReplyItem(Status.BAD_REQUEST, message="refused before the data was sent")
+                    )
                     continue
                 if flags & p.FLAG_CHECKSUM and xxhash.xxh3_64_intdigest(host_bytes(handle.buffer)) != it.checksum:
                     await self.store.revoke(handle)

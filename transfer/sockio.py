@@ -228,7 +228,12 @@ async def tls_handshake(sock: ssl.SSLSocket) -> None:
 
 
 async def send_frame(
-    sock: socket.socket, op: Op, request: int, body: bytes = b"", flags: int = 0, data: Sequence = (),
+    sock: socket.socket,
+    op: Op,
+    request: int,
+    body: bytes = b"",
+    flags: int = 0,
+    data: Sequence = (),
     version: int | None = None,
 ) -> None:
     """A frame at the socket's session version (``version``: at that one, for a HELLO)."""
@@ -236,8 +241,9 @@ async def send_frame(
     await send_all(sock, [FRAME.pack(MAGIC, version, op, flags, request, len(body)), body, *data])
 
 
-async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None,
-                     max_body: int = MAX_BODY) -> tuple[Op, int, int, bytearray]:
+async def recv_frame(
+    sock: socket.socket, expect: Sequence[Op] | None = None, max_body: int = MAX_BODY
+) -> tuple[Op, int, int, bytearray]:
     """(op, flags, request id, body). ProtocolError on a bad magic, version, op or size. Before the
     peer is authenticated, ``max_body`` is what its handshake can need: nothing larger is allocated or
     read for a stranger."""
@@ -245,8 +251,9 @@ async def recv_frame(sock: socket.socket, expect: Sequence[Op] | None = None,
     return op, flags, request, body
 
 
-async def recv_versioned(sock: socket.socket, expect: Sequence[Op] | None = None,
-                         max_body: int = MAX_BODY) -> tuple[int, Op, int, int, bytearray]:
+async def recv_versioned(
+    sock: socket.socket, expect: Sequence[Op] | None = None, max_body: int = MAX_BODY
+) -> tuple[int, Op, int, int, bytearray]:
     """``recv_frame`` with the version the frame was framed at first."""
     head = await recv_exactly(sock, FRAME.size)
     magic, version, op, flags, request, length = FRAME.unpack(head)

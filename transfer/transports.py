@@ -254,8 +254,11 @@ class ShmTransport(TcpTransport):
     def usable(cls, peer: Peer, local_node: str) -> bool:
         info = peer.info
         return (
-            peer.channel is not None and info is not None and info.pool_path is not None
-            and info.boot_id == p.boot_id() and peer.channel.version >= p.POOL_FORMAT_SINCE
+            peer.channel is not None
+            and info is not None
+            and info.pool_path is not None
+            and info.boot_id == p.boot_id()
+            and peer.channel.version >= p.POOL_FORMAT_SINCE
         )
 
     def _region(self, info: p.PeerInfo) -> PoolRegion:
@@ -269,8 +272,9 @@ class ShmTransport(TcpTransport):
             region = PoolRegion.attach(info.pool_path)
             if region.instance != info.pool_id:
                 region.close(unlink=False)
-                raise p.ItemError(f"{info.node_id}: its pool at {info.pool_path} is not the one it announced",
-                                  Status.BAD_REQUEST)
+                raise p.ItemError(
+                    f"{info.node_id}: its pool at {info.pool_path} is not the one it announced", Status.BAD_REQUEST
+                )
             self._regions[info.node_id] = region
         return region
 
@@ -316,8 +320,9 @@ class ShmTransport(TcpTransport):
             def copy_into_pool(offset: int, src: np.ndarray) -> None:
                 region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop
 
-            return await conn.write([(items[i].item(), _host_src(items[i].src)) for i in run], self.checksum,
-                                    copy_into_pool)
+            return await conn.write(
+                [(items[i].item(), _host_src(items[i].src)) for i in run], self.checksum, copy_into_pool
+            )
 
         return await self._run(peer, [list(range(len(items)))], op)
 
@@ -325,4 +330,3 @@ class ShmTransport(TcpTransport):
         for region in self._regions.values():
             region.close(unlink=False)
         self._regions.clear()
-

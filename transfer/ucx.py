@@ -148,8 +148,9 @@ class UcxPath(DataPath):
         """Each item into its slot; a peer that hangs up on the stream cancels them all."""
         ep = self.check()
         targets, staged = receive_targets([h for _, h in accepted])
-        receives = [ep.recv(t, tag=tag(self.connection, request, i), force_tag=True)
-                    for (i, _), t in zip(accepted, targets)]
+        receives = [
+            ep.recv(t, tag=tag(self.connection, request, i), force_tag=True) for (i, _), t in zip(accepted, targets)
+        ]
         if not await self._until_done_or_hangup(ep, asyncio.gather(*receives)):
             # UCX may still write into these slots: keep them reserved forever rather than free
             # memory that a stray receive could overwrite.
@@ -212,7 +213,9 @@ class UcxTransport(TcpTransport):
         if state is None:
             same_host = peer.info.boot_id == p.boot_id()
             async with conn._request() as request:
-                await send_frame(conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + seal(conn.secret, worker_address()))
+                await send_frame(
+                    conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + seal(conn.secret, worker_address())
+                )
                 body = await conn._reply(request, Op.UCX_HELLO)
                 ep = await endpoint_to(unseal(conn.secret, bytes(body[4:])), same_host)
             state = (ep, int.from_bytes(body[:4], "little"))
@@ -256,11 +259,12 @@ class UcxTransport(TcpTransport):
                 await send_frame(conn.sock, Op.WRITE, request, table, p.FLAG_UCX)
                 ready = p.decode_lease_reply(await conn._reply(request, Op.WRITE_READY))
                 check_count(ready, items)
-                await asyncio.gather(*(
-                    ep.send(s, tag=tag(connection, request, i), force_tag=True)
-                    for i, (s, r) in enumerate(zip(sources, ready)) if r.status is Status.OK
-                ))
+                await asyncio.gather(
+                    *(
+                        ep.send(s, tag=tag(connection, request, i), force_tag=True)
+                        for i, (s, r) in enumerate(zip(sources, ready))
+                        if r.status is Status.OK
+                    )
+                )
                 done = p.decode_statuses(await conn._reply(request, Op.WRITE_DONE))
         return write_results(ready, done, peer.node_id)
-
-

@@ -51,9 +51,18 @@ class HeldBlocks(Protocol):
 
 
 class ConductorLink:
-    def __init__(self, client: Client, member: MemberInfo, store: TieredStore | None, *, ttl: int = 5,
-                 engine: TransferEngine | None = None, flush_interval: float = 0.05, report: bool = True,
-                 held: HeldBlocks | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        member: MemberInfo,
+        store: TieredStore | None,
+        *,
+        ttl: int = 5,
+        engine: TransferEngine | None = None,
+        flush_interval: float = 0.05,
+        report: bool = True,
+        held: HeldBlocks | None = None,
+    ) -> None:
         self.client = client
         self.member = member
         self.store = store
@@ -119,8 +128,12 @@ class ConductorLink:
         # everything held goes out again: the old lease took the node's placements with it
         for change in self.held.holdings() if self.report else ():
             self._on_change(change)
-        log.info("node %s: registered (lease %x), re-reporting %d copies", self.member.node_id, self.lease,
-                 len(self._changes))
+        log.info(
+            "node %s: registered (lease %x), re-reporting %d copies",
+            self.member.node_id,
+            self.lease,
+            len(self._changes),
+        )
 
     async def _keep_alive(self) -> None:
         while True:
@@ -166,8 +179,13 @@ class ConductorLink:
                 again = [c for c in self.held.holdings() if c.tier in volatile_tiers]
                 for change in again:
                     self._on_change(change)
-                log.info("node %s: new leader (term %d), re-reporting %d copies in %s", self.member.node_id, term,
-                         len(again), ", ".join(volatile_tiers))
+                log.info(
+                    "node %s: new leader (term %d), re-reporting %d copies in %s",
+                    self.member.node_id,
+                    term,
+                    len(again),
+                    ", ".join(volatile_tiers),
+                )
             self._term = term
 
     def _on_change(self, change: BlockChange) -> None:
@@ -190,9 +208,10 @@ class ConductorLink:
                 groups[(added, tenant, tier)].append((key, nbytes))
             # all at once: each copy is in one group only, and the conductor's group commit then makes
             # the round one batch of transactions instead of one per group
-            outcomes = await asyncio.gather(*(self._send_group(added, tenant, tier, blocks)
-                                              for (added, tenant, tier), blocks in groups.items()),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(self._send_group(added, tenant, tier, blocks) for (added, tenant, tier), blocks in groups.items()),
+                return_exceptions=True,
+            )
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 for copy, state in pending.items():  # keep them, unless a newer change came meanwhile
@@ -205,8 +224,14 @@ class ConductorLink:
             await self.client.report(tenant, self.member.node_id, tier, keys, [n for _, n in blocks])
         else:
             await self.client.remove(tenant, self.member.node_id, tier, keys)
-        log.debug("node %s: reported %s %d blocks of %s in %s", self.member.node_id, "new" if added else "gone",
-                  len(keys), tenant, tier)
+        log.debug(
+            "node %s: reported %s %d blocks of %s in %s",
+            self.member.node_id,
+            "new" if added else "gone",
+            len(keys),
+            tenant,
+            tier,
+        )
 
     async def _report_forever(self) -> None:
         while True:
@@ -248,8 +273,9 @@ class ConductorLink:
                     try:
                         self.store.set_eviction(tier, create_eviction(spec.policy, spec.params))
                     except (LookupError, TypeError, ValueError) as exc:
-                        log.warning("node %s: eviction policy %s for %s refused: %s", self.member.node_id, spec,
-                                    tier, exc)
+                        log.warning(
+                            "node %s: eviction policy %s for %s refused: %s", self.member.node_id, spec, tier, exc
+                        )
             self._eviction = eviction
 
     async def _flushed(self, epoch: int) -> None:
@@ -291,8 +317,11 @@ class ConductorLink:
                 continue
             self.engine.ensure_peer(source.node_id, source.host, source.port)
             key = bytes.fromhex(task.key)
-            batch.append(Transfer(BlockLoc(source.node_id, key),
-                                  BlockLoc(self.member.node_id, key, tenant=task.tenant), task.size))
+            batch.append(
+                Transfer(
+                    BlockLoc(source.node_id, key), BlockLoc(self.member.node_id, key, tenant=task.tenant), task.size
+                )
+            )
         for result in await self.engine.transfer(batch, timeout=self.engine.deadline_for(sum(t.length for t in batch))):
             if not result.ok:
                 log.warning("node %s: replication pull failed: %s", self.member.node_id, result.error)
@@ -301,6 +330,10 @@ class ConductorLink:
 def member_stats(store: TieredStore) -> MemberStats:
     """What a member says of its store: in its keep-alives, and on its own /metrics."""
     stats = store.stats()
-    return MemberStats(misses=stats["misses"], tiers={
-        name: TierStats.model_validate(t | {"eviction": t["eviction"].get("policy")})
-        for name, t in stats["tiers"].items()})
+    return MemberStats(
+        misses=stats["misses"],
+        tiers={
+            name: TierStats.model_validate(t | {"eviction": t["eviction"].get("policy")})
+            for name, t in stats["tiers"].items()
+        },
+    )

@@ -41,8 +41,9 @@ class NodeFence:
         if node in self._fenced:
             return
         self.fenced += 1
-        log.warning("worker %s: node %s did not answer in time; out of this worker's path until it answers",
-                    self.owner, node)
+        log.warning(
+            "worker %s: node %s did not answer in time; out of this worker's path until it answers", self.owner, node
+        )
         self._fenced[node] = asyncio.get_running_loop().create_task(self._until_answered(node))
 
     async def _until_answered(self, node: str) -> None:
@@ -51,8 +52,9 @@ class NodeFence:
             while time.monotonic() - started < self.GIVE_UP_S:
                 await asyncio.sleep(self.PROBE_EVERY_S)
                 if await self._probe(node):
-                    log.info("worker %s: node %s answers again after %.1f s", self.owner, node,
-                             time.monotonic() - started)
+                    log.info(
+                        "worker %s: node %s answers again after %.1f s", self.owner, node, time.monotonic() - started
+                    )
                     return
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run lifts the fence, never the worker
             log.warning("worker %s: probing node %s failed: %s", self.owner, node, exc)

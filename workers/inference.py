@@ -101,8 +101,11 @@ class InferenceEngine:
         self._writes: set[asyncio.Task] = set()
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
         # the node agents, from the members; a pull or write retried only where one moved
-        self.nodes = (NodeDirectory(conductor, transfer, moved_only=True)
-                      if conductor is not None and transfer is not None else None)
+        self.nodes = (
+            NodeDirectory(conductor, transfer, moved_only=True)
+            if conductor is not None and transfer is not None
+            else None
+        )
         self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
         self.prefetched_blocks = 0  # blocks pulled into the gpu tier while their request waited
         if seals is None and transfer is not None:
@@ -123,10 +126,17 @@ class InferenceEngine:
 
     # Prefill --------------------------------------------------------------------------------------
 
-    async def prefill(self, tokens: list[int], tenant: str = DEFAULT_TENANT, salt: str | None = None,
-                      max_new_tokens: int = 0, pull: bool = True, source: KVHandoff | None = None,
-                      staged: frozenset[bytes] | set[bytes] = frozenset(),
-                      prefetched: Prefetched | None = None) -> Sequence:
+    async def prefill(
+        self,
+        tokens: list[int],
+        tenant: str = DEFAULT_TENANT,
+        salt: str | None = None,
+        max_new_tokens: int = 0,
+        pull: bool = True,
+        source: KVHandoff | None = None,
+        staged: frozenset[bytes] | set[bytes] = frozenset(),
+        prefetched: Prefetched | None = None,
+    ) -> Sequence:
         """Compute the prompt's KV, reusing every cached block of its prefix; returns the sequence
         with the logits of its last position. ``tenant`` names the index namespace, ``salt`` the
         hashing salt (default: the tenant, so tenants never share blocks). ``pull``: load what
@@ -141,8 +151,9 @@ class InferenceEngine:
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         if len(tokens) + max_new_tokens > self.max_context:
-            raise ContextLimitError(f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the "
-                                    f"context of {self.max_context}")
+            raise ContextLimitError(
+                f"{len(tokens)} prompt tokens + {max_new_tokens} new tokens exceed the context of {self.max_context}"
+            )
         stats = PrefillStats(prompt_tokens=len(tokens))
         keys = block_keys(self.namespace_for(tenant if salt is None else salt), tokens)
         reusable = keys[: (len(tokens) - 1) // self.block_size]  # at least one token is computed
@@ -163,27 +174,41 @@ class InferenceEngine:
                 async with self._compute:
                     started = time.perf_counter()  # computing only: not the decode steps between chunks
                     (logits,) = await asyncio.to_thread(
-                        self.model.forward_paged, [PagedChunk(tokens[start:start + step], start, list(table.blocks))],
-                        self.kv.kv)
+                        self.model.forward_paged,
+                        [PagedChunk(tokens[start : start + step], start, list(table.blocks))],
+                        self.kv.kv,
+                    )
                     stats.compute_s += time.perf_counter() - started
         except BaseException:
             self.kv.close(table)
             raise
-        seq = Sequence(tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats,
-                       stored=table.cached)
+        seq = Sequence(
+            tenant, tenant if salt is None else salt, list(tokens), table, keys, logits[-1], stats, stored=table.cached
+        )
         self._store_full_blocks(seq, resend_cached=True)
         if self.node is not None and self.transfer is not None:
             stats.written_blocks = max(0, len(tokens) // self.block_size - table.cached)
         return seq
 
-    async def _load(self, tenant: str, salt: str, keys: list[bytes], own: int, stats: PrefillStats,
-                    source: KVHandoff | None = None, staged: frozenset[bytes] | set[bytes] = frozenset()) -> None:
+    async def _load(
+        self,
+        tenant: str,
+        salt: str,
+        keys: list[bytes],
+        own: int,
+        stats: PrefillStats,
+        source: KVHandoff | None = None,
+        staged: frozenset[bytes] | set[bytes] = frozenset(),
+    ) -> None:
         """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
         started = time.perf_counter()
         try:
             if source is not None:
-                found = {source.node: PrefixHolding(length=min(source.blocks, len(keys)), tiers={source.tier: 1},
-                                                    runs=source.runs)}
+                found = {
+                    source.node: PrefixHolding(
+                        length=min(source.blocks, len(keys)), tiers={source.tier: 1}, runs=source.runs
+                    )
+                }
             else:
                 found = await self.conductor.lookup(tenant, keys)
         except ConductorError as exc:
@@ -215,19 +240,31 @@ class InferenceEngine:
             stats.load_bytes = loaded * self.block_nbytes
         stats.load_s = time.perf_counter() - started
 
-    async def _pull(self, node: str, tenant: str, salt: str, keys: list[bytes], start: int, end: int) -> tuple[int, int]:
+    async def _pull(
+        self, node: str, tenant: str, salt: str, keys: list[bytes], start: int, end: int
+    ) -> tuple[int, int]:
         """Pull ``keys[start:end]`` of a chain from ``node`` into the gpu tier; returns how many of them,
         from ``start``, the tier now holds (a chain is usable up to its first missing block) and how many
         failed their seal. A pulled block is committed only if its seal verifies under the tenant's key:
         a forged or corrupt one never enters the gpu tier, and the chain is cut there."""
-        batch = [Transfer(BlockLoc(node, key), BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
-                          self.block_nbytes) for i, key in enumerate(keys[start:end], start=start)]
+        batch = [
+            Transfer(
+                BlockLoc(node, key),
+                BlockLoc(self.worker_id, key, keys[i - 1] if i else None, tenant),
+                self.block_nbytes,
+            )
+            for i, key in enumerate(keys[start:end], start=start)
+        ]
         results = await self._send(node, batch, verify=self.sealer(salt).verify)
         refused = sum(isinstance(r.error, SealError) for r in results)
         if refused:
             self.refused_blocks += refused
-            log.warning("worker %s: %d block(s) from %s failed their seal (forged or corrupt); recomputed",
-                        self.worker_id, refused, node)
+            log.warning(
+                "worker %s: %d block(s) from %s failed their seal (forged or corrupt); recomputed",
+                self.worker_id,
+                refused,
+                node,
+            )
         loaded = 0
         for result in results:
             if not result.ok and not self.store.contains(batch[loaded].dst.key):
@@ -267,8 +304,10 @@ class InferenceEngine:
             log.info("worker %s: prefetch from %s failed: %s", self.worker_id, source.node, exc)
             return Prefetched(staged)
         tiers = [tier for tier, n in source.runs for _ in range(n)]
-        pulled = tuple((key, f"{source.node}:{STAGE_TIER if key in staged else tiers[i] if i < len(tiers) else source.tier}")
-                       for i, key in enumerate(keys[own:own + loaded], start=own))
+        pulled = tuple(
+            (key, f"{source.node}:{STAGE_TIER if key in staged else tiers[i] if i < len(tiers) else source.tier}")
+            for i, key in enumerate(keys[own : own + loaded], start=own)
+        )
         self.prefetched_blocks += len(pulled)
         return Prefetched(staged, pulled)
 
@@ -340,7 +379,7 @@ class InferenceEngine:
         while len(seq.keys) < full:  # generated tokens fill blocks too: extend the chain by one key each
             i = len(seq.keys)
             parent = seq.keys[-1] if seq.keys else self.namespace_for(seq.salt).root()
-            seq.keys.append(chain_key(parent, seq.tokens[i * bs:(i + 1) * bs]))
+            seq.keys.append(chain_key(parent, seq.tokens[i * bs : (i + 1) * bs]))
         new = []
         for i in range(seq.stored, full):
             parent = seq.keys[i - 1] if i else None
@@ -363,15 +402,22 @@ class InferenceEngine:
             if not self.fence.open(self.node):
                 return  # the node is fenced: the blocks stay in the gpu tier only
             if not await self._reachable(self.node, force=True):
-                log.warning("worker %s: node %s is not a live member; blocks not written through",
-                            self.worker_id, self.node)
+                log.warning(
+                    "worker %s: node %s is not a live member; blocks not written through", self.worker_id, self.node
+                )
                 return
             sealer = self.sealer(seq.salt)
             seals = await asyncio.to_thread(
-                lambda: [sealer.seal(seq.keys[i], host_bytes(lease.data)) for i, lease in zip(indices, leases)])
-            batch = [Transfer(BufferLoc(lease.data), BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None,
-                                                              seq.tenant, seal), self.block_nbytes)
-                     for i, lease, seal in zip(indices, leases, seals)]
+                lambda: [sealer.seal(seq.keys[i], host_bytes(lease.data)) for i, lease in zip(indices, leases)]
+            )
+            batch = [
+                Transfer(
+                    BufferLoc(lease.data),
+                    BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None, seq.tenant, seal),
+                    self.block_nbytes,
+                )
+                for i, lease, seal in zip(indices, leases, seals)
+            ]
             for result in await self._send(self.node, batch):  # the gpu leases wait on it
                 if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
@@ -418,8 +464,9 @@ class InferenceEngine:
         self.kv.close(seq.table)
 
 
-def next_token(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None,
-               top_p: float = 1.0) -> int:
+def next_token(
+    logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None, top_p: float = 1.0
+) -> int:
     """Greedy at temperature 0, else a sample from the softmax at that temperature, over the smallest
     set of tokens whose probabilities add up to ``top_p`` (nucleus sampling; 1: all of them). Shifted
     by the maximum first and in float64, so any temperature is well defined: a tiny one tends to greedy
@@ -447,5 +494,12 @@ def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list
     return float(logp[token]), alternatives
 
 
-__all__ = ["ContextLimitError", "InferenceEngine", "PrefillStats", "Sequence", "StoreError", "logprobs_of",
-           "next_token"]
+__all__ = [
+    "ContextLimitError",
+    "InferenceEngine",
+    "PrefillStats",
+    "Sequence",
+    "StoreError",
+    "logprobs_of",
+    "next_token",
+]

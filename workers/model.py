@@ -134,8 +134,9 @@ class ReferenceModel:
         for chunk in chunks:
             self.check_tokens(chunk.tokens)
             if len(chunk.table) * block_size < chunk.start + len(chunk.tokens):
-                raise ValueError(f"block table of {len(chunk.table)} blocks cannot hold "
-                                 f"{chunk.start + len(chunk.tokens)} positions")
+                raise ValueError(
+                    f"block table of {len(chunk.table)} blocks cannot hold {chunk.start + len(chunk.tokens)} positions"
+                )
         ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(c.start, c.start + len(c.tokens), device=self.device) for c in chunks])
         spans, at = [], 0

@@ -53,18 +53,35 @@ class NodeAgent:
         try:
             if cfg.conductor.urls:
                 tokens = cfg.conductor.tokens()
-                self._client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None,
-                                      ssl=cfg.tls.client_context())
+                self._client = Client(
+                    cfg.conductor.urls, token=tokens[0] if tokens else None, ssl=cfg.tls.client_context()
+                )
             # the key-value store's objects: their table rebuilt before anyone can ask for them
-            self.objects = NodeObjects(cfg.node_id, self.store, secret, self._client, ttl=cfg.conductor.member_ttl,
-                                       lease_ttl=cfg.objects.lease_ttl_s, pool_tier=pool, disk_tier=disk,
-                                       tls=cfg.transfer_tls_client(), map_path=_map_path(cfg))
+            self.objects = NodeObjects(
+                cfg.node_id,
+                self.store,
+                secret,
+                self._client,
+                ttl=cfg.conductor.member_ttl,
+                lease_ttl=cfg.objects.lease_ttl_s,
+                pool_tier=pool,
+                disk_tier=disk,
+                tls=cfg.transfer_tls_client(),
+                map_path=_map_path(cfg),
+            )
             await self.objects.recover()
             self.server = await TransferServer(
-                self.store, secret, cfg.node_id, cfg.transfer.host, cfg.transfer.port, pool_tier=pool,
-                max_block_bytes=int(cfg.transfer.max_block_bytes), buffer_bytes=cfg.transfer.buffer_bytes,
+                self.store,
+                secret,
+                cfg.node_id,
+                cfg.transfer.host,
+                cfg.transfer.port,
+                pool_tier=pool,
+                max_block_bytes=int(cfg.transfer.max_block_bytes),
+                buffer_bytes=cfg.transfer.buffer_bytes,
                 ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
-                tls=cfg.transfer_tls_server(), objects=self.objects.server,
+                tls=cfg.transfer_tls_server(),
+                objects=self.objects.server,
             ).start()
             if cfg.transfer.metrics_port is not None:
                 await self._serve_metrics()
@@ -77,13 +94,24 @@ class NodeAgent:
 
     async def _join(self, secret: bytes) -> None:
         cfg = self.config
-        self.engine = TransferEngine(cfg.node_id, secret, self.store, transports=tuple(cfg.transfer.transports),
-                                     streams=cfg.transfer.streams, checksum=cfg.transfer.checksum,
-                                     tls=cfg.transfer_tls_client())
+        self.engine = TransferEngine(
+            cfg.node_id,
+            secret,
+            self.store,
+            transports=tuple(cfg.transfer.transports),
+            streams=cfg.transfer.streams,
+            checksum=cfg.transfer.checksum,
+            tls=cfg.transfer_tls_client(),
+        )
         host, port = self.server.address
-        member = MemberInfo(node_id=cfg.node_id, role="node", host=reachable_host(host, cfg.transfer.advertise_host),
-                            port=port, transfer_version=p.VERSION,
-                            tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers})
+        member = MemberInfo(
+            node_id=cfg.node_id,
+            role="node",
+            host=reachable_host(host, cfg.transfer.advertise_host),
+            port=port,
+            transfer_version=p.VERSION,
+            tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers},
+        )
         link = ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl, engine=self.engine)
         link.on_registered.append(self.objects.on_registered)
         link.on_keepalive.append(self.objects.on_keepalive)
@@ -97,8 +125,9 @@ class NodeAgent:
         app.add_routes([web.get("/metrics", metrics_handler(registry_of(self._families)))])
         self._metrics = app_runner(app, access_log=None)
         await self._metrics.setup()
-        site = web.TCPSite(self._metrics, cfg.transfer.host, cfg.transfer.metrics_port,
-                           ssl_context=cfg.tls.server_context())
+        site = web.TCPSite(
+            self._metrics, cfg.transfer.host, cfg.transfer.metrics_port, ssl_context=cfg.tls.server_context()
+        )
         await site.start()
         host, port = self._metrics.addresses[0][:2]
         self.metrics_url = f"{cfg.tls.scheme}://{reachable_host(host, cfg.transfer.advertise_host)}:{port}/metrics"
@@ -106,10 +135,10 @@ class NodeAgent:
     def _families(self):
         node = self.config.node_id
         yield from store_families({node: member_stats(self.store)})
-        for name, doc, value in (("transfer_served_bytes", "bytes this node's transfer server sent to readers",
-                                  self.server.served_bytes),
-                                 ("transfer_refused_connections", "connections that failed authentication",
-                                  self.server.refused)):
+        for name, doc, value in (
+            ("transfer_served_bytes", "bytes this node's transfer server sent to readers", self.server.served_bytes),
+            ("transfer_refused_connections", "connections that failed authentication", self.server.refused),
+        ):
             family = CounterMetricFamily(f"tiercake_{name}", doc, labels=["member"])
             family.add_metric([node], value)
             yield family

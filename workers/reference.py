@@ -51,14 +51,27 @@ class ReferenceEngine(ServingEngine):
             pool = GpuBlockPool(serving.gpu_blocks, layout.shape, layout.torch_dtype(), device)
             store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
             self._closers.append(store.close)
-            transfer = TransferEngine(self.worker_id, cfg.transfer.secret(), store,
-                                      transports=tuple(cfg.transfer.transports), streams=cfg.transfer.streams,
-                                      checksum=cfg.transfer.checksum, tls=cfg.transfer_tls_client())
+            transfer = TransferEngine(
+                self.worker_id,
+                cfg.transfer.secret(),
+                store,
+                transports=tuple(cfg.transfer.transports),
+                streams=cfg.transfer.streams,
+                checksum=cfg.transfer.checksum,
+                tls=cfg.transfer_tls_client(),
+            )
             self._closers.append(transfer.close)
             self.inference = InferenceEngine(
-                model, store, cfg.serving_namespace(), worker_id=self.worker_id, transfer=transfer,
-                conductor=client, node=cfg.node_id, max_context=serving.max_context,
-                prefill_chunk=serving.prefill_chunk_tokens, seals=cfg.transfer.seal_material(),
+                model,
+                store,
+                cfg.serving_namespace(),
+                worker_id=self.worker_id,
+                transfer=transfer,
+                conductor=client,
+                node=cfg.node_id,
+                max_context=serving.max_context,
+                prefill_chunk=serving.prefill_chunk_tokens,
+                seals=cfg.transfer.seal_material(),
             )
             self._closers.append(self.inference.flush)
             self._closers.append(self.inference.fence.close)
@@ -90,8 +103,9 @@ class ReferenceEngine(ServingEngine):
 
     def load(self) -> WorkerLoadReply:
         kv = self.inference.kv
-        return WorkerLoadReply(**self.scheduler.load, free_blocks=kv.num_free, blocks=kv.num_blocks,
-                               completed=self.scheduler.completed)
+        return WorkerLoadReply(
+            **self.scheduler.load, free_blocks=kv.num_free, blocks=kv.num_blocks, completed=self.scheduler.completed
+        )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         events = self.scheduler.generate(request)
@@ -121,8 +135,9 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
     """Fit the prefill-time model and measure a decode step on this machine; reuse a persisted fit of
     the same model, block size and device."""
     model = engine.model
-    ident = hashlib.sha256(json.dumps([model.config.model_dump(), engine.block_size, str(engine.kv.device)])
-                           .encode()).hexdigest()[:16]
+    ident = hashlib.sha256(
+        json.dumps([model.config.model_dump(), engine.block_size, str(engine.kv.device)]).encode()
+    ).hexdigest()[:16]
     path = cache / f"calibration-{ident}.json" if cache else None
     if path is not None and path.exists():
         with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -132,8 +147,9 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
     bs = engine.block_size
     limit = min(engine.max_context // 2, engine.kv.num_blocks * bs // 2)
     lengths = sorted({max(bs, min(n, limit)) for n in (bs, 4 * bs, 16 * bs, 64 * bs)})
-    scratch = torch.zeros((-(-max(lengths) // bs) * 2, *engine.kv.block_shape), dtype=engine.kv.dtype,
-                          device=engine.kv.device)
+    scratch = torch.zeros(
+        (-(-max(lengths) // bs) * 2, *engine.kv.block_shape), dtype=engine.kv.dtype, device=engine.kv.device
+    )
     table = list(range(scratch.shape[0]))
     samples = []
     for n in lengths:
@@ -151,8 +167,13 @@ def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
     started = time.perf_counter()
     for i in range(5):
         model.forward_paged([PagedChunk([1], lengths[0] + i, table)], scratch)
-    perf = WorkerPerf(prefill_a=fit.a, prefill_b=fit.b, prefill_q=fit.q,
-                      decode_step_s=(time.perf_counter() - started) / 5, copy_bytes_per_s=_copy_rate(engine.kv.device))
+    perf = WorkerPerf(
+        prefill_a=fit.a,
+        prefill_b=fit.b,
+        prefill_q=fit.q,
+        decode_step_s=(time.perf_counter() - started) / 5,
+        copy_bytes_per_s=_copy_rate(engine.kv.device),
+    )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(perf.model_dump_json())

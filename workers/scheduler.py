@@ -37,8 +37,9 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(self, engine: InferenceEngine, max_batch: int = 32, max_prefills: int = 1,
-                 prefetch: bool = False) -> None:
+    def __init__(
+        self, engine: InferenceEngine, max_batch: int = 32, max_prefills: int = 1, prefetch: bool = False
+    ) -> None:
         self.engine = engine
         self.prefetch = prefetch  # stage a waiting job's prefix into the node's memory
         self.max_batch = max_batch
@@ -78,12 +79,17 @@ class Scheduler:
         job = _Running(request, asyncio.Queue())
         if request.seed is not None:
             job.generator = torch.Generator().manual_seed(request.seed)
-        if self.prefetch and request.pull and request.source is not None and (
-                not self._waiting.empty() or len(self._prefilling) >= self.max_prefills):
+        if (
+            self.prefetch
+            and request.pull
+            and request.source is not None
+            and (not self._waiting.empty() or len(self._prefilling) >= self.max_prefills)
+        ):
             # it will wait: meanwhile the node brings what it holds of the prefix only on disk into memory,
             # and the worker pulls the prefix into its gpu tier as far as there is room
             job.prefetch = asyncio.get_running_loop().create_task(
-                self.engine.prefetch(request.tokens, request.tenant, request.salt, request.source))
+                self.engine.prefetch(request.tokens, request.tenant, request.salt, request.source)
+            )
         await self._waiting.put(job)
         self._wake.set()
         try:
@@ -101,8 +107,11 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            while (not self._waiting.empty() and len(self._prefilling) < self.max_prefills
-                   and len(self._running) + len(self._prefilling) < self.max_batch):
+            while (
+                not self._waiting.empty()
+                and len(self._prefilling) < self.max_prefills
+                and len(self._running) + len(self._prefilling) < self.max_batch
+            ):
                 job = self._waiting.get_nowait()
                 if not job.cancelled:
                     task = loop.create_task(self._admit(job))
@@ -128,8 +137,15 @@ class Scheduler:
                     prefetched = await job.prefetch
                 except Exception as exc:  # noqa: BLE001 - a prefetch never fails the request
                     log.info("scheduler: prefetch failed: %s", exc)
-            job.seq = await self.engine.prefill(r.tokens, r.tenant, r.salt, max_new_tokens=r.max_tokens,
-                                                pull=r.pull, source=r.source, prefetched=prefetched)
+            job.seq = await self.engine.prefill(
+                r.tokens,
+                r.tenant,
+                r.salt,
+                max_new_tokens=r.max_tokens,
+                pull=r.pull,
+                source=r.source,
+                prefetched=prefetched,
+            )
         except asyncio.CancelledError:
             job.out.put_nowait(RuntimeError("worker shutting down"))
             raise
@@ -155,8 +171,12 @@ class Scheduler:
         token = next_token(job.seq.logits, r.temperature, job.generator, r.top_p)
         job.generated += 1
         done = job.generated >= r.max_tokens
-        event = TokenEvent(token=token, index=job.generated - 1, stats=job.seq.stats if first else None,
-                           finish_reason="length" if done else None)
+        event = TokenEvent(
+            token=token,
+            index=job.generated - 1,
+            stats=job.seq.stats if first else None,
+            finish_reason="length" if done else None,
+        )
         if r.logprobs is not None:
             event.logprob, top = logprobs_of(job.seq.logits, token, r.logprobs)
             event.top_logprobs = [TokenLogprob(token=t, logprob=lp) for t, lp in top]

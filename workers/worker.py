@@ -46,9 +46,15 @@ EngineFactory = Callable[[Client | None], Awaitable[ServingEngine]]
 
 
 class Worker:
-    def __init__(self, config: TiercakeConfig, role: str = "worker", worker_id: str | None = None,
-                 data_dir: str | Path | None = None, advertise: str | None = None,
-                 engine: EngineFactory | None = None) -> None:
+    def __init__(
+        self,
+        config: TiercakeConfig,
+        role: str = "worker",
+        worker_id: str | None = None,
+        data_dir: str | Path | None = None,
+        advertise: str | None = None,
+        engine: EngineFactory | None = None,
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}: prefill, decode or worker")
         self.config = config
@@ -66,8 +72,11 @@ class Worker:
         cfg = self.config
         try:
             tokens = self._tokens = cfg.conductor.required_tokens()  # none only when the config says insecure
-            client = Client(cfg.conductor.urls, token=tokens[0] if tokens else None,
-                            ssl=cfg.tls.client_context()) if cfg.conductor.urls else None
+            client = (
+                Client(cfg.conductor.urls, token=tokens[0] if tokens else None, ssl=cfg.tls.client_context())
+                if cfg.conductor.urls
+                else None
+            )
             if client is not None:
                 self._closers.append(client.close)
             self.engine = await self._factory(client)
@@ -89,14 +98,29 @@ class Worker:
 
     async def _join(self, client: Client, host: str, port: int) -> None:
         engine = self.engine
-        member = MemberInfo(node_id=self.worker_id, role=self.role, host=host, port=port, url=self.url,
-                            tiers={"gpu": engine.gpu_capacity_bytes}, engine=engine.name, perf=engine.perf,
-                            kv_space=engine.kv_space, transfer_version=TRANSFER_VERSION)
+        member = MemberInfo(
+            node_id=self.worker_id,
+            role=self.role,
+            host=host,
+            port=port,
+            url=self.url,
+            tiers={"gpu": engine.gpu_capacity_bytes},
+            engine=engine.name,
+            perf=engine.perf,
+            kv_space=engine.kv_space,
+            transfer_version=TRANSFER_VERSION,
+        )
         # a decode worker's gpu blocks are not indexed: work is routed to it by load, never by its
         # cache (the prompt's blocks are on the node already), and each block it pulled would cost
         # two durable index changes (in, then evicted)
-        link = await ConductorLink(client, member, engine.store, ttl=self.config.conductor.member_ttl,
-                                   report=self.role != "decode", held=engine.held).start()
+        link = await ConductorLink(
+            client,
+            member,
+            engine.store,
+            ttl=self.config.conductor.member_ttl,
+            report=self.role != "decode",
+            held=engine.held,
+        ).start()
         self._closers.append(link.close)
 
     async def close(self) -> None:
@@ -109,22 +133,31 @@ class Worker:
         tenant and salt it runs under, so nobody else may send one. ``/health`` is for probes,
         ``/metrics`` for scrapers (unless ``conductor.metrics_open`` is false)."""
         open_paths = ("/health", "/metrics") if self.config.conductor.metrics_open else ("/health",)
-        app = web.Application(client_max_size=16 << 20,
-                              middlewares=[error_middleware, bearer_guard(self._tokens, open_paths), body_reader()])
-        app.add_routes([web.post("/generate", self._generate), web.get("/health", self._health),
-                        web.get("/load", self._load),
-                        web.get("/metrics", metrics_handler(registry_of(self._families)))])
+        app = web.Application(
+            client_max_size=16 << 20,
+            middlewares=[error_middleware, bearer_guard(self._tokens, open_paths), body_reader()],
+        )
+        app.add_routes(
+            [
+                web.post("/generate", self._generate),
+                web.get("/health", self._health),
+                web.get("/load", self._load),
+                web.get("/metrics", metrics_handler(registry_of(self._families))),
+            ]
+        )
         return app
 
     def _families(self):
         """This worker's own series: its engine's queue and KV blocks, and its gpu tier."""
         engine, labels = self.engine, ["worker", "role"]
         load, key = engine.load(), [self.worker_id, self.role]
-        for name, doc, value in (("waiting", "requests waiting for a prefill slot", load.waiting),
-                                 ("prefilling", "requests being prefilled", load.prefilling),
-                                 ("running", "sequences decoding", load.running),
-                                 ("kv_free_blocks", "KV blocks free on the device", load.free_blocks),
-                                 ("kv_blocks", "KV blocks on the device", load.blocks)):
+        for name, doc, value in (
+            ("waiting", "requests waiting for a prefill slot", load.waiting),
+            ("prefilling", "requests being prefilled", load.prefilling),
+            ("running", "sequences decoding", load.running),
+            ("kv_free_blocks", "KV blocks free on the device", load.free_blocks),
+            ("kv_blocks", "KV blocks on the device", load.blocks),
+        ):
             family = GaugeMetricFamily(f"tiercake_worker_{name}", doc, labels=labels)
             family.add_metric(key, value)
             yield family
@@ -166,8 +199,9 @@ class Worker:
         return response
 
     async def _health(self, _: web.Request) -> web.Response:
-        health = WorkerHealth(status="ok", worker=self.worker_id, role=self.role, engine=self.engine.name,
-                              pid=os.getpid())
+        health = WorkerHealth(
+            status="ok", worker=self.worker_id, role=self.role, engine=self.engine.name, pid=os.getpid()
+        )
         return web.json_response(text=health.model_dump_json())
 
     async def _load(self, _: web.Request) -> web.Response:

@@ -53,7 +53,7 @@ class SlotTier(MemoryTierBackend):
         return self.free.pop() if self.free else None
 
     def view(self, slot, nbytes: int) -> torch.Tensor:
-        return self.buffer[slot * self.slot_bytes: slot * self.slot_bytes + nbytes]
+        return self.buffer[slot * self.slot_bytes : slot * self.slot_bytes + nbytes]
 
     def host_array(self, slot, nbytes: int):
         return self.view(slot, nbytes).numpy()

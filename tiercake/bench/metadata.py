@@ -80,8 +80,13 @@ async def bench_lookup(report: Report, blocks: int, probes: int) -> None:
         floor.append(t2 - t1)
     params = {"blocks": blocks, "replicas": replicas, "chain": CHAIN, "probes": probes, "limit_name": "64 dict probes"}
     report.add("lookup.chain64_p50", statistics.median(times) * 1e6, "us", statistics.median(floor) * 1e6, **params)
-    report.add("memory.bytes_per_replica", memory / replicas, "B", floor_memory / replicas,
-               **params | {"limit_name": "a flat dict of the same replicas"})
+    report.add(
+        "memory.bytes_per_replica",
+        memory / replicas,
+        "B",
+        floor_memory / replicas,
+        **params | {"limit_name": "a flat dict of the same replicas"},
+    )
 
 
 async def bench_commit(report: Report, placements: int, root: Path) -> None:
@@ -93,8 +98,10 @@ async def bench_commit(report: Report, placements: int, root: Path) -> None:
         index.guard = Guard(b"/bench/leader/conductor", b"bench-conductor")
         await meta.put(index.guard.key, index.guard.value)
         # raw: the same kind of operations, straight to etcd as back-to-back 128-op transactions
-        ops = [Put(index._meta_key("tenant", _key(i), Replica("node-0", "pool")), b'{"size": 1048576}')
-               for i in range(placements)]
+        ops = [
+            Put(index._meta_key("tenant", _key(i), Replica("node-0", "pool")), b'{"size": 1048576}')
+            for i in range(placements)
+        ]
         t0 = time.perf_counter()
         await meta.commit(ops)
         raw = placements / (time.perf_counter() - t0)
@@ -111,9 +118,13 @@ async def bench_commit(report: Report, placements: int, root: Path) -> None:
         await asyncio.gather(*(request(i) for i in range(0, placements, per_request)))
         ours = placements / (time.perf_counter() - t0)
         key_bytes = len(ops[0].key) + len(ops[0].value)
-        params = {"placements": placements, "blocks_per_request": per_request, "requests_in_flight": in_flight,
-                  "batches": index.stats.commits,
-                  "largest_batch": index.stats.largest_batch}
+        params = {
+            "placements": placements,
+            "blocks_per_request": per_request,
+            "requests_in_flight": in_flight,
+            "batches": index.stats.commits,
+            "largest_batch": index.stats.largest_batch,
+        }
         report.add("commit.placements_per_s", ours, "1/s", raw, **params, limit_name="raw batched etcd txns")
         report.add("etcd.bytes_per_replica", key_bytes, "B", 32, **params, limit_name="the block key alone")
         await index.close()

@@ -36,7 +36,9 @@ class Report(BaseModel):
     figures: list[Figure] = Field(default_factory=list)
 
     def add(self, name: str, value: float, unit: str, limit: float, **params: Any) -> Figure:
-        figure = Figure(name=name, value=value, unit=unit, limit=limit, ratio=value / limit if limit else 0.0, params=params)
+        figure = Figure(
+            name=name, value=value, unit=unit, limit=limit, ratio=value / limit if limit else 0.0, params=params
+        )
         self.figures.append(figure)
         hook = ON_FIGURE.get()
         if hook is not None:
@@ -51,7 +53,10 @@ class Report(BaseModel):
         for f in self.figures:
             params = " ".join(f"{k}={v}" for k, v in f.params.items() if k != "limit_name")
             table.add_row(
-                f.name, params, f"{f.value:.3f} {f.unit}", f"{f.limit:.3f} {f.params.get('limit_name', '')}",
+                f.name,
+                params,
+                f"{f.value:.3f} {f.unit}",
+                f"{f.limit:.3f} {f.params.get('limit_name', '')}",
                 f"{f.ratio:.2f}",
             )
         console.print(table)
@@ -68,8 +73,9 @@ class Report(BaseModel):
             for k, v in f.params.items():
                 values.setdefault(k, set()).add(str(v))
         varying = [k for k, seen in values.items() if len(seen) > 1 and k != "limit_name"]  # what tells bars apart
-        labels = [" ".join([f.name, *(f"{k}={f.params[k]}" for k in varying if k in f.params)])[:56]
-                  for f in self.figures]
+        labels = [
+            " ".join([f.name, *(f"{k}={f.params[k]}" for k in varying if k in f.params)])[:56] for f in self.figures
+        ]
         fig, ax = plt.subplots(figsize=(10, 0.28 * len(labels) + 1.5))
         ax.barh(range(len(labels)), [f.ratio for f in self.figures])
         ax.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
@@ -106,15 +112,39 @@ def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **p
     ops = now.durable_ops + now.lookups - was.durable_ops - was.lookups
     served = after.serving.requests - before.serving.requests
     if moved > 0:
-        report.add("metadata.bytes_per_kv_byte", durable / moved, "B/B", KEY_BYTES / now.block_bytes,
-                   limit_name="one block key per block moved", kv_bytes_moved=moved, metadata_bytes=durable,
-                   block_bytes=now.block_bytes, **params)
+        report.add(
+            "metadata.bytes_per_kv_byte",
+            durable / moved,
+            "B/B",
+            KEY_BYTES / now.block_bytes,
+            limit_name="one block key per block moved",
+            kv_bytes_moved=moved,
+            metadata_bytes=durable,
+            block_bytes=now.block_bytes,
+            **params,
+        )
     if served > 0:
-        report.add("metadata.ops_per_request", ops / served, "ops", 1.0, limit_name="one lookup per request",
-                   requests_served=served, ops=ops, volatile_ops=now.volatile_ops - was.volatile_ops,
-                   durable_changes={kind: n - was.durable_changes.get(kind, 0) for kind, n in now.durable_changes.items()},
-                   **params)
+        report.add(
+            "metadata.ops_per_request",
+            ops / served,
+            "ops",
+            1.0,
+            limit_name="one lookup per request",
+            requests_served=served,
+            ops=ops,
+            volatile_ops=now.volatile_ops - was.volatile_ops,
+            durable_changes={kind: n - was.durable_changes.get(kind, 0) for kind, n in now.durable_changes.items()},
+            **params,
+        )
         # what the etcd cluster sees: each group commit's transactions (up to 128 changes each)
         txns = now.durable_txns + now.lookups - was.durable_txns - was.lookups
-        report.add("metadata.txns_per_request", txns / served, "ops", 1.0, limit_name="one lookup per request",
-                   requests_served=served, transactions=txns - (now.lookups - was.lookups), **params)
+        report.add(
+            "metadata.txns_per_request",
+            txns / served,
+            "ops",
+            1.0,
+            limit_name="one lookup per request",
+            requests_served=served,
+            transactions=txns - (now.lookups - was.lookups),
+            **params,
+        )

@@ -59,8 +59,9 @@ async def _ttft(client: Client, tokens: list[int], tenant: str) -> tuple[float, 
     return first, usage
 
 
-async def _wait_tiers(client: Client, tokens: list[int], tenant: str, blocks: int, present: set[str],
-                      absent: set[str] = frozenset()) -> None:
+async def _wait_tiers(
+    client: Client, tokens: list[int], tenant: str, blocks: int, present: set[str], absent: set[str] = frozenset()
+) -> None:
     """Until the index shows the prefix whole in every tier of ``present`` and in none of ``absent``."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -73,8 +74,9 @@ async def _wait_tiers(client: Client, tokens: list[int], tenant: str, blocks: in
     raise TimeoutError(f"the prefix never settled in {sorted(present)} (and out of {sorted(absent)})")
 
 
-async def measure(url: str, quick: bool, report: Report, control_url: str | None = None,
-                  token: str | None = None) -> None:
+async def measure(
+    url: str, quick: bool, report: Report, control_url: str | None = None, token: str | None = None
+) -> None:
     """Completions at ``url``; prefixes, flushes and counters through the control API (``control_url``
     with ``token``; default: the same URL, a cluster serving both on one port)."""
     rng = random.Random(7)
@@ -82,13 +84,23 @@ async def measure(url: str, quick: bool, report: Report, control_url: str | None
     repeats = 2 if quick else 3
     fractions = (0.0, 0.5, 0.9)
     block = 16
-    async with Client([url], timeout=300, retries=3) as api, \
-            Client([control_url or url], token=token, timeout=300, retries=3) as control:
+    async with (
+        Client([url], timeout=300, retries=3) as api,
+        Client([control_url or url], token=token, timeout=300, retries=3) as control,
+    ):
         await _measure(api, control, rng, prompt_tokens, repeats, fractions, block, report)
 
 
-async def _measure(client: Client, control: Client, rng: random.Random, prompt_tokens: int, repeats: int,
-                   fractions: tuple[float, ...], block: int, report: Report) -> None:
+async def _measure(
+    client: Client,
+    control: Client,
+    rng: random.Random,
+    prompt_tokens: int,
+    repeats: int,
+    fractions: tuple[float, ...],
+    block: int,
+    report: Report,
+) -> None:
     """Each source and cached fraction: a prefix cached, moved to the source, the prompt timed."""
     await _ttft(client, [rng.randrange(256) for _ in range(64)], "bench-warmup")  # connections, threads
     before = await control.cluster()
@@ -117,12 +129,20 @@ async def _measure(client: Client, control: Client, rng: random.Random, prompt_t
             extra = usage.get("tiercake", {})
             ideal = 1 - fraction
             figure = report.add(
-                f"ttft.{source if fraction else 'none'}.cached{int(fraction * 100)}", ttft, "s", limit,
-                limit_name="compute only", prompt_tokens=prompt_tokens, cached_fraction=fraction,
+                f"ttft.{source if fraction else 'none'}.cached{int(fraction * 100)}",
+                ttft,
+                "s",
+                limit,
+                limit_name="compute only",
+                prompt_tokens=prompt_tokens,
+                cached_fraction=fraction,
                 cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                ideal_ratio=round(ideal, 3), route_s=round(extra.get("route_s", 0), 5),
-                lookup_s=round(extra.get("lookup_s", 0), 5), load_s=round(extra.get("load_s", 0), 5),
-                compute_s=round(extra.get("compute_s", 0), 5), sources=extra.get("sources", {}),
+                ideal_ratio=round(ideal, 3),
+                route_s=round(extra.get("route_s", 0), 5),
+                lookup_s=round(extra.get("lookup_s", 0), 5),
+                load_s=round(extra.get("load_s", 0), 5),
+                compute_s=round(extra.get("compute_s", 0), 5),
+                sources=extra.get("sources", {}),
             )
             figure.params["gap"] = round(figure.ratio - ideal, 3)
     cluster_figures(before, await control.cluster(), report)

@@ -180,8 +180,14 @@ async def bench_ssd(report: Report, sizes: list[int], working_set: int, reps: in
             finally:
                 await store.close()
                 shutil.rmtree(tier_dir, ignore_errors=True)
-            params = {"tier": "ssd", "layout": layout, "block_bytes": size, "blocks": n, "batch": batch,
-                      "direct_io": direct}
+            params = {
+                "tier": "ssd",
+                "layout": layout,
+                "block_bytes": size,
+                "blocks": n,
+                "batch": batch,
+                "direct_io": direct,
+            }
             name = "ssd" if layout == "files" else "ssd.log"
             report.add(f"{name}.put", n * size / put_s / 1e9, "GB/s", write_limit, **params, limit_name="raw write")
             report.add(f"{name}.get", n * size / get_s / 1e9, "GB/s", read_limit, **params, limit_name="raw read")
@@ -200,8 +206,14 @@ def real_kv_blocks(n_tokens: int, block_tokens: int) -> tuple[torch.Tensor, dict
     blocks = kv.view(config.layers, 2, -1, block_tokens, config.kv_heads, config.head_dim)
     blocks = blocks.permute(2, 0, 1, 3, 4, 5).contiguous()  # one block: [layers, 2, block, kv_heads, head_dim]
     flat = blocks.view(blocks.shape[0], -1).view(torch.uint8)
-    return flat, {"model": "reference", "layers": config.layers, "kv_heads": config.kv_heads,
-                  "head_dim": config.head_dim, "block_tokens": block_tokens, "dtype": config.dtype}
+    return flat, {
+        "model": "reference",
+        "layers": config.layers,
+        "kv_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "block_tokens": block_tokens,
+        "dtype": config.dtype,
+    }
 
 
 async def bench_compression(report: Report, root: Path, quick: bool, reps: int) -> None:
@@ -220,8 +232,15 @@ async def bench_compression(report: Report, root: Path, quick: bool, reps: int) 
         finally:
             await store.close()
             shutil.rmtree(tier_dir, ignore_errors=True)
-        params = {"tier": "ssd", "zstd": True, "shuffle16": shuffle, "block_bytes": size, "blocks": n, "batch": 8,
-                  **model_params}
+        params = {
+            "tier": "ssd",
+            "zstd": True,
+            "shuffle16": shuffle,
+            "block_bytes": size,
+            "blocks": n,
+            "batch": 8,
+            **model_params,
+        }
         report.add("ssd.zstd.ratio", ratio, "x", 1.0, **params, limit_name="uncompressed")
         report.add("ssd.zstd.put", n * size / put_s / 1e9, "GB/s", write_limit, **params, limit_name="raw write")
         report.add("ssd.zstd.get", n * size / get_s / 1e9, "GB/s", read_limit, **params, limit_name="raw read")

@@ -68,8 +68,9 @@ class Buffers:
             store.unregister_buffer(self.src)
 
 
-def measure(store, sizes: list[tuple[int, int, int]], rep: int, buffers: Buffers, best: dict[str, float],
-            cold=None) -> None:
+def measure(
+    store, sizes: list[tuple[int, int, int]], rep: int, buffers: Buffers, best: dict[str, float], cold=None
+) -> None:
     """One repetition of each operation at each size, through Mooncake's API (``store`` is Mooncake's
     ``MooncakeDistributedStore`` or tiercake's ``DistributedStore``, set up, with ``buffers``
     registered); the best seconds so far in ``best``. ``cold``: another client of the same store,
@@ -79,8 +80,9 @@ def measure(store, sizes: list[tuple[int, int, int]], rep: int, buffers: Buffers
         _measure_size(store, size, count, batch, rep, buffers, best, cold)
 
 
-def _measure_size(store, size: int, count: int, batch: int, rep: int, buffers: Buffers, best: dict[str, float],
-                  cold) -> None:
+def _measure_size(
+    store, size: int, count: int, batch: int, rep: int, buffers: Buffers, best: dict[str, float], cold
+) -> None:
     """``measure`` at one size: singles, then batches of ``batch``, each read checked against what was put."""
     src, dst = buffers.src, buffers.dst
     keys = [f"o{size}-{rep}-{i}" for i in range(count)]
@@ -91,27 +93,51 @@ def _measure_size(store, size: int, count: int, batch: int, rep: int, buffers: B
         "get": lambda: [_check(store.get_into(k, o, size) - size, "get_into") for k, o in zip(keys, outs)],
     }
     if cold is not None:
-        timed["get_cold"] = lambda: [_check(cold.get_into(k, o, size) - size, "get_into (cold)")
-                                     for k, o in zip(keys, outs)]
+        timed["get_cold"] = lambda: [
+            _check(cold.get_into(k, o, size) - size, "get_into (cold)") for k, o in zip(keys, outs)
+        ]
     for op, run in timed.items():
         if op != "put":  # each read proves itself: nothing left from the last one
             ctypes.memset(dst, 0, size * count)
         _keep(best, f"{op}.{size}", _seconds(run))
         if op != "put":
-            _check(int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)),
-                   "read back other bytes")
+            _check(
+                int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)), "read back other bytes"
+            )
     _check(store.remove_all(True) < 0, "remove_all")
     keys = [f"b{size}-{rep}-{i}" for i in range(count)]
     groups = [range(lo, min(count, lo + batch)) for lo in range(0, count, batch)]
-    _keep(best, f"batch_put.{size}", _seconds(lambda: [
-        _check(any(store.batch_put_from([keys[i] for i in g], [ptrs[i] for i in g], [size] * len(g))),
-               "batch_put_from") for g in groups]))
+    _keep(
+        best,
+        f"batch_put.{size}",
+        _seconds(
+            lambda: [
+                _check(
+                    any(store.batch_put_from([keys[i] for i in g], [ptrs[i] for i in g], [size] * len(g))),
+                    "batch_put_from",
+                )
+                for g in groups
+            ]
+        ),
+    )
     ctypes.memset(dst, 0, size * count)
-    _keep(best, f"batch_get.{size}", _seconds(lambda: [
-        _check(sum(store.batch_get_into([keys[i] for i in g], [outs[i] for i in g], [size] * len(g)))
-               - size * len(g), "batch_get_into") for g in groups]))
-    _check(int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)),
-           "read back other bytes (batch)")
+    _keep(
+        best,
+        f"batch_get.{size}",
+        _seconds(
+            lambda: [
+                _check(
+                    sum(store.batch_get_into([keys[i] for i in g], [outs[i] for i in g], [size] * len(g)))
+                    - size * len(g),
+                    "batch_get_into",
+                )
+                for g in groups
+            ]
+        ),
+    )
+    _check(
+        int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)), "read back other bytes (batch)"
+    )
     _check(store.remove_all(True) < 0, "remove_all")
 
 
@@ -132,6 +158,7 @@ def _check(failed, what: str) -> None:
 
 # The stores under test -----------------------------------------------------------------------------
 
+
 def mooncake_master() -> Path | None:
     master = Path(sys.executable).with_name("mooncake_master")
     return master if master.exists() and shutil.which("unshare") and shutil.which("ip") else None
@@ -147,16 +174,25 @@ class MooncakeSide:
 
         self.master = subprocess.Popen(
             [str(mooncake_master()), "--rpc_port", str(MOONCAKE_PORT), "--enable_http_metadata_server=false"],
-            stdout=open(logs / "mooncake-master.log", "w"), stderr=subprocess.STDOUT)
+            stdout=open(logs / "mooncake-master.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         address = f"127.0.0.1:{MOONCAKE_PORT}"
         self.holder = None
         try:
             time.sleep(1.5)
             self.holder = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from mooncake.store import MooncakeDistributedStore as S; "
-                 f"s = S(); print(s.setup('127.0.0.1', 'P2PHANDSHAKE', {segment}, 16 << 20, 'tcp', '', '{address}'), "
-                 "flush=True); sys.stdin.read()"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from mooncake.store import MooncakeDistributedStore as S; "
+                    f"s = S(); print(s.setup('127.0.0.1', 'P2PHANDSHAKE', {segment}, 16 << 20, 'tcp', '', '{address}'), "
+                    "flush=True); sys.stdin.read()",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
             if self.holder.stdout.readline().strip() != b"0":
                 raise RuntimeError("the Mooncake segment holder did not start")
             self.store = MooncakeDistributedStore()
@@ -182,8 +218,12 @@ class TiercakeSide:
 
     def __init__(self, pool_bytes: int, logs: Path) -> None:
         self.token = secrets.token_hex(16)
-        self.conductor = Child("conductor", ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"],
-                               {**os.environ, "TIERCAKE_TOKEN": self.token}, logs)
+        self.conductor = Child(
+            "conductor",
+            ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"],
+            {**os.environ, "TIERCAKE_TOKEN": self.token},
+            logs,
+        )
         try:
             self.url = self.conductor.wait_announce(60)["url"]
             self.peer = Peer(pool_bytes=pool_bytes, conductor=self.url, token=self.token)
@@ -239,6 +279,7 @@ def _spinners(load: int) -> list[subprocess.Popen]:
 
 # The run -----------------------------------------------------------------------------------------
 
+
 def measure_all(quick: bool, load: int, with_mooncake: bool) -> dict:
     """Every store's best seconds, interleaved repetition by repetition, and the raw limits."""
     sizes = plan(quick)
@@ -252,8 +293,10 @@ def measure_all(quick: bool, load: int, with_mooncake: bool) -> dict:
     runs: dict[str, dict[str, float]] = {}
     limits: dict[str, float] = {}
     try:
-        sides = {name: tiercake.connect(name, transports)
-                 for name, transports in (("tiercake.tcp", ("tcp",)), ("tiercake.shm", ("shm", "tcp")))}
+        sides = {
+            name: tiercake.connect(name, transports)
+            for name, transports in (("tiercake.tcp", ("tcp",)), ("tiercake.shm", ("shm", "tcp")))
+        }
         if with_mooncake:
             mooncake = MooncakeSide(segment, logs)
             sides["mooncake.tcp"] = (mooncake.store, None)
@@ -280,11 +323,18 @@ def measure_all(quick: bool, load: int, with_mooncake: bool) -> dict:
 
 def _in_namespace(quick: bool, load: int) -> dict | None:
     """``measure_all`` with Mooncake, in a network namespace of its own; None if it cannot run."""
-    inner = (f"ip link set lo up && exec {sys.executable} -m tiercake.bench.store_api inner "
-             f"'{json.dumps({'quick': quick, 'load': load})}'")
+    inner = (
+        f"ip link set lo up && exec {sys.executable} -m tiercake.bench.store_api inner "
+        f"'{json.dumps({'quick': quick, 'load': load})}'"
+    )
     try:
-        done = subprocess.run(["unshare", "-n", "bash", "-c", inner], capture_output=True, text=True, timeout=1800,
-                              env={**os.environ, INSIDE: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+        done = subprocess.run(
+            ["unshare", "-n", "bash", "-c", inner],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, INSIDE: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = done.stdout.strip().splitlines()
@@ -311,8 +361,13 @@ def report_of(got: dict, with_mooncake: bool) -> Report:
         nbytes = size * count
         for op in OPS:
             limit = nbytes / limits[f"{'put' if 'put' in op else 'get'}.{size}"] / 1e9
-            params = {"object_bytes": size, "objects": count, "batch": batch if op.startswith("batch") else 1,
-                      "load": got["load"], "limit_name": "raw socket"}
+            params = {
+                "object_bytes": size,
+                "objects": count,
+                "batch": batch if op.startswith("batch") else 1,
+                "load": got["load"],
+                "limit_name": "raw socket",
+            }
             for name, seconds in runs.items():
                 if f"{op}.{size}" in seconds:
                     report.add(f"{name}.{op}", nbytes / seconds[f"{op}.{size}"] / 1e9, "GB/s", limit, **params)
@@ -320,8 +375,13 @@ def report_of(got: dict, with_mooncake: bool) -> Report:
                 # get_cold (a reader that never saw the objects) against Mooncake's get, which never knows
                 theirs = runs["mooncake.tcp"][f"{'get' if op == 'get_cold' else op}.{size}"]
                 for name in ("tiercake.tcp", "tiercake.shm"):
-                    report.add(f"vs_mooncake.{name.split('.')[1]}.{op}", nbytes / runs[name][f"{op}.{size}"] / 1e9,
-                               "GB/s", nbytes / theirs / 1e9, **{**params, "limit_name": "Mooncake Store, same run"})
+                    report.add(
+                        f"vs_mooncake.{name.split('.')[1]}.{op}",
+                        nbytes / runs[name][f"{op}.{size}"] / 1e9,
+                        "GB/s",
+                        nbytes / theirs / 1e9,
+                        **{**params, "limit_name": "Mooncake Store, same run"},
+                    )
     report.machine["mooncake"] = "measured, interleaved" if with_mooncake else "absent (no package, or no unshare)"
     report.machine["load"] = got["load"]
     report.machine["repetitions"] = got["reps"]

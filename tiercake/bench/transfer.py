@@ -71,16 +71,31 @@ def _raw_seconds(port: int, op: bytes, total: int, rows: torch.Tensor) -> float:
 class Peer:
     """A node agent and a raw socket server in another process (``conductor``: the agent joins it)."""
 
-    def __init__(self, pool_bytes: int, conductor: str | None = None, token: str | None = None,
-                 tls: tuple[Path, Path] | None = None) -> None:
+    def __init__(
+        self,
+        pool_bytes: int,
+        conductor: str | None = None,
+        token: str | None = None,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
         """``tls``: (certificate, key): the peer also serves a TLS transfer port (``address["tls_port"]``)."""
         self.secret = secrets.token_hex(16).encode()
         self.pool_path = f"/dev/shm/tiercake-bench-peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tiercake.bench.transfer_peer", "--pool-bytes", str(pool_bytes),
-             "--pool-path", self.pool_path, *(["--conductor", conductor] if conductor else []),
-             *(["--tls", str(tls[0]), str(tls[1])] if tls else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "TIERCAKE_SECRET": self.secret.decode(), **({"TIERCAKE_TOKEN": token} if token else {})},
+            [
+                sys.executable,
+                "-m",
+                "tiercake.bench.transfer_peer",
+                "--pool-bytes",
+                str(pool_bytes),
+                "--pool-path",
+                self.pool_path,
+                *(["--conductor", conductor] if conductor else []),
+                *(["--tls", str(tls[0]), str(tls[1])] if tls else []),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "TIERCAKE_SECRET": self.secret.decode(), **({"TIERCAKE_TOKEN": token} if token else {})},
         )
         line = self.proc.stdout.readline()
         if not line:
@@ -95,8 +110,16 @@ class Peer:
             self.proc.kill()
 
 
-async def _measure(engine: TransferEngine, size: int, batch: int, nblocks: int, reps: int,
-                   src: torch.Tensor, dst: torch.Tensor, tag: str) -> tuple[float, float, list[float]]:
+async def _measure(
+    engine: TransferEngine,
+    size: int,
+    batch: int,
+    nblocks: int,
+    reps: int,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    tag: str,
+) -> tuple[float, float, list[float]]:
     """(best write seconds, best read seconds, read latencies per batch) for nblocks blocks."""
     k = src.shape[0]
     best_write = best_read = float("inf")
@@ -136,10 +159,13 @@ def _seal_seconds(src: torch.Tensor, nblocks: int) -> float:
     return time.perf_counter() - start
 
 
-async def run(quick: bool = False, sizes: list[int] | None = None, batches: list[int] | None = None,
-              streams: int = 2) -> Report:
+async def run(
+    quick: bool = False, sizes: list[int] | None = None, batches: list[int] | None = None, streams: int = 2
+) -> Report:
     report = Report(bench="transfer", machine=machine())
-    sizes = sizes or ([64 * KiB, 1 * MiB, 16 * MiB] if quick else [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB])
+    sizes = sizes or (
+        [64 * KiB, 1 * MiB, 16 * MiB] if quick else [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+    )
     batches = batches or ([1, 64] if quick else [1, 4, 16, 64])
     total = (64 if quick else 256) * MiB
     reps = 2 if quick else 3
@@ -163,16 +189,31 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
             k = min(nblocks, max(2, (64 * MiB) // size))
             src, dst = _warm(k, size), _warm(k, size)
             nbytes = nblocks * size
-            raw_read = min([await asyncio.to_thread(_raw_seconds, peer.address["raw_port"], b"R", nbytes, dst)
-                            for _ in range(reps)])
-            raw_write = min([await asyncio.to_thread(_raw_seconds, peer.address["raw_port"], b"W", nbytes, src)
-                             for _ in range(reps)])
+            raw_read = min(
+                [
+                    await asyncio.to_thread(_raw_seconds, peer.address["raw_port"], b"R", nbytes, dst)
+                    for _ in range(reps)
+                ]
+            )
+            raw_write = min(
+                [
+                    await asyncio.to_thread(_raw_seconds, peer.address["raw_port"], b"W", nbytes, src)
+                    for _ in range(reps)
+                ]
+            )
             area = _warm(min(nblocks, max(2, (256 * MiB) // size)), size)
             memcpy = min(_memcpy_seconds(src, area, area.shape[0]) for _ in range(reps)) * nblocks / area.shape[0]
             del area
             seal_s = min(_seal_seconds(src, nblocks) for _ in range(reps))
-            report.add("seal.rate", nbytes / seal_s / 1e9, "GB/s", nbytes / memcpy / 1e9, block_bytes=size,
-                       blocks=nblocks, limit_name="memcpy")
+            report.add(
+                "seal.rate",
+                nbytes / seal_s / 1e9,
+                "GB/s",
+                nbytes / memcpy / 1e9,
+                block_bytes=size,
+                blocks=nblocks,
+                limit_name="memcpy",
+            )
             for name, engine in engines.items():
                 for batch in batches:
                     if batch > nblocks or (name != "tcp" and batch not in (1, max(b for b in batches if b <= nblocks))):
@@ -182,18 +223,43 @@ async def run(quick: bool = False, sizes: list[int] | None = None, batches: list
                     limit_name = "raw socket" if over_socket else "memcpy"
                     limits = (raw_write, raw_read) if over_socket else (memcpy, memcpy)
                     params = {"block_bytes": size, "batch": batch, "blocks": nblocks, "streams": streams}
-                    report.add(f"{name}.write", nbytes / write_s / 1e9, "GB/s", nbytes / limits[0] / 1e9,
-                               **params, limit_name=limit_name)
-                    report.add(f"{name}.read", nbytes / read_s / 1e9, "GB/s", nbytes / limits[1] / 1e9,
-                               **params, limit_name=limit_name)
+                    report.add(
+                        f"{name}.write",
+                        nbytes / write_s / 1e9,
+                        "GB/s",
+                        nbytes / limits[0] / 1e9,
+                        **params,
+                        limit_name=limit_name,
+                    )
+                    report.add(
+                        f"{name}.read",
+                        nbytes / read_s / 1e9,
+                        "GB/s",
+                        nbytes / limits[1] / 1e9,
+                        **params,
+                        limit_name=limit_name,
+                    )
                     raw_batch_us = limits[1] / nblocks * min(batch, nblocks) * 1e6
-                    report.add(f"{name}.read.batch_latency_p50", statistics.median(lat) * 1e6, "us", raw_batch_us,
-                               **params, limit_name=f"{limit_name} time")
+                    report.add(
+                        f"{name}.read.batch_latency_p50",
+                        statistics.median(lat) * 1e6,
+                        "us",
+                        raw_batch_us,
+                        **params,
+                        limit_name=f"{limit_name} time",
+                    )
                     if name == "tcp" and size == 64 * KiB and batch == max(batches):
                         per_block = read_s / nblocks * 1e6
                         raw_block = raw_read / nblocks * 1e6
-                        report.add("tcp.read.per_block", per_block, "us", raw_block, **params,
-                                   overhead_us=round(per_block - raw_block, 2), limit_name="raw socket time")
+                        report.add(
+                            "tcp.read.per_block",
+                            per_block,
+                            "us",
+                            raw_block,
+                            **params,
+                            overhead_us=round(per_block - raw_block, 2),
+                            limit_name="raw socket time",
+                        )
     finally:
         for engine in engines.values():
             await engine.close()

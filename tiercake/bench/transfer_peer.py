@@ -53,14 +53,19 @@ async def main() -> None:
     parser.add_argument("--pool-path", required=True)
     parser.add_argument("--raw-buffer", type=int, default=256 << 20)
     parser.add_argument("--conductor", metavar="URL", help="join this conductor's cluster (a node agent of it)")
-    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="also serve the same store on a TLS "
-                        "transfer port (announced as tls_port)")
+    parser.add_argument(
+        "--tls",
+        nargs=2,
+        metavar=("CERT", "KEY"),
+        help="also serve the same store on a TLS transfer port (announced as tls_port)",
+    )
     args = parser.parse_args()
     config = TiercakeConfig(
         node_id="bench-peer",
         conductor=ConductorConfig(urls=[args.conductor] if args.conductor else [], member_ttl=2),
-        store=StoreConfig(layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path,
-                                                         adopt=False)]),  # a scratch pool: gone with the bench
+        store=StoreConfig(
+            layout=None, tiers=[TierConfig(kind="pool", capacity=args.pool_bytes, path=args.pool_path, adopt=False)]
+        ),  # a scratch pool: gone with the bench
         # the bench measures UCX too where it is installed: the agent serves it only when listed
         transfer=TransferConfig(transports=["local", "shm", "tcp", *(["ucx"] if ucx_available() else [])]),
     )

@@ -59,13 +59,17 @@ def conversation_prompts(records: list[TraceRecord], block: int, max_blocks: int
     """The turns of the conversations among ``records`` (the requests whose first two blocks another
     request shares), scaled down: each hash id a block of ``block`` tokens of its own (at most
     ``max_blocks``), then three tokens of the request's own."""
+
     def tokens(h: int) -> list[int]:
         return [(h * 7919 + i * 104729) % 500 + 3 for i in range(block)]
 
     requests = [r.hash_ids[:max_blocks] for r in records]
     turns = Counter(ids[:2] for ids in requests)
-    return [[t for h in ids for t in tokens(h)] + [n % 400 + 3, 7, 11]
-            for n, ids in enumerate(requests) if len(ids) >= 2 and turns[ids[:2]] >= 2]
+    return [
+        [t for h in ids for t in tokens(h)] + [n % 400 + 3, 7, 11]
+        for n, ids in enumerate(requests)
+        if len(ids) >= 2 and turns[ids[:2]] >= 2
+    ]
 
 
 def seen_before(prompts: list[list[int]], block: int) -> float:
@@ -86,8 +90,11 @@ async def vllm_counter(http: aiohttp.ClientSession, url: str, name: str) -> floa
     """A counter of vLLM's ``/metrics``, summed over its labels."""
     async with http.get(url + "/metrics") as resp:
         text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 async def own_cache_hits(http: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
@@ -97,7 +104,9 @@ async def own_cache_hits(http: aiohttp.ClientSession, urls: list[str]) -> tuple[
     return sum(hits), sum(queries)
 
 
-async def _complete(http: aiohttp.ClientSession, url: str, tokens: list[int], salt: str | None = None) -> tuple[float, dict]:
+async def _complete(
+    http: aiohttp.ClientSession, url: str, tokens: list[int], salt: str | None = None
+) -> tuple[float, dict]:
     """Seconds to the end of a two-token completion (the first token and one decode step: the
     connector's load report reaches vLLM's scheduler one step after the load) and the response."""
     body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
@@ -141,8 +150,10 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
                 seconds, data = await _complete(http, url, tokens)
                 stats = (data.get("kv_transfer_params") or {}).get("tiercake") or {}
                 if stats.get("loaded_tokens", 0) < len(prefix) - BLOCK:
-                    raise RuntimeError(f"only {stats.get('loaded_tokens', 0)} of {len(prefix)} held tokens were "
-                                       f"loaded from tiercake: {stats}")
+                    raise RuntimeError(
+                        f"only {stats.get('loaded_tokens', 0)} of {len(prefix)} held tokens were "
+                        f"loaded from tiercake: {stats}"
+                    )
                 held.append(seconds)
                 if stats.get("load_s"):
                     rates.append(stats["load_bytes"] / stats["load_s"])
@@ -150,21 +161,37 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
                     waits.append((stats.get("load_wait_s", stats["load_s"]), stats["load_s"]))
                 await _reset(http, url)
                 recomputed.append((await _complete(http, url, tokens, salt=secrets.token_hex(8)))[0])
-            report.add(f"ttft.held{int(fraction * 100)}", statistics.median(held), "s", statistics.median(recomputed),
-                       limit_name="same prompts recomputed", includes="one decode step", ideal=round(1 - fraction, 2), prompt_tokens=prompt_tokens,
-                       rounds=rounds)
+            report.add(
+                f"ttft.held{int(fraction * 100)}",
+                statistics.median(held),
+                "s",
+                statistics.median(recomputed),
+                limit_name="same prompts recomputed",
+                includes="one decode step",
+                ideal=round(1 - fraction, 2),
+                prompt_tokens=prompt_tokens,
+                rounds=rounds,
+            )
     if rates:
         nbytes = int(statistics.median(loaded_bytes))
-        report.add("load.throughput", statistics.median(rates) / 1e9, "GB/s", memcpy / 1e9,
-                   limit_name="memcpy", bytes=nbytes)
+        report.add(
+            "load.throughput", statistics.median(rates) / 1e9, "GB/s", memcpy / 1e9, limit_name="memcpy", bytes=nbytes
+        )
         # layer by layer, the forward pass waits only for what its next layer needs: the rest of the load
         # runs under its computation (1.0: it waited for all of it)
-        report.add("load.waited", statistics.median(w for w, _ in waits) * 1e3, "ms",
-                   statistics.median(s for _, s in waits) * 1e3, limit_name="the load's own time", bytes=nbytes)
+        report.add(
+            "load.waited",
+            statistics.median(w for w, _ in waits) * 1e3,
+            "ms",
+            statistics.median(s for _, s in waits) * 1e3,
+            limit_name="the load's own time",
+            bytes=nbytes,
+        )
 
 
-async def _routing(cluster: NodeCluster, servers: list[VllmServer], prompts: list[list[int]], token: str,
-                   report: Report, rows: int) -> None:
+async def _routing(
+    cluster: NodeCluster, servers: list[VllmServer], prompts: list[list[int]], token: str, report: Report, rows: int
+) -> None:
     workers = []
     try:
         for i, server in enumerate(servers):
@@ -177,14 +204,22 @@ async def _routing(cluster: NodeCluster, servers: list[VllmServer], prompts: lis
                 hits, queries = await own_cache_hits(http, [s.url for s in servers])
                 for tokens in prompts:
                     body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
-                    async with http.post(cluster.url + "/v1/completions", json=body,
-                                         headers={"X-Tiercake-Tenant": tenant}) as resp:
+                    async with http.post(
+                        cluster.url + "/v1/completions", json=body, headers={"X-Tiercake-Tenant": tenant}
+                    ) as resp:
                         if resp.status != 200:
                             raise RuntimeError(f"the front answered {resp.status}: {await resp.text()}")
                 after = await own_cache_hits(http, [s.url for s in servers])
-                report.add(f"routing.own_cache_hits.{router}", (after[0] - hits) / (after[1] - queries), "ratio", bound,
-                           limit_name="in blocks an earlier prompt had (offline)", requests=len(prompts),
-                           trace_rows=rows, instances=len(servers))
+                report.add(
+                    f"routing.own_cache_hits.{router}",
+                    (after[0] - hits) / (after[1] - queries),
+                    "ratio",
+                    bound,
+                    limit_name="in blocks an earlier prompt had (offline)",
+                    requests=len(prompts),
+                    trace_rows=rows,
+                    instances=len(servers),
+                )
     finally:
         await asyncio.to_thread(stop_all, workers)
 
@@ -197,16 +232,29 @@ async def run(quick: bool = False, trace: str | None = None) -> Report:
     prompts = conversation_prompts(read_trace(trace, limit=rows), BLOCK) if trace else []
     with tempfile.TemporaryDirectory(prefix="tiercake-bench-vllm-") as tmp:
         root = Path(tmp)
-        model = await asyncio.to_thread(make_tiny_llama, root / "model", layers=8, hidden=512, heads=8, kv_heads=2,
-                                        vocab=512)
-        config = TiercakeConfig.model_validate({
-            "node_id": "bench-node", "model_id": MODEL, "serving": {"tokenizer": str(model)},
-            "store": {"layout": None, "tiers": [
-                {"kind": "pool", "capacity": "512MiB", "path": f"/dev/shm/tiercake-bench-vllm-{os.getpid()}"}]},
-        })
+        model = await asyncio.to_thread(
+            make_tiny_llama, root / "model", layers=8, hidden=512, heads=8, kv_heads=2, vocab=512
+        )
+        config = TiercakeConfig.model_validate(
+            {
+                "node_id": "bench-node",
+                "model_id": MODEL,
+                "serving": {"tokenizer": str(model)},
+                "store": {
+                    "layout": None,
+                    "tiers": [
+                        {"kind": "pool", "capacity": "512MiB", "path": f"/dev/shm/tiercake-bench-vllm-{os.getpid()}"}
+                    ],
+                },
+            }
+        )
         token = secrets.token_hex(16)
-        env = {**os.environ, "TIERCAKE_SECRET": secrets.token_hex(24), "TIERCAKE_TOKEN": token,
-               "VLLM_SERVER_DEV_MODE": "1"}
+        env = {
+            **os.environ,
+            "TIERCAKE_SECRET": secrets.token_hex(24),
+            "TIERCAKE_TOKEN": token,
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
         # before vLLM starts: its CPU workers keep cores busy while idle, which would slow the limit too
         memcpy = _memcpy_rate(32, 8 * 2 * BLOCK * 2 * 64 * 2)  # 32 blocks of this model (8 layers, 2x64 KV, bf16)
         cluster = await asyncio.to_thread(NodeCluster, config, root, env)
@@ -228,6 +276,11 @@ async def run(quick: bool = False, trace: str | None = None) -> Report:
 
 def _server(model: Path, cluster: NodeCluster, env: dict, root: Path, name: str) -> VllmServer:
     port = free_port()
-    return VllmServer(serve_command(model, MODEL, port, cluster.url, "bench-node", block_size=BLOCK,
-                                    kv_events=(free_port(), free_port())), env,
-                      root / f"{name}.log", port)
+    return VllmServer(
+        serve_command(
+            model, MODEL, port, cluster.url, "bench-node", block_size=BLOCK, kv_events=(free_port(), free_port())
+        ),
+        env,
+        root / f"{name}.log",
+        port,
+    )

@@ -92,11 +92,24 @@ class AsyncStore:
     SHM_PUT_MIN_BYTES = 4 << 20
     NOTES_MAX = 256  # reads from a node's directory it is told of at once (their leases)
 
-    def __init__(self, conductors: str | Sequence[str], *, secret: bytes | str, token: str | None = None,
-                 tenant: str = "default", transports: Sequence[str] = ("shm", "tcp"), identity: str | None = None,
-                 ssl=None, streams: int = 2, conductor_timeout: float = 5.0, transfer_tls=None,
-                 retry_s: float = 30.0, timeout_s: float = 5.0, blocking: bool = False,
-                 spin_s: float = SPIN_S) -> None:
+    def __init__(
+        self,
+        conductors: str | Sequence[str],
+        *,
+        secret: bytes | str,
+        token: str | None = None,
+        tenant: str = "default",
+        transports: Sequence[str] = ("shm", "tcp"),
+        identity: str | None = None,
+        ssl=None,
+        streams: int = 2,
+        conductor_timeout: float = 5.0,
+        transfer_tls=None,
+        retry_s: float = 30.0,
+        timeout_s: float = 5.0,
+        blocking: bool = False,
+        spin_s: float = SPIN_S,
+    ) -> None:
         """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
         control token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
         ``shm`` (same host, through the node's pool) and/or ``tcp``; ``ssl``: the conductors' TLS client
@@ -128,7 +141,9 @@ class AsyncStore:
         self.members: dict[str, tuple[str, int]] = {}
         self._pools: dict[str, PoolRegion | None] = {}  # node -> its pool, mapped here (None: not same host)
         self._directories: dict[str, DirectoryReader] = {}  # node -> its object directory, mapped here
-        self._notes: dict[str, list[tuple[bytes, float]]] = defaultdict(list)  # node -> (name, when) read from its directory
+        self._notes: dict[str, list[tuple[bytes, float]]] = defaultdict(
+            list
+        )  # node -> (name, when) read from its directory
         self._map_lock = asyncio.Lock()
 
     async def open(self) -> AsyncStore:
@@ -218,16 +233,18 @@ class AsyncStore:
 
     # Batches --------------------------------------------------------------------------------------
 
-    async def put_many(self, names: Sequence[str], values: Sequence, *, replace: bool = False,
-                       durability: Durability = MEMORY) -> list[Outcome]:
+    async def put_many(
+        self, names: Sequence[str], values: Sequence, *, replace: bool = False, durability: Durability = MEMORY
+    ) -> list[Outcome]:
         """Store each value under the name beside it: None for each stored (or present already, without
         ``replace``), or why not. An object that failed leaves nothing behind. A name twice in one
         batch: the first value is stored, the second is Mooncake's second put of a name."""
         outcomes, items, like = self.plan_puts(names, values, replace, durability)
         return merged(outcomes, items, await self.put_items(items, like))
 
-    def plan_puts(self, names: Sequence[str], values: Sequence, replace: bool,
-                  durability: Durability) -> tuple[list, list[Item], w.PutItem]:
+    def plan_puts(
+        self, names: Sequence[str], values: Sequence, replace: bool, durability: Durability
+    ) -> tuple[list, list[Item], w.PutItem]:
         """(outcomes so far: the refusals, the items to send, what each put asks)."""
         if len(names) != len(values):
             raise InvalidParams(f"{len(names)} keys for {len(values)} values")
@@ -251,8 +268,11 @@ class AsyncStore:
         pin = w.NO_SOFT_PIN if durability.soft_pin_ms is None else durability.soft_pin_ms
         if durability.keep_pin and replace:
             pin = w.KEEP_SOFT_PIN
-        return outcomes, items, w.PutItem(b"", 0, replace, durability.replicas, durability.persist,
-                                          durability.hard_pin, pin)
+        return (
+            outcomes,
+            items,
+            w.PutItem(b"", 0, replace, durability.replicas, durability.persist, durability.hard_pin, pin),
+        )
 
     async def put_items(self, items: list[Item], like: w.PutItem) -> dict[int, object]:
         return await self._dispatch(items, lambda node, group: self._put_on(node, group, like), writes=True)
@@ -360,8 +380,9 @@ class AsyncStore:
         outcomes, items = self.plan_reads(names, buffers)
         return finish_reads(outcomes, items, await self.get_items(items))
 
-    async def _dispatch(self, items: list[Item], send: Callable[[str, list[Item]], Awaitable[dict]],
-                        writes: bool) -> dict[int, object]:
+    async def _dispatch(
+        self, items: list[Item], send: Callable[[str, list[Item]], Awaitable[dict]], writes: bool
+    ) -> dict[int, object]:
         """Send each item to its slot's primary, a request per node, until every item has its outcome
         (asking again, with the map fetched anew, those a node could not take) or ``retry_s`` is over."""
         results: dict[int, object] = {}
@@ -381,8 +402,9 @@ class AsyncStore:
             if len(groups) == 1:  # the common case: no task for it
                 answers = [await self._guarded(*next(iter(groups.items())), send, writes)]
             else:
-                answers = await asyncio.gather(*(self._guarded(node, group, send, writes)
-                                                 for node, group in groups.items()))
+                answers = await asyncio.gather(
+                    *(self._guarded(node, group, send, writes) for node, group in groups.items())
+                )
             for answer in answers:
                 results.update(answer)
             pending = [it for it in pending if isinstance(results.get(it.index), Retry)]
@@ -390,8 +412,9 @@ class AsyncStore:
                 break
             if time.monotonic() + delay > deadline:
                 for it in pending:
-                    results[it.index] = TransferFailed(f"object {it.name[:80]!r}: {results[it.index].why} "
-                                                       f"(asked for {self.retry_s:.0f} s)")
+                    results[it.index] = TransferFailed(
+                        f"object {it.name[:80]!r}: {results[it.index].why} (asked for {self.retry_s:.0f} s)"
+                    )
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -408,8 +431,10 @@ class AsyncStore:
         answers: dict[int, object] = {}
         for chunk in chunks(group):
             try:
-                nbytes = sum((it.payload.size if it.payload is not None else 0)
-                             + (it.out.size if it.out is not None else 0) for it in chunk)
+                nbytes = sum(
+                    (it.payload.size if it.payload is not None else 0) + (it.out.size if it.out is not None else 0)
+                    for it in chunk
+                )
                 unknown = any(it.payload is None and it.out is None for it in chunk)  # a get of any size
                 async with asyncio.timeout(self.timeout_s * (6 if unknown else 1) + nbytes / 20e6):
                     answers.update(await send(node, chunk))
@@ -421,8 +446,9 @@ class AsyncStore:
                 self.channels.forget(node)
                 self._forget_blocking(node)
                 if writes:  # it may have been applied: not sent again
-                    answers.update({it.index: TransferFailed(f"{node} failed mid-request: {exc or 'timed out'}")
-                                    for it in chunk})
+                    answers.update(
+                        {it.index: TransferFailed(f"{node} failed mid-request: {exc or 'timed out'}") for it in chunk}
+                    )
                 else:
                     answers.update({it.index: Retry(f"{node} failed mid-request: {exc}") for it in chunk})
         return answers
@@ -443,8 +469,9 @@ class AsyncStore:
         finally:
             await lent.__aexit__(None, None, None)
 
-    async def _exchange(self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(),
-                        receive=None, nbytes: int = 0) -> bytearray:
+    async def _exchange(
+        self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(), receive=None, nbytes: int = 0
+    ) -> bytearray:
         """One request on the stream: on an asyncio connection, or a blocking one (``blocking``)."""
         if not self.blocking:
             if node in self._notes:
@@ -457,9 +484,15 @@ class AsyncStore:
             address = await self._address(node)
             if address is None:
                 raise NotSent() from TransferError(f"node {node} is not a live member")
-            conn = BlockingConnection(PeerAddress(node, *address), self.channels.secret, self.identity,
-                                      self.channels.tls, connect_timeout=self.timeout_s, spin=self.spin,
-                                      needs=OBJECTS_SINCE)
+            conn = BlockingConnection(
+                PeerAddress(node, *address),
+                self.channels.secret,
+                self.identity,
+                self.channels.tls,
+                connect_timeout=self.timeout_s,
+                spin=self.spin,
+                needs=OBJECTS_SINCE,
+            )
             try:
                 conn.open()
             except (TransferError, OSError) as exc:
@@ -491,8 +524,9 @@ class AsyncStore:
         region = None
         if any(it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream for it in group):
             region = await self._pool(node)
-        pooled = [it for it in group
-                  if region is not None and it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream]
+        pooled = [
+            it for it in group if region is not None and it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream
+        ]
         streamed = [it for it in group if it not in pooled]
         out: dict[int, object] = {}
         for share, through in ((pooled, region), (streamed, None)):
@@ -502,18 +536,30 @@ class AsyncStore:
 
             if through is None:
                 data = [it.payload for it in share if it.payload.size]
-                body = await self._exchange(node, Op.OBJ_PUT, Op.OBJ_PUT_REPLY, w.encode(request), FLAG_EAGER, data,
-                                            nbytes=sum(d.size for d in data))
+                body = await self._exchange(
+                    node,
+                    Op.OBJ_PUT,
+                    Op.OBJ_PUT_REPLY,
+                    w.encode(request),
+                    FLAG_EAGER,
+                    data,
+                    nbytes=sum(d.size for d in data),
+                )
                 reply = w.decode(w.PutReply, body)
             else:
-                reply = await self._on(node, lambda conn, share=share, through=through, request=request:
-                                       self._put_through_pool(conn, through, request, share))
+                reply = await self._on(
+                    node,
+                    lambda conn, share=share, through=through, request=request: self._put_through_pool(
+                        conn, through, request, share
+                    ),
+                )
             self._note_epoch(reply.epoch)
             out.update(put_results(reply, share))
         return out
 
-    async def _put_through_pool(self, conn: PeerConnection, region: PoolRegion, request: w.PutRequest,
-                                group: list[Item]) -> w.PutReply:
+    async def _put_through_pool(
+        self, conn: PeerConnection, region: PoolRegion, request: w.PutRequest, group: list[Item]
+    ) -> w.PutReply:
         async with conn.request() as rid:
             from tiercake.transfer.sockio import send_frame
 
@@ -542,8 +588,11 @@ class AsyncStore:
         region = None
         if any(it.out is not None and it.out.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
             region = await self._pool(node)
-        pooled = [it for it in group if region is not None and it.out is not None
-                  and it.out.size >= self.SHM_MIN_BYTES and not it.stream]
+        pooled = [
+            it
+            for it in group
+            if region is not None and it.out is not None and it.out.size >= self.SHM_MIN_BYTES and not it.stream
+        ]
         streamed = [it for it in group if it not in pooled]
         out: dict[int, object] = {}
         if pooled:
@@ -560,8 +609,14 @@ class AsyncStore:
             decoded.append(w.decode(w.GetReply, body))
             return get_targets(decoded[0], group, node)
 
-        await self._exchange(node, Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request), receive=targets,
-                             nbytes=sum(it.out.size for it in group if it.out is not None))
+        await self._exchange(
+            node,
+            Op.OBJ_GET,
+            Op.OBJ_GET_REPLY,
+            w.encode(request),
+            receive=targets,
+            nbytes=sum(it.out.size for it in group if it.out is not None),
+        )
         self._note_epoch(decoded[0].epoch)
         return get_results(decoded[0], group)
 
@@ -617,8 +672,9 @@ class AsyncStore:
         """(how many ``node`` removed, why it could not remove the rest now: None when it could)."""
         request = w.RemoveRequest(self.tenant, self.map.epoch, [], force, True, pattern)
         try:
-            body = await self._on(node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY,
-                                                                   w.encode(request)))
+            body = await self._on(
+                node, lambda conn: conn.exchange(Op.OBJ_REMOVE, Op.OBJ_REMOVE_REPLY, w.encode(request))
+            )
         except NotSent as exc:
             raise TransferFailed(f"{node} could not be reached: {exc.__cause__}") from None
         except (TransferError, OSError) as exc:
@@ -650,7 +706,7 @@ class AsyncStore:
                     region.close(unlink=False)
                     region = None
                 elif info.objects_path:
-                    self._directories[node] = DirectoryReader(info.objects_path, region.array[region.data_offset:])
+                    self._directories[node] = DirectoryReader(info.objects_path, region.array[region.data_offset :])
         except (TransferError, OSError, PoolFormatError, RpcFailed) as exc:
             log.info("kvstore: %s's pool cannot be mapped here (%s): the stream carries its bytes", node, exc)
             region = None
@@ -703,8 +759,11 @@ class AsyncStore:
         if not notes:
             return None
         now = time.monotonic()
-        return w.encode(w.QueryRequest(self.tenant, self.map.epoch, [n for n, _ in notes], True,
-                                       [int((now - when) * 1e3) for _, when in notes]))
+        return w.encode(
+            w.QueryRequest(
+                self.tenant, self.map.epoch, [n for n, _ in notes], True, [int((now - when) * 1e3) for _, when in notes]
+            )
+        )
 
     async def _flush_notes(self, node: str) -> None:
         note = self.take_note(node)

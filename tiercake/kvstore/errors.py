@@ -18,7 +18,9 @@ class ErrorCode(enum.IntEnum):
     OBJECT_HAS_LEASE = -706  # a remove while a reader's lease holds the object
     TRANSFER_FAIL = -800  # a node died or stalled mid-transfer: a write's outcome is unknown
     RPC_FAIL = -900  # no conductor answered
-    NOT_SUPPORTED = -1012  # a call of Mooncake's that has no meaning on tiercake (segments, CUDA memory on a host without one)
+    NOT_SUPPORTED = (
+        -1012
+    )  # a call of Mooncake's that has no meaning on tiercake (segments, CUDA memory on a host without one)
 
 
 class StoreApiError(Exception):

@@ -45,13 +45,21 @@ class FastPath:
 
     def put(self, items: list[Item], like: w.PutItem) -> tuple[dict[int, object], list[Item]]:
         """(outcomes of the items done here, the items left to the asyncio path)."""
+
         def send(node: str, group: list[Item]) -> dict[int, object]:
             if any(it.payload.size >= self.store.SHM_PUT_MIN_BYTES for it in group) and self.store.shm:
                 return {it.index: Retry("through the pool", refresh=False) for it in group}
             data = [it.payload for it in group if it.payload.size]
-            body = self._exchange(node, Op.OBJ_PUT, Op.OBJ_PUT_REPLY,
-                                  w.encode(put_request(self.store.tenant, self.store.map.epoch, group, like)),
-                                  FLAG_EAGER, data, nbytes=sum(d.size for d in data), write=True)
+            body = self._exchange(
+                node,
+                Op.OBJ_PUT,
+                Op.OBJ_PUT_REPLY,
+                w.encode(put_request(self.store.tenant, self.store.map.epoch, group, like)),
+                FLAG_EAGER,
+                data,
+                nbytes=sum(d.size for d in data),
+                write=True,
+            )
             reply = w.decode(w.PutReply, body)
             self._seen(reply.epoch)
             return put_results(reply, group)
@@ -75,8 +83,10 @@ class FastPath:
                 group = rest
             if not group:
                 return done
-            if self.store.shm and (node not in self.store._pools or
-                                   any(it.out is not None and it.out.size >= self.store.SHM_MIN_BYTES for it in group)):
+            if self.store.shm and (
+                node not in self.store._pools
+                or any(it.out is not None and it.out.size >= self.store.SHM_MIN_BYTES for it in group)
+            ):
                 done.update({it.index: Retry("through the pool", refresh=False) for it in group})
                 return done  # a pool to map, or large objects to copy out of it: the asyncio path
             decoded: list[w.GetReply] = []
@@ -85,9 +95,14 @@ class FastPath:
                 decoded.append(w.decode(w.GetReply, body))
                 return get_targets(decoded[0], group, node)
 
-            self._exchange(node, Op.OBJ_GET, Op.OBJ_GET_REPLY,
-                           w.encode(get_request(self.store.tenant, self.store.map.epoch, group)), receive=targets,
-                           nbytes=sum(it.out.size for it in group if it.out is not None))
+            self._exchange(
+                node,
+                Op.OBJ_GET,
+                Op.OBJ_GET_REPLY,
+                w.encode(get_request(self.store.tenant, self.store.map.epoch, group)),
+                receive=targets,
+                nbytes=sum(it.out.size for it in group if it.out is not None),
+            )
             self._seen(decoded[0].epoch)
             done.update(get_results(decoded[0], group))
             return done
@@ -150,16 +165,32 @@ class FastPath:
         if idle:
             return idle.pop()
         host, port = self.store.members[node]
-        conn = BlockingConnection(PeerAddress(node, host, port), self.store.channels.secret, self.store.identity,
-                                  self.store.channels.tls, connect_timeout=self.store.timeout_s, spin=self.store.spin,
-                                  needs=OBJECTS_SINCE)
+        conn = BlockingConnection(
+            PeerAddress(node, host, port),
+            self.store.channels.secret,
+            self.store.identity,
+            self.store.channels.tls,
+            connect_timeout=self.store.timeout_s,
+            spin=self.store.spin,
+            needs=OBJECTS_SINCE,
+        )
         try:
             return conn.open()
         except (TransferError, OSError) as exc:
             raise _Unsent() from exc
 
-    def _exchange(self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(), receive=None,
-                  nbytes: int = 0, write: bool = False) -> bytearray:
+    def _exchange(
+        self,
+        node: str,
+        op: Op,
+        answer: Op,
+        body: bytes,
+        flags: int = 0,
+        data=(),
+        receive=None,
+        nbytes: int = 0,
+        write: bool = False,
+    ) -> bytearray:
         conn = self._connection(node)
         try:
             note = self.store.take_note(node) if node in self.store._notes else None
@@ -199,4 +230,3 @@ class _Failed(Exception):
     def __init__(self, outcome: TransferFailed) -> None:
         super().__init__(str(outcome))
         self.outcome = outcome
-

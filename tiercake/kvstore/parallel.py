@@ -284,8 +284,13 @@ def overlapping(known: TensorHeader, region: Region) -> list[int]:
 
 
 def _same_split(header: TensorHeader, known: TensorHeader) -> bool:
-    return header.is_part and header.whole == known.whole and header.parts == known.parts \
-        and header.split_dim == known.split_dim and header.dtype == known.dtype
+    return (
+        header.is_part
+        and header.whole == known.whole
+        and header.parts == known.parts
+        and header.split_dim == known.split_dim
+        and header.dtype == known.dtype
+    )
 
 
 def decode(raw) -> tuple[TensorHeader, torch.Tensor] | None:

@@ -27,44 +27,85 @@ MAX_ROUNDS = 4  # a read needs at most three (its shard, shard 0, the overlappin
 class ParallelCalls:
     # Writes -------------------------------------------------------------------------------------
 
-    def put_tensor_with_parallelism(self, key: str, tensor, parallelism=None, config: ReplicateConfig | None = None,
-                                    writer_partition=None) -> int:
+    def put_tensor_with_parallelism(
+        self, key: str, tensor, parallelism=None, config: ReplicateConfig | None = None, writer_partition=None
+    ) -> int:
         return self._write_parallel([key], [tensor], [parallelism], config, [writer_partition], upsert=False)[0]
 
-    def batch_put_tensor_with_parallelism(self, keys: list[str], tensors_list: list, parallelisms=None,
-                                          config: ReplicateConfig | None = None, writer_partitions=None) -> list[int]:
+    def batch_put_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list,
+        parallelisms=None,
+        config: ReplicateConfig | None = None,
+        writer_partitions=None,
+    ) -> list[int]:
         return self._write_parallel(keys, tensors_list, parallelisms, config, writer_partitions, upsert=False)
 
-    def upsert_tensor_with_parallelism(self, key: str, tensor, parallelism=None,
-                                       config: ReplicateConfig | None = None, writer_partition=None) -> int:
+    def upsert_tensor_with_parallelism(
+        self, key: str, tensor, parallelism=None, config: ReplicateConfig | None = None, writer_partition=None
+    ) -> int:
         return self._write_parallel([key], [tensor], [parallelism], config, [writer_partition], upsert=True)[0]
 
-    def batch_upsert_tensor_with_parallelism(self, keys: list[str], tensors_list: list, parallelisms=None,
-                                             config: ReplicateConfig | None = None,
-                                             writer_partitions=None) -> list[int]:
+    def batch_upsert_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list,
+        parallelisms=None,
+        config: ReplicateConfig | None = None,
+        writer_partitions=None,
+    ) -> list[int]:
         return self._write_parallel(keys, tensors_list, parallelisms, config, writer_partitions, upsert=True)
 
-    def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism=None,
-                                         config: ReplicateConfig | None = None, writer_partition=None) -> int:
-        return self._write_parallel_from([key], [buffer_ptr], [size], [parallelism], config, [writer_partition],
-                                         upsert=False)[0]
+    def put_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism=None,
+        config: ReplicateConfig | None = None,
+        writer_partition=None,
+    ) -> int:
+        return self._write_parallel_from(
+            [key], [buffer_ptr], [size], [parallelism], config, [writer_partition], upsert=False
+        )[0]
 
-    def batch_put_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                               parallelisms=None, config: ReplicateConfig | None = None,
-                                               writer_partitions=None) -> list[int]:
-        return self._write_parallel_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions,
-                                         upsert=False)
+    def batch_put_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms=None,
+        config: ReplicateConfig | None = None,
+        writer_partitions=None,
+    ) -> list[int]:
+        return self._write_parallel_from(
+            keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, upsert=False
+        )
 
-    def upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism=None,
-                                            config: ReplicateConfig | None = None, writer_partition=None) -> int:
-        return self._write_parallel_from([key], [buffer_ptr], [size], [parallelism], config, [writer_partition],
-                                         upsert=True)[0]
+    def upsert_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism=None,
+        config: ReplicateConfig | None = None,
+        writer_partition=None,
+    ) -> int:
+        return self._write_parallel_from(
+            [key], [buffer_ptr], [size], [parallelism], config, [writer_partition], upsert=True
+        )[0]
 
-    def batch_upsert_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                                  parallelisms=None, config: ReplicateConfig | None = None,
-                                                  writer_partitions=None) -> list[int]:
-        return self._write_parallel_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions,
-                                         upsert=True)
+    def batch_upsert_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms=None,
+        config: ReplicateConfig | None = None,
+        writer_partitions=None,
+    ) -> list[int]:
+        return self._write_parallel_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, upsert=True)
 
     # Reads --------------------------------------------------------------------------------------
 
@@ -77,8 +118,9 @@ class ParallelCalls:
     def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target=None):
         return self.batch_get_tensor_with_parallelism_into([key], [buffer_ptr], [size], [target])[0]
 
-    def batch_get_tensor_with_parallelism_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                               targets=None) -> list:
+    def batch_get_tensor_with_parallelism_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], targets=None
+    ) -> list:
         """Each tensor asked for, written (header and data) into its registered buffer: the tensor
         (a view of the buffer), or None (nothing found, or the buffer is too small)."""
         views, codes = self._memories(keys, buffer_ptrs, sizes)
@@ -90,15 +132,21 @@ class ParallelCalls:
 
     # Plumbing -----------------------------------------------------------------------------------
 
-    def _write_parallel(self, keys, tensors, parallelisms, config, partitions, *, upsert: bool,
-                        codes: list[int] | None = None) -> list[int]:
+    def _write_parallel(
+        self, keys, tensors, parallelisms, config, partitions, *, upsert: bool, codes: list[int] | None = None
+    ) -> list[int]:
         count = len(keys) if isinstance(keys, (list, tuple)) else 0
         parallelisms = [None] * count if parallelisms is None else list(parallelisms)
         partitions = [None] * count if partitions is None else list(partitions)
         codes = list(codes) if codes is not None else [0] * count
         if not count or not len(tensors) == len(parallelisms) == len(partitions) == count:
-            log.warning("kvstore: %d keys, %d tensors, %d parallelisms, %d writer partitions", count, len(tensors),
-                        len(parallelisms), len(partitions))
+            log.warning(
+                "kvstore: %d keys, %d tensors, %d parallelisms, %d writer partitions",
+                count,
+                len(tensors),
+                len(parallelisms),
+                len(partitions),
+            )
             return [int(ErrorCode.INVALID_PARAMS)] * max(count, 1)
         if config is not None and config.group_ids is not None and len(config.group_ids) != count:
             log.warning("kvstore: group_ids has %d entries for %d tensors", len(config.group_ids), count)
@@ -119,13 +167,15 @@ class ParallelCalls:
             places.append(place)
             owners.append(i)
         if names:
-            for i, code in zip(owners, self._put_packed(names, shards, config, upsert=upsert, parts=places,
-                                                                       groups=False)):
+            for i, code in zip(
+                owners, self._put_packed(names, shards, config, upsert=upsert, parts=places, groups=False)
+            ):
                 codes[i] = code
         return codes
 
-    def _write_parallel_from(self, keys, buffer_ptrs, sizes, parallelisms, config, partitions, *,
-                             upsert: bool) -> list[int]:
+    def _write_parallel_from(
+        self, keys, buffer_ptrs, sizes, parallelisms, config, partitions, *, upsert: bool
+    ) -> list[int]:
         tensors, codes = self._tensors_in(keys, buffer_ptrs, sizes)
         return self._write_parallel(keys, tensors, parallelisms, config, partitions, upsert=upsert, codes=codes)
 

@@ -35,7 +35,9 @@ class Durability:
     def __post_init__(self) -> None:
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 255:
             raise InvalidParams(f"replicas is 1 to 255, got {self.replicas!r}")
-        if self.soft_pin_ms is not None and (not isinstance(self.soft_pin_ms, int) or not 0 <= self.soft_pin_ms < 1 << 62):
+        if self.soft_pin_ms is not None and (
+            not isinstance(self.soft_pin_ms, int) or not 0 <= self.soft_pin_ms < 1 << 62
+        ):
             raise InvalidParams(f"a soft pin's TTL is a non-negative number of milliseconds, got {self.soft_pin_ms!r}")
 
 
@@ -77,12 +79,20 @@ class Described:
     holders: list[str] = field(default_factory=list)
 
 
-
 # One node's share of a call ------------------------------------------------------------------------
 
+
 def put_request(tenant: str, epoch: int, group: list[Item], like: w.PutItem) -> w.PutRequest:
-    return w.PutRequest(tenant, epoch, [w.PutItem(it.name, it.payload.size, like.upsert, like.replicas, like.persist,
-                                                  like.hard_pin, like.soft_pin_ms) for it in group])
+    return w.PutRequest(
+        tenant,
+        epoch,
+        [
+            w.PutItem(
+                it.name, it.payload.size, like.upsert, like.replicas, like.persist, like.hard_pin, like.soft_pin_ms
+            )
+            for it in group
+        ],
+    )
 
 
 def put_results(reply: w.PutReply, group: list[Item]) -> dict[int, object]:
@@ -125,14 +135,21 @@ def get_results(reply: w.GetReply, group: list[Item]) -> dict[int, object]:
 
 
 def query_results(reply: w.QueryReply, group: list[Item]) -> dict[int, object]:
-    return {it.index: (Described(d.size, d.version, d.replicas, d.persist, list(d.holders))
-                       if d.status == Status.OK else outcome(d.status, d.message, it.name, write=False))
-            for it, d in zip(group, exactly(reply.items, group))}
+    return {
+        it.index: (
+            Described(d.size, d.version, d.replicas, d.persist, list(d.holders))
+            if d.status == Status.OK
+            else outcome(d.status, d.message, it.name, write=False)
+        )
+        for it, d in zip(group, exactly(reply.items, group))
+    }
 
 
 def remove_results(reply: w.RemoveReply, group: list[Item]) -> dict[int, object]:
-    return {it.index: outcome(r.status, r.message, it.name, write=True)
-            for it, r in zip(group, exactly(reply.results, group))}
+    return {
+        it.index: outcome(r.status, r.message, it.name, write=True)
+        for it, r in zip(group, exactly(reply.results, group))
+    }
 
 
 def chunks(group: list[Item]) -> list[list[Item]]:
@@ -141,8 +158,9 @@ def chunks(group: list[Item]) -> list[list[Item]]:
     chunks, current, nbytes, names = [], [], 0, 0
     for it in group:
         size = it.payload.size if it.payload is not None else 0
-        if current and (len(current) >= MAX_ITEMS or nbytes + size > MAX_REQUEST_BYTES
-                        or names + len(it.name) > MAX_TABLE_BYTES):
+        if current and (
+            len(current) >= MAX_ITEMS or nbytes + size > MAX_REQUEST_BYTES or names + len(it.name) > MAX_TABLE_BYTES
+        ):
             chunks.append(current)
             current, nbytes, names = [], 0, 0
         current.append(it)

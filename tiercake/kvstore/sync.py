@@ -46,8 +46,22 @@ from .types import BufferHandle, Descriptor, DiskDescriptor, MemoryDescriptor, R
 log = logging.getLogger(__name__)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1e9, "gb": 1 << 30, "gib": 1 << 30, "t": 1e12, "tb": 1 << 40, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 1 << 10,
+    "m": 1e6,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1e9,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1e12,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
 
 
 class _Failed(int):
@@ -83,8 +97,17 @@ class DistributedStore(TensorCalls):
         self._local_buffer = options.pop("local_buffer", None)
         return self._connect(conductor, **options)
 
-    def _connect(self, conductor, *, config: str | None = None, secret=None, token=None, tenant: str = "default",
-                 transports: Sequence[str] = ("shm", "tcp"), connect_timeout: float = 30.0) -> int:
+    def _connect(
+        self,
+        conductor,
+        *,
+        config: str | None = None,
+        secret=None,
+        token=None,
+        tenant: str = "default",
+        transports: Sequence[str] = ("shm", "tcp"),
+        connect_timeout: float = 30.0,
+    ) -> int:
         ssl = transfer_tls = None
         config = config or (os.environ.get("TIERCAKE_CONFIG") if not (conductor and secret) else None)
         if config:
@@ -104,12 +127,23 @@ class DistributedStore(TensorCalls):
         secret = secret or os.environ.get("TIERCAKE_SECRET")
         token = token or os.environ.get("TIERCAKE_TOKEN") or None
         if not conductor or not secret:
-            log.error("kvstore: setup needs the conductor URL(s) and the cluster secret ($TIERCAKE_SECRET, or a "
-                      "config file: $TIERCAKE_CONFIG)")
+            log.error(
+                "kvstore: setup needs the conductor URL(s) and the cluster secret ($TIERCAKE_SECRET, or a "
+                "config file: $TIERCAKE_CONFIG)"
+            )
             return int(ErrorCode.INVALID_PARAMS)
+
         async def connect() -> AsyncStore:
-            store = AsyncStore(conductor, secret=secret, token=token, tenant=tenant, transports=transports, ssl=ssl,
-                               transfer_tls=transfer_tls, blocking=True)
+            store = AsyncStore(
+                conductor,
+                secret=secret,
+                token=token,
+                tenant=tenant,
+                transports=transports,
+                ssl=ssl,
+                transfer_tls=transfer_tls,
+                blocking=True,
+            )
             try:
                 return await store.open()
             except BaseException:
@@ -250,8 +284,11 @@ class DistributedStore(TensorCalls):
         described = self._describes(keys, lease=False)
         if isinstance(described, _Failed):
             return []
-        wanted = [k for k, d in zip(keys, described) if isinstance(d, Described)
-                  and (not segment_name or (d.holders and d.holders[0] == segment_name))]
+        wanted = [
+            k
+            for k, d in zip(keys, described)
+            if isinstance(d, Described) and (not segment_name or (d.holders and d.holders[0] == segment_name))
+        ]
         if not wanted:
             return []
         got = self._removes(wanted, False)
@@ -265,7 +302,9 @@ class DistributedStore(TensorCalls):
         with self._lock:
             start, end = buffer_ptr, buffer_ptr + size
             i = bisect.bisect(self._buffers, (start, end))
-            overlaps = (i > 0 and self._buffers[i - 1][1] > start) or (i < len(self._buffers) and self._buffers[i][0] < end)
+            overlaps = (i > 0 and self._buffers[i - 1][1] > start) or (
+                i < len(self._buffers) and self._buffers[i][0] < end
+            )
             if overlaps:
                 log.error("kvstore: buffer at %#x (%d bytes) overlaps a registered one", buffer_ptr, size)
                 return int(ErrorCode.INVALID_PARAMS)
@@ -286,22 +325,32 @@ class DistributedStore(TensorCalls):
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
 
-    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int, size: int,
-                               metadata_size: int, config: ReplicateConfig | None = None) -> int:
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: ReplicateConfig | None = None,
+    ) -> int:
         """One object: the metadata's bytes, then the data's (both in registered memory)."""
-        return self.batch_put_from_multi_buffers([key], [[metadata_buffer_ptr, buffer_ptr]], [[metadata_size, size]],
-                                                 config)[0]
+        return self.batch_put_from_multi_buffers(
+            [key], [[metadata_buffer_ptr, buffer_ptr]], [[metadata_size, size]], config
+        )[0]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """The object's size once it is in the buffer, or a negative code."""
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
-    def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                       config: ReplicateConfig | None = None) -> list[int]:
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
         return self._put_views(keys, self._memories(keys, buffer_ptrs, sizes), config, upsert=False)
 
-    def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                          config: ReplicateConfig | None = None) -> list[int]:
+    def batch_upsert_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
         return self._put_views(keys, self._memories(keys, buffer_ptrs, sizes), config, upsert=True)
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
@@ -312,18 +361,33 @@ class DistributedStore(TensorCalls):
             codes[i] = int(outcome) if isinstance(outcome, int) else _logged(outcome)  # a size, or why not
         return codes
 
-    def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                     all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
         """One object per key, made of its buffers' bytes in order (vLLM's connector saves a block's
         layers so)."""
         return self._put_views(keys, self._gathered(keys, all_buffer_ptrs, all_sizes), config, upsert=False)
 
-    def batch_put_from_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                           all_sizes: list[list[int]], config: ReplicateConfig | None = None) -> list[int]:
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig | None = None,
+    ) -> list[int]:
         return self.batch_put_from_multi_buffers(keys, all_buffer_ptrs, all_sizes, config)
 
-    def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                     all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
+    def batch_get_into_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
         """Each object's bytes spread over its buffers in order; its size, or a negative code
         (INVALID_PARAMS when the buffers together cannot hold it)."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
@@ -347,13 +411,23 @@ class DistributedStore(TensorCalls):
                 codes[i] = _scatter(outcome, parts[i])
         return codes
 
-    def batch_get_into_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                           all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
         return self.batch_get_into_multi_buffers(keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node)
 
-    def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]],
-                        all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
-                        all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]:
         """For each buffer, for each of its objects, copy ranges (source offset in the object, size) to
         destination offsets in the buffer; per range its size, or a negative code."""
         if not len(buffer_ptrs) == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
@@ -446,8 +520,11 @@ class DistributedStore(TensorCalls):
                 config.check_groups(len(keys))
             views = [_value(v) for v in values]
             if self._local_buffer is not None and max(v.size for v in views) > self._local_buffer:
-                log.warning("kvstore: a value of %d bytes is larger than this client's local_buffer_size (%d)",
-                            max(v.size for v in views), self._local_buffer)
+                log.warning(
+                    "kvstore: a value of %d bytes is larger than this client's local_buffer_size (%d)",
+                    max(v.size for v in views),
+                    self._local_buffer,
+                )
                 return int(ErrorCode.BUFFER_OVERFLOW)
             for key, view in zip(keys, views):
                 if not isinstance(key, str) or not key or not view.size:
@@ -466,11 +543,13 @@ class DistributedStore(TensorCalls):
             return _logged(exc)
         if not views:
             return 0  # Mooncake answers 0 for no parts and stores nothing
-        return self._put([key], [views[0] if len(views) == 1 else np.concatenate(views)], config, upsert=upsert,
-                         whole=True)
+        return self._put(
+            [key], [views[0] if len(views) == 1 else np.concatenate(views)], config, upsert=upsert, whole=True
+        )
 
-    def _put_views(self, keys: list[str], memories, config: ReplicateConfig | None, *, upsert: bool,
-                   groups: bool = True) -> list[int]:
+    def _put_views(
+        self, keys: list[str], memories, config: ReplicateConfig | None, *, upsert: bool, groups: bool = True
+    ) -> list[int]:
         """``groups``: ``keys`` are the caller's (one ``group_ids`` entry each); tensor shards are not."""
         views, codes = memories
         try:
@@ -522,8 +601,12 @@ class DistributedStore(TensorCalls):
 
     def _gets(self, keys: list[str], buffers: list | None = None, sizes: bool = False):
         """Each object's bytes (its size instead, with ``sizes``), or why not."""
-        got = self._fast(lambda s: s.plan_reads(keys, buffers if buffers is not None else [None] * len(keys)),
-                         FastPath.get, AsyncStore.get_items, finish_reads)
+        got = self._fast(
+            lambda s: s.plan_reads(keys, buffers if buffers is not None else [None] * len(keys)),
+            FastPath.get,
+            AsyncStore.get_items,
+            finish_reads,
+        )
         if sizes and not isinstance(got, _Failed):
             return [g.size if isinstance(g, np.ndarray) else g for g in got]
         return got
@@ -579,7 +662,9 @@ class DistributedStore(TensorCalls):
     def query_task(self, task_id) -> tuple:
         return None, self._not_supported("query_task")
 
-    def batch_put_session_start(self, keys: list[str], sizes: list[int], config: ReplicateConfig | None = None) -> list[int]:
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig | None = None
+    ) -> list[int]:
         return [self._not_supported("batch_put_session_start (put_from writes in one round trip)")] * len(keys)
 
     def batch_put_session_end(self, keys: list[str], *args, **kwargs) -> list[int]:
@@ -615,7 +700,7 @@ class MooncakeDistributedStoreAsync(DistributedStore):
     def __getattr__(self, name: str):
         if not name.startswith("async_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        sync = getattr(self, name[len("async_"):], None)
+        sync = getattr(self, name[len("async_") :], None)
         if sync is None or not callable(sync):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -632,16 +717,30 @@ class MooncakeDistributedStoreAsync(DistributedStore):
 
 # Helpers ----------------------------------------------------------------------------------------------
 
+
 def _setup_form(args: tuple, kwargs: dict) -> tuple[object, dict]:
     """(conductor URL(s), the other settings) from any of setup's forms."""
-    mooncake_names = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
-                      "rdma_devices", "master_server_addr")
+    mooncake_names = (
+        "local_hostname",
+        "metadata_server",
+        "global_segment_size",
+        "local_buffer_size",
+        "protocol",
+        "rdma_devices",
+        "master_server_addr",
+    )
     if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
         return _mooncake_setup(dict(args[0]))
     if len(args) >= 7 or "master_server_addr" in kwargs:
         named = dict(zip(mooncake_names, args))
-        extra = ("engine", "enable_ssd_offload", "ssd_offload_path", "tenant_id", "enable_client_http_server",
-                 "client_http_port")
+        extra = (
+            "engine",
+            "enable_ssd_offload",
+            "ssd_offload_path",
+            "tenant_id",
+            "enable_client_http_server",
+            "client_http_port",
+        )
         named.update(dict(zip(extra, args[7:])))
         named.update(kwargs)
         return _mooncake_setup(named)
@@ -732,7 +831,9 @@ def _descriptors(described: Described, members: dict) -> list[ReplicaDescriptor]
     out = []
     for node in described.holders:
         host, port = members.get(node, ("", 0))
-        out.append(ReplicaDescriptor(memory=MemoryDescriptor(Descriptor(described.size, 0, f"{host}:{port}")), node=node))
+        out.append(
+            ReplicaDescriptor(memory=MemoryDescriptor(Descriptor(described.size, 0, f"{host}:{port}")), node=node)
+        )
         if described.persist:
             out.append(ReplicaDescriptor(disk=DiskDescriptor(f"{node}:ssd", described.size), node=node))
     return out
@@ -745,5 +846,3 @@ def _is_int(value) -> bool:
 def _logged(exc: StoreApiError) -> int:
     log.warning("kvstore: %s", exc)
     return code_of(exc)
-
-

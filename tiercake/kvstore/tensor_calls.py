@@ -56,8 +56,9 @@ class TensorCalls(ParallelCalls):
     def upsert_pub_tensor(self, key: str, tensor, config: ReplicateConfig | None = None) -> int:
         return self.batch_upsert_pub_tensor([key], [tensor], config)[0]
 
-    def batch_upsert_pub_tensor(self, keys: list[str], tensors_list: list,
-                                config: ReplicateConfig | None = None) -> list[int]:
+    def batch_upsert_pub_tensor(
+        self, keys: list[str], tensors_list: list, config: ReplicateConfig | None = None
+    ) -> list[int]:
         return self._put_packed(keys, tensors_list, config, upsert=True)
 
     def get_tensor(self, key: str):
@@ -114,8 +115,12 @@ class TensorCalls(ParallelCalls):
             if tensor is None:
                 codes.append(_code(raw))
             elif not isinstance(dst, torch.Tensor) or dst.numel() != tensor.numel() or dst.dtype != tensor.dtype:
-                log.warning("kvstore: %r is a %s tensor of %d elements; the destination does not match", key,
-                            tensor.dtype, tensor.numel())
+                log.warning(
+                    "kvstore: %r is a %s tensor of %d elements; the destination does not match",
+                    key,
+                    tensor.dtype,
+                    tensor.numel(),
+                )
                 codes.append(int(ErrorCode.INVALID_PARAMS))
             else:
                 dst.view(-1).copy_(tensor.reshape(-1))
@@ -127,27 +132,56 @@ class TensorCalls(ParallelCalls):
     def put_tensor_with_tp(self, key: str, tensor, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> int:
         return self.batch_put_tensor_with_tp([key], [tensor], tp_rank, tp_size, split_dim)[0]
 
-    def batch_put_tensor_with_tp(self, base_keys: list[str], tensors_list: list, tp_rank: int = 0, tp_size: int = 1,
-                                 split_dim: int = 0) -> list[int]:
+    def batch_put_tensor_with_tp(
+        self, base_keys: list[str], tensors_list: list, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> list[int]:
         return self._put_shards(base_keys, tensors_list, None, tp_size, split_dim, upsert=False)
 
-    def pub_tensor_with_tp(self, key: str, tensor, config: ReplicateConfig | None = None, tp_rank: int = 0,
-                           tp_size: int = 1, split_dim: int = 0) -> int:
+    def pub_tensor_with_tp(
+        self,
+        key: str,
+        tensor,
+        config: ReplicateConfig | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> int:
         return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
 
-    def batch_pub_tensor_with_tp(self, base_keys: list[str], tensors_list: list, config: ReplicateConfig | None = None,
-                                 tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> list[int]:
+    def batch_pub_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list,
+        config: ReplicateConfig | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
         return self._put_shards(base_keys, tensors_list, config, tp_size, split_dim, upsert=False)
 
-    def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1,
-                                split_dim: int = 0) -> int:
+    def put_tensor_with_tp_from(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
         return self.batch_put_tensor_with_tp_from([key], [buffer_ptr], [size], tp_rank, tp_size, split_dim)[0]
 
-    def batch_put_tensor_with_tp_from(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                      tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> list[int]:
+    def batch_put_tensor_with_tp_from(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        split_dim: int = 0,
+    ) -> list[int]:
         tensors, codes = self._tensors_in(base_keys, buffer_ptrs, sizes)
-        done = self._put_shards([k for k, c in zip(base_keys, codes) if c == 0],
-                                [t for t, c in zip(tensors, codes) if c == 0], None, tp_size, split_dim, upsert=False)
+        done = self._put_shards(
+            [k for k, c in zip(base_keys, codes) if c == 0],
+            [t for t, c in zip(tensors, codes) if c == 0],
+            None,
+            tp_size,
+            split_dim,
+            upsert=False,
+        )
         it = iter(done)
         return [next(it) if c == 0 else c for c in codes]
 
@@ -157,12 +191,14 @@ class TensorCalls(ParallelCalls):
     def batch_get_tensor_with_tp(self, base_keys: list[str], tp_rank: int = 0, tp_size: int = 1) -> list:
         return self.batch_get_tensor([tp_key(k, tp_rank) for k in base_keys])
 
-    def get_tensor_with_tp_into(self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1,
-                                split_dim: int = 0):
+    def get_tensor_with_tp_into(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ):
         return self.get_tensor_into(tp_key(key, tp_rank), buffer_ptr, size)
 
-    def batch_get_tensor_with_tp_into(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                      tp_rank: int = 0, tp_size: int = 1) -> list:
+    def batch_get_tensor_with_tp_into(
+        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: int = 0, tp_size: int = 1
+    ) -> list:
         return self.batch_get_tensor_into([tp_key(k, tp_rank) for k in base_keys], buffer_ptrs, sizes)
 
     # safetensors files ------------------------------------------------------------------------------
@@ -211,8 +247,16 @@ class TensorCalls(ParallelCalls):
             return None
         return tensor
 
-    def _put_packed(self, keys: list[str], tensors: list, config: ReplicateConfig | None, *, upsert: bool,
-                    parts: list | None = None, groups: bool = True) -> list[int]:
+    def _put_packed(
+        self,
+        keys: list[str],
+        tensors: list,
+        config: ReplicateConfig | None,
+        *,
+        upsert: bool,
+        parts: list | None = None,
+        groups: bool = True,
+    ) -> list[int]:
         if len(keys) != len(tensors):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         packed, codes = [], []
@@ -227,8 +271,9 @@ class TensorCalls(ParallelCalls):
         views = ([p for p in packed], codes)
         return self._put_views(keys, views, config, upsert=upsert, groups=groups)
 
-    def _put_shards(self, keys: list[str], tensors: list, config: ReplicateConfig | None, parts: int, dim: int, *,
-                    upsert: bool) -> list[int]:
+    def _put_shards(
+        self, keys: list[str], tensors: list, config: ReplicateConfig | None, parts: int, dim: int, *, upsert: bool
+    ) -> list[int]:
         if len(keys) != len(tensors):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         if config is not None and config.group_ids is not None and len(config.group_ids) != len(keys):

@@ -29,8 +29,18 @@ HEADER_BYTES = 304
 WHOLE, PART = 0, 1
 
 DTYPES: list[torch.dtype] = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16, torch.int32,
-    torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
@@ -172,8 +182,12 @@ def bounds(length: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def assemble(header: TensorHeader, parts: list[tuple[TensorHeader, torch.Tensor]], out: torch.Tensor | None = None,
-             start: tuple[int, ...] | None = None) -> torch.Tensor:
+def assemble(
+    header: TensorHeader,
+    parts: list[tuple[TensorHeader, torch.Tensor]],
+    out: torch.Tensor | None = None,
+    start: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """The region of the whole tensor (shape ``header.shape``, starting at ``start``: all of it by
     default) put together from ``parts``; ``InvalidParams`` when they do not cover it."""
     start = start or tuple(0 for _ in header.shape)

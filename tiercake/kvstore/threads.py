@@ -52,6 +52,7 @@ class ThreadClients:
         if self.closed:
             raise RuntimeError("the client is closed")
         if asyncio._get_running_loop() is not None:
+
             async def all_slow(store: AsyncStore):
                 outcomes, items, *extras = plan(store)
                 return finish(outcomes, items, await slow(store, items, *extras))

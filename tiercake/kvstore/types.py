@@ -121,12 +121,14 @@ class ReplicateConfig:
 
     def __str__(self) -> str:
         ttl = "default" if self._soft_pin_ttl_ms is None else self._soft_pin_ttl_ms
-        return (f"ReplicateConfig: {{ replica_num: {self.replica_num}, nof_replica_num: {self.nof_replica_num}, "
-                f"dfs_replica_num: {self.dfs_replica_num}, soft_pin_action: {SoftPinAction(self.soft_pin_action).name}, "
-                f"soft_pin_ttl_ms: {ttl}, with_hard_pin: {int(bool(self.with_hard_pin))}, "
-                f"preferred_segments: {self.preferred_segments}, preferred_segment: {self.preferred_segment!r}, "
-                f"prefer_alloc_in_same_node: {int(bool(self.prefer_alloc_in_same_node))}, "
-                f"data_type: {ObjectDataType(self.data_type).name}, group_ids: {self._group_ids} }}")
+        return (
+            f"ReplicateConfig: {{ replica_num: {self.replica_num}, nof_replica_num: {self.nof_replica_num}, "
+            f"dfs_replica_num: {self.dfs_replica_num}, soft_pin_action: {SoftPinAction(self.soft_pin_action).name}, "
+            f"soft_pin_ttl_ms: {ttl}, with_hard_pin: {int(bool(self.with_hard_pin))}, "
+            f"preferred_segments: {self.preferred_segments}, preferred_segment: {self.preferred_segment!r}, "
+            f"prefer_alloc_in_same_node: {int(bool(self.prefer_alloc_in_same_node))}, "
+            f"data_type: {ObjectDataType(self.data_type).name}, group_ids: {self._group_ids} }}"
+        )
 
     __repr__ = __str__
 
@@ -147,8 +149,12 @@ class ReplicateConfig:
         soft = None
         if action is SoftPinAction.ENABLE:
             soft = DEFAULT_SOFT_PIN_MS if self._soft_pin_ttl_ms is None else min(self._soft_pin_ttl_ms, 1 << 62)
-        return Durability(replicas=replicas, persist=self.nof_replica_num > 0 or self.dfs_replica_num > 0,
-                          hard_pin=bool(self.with_hard_pin), soft_pin_ms=soft)
+        return Durability(
+            replicas=replicas,
+            persist=self.nof_replica_num > 0 or self.dfs_replica_num > 0,
+            hard_pin=bool(self.with_hard_pin),
+            soft_pin_ms=soft,
+        )
 
     def preserves_pin(self, *, upsert: bool) -> bool:
         return upsert and SoftPinAction(self.soft_pin_action) is SoftPinAction.PRESERVE
@@ -164,8 +170,10 @@ class Descriptor:
     transport_endpoint: str = ""
 
     def __repr__(self) -> str:
-        return (f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
-                f"transport_endpoint={self.transport_endpoint}>")
+        return (
+            f"<Descriptor size={self.size} buffer_address={self.buffer_address} "
+            f"transport_endpoint={self.transport_endpoint}>"
+        )
 
 
 @dataclass
@@ -253,8 +261,15 @@ class ParallelAxis:
     ``kind`` (a name), how many shards (``size``), which one (``rank``), along which dimension
     (``split_dim``; None: replicated along this axis)."""
 
-    def __init__(self, kind: str = "tp", size: int = 1, rank: int = 0, split_dim: int | None = None,
-                 expert_id: int | None = None, stage_id: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: str = "tp",
+        size: int = 1,
+        rank: int = 0,
+        split_dim: int | None = None,
+        expert_id: int | None = None,
+        stage_id: int | None = None,
+    ) -> None:
         self.kind, self.size, self.rank, self.split_dim = kind, size, rank, split_dim
         self.expert_id, self.stage_id = expert_id, stage_id
 

@@ -31,15 +31,27 @@ __all__ = ["NodeObjects", "OBJECT_OPS", "ObjectServer", "Ownership", "Replicator
 class NodeObjects:
     """Everything of the key-value store on one node agent."""
 
-    def __init__(self, node_id: str, store: TieredStore, secret: bytes, client: Client | None, *, ttl: float,
-                 lease_ttl: float = 5.0, pool_tier: str | None = None, disk_tier: str | None = None,
-                 tls=None, map_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        store: TieredStore,
+        secret: bytes,
+        client: Client | None,
+        *,
+        ttl: float,
+        lease_ttl: float = 5.0,
+        pool_tier: str | None = None,
+        disk_tier: str | None = None,
+        tls=None,
+        map_path: Path | None = None,
+    ) -> None:
         """``map_path``: where the node keeps its last object map (beside its pool or SSD)."""
         self.client = client
         self.directory = _directory(store, pool_tier)
         self._pool_backend = store.tier(pool_tier).backend if pool_tier is not None else None
-        self.table = ObjectTable(store, lease_ttl=lease_ttl, disk_tier=disk_tier, directory=self.directory,
-                                 pool_tier=pool_tier)
+        self.table = ObjectTable(
+            store, lease_ttl=lease_ttl, disk_tier=disk_tier, directory=self.directory, pool_tier=pool_tier
+        )
         self.ownership = Ownership(node_id, client, ttl, map_path)
         self.table.publishes = self._serves_object
         self.ownership.listeners.append(lambda old, new: self._map_changed())
@@ -101,4 +113,3 @@ def _directory(store: TieredStore, pool_tier: str | None) -> ObjectDirectory | N
     backend = store.tier(pool_tier).backend
     path = beside(backend.region.path, DIRECTORY_SUFFIX)
     return ObjectDirectory(path, 2 * len(backend.index))
-

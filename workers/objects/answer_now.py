@@ -60,8 +60,11 @@ class AnswerNow:
                 return self._put_now(conn, flags, request, w.decode(w.PutRequest, body), deadline)
             if op is Op.OBJ_QUERY:
                 reply = self._query(w.decode(w.QueryRequest, body))
-                return True if flags & FLAG_NO_REPLY else _send_now(conn, Op.OBJ_QUERY_REPLY, request,
-                                                                      w.encode(reply), [], deadline)
+                return (
+                    True
+                    if flags & FLAG_NO_REPLY
+                    else _send_now(conn, Op.OBJ_QUERY_REPLY, request, w.encode(reply), [], deadline)
+                )
             if op is Op.OBJ_RELEASE:
                 self._end_leases(w.decode(w.ReleaseRequest, body).leases)
                 return True
@@ -93,8 +96,7 @@ class AnswerNow:
                 return False
         self.counts["get"] += 1
         reply = w.encode(w.GetReply(self.ownership.map.epoch, answers))
-        return _send_now(conn, Op.OBJ_GET_REPLY, request, reply, data, deadline,
-                         after=lambda: self._end_leases(leases))
+        return _send_now(conn, Op.OBJ_GET_REPLY, request, reply, data, deadline, after=lambda: self._end_leases(leases))
 
     def _read_now(self, req: w.GetRequest, item: w.GetItem, shm: bool):
         """``_read`` without its disk read: (None, None, None) for an object only on disk."""
@@ -108,8 +110,16 @@ class AnswerNow:
         if stored is None:
             return w.Got(Status.NOT_FOUND), None, None
         if 0 <= item.capacity < stored.size:
-            return w.Got(Status.TOO_SMALL, stored.size, stored.version,
-                         message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}"), None, None
+            return (
+                w.Got(
+                    Status.TOO_SMALL,
+                    stored.size,
+                    stored.version,
+                    message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}",
+                ),
+                None,
+                None,
+            )
         if shm:
             self.table.lease(stored)
             if stored.size == 0:
@@ -148,10 +158,13 @@ class AnswerNow:
                 return False
             plans.append(plan)
         self.counts["put"] += 1
-        views = [p.payload_array() if isinstance(p, Staged) else np.empty(max(0, item.size), dtype=np.uint8)
-                 for p, item in zip(plans, req.items)]
+        views = [
+            p.payload_array() if isinstance(p, Staged) else np.empty(max(0, item.size), dtype=np.uint8)
+            for p, item in zip(plans, req.items)
+        ]
         left = _recv_now(conn, views, INLINE_BYTES)
         if left:  # not all there after all: the task waits for the rest, then finishes the long way
+
             async def rest() -> None:  # (under each object's lock: other writes may start meanwhile)
                 try:
                     with deadline(sum(len(v) for v in left)):
@@ -166,6 +179,7 @@ class AnswerNow:
                             await self.table.abort(p)
                 body = _put_reply(self, results)
                 await send_all(conn, [_frame(Op.OBJ_PUT_REPLY, request, len(body)), body])
+
             return rest
         results = self._finish_now(req, plans)
         return _send_now(conn, Op.OBJ_PUT_REPLY, request, _put_reply(self, results), [], deadline)
@@ -184,8 +198,13 @@ class AnswerNow:
             return w.Result(Status.EXISTS)
         if item.soft_pin_ms < w.KEEP_SOFT_PIN:
             return w.Result(Status.INVALID, f"a soft pin's TTL is not negative, got {item.soft_pin_ms}")
-        if item.replicas > 1 or item.persist or (old is not None and old.meta.replicas > 1) \
-                or self.table.locked(oid) or self.replicator.wants(slot, replicated=False):
+        if (
+            item.replicas > 1
+            or item.persist
+            or (old is not None and old.meta.replicas > 1)
+            or self.table.locked(oid)
+            or self.replicator.wants(slot, replicated=False)
+        ):
             return None
         meta = Meta(item.replicas, item.persist, item.hard_pin, None if item.soft_pin_ms < 0 else item.soft_pin_ms)
         try:
@@ -202,8 +221,9 @@ class AnswerNow:
         if self.table.locked(plan.oid) or self._owner_check(plan.oid, req.epoch) is not None:
             return False
         old = self.table.get(plan.oid)
-        return not (old is not None and old.meta.replicas > 1) and \
-            not self.replicator.wants(self.ownership.slot_of(plan.oid), replicated=False)
+        return not (old is not None and old.meta.replicas > 1) and not self.replicator.wants(
+            self.ownership.slot_of(plan.oid), replicated=False
+        )
 
     def _finish_now(self, req: w.PutRequest, plans: list) -> list[w.Result]:
         """``_finish_put`` for each staged item, in order, with nothing to wait for (no backup, no
@@ -267,8 +287,11 @@ def _recv_now(conn: socket.socket, views: list[np.ndarray], most: int) -> list[m
 def _send_now(conn: socket.socket, op: Op, request: int, body: bytes, data: list, deadline, after=None):
     """Send a reply without waiting; True when it all went (``after`` run), else a continuation that
     sends the rest (and then runs ``after``)."""
-    views = [memoryview(_frame(op, request, len(body))), memoryview(body),
-             *(memoryview(d).cast("B") for d in data if d.nbytes)]
+    views = [
+        memoryview(_frame(op, request, len(body))),
+        memoryview(body),
+        *(memoryview(d).cast("B") for d in data if d.nbytes),
+    ]
     while views:
         try:
             sent = conn.sendmsg(views[:IOV_MAX])
@@ -292,6 +315,7 @@ def _send_now(conn: socket.socket, op: Op, request: int, body: bytes, data: list
         finally:
             if after is not None:
                 after()
+
     return rest
 
 

@@ -84,7 +84,7 @@ class Ownership:
                 fetched = await self.client.object_map()
             except ConductorError as exc:
                 log.warning("node %s: fetching the object map failed: %s", self.node_id, exc)
-                await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
                 continue
             self.install(fetched)
             if fetched.epoch >= self.known_epoch:
@@ -98,8 +98,12 @@ class Ownership:
             log.warning("node %s: offering the last object map failed: %s", self.node_id, exc)
             self._offered = False
             return
-        log.info("node %s: offered its last object map (epoch %d): %s", self.node_id, saved.epoch,
-                 "taken" if not answer.refused else answer.refused[0])
+        log.info(
+            "node %s: offered its last object map (epoch %d): %s",
+            self.node_id,
+            saved.epoch,
+            "taken" if not answer.refused else answer.refused[0],
+        )
         self.install(answer.map)
 
     def install(self, fetched: ObjectMap) -> None:

@@ -53,13 +53,25 @@ class ReplicaUnsafe(Exception):
 
 def replica_of(stored: Stored) -> w.Replica:
     meta = stored.meta
-    return w.Replica(stored.record.tenant, stored.record.name, stored.version, stored.size, meta.replicas,
-                     meta.persist, meta.hard_pin, w.NO_SOFT_PIN if meta.soft_pin_ms is None else meta.soft_pin_ms)
+    return w.Replica(
+        stored.record.tenant,
+        stored.record.name,
+        stored.version,
+        stored.size,
+        meta.replicas,
+        meta.persist,
+        meta.hard_pin,
+        w.NO_SOFT_PIN if meta.soft_pin_ms is None else meta.soft_pin_ms,
+    )
 
 
 def meta_of(replica: w.Replica) -> Meta:
-    return Meta(replica.replicas, replica.persist, replica.hard_pin,
-                None if replica.soft_pin_ms == w.NO_SOFT_PIN else replica.soft_pin_ms)
+    return Meta(
+        replica.replicas,
+        replica.persist,
+        replica.hard_pin,
+        None if replica.soft_pin_ms == w.NO_SOFT_PIN else replica.soft_pin_ms,
+    )
 
 
 class Reporter:
@@ -107,8 +119,16 @@ class Reporter:
 
 
 class Replicator:
-    def __init__(self, node_id: str, table: ObjectTable, ownership: Ownership, channels: Channels,
-                 client: Client | None, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        table: ObjectTable,
+        ownership: Ownership,
+        channels: Channels,
+        client: Client | None,
+        *,
+        timeout: float = 10.0,
+    ) -> None:
         self.node_id = node_id
         self.table = table
         self.ownership = ownership
@@ -212,8 +232,13 @@ class Replicator:
         try:
             await self._send(target, request, [] if payload is None else [payload])
         except (TransferError, OSError, TimeoutError) as exc:
-            log.info("node %s: slot %d's handoff target %s missed a write (%s): copying again", self.node_id, slot,
-                     target, exc)
+            log.info(
+                "node %s: slot %d's handoff target %s missed a write (%s): copying again",
+                self.node_id,
+                slot,
+                target,
+                exc,
+            )
             self._handoff_dirty.add(slot)
 
     async def _send(self, backup: str, request: w.ReplicateRequest, data: list) -> None:
@@ -221,24 +246,28 @@ class Replicator:
             try:
                 channel = await self.channels.get(backup)
                 async with channel.connection() as conn:
-                    body = await conn.exchange(Op.OBJ_REPLICATE, Op.OBJ_REPLICATE_REPLY, w.encode(request),
-                                               FLAG_EAGER, data)
+                    body = await conn.exchange(
+                        Op.OBJ_REPLICATE, Op.OBJ_REPLICATE_REPLY, w.encode(request), FLAG_EAGER, data
+                    )
             except (TransferError, OSError):
                 self.channels.forget(backup)
                 raise
         reply = w.decode(w.ReplicateReply, body)
         bad = next((r for r in reply.results if r.status != Status.OK), None)
         if len(reply.results) != len(request.items) or bad is not None:
-            raise TransferError(f"{backup} refused: {Status(bad.status).name if bad else 'a short reply'} "
-                                f"{bad.message if bad else ''}")
+            raise TransferError(
+                f"{backup} refused: {Status(bad.status).name if bad else 'a short reply'} {bad.message if bad else ''}"
+            )
 
     async def _demote(self, slot: int, backup: str) -> None:
         """``backup`` missed a write of ``slot``: it gets no more until it is copied the slot again, and
         the conductor must know before anything more is acknowledged."""
         self.forward_to[slot].discard(backup)
         try:
-            await self._tell(SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=backup,
-                                       primary=self.node_id, lagging=True), attempts=3)
+            await self._tell(
+                SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=backup, primary=self.node_id, lagging=True),
+                attempts=3,
+            )
         except (ConductorError, OSError) as exc:
             self.blocked.add(slot)
             self._spawn(self._unblock(slot, backup))
@@ -248,8 +277,12 @@ class Replicator:
         while slot in self.blocked:
             await asyncio.sleep(0.5)
             with contextlib.suppress(ConductorError, OSError):
-                await self._tell(SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=backup,
-                                           primary=self.node_id, lagging=True), attempts=1)
+                await self._tell(
+                    SlotReady(
+                        slot=slot, epoch=self.ownership.map.epoch, node=backup, primary=self.node_id, lagging=True
+                    ),
+                    attempts=1,
+                )
                 self.blocked.discard(slot)
 
     async def _tell(self, report: SlotReady, attempts: int) -> None:
@@ -280,8 +313,9 @@ class Replicator:
         while self.ownership.map.primary(slot) == self.node_id and backup in self.ownership.backups(slot):
             try:
                 await self._copy_slot(slot, backup)
-                await self._tell(SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=backup,
-                                           primary=self.node_id), attempts=5)
+                await self._tell(
+                    SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=backup, primary=self.node_id), attempts=5
+                )
                 self.synced += 1
                 return
             except asyncio.CancelledError:
@@ -289,8 +323,14 @@ class Replicator:
                 raise
             except (TransferError, OSError, ConductorError, TimeoutError) as exc:
                 self.forward_to[slot].discard(backup)
-                log.info("node %s: copying slot %d to %s failed (%s); again in %.1f s", self.node_id, slot, backup,
-                         exc, delay)
+                log.info(
+                    "node %s: copying slot %d to %s failed (%s); again in %.1f s",
+                    self.node_id,
+                    slot,
+                    backup,
+                    exc,
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -303,8 +343,9 @@ class Replicator:
 
     async def _copy_objects(self, slot: int, backup: str, replicated: bool) -> None:
         """Every object of the slot, replicated ones or memory-level ones, in batches."""
-        oids = [s.oid for s in self.table
-                if (s.meta.replicas > 1) == replicated and self.ownership.slot_of(s.oid) == slot]
+        oids = [
+            s.oid for s in self.table if (s.meta.replicas > 1) == replicated and self.ownership.slot_of(s.oid) == slot
+        ]
         batch: list[bytes] = []
         nbytes = 0
         for oid in oids:
@@ -339,21 +380,37 @@ class Replicator:
                         pass
                 if slot in self._handoff_dirty:
                     raise TransferError(f"{target} missed a write")
-                await self._tell(SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=target,
-                                           primary=self.node_id, handed_off=True), attempts=3)
+                await self._tell(
+                    SlotReady(
+                        slot=slot, epoch=self.ownership.map.epoch, node=target, primary=self.node_id, handed_off=True
+                    ),
+                    attempts=3,
+                )
                 if self.ownership.map.primary(slot) == target:
-                    dropped = [s.oid for s in self.table
-                               if s.meta.replicas <= 1 and self.ownership.slot_of(s.oid) == slot]
+                    dropped = [
+                        s.oid for s in self.table if s.meta.replicas <= 1 and self.ownership.slot_of(s.oid) == slot
+                    ]
                     for oid in dropped:
                         self.table.remove(oid)
-                    log.info("node %s: handed slot %d to %s (%d memory-level objects moved)", self.node_id, slot,
-                             target, len(dropped))
+                    log.info(
+                        "node %s: handed slot %d to %s (%d memory-level objects moved)",
+                        self.node_id,
+                        slot,
+                        target,
+                        len(dropped),
+                    )
                     return
             except asyncio.CancelledError:
                 raise
             except (TransferError, OSError, ConductorError, TimeoutError) as exc:
-                log.info("node %s: handing slot %d to %s failed (%s); again in %.1f s", self.node_id, slot, target,
-                         exc, delay)
+                log.info(
+                    "node %s: handing slot %d to %s failed (%s); again in %.1f s",
+                    self.node_id,
+                    slot,
+                    target,
+                    exc,
+                    delay,
+                )
             finally:
                 self.handing.pop(slot, None)
                 if slot in self.ownership.frozen:
@@ -382,8 +439,9 @@ class Replicator:
                     items.append(replica_of(stored))
                     data.append(payload)
                 if items:
-                    await self._send(backup, w.ReplicateRequest(slot, self.ownership.map.epoch, self.node_id,
-                                                                w.ITEMS, items), data)
+                    await self._send(
+                        backup, w.ReplicateRequest(slot, self.ownership.map.epoch, self.node_id, w.ITEMS, items), data
+                    )
             finally:
                 for block, lease in leases:
                     await self.table.store.release_lease(block, lease)
@@ -427,8 +485,11 @@ class BackupSide:
                 staged.append(None)
                 continue
             try:
-                staged.append(await self.table.stage(object_id(item.name, item.tenant), item.tenant, item.name,
-                                                     item.size, meta_of(item)))
+                staged.append(
+                    await self.table.stage(
+                        object_id(item.name, item.tenant), item.tenant, item.name, item.size, meta_of(item)
+                    )
+                )
             except TierFullError as exc:
                 staged.append(w.Result(Status.FULL, str(exc)))
             except (StoreError, ValueError) as exc:
@@ -455,5 +516,3 @@ class BackupSide:
             except (StoreError, OSError) as exc:
                 results.append(w.Result(Status.INTERNAL, str(exc)))
         return results
-
-

@@ -46,8 +46,9 @@ class ObjectServer(AnswerNow):
 
     ops = OBJECT_OPS
 
-    def __init__(self, node_id: str, table: ObjectTable, ownership: Ownership, replicator: Replicator,
-                 pool_tier: str | None) -> None:
+    def __init__(
+        self, node_id: str, table: ObjectTable, ownership: Ownership, replicator: Replicator, pool_tier: str | None
+    ) -> None:
         self.node_id = node_id
         self.table = table
         self.ownership = ownership
@@ -62,8 +63,9 @@ class ObjectServer(AnswerNow):
         directory = self.table.directory
         return str(directory.path) if directory is not None else None
 
-    async def handle(self, conn: socket.socket, op: Op, flags: int, request: int, body: bytearray,
-                     deadline: Callable[[int], object]) -> None:
+    async def handle(
+        self, conn: socket.socket, op: Op, flags: int, request: int, body: bytearray, deadline: Callable[[int], object]
+    ) -> None:
         """Answer one request; ``deadline(nbytes)`` is the server's watchdog for the bytes it moves."""
         if op is Op.OBJ_PUT:
             await self._put(conn, flags, request, w.decode(w.PutRequest, body), deadline)
@@ -97,13 +99,21 @@ class ObjectServer(AnswerNow):
             with deadline(sum(item.size for item in req.items)):
                 if shm:
                     offsets = [s.handle.copy.slot[0] + s.offset if isinstance(s, Staged) else -1 for s in staged]
-                    ready = w.PutReady(self.ownership.map.epoch, offsets,
-                                       [s if isinstance(s, w.Result) else w.Result(Status.OK) for s in staged])
+                    ready = w.PutReady(
+                        self.ownership.map.epoch,
+                        offsets,
+                        [s if isinstance(s, w.Result) else w.Result(Status.OK) for s in staged],
+                    )
                     await send_frame(conn, Op.OBJ_PUT_READY, request, w.encode(ready))
                     await recv_frame(conn, expect=[Op.OBJ_PUT_COMMIT])  # the client copied into the pool
                 else:
-                    await _receive(conn, [(s.payload_array() if isinstance(s, Staged) else None, item.size)
-                                          for s, item in zip(staged, req.items)])
+                    await _receive(
+                        conn,
+                        [
+                            (s.payload_array() if isinstance(s, Staged) else None, item.size)
+                            for s, item in zip(staged, req.items)
+                        ],
+                    )
             if len(staged) == 1 or not any(self._forwards(req, item) for item in req.items):
                 results = [await self._finish_put(req, item, s) for item, s in zip(req.items, staged)]  # no task each
             else:  # backups to wait for: the items' round trips overlap
@@ -120,8 +130,9 @@ class ObjectServer(AnswerNow):
             return item.replicas > 1
         oid = object_id(item.name, req.tenant)
         old = self.table.get(oid)
-        return (old is not None and old.meta.replicas > 1) or self.replicator.wants(self.ownership.slot_of(oid),
-                                                                                    replicated=False)
+        return (old is not None and old.meta.replicas > 1) or self.replicator.wants(
+            self.ownership.slot_of(oid), replicated=False
+        )
 
     async def _stage(self, req: w.PutRequest, item: w.PutItem, shm: bool) -> Staged | w.Result:
         if not item.name or not req.tenant:
@@ -136,8 +147,9 @@ class ObjectServer(AnswerNow):
         if item.soft_pin_ms < w.KEEP_SOFT_PIN:
             return w.Result(Status.INVALID, f"a soft pin's TTL is not negative, got {item.soft_pin_ms}")
         try:
-            staged = self.table.stage_now(oid, req.tenant, item.name, item.size, meta) \
-                or await self.table.stage(oid, req.tenant, item.name, item.size, meta)
+            staged = self.table.stage_now(oid, req.tenant, item.name, item.size, meta) or await self.table.stage(
+                oid, req.tenant, item.name, item.size, meta
+            )
         except TierFullError as exc:
             return w.Result(Status.FULL, str(exc))
         except (StoreError, ValueError) as exc:
@@ -154,8 +166,11 @@ class ObjectServer(AnswerNow):
             return w.Result(Status.INVALID, f"replicas is 1 to 255, got {item.replicas}")
         nodes = 1 + len(self.ownership.backups(slot))
         if item.replicas > nodes:
-            return w.Result(Status.FULL, f"{item.replicas} replicas asked, but this object's slot has {nodes} "
-                            "node(s) (objects.replicas_max, and the nodes alive)")
+            return w.Result(
+                Status.FULL,
+                f"{item.replicas} replicas asked, but this object's slot has {nodes} "
+                "node(s) (objects.replicas_max, and the nodes alive)",
+            )
         return None
 
     def _owner_check(self, oid: bytes, epoch: int) -> w.Result | None:
@@ -188,8 +203,11 @@ class ObjectServer(AnswerNow):
                     return w.Result(Status.UNAVAILABLE, "a backup of this slot is being copied it: ask again")
                 return w.Result(Status.FULL, f"{item.replicas} replicas asked, the slot has fewer nodes")
             if item.replicas > 1 or (old is not None and old.meta.replicas > 1):
-                replica = replica_of(prepared) if item.replicas > 1 else w.Replica(
-                    req.tenant, item.name, version, removed=True)  # no more on the backups
+                replica = (
+                    replica_of(prepared)
+                    if item.replicas > 1
+                    else w.Replica(req.tenant, item.name, version, removed=True)
+                )  # no more on the backups
                 payload = staged.payload_array() if item.replicas > 1 else None
                 try:
                     acks = await self.replicator.forward(slot, replica, payload, replicated=True)
@@ -241,8 +259,16 @@ class ObjectServer(AnswerNow):
         if stored is None:
             return w.Got(Status.NOT_FOUND), None, None
         if 0 <= item.capacity < stored.size:
-            return w.Got(Status.TOO_SMALL, stored.size, stored.version,
-                         message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}"), None, None
+            return (
+                w.Got(
+                    Status.TOO_SMALL,
+                    stored.size,
+                    stored.version,
+                    message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}",
+                ),
+                None,
+                None,
+            )
         self.table.lease(stored)
         if stored.size == 0:
             return w.Got(Status.OK, 0, stored.version), None, None
@@ -289,9 +315,12 @@ class ObjectServer(AnswerNow):
             if req.lease:  # from when it was read (a note comes after the reads it tells of)
                 self.table.lease(stored, 0.0 if ages is None else min(max(ages[i], 0), 60_000) / 1e3)
             slot = self.ownership.slot_of(oid)
-            holders = [self.node_id] + (sorted(self.replicator.forward_to.get(slot, ())) if stored.meta.replicas > 1 else [])
-            items.append(w.Described(Status.OK, stored.size, stored.version, stored.meta.replicas, stored.meta.persist,
-                                     holders))
+            holders = [self.node_id] + (
+                sorted(self.replicator.forward_to.get(slot, ())) if stored.meta.replicas > 1 else []
+            )
+            items.append(
+                w.Described(Status.OK, stored.size, stored.version, stored.meta.replicas, stored.meta.persist, holders)
+            )
         return w.QueryReply(self.ownership.map.epoch, items)
 
     async def _remove(self, req: w.RemoveRequest) -> w.RemoveReply:
@@ -320,8 +349,9 @@ class ObjectServer(AnswerNow):
             slot, replicated = self.ownership.slot_of(oid), stored.meta.replicas > 1
             if self.replicator.wants(slot, replicated):
                 try:
-                    await self.replicator.forward(slot, w.Replica(tenant, name, stored.version, removed=True), None,
-                                                  replicated=replicated)
+                    await self.replicator.forward(
+                        slot, w.Replica(tenant, name, stored.version, removed=True), None, replicated=replicated
+                    )
                 except ReplicaUnsafe as exc:
                     return w.Result(Status.REPLICA_FAILED, str(exc))
             self.table.remove(oid)
@@ -334,9 +364,13 @@ class ObjectServer(AnswerNow):
             pattern = re.compile(req.pattern.encode()) if req.pattern is not None else None
         except re.error as exc:
             return w.RemoveReply(self.ownership.map.epoch, [w.Result(Status.INVALID, f"bad pattern: {exc}")])
-        names = [s.record.name for s in self.table
-                 if s.record.tenant == req.tenant and (pattern is None or pattern.search(s.record.name))
-                 and self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None]
+        names = [
+            s.record.name
+            for s in self.table
+            if s.record.tenant == req.tenant
+            and (pattern is None or pattern.search(s.record.name))
+            and self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None
+        ]
         results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in names))
         removed = sum(1 for r in results if r.status == Status.OK)
         # what this node could not remove now but may later (its lease not surely alive, the slot moved):
@@ -352,27 +386,37 @@ class ObjectServer(AnswerNow):
         if not await self.backup.accepts(req):
             with deadline(sum(sizes)):
                 await _receive(conn, [(None, n) for n in sizes])
-            refused = w.Result(Status.WRONG_OWNER, f"{req.primary} is not slot {req.slot}'s primary by map epoch "
-                               f"{self.ownership.map.epoch}, or this node is not its backup")
+            refused = w.Result(
+                Status.WRONG_OWNER,
+                f"{req.primary} is not slot {req.slot}'s primary by map epoch "
+                f"{self.ownership.map.epoch}, or this node is not its backup",
+            )
             reply = w.ReplicateReply(self.ownership.map.epoch, [refused] * max(1, len(req.items)))
             await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(reply))
             return
         if req.phase == w.SYNC_BEGIN:
             dropped = self.backup.drop_slot(req.slot)
-            log.info("node %s: slot %d is copied here from %s (dropped %d objects it had)", self.node_id, req.slot,
-                     req.primary, dropped)
+            log.info(
+                "node %s: slot %d is copied here from %s (dropped %d objects it had)",
+                self.node_id,
+                req.slot,
+                req.primary,
+                dropped,
+            )
         staged = await self.backup.stage(req)
         try:
             with deadline(sum(sizes)):
-                await _receive(conn, [(s.payload_array() if isinstance(s, Staged) else None, n)
-                                      for s, n in zip(staged, sizes)])
+                await _receive(
+                    conn, [(s.payload_array() if isinstance(s, Staged) else None, n) for s, n in zip(staged, sizes)]
+                )
             results = await self.backup.finish(req, staged)
         finally:
             for s in staged:
                 if isinstance(s, Staged) and not s.handle.done:
                     await self.table.abort(s)
-        await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request,
-                         w.encode(w.ReplicateReply(self.ownership.map.epoch, results)))
+        await send_frame(
+            conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(w.ReplicateReply(self.ownership.map.epoch, results))
+        )
 
 
 def _kept_pin(meta: Meta, old: Stored | None) -> Meta:
@@ -397,4 +441,3 @@ async def _receive(conn, items: list[tuple[np.ndarray | None, int]]) -> None:
             await discard(conn, n)
     if run:
         await recv_into_all(conn, run)
-

@@ -70,10 +70,12 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     conductor: str | list[str] = Field(description="control API URL(s) of the conductor")
-    node: str | None = Field(default=None, description="node agent that new blocks are saved to "
-                             "(None: this instance only loads)")
-    model_id: str | None = Field(default=None, description="the model's name in block keys (default: "
-                                 "vLLM's served model name)")
+    node: str | None = Field(
+        default=None, description="node agent that new blocks are saved to (None: this instance only loads)"
+    )
+    model_id: str | None = Field(
+        default=None, description="the model's name in block keys (default: vLLM's served model name)"
+    )
     tenant: str = Field(default="default", description="the index namespace of this instance's blocks")
     secret_env: str = "TIERCAKE_SECRET"
     seal_secret_env: str = "TIERCAKE_SEAL_SECRET"  # blocks are sealed with it and checked by it (else: derived
@@ -166,8 +168,10 @@ def kv_layout_tag(kv_cache_config: KVCacheConfig) -> str:
         raise ValueError(f"TiercakeConnector supports models with one KV cache group, this one has {len(groups)}")
     spec = groups[0].kv_cache_spec
     dtype = str(spec.dtype).removeprefix("torch.")
-    return (f"vllm:{type(spec).__name__}:L{len(groups[0].layer_names)}:H{spec.num_kv_heads}:D{spec.head_size}:"
-            f"{dtype}:{getattr(kv_cache_config, 'kv_cache_layout', '')}")
+    return (
+        f"vllm:{type(spec).__name__}:L{len(groups[0].layer_names)}:H{spec.num_kv_heads}:D{spec.head_size}:"
+        f"{dtype}:{getattr(kv_cache_config, 'kv_cache_layout', '')}"
+    )
 
 
 def block_bytes(kv_cache_config: KVCacheConfig) -> int:
@@ -202,39 +206,67 @@ class TiercakeConnector(KVConnectorBase_V1):
         except ValidationError as exc:
             raise ValueError(f"TiercakeConnector: bad kv_connector_extra_config: {exc}") from None
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-            log.warning("TiercakeConnector: kv_load_failure_policy is %r; with 'recompute' a block tiercake "
-                        "cannot load costs time instead of failing the request", transfer.kv_load_failure_policy)
+            log.warning(
+                "TiercakeConnector: kv_load_failure_policy is %r; with 'recompute' a block tiercake "
+                "cannot load costs time instead of failing the request",
+                transfer.kv_load_failure_policy,
+            )
         self.block_size = vllm_config.cache_config.block_size
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names) if kv_cache_config.kv_cache_groups else []
+        self.layer_names = (
+            list(kv_cache_config.kv_cache_groups[0].layer_names) if kv_cache_config.kv_cache_groups else []
+        )
         self.num_blocks = kv_cache_config.num_blocks
         model_id = self.settings.model_id or vllm_config.model_config.served_model_name
         if isinstance(model_id, list):
             model_id = model_id[0]
-        self.namespace = Namespace(model_id=str(model_id), kv_layout=kv_layout_tag(kv_cache_config),
-                                   block_size=self.block_size)
+        self.namespace = Namespace(
+            model_id=str(model_id), kv_layout=kv_layout_tag(kv_cache_config), block_size=self.block_size
+        )
         # in every request's figures: how this instance keys and sizes its blocks, and where it saves
         # them (a front routing to it keys prompts the same way; a prefill's decode finds them there)
-        self.space = {"namespace": self.namespace.model_dump(exclude={"tenant_salt"}),
-                      "block_bytes": block_bytes(kv_cache_config), "node": self.settings.node}
+        self.space = {
+            "namespace": self.namespace.model_dump(exclude={"tenant_salt"}),
+            "block_bytes": block_bytes(kv_cache_config),
+            "node": self.settings.node,
+        }
         events = vllm_config.kv_events_config
         if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
             # where this instance publishes its prefix cache's changes: the worker beside it follows them
-            self.space["kv_events"] = {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint,
-                                       "topic": events.topic}
+            self.space["kv_events"] = {
+                "endpoint": events.endpoint,
+                "replay_endpoint": events.replay_endpoint,
+                "topic": events.topic,
+            }
         secret = os.environ.get(self.settings.secret_env, "").encode() or None
         if secret is None:
-            log.warning("TiercakeConnector: no cluster secret in $%s: nothing is loaded or saved",
-                        self.settings.secret_env)
+            log.warning(
+                "TiercakeConnector: no cluster secret in $%s: nothing is loaded or saved", self.settings.secret_env
+            )
         self.loads_enabled = secret is not None and transfer.kv_role in ("kv_both", "kv_consumer")
-        self.saves_enabled = (secret is not None and transfer.kv_role in ("kv_both", "kv_producer")
-                              and self.settings.node is not None)
+        self.saves_enabled = (
+            secret is not None and transfer.kv_role in ("kv_both", "kv_producer") and self.settings.node is not None
+        )
         # the variable may hold several whitespace-separated tokens (as the Secret's control-tokens do)
         token = next(iter(os.environ.get(self.settings.token_env, "").split()), None)
         identity = f"vllm-{os.getpid()}-{role.name.lower()}"
-        self.link = TiercakeLink(self.settings.conductors, token, secret, identity, tuple(self.settings.transports),
-                                 ca_file=self.settings.ca_file, transfer_tls=self.settings.transfer_tls)
-        self._seal_keys = None if secret is None else SealKeys(TransferConfig(
-            secret_env=self.settings.secret_env, seal_secret_env=self.settings.seal_secret_env).seal_material())
+        self.link = TiercakeLink(
+            self.settings.conductors,
+            token,
+            secret,
+            identity,
+            tuple(self.settings.transports),
+            ca_file=self.settings.ca_file,
+            transfer_tls=self.settings.transfer_tls,
+        )
+        self._seal_keys = (
+            None
+            if secret is None
+            else SealKeys(
+                TransferConfig(
+                    secret_env=self.settings.secret_env, seal_secret_env=self.settings.seal_secret_env
+                ).seal_material()
+            )
+        )
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._plans: dict[str, _Plan] = {}
@@ -249,8 +281,14 @@ class TiercakeConnector(KVConnectorBase_V1):
         self._reports: dict[str, LoadReport] = {}
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
-        self.stats = {"loaded_blocks": 0, "failed_blocks": 0, "refused_blocks": 0, "saved_blocks": 0,
-                      "dropped_saves": 0, "failed_saves": 0}
+        self.stats = {
+            "loaded_blocks": 0,
+            "failed_blocks": 0,
+            "refused_blocks": 0,
+            "saved_blocks": 0,
+            "dropped_saves": 0,
+            "failed_saves": 0,
+        }
 
     # ==== scheduler side ==========================================================================
 
@@ -260,7 +298,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         if len(keys) < blocks:
             parent = keys[-1] if keys else self.namespace.model_copy(update={"tenant_salt": tracked.salt}).root()
             for i in range(len(keys), blocks):
-                parent = chain_key(parent, tokens[i * bs:(i + 1) * bs])
+                parent = chain_key(parent, tokens[i * bs : (i + 1) * bs])
                 keys.append(parent)
         return keys[:blocks]
 
@@ -279,8 +317,12 @@ class TiercakeConnector(KVConnectorBase_V1):
         ours = ours if isinstance(ours, dict) else {}
         tenant, salt = ours.get("tenant", self.settings.tenant), ours.get("salt")
         if not isinstance(tenant, str) or not tenant or "/" in tenant:
-            log.warning("TiercakeConnector: request %s names tenant %r (not a tenant name); using %r",
-                        request.request_id, tenant, self.settings.tenant)
+            log.warning(
+                "TiercakeConnector: request %s names tenant %r (not a tenant name); using %r",
+                request.request_id,
+                tenant,
+                self.settings.tenant,
+            )
             tenant = self.settings.tenant
         if not isinstance(salt, str):
             salt = getattr(request, "cache_salt", None) or ""
@@ -311,8 +353,14 @@ class TiercakeConnector(KVConnectorBase_V1):
         ids = blocks.get_block_ids()[0]
         count = min(plan.count, num_external_tokens // self.block_size)
         keys = tracked.keys
-        self._pending_loads.append(RequestLoad(request.request_id, plan.node, [
-            BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)], tracked.salt))
+        self._pending_loads.append(
+            RequestLoad(
+                request.request_id,
+                plan.node,
+                [BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)],
+                tracked.salt,
+            )
+        )
         tracked.next_save = plan.first + count
         tracked.external_tokens = count * self.block_size
 
@@ -345,9 +393,11 @@ class TiercakeConnector(KVConnectorBase_V1):
         full = min(tokens_done, len(all_tokens), len(tracked.blocks) * self.block_size) // self.block_size
         if full <= tracked.next_save:  # most steps of a decode: nothing new is full
             return []
-        keys = self._keys(tracked, list(all_tokens[:full * self.block_size]), full)
-        saves = [BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i], tracked.tenant, tracked.salt)
-                 for i in range(tracked.next_save, full)]
+        keys = self._keys(tracked, list(all_tokens[: full * self.block_size]), full)
+        saves = [
+            BlockSave(keys[i], keys[i - 1] if i else None, tracked.blocks[i], tracked.tenant, tracked.salt)
+            for i in range(tracked.next_save, full)
+        ]
         tracked.next_save = full
         return saves
 
@@ -369,8 +419,12 @@ class TiercakeConnector(KVConnectorBase_V1):
         if report is None and not tracked.external_tokens:
             report = LoadReport(0, 0, 0, 0.0)
         if report is not None:  # the worker's report comes a step late: unknown for a one-step request
-            figures.update(loaded_tokens=report.loaded * self.block_size, load_bytes=report.nbytes,
-                           load_s=report.seconds, load_wait_s=report.waited)
+            figures.update(
+                loaded_tokens=report.loaded * self.block_size,
+                load_bytes=report.nbytes,
+                load_s=report.seconds,
+                load_wait_s=report.waited,
+            )
         # in the request's output: what vLLM was told it could load, what it did (the rest it
         # recomputed), and how long loading took
         return False, {"tiercake": figures}
@@ -384,8 +438,10 @@ class TiercakeConnector(KVConnectorBase_V1):
         for name in names:
             kv = kv_caches[name]
             if kv.shape[0] != self.num_blocks or kv.stride(0) != kv[0].numel() or not kv[0].is_contiguous():
-                raise ValueError(f"TiercakeConnector: layer {name} has KV of shape {tuple(kv.shape)} and strides "
-                                 f"{kv.stride()}; expected {self.num_blocks} contiguous blocks along the first dimension")
+                raise ValueError(
+                    f"TiercakeConnector: layer {name} has KV of shape {tuple(kv.shape)} and strides "
+                    f"{kv.stride()}; expected {self.num_blocks} contiguous blocks along the first dimension"
+                )
             layers.append(kv.view(kv.shape[0], -1).view(torch.uint8))  # a row of bytes per block
         self._layers = layers
         self._layer_index = {name: i for i, name in enumerate(names)}
@@ -399,7 +455,7 @@ class TiercakeConnector(KVConnectorBase_V1):
         index = torch.tensor(block_ids, dtype=torch.long)
         offset = 0
         for rows, n in zip(self._layers, self._layer_bytes):
-            staging[:, offset:offset + n].copy_(rows.index_select(0, index))
+            staging[:, offset : offset + n].copy_(rows.index_select(0, index))
             offset += n
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -415,16 +471,29 @@ class TiercakeConnector(KVConnectorBase_V1):
         results = self.link.read(load.node, [b.key for b in load.blocks], list(rows), self.settings.load_timeout_s)
         loaded = next((i for i, r in enumerate(results) if not r.ok), len(results))
         sealer = self._seal_keys.for_salt(load.salt)
-        verified = next((i for i in range(loaded) if not sealer.verify(load.blocks[i].key, rows[i].numpy(),
-                                                                        results[i].seal)), loaded)
+        verified = next(
+            (i for i in range(loaded) if not sealer.verify(load.blocks[i].key, rows[i].numpy(), results[i].seal)),
+            loaded,
+        )
         if verified < loaded:
             self.stats["refused_blocks"] += loaded - verified
-            log.warning("TiercakeConnector: request %s: block %d from %s failed its seal (forged or corrupt); vLLM "
-                        "recomputes from it", load.request_id, verified, load.node)
+            log.warning(
+                "TiercakeConnector: request %s: block %d from %s failed its seal (forged or corrupt); vLLM "
+                "recomputes from it",
+                load.request_id,
+                verified,
+                load.node,
+            )
         elif loaded < len(results):
             error = next((r.error for r in results if not r.ok), None)
-            log.warning("TiercakeConnector: request %s: %d of %d blocks from %s not loaded (%s); vLLM recomputes "
-                        "them", load.request_id, len(results) - loaded, len(results), load.node, error)
+            log.warning(
+                "TiercakeConnector: request %s: %d of %d blocks from %s not loaded (%s); vLLM recomputes them",
+                load.request_id,
+                len(results) - loaded,
+                len(results),
+                load.node,
+                error,
+            )
         return verified
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -464,8 +533,9 @@ class TiercakeConnector(KVConnectorBase_V1):
         for s, row in zip(meta.saves, staging):
             by_tenant.setdefault((s.tenant, s.salt), []).append((s.key, s.parent, row))
         for (tenant, salt), items in by_tenant.items():
-            future = self.link.write(self.settings.node, items, tenant, self._seal_keys.for_salt(salt),
-                                     self.settings.save_timeout_s)
+            future = self.link.write(
+                self.settings.node, items, tenant, self._seal_keys.for_salt(salt), self.settings.save_timeout_s
+            )
             count = len(items)
             future.add_done_callback(lambda f, n=count: self._saved(f, n * self.block_nbytes, n))
 

@@ -120,8 +120,9 @@ class VllmEngine(ServingEngine):
 
     name = "vllm"
 
-    def __init__(self, url: str, client: Client | None = None, *, timeout_s: float = 600.0,
-                 wait_s: float = 0.0) -> None:
+    def __init__(
+        self, url: str, client: Client | None = None, *, timeout_s: float = 600.0, wait_s: float = 0.0
+    ) -> None:
         """``wait_s``: how long to wait for the vLLM server to answer at start (0: it must be up; a
         sidecar started with vLLM waits while vLLM loads its model)."""
         self.url = url.rstrip("/")
@@ -156,20 +157,33 @@ class VllmEngine(ServingEngine):
             raise
         if events is None:
             self.mirror = PrefixMirror(self._kv_blocks, self.space.block_bytes)
-        log.info("vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; its cache %s; fitted %s",
-                 self.url, self.model, self._kv_blocks, self.space.block_bytes, self.node,
-                 "from its KV events" if events else "estimated from the prompts sent", self._perf)
+        log.info(
+            "vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; its cache %s; fitted %s",
+            self.url,
+            self.model,
+            self._kv_blocks,
+            self.space.block_bytes,
+            self.node,
+            "from its KV events" if events else "estimated from the prompts sent",
+            self._perf,
+        )
         return self
 
     def _follow_events(self, where: EventsEndpoints) -> None:
-        self.mirror = EventMirror(self.space.namespace, self.space.block_bytes, max_blocks=4 * self._kv_blocks or 1 << 20)
+        self.mirror = EventMirror(
+            self.space.namespace, self.space.block_bytes, max_blocks=4 * self._kv_blocks or 1 << 20
+        )
         self._events_task = asyncio.create_task(self.mirror.follow(where), name="vllm-kv-events")
         self._events_task.add_done_callback(self._events_ended)
 
     def _events_ended(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("vllm worker: following %s's KV events stopped (%s): what it caches is no longer "
-                      "reported as it changes", self.url, task.exception())
+            log.error(
+                "vllm worker: following %s's KV events stopped (%s): what it caches is no longer "
+                "reported as it changes",
+                self.url,
+                task.exception(),
+            )
 
     async def _events_flowing(self, where: EventsEndpoints) -> None:
         """The fit's probes stored blocks: their events must have come (else the endpoints are wrong)."""
@@ -181,7 +195,8 @@ class VllmEngine(ServingEngine):
             raise VllmUnavailable(
                 f"vLLM at {self.url} says it publishes KV events at {where.endpoint}, but none came within "
                 f"{EVENTS_WAIT_S:g} s" + (f" ({failed})" if failed else "") + ": check its --kv-events-config "
-                "(process.serve_command sets it up)") from None
+                "(process.serve_command sets it up)"
+            ) from None
 
     async def _served_model(self) -> str:
         """The model vLLM serves, asked until it answers or ``wait_s`` has passed."""
@@ -194,8 +209,10 @@ class VllmEngine(ServingEngine):
             except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
                 if time.monotonic() >= deadline:
                     waited = f" within {self.wait_s:g} s" if self.wait_s else ""
-                    raise VllmUnavailable(f"no vLLM OpenAI server at {self.url}{waited} ({exc or type(exc).__name__}): "
-                                          "start it first (process.serve_command)") from None
+                    raise VllmUnavailable(
+                        f"no vLLM OpenAI server at {self.url}{waited} ({exc or type(exc).__name__}): "
+                        "start it first (process.serve_command)"
+                    ) from None
             await asyncio.sleep(1.0)
 
     async def _num_kv_blocks(self) -> int:
@@ -204,8 +221,11 @@ class VllmEngine(ServingEngine):
             text = await resp.text()
         found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
         if not found:
-            log.warning("vllm worker: %s/metrics has no num_gpu_blocks; what vLLM caches is not reported, so "
-                        "routing cannot prefer it", self.url)
+            log.warning(
+                "vllm worker: %s/metrics has no num_gpu_blocks; what vLLM caches is not reported, so "
+                "routing cannot prefer it",
+                self.url,
+            )
             return 0
         return int(found.group(1))
 
@@ -215,10 +235,13 @@ class VllmEngine(ServingEngine):
         first = await self._complete(self._probe([rng.randrange(3, 200) for _ in range(8)], 1, salt))
         figures = (first.get("kv_transfer_params") or {}).get("tiercake")
         if not figures or "namespace" not in figures:
-            raise ValueError(f"vLLM at {self.url} does not run the TiercakeConnector (no tiercake figures in "
-                               "its answer): start it with process.serve_command's --kv-transfer-config")
-        self.space = KVSpace(namespace=Namespace.model_validate(figures["namespace"]),
-                             block_bytes=figures["block_bytes"])
+            raise ValueError(
+                f"vLLM at {self.url} does not run the TiercakeConnector (no tiercake figures in "
+                "its answer): start it with process.serve_command's --kv-transfer-config"
+            )
+        self.space = KVSpace(
+            namespace=Namespace.model_validate(figures["namespace"]), block_bytes=figures["block_bytes"]
+        )
         self.node = figures.get("node")
         return msgspec.convert(figures["kv_events"], EventsEndpoints) if figures.get("kv_events") else None
 
@@ -305,10 +328,17 @@ class VllmEngine(ServingEngine):
 
     def _body(self, request: GenerateRequest, stream: bool) -> dict:
         salt = self._salt(request)
-        body = {"model": self.model, "prompt": request.tokens, "max_tokens": request.max_tokens,
-                "temperature": request.temperature, "top_p": request.top_p, "stream": stream,
-                "return_token_ids": True, "cache_salt": cache_salt(salt),
-                "kv_transfer_params": {"tiercake": {"tenant": request.tenant, "salt": salt}}}
+        body = {
+            "model": self.model,
+            "prompt": request.tokens,
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "stream": stream,
+            "return_token_ids": True,
+            "cache_salt": cache_salt(salt),
+            "kv_transfer_params": {"tiercake": {"tenant": request.tenant, "salt": salt}},
+        }
         if request.seed is not None:
             body["seed"] = request.seed
         if request.logprobs is not None:
@@ -348,11 +378,18 @@ class VllmEngine(ServingEngine):
         reply = await self._complete(self._body(request, stream=False))
         choice = reply["choices"][0]
         token = choice["token_ids"][0]
-        stats = self._stats(request, reply.get("usage") or {}, reply.get("kv_transfer_params"),
-                            time.perf_counter() - started)
+        stats = self._stats(
+            request, reply.get("usage") or {}, reply.get("kv_transfer_params"), time.perf_counter() - started
+        )
         handoff = await self._handoff(request) if request.handoff else None
-        yield TokenEvent(token=token, index=0, finish_reason=choice.get("finish_reason") or "length", stats=stats,
-                          handoff=handoff, **self._scores(choice.get("logprobs"), 0))
+        yield TokenEvent(
+            token=token,
+            index=0,
+            finish_reason=choice.get("finish_reason") or "length",
+            stats=stats,
+            handoff=handoff,
+            **self._scores(choice.get("logprobs"), 0),
+        )
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """The first token as soon as it comes; later ones one behind, so that the last carries the
@@ -380,8 +417,11 @@ class VllmEngine(ServingEngine):
                     index += 1
                     if held.index == 0 and not (finish and i == len(ids) - 1):  # not also the last
                         first_s = time.perf_counter() - started
-                        yield held.model_copy(update={"stats": PrefillStats(
-                            prompt_tokens=len(request.tokens), final=False, compute_s=first_s)})
+                        yield held.model_copy(
+                            update={
+                                "stats": PrefillStats(prompt_tokens=len(request.tokens), final=False, compute_s=first_s)
+                            }
+                        )
                         held = None
         if held is None:
             raise VllmUnavailable(f"vLLM at {self.url} ended the answer without its last token")
@@ -394,8 +434,9 @@ class VllmEngine(ServingEngine):
         if not logprobs or i >= len(logprobs.get("token_logprobs") or ()):
             return {}
         top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
-        alternatives = sorted((TokenLogprob(token=token_id(name), logprob=lp) for name, lp in top.items()),
-                              key=lambda a: -a.logprob)
+        alternatives = sorted(
+            (TokenLogprob(token=token_id(name), logprob=lp) for name, lp in top.items()), key=lambda a: -a.logprob
+        )
         return {"logprob": logprobs["token_logprobs"][i], "top_logprobs": alternatives}
 
     def _stats(self, request: GenerateRequest, usage: dict, transfer: dict | None, compute_s: float) -> PrefillStats:
@@ -408,11 +449,16 @@ class VllmEngine(ServingEngine):
         sources = {"gpu": (cached - loaded) // bs} if transfer else {"vllm": cached // bs}
         if loaded:
             sources[f"{self.node}:tiercake"] = loaded // bs
-        return PrefillStats(prompt_tokens=len(request.tokens), cached_tokens=cached,
-                            sources={k: v for k, v in sources.items() if v}, block_size=bs,
-                            load_s=figures.get("load_s", 0.0),
-                            load_bytes=figures.get("load_bytes", 0), load_tier="tiercake" if loaded else None,
-                            compute_s=compute_s)
+        return PrefillStats(
+            prompt_tokens=len(request.tokens),
+            cached_tokens=cached,
+            sources={k: v for k, v in sources.items() if v},
+            block_size=bs,
+            load_s=figures.get("load_s", 0.0),
+            load_bytes=figures.get("load_bytes", 0),
+            load_tier="tiercake" if loaded else None,
+            compute_s=compute_s,
+        )
 
     async def _handoff(self, request: GenerateRequest) -> KVHandoff | None:
         """Where the decode worker finds the prompt's full blocks: the node the connector saves to, once

@@ -109,8 +109,9 @@ class EventMirror:
         self.last_seq, self.last_ts = -1, 0.0
         self._replay_failing = False
         self.batches = asyncio.Event()  # set once a batch has come
-        self.figures = Counter(stored=0, removed=0, cleared=0, unmapped=0, gaps=0, restarts=0, bad_batches=0,
-                               overflowed=0)
+        self.figures = Counter(
+            stored=0, removed=0, cleared=0, unmapped=0, gaps=0, restarts=0, bad_batches=0, overflowed=0
+        )
 
     # What the worker tells it ------------------------------------------------------------------
 
@@ -154,8 +155,9 @@ class EventMirror:
 
     def _restart(self, seq: int) -> None:
         self.figures["restarts"] += 1
-        log.info("vllm events: the publisher started again (batch %d after %d); its cache starts empty",
-                 seq, self.last_seq)
+        log.info(
+            "vllm events: the publisher started again (batch %d after %d); its cache starts empty", seq, self.last_seq
+        )
         self._clear()
         self.last_seq, self.last_ts = -1, 0.0
 
@@ -179,7 +181,7 @@ class EventMirror:
         size = self.namespace.block_size
         parent = event.parent_block_hash
         for i, vllm_hash in enumerate(event.block_hashes):
-            tokens = event.token_ids[i * size:(i + 1) * size]
+            tokens = event.token_ids[i * size : (i + 1) * size]
             entry = None
             if event.block_size == size and len(tokens) == size:
                 if parent is None:
@@ -280,8 +282,12 @@ class EventMirror:
                         await self._replay(context, where, self.last_seq + 1)
                     if seq > self.last_seq + 1:
                         self.figures["gaps"] += 1
-                        log.warning("vllm events: batches %d-%d lost; the mirror may be off until vLLM "
-                                    "stores or removes those blocks again", self.last_seq + 1, seq - 1)
+                        log.warning(
+                            "vllm events: batches %d-%d lost; the mirror may be off until vLLM "
+                            "stores or removes those blocks again",
+                            self.last_seq + 1,
+                            seq - 1,
+                        )
                 self._apply(seq, batch)
         finally:
             sub.close()

@@ -31,9 +31,17 @@ T = TypeVar("T")
 class TiercakeLink:
     """A conductor client and a transfer engine on a private event loop (see the module docstring)."""
 
-    def __init__(self, conductors: list[str], token: str | None, secret: bytes | None, identity: str,
-                 transports: tuple[str, ...] = ("shm", "tcp"), members_every: float = 0.5,
-                 ca_file: str | None = None, transfer_tls: bool = False) -> None:
+    def __init__(
+        self,
+        conductors: list[str],
+        token: str | None,
+        secret: bytes | None,
+        identity: str,
+        transports: tuple[str, ...] = ("shm", "tcp"),
+        members_every: float = 0.5,
+        ca_file: str | None = None,
+        transfer_tls: bool = False,
+    ) -> None:
         """``ca_file``: the CA of the cluster's TLS (https conductors; with ``transfer_tls``, the node
         agents' TLS transfer ports too)."""
         self.identity = identity
@@ -44,8 +52,13 @@ class TiercakeLink:
         async def build() -> tuple[Client, TransferEngine | None]:
             tls = TlsConfig(ca_file=ca_file)
             client = Client(conductors, token=token, timeout=5.0, retries=2, ssl=tls.client_context())
-            engine = TransferEngine(identity, secret, transports=transports,
-                                    tls=tls.transfer_client_context() if transfer_tls else None) if secret else None
+            engine = (
+                TransferEngine(
+                    identity, secret, transports=transports, tls=tls.transfer_client_context() if transfer_tls else None
+                )
+                if secret
+                else None
+            )
             return client, engine
 
         self.client, self.engine = self.call(build(), 10.0)
@@ -102,20 +115,30 @@ class TiercakeLink:
     def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
         """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
         try:
-            return self.call(self.nodes.to_node(node, lambda: self.engine.read_blocks(node, keys, dsts, timeout=timeout)),
-                             timeout + 1.0)
+            return self.call(
+                self.nodes.to_node(node, lambda: self.engine.read_blocks(node, keys, dsts, timeout=timeout)),
+                timeout + 1.0,
+            )
         except (TimeoutError, OSError, ConductorError) as exc:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
             return [TransferResult(False, error=exc) for _ in keys]
 
-    def write(self, node: str, items: list[tuple[bytes, bytes | None, torch.Tensor]], tenant: str, sealer: Sealer,
-              timeout: float) -> concurrent.futures.Future[list[TransferResult]]:
+    def write(
+        self,
+        node: str,
+        items: list[tuple[bytes, bytes | None, torch.Tensor]],
+        tenant: str,
+        sealer: Sealer,
+        timeout: float,
+    ) -> concurrent.futures.Future[list[TransferResult]]:
         """Seal and store each (key, parent, host bytes) on ``node`` in the background (parents first)."""
+
         async def write() -> list[TransferResult]:
             seals = await asyncio.to_thread(lambda: [sealer.seal(key, src.numpy()) for key, _, src in items])
-            batch = [Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant, seal), src.numel())
-                     for (key, parent, src), seal in zip(items, seals)]
+            batch = [
+                Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant, seal), src.numel())
+                for (key, parent, src), seal in zip(items, seals)
+            ]
             return await self.nodes.to_node(node, lambda: self.engine.transfer(batch, timeout=timeout))
 
         return self.submit(write())
-

@@ -77,7 +77,7 @@ class LayerwiseLoader:
         rows = self._rows(sum(len(load.blocks) for load in loads))
         parts, at = [], 0
         for load in loads:
-            parts.append((load, rows[at:at + len(load.blocks)]))
+            parts.append((load, rows[at : at + len(load.blocks)]))
             at += len(load.blocks)
         self._step = _Step([threading.Event() for _ in self.layers], threading.Event())
         self._thread.submit(self._run, self._step, parts)
@@ -114,13 +114,14 @@ class LayerwiseLoader:
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
                 fetched = [(load, rows, self.fetch(load, rows)) for load, rows in parts]
-                indexes = [torch.tensor([b.block_id for b in load.blocks[:n]], dtype=torch.long)
-                           for load, _, n in fetched]
+                indexes = [
+                    torch.tensor([b.block_id for b in load.blocks[:n]], dtype=torch.long) for load, _, n in fetched
+                ]
                 offset = 0
                 for layer, (kv, size) in enumerate(zip(self.layers, self.layer_bytes)):
                     for (_, rows, n), index in zip(fetched, indexes):
                         if n:
-                            kv.index_copy_(0, index, rows[:n, offset:offset + size])
+                            kv.index_copy_(0, index, rows[:n, offset : offset + size])
                     offset += size
                     self._landed(step, layer)
             seconds = time.perf_counter() - started
@@ -128,8 +129,11 @@ class LayerwiseLoader:
                 step.errors.update(b.block_id for b in load.blocks[n:])
                 step.reports[load.request_id] = LoadReport(n, len(load.blocks) - n, n * self.block_bytes, seconds)
         except Exception as exc:  # noqa: BLE001 - whatever it was, vLLM recomputes every block of the step
-            log.exception("TiercakeConnector: loading failed (%s); vLLM recomputes the step's %d blocks", exc,
-                          sum(len(load.blocks) for load, _ in parts))
+            log.exception(
+                "TiercakeConnector: loading failed (%s); vLLM recomputes the step's %d blocks",
+                exc,
+                sum(len(load.blocks) for load, _ in parts),
+            )
             for load, _ in parts:
                 step.errors.update(b.block_id for b in load.blocks)
                 step.reports[load.request_id] = LoadReport(0, len(load.blocks), 0, time.perf_counter() - started)

@@ -22,12 +22,28 @@ CORPUS = (
 DONE = ".tiercake-tiny-model"
 
 
-def make_tiny_llama(path: str | Path, *, layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-                    vocab: int = 512, max_positions: int = 4096, seed: int = 0) -> Path:
+def make_tiny_llama(
+    path: str | Path,
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
     """Write the model to ``path`` (kept if already complete) and return the path."""
     path = Path(path)
-    spec = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
-                max_positions=max_positions, seed=seed)
+    spec = dict(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        max_positions=max_positions,
+        seed=seed,
+    )
     marker = path / DONE
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return path
@@ -39,16 +55,28 @@ def make_tiny_llama(path: str | Path, *, layers: int = 4, hidden: int = 256, hea
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab - 3, special_tokens=["<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - 3,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([CORPUS] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
-        initializer_range=0.08, torch_dtype="float32",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
