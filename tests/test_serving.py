@@ -852,6 +852,14 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
         async with up.ops() as ops:
             node = next(m for m in await ops.members() if m.role == "node")
             node_pid = _pid_listening(node.port)
+            # beside it waits a warm spare (imported, not started), which a restart swaps in
+            spares: list[int] = []
+            for _ in range(100):
+                spares = [p for p in _children(up.proc.pid, "tiercake.cli node") if p != node_pid]
+                if spares:
+                    break
+                await asyncio.sleep(0.2)
+            assert len(spares) == 1
             os.kill(node_pid, signal.SIGKILL)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -861,7 +869,7 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
                         node = nodes[0]
                         break
                 await asyncio.sleep(0.3)
-            assert _pid_listening(node.port) != node_pid
+            assert _pid_listening(node.port) == spares[0]  # the spare took over
             # its first blocks sit in the worker's gpu tier from before the restart, and go along again
             prompt = PROMPT + "After a restart. Written to the node agent after its restart."
             async with Client([up.url], timeout=60, retries=5) as client:
@@ -876,6 +884,7 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
                 await asyncio.sleep(0.2)
             assert (await ops.prefix(prompt)).holders["test-node"].blocks == want
         pids = {new_pid, _pid_listening(node.port), _pid_listening(int(up.control_url.rsplit(":", 1)[1]))}
+        pids |= set(_children(up.proc.pid, "tiercake.cli"))  # the next spare, once it is made, too
         up.proc.kill()  # SIGKILL: no chance to stop anything itself
         up.proc.wait()
         deadline = time.monotonic() + 20
@@ -885,6 +894,18 @@ async def test_up_makes_a_token_restarts_what_dies_and_takes_everything_down_wit
     finally:
         output = up.stop()
     assert "worker-0 exited with -9" in output and "restarting" in output, output[-2000:]
+
+
+def _children(parent: int, mentioning: str) -> list[int]:
+    """The pids of ``parent``'s live children whose command line mentions ``mentioning``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if entry.isdigit() and int(stat[1]) == parent and stat[0] != "Z" and mentioning in line:
+                found.append(int(entry))
+    return found
 
 
 def _alive(pid: int) -> bool:

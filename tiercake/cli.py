@@ -15,7 +15,7 @@ from pydantic import ByteSize, ValidationError
 
 from .cli_analysis import cmd_policy_eval, cmd_replay, cmd_simulate, cmd_trace_generate, cmd_trace_stats
 from .cli_common import byte_size, config_problems, console, errors, policy_problems, progress_bar, write_json
-from .up import StartError
+from .up import SPARE_ENV, StartError
 from .up_state import DataDirBusy
 
 
@@ -834,10 +834,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a warm spare of a command imports before it waits (see ``_wait_as_spare``).
+SPARE_IMPORTS = {"node": "tiercake.workers.node_agent", "worker": "tiercake.workers.worker"}
+
+
+def _wait_as_spare(command: str) -> bool:
+    """A warm spare (``up`` starts one beside a node agent): import what the command needs, then wait
+    for a line on stdin before running it. Its supervisor swaps it in when the running process exits,
+    so a restart costs no interpreter start and no imports (2-4 s of torch and the rest). Whether to go
+    on: an end of input means the supervisor went away."""
+    import importlib
+
+    importlib.import_module(SPARE_IMPORTS[command])
+    return bool(sys.stdin.readline())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import os
 
+    if os.environ.pop(SPARE_ENV, None) and args.command in SPARE_IMPORTS and not _wait_as_spare(args.command):
+        return 0
     level = os.environ.get("TIERCAKE_LOG_LEVEL", "INFO" if args.verbose else "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -66,16 +66,29 @@ def _die_with_parent(parent: int):
     return arm
 
 
+SPARE_ENV = "TIERCAKE_SPARE"  # set in a warm spare's environment (cli.main waits for its go)
+
+
 class Child:
     """One process of the cluster (``tiercake <args>``, whose first stdout line announces where it
     listens; or, given ``argv``, any command, all of whose output goes to the log), its log in
     ``logs/<name>.log`` (appended to across restarts), dying with the process that started it.
     ``prefix``: what runs the command (``ip netns exec NS``: inside a network namespace)."""
 
+    SPARE_AFTER_S = 5.0  # a spare is made this long after a start, not beside it: both would import at once
+
     def __init__(
-        self, name: str, args: list[str], env: dict, logs: Path, argv: list[str] | None = None, prefix: list[str] = ()
+        self,
+        name: str,
+        args: list[str],
+        env: dict,
+        logs: Path,
+        argv: list[str] | None = None,
+        prefix: list[str] = (),
+        spare: bool = False,
     ) -> None:
         self.name, self.args, self.env, self.argv, self.prefix = name, args, env, argv, list(prefix)
+        self.wants_spare, self.spare = spare, None
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
         self.log_path.write_bytes(b"")
@@ -85,17 +98,46 @@ class Child:
         self.start()
 
     def start(self) -> None:
+        self.proc = self._spawn(spare=False)
+        self.started_at = time.monotonic()
+
+    def _spawn(self, spare: bool) -> subprocess.Popen:
         command = self.prefix + (self.argv or [sys.executable, "-m", "tiercake.cli", *self.args])
         with open(self.log_path, "ab") as log:  # the child holds its own descriptor
-            self.proc = subprocess.Popen(
+            return subprocess.Popen(
                 command,
+                stdin=subprocess.PIPE if spare else None,
                 stdout=log if self.argv else subprocess.PIPE,
                 stderr=log,
-                env=self.env,
+                env={**self.env, SPARE_ENV: "1"} if spare else self.env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent(os.getpid()),
             )
-        self.started_at = time.monotonic()
+
+    def keep_spare(self) -> None:
+        """Make a warm spare (a process that has imported what this one runs and waits to be told to
+        go) once this one has run ``SPARE_AFTER_S``; a restart then swaps it in."""
+        running = time.monotonic() - self.started_at > self.SPARE_AFTER_S
+        if self.wants_spare and running and (self.spare is None or self.spare.poll() is not None):
+            self.spare = self._spawn(spare=True)
+
+    def _swap_in_spare(self) -> bool:
+        spare, self.spare = self.spare, None
+        if spare is None or spare.poll() is not None:
+            return False
+        try:
+            spare.stdin.write(b"go\n")
+            spare.stdin.close()
+        except OSError:
+            _kill(spare)
+            return False
+        self.proc, self.started_at = spare, time.monotonic()
+        return True
+
+    def drop_spare(self) -> None:
+        if self.spare is not None:
+            _kill(self.spare)
+            self.spare = None
 
     def restart(self) -> None:
         """Start it again (after it exited); its announcement is read in the background."""
@@ -106,7 +148,8 @@ class Child:
             self.proc.stdout.close()
         with open(self.log_path, "ab") as log:
             log.write(f"--- restarted by tiercake up (restart {self.restarts}) ---\n".encode())
-        self.start()
+        if not self._swap_in_spare():
+            self.start()
         if self.proc.stdout is not None:
             threading.Thread(target=self.proc.stdout.readline, daemon=True).start()
 
@@ -144,9 +187,21 @@ class Child:
         stop_all([self], timeout)
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
 def stop_all(children: list[Child], timeout: float = STOP_GRACE_S) -> None:
-    """SIGTERM to all at once, then SIGKILL to whoever is still running after ``timeout``."""
+    """SIGTERM to all at once, then SIGKILL to whoever is still running after ``timeout`` (a spare,
+    which holds nothing yet, at once)."""
     for child in children:
+        child.drop_spare()
         child.terminate()
     deadline = time.monotonic() + timeout
     for child in children:
@@ -161,8 +216,8 @@ def stop_all(children: list[Child], timeout: float = STOP_GRACE_S) -> None:
 
 
 class Supervisor:
-    """Keeps the children running: one that exits is restarted after a backoff (0.5 s, doubling to
-    10 s; reset once it has run a minute); one that exits ``MAX_RESTARTS`` times within ``WINDOW_S``
+    """Keeps the children running: one that exits is restarted at once the first time, then after a
+    backoff (0.5 s, doubling to 10 s; reset once it has run a minute); one that exits ``MAX_RESTARTS`` times within ``WINDOW_S``
     is given up on, and ``watch`` returns False. Members re-register and re-report by themselves."""
 
     MAX_RESTARTS = 5
@@ -179,6 +234,7 @@ class Supervisor:
             now = time.monotonic()
             for child in self.children:
                 if child.proc.poll() is None or stop.is_set():
+                    child.keep_spare()
                     continue
                 due = self._due.get(child.name)
                 if due is None:
@@ -191,7 +247,10 @@ class Supervisor:
                         )
                         return False
                     ran = now - child.started_at
-                    backoff = 0.5 if ran > self.WINDOW_S else min(0.5 * 2 ** (len(exits) - 1), 10.0)
+                    # the first exit in a window (a rolling restart's SIGTERM, a one-off crash) is
+                    # restarted at once: its spare, if it has one, is already waiting
+                    first = ran > self.WINDOW_S or len(exits) == 1
+                    backoff = 0.0 if first else min(0.5 * 2 ** (len(exits) - 2), 10.0)
                     self._due[child.name] = now + backoff
                     self.print_fn(
                         f"{child.name} exited with {child.proc.returncode} (see {child.log_path}); "
@@ -528,7 +587,9 @@ def up(
             agent_cfg = data_dir / "up-node-netns.yaml"
             agent_cfg.write_text(yaml.safe_dump(inside.model_dump(mode="json")))
             prefix = ["ip", "netns", "exec", namespace]
-        node = Child("node", ["node", "--config", str(agent_cfg)], without_seal_secret(cfg, env), logs, prefix=prefix)
+        node = Child(
+            "node", ["node", "--config", str(agent_cfg)], without_seal_secret(cfg, env), logs, prefix=prefix, spare=True
+        )
         children.append(node)
         node.wait_announce(120, stop)
         roles = [("prefill", prefill), ("decode", decode), ("worker", workers)]
