@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps test run bench clean
+.PHONY: install system-deps lint check test run bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ system-deps:
 	@# Mooncake Store (the side-by-side runs) links RDMA's user-space libraries even for TCP
 	@ldconfig -p | grep -q librdmacm.so.1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 librdmacm1; }
 	@command -v kubectl >/dev/null 2>&1 || echo "warning: no kubectl: tests/test_deploy.py needs kubectl 1.27+" >&2
+
+# ruff (lint, import order, format) and mypy (.ci/typecheck), as CI runs them before the tests
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	MYPY=$(abspath $(VENV))/bin/mypy .ci/typecheck
+
+# The loop while you work: every test that starts no process (no etcd, no cluster), about 80 s
+check: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not cluster" $(PYTEST_ARGS)
 
 test: install system-deps
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
