@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from tiercake.policies.base import BlockMeta, EvictionPolicy, one_victim
@@ -101,7 +101,7 @@ class ReuseTracker:
         self._chain_end: dict[Hashable, float] = {}  # a request's last full block -> its arrival
         self._users: dict[Hashable, list[Hashable]] = {}  # block -> chain ends of the requests that used it
 
-    def observe(self, keys: list[Hashable], now: float, full_blocks: int | None = None) -> list[Reaccess | None]:
+    def observe(self, keys: Sequence[Hashable], now: float, full_blocks: int | None = None) -> list[Reaccess | None]:
         """One request's block keys (in chain order) arriving at ``now`` seconds; ``full_blocks``: how
         many of them are full (a follow-up turn repeats only those). Per key: a ``Reaccess``, or None
         for a block not seen before."""
@@ -158,7 +158,7 @@ class ReuseTracker:
 class TraceStats:
     accesses: int = 0
     reaccesses: int = 0
-    reuse_distances: list[int] = field(default_factory=list)
+    reuse_distances: list[float] = field(default_factory=list)  # math.inf: never seen before
     reuse_times_s: list[float] = field(default_factory=list)
     prefetchable: int = 0
 

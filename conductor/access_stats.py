@@ -80,7 +80,7 @@ class LiveAccessStats:
             if seen.prefetchable:
                 self.prefetchable += 1
                 self.m_prefetchable.inc()
-                self.m_lead.observe(seen.lead_s)
+                self.m_lead.observe(seen.lead_s or 0.0)  # prefetchable: a lead was measured
 
     def summary(self) -> dict:
         """The counts, once every request observed so far is counted."""

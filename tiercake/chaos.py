@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import random
 import secrets
@@ -125,6 +126,22 @@ def ssd_filesystem(root: Path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def _fill(ballast: Path, fs_path: Path) -> None:
+    """Take what is free on ``fs_path``'s file system with ``ballast``. The node agent writes to the
+    same file system meanwhile, so what was free a moment ago may no longer be (ENOSPC): ask again."""
+    with open(ballast, "wb") as f:
+        for _ in range(20):
+            fs = os.statvfs(fs_path)
+            free = fs.f_bavail * fs.f_frsize
+            if free == 0:
+                return
+            try:
+                os.posix_fallocate(f.fileno(), os.fstat(f.fileno()).st_size, free)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
 
 
 def pid_listening(port: int, netns: str | None = None) -> int:
@@ -456,10 +473,7 @@ class Faults:
         onto it and the load goes on: spills fail, answers stay right, and the index lists no copy
         that was not written (the final check); then the ballast goes."""
         ballast = self.ssd.parent / "ballast"
-        fs = os.statvfs(self.ssd)
-        free = fs.f_bavail * fs.f_frsize
-        with open(ballast, "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, free)
+        _fill(ballast, self.ssd)
         try:
             async with Client([self.up.control_url], token=self.up.token, timeout=10) as control:
                 await control.flush(["pool"], wait=True, timeout_s=30)  # down onto a full disk

@@ -91,6 +91,7 @@ class UpgradedNode:
                 env=env,
                 start_new_session=True,
             )
+        assert proc.stdout is not None  # piped above
         line = proc.stdout.readline()  # the node's address, once it serves
         if not line:
             proc.wait(10)

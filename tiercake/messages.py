@@ -282,7 +282,7 @@ class PrefixHolding(Reply):
 
     @property
     def majority_tier(self) -> str:
-        return max(self.tiers, key=self.tiers.get) if self.tiers else "?"
+        return max(self.tiers, key=lambda tier: self.tiers[tier]) if self.tiers else "?"
 
     def served_from(self, start: int, count: int) -> dict[str, int]:
         """Tier -> blocks among blocks ``start .. start + count`` (by the runs; without them, all

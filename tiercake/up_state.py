@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import json
 import os
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -93,7 +94,7 @@ class ShmLeftovers:
         except OSError:
             return set()
 
-    def clean(self, keep: set[str] = frozenset()) -> list[str]:
+    def clean(self, keep: AbstractSet[str] = frozenset()) -> list[str]:
         """Remove what appeared since this was made, is not in ``keep`` and no live process has open
         or mapped; the names removed."""
         new = self._names() - self.before - set(keep)

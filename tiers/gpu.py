@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from .backend import MemoryTierBackend
@@ -134,7 +135,7 @@ class GpuTier(MemoryTierBackend):
     def __init__(self, pool: GpuBlockPool, name: str = "gpu") -> None:
         self.pool = pool
         self.name = name
-        self._host = None
+        self._host: np.ndarray | None = None
 
     @property
     def capacity_bytes(self) -> int:

@@ -382,7 +382,7 @@ def encode_lease(items: list[tuple[bytes, int, float]]) -> bytes:
     return _encode(LEASE_DT, [(len(_key(k)), _length(n), ttl) for k, n, ttl in items], [k for k, _, _ in items])
 
 
-def decode_lease(body: bytes) -> list[tuple[bytes, int, float]]:
+def decode_lease(body: bytes | bytearray) -> list[tuple[bytes, int, float]]:
     records, fields = _decode(LEASE_DT, body, ("klen",))
     return [(f[0], n, t) for f, n, t in zip(fields, records["length"], records["ttl"])]
 
@@ -406,7 +406,7 @@ def encode_release(items: list[tuple[bytes, int]]) -> bytes:
     return _encode(RELEASE_DT, [(len(_key(k)), lease) for k, lease in items], [k for k, _ in items])
 
 
-def decode_release(body: bytes) -> list[tuple[bytes, int]]:
+def decode_release(body: bytes | bytearray) -> list[tuple[bytes, int]]:
     records, fields = _decode(RELEASE_DT, body, ("klen",))
     return [(f[0], lease) for f, lease in zip(fields, records["lease"])]
 

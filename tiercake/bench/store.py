@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.tiers.backend import TierBackend
 from tiercake.tiers.buffers import aligned_buffer
 from tiercake.tiers.ssd_log import SsdLogTier
 
@@ -112,6 +113,7 @@ async def bench_memory_tiers(report: Report, sizes: list[int], working_set: int,
         del area
         limit = n * size / limit_s / 1e9
         for kind in ("pool", "gpu"):
+            backend: TierBackend
             if kind == "pool":
                 region = PoolRegion.create(f"/dev/shm/tiercake-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}", n * size)
                 backend = PoolTier(region)

@@ -97,12 +97,14 @@ class Peer:
             stdout=subprocess.PIPE,
             env={**os.environ, "TIERCAKE_SECRET": self.secret.decode(), **({"TIERCAKE_TOKEN": token} if token else {})},
         )
+        assert self.proc.stdout is not None and self.proc.stdin is not None  # both piped above
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the bench peer process did not start")
         self.address = json.loads(line)
 
     def close(self) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.close()
         try:
             self.proc.wait(30)

@@ -73,6 +73,7 @@ class TensorHeader:
         pad = [0] * (MAX_DIMS - len(self.shape))
         dims = list(self.shape) + pad
         if kind == PART:
+            assert self.whole is not None and self.start is not None  # a part has both
             dims += list(self.whole) + pad + list(self.start) + pad
         else:
             dims += [0] * (2 * MAX_DIMS)

