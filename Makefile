@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 # Test files run in two processes (pytest-xdist): most of the suite waits on real processes and sockets,
-# so two workers on two cores take 9-11 minutes where one took 16-18. A file's tests stay together.
+# so two workers on two cores take 12-15 minutes (one took 16-18 when the suite was smaller). A file's
+# tests stay together.
 TEST_WORKERS ?= 2
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
