@@ -82,3 +82,91 @@ def test_the_check_catches_an_upward_import():
     assert violations([("tiercake.workers.worker", "workers/worker.py:1", "tiercake.conductor.service")])
     assert not violations([("tiercake.workers.worker", "workers/worker.py:1", "tiercake.conductor.client")])
     assert not violations([("tiercake.cli", "tiercake/cli.py:1", "tiercake.workers.worker")])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the tiercake modules it imports, at its top or inside a function (``TYPE_CHECKING``
+    blocks aside: they never run). ``from P import name`` is an edge to the module ``P.name`` where
+    that is a module, else to ``P``."""
+    files = {}
+    folders = {"tiercake": "tiercake", **{p: f"tiercake.{p}" for p in PARTS}}
+    for folder, package in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            files[".".join([package, *parts])] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        tree = ast.parse(path.read_text())
+        skipped = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+            for n in ast.walk(block)
+        }
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                for alias in node.names:
+                    targets.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in files else source)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_two_modules_import_each_other_even_inside_a_function():
+    graph = import_graph()
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

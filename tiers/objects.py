@@ -590,3 +590,11 @@ class ObjectTable:
 
 def _soft_pin_until_ms(meta: Meta) -> int:
     return int(time.time() * 1e3) + meta.soft_pin_ms if meta.soft_pin_ms is not None else 0
+
+
+def kept_pin(meta: Meta, old: Stored | None) -> Meta:
+    """An upsert that keeps the object's soft pin: what is left of the old one, if any."""
+    left = None
+    if old is not None and old.meta.soft_pin_ms is not None:
+        left = max(0, old.record.soft_pin_until_ms - int(time.time() * 1e3))
+    return Meta(meta.replicas, meta.persist, meta.hard_pin, left)

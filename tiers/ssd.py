@@ -132,7 +132,13 @@ class SsdTier(DiskTierBackend):
 
     @classmethod
     def from_config(cls, cfg, layout) -> SsdTier:
-        settings = dict(
+        """The file-per-block layout; the registry's ``ssd`` (``ssd_layouts.SsdBackend``) picks the layout."""
+        return cls(cfg.path, **cls.settings_of(cfg))
+
+    @staticmethod
+    def settings_of(cfg) -> dict:
+        """What every layout takes from an ssd ``TierConfig``."""
+        return dict(
             capacity_bytes=int(cfg.capacity),
             compression=cfg.compression,
             shuffle=cfg.shuffle,
@@ -142,11 +148,6 @@ class SsdTier(DiskTierBackend):
             io_threads=cfg.io_threads,
             name=cfg.tier_name,
         )
-        if cfg.layout == "log":
-            from .ssd_log import SsdLogTier
-
-            return SsdLogTier(cfg.path, segment_bytes=int(cfg.segment_bytes) if cfg.segment_bytes else None, **settings)
-        return cls(cfg.path, **settings)
 
     def __init__(
         self,

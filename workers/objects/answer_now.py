@@ -27,7 +27,7 @@ import numpy as np
 
 from tiercake.blocks import object_id
 from tiercake.tiers import StoreError, TierFullError
-from tiercake.tiers.objects import Meta, Staged
+from tiercake.tiers.objects import Meta, Staged, kept_pin
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import (
     FLAG_EAGER,
@@ -240,9 +240,7 @@ class AnswerNow:
                 continue
             version = max(old.version + 1 if old is not None else 0, time.time_ns())
             if item.soft_pin_ms == w.KEEP_SOFT_PIN:
-                from .serve import _kept_pin
-
-                plan.meta = _kept_pin(plan.meta, old)
+                plan.meta = kept_pin(plan.meta, old)
             try:
                 prepared = self.table.prepare_now(plan, version)
             except TierFullError as exc:

@@ -26,7 +26,7 @@ import numpy as np
 
 from tiercake.blocks import object_id
 from tiercake.tiers import ObjectNotFoundError, StoreError, TierFullError
-from tiercake.tiers.objects import Meta, ObjectTable, Staged, Stored
+from tiercake.tiers.objects import Meta, ObjectTable, Staged, Stored, kept_pin
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, ProtocolError, Status
 from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_frame
@@ -190,7 +190,7 @@ class ObjectServer(AnswerNow):
                 return w.Result(Status.EXISTS)  # a racing first put won: its value stays
             version = max(old.version + 1 if old is not None else 0, time.time_ns())
             if item.soft_pin_ms == w.KEEP_SOFT_PIN:
-                staged.meta = _kept_pin(staged.meta, old)
+                staged.meta = kept_pin(staged.meta, old)
             try:
                 prepared = await self.table.prepare(staged, version)
             except TierFullError as exc:
@@ -417,14 +417,6 @@ class ObjectServer(AnswerNow):
         await send_frame(
             conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(w.ReplicateReply(self.ownership.map.epoch, results))
         )
-
-
-def _kept_pin(meta: Meta, old: Stored | None) -> Meta:
-    """An upsert that keeps the object's soft pin: what is left of the old one, if any."""
-    left = None
-    if old is not None and old.meta.soft_pin_ms is not None:
-        left = max(0, old.record.soft_pin_until_ms - int(time.time() * 1e3))
-    return Meta(meta.replicas, meta.persist, meta.hard_pin, left)
 
 
 async def _receive(conn, items: list[tuple[np.ndarray | None, int]]) -> None:
