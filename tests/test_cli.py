@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import yaml
+from up_helpers import left_in_shm
 
 from tiercake.tiers.pool import remove_pool
 
@@ -310,7 +311,7 @@ def test_ctrl_c_while_up_starts_stops_everything_at_once_and_leaves_no_shared_me
         secret_mode(tmp_path / "d" / "cluster-secret") == 0o600
         and secret_mode(tmp_path / "d" / "control-token") == 0o600
     )
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert left_in_shm(before) == set()
 
 
 def running_with(text: str) -> list[str]:
@@ -351,7 +352,7 @@ def test_long_commands_show_a_bar_with_the_time_left(monkeypatch):
 
     from rich.console import Console
 
-    import tiercake.cli_common as common
+    import tiercake.cli.common as common
 
     screen = Console(record=True, force_terminal=True, width=150)
     monkeypatch.setattr(common, "console", screen)

@@ -7,13 +7,13 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from up_helpers import left_in_shm
 
 from tiercake.tiers.pool import remove_pool
 
@@ -203,11 +203,7 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
     finally:
         took = vllm.ctrl_c()
     assert took < 5, took
-    # the pools of other tests' clusters, beside this one under xdist, are theirs to give back; these
-    # clusters' own pools are named after the host (config.default_config), and vLLM's are not tiercake's
-    ours = f"tiercake-{socket.gethostname()}-"
-    left = set(os.listdir("/dev/shm")) - before
-    assert {n for n in left if n.startswith(ours) or not n.startswith("tiercake-")} == set()
+    assert left_in_shm(before) == set()
 
 
 @pytest.mark.cluster

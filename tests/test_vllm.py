@@ -129,14 +129,30 @@ def served(tmp_path_factory, model):
     engines = []
     try:
         engines = [Vllm(name, model, tc) for name in ("a", "b")]
-        for engine in engines:
-            engine.wait_ready()
+        for i, name in enumerate(("a", "b")):
+            engines[i] = started(engines[i], lambda name=name: Vllm(name, model, tc))
         yield tc, engines[0], engines[1]
     finally:
         for engine in engines:
             engine.stop()
         tc.close()
         remove_pool(tc.config.store.tiers[0].path)
+
+
+def started(engine: Vllm, again, tries: int = 3) -> Vllm:
+    """``engine`` once it answers; started ``again`` (fresh ports) where one of the loopback ports picked
+    for it was taken before vLLM bound it (another process's connection got it meanwhile: vLLM then
+    exits with ZMQ's "Address already in use")."""
+    for attempt in range(tries):
+        try:
+            engine.wait_ready()
+            return engine
+        except RuntimeError:
+            engine.stop()
+            if "Address already in use" not in engine.log_path.read_text(errors="replace") or attempt == tries - 1:
+                raise
+            engine = again()
+    raise AssertionError("unreachable")
 
 
 def prompt(seed: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -50,3 +51,11 @@ class UpCluster(UpProcess):
             member = members[0]
             async with http.get(member["url"] + "/health") as resp:
                 return member, (await resp.json())["pid"]
+
+
+def left_in_shm(before: set[str]) -> set[str]:
+    """What appeared in /dev/shm since ``before`` that a cluster on the default config left: its pool
+    (named after the host, ``config.default_config``) and anything not tiercake's (vLLM's, torch's).
+    Other tiercake pools belong to other tests' clusters, running beside this one under xdist."""
+    ours = f"tiercake-{socket.gethostname()}-"
+    return {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(ours) or not n.startswith("tiercake-")}

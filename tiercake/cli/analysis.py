@@ -1,5 +1,5 @@
-"""The analysis commands of the CLI: policy evaluation, trace generation and statistics, the cluster
-simulator, and replaying a trace against a running cluster. Each prints tables, writes a PNG where a
+"""The analysis commands of the CLI: the policies (list, evaluation), trace generation and statistics,
+the cluster simulator, and replaying a trace against a running cluster. Each prints tables, writes a PNG where a
 picture helps, and takes --json PATH (the benchmark JSON format)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import asyncio
 import json
 
-from .cli_common import console, progress_bar, write_json
+from .common import console, progress_bar, write_json
 
 
 def cmd_policy_eval(args: argparse.Namespace) -> int:
@@ -318,3 +318,152 @@ def cmd_replay(args: argparse.Namespace) -> int:
     rp.plot(run.outcomes, plot_path, f"{Path(args.trace).name} on {args.target}")
     console.print(f"plot: {plot_path}")
     return write_json(args, report)
+
+
+def cmd_policy_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from tiercake.policies import available, resolve
+
+    table = Table(title="policies (by name; any module:Class path works too)")
+    table.add_column("name")
+    table.add_column("kind")
+    table.add_column("what it does")
+    for name, kind in sorted(available().items(), key=lambda x: (x[1], x[0])):
+        doc = (resolve(name, kind.split(", ")[0]).__doc__ or "").strip().splitlines()
+        table.add_row(name, kind, doc[0] if doc else "")
+    console.print(table)
+    return 0
+
+
+def register(sub) -> None:
+    """``policy``, ``replay``, ``simulate`` and ``trace``."""
+    for parser_of in (_policy, _replay, _simulate, _trace):
+        parser_of(sub)
+
+
+def _policy(sub) -> None:
+    """``tiercake policy list`` and ``policy eval``."""
+    policy = sub.add_parser("policy", help="eviction, admission, placement, replication and routing policies")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True, metavar="ACTION")
+    plist = policy_sub.add_parser("list", help="the policies that resolve by name, built-in and plug-in")
+    plist.set_defaults(func=cmd_policy_list)
+    peval = policy_sub.add_parser(
+        "eval",
+        help="score an eviction policy on a trace against LRU and the offline optimum",
+        description="Replay a trace in the Mooncake format through POLICY (a built-in name, an entry point or "
+        "module:Class), LRU and the tree-constrained Belady optimum at each capacity; print a table, write a "
+        "PNG plot of hit ratio against capacity, and --json the figures in the benchmark format.",
+    )
+    peval.add_argument("policy", help="an eviction policy: a built-in name, an entry point or module:Class")
+    peval.add_argument("--trace", required=True, metavar="FILE", help="a trace in the Mooncake format")
+    peval.add_argument("--capacity", required=True, metavar="N[,N...]", help="blocks, e.g. 1000,10k,100k,inf")
+    peval.add_argument("--params", metavar="JSON", help="the policy's parameters as a JSON object")
+    peval.add_argument("--admission", default="always", help="admission policy in front of it (default always)")
+    peval.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    peval.add_argument("--plot", metavar="PATH", help="the PNG (default policy-eval-<policy>.png)")
+    peval.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    peval.set_defaults(func=cmd_policy_eval)
+
+
+def _replay(sub) -> None:
+    """``tiercake replay``."""
+    rep = sub.add_parser(
+        "replay",
+        help="drive a running cluster with a trace; report TTFT and hit ratio",
+        description="Send the trace's requests to a cluster (tiercake up) at their timestamps, scaled by "
+        "--time-scale; each 512-token trace block becomes --tokens-per-block tokens derived from its hash id, "
+        "so reuse in the trace is reuse in the cluster. Prints a table, writes a PNG and --json.",
+    )
+    rep.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
+    rep.add_argument(
+        "--target",
+        default="http://127.0.0.1:8080",
+        help="the cluster's OpenAI-compatible API (default http://127.0.0.1:8080)",
+    )
+    rep.add_argument("--time-scale", type=float, default=1.0, help="0.1: ten times faster (default 1)")
+    rep.add_argument("--limit", type=int, help="only the first N requests")
+    rep.add_argument("--tokens-per-block", type=int, default=16, help="tokens per trace block (default 16)")
+    rep.add_argument("--max-output", type=int, default=32, help="cap on generated tokens per request")
+    rep.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
+    rep.add_argument("--api-key", help="an API key of the cluster (serving.api_keys)")
+    rep.add_argument(
+        "--control",
+        metavar="URL",
+        help="the control API, for the cluster's own counters (default: --target, where both APIs share a port)",
+    )
+    rep.add_argument("--control-token", help="a control API token (default: --api-key)")
+    rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
+    rep.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    rep.set_defaults(func=cmd_replay)
+
+
+def _simulate(sub) -> None:
+    """``tiercake simulate``."""
+    sim = sub.add_parser(
+        "simulate",
+        help="simulate a cluster on a trace: routers, local and global caches, SLOs",
+        description="A discrete-event simulation of prefill and decode workers with per-worker caches and an "
+        "optional global pool, routed by the live router code. --ablation runs Mooncake's four schedulers "
+        "(random, load balancing, local cache-aware, global cache-aware) on the same trace.",
+    )
+    sim.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
+    sim.add_argument("--router", default="ttft", help="routing policy (default ttft)")
+    sim.add_argument("--router-params", metavar="JSON", help="its parameters, e.g. '{\"margin\": 0}'")
+    sim.add_argument(
+        "--fit-noise",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="each prefill worker's timings as "
+        "the router sees them are off by a factor drawn once from [1-F, 1+F] (live workers fit their own)",
+    )
+    sim.add_argument("--ablation", action="store_true", help="the four schedulers of Mooncake's ablation")
+    sim.add_argument("--prefill", type=int, default=8, help="prefill workers (default 8)")
+    sim.add_argument("--decode", type=int, default=8, help="decode workers (default 8)")
+    sim.add_argument("--local-blocks", default="2000", help="each prefill worker's cache (blocks)")
+    sim.add_argument("--global-blocks", default="inf", help="the shared pool (blocks; 0: none)")
+    sim.add_argument("--slo-ttft", type=float, help="seconds; predicted over it: rejected")
+    sim.add_argument("--slo-tbt", type=float, help="seconds")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by it")
+    sim.add_argument("--limit", type=int, help="only the first N requests")
+    sim.add_argument(
+        "--plot", metavar="PATH", help="the PNG: TTFT CDFs, SLO attainment and hit ratios (default simulate.png)"
+    )
+    sim.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    sim.set_defaults(func=cmd_simulate)
+
+
+def _trace(sub) -> None:
+    """``tiercake trace generate`` and ``trace stats``."""
+    trace = sub.add_parser("trace", help="traces in the Mooncake format")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    generate = trace_sub.add_parser(
+        "generate",
+        help="write a seeded synthetic trace: sessions, shared system prompts, tenants",
+        description="Multi-turn sessions whose prompts grow turn by turn, system prompts shared within a "
+        "tenant, several tenants, Poisson or bursty arrivals; the same seed gives the same file.",
+    )
+    generate.add_argument("--out", required=True, metavar="FILE", help="the trace file to write")
+    generate.add_argument("--requests", type=int, default=1000, help="how many requests (default 1000)")
+    generate.add_argument("--tenants", type=int, default=2, help="how many tenants (default 2)")
+    generate.add_argument("--system-prompts", type=int, default=4, help="per tenant")
+    generate.add_argument("--rate", type=float, default=2.0, help="requests per second (mean)")
+    generate.add_argument("--bursty", action="store_true", help="alternate busy and quiet periods")
+    generate.add_argument("--seed", type=int, default=0, help="the same seed writes the same file (default 0)")
+    generate.set_defaults(func=cmd_trace_generate)
+    tstats = trace_sub.add_parser(
+        "stats",
+        help="reuse distance, reuse time, residency under a policy, prefetchability",
+        description="Histograms of reuse distance (distinct blocks between two uses: LRU's stack distance), "
+        "reuse time and block residency under POLICY at CAPACITY, and the share of re-accesses a system could "
+        "have prefetched (follow-up turns of a conversation, announced at least --lead seconds ahead).",
+    )
+    tstats.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
+    tstats.add_argument("--capacity", default="10k", help="blocks, for residency (default 10k)")
+    tstats.add_argument("--policy", default="lru", help="the eviction policy for residency (default lru)")
+    tstats.add_argument("--lead", type=float, default=0.0, help="seconds a prefetch needs (default 0)")
+    tstats.add_argument("--limit", type=int, help="only the first N requests")
+    tstats.add_argument("--plot", metavar="PATH", help="the PNG (default trace-stats.png)")
+    tstats.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    tstats.set_defaults(func=cmd_trace_stats)

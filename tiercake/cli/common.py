@@ -109,3 +109,25 @@ def policy_problems(config) -> list[str]:
         except (PolicyNotFoundError, ImportError, AttributeError, TypeError) as exc:
             problems.append(f"invalid configuration: {where}: {exc}")
     return problems
+
+
+def with_config(parser) -> None:
+    """The options of every command that reads a config."""
+    parser.add_argument("--config", metavar="PATH", help="YAML, JSON or TOML config (default: the embedded default)")
+    parser.add_argument(
+        "--data-dir", default=".tiercake", metavar="DIR", help="where the default config keeps SSD data"
+    )
+
+
+def load(config_path: str | None, data_dir: str):
+    from tiercake.config import default_config, load_config, with_environment
+
+    return load_config(config_path, data_dir) if config_path else with_environment(default_config(data_dir))
+
+
+def refused(config) -> bool:
+    """Print every name in ``config`` that resolves to nothing; whether there was one."""
+    problems = policy_problems(config)
+    for line in problems:
+        errors.print(line, markup=False, highlight=False)
+    return bool(problems)

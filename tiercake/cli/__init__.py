@@ -1,0 +1,74 @@
+"""The `tiercake` command line: one module per family of commands, each registering its own
+subcommands (``cluster``: up and the processes it runs, chaos; ``local``: ask, demo, model, config;
+``bench``; ``analysis``: policies, replay, simulate, trace); ``common`` what they share."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from ..up import SPARE_ENV, StartError
+from ..up_state import DataDirBusy
+from . import analysis, bench, cluster, local
+from .common import config_problems, errors
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tiercake")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiercake",
+        description="Hybrid-tier KV-cache orchestration for LLM serving: GPU, node-pool and SSD tiers under "
+        "pluggable policies, a conductor that routes requests by predicted time to first token, and the tools "
+        "to measure why it is fast (benchmarks, trace replay, simulators). Start with: tiercake up",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the store does")
+    parser.add_argument("--version", action="version", version=f"tiercake {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for family in (cluster, local, bench, analysis):
+        family.register(sub)
+    return parser
+
+
+# What a warm spare of a command imports before it waits (see ``_wait_as_spare``).
+SPARE_IMPORTS = {"node": "tiercake.workers.node_agent", "worker": "tiercake.workers.worker"}
+
+
+def _wait_as_spare(command: str) -> bool:
+    """A warm spare (``up`` starts one beside a node agent): import what the command needs, then wait
+    for a line on stdin before running it. Its supervisor swaps it in when the running process exits,
+    so a restart costs no interpreter start and no imports (2-4 s of torch and the rest). Whether to go
+    on: an end of input means the supervisor went away."""
+    import importlib
+
+    importlib.import_module(SPARE_IMPORTS[command])
+    return bool(sys.stdin.readline())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import os
+
+    if os.environ.pop(SPARE_ENV, None) and args.command in SPARE_IMPORTS and not _wait_as_spare(args.command):
+        return 0
+    level = os.environ.get("TIERCAKE_LOG_LEVEL", "INFO" if args.verbose else "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValidationError as exc:
+        for line in config_problems(exc):
+            errors.print(line, markup=False, highlight=False)
+        return 2
+    except (OSError, ValueError, StartError, DataDirBusy) as exc:
+        errors.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        return 1

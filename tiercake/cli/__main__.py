@@ -1,0 +1,7 @@
+"""``python -m tiercake.cli``: what the ``tiercake`` script runs."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""`tiercake bench ...`: every benchmark as a ratio to a limit measured in the same run, under a
+progress bar whose total comes from the last run of the same bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+from .common import console, progress_bar, write_json
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
+def _bench(args: argparse.Namespace, what: str, run) -> int:
+    """Run a bench coroutine under a progress bar (figures done; the total and ETA from the last run
+    of the same bench and arguments), print its table, plot and write its JSON when asked."""
+    from tiercake.bench.report import ON_FIGURE
+
+    memory = _bench_memory(args)
+    expected = json.loads(memory.read_text())["figures"] if memory.is_file() else None
+    with progress_bar(f"benchmarking {what}", expected) as update:
+        done = 0
+
+        def figure(name: str) -> None:
+            nonlocal done
+            done += 1
+            update(done, max(expected or 0, done) if expected else None, f"{args.bench}: {name}")
+
+        token = ON_FIGURE.set(figure)
+        try:
+            report = asyncio.run(run)
+        finally:
+            ON_FIGURE.reset(token)
+    with contextlib.suppress(OSError):  # a read-only home: no ETA next time, nothing worse
+        memory.parent.mkdir(parents=True, exist_ok=True)
+        memory.write_text(json.dumps({"figures": len(report.figures)}))
+    report.print(console)
+    if args.plot:
+        report.plot(args.plot)
+        console.print(f"plot: {args.plot}")
+    return write_json(args, report)
+
+
+def _bench_memory(args: argparse.Namespace) -> Path:
+    """Where the number of figures of this bench with these arguments is kept (for the next ETA)."""
+    import hashlib
+    import os
+
+    shape = {k: v for k, v in sorted(vars(args).items()) if k not in ("func", "json", "plot")}
+    digest = hashlib.sha256(json.dumps(shape, default=str).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return home / "tiercake" / "bench" / f"{args.bench}-{digest}.json"
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    from tiercake.bench import store
+
+    run = store.run(quick=args.quick, ssd_dir=args.ssd_dir, sizes=_ints(args.sizes))
+    return _bench(args, "the store (memcpy and raw-disk limits first)", run)
+
+
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from tiercake.bench import transfer
+
+    run = transfer.run(quick=args.quick, sizes=_ints(args.sizes), batches=_ints(args.batches), streams=args.streams)
+    return _bench(args, "transfers (raw socket and memcpy limits first)", run)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tiercake.bench import serve
+
+    what = f"the cluster at {args.target}" if args.target else "a local cluster (tiercake up, started for it)"
+    return _bench(
+        args, f"time to first token on {what}", serve.run(quick=args.quick, target=args.target, control=args.control)
+    )
+
+
+def cmd_bench_vllm(args: argparse.Namespace) -> int:
+    from tiercake.bench import vllm
+
+    return _bench(
+        args,
+        "vLLM with the TiercakeConnector (a conductor, a node agent and vLLM start for it)",
+        vllm.run(quick=args.quick, trace=args.trace),
+    )
+
+
+def cmd_bench_store_api(args: argparse.Namespace) -> int:
+    from tiercake.bench import store_api
+
+    return _bench(
+        args,
+        "the key-value store API (a conductor, a node agent and, if installed, Mooncake start for it)",
+        store_api.run(quick=args.quick, load=args.load),
+    )
+
+
+def cmd_bench_metadata(args: argparse.Namespace) -> int:
+    from tiercake.bench import metadata
+
+    return _bench(args, "the placement index (a local etcd starts for it)", metadata.run(quick=args.quick))
+
+
+def register(sub) -> None:
+    """The ``bench`` command and one subcommand per bench."""
+    bench = sub.add_parser("bench", help="benchmarks, each as a ratio to a limit measured in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+
+    def bench_parser(name: str, **kwargs) -> argparse.ArgumentParser:
+        """A bench command: every bench takes --quick and --json."""
+        p = bench_sub.add_parser(name, **kwargs)
+        p.add_argument("--quick", action="store_true", help="a short run (under 30 s)")
+        p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+        p.add_argument("--plot", metavar="PATH", help="a PNG of each figure's ratio to its limit")
+        return p
+
+    store = bench_parser(
+        "store",
+        help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
+        description="Put and get throughput of the gpu (on this device), pool and ssd tiers for blocks "
+        "of 64 KiB to 16 MiB, each as a ratio to memcpy or raw sequential file I/O measured in the same run.",
+    )
+    store.add_argument("--ssd-dir", metavar="DIR", help="file system to test the ssd tier on (default: temp dir)")
+    store.add_argument("--sizes", metavar="BYTES,...", help="block sizes in bytes (default: 64 KiB to 16 MiB)")
+    store.set_defaults(func=cmd_bench_store)
+
+    transfer = bench_parser(
+        "transfer",
+        help="transfer engine between two processes vs raw socket and memcpy",
+        description="Read and write batches of blocks between this process and a node agent in another "
+        "process, over TCP and through the shared pool, each as a ratio to a plain blocking-socket stream "
+        "or memcpy of the same bytes measured in the same run.",
+    )
+    transfer.add_argument("--sizes", metavar="BYTES,...", help="block sizes (default: 64 KiB to 64 MiB)")
+    transfer.add_argument("--batches", metavar="N,...", help="batch sizes (default: 1, 4, 16, 64)")
+    transfer.add_argument("--streams", type=int, default=2, help="connections per peer (default 2)")
+    transfer.set_defaults(func=cmd_bench_transfer)
+
+    store_api = bench_parser(
+        "store-api",
+        help="the key-value store API vs a raw socket and Mooncake Store",
+        description="put_from/get_into one object at a time and in batches at 64 KiB, 1 MiB and 16 MiB between "
+        "this process and a node agent (over TCP and the shared pool), each as a ratio to a raw socket stream of "
+        "the same bytes measured in the same run, and, where Mooncake's package is installed, the same calls on "
+        "Mooncake Store in the same run, repetitions interleaved (vs_mooncake: tiercake over Mooncake).",
+    )
+    store_api.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spinning on the CPU while it measures (a busy machine; default 0)",
+    )
+    store_api.set_defaults(func=cmd_bench_store_api)
+
+    meta = bench_parser(
+        "metadata",
+        help="placement index lookups and durable commits vs dict probes and raw etcd",
+        description="Lookups of 64-block chains in an index of 1M blocks against the same dictionary probes, "
+        "and placements made durable in a local etcd (started from the installed binary) through group "
+        "commit against raw batched etcd transactions of the same operations; metadata bytes per block.",
+    )
+    meta.set_defaults(func=cmd_bench_metadata)
+
+    serve = bench_parser(
+        "serve",
+        help="TTFT with 0/50/90%% of the prompt cached, per source tier, vs compute only",
+        description="Time to first token for prompts whose prefix is cached in the prefill worker's gpu tier, "
+        "the node pool or the node's SSD, beside the same prompt with nothing cached, measured in the same run, "
+        "with the server's breakdown (routing, lookup, load, compute). Starts its own cluster unless --target.",
+    )
+    serve.add_argument("--target", metavar="URL", help="a running cluster's OpenAI-compatible API (default: start one)")
+    serve.add_argument(
+        "--control",
+        metavar="URL",
+        help="that cluster's control API, with the token in "
+        "$TIERCAKE_TOKEN (default: --target, where both share a port)",
+    )
+    serve.set_defaults(func=cmd_bench_serve)
+
+    vllm_bench = bench_parser(
+        "vllm",
+        help="TTFT on vLLM with 50/90%% of the prompt held in tiercake vs recomputed; load vs memcpy",
+        description="Starts a conductor, a node agent and a vLLM server with the TiercakeConnector (a locally "
+        "made Llama). Time to first token of prompts whose first 50% or 90% of blocks are held in tiercake's "
+        "pool (vLLM's own prefix cache reset), against the same prompts recomputed in the same run; the "
+        "connector's load throughput into vLLM's paged KV against memcpy. With --trace, routing across two "
+        "vLLM servers behind tiercake's front: the share of prompt tokens their own prefix caches serve under "
+        "each router, against the offline bound. --quick takes about a minute (more with --trace): vLLM "
+        "itself starts in 30-40 s here.",
+    )
+    vllm_bench.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="a conversation trace (Mooncake's format): also "
+        "measure routing across two vLLM servers on its first 300 requests (600 without --quick)",
+    )
+    vllm_bench.set_defaults(func=cmd_bench_vllm)
