@@ -62,9 +62,9 @@ from tiercake.messages import (
 )
 from tiercake.metrics import Collected, store_families
 
+from .front.openai_api import OPEN_PATHS
+from .front.operator import parse, reply
 from .metadata import FencedError, MetadataUnavailableError
-from .openai_api import OPEN_PATHS
-from .operator import parse, reply
 from .service import Conductor, FlushTimeoutError, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
 
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
@@ -495,7 +495,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
 
     from .embedded import EmbeddedBackend
     from .etcd import EtcdBackend
-    from .frontend import Frontend
+    from .front.frontend import Frontend
 
     config = full.conductor
     tokens = config.required_tokens() or None  # none only when the operator said insecure

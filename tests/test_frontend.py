@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from conductor_helpers import running_conductor
 
-from tiercake.conductor.frontend import Frontend, Job
+from tiercake.conductor.front.frontend import Frontend, Job
 from tiercake.conductor.membership import MemberInfo, Registration
 from tiercake.config import ServingConfig, TiercakeConfig, default_config
 from tiercake.messages import KVHandoff
@@ -133,7 +133,7 @@ async def test_routing_sees_each_workers_own_prefix():
 async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):
     """Access statistics, the recorded trace and every routing attempt share one hashing of the
     prompt (two dead workers: two attempts, one hashing)."""
-    import tiercake.conductor.openai_api as openai_api
+    import tiercake.conductor.front.openai_api as openai_api
 
     calls = []
 
@@ -154,7 +154,7 @@ async def test_the_front_keys_a_prompt_once_whatever_the_attempts(monkeypatch):
 
 
 def test_a_stop_string_is_held_back_until_it_is_one_or_cannot_be():
-    from tiercake.conductor.openai_models import Stopper
+    from tiercake.conductor.front.openai_models import Stopper
     from tiercake.tokenizer import ByteTokenizer
 
     text = ByteTokenizer().detokenizer
@@ -195,12 +195,12 @@ async def test_a_front_started_with_a_router_that_ignores_the_tiers_says_so(capl
     in the log from the start (the policy switch says it in its reply)."""
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="tiercake.conductor.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="tiercake.conductor.front.dispatch"):
         async with _front(ServingConfig(router="cache_aware", router_params={"pull": False}), []):
             pass
     assert any("never loaded" in r.getMessage() for r in caplog.records), caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tiercake.conductor.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="tiercake.conductor.front.dispatch"):
         async with _front(ServingConfig(router="cache_aware"), []):
             pass
     assert not any("never loaded" in r.getMessage() for r in caplog.records)

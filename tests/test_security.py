@@ -97,7 +97,7 @@ async def test_metrics_can_be_closed_behind_the_token_too():
 async def test_on_one_port_the_openai_paths_take_api_keys_and_the_rest_the_token():
     """serving.port null: both APIs on one port. /v1/models/{id} is the public API's (no control
     token asked, the 503 says no worker yet); the control paths beside it still need the token."""
-    from tiercake.conductor.frontend import Frontend
+    from tiercake.conductor.front.frontend import Frontend
     from tiercake.config import default_config
 
     config = default_config()

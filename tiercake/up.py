@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from tiercake.conductor.tenants import SHARED_CACHE_NOTE
+from tiercake.conductor.front.tenants import SHARED_CACHE_NOTE
 from tiercake.tiers.pool_files import remove_pool
 
 from .config import TiercakeConfig

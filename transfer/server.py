@@ -88,7 +88,7 @@ class TransferServer:
     ) -> None:
         """``tls``: a server context (``transfer_tls_server``): the port speaks TLS only, before the
         cluster secret's challenge; UCX is then not served (its bytes would bypass TLS). ``objects``:
-        what answers the key-value store's object operations (``workers.objects.ObjectServer``: its
+        what answers the key-value store's object operations (``workers.node.objects.ObjectServer``: its
         ``ops`` and ``handle``); None: they are refused."""
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")

@@ -16,7 +16,7 @@ import numpy as np
 from tiercake.config import ConductorConfig, StoreConfig, TiercakeConfig, TierConfig, TransferConfig
 from tiercake.transfer import TransferServer, spin
 from tiercake.transfer.ucx import available as ucx_available
-from tiercake.workers.node_agent import NodeAgent
+from tiercake.workers.node.agent import NodeAgent
 
 RAW_REQUEST = struct.Struct("<cQQ")  # b"R": send n bytes; b"W": receive n bytes; chunk size
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # What a warm spare of a command imports before it waits (see ``_wait_as_spare``).
-SPARE_IMPORTS = {"node": "tiercake.workers.node_agent", "worker": "tiercake.workers.worker"}
+SPARE_IMPORTS = {"node": "tiercake.workers.node.agent", "worker": "tiercake.workers.worker"}
 
 
 def _wait_as_spare(command: str) -> bool:

@@ -58,7 +58,7 @@ def cmd_conductor(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from tiercake.transfer import spin
-    from tiercake.workers.node_agent import NodeAgent
+    from tiercake.workers.node.agent import NodeAgent
 
     config = load(args.config, args.data_dir)
     if args.listen:

@@ -30,8 +30,8 @@ from tiercake.messages import (
 )
 from tiercake.policies import create_eviction, create_router
 
+from ..service import Conductor
 from .dispatch import Dispatcher, own_cache_only
-from .service import Conductor
 from .serving_stats import ServingStats
 from .tenants import Tenants
 

@@ -34,7 +34,7 @@ from tiercake.errors import ApiError
 from tiercake.messages import GenerateRequest, KVHandoff, KVSpace, MemberInfo, PrefillStats, RouterSpec, TokenEvent
 from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest, WorkerState, create_router
 
-from .service import Conductor
+from ..service import Conductor
 from .serving_stats import ServingStats, Timing
 from .worker_client import RequestFailed, StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
 

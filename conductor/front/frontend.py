@@ -14,10 +14,10 @@ from aiohttp import web
 
 from tiercake.config import TiercakeConfig
 
+from ..service import Conductor
 from .dispatch import Dispatcher, Job, Route
 from .openai_api import OPEN_PATHS, OpenAIApi
 from .operator import OperatorApi
-from .service import Conductor
 from .serving_stats import ServingStats
 from .tenants import TENANT_HEADER, Tenants
 

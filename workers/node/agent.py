@@ -25,7 +25,7 @@ from tiercake.tiers.pool import OBJECT_MAP_SUFFIX, beside
 from tiercake.transfer import TransferEngine, TransferServer
 from tiercake.transfer import protocol as p
 
-from .conductor_link import ConductorLink, member_stats
+from ..conductor_link import ConductorLink, member_stats
 from .objects import NodeObjects
 
 log = logging.getLogger(__name__)
