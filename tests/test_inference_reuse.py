@@ -18,8 +18,8 @@ from tiercake.conductor.membership import MemberInfo
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
 from tiercake.transfer import TransferEngine, TransferServer
 from tiercake.workers.conductor_link import ConductorLink
-from tiercake.workers.inference import ContextLimitError, InferenceEngine, next_token
-from tiercake.workers.model import ModelConfig, ReferenceModel, encode
+from tiercake.workers.reference.model import ModelConfig, ReferenceModel, encode
+from tiercake.workers.reference.runner import ContextLimitError, ModelRunner, next_token
 
 MODEL = ModelConfig()  # 4 layers, 2 kv heads of 32: 16 KiB blocks of 16 tokens
 LAYOUT = MODEL.layout(16)
@@ -85,7 +85,7 @@ class Cluster:
         store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
         engine = TransferEngine(name, SECRET, store, transports=transports)
         client = Client([self.url])
-        inference = InferenceEngine(
+        inference = ModelRunner(
             model,
             store,
             NS,
@@ -120,7 +120,7 @@ async def cluster(tmp_path):
     await c.close()
 
 
-async def generate(engine: InferenceEngine, text: str, n: int = 6, tenant: str = "default"):
+async def generate(engine: ModelRunner, text: str, n: int = 6, tenant: str = "default"):
     """Greedy decoding: (prefill stats, tokens, logits of every step)."""
     seq = await engine.prefill(encode(text), tenant=tenant, max_new_tokens=n)
     out, logits = [], [seq.logits.clone()]
@@ -138,7 +138,7 @@ async def recompute(model, text: str, n: int = 6):
     """The same prompt on a fresh worker with no cache and no conductor."""
     pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, NS, worker_id="ref")
+    engine = ModelRunner(model, store, NS, worker_id="ref")
     stats, tokens, logits = await generate(engine, text, n)
     await store.close()
     assert stats.cached_tokens == 0
@@ -256,11 +256,11 @@ async def test_bad_prompts_are_clear_errors(cluster, model):
 async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
     from tiercake.messages import GenerateRequest
     from tiercake.tiers import TierFullError
-    from tiercake.workers.scheduler import Scheduler
+    from tiercake.workers.reference.scheduler import Scheduler
 
     pool = GpuBlockPool(12, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, NS, worker_id="small")
+    engine = ModelRunner(model, store, NS, worker_id="small")
     scheduler = Scheduler(engine).start()
     try:
 
@@ -303,7 +303,7 @@ async def test_generated_blocks_are_keyed_like_a_follow_up_prompt_under_the_same
 async def test_a_prefill_in_chunks_computes_the_same_answer(model, chunk):
     pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, NS, worker_id="chunked", prefill_chunk=chunk)
+    engine = ModelRunner(model, store, NS, worker_id="chunked", prefill_chunk=chunk)
     try:
         same_answer(await generate(engine, PROMPT), await recompute(model, PROMPT))
     finally:
@@ -315,11 +315,11 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
     pause between two tokens of a running sequence is a fraction of that prefill's compute time (it
     would be all of it if the prefill ran in one pass, or before the batch's next step)."""
     from tiercake.messages import GenerateRequest
-    from tiercake.workers.scheduler import Scheduler
+    from tiercake.workers.reference.scheduler import Scheduler
 
     pool = GpuBlockPool(512, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, NS, worker_id="chunks", prefill_chunk=64, max_context=8192)
+    engine = ModelRunner(model, store, NS, worker_id="chunks", prefill_chunk=64, max_context=8192)
     scheduler = Scheduler(engine).start()
     arrivals: list[float] = []
     try:
@@ -354,11 +354,11 @@ async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_
     """Prefills run one at a time beside the batch: each holds its whole prompt's blocks from the
     start, so several at once would exhaust a gpu tier that serves them one after another."""
     from tiercake.messages import GenerateRequest
-    from tiercake.workers.scheduler import Scheduler
+    from tiercake.workers.reference.scheduler import Scheduler
 
     pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, NS, worker_id="burst", prefill_chunk=32)
+    engine = ModelRunner(model, store, NS, worker_id="burst", prefill_chunk=32)
     scheduler = Scheduler(engine).start()
     try:
 
@@ -379,11 +379,11 @@ async def test_any_temperature_samples_and_a_failing_sample_fails_only_its_reque
     guard, the request hung and its blocks were never freed. Any temperature now samples (a tiny one
     as greedy), and a sampler that fails ends its own request only, with nothing leaked."""
     from tiercake.messages import GenerateRequest
-    from tiercake.workers import scheduler as scheduler_module
+    from tiercake.workers.reference import scheduler as scheduler_module
 
     pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
     store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
-    engine = InferenceEngine(model, store, NS, worker_id="temps")
+    engine = ModelRunner(model, store, NS, worker_id="temps")
     scheduler = scheduler_module.Scheduler(engine).start()
 
     async def run(temperature: float, text: str = "The tiers hold the blocks of a long conversation."):
@@ -426,7 +426,7 @@ async def test_a_waiting_request_has_its_prefix_staged_and_pulled_into_the_worke
     there into its own gpu tier; its prefill then loads nothing (the blocks are credited to the node's
     pool, where they came from), and the answer is the recomputed one."""
     from tiercake.messages import GenerateRequest, KVHandoff
-    from tiercake.workers.scheduler import Scheduler
+    from tiercake.workers.reference.scheduler import Scheduler
 
     node = await cluster.node("node-p", pool=True, ssd=True)
     writer = await cluster.worker(model, "w-writer", write_to=node)

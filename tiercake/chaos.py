@@ -193,8 +193,8 @@ class Oracle:
         return self._answers[key]
 
     async def _compute(self, prompt: list[int], max_tokens: int) -> str:
-        from tiercake.workers.inference import next_token
-        from tiercake.workers.model import decode
+        from tiercake.workers.reference.model import decode
+        from tiercake.workers.reference.runner import next_token
 
         engine = await self._engine_once()
         self._computed += 1  # a tenant of its own each time: nothing computed before is reused
@@ -215,14 +215,14 @@ class Oracle:
             import torch
 
             from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore
-            from tiercake.workers.inference import InferenceEngine
-            from tiercake.workers.model import ReferenceModel
+            from tiercake.workers.reference.model import ReferenceModel
+            from tiercake.workers.reference.runner import ModelRunner
 
             serving = self.config.serving
             layout = serving.layout()
             pool = GpuBlockPool(64, layout.shape, getattr(torch, layout.dtype), "cpu")
             store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
-            self._engine = InferenceEngine(
+            self._engine = ModelRunner(
                 ReferenceModel(serving.model),
                 store,
                 self.config.serving_namespace(),

@@ -16,7 +16,7 @@ from rich.table import Table
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.tiers.build import build_store
-from tiercake.workers.model import ModelConfig, ReferenceModel, encode
+from tiercake.workers.reference.model import ModelConfig, ReferenceModel, encode
 
 SYSTEM = (
     "You are a careful assistant for the infrastructure team. Answer briefly, cite the runbook, and "

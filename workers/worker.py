@@ -34,7 +34,7 @@ from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
 
 from .conductor_link import ConductorLink, member_stats
 from .contract import EngineBusy, RequestRejected, ServingEngine
-from .reference import ReferenceEngine
+from .reference.engine import ReferenceEngine
 
 log = logging.getLogger(__name__)
 

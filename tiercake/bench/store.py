@@ -197,7 +197,7 @@ async def bench_ssd(report: Report, sizes: list[int], working_set: int, reps: in
 
 def real_kv_blocks(n_tokens: int, block_tokens: int) -> tuple[torch.Tensor, dict]:
     """KV blocks computed by the reference model on real text: ``[blocks, block_bytes]`` uint8."""
-    from tiercake.workers.model import ModelConfig, ReferenceModel, encode
+    from tiercake.workers.reference.model import ModelConfig, ReferenceModel, encode
 
     config = ModelConfig(dim=256, layers=4, heads=8, kv_heads=4, ffn_dim=512)
     import tiercake.tiers.store as source_text

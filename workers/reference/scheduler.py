@@ -18,7 +18,7 @@ import torch
 
 from tiercake.messages import GenerateRequest, TokenEvent, TokenLogprob
 
-from .inference import InferenceEngine, Sequence, StoreError, logprobs_of, next_token
+from .runner import ModelRunner, Sequence, StoreError, logprobs_of, next_token
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,7 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(
-        self, engine: InferenceEngine, max_batch: int = 32, max_prefills: int = 1, prefetch: bool = False
-    ) -> None:
+    def __init__(self, engine: ModelRunner, max_batch: int = 32, max_prefills: int = 1, prefetch: bool = False) -> None:
         self.engine = engine
         self.prefetch = prefetch  # stage a waiting job's prefix into the node's memory
         self.max_batch = max_batch

@@ -22,9 +22,9 @@ from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore, TierFullErr
 from tiercake.tiers.gpu import default_device
 from tiercake.transfer import TransferEngine
 
-from .contract import EngineBusy, ServingEngine
-from .inference import InferenceEngine
+from ..contract import EngineBusy, ServingEngine
 from .model import PagedChunk, ReferenceModel
+from .runner import ModelRunner
 from .scheduler import Scheduler
 
 
@@ -35,7 +35,7 @@ class ReferenceEngine(ServingEngine):
         self.config = config
         self.worker_id = worker_id
         self.data_dir = data_dir
-        self.inference: InferenceEngine | None = None
+        self.inference: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
         self._perf = WorkerPerf()
         self._closers: list = []
@@ -61,7 +61,7 @@ class ReferenceEngine(ServingEngine):
                 tls=cfg.transfer_tls_client(),
             )
             self._closers.append(transfer.close)
-            self.inference = InferenceEngine(
+            self.inference = ModelRunner(
                 model,
                 store,
                 cfg.serving_namespace(),
@@ -131,7 +131,7 @@ class ReferenceEngine(ServingEngine):
 PERF_FIELDS = set(WorkerPerf.model_fields)
 
 
-def calibrate(engine: InferenceEngine, cache: Path | None) -> WorkerPerf:
+def calibrate(engine: ModelRunner, cache: Path | None) -> WorkerPerf:
     """Fit the prefill-time model and measure a decode step on this machine; reuse a persisted fit of
     the same model, block size and device."""
     model = engine.model

@@ -32,8 +32,8 @@ from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
 from tiercake.tiers.buffers import host_bytes
 from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine, TransferResult
 
-from .contract import RequestRejected
-from .fence import NodeFence
+from ..contract import RequestRejected
+from ..fence import NodeFence
 from .model import PagedChunk, ReferenceModel
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ STAGE_TIER = "pool"  # where a node stages disk blocks (its memory tier above th
 
 @dataclass(frozen=True, slots=True)
 class Prefetched:
-    """What a waiting request's prefetch did (``InferenceEngine.prefetch``)."""
+    """What a waiting request's prefetch did (``ModelRunner.prefetch``)."""
 
     staged: frozenset[bytes] = frozenset()  # keys the source node brought from disk into its memory
     pulled: tuple[tuple[bytes, str], ...] = ()  # keys pulled into the gpu tier ahead, with "<node>:<tier>"
@@ -67,7 +67,7 @@ class Sequence:
     stored: int = 0  # full blocks already in the store (reused or adopted)
 
 
-class InferenceEngine:
+class ModelRunner:
     def __init__(
         self,
         model: ReferenceModel,
@@ -496,7 +496,7 @@ def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list
 
 __all__ = [
     "ContextLimitError",
-    "InferenceEngine",
+    "ModelRunner",
     "PrefillStats",
     "Sequence",
     "StoreError",
