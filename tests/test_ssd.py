@@ -17,7 +17,7 @@ from conftest import LAYOUT, block, key
 from tiercake.tiers import DiskFullError, ObjectNotFoundError, SsdTier, Tier, TieredStore, TierFullError
 from tiercake.tiers.buffers import round_up
 from tiercake.tiers.ssd import HEADER_SIZE, SsdLockedError, shuffle16, unshuffle16
-from tiercake.tiers.ssd_log import SsdLogTier, block_payloads, segment_records
+from tiercake.tiers.ssd.log import SsdLogTier, block_payloads, segment_records
 from tiercake.tiers.store import MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES, in_flight
 
 LAYOUTS = pytest.mark.parametrize("layout", ["files", "log"])
@@ -80,7 +80,7 @@ async def test_restart_keeps_every_block(tmp_path, layout):
 async def test_a_blocks_seal_survives_a_restart_and_blocks_from_before_seals_still_read(tmp_path):
     import xxhash
 
-    from tiercake.tiers import ssd
+    from tiercake.tiers.ssd import record as ssd
 
     store = await ssd_store(tmp_path)
     await store.put(key(1), block(1), seal=b"s" * 16)
@@ -298,7 +298,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import asyncio, sys, torch
     from tiercake.tiers import SsdTier, Tier, TieredStore
-    from tiercake.tiers.ssd_log import SsdLogTier
+    from tiercake.tiers.ssd.log import SsdLogTier
 
     async def put(store, i):
         g = torch.Generator().manual_seed(i)

@@ -24,7 +24,7 @@ from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
 from tiercake.tiers.pool import remove_pool
-from tiercake.tiers.ssd_log import block_payloads
+from tiercake.tiers.ssd.log import block_payloads
 from tiercake.traces import read_trace
 from tiercake.transfer import TransferEngine
 from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker

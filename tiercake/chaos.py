@@ -69,7 +69,7 @@ from tiercake.messages import MemberInfo
 from tiercake.netns import Partition, PartitionUnavailable
 from tiercake.replay import TokenMap
 from tiercake.tiers.pool import remove_pool
-from tiercake.tiers.ssd_log import block_payloads
+from tiercake.tiers.ssd.log import block_payloads
 from tiercake.traces import synthetic_trace
 from tiercake.up import UpProcess
 

@@ -77,7 +77,7 @@ TIER_BACKENDS = PluginRegistry(
     {
         "gpu": "tiercake.tiers.gpu:GpuTier",
         "pool": "tiercake.tiers.pool:PoolTier",
-        "ssd": "tiercake.tiers.ssd_layouts:SsdBackend",
+        "ssd": "tiercake.tiers.ssd:SsdBackend",
     },
 )
 

@@ -28,7 +28,7 @@ import torch
 from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
 from tiercake.tiers.backend import TierBackend
 from tiercake.tiers.buffers import aligned_buffer
-from tiercake.tiers.ssd_log import SsdLogTier
+from tiercake.tiers.ssd.log import SsdLogTier
 
 from .report import Report, machine
 

@@ -2,7 +2,7 @@
 
 A file per block costs a create, a rename and a close (0.3-0.5 ms on ext4), several times the I/O of
 a 64 KiB block. Here a block is a *record* appended to the active segment: a header page (the same
-header, checksums and flags as the files layout, ``tiers/ssd.py``) and the stored payload, padded to
+header, checksums and flags as the files layout, ``tiers/ssd/files.py``) and the stored payload, padded to
 a page, so every record is direct-I/O aligned. One writer thread owns the tail: what ``persist``
 calls queue while a write runs goes out in the next ``pwritev`` (group commit), so a batch of puts
 costs one system call, not three per block.
@@ -41,15 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .backend import RecoveredBlock
-from .buffers import PAGE, aligned_buffer, round_up
-from .errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
-from .ssd import (
+from ..backend import RecoveredBlock
+from ..buffers import PAGE, aligned_buffer, round_up
+from ..errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
+from .files import SsdTier, _drop_other_layout
+from .record import (
     _FLAG_DEAD,
     HEADER_SIZE,
-    SsdTier,
     _check_block,
-    _drop_other_layout,
     _Header,
     _parse_header,
     pack_header,
