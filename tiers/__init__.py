@@ -23,11 +23,12 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # the names as the type checker sees them
+    from .entries import BlockChange, BlockView, Lease, PutHandle, Tier
     from .gpu import GpuBlockPool, GpuTier
     from .pool import PoolRegion, PoolTier
     from .sequences import BlockTable, SequenceKV
     from .ssd import SsdTier
-    from .store import BlockChange, BlockView, Lease, PutHandle, Tier, TieredStore
+    from .store import TieredStore
 
 _LAZY = {
     "GpuBlockPool": ".gpu",
@@ -37,11 +38,11 @@ _LAZY = {
     "BlockTable": ".sequences",
     "SequenceKV": ".sequences",
     "SsdTier": ".ssd",
-    "BlockChange": ".store",
-    "BlockView": ".store",
-    "Lease": ".store",
-    "PutHandle": ".store",
-    "Tier": ".store",
+    "BlockChange": ".entries",
+    "BlockView": ".entries",
+    "Lease": ".entries",
+    "PutHandle": ".entries",
+    "Tier": ".entries",
     "TieredStore": ".store",
 }
 
