@@ -13,7 +13,7 @@ import torch
 
 from tiercake.blocks import BlockLayout
 from tiercake.policies import LRU
-from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.tiers import GpuBackend, GpuBlockPool, PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
 from tiercake.tiers.pool import remove_pool
 
 pytest_plugins = ["process_guard"]
@@ -65,12 +65,12 @@ def make_store(tmp_path, shm_path):
         tiers = []
         if gpu:
             pool_ = GpuBlockPool(gpu, LAYOUT.shape, torch.float16, "cpu")
-            tiers.append(Tier(GpuTier(pool_), policies.get("gpu", LRU()), admission.get("gpu")))
+            tiers.append(Tier(GpuBackend(pool_), policies.get("gpu", LRU()), admission.get("gpu")))
         if pool:
             region = PoolRegion.create(shm_path, pool * nbytes)
-            tiers.append(Tier(PoolTier(region), policies.get("pool", LRU()), admission.get("pool")))
+            tiers.append(Tier(PoolBackend(region), policies.get("pool", LRU()), admission.get("pool")))
         if ssd:
-            backend = SsdTier(ssd_dir or tmp_path / "ssd", capacity_bytes=ssd * (nbytes + 512))
+            backend = SsdFilesBackend(ssd_dir or tmp_path / "ssd", capacity_bytes=ssd * (nbytes + 512))
             tiers.append(Tier(backend, policies.get("ssd", LRU()), admission.get("ssd")))
         store = TieredStore(tiers, payload_nbytes=nbytes, payload_dtype=torch.float16, **store_kwargs)
         built.append(store)

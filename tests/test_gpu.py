@@ -57,10 +57,10 @@ def test_default_device_matches_hardware():
 
 
 async def test_sequence_tables_share_cached_blocks_grow_by_evicting_and_give_everything_back():
-    from tiercake.tiers import GpuTier, SequenceKV, Tier, TieredStore
+    from tiercake.tiers import GpuBackend, SequenceKV, Tier, TieredStore
 
     pool = GpuBlockPool(4, (8,), torch.uint8, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=8).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=8).open()
     kv = SequenceKV(store, block_tokens=2)
     keys = [bytes([i]) * 32 for i in range(4)]
     try:

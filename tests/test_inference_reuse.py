@@ -15,7 +15,7 @@ from transfer_helpers import SECRET
 from tiercake.blocks import Namespace
 from tiercake.conductor.client import Client
 from tiercake.conductor.membership import MemberInfo
-from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.tiers import GpuBackend, GpuBlockPool, PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
 from tiercake.transfer import TransferEngine, TransferServer
 from tiercake.workers.conductor_link import ConductorLink
 from tiercake.workers.reference.model import ModelConfig, ReferenceModel, encode
@@ -50,10 +50,10 @@ class Cluster:
         if pool:
             path = f"/dev/shm/tiercake-test-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             self.shm.append(path)
-            tiers.append(Tier(PoolTier(PoolRegion.create(path, 4 << 20))))
+            tiers.append(Tier(PoolBackend(PoolRegion.create(path, 4 << 20))))
             caps["pool"] = 4 << 20
         if ssd:
-            tiers.append(Tier(SsdTier(self.tmp_path / name, capacity_bytes=16 << 20)))
+            tiers.append(Tier(SsdFilesBackend(self.tmp_path / name, capacity_bytes=16 << 20)))
             caps["ssd"] = 16 << 20
         store = await TieredStore(tiers).open()
         server = await TransferServer(store, SECRET, name, pool_tier="pool" if pool else None).start()
@@ -82,7 +82,7 @@ class Cluster:
         self, model, name: str, write_to: dict | None = None, transports=("local", "shm", "tcp"), blocks: int = 64
     ):
         pool = GpuBlockPool(blocks, LAYOUT.shape, torch.float16, "cpu")
-        store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+        store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
         engine = TransferEngine(name, SECRET, store, transports=transports)
         client = Client([self.url])
         inference = ModelRunner(
@@ -137,7 +137,7 @@ async def generate(engine: ModelRunner, text: str, n: int = 6, tenant: str = "de
 async def recompute(model, text: str, n: int = 6):
     """The same prompt on a fresh worker with no cache and no conductor."""
     pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
     engine = ModelRunner(model, store, NS, worker_id="ref")
     stats, tokens, logits = await generate(engine, text, n)
     await store.close()
@@ -259,7 +259,7 @@ async def test_a_full_gpu_tier_fails_only_the_request_that_needs_a_block(model):
     from tiercake.workers.reference.scheduler import Scheduler
 
     pool = GpuBlockPool(12, LAYOUT.shape, torch.float16, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
     engine = ModelRunner(model, store, NS, worker_id="small")
     scheduler = Scheduler(engine).start()
     try:
@@ -302,7 +302,7 @@ async def test_generated_blocks_are_keyed_like_a_follow_up_prompt_under_the_same
 @pytest.mark.parametrize("chunk", [16, 24])
 async def test_a_prefill_in_chunks_computes_the_same_answer(model, chunk):
     pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
     engine = ModelRunner(model, store, NS, worker_id="chunked", prefill_chunk=chunk)
     try:
         same_answer(await generate(engine, PROMPT), await recompute(model, PROMPT))
@@ -318,7 +318,7 @@ async def test_a_long_prefill_does_not_stall_the_running_batch(model):
     from tiercake.workers.reference.scheduler import Scheduler
 
     pool = GpuBlockPool(512, LAYOUT.shape, torch.float16, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
     engine = ModelRunner(model, store, NS, worker_id="chunks", prefill_chunk=64, max_context=8192)
     scheduler = Scheduler(engine).start()
     arrivals: list[float] = []
@@ -357,7 +357,7 @@ async def test_a_burst_of_long_prompts_fits_a_gpu_tier_sized_for_one_prefill_at_
     from tiercake.workers.reference.scheduler import Scheduler
 
     pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
     engine = ModelRunner(model, store, NS, worker_id="burst", prefill_chunk=32)
     scheduler = Scheduler(engine).start()
     try:
@@ -382,7 +382,7 @@ async def test_any_temperature_samples_and_a_failing_sample_fails_only_its_reque
     from tiercake.workers.reference import scheduler as scheduler_module
 
     pool = GpuBlockPool(24, LAYOUT.shape, torch.float16, "cpu")
-    store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
     engine = ModelRunner(model, store, NS, worker_id="temps")
     scheduler = scheduler_module.Scheduler(engine).start()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import LAYOUT, block, key
 
-from tiercake.tiers import PoolRegion, PoolTier
+from tiercake.tiers import PoolBackend, PoolRegion
 from tiercake.tiers.pool import ExtentAllocator, PoolFormatError
 
 
@@ -23,7 +23,7 @@ def _reader(path, offset, nbytes, conn):
 @pytest.mark.cluster
 def test_two_processes_share_the_region(shm_path):
     region = PoolRegion.create(shm_path, 1 << 20)
-    tier = PoolTier(region)
+    tier = PoolBackend(region)
     slot = tier.allocate(LAYOUT.nbytes)
     payload = block(3).view(torch.uint8).view(-1)
     tier.view(slot, LAYOUT.nbytes).copy_(payload)
@@ -96,7 +96,7 @@ def test_view_bounds_and_bad_sizes(shm_path):
         region.view(4096, 8192)
     with pytest.raises(PayloadError, match="outside"):
         region.view(-1, 10)
-    tier = PoolTier(region)
+    tier = PoolBackend(region)
     with pytest.raises(PayloadError, match="cannot hold"):
         tier.allocate(1 << 20)
     region.close()
@@ -168,10 +168,10 @@ def test_a_pool_larger_than_its_file_system_is_a_clear_error_not_a_sigbus(tmp_pa
 _KILLED_OWNER = """
 import asyncio, os, signal, sys
 import torch
-from tiercake.tiers import PoolRegion, PoolTier, Tier, TieredStore
+from tiercake.tiers import PoolRegion, PoolBackend, Tier, TieredStore
 
 async def main(path, n):
-    store = await TieredStore([Tier(PoolTier(PoolRegion.create(path, 4 << 20, adopt=True, index_entries=512), keep=True))]).open()
+    store = await TieredStore([Tier(PoolBackend(PoolRegion.create(path, 4 << 20, adopt=True, index_entries=512), keep=True))]).open()
     for i in range(n):
         await store.put(i.to_bytes(8, "big") * 4, torch.full((5000 + i,), i % 251, dtype=torch.uint8),
                         tenant=f"t{i % 3}", parent=b"p" * 32 if i % 2 else None, seal=bytes([i % 256]) * 16)
@@ -202,7 +202,7 @@ async def test_a_restarted_owner_adopts_every_committed_block_of_a_killed_one(sh
         [sys.executable, str(script), str(shm_path), str(n)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == -9 and "ready" in done.stdout, (done.returncode, done.stderr[-2000:])
-    tier = PoolTier(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512), keep=True)
+    tier = PoolBackend(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512), keep=True)
     store = await TieredStore([Tier(tier)]).open()
     try:
         assert tier.region.adopted
@@ -222,7 +222,7 @@ async def test_a_restarted_owner_adopts_every_committed_block_of_a_killed_one(sh
         await store.remove((1).to_bytes(8, "big") * 4)
     finally:
         await store.close()
-    again = PoolTier(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512))
+    again = PoolBackend(PoolRegion.create(shm_path, 4 << 20, adopt=True, index_entries=512))
     try:
         found = {b.key for b in await again.recover()}
         assert b"new".ljust(32, b"n") in found and (1).to_bytes(8, "big") * 4 not in found and len(found) == n - 1
@@ -235,11 +235,11 @@ def test_a_region_of_another_size_is_formatted_anew_not_misread(shm_path):
 
     async def go():
         region = PoolRegion.create(shm_path, 1 << 20, adopt=True)
-        tier = PoolTier(region, keep=True)
+        tier = PoolBackend(region, keep=True)
         slot = tier.allocate(4096)
         tier.on_commit(slot, b"k" * 32, None, "", b"")
         tier.close()
-        bigger = PoolTier(PoolRegion.create(shm_path, 2 << 20, adopt=True))
+        bigger = PoolBackend(PoolRegion.create(shm_path, 2 << 20, adopt=True))
         assert not bigger.region.adopted and await bigger.recover() == []
         bigger.close()
 

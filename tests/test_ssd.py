@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import LAYOUT, block, key
 
-from tiercake.tiers import DiskFullError, ObjectNotFoundError, SsdTier, Tier, TieredStore, TierFullError
+from tiercake.tiers import DiskFullError, ObjectNotFoundError, SsdFilesBackend, Tier, TieredStore, TierFullError
 from tiercake.tiers.buffers import round_up
 from tiercake.tiers.ssd import HEADER_SIZE, SsdLockedError, shuffle16, unshuffle16
-from tiercake.tiers.ssd.log import SsdLogTier, block_payloads, segment_records
+from tiercake.tiers.ssd.log import SsdLogBackend, block_payloads, segment_records
 from tiercake.tiers.store import MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES, in_flight
 
 LAYOUTS = pytest.mark.parametrize("layout", ["files", "log"])
@@ -27,8 +27,8 @@ def same(data, i):
     return torch.equal(data.view(torch.float16).view(LAYOUT.shape), block(i))
 
 
-def ssd_tier(path, layout="files", **kw) -> SsdTier:
-    return (SsdLogTier if layout == "log" else SsdTier)(path, **kw)
+def ssd_tier(path, layout="files", **kw) -> SsdFilesBackend:
+    return (SsdLogBackend if layout == "log" else SsdFilesBackend)(path, **kw)
 
 
 def record_bytes(layout: str, payload_nbytes: int) -> int:
@@ -105,9 +105,9 @@ async def test_a_blocks_seal_survives_a_restart_and_blocks_from_before_seals_sti
 async def test_second_owner_is_refused(tmp_path):
     store = await ssd_store(tmp_path)
     with pytest.raises(SsdLockedError):
-        SsdTier(tmp_path)
+        SsdFilesBackend(tmp_path)
     await store.close()
-    SsdTier(tmp_path).close()  # free again once the owner closed
+    SsdFilesBackend(tmp_path).close()  # free again once the owner closed
 
 
 BIG = 256 << 10  # zstd needs more than a few KiB to find the byte-plane structure
@@ -297,8 +297,8 @@ async def test_a_full_disk_under_spills_logs_a_line_now_and_then_not_one_per_spi
 KILLED_WRITER = textwrap.dedent(
     """
     import asyncio, sys, torch
-    from tiercake.tiers import SsdTier, Tier, TieredStore
-    from tiercake.tiers.ssd.log import SsdLogTier
+    from tiercake.tiers import SsdFilesBackend, Tier, TieredStore
+    from tiercake.tiers.ssd.log import SsdLogBackend
 
     async def put(store, i):
         g = torch.Generator().manual_seed(i)
@@ -307,7 +307,7 @@ KILLED_WRITER = textwrap.dedent(
         print(i, flush=True)
 
     async def main():
-        tier = (SsdLogTier if sys.argv[2] == "log" else SsdTier)(sys.argv[1], capacity_bytes=1 << 34)
+        tier = (SsdLogBackend if sys.argv[2] == "log" else SsdFilesBackend)(sys.argv[1], capacity_bytes=1 << 34)
         store = await TieredStore([Tier(tier)]).open()
         i = 0
         while True:  # eight puts in flight: the log writes them in batches
@@ -538,12 +538,12 @@ async def test_a_crash_between_a_compactions_copy_and_the_old_segments_deletion_
 
 
 async def test_of_two_records_of_a_key_the_newer_is_recovered(tmp_path):
-    backend = SsdLogTier(tmp_path, capacity_bytes=1 << 20)
+    backend = SsdLogBackend(tmp_path, capacity_bytes=1 << 20)
     for i in (1, 2):  # as a crash between a compaction's copy and the segment's deletion leaves them
         slot = backend.allocate(LAYOUT.nbytes)
         await backend.persist(slot, key(0), None, block(i).view(torch.uint8).reshape(-1))
     backend.close()
-    store = await TieredStore([Tier(SsdLogTier(tmp_path, capacity_bytes=1 << 20))]).open()
+    store = await TieredStore([Tier(SsdLogBackend(tmp_path, capacity_bytes=1 << 20))]).open()
     assert store.keys() == [key(0)] and same(await store.get(key(0)), 2)
     assert store.tier("ssd").backend.used_bytes == 8192
     await store.close()
@@ -555,7 +555,7 @@ async def test_the_layout_is_a_setting_and_switching_it_drops_the_other_layouts_
 
     cfg = TierConfig(kind="ssd", capacity="1MiB", path=str(tmp_path), layout="log", segment_bytes="256KiB")
     backend = backend_class("ssd").from_config(cfg, None)
-    assert isinstance(backend, SsdLogTier) and backend.segment_bytes == 256 << 10
+    assert isinstance(backend, SsdLogBackend) and backend.segment_bytes == 256 << 10
     store = await TieredStore([Tier(backend)]).open()
     await store.put(key(1), block(1))
     await store.close()
@@ -572,7 +572,7 @@ async def test_the_layout_is_a_setting_and_switching_it_drops_the_other_layouts_
 
 async def test_a_batch_of_adjacent_blocks_is_read_in_a_few_large_reads_and_a_bad_one_fails_alone(tmp_path):
     nbytes = 16 << 10
-    backend = SsdLogTier(tmp_path, capacity_bytes=8 << 20)
+    backend = SsdLogBackend(tmp_path, capacity_bytes=8 << 20)
     if not backend.direct_io:
         backend.close()
         pytest.skip("this file system refuses O_DIRECT: reads go one at a time through the page cache")
@@ -599,7 +599,7 @@ async def test_a_batch_of_adjacent_blocks_is_read_in_a_few_large_reads_and_a_bad
 async def test_closing_the_log_fails_queued_appends_and_finishes_the_one_being_written(tmp_path):
     from tiercake.tiers import StoreError
 
-    backend = SsdLogTier(tmp_path, capacity_bytes=1 << 20)
+    backend = SsdLogBackend(tmp_path, capacity_bytes=1 << 20)
     write = backend._write_records
     backend._write_records = lambda seg, records: (time.sleep(0.2), write(seg, records))[1]
 
@@ -616,7 +616,7 @@ async def test_closing_the_log_fails_queued_appends_and_finishes_the_one_being_w
     for task in queued:
         with pytest.raises(StoreError, match="closed"):
             await asyncio.wait_for(task, 5)  # a clear error, not a hang
-    store = await TieredStore([Tier(SsdLogTier(tmp_path, capacity_bytes=1 << 20))]).open()
+    store = await TieredStore([Tier(SsdLogBackend(tmp_path, capacity_bytes=1 << 20))]).open()
     assert store.keys() == [key(0)] and same(await store.get(key(0)), 0)
     await store.close()
 

@@ -548,14 +548,14 @@ async def test_a_tenant_over_its_quota_evicts_its_own_blocks_not_anothers(make_s
     """pool: 8 blocks, each tenant at most 4. bob caches 4; alice then writes 10: she keeps her newest
     4 in the pool (the rest go down to the SSD) and bob's 4 stay. Without the quota her writes evict
     bob's (LRU), which is how one tenant empties the cache of the others."""
-    from tiercake.tiers import PoolTier, Tier
+    from tiercake.tiers import PoolBackend, Tier
 
     for quota, bob_kept in ((4 * LAYOUT.nbytes, 4), (None, 0)):
         store = await make_store(gpu=None, pool=8, ssd=64, ssd_dir=tmp_path / f"ssd-{quota}")
         pool: Tier = store.tier("pool")
         pool.tenant_quota_bytes = quota
         pool.high_watermark = 1.0  # only room-making evicts here, not the background watermark round
-        assert isinstance(pool.backend, PoolTier)
+        assert isinstance(pool.backend, PoolBackend)
         for i in range(4):
             await store.put(key(100 + i), block(100 + i), tenant="bob", tier="pool")
         for i in range(10):

@@ -20,7 +20,7 @@ from transfer_helpers import (
     stop_node,
 )
 
-from tiercake.tiers import SsdTier, Tier, TieredStore
+from tiercake.tiers import SsdFilesBackend, Tier, TieredStore
 from tiercake.transfer import (
     TRANSPORTS,
     AuthenticationError,
@@ -575,13 +575,13 @@ async def test_shm_follows_a_node_agent_that_restarted_with_a_new_pool_at_the_sa
     import os
     import uuid
 
-    from tiercake.tiers import PoolRegion, PoolTier, Tier, TieredStore
+    from tiercake.tiers import PoolBackend, PoolRegion, Tier, TieredStore
     from tiercake.transfer import TransferServer
 
     path = f"/dev/shm/tiercake-test-restart-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
     async def node(port: int = 0):
-        store = await TieredStore([Tier(PoolTier(PoolRegion.create(path, 4 << 20)))]).open()
+        store = await TieredStore([Tier(PoolBackend(PoolRegion.create(path, 4 << 20)))]).open()
         return store, await TransferServer(store, SECRET, "node-r", port=port).start()
 
     store, server = await node()
@@ -736,7 +736,7 @@ async def test_a_block_keeps_its_seal_on_every_path_and_across_a_restart(tmp_pat
     # the seal is in the block's file on SSD: a restarted node still hands it out
     await store.flush(["pool"])
     await stop_node(store, server)
-    reopened = await TieredStore([Tier(SsdTier(tmp_path / "ssd", capacity_bytes=64 << 20))]).open()
+    reopened = await TieredStore([Tier(SsdFilesBackend(tmp_path / "ssd", capacity_bytes=64 << 20))]).open()
     assert [reopened.seal_of(k) for k in keys] == seals
     await reopened.close()
     await engine.close()

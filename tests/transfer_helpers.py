@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tiercake.tiers import PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.tiers import PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
 from tiercake.transfer import TransferServer
 from tiercake.transfer import protocol as p
 
@@ -23,9 +23,9 @@ def payload(i: int, nbytes: int) -> torch.Tensor:
 
 async def start_node(node_id: str, pool_bytes: int = 8 << 20, ssd_dir: Path | None = None, **kw):
     path = f"/dev/shm/tiercake-test-{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    tiers = [Tier(PoolTier(PoolRegion.create(path, pool_bytes)))]
+    tiers = [Tier(PoolBackend(PoolRegion.create(path, pool_bytes)))]
     if ssd_dir is not None:
-        tiers.append(Tier(SsdTier(ssd_dir, capacity_bytes=64 << 20)))
+        tiers.append(Tier(SsdFilesBackend(ssd_dir, capacity_bytes=64 << 20)))
     store = await TieredStore(tiers).open()
     server = await TransferServer(store, SECRET, node_id, **kw).start()
     return store, server

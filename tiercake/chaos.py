@@ -214,14 +214,14 @@ class Oracle:
         if self._engine is None:
             import torch
 
-            from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore
+            from tiercake.tiers import GpuBackend, GpuBlockPool, Tier, TieredStore
             from tiercake.workers.reference.model import ReferenceModel
             from tiercake.workers.reference.runner import ModelRunner
 
             serving = self.config.serving
             layout = serving.layout()
             pool = GpuBlockPool(64, layout.shape, getattr(torch, layout.dtype), "cpu")
-            store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
+            store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=layout.nbytes).open()
             self._engine = ModelRunner(
                 ReferenceModel(serving.model),
                 store,

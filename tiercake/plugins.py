@@ -75,8 +75,8 @@ TIER_BACKENDS = PluginRegistry(
     "tier backend",
     "tiercake.tiers",
     {
-        "gpu": "tiercake.tiers.gpu:GpuTier",
-        "pool": "tiercake.tiers.pool:PoolTier",
+        "gpu": "tiercake.tiers.gpu:GpuBackend",
+        "pool": "tiercake.tiers.pool:PoolBackend",
         "ssd": "tiercake.tiers.ssd:SsdBackend",
     },
 )

@@ -24,19 +24,22 @@ from .errors import (
 
 if TYPE_CHECKING:  # the names as the type checker sees them
     from .entries import BlockChange, BlockView, Lease, PutHandle, Tier
-    from .gpu import GpuBlockPool, GpuTier
-    from .pool import PoolRegion, PoolTier
+    from .gpu import GpuBackend, GpuBlockPool, GpuTier
+    from .pool import PoolBackend, PoolRegion, PoolTier
     from .sequences import BlockTable, SequenceKV
-    from .ssd import SsdTier
+    from .ssd import SsdFilesBackend, SsdTier
     from .store import TieredStore
 
 _LAZY = {
     "GpuBlockPool": ".gpu",
+    "GpuBackend": ".gpu",
     "GpuTier": ".gpu",
     "PoolRegion": ".pool",
+    "PoolBackend": ".pool",
     "PoolTier": ".pool",
     "BlockTable": ".sequences",
     "SequenceKV": ".sequences",
+    "SsdFilesBackend": ".ssd",
     "SsdTier": ".ssd",
     "BlockChange": ".entries",
     "BlockView": ".entries",
@@ -66,11 +69,14 @@ __all__ = [
     "StoreError",
     "TierFullError",
     "GpuBlockPool",
+    "GpuBackend",
     "GpuTier",
     "PoolRegion",
+    "PoolBackend",
     "PoolTier",
     "BlockTable",
     "SequenceKV",
+    "SsdFilesBackend",
     "SsdTier",
     "BlockChange",
     "BlockView",

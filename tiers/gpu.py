@@ -112,7 +112,7 @@ class GpuBlockPool:
             raise InvalidStateError(f"gpu pool: unknown sequence {seq_id!r}") from None
 
 
-class GpuTier(MemoryTierBackend):
+class GpuBackend(MemoryTierBackend):
     """The store's view of a GpuBlockPool: one object per block, exact block size only."""
 
     kind = "gpu"
@@ -124,7 +124,7 @@ class GpuTier(MemoryTierBackend):
             raise ValueError("a gpu tier has no 'path'")
 
     @classmethod
-    def from_config(cls, cfg, layout) -> GpuTier:
+    def from_config(cls, cfg, layout) -> GpuBackend:
         if layout is None:
             raise ValueError("a gpu tier needs the block layout (store.layout)")
         blocks = int(cfg.capacity) // layout.nbytes
@@ -180,3 +180,6 @@ class GpuTier(MemoryTierBackend):
 
     def close(self) -> None:
         pass
+
+
+GpuTier = GpuBackend  # the name before 0.2 (a backend, not a store tier); kept for callers

@@ -10,7 +10,7 @@ The region outlives its owner. Between the header and the data space lies the re
 An entry is written whole before its state byte marks it committed, and its state byte is cleared
 before its extent is freed, so a process killed between any two stores leaves the index describing
 exactly the committed blocks. A node agent that restarts at the same path with the same geometry
-adopts the region: its blocks come back through ``PoolTier.recover`` (what a put had reserved but not
+adopts the region: its blocks come back through ``PoolBackend.recover`` (what a put had reserved but not
 committed is free again). Only a host reboot, or a new size, loses them.
 """
 
@@ -427,7 +427,7 @@ class ExtentAllocator:
         return len(self._starts)
 
 
-class PoolTier(MemoryTierBackend):
+class PoolBackend(MemoryTierBackend):
     """The store's view of the pool: variable-size objects in page-granular extents, each committed one
     described in the region's index (so a restarted owner adopts it: ``recover``)."""
 
@@ -435,7 +435,7 @@ class PoolTier(MemoryTierBackend):
     rank = 1
 
     @classmethod
-    def from_config(cls, cfg, layout) -> PoolTier:
+    def from_config(cls, cfg, layout) -> PoolBackend:
         path = cfg.path or f"/dev/shm/tiercake-{cfg.tier_name}"
         region = PoolRegion.create(
             path,
@@ -539,3 +539,6 @@ class PoolTier(MemoryTierBackend):
     def close(self) -> None:
         self.index.table = self.index._mem = None  # a live view of the mapping would keep it (and its lock) open
         self.region.close(unlink=not self.keep)
+
+
+PoolTier = PoolBackend  # the name before 0.2 (a backend, not a store tier); kept for callers

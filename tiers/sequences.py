@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidStateError, TierFullError
-from .gpu import GpuBlockPool, GpuTier
+from .gpu import GpuBackend, GpuBlockPool
 from .store import TieredStore
 
 
@@ -40,7 +40,7 @@ class SequenceKV:
         if block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         backend = store.tier(tier).backend
-        if not isinstance(backend, GpuTier):
+        if not isinstance(backend, GpuBackend):
             raise TypeError(f"tier {tier!r} is a {type(backend).__name__}, not a gpu tier")
         self.store = store
         self.block_tokens = block_tokens

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from tiercake.tiers import GpuBlockPool, GpuTier, PoolRegion, PoolTier, SsdTier, Tier, TieredStore
+from tiercake.tiers import GpuBackend, GpuBlockPool, PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
 from tiercake.tiers.backend import TierBackend
 from tiercake.tiers.buffers import aligned_buffer
-from tiercake.tiers.ssd.log import SsdLogTier
+from tiercake.tiers.ssd.log import SsdLogBackend
 
 from .report import Report, machine
 
@@ -116,9 +116,9 @@ async def bench_memory_tiers(report: Report, sizes: list[int], working_set: int,
             backend: TierBackend
             if kind == "pool":
                 region = PoolRegion.create(f"/dev/shm/tiercake-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}", n * size)
-                backend = PoolTier(region)
+                backend = PoolBackend(region)
             else:
-                backend = GpuTier(GpuBlockPool(n, (size,), torch.uint8, "cpu"))
+                backend = GpuBackend(GpuBlockPool(n, (size,), torch.uint8, "cpu"))
             store = TieredStore([Tier(backend, high_watermark=1.0)])
             try:
                 put_s, get_s = await _store_rates(store, src, dst, n, reps)
@@ -174,7 +174,7 @@ async def bench_ssd(report: Report, sizes: list[int], working_set: int, reps: in
         for layout, batch in itertools.product(("files", "log"), (1, 32)):
             tier_dir = root / f"ssd-{layout}-{size}-{batch}"
             # direct_min=0: every size goes to the device, as the raw limit does (no page cache)
-            tier_cls = SsdLogTier if layout == "log" else SsdTier
+            tier_cls = SsdLogBackend if layout == "log" else SsdFilesBackend
             backend = tier_cls(tier_dir, capacity_bytes=4 * n * size, direct_io=direct, direct_min=0)
             store = TieredStore([Tier(backend, high_watermark=1.0)])
             try:
@@ -226,7 +226,9 @@ async def bench_compression(report: Report, root: Path, quick: bool, reps: int) 
     read_limit = n * size / min(r[1] for r in raw) / 1e9
     for shuffle in (False, True):
         tier_dir = root / f"zstd-{int(shuffle)}"
-        backend = SsdTier(tier_dir, capacity_bytes=4 * n * size, compression=True, shuffle=shuffle, direct_min=0)
+        backend = SsdFilesBackend(
+            tier_dir, capacity_bytes=4 * n * size, compression=True, shuffle=shuffle, direct_min=0
+        )
         store = TieredStore([Tier(backend, high_watermark=1.0)])
         try:
             put_s, get_s = await _store_rates(store, blocks, torch.empty_like(blocks), n, reps, batch=8)

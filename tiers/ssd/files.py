@@ -96,7 +96,7 @@ class _ThreadBuffers(threading.local):
         return self.array
 
 
-class SsdTier(DiskTierBackend):
+class SsdFilesBackend(DiskTierBackend):
     """Blocks as files under ``root``; every file operation runs in the tier's I/O threads."""
 
     kind = "ssd"
@@ -110,7 +110,7 @@ class SsdTier(DiskTierBackend):
             raise ValueError("an ssd tier needs a 'path' (a directory)")
 
     @classmethod
-    def from_config(cls, cfg, layout) -> SsdTier:
+    def from_config(cls, cfg, layout) -> SsdFilesBackend:
         """The file-per-block layout; the registry's ``ssd`` (``ssd.SsdBackend``) picks the layout."""
         return cls(cfg.path, **cls.settings_of(cfg))
 
@@ -501,3 +501,6 @@ def _probe_direct_io(directory: Path) -> bool:
         probe.unlink(missing_ok=True)
         view.release()
         mem.close()
+
+
+SsdTier = SsdFilesBackend  # the name before 0.2 (a backend, not a store tier); kept for callers

@@ -44,7 +44,7 @@ import torch
 from ..backend import RecoveredBlock
 from ..buffers import PAGE, aligned_buffer, round_up
 from ..errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
-from .files import SsdTier, _drop_other_layout
+from .files import SsdFilesBackend, _drop_other_layout
 from .record import (
     _FLAG_DEAD,
     HEADER_SIZE,
@@ -97,7 +97,7 @@ class Segment:
 
 @dataclass(slots=True)
 class _Read:
-    """A queued read of one record straight into ``out`` (see ``SsdLogTier._coalesced``)."""
+    """A queued read of one record straight into ``out`` (see ``SsdLogBackend._coalesced``)."""
 
     segment: Segment
     offset: int
@@ -197,7 +197,7 @@ def walk_records(
             offset += parsed.data_offset + round_up(parsed.stored_len)
 
 
-class SsdLogTier(SsdTier):
+class SsdLogBackend(SsdFilesBackend):
     """The ssd tier with blocks appended to segment files under ``root/segments``."""
 
     def __init__(
@@ -758,3 +758,6 @@ def _sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+SsdLogTier = SsdLogBackend  # the name before 0.2; kept for callers

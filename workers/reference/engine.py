@@ -18,7 +18,7 @@ from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig
 from tiercake.messages import GenerateRequest, TokenEvent, WorkerLoadReply, WorkerPerf
 from tiercake.policies import fit_prefill
-from tiercake.tiers import GpuBlockPool, GpuTier, Tier, TieredStore, TierFullError
+from tiercake.tiers import GpuBackend, GpuBlockPool, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
 from tiercake.transfer import TransferEngine
 
@@ -49,7 +49,7 @@ class ReferenceEngine(ServingEngine):
             model = ReferenceModel(serving.model, device=device)
             layout = serving.layout()
             pool = GpuBlockPool(serving.gpu_blocks, layout.shape, layout.torch_dtype(), device)
-            store = await TieredStore([Tier(GpuTier(pool))], payload_nbytes=layout.nbytes).open()
+            store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=layout.nbytes).open()
             self._closers.append(store.close)
             transfer = TransferEngine(
                 self.worker_id,
