@@ -73,8 +73,9 @@ MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicationTask:
-    """Ask ``node`` to copy a hot block from ``source`` (``source`` set) or drop its copy (None)."""
+class ReplicaMove:
+    """Ask ``node`` to copy a hot block from ``source`` (``source`` set) or drop its copy (None); sent as
+    ``messages.ReplicationTask``."""
 
     tenant: str
     key: bytes
@@ -530,14 +531,14 @@ class Conductor:
 
     # Hot-block replication ------------------------------------------------------------------------
 
-    def replication_tasks(self, node: str, limit: int = 64) -> list[ReplicationTask]:
+    def replication_tasks(self, node: str, limit: int = 64) -> list[ReplicaMove]:
         """What ``node`` should copy or drop now, under the replication policy and the access rates
         seen in lookups. Each block's targets are chosen once by the placement strategy, so nodes
         asking at the same time do not all copy the same block; a task handed out is not handed out
         again until it is done (the index changes) or its deadline passes."""
         now = time.monotonic()
         self._issued = {k: v for k, v in self._issued.items() if v > now}
-        tasks: list[ReplicationTask] = []
+        tasks: list[ReplicaMove] = []
         for (tenant, key), rate in self.heat.items():
             holders = {
                 r: size
@@ -556,14 +557,14 @@ class Conductor:
             if wanted > len(nodes) and node not in nodes:
                 chosen = self.placement.choose(self._loads(tier, exclude=set(nodes)), size, wanted - len(nodes))
                 if node in chosen:
-                    tasks.append(ReplicationTask(tenant, key, tier, size, replica.node))
+                    tasks.append(ReplicaMove(tenant, key, tier, size, replica.node))
             elif wanted < len(nodes) and node in nodes and (tenant, key) not in self.pins:
                 # drop from the most used holders first, keeping ``wanted`` of them
                 by_use = sorted(nodes, key=lambda n: -self.index.used.get((n, tier), 0))
                 if node in by_use[: len(nodes) - wanted]:
                     for r in holders:
                         if r.node == node:
-                            tasks.append(ReplicationTask(tenant, key, r.tier, size, None))
+                            tasks.append(ReplicaMove(tenant, key, r.tier, size, None))
             else:
                 continue
             if tasks and tasks[-1].key == key:

@@ -84,7 +84,7 @@ class Entry:
 
 
 @dataclass(slots=True)
-class TierStats:
+class TierCounters:
     hits: int = 0
     puts: int = 0
     evictions: int = 0
@@ -129,7 +129,7 @@ class Tier:
         self.admission = admission if admission is not None else AlwaysAdmit()
         self.high_watermark = high_watermark
         self.evict_fraction = evict_fraction
-        self.stats = TierStats()
+        self.stats = TierCounters()
         self.index = 0
         self.evict_lock = asyncio.Lock()
         self.background: asyncio.Task | None = None
