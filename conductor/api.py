@@ -513,7 +513,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
     beside = public_port is None or (
         public_port == config.port != 0 and (full.serving.host or config.host) == config.host
     )
-    public_sock = None if beside else _bind(full.serving.host or config.host, public_port)
+    public_sock = None if beside or public_port is None else _bind(full.serving.host or config.host, public_port)
     meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
     conductor = None
     runners: list[web.AppRunner] = []

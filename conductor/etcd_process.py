@@ -78,9 +78,12 @@ class EtcdMember:
     def wait_ready(self, timeout: float = 20.0) -> None:
         """Until the member reports itself healthy (it has a leader and serves requests)."""
         deadline = time.monotonic() + timeout
+        proc = self.proc
+        assert proc is not None, "start() first"
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd {self.name} exited: {self.proc.stderr.read().decode()[-2000:]}")
+            if proc.poll() is not None:
+                said = proc.stderr.read().decode()[-2000:] if proc.stderr is not None else ""
+                raise RuntimeError(f"etcd {self.name} exited: {said}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=0.5) as resp:
                     if json.loads(resp.read()).get("health") == "true":

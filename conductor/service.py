@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercake.config import ObjectsConfig
@@ -448,14 +449,14 @@ class Conductor:
             self.pins.discard(pin)
         self.pins_version += 1
 
-    async def pin(self, tenant: str, keys: list[bytes], ttl: int | None = None) -> None:
+    async def pin(self, tenant: str, keys: Sequence[bytes], ttl: int | None = None) -> None:
         """Keep these blocks on every node that holds them (never evicted there) until unpinned or,
         with ``ttl``, for that many seconds. Durable: a new leader keeps the pins."""
         lease = await self.meta.grant_lease(ttl) if ttl else 0
         await self.meta.commit([Put(self._pin_key(tenant, k), b"{}", lease) for k in keys], guard=self.guard)
         self.pins.update((tenant, k) for k in keys)
 
-    async def unpin(self, tenant: str, keys: list[bytes]) -> None:
+    async def unpin(self, tenant: str, keys: Sequence[bytes]) -> None:
         await self.meta.commit([Delete(self._pin_key(tenant, k)) for k in keys], guard=self.guard)
         self.pins.difference_update((tenant, k) for k in keys)
 

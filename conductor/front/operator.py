@@ -9,7 +9,7 @@ import logging
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from tiercake.blocks import block_keys
+from tiercake.blocks import BlockKey, block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError, invalid
 from tiercake.messages import (
@@ -112,7 +112,7 @@ class OperatorApi:
             )
         )
 
-    async def _prompt_keys(self, request: web.Request) -> tuple[PromptRequest, str, list[bytes]]:
+    async def _prompt_keys(self, request: web.Request) -> tuple[PromptRequest, str, list[BlockKey]]:
         body = await parse(request, PromptRequest)
         tokens = list(body.prompt.encode()) if isinstance(body.prompt, str) else body.prompt
         index_tenant, salt = self.tenants.namespace(body.tenant)

@@ -25,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from tiercake.conductor.client import Client
@@ -51,16 +52,24 @@ SOURCES = {"gpu": None, "pool": ["gpu"], "ssd": ["gpu", "pool"]}  # the tiers to
 
 async def _ttft(client: Client, tokens: list[int], tenant: str) -> tuple[float, dict]:
     started = time.perf_counter()
-    first, usage = None, {}
+    first: float | None = None
+    usage: dict = {}
     async for chunk in client.stream_completion(tokens, model=MODEL, max_tokens=1, tenant=tenant):
         if chunk.get("choices") and first is None:
             first = time.perf_counter() - started
         usage = chunk.get("usage") or usage
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
     return first, usage
 
 
 async def _wait_tiers(
-    client: Client, tokens: list[int], tenant: str, blocks: int, present: set[str], absent: set[str] = frozenset()
+    client: Client,
+    tokens: list[int],
+    tenant: str,
+    blocks: int,
+    present: AbstractSet[str],
+    absent: AbstractSet[str] = frozenset(),
 ) -> None:
     """Until the index shows the prefix whole in every tier of ``present`` and in none of ``absent``."""
     deadline = time.monotonic() + 30

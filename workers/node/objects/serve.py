@@ -78,8 +78,8 @@ class ObjectServer(AnswerNow):
             if not flags & FLAG_NO_REPLY:  # without: a same-host reader's note of what it read (the leases)
                 await send_frame(conn, Op.OBJ_QUERY_REPLY, request, w.encode(reply))
         elif op is Op.OBJ_REMOVE:
-            reply = await self._remove(w.decode(w.RemoveRequest, body))
-            await send_frame(conn, Op.OBJ_REMOVE_REPLY, request, w.encode(reply))
+            removed = await self._remove(w.decode(w.RemoveRequest, body))
+            await send_frame(conn, Op.OBJ_REMOVE_REPLY, request, w.encode(removed))
         elif op is Op.OBJ_REPLICATE:
             await self._replicate(conn, request, w.decode(w.ReplicateRequest, body), deadline)
         else:
