@@ -98,28 +98,27 @@ class AnswerNow:
         reply = w.encode(w.GetReply(self.ownership.map.epoch, answers))
         return _send_now(conn, Op.OBJ_GET_REPLY, request, reply, data, deadline, after=lambda: self._end_leases(leases))
 
-    def _read_now(self, req: w.GetRequest, item: w.GetItem, shm: bool):
-        """``_read`` without its disk read: (None, None, None) for an object only on disk."""
+    def _readable(self, req: w.GetRequest, item: w.GetItem):
+        """The object a get item names, or the answer that refuses it: (refusal, None) or (None, stored)."""
         if not item.name:
-            return w.Got(Status.INVALID, message="an object needs a name"), None, None
+            return w.Got(Status.INVALID, message="an object needs a name"), None
         oid = object_id(item.name, req.tenant)
         refused = self._owner_check(oid, req.epoch)
         if refused is not None:
-            return w.Got(refused.status, message=refused.message), None, None
+            return w.Got(refused.status, message=refused.message), None
         stored = self.table.get(oid)
         if stored is None:
-            return w.Got(Status.NOT_FOUND), None, None
+            return w.Got(Status.NOT_FOUND), None
         if 0 <= item.capacity < stored.size:
-            return (
-                w.Got(
-                    Status.TOO_SMALL,
-                    stored.size,
-                    stored.version,
-                    message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}",
-                ),
-                None,
-                None,
-            )
+            message = f"the object is {stored.size} bytes, the buffer holds {item.capacity}"
+            return w.Got(Status.TOO_SMALL, stored.size, stored.version, message=message), None
+        return None, stored
+
+    def _read_now(self, req: w.GetRequest, item: w.GetItem, shm: bool):
+        """``_read`` without its disk read: (None, None, None) for an object only on disk."""
+        refusal, stored = self._readable(req, item)
+        if refusal is not None:
+            return refusal, None, None
         if shm:
             self.table.lease(stored)
             if stored.size == 0:

@@ -249,26 +249,9 @@ class ObjectServer(AnswerNow):
 
     async def _read(self, req: w.GetRequest, item: w.GetItem, shm: bool):
         """(answer, bytes to send or None, store lease or None) for one item."""
-        if not item.name:
-            return w.Got(Status.INVALID, message="an object needs a name"), None, None
-        oid = object_id(item.name, req.tenant)
-        refused = self._owner_check(oid, req.epoch)
-        if refused is not None:
-            return w.Got(refused.status, message=refused.message), None, None
-        stored = self.table.get(oid)
-        if stored is None:
-            return w.Got(Status.NOT_FOUND), None, None
-        if 0 <= item.capacity < stored.size:
-            return (
-                w.Got(
-                    Status.TOO_SMALL,
-                    stored.size,
-                    stored.version,
-                    message=f"the object is {stored.size} bytes, the buffer holds {item.capacity}",
-                ),
-                None,
-                None,
-            )
+        refusal, stored = self._readable(req, item)
+        if refusal is not None:
+            return refusal, None, None
         self.table.lease(stored)
         if stored.size == 0:
             return w.Got(Status.OK, 0, stored.version), None, None
