@@ -454,3 +454,27 @@ def test_up_under_vllm_refuses_half_a_disaggregated_setup(tmp_path):
         "up", "--engine", "vllm", "--model", str(tmp_path), "--vllm-prefill", "1", "--data-dir", str(tmp_path / "data")
     )
     assert done.returncode == 2 and "--vllm-prefill and --vllm-decode go together" in done.stderr
+
+
+@pytest.mark.cluster
+def test_a_spare_that_cannot_start_is_made_again_at_a_pace_not_in_a_loop(tmp_path):
+    """``up`` keeps a warm spare beside the node agent; one that dies at once (here: any spare of this
+    command exits 1) is made again every ``SPARE_AFTER_S``, not on every turn of the supervisor."""
+    import time
+
+    from tiercake.up import Child
+
+    script = 'if [ -n "$TIERCAKE_SPARE" ]; then exit 1; fi; sleep 30'
+    child = Child("x", [], dict(os.environ), tmp_path, argv=["sh", "-c", script], spare=True)
+    child.SPARE_AFTER_S = 0.2
+    made = []
+    spawn = child._spawn
+    child._spawn = lambda spare: made.append(spare) or spawn(spare)
+    try:
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            child.keep_spare()
+            time.sleep(0.01)
+        assert 3 <= len(made) <= 11 and all(made)  # about every 0.2 s over 2 s, where 200 turns ran
+    finally:
+        child.stop(1)

@@ -88,7 +88,7 @@ class Child:
         spare: bool = False,
     ) -> None:
         self.name, self.args, self.env, self.argv, self.prefix = name, args, env, argv, list(prefix)
-        self.wants_spare, self.spare = spare, None
+        self.wants_spare, self.spare, self._spare_made = spare, None, 0.0
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
         self.log_path.write_bytes(b"")
@@ -116,10 +116,12 @@ class Child:
 
     def keep_spare(self) -> None:
         """Make a warm spare (a process that has imported what this one runs and waits to be told to
-        go) once this one has run ``SPARE_AFTER_S``; a restart then swaps it in."""
-        running = time.monotonic() - self.started_at > self.SPARE_AFTER_S
-        if self.wants_spare and running and (self.spare is None or self.spare.poll() is not None):
-            self.spare = self._spawn(spare=True)
+        go) once this one has run ``SPARE_AFTER_S``; a restart then swaps it in. A spare that died is
+        made again no sooner than ``SPARE_AFTER_S`` after the last (one that cannot start costs a
+        start every few seconds, not a busy loop)."""
+        settled = time.monotonic() - max(self.started_at, self._spare_made) > self.SPARE_AFTER_S
+        if self.wants_spare and settled and (self.spare is None or self.spare.poll() is not None):
+            self.spare, self._spare_made = self._spawn(spare=True), time.monotonic()
 
     def _swap_in_spare(self) -> bool:
         spare, self.spare = self.spare, None
