@@ -1,4 +1,5 @@
-"""What every command of the CLI shares: the console and the JSON output of reports."""
+"""What every command of the CLI shares: the consoles, reading a config (and refusing one that names
+unknown policies), sizes, progress bars, and the JSON output of reports."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from rich.console import Console
 # a terminal's own width; piped or redirected, 160 columns (rich would cut tables at 80)
 _WIDTH = max(80, shutil.get_terminal_size((160, 24)).columns)
 console = Console(width=_WIDTH, soft_wrap=True)
-errors = Console(
-    stderr=True, width=_WIDTH, soft_wrap=True
-)  # stderr: a parent reading stdout reads only what it asked for
+# stderr: a parent reading stdout reads only what it asked for
+errors = Console(stderr=True, width=_WIDTH, soft_wrap=True)
 
 
 SIZE_HELP = "a size is a number of bytes, or a number and a unit: 512MiB, 2GiB, 1.5GB, 4096"
