@@ -45,9 +45,11 @@ def test_chaos_quick_serves_right_answers_through_every_fault(tmp_path):
         recovery = figures[f"recovery_s.{fault}"]
         assert recovery["params"]["recovered"] and 0 < recovery["value"] < 60, (fault, recovery)
     # workers fence a stalled node out of their path at its first timeout (workers/fence.py): without
-    # that, each request waited out a transfer deadline and the run served 3% of its rate meanwhile
+    # that, each request waited out a transfer deadline and the run served 3-7% of its rate meanwhile.
+    # The quick run's stall lasts 4 s, the first second of it the timeout: 0.22-0.51 under CI's load
+    # (the long run's 20 s stall keeps 1.01, docs/BENCHMARKS.md)
     stalled = figures["throughput_during.stall_node"]
-    assert stalled["ratio"] > 0.25, stalled
+    assert stalled["ratio"] > 0.15, stalled
     # the key-value workload beside it: every object checked, every history explained
     kv = {name: figures[f"kv.{name}"]["value"] for name in ("ops", "lost", "torn", "violations")}
     assert kv["ops"] > 500 and kv["lost"] == kv["torn"] == kv["violations"] == 0, kv
