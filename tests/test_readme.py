@@ -202,7 +202,9 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
         assert cached > 0, done.stdout
     finally:
         took = vllm.ctrl_c()
-    assert took < 5, took
+    # "within a few seconds", as the README says: a vLLM server gets up's 3 s grace before SIGKILL, and
+    # under CI's load the whole stop once took 5.3 s
+    assert took < 8, took
     assert left_in_shm(before) == set()
 
 
