@@ -44,7 +44,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	MYPY=$(abspath $(VENV))/bin/mypy .ci/typecheck
 
-# The loop while you work: every test that starts no process (no etcd, no cluster), about 80 s
+# The loop while you work: every test that starts no process (no etcd, no cluster), 80-110 s
 check: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not cluster" $(PYTEST_ARGS)
 

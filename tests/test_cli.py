@@ -482,3 +482,57 @@ def test_a_spare_that_cannot_start_is_made_again_at_a_pace_not_in_a_loop(tmp_pat
         assert 3 <= len(made) <= 11 and all(made)  # about every 0.2 s over 2 s, where 200 turns ran
     finally:
         child.stop(1)
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch_cpu" in f.read()
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process under ``pid`` (its children have sessions of their own), by command line."""
+    found: dict[int, str] = {}
+    parents = {pid}
+    for _ in range(3):  # up -> node agent -> what it starts
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in found:
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    if ppid in parents:
+                        with open(f"/proc/{entry}/cmdline", "rb") as f:
+                            found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        parents |= set(found)
+    return found
+
+
+@pytest.mark.cluster
+def test_up_and_its_conductor_load_no_torch_and_a_ctrl_c_takes_everything_down_within_3_s(tmp_path):
+    """Reading a config (every tier kind is checked against ``tiers.kinds``) imports no tier backend,
+    so the processes that touch no tier, ``up`` and its conductor, never load torch (2.5 s to import,
+    about 200 MB each). The processes that do skip the exit's last collections (``cli.run``): a Ctrl-C
+    of ``up`` took 4.5 s on a quiet machine and 5.7 s under CI's load, mostly torch's teardown."""
+    import signal
+    import time
+
+    from tiercake.conductor.etcd_process import free_port
+    from tiercake.up import UpProcess
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"model_id": "tiercake-reference"}))  # the defaults: gpu, pool and ssd tiers
+    cluster = UpProcess(config, tmp_path / "d", free_port())
+    try:
+        cluster.wait_ready(workers=2)
+        children = _descendants(cluster.proc.pid)
+        (conductor,) = [pid for pid, line in children.items() if " conductor " in line]
+        nodes = [pid for pid, line in children.items() if " node " in line]
+        assert not _maps_torch(cluster.proc.pid) and not _maps_torch(conductor)
+        assert any(map(_maps_torch, nodes))  # the check sees torch where it is loaded (a spare may be importing)
+        sent = time.monotonic()
+        cluster.proc.send_signal(signal.SIGINT)
+        cluster.proc.wait(30)
+        took = time.monotonic() - sent
+    finally:
+        cluster.stop()
+    assert took < 3, took
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)

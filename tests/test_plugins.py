@@ -37,6 +37,32 @@ def test_names_come_from_entry_points_and_unknown_ones_are_refused(installed):
     assert TransferConfig(transports=["counting", "tcp"]).transports == ["counting", "tcp"]
 
 
+def test_a_built_in_kind_is_checked_by_its_light_spec_which_its_backend_inherits_and_a_replacement_by_itself(
+    monkeypatch,
+):
+    from tiercake.tiers.kinds import TierKind
+
+    for name in ("gpu", "pool", "ssd"):
+        spec, backend = TIER_BACKENDS.spec(name), TIER_BACKENDS.resolve(name)
+        assert spec.kind == name and spec is not backend and issubclass(backend, spec)
+    assert issubclass(TIER_BACKENDS.resolve("gpu"), TierKind)
+
+    class Refusing(TierKind):
+        kind, rank, in_memory = "gpu", 0, True
+
+        @classmethod
+        def validate_config(cls, cfg) -> None:
+            raise ValueError("this gpu tier takes no settings")
+
+    for table in ("_paths", "_specs", "_loaded"):  # the registry as it was, after the test
+        monkeypatch.setattr(TIER_BACKENDS, table, dict(getattr(TIER_BACKENDS, table)))
+    TierConfig(kind="gpu", capacity="1MiB")
+    TIER_BACKENDS.register("gpu", Refusing)
+    assert TIER_BACKENDS.spec("gpu") is Refusing
+    with pytest.raises(ValidationError, match="takes no settings"):
+        TierConfig(kind="gpu", capacity="1MiB")
+
+
 async def test_a_plug_in_memory_tier_serves_and_spills_to_ssd(installed, tmp_path):
     config = StoreConfig(
         layout=None,

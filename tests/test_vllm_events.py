@@ -8,7 +8,6 @@ import time
 
 import msgspec
 import pytest
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
 from tiercake.blocks import Namespace, block_keys
 from tiercake.conductor.etcd_process import free_port
@@ -17,12 +16,27 @@ from tiercake.workers.vllm.events import EventMirror, EventsEndpoints
 from tiercake.workers.vllm.process import kv_events_config
 
 BS = 4
+
+
+# A test that imports vLLM starts processes (vLLM probes the platform) and takes 15-17 s: it is a
+# ``cluster`` test, and vLLM is imported on first use, not at the top (every process of ``make check``
+# paid that import at collection).
+VLLM = pytest.mark.cluster
+
+
+def kv():
+    """vLLM's event types."""
+    from vllm.distributed import kv_events
+
+    return kv_events
+
+
 SPACE = Namespace(model_id="m", kv_layout="L4.x", block_size=BS)
 
 
 def stored(hashes, parent, tokens, salt=None):
     extra = [(salt,) if salt and i == 0 and parent is None else None for i in range(len(hashes))]
-    return BlockStored(
+    return kv().BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=tokens,
@@ -54,12 +68,12 @@ class Publisher:
         self.where = EventsEndpoints(
             endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"], topic=config["topic"]
         )
-        self.pub = ZmqEventPublisher(
+        self.pub = kv().ZmqEventPublisher(
             0, endpoint=config["endpoint"], replay_endpoint=config["replay_endpoint"], topic=config["topic"]
         )
 
     def publish(self, *events) -> None:
-        self.pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+        self.pub.publish(kv().KVEventBatch(ts=time.time(), events=list(events)))
 
     def close(self) -> None:
         self.pub.shutdown()
@@ -86,6 +100,7 @@ async def follow():
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@VLLM
 async def test_stored_blocks_are_keyed_as_tiercake_keys_them_and_leave_when_vllm_drops_them(follow):
     mirror, publisher = EventMirror(SPACE, 64), Publisher()
     changes = []
@@ -105,10 +120,10 @@ async def test_stored_blocks_are_keyed_as_tiercake_keys_them_and_leave_when_vllm
         await until(lambda: mirror.last_seq == 2)
         assert held(mirror) == {("alice", k) for k in keys}
         assert mirror.figures["stored"] == 3 and mirror.figures["unmapped"] == 2
-        publisher.publish(BlockRemoved(block_hashes=[b"h3", b"x2"], medium="GPU"))
+        publisher.publish(kv().BlockRemoved(block_hashes=[b"h3", b"x2"], medium="GPU"))
         await until(lambda: mirror.last_seq == 3)
         assert held(mirror) == {("alice", k) for k in keys[:2]}
-        publisher.publish(AllBlocksCleared())  # vLLM's prefix cache reset
+        publisher.publish(kv().AllBlocksCleared())  # vLLM's prefix cache reset
         await until(lambda: mirror.last_seq == 4)
         assert held(mirror) == set()
         assert changes == (
@@ -120,6 +135,7 @@ async def test_stored_blocks_are_keyed_as_tiercake_keys_them_and_leave_when_vllm
         publisher.close()
 
 
+@VLLM
 async def test_batches_published_while_the_worker_was_away_come_back_from_vllms_replay(follow):
     (mirror, tokens, keys), publisher = salted(10), Publisher()
     try:
@@ -139,13 +155,14 @@ async def test_batches_published_while_the_worker_was_away_come_back_from_vllms_
         publisher.close()
 
 
+@VLLM
 async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
     (mirror, tokens, keys), first = salted(20), Publisher()
     try:
         follow(mirror, first)
         first.publish(stored([1, 2], None, tokens, salt=cache_salt("s")))
-        first.publish(BlockRemoved(block_hashes=[7], medium="GPU"))
-        first.publish(BlockRemoved(block_hashes=[8], medium="GPU"))
+        first.publish(kv().BlockRemoved(block_hashes=[7], medium="GPU"))
+        first.publish(kv().BlockRemoved(block_hashes=[8], medium="GPU"))
         await until(lambda: mirror.last_seq == 2)
         assert held(mirror) == {("t", k) for k in keys}
     finally:
@@ -153,7 +170,7 @@ async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
     await asyncio.sleep(0.3)
     again = Publisher.__new__(Publisher)  # a new vLLM process on the same ports: its numbers start at 0
     again.where = first.where
-    again.pub = ZmqEventPublisher(
+    again.pub = kv().ZmqEventPublisher(
         0, endpoint=first.where.endpoint, replay_endpoint=first.where.replay_endpoint, topic=first.where.topic
     )
     try:
@@ -167,11 +184,12 @@ async def test_a_restarted_vllm_starts_with_an_empty_cache(follow):
         again.close()
 
 
+@VLLM
 def test_past_its_bound_the_mirror_forgets_its_oldest_blocks():
     """Removals lost for good (no replay) cannot grow the mirror without bound."""
     mirror, tokens, keys = salted(30, max_blocks=1)
     for seq, (vllm_hash, parent, part) in enumerate([(1, None, tokens[:BS]), (2, 1, tokens[BS:])]):
-        batch = KVEventBatch(ts=time.time(), events=[stored([vllm_hash], parent, part, salt=cache_salt("s"))])
+        batch = kv().KVEventBatch(ts=time.time(), events=[stored([vllm_hash], parent, part, salt=cache_salt("s"))])
         mirror.receive(seq, msgspec.msgpack.encode(batch))
     assert held(mirror) == {("t", keys[1])} and mirror.figures["overflowed"] == 1
 

@@ -98,15 +98,16 @@ class TierConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_kind(self) -> TierConfig:
-        self.backend().validate_config(self)
+        self.spec().validate_config(self)
         return self
 
-    def backend(self):
-        """The tier backend class of ``kind``, from the registry (``ValueError`` when unknown)."""
+    def spec(self):
+        """What the registry knows of ``kind`` without building it (``tiers.kinds``: rank, config checks;
+        ``ValueError`` when unknown). Imports no torch for the built-in kinds."""
         from .plugins import TIER_BACKENDS, PluginNotFoundError
 
         try:
-            return TIER_BACKENDS.resolve(self.kind)
+            return TIER_BACKENDS.spec(self.kind)
         except PluginNotFoundError as exc:
             raise ValueError(str(exc)) from None
 
@@ -131,7 +132,7 @@ class StoreConfig(BaseModel):
         names = [t.tier_name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique: {names}")
-        ranks = [t.backend().rank for t in self.tiers]
+        ranks = [t.spec().rank for t in self.tiers]
         if ranks != sorted(ranks):
             raise ValueError(
                 f"tiers must be listed fastest first (gpu, then pool, then ssd): got {[t.kind for t in self.tiers]}"

@@ -1,9 +1,11 @@
 """Registries of plug-ins by kind: tier backends and transports. (Policies have their own registry in
 ``tiercake.policies``, with several kinds under one entry-point group.)
 
-A registry knows its built-ins by ``module:attr`` path, imported on first use (so the configuration,
-which validates names against it, imports no implementation), the plug-ins registered at run time with
-``register``, and third-party ones published in the registry's entry-point group::
+A registry knows its built-ins by ``module:attr`` path, imported on first use, the plug-ins registered
+at run time with ``register``, and third-party ones published in the registry's entry-point group. A
+built-in may also name a light ``spec`` of itself (``tiers/kinds.py``: a tier kind's rank and config
+checks, which the backend class inherits), so that the configuration, which checks every entry against
+it, imports no implementation (no torch); anything else is its own spec::
 
     [project.entry-points."tiercake.tiers"]
     nvme_raw = "my_package.tiers:RawNvmeTier"
@@ -24,15 +26,17 @@ class PluginNotFoundError(LookupError):
 
 
 class PluginRegistry:
-    def __init__(self, kind: str, group: str, builtins: dict[str, str]) -> None:
+    def __init__(self, kind: str, group: str, builtins: dict[str, str], specs: dict[str, str] | None = None) -> None:
         self.kind = kind
         self.group = group
         self._paths = dict(builtins)
+        self._specs = dict(specs or {})  # built-in name -> ``module:attr`` of what the config checks against
         self._loaded: dict[str, Any] = {}
 
     def register(self, name: str, plugin: Any) -> None:
         """Add (or replace) ``name``: an object, or a ``module:attr`` path imported on first use."""
         self._loaded.pop(name, None)
+        self._specs.pop(name, None)  # a replaced built-in is checked by its replacement
         if isinstance(plugin, str):
             self._paths[name] = plugin
         else:
@@ -51,6 +55,14 @@ class PluginRegistry:
         return (
             name in self._paths or name in self._loaded or any(ep.name == name for ep in entry_points(group=self.group))
         )
+
+    def spec(self, name: str) -> Any:
+        """What a configuration checks ``name`` against: a built-in's light spec, else the plug-in."""
+        path = self._specs.get(name)
+        if path is None:
+            return self.resolve(name)
+        module, _, attr = path.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
     def resolve(self, name: str) -> Any:
         if name in self._loaded:
@@ -78,6 +90,11 @@ TIER_BACKENDS = PluginRegistry(
         "gpu": "tiercake.tiers.gpu:GpuBackend",
         "pool": "tiercake.tiers.pool:PoolBackend",
         "ssd": "tiercake.tiers.ssd:SsdBackend",
+    },
+    specs={
+        "gpu": "tiercake.tiers.kinds:GpuKind",
+        "pool": "tiercake.tiers.kinds:PoolKind",
+        "ssd": "tiercake.tiers.kinds:SsdKind",
     },
 )
 

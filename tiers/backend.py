@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from .kinds import TierKind
 
 if TYPE_CHECKING:
     from tiercake.blocks import BlockLayout
@@ -41,16 +43,10 @@ class RecoveredBlock:
     seal: bytes = b""
 
 
-class TierBackend(ABC):
-    kind: ClassVar[str]  # the registry name
-    # speed order among kinds (0 fastest): a store lists its tiers fastest first, and spills down
-    rank: ClassVar[int]
-    in_memory: ClassVar[bool]
-    name: str  # this tier's name in its store
+class TierBackend(TierKind, ABC):
+    """A kind (``kinds.TierKind``: its name, rank and config checks) and its storage."""
 
-    @classmethod
-    def validate_config(cls, cfg: TierConfig) -> None:
-        """Refuse (``ValueError``) a ``TierConfig`` this kind cannot build from (at config load time)."""
+    name: str  # this tier's name in its store
 
     @classmethod
     @abstractmethod

@@ -15,6 +15,7 @@ import torch
 
 from .backend import MemoryTierBackend
 from .errors import InvalidStateError, PayloadError, TierFullError
+from .kinds import GpuKind
 
 
 def default_device() -> str:
@@ -112,16 +113,8 @@ class GpuBlockPool:
             raise InvalidStateError(f"gpu pool: unknown sequence {seq_id!r}") from None
 
 
-class GpuBackend(MemoryTierBackend):
+class GpuBackend(GpuKind, MemoryTierBackend):
     """The store's view of a GpuBlockPool: one object per block, exact block size only."""
-
-    kind = "gpu"
-    rank = 0
-
-    @classmethod
-    def validate_config(cls, cfg) -> None:
-        if cfg.path:
-            raise ValueError("a gpu tier has no 'path'")
 
     @classmethod
     def from_config(cls, cfg, layout) -> GpuBackend:

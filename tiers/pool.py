@@ -31,6 +31,7 @@ import torch
 from .backend import MemoryTierBackend, RecoveredBlock
 from .buffers import PAGE, round_up
 from .errors import PayloadError
+from .kinds import PoolKind
 
 log = logging.getLogger(__name__)
 
@@ -427,12 +428,9 @@ class ExtentAllocator:
         return len(self._starts)
 
 
-class PoolBackend(MemoryTierBackend):
+class PoolBackend(PoolKind, MemoryTierBackend):
     """The store's view of the pool: variable-size objects in page-granular extents, each committed one
     described in the region's index (so a restarted owner adopts it: ``recover``)."""
-
-    kind = "pool"
-    rank = 1
 
     @classmethod
     def from_config(cls, cfg, layout) -> PoolBackend:

@@ -31,6 +31,7 @@ import zstandard
 from ..backend import DiskTierBackend, RecoveredBlock
 from ..buffers import PAGE, aligned_buffer, round_up
 from ..errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
+from ..kinds import SsdKind
 from .record import (
     _FLAG_DEAD,
     _FLAG_SHUFFLE16,
@@ -96,18 +97,11 @@ class _ThreadBuffers(threading.local):
         return self.array
 
 
-class SsdFilesBackend(DiskTierBackend):
+class SsdFilesBackend(SsdKind, DiskTierBackend):
     """Blocks as files under ``root``; every file operation runs in the tier's I/O threads."""
 
-    kind = "ssd"
-    rank = 2
     capacity_bytes = 0  # plain attributes here (set in __init__, counted as files come and go)
     used_bytes = 0
-
-    @classmethod
-    def validate_config(cls, cfg) -> None:
-        if not cfg.path:
-            raise ValueError("an ssd tier needs a 'path' (a directory)")
 
     @classmethod
     def from_config(cls, cfg, layout) -> SsdFilesBackend:

@@ -49,7 +49,7 @@ class NodeAgent:
         # building pre-faults the pool (about 1 s per GB here): off the event loop
         self.store = await (await asyncio.to_thread(build_store, cfg.store)).open()
         pool = next((t.tier_name for t in cfg.store.tiers if t.kind == "pool"), None)
-        disk = next((t.tier_name for t in cfg.store.tiers if not t.backend().in_memory), None)
+        disk = next((t.tier_name for t in cfg.store.tiers if not t.spec().in_memory), None)
         try:
             if cfg.conductor.urls:
                 tokens = cfg.conductor.tokens()
