@@ -36,7 +36,7 @@ system-deps:
 	@command -v etcd >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
 	@# Mooncake Store (the side-by-side runs) links RDMA's user-space libraries even for TCP
 	@ldconfig -p | grep -q librdmacm.so.1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 librdmacm1; }
-	@command -v kubectl >/dev/null 2>&1 || echo "warning: no kubectl: tests/test_deploy.py needs kubectl 1.27+" >&2
+	@command -v kubectl >/dev/null 2>&1 || echo "warning: no kubectl: tests/deploy/test_deploy.py needs kubectl 1.27+" >&2
 
 # ruff (lint, import order, format) and mypy (.ci/typecheck), as CI runs them before the tests
 lint: install

@@ -1,6 +1,6 @@
 """Metadata backends: the conductor's durable key-value view, on etcd or in process.
 
-One interface, two implementations that pass one conformance suite (``tests/test_metadata.py``):
+One interface, two implementations that pass one conformance suite (``tests/conductor/test_metadata.py``):
 
 - ``EtcdBackend``: a real etcd v3 cluster through the asyncio client ``etcd3aio``;
 - ``EmbeddedBackend``: the same semantics in this process, so one machine needs nothing else.

@@ -1,7 +1,7 @@
 """One script written for Mooncake Store's Python API, run unchanged against Mooncake and against
 tiercake (only the import and the setup call differ): `python mooncake_script.py mooncake HOST:PORT`
 or `python mooncake_script.py tiercake CONDUCTOR_URL` (secret and token from the environment). Prints
-the transcript of every call's answer as JSON; tests/test_kvstore.py compares the two."""
+the transcript of every call's answer as JSON; tests/kvstore/test_kvstore.py compares the two."""
 
 import ctypes
 import json

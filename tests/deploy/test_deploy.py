@@ -15,12 +15,12 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from paths import ROOT
 from pydantic import ByteSize, TypeAdapter
 
 from tiercake.config import TiercakeConfig
 from tiercake.tiers.pool import remove_pool
 
-ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "gpu", "external-etcd", "vllm")
 

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 import torch
 import yaml
+from paths import TRACE
 
 from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
 from tiercake.blocks import Namespace, block_keys, seal_material, sealer_for
@@ -625,7 +626,7 @@ async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trac
     tc, a, b = served
     sidecars(["worker", "worker"])
     await wait_workers(tc, 2)
-    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+    trace = TRACE
     prompts = conversation_prompts(read_trace(trace, limit=300), BLOCK)  # 41 requests (as bench vllm --quick)
     ratios = {}
     async with Client([tc.url], token=TOKEN) as client, aiohttp.ClientSession() as http:

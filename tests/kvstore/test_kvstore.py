@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from kvstore_helpers import KB, MB, SECRET, TOKEN, KvCluster, blob, ready
+from paths import README, TESTS
 
 from tiercake.kvstore import (
     AsyncStore,
@@ -294,7 +295,7 @@ MOONCAKE_TRANSCRIPT = [
     ["unregister_buffer again", -600],
     ["close", 0],
 ]
-SCRIPT = Path(__file__).with_name("mooncake_script.py")
+SCRIPT = TESTS / "mooncake_script.py"
 
 
 def run_script(args: list[str], env: dict | None = None, prefix: list[str] = ()) -> list:
@@ -502,9 +503,9 @@ def test_the_async_flavour_answers_every_call_as_a_coroutine(cluster):
 
 
 def test_the_readme_example_runs(cluster, tmp_path):
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = README.read_text()
     example = readme.split("## Key-value store API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    assert '"127.0.0.1:8081"' in example  # make run's conductor (tests/test_readme.py runs it there too)
+    assert '"127.0.0.1:8081"' in example  # make run's conductor (tests/cluster/test_readme.py runs it there too)
     script = tmp_path / "example.py"
     script.write_text(example.replace('"127.0.0.1:8081"', repr(cluster.url)))  # here: this test's cluster
     done = subprocess.run(

@@ -2,9 +2,8 @@
 down the layers (an upward import, even one inside a function, fails here)."""
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from paths import ROOT
 
 # the shared types every part may use; the rest of ``tiercake/`` (CLI, bench, replay, up) is the top
 BASE = {
@@ -170,3 +169,13 @@ def test_no_two_modules_import_each_other_even_inside_a_function():
 def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_tests_mirror_the_packages():
+    """Every test module sits in the folder of the part it tests (``tests/cluster/``: the whole
+    system), so a part's tests are found where the part is; none lies loose in ``tests/``."""
+    folders = {"tiercake", "kvstore", "deploy", "cluster", *PARTS}
+    tests = ROOT / "tests"
+    assert not list(tests.glob("test_*.py")), "a test module directly in tests/"
+    placed = {p.relative_to(tests).parts[0] for p in tests.rglob("test_*.py")}
+    assert placed == folders, placed ^ folders  # each part has its tests, in no other folder

@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from node_helpers import pool_node_config as node_config
+from node_helpers import pool_path
 from transfer_helpers import SECRET, payload
 
 from tiercake.tiers.pool import remove_pool
@@ -19,21 +20,6 @@ from tiercake.transfer import PeerClosedError, TransferEngine
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
 MB = 1 << 20
-
-
-def pool_path(name: str) -> Path:
-    return Path(f"/dev/shm/tiercake-proc-test-{name}-{os.getpid()}")
-
-
-def node_config(tmp_path, name: str, pool: str = "256MiB", transports: str = "") -> str:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(
-        f"node_id: {name}\n"
-        "store:\n  layout: null\n  tiers:\n"
-        f"    - {{kind: pool, capacity: {pool}, path: {pool_path(name)}}}\n"
-        + (f"transfer: {{transports: [{transports}]}}\n" if transports else "")
-    )
-    return str(path)
 
 
 @pytest.fixture

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from node_helpers import k, wait_until
+from node_helpers import ssd_node_config as node_config
+from paths import TESTS
 from previous_release import previous_python, previous_site
-from test_node_agent import k, node_config, wait_until
 from transfer_helpers import SECRET, payload
 
 from tiercake.conductor.client import Client
@@ -28,7 +30,7 @@ from tiercake.transfer.connection import BlockingConnection, PeerAddress
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
-PEER = str(Path(__file__).resolve().parent / "version_peer.py")
+PEER = str(TESTS / "version_peer.py")
 KB = 1 << 10
 
 

@@ -96,7 +96,8 @@ def test_tags_do_not_collide():
 async def test_ucx_across_processes(tmp_path):
     """A node agent in another process: same host, so the endpoints skip failure handling and UCX
     moves the bytes through shared memory."""
-    from test_transfer_processes import node_config, pool_path
+    from node_helpers import pool_node_config as node_config
+    from node_helpers import pool_path
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -128,7 +129,8 @@ async def test_ucx_across_processes(tmp_path):
 @pytest.mark.cluster
 async def test_a_node_agent_serves_ucx_only_when_its_transports_list_it(tmp_path):
     """UCX is code a peer can reach: a node agent whose cluster does not use it does not serve it."""
-    from test_transfer_processes import node_config, pool_path
+    from node_helpers import pool_node_config as node_config
+    from node_helpers import pool_path
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import TRACE
 
 from tiercake.analysis.cache_sim import TierSpec, accesses, optimum, simulate
 from tiercake.policies import LRU, available, create_admission, create_eviction
 from tiercake.traces import TraceError, TraceRecord, read_trace, write_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"the conversation trace is not at {TRACE}")
 
 

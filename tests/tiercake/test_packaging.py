@@ -11,10 +11,10 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parents[1]
 PARTS = {
     "tiercake": "tiercake",
     "conductor": "tiercake/conductor",

@@ -1,14 +1,14 @@
 """Node agents joined to a conductor: reports of what they hold, re-reports after a restart, pins
 applied to the store, hot-block replication carried out between nodes."""
 
-import asyncio
 import signal
-import time
 
 import numpy as np
 import pytest
 import yaml
 from conductor_helpers import running_conductor
+from node_helpers import k, wait_until
+from node_helpers import ssd_node_config as node_config
 from transfer_helpers import SECRET, payload, start_node, stop_node
 
 from tiercake.conductor.client import Client
@@ -18,32 +18,6 @@ from tiercake.transfer import TransferEngine
 from tiercake.workers.conductor_link import ConductorLink
 
 KB = 1 << 10
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(4, "big") * 8
-
-
-async def wait_until(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def node_config(tmp_path, name: str, conductor: str) -> str:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(
-        f"node_id: {name}\n"
-        "store:\n  layout: null\n  tiers:\n"
-        f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / name / 'ssd'}}}\n"
-        f"conductor: {{urls: ['{conductor}'], member_ttl: 1}}\n"
-        "transfer: {host: 0.0.0.0}\n"
-    )
-    return str(path)
 
 
 @pytest.mark.cluster

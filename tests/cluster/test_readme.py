@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from paths import README as README_PATH
+from paths import ROOT
 from up_helpers import left_in_shm
 
 from tiercake.tiers.pool import remove_pool
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = README_PATH.read_text()
 
 
 def _block(after: str) -> str:
@@ -55,7 +57,7 @@ def test_the_policy_example_is_a_whole_policy():
 
 # The quick start, as printed ---------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = ROOT
 ANSWER = re.compile(r"cached prompt tokens (\d+)/(\d+)")
 
 
@@ -212,7 +214,12 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
 def test_make_check_selects_the_tests_that_start_no_process():
     """``make check`` as the README prints it (collecting only: running it is the loop itself)."""
     done = subprocess.run(
-        ["make", "check", "TEST_WORKERS=0", "PYTEST_ARGS=--collect-only -q tests/test_blocks.py tests/test_serving.py"],
+        [
+            "make",
+            "check",
+            "TEST_WORKERS=0",
+            "PYTEST_ARGS=--collect-only -q tests/tiercake/test_blocks.py tests/cluster/test_serving.py",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -220,4 +227,4 @@ def test_make_check_selects_the_tests_that_start_no_process():
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     per_file = dict(re.findall(r"^(tests/\S+\.py): (\d+)$", done.stdout, re.M))  # what -q -q prints
-    assert int(per_file["tests/test_blocks.py"]) > 10 and "tests/test_serving.py" not in per_file
+    assert int(per_file["tests/tiercake/test_blocks.py"]) > 10 and "tests/cluster/test_serving.py" not in per_file

@@ -2,10 +2,9 @@
 third-party package would ship them) is found by name, validated in the configuration, built into a
 store and chosen by the transfer engine, with no change to tiercake."""
 
-from pathlib import Path
-
 import pytest
 import torch
+from paths import TESTS
 from pydantic import ValidationError
 from transfer_helpers import SECRET, payload, start_node, stop_node
 
@@ -16,7 +15,7 @@ from tiercake.transfer import ProtocolError, TransferEngine
 from tiercake.transfer.protocol import Op, encode_read
 from tiercake.transfer.sockio import send_frame
 
-DEMO = Path(__file__).parent / "plugin_demo"
+DEMO = TESTS / "plugin_demo"
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from paths import ROOT
 from up_helpers import UpCluster
 
 from tiercake.chaos import pid_listening as _pid_listening
@@ -1046,9 +1047,7 @@ def test_the_shipped_dashboard_queries_only_series_the_cluster_exports(cluster):
     import re
     import urllib.request
 
-    dashboard = json.loads(
-        (Path(__file__).resolve().parent.parent / "deploy/grafana/tiercake-dashboard.json").read_text()
-    )
+    dashboard = json.loads((ROOT / "deploy/grafana/tiercake-dashboard.json").read_text())
     wanted = {
         name
         for panel in dashboard["panels"]

@@ -4,15 +4,13 @@ and the live router objects doing the routing."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import TRACE
 
 from tiercake.analysis.cluster_sim import ClusterSpec, ablation, simulate_cluster
 from tiercake.policies import TtftRouter
 from tiercake.traces import read_trace, synthetic_trace, write_trace
-
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the conversation trace is not at {TRACE}")
