@@ -152,6 +152,66 @@ def _scaled(model: PrefillModel, factor: float) -> PrefillModel:
     return PrefillModel(model.a * factor, model.b * factor, model.q * factor)
 
 
+class _Cluster:
+    """One run's state: each prefill worker's cache and when it is next free, the node pool, and the
+    end times of what each decode worker runs."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.caches = [_Cache(spec.local_blocks, spec.eviction) for _ in range(spec.prefill_workers)]
+        self.pool = _Cache(spec.global_blocks, spec.eviction) if spec.global_blocks else None
+        self.free_at = [0.0] * spec.prefill_workers
+        rng = random.Random(spec.seed)
+        noise = spec.fit_noise
+        self.believed = [_scaled(spec.prefill, 1 + rng.uniform(-noise, noise)) for _ in range(spec.prefill_workers)]
+        self.decoding: list[list[float]] = [[] for _ in range(spec.decode_workers)]  # heaps of end times
+
+    def prefill_states(self, own: list[int], now: float) -> list[WorkerState]:
+        spec = self.spec
+        return [
+            WorkerState(
+                f"p{i}",
+                own[i],
+                0,
+                0,
+                self.believed[i],
+                spec.decode_step_s,
+                spec.bandwidth_bytes_per_s,
+                queue_s=max(0.0, self.free_at[i] - now),
+            )
+            for i in range(spec.prefill_workers)
+        ]
+
+    def decode_states(self, now: float) -> list[WorkerState]:
+        spec = self.spec
+        for ends in self.decoding:
+            while ends and ends[0] <= now:
+                heapq.heappop(ends)
+        return [
+            WorkerState(f"d{j}", running=len(ends), prefill=spec.prefill, decode_step_s=spec.decode_step_s)
+            for j, ends in enumerate(self.decoding)
+        ]
+
+    def cache(self, w: int, keys: list, result: ClusterResult) -> None:
+        """The prefill's blocks kept where it ran (and in the pool), and the metadata that costs."""
+        spec = self.spec
+        changes = self.caches[w].touch(keys)
+        durable = 0 if "gpu" in spec.volatile_tiers else changes
+        if self.pool is not None:
+            new_in_pool = sum(key not in self.pool.keys for key in keys)
+            changes = self.pool.touch(keys)
+            durable += 0 if "pool" in spec.volatile_tiers else changes
+            result.kv_bytes_written += new_in_pool * spec.block_nbytes
+        result.metadata_ops += 1 + durable  # the route's lookup, then the placements made durable
+        result.metadata_bytes += durable * spec.metadata_bytes_per_op
+
+
+def _rejected(spec: ClusterSpec, ttft: float, tbt: float) -> bool:
+    return (spec.slo_ttft_s is not None and ttft > spec.slo_ttft_s) or (
+        spec.slo_tbt_s is not None and tbt > spec.slo_tbt_s
+    )
+
+
 def simulate_cluster(
     records: list[TraceRecord],
     spec: ClusterSpec,
@@ -161,49 +221,20 @@ def simulate_cluster(
 ) -> ClusterResult:
     """``progress(requests done)``, every 1,000 requests and at the end."""
     router = create_router(router, router_params) if isinstance(router, str) else router
-    caches = [_Cache(spec.local_blocks, spec.eviction) for _ in range(spec.prefill_workers)]
-    pool = _Cache(spec.global_blocks, spec.eviction) if spec.global_blocks else None
-    free_at = [0.0] * spec.prefill_workers
-    rng = random.Random(spec.seed)
-    believed = [
-        _scaled(spec.prefill, 1 + rng.uniform(-spec.fit_noise, spec.fit_noise)) for _ in range(spec.prefill_workers)
-    ]
-    decoding: list[list[float]] = [[] for _ in range(spec.decode_workers)]  # heaps of end times
+    cluster = _Cluster(spec)
     result = ClusterResult(router.describe())
     for done, record in enumerate(sorted(records, key=lambda r: r.timestamp)):
         if progress is not None and done % 1000 == 0:
             progress(done)
         now = record.timestamp / 1000 * spec.time_scale
         keys = list(record.hash_ids) if record.tenant is None else [(record.tenant, h) for h in record.hash_ids]
-        own = [cache.prefix(keys) for cache in caches]
-        best = pool.prefix(keys) if pool is not None else 0
-        for ends in decoding:
-            while ends and ends[0] <= now:
-                heapq.heappop(ends)
-        states = [
-            WorkerState(
-                f"p{i}",
-                own[i],
-                0,
-                0,
-                believed[i],
-                spec.decode_step_s,
-                spec.bandwidth_bytes_per_s,
-                queue_s=max(0.0, free_at[i] - now),
-            )
-            for i in range(spec.prefill_workers)
-        ]
+        own = [cache.prefix(keys) for cache in cluster.caches]
+        best = cluster.pool.prefix(keys) if cluster.pool is not None else 0
         request = RouteRequest(record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best)
-        decision = router.choose(states, request)
-        decoders = [
-            WorkerState(f"d{j}", running=len(decoding[j]), prefill=spec.prefill, decode_step_s=spec.decode_step_s)
-            for j in range(spec.decode_workers)
-        ]
-        decode = router.choose_decode(decoders, request)  # the live front's rule
+        decision = router.choose(cluster.prefill_states(own, now), request)
+        decode = router.choose_decode(cluster.decode_states(now), request)  # the live front's rule
         d, tbt = int(decode.worker[1:]), decode.tbt_s
-        if (spec.slo_ttft_s is not None and decision.ttft_s > spec.slo_ttft_s) or (
-            spec.slo_tbt_s is not None and tbt > spec.slo_tbt_s
-        ):
+        if _rejected(spec, decision.ttft_s, tbt):
             result.rejected += 1
             continue
         w = int(decision.worker[1:])
@@ -211,35 +242,23 @@ def simulate_cluster(
         mine = min(own[w], usable)
         reused = max(mine, min(best, usable)) if decision.pull else mine
         transfer = (reused - mine) * spec.block_nbytes / spec.bandwidth_bytes_per_s
-        cached_tokens = reused * TRACE_BLOCK_TOKENS
-        start = max(now, free_at[w])
-        compute = spec.prefill.seconds(record.input_length - cached_tokens, cached_tokens)
+        start = max(now, cluster.free_at[w])
+        compute = spec.prefill.seconds(record.input_length - reused * TRACE_BLOCK_TOKENS, reused * TRACE_BLOCK_TOKENS)
         finish = start + spec.lookup_s + transfer + compute
-        result.phases["queue"].append(start - now)
-        result.phases["lookup"].append(spec.lookup_s)
-        result.phases["load_pool"].append(transfer)
+        for phase, seconds in (("queue", start - now), ("lookup", spec.lookup_s), ("load_pool", transfer)):
+            result.phases[phase].append(seconds)
         result.phases["compute"].append(compute)
-        free_at[w] = finish
-        ttft = finish - now
-        result.ttft.append(ttft)
+        cluster.free_at[w] = finish
+        result.ttft.append(finish - now)
         result.tbt.append(tbt)
-        heapq.heappush(decoding[d], finish + record.output_length * tbt)
+        heapq.heappush(cluster.decoding[d], finish + record.output_length * tbt)
         result.blocks += len(keys)
         result.reused_blocks += reused
         result.local_hits += mine
         result.global_hits += reused - mine
         result.bytes_moved += (reused - mine) * spec.block_nbytes
-        if (spec.slo_ttft_s is None or ttft <= spec.slo_ttft_s) and (spec.slo_tbt_s is None or tbt <= spec.slo_tbt_s):
-            result.slo_met += 1
-        changes = caches[w].touch(keys)
-        durable = 0 if "gpu" in spec.volatile_tiers else changes
-        if pool is not None:
-            new_in_pool = sum(key not in pool.keys for key in keys)
-            changes = pool.touch(keys)
-            durable += 0 if "pool" in spec.volatile_tiers else changes
-            result.kv_bytes_written += new_in_pool * spec.block_nbytes
-        result.metadata_ops += 1 + durable  # the route's lookup, then the placements made durable
-        result.metadata_bytes += durable * spec.metadata_bytes_per_op
+        result.slo_met += not _rejected(spec, finish - now, tbt)
+        cluster.cache(w, keys, result)
     if progress is not None:
         progress(len(records))
     return result

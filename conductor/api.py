@@ -272,6 +272,28 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         conductor.add_heat([((h.tenant, key), h.count) for h, key in zip(body.hits, keys)])
         return reply(HeatReply(accepted=len(keys)))
 
+    return [
+        web.post("/v1/placements/lookup", lookup),
+        web.post("/v1/placements/lookup-many", lookup_many),
+        web.post("/v1/placements/begin", begin),
+        web.post("/v1/placements/commit", commit),
+        web.post("/v1/placements/revoke", revoke),
+        web.post("/v1/placements/report", report),
+        web.post("/v1/placements/remove", remove),
+        web.post("/v1/placements/pin", pin),
+        web.post("/v1/placements/unpin", unpin),
+        web.post("/v1/heat", heat),
+    ]
+
+
+def _volatile_reply(term: int, seq: int, reset: bool, rows) -> web.Response:
+    changes = [VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in rows]
+    return reply(VolatileReply(term=term, seq=seq, reset=reset, changes=changes))
+
+
+def _node_feed_routes(conductor: Conductor) -> list:
+    """What followers and node agents follow: the volatile replicas, a node's blocks and its pins."""
+
     async def volatile(request: web.Request) -> web.Response:
         """A follower's feed of the volatile tiers' replicas (the leader alone hears of them)."""
         body = await parse(request, VolatileRequest)
@@ -282,30 +304,9 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
             conductor.require_leader(await conductor.leader())
         changes = index.volatile_changes(body.after) if body.term == term else None
         if changes is None:
-            seq, snapshot = index.volatile_seq, index.volatile_snapshot()
-            return reply(
-                VolatileReply(
-                    term=term,
-                    seq=seq,
-                    reset=True,
-                    changes=[
-                        VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size)
-                        for t, k, n, tier, size in snapshot
-                    ],
-                )
-            )
+            return _volatile_reply(term, index.volatile_seq, True, index.volatile_snapshot())
         changes = changes[:VOLATILE_BATCH]
-        return reply(
-            VolatileReply(
-                term=term,
-                seq=body.after + len(changes),
-                reset=False,
-                changes=[
-                    VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size)
-                    for t, k, n, tier, size in changes
-                ],
-            )
-        )
+        return _volatile_reply(term, body.after + len(changes), False, changes)
 
     async def node_blocks(request: web.Request) -> web.Response:
         pins = conductor.pins
@@ -328,16 +329,6 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         )
 
     return [
-        web.post("/v1/placements/lookup", lookup),
-        web.post("/v1/placements/lookup-many", lookup_many),
-        web.post("/v1/placements/begin", begin),
-        web.post("/v1/placements/commit", commit),
-        web.post("/v1/placements/revoke", revoke),
-        web.post("/v1/placements/report", report),
-        web.post("/v1/placements/remove", remove),
-        web.post("/v1/placements/pin", pin),
-        web.post("/v1/placements/unpin", unpin),
-        web.post("/v1/heat", heat),
         web.post("/v1/placements/volatile", volatile),
         web.get("/v1/nodes/{node}/blocks", node_blocks),
         web.get("/v1/nodes/{node}/pins", node_pins),
@@ -447,6 +438,7 @@ def build_app(
             web.get("/metrics", metrics.handler),
             *_member_routes(conductor),
             *_placement_routes(conductor, metrics),
+            *_node_feed_routes(conductor),
         ]
     )
     if frontend is not None:
@@ -488,9 +480,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
     """Run one conductor until SIGINT/SIGTERM: on etcd when endpoints are configured, else embedded.
     The control API needs a token unless the config says insecure; the OpenAI-compatible API has its own
     port (serving.port), or shares the control API's when serving.port is null."""
-    import asyncio
     import logging
-    import signal
     import sys
 
     from .embedded import EmbeddedBackend
@@ -509,29 +499,12 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
     bound = sock.getsockname()
     scheme, tls = full.tls.scheme, full.tls.server_context()
     url = config.advertise_url or f"{scheme}://{reachable_host(bound[0])}:{bound[1]}"
-    public_port = full.serving.port
-    beside = public_port is None or (
-        public_port == config.port != 0 and (full.serving.host or config.host) == config.host
-    )
-    public_sock = None if beside or public_port is None else _bind(full.serving.host or config.host, public_port)
+    public_sock = _public_socket(full)
     meta = await (EtcdBackend(config.etcd).start() if config.etcd else EmbeddedBackend().start())
     conductor = None
     runners: list[web.AppRunner] = []
     try:
-        conductor = await Conductor(
-            meta,
-            conductor_id,
-            url=url,
-            ttl=config.leader_ttl,
-            placement=config.placement,
-            replication=config.replication,
-            replication_params=config.replication_params,
-            put_timeout=config.put_timeout_s,
-            peer_token=tokens[0] if tokens else None,
-            peer_ssl=full.tls.client_context(),
-            volatile_tiers=tuple(config.volatile_tiers),
-            objects=full.objects,
-        ).start()
+        conductor = await _conductor(full, meta, conductor_id, url, tokens).start()
         frontend = Frontend(conductor, full)
         sites = [
             (
@@ -553,11 +526,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             host, port = public_sock.getsockname()[:2]
             announced["api_url"] = f"{scheme}://{reachable_host(host)}:{port}"
         print(json.dumps(announced), file=announce or sys.stdout, flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await _until_stopped()
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
@@ -567,6 +536,43 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
         sock.close()
         if public_sock is not None:
             public_sock.close()
+
+
+def _public_socket(full: TiercakeConfig):
+    """The OpenAI-compatible API's own socket, or None when it shares the control API's port."""
+    config, public_port = full.conductor, full.serving.port
+    if public_port is None or (public_port == config.port != 0 and (full.serving.host or config.host) == config.host):
+        return None
+    return _bind(full.serving.host or config.host, public_port)
+
+
+def _conductor(full: TiercakeConfig, meta, conductor_id: str | None, url: str, tokens) -> Conductor:
+    config = full.conductor
+    return Conductor(
+        meta,
+        conductor_id,
+        url=url,
+        ttl=config.leader_ttl,
+        placement=config.placement,
+        replication=config.replication,
+        replication_params=config.replication_params,
+        put_timeout=config.put_timeout_s,
+        peer_token=tokens[0] if tokens else None,
+        peer_ssl=full.tls.client_context(),
+        volatile_tiers=tuple(config.volatile_tiers),
+        objects=full.objects,
+    )
+
+
+async def _until_stopped() -> None:
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def _bind(host: str, port: int):

@@ -139,6 +139,23 @@ class ObjectMapKeeper:
         self._tasks: list[asyncio.Task] = []
         self.changed = asyncio.Event()
 
+    @classmethod
+    def of(cls, meta: MetadataBackend, members: Membership, guard: Guard, leading: Callable[[], bool], objects=None):
+        """Kept as ``objects`` (an ``ObjectsConfig``; default: its defaults) says."""
+        from tiercake.config import ObjectsConfig
+
+        objects = objects or ObjectsConfig()
+        return cls(
+            meta,
+            members,
+            guard,
+            leading,
+            slots=objects.slots,
+            replicas_max=objects.replicas_max,
+            failover_s=objects.failover_s,
+            bootstrap_s=objects.bootstrap_s,
+        )
+
     async def start(self) -> ObjectMapKeeper:
         kv = await self.meta.get(OBJECT_MAP)
         revision = 0

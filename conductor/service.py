@@ -13,15 +13,13 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from tiercake.config import ObjectsConfig
 from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
 from tiercake.policies import NodeLoad, create_placement, create_replication
 
-from .client import Client, ConductorError
 from .election import LeaderElection
 from .heat import AccessRates
+from .leader_link import LeaderLink
 from .membership import MEMBERS, Membership
 from .metadata import (
     Delete,
@@ -35,6 +33,7 @@ from .metadata import (
 )
 from .objects import ObjectMapKeeper
 from .placement import PlacementIndex, Replica
+from .replica_planner import ReplicaMove, ReplicaPlanner
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +65,47 @@ class LeaseExpiredError(Exception):
 
 PINS = b"/tiercake/pins/"
 SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
-VOLATILE_WAIT_S = 2.0  # a follower's long poll for the leader's volatile changes
-VOLATILE_POLL_S = 0.5  # its pause after a failed poll, or while it leads
-VOLATILE_GATHER_S = 0.02  # and after an answer with changes, so the next one gathers a batch
-HEAT_FORWARD_S = 1.0  # how often a follower sends its lookups' access counts to the leader
-MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two sends
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaMove:
-    """Ask ``node`` to copy a hot block from ``source`` (``source`` set) or drop its copy (None); sent as
-    ``messages.ReplicationTask``."""
+def _pin_key(tenant: str, key: bytes) -> bytes:
+    return PINS + f"{tenant}/{key.hex()}".encode()
 
-    tenant: str
-    key: bytes
-    tier: str
-    size: int
-    source: str | None
+
+class FlushBarrier:
+    """The leader's account of which member applied which flush epoch, and a wait until every member
+    live at a flush's start (and still live) has."""
+
+    def __init__(self, members: Membership) -> None:
+        self.members = members
+        self._applied: dict[str, int] = {}  # member -> the last flush epoch it confirmed
+        self._confirmation = asyncio.Event()
+
+    def applied(self, member: str, epoch: int) -> None:
+        live = self.members.members
+        if len(self._applied) >= len(live):
+            for gone in [m for m in self._applied if m not in live]:
+                del self._applied[gone]
+        self._applied[member] = max(epoch, self._applied.get(member, 0))
+        self._confirmation.set()
+
+    async def confirmed(self, epoch: int, members: set[str], wait_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            self._confirmation.clear()  # before looking: a confirmation from now on wakes us
+            alive = {m.node_id for m in self.members.alive()}
+            late = sorted(m for m in members & alive if self._applied.get(m, 0) < epoch)
+            if not late:
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                raise FlushTimeoutError(
+                    f"flush {epoch} is not yet applied by {', '.join(late)} after {wait_s:g} s "
+                    "(they apply it at their next keep-alive; it stays in force)"
+                )
+            with contextlib.suppress(TimeoutError):  # woken by a confirmation, or to notice members that left
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self._confirmation.wait()
 
 
 class Conductor:
@@ -126,32 +149,17 @@ class Conductor:
         # a follower's lookups count too: it sends them to the leader, which decides replication
         self.peer_token = peer_token  # the control token conductors use with each other
         self.peer_ssl = peer_ssl  # and what they verify each other's https with
-        self._heat_out: dict[tuple[str, bytes], int] = {}
-        self._heat_forwarder: asyncio.Task | None = None
-        self._peers: dict[str, Client] = {}  # leader URL -> a client of it (a follower's calls)
-        self._volatile_follower: asyncio.Task | None = None
-        self._followed_term = 0  # the leader's term this follower's volatile feed answered in last
+        self.link = LeaderLink(self)
         self.pins: set[tuple[str, bytes]] = set()
         self.pins_version = 0
-        self._issued: dict[tuple[str, bytes, str], float] = {}  # replication tasks handed out -> deadline
+        self.replicas = ReplicaPlanner(self)
         self._pin_follower: asyncio.Task | None = None
         self._settings: dict[str, object] = {}  # name -> JSON value, followed from the backend
         self.settings = ClusterSettings()  # the same, typed
         self.member_stats: dict[str, MemberStats] = {}  # what members said of their stores in keep-alives
-        self._flushes_applied: dict[str, int] = {}  # member -> the last flush epoch it confirmed (leader)
-        self._flush_confirmed = asyncio.Event()
+        self.flushes = FlushBarrier(self.members)
         self._settings_follower: asyncio.Task | None = None
-        objects = objects or ObjectsConfig()
-        self.objects = ObjectMapKeeper(
-            meta,
-            self.members,
-            self.guard,
-            lambda: self.is_leader,
-            slots=objects.slots,
-            replicas_max=objects.replicas_max,
-            failover_s=objects.failover_s,
-            bootstrap_s=objects.bootstrap_s,
-        )
+        self.objects = ObjectMapKeeper.of(meta, self.members, self.guard, lambda: self.is_leader, objects)
 
     async def start(self) -> Conductor:
         await self.index.start()
@@ -170,21 +178,18 @@ class Conductor:
         )
         await self.objects.start()
         await self.election.start()
-        self._heat_forwarder = asyncio.get_running_loop().create_task(self._forward_heat_forever())
-        if self.index.volatile_tiers:
-            self._volatile_follower = asyncio.get_running_loop().create_task(self._follow_volatile_forever())
+        self.link.start(follow_volatile=bool(self.index.volatile_tiers))
         return self
 
     async def close(self) -> None:
         await self.election.resign()
         await self.objects.close()
-        for task in (self._pin_follower, self._settings_follower, self._heat_forwarder, self._volatile_follower):
+        for task in (self._pin_follower, self._settings_follower):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for peer in self._peers.values():
-            await peer.close()
+        await self.link.close()
         await self.members.close()
         await self.index.close()
 
@@ -215,7 +220,7 @@ class Conductor:
         follower the one its volatile feed last answered in (asked of the backend only without one)."""
         if self.is_leader:
             return self.election.won_term
-        return self._followed_term or await self.election.term()
+        return self.link.followed_term or await self.election.term()
 
     def require_leader(self, leader: ConductorInfo | None) -> None:
         if not self.is_leader:
@@ -364,81 +369,14 @@ class Conductor:
             hits = [(tenant, k) for k in keys[:longest]]
             self.heat.hit(hits)
             if not self.is_leader:
-                for hit in hits:
-                    if hit in self._heat_out or len(self._heat_out) < MAX_HEAT_OUT:
-                        self._heat_out[hit] = self._heat_out.get(hit, 0) + 1
+                self.link.count(hits)
         return found
 
     def add_heat(self, counts: list[tuple[tuple[str, bytes], int]]) -> None:
         """Accesses a follower counted, sent to the leader."""
         self.heat.add(counts)
 
-    async def _forward_heat_forever(self) -> None:
-        """Every second, a follower sends the accesses its lookups counted to the leader (dropped if the
-        leader cannot take them: rates are estimates, and the next second brings more)."""
-        while True:
-            await asyncio.sleep(HEAT_FORWARD_S)
-            if self.is_leader or not self._heat_out:
-                self._heat_out.clear()
-                continue
-            batch, self._heat_out = self._heat_out, {}
-            peer = await self._leader_peer()
-            if peer is None:
-                continue
-            try:
-                await peer.heat([(t, k, n) for (t, k), n in batch.items()])
-            except ConductorError as exc:
-                log.warning("conductor %s: access counts not sent to the leader: %s", self.conductor_id, exc)
-
-    async def _leader_peer(self) -> Client | None:
-        """A client of the leader, for a follower's calls to it; None when no other conductor leads."""
-        try:
-            leader = await self.leader()
-        except MetadataUnavailableError:
-            return None
-        if leader is None or not leader.url or leader.conductor_id == self.conductor_id:
-            return None
-        if leader.url not in self._peers:  # kept until close: leaders are few, and calls may be in flight
-            self._peers[leader.url] = Client(
-                [leader.url], token=self.peer_token, timeout=5, retries=1, ssl=self.peer_ssl
-            )
-        return self._peers[leader.url]
-
-    async def _follow_volatile_forever(self) -> None:
-        """A follower mirrors the leader's volatile replicas (the leader alone hears of them): a
-        snapshot first, then each change, by long polls; it starts over whenever the term changes."""
-        term = seq = 0
-        while True:
-            if self.is_leader:
-                term = seq = self._followed_term = 0  # on stepping down it starts over from a snapshot
-                await asyncio.sleep(VOLATILE_POLL_S)
-                continue
-            peer = await self._leader_peer()
-            if peer is None:
-                self._followed_term = 0
-                await asyncio.sleep(VOLATILE_POLL_S)
-                continue
-            try:
-                answer = await peer.volatile(term, seq, wait_s=VOLATILE_WAIT_S)
-            except ConductorError as exc:
-                self._followed_term = 0  # the leader may have changed: ask the backend meanwhile
-                log.debug("conductor %s: volatile replicas not fetched: %s", self.conductor_id, exc)
-                await asyncio.sleep(VOLATILE_POLL_S)
-                continue
-            if self.is_leader:  # it won meanwhile: its own term began with none
-                continue
-            self.index.apply_volatile(
-                ((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size) for c in answer.changes), answer.reset
-            )
-            term, seq = answer.term, answer.seq
-            self._followed_term = term
-            if answer.changes:
-                await asyncio.sleep(VOLATILE_GATHER_S)  # the next answer carries what came meanwhile
-
     # Pins -----------------------------------------------------------------------------------------
-
-    def _pin_key(self, tenant: str, key: bytes) -> bytes:
-        return PINS + f"{tenant}/{key.hex()}".encode()
 
     def _apply_pin(self, event: WatchEvent) -> None:
         tenant, _, key_hex = event.key[len(PINS) :].decode().partition("/")
@@ -453,11 +391,11 @@ class Conductor:
         """Keep these blocks on every node that holds them (never evicted there) until unpinned or,
         with ``ttl``, for that many seconds. Durable: a new leader keeps the pins."""
         lease = await self.meta.grant_lease(ttl) if ttl else 0
-        await self.meta.commit([Put(self._pin_key(tenant, k), b"{}", lease) for k in keys], guard=self.guard)
+        await self.meta.commit([Put(_pin_key(tenant, k), b"{}", lease) for k in keys], guard=self.guard)
         self.pins.update((tenant, k) for k in keys)
 
     async def unpin(self, tenant: str, keys: Sequence[bytes]) -> None:
-        await self.meta.commit([Delete(self._pin_key(tenant, k)) for k in keys], guard=self.guard)
+        await self.meta.commit([Delete(_pin_key(tenant, k)) for k in keys], guard=self.guard)
         self.pins.difference_update((tenant, k) for k in keys)
 
     def node_pins(self, node: str) -> list[tuple[str, bytes]]:
@@ -490,6 +428,10 @@ class Conductor:
         self._settings[name] = encoded
         self._retype_settings()
 
+    def flush_applied(self, member: str, epoch: int) -> None:
+        """A member applied flush ``epoch`` and reported what it removed."""
+        self.flushes.applied(member, epoch)
+
     async def flush(self, tiers: list[str] | None = None, wait_s: float | None = None) -> int:
         """Ask every node and worker to drop what it may (unpinned, unleased, unused blocks); with
         ``tiers``, only what those tiers hold, pushed down to the next tier. Returns the flush epoch
@@ -499,77 +441,9 @@ class Conductor:
         epoch = self.settings.flush.epoch + 1
         await self.put_setting("flush", FlushSetting(epoch=epoch, tiers=tiers))
         if wait_s is not None:
-            await self._confirmed(epoch, waiting_for, wait_s)
+            await self.flushes.confirmed(epoch, waiting_for, wait_s)
         return epoch
 
-    def flush_applied(self, member: str, epoch: int) -> None:
-        """A member applied flush ``epoch`` and reported what it removed."""
-        live = self.members.members
-        if len(self._flushes_applied) >= len(live):
-            for gone in [m for m in self._flushes_applied if m not in live]:
-                del self._flushes_applied[gone]
-        self._flushes_applied[member] = max(epoch, self._flushes_applied.get(member, 0))
-        self._flush_confirmed.set()
-
-    async def _confirmed(self, epoch: int, members: set[str], wait_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while True:
-            self._flush_confirmed.clear()  # before looking: a confirmation from now on wakes us
-            alive = {m.node_id for m in self.members.alive()}
-            late = sorted(m for m in members & alive if self._flushes_applied.get(m, 0) < epoch)
-            if not late:
-                return
-            left = deadline - loop.time()
-            if left <= 0:
-                raise FlushTimeoutError(
-                    f"flush {epoch} is not yet applied by {', '.join(late)} after {wait_s:g} s "
-                    "(they apply it at their next keep-alive; it stays in force)"
-                )
-            with contextlib.suppress(TimeoutError):  # woken by a confirmation, or to notice members that left
-                async with asyncio.timeout(min(left, 0.5)):
-                    await self._flush_confirmed.wait()
-
-    # Hot-block replication ------------------------------------------------------------------------
-
     def replication_tasks(self, node: str, limit: int = 64) -> list[ReplicaMove]:
-        """What ``node`` should copy or drop now, under the replication policy and the access rates
-        seen in lookups. Each block's targets are chosen once by the placement strategy, so nodes
-        asking at the same time do not all copy the same block; a task handed out is not handed out
-        again until it is done (the index changes) or its deadline passes."""
-        now = time.monotonic()
-        self._issued = {k: v for k, v in self._issued.items() if v > now}
-        tasks: list[ReplicaMove] = []
-        for (tenant, key), rate in self.heat.items():
-            holders = {
-                r: size
-                for r, size in self.index.holders(tenant, key).items()
-                if getattr(self.members.members.get(r.node), "role", None) == "node"
-            }  # not workers
-            if not holders:
-                self.heat.forget((tenant, key))
-                continue
-            nodes = sorted({r.node for r in holders})
-            wanted = self.replication.replicas((tenant, key), rate)
-            if (tenant, key, node) in self._issued:
-                continue
-            replica, size = min(holders.items(), key=lambda item: (item[0].node, item[0].tier))
-            tier = "pool"
-            if wanted > len(nodes) and node not in nodes:
-                chosen = self.placement.choose(self._loads(tier, exclude=set(nodes)), size, wanted - len(nodes))
-                if node in chosen:
-                    tasks.append(ReplicaMove(tenant, key, tier, size, replica.node))
-            elif wanted < len(nodes) and node in nodes and (tenant, key) not in self.pins:
-                # drop from the most used holders first, keeping ``wanted`` of them
-                by_use = sorted(nodes, key=lambda n: -self.index.used.get((n, tier), 0))
-                if node in by_use[: len(nodes) - wanted]:
-                    for r in holders:
-                        if r.node == node:
-                            tasks.append(ReplicaMove(tenant, key, r.tier, size, None))
-            else:
-                continue
-            if tasks and tasks[-1].key == key:
-                self._issued[(tenant, key, node)] = now + 10.0
-            if len(tasks) >= limit:
-                break
-        return tasks
+        """What ``node`` should copy or drop now (``ReplicaPlanner.tasks``)."""
+        return self.replicas.tasks(node, limit)

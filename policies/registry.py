@@ -10,9 +10,10 @@ and any importable class works by path: ``"my_package.policies:MyLRU"``.
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
+
+from tiercake.plugins import PluginNotFoundError, PluginRegistry, load_path
 
 from . import admission, eviction, placement, routing
 from .base import AdmissionPolicy, EvictionPolicy
@@ -57,41 +58,44 @@ _BUILTINS: dict[tuple[str, str], type] = {
 }
 
 
-class PolicyNotFoundError(LookupError):
+class PolicyNotFoundError(PluginNotFoundError):
     """No built-in, entry point or importable class has that name."""
 
 
-def _load_path(spec: str) -> type:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PolicyNotFoundError(f"policy {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError as exc:
-        raise PolicyNotFoundError(f"policy {spec!r}: module {module_name!r} has no {attr!r}") from exc
+# one registry per kind, over one entry-point group; a name is unique within a kind ("random" is a
+# placement strategy and a router)
+REGISTRIES = {
+    kind: PluginRegistry(
+        f"{kind} policy",
+        ENTRY_POINT_GROUP,
+        {name: cls for (name, k), cls in _BUILTINS.items() if k == kind},
+        by_path=True,
+        error=PolicyNotFoundError,
+    )
+    for kind in _KINDS.values()
+}
 
 
 def resolve(spec: str, kind: str | None = None) -> type:
     """The policy class named by ``spec``: a built-in name (of ``kind``, when two kinds share it), an
-    entry point, or ``module:Class``."""
-    named = {k: cls for (name, k), cls in _BUILTINS.items() if name == spec}
-    # of the asked kind; else whatever has the name (the caller then says it is the wrong kind)
-    matches = [named[kind]] if kind in named else list(named.values())
-    if len(matches) > 1:
+    entry point, or ``module:Class``. A built-in of another kind resolves too (``resolve_kind`` then
+    says it is the wrong kind)."""
+    owners = [k for k, registry in REGISTRIES.items() if registry.builtin(spec)]
+    if kind in owners or (kind is not None and not owners):
+        return REGISTRIES[kind].resolve(spec)
+    if len(owners) > 1:
         raise PolicyNotFoundError(f"policy {spec!r} is ambiguous: say which kind")
-    if matches:
-        return matches[0]
+    if owners:
+        return REGISTRIES[owners[0]].resolve(spec)
     if ":" in spec:
-        return _load_path(spec)
+        return load_path(spec, "policy", PolicyNotFoundError)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == spec:
             return ep.load()
-    known = sorted({n for n, k in _BUILTINS if kind is None or k == kind})
+    known = ", ".join(sorted(n for n, _ in _BUILTINS))
     raise PolicyNotFoundError(
-        f"unknown {kind + ' ' if kind else ''}policy {spec!r}: not a built-in ({', '.join(known)}), "
-        f"not an entry point in group {ENTRY_POINT_GROUP!r}, and not a 'module:Class' path"
+        f"unknown policy {spec!r}: not a built-in ({known}), a plug-in from the entry-point group "
+        f"{ENTRY_POINT_GROUP!r} or a 'module:Class' path"
     )
 
 

@@ -173,15 +173,21 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     against those requests' TTFT; hit ratio, in all and per source tier, against the trace's ceiling
     (every earlier block still cached); how many completed, were rejected, failed; and from the
     cluster's counters, metadata cost and the live prefetchable share against the offline one."""
-    from tiercake.analysis.cache_sim import TierSpec, accesses, simulate
-    from tiercake.analysis.trace_stats import trace_stats
-    from tiercake.policies import LRU
-
     outcomes = run.outcomes
     rep = Report(bench="replay", machine=machine())
     ok = [o for o in outcomes if o.status == "ok"]
-    cold = [o.ttft_s for o in ok if o.cached_tokens == 0]
     common = {"trace": trace_name, "requests": len(outcomes), **params}
+    _ttft_figures(rep, ok, common)
+    _hit_figures(rep, ok, records, common)
+    _pull_figures(rep, ok, common)
+    _counter_figures(rep, run, records, common)
+    for status in ("ok", "rejected", "failed"):
+        rep.add(f"requests.{status}", sum(o.status == status for o in outcomes), "requests", len(outcomes), **common)
+    return rep
+
+
+def _ttft_figures(rep: Report, ok: list[Outcome], common: dict) -> None:
+    cold = [o.ttft_s for o in ok if o.cached_tokens == 0]
     tiers = sorted({o.load_tier for o in ok if o.load_tier})
     for p in (50, 99):
         breakdown = {
@@ -208,6 +214,12 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
                 **common,
                 loads=len(pulled),
             )
+
+
+def _hit_figures(rep: Report, ok: list[Outcome], records: list[TraceRecord], common: dict) -> None:
+    from tiercake.analysis.cache_sim import TierSpec, accesses, simulate
+    from tiercake.policies import LRU
+
     prompt = sum(o.prompt_tokens for o in ok)
     ceiling = simulate(accesses(records), [TierSpec(math.inf, LRU())]).token_hit_ratio
     rep.add(
@@ -233,6 +245,9 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
             limit_name="infinite cache (simulated)",
             **common,
         )
+
+
+def _pull_figures(rep: Report, ok: list[Outcome], common: dict) -> None:
     pulled = {"memory": 0, "disk": 0}  # blocks loaded from nodes, by where the node read them
     for o in ok:
         for source, blocks in o.sources.items():
@@ -257,6 +272,11 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
             limit_name="every pulled block before its prefill",
             **common,
         )
+
+
+def _counter_figures(rep: Report, run: ReplayRun, records: list[TraceRecord], common: dict) -> None:
+    from tiercake.analysis.trace_stats import trace_stats
+
     if run.cluster_before is not None and run.cluster_after is not None:
         cluster_figures(run.cluster_before, run.cluster_after, rep, **common)
         was, now = run.cluster_before.reuse, run.cluster_after.reuse
@@ -272,9 +292,6 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
                 limit_name="the trace's own, measured offline",
                 **common,
             )
-    for status in ("ok", "rejected", "failed"):
-        rep.add(f"requests.{status}", sum(o.status == status for o in outcomes), "requests", len(outcomes), **common)
-    return rep
 
 
 def plot(outcomes: list[Outcome], path: str | Path, title: str) -> None:

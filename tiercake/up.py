@@ -457,23 +457,13 @@ def up_vllm(
     from tiercake.conductor.etcd_process import free_port
     from tiercake.workers.vllm.process import serve_command
 
-    if not (model / "config.json").exists():
-        raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
-    if not roles or not set(roles) <= {"worker", "prefill", "decode"} or (("prefill" in roles) != ("decode" in roles)):
-        raise ValueError(f"vLLM roles must be workers, or prefill and decode instances together; got {roles}")
-    if "prefill" in roles and not config.serving.disaggregated:
-        raise ValueError("prefill and decode instances need serving.disaggregated: true")
+    _check_vllm_setup(config, model, roles)
     stop = on_stop_signals()
     lock = DataDirLock(data_dir).acquire()
     shm = ShmLeftovers()
     env = dict(os.environ)
     token_at = credentials(config, data_dir, env)
-    cfg = config.model_copy(deep=True)
-    cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
-    cfg.store.tiers = [t for t in cfg.store.tiers if t.kind != "gpu"]  # vLLM keeps its own KV on the device
-    cfg.model_id = model.name  # the name vLLM serves it under
-    cfg.serving.host = host
-    cfg.serving.tokenizer = cfg.serving.tokenizer or str(model)  # the front tokenizes as vLLM does
+    cfg = _under_vllm(config, model, host)
     cluster = None
     servers: list[VllmServer] = []
     workers: list[Child] = []
@@ -498,21 +488,7 @@ def up_vllm(
             for i, (server, role) in enumerate(zip(servers, roles))
         ]
         urls = [server.url for server in servers]
-        kinds = ", ".join(f"{roles.count(r)} {r}" for r in ("worker", "prefill", "decode") if r in roles)
-        print_fn(
-            f"tiercake is up under vLLM: {cluster.front_url}  (the front over {len(roles)} vLLM servers ({kinds}) "
-            f"with the TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; "
-            f"logs in {data_dir / 'logs'})"
-        )
-        if token_at:
-            print_fn(f"  control token: {token_at}")
-        if not cfg.serving.all_api_keys():
-            print_fn(f"  note: {SHARED_CACHE_NOTE}")
-        print_fn(
-            f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"model": "{model.name}", "prompt": "...", "max_tokens": 16}}\''
-        )
-        print_fn("Ctrl-C stops everything.")
+        _print_up_vllm(print_fn, cfg, cluster, urls, roles, token_at, data_dir)
         if ready_file is not None:
             ready_file.write_text(
                 json.dumps({"url": cluster.front_url, "vllm": urls, "roles": roles, "conductor": cluster.url})
@@ -533,6 +509,44 @@ def up_vllm(
         _give_back(cfg, shm)
         lock.release()
         print_fn("tiercake is down")
+
+
+def _check_vllm_setup(config: TiercakeConfig, model: Path, roles: list[str]) -> None:
+    if not (model / "config.json").exists():
+        raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
+    if not roles or not set(roles) <= {"worker", "prefill", "decode"} or (("prefill" in roles) != ("decode" in roles)):
+        raise ValueError(f"vLLM roles must be workers, or prefill and decode instances together; got {roles}")
+    if "prefill" in roles and not config.serving.disaggregated:
+        raise ValueError("prefill and decode instances need serving.disaggregated: true")
+
+
+def _under_vllm(config: TiercakeConfig, model: Path, host: str) -> TiercakeConfig:
+    """The cluster's config beside vLLM servers."""
+    cfg = config.model_copy(deep=True)
+    cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
+    cfg.store.tiers = [t for t in cfg.store.tiers if t.kind != "gpu"]  # vLLM keeps its own KV on the device
+    cfg.model_id = model.name  # the name vLLM serves it under
+    cfg.serving.host = host
+    cfg.serving.tokenizer = cfg.serving.tokenizer or str(model)  # the front tokenizes as vLLM does
+    return cfg
+
+
+def _print_up_vllm(print_fn, cfg: TiercakeConfig, cluster, urls: list[str], roles, token_at, data_dir: Path) -> None:
+    kinds = ", ".join(f"{roles.count(r)} {r}" for r in ("worker", "prefill", "decode") if r in roles)
+    print_fn(
+        f"tiercake is up under vLLM: {cluster.front_url}  (the front over {len(roles)} vLLM servers ({kinds}) "
+        f"with the TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; "
+        f"logs in {data_dir / 'logs'})"
+    )
+    if token_at:
+        print_fn(f"  control token: {token_at}")
+    if not cfg.serving.all_api_keys():
+        print_fn(f"  note: {SHARED_CACHE_NOTE}")
+    print_fn(
+        f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{cfg.model_id}", "prompt": "...", "max_tokens": 16}}\''
+    )
+    print_fn("Ctrl-C stops everything.")
 
 
 def up(
@@ -581,40 +595,11 @@ def up(
         cfg.conductor.urls = [control]
         node_cfg = data_dir / "up-node.yaml"
         node_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        agent_cfg, prefix = node_cfg, []
-        if node_netns is not None:
-            namespace, address = node_netns
-            inside = cfg.model_copy(deep=True)
-            inside.transfer.host = address
-            agent_cfg = data_dir / "up-node-netns.yaml"
-            agent_cfg.write_text(yaml.safe_dump(inside.model_dump(mode="json")))
-            prefix = ["ip", "netns", "exec", namespace]
-        node = Child(
-            "node", ["node", "--config", str(agent_cfg)], without_seal_secret(cfg, env), logs, prefix=prefix, spare=True
-        )
+        node = _node_child(cfg, data_dir, env, logs, node_netns)
         children.append(node)
         node.wait_announce(120, stop)
-        roles = [("prefill", prefill), ("decode", decode), ("worker", workers)]
-        for role, count in roles:
-            for i in range(count):
-                name = f"{role}-{i}"
-                child = Child(
-                    name,
-                    [
-                        "worker",
-                        "--config",
-                        str(node_cfg),
-                        "--role",
-                        role,
-                        "--id",
-                        f"{cfg.node_id}-{name}",
-                        "--data-dir",
-                        str(data_dir),
-                    ],
-                    env,
-                    logs,
-                )
-                children.append(child)
+        for role, count in (("prefill", prefill), ("decode", decode), ("worker", workers)):
+            children += [_worker_child(cfg, node_cfg, f"{role}-{i}", role, data_dir, env) for i in range(count)]
         for child in children[2:]:
             child.wait_announce(300, stop)  # a worker calibrates its timings first (persisted for next time)
         _print_up(
@@ -640,6 +625,27 @@ def up(
         _give_back(cfg, shm)
         lock.release()
         print_fn("tiercake is down")
+
+
+def _node_child(
+    cfg: TiercakeConfig, data_dir: Path, env: dict, logs: Path, node_netns: tuple[str, str] | None
+) -> Child:
+    """The node agent, with a warm spare; inside ``node_netns`` (namespace, its transfer address) if given."""
+    agent_cfg, prefix = data_dir / "up-node.yaml", []
+    if node_netns is not None:
+        namespace, address = node_netns
+        inside = cfg.model_copy(deep=True)
+        inside.transfer.host = address
+        agent_cfg = data_dir / "up-node-netns.yaml"
+        agent_cfg.write_text(yaml.safe_dump(inside.model_dump(mode="json")))
+        prefix = ["ip", "netns", "exec", namespace]
+    argv = ["node", "--config", str(agent_cfg)]
+    return Child("node", argv, without_seal_secret(cfg, env), logs, prefix=prefix, spare=True)
+
+
+def _worker_child(cfg: TiercakeConfig, node_cfg: Path, name: str, role: str, data_dir: Path, env: dict) -> Child:
+    argv = ["worker", "--config", str(node_cfg), "--role", role, "--id", f"{cfg.node_id}-{name}"]
+    return Child(name, [*argv, "--data-dir", str(data_dir)], env, data_dir / "logs")
 
 
 def _pools(cfg: TiercakeConfig) -> set[str]:

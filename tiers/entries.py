@@ -231,3 +231,7 @@ class BlockView:
     key: bytes
     tier: str
     data: torch.Tensor
+
+
+def short_key(key: bytes) -> str:
+    return key.hex()[:16] + "…"

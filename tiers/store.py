@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import logging
 import math
@@ -33,42 +32,24 @@ from typing import Any
 
 import torch
 
-from tiercake.policies import BlockMeta, EvictionPolicy
+from tiercake.policies import BlockMeta
 
-from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_async
-from .entries import BlockChange, BlockView, Copy, Entry, Lease, PutHandle, State, Tier
+from .buffers import INLINE_COPY_MAX, Payload, as_bytes
+from .entries import BlockChange, BlockView, Copy, Entry, Lease, PutHandle, State, Tier, short_key
 from .errors import (
     CorruptBlockError,
     InvalidStateError,
     ObjectExistsError,
-    ObjectLeasedError,
     ObjectNotFoundError,
-    ObjectPinnedError,
     PayloadError,
     PutInProgressError,
     StoreError,
     TierFullError,
 )
+from .eviction import StoreEviction, Throttled
+from .removal import StoreRemoval
 
 log = logging.getLogger(__name__)
-
-
-class _Throttled:
-    """One log line per ``every`` seconds for a recurring failure (a full disk fails every spill:
-    thousands of identical lines a minute), counting the ones held back."""
-
-    def __init__(self, every: float = 10.0) -> None:
-        self.every = every
-        self._last = -math.inf
-        self._held = 0
-
-    def warning(self, message: str, *args) -> None:
-        now = time.monotonic()
-        if now - self._last < self.every:
-            self._held += 1
-            return
-        held, self._held, self._last = self._held, 0, now
-        log.warning(message + (f" (and {held} more like it in the last {self.every:g} s)" if held else ""), *args)
 
 
 MAX_KEY_BYTES = 64
@@ -83,8 +64,10 @@ def in_flight(payloads: Iterable[Payload]) -> int:
     return max(1, min(MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES // max(1, largest)))
 
 
-class TieredStore:
-    """Tiers ordered fastest first. See the module docstring for the semantics."""
+class TieredStore(StoreRemoval, StoreEviction):
+    """Tiers ordered fastest first. See the module docstring for the semantics. The class is written
+    in three files: this one (life cycle, lookup, put, get), ``removal.py`` (remove, pins, holds) and
+    ``eviction.py`` (eviction and spill); its entries have this one owner."""
 
     def __init__(
         self,
@@ -115,7 +98,7 @@ class TieredStore:
         self._holds: list[tuple[float, bytes]] = []  # (until, key) of held blocks, out of their tiers' policies
         self.misses = 0
         self._closed = False
-        self._spill_failures = _Throttled()
+        self._spill_failures = Throttled()
         # called with every committed copy that appears in or leaves a tier (a node agent reports
         # them to the conductor); called synchronously, so a listener must only queue
         self.listeners: list[Callable[[BlockChange], None]] = []
@@ -167,7 +150,7 @@ class TieredStore:
     def _committed_entry(self, key: bytes) -> Entry:
         entry = self._entries.get(key)
         if entry is None or not entry.committed():
-            raise ObjectNotFoundError(f"no committed block {_short(key)}")
+            raise ObjectNotFoundError(f"no committed block {short_key(key)}")
         return entry
 
     def contains(self, key: bytes) -> bool:
@@ -288,8 +271,8 @@ class TieredStore:
         existing = self._entries.get(key)
         if existing is not None:
             if existing.committed():
-                raise ObjectExistsError(f"block {_short(key)} is already committed (objects are immutable)")
-            raise PutInProgressError(f"a put of block {_short(key)} is already in progress")
+                raise ObjectExistsError(f"block {short_key(key)} is already committed (objects are immutable)")
+            raise PutInProgressError(f"a put of block {short_key(key)} is already in progress")
         meta = BlockMeta(parent=parent, size=nbytes, cost=cost, tenant=tenant)
         entry = Entry(key, nbytes, meta, seal=seal, keep=keep)
         self._entries[key] = entry  # claims the key while we wait for room
@@ -297,7 +280,7 @@ class TieredStore:
             start = 0 if tier is None else self.tier(tier).index
             copy = await self._place(entry, start, offer=True)
             if copy is None:
-                raise TierFullError(f"no tier from {self.tiers[start].name!r} down admitted block {_short(key)}")
+                raise TierFullError(f"no tier from {self.tiers[start].name!r} down admitted block {short_key(key)}")
         except BaseException:
             if not entry.copies:
                 self._entries.pop(key, None)
@@ -335,7 +318,7 @@ class TieredStore:
     def commit_now(self, handle: PutHandle) -> None:
         """``commit`` of a copy in memory (no file to write): nothing to wait for."""
         if handle.done or handle.written < handle.entry.nbytes or not handle.copy.tier.backend.in_memory:
-            raise InvalidStateError(f"put of {_short(handle.key)} cannot be committed now")
+            raise InvalidStateError(f"put of {short_key(handle.key)} cannot be committed now")
         handle.done = True
         self._commit_copy(handle.entry, handle.copy)
         handle.copy.tier.stats.puts += 1
@@ -396,9 +379,11 @@ class TieredStore:
     async def _commit(self, handle: PutHandle, src: torch.Tensor | None = None) -> None:
         """Commit; a disk tier writes its file from ``src`` when given (no staging copy)."""
         if handle.done:
-            raise InvalidStateError(f"put of {_short(handle.key)} is already committed or revoked")
+            raise InvalidStateError(f"put of {short_key(handle.key)} is already committed or revoked")
         if handle.written < handle.entry.nbytes:
-            raise PayloadError(f"put of {_short(handle.key)}: {handle.written} of {handle.entry.nbytes} bytes written")
+            raise PayloadError(
+                f"put of {short_key(handle.key)}: {handle.written} of {handle.entry.nbytes} bytes written"
+            )
         copy, entry = handle.copy, handle.entry
         if not copy.tier.backend.in_memory:
             try:
@@ -416,7 +401,7 @@ class TieredStore:
         """Abandon a started put and give its space back. Revoking twice is a no-op."""
         if handle.done:
             if handle.copy.state is State.COMMITTED:
-                raise InvalidStateError(f"put of {_short(handle.key)} is committed; remove it instead")
+                raise InvalidStateError(f"put of {short_key(handle.key)} is committed; remove it instead")
             return
         handle.done = True
         entry = handle.entry
@@ -524,9 +509,9 @@ class TieredStore:
             entry = self._entries.get(key)
             if entry is None or not entry.committed():
                 self.misses += 1
-                raise ObjectNotFoundError(f"no committed block {_short(key)}")
+                raise ObjectNotFoundError(f"no committed block {short_key(key)}")
             if out.numel() != entry.nbytes:
-                raise PayloadError(f"destination is {out.numel()} bytes, block {_short(key)} is {entry.nbytes}")
+                raise PayloadError(f"destination is {out.numel()} bytes, block {short_key(key)} is {entry.nbytes}")
             index = entry.committed()[0]
             copy = entry.copies[index]
             tier = copy.tier
@@ -596,7 +581,7 @@ class TieredStore:
         for key in keys:
             entry = self._entries.get(key)
             if entry is None or not entry.committed():
-                results.append(ObjectNotFoundError(f"no committed block {_short(key)}"))
+                results.append(ObjectNotFoundError(f"no committed block {short_key(key)}"))
                 continue
             index = entry.committed()[0]
             copy = entry.copies[index]
@@ -606,7 +591,7 @@ class TieredStore:
             if index == 0 or staged + entry.nbytes > max_bytes:
                 results.append(
                     TierFullError(
-                        f"block {_short(key)} stays on {copy.tier.name}: "
+                        f"block {short_key(key)} stays on {copy.tier.name}: "
                         + ("no memory tier above it" if index == 0 else "over this call's bound")
                     )
                 )
@@ -628,7 +613,7 @@ class TieredStore:
             else:
                 results.append(
                     TierFullError(
-                        f"block {_short(key)} stays on {copy.tier.name}: {self.tiers[index - 1].name} did not take it"
+                        f"block {short_key(key)} stays on {copy.tier.name}: {self.tiers[index - 1].name} did not take it"
                     )
                 )
         return results
@@ -668,7 +653,7 @@ class TieredStore:
                 copy.tier.eviction.on_access(key)
                 return Lease(lease, key, copy.tier.name, copy.slot, copy.tier.backend, entry.nbytes)
         where = "a memory tier" if tier is None else f"tier {tier!r}"
-        raise ObjectNotFoundError(f"block {_short(key)} is not in {where}")
+        raise ObjectNotFoundError(f"block {short_key(key)} is not in {where}")
 
     async def release_lease(self, key: bytes, lease: int) -> None:
         """End a lease (unknown or already ended leases are ignored). A copy that was evicted while
@@ -720,295 +705,6 @@ class TieredStore:
         for copy in copies:
             await copy.tier.backend.release(copy.slot)
 
-    # Remove and pins ------------------------------------------------------------------------------
-
-    async def remove(self, key: bytes) -> None:
-        """Remove every copy. Refused while a reader holds a lease or the object is hard-pinned."""
-        entry = self._entries.get(key)
-        if entry is None:
-            raise ObjectNotFoundError(f"no block {_short(key)}")
-        if not entry.committed():
-            raise PutInProgressError(f"block {_short(key)} has a put in progress; revoke it instead")
-        now = time.monotonic()
-        if any(c.leased(now) for c in entry.copies.values()):
-            raise ObjectLeasedError(f"block {_short(key)} is being read (leased); retry after the lease ends")
-        if entry.hard_pin:
-            raise ObjectPinnedError(f"block {_short(key)} is hard-pinned; unpin it first")
-        del self._entries[key]
-        for copy in list(entry.copies.values()):
-            copy.tier.eviction.on_remove(key)
-            if copy.state is State.COMMITTED:
-                self._notify(entry, copy.tier, False)
-            # A copy being evicted, or a pending copy a spill or promotion is filling, is freed by
-            # that operation when it sees the entry gone.
-            if copy.state is State.COMMITTED and not copy.evicting:
-                await copy.tier.backend.release(copy.slot)
-
-    def pin(self, key: bytes, *, hard: bool = False, ttl: float | None = None) -> None:
-        """Hard pin: never evicted. Soft pin: evicted only when nothing else can be, for ``ttl`` s."""
-        entry = self._committed_entry(key)
-        if hard:
-            entry.hard_pin = True
-        else:
-            entry.soft_pin_until = max(entry.soft_pin_until, time.monotonic() + (ttl if ttl is not None else 60.0))
-
-    def hold(self, key: bytes, until: float) -> None:
-        """Keep ``key`` from eviction until ``until`` (monotonic; a later hold extends it). Unlike a
-        lease it does not keep a remove from taking it: whoever decided the block's fate may still."""
-        entry = self._committed_entry(key)
-        if entry.hold_until <= time.monotonic():
-            # out of the eviction policies while held, so that a scan for victims never walks over held
-            # blocks (a burst of reads would hold thousands); back in, as just used, once it ends
-            for index in entry.committed():
-                self.tiers[index].eviction.on_remove(key)
-            heapq.heappush(self._holds, (until, key))
-        entry.hold_until = max(entry.hold_until, until)
-
-    def _end_holds(self) -> None:
-        """Holds that ended: their blocks go back into their tiers' eviction policies."""
-        now = time.monotonic()
-        while self._holds and self._holds[0][0] <= now:
-            _, key = heapq.heappop(self._holds)
-            entry = self._entries.get(key)
-            if entry is None:
-                continue  # removed while held
-            if entry.hold_until > now:  # extended meanwhile
-                heapq.heappush(self._holds, (entry.hold_until, key))
-                continue
-            for index in entry.committed():
-                if not entry.copies[index].evicting:
-                    self.tiers[index].eviction.on_insert(key, entry.meta)
-
-    def set_keep(self, key: bytes, keep: bool) -> None:
-        """Whether ``key``'s last copy may be evicted (``put_start(keep=...)``)."""
-        self._committed_entry(key).keep = keep
-
-    async def persist_copy(self, key: bytes, tier: str, *, sync: bool = True) -> None:
-        """Write ``key``'s committed copy down into the disk tier ``tier`` too (if it has none there),
-        on the device before this returns with ``sync``. The copies stay inclusive: the memory copy
-        keeps serving reads, and may be evicted later without a spill."""
-        target = self.tier(tier)
-        if target.backend.in_memory:
-            raise ValueError(f"tier {tier!r} is not a disk tier")
-        entry = self._committed_entry(key)
-        present = entry.copies.get(target.index)
-        if present is not None:
-            if present.state is State.COMMITTED:
-                return  # already there (written synced, or recovered from the disk)
-            raise PutInProgressError(f"block {_short(key)} is being written to {tier!r} already")
-        source = next((entry.copies[i] for i in entry.committed() if entry.copies[i].tier.backend.in_memory), None)
-        if source is None:
-            raise ObjectNotFoundError(f"block {_short(key)} has no copy in memory to write down")
-        lease = self._lease(source, math.inf)
-        try:
-            slot = await self._allocate(target, entry.nbytes)
-            copy = Copy(target, slot)
-            entry.copies[target.index] = copy
-            try:
-                await target.backend.persist(
-                    slot,
-                    key,
-                    entry.meta.parent,
-                    source.tier.backend.view(source.slot, entry.nbytes),
-                    tenant=entry.meta.tenant,
-                    seal=entry.seal,
-                    sync=sync,
-                )
-            except BaseException:
-                entry.copies.pop(target.index, None)
-                await target.backend.release(slot)
-                raise
-        finally:
-            await self.release_lease(key, lease)
-        if self._entries.get(key) is not entry:  # removed while it was written
-            entry.copies.pop(target.index, None)
-            await target.backend.release(slot)
-            raise ObjectNotFoundError(f"block {_short(key)} was removed while it was written to {tier!r}")
-        self._commit_copy(entry, copy)
-
-    def set_eviction(self, tier: str, policy: EvictionPolicy) -> None:
-        """Switch ``tier`` to another eviction policy at run time; the resident blocks move over in
-        the old policy's eviction order (the next victim first), so recency carries over."""
-        t = self.tier(tier)
-        order = t.eviction.victims(len(t.eviction))
-        for key in order:
-            entry = self._entries.get(key)
-            policy.on_insert(key, entry.meta if entry is not None else BlockMeta())
-        t.eviction = policy
-
-    async def flush(self, tiers: list[str] | None = None) -> int:
-        """Drop every block that may go now (not pinned, leased or in use); returns how many went.
-        With ``tiers``, only their copies go, each pushed down to the next tier as an eviction would
-        (so flushing a node's pool leaves its blocks on SSD)."""
-        now = time.monotonic()
-        indexes = None if tiers is None else {self.tier(name).index for name in tiers}
-        victims = [
-            (e.key, [i for i in e.committed() if indexes is None or i in indexes])
-            for e in self._entries.values()
-            if e.committed()
-            and not e.hard_pin
-            and e.soft_pin_until <= now
-            and not any(c.leased(now) or c.tier.backend.in_use(c.slot) for c in e.copies.values())
-        ]
-        gone = 0
-        for key, where in victims:
-            if not where:
-                continue
-            with contextlib.suppress(StoreError):  # leased or removed meanwhile: it stays or is gone
-                if indexes is None:
-                    await self.remove(key)
-                else:
-                    for index in where:
-                        tier = self.tiers[index]
-                        tier.eviction.on_remove(key)
-                        async with tier.evict_lock:
-                            await self._demote(tier, key)
-                gone += 1
-        return gone
-
-    def is_pinned(self, key: bytes) -> bool:
-        """Hard-pinned (soft pins expire on their own and are not reported)."""
-        return self._committed_entry(key).hard_pin
-
-    def unpin(self, key: bytes) -> None:
-        entry = self._committed_entry(key)
-        entry.hard_pin = False
-        entry.soft_pin_until = 0.0
-
-    # Eviction -------------------------------------------------------------------------------------
-
-    def _evictable(self, tier: Tier, *, soft_ok: bool, tenant: str | None = None):
-        now = time.monotonic()
-        index, last = tier.index, len(self.tiers) - 1
-
-        def can_evict(key: Any) -> bool:
-            entry = self._entries.get(key)
-            if entry is None or entry.hard_pin or (tenant is not None and entry.meta.tenant != tenant):
-                return False
-            copy = entry.copies.get(index)
-            if copy is None or copy.state is not State.COMMITTED or copy.evicting:
-                return False
-            if copy.leased(now) or tier.backend.in_use(copy.slot) or entry.hold_until > now:
-                return False
-            if entry.keep and index == last and not any(i > index for i in entry.committed()):
-                return False  # a kept block's last copy, at the bottom: nowhere to spill it
-            return soft_ok or entry.soft_pin_until <= now
-
-        return can_evict
-
-    async def _within_quota(self, tier: Tier, entry: Entry) -> bool:
-        """Room for ``entry`` in its tenant's share of ``tier``, evicting the tenant's own blocks
-        (by the tier's policy) to make it; False when the share is held by blocks that may not go."""
-        quota, tenant = tier.tenant_quota_bytes, entry.meta.tenant
-        if quota is None:
-            return True
-        async with tier.evict_lock:
-            while tier.tenant_bytes[tenant] + entry.nbytes > quota:
-                over = tier.tenant_bytes[tenant] + entry.nbytes - quota
-                if not await self._evict_some(tier, over, tenant=tenant):
-                    tier.stats.quota_refusals += 1
-                    return False
-        return True
-
-    async def _evict_some(self, tier: Tier, nbytes: int, tenant: str | None = None) -> bool:
-        """Evict blocks worth about ``nbytes`` from ``tier`` (only ``tenant``'s, when given); False
-        when nothing may be evicted."""
-        if self._holds:
-            self._end_holds()
-        avg = max(1, tier.backend.used_bytes // max(1, len(tier.eviction)))
-        want = max(1, min(64, -(-nbytes // avg)))
-        victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False, tenant=tenant))
-        if not victims:
-            victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True, tenant=tenant))
-        for key in victims:
-            await self._demote(tier, key)
-        return bool(victims)
-
-    async def _watermark_round(self, tier: Tier) -> None:
-        """Bring the tier down to ``high_watermark - evict_fraction`` of its capacity."""
-        target = (tier.high_watermark - tier.evict_fraction) * tier.backend.capacity_bytes
-        try:
-            async with tier.evict_lock:
-                while tier.backend.used_bytes > target:
-                    need = int(tier.backend.used_bytes - target)
-                    if not await self._evict_some(tier, need):
-                        break
-        except Exception:  # a background round must never die silently
-            log.exception("store: watermark eviction of tier %s failed", tier.name)
-
-    async def _demote(self, tier: Tier, key: bytes) -> None:
-        """Move ``key``'s copy out of ``tier``: spill it down unless a lower tier has it already."""
-        entry = self._entries.get(key)
-        copy = entry.copies.get(tier.index) if entry else None
-        if copy is None:
-            return
-        tier.stats.evictions += 1
-        tier.stats.note_residency(time.monotonic() - copy.committed_at)
-        copy.evicting = True
-        try:
-            has_lower = any(i > tier.index for i in entry.committed())
-            if not has_lower:
-                spilled = await self._spill(entry, tier, copy)
-                if not spilled:
-                    if entry.keep and self._entries.get(key) is entry:
-                        return  # kept: where no lower tier takes it, it stays
-                    tier.stats.drops += 1
-        finally:
-            copy.evicting = False
-        if self._entries.get(key) is not entry:
-            await tier.backend.release(copy.slot)  # removed during the spill; remove() left it to us
-            return
-        del entry.copies[tier.index]
-        self._notify(entry, tier, False)
-        if not entry.copies:
-            del self._entries[key]
-        if copy.leased(time.monotonic()):
-            copy.free_on_release = True  # a reader arrived during the spill; free when it is done
-        else:
-            await tier.backend.release(copy.slot)
-
-    async def _spill(self, entry: Entry, tier: Tier, copy: Copy) -> bool:
-        if tier.index + 1 >= len(self.tiers):
-            return False
-        src = tier.backend.view(copy.slot, entry.nbytes)
-        try:
-            lower = await self._place(entry, tier.index + 1, offer=True)
-        except TierFullError as exc:
-            log.info("store: dropping %s from %s: %s", _short(entry.key), tier.name, exc)
-            return False
-        if lower is None:
-            return False
-        try:
-            if lower.tier.backend.in_memory:
-                await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
-            else:
-                await lower.tier.backend.persist(
-                    lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant, seal=entry.seal
-                )
-        except StoreError as exc:
-            entry.copies.pop(lower.tier.index, None)
-            await lower.tier.backend.release(lower.slot)
-            self._spill_failures.warning("store: spill of %s to %s failed: %s", _short(entry.key), lower.tier.name, exc)
-            return False
-        if self._entries.get(entry.key) is not entry:  # removed while we wrote
-            entry.copies.pop(lower.tier.index, None)
-            await lower.tier.backend.release(lower.slot)
-            return False
-        self._commit_copy(entry, lower)
-        lower.tier.stats.spills_in += 1
-        return True
-
-    async def _drop_copy(self, entry: Entry, index: int) -> None:
-        copy = entry.copies.pop(index)
-        copy.tier.eviction.on_remove(entry.key)
-        self._notify(entry, copy.tier, False)
-        if not entry.copies:
-            self._entries.pop(entry.key, None)
-        await copy.tier.backend.release(copy.slot)
-
-    async def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        await copy_async(dst, src, self.inline_copy_max)
-
     # Reporting ------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -1028,7 +724,3 @@ class TieredStore:
                 for t in self.tiers
             },
         }
-
-
-def _short(key: bytes) -> str:
-    return key.hex()[:16] + "…"

@@ -14,7 +14,7 @@ import signal
 import pytest
 from kvstore_helpers import KvCluster, ready
 
-from tiercake.chaos_kv import KvLoad
+from tiercake.chaos.kv import KvLoad
 from tiercake.kvstore import Durability
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
@@ -23,7 +23,7 @@ CLIENTS = 8
 
 
 async def run_history(cluster: KvCluster, nodes: int, durability: Durability, faults, ops_each: int = 700) -> KvLoad:
-    """``CLIENTS`` clients of ``tiercake.chaos_kv`` (the workload ``tiercake chaos`` runs), ``ops_each``
+    """``CLIENTS`` clients of ``tiercake.chaos.kv`` (the workload ``tiercake chaos`` runs), ``ops_each``
     operations each, while ``faults()`` runs."""
     probe = await cluster.store().open()
     try:

@@ -179,3 +179,40 @@ def test_the_tests_mirror_the_packages():
     assert not list(tests.glob("test_*.py")), "a test module directly in tests/"
     placed = {p.relative_to(tests).parts[0] for p in tests.rglob("test_*.py")}
     assert placed == folders, placed ^ folders  # each part has its tests, in no other folder
+
+
+MAX_FUNCTION_LINES = 80  # the argument parsers included
+MAX_CLASS_LINES = 350  # in the services: conductor/ and workers/
+MAX_MODULE_LINES = 800
+
+
+def sizes(root=ROOT) -> list[str]:
+    """What is over the limits: a function that needs a scroll, a service class with several jobs,
+    a module too long to hold in mind."""
+    over = []
+    for part in ("tiercake", *sorted(PARTS)):
+        for path in sorted((root / part).rglob("*.py")):
+            text = path.read_text()
+            name = path.relative_to(root)
+            if text.count("\n") > MAX_MODULE_LINES:
+                over.append(f"{name}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > MAX_FUNCTION_LINES:
+                    over.append(f"{name}: {node.name} is {lines} lines")
+                if isinstance(node, ast.ClassDef) and part in ("conductor", "workers") and lines > MAX_CLASS_LINES:
+                    over.append(f"{name}: class {node.name} is {lines} lines")
+    return over
+
+
+def test_no_function_class_or_module_past_its_size():
+    assert sizes() == []
+
+
+def test_the_size_check_finds_a_long_function(tmp_path):
+    (tmp_path / "workers").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "workers" / "long.py").write_text(f"def long():\n{body}")
+    for part in ("tiercake", *PARTS):
+        (tmp_path / part).mkdir(exist_ok=True)
+    assert sizes(tmp_path) == [f"workers/long.py: long is {MAX_FUNCTION_LINES + 1} lines"]

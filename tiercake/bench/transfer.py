@@ -174,17 +174,7 @@ async def run(
     certs = tempfile.TemporaryDirectory()
     tls = _certificate(Path(certs.name))
     peer = Peer(pool_bytes=3 * total + 64 * MiB, tls=tls)
-    engines = {
-        "tcp": TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams),
-        "shm": TransferEngine("bench", peer.secret, transports=("shm", "tcp"), streams=streams),
-    }
-    if ucx_available():  # same host: UCX's shared-memory transports, so memcpy is its limit
-        engines["ucx"] = TransferEngine("bench", peer.secret, transports=("ucx",), streams=streams)
-    if tls is not None:  # transfer.tls: TCP inside TLS, to the same store
-        context = TlsConfig(ca_file=str(tls[0])).transfer_client_context()
-        engines["tls"] = TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams, tls=context)
-    for name, engine in engines.items():
-        engine.add_peer(PEER, peer.address["host"], peer.address["tls_port" if name == "tls" else "port"])
+    engines = _engines(peer, tls, streams)
     try:
         for size in sizes:
             nblocks = max(1, total // size)
@@ -222,34 +212,9 @@ async def run(
                         continue
                     write_s, read_s, lat = await _measure(engine, size, batch, nblocks, reps, src, dst, name)
                     over_socket = name in ("tcp", "tls")
-                    limit_name = "raw socket" if over_socket else "memcpy"
                     limits = (raw_write, raw_read) if over_socket else (memcpy, memcpy)
                     params = {"block_bytes": size, "batch": batch, "blocks": nblocks, "streams": streams}
-                    report.add(
-                        f"{name}.write",
-                        nbytes / write_s / 1e9,
-                        "GB/s",
-                        nbytes / limits[0] / 1e9,
-                        **params,
-                        limit_name=limit_name,
-                    )
-                    report.add(
-                        f"{name}.read",
-                        nbytes / read_s / 1e9,
-                        "GB/s",
-                        nbytes / limits[1] / 1e9,
-                        **params,
-                        limit_name=limit_name,
-                    )
-                    raw_batch_us = limits[1] / nblocks * min(batch, nblocks) * 1e6
-                    report.add(
-                        f"{name}.read.batch_latency_p50",
-                        statistics.median(lat) * 1e6,
-                        "us",
-                        raw_batch_us,
-                        **params,
-                        limit_name=f"{limit_name} time",
-                    )
+                    _engine_figures(report, name, nbytes, (write_s, read_s, lat), limits, over_socket, params)
                     if name == "tcp" and size == 64 * KiB and batch == max(batches):
                         per_block = read_s / nblocks * 1e6
                         raw_block = raw_read / nblocks * 1e6
@@ -268,6 +233,41 @@ async def run(
         peer.close()
         certs.cleanup()
     return report
+
+
+def _engines(peer: Peer, tls, streams: int) -> dict[str, TransferEngine]:
+    """One engine per way to the peer: TCP, the shared pool, UCX where installed, TLS where it can be."""
+    engines = {
+        "tcp": TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams),
+        "shm": TransferEngine("bench", peer.secret, transports=("shm", "tcp"), streams=streams),
+    }
+    if ucx_available():  # same host: UCX's shared-memory transports, so memcpy is its limit
+        engines["ucx"] = TransferEngine("bench", peer.secret, transports=("ucx",), streams=streams)
+    if tls is not None:  # transfer.tls: TCP inside TLS, to the same store
+        context = TlsConfig(ca_file=str(tls[0])).transfer_client_context()
+        engines["tls"] = TransferEngine("bench", peer.secret, transports=("tcp",), streams=streams, tls=context)
+    for name, engine in engines.items():
+        engine.add_peer(PEER, peer.address["host"], peer.address["tls_port" if name == "tls" else "port"])
+    return engines
+
+
+def _engine_figures(report: Report, name: str, nbytes: int, measured, limits, over_socket: bool, params) -> None:
+    """Write and read rates against the raw socket's (memcpy's, in place), and a batch's read latency."""
+    write_s, read_s, lat = measured
+    limit_name = "raw socket" if over_socket else "memcpy"
+    report.add(
+        f"{name}.write", nbytes / write_s / 1e9, "GB/s", nbytes / limits[0] / 1e9, **params, limit_name=limit_name
+    )
+    report.add(f"{name}.read", nbytes / read_s / 1e9, "GB/s", nbytes / limits[1] / 1e9, **params, limit_name=limit_name)
+    raw_batch_us = limits[1] / params["blocks"] * min(params["batch"], params["blocks"]) * 1e6
+    report.add(
+        f"{name}.read.batch_latency_p50",
+        statistics.median(lat) * 1e6,
+        "us",
+        raw_batch_us,
+        **params,
+        limit_name=f"{limit_name} time",
+    )
 
 
 def _certificate(directory: Path) -> tuple[Path, Path] | None:

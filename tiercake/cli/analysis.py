@@ -182,8 +182,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import math
     from pathlib import Path
 
-    from rich.table import Table
-
     from tiercake.analysis.cluster_sim import ABLATION, ClusterSpec, plot, simulate_cluster
     from tiercake.analysis.evaluate import parse_capacities
     from tiercake.bench.report import Report, machine
@@ -210,27 +208,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     compute_only = sum(spec.prefill.seconds(r.input_length) for r in records) / len(records)
     report = Report(bench="simulate", machine=machine())
-    table = Table(
-        title=f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
+    table, phases = _simulate_tables(
+        f"{Path(args.trace).name}: {len(records)} requests, {args.prefill} prefill / {args.decode} "
         f"decode workers, local {args.local_blocks} blocks, global {args.global_blocks}"
     )
-    for column in (
-        "scheduler",
-        "TTFT mean",
-        "P50",
-        "P99",
-        "TBT P99",
-        "SLO met",
-        "rejected",
-        "hit ratio",
-        "local / global",
-        "moved",
-    ):
-        table.add_column(column, justify="left" if column == "scheduler" else "right")
-    phases = Table(title="TTFT by phase, P50 / P99 (s)")
-    phase_names = ("queue", "lookup", "load_pool", "compute")
-    for column in ("scheduler", *phase_names):
-        phases.add_column(column, justify="left" if column == "scheduler" else "right")
     results = {}
     with progress_bar(f"simulating {len(records)} requests", len(records) * len(runs)) as update:
         for i, (name, (router, params, with_pool)) in enumerate(runs.items()):
@@ -244,19 +225,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             )
     for name in runs:
         summary = results[name].summary()
-        phases.add_row(name, *(f"{summary[f'{p}_p50_s']:.3g} / {summary[f'{p}_p99_s']:.3g}" for p in phase_names))
-        table.add_row(
-            name,
-            f"{summary['ttft_mean_s']:.2f} s",
-            f"{summary['ttft_p50_s']:.2f}",
-            f"{summary['ttft_p99_s']:.2f}",
-            f"{summary['tbt_p99_s'] * 1000:.0f} ms",
-            f"{summary['slo_attainment']:.1%}",
-            str(summary["rejected"]),
-            f"{summary['hit_ratio']:.3f}",
-            f"{summary['local_hit_ratio']:.3f} / {summary['global_hit_ratio']:.3f}",
-            f"{summary['bytes_moved'] / 1e12:.2f} TB",
-        )
+        _simulate_rows(table, phases, name, summary)
         report.add(
             f"ttft_mean.{name}",
             summary["ttft_mean_s"],
@@ -272,6 +241,39 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plot(results, plot_path, table.title)
     console.print(f"plot: {plot_path}")
     return write_json(args, report)
+
+
+PHASES = ("queue", "lookup", "load_pool", "compute")
+
+
+def _simulate_tables(title: str):
+    """(the summary table, the TTFT-by-phase table) of ``tiercake simulate``."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    columns = ("scheduler", "TTFT mean", "P50", "P99", "TBT P99", "SLO met", "rejected", "hit ratio", "local / global")
+    for column in (*columns, "moved"):
+        table.add_column(column, justify="left" if column == "scheduler" else "right")
+    phases = Table(title="TTFT by phase, P50 / P99 (s)")
+    for column in ("scheduler", *PHASES):
+        phases.add_column(column, justify="left" if column == "scheduler" else "right")
+    return table, phases
+
+
+def _simulate_rows(table, phases, name: str, summary: dict) -> None:
+    phases.add_row(name, *(f"{summary[f'{p}_p50_s']:.3g} / {summary[f'{p}_p99_s']:.3g}" for p in PHASES))
+    table.add_row(
+        name,
+        f"{summary['ttft_mean_s']:.2f} s",
+        f"{summary['ttft_p50_s']:.2f}",
+        f"{summary['ttft_p99_s']:.2f}",
+        f"{summary['tbt_p99_s'] * 1000:.0f} ms",
+        f"{summary['slo_attainment']:.1%}",
+        str(summary["rejected"]),
+        f"{summary['hit_ratio']:.3f}",
+        f"{summary['local_hit_ratio']:.3f} / {summary['global_hit_ratio']:.3f}",
+        f"{summary['bytes_moved'] / 1e12:.2f} TB",
+    )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

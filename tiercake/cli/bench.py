@@ -119,6 +119,12 @@ def register(sub) -> None:
         p.add_argument("--plot", metavar="PATH", help="a PNG of each figure's ratio to its limit")
         return p
 
+    _data_path_benches(bench_parser)
+    _serving_benches(bench_parser)
+
+
+def _data_path_benches(bench_parser) -> None:
+    """The tiers, the transfer engine, the key-value store API and the metadata path."""
     store = bench_parser(
         "store",
         help="put/get throughput per tier vs memcpy and raw disk; zstd on real KV",
@@ -167,6 +173,9 @@ def register(sub) -> None:
     )
     meta.set_defaults(func=cmd_bench_metadata)
 
+
+def _serving_benches(bench_parser) -> None:
+    """Time to first token, on tiercake's own workers and on vLLM."""
     serve = bench_parser(
         "serve",
         help="TTFT with 0/50/90%% of the prompt cached, per source tier, vs compute only",

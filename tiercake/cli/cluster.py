@@ -322,21 +322,28 @@ def _up(sub) -> None:
         "this network namespace, its transfer port at ADDRESS (tiercake chaos cuts its link; --host "
         "must be reachable from it; needs root)",
     )
-    upp.add_argument(
+    _up_vllm_flags(upp)
+    upp.set_defaults(func=cmd_up)
+
+
+def _up_vllm_flags(upp) -> None:
+    """``tiercake up``'s flags for running vLLM servers instead of tiercake's own workers."""
+    group = upp.add_argument_group("under vLLM")
+    group.add_argument(
         "--engine",
         choices=["reference", "vllm"],
         default="reference",
         help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector",
     )
-    upp.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
-    upp.add_argument(
+    group.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
+    group.add_argument(
         "--vllm",
         type=int,
         default=1,
         metavar="N",
         help="--engine vllm: vLLM servers behind the front on --port, each prefilling and decoding (default 1)",
     )
-    upp.add_argument(
+    group.add_argument(
         "--vllm-arg",
         action="append",
         metavar="ARG",
@@ -344,14 +351,14 @@ def _up(sub) -> None:
         "vLLM server, as vllm serve takes it (repeatable; --vllm-arg=--enforce-eager skips its "
         "compilation, a minute less to start on CPU)",
     )
-    upp.add_argument(
+    group.add_argument(
         "--vllm-prefill",
         type=int,
         default=0,
         metavar="N",
         help="--engine vllm: disaggregated: N vLLM servers that prefill (with --vllm-decode)",
     )
-    upp.add_argument(
+    group.add_argument(
         "--vllm-decode",
         type=int,
         default=0,
@@ -359,4 +366,3 @@ def _up(sub) -> None:
         help="--engine vllm: N vLLM servers that decode what the prefill servers computed, "
         "loading its KV through tiercake",
     )
-    upp.set_defaults(func=cmd_up)

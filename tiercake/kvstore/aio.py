@@ -66,9 +66,11 @@ from .requests import (
     chunks,
     device_bytes,
     exactly,
+    finish_reads,
     get_request,
     get_results,
     get_targets,
+    merged,
     name_bytes,
     outcome,
     put_request,
@@ -781,22 +783,3 @@ class AsyncStore:
         except (TransferError, OSError, NotSent) as exc:
             log.info("kvstore: a note to %s was lost (%s): its read leases are not granted", node, exc)
             self._forget_blocking(node)
-
-
-# Plumbing -------------------------------------------------------------------------------------------
-
-
-def merged(outcomes: list, items: list[Item], done: dict[int, object]) -> list:
-    for it in items:
-        outcomes[it.index] = done[it.index]
-    return outcomes
-
-
-def finish_reads(outcomes: list, items: list[Item], done: dict[int, object]) -> list:
-    """The reads' outcomes, device buffers filled from the host copies they were read into."""
-    for it in items:
-        got = done[it.index]
-        if it.device is not None and isinstance(got, np.ndarray):
-            it.device[: got.size].copy_(torch.from_numpy(got))
-        outcomes[it.index] = got
-    return outcomes

@@ -262,3 +262,22 @@ def device_bytes(buffer: torch.Tensor) -> torch.Tensor:
         raise InvalidParams("a tensor to read into must be contiguous")
     flat = buffer.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+# What a batch's calls give back, in the callers' order ----------------------------------------
+
+
+def merged(outcomes: list, items: list[Item], done: dict[int, object]) -> list:
+    for it in items:
+        outcomes[it.index] = done[it.index]
+    return outcomes
+
+
+def finish_reads(outcomes: list, items: list[Item], done: dict[int, object]) -> list:
+    """The reads' outcomes, device buffers filled from the host copies they were read into."""
+    for it in items:
+        got = done[it.index]
+        if it.device is not None and isinstance(got, np.ndarray):
+            it.device[: got.size].copy_(torch.from_numpy(got))
+        outcomes[it.index] = got
+    return outcomes

@@ -74,7 +74,7 @@ class ReferenceEngine(ServingEngine):
                 seals=cfg.transfer.seal_material(),
             )
             self._closers.append(self.inference.flush)
-            self._closers.append(self.inference.fence.close)
+            self._closers.append(self.inference.link.fence.close)
             self._perf = await asyncio.to_thread(calibrate, self.inference, self.data_dir)
             self.scheduler = Scheduler(self.inference, serving.max_batch, prefetch=serving.prefetch).start()
             self._closers.append(self.scheduler.close)

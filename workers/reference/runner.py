@@ -26,15 +26,15 @@ from itertools import groupby
 import torch
 
 from tiercake.blocks import Namespace, Sealer, SealKeys, block_keys, chain_key, cluster_seal_material
-from tiercake.conductor.client import Client, ConductorError, NodeDirectory
+from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
 from tiercake.tiers.buffers import host_bytes
-from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine, TransferResult
+from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine
 
 from ..contract import RequestRejected
-from ..fence import NodeFence
 from .model import PagedChunk, ReferenceModel
+from .node_link import NodeLink
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +100,13 @@ class ModelRunner:
         self.block_nbytes = self.kv.block_nbytes
         self._writes: set[asyncio.Task] = set()
         self._compute = asyncio.Lock()  # one forward pass at a time over the pool
-        # the node agents, from the members; a pull or write retried only where one moved
-        self.nodes = (
-            NodeDirectory(conductor, transfer, moved_only=True)
-            if conductor is not None and transfer is not None
-            else None
-        )
+        self.link = NodeLink(worker_id, transfer, conductor)
         self.staged_blocks = 0  # blocks nodes brought into memory for this worker's waiting requests
         self.prefetched_blocks = 0  # blocks pulled into the gpu tier while their request waited
         if seals is None and transfer is not None:
             seals = cluster_seal_material(transfer.secret)
         self._seal_keys = None if seals is None else SealKeys(seals)
         self.refused_blocks = 0  # pulled blocks whose seal did not verify
-        # nodes whose transfers timed out, skipped until they answer a probe
-        self.fence = NodeFence(worker_id, self._answers)
 
     def sealer(self, salt: str) -> Sealer:
         """The sealer of blocks hashed with ``salt`` (a tenant's)."""
@@ -216,7 +209,7 @@ class ModelRunner:
             return
         finally:
             stats.lookup_s = time.perf_counter() - started
-        found = {n: p for n, p in found.items() if await self._reachable(n)}
+        found = {n: p for n, p in found.items() if await self.link.reachable(n)}
         if not found:
             return
         node, prefix = max(found.items(), key=lambda item: item[1].length)
@@ -255,7 +248,7 @@ class ModelRunner:
             )
             for i, key in enumerate(keys[start:end], start=start)
         ]
-        results = await self._send(node, batch, verify=self.sealer(salt).verify)
+        results = await self.link.send(node, batch, verify=self.sealer(salt).verify)
         refused = sum(isinstance(r.error, SealError) for r in results)
         if refused:
             self.refused_blocks += refused
@@ -296,7 +289,7 @@ class ModelRunner:
         gpu = self.store.tier("gpu")
         room = int(gpu.high_watermark * gpu.backend.capacity_bytes) - gpu.backend.used_bytes
         end = min(len(keys), own + max(0, room) // self.block_nbytes)
-        if end <= own or self.transfer is None or not await self._reachable(source.node):
+        if end <= own or self.transfer is None or not await self.link.reachable(source.node):
             return Prefetched(staged)
         try:
             loaded, _ = await self._pull(source.node, tenant, salt, keys, own, end)
@@ -321,7 +314,7 @@ class ModelRunner:
         keys = keys[: min(source.blocks, (len(tokens) - 1) // self.block_size)]
         tiers = [tier for tier, n in source.runs for _ in range(n)]
         wanted = [key for key, tier in zip(keys, tiers) if tier not in MEMORY_TIERS]
-        if not wanted or not await self._reachable(source.node):
+        if not wanted or not await self.link.reachable(source.node):
             return frozenset()
         try:
             results = await self.transfer.stage_blocks(source.node, wanted)
@@ -330,44 +323,6 @@ class ModelRunner:
             return frozenset()
         self.staged_blocks += sum(r.ok for r in results)
         return frozenset(key for key, r in zip(wanted, results) if r.ok)
-
-    async def _reachable(self, node: str, force: bool = False) -> bool:
-        """A node agent the transfer engine can reach (workers hold blocks too, but serve none).
-        Unknown ids are looked up among the members (at most twice a second unless ``force``)."""
-        if node == self.worker_id or not self.fence.open(node):
-            return False
-        if node not in self.transfer.peers and self.nodes is not None:
-            try:
-                await self.nodes.refresh(force)
-            except ConductorError as exc:
-                log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
-        return node in self.transfer.peers
-
-    async def _send(self, node: str, batch: list[Transfer], verify=None) -> list[TransferResult]:
-        """The batch to or from ``node``, given up at the deadline its size calls for (a node that
-        stalls costs about a second, then the caller recomputes); when the node could not be reached
-        and the members list it at another address (its agent restarted), once more there."""
-        deadline = self.transfer.deadline_for(sum(t.length for t in batch))
-
-        async def attempt() -> list[TransferResult]:
-            return self._heard(node, await self.transfer.transfer(batch, timeout=deadline, verify=verify))
-
-        if self.nodes is None:
-            return await attempt()
-        try:
-            return await self.nodes.to_node(node, attempt)
-        except ConductorError as exc:  # the members could not be read: what the attempt gave stands
-            log.warning("worker %s: cannot list members: %s", self.worker_id, exc)
-            return [TransferResult(False, error=exc) for _ in batch]
-
-    async def _answers(self, node: str) -> bool:
-        return self.transfer is None or await self.transfer.answers(node)
-
-    def _heard(self, node: str, results: list[TransferResult]) -> list[TransferResult]:
-        """A batch that got nothing but timeouts fences its node."""
-        if results and all(isinstance(r.error, TimeoutError) for r in results):
-            self.fence.timed_out(node)
-        return results
 
     def _store_full_blocks(self, seq: Sequence, resend_cached: bool = False) -> None:
         """Adopt the sequence's newly full blocks into the gpu tier and write them through. With
@@ -399,9 +354,9 @@ class ModelRunner:
         taken when they were adopted (the sequence may end and the blocks be evicted meanwhile
         otherwise); they are released here whatever happens."""
         try:
-            if not self.fence.open(self.node):
+            if not self.link.fence.open(self.node):
                 return  # the node is fenced: the blocks stay in the gpu tier only
-            if not await self._reachable(self.node, force=True):
+            if not await self.link.reachable(self.node, force=True):
                 log.warning(
                     "worker %s: node %s is not a live member; blocks not written through", self.worker_id, self.node
                 )
@@ -418,7 +373,7 @@ class ModelRunner:
                 )
                 for i, lease, seal in zip(indices, leases, seals)
             ]
-            for result in await self._send(self.node, batch):  # the gpu leases wait on it
+            for result in await self.link.send(self.node, batch):  # the gpu leases wait on it
                 if not result.ok and not result.exists:
                     log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
         except Exception:  # noqa: BLE001 - a task nobody awaits: say what went wrong
@@ -435,7 +390,7 @@ class ModelRunner:
         """Where a prompt of ``prompt_tokens`` now has its full blocks, for a decode worker to pull
         them: this worker's node, once the write-throughs in flight are done (None: not written)."""
         blocks = prompt_tokens // self.block_size
-        if self.node is None or self.transfer is None or not blocks or not self.fence.open(self.node):
+        if self.node is None or self.transfer is None or not blocks or not self.link.fence.open(self.node):
             return None
         await self.flush()
         return KVHandoff(node=self.node, blocks=blocks)

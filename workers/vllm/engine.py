@@ -144,7 +144,7 @@ class VllmEngine(ServingEngine):
         self.http = aiohttp.ClientSession(timeout=self.timeout)
         try:
             self.model = await self._served_model()
-            self._kv_blocks = await self._num_kv_blocks()
+            self._kv_blocks = await _num_kv_blocks(self.http, self.url)
             rng, salt = random.Random(), f"probe-{random.getrandbits(64):016x}"
             events = await self._learn_space(rng, salt)
             if events is not None:
@@ -214,20 +214,6 @@ class VllmEngine(ServingEngine):
                         "start it first (process.serve_command)"
                     ) from None
             await asyncio.sleep(1.0)
-
-    async def _num_kv_blocks(self) -> int:
-        """The instance's KV blocks (vLLM's ``cache_config_info`` metric)."""
-        async with self.http.get(self.url + "/metrics") as resp:
-            text = await resp.text()
-        found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
-        if not found:
-            log.warning(
-                "vllm worker: %s/metrics has no num_gpu_blocks; what vLLM caches is not reported, so "
-                "routing cannot prefer it",
-                self.url,
-            )
-            return 0
-        return int(found.group(1))
 
     async def _learn_space(self, rng: random.Random, salt: str) -> EventsEndpoints | None:
         """How the instance keys its blocks, from a first probe's figures; where it publishes its KV
@@ -388,7 +374,7 @@ class VllmEngine(ServingEngine):
             finish_reason=choice.get("finish_reason") or "length",
             stats=stats,
             handoff=handoff,
-            **self._scores(choice.get("logprobs"), 0),
+            **_scores(choice.get("logprobs"), 0),
         )
 
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
@@ -413,7 +399,7 @@ class VllmEngine(ServingEngine):
                 for i, token in enumerate(ids):
                     if held is not None:
                         yield held
-                    held = TokenEvent(token=token, index=index, **self._scores(choice.get("logprobs"), i))
+                    held = TokenEvent(token=token, index=index, **_scores(choice.get("logprobs"), i))
                     index += 1
                     if held.index == 0 and not (finish and i == len(ids) - 1):  # not also the last
                         first_s = time.perf_counter() - started
@@ -427,17 +413,6 @@ class VllmEngine(ServingEngine):
             raise VllmUnavailable(f"vLLM at {self.url} ended the answer without its last token")
         stats = self._stats(request, usage, None, first_s or time.perf_counter() - started)
         yield held.model_copy(update={"finish_reason": finish or "length", "stats": stats})
-
-    @staticmethod
-    def _scores(logprobs: dict | None, i: int) -> dict:
-        """Token ``i`` of a chunk's log-probabilities, as TokenEvent fields (none when not asked)."""
-        if not logprobs or i >= len(logprobs.get("token_logprobs") or ()):
-            return {}
-        top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
-        alternatives = sorted(
-            (TokenLogprob(token=token_id(name), logprob=lp) for name, lp in top.items()), key=lambda a: -a.logprob
-        )
-        return {"logprob": logprobs["token_logprobs"][i], "top_logprobs": alternatives}
 
     def _stats(self, request: GenerateRequest, usage: dict, transfer: dict | None, compute_s: float) -> PrefillStats:
         """The request's reuse: vLLM's cached tokens, split into its own cache's and the connector's
@@ -477,3 +452,29 @@ class VllmEngine(ServingEngine):
                 break
             await asyncio.sleep(0.02)
         return KVHandoff(node=self.node, blocks=held, tier="tiercake")
+
+
+def _scores(logprobs: dict | None, i: int) -> dict:
+    """Token ``i`` of a chunk's log-probabilities, as TokenEvent fields (none when not asked)."""
+    if not logprobs or i >= len(logprobs.get("token_logprobs") or ()):
+        return {}
+    top = (logprobs.get("top_logprobs") or [None] * (i + 1))[i] or {}
+    alternatives = sorted(
+        (TokenLogprob(token=token_id(name), logprob=lp) for name, lp in top.items()), key=lambda a: -a.logprob
+    )
+    return {"logprob": logprobs["token_logprobs"][i], "top_logprobs": alternatives}
+
+
+async def _num_kv_blocks(http: aiohttp.ClientSession, url: str) -> int:
+    """The instance's KV blocks (vLLM's ``cache_config_info`` metric)."""
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
+    if not found:
+        log.warning(
+            "vllm worker: %s/metrics has no num_gpu_blocks; what vLLM caches is not reported, so "
+            "routing cannot prefer it",
+            url,
+        )
+        return 0
+    return int(found.group(1))

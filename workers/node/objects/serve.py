@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_fr
 
 from .answer_now import AnswerNow
 from .ownership import Ownership
+from .remove import Remover
 from .replication import BackupSide, Replicator, ReplicaUnsafe, replica_of
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class ObjectServer(AnswerNow):
         self.ownership = ownership
         self.replicator = replicator
         self.backup = BackupSide(node_id, table, ownership)
+        self.remover = Remover(table, ownership, replicator, self._owner_check)
         self.pool_tier = pool_tier
         self.counts: dict[str, int] = {"put": 0, "get": 0, "query": 0, "remove": 0, "replicate": 0}
 
@@ -276,7 +277,7 @@ class ObjectServer(AnswerNow):
             return w.Got(Status.NOT_IN_MEMORY, stored.size, stored.version), None, None
         return w.Got(Status.OK, stored.size, stored.version, lease.slot[0] + stored.offset, lease.id), None, None
 
-    # Query and remove ---------------------------------------------------------------------------
+    # Query and remove (``remove.py``) ---------------------------------------------------------------------------
 
     def _query(self, req: w.QueryRequest) -> w.QueryReply:
         self.counts["query"] += 1
@@ -308,58 +309,7 @@ class ObjectServer(AnswerNow):
 
     async def _remove(self, req: w.RemoveRequest) -> w.RemoveReply:
         self.counts["remove"] += 1
-        if req.every:
-            return await self._remove_every(req)
-        if len(req.names) == 1:
-            results = [await self._remove_one(req.tenant, req.names[0], req.epoch, req.force)]
-        else:
-            results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in req.names))
-        return w.RemoveReply(self.ownership.map.epoch, list(results))
-
-    async def _remove_one(self, tenant: str, name: bytes, epoch: int, force: bool) -> w.Result:
-        if not name:
-            return w.Result(Status.INVALID, "an object needs a name")
-        oid = object_id(name, tenant)
-        async with self.table.lock(oid):
-            refused = self._owner_check(oid, epoch)
-            if refused is not None:
-                return refused
-            stored = self.table.get(oid)
-            if stored is None:
-                return w.Result(Status.NOT_FOUND)
-            if not force and self.table.leased(stored):
-                return w.Result(Status.LEASED, "a reader's lease holds it (Mooncake's default_kv_lease_ttl)")
-            slot, replicated = self.ownership.slot_of(oid), stored.meta.replicas > 1
-            if self.replicator.wants(slot, replicated):
-                try:
-                    await self.replicator.forward(
-                        slot, w.Replica(tenant, name, stored.version, removed=True), None, replicated=replicated
-                    )
-                except ReplicaUnsafe as exc:
-                    return w.Result(Status.REPLICA_FAILED, str(exc))
-            self.table.remove(oid)
-            await self.table.retired()  # answered once no block of it is left for a restart to find
-        return w.Result(Status.OK)
-
-    async def _remove_every(self, req: w.RemoveRequest) -> w.RemoveReply:
-        """Every object of the tenant in the slots this node serves (matching ``pattern``, if any)."""
-        try:
-            pattern = re.compile(req.pattern.encode()) if req.pattern is not None else None
-        except re.error as exc:
-            return w.RemoveReply(self.ownership.map.epoch, [w.Result(Status.INVALID, f"bad pattern: {exc}")])
-        names = [
-            s.record.name
-            for s in self.table
-            if s.record.tenant == req.tenant
-            and (pattern is None or pattern.search(s.record.name))
-            and self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None
-        ]
-        results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in names))
-        removed = sum(1 for r in results if r.status == Status.OK)
-        # what this node could not remove now but may later (its lease not surely alive, the slot moved):
-        # said, so that the caller asks again; leased and vanished objects are simply not counted
-        again = [r for r in results if r.status in (Status.UNAVAILABLE, Status.WRONG_OWNER)]
-        return w.RemoveReply(self.ownership.map.epoch, again[:1], removed)
+        return await self.remover.remove(req)
 
     # Replication (a backup's side) ----------------------------------------------------------------
 
