@@ -92,7 +92,7 @@ def resolve(spec: str, kind: str | None = None) -> type:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == spec:
             return ep.load()
-    known = ", ".join(sorted(n for n, _ in _BUILTINS))
+    known = ", ".join(sorted({n for n, _ in _BUILTINS}))  # "random" is two kinds
     raise PolicyNotFoundError(
         f"unknown policy {spec!r}: not a built-in ({known}), a plug-in from the entry-point group "
         f"{ENTRY_POINT_GROUP!r} or a 'module:Class' path"

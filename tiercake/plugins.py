@@ -60,12 +60,14 @@ class PluginRegistry:
         self._paths = {n: p for n, p in builtins.items() if isinstance(p, str)}
         self._loaded: dict[str, Any] = {n: p for n, p in builtins.items() if not isinstance(p, str)}
         self._specs = dict(specs or {})  # built-in name -> ``module:attr`` of what the config checks against
+        self._entry_points: dict[str, Any] = {}  # entry points loaded so far (not built in)
         self.by_path = by_path
         self.error = error
 
     def register(self, name: str, plugin: Any) -> None:
         """Add (or replace) ``name``: an object, or a ``module:attr`` path imported on first use."""
         self._loaded.pop(name, None)
+        self._entry_points.pop(name, None)
         self._specs.pop(name, None)  # a replaced built-in is checked by its replacement
         if isinstance(plugin, str):
             self._paths[name] = plugin
@@ -106,16 +108,16 @@ class PluginRegistry:
         if name in self._loaded:
             return self._loaded[name]
         if name in self._paths:
-            plugin = load_path(self._paths[name], self.kind, self.error)
-        elif self.by_path and ":" in name:
+            self._loaded[name] = load_path(self._paths[name], self.kind, self.error)
+            return self._loaded[name]
+        if self.by_path and ":" in name:
             return load_path(name, self.kind, self.error)
-        else:
+        if name not in self._entry_points:
             found = [ep for ep in entry_points(group=self.group) if ep.name == name]
             if not found:
                 raise self.error(self.unknown(name))
-            plugin = found[0].load()
-        self._loaded[name] = plugin
-        return plugin
+            self._entry_points[name] = found[0].load()
+        return self._entry_points[name]
 
     def unknown(self, name: str) -> str:
         plugins = ", ".join(self.plugin_names()) or "none"
