@@ -540,3 +540,43 @@ class PoolBackend(PoolKind, MemoryTierBackend):
 
 
 PoolTier = PoolBackend  # the name before 0.2 (a backend, not a store tier); kept for callers
+
+
+class PoolIndexReader:
+    """Which blocks a region's index describes as committed, for a process that maps the region but
+    does not own it (vLLM's connector answering "is this prefix on my node?" without a round trip).
+
+    ``refresh`` compares each entry's state, place and key with what it saw last and reads only
+    the entries that changed. An answer can be stale either way (a block committed or freed since):
+    a reader treats it as a hint and leases what it reads, so a stale answer costs time, never bytes."""
+
+    def __init__(self, region: PoolRegion) -> None:
+        if region.index is None:
+            raise PoolFormatError(f"{region.path}: the region has no index")
+        self.region = region
+        self.table = region.index
+        # each entry's first 40 bytes (state, lengths, offset, size, the key's first 8 bytes: one cache
+        # line) as five words, one strided copy a refresh
+        self._heads = self.table.view(np.uint8).reshape(len(self.table), ENTRY_DT.itemsize)[:, :40]
+        self._seen = np.zeros((len(self.table), 5), dtype="<u8")
+        self._held: dict[int, tuple[str, bytes]] = {}  # entry -> (tenant, key)
+        self.blocks: set[tuple[str, bytes]] = set()
+
+    def refresh(self) -> None:
+        now = np.ascontiguousarray(self._heads).view("<u8")
+        for entry in np.flatnonzero((now != self._seen).any(axis=1)).tolist():
+            old = self._held.pop(entry, None)
+            if old is not None:
+                self.blocks.discard(old)
+            row = self.table[entry]
+            if row["state"] == COMMITTED:
+                block = (bytes(row["tenant"][: row["tlen"]]).decode(errors="replace"), bytes(row["key"][: row["klen"]]))
+                if row["state"] == COMMITTED:  # still: not freed while it was read
+                    self._held[entry] = block
+                    self.blocks.add(block)
+        self._seen = now
+
+    def leading(self, tenant: str, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, the index held for ``tenant`` at the last refresh."""
+        blocks = self.blocks
+        return next((i for i, key in enumerate(keys) if (tenant, key) not in blocks), len(keys))

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tiercake.plugins import TRANSPORTS
-from tiercake.tiers import ObjectExistsError, StoreError, TieredStore
+from tiercake.tiers import ObjectExistsError, PoolRegion, StoreError, TieredStore
 from tiercake.tiers.buffers import INLINE_COPY_MAX, as_bytes, host_bytes
 
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
 from .protocol import Status
-from .transports import Peer, ReadReq, Transport, TransportContext, WriteReq
+from .transports import Peer, PoolLease, ReadReq, ShmTransport, Transport, TransportContext, WriteReq
 
 PROBE_KEY = bytes(32)  # asked for by answers(): no content hashes to it
 
@@ -366,6 +366,33 @@ class TransferEngine:
             for i, (k, s) in enumerate(zip(keys, srcs))
         ]
         return await self._execute({node: _Group(writes=writes)}, [TransferResult(False) for _ in keys], timeout)
+
+    async def lease_blocks(self, node: str, keys: list[bytes], length: int, timeout: float) -> PoolLease | None:
+        """``keys`` of ``node`` (each ``length`` bytes) leased in its shared pool for reading in place,
+        or None when ``node`` is not a peer on this host whose pool this process can map (read them
+        with ``read_blocks`` then). Give the lease back with ``release_blocks``."""
+        peer = await self._peer(node)
+        transport = self.transport_for(peer)
+        if not isinstance(transport, ShmTransport):
+            return None
+        async with asyncio.timeout(timeout):
+            return await transport.lease(peer, keys, length)
+
+    async def pool_region(self, node: str) -> PoolRegion | None:
+        """``node``'s shared pool, mapped here, or None when it is not a peer on this host whose pool
+        this process can map."""
+        peer = await self._peer(node)
+        transport = self.transport_for(peer)
+        if not isinstance(transport, ShmTransport) or peer.info is None:
+            return None
+        return transport._region(peer.info)
+
+    async def release_blocks(self, node: str, lease: PoolLease) -> None:
+        """Give back what ``lease_blocks`` leased (the peer also frees it after ``lease_ttl``)."""
+        peer = await self._peer(node)
+        transport = self.transport_for(peer)
+        if isinstance(transport, ShmTransport):
+            await transport.release(peer, lease)
 
     async def delete_blocks(self, node: str, keys: list[bytes], timeout: float | None = None) -> list[TransferResult]:
         """Remove each key's every copy on ``node``. An item fails alone: ``Status.NOT_FOUND`` (nothing

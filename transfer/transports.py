@@ -232,6 +232,19 @@ class TcpTransport(Transport):
         return await self._run(peer, [list(range(len(items)))], op)
 
 
+@dataclass(slots=True)
+class PoolLease:
+    """Blocks of a same-host peer held in its shared pool under a lease, to be read in place: each
+    key's ``(offset, length, seal)`` in ``region`` (its data space), or why it is not leased
+    (``NOT_IN_MEMORY``: only on the peer's disk; read it over the stream). Give it back with
+    ``ShmTransport.release``: until then the peer neither frees nor moves those bytes (at most
+    ``ShmTransport.lease_ttl``)."""
+
+    region: PoolRegion
+    blocks: list[tuple[int, int, bytes] | BaseException]
+    held: list[tuple[bytes, int]]  # (key, lease id) of every leased block
+
+
 class ShmTransport(TcpTransport):
     """Another process on the same host: control over the peer's stream, bytes through the shared
     pool mapped here, copied in place (memcpy speed). Blocks that are only on the peer's disk are
@@ -309,6 +322,29 @@ class ShmTransport(TcpTransport):
             for i, err in zip(over_stream, streamed):
                 results[i] = err
         return results
+
+    async def lease(self, peer: Peer, keys: list[bytes], length: int) -> PoolLease:
+        """Lease ``keys`` (each ``length`` bytes) in the peer's pool for reading in place, in one round
+        trip (see ``PoolLease``). A failure of the whole batch raises (``TransferError``, ``OSError``)."""
+        async with peer.channel.connection() as conn:
+            region = self._region(conn.info)
+            replies = await conn.lease([(key, length, self.lease_ttl) for key in keys])
+        blocks: list[tuple[int, int, bytes] | BaseException] = []
+        held = []
+        for key, reply in zip(keys, replies):
+            if reply.status is Status.OK:
+                held.append((key, reply.lease))
+                region.host_array(reply.offset, reply.length)  # bounds-checked: PayloadError if outside
+                blocks.append((reply.offset, reply.length, reply.seal))
+            else:
+                blocks.append(item_error(reply, peer.node_id))
+        return PoolLease(region, blocks, held)
+
+    async def release(self, peer: Peer, lease: PoolLease) -> None:
+        """Give ``lease``'s blocks back to the peer (nothing comes back: one frame)."""
+        if lease.held:
+            async with peer.channel.connection() as conn:
+                await conn.release(lease.held)
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         if sum(it.src.numel() for it in items) <= p.MAX_EAGER_BYTES:  # one round trip over the stream

@@ -121,6 +121,20 @@ def test_bench_store_json(tmp_path, monkeypatch):
 
 
 @pytest.mark.cluster
+def test_bench_vllm_kv_loads_from_the_pool_in_place_what_it_saved_byte_for_byte(tmp_path):
+    """The connector's loader on vLLM-shaped KV without vLLM (the GPU check's command, on the CPU):
+    a real node agent's pool, every block leased and copied in place, the bytes checked by the bench."""
+    out = tmp_path / "kv.json"
+    done = tiercake("bench", "vllm-kv", "--quick", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    assert {"load.throughput", "load.seal", "load.copy_only", "save.in_step"} <= set(figures)
+    load = figures["load.throughput"]
+    assert load["params"]["in_place_share"] == 1.0 and load["params"]["device"] == "cpu"
+    assert 0 < figures["load.seal"]["ratio"] < 1  # the seal check is part of the load, and on
+
+
+@pytest.mark.cluster
 def test_policy_list_and_config_show():
     done = tiercake("policy", "list")
     assert done.returncode == 0 and "s3fifo" in done.stdout and "leaf_lru" in done.stdout

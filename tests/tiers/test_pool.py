@@ -255,3 +255,34 @@ def test_an_extent_can_be_reserved_only_where_it_is_free():
     assert a.reserve(0, 4096) and a.allocate(4096) == 4096  # first fit goes around what is taken
     a.free(4 * 4096, 8192)
     assert a.allocate(3 * 4096) == 2 * 4096  # freed space coalesced with its neighbours
+
+
+def test_a_reader_of_the_pools_index_sees_commits_and_removes_per_tenant(shm_path, make_store):
+    """What vLLM's connector reads, in place, to answer a lookup without a round trip: the keys the
+    owner's index describes as committed, by tenant, updated by each refresh."""
+    import asyncio
+
+    from tiercake.tiers.pool import PoolIndexReader
+
+    async def go():
+        store = await make_store(gpu=None, pool=8, ssd=None)
+        reader = PoolIndexReader(PoolRegion.attach(shm_path))
+        reader.refresh()
+        assert reader.leading("t", [key(1)]) == 0
+        for i in (1, 2, 3):
+            await store.put(key(i), block(i), tenant="t")
+        await store.put(key(9), block(9), tenant="u")
+        assert reader.leading("t", [key(1), key(2)]) == 0  # until it rereads
+        reader.refresh()
+        assert reader.leading("t", [key(1), key(2), key(3), key(4)]) == 3
+        assert reader.leading("u", [key(1)]) == 0 and reader.leading("u", [key(9)]) == 1  # tenants apart
+        await store.remove(key(2))
+        reader.refresh()
+        assert reader.leading("t", [key(1), key(2), key(3)]) == 1
+        for i in range(10, 20):  # the pool holds 8 blocks: the oldest are evicted, their entries reused
+            await store.put(key(i), block(i), tenant="t")
+        reader.refresh()
+        held = {i for i in range(1, 20) if reader.leading("t", [key(i)])}
+        assert held == {i for i in range(1, 20) if "pool" in store.where(key(i))}
+
+    asyncio.run(go())

@@ -4,10 +4,11 @@ out as vLLM's CPU KV cache is (a row of bytes per block per layer). Through real
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
-from tiercake.workers.vllm.loading import LayerwiseLoader
+from tiercake.workers.vllm.loading import Fetched, LayerwiseLoader, Segment, block_window
 
 LAYERS, BLOCKS, LAYER_BYTES = 3, 12, 64
 
@@ -35,20 +36,48 @@ def payload(load: Load, i: int) -> torch.Tensor:
 
 
 def fetch_all_but(unusable: dict[str, int]):
-    def fetch(load: Load, rows: torch.Tensor) -> int:
+    """Each load's blocks read into its staging rows; its last ``unusable`` are not usable."""
+
+    def fetch(load: Load, rows: torch.Tensor) -> Fetched:
         for i in range(len(load.blocks)):
             rows[i].copy_(payload(load, i))
-        return len(load.blocks) - unusable.get(load.request_id, 0)
+        usable = len(load.blocks) - unusable.get(load.request_id, 0)
+        return Fetched([Segment(rows.numpy().reshape(-1), [i * rows.shape[1] for i in range(usable)])])
 
     return fetch
 
 
-@pytest.fixture
-def made():
+def fetch_from_pool(pool: np.ndarray, released: list[str], staged_from: int | None = None):
+    """Each load's blocks at odd, scattered offsets of a pool buffer (leased in place), or, from
+    ``staged_from`` on, in the staging rows (read there: only on the node's disk)."""
+
+    def fetch(load: Load, rows: torch.Tensor) -> Fetched:
+        block = rows.shape[1]
+        stop = len(load.blocks) if staged_from is None else staged_from
+        starts = []
+        for i in range(stop):
+            start = 7 + (load.blocks[i].block_id * 3 + i) * (block + 13)  # unaligned, out of order
+            pool[start : start + block] = payload(load, i).numpy()
+            starts.append(start)
+        for i in range(stop, len(load.blocks)):
+            rows[i].copy_(payload(load, i))
+        segments = [
+            Segment(pool, starts),
+            Segment(rows.numpy().reshape(-1), [i * block for i in range(stop, len(load.blocks))]),
+        ]
+        return Fetched([s for s in segments if s.starts], release=lambda: released.append(load.request_id))
+
+    return fetch
+
+
+@pytest.fixture(params=["host", "device"])
+def made(request):
+    """Loaders over host KV: numpy's indexed copies, and the path for KV on a GPU (a pinned buffer and
+    torch's indexed copies), which runs on the CPU the same."""
     loaders = []
 
     def make(layers, fetch) -> LayerwiseLoader:
-        loaders.append(LayerwiseLoader(layers, fetch))
+        loaders.append(LayerwiseLoader(layers, fetch, device=request.param == "device"))
         return loaders[-1]
 
     yield make
@@ -105,7 +134,7 @@ def test_a_layer_is_ready_before_the_later_layers_are_in(made):
 
 
 def test_a_load_that_fails_outright_never_leaves_the_pass_waiting_and_every_block_is_recomputed(made):
-    def broken(load, rows):
+    def broken(load, rows) -> Fetched:
         raise RuntimeError("the link's thread is gone")
 
     loader = made(kv_layers(), broken)
@@ -114,3 +143,51 @@ def test_a_load_that_fails_outright_never_leaves_the_pass_waiting_and_every_bloc
         loader.wait(layer)  # each returns
     errors, reports = loader.finish()
     assert errors == {2, 5, 6} and reports["a"].loaded == 0 and reports["b"].failed == 1
+
+
+@pytest.mark.parametrize("staged_from", [None, 1])
+def test_blocks_leased_in_place_anywhere_in_the_pool_land_in_every_layer_and_the_lease_is_given_back(made, staged_from):
+    """Straight from the pool's bytes (no staging copy), at offsets no block size divides; a chain's
+    blocks only on disk come through the staging rows after the pool's."""
+    layers, released = kv_layers(), []
+    pool = np.zeros(1 << 16, dtype=np.uint8)
+    loader = made(layers, fetch_from_pool(pool, released, staged_from))
+    a, b = Load("a", [Block(3), Block(7), Block(0)]), Load("b", [Block(11), Block(5)])
+    loader.start([a, b])
+    for layer in range(LAYERS):
+        loader.wait(layer)
+    errors, reports = loader.finish()
+    assert errors == set() and reports["a"].loaded == 3 and reports["b"].loaded == 2
+    assert sorted(released) == ["a", "b"]  # once the bytes are copied in
+    for layer in range(LAYERS):
+        for block in (3, 7, 0, 11, 5):
+            assert bool((layers[layer][block] == 10 * block + layer).all()), (layer, block)
+        assert bool((layers[layer][1] == 0).all())
+
+
+def test_the_lease_is_given_back_when_copying_fails():
+    released = []
+    pool = np.zeros(1 << 16, dtype=np.uint8)
+    fetch = fetch_from_pool(pool, released)
+
+    def then_no_such_block(load, rows):
+        got = fetch(load, rows)
+        got.segments[0].starts[-1] = pool.size  # past the pool's end: the copy raises
+        return got
+
+    loader = LayerwiseLoader(kv_layers(), then_no_such_block)
+    try:
+        loader.start([Load("a", [Block(2), Block(4)])])
+        errors, reports = loader.finish()
+    finally:
+        loader.close()
+    assert errors == {2, 4} and reports["a"].loaded == 0 and released == ["a"]
+
+
+def test_a_block_window_reads_any_run_of_the_buffer_without_copying_it():
+    base = np.arange(40, dtype=np.uint8)
+    window = block_window(base, 8)
+    assert window.shape == (33, 8) and not window.flags.writeable
+    assert window[[5, 0, 32]].tolist() == [list(range(5, 13)), list(range(8)), list(range(32, 40))]
+    base[6] = 99
+    assert window[5, 1] == 99  # a view

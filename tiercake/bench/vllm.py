@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import secrets
 import statistics
 import tempfile
@@ -120,10 +121,26 @@ async def _complete(
     return time.perf_counter() - started, data
 
 
-async def _reset(http: aiohttp.ClientSession, url: str) -> None:
-    async with http.post(url + "/reset_prefix_cache") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"cannot reset vLLM's prefix cache: {resp.status} (VLLM_SERVER_DEV_MODE=1 is needed)")
+async def _reset(http: aiohttp.ClientSession, url: str, tries: int = 50) -> None:
+    """vLLM's prefix cache emptied: it answers 200 with ``success: false`` while blocks are still held
+    (a request finishing), so it is asked again until it says it did."""
+    for _ in range(tries):
+        async with http.post(url + "/reset_prefix_cache") as resp:
+            if resp.status != 200:
+                raise RuntimeError(
+                    f"cannot reset vLLM's prefix cache: {resp.status} (VLLM_SERVER_DEV_MODE=1 is needed)"
+                )
+            body = await resp.json(content_type=None)
+        if not isinstance(body, dict) or body.get("success", True):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"vLLM did not reset its prefix cache in {tries} tries (blocks still held)")
+
+
+def prompt(seed: int, length: int, vocab: int = 500) -> list[int]:
+    """Tokens of a prompt no other seed shares a block of (seeded: the same in every run)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 def _memcpy_rate(blocks: int, block_bytes: int) -> float:
@@ -135,14 +152,19 @@ def _memcpy_rate(blocks: int, block_bytes: int) -> float:
 
 
 async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:
-    rates, loaded_bytes, waits = [], [], []
+    rates, loaded_bytes, waits, lookups, cold = [], [], [], [], []
     async with aiohttp.ClientSession() as http:
         await _complete(http, url, [5] * 64)  # warm up: the first request pays one-time costs
+        for fraction in FRACTIONS:  # and each shape timed below its first compilation
+            tokens = prompt(7000 + int(fraction * 100), prompt_tokens)
+            await _complete(http, url, tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK] + [1])
+            await _reset(http, url)
+            await _complete(http, url, tokens)
+            await _complete(http, url, tokens, salt=secrets.token_hex(8))
         for fraction in FRACTIONS:
             held, recomputed = [], []
             for r in range(rounds):
-                seed = int(fraction * 1000) + r
-                tokens = [(seed * 7919 + i * 131) % 500 + 3 for i in range(prompt_tokens)]
+                tokens = prompt(int(fraction * 1000) + r, prompt_tokens)
                 prefix = tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK]
                 await _complete(http, url, prefix + [1])  # computed, saved to tiercake
                 await asyncio.sleep(0.3)  # the saves are asynchronous: let them land and be indexed
@@ -155,12 +177,16 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
                         f"loaded from tiercake: {stats}"
                     )
                 held.append(seconds)
+                lookups.append(stats)
                 if stats.get("load_s"):
                     rates.append(stats["load_bytes"] / stats["load_s"])
                     loaded_bytes.append(stats["load_bytes"])
                     waits.append((stats.get("load_wait_s", stats["load_s"]), stats["load_s"]))
                 await _reset(http, url)
-                recomputed.append((await _complete(http, url, tokens, salt=secrets.token_hex(8)))[0])
+                await asyncio.sleep(0.3)  # as before the held request: an idle pause changes the next step's time
+                seconds, data = await _complete(http, url, tokens, salt=secrets.token_hex(8))
+                recomputed.append(seconds)
+                cold.append((data.get("kv_transfer_params") or {}).get("tiercake") or {})
             report.add(
                 f"ttft.held{int(fraction * 100)}",
                 statistics.median(held),
@@ -172,6 +198,7 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
                 prompt_tokens=prompt_tokens,
                 rounds=rounds,
             )
+    _lookup_figures(report, lookups, cold)
     if rates:
         nbytes = int(statistics.median(loaded_bytes))
         report.add(
@@ -186,6 +213,30 @@ async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, rep
             statistics.median(s for _, s in waits) * 1e3,
             limit_name="the load's own time",
             bytes=nbytes,
+        )
+
+
+def _lookup_figures(report: Report, held: list[dict], cold: list[dict]) -> None:
+    """Where the prompt's blocks are, per request: a held prefix is answered from the node's pool index
+    read in place; a cold prompt (nothing held) asks the conductor without blocking vLLM's scheduler.
+    Each against the conductor's answer to the cold prompts (the round trip the local index saves)."""
+    if not held or not cold:
+        return
+    conductor = statistics.median(c.get("lookup_s", 0.0) for c in cold) or 1e-9
+    for name, group, key in (
+        ("lookup.held", held, "lookup_s"),
+        ("lookup.scheduler_cpu", held + cold, "lookup_cpu_s"),
+    ):
+        values = sorted(g.get(key, 0.0) for g in group)
+        report.add(
+            name,
+            statistics.median(values) * 1e6,
+            "us",
+            conductor * 1e6,
+            limit_name="the conductor's lookup (cold prompts)",
+            worst_us=round(values[-1] * 1e6, 1),
+            requests=len(values),
+            answered_locally=sum(1 for g in held if g.get("lookup_local")),
         )
 
 

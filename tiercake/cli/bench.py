@@ -90,6 +90,16 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench_vllm_kv(args: argparse.Namespace) -> int:
+    from tiercake.bench import vllm_kv
+
+    return _bench(
+        args,
+        f"the TiercakeConnector's loads and saves on {args.device} (a conductor and a node agent start for it)",
+        vllm_kv.run(quick=args.quick, device=args.device),
+    )
+
+
 def cmd_bench_store_api(args: argparse.Namespace) -> int:
     from tiercake.bench import store_api
 
@@ -210,3 +220,15 @@ def _serving_benches(bench_parser) -> None:
         "measure routing across two vLLM servers on its first 300 requests (600 without --quick)",
     )
     vllm_bench.set_defaults(func=cmd_bench_vllm)
+
+    kv = bench_parser(
+        "vllm-kv",
+        help="the vLLM connector's loads into paged KV vs memcpy (or pinned host-to-GPU copy); needs no vLLM",
+        description="Starts a conductor and a node agent with a pool tier, builds paged KV shaped as vLLM's "
+        "on --device, saves a prefix's blocks through the TiercakeConnector's worker side and loads them back "
+        "layer by layer, checked byte for byte: load throughput against a plain copy of the same bytes in the "
+        "same run (memcpy on the CPU, a copy from pinned host memory on a GPU), the seal check's share, the "
+        "copy into the layers alone, and a save's time inside the step.",
+    )
+    kv.add_argument("--device", default="cpu", help="where the KV lives: cpu (default) or cuda[:N]")
+    kv.set_defaults(func=cmd_bench_vllm_kv)

@@ -17,15 +17,19 @@ what passes between them is in ``metadata.py``).
 
 Scheduler side (vLLM's engine core): for a new request, the prompt's blocks beyond vLLM's own prefix
 cache are keyed with tiercake's one hashing function (``tiercake.blocks``: the namespace is the
-model, vLLM's KV layout and block size, and the request's ``cache_salt``), the conductor's index says
-which live node holds the longest run of them, and vLLM is told it may allocate for those tokens.
-Every step it hands the worker side what to load (node, key, vLLM block) and which newly full blocks
-to save (key, parent, vLLM block).
+model, vLLM's KV layout and block size, and the request's ``cache_salt``). Where they are is answered
+without a round trip when this node's pool holds them all (its index, read in place from the shared
+pool every ``index_refresh_s``); otherwise the conductor's index is asked on the link's thread while
+vLLM goes on scheduling (the request waits a step or two, never the scheduler), and names the live
+node with the longest run. vLLM is told it may allocate for those tokens. Every step it hands the
+worker side what to load (node, key, vLLM block) and which newly full blocks to save (key, parent,
+vLLM block).
 
-Worker side (vLLM's model runner): when the forward pass starts, a loader thread reads the blocks from
-the holding node (the shared pool in place on the same host, TCP across hosts) and scatters them into
-vLLM's paged KV one layer at a time; each layer's attention waits only for its own layer
-(``wait_for_layer_load``), so the first layers compute while the later ones are filled.
+Worker side (vLLM's model runner): when the forward pass starts, a loader thread leases the step's
+blocks in the holding node's shared pool in one round trip (same host; across hosts, and for blocks
+only on its disk, they are read into a reused host buffer), checks their seals over the mapped bytes,
+and copies each layer's part of every block straight into vLLM's paged KV with one indexed copy per
+layer; each layer's attention waits only for its own layer (``wait_for_layer_load``).
 A block that cannot be read, or whose seal does not verify under the request's salt
 (forged or corrupt, ``tiercake.blocks.Sealer``), is reported (``get_block_ids_with_load_errors``)
 and vLLM recomputes from it, so a dead node or a forged block costs time, never a wrong token. After
@@ -164,10 +168,12 @@ class TiercakeConnector(KVConnectorBase_V1):
             self.saves_enabled,
         )
         self.worker = ConnectorWorker(self.settings, self.link, self._seal_keys, self.layer_names, self.num_blocks)
+        if role == KVConnectorRole.SCHEDULER and self.loads_enabled and self.settings.node is not None:
+            self.link.watch_pool(self.settings.node, self.settings.index_refresh_s)  # lookups without a round trip
 
     # ==== scheduler side: ConnectorScheduler ======================================================
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -21,7 +22,10 @@ from tiercake.blocks import Sealer
 from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.config import TlsConfig
 from tiercake.loop_thread import LoopThread
-from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferResult
+from tiercake.tiers import StoreError
+from tiercake.tiers.pool import PoolIndexReader
+from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferError, TransferResult
+from tiercake.transfer.transports import PoolLease
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,8 @@ class TiercakeLink:
 
         self.client, self.engine = self.call(build(), 10.0)
         self.nodes = NodeDirectory(self.client, self.engine, every=members_every)
+        self.pool_index: PoolIndexReader | None = None  # of the watched node's pool (watch_pool)
+        self._watch: concurrent.futures.Future | None = None
 
     # Plumbing ------------------------------------------------------------------------------------
 
@@ -77,6 +83,9 @@ class TiercakeLink:
         return self._loop.submit(coro)
 
     def close(self, timeout: float = 10.0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
         async def shut() -> None:
             if self.engine is not None:
                 await self.engine.close()
@@ -101,6 +110,54 @@ class TiercakeLink:
         node = max(live, key=live.get)
         return node, live[node]
 
+    def watch_pool(self, node: str, every: float) -> None:
+        """Keep an index of ``node``'s shared pool here (``local_prefix``), read from the pool's own
+        index every ``every`` seconds on the link's thread; nothing when the node is not on this host."""
+
+        async def watch() -> None:
+            while True:
+                try:
+                    if node not in self.nodes and self.engine.address(node) is None:
+                        await self.nodes.refresh()
+                    region = await self.engine.pool_region(node)  # a restarted node agent: its new pool
+                    if region is None:
+                        self.pool_index = None
+                        return
+                    if self.pool_index is None or self.pool_index.region is not region:
+                        self.pool_index = PoolIndexReader(region)
+                    started = time.perf_counter()
+                    self.pool_index.refresh()
+                    # at most 5% of a core: a big pool's index (a million entries) is reread less often
+                    pause = max(every, 20 * (time.perf_counter() - started))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the index is a hint: without it, the conductor answers
+                    log.debug("tiercake link %s: pool index of %s: %s", self.identity, node, exc)
+                    self.pool_index = None
+                    pause = every
+                await asyncio.sleep(pause)
+
+        if self.engine is not None:
+            self._watch = self.submit(watch())
+
+    def local_prefix(self, tenant: str, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, the watched pool held for ``tenant`` (0 before the
+        first read): microseconds, no round trip; a hint the lease confirms."""
+        index = self.pool_index
+        return 0 if index is None else index.leading(tenant, keys)
+
+    def longest_prefix_soon(self, tenant: str, keys: list[bytes]) -> concurrent.futures.Future:
+        """``longest_prefix`` without waiting: a future of (node, blocks), (None, 0) on failure."""
+
+        async def ask() -> tuple[str | None, int]:
+            try:
+                return await self._longest(tenant, keys)
+            except (ConductorError, OSError) as exc:
+                log.warning("tiercake link %s: lookup failed, computing instead: %s", self.identity, exc)
+                return None, 0
+
+        return self.submit(ask())
+
     def longest_prefix(self, tenant: str, keys: list[bytes], timeout: float) -> tuple[str | None, int]:
         """The live node agent that holds the longest prefix of ``keys``, and how many blocks;
         (None, 0) when none does or tiercake cannot say within ``timeout``."""
@@ -122,6 +179,31 @@ class TiercakeLink:
         except (TimeoutError, OSError, ConductorError) as exc:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
             return [TransferResult(False, error=exc) for _ in keys]
+
+    def lease(self, node: str, keys: list[bytes], length: int, timeout: float) -> PoolLease | None:
+        """``keys`` (each ``length`` bytes) held in ``node``'s shared pool for reading in place (see
+        ``PoolLease``; give it back with ``release``), or None when ``node`` is not on this host or
+        cannot be reached (read the blocks with ``read`` then: it has its own second chance)."""
+
+        async def lease() -> PoolLease | None:
+            if node not in self.nodes and self.engine.address(node) is None:
+                await self.nodes.refresh()
+            return await self.engine.lease_blocks(node, keys, length, timeout)
+
+        try:
+            return self.call(lease(), timeout + 1.0)
+        except (TimeoutError, OSError, ConductorError, TransferError, StoreError) as exc:
+            log.warning("tiercake link %s: lease from %s failed, reading instead: %s", self.identity, node, exc)
+            return None
+
+    def release(self, node: str, lease: PoolLease) -> None:
+        """Give ``lease`` back, without waiting (the node frees it after its ttl in any case)."""
+
+        def done(future: concurrent.futures.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("tiercake link %s: release on %s: %s", self.identity, node, future.exception())
+
+        self.submit(self.engine.release_blocks(node, lease)).add_done_callback(done)
 
     def write(
         self,

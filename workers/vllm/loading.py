@@ -1,10 +1,17 @@
 """``LayerwiseLoader``: a forward pass's loads into vLLM's paged KV, one layer at a time, beside the pass.
 
 vLLM's attention calls the connector's ``wait_for_layer_load(layer)`` before each layer. The loader
-reads every block of the step on its own thread (``fetch``: the transfer and the seal check), then
-scatters them layer by layer, announcing each layer as it lands: the pass computes the first layers
-while the later ones are filled. On a GPU the copies would run beside the kernels; on a CPU the two
-share the cores, so the overlap is smaller.
+fetches every block of the step on its own thread (``fetch``: the blocks leased in place in the
+node's shared pool, or read into a reused host buffer, and their seals checked), then copies them in
+layer by layer, announcing each layer as it lands: the pass computes the first layers while the later
+ones are filled.
+
+Where the bytes come from is a ``Segment``: a host buffer (the mapped pool itself, or the staging
+buffer) and where each block starts in it. Each layer's part of every block is one indexed copy per
+segment, straight from that buffer into the layer's KV (``KvCopier``): on the host, numpy's indexed
+assignment over a strided view of the buffer (no copy per block, the GIL released for the bytes);
+for KV on a GPU, one gather into a reused pinned buffer and a host-to-device copy on a side stream,
+each layer's attention waiting for that layer's copy on the device (the same code runs on the CPU).
 
 Nothing can leave the pass waiting: whatever fails, every layer is announced, and every block that
 did not land is reported (vLLM recomputes it). A block that did land but whose request failed later
@@ -19,9 +26,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +51,122 @@ class LoadReport:
     nbytes: int  # bytes loaded
     seconds: float  # reading and scattering them
     waited: float = 0.0  # of which the forward pass waited (the step's; the rest ran under its layers)
+    seal_s: float = 0.0  # of which checking the seals
+
+
+@dataclass(slots=True)
+class Segment:
+    """Consecutive blocks of a load in one host buffer: block i is ``base[starts[i]:][:block_bytes]``."""
+
+    base: np.ndarray  # flat uint8: the mapped pool, or the loader's staging buffer
+    starts: list[int]
+
+
+@dataclass(slots=True)
+class Fetched:
+    """What ``fetch`` found of one load: its usable blocks (a chain is usable up to its first block
+    that is missing or whose seal does not verify), in chain order across the segments, and what to
+    call once they are copied in (the pool's lease given back)."""
+
+    segments: list[Segment]
+    release: Callable[[], None] | None = None
+    seal_s: float = 0.0
+
+    @property
+    def usable(self) -> int:
+        return sum(len(s.starts) for s in self.segments)
+
+
+Fetch = Callable[[Load, torch.Tensor], Fetched]
+
+
+def block_window(base: np.ndarray, block_bytes: int) -> np.ndarray:
+    """Every ``block_bytes``-long run of ``base`` by where it starts (row s is ``base[s:][:block_bytes]``):
+    a read-only view, so one indexed read takes blocks from anywhere in the buffer."""
+    return as_strided(base, (base.size - block_bytes + 1, block_bytes), (1, 1), writeable=False)
+
+
+class KvCopier:
+    """Copies one layer's part of a segment's blocks into that layer's KV.
+
+    On the host: ``kv[ids] = window[starts, part]``, one numpy indexed copy (no copy per block).
+    Elsewhere (KV on a GPU): the part is gathered into a reused pinned host buffer, one row per block,
+    and copied over and scattered on a side stream; ``wait_device(layer)`` makes the current stream
+    wait for that layer's copies. ``device=True`` takes that path for host KV too (tested on CPU)."""
+
+    def __init__(self, layers: list[torch.Tensor], device: bool | None = None) -> None:
+        self.layers = layers
+        self.layer_bytes = [rows.shape[1] for rows in layers]
+        self.block_bytes = sum(self.layer_bytes)
+        on_host = all(t.device.type == "cpu" for t in layers)
+        self.device = (not on_host) if device is None else device
+        self.host_layers = None if self.device else [t.numpy() for t in layers]
+        self._pinned: torch.Tensor | None = None
+        cuda = not on_host and torch.cuda.is_available()
+        self._stream = torch.cuda.Stream(device=layers[0].device) if cuda else None
+        self._events: dict[int, Any] = {}
+        self._windows: dict[tuple[int, int], np.ndarray] = {}
+
+    def window(self, base: np.ndarray) -> np.ndarray:
+        key = (base.__array_interface__["data"][0], base.size)
+        found = self._windows.get(key)
+        if found is None:
+            if len(self._windows) > 8:  # staging buffers are replaced as they grow; the pool stays
+                self._windows.clear()
+            found = self._windows[key] = block_window(base, self.block_bytes)
+        return found
+
+    def staging(self, blocks: int) -> np.ndarray:
+        """For the device path: a reused host buffer of ``blocks`` rows of a layer's size (pinned where a
+        GPU is present). The previous step's copies must be finished (``synchronize``)."""
+        need = blocks * max(self.layer_bytes) * len(self.layers)
+        if self._pinned is None or self._pinned.numel() < need:
+            with torch.inference_mode(False):
+                self._pinned = torch.empty(max(need, 1 << 20), dtype=torch.uint8, pin_memory=self._stream is not None)
+        return self._pinned.numpy()
+
+    def copy(self, layer: int, offset: int, parts: list[tuple[Segment, list[int]]]) -> None:
+        """Layer ``layer``'s bytes (``offset`` into each block) of each segment's blocks into vLLM's
+        blocks ``ids`` beside it."""
+        size = self.layer_bytes[layer]
+        if self.host_layers is not None:
+            kv = self.host_layers[layer]
+            for seg, ids in parts:
+                kv[ids] = self.window(seg.base)[seg.starts, offset : offset + size]
+            return
+        count = sum(len(ids) for _, ids in parts)
+        start = layer * count * max(self.layer_bytes)  # each layer its own rows: copies may still be in flight
+        rows = self._pinned_rows(start, count, size)
+        at = 0
+        for seg, ids in parts:
+            rows.numpy()[at : at + len(ids)] = self.window(seg.base)[seg.starts, offset : offset + size]
+            at += len(ids)
+        index = torch.tensor([i for _, ids in parts for i in ids], dtype=torch.long)
+        dst = self.layers[layer]
+        if self._stream is None:
+            dst.index_copy_(0, index, rows)
+            return
+        with torch.cuda.stream(self._stream):
+            dst.index_copy_(0, index.to(dst.device, non_blocking=True), rows.to(dst.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._events[layer] = event
+
+    def _pinned_rows(self, start: int, count: int, size: int) -> torch.Tensor:
+        flat = self._pinned
+        assert flat is not None, "staging() sizes the buffer before a step's copies"
+        return flat[start : start + count * size].view(count, size)
+
+    def wait_device(self, layer: int) -> None:
+        event = self._events.pop(layer, None)
+        if event is not None:
+            torch.cuda.current_stream(self.layers[layer].device).wait_event(event)
+
+    def synchronize(self) -> None:
+        """Every copy enqueued so far is done (its host buffers may be reused)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._events.clear()
 
 
 @dataclass
@@ -55,13 +180,14 @@ class _Step:
 
 class LayerwiseLoader:
     """See the module docstring. ``layers``: each layer's KV as a row of bytes per vLLM block;
-    ``fetch(load, rows)``: read the load's blocks into ``rows`` (one tiercake block per row: every
-    layer's part, in layer order) and say how many, from the first, are usable."""
+    ``fetch(load, rows)``: find the load's blocks (in place, or read into ``rows``: one tiercake
+    block per row, every layer's part in layer order) and say which are usable (``Fetched``)."""
 
-    def __init__(self, layers: list[torch.Tensor], fetch: Callable[[Load, torch.Tensor], int]) -> None:
+    def __init__(self, layers: list[torch.Tensor], fetch: Fetch, device: bool | None = None) -> None:
+        self.copier = KvCopier(layers, device)
         self.layers = layers
-        self.layer_bytes = [rows.shape[1] for rows in layers]
-        self.block_bytes = sum(self.layer_bytes)
+        self.layer_bytes = self.copier.layer_bytes
+        self.block_bytes = self.copier.block_bytes
         self.fetch = fetch
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiercake-load")
         self._staging: torch.Tensor | None = None
@@ -89,6 +215,8 @@ class LayerwiseLoader:
             started = time.perf_counter()
             step.layers[layer].wait()
             step.waited += time.perf_counter() - started
+        if step is not None:
+            self.copier.wait_device(layer)
 
     def finish(self) -> tuple[set[int], dict[str, LoadReport]]:
         """Wait for the step's loads: the blocks vLLM must recompute, and a report per request."""
@@ -111,23 +239,17 @@ class LayerwiseLoader:
 
     def _run(self, step: _Step, parts: list[tuple[Load, torch.Tensor]]) -> None:
         started = time.perf_counter()
+        fetched: list[tuple[Load, Fetched]] = []
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
-                fetched = [(load, rows, self.fetch(load, rows)) for load, rows in parts]
-                indexes = [
-                    torch.tensor([b.block_id for b in load.blocks[:n]], dtype=torch.long) for load, _, n in fetched
-                ]
-                offset = 0
-                for layer, (kv, size) in enumerate(zip(self.layers, self.layer_bytes)):
-                    for (_, rows, n), index in zip(fetched, indexes):
-                        if n:
-                            kv.index_copy_(0, index, rows[:n, offset : offset + size])
-                    offset += size
-                    self._landed(step, layer)
+                fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
+                self._copy_in(step, fetched)
             seconds = time.perf_counter() - started
-            for load, _, n in fetched:
+            for load, got in fetched:
+                n = got.usable
                 step.errors.update(b.block_id for b in load.blocks[n:])
-                step.reports[load.request_id] = LoadReport(n, len(load.blocks) - n, n * self.block_bytes, seconds)
+                report = LoadReport(n, len(load.blocks) - n, n * self.block_bytes, seconds, seal_s=got.seal_s)
+                step.reports[load.request_id] = report
         except Exception as exc:  # noqa: BLE001 - whatever it was, vLLM recomputes every block of the step
             log.exception(
                 "TiercakeConnector: loading failed (%s); vLLM recomputes the step's %d blocks",
@@ -138,9 +260,31 @@ class LayerwiseLoader:
                 step.errors.update(b.block_id for b in load.blocks)
                 step.reports[load.request_id] = LoadReport(0, len(load.blocks), 0, time.perf_counter() - started)
         finally:
+            for _, got in fetched:
+                if got.release is not None:
+                    got.release()
             for ready in step.layers:  # never leaves the forward pass waiting
                 ready.set()
             step.done.set()
+
+    def _copy_in(self, step: _Step, fetched: list[tuple[Load, Fetched]]) -> None:
+        """Every usable block into each layer's KV, a layer at a time, announcing each."""
+        parts: list[tuple[Segment, list[int]]] = []
+        for load, got in fetched:
+            at = 0
+            for seg in got.segments:
+                parts.append((seg, [b.block_id for b in load.blocks[at : at + len(seg.starts)]]))
+                at += len(seg.starts)
+        parts = [(seg, ids) for seg, ids in parts if ids]
+        if self.copier.device:
+            self.copier.synchronize()  # the last step's copies are done before their buffer is reused
+            self.copier.staging(sum(len(ids) for _, ids in parts))
+        offset = 0
+        for layer, size in enumerate(self.layer_bytes):
+            if parts:
+                self.copier.copy(layer, offset, parts)
+            offset += size
+            self._landed(step, layer)
 
     def _landed(self, step: _Step, layer: int) -> None:
         step.layers[layer].set()

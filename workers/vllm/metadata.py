@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # the connector's worker side runs without vLLM too: `tiercake bench vllm-kv` on a GPU machine
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """vLLM's base class, where vLLM is not installed."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """vLLM's base class, where vLLM is not installed."""
+
 
 from .loading import LoadReport
 
@@ -38,6 +48,16 @@ class ConnectorSettings(BaseModel):
     ca_file: str | None = None  # the cluster's TLS CA: https conductors, and node agents with transfer_tls
     transfer_tls: bool = False  # the node agents' transfer ports speak TLS (their transfer.tls)
     lookup_timeout_s: float = Field(default=1.0, gt=0)
+    local_prefix_stands: int = Field(
+        default=1,
+        ge=1,
+        description="a prefix of at least this many blocks in this node's pool is loaded from there without "
+        "asking the conductor whether another node holds more (a cache-aware front routes a request to where its "
+        "prefix is); a larger value asks more often",
+    )
+    index_refresh_s: float = Field(
+        default=0.05, gt=0, description="how often the scheduler side rereads its node's pool index (same host)"
+    )
     load_timeout_s: float = Field(default=10.0, gt=0)
     save_timeout_s: float = Field(default=30.0, gt=0)
     max_save_bytes_in_flight: int = Field(default=256 << 20, gt=0)

@@ -1,12 +1,15 @@
 """The scheduler side of ``TiercakeConnector`` (in vLLM's engine core): for a new request, the
-prompt's blocks beyond vLLM's own prefix cache are keyed with tiercake's one hashing function, the
-conductor's index says which live node holds the longest run of them, and vLLM is told it may
+prompt's blocks beyond vLLM's own prefix cache are keyed with tiercake's one hashing function; this
+node's pool index (read in place) answers when it holds them all, else the conductor's index is asked
+without blocking vLLM's scheduler and names the live node with the longest run; vLLM is told it may
 allocate for those tokens. Every step it hands the worker side what to load (node, key, vLLM block)
 and which newly full blocks to save (key, parent, vLLM block)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +38,9 @@ class _Tracked:
     next_save: int = 0  # first block index not yet handed out to save
     external_tokens: int = 0  # vLLM was told it could load these
     load: LoadReport | None = None  # what the worker side did
+    lookup_s: float = 0.0  # from the first question to the answer (the conductor's, if it was asked)
+    lookup_cpu_s: float = 0.0  # of which vLLM's scheduler thread spent in this connector's lookups
+    lookup_local: bool = False  # answered by the local pool's index alone
 
 
 @dataclass(slots=True)
@@ -63,6 +69,7 @@ class ConnectorScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._plans: dict[str, _Plan] = {}
         self._pending_loads: list[RequestLoad] = []
+        self._asked: dict[str, tuple[float, concurrent.futures.Future]] = {}  # the conductor's answers to come
 
     def _keys(self, tracked: _Tracked, tokens: list[int], blocks: int) -> list[bytes]:
         """Keys of the first ``blocks`` full blocks of ``tokens`` (extending the request's chain)."""
@@ -100,7 +107,7 @@ class ConnectorScheduler:
             salt = getattr(request, "cache_salt", None) or ""
         return tenant, salt
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         tokens = list(request.prompt_token_ids or [])
         usable = (len(tokens) - 1) // bs  # vLLM computes at least the last prompt token
@@ -109,13 +116,46 @@ class ConnectorScheduler:
         tracked.next_save = first  # vLLM's own cache had these: saved when they were computed
         self._plans.pop(request.request_id, None)
         if not self.loads_enabled or usable <= first:
+            self._asked.pop(request.request_id, None)
             return 0, False
+        started = time.perf_counter()
         keys = self._keys(tracked, tokens, usable)
-        node, length = self.link.longest_prefix(tracked.tenant, keys, self.settings.lookup_timeout_s)
+        found = self._find(tracked, request.request_id, keys)
+        tracked.lookup_cpu_s += time.perf_counter() - started
+        if tracked.lookup_local:
+            tracked.lookup_s = tracked.lookup_cpu_s  # answered here, in this call
+        if found is None:
+            return None, False  # the conductor answers on the link's thread: vLLM asks again next step
+        node, length = found
         if node is None or length <= first:
             return 0, False
         self._plans[request.request_id] = _Plan(node, first, length - first)
         return (length - first) * bs, False
+
+    def _find(self, tracked: _Tracked, request_id: str, keys: list[bytes]) -> tuple[str | None, int] | None:
+        """Where the longest run of ``keys`` is: this node's pool, when its index (read in place, in
+        microseconds) holds at least ``local_prefix_stands`` of them (or all); else whichever live node
+        the conductor names (asked without waiting: None until it answers, at most
+        ``lookup_timeout_s``; then nothing is loaded)."""
+        node = self.settings.node
+        local = self.link.local_prefix(tracked.tenant, keys) if node is not None else 0
+        if local >= min(len(keys), self.settings.local_prefix_stands):
+            tracked.lookup_local = True
+            return node, local
+        asked = self._asked.get(request_id)
+        if asked is None:
+            asked = self._asked[request_id] = (time.monotonic(), self.link.longest_prefix_soon(tracked.tenant, keys))
+        since, future = asked
+        waited = time.monotonic() - since
+        if not future.done():
+            if waited < self.settings.lookup_timeout_s:
+                return None
+            future.cancel()
+            log.warning("TiercakeConnector: lookup took over %s s, computing instead", self.settings.lookup_timeout_s)
+        del self._asked[request_id]
+        tracked.lookup_s = waited
+        remote, length = (None, 0) if future.cancelled() else future.result()
+        return (node, local) if local > length else (remote, length)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._track(request)
@@ -184,9 +224,18 @@ class ConnectorScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+        asked = self._asked.pop(request.request_id, None)
+        if asked is not None:
+            asked[1].cancel()
         if tracked is None:
             return False, None
-        figures: dict[str, Any] = {"planned_load_tokens": tracked.external_tokens, **self.space}
+        figures: dict[str, Any] = {
+            "planned_load_tokens": tracked.external_tokens,
+            "lookup_s": tracked.lookup_s,
+            "lookup_cpu_s": tracked.lookup_cpu_s,
+            "lookup_local": tracked.lookup_local,
+            **self.space,
+        }
         report = tracked.load
         if report is None and not tracked.external_tokens:
             report = LoadReport(0, 0, 0, 0.0)

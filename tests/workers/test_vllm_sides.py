@@ -1,0 +1,105 @@
+"""The connector's two sides without vLLM's engine. Scheduler side: where a prompt's blocks are is
+answered from this node's pool index at once, else by the conductor without blocking vLLM's
+scheduler (a mock link inside this one class's test). Worker side: the saves' host buffers are
+reused. Through real vLLM and a real node agent: test_vllm.py; the loader: test_vllm_loading.py."""
+
+import concurrent.futures
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tiercake.blocks import Namespace
+
+pytestmark = pytest.mark.cluster  # importing vLLM's connector base probes the platform in a process
+
+BLOCK = 32
+
+
+class Link:
+    """What the scheduler side uses of ``TiercakeLink``: the local index's answer, and the
+    conductor's answers as futures the test completes."""
+
+    def __init__(self, local: int) -> None:
+        self.local = local
+        self.asked: list[concurrent.futures.Future] = []
+
+    def local_prefix(self, tenant, keys):
+        return min(self.local, len(keys))
+
+    def longest_prefix_soon(self, tenant, keys):
+        self.asked.append(concurrent.futures.Future())
+        return self.asked[-1]
+
+
+def scheduler(link: Link, timeout: float = 5.0, stands: int = 1):
+    from tiercake.workers.vllm.metadata import ConnectorSettings
+    from tiercake.workers.vllm.scheduler_side import ConnectorScheduler
+
+    settings = ConnectorSettings(
+        conductor="http://127.0.0.1:1", node="here", lookup_timeout_s=timeout, local_prefix_stands=stands
+    )
+    namespace = Namespace(model_id="m", kv_layout="l", block_size=BLOCK)
+    return ConnectorScheduler(settings, link, namespace, BLOCK, {}, True, True)
+
+
+def request(blocks: int = 4, rid: str = "r"):
+    tokens = list(range(3, 3 + blocks * BLOCK + 1))  # one more token: vLLM computes the last one
+    return SimpleNamespace(
+        request_id=rid, prompt_token_ids=tokens, all_token_ids=tokens, kv_transfer_params=None, cache_salt=None
+    )
+
+
+@pytest.mark.parametrize("local", [4, 2])
+def test_a_prefix_the_local_pool_holds_is_answered_at_once_without_asking_the_conductor(local):
+    link = Link(local=local)
+    s = scheduler(link, stands=2)
+    assert s.get_num_new_matched_tokens(request(), 0) == (local * BLOCK, False)
+    assert link.asked == []
+    assert s._plans["r"].node == "here"
+
+
+def test_otherwise_the_conductor_is_asked_while_vllm_schedules_on_and_the_longer_holder_wins():
+    link = Link(local=1)
+    s = scheduler(link, stands=2)
+    req = request()
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # vLLM asks again next step
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert len(link.asked) == 1  # one question per request, not per step
+    link.asked[0].set_result(("there", 3))
+    assert s.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    assert s._plans["r"].node == "there"
+    other = request(rid="q")
+    assert s.get_num_new_matched_tokens(other, 0) == (None, False)
+    link.asked[1].set_result((None, 0))  # nobody else: this node's one block
+    assert s.get_num_new_matched_tokens(other, 0) == (BLOCK, False)
+    assert s._plans["q"].node == "here"
+
+
+def test_a_conductor_that_does_not_answer_in_time_means_computing_and_a_finished_request_stops_waiting():
+    link = Link(local=0)
+    s = scheduler(link, timeout=0.1)
+    req = request()
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.15)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert link.asked[0].cancelled()
+    gone = request(rid="gone")
+    assert s.get_num_new_matched_tokens(gone, 0) == (None, False)
+    s.request_finished(gone, [])
+    assert link.asked[1].cancelled() and "gone" not in s._asked
+
+
+def test_a_saves_buffer_is_reused_once_its_writes_end_and_only_a_few_are_kept():
+    from tiercake.workers.vllm.worker_side import SaveBuffers
+
+    buffers = SaveBuffers(block_bytes=16, budget=16 * 10)
+    first = buffers.take(3)
+    assert first.shape == (10, 16)  # room for a few steps within the bytes in flight
+    assert buffers.take(3) is not first  # still in use
+    buffers.give(first)
+    assert buffers.take(5) is first  # fresh pages would cost more than the copy
+    assert buffers.take(40).shape == (40, 16)  # a larger step gets a buffer of its size
+    for _ in range(SaveBuffers.KEEP + 3):
+        buffers.give(SaveBuffers(16, 160).take(1))
+    assert len(buffers._free) == SaveBuffers.KEEP
