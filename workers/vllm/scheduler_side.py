@@ -118,8 +118,8 @@ class ConnectorScheduler:
         if not self.loads_enabled or usable <= first:
             self._asked.pop(request.request_id, None)
             return 0, False
+        keys = self._keys(tracked, tokens, usable)  # (needed for the saves too: not counted as the lookup's)
         started = time.perf_counter()
-        keys = self._keys(tracked, tokens, usable)
         found = self._find(tracked, request.request_id, keys)
         tracked.lookup_cpu_s += time.perf_counter() - started
         if tracked.lookup_local:

@@ -1,0 +1,151 @@
+"""`tiercake bench vllm --peers`: the vllm bench's measurement on the other KV layers that run under
+vLLM on this machine, in the same run.
+
+- **A do-nothing connector** (``workers/vllm/null_connector.py``): the baseline of a cold request.
+  vLLM gives the model two threads as soon as any connector is configured, one without, so a
+  connector's overhead is measured against this, not against vLLM alone. Its instance runs beside
+  tiercake's, rounds interleaved, 1.2 s apart (a CPU worker keeps polling for a second after a step).
+- **vLLM's MooncakeStoreConnector over Mooncake Store** (where its package is installed): its
+  ``mooncake_master`` binds every address, so it runs with vLLM and this measurement inside a network
+  namespace of its own (``unshare -n``, loopback only), as ``bench store-api`` runs it, after
+  tiercake's instances have stopped; compare it by each instance's own recompute (held / cold).
+  Its load time and bytes come from its metrics (``vllm:mooncake_store_operation_*{operation="load_get"}``).
+
+Each peer's held and cold requests are timed exactly as tiercake's (``vllm.held_and_cold``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from tiercake.conductor.etcd_process import free_port
+from tiercake.up import VllmServer
+from tiercake.workers.vllm.process import serve_command
+from tiercake.workers.vllm.tiny_model import make_tiny_llama
+
+from .store_api import mooncake_master
+from .vllm_requests import BLOCK, MODEL, held_and_cold
+
+INSIDE = "TIERCAKE_BENCH_VLLM_PEERS_INSIDE"
+MOONCAKE_PORT = 50071
+NULL_CONNECTOR = {
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "tiercake.workers.vllm.null_connector",
+    "kv_role": "kv_both",
+}
+MOONCAKE_CONNECTOR = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+
+
+def bench_model(root: Path) -> Path:
+    """The vllm bench's model (8 layers of 512, 2 KV heads)."""
+    return make_tiny_llama(root / "model", layers=8, hidden=512, heads=8, kv_heads=2, vocab=512)
+
+
+def peer_server(model: Path, transfer: dict, env: dict, log: Path, model_name: str, block: int) -> VllmServer:
+    port = free_port()
+    command = serve_command(model, model_name, port, "", None, block_size=block, kv_transfer=transfer)
+    return VllmServer(command, {**env, "VLLM_SERVER_DEV_MODE": "1"}, log, port)
+
+
+async def _mooncake_load_counters(url: str) -> tuple[float, float]:
+    """(seconds, bytes) Mooncake's connector spent and moved loading so far, from vLLM's metrics."""
+    seconds = nbytes = 0.0
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/metrics") as resp:
+            text = await resp.text()
+    for line in text.splitlines():
+        if 'operation="load_get"' not in line or line.startswith("#"):
+            continue
+        name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+        if name == "vllm:mooncake_store_operation_time_seconds_sum":
+            seconds += value
+        elif name == "vllm:mooncake_store_operation_bytes_total":
+            nbytes += value
+    return seconds, nbytes
+
+
+async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
+    """Inside the namespace: a Mooncake master, vLLM with Mooncake's connector, the measurement."""
+    with tempfile.TemporaryDirectory(prefix="tiercake-bench-vllm-mooncake-") as tmp:
+        root = Path(tmp)
+        master = subprocess.Popen(
+            [str(mooncake_master()), "--rpc_port", str(MOONCAKE_PORT), "--enable_http_metadata_server=false"],
+            stdout=open(root / "mooncake-master.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+        server = None
+        try:
+            config = root / "mooncake.json"
+            config.write_text(
+                json.dumps(
+                    {
+                        "metadata_server": "P2PHANDSHAKE",
+                        "protocol": "tcp",
+                        "device_name": "",
+                        "master_server_address": f"127.0.0.1:{MOONCAKE_PORT}",
+                        "global_segment_size": "512MB",
+                        "local_buffer_size": "128MB",
+                    }
+                )
+            )
+            model = await asyncio.to_thread(bench_model, root)
+            env = {**os.environ, "MOONCAKE_CONFIG_PATH": str(config)}
+            server = peer_server(model, MOONCAKE_CONNECTOR, env, root / "vllm-mooncake.log", MODEL, BLOCK)
+            await asyncio.to_thread(server.wait_ready)
+            before = await _mooncake_load_counters(server.url)
+            samples = await held_and_cold(server.url, prompt_tokens, rounds)
+            after = await _mooncake_load_counters(server.url)
+            return {
+                "samples": {name: [s for s, _ in got] for name, got in samples.items()},
+                "load_s": after[0] - before[0],
+                "load_bytes": after[1] - before[1],
+            }
+        finally:
+            if server is not None:
+                await asyncio.to_thread(server.stop)
+            master.terminate()
+            master.wait(10)
+
+
+def mooncake_samples(prompt_tokens: int, rounds: int) -> dict | None:
+    """Mooncake's connector measured inside a network namespace of its own; None where Mooncake's
+    package or ``unshare`` is missing, or it did not run (its output's tail goes to stderr)."""
+    if mooncake_master() is None:
+        return None
+    inner = (
+        f"ip link set lo up && exec {sys.executable} -m tiercake.bench.vllm_peers "
+        f"'{json.dumps({'prompt_tokens': prompt_tokens, 'rounds': rounds})}'"
+    )
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            ["unshare", "-n", "bash", "-c", inner],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, INSIDE: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        sys.stderr.write(f"bench vllm --peers: Mooncake's run did not finish: {exc}\n")
+        return None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stderr[-4000:])
+        return None
+    got = json.loads(lines[-1])
+    got["wall_s"] = time.monotonic() - started
+    return got
+
+
+if __name__ == "__main__" and os.environ.get(INSIDE):
+    args = json.loads(sys.argv[1])
+    print(json.dumps(asyncio.run(_mooncake_inside(args["prompt_tokens"], args["rounds"]))), flush=True)
