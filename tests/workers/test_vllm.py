@@ -214,8 +214,11 @@ async def test_same_instance_loads_its_own_blocks_back_after_its_prefix_cache_is
     assert loaded(first) == 0 and cached(first) == 0  # computed from scratch
     await wait_indexed(tc, "pool", PROMPT_BLOCKS * BLOCK_BYTES)
     await a.reset_prefix_cache()
+    await asyncio.sleep(0.2)  # the connector rereads its node's pool index every 50 ms
     again = await a.complete(tokens)
     assert loaded(again) == PROMPT_BLOCKS * BLOCK and cached(again) >= PROMPT_BLOCKS * BLOCK
+    # found in the node's pool index read in place, without asking the conductor
+    assert tiercake(again)["lookup_local"] is True and tiercake(again)["lookup_s"] < 0.05
     assert tiercake(again)["load_bytes"] == PROMPT_BLOCKS * BLOCK_BYTES and tiercake(again)["load_s"] > 0
     # loaded layer by layer beside the forward pass: it waited for part of the load at most
     assert 0 <= tiercake(again)["load_wait_s"] <= tiercake(again)["load_s"]
@@ -234,8 +237,10 @@ async def test_another_instance_on_the_node_loads_from_the_pool(served):
     tokens = prompt(2)
     first = await a.complete(tokens)
     await wait_indexed(tc, "pool", 2 * PROMPT_BLOCKS * BLOCK_BYTES)
+    await asyncio.sleep(0.2)
     other = await b.complete(tokens)
     assert loaded(other) == PROMPT_BLOCKS * BLOCK and cached(other) >= PROMPT_BLOCKS * BLOCK
+    assert tiercake(other)["lookup_local"] is True  # the same node's pool: its index answered
     assert answer(other) == answer(first)
 
 

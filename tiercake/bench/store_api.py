@@ -323,19 +323,24 @@ def measure_all(quick: bool, load: int, with_mooncake: bool) -> dict:
 
 def _in_namespace(quick: bool, load: int) -> dict | None:
     """``measure_all`` with Mooncake, in a network namespace of its own; None if it cannot run."""
-    inner = (
-        f"ip link set lo up && exec {sys.executable} -m tiercake.bench.store_api inner "
-        f"'{json.dumps({'quick': quick, 'load': load})}'"
-    )
+    return in_namespace("tiercake.bench.store_api inner", {"quick": quick, "load": load}, INSIDE)
+
+
+def in_namespace(module: str, args: dict, inside_env: str, timeout: float = 1800) -> dict | None:
+    """``python -m module 'ARGS'`` (``args`` as JSON) in a network namespace of its own, loopback up
+    (Mooncake's master binds every address; nothing of it reaches the network), with ``inside_env``
+    set; its last line of output read as JSON. None when it cannot run (its stderr's tail printed)."""
+    inner = f"ip link set lo up && exec {sys.executable} -m {module} '{json.dumps(args)}'"
     try:
         done = subprocess.run(
             ["unshare", "-n", "bash", "-c", inner],
             capture_output=True,
             text=True,
-            timeout=1800,
-            env={**os.environ, INSIDE: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
+            timeout=timeout,
+            env={**os.environ, inside_env: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        sys.stderr.write(f"{module}: the run in a network namespace did not finish: {exc}\n")
         return None
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:

@@ -32,7 +32,7 @@ from tiercake.up import VllmServer
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
-from .store_api import mooncake_master
+from .store_api import in_namespace, mooncake_master
 from .vllm_requests import BLOCK, MODEL, held_and_cold
 
 INSIDE = "TIERCAKE_BENCH_VLLM_PEERS_INSIDE"
@@ -121,28 +121,10 @@ def mooncake_samples(prompt_tokens: int, rounds: int) -> dict | None:
     package or ``unshare`` is missing, or it did not run (its output's tail goes to stderr)."""
     if mooncake_master() is None:
         return None
-    inner = (
-        f"ip link set lo up && exec {sys.executable} -m tiercake.bench.vllm_peers "
-        f"'{json.dumps({'prompt_tokens': prompt_tokens, 'rounds': rounds})}'"
-    )
     started = time.monotonic()
-    try:
-        done = subprocess.run(
-            ["unshare", "-n", "bash", "-c", inner],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            env={**os.environ, INSIDE: "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"},
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        sys.stderr.write(f"bench vllm --peers: Mooncake's run did not finish: {exc}\n")
-        return None
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        sys.stderr.write(done.stderr[-4000:])
-        return None
-    got = json.loads(lines[-1])
-    got["wall_s"] = time.monotonic() - started
+    got = in_namespace("tiercake.bench.vllm_peers", {"prompt_tokens": prompt_tokens, "rounds": rounds}, INSIDE)
+    if got is not None:
+        got["wall_s"] = time.monotonic() - started
     return got
 
 
