@@ -20,6 +20,7 @@ import yaml
 from paths import TRACE
 
 from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
+from tiercake.bench.vllm_requests import held_and_cold
 from tiercake.blocks import Namespace, block_keys, seal_material, sealer_for
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
@@ -230,6 +231,19 @@ async def test_same_instance_loads_its_own_blocks_back_after_its_prefix_cache_is
     # answer from wrongly loaded KV would show
     variant = await a.complete([(t + 1) % 500 + 3 for t in tokens[:BLOCK]] + tokens[BLOCK:])
     assert answer(variant) != answer(first)
+
+
+async def test_the_vllm_benchs_requests_load_each_held_prefix_and_time_the_same_prompt_cold(served):
+    """`bench vllm`'s protocol (``held_and_cold``, also what it times on its peers) on a real instance:
+    each held prefix is loaded by the connector, as vLLM's cached_tokens say (it raises otherwise),
+    after a reset vLLM confirmed; the cold request is the same prompt under another salt, computed."""
+    _, a, _ = served
+    samples = await held_and_cold(a.url, 8 * BLOCK, 1, model=MODEL, pause=1.0, first_round=50)
+    assert sorted(samples) == ["cold50", "cold90", "held50", "held90"]
+    for pct, blocks in (("50", 4), ("90", 7)):
+        (seconds, held), (_, cold) = samples[f"held{pct}"][0], samples[f"cold{pct}"][0]
+        assert seconds > 0 and loaded(held) == blocks * BLOCK and tiercake(held)["lookup_local"] is True
+        assert loaded(cold) == 0 and cached(cold) == 0 and answer(cold) == answer(held)
 
 
 async def test_another_instance_on_the_node_loads_from_the_pool(served):

@@ -18,11 +18,11 @@ FRACTIONS = (0.5, 0.9)
 
 
 async def complete(
-    http: aiohttp.ClientSession, url: str, tokens: list[int], salt: str | None = None
+    http: aiohttp.ClientSession, url: str, tokens: list[int], salt: str | None = None, model: str = MODEL
 ) -> tuple[float, dict]:
     """Seconds to the end of a two-token completion (the first token and one decode step: the
     connector's load report reaches vLLM's scheduler one step after the load) and the response."""
-    body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
+    body = {"model": model, "prompt": tokens, "max_tokens": 2, "temperature": 0}
     if salt:
         body["cache_salt"] = salt
     started = time.perf_counter()
@@ -55,21 +55,28 @@ def prompt(seed: int, length: int, vocab: int = 500) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-async def _warm_up(http: aiohttp.ClientSession, url: str, prompt_tokens: int) -> None:
+async def _warm_up(http: aiohttp.ClientSession, url: str, prompt_tokens: int, model: str) -> None:
     """The first request pays one-time costs, and each shape timed is compiled first."""
-    await complete(http, url, [5] * 64)
+    await complete(http, url, [5] * 64, model=model)
     for fraction in FRACTIONS:
         tokens = prompt(7000 + int(fraction * 100), prompt_tokens)
-        await complete(http, url, tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK] + [1])
+        await complete(http, url, tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK] + [1], model=model)
         await asyncio.sleep(0.3)
         await reset(http, url)
-        await complete(http, url, tokens)
-        await complete(http, url, tokens, salt=secrets.token_hex(8))
+        await complete(http, url, tokens, model=model)
+        await complete(http, url, tokens, salt=secrets.token_hex(8), model=model)
     await reset(http, url)
 
 
 async def held_and_cold(
-    url: str, prompt_tokens: int, rounds: int, held: bool = True, first_round: int = 0, warm: bool = True
+    url: str,
+    prompt_tokens: int,
+    rounds: int,
+    held: bool = True,
+    first_round: int = 0,
+    warm: bool = True,
+    model: str = MODEL,
+    pause: float = 0.3,
 ) -> dict[str, list[tuple[float, dict]]]:
     """Samples of one vLLM instance, whatever its connector. For each held fraction and round: the
     prefix is computed (and saved by the connector), vLLM's prefix cache reset, and the full prompt
@@ -77,27 +84,28 @@ async def held_and_cold(
     show); then, after the same pause and a reset, the same prompt under a new cache salt ("cold50",
     "cold90": nothing held anywhere, all computed). Each sample: (seconds, vLLM's answer). Without
     ``held`` (a connector that holds nothing), only the cold requests, timed the same. Rounds are
-    numbered from ``first_round`` (their prompts differ); ``warm``: first the warm-up requests."""
+    numbered from ``first_round`` (their prompts differ); ``warm``: first the warm-up requests;
+    ``pause``: before each timed request (the saves land meanwhile)."""
     samples: dict[str, list[tuple[float, dict]]] = {}
     async with aiohttp.ClientSession() as http:
         if warm:
-            await _warm_up(http, url, prompt_tokens)
+            await _warm_up(http, url, prompt_tokens, model)
         for fraction in FRACTIONS:
             for r in range(first_round, first_round + rounds):
                 tokens = prompt(int(fraction * 1000) + r, prompt_tokens)
                 prefix = tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK]
                 if held:
-                    await complete(http, url, prefix + [1])  # computed, saved by the connector
-                    await asyncio.sleep(0.3)  # saves are asynchronous: let them land and be indexed
+                    await complete(http, url, prefix + [1], model=model)  # computed, saved by the connector
+                    await asyncio.sleep(pause)  # saves are asynchronous: let them land and be indexed
                     await reset(http, url)
-                    seconds, data = await complete(http, url, tokens)
+                    seconds, data = await complete(http, url, tokens, model=model)
                     details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
                     if (details.get("cached_tokens") or 0) < len(prefix) - BLOCK:
                         raise RuntimeError(f"only {details} of {len(prefix)} held tokens were loaded by the connector")
                     samples.setdefault(f"held{int(fraction * 100)}", []).append((seconds, data))
                     await reset(http, url)
-                await asyncio.sleep(0.3)  # as before the held request: an idle pause changes the next step's time
-                seconds, data = await complete(http, url, tokens, salt=secrets.token_hex(8))
+                await asyncio.sleep(pause)  # as before the held request: an idle pause changes the next step's time
+                seconds, data = await complete(http, url, tokens, salt=secrets.token_hex(8), model=model)
                 samples.setdefault(f"cold{int(fraction * 100)}", []).append((seconds, data))
     return samples
 
