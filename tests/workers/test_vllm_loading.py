@@ -191,3 +191,19 @@ def test_a_block_window_reads_any_run_of_the_buffer_without_copying_it():
     assert window[[5, 0, 32]].tolist() == [list(range(5, 13)), list(range(8)), list(range(32, 40))]
     base[6] = 99
     assert window[5, 1] == 99  # a view
+
+
+def test_what_the_pass_waited_is_part_of_the_loads_own_time(made):
+    """The pass waits from the step's start; its wake-up after the last layer is not the load's."""
+    import time
+
+    def slow(load, rows):
+        time.sleep(0.05)
+        return fetch_all_but({})(load, rows)
+
+    loader = made(kv_layers(), slow)
+    loader.start([Load("a", [Block(1)])])
+    for layer in range(LAYERS):
+        loader.wait(layer)
+    _, reports = loader.finish()
+    assert 0.04 < reports["a"].waited <= reports["a"].seconds

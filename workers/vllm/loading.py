@@ -49,7 +49,7 @@ class LoadReport:
     loaded: int  # blocks now in vLLM's KV
     failed: int  # blocks reported for recompute
     nbytes: int  # bytes loaded
-    seconds: float  # reading and scattering them
+    seconds: float  # from the step's start until every layer was in
     waited: float = 0.0  # of which the forward pass waited (the step's; the rest ran under its layers)
     seal_s: float = 0.0  # of which checking the seals
 
@@ -176,6 +176,7 @@ class _Step:
     errors: set[int] = field(default_factory=set)
     reports: dict[str, LoadReport] = field(default_factory=dict)
     waited: float = 0.0  # seconds the forward pass spent in ``wait``
+    started: float = field(default_factory=time.perf_counter)  # when ``start`` began the step
 
 
 class LayerwiseLoader:
@@ -224,7 +225,11 @@ class LayerwiseLoader:
         if step is None:
             return set(), {}
         step.done.wait()
-        return step.errors, {r: replace(report, waited=step.waited) for r, report in step.reports.items()}
+        # the pass's last wake-up can come after the loader's clock stopped: what it waited beyond the
+        # load's own time was that wake-up, not the load
+        return step.errors, {
+            r: replace(report, waited=min(step.waited, report.seconds)) for r, report in step.reports.items()
+        }
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -238,7 +243,7 @@ class LayerwiseLoader:
         return self._staging[:blocks]
 
     def _run(self, step: _Step, parts: list[tuple[Load, torch.Tensor]]) -> None:
-        started = time.perf_counter()
+        started = step.started  # from the step's start: the pass may wait from then on
         fetched: list[tuple[Load, Fetched]] = []
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
