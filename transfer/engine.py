@@ -385,7 +385,7 @@ class TransferEngine:
         transport = self.transport_for(peer)
         if not isinstance(transport, ShmTransport) or peer.info is None:
             return None
-        return transport._region(peer.info)
+        return transport.region(peer.info)
 
     async def release_blocks(self, node: str, lease: PoolLease) -> None:
         """Give back what ``lease_blocks`` leased (the peer also frees it after ``lease_ttl``)."""

@@ -274,7 +274,7 @@ class ShmTransport(TcpTransport):
             and peer.channel.version >= p.POOL_FORMAT_SINCE
         )
 
-    def _region(self, info: p.PeerInfo) -> PoolRegion:
+    def region(self, info: p.PeerInfo) -> PoolRegion:
         """The peer's pool, mapped here, as the connection's WELCOME describes it: a node agent that
         restarted has a new region (maybe at the same path), and the old mapping must not be used."""
         region = self._regions.get(info.node_id)
@@ -298,7 +298,7 @@ class ShmTransport(TcpTransport):
         over_stream: list[int] = []
 
         async def in_place(conn, run) -> Results:
-            region = self._region(conn.info)
+            region = self.region(conn.info)
             replies = await conn.lease([(it.key, it.dst.numel(), self.lease_ttl) for it in items])
             held = []
             try:
@@ -327,7 +327,7 @@ class ShmTransport(TcpTransport):
         """Lease ``keys`` (each ``length`` bytes) in the peer's pool for reading in place, in one round
         trip (see ``PoolLease``). A failure of the whole batch raises (``TransferError``, ``OSError``)."""
         async with peer.channel.connection() as conn:
-            region = self._region(conn.info)
+            region = self.region(conn.info)
             replies = await conn.lease([(key, length, self.lease_ttl) for key in keys])
         blocks: list[tuple[int, int, bytes] | BaseException] = []
         held = []
@@ -351,7 +351,7 @@ class ShmTransport(TcpTransport):
             return await super().write(peer, items)
 
         async def op(conn, run):
-            region = self._region(conn.info)
+            region = self.region(conn.info)
 
             def copy_into_pool(offset: int, src: np.ndarray) -> None:
                 region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop

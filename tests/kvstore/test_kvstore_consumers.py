@@ -22,6 +22,7 @@ from kvstore_helpers import KvCluster, ready
 from tiercake.conductor.etcd_process import free_port
 from tiercake.kvstore import DistributedStore
 from tiercake.up import VllmServer
+from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]  # every test here starts processes
@@ -161,31 +162,17 @@ class MooncakeVllm(VllmServer):
 
     def __init__(self, name: str, model: Path, config: Path, env: dict[str, str], logs: Path, role: str) -> None:
         port = free_port()
-        transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": role}
-        command = [
-            sys.executable,
-            "-W",
-            "ignore::DeprecationWarning",
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
+        command = serve_command(
+            model,
             "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            "32",
-            "--max-model-len",
-            "2048",
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--enforce-eager",
-            "--kv-transfer-config",
-            json.dumps(transfer),
-        ]
+            port,
+            "",
+            None,
+            block_size=32,
+            max_model_len=2048,
+            extra=["--enforce-eager"],
+            kv_transfer={"kv_connector": "MooncakeStoreConnector", "kv_role": role},
+        )
         super().__init__(
             command,
             {

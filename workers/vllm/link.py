@@ -112,7 +112,8 @@ class TiercakeLink:
 
     def watch_pool(self, node: str, every: float) -> None:
         """Keep an index of ``node``'s shared pool here (``local_prefix``), read from the pool's own
-        index every ``every`` seconds on the link's thread; nothing when the node is not on this host."""
+        index every ``every`` seconds (in a worker thread, off the link's loop); nothing when the node
+        is not on this host."""
 
         async def watch() -> None:
             while True:
@@ -126,7 +127,7 @@ class TiercakeLink:
                     if self.pool_index is None or self.pool_index.region is not region:
                         self.pool_index = PoolIndexReader(region)
                     started = time.perf_counter()
-                    self.pool_index.refresh()
+                    await asyncio.to_thread(self.pool_index.refresh)  # about 1 ms at 512 MiB: off the loop
                     # at most 5% of a core: a big pool's index (a million entries) is reread less often
                     pause = max(every, 20 * (time.perf_counter() - started))
                 except asyncio.CancelledError:
