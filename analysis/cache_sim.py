@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from tiercake.policies.admission import AlwaysAdmit
-from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy, one_victim
-from tiercake.traces import TraceRecord
+from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy, SessionEvent, SessionState, one_victim
+from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
 
 @dataclass(slots=True)
@@ -37,11 +38,59 @@ def accesses(records: Iterable[TraceRecord]) -> list[Access]:
     """The block access stream of a trace."""
     out: list[Access] = []
     for record in records:
-        parent = None
-        for i, h in enumerate(record.hash_ids):
-            key = h if record.tenant is None else (record.tenant, h)
-            out.append(Access(key, parent, i, record.block_tokens(i)))
-            parent = key
+        out.extend(_record_accesses(record))
+    return out
+
+
+def _key(record: TraceRecord, block: Hashable) -> Hashable:
+    return block if record.tenant is None else (record.tenant, block)
+
+
+def _record_accesses(record: TraceRecord) -> list[Access]:
+    out: list[Access] = []
+    parent = None
+    for i, h in enumerate(record.hash_ids):
+        key = _key(record, h)
+        out.append(Access(key, parent, i, record.block_tokens(i)))
+        parent = key
+    return out
+
+
+# What a session-aware policy is told, from least to most: nothing; that sessions exist (active,
+# then paused, expiring by retention); also when they close; also the pause each turn announced.
+SESSION_INFO = ("none", "open", "close", "announced")
+Event = Access | SessionEvent
+
+
+def session_stream(
+    records: Iterable[TraceRecord], info: str = "announced", announce_sigma: float = 0.0, seed: int = 0
+) -> list[Event]:
+    """The access stream with each record's session events around its accesses: ACTIVE before (the
+    turn's prompt), then PAUSED or, with ``info`` "close" or more, CLOSED after its last turn. Records
+    need ``session`` (``infer_sessions`` adds it); those without one get no events. ``announce_sigma``
+    puts a log-normal error on each announced pause (clients guess a tool call's length)."""
+    if info not in SESSION_INFO:
+        raise ValueError(f"session info must be one of {', '.join(SESSION_INFO)}, got {info!r}")
+    if not (math.isfinite(announce_sigma) and announce_sigma >= 0):
+        raise ValueError(f"announce_sigma must be finite and >= 0, got {announce_sigma}")
+    rng = random.Random(seed)
+    out: list[Event] = []
+    for record in records:
+        if info == "none" or record.session is None:
+            out.extend(_record_accesses(record))
+            continue
+        sid, at = (record.tenant, record.session), record.timestamp / 1000
+        full = len(record.hash_ids) - (record.input_length % TRACE_BLOCK_TOKENS != 0)
+        keys = tuple(_key(record, h) for h in record.hash_ids[:full])  # a partial block changes next turn
+        out.append(SessionEvent(sid, SessionState.ACTIVE, at, tuple(_key(record, h) for h in record.hash_ids)))
+        out.extend(_record_accesses(record))
+        if info != "open" and record.closes:
+            out.append(SessionEvent(sid, SessionState.CLOSED, at))
+            continue
+        pause = None
+        if info == "announced" and record.pause_ms is not None:
+            pause = record.pause_ms / 1000 * (math.exp(rng.gauss(0, announce_sigma)) if announce_sigma else 1.0)
+        out.append(SessionEvent(sid, SessionState.PAUSED, at, keys, pause))
     return out
 
 
@@ -73,8 +122,8 @@ class SimResult:
         return {name: hits / self.accesses if self.accesses else 0.0 for name, hits in zip(self.tiers, self.hits)}
 
 
-def simulate(stream: list[Access], tiers: list[TierSpec]) -> SimResult:
-    """Replay ``stream`` through ``tiers`` (fastest first)."""
+def simulate(stream: list[Access] | list[Event], tiers: list[TierSpec]) -> SimResult:
+    """Replay ``stream`` through ``tiers`` (fastest first); session events go to every tier's policy."""
     if not tiers:
         raise ValueError("at least one tier")
     where: dict[Hashable, int] = {}  # key -> the tier holding it
@@ -103,6 +152,10 @@ def simulate(stream: list[Access], tiers: list[TierSpec]) -> SimResult:
         metas.pop(key, None)  # no tier took it: forgotten
 
     for access in stream:
+        if isinstance(access, SessionEvent):
+            for tier in tiers:
+                tier.eviction.on_session(access)
+            continue
         key = access.key
         result.accesses += 1
         result.tokens += access.tokens
@@ -122,8 +175,10 @@ def simulate(stream: list[Access], tiers: list[TierSpec]) -> SimResult:
     return result
 
 
-def optimum(stream: list[Access], capacity: float) -> SimResult:
-    """Tree-constrained Belady MIN over one tier of ``capacity`` blocks."""
+def optimum(stream: list[Access] | list[Event], capacity: float) -> SimResult:
+    """Tree-constrained Belady MIN over one tier of ``capacity`` blocks (session events are ignored:
+    it knows the future already)."""
+    stream = [a for a in stream if isinstance(a, Access)]
     n = len(stream)
     next_use = [math.inf] * n
     last: dict[Hashable, int] = {}

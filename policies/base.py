@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, ClassVar
 
 Key = Hashable
@@ -29,6 +30,37 @@ class BlockMeta:
     tenant: str = ""  # the namespace the block belongs to (the conductor indexes blocks per tenant)
 
 
+class SessionState(StrEnum):
+    """Where a conversation stands. Active: a turn is being computed. Paused: between turns (a tool call
+    running, the user typing). Closed: it will not come back (closed by its client, or its retention
+    expired)."""
+
+    ACTIVE = "active"
+    PAUSED = "paused"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEvent:
+    """A session's state changed, at time ``at`` (seconds, on the caller's clock: the trace's in the
+    simulator, the conductor's monotonic clock live).
+
+    ``keys`` are the blocks the session's next turn will read (its whole conversation so far, in chain
+    order), given with every ACTIVE and PAUSED event; a CLOSED event may leave them empty. ``resume_in``
+    is the pause its client announced (seconds; None: not announced). ``retain_s`` bounds how long a
+    paused session's blocks are kept for it (None: the policy's default). ``priority`` orders sessions
+    in a tier before their expected resume does (higher is kept longer).
+    """
+
+    session: Hashable
+    state: SessionState
+    at: float
+    keys: tuple[Key, ...] = ()
+    resume_in: float | None = None
+    retain_s: float | None = None
+    priority: int = 0
+
+
 class EvictionPolicy(ABC):
     """Decides which resident blocks of one tier leave first.
 
@@ -37,6 +69,7 @@ class EvictionPolicy(ABC):
     - ``on_access(key)``: a resident ``key`` was read (a hit).
     - ``on_remove(key)``: ``key`` left for a reason other than eviction (removed, revoked). It must be
       idempotent and accept keys the policy no longer tracks.
+    - ``on_session(event)``: optional; what a session-aware policy learns of conversations.
     - ``victims(n, can_evict)``: choose up to ``n`` resident keys to evict, best first, skipping keys
       for which ``can_evict(key)`` is false (leased, pinned, in use). The returned keys are no longer
       resident for the policy (it may remember them as ghosts); the caller evicts them. A caller that
@@ -63,6 +96,10 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
+
+    def on_session(self, event: SessionEvent) -> None:
+        """A session's state changed (optional: a session-blind policy ignores it). Its keys may or
+        may not be resident in this tier; it must not evict or insert anything."""
 
     def describe(self) -> dict[str, Any]:
         """State worth showing an operator (queue sizes, adaptive targets)."""

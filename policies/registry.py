@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from tiercake.plugins import PluginNotFoundError, PluginRegistry, load_path
 
-from . import admission, eviction, placement, routing
+from . import admission, eviction, placement, routing, sessions
 from .base import AdmissionPolicy, EvictionPolicy
 from .placement import PlacementStrategy, ReplicationPolicy
 from .routing import Router
@@ -42,6 +42,7 @@ _BUILTINS: dict[tuple[str, str], type] = {
         eviction.ARC,
         eviction.LeafFirstLRU,
         eviction.ReuseAware,
+        sessions.SessionAware,
         admission.AlwaysAdmit,
         admission.AdmitOnNth,
         placement.LeastUsed,
@@ -111,6 +112,8 @@ def resolve_kind(spec: str, kind: str) -> type:
 def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
     cls = resolve_kind(spec, _KINDS[base])
     try:
+        if hasattr(cls, "from_params"):  # a policy made of other policies: named in its params
+            return cls.from_params(params or {}, create_eviction)
         return cls(**(params or {}))
     except TypeError as exc:
         raise TypeError(f"policy {spec!r} rejected its parameters {params!r}: {exc}") from exc

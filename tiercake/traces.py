@@ -1,6 +1,12 @@
-"""The Mooncake trace format (one JSON object per line), with an optional ``tenant`` field:
+"""The Mooncake trace format (one JSON object per line), with optional ``tenant`` and session fields:
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
+    {..., "session": "s17", "turn": 3, "pause_ms": 4200, "closes": false, "fork_of": "s9"}
+
+A session is a conversation: each turn's prompt extends the previous turn's. ``pause_ms`` is the pause
+the client announced after the turn (a tool call's expected length), ``closes`` says the session
+ends with it, ``fork_of`` names the session a subagent forked from (sharing its prefix). Traces
+without them get them from ``infer_sessions``.
 
 ``hash_ids`` are chained ids of 512-token prefix blocks (equal ids: a reusable prefix), so
 ``len(hash_ids) == ceil(input_length / 512)``. Readers validate every line and name the one that is
@@ -30,6 +36,11 @@ class TraceRecord(BaseModel):
     output_length: int = Field(ge=0)
     hash_ids: tuple[int, ...] = Field(min_length=1)
     tenant: str | None = None
+    session: str | None = Field(default=None, min_length=1, max_length=256)
+    turn: int | None = Field(default=None, ge=0)
+    pause_ms: int | None = Field(default=None, ge=0, description="the pause announced after this turn")
+    closes: bool | None = None
+    fork_of: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _blocks_cover_the_input(self) -> TraceRecord:
@@ -79,6 +90,71 @@ def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> int:
             f.write(json.dumps(record.model_dump(exclude_none=True, mode="json"), separators=(", ", ": ")) + "\n")
             n += 1
     return n
+
+
+def infer_sessions(records: Iterable[TraceRecord], min_blocks: int = 2) -> list[TraceRecord]:
+    """The records with sessions inferred: a request whose blocks extend a previous request's whole
+    prompt continues that request's session (the first to extend it; a later one forks a new session
+    from it). A prompt's partial last block is left out of the match, since the next turn fills it and
+    its hash changes. A match shorter than ``min_blocks`` full blocks starts a new session instead
+    (one block shared by every request is a system prompt, not a conversation). Each record gets
+    ``session``, ``turn``, ``fork_of`` and, from the trace's own future, ``pause_ms`` (the gap to its
+    session's next turn, as a client that announced it would have) and ``closes`` (its last turn).
+    Records that already carry a session keep it. Tenants are apart."""
+    if min_blocks < 1:
+        raise ValueError(f"min_blocks must be >= 1, got {min_blocks}")
+    records = list(records)
+    if not records:
+        return []
+    ends: dict[tuple, int] = {}  # (tenant, the last full block of a prompt) -> that record's index
+    session_of: list[str] = []
+    turn_of: list[int] = []
+    fork_of: list[str | None] = [None] * len(records)
+    continued: set[int] = set()
+    turns: dict[str, int] = {}
+    for n, record in enumerate(records):
+        parent = _extended(record, ends, min_blocks)
+        if record.session is not None:
+            session = record.session
+        elif parent is not None and parent not in continued:
+            session = session_of[parent]
+            continued.add(parent)
+        else:
+            session = f"s{n}"
+            if parent is not None:
+                fork_of[n] = session_of[parent]
+        turn = turns.get(session, -1) + 1 if record.turn is None else record.turn
+        turns[session] = turn
+        session_of.append(session)
+        turn_of.append(turn)
+        full = len(record.hash_ids) - (record.input_length % TRACE_BLOCK_TOKENS != 0)
+        if full >= 1:
+            ends[(record.tenant, record.hash_ids[full - 1])] = n
+    next_turn: dict[str, int] = {}
+    out: list[TraceRecord] = [records[0]] * len(records)
+    for n in range(len(records) - 1, -1, -1):
+        record, session = records[n], session_of[n]
+        later = next_turn.get(session)
+        next_turn[session] = n
+        pause = record.pause_ms
+        if pause is None and later is not None:
+            pause = max(0, records[later].timestamp - record.timestamp)
+        closes = record.closes if record.closes is not None else later is None
+        update = {"session": session, "turn": turn_of[n], "pause_ms": pause, "closes": closes}
+        update["fork_of"] = record.fork_of or fork_of[n]
+        out[n] = record.model_copy(update=update)
+    return out
+
+
+def _extended(record: TraceRecord, ends: dict[tuple, int], min_blocks: int) -> int | None:
+    """The latest earlier record whose whole (full-block) prompt this one extends, if it is long enough.
+    Hash ids are chained, so a prompt is named by its last block and position."""
+    ids = record.hash_ids
+    for i in range(len(ids) - 1, min_blocks - 2, -1):
+        found = ends.get((record.tenant, ids[i]))
+        if found is not None:
+            return found
+    return None
 
 
 def synthetic_trace(

@@ -1,0 +1,299 @@
+"""The session-aware eviction policy: a block that an open conversation will read again is kept until
+its conversation is expected back, and the blocks of conversations that come back last go first.
+
+Design note. Block streams say what was read, never whether a conversation goes on. Sessions say it:
+a paused session will read its whole conversation again when it resumes (its next prompt extends the
+last one), at about the time its client announced, and a closed one never will. So a tier's residents
+split in two:
+
+- **held** blocks, listed by at least one open session (active or paused): they leave in the order of
+  Belady's rule applied to sessions, the lowest priority first, then the session expected back last,
+  its deepest blocks first (a chain is only usable with its whole prefix). A block shared with
+  another open session stays while that one holds it.
+- **free** blocks, listed by none (closed or expired sessions, requests outside any session, a shared
+  system prompt between conversations): a session-blind policy (``fallback``, by default ``reuse``)
+  orders them, and they leave before any held block.
+
+A paused session without an announced pause is expected back after the mean pause this policy has
+seen, which orders such sessions as LRU orders them. A paused session expires ``retain_s`` after its
+pause (its own ``retain_s`` or the policy's): its blocks become free. Time comes only from the events
+(``SessionEvent.at``), so the simulator and the live conductor drive it the same way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .base import BlockMeta, CanEvict, EvictionPolicy, Key, SessionEvent, SessionState, _always
+from .eviction import ReuseAware
+
+
+@dataclass(slots=True)
+class _Session:
+    keys: tuple[Key, ...] = ()
+    state: SessionState = SessionState.ACTIVE
+    resume_at: float = 0.0
+    paused_at: float = 0.0
+    announced: bool = False
+    priority: int = 0
+    version: int = 0
+    cursor: int = 0  # how many of its keys, deepest first, were looked at for eviction in this version
+    passed: bool = False  # looked at to its root: every other open session is expected back sooner
+
+
+class SessionAware(EvictionPolicy):
+    """Evicts blocks of no open session first (by ``fallback``), then blocks of the paused session
+    expected back last (lowest ``priority`` first), deepest first; blocks of active sessions last of
+    all. See the module's design note."""
+
+    name = "session"
+
+    def __init__(
+        self, fallback: EvictionPolicy | None = None, retain_s: float = 1800.0, initial_pause_s: float = 60.0
+    ) -> None:
+        if not (0 < retain_s < math.inf and 0 < initial_pause_s < math.inf):
+            raise ValueError("retain_s and initial_pause_s must be positive, finite seconds")
+        if isinstance(fallback, SessionAware):
+            raise ValueError("the fallback of the session policy must be a session-blind policy")
+        self.retain_s = retain_s
+        self._free = fallback if fallback is not None else ReuseAware()
+        self._held: dict[Key, None] = {}  # resident keys that an open session lists, oldest first
+        self._metas: dict[Key, BlockMeta] = {}  # every resident key's, for the fallback when it is freed
+        self._holders: dict[Key, int] = {}  # key -> how many open sessions list it
+        # key -> how many of those are not passed yet; a held key with none is expected back after
+        # everything else held, and waits in _ready
+        self._unpassed: dict[Key, int] = {}
+        self._ready: deque[Key] = deque()
+        self._sessions: dict[Any, _Session] = {}
+        # paused sessions, lazily valid: (priority, -resume_at, version, session) for announced pauses,
+        # (priority, paused_at, version, session) for the others
+        self._announced: list[tuple[int, float, int, Any]] = []
+        self._unannounced: list[tuple[int, float, int, Any]] = []
+        self._expiry: list[tuple[float, int, Any]] = []  # (expires at, version, session), lazy
+        self._now = 0.0
+        self._pause_mean = initial_pause_s
+        self._pauses_seen = 0
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], create: Callable[..., EvictionPolicy]) -> SessionAware:
+        """From the registry: ``fallback`` (a policy's name, default "reuse") and ``fallback_params``
+        name the session-blind policy; the rest are this one's."""
+        params = dict(params)
+        fallback = params.pop("fallback", "reuse")
+        if fallback == cls.name:
+            raise ValueError("the fallback of the session policy must be a session-blind policy")
+        return cls(create(fallback, params.pop("fallback_params", None)), **params)
+
+    # --- blocks -----------------------------------------------------------------------------------
+
+    def on_insert(self, key: Key, meta: BlockMeta = BlockMeta()) -> None:
+        if key in self._held or key in self._free:
+            self.on_access(key)
+            return
+        self._metas[key] = meta
+        if self._holders.get(key):
+            self._held[key] = None
+        else:
+            self._free.on_insert(key, meta)
+
+    def on_access(self, key: Key) -> None:
+        if key not in self._held:
+            self._free.on_access(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._held.pop(key, None)
+        self._metas.pop(key, None)
+        self._free.on_remove(key)
+
+    def victims(self, n: int, can_evict: CanEvict = _always) -> list[Key]:
+        chosen = self._free.victims(n, can_evict)
+        while len(chosen) < n:
+            victim = self._ready_victim(can_evict)
+            if victim is None:
+                victim = self._paused_victim(can_evict)
+            if victim is None:
+                victim = self._any_held(can_evict)
+            if victim is None:
+                break
+            del self._held[victim]
+            chosen.append(victim)
+        for key in chosen:
+            self._metas.pop(key, None)
+        return chosen
+
+    def _ready_victim(self, can_evict: CanEvict) -> Key | None:
+        """A held block whose every open session has been passed (shared blocks of passed sessions)."""
+        skipped = []
+        found = None
+        while self._ready:
+            key = self._ready.popleft()
+            if key not in self._held or self._unpassed.get(key, 0):
+                continue  # freed, evicted or listed again since
+            if can_evict(key):
+                found = key
+                break
+            skipped.append(key)
+        self._ready.extendleft(reversed(skipped))
+        return found
+
+    def _paused_victim(self, can_evict: CanEvict) -> Key | None:
+        """The deepest block of the paused session expected back last that no session expected back
+        sooner lists; a session looked at to its root is passed."""
+        while True:
+            sid = self._latest_back()
+            if sid is None:
+                return None
+            session = self._sessions[sid]
+            keys = session.keys
+            while session.cursor < len(keys):
+                key = keys[len(keys) - 1 - session.cursor]
+                session.cursor += 1
+                if key in self._held and self._unpassed.get(key) == 1 and can_evict(key):
+                    return key
+            heapq.heappop(self._announced if session.announced else self._unannounced)
+            self._pass(session)
+
+    def _latest_back(self) -> Any | None:
+        """The paused session expected back last, lowest priority first. An announced pause ends when
+        announced; an unannounced one is expected to last as long again as it has lasted so far, and
+        at least the mean pause (the longer a conversation has been quiet, the longer it stays so)."""
+        best: tuple[int, float] | None = None
+        found = None
+        for heap in (self._announced, self._unannounced):
+            while heap:
+                _, _, version, sid = heap[0]
+                session = self._sessions.get(sid)
+                if session is not None and session.version == version and session.state is SessionState.PAUSED:
+                    break
+                heapq.heappop(heap)
+            if not heap:
+                continue
+            session = self._sessions[heap[0][3]]
+            if session.announced:
+                remaining = session.resume_at - self._now
+            else:
+                remaining = max(self._pause_mean, self._now - session.paused_at)
+            rank = (session.priority, -remaining)
+            if best is None or rank < best:
+                best, found = rank, heap[0][3]
+        return found
+
+    def _any_held(self, can_evict: CanEvict) -> Key | None:
+        """The last resort, when only blocks of active sessions or shared ones are left: the oldest."""
+        return next((key for key in self._held if can_evict(key)), None)
+
+    # --- sessions ---------------------------------------------------------------------------------
+
+    def on_session(self, event: SessionEvent) -> None:
+        self._advance(event.at)
+        session = self._sessions.get(event.session)
+        if event.state is SessionState.CLOSED:
+            if session is not None:
+                self._close(event.session, session)
+            return
+        if session is None:
+            session = self._sessions[event.session] = _Session()
+        self._unpass(session)
+        self._relist(session, event.keys)
+        session.version += 1
+        session.cursor = 0
+        session.priority = event.priority
+        if event.state is SessionState.ACTIVE:
+            if session.state is SessionState.PAUSED and not session.announced:
+                self._learn_pause(self._now - session.paused_at)
+            session.state, session.resume_at = SessionState.ACTIVE, self._now
+            return
+        session.state, session.paused_at = SessionState.PAUSED, self._now
+        session.announced = event.resume_in is not None
+        pause = event.resume_in if event.resume_in is not None else self._pause_mean
+        session.resume_at = self._now + max(0.0, pause)
+        if session.announced:
+            heapq.heappush(self._announced, (session.priority, -session.resume_at, session.version, event.session))
+        else:
+            heapq.heappush(self._unannounced, (session.priority, session.paused_at, session.version, event.session))
+        retain = event.retain_s if event.retain_s is not None else self.retain_s
+        heapq.heappush(self._expiry, (self._now + retain, session.version, event.session))
+
+    def _advance(self, at: float) -> None:
+        self._now = max(self._now, at)
+        while self._expiry and self._expiry[0][0] <= self._now:
+            _, version, sid = heapq.heappop(self._expiry)
+            session = self._sessions.get(sid)
+            if session is not None and session.version == version and session.state is SessionState.PAUSED:
+                self._close(sid, session)
+
+    def _learn_pause(self, pause: float) -> None:
+        self._pauses_seen += 1
+        self._pause_mean += (pause - self._pause_mean) / min(self._pauses_seen, 1000)
+
+    def _close(self, sid: Any, session: _Session) -> None:
+        self._pass(session)
+        self._relist(session, ())
+        del self._sessions[sid]
+
+    def _pass(self, session: _Session) -> None:
+        if session.passed:
+            return
+        session.passed = True
+        for key in reversed(session.keys):
+            left = self._unpassed[key] - 1
+            self._unpassed[key] = left
+            if not left and key in self._held:
+                self._ready.append(key)
+
+    def _unpass(self, session: _Session) -> None:
+        if not session.passed:
+            return
+        session.passed = False
+        for key in session.keys:
+            self._unpassed[key] += 1
+
+    def _relist(self, session: _Session, keys: tuple[Key, ...]) -> None:
+        """The session lists ``keys`` now: holders counted up and down, blocks moved between the sets.
+        A passed session's keys are not counted in ``_unpassed``."""
+        old, new = set(session.keys), set(keys)
+        unpassed = 0 if session.passed else 1
+        for key in dict.fromkeys(k for k in keys if k not in old):
+            count = self._holders.get(key, 0)
+            self._holders[key] = count + 1
+            self._unpassed[key] = self._unpassed.get(key, 0) + unpassed
+            if count == 0 and key in self._free:
+                self._free.on_remove(key)
+                self._held[key] = None
+        for key in dict.fromkeys(k for k in reversed(session.keys) if k not in new):  # deepest freed first
+            count = self._holders[key] - 1
+            self._unpassed[key] -= unpassed
+            if count:
+                self._holders[key] = count
+                if not self._unpassed[key] and key in self._held:
+                    self._ready.append(key)
+                continue
+            del self._holders[key]
+            del self._unpassed[key]
+            if key in self._held:
+                del self._held[key]
+                self._free.on_insert(key, self._metas[key])
+        session.keys = tuple(keys)
+
+    # --- introspection ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._held) + len(self._free)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held or key in self._free
+
+    def describe(self) -> dict[str, Any]:
+        states = [s.state.value for s in self._sessions.values()]
+        return {
+            **super().describe(),
+            "held": len(self._held),
+            "free": self._free.describe(),
+            "sessions": {state.value: states.count(state.value) for state in SessionState if state.value in states},
+            "mean_pause_s": round(self._pause_mean, 3),
+        }

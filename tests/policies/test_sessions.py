@@ -1,0 +1,145 @@
+"""The session-aware eviction policy, one behaviour per test, driven the way the simulator and the
+conductor drive it: session events with their keys, then block inserts, accesses and victims."""
+
+import pytest
+
+from tiercake.policies import LRU, create_eviction
+from tiercake.policies.base import SessionEvent, SessionState
+from tiercake.policies.sessions import SessionAware
+
+ACTIVE, PAUSED, CLOSED = SessionState.ACTIVE, SessionState.PAUSED, SessionState.CLOSED
+
+
+def turn(policy, sid, keys, at, pause=None, retain=None, priority=0, insert=True):
+    """One turn of session ``sid``: active, its blocks read (inserted when new), then paused."""
+    policy.on_session(SessionEvent(sid, ACTIVE, at, tuple(keys), priority=priority))
+    for key in keys:
+        if insert and key not in policy:
+            policy.on_insert(key)
+        else:
+            policy.on_access(key)
+    policy.on_session(SessionEvent(sid, PAUSED, at, tuple(keys), pause, retain, priority))
+
+
+def drain(policy):
+    return policy.victims(len(policy))
+
+
+def test_blocks_of_no_open_session_leave_before_any_held_block():
+    policy = SessionAware(LRU())
+    turn(policy, "a", ["a1", "a2"], 0)
+    policy.on_insert("stray")  # read outside any session
+    turn(policy, "b", ["b1"], 1)
+    assert policy.victims(1) == ["stray"]
+
+
+def test_the_session_expected_back_last_goes_first_deepest_block_first():
+    policy = SessionAware()
+    turn(policy, "soon", ["s1", "s2"], 0, pause=5)
+    turn(policy, "late", ["l1", "l2", "l3"], 0, pause=500)
+    turn(policy, "mid", ["m1"], 0, pause=50)
+    assert drain(policy) == ["l3", "l2", "l1", "m1", "s2", "s1"]
+
+
+def test_without_an_announced_pause_the_longest_quiet_session_goes_first():
+    policy = SessionAware(initial_pause_s=1)
+    turn(policy, "old", ["o1"], 0)
+    turn(policy, "new", ["n1"], 100)
+    turn(policy, "announced", ["x1"], 100, pause=50)
+    # at t=100: "old" has been quiet 100 s (expected 100 s more), "announced" is due in 50, "new" in 1
+    assert drain(policy) == ["o1", "x1", "n1"]
+
+
+def test_a_closed_sessions_blocks_are_freed_and_go_first():
+    policy = SessionAware(LRU())
+    turn(policy, "a", ["a1", "a2"], 0, pause=1)
+    turn(policy, "b", ["b1"], 0, pause=1000)
+    policy.on_session(SessionEvent("a", CLOSED, 2))
+    assert policy.victims(2) == ["a2", "a1"]  # freed deepest first: a chain's root outlives its leaves
+
+
+def test_a_shared_prefix_stays_while_a_session_expected_sooner_lists_it():
+    policy = SessionAware()
+    turn(policy, "parent", ["p1", "p2"], 0, pause=1000)
+    turn(policy, "fork", ["p1", "p2", "f1"], 0, pause=10)
+    # the parent comes back last, but its blocks are the fork's prefix: the fork's own block goes
+    # first, then the shared ones, once no session expected sooner lists them
+    assert policy.victims(1) == ["f1"]
+    assert policy.victims(2) == ["p2", "p1"]
+
+
+def test_blocks_of_active_sessions_go_only_when_nothing_else_is_left():
+    policy = SessionAware()
+    turn(policy, "paused", ["q1"], 0, pause=10)
+    policy.on_session(SessionEvent("busy", ACTIVE, 1, ("b1",)))
+    policy.on_insert("b1")
+    assert policy.victims(1) == ["q1"]
+    assert policy.victims(1) == ["b1"]
+    assert len(policy) == 0 and policy.victims(1) == []
+
+
+def test_a_paused_session_expires_after_its_retention_and_its_blocks_are_freed():
+    policy = SessionAware(LRU(), retain_s=100)
+    turn(policy, "kept", ["k1"], 0, pause=1, retain=1000)
+    turn(policy, "short", ["s1"], 0, pause=1)  # the policy's 100 s
+    turn(policy, "other", ["o1"], 150, pause=10_000)
+    assert policy.describe()["sessions"] == {"paused": 2}  # "short" expired at 100
+    assert policy.victims(1) == ["s1"]
+
+
+def test_a_lower_priority_session_goes_before_a_higher_one_expected_back_later():
+    policy = SessionAware()
+    turn(policy, "vip", ["v1"], 0, pause=1000, priority=5)
+    turn(policy, "batch", ["b1"], 0, pause=1, priority=0)
+    assert drain(policy) == ["b1", "v1"]
+
+
+def test_a_resumed_session_is_kept_and_learns_the_pause_it_did_not_announce():
+    policy = SessionAware(initial_pause_s=1)
+    turn(policy, "a", ["a1"], 0)
+    turn(policy, "a", ["a1", "a2"], 30)  # resumed after 30 s: the mean pause learns it
+    assert policy.describe()["mean_pause_s"] == pytest.approx(30)
+    turn(policy, "b", ["b1"], 30, pause=100)
+    assert policy.victims(1) == ["b1"]  # "a" is expected back in 30 s, "b" in 100
+
+
+def test_can_evict_is_honoured_and_a_refused_block_stays():
+    policy = SessionAware()
+    turn(policy, "a", ["a1", "a2"], 0, pause=100)
+    assert policy.victims(1, lambda key: key != "a2") == ["a1"]
+    assert "a2" in policy and policy.victims(1, lambda key: key != "a2") == []
+    assert policy.victims(1) == ["a2"]
+
+
+def test_removed_and_reinserted_blocks_are_tracked_once():
+    policy = SessionAware()
+    turn(policy, "a", ["a1", "a2"], 0, pause=100)
+    policy.on_remove("a2")
+    policy.on_remove("never-seen")
+    assert len(policy) == 1 and "a2" not in policy
+    policy.on_insert("a2")
+    policy.on_insert("a2")
+    assert len(policy) == 2 and sorted(drain(policy)) == ["a1", "a2"]
+
+
+def test_a_session_blind_caller_gets_the_fallbacks_order():
+    blind, lru = SessionAware(LRU()), create_eviction("lru")
+    for policy in (blind, lru):
+        for key in "abcd":
+            policy.on_insert(key)
+        policy.on_access("a")
+    assert drain(blind) == drain(lru) == ["b", "c", "d", "a"]
+
+
+def test_the_registry_builds_it_and_bad_parameters_are_refused():
+    assert isinstance(create_eviction("session", {"fallback": "s3fifo", "retain_s": 60}), SessionAware)
+    for params in (
+        {"retain_s": 0},
+        {"retain_s": float("nan")},
+        {"initial_pause_s": float("inf")},
+        {"fallback": "session"},
+    ):
+        with pytest.raises(ValueError):
+            create_eviction("session", params)
+    with pytest.raises(ValueError):
+        SessionAware(SessionAware())
