@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from tiercake.policies.registry import create_admission, create_eviction
+from tiercake.traces import TraceRecord
 
-from .cache_sim import Access, TierSpec, optimum, simulate
+from .cache_sim import Access, Event, TierSpec, accesses, optimum, session_stream, simulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,11 @@ class Score:
 
 
 def score(
-    stream: list[Access], policy: str, capacity: float, params: dict[str, Any] | None = None, admission: str = "always"
+    stream: list[Access] | list[Event],
+    policy: str,
+    capacity: float,
+    params: dict[str, Any] | None = None,
+    admission: str = "always",
 ) -> Score:
     started = time.perf_counter()
     if policy == "optimum":
@@ -44,7 +49,7 @@ def score(
 
 
 def evaluate(
-    stream: list[Access],
+    stream: list[Access] | list[Event],
     policy: str,
     capacities: list[float],
     params: dict[str, Any] | None = None,
@@ -110,3 +115,55 @@ def plot(scores: list[Score], path: str | Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionScore:
+    """One policy told one level of session information (``SESSION_INFO``), at one capacity."""
+
+    policy: str
+    info: str
+    capacity: float
+    hit_ratio: float
+    optimum: float
+    seconds: float
+    announce_sigma: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """``lru``, ``session.close``, ``session.announced~0.3`` (with an error on each pause)."""
+        label = self.policy if self.info == "none" else f"{self.policy}.{self.info}"
+        return f"{label}~{self.announce_sigma:g}" if self.announce_sigma else label
+
+    @property
+    def of_optimum(self) -> float:
+        return self.hit_ratio / self.optimum if self.optimum else 0.0
+
+
+def evaluate_sessions(
+    records: list[TraceRecord],
+    capacities: list[float],
+    runs: list[tuple[str, str, dict[str, Any] | None, float]],
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[SessionScore]:
+    """Each run ``(policy, session info, params, announce sigma)`` at each capacity, beside the tree
+    optimum; records need sessions (``infer_sessions``). Session-blind policies run with "none"."""
+    scores = []
+    total = len(capacities) * (len(runs) + 1)
+    done = 0
+    for cap in capacities:
+        if progress is not None:
+            progress(done, total, f"optimum @ {cap:,} blocks")
+        best = optimum(accesses(records), cap).hit_ratio
+        done += 1
+        for policy, info, params, sigma in runs:
+            if progress is not None:
+                progress(done, total, f"{policy} ({info}) @ {cap:,} blocks")
+            started = time.perf_counter()
+            tier = TierSpec(cap, create_eviction(policy, params))
+            hit = simulate(session_stream(records, info, sigma), [tier]).hit_ratio
+            scores.append(SessionScore(policy, info, cap, hit, best, time.perf_counter() - started, sigma))
+            done += 1
+    if progress is not None:
+        progress(total, total, "done")
+    return scores

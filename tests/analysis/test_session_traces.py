@@ -168,3 +168,54 @@ def test_on_the_conversation_trace_with_inferred_sessions_it_meets_the_floors():
     assert share_of_optimum(records, 10_000) >= 0.85
     assert share_of_optimum(records, 1000) >= 0.85
     assert share_of_optimum(records, 1000, announce_sigma=0.3) >= 0.7
+
+
+def tiercake(*args, cwd):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.cluster
+def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
+    """trace generate --agentic, trace sessions, policy eval --sessions and bench sessions, end to end."""
+    import json
+
+    out = tiercake("trace", "generate", "--agentic", "--sessions", "40", "--out", "agents.jsonl", cwd=tmp_path)
+    assert "wrote" in out
+    truth = read_trace(tmp_path / "agents.jsonl")
+    assert all(r.session and r.turn is not None for r in truth)
+    write_trace(tmp_path / "blank.jsonl", [r.model_copy(update=BLANK) for r in truth])
+    out = tiercake("trace", "sessions", "blank.jsonl", "--out", "inferred.jsonl", cwd=tmp_path)
+    inferred = read_trace(tmp_path / "inferred.jsonl")
+    assert partition(inferred, families=True) == partition(truth, families=True)
+    assert f"in {len({r.session for r in inferred})} sessions" in out
+
+    tiercake(
+        "policy", "eval", "session", "--trace", "blank.jsonl", "--capacity", "100,300", "--sessions", "announced",
+        "--json", "eval.json", "--plot", "eval.png", cwd=tmp_path,
+    )  # fmt: skip
+    figures = json.loads((tmp_path / "eval.json").read_text())["figures"]
+    mine = [f for f in figures if f["name"] == "hit_ratio.session"]
+    assert len(mine) == 2 and all(f["params"]["sessions"] == "announced" for f in mine)
+    for f in mine:
+        lru = next(
+            g for g in figures if g["name"] == "hit_ratio.lru" and g["params"]["capacity"] == f["params"]["capacity"]
+        )
+        assert lru["value"] <= f["value"] <= f["limit"] + 1e-12
+
+    tiercake("bench", "sessions", "--quick", "--trace", "blank.jsonl", "--json", "bench.json", cwd=tmp_path)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["bench"] == "sessions"
+    names = {(f["name"], f["params"]["trace"]) for f in report["figures"]}
+    for trace in ("agentic (generated)", "blank.jsonl"):
+        assert {("vs_blind.session.announced", trace), ("hit_ratio.session.announced", trace)} <= names
+    for f in report["figures"]:
+        assert f["name"].startswith(("hit_ratio.", "vs_blind.")) and 0 <= f["value"] <= 1
+        if f["name"].startswith("hit_ratio."):
+            assert f["ratio"] <= 1 + 1e-9  # nothing beats the optimum

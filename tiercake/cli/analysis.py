@@ -18,18 +18,22 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
 
     from rich.table import Table
 
-    from tiercake.analysis.cache_sim import accesses
+    from tiercake.analysis.cache_sim import Access, session_stream
     from tiercake.analysis.evaluate import evaluate, parse_capacities, plot
     from tiercake.bench.report import Report, machine
-    from tiercake.traces import read_trace
+    from tiercake.traces import infer_sessions, read_trace
 
     capacities = parse_capacities(args.capacity)
     params = json.loads(args.params) if args.params else None
     with console.status(f"reading {args.trace}..."):
-        stream = accesses(read_trace(args.trace, args.limit))
+        records = read_trace(args.trace, args.limit)
+        if args.sessions != "none":  # sessions the trace lacks are inferred; blind policies ignore the events
+            records = infer_sessions(records)
+        stream = session_stream(records, args.sessions)
+    blocks = sum(isinstance(a, Access) for a in stream)
     with progress_bar("policies") as update:  # a slow policy once ran minutes unseen; update(done, total, running)
         scores = evaluate(stream, args.policy, capacities, params, args.admission, progress=update)
-    table = Table(title=f"{args.policy} on {Path(args.trace).name} ({len(stream)} block accesses)")
+    table = Table(title=f"{args.policy} on {Path(args.trace).name} ({blocks} block accesses)")
     for column in ("capacity", args.policy, "lru", "optimum", "gap to optimum", "accesses/s"):
         table.add_column(column, justify="right")
     report = Report(bench="policy-eval", machine=machine())
@@ -56,6 +60,8 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
                 accesses_per_s=round(s.accesses_per_s),
             )
             figure.params["trace"] = Path(args.trace).name
+            if s.policy == args.policy:
+                figure.params["sessions"] = args.sessions
     console.print(table)
     plot_path = args.plot or f"policy-eval-{args.policy.replace(':', '-').replace('/', '-')}.png"
     plot(scores, plot_path, f"{args.policy} vs LRU and the optimum on {Path(args.trace).name}")
@@ -64,20 +70,44 @@ def cmd_policy_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_generate(args: argparse.Namespace) -> int:
+    from tiercake.agent_traces import AgentShape, agentic_trace
     from tiercake.traces import synthetic_trace, write_trace
 
-    records = synthetic_trace(
-        args.requests,
-        tenants=args.tenants,
-        system_prompts=args.system_prompts,
-        rate_per_s=args.rate,
-        bursty=args.bursty,
-        seed=args.seed,
-    )
+    if args.agentic:
+        shape = AgentShape(
+            sessions=args.sessions, tenants=args.tenants, system_prompts=args.system_prompts, seed=args.seed
+        )
+        records = agentic_trace(shape)
+    else:
+        records = synthetic_trace(
+            args.requests,
+            tenants=args.tenants,
+            system_prompts=args.system_prompts,
+            rate_per_s=args.rate,
+            bursty=args.bursty,
+            seed=args.seed,
+        )
     write_trace(args.out, records)
     console.print(
         f"wrote {len(records)} requests ({sum(len(r.hash_ids) for r in records)} block accesses, "
         f"{records[-1].timestamp / 1000:.0f} s) to {args.out}"
+    )
+    return 0
+
+
+def cmd_trace_sessions(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from tiercake.traces import infer_sessions, read_trace, write_trace
+
+    records = infer_sessions(read_trace(args.trace, args.limit), args.min_blocks)
+    write_trace(args.out, records)
+    turns = Counter(Counter((r.tenant, r.session) for r in records).values())
+    sessions = sum(turns.values())
+    forks = len({(r.tenant, r.session) for r in records if r.fork_of})
+    console.print(
+        f"wrote {len(records)} requests in {sessions} sessions ({forks} forked; "
+        f"{turns[1]} of one turn, the longest {max(turns)} turns) to {args.out}"
     )
     return 0
 
@@ -363,6 +393,13 @@ def _policy(sub) -> None:
     peval.add_argument("--params", metavar="JSON", help="the policy's parameters as a JSON object")
     peval.add_argument("--admission", default="always", help="admission policy in front of it (default always)")
     peval.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    peval.add_argument(
+        "--sessions",
+        default="none",
+        choices=["none", "open", "close", "announced"],
+        help="what the policy is told of sessions (inferred where the trace has none): nothing (default), that "
+        "they exist, also when they close, also each turn's announced pause",
+    )
     peval.add_argument("--plot", metavar="PATH", help="the PNG (default policy-eval-<policy>.png)")
     peval.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     peval.set_defaults(func=cmd_policy_eval)
@@ -437,7 +474,7 @@ def _simulate(sub) -> None:
 
 
 def _trace(sub) -> None:
-    """``tiercake trace generate`` and ``trace stats``."""
+    """``tiercake trace generate``, ``trace sessions`` and ``trace stats``."""
     trace = sub.add_parser("trace", help="traces in the Mooncake format")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     generate = trace_sub.add_parser(
@@ -452,8 +489,28 @@ def _trace(sub) -> None:
     generate.add_argument("--system-prompts", type=int, default=4, help="per tenant")
     generate.add_argument("--rate", type=float, default=2.0, help="requests per second (mean)")
     generate.add_argument("--bursty", action="store_true", help="alternate busy and quiet periods")
+    generate.add_argument(
+        "--agentic",
+        action="store_true",
+        help="agents with tool pauses (announced), human chats and subagent fans, sessions marked",
+    )
+    generate.add_argument("--sessions", type=int, default=200, help="with --agentic: how many sessions (default 200)")
     generate.add_argument("--seed", type=int, default=0, help="the same seed writes the same file (default 0)")
     generate.set_defaults(func=cmd_trace_generate)
+    tsessions = trace_sub.add_parser(
+        "sessions",
+        help="infer sessions in a trace without them: a turn extends its conversation's whole prompt",
+        description="Writes the trace with session, turn, fork_of, pause_ms (the gap to the session's next turn) "
+        "and closes (its last turn) on every request: a request whose full blocks extend a previous request's "
+        "whole prompt continues that session (the first to do so; later ones fork from it).",
+    )
+    tsessions.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
+    tsessions.add_argument("--out", required=True, metavar="FILE", help="the trace file to write")
+    tsessions.add_argument(
+        "--min-blocks", type=int, default=2, help="the shortest prompt (full blocks) a turn continues (default 2)"
+    )
+    tsessions.add_argument("--limit", type=int, help="only the first N requests")
+    tsessions.set_defaults(func=cmd_trace_sessions)
     tstats = trace_sub.add_parser(
         "stats",
         help="reuse distance, reuse time, residency under a policy, prefetchability",

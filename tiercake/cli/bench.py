@@ -110,6 +110,12 @@ def cmd_bench_store_api(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench_sessions(args: argparse.Namespace) -> int:
+    from tiercake.bench import sessions
+
+    return _bench(args, "session-aware eviction against session-blind", sessions.run(args.quick, args.trace))
+
+
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
     from tiercake.bench import metadata
 
@@ -239,3 +245,13 @@ def _serving_benches(bench_parser) -> None:
     )
     kv.add_argument("--device", default="cpu", help="where the KV lives: cpu (default) or cuda[:N]")
     kv.set_defaults(func=cmd_bench_vllm_kv)
+
+    sessions = bench_parser(
+        "sessions",
+        help="session-aware eviction vs session-blind policies and the optimum, offline",
+        description="Replays a generated agentic trace (and, with --trace, a trace with sessions inferred from its "
+        "block chains) through the session-aware eviction policy, told nothing, sessions, closes and announced "
+        "pauses, beside LRU, the reuse policy and the tree-constrained optimum at two capacities.",
+    )
+    sessions.add_argument("--trace", metavar="FILE", help="also a trace in the Mooncake format (sessions inferred)")
+    sessions.set_defaults(func=cmd_bench_sessions)

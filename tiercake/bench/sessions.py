@@ -1,0 +1,54 @@
+"""`tiercake bench sessions`: what knowing sessions is worth to a tier's eviction, offline, as shares
+of the tree-constrained optimum and as ratios to the best session-blind policy in the same sitting.
+
+Two traces: a generated agentic one (tool pauses announced with a 30% error, human chats that
+announce nothing, subagent fans) and, given ``--trace``, a trace in the Mooncake format with sessions
+inferred from its block chains (a turn extends its conversation's whole prompt), each turn's pause
+taken from the trace's own next turn as a client that announced it would have. The session-aware
+policy runs told four levels of information (``SESSION_INFO``): nothing, sessions only (open,
+expiring by retention), also when they close, also each announced pause; the conversation trace also
+with a 30% error on each announced pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from tiercake.agent_traces import AgentShape, agentic_trace
+from tiercake.analysis.evaluate import SessionScore, evaluate_sessions
+from tiercake.traces import TraceRecord, infer_sessions, read_trace
+
+from .report import Report, machine
+
+BLIND = [("lru", "none", None, 0.0), ("reuse", "none", None, 0.0)]
+AWARE = [("session", info, None, 0.0) for info in ("open", "close", "announced")]
+
+
+async def run(quick: bool = False, trace: str | Path | None = None) -> Report:
+    report = Report(bench="sessions", machine=machine())
+    sets: list[tuple[str, list[TraceRecord], list[float], list]] = []
+    shape = AgentShape(sessions=80 if quick else 400, seed=1)
+    sets.append(("agentic (generated)", agentic_trace(shape), [300, 1000], BLIND + AWARE))
+    if trace is not None:
+        records = await asyncio.to_thread(read_trace, trace, 4000 if quick else None)
+        noisy = [("session", "announced", None, 0.3)]
+        sets.append((Path(trace).name, infer_sessions(records), [1000, 10_000], BLIND + AWARE + noisy))
+    for name, records, capacities, runs in sets:
+        scores = await asyncio.to_thread(evaluate_sessions, records, capacities, runs)
+        _add(report, name, records, scores)
+    return report
+
+
+def _add(report: Report, trace: str, records: list[TraceRecord], scores: list[SessionScore]) -> None:
+    sessions = len({(r.tenant, r.session) for r in records})
+    for cap in dict.fromkeys(s.capacity for s in scores):
+        row = [s for s in scores if s.capacity == cap]
+        blind = max((s for s in row if s.info == "none"), key=lambda s: s.hit_ratio)
+        common = {"trace": trace, "capacity": int(cap), "requests": len(records), "sessions": sessions}
+        for s in row:
+            report.add(f"hit_ratio.{s.label}", s.hit_ratio, "ratio", s.optimum, limit_name="optimum", **common)
+            if s.info != "none":
+                report.add(
+                    f"vs_blind.{s.label}", s.hit_ratio, "ratio", blind.hit_ratio, limit_name=blind.policy, **common
+                )
