@@ -5,7 +5,7 @@ A plug-in author needs only this package: subclass one of the policy interfaces.
 """
 
 from .admission import AdmitOnNth, AlwaysAdmit
-from .base import AdmissionPolicy, BlockMeta, EvictionPolicy
+from .base import AdmissionPolicy, BlockMeta, EvictionPolicy, SessionEvent, SessionState
 from .eviction import ARC, FIFO, LFU, LRU, S3FIFO, LeafFirstLRU, ReuseAware
 from .placement import (
     FixedReplicas,
@@ -40,6 +40,7 @@ from .routing import (
     WorkerState,
     fit_prefill,
 )
+from .sessions import SessionAware
 
 __all__ = [
     "ARC",
@@ -54,6 +55,9 @@ __all__ = [
     "EvictionPolicy",
     "LeafFirstLRU",
     "ReuseAware",
+    "SessionAware",
+    "SessionEvent",
+    "SessionState",
     "PolicyNotFoundError",
     "available",
     "create_admission",

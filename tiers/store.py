@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tiercake.policies import BlockMeta
+from tiercake.policies import BlockMeta, SessionEvent
 
 from .buffers import INLINE_COPY_MAX, Payload, as_bytes
 from .entries import BlockChange, BlockView, Copy, Entry, Lease, PutHandle, State, Tier, short_key
@@ -704,6 +704,17 @@ class TieredStore(StoreRemoval, StoreEviction):
     async def _release_slots(self, copies: list[Copy]) -> None:
         for copy in copies:
             await copy.tier.backend.release(copy.slot)
+
+    # Sessions -------------------------------------------------------------------------------------
+
+    def on_session(self, event: SessionEvent) -> None:
+        """A conversation's state changed: every tier's eviction policy is told (a session-blind one
+        ignores it). A policy that raises is a plug-in's bug: logged, the others still told."""
+        for tier in self.tiers:
+            try:
+                tier.eviction.on_session(event)
+            except Exception:
+                log.exception("tier %s: eviction policy %s failed on a session event", tier.name, tier.eviction.name)
 
     # Reporting ------------------------------------------------------------------------------------
 

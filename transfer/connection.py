@@ -283,6 +283,14 @@ class PeerConnection:
         """Have the peer bring blocks only on its disk into memory; per-item errors (NOT_FOUND, FULL)."""
         return await self._keys_op(Op.STAGE, Op.STAGE_REPLY, keys)
 
+    async def session(self, notice: p.SessionNotice, keys: list[bytes]) -> None:
+        """Tell the peer's tiers a session's new state (``p.SESSION``); raises ``ItemError`` if refused."""
+        async with self._request() as request:
+            await send_frame(self.sock, Op.SESSION, request, p.encode_session(notice, keys))
+            (reply,) = p.decode_statuses(await self._reply(request, Op.SESSION_REPLY))
+        if reply.status is not Status.OK:
+            raise item_error(reply, self.address.node_id)
+
     async def _keys_op(self, op: Op, answer: Op, keys: list[bytes]) -> list[p.ItemError | None]:
         async with self._request() as request:
             await send_frame(self.sock, op, request, p.encode_keys(keys))

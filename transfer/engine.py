@@ -26,6 +26,7 @@ from tiercake.tiers.buffers import INLINE_COPY_MAX, as_bytes, host_bytes
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
 from .protocol import Status
+from .server import session_event
 from .transports import Peer, PoolLease, ReadReq, ShmTransport, Transport, TransportContext, WriteReq
 
 PROBE_KEY = bytes(32)  # asked for by answers(): no content hashes to it
@@ -426,6 +427,31 @@ class TransferEngine:
             lambda conn: conn.stage(keys),
             timeout if timeout is not None else self.deadline_for(len(keys) * (1 << 20)),
         )
+
+    async def session_event(
+        self, node: str, notice: p.SessionNotice, keys: list[bytes], timeout: float | None = None
+    ) -> TransferResult:
+        """Tell ``node``'s tiers a session's new state with the blocks its next turn reads (their
+        eviction policies keep or demote them by it). A peer of an older release is not told (ok,
+        nothing done); an unreachable one fails the result."""
+        result = TransferResult(False, transport="control")
+        try:
+            async with asyncio.timeout(timeout if timeout is not None else self.deadline_for(0)):
+                peer = await self._peer(node)
+                if peer.channel is None:
+                    if self.store is None:
+                        raise p.ItemError("this engine has no local store", Status.NOT_FOUND)
+                    self.store.on_session(session_event(notice, keys))
+                else:
+                    async with peer.channel.connection() as conn:
+                        if conn.version >= p.SESSIONS_SINCE:
+                            await conn.session(notice, keys)
+            result.ok = True
+        except (p.TransferError, OSError) as exc:
+            result.error = exc
+        except TimeoutError:
+            result.error = TimeoutError(f"session notice to {node} did not finish in time")
+        return result
 
     async def answers(self, node: str, timeout: float = 1.0) -> bool:
         """Whether ``node`` answers a request within ``timeout`` (a stage of a key no block has: the

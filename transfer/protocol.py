@@ -36,6 +36,9 @@ Operations (one request in flight per connection; the client keeps several conne
                 refused per item while a reader holds it (LEASED) or it is hard-pinned (PINNED)
     STAGE       table of (key)  ->  STAGE_REPLY table of (status): blocks only on disk brought into the
                 memory tier above it ahead of a read (OK: in memory now; FULL: stays on disk)
+    SESSION     (JSON length, SessionNotice JSON, table of (key))  ->  SESSION_REPLY table of one status: a
+                conversation's state changed; the node's tiers' eviction policies are told, with the
+                blocks its next turn reads (``tiercake.policies.SessionEvent``, timed by the node's clock)
 
 A seal (``tiercake.blocks.Sealer``, up to 32 bytes, may be empty) is stored with a written block and
 handed back with every read of it; the node keeps it and never checks it (it does not hold the key).
@@ -52,16 +55,18 @@ import os
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAGIC = b"TCXF"
-VERSION = 4  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE;
-# 4: the key-value store's object operations (object_wire.py), HELLO names the server's version
+VERSION = 5  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE;
+# 4: the key-value store's object operations (object_wire.py), HELLO names the server's version; 5: SESSION
 OLDEST = 3  # the oldest version this side still speaks: a cluster upgrades one process at a time
 OBJECTS_SINCE = 4  # the object operations: not sent to, nor asked of, an older peer
+SESSIONS_SINCE = 5  # SESSION: an older peer is not told (its tiers' policies are session-blind anyway)
+MAX_SESSION_S = 7 * 24 * 3600.0  # the longest pause or retention a session may announce
 POOL_FORMAT_SINCE = 4  # the shared pool's region format (TCPOOL02): an older peer's pool is not mapped, nor ours by it
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
@@ -103,6 +108,8 @@ class Op(enum.IntEnum):
     DELETE_REPLY = 22
     STAGE = 23
     STAGE_REPLY = 24
+    SESSION = 25
+    SESSION_REPLY = 26
     # the key-value store's objects (object_wire.py): bodies are msgpack, bulk bytes follow as above
     OBJ_PUT = 30
     OBJ_PUT_READY = 31
@@ -419,6 +426,41 @@ def encode_keys(keys: list[bytes]) -> bytes:
 def decode_keys(body: bytes) -> list[bytes]:
     _, fields = _decode(KEYS_DT, body, ("klen",))
     return [f[0] for f in fields]
+
+
+class SessionNotice(BaseModel):
+    """A session's new state as a worker tells its node (the session id is the front's tenant-scoped
+    hash, never the client's own string)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    session: str = Field(min_length=1, max_length=128)
+    state: Literal["active", "paused", "closed"]
+    resume_in: float | None = Field(default=None, ge=0, le=MAX_SESSION_S)
+    retain_s: float | None = Field(default=None, gt=0, le=MAX_SESSION_S)
+    priority: int = Field(default=0, ge=-100, le=100)
+
+
+SESSION_HEADER = struct.Struct("<I")
+
+
+def encode_session(notice: SessionNotice, keys: list[bytes]) -> bytes:
+    header = notice.model_dump_json().encode()
+    return SESSION_HEADER.pack(len(header)) + header + encode_keys(keys)
+
+
+def decode_session(body: bytes | bytearray) -> tuple[SessionNotice, list[bytes]]:
+    if len(body) < SESSION_HEADER.size:
+        raise ProtocolError("SESSION body too short")
+    (n,) = SESSION_HEADER.unpack_from(body)
+    end = SESSION_HEADER.size + n
+    if end > len(body):
+        raise ProtocolError("SESSION header runs past the body")
+    try:
+        notice = SessionNotice.model_validate_json(bytes(body[SESSION_HEADER.size : end]))
+    except ValidationError as exc:
+        raise ProtocolError(f"bad SESSION notice: {exc.errors()[0]['msg']}") from None
+    return notice, decode_keys(bytes(body[end:]))
 
 
 # Authentication ------------------------------------------------------------------------------------

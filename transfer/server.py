@@ -21,6 +21,7 @@ import time
 import numpy as np
 import xxhash
 
+from tiercake.policies import SessionEvent, SessionState
 from tiercake.tiers import (
     ObjectExistsError,
     ObjectLeasedError,
@@ -270,6 +271,8 @@ class TransferServer:
                     await self._delete(session, request, body)
                 elif op is Op.STAGE:
                     await self._stage(session, request, body)
+                elif op is Op.SESSION:
+                    await self._session(session, request, body)
                 elif op in session.ops:
                     await session.ops[op].handle(op, flags, request, body)
                 elif self.objects is not None and op in self.objects.ops:
@@ -372,6 +375,14 @@ class TransferServer:
         replies = [ReplyItem(Status.OK) if e is None else ReplyItem(status_of(e), message=str(e)) for e in errors]
         await send_frame(session.conn, Op.STAGE_REPLY, request, p.encode_statuses(replies))
 
+    # SESSION --------------------------------------------------------------------------------------
+
+    async def _session(self, session: Session, request: int, body: bytearray) -> None:
+        """A conversation's state changed: the tiers' eviction policies are told, on this node's clock."""
+        notice, keys = p.decode_session(body)
+        self.store.on_session(session_event(notice, keys))
+        await send_frame(session.conn, Op.SESSION_REPLY, request, p.encode_statuses([ReplyItem(Status.OK)]))
+
     # WRITE ----------------------------------------------------------------------------------------
 
     async def _write(self, session: Session, flags: int, request: int, body: bytearray) -> None:
@@ -449,3 +460,16 @@ class _Deadline:
 
     def __exit__(self, *exc: object) -> None:
         self.moving.pop(self.task, None)
+
+
+def session_event(notice: p.SessionNotice, keys: list[bytes], at: float | None = None) -> SessionEvent:
+    """A worker's notice as the tiers' policies take it, timed by this process's monotonic clock."""
+    return SessionEvent(
+        notice.session,
+        SessionState(notice.state),
+        time.monotonic() if at is None else at,
+        tuple(keys),
+        notice.resume_in,
+        notice.retain_s,
+        notice.priority,
+    )

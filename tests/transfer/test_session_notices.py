@@ -1,0 +1,121 @@
+"""SESSION over a real socket: a worker tells a node a conversation's state, and the node's tiers
+keep or demote its blocks by it (a session-aware pool spills the session expected back last to SSD,
+where LRU would have spilled the oldest); hostile notices are refused without harm."""
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import torch
+from transfer_helpers import SECRET, authenticated_socket, closed, payload, raw_frame, read_frame
+
+from tiercake.policies import LRU, SessionAware
+from tiercake.tiers import PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
+from tiercake.tiers.pool import remove_pool
+from tiercake.transfer import TransferEngine, TransferServer
+from tiercake.transfer import protocol as p
+from tiercake.transfer.protocol import SessionNotice
+
+KB = 1024
+BLOCK = 64 * KB
+
+
+@pytest.fixture
+async def session_node(tmp_path):
+    """A node whose 4-block pool is session-aware (LRU among blocks of no session) over an SSD."""
+    path = f"/dev/shm/tiercake-test-sessions-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    pool = Tier(PoolBackend(PoolRegion.create(path, 4 * BLOCK)), eviction=SessionAware(LRU()), high_watermark=1.0)
+    store = await TieredStore([pool, Tier(SsdFilesBackend(tmp_path / "ssd", capacity_bytes=8 << 20))]).open()
+    server = await TransferServer(store, SECRET, "node-b").start()
+    engine = TransferEngine("worker", SECRET, transports=("tcp",))
+    engine.add_peer("node-b", *server.address)
+    yield store, server, engine
+    await engine.close()
+    await server.close()
+    await store.close()
+    remove_pool(path)
+
+
+async def turn(engine, session: str, keys: list[bytes], resume_in: float | None, first: int) -> None:
+    """One turn as a worker runs it: active, its blocks written, then paused (announced)."""
+    active = await engine.session_event("node-b", SessionNotice(session=session, state="active"), keys)
+    assert active.ok, active.error
+    data = [payload(first + i, BLOCK) for i in range(len(keys))]
+    assert all(r.ok for r in await engine.write_blocks("node-b", keys, data))
+    notice = SessionNotice(session=session, state="paused", resume_in=resume_in)
+    assert (await engine.session_event("node-b", notice, keys)).ok
+
+
+async def test_the_pool_spills_the_session_expected_back_last_not_the_oldest(session_node):
+    store, _, engine = session_node
+    soon, late, now = [b"soon-0", b"soon-1"], [b"late-0", b"late-1"], [b"now-0", b"now-1"]
+    await turn(engine, "soon", soon, resume_in=5, first=0)  # the oldest: LRU would spill these
+    await turn(engine, "late", late, resume_in=3600, first=2)
+    await turn(engine, "now", now, resume_in=None, first=4)
+    assert [store.where(k) for k in soon + now] == [["pool"]] * 4
+    assert [store.where(k)[-1] for k in late] == ["ssd", "ssd"] and not any("pool" in store.where(k) for k in late)
+    pool_policy = store.tiers[0].eviction.describe()
+    assert pool_policy["sessions"] == {"paused": 3} and pool_policy["held"] == 4
+    out = torch.empty(BLOCK, dtype=torch.uint8)  # what was spilled reads back whole
+    (read,) = await engine.read_blocks("node-b", [late[0]], [out])
+    assert read.ok and torch.equal(out, payload(2, BLOCK))
+
+
+async def test_a_closed_session_goes_first(session_node):
+    store, _, engine = session_node
+    await turn(engine, "a", [b"a-0", b"a-1"], resume_in=5, first=0)
+    await turn(engine, "b", [b"b-0", b"b-1"], resume_in=3600, first=2)
+    assert (await engine.session_event("node-b", SessionNotice(session="a", state="closed"), [])).ok
+    await turn(engine, "c", [b"c-0"], resume_in=5, first=4)
+    assert "pool" not in store.where(b"a-1") and "pool" in store.where(b"b-1")
+
+
+async def test_a_notice_to_this_process_own_store_applies_without_a_socket(session_node):
+    store, _, _ = session_node
+    local = TransferEngine("node-b", SECRET, store=store)
+    try:
+        assert (await local.session_event("node-b", SessionNotice(session="x", state="active"), [b"k"])).ok
+        assert store.tiers[0].eviction.describe()["sessions"] == {"active": 1}
+    finally:
+        await local.close()
+
+
+@pytest.mark.parametrize(
+    "body,said",
+    [
+        (b"\x00", b"too short"),
+        (b"\xff\x00\x00\x00{}", b"past the body"),
+        (p.SESSION_HEADER.pack(2) + b"{}" + p.encode_keys([]), b"bad SESSION notice"),
+        (p.SESSION_HEADER.pack(40) + b'{"session":"s","state":"paused","resume_in":-1}'[:40], b"bad SESSION"),
+    ],
+)
+async def test_hostile_notices_are_refused_and_the_node_serves_on(session_node, body, said):
+    store, server, engine = session_node
+
+    def by_hand():
+        sock = authenticated_socket(server.address)
+        sock.sendall(raw_frame(p.Op.SESSION, body))
+        op, reply = read_frame(sock)
+        return op, reply, closed(sock)
+
+    op, reply, was_closed = await asyncio.to_thread(by_hand)
+    assert op == p.Op.ERROR and said in reply and was_closed
+    assert store.tiers[0].eviction.describe()["sessions"] == {}
+    assert (await engine.session_event("node-b", SessionNotice(session="ok", state="active"), [])).ok
+
+
+def test_a_notice_checks_its_numbers():
+    for bad in (
+        {"resume_in": float("nan")},
+        {"resume_in": -1},
+        {"retain_s": 0},
+        {"retain_s": 1e12},
+        {"priority": 10**6},
+    ):
+        with pytest.raises(ValueError):
+            SessionNotice(session="s", state="paused", **bad)
+    with pytest.raises(ValueError):
+        SessionNotice(session="", state="paused")
+    with pytest.raises(ValueError):
+        SessionNotice(session="s", state="sleeping")
