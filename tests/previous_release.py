@@ -1,6 +1,6 @@
 """The previous release of tiercake, built from git, to run beside the current code (N-1 tests).
 
-``PREVIOUS`` is the last commit of transfer protocol 3 (the current one speaks 4 and 3). It is
+``PREVIOUS`` is the last commit of transfer protocol 4 (the current one speaks 5 and 4). It is
 built once per machine from this repository's own history (``git archive`` and ``pip install
 --no-deps --target``: no download) into a cache folder, and run in subprocesses whose imports find
 it before the current checkout (``tiercake.previous``).
@@ -16,7 +16,7 @@ from tiercake.previous import previous_python
 
 __all__ = ["PREVIOUS", "previous_python", "previous_site"]
 
-PREVIOUS = "b314f5746f849ab9254f62be64d92a40c360ec8e"  # transfer protocol 3
+PREVIOUS = "505ccf97b9f0a8aa6a2f155e523a1652194893ad"  # transfer protocol 4
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".pytest_cache" / f"tiercake-{PREVIOUS[:12]}"
 

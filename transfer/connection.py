@@ -625,7 +625,7 @@ def _recv_frame(sock: socket.socket, expect: Sequence[Op], max_body: int) -> tup
     magic, version, op, flags, request, length = p.FRAME.unpack(head)
     if magic != p.MAGIC:
         raise p.ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
-    if (why := p.spoken(version)) is not None:
+    if (why := p.spoken(version, op)) is not None:
         raise p.ProtocolError(why)
     if length > max_body:
         raise p.ProtocolError(f"frame body of {length} bytes is over the limit of {max_body}")

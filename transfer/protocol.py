@@ -63,7 +63,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAGIC = b"TCXF"
 VERSION = 5  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE;
 # 4: the key-value store's object operations (object_wire.py), HELLO names the server's version; 5: SESSION
-OLDEST = 3  # the oldest version this side still speaks: a cluster upgrades one process at a time
+OLDEST = 4  # the oldest version this side still speaks: a cluster upgrades one process at a time
+FRAMED_SINCE = 3  # the frame header has been the same since: a HELLO of an older release is still read
 OBJECTS_SINCE = 4  # the object operations: not sent to, nor asked of, an older peer
 SESSIONS_SINCE = 5  # SESSION: an older peer is not told (its tiers' policies are session-blind anyway)
 MAX_SESSION_S = 7 * 24 * 3600.0  # the longest pause or retention a session may announce
@@ -507,9 +508,11 @@ def version_of(sock: object) -> int:
     return _older.get(sock, VERSION) if _older else VERSION
 
 
-def spoken(version: int) -> str | None:
-    """Why a frame of ``version`` cannot be read (None: it can)."""
-    if OLDEST <= version <= VERSION:
+def spoken(version: int, op: int | None = None) -> str | None:
+    """Why a frame of ``version`` cannot be read (None: it can). A HELLO or an ERROR is framed at
+    the sender's oldest version, which may be older than ours: its body is read all the same (the
+    handshake then chooses a version both speak, or says why there is none)."""
+    if OLDEST <= version <= VERSION or (op in (Op.HELLO, Op.ERROR) and FRAMED_SINCE <= version <= VERSION):
         return None
     return f"protocol version {version} is not supported (this side speaks {OLDEST} to {VERSION})"
 

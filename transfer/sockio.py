@@ -259,7 +259,7 @@ async def recv_versioned(
     magic, version, op, flags, request, length = FRAME.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"not a tiercake transfer stream (magic {bytes(magic)!r})")
-    if (why := spoken(version)) is not None:
+    if (why := spoken(version, op)) is not None:
         raise ProtocolError(why)
     if length > max_body:
         raise ProtocolError(f"frame body of {length} bytes is over the limit of {max_body}")

@@ -1,11 +1,11 @@
 """A cluster upgrades one process at a time: this release beside the previous one (N and N-1), every
 process real, the previous release built from this repository's history (tests/previous_release.py).
 
-- transfer protocol 4 and 3 both ways: blocks written and read back byte for byte, over the stream
+- transfer protocol 5 and 4 both ways: blocks written and read back byte for byte, over the stream
   and through the shared pool;
 - a node agent of the previous release joins a current conductor (its control API), reports what it
-  holds, and serves blocks; it gets no slot of the key-value store's objects (its protocol has no
-  object operations), and a store client asking it for objects is told so;
+  holds, and serves blocks; a worker's session notices are not sent to it (its protocol has no
+  SESSION), and it serves on;
 - a current node agent joins a conductor of the previous release (registering as that release knew
   members) and serves blocks.
 """
@@ -26,7 +26,7 @@ from transfer_helpers import SECRET, payload
 from tiercake.conductor.client import Client
 from tiercake.transfer import TransferEngine
 from tiercake.transfer import protocol as p
-from tiercake.transfer.connection import BlockingConnection, PeerAddress
+from tiercake.transfer.protocol import SessionNotice
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -52,7 +52,7 @@ def _client(previous: Path | None, port: int, transports: str) -> dict:
 
 
 @pytest.mark.parametrize("transports", ["tcp", "shm,tcp"])
-def test_transfer_protocol_4_and_3_read_and_write_each_others_blocks(previous, transports):
+def test_transfer_protocol_5_and_4_read_and_write_each_others_blocks(previous, transports):
     for server_release, client_release in ((previous, None), (None, previous)):
         server = _peer(server_release, "serve", SECRET.decode())
         try:
@@ -61,7 +61,7 @@ def test_transfer_protocol_4_and_3_read_and_write_each_others_blocks(previous, t
         finally:
             server.stdin.close()
             server.wait(30)
-        assert {served["version"], got["version"]} == {3, 4}
+        assert {served["version"], got["version"]} == {4, 5}
         assert got["written"] == got["read_back"] == 24, got
 
 
@@ -78,17 +78,24 @@ async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serve
     keys = [k(i) for i in range(6)]
     async with Client([url]) as client:
         members = {m.node_id: m for m in await wait_until(lambda: _two_nodes(client), what="both nodes")}
-        assert members["node-old"].transfer_version == 3 and members["node-new"].transfer_version == p.VERSION
+        assert members["node-old"].transfer_version == 4 and members["node-new"].transfer_version == p.VERSION
         old = members["node-old"]
         # the previous release's link reports to this conductor: the index finds the blocks there
         await _written_found_and_read(client, old, keys)
-        # the object map gives slots only to the node agent that speaks the object operations
+        # both speak the object operations: the object map gives slots to both
         chains = (await wait_until(lambda: _mapped(client), what="an object map")).chains
-        assert all(chain and "node-old" not in chain for chain in chains)
-        with pytest.raises(p.AuthenticationError, match="no object operations"):
-            BlockingConnection(
-                PeerAddress("node-old", old.host, old.port), SECRET, "store-client", needs=p.OBJECTS_SINCE
-            ).open()
+        assert {node for chain in chains for node in chain} == {"node-old", "node-new"}
+        # a session notice is not sent to a node without SESSION (it would drop the connection), and
+        # the node serves on over the same engine
+        engine = TransferEngine("worker", SECRET, transports=("tcp",))
+        try:
+            engine.add_peer(old.node_id, old.host, old.port)
+            told = await engine.session_event(old.node_id, SessionNotice(session="s", state="active"), keys)
+            assert told.ok
+            dsts = [torch.empty(64 * KB, dtype=torch.uint8) for _ in keys]
+            assert all(r.ok for r in await engine.read_blocks(old.node_id, keys, dsts))
+        finally:
+            await engine.close()
 
 
 async def test_a_current_node_agent_joins_a_previous_release_conductor_and_serves_blocks(previous, processes, tmp_path):
@@ -133,7 +140,7 @@ async def _mapped(client: Client):
     return view if view.chains else None
 
 
-def test_the_previous_release_is_the_last_of_protocol_3(previous):
+def test_the_previous_release_is_the_last_of_protocol_4(previous):
     """PREVIOUS pins the release the N-1 tests run against: when VERSION moves on, so must it."""
     assert p.OLDEST == p.VERSION - 1
     spoken = subprocess.run([*previous_python(previous, PEER), "version"], capture_output=True, text=True, timeout=60)
