@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -61,6 +62,31 @@ class ConductorError(Exception):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A conversation's id and directives, sent as the front's session headers
+    (``conductor/front/sessions.py``): keep its KV ``retain_s`` while paused, at ``priority``, expect
+    the next turn in ``pause_s``; ``final``: it ends with this request."""
+
+    id: str
+    parent: str | None = None
+    retain_s: float | None = None
+    priority: int | None = None
+    pause_s: float | None = None
+    final: bool = False
+
+    def headers(self) -> dict[str, str]:
+        named = {
+            "X-Tiercake-Session": self.id,
+            "X-Tiercake-Parent-Session": self.parent,
+            "X-Tiercake-Session-Retain": self.retain_s,
+            "X-Tiercake-Session-Priority": self.priority,
+            "X-Tiercake-Session-Pause": self.pause_s,
+            "X-Tiercake-Session-Final": "true" if self.final else None,
+        }
+        return {name: str(value) for name, value in named.items() if value is not None}
 
 
 class Client:
@@ -267,12 +293,16 @@ class Client:
         max_tokens: int = 16,
         temperature: float = 0.0,
         tenant: str | None = None,
+        session: Session | None = None,
         **extra,
     ) -> dict:
-        """``/v1/completions``, whole: the OpenAI response (usage includes cached prompt tokens)."""
+        """``/v1/completions``, whole: the OpenAI response (usage includes cached prompt tokens).
+        ``session``: the conversation it belongs to and what to do with its KV afterwards."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
-        headers = {"X-Tiercake-Tenant": tenant} if tenant else None
-        return await self._call("POST", "/v1/completions", body, headers=headers)
+        headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
+        if session is not None:
+            headers |= session.headers()
+        return await self._call("POST", "/v1/completions", body, headers=headers or None)
 
     async def models(self) -> list[dict]:
         """``/v1/models``: the served model, with ``max_model_len`` (its context)."""

@@ -130,6 +130,10 @@ class TierStats(Reply):
     residency: list[int] = Field(default_factory=list, description="evicted blocks by residency bucket")
     residency_sum_s: float = 0.0
     eviction: str | None = None
+    sessions: dict[str, int] = Field(
+        default_factory=dict, description="a session-aware policy's sessions by state (active, paused)"
+    )
+    session_blocks: int = Field(default=0, description="of its blocks, those an open session holds")
 
 
 class MemberStats(Reply):
@@ -618,6 +622,22 @@ class KVHandoff(Request):
     )
 
 
+MAX_SESSION_S = 7 * 24 * 3600.0  # the longest pause or retention a session may announce
+
+
+class SessionDirective(Request):
+    """The conversation a request belongs to, and what its client asks of its KV. ``id`` and ``parent``
+    are the front's hashes of the client's session ids, scoped by tenant: two tenants' equal ids never
+    meet, and the client's own string goes no further than the front."""
+
+    id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    parent: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$", description="a subagent's parent session")
+    retain_s: float | None = Field(default=None, gt=0, le=MAX_SESSION_S, description="keep its KV this long paused")
+    priority: int = Field(default=0, ge=-100, le=100, description="kept before lower priorities in every tier")
+    pause_s: float | None = Field(default=None, ge=0, le=MAX_SESSION_S, description="the pause expected after it")
+    close: bool = Field(default=False, description="the conversation ends with this request")
+
+
 class GenerateRequest(Request):
     """What the front sends a worker (token ids: the front tokenizes)."""
 
@@ -646,6 +666,7 @@ class GenerateRequest(Request):
         le=20,
         description="each token's log-probability and this many most likely alternatives (none: no log-probabilities)",
     )
+    session: SessionDirective | None = Field(default=None, description="the conversation it belongs to, if any")
 
 
 class PrefillStats(Reply):

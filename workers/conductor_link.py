@@ -333,7 +333,14 @@ def member_stats(store: TieredStore) -> MemberStats:
     return MemberStats(
         misses=stats["misses"],
         tiers={
-            name: TierStats.model_validate(t | {"eviction": t["eviction"].get("policy")})
+            name: TierStats.model_validate(
+                t
+                | {
+                    "eviction": t["eviction"].get("policy"),
+                    "sessions": t["eviction"].get("sessions", {}),
+                    "session_blocks": t["eviction"].get("held", 0),
+                }
+            )
             for name, t in stats["tiers"].items()
         },
     )

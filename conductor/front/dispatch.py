@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 from tiercake.blocks import block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError
-from tiercake.messages import GenerateRequest, KVHandoff, KVSpace, MemberInfo, PrefillStats, RouterSpec, TokenEvent
+from tiercake.messages import (
+    GenerateRequest,
+    KVHandoff,
+    KVSpace,
+    MemberInfo,
+    PrefillStats,
+    RouterSpec,
+    SessionDirective,
+    TokenEvent,
+)
 from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest, WorkerState, create_router
 
 from ..service import Conductor
@@ -65,6 +74,7 @@ class Job:
     seed: int | None = None
     top_p: float = 1.0
     logprobs: int | None = None
+    session: SessionDirective | None = None  # the conversation it belongs to (tenant-scoped hash)
     timing: Timing = field(default_factory=Timing)
     failed_on: set[str] = field(default_factory=set)  # workers that answered this request with a server error
     _keys_in: dict = field(default_factory=dict, init=False, repr=False)  # namespace -> the prompt's keys in it
@@ -90,6 +100,7 @@ class Job:
             "seed": self.seed,
             "top_p": self.top_p,
             "logprobs": self.logprobs,
+            "session": self.session,
         }
         return GenerateRequest(**(base | fields))
 

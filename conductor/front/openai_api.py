@@ -37,6 +37,7 @@ from .openai_models import (
     stop_strings,
 )
 from .serving_stats import ServingStats
+from .sessions import session_of
 from .tenants import Quotas, Tenants
 from .worker_client import StreamBroken, WorkerError
 
@@ -61,6 +62,7 @@ class Ask:
     top_p: float
     logprobs: int | None  # alternatives per token; None: no log-probabilities
     tokenizer: Tokenizer
+    session_key: str | None = None  # the body's name for the session (prompt_cache_key, else user)
 
     def stopper(self) -> Stopper:
         return Stopper(self.stop, self.stop_ids, self.tokenizer.detokenizer())
@@ -92,6 +94,7 @@ def _ask(
         req.top_p,
         logprobs,
         tokenizer,
+        req.prompt_cache_key if req.prompt_cache_key is not None else req.user,
     )
 
 
@@ -278,6 +281,7 @@ class OpenAIApi:
                 )
         if any(not 0 <= t < vocab for t in ask.stop_ids):
             raise ApiError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
+        session = session_of(request.headers, ask.session_key, tenant)
         held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
         index_tenant, salt = self.tenants.namespace(tenant)
         namespace = self.config.serving_namespace(salt)
@@ -297,6 +301,7 @@ class OpenAIApi:
                         ask.seed_of(j),
                         ask.top_p,
                         ask.logprobs,
+                        session=session,
                     )
                 )
         return ask, jobs

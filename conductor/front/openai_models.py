@@ -60,7 +60,12 @@ class _OpenAIRequest(BaseModel):
         le=2**64 - 1 - MAX_CHOICES,
         description="a 64-bit integer (choice j samples with seed + j)",
     )
-    user: str | None = Field(default=None, description="the caller's end user, for their logs: accepted, unused")
+    user: str | None = Field(
+        default=None, description="the caller's end user: the session, when no header and no prompt_cache_key name one"
+    )
+    prompt_cache_key: str | None = Field(
+        default=None, description="OpenAI's cache key: the session, when no session header names one"
+    )
     n: int = Field(
         default=1,
         ge=1,

@@ -18,7 +18,7 @@ from paths import ROOT
 from up_helpers import UpCluster
 
 from tiercake.chaos import pid_listening as _pid_listening
-from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Client, ConductorError, Session
 from tiercake.devtls import self_signed
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
@@ -564,6 +564,61 @@ async def test_cluster_view_prefix_pins_flush_and_policy_switch(cluster):
             await asyncio.sleep(0.2)
         assert node.tiers["pool"].eviction == "s3fifo"
         await ops.set_policy(router="ttft")
+
+
+async def _pool_of(ops, until, what: str):
+    for _ in range(75):  # tier statistics arrive with the node's next keep-alive
+        node = next(m for m in (await ops.cluster()).members if m.role == "node")
+        if until(node.tiers["pool"]):
+            return node.tiers["pool"]
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the pool never showed {what}: {node.tiers['pool']}")
+
+
+async def test_sessions_from_the_request_reach_the_nodes_pool_policy_and_a_final_turn_frees_it(cluster):
+    """A session named by a header (ours, or an agent's) is told to the node's session-aware pool by
+    the worker that ran the request: paused after each turn, per tenant, closed by a final turn;
+    bad directives are 400s that name their header."""
+    async with cluster.ops() as ops, aiohttp.ClientSession() as http:
+        before = next(m for m in (await ops.cluster()).members if m.role == "node").tiers["pool"].eviction
+        await ops.set_policy(eviction={"pool": {"policy": "session"}})
+        await _pool_of(ops, lambda pool: pool.eviction == "session", "the session policy")
+        try:
+
+            async def ask(headers: dict, body: dict | None = None) -> tuple[int, dict]:
+                payload = completion(PROMPT + "Sessions. " * 4) | (body or {})
+                async with http.post(cluster.url + "/v1/completions", json=payload, headers=headers) as resp:
+                    return resp.status, await resp.json()
+
+            for headers, param in [
+                ({"X-Tiercake-Session-Pause": "5"}, "x-tiercake-session-pause"),
+                ({"X-Tiercake-Session": "c", "X-Tiercake-Session-Pause": "nan"}, "x-tiercake-session-pause"),
+                ({"X-Tiercake-Session": "c", "X-Tiercake-Session-Retain": "0"}, "x-tiercake-session-retain"),
+                ({"X-Tiercake-Session": "c", "X-Tiercake-Session-Priority": "1e9"}, "x-tiercake-session-priority"),
+                ({"X-Tiercake-Session": "c", "X-Tiercake-Session-Final": "maybe"}, "x-tiercake-session-final"),
+                ({"X-Tiercake-Session": "c" * 300}, "x-tiercake-session"),
+            ]:
+                status, answer = await ask(headers)
+                assert status == 400 and answer["error"]["param"] == param, (headers, answer)
+
+            status, _ = await ask({"X-Tiercake-Session": "chat-1", "X-Tiercake-Session-Pause": "30"})
+            assert status == 200
+            pool = await _pool_of(ops, lambda pool: pool.sessions == {"paused": 1}, "one paused session")
+            assert pool.session_blocks > 0
+            # the same id from another tenant is another session; an agent's own header names one too
+            status, _ = await ask({"X-Tiercake-Session": "chat-1", "X-Tiercake-Tenant": "other"})
+            assert status == 200
+            status, _ = await ask({"X-Dynamo-Session-ID": "agent-7"}, {"max_tokens": 4})
+            assert status == 200
+            await _pool_of(ops, lambda pool: pool.sessions == {"paused": 3}, "three paused sessions")
+            status, _ = await ask({"X-Tiercake-Session": "chat-1", "X-Tiercake-Session-Final": "true"})
+            assert status == 200
+            await _pool_of(ops, lambda pool: pool.sessions == {"paused": 2}, "the final turn's session closed")
+            async with Client([cluster.url], timeout=60) as client:  # the Python client's way
+                await client.complete(PROMPT, session=Session("agent-7", final=True))
+            await _pool_of(ops, lambda pool: pool.sessions == {"paused": 1}, "the client's final turn")
+        finally:
+            await ops.set_policy(eviction={"pool": {"policy": before or "lru"}})
 
 
 def test_bench_serve_against_the_cluster(cluster, tmp_path):

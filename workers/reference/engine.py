@@ -14,15 +14,17 @@ from pathlib import Path
 
 import torch
 
+from tiercake.blocks import block_keys
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig
-from tiercake.messages import GenerateRequest, TokenEvent, WorkerLoadReply, WorkerPerf
+from tiercake.messages import GenerateRequest, SessionDirective, TokenEvent, WorkerLoadReply, WorkerPerf
 from tiercake.policies import fit_prefill
 from tiercake.tiers import GpuBackend, GpuBlockPool, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
 from tiercake.transfer import TransferEngine
 
 from ..contract import EngineBusy, ServingEngine
+from ..sessions import SessionNotifier
 from .model import PagedChunk, ReferenceModel
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -39,6 +41,7 @@ class ReferenceEngine(ServingEngine):
         self.scheduler: Scheduler | None = None
         self._perf = WorkerPerf()
         self._closers: list = []
+        self.sessions: SessionNotifier | None = None
 
     async def start(self, client: Client | None) -> ReferenceEngine:
         """Build the model, its gpu tier, the transfer engine and the scheduler; fit the timings.
@@ -75,6 +78,8 @@ class ReferenceEngine(ServingEngine):
             )
             self._closers.append(self.inference.flush)
             self._closers.append(self.inference.link.fence.close)
+            self.sessions = SessionNotifier(store, transfer, cfg.node_id)
+            self._closers.append(self.sessions.close)
             self._perf = await asyncio.to_thread(calibrate, self.inference, self.data_dir)
             self.scheduler = Scheduler(self.inference, serving.max_batch, prefetch=serving.prefetch).start()
             self._closers.append(self.scheduler.close)
@@ -108,6 +113,28 @@ class ReferenceEngine(ServingEngine):
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        if request.session is not None:
+            session_events = self._session_events(request, request.session)
+            async for event in session_events:
+                yield event
+            return
+        async for event in self._generate(request):
+            yield event
+
+    async def _session_events(self, request: GenerateRequest, session: SessionDirective) -> AsyncIterator[TokenEvent]:
+        """``_generate`` between the session's notices: active with the prompt's blocks, then paused
+        with the blocks of prompt and answer (what its next turn starts with), or closed."""
+        namespace = self.inference.namespace_for(request.salt if request.salt is not None else request.tenant)
+        self.sessions.started(session, block_keys(namespace, request.tokens))
+        tokens = list(request.tokens)
+        try:
+            async for event in self._generate(request):
+                tokens.append(event.token)
+                yield event
+        finally:
+            self.sessions.ended(session, block_keys(namespace, tokens))
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         events = self.scheduler.generate(request)
         try:
             try:

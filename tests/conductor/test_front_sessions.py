@@ -1,0 +1,71 @@
+"""The front's reading of a request's session: which header names it, tenant-scoped hashes, and the
+directives' checks (the live path is in tests/cluster/test_serving.py)."""
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from tiercake.conductor.front.sessions import session_hash, session_of
+from tiercake.errors import ApiError
+
+
+def of(headers: dict, body_key: str | None = None, tenant: str = "t"):
+    return session_of(CIMultiDictProxy(CIMultiDict(headers)), body_key, tenant)
+
+
+def test_each_client_family_names_its_session_and_parent():
+    h = lambda s: session_hash("t", s)  # noqa: E731
+    cases = [
+        ({"X-Tiercake-Session": "a", "X-Tiercake-Parent-Session": "p"}, h("a"), h("p")),
+        ({"x-dynamo-session-id": "run:researcher", "X-Dynamo-Parent-Session-ID": "run"}, h("run:researcher"), h("run")),
+        ({"X-Claude-Code-Session-ID": "cc"}, h("cc"), None),
+        ({"X-Claude-Code-Session-ID": "cc", "X-Claude-Code-Agent-ID": "sub"}, h("cc/sub"), h("cc")),
+        (
+            {"X-Claude-Code-Session-ID": "cc", "X-Claude-Code-Agent-ID": "sub", "X-Claude-Code-Parent-Agent-ID": "p"},
+            h("cc/sub"),
+            h("cc/p"),
+        ),
+        ({"Thread-ID": "th", "X-Codex-Parent-Thread-ID": "root"}, h("th"), h("root")),
+        ({"Session-ID": "codex-old"}, h("codex-old"), None),
+        ({"X-Session-ID": "oc", "X-Parent-Session-ID": "oc-root"}, h("oc"), h("oc-root")),
+    ]
+    for headers, session, parent in cases:
+        got = of(headers)
+        assert (got.id, got.parent) == (session, parent), headers
+    # ours wins over an agent's; a header over the body; the body's prompt_cache_key (or user) last
+    assert of({"X-Tiercake-Session": "mine", "X-Session-ID": "theirs"}).id == h("mine")
+    assert of({"X-Session-ID": "hdr"}, body_key="body").id == h("hdr")
+    assert of({}, body_key="body").id == h("body")
+    assert of({}) is None
+
+
+def test_ids_are_scoped_by_tenant_and_never_the_clients_string():
+    a, b = of({"X-Tiercake-Session": "same"}, tenant="a"), of({"X-Tiercake-Session": "same"}, tenant="b")
+    assert a.id != b.id and "same" not in a.id and len(a.id) == 32
+
+
+def test_directives_are_read_and_checked():
+    got = of(
+        {
+            "X-Tiercake-Session": "s",
+            "X-Tiercake-Session-Retain": "600",
+            "X-Tiercake-Session-Priority": "-3",
+            "X-Tiercake-Session-Pause": "0",
+            "X-Dynamo-Session-Final": "TRUE",
+        }
+    )
+    assert (got.retain_s, got.priority, got.pause_s, got.close) == (600.0, -3, 0.0, True)
+    bad = [
+        {"X-Tiercake-Session-Final": "true"},  # no session
+        {"X-Tiercake-Session": "s", "X-Tiercake-Session-Retain": "inf"},
+        {"X-Tiercake-Session": "s", "X-Tiercake-Session-Retain": "-1"},
+        {"X-Tiercake-Session": "s", "X-Tiercake-Session-Pause": "1e30"},
+        {"X-Tiercake-Session": "s", "X-Tiercake-Session-Priority": "1.5"},
+        {"X-Tiercake-Session": "s", "X-Tiercake-Session-Final": "yes"},
+        {"X-Tiercake-Session": ""},
+        {"X-Tiercake-Session": "a\x07b"},
+        {"X-Tiercake-Session": "s", "X-Tiercake-Parent-Session": "p" * 257},
+    ]
+    for headers in bad:
+        with pytest.raises(ApiError) as err:
+            of(headers)
+        assert err.value.status == 400, headers

@@ -1,0 +1,78 @@
+"""A worker's side of sessions: it tells its own tiers and its node agent's what each request's
+conversation is doing (``SESSION``), so that their eviction policies keep a paused conversation's KV
+until it is expected back and free a closed one's at once.
+
+A request with a session is ACTIVE while it runs (with its prompt's blocks); when it ends the session
+is PAUSED (with the blocks of prompt and answer: what the next turn's prompt starts with), or CLOSED
+when its client said the conversation ends. Notices to the node go in order, one at a time, off the
+request's path: a node that is slow or gone costs the request nothing (the policies then act on what
+they knew).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tiercake.messages import SessionDirective
+from tiercake.tiers import TieredStore
+from tiercake.transfer import TransferEngine
+from tiercake.transfer.protocol import SessionNotice
+from tiercake.transfer.server import session_event
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED = 1024  # notices waiting for a slow node at most; older ones are dropped first
+
+
+class SessionNotifier:
+    def __init__(self, store: TieredStore | None, transfer: TransferEngine | None, node: str | None) -> None:
+        self.store, self.transfer, self.node = store, transfer, node
+        self._queue: asyncio.Queue[tuple[SessionNotice, list[bytes]]] = asyncio.Queue(MAX_QUEUED)
+        self._sender: asyncio.Task | None = None
+        self.sent = self.failed = self.dropped = 0
+
+    def started(self, session: SessionDirective, keys: list[bytes]) -> None:
+        self._tell(SessionNotice(session=session.id, state="active", priority=session.priority), keys)
+
+    def ended(self, session: SessionDirective, keys: list[bytes]) -> None:
+        """After the request: paused (its next turn reads ``keys``), or closed."""
+        if session.close:
+            self._tell(SessionNotice(session=session.id, state="closed"), [])
+            return
+        notice = SessionNotice(
+            session=session.id,
+            state="paused",
+            resume_in=session.pause_s,
+            retain_s=session.retain_s,
+            priority=session.priority,
+        )
+        self._tell(notice, keys)
+
+    def _tell(self, notice: SessionNotice, keys: list[bytes]) -> None:
+        if self.store is not None:
+            self.store.on_session(session_event(notice, keys))
+        if self.transfer is None or self.node is None or self.node == self.transfer.node_id:
+            return
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.dropped += 1
+        self._queue.put_nowait((notice, keys))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send())
+
+    async def _send(self) -> None:
+        assert self.transfer is not None and self.node is not None
+        while not self._queue.empty():
+            notice, keys = self._queue.get_nowait()
+            result = await self.transfer.session_event(self.node, notice, keys)
+            if result.ok:
+                self.sent += 1
+            else:
+                self.failed += 1
+                log.info("session notice to %s failed: %s", self.node, result.error)
+
+    async def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+            await asyncio.gather(self._sender, return_exceptions=True)
