@@ -32,6 +32,7 @@ class Access:
     parent: Hashable | None
     depth: int
     tokens: int
+    tenant: str | None = None
 
 
 def accesses(records: Iterable[TraceRecord]) -> list[Access]:
@@ -51,7 +52,7 @@ def _record_accesses(record: TraceRecord) -> list[Access]:
     parent = None
     for i, h in enumerate(record.hash_ids):
         key = _key(record, h)
-        out.append(Access(key, parent, i, record.block_tokens(i)))
+        out.append(Access(key, parent, i, record.block_tokens(i), record.tenant))
         parent = key
     return out
 
@@ -82,15 +83,17 @@ def session_stream(
         sid, at = (record.tenant, record.session), record.timestamp / 1000
         full = len(record.hash_ids) - (record.input_length % TRACE_BLOCK_TOKENS != 0)
         keys = tuple(_key(record, h) for h in record.hash_ids[:full])  # a partial block changes next turn
-        out.append(SessionEvent(sid, SessionState.ACTIVE, at, tuple(_key(record, h) for h in record.hash_ids)))
+        tenant = record.tenant or ""
+        prompt = tuple(_key(record, h) for h in record.hash_ids)
+        out.append(SessionEvent(sid, SessionState.ACTIVE, at, prompt, tenant=tenant))
         out.extend(_record_accesses(record))
         if info != "open" and record.closes:
-            out.append(SessionEvent(sid, SessionState.CLOSED, at))
+            out.append(SessionEvent(sid, SessionState.CLOSED, at, tenant=tenant))
             continue
         pause = None
         if info == "announced" and record.pause_ms is not None:
             pause = record.pause_ms / 1000 * (math.exp(rng.gauss(0, announce_sigma)) if announce_sigma else 1.0)
-        out.append(SessionEvent(sid, SessionState.PAUSED, at, keys, pause))
+        out.append(SessionEvent(sid, SessionState.PAUSED, at, keys, pause, tenant=tenant))
     return out
 
 
@@ -109,6 +112,12 @@ class SimResult:
     hits: list[int] = field(default_factory=list)  # per tier
     token_hits: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
+    tenant_accesses: dict[str | None, int] = field(default_factory=dict)
+    tenant_hits: dict[str | None, int] = field(default_factory=dict)
+
+    def tenant_hit_ratio(self, tenant: str | None) -> float:
+        accesses = self.tenant_accesses.get(tenant, 0)
+        return self.tenant_hits.get(tenant, 0) / accesses if accesses else 0.0
 
     @property
     def hit_ratio(self) -> float:
@@ -159,8 +168,11 @@ def simulate(stream: list[Access] | list[Event], tiers: list[TierSpec]) -> SimRe
         key = access.key
         result.accesses += 1
         result.tokens += access.tokens
+        tenant = access.tenant
+        result.tenant_accesses[tenant] = result.tenant_accesses.get(tenant, 0) + 1
         tier_index = where.get(key)
         if tier_index is not None:
+            result.tenant_hits[tenant] = result.tenant_hits.get(tenant, 0) + 1
             result.hits[tier_index] += 1
             result.token_hits[tier_index] += access.tokens
             tiers[tier_index].eviction.on_access(key)
@@ -170,7 +182,7 @@ def simulate(stream: list[Access] | list[Event], tiers: list[TierSpec]) -> SimRe
                 sizes[tier_index] -= 1
                 place(key, 0)
             continue
-        metas[key] = BlockMeta(parent=access.parent, size=1)
+        metas[key] = BlockMeta(parent=access.parent, size=1, tenant=access.tenant or "")
         place(key, 0)
     return result
 

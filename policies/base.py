@@ -59,6 +59,7 @@ class SessionEvent:
     resume_in: float | None = None
     retain_s: float | None = None
     priority: int = 0
+    tenant: str = ""  # whose session: quotas and floors are per tenant
 
 
 class EvictionPolicy(ABC):

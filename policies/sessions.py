@@ -41,6 +41,7 @@ class _Session:
     paused_at: float = 0.0
     announced: bool = False
     priority: int = 0
+    tenant: str = ""
     version: int = 0
     cursor: int = 0  # how many of its keys, deepest first, were looked at for eviction in this version
     passed: bool = False  # looked at to its root: every other open session is expected back sooner
@@ -54,13 +55,26 @@ class SessionAware(EvictionPolicy):
     name = "session"
 
     def __init__(
-        self, fallback: EvictionPolicy | None = None, retain_s: float = 1800.0, initial_pause_s: float = 60.0
+        self,
+        fallback: EvictionPolicy | None = None,
+        retain_s: float = 1800.0,
+        initial_pause_s: float = 60.0,
+        tenant_quota: float | None = None,
+        tenant_floor: float = 0.0,
     ) -> None:
+        """``tenant_quota``: the most a tenant's paused sessions retain in this tier (in the unit of
+        ``BlockMeta.size``: bytes in a store, blocks in the simulator); past it, its sessions expected
+        back last are let go (their blocks are then like any other). ``tenant_floor``: what a tenant's
+        sessions keep while another tenant's held blocks can go instead."""
         if not (0 < retain_s < math.inf and 0 < initial_pause_s < math.inf):
             raise ValueError("retain_s and initial_pause_s must be positive, finite seconds")
+        if tenant_quota is not None and not 0 < tenant_quota < math.inf:
+            raise ValueError("tenant_quota must be positive and finite (or None: no quota)")
+        if not 0 <= tenant_floor < math.inf:
+            raise ValueError("tenant_floor must be finite and not negative")
         if isinstance(fallback, SessionAware):
             raise ValueError("the fallback of the session policy must be a session-blind policy")
-        self.retain_s = retain_s
+        self.retain_s, self.tenant_quota, self.tenant_floor = retain_s, tenant_quota, tenant_floor
         self._free = fallback if fallback is not None else ReuseAware()
         self._held: dict[Key, None] = {}  # resident keys that an open session lists, oldest first
         self._metas: dict[Key, BlockMeta] = {}  # every resident key's, for the fallback when it is freed
@@ -70,10 +84,12 @@ class SessionAware(EvictionPolicy):
         self._unpassed: dict[Key, int] = {}
         self._ready: deque[Key] = deque()
         self._sessions: dict[Any, _Session] = {}
-        # paused sessions, lazily valid: (priority, -resume_at, version, session) for announced pauses,
-        # (priority, paused_at, version, session) for the others
-        self._announced: list[tuple[int, float, int, Any]] = []
-        self._unannounced: list[tuple[int, float, int, Any]] = []
+        # per tenant, its paused sessions, lazily valid: (priority, -resume_at, version, session) for
+        # announced pauses, (priority, paused_at, version, session) for the others
+        self._announced: dict[str, list[tuple[int, float, int, Any]]] = {}
+        self._unannounced: dict[str, list[tuple[int, float, int, Any]]] = {}
+        self._owner: dict[Key, str] = {}  # a listed key's tenant (its first holder's)
+        self._held_size: dict[str, float] = {}  # per tenant: the sizes of its resident held blocks
         self._expiry: list[tuple[float, int, Any]] = []  # (expires at, version, session), lazy
         self._now = 0.0
         self._pause_mean = initial_pause_s
@@ -97,7 +113,8 @@ class SessionAware(EvictionPolicy):
             return
         self._metas[key] = meta
         if self._holders.get(key):
-            self._held[key] = None
+            self._hold(key)
+            self._enforce_quota(self._owner[key])
         else:
             self._free.on_insert(key, meta)
 
@@ -106,7 +123,8 @@ class SessionAware(EvictionPolicy):
             self._free.on_access(key)
 
     def on_remove(self, key: Key) -> None:
-        self._held.pop(key, None)
+        if key in self._held:
+            self._unhold(key)
         self._metas.pop(key, None)
         self._free.on_remove(key)
 
@@ -120,7 +138,7 @@ class SessionAware(EvictionPolicy):
                 victim = self._any_held(can_evict)
             if victim is None:
                 break
-            del self._held[victim]
+            self._unhold(victim)
             chosen.append(victim)
         for key in chosen:
             self._metas.pop(key, None)
@@ -143,11 +161,13 @@ class SessionAware(EvictionPolicy):
 
     def _paused_victim(self, can_evict: CanEvict) -> Key | None:
         """The deepest block of the paused session expected back last that no session expected back
-        sooner lists; a session looked at to its root is passed."""
+        sooner lists; a session looked at to its root is passed. Tenants at or below their floor are
+        left for last."""
         while True:
-            sid = self._latest_back()
-            if sid is None:
+            latest = self._latest_back(protect=True)
+            if latest is None:
                 return None
+            sid, heap = latest
             session = self._sessions[sid]
             keys = session.keys
             while session.cursor < len(keys):
@@ -155,33 +175,56 @@ class SessionAware(EvictionPolicy):
                 session.cursor += 1
                 if key in self._held and self._unpassed.get(key) == 1 and can_evict(key):
                     return key
-            heapq.heappop(self._announced if session.announced else self._unannounced)
+            heapq.heappop(heap)
             self._pass(session)
 
-    def _latest_back(self) -> Any | None:
-        """The paused session expected back last, lowest priority first. An announced pause ends when
-        announced; an unannounced one is expected to last as long again as it has lasted so far, and
-        at least the mean pause (the longer a conversation has been quiet, the longer it stays so)."""
-        best: tuple[int, float] | None = None
+    def _latest_back(self, protect: bool, tenant: str | None = None) -> tuple[Any, list] | None:
+        """The paused session expected back last (of ``tenant``, or of any tenant, those above their
+        floor first when ``protect``), lowest priority first, with the heap it tops."""
+        best: tuple[bool, int, float, float] | None = None
         found = None
-        for heap in (self._announced, self._unannounced):
-            while heap:
-                _, _, version, sid = heap[0]
-                session = self._sessions.get(sid)
-                if session is not None and session.version == version and session.state is SessionState.PAUSED:
-                    break
-                heapq.heappop(heap)
-            if not heap:
-                continue
-            session = self._sessions[heap[0][3]]
-            if session.announced:
-                remaining = session.resume_at - self._now
-            else:
-                remaining = max(self._pause_mean, self._now - session.paused_at)
-            rank = (session.priority, -remaining)
-            if best is None or rank < best:
-                best, found = rank, heap[0][3]
+        for t in [tenant] if tenant is not None else list(self._announced.keys() | self._unannounced.keys()):
+            floor_kept = protect and 0 < self.tenant_floor >= self._held_size.get(t, 0)
+            for heaps in (self._announced, self._unannounced):
+                heap = self._valid_top(heaps, t)
+                if heap is None:
+                    continue
+                session = self._sessions[heap[0][3]]
+                # ties (pauses shorter than the mean) go to the longest quiet, as one heap would order them
+                rank = (floor_kept, session.priority, -self._remaining(session), session.paused_at)
+                if best is None or rank < best:
+                    best, found = rank, (heap[0][3], heap)
         return found
+
+    def _valid_top(self, heaps: dict[str, list], tenant: str) -> list | None:
+        heap = heaps.get(tenant)
+        while heap:
+            _, _, version, sid = heap[0]
+            session = self._sessions.get(sid)
+            if session is not None and session.version == version and session.state is SessionState.PAUSED:
+                return heap
+            heapq.heappop(heap)
+        heaps.pop(tenant, None)
+        return None
+
+    def _remaining(self, session: _Session) -> float:
+        """How long until it is back: an announced pause ends when announced; an unannounced one is
+        expected to last as long again as it has lasted so far, and at least the mean pause (the
+        longer a conversation has been quiet, the longer it stays so)."""
+        if session.announced:
+            return session.resume_at - self._now
+        return max(self._pause_mean, self._now - session.paused_at)
+
+    def _enforce_quota(self, tenant: str) -> None:
+        """A tenant past its quota lets go of its sessions expected back last until it is within it."""
+        if self.tenant_quota is None:
+            return
+        while self._held_size.get(tenant, 0) > self.tenant_quota:
+            latest = self._latest_back(protect=False, tenant=tenant)
+            if latest is None:
+                return  # only active sessions: they hold what they are computing
+            sid, _ = latest
+            self._close(sid, self._sessions[sid])
 
     def _any_held(self, can_evict: CanEvict) -> Key | None:
         """The last resort, when only blocks of active sessions or shared ones are left: the oldest."""
@@ -197,7 +240,7 @@ class SessionAware(EvictionPolicy):
                 self._close(event.session, session)
             return
         if session is None:
-            session = self._sessions[event.session] = _Session()
+            session = self._sessions[event.session] = _Session(tenant=event.tenant)
         self._unpass(session)
         self._relist(session, event.keys)
         session.version += 1
@@ -213,11 +256,14 @@ class SessionAware(EvictionPolicy):
         pause = event.resume_in if event.resume_in is not None else self._pause_mean
         session.resume_at = self._now + max(0.0, pause)
         if session.announced:
-            heapq.heappush(self._announced, (session.priority, -session.resume_at, session.version, event.session))
+            entry = (session.priority, -session.resume_at, session.version, event.session)
+            heapq.heappush(self._announced.setdefault(session.tenant, []), entry)
         else:
-            heapq.heappush(self._unannounced, (session.priority, session.paused_at, session.version, event.session))
+            entry = (session.priority, session.paused_at, session.version, event.session)
+            heapq.heappush(self._unannounced.setdefault(session.tenant, []), entry)
         retain = event.retain_s if event.retain_s is not None else self.retain_s
         heapq.heappush(self._expiry, (self._now + retain, session.version, event.session))
+        self._enforce_quota(session.tenant)
 
     def _advance(self, at: float) -> None:
         self._now = max(self._now, at)
@@ -262,9 +308,11 @@ class SessionAware(EvictionPolicy):
             count = self._holders.get(key, 0)
             self._holders[key] = count + 1
             self._unpassed[key] = self._unpassed.get(key, 0) + unpassed
-            if count == 0 and key in self._free:
-                self._free.on_remove(key)
-                self._held[key] = None
+            if count == 0:
+                self._owner[key] = session.tenant
+                if key in self._free:
+                    self._free.on_remove(key)
+                    self._hold(key)
         for key in dict.fromkeys(k for k in reversed(session.keys) if k not in new):  # deepest freed first
             count = self._holders[key] - 1
             self._unpassed[key] -= unpassed
@@ -276,9 +324,24 @@ class SessionAware(EvictionPolicy):
             del self._holders[key]
             del self._unpassed[key]
             if key in self._held:
-                del self._held[key]
+                self._unhold(key)
                 self._free.on_insert(key, self._metas[key])
+            del self._owner[key]
         session.keys = tuple(keys)
+
+    def _hold(self, key: Key) -> None:
+        self._held[key] = None
+        tenant = self._owner[key]
+        self._held_size[tenant] = self._held_size.get(tenant, 0) + self._metas[key].size
+
+    def _unhold(self, key: Key) -> None:
+        del self._held[key]
+        tenant = self._owner[key]
+        left = self._held_size[tenant] - self._metas[key].size
+        if left > 0:
+            self._held_size[tenant] = left
+        else:
+            del self._held_size[tenant]
 
     # --- introspection ----------------------------------------------------------------------------
 
@@ -296,4 +359,5 @@ class SessionAware(EvictionPolicy):
             "free": self._free.describe(),
             "sessions": {state.value: states.count(state.value) for state in SessionState if state.value in states},
             "mean_pause_s": round(self._pause_mean, 3),
+            "held_by_tenant": dict(self._held_size),
         }

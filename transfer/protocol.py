@@ -440,6 +440,7 @@ class SessionNotice(BaseModel):
     resume_in: float | None = Field(default=None, ge=0, le=MAX_SESSION_S)
     retain_s: float | None = Field(default=None, gt=0, le=MAX_SESSION_S)
     priority: int = Field(default=0, ge=-100, le=100)
+    tenant: str = Field(default="", max_length=128, description="whose: quotas and floors are per tenant")
 
 
 SESSION_HEADER = struct.Struct("<I")

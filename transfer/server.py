@@ -472,4 +472,5 @@ def session_event(notice: p.SessionNotice, keys: list[bytes], at: float | None =
         notice.resume_in,
         notice.retain_s,
         notice.priority,
+        notice.tenant,
     )

@@ -32,13 +32,14 @@ class SessionNotifier:
         self._sender: asyncio.Task | None = None
         self.sent = self.failed = self.dropped = 0
 
-    def started(self, session: SessionDirective, keys: list[bytes]) -> None:
-        self._tell(SessionNotice(session=session.id, state="active", priority=session.priority), keys)
+    def started(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
+        notice = SessionNotice(session=session.id, state="active", priority=session.priority, tenant=tenant)
+        self._tell(notice, keys)
 
-    def ended(self, session: SessionDirective, keys: list[bytes]) -> None:
+    def ended(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
         """After the request: paused (its next turn reads ``keys``), or closed."""
         if session.close:
-            self._tell(SessionNotice(session=session.id, state="closed"), [])
+            self._tell(SessionNotice(session=session.id, state="closed", tenant=tenant), [])
             return
         notice = SessionNotice(
             session=session.id,
@@ -46,6 +47,7 @@ class SessionNotifier:
             resume_in=session.pause_s,
             retain_s=session.retain_s,
             priority=session.priority,
+            tenant=tenant,
         )
         self._tell(notice, keys)
 

@@ -6,7 +6,7 @@ from paths import TRACE
 
 from tiercake.agent_traces import AgentShape, agentic_trace
 from tiercake.analysis.cache_sim import SESSION_INFO, TierSpec, accesses, optimum, session_stream, simulate
-from tiercake.policies import LRU, create_eviction
+from tiercake.policies import LRU, SessionAware, create_eviction
 from tiercake.policies.base import SessionEvent, SessionState
 from tiercake.traces import TraceRecord, infer_sessions, read_trace, synthetic_trace, write_trace
 
@@ -219,3 +219,37 @@ def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
         assert f["name"].startswith(("hit_ratio.", "vs_blind.")) and 0 <= f["value"] <= 1
         if f["name"].startswith("hit_ratio."):
             assert f["ratio"] <= 1 + 1e-9  # nothing beats the optimum
+
+
+def test_two_tenants_one_past_its_quota_and_the_other_kept_at_its_floor():
+    """A loud tenant (many agent sessions) and a quiet one (a few long chats) share a 400-block tier:
+    the loud one never retains more than its quota, and the quiet one, kept at its floor, hits more
+    than without it."""
+    loud = agentic_trace(AgentShape(sessions=120, seed=8, rate_per_s=2.0, system_prompts=1))
+    quiet = agentic_trace(
+        AgentShape(sessions=6, seed=9, agent_share=0.0, chat_turns=(8, 12), chat_pause_s=120, system_prompts=1)
+    )
+    records = sorted(
+        [r.model_copy(update={"tenant": "loud"}) for r in loud]
+        + [r.model_copy(update={"tenant": "quiet"}) for r in quiet],
+        key=lambda r: r.timestamp,
+    )
+    stream = session_stream(records, "announced")
+    seen: list[float] = []
+
+    class Checked(SessionAware):
+        def on_session(self, event):
+            super().on_session(event)
+            seen.append(self.describe()["held_by_tenant"].get("loud", 0))
+
+    simulate(stream, [TierSpec(400, Checked(LRU(), tenant_quota=150))])
+    # past the quota only while an active turn holds what it computes, until its pause
+    assert seen and max(seen) <= 150 + max(len(r.hash_ids) for r in loud)
+    assert sum(s > 150 for s in seen) < 0.05 * len(seen)
+    blind = simulate(stream, [TierSpec(400, SessionAware(LRU()))])
+    floored = simulate(stream, [TierSpec(400, SessionAware(LRU(), tenant_floor=150))])
+    assert blind.tenant_accesses["quiet"] > 200
+    assert floored.tenant_hit_ratio("quiet") > blind.tenant_hit_ratio("quiet"), (
+        floored.tenant_hit_ratio("quiet"),
+        blind.tenant_hit_ratio("quiet"),
+    )

@@ -143,3 +143,45 @@ def test_the_registry_builds_it_and_bad_parameters_are_refused():
             create_eviction("session", params)
     with pytest.raises(ValueError):
         SessionAware(SessionAware())
+
+
+def tenant_turn(policy, tenant, sid, keys, at, pause):
+    policy.on_session(SessionEvent((tenant, sid), ACTIVE, at, tuple(keys), tenant=tenant))
+    for key in keys:
+        policy.on_insert(key)
+    policy.on_session(SessionEvent((tenant, sid), PAUSED, at, tuple(keys), pause, tenant=tenant))
+
+
+def test_a_tenant_past_its_quota_lets_go_of_its_sessions_expected_back_last():
+    policy = SessionAware(LRU(), tenant_quota=4)
+    tenant_turn(policy, "a", "late", ["a1", "a2"], 0, pause=900)
+    tenant_turn(policy, "a", "soon", ["a3", "a4"], 0, pause=5)
+    assert policy.describe()["held_by_tenant"] == {"a": 4}
+    tenant_turn(policy, "a", "new", ["a5"], 1, pause=10)  # 5 > 4: "late" is let go, its blocks freed
+    assert policy.describe()["held_by_tenant"] == {"a": 3}
+    tenant_turn(policy, "b", "other", ["b1", "b2"], 1, pause=10_000)
+    # the freed blocks go first, before any session's, even the other tenant's expected back last
+    assert policy.victims(2) == ["a2", "a1"]
+
+
+def test_a_tenant_at_its_floor_is_not_pushed_below_it_by_another():
+    policy = SessionAware(LRU(), tenant_floor=2)
+    tenant_turn(policy, "quiet", "q", ["q1", "q2"], 0, pause=10_000)  # expected back last of all
+    for i in range(3):
+        tenant_turn(policy, "loud", f"l{i}", [f"l{i}a", f"l{i}b"], 1, pause=10 + i)
+    # without the floor "q" would go first; with it, the loud tenant's sessions go, latest back first,
+    # down to its own floor
+    assert policy.victims(4) == ["l2b", "l2a", "l1b", "l1a"]
+    assert policy.describe()["held_by_tenant"] == {"quiet": 2, "loud": 2}
+    assert policy.victims(2) == ["q2", "q1"]  # both at their floor: expected back last goes first
+
+
+def test_quota_and_floor_parameters_are_checked():
+    for params in (
+        {"tenant_quota": 0},
+        {"tenant_quota": float("inf")},
+        {"tenant_floor": -1},
+        {"tenant_floor": float("nan")},
+    ):
+        with pytest.raises(ValueError):
+            create_eviction("session", params)
