@@ -126,6 +126,12 @@ class StoreConfig(BaseModel):
     tiers: list[TierConfig] = Field(min_length=1)
     promote_on_hit: bool = True
     lease_ttl_s: float = Field(default=5.0, gt=0)
+    session_prefetch_lead_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=3600,
+        description="a paused session's blocks on disk are staged into memory this long before its announced resume",
+    )
 
     @model_validator(mode="after")
     def _check_tiers(self) -> StoreConfig:

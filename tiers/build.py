@@ -47,4 +47,5 @@ def build_store(cfg: StoreConfig) -> TieredStore:
         payload_dtype=cfg.layout.torch_dtype() if cfg.layout else None,
         promote_on_hit=cfg.promote_on_hit,
         lease_ttl=cfg.lease_ttl_s,
+        session_prefetch_lead_s=cfg.session_prefetch_lead_s,
     )

@@ -48,6 +48,7 @@ from .errors import (
 )
 from .eviction import StoreEviction, Throttled
 from .removal import StoreRemoval
+from .session_prefetch import SessionPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         promote_on_hit: bool = True,
         inline_copy_max: int = INLINE_COPY_MAX,
         lease_ttl: float = 5.0,
+        session_prefetch_lead_s: float = 1.0,
     ) -> None:
         if not tiers:
             raise ValueError("a store needs at least one tier")
@@ -102,6 +104,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         # called with every committed copy that appears in or leaves a tier (a node agent reports
         # them to the conductor); called synchronously, so a listener must only queue
         self.listeners: list[Callable[[BlockChange], None]] = []
+        self.session_prefetch = SessionPrefetch(self, session_prefetch_lead_s)
 
     # Lifecycle ------------------------------------------------------------------------------------
 
@@ -128,6 +131,7 @@ class TieredStore(StoreRemoval, StoreEviction):
     async def close(self) -> None:
         if self._closed:
             return
+        await self.session_prefetch.close()
         await self.drain()
         self._closed = True
         for tier in self.tiers:
@@ -709,12 +713,14 @@ class TieredStore(StoreRemoval, StoreEviction):
 
     def on_session(self, event: SessionEvent) -> None:
         """A conversation's state changed: every tier's eviction policy is told (a session-blind one
-        ignores it). A policy that raises is a plug-in's bug: logged, the others still told."""
+        ignores it; a policy that raises is a plug-in's bug: logged, the others still told), and a
+        pause with an announced end plans its blocks' staging from disk just before it."""
         for tier in self.tiers:
             try:
                 tier.eviction.on_session(event)
             except Exception:
                 log.exception("tier %s: eviction policy %s failed on a session event", tier.name, tier.eviction.name)
+        self.session_prefetch.plan(event)
 
     # Reporting ------------------------------------------------------------------------------------
 

@@ -119,3 +119,45 @@ def test_a_notice_checks_its_numbers():
         SessionNotice(session="", state="paused")
     with pytest.raises(ValueError):
         SessionNotice(session="s", state="sleeping")
+
+
+async def test_a_demoted_session_is_staged_back_into_the_pool_just_before_its_announced_resume(tmp_path):
+    """Demoted to SSD while another session computes, a paused session announced back in 1.5 s is in
+    the pool again about ``lead`` before that, read from memory by its next turn."""
+    path = f"/dev/shm/tiercake-test-prefetch-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    pool = Tier(PoolBackend(PoolRegion.create(path, 8 * BLOCK)), eviction=SessionAware(LRU()), high_watermark=1.0)
+    ssd = Tier(SsdFilesBackend(tmp_path / "ssd", capacity_bytes=8 << 20))
+    store = await TieredStore([pool, ssd], session_prefetch_lead_s=0.5).open()
+    server = await TransferServer(store, SECRET, "node-b").start()
+    engine = TransferEngine("worker", SECRET, transports=("tcp",))
+    engine.add_peer("node-b", *server.address)
+    try:
+        back = [b"back-0", b"back-1"]
+        started = asyncio.get_running_loop().time()
+        await turn(engine, "back", back, resume_in=1.5, first=0)
+        busy = [f"busy-{i}".encode() for i in range(8)]  # computing: it pushes the paused one out
+        assert (await engine.session_event("node-b", SessionNotice(session="busy", state="active"), busy)).ok
+        assert all(r.ok for r in await engine.write_blocks("node-b", busy, [payload(10 + i, BLOCK) for i in range(8)]))
+        assert all("pool" not in store.where(k) for k in back)
+        assert (await engine.session_event("node-b", SessionNotice(session="busy", state="closed"), [])).ok
+        while not all("pool" in store.where(k) for k in back):
+            assert asyncio.get_running_loop().time() - started < 3, [store.where(k) for k in back]
+            await asyncio.sleep(0.05)
+        assert asyncio.get_running_loop().time() - started >= 0.9  # not before resume - lead
+        assert store.session_prefetch.staged == 2
+        out = torch.empty(BLOCK, dtype=torch.uint8)
+        (read,) = await engine.read_blocks("node-b", [back[1]], [out])
+        assert read.ok and torch.equal(out, payload(1, BLOCK))
+    finally:
+        await engine.close()
+        await server.close()
+        await store.close()
+        remove_pool(path)
+
+
+async def test_a_new_notice_replaces_the_planned_staging(session_node):
+    store, _, engine = session_node
+    await turn(engine, "s", [b"s-0"], resume_in=60, first=0)
+    assert len(store.session_prefetch._planned) == 1
+    assert (await engine.session_event("node-b", SessionNotice(session="s", state="closed"), [])).ok
+    assert store.session_prefetch._planned == {}
