@@ -25,6 +25,25 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 1024  # notices waiting for a slow node at most; older ones are dropped first
 
 
+def started_notice(session: SessionDirective, tenant: str) -> SessionNotice:
+    """The notice of a request of ``session`` starting (sent with its prompt's blocks)."""
+    return SessionNotice(session=session.id, state="active", priority=session.priority, tenant=tenant)
+
+
+def ended_notice(session: SessionDirective, tenant: str) -> SessionNotice:
+    """The notice of its end: paused (sent with the blocks its next turn reads), or closed."""
+    if session.close:
+        return SessionNotice(session=session.id, state="closed", tenant=tenant)
+    return SessionNotice(
+        session=session.id,
+        state="paused",
+        resume_in=session.pause_s,
+        retain_s=session.retain_s,
+        priority=session.priority,
+        tenant=tenant,
+    )
+
+
 class SessionNotifier:
     def __init__(self, store: TieredStore | None, transfer: TransferEngine | None, node: str | None) -> None:
         self.store, self.transfer, self.node = store, transfer, node
@@ -33,23 +52,12 @@ class SessionNotifier:
         self.sent = self.failed = self.dropped = 0
 
     def started(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
-        notice = SessionNotice(session=session.id, state="active", priority=session.priority, tenant=tenant)
-        self._tell(notice, keys)
+        self._tell(started_notice(session, tenant), keys)
 
     def ended(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
         """After the request: paused (its next turn reads ``keys``), or closed."""
-        if session.close:
-            self._tell(SessionNotice(session=session.id, state="closed", tenant=tenant), [])
-            return
-        notice = SessionNotice(
-            session=session.id,
-            state="paused",
-            resume_in=session.pause_s,
-            retain_s=session.retain_s,
-            priority=session.priority,
-            tenant=tenant,
-        )
-        self._tell(notice, keys)
+        notice = ended_notice(session, tenant)
+        self._tell(notice, keys if notice.state != "closed" else [])
 
     def _tell(self, notice: SessionNotice, keys: list[bytes]) -> None:
         if self.store is not None:

@@ -635,6 +635,40 @@ async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_
     assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] >= 1
 
 
+async def test_a_session_through_the_front_reaches_the_nodes_pool_policy_from_the_connector(served, sidecars):
+    """Under vLLM the connector is the worker that tells the node: the front's session goes to vLLM
+    in the request's kv_transfer_params, and the scheduler side sends active, then paused, then
+    closed on the final turn, to the node's session-aware pool."""
+    tc, _, _ = served
+    sidecars(["worker", "worker"])
+    await wait_workers(tc, 2)
+    async with Client([tc.url], token=TOKEN) as client:
+        await client.set_policy(eviction={"pool": {"policy": "session"}})
+        try:
+
+            async def pool_sessions(want: dict) -> dict:
+                for _ in range(100):  # the node's tier statistics come with its keep-alive
+                    node = next(m for m in (await client.cluster()).members if m.role == "node")
+                    if node.tiers["pool"].eviction == "session" and node.tiers["pool"].sessions == want:
+                        return want
+                    await asyncio.sleep(0.2)
+                raise AssertionError(f"the pool never showed {want}: {node.tiers['pool']}")
+
+            await pool_sessions({})
+            body = {"prompt": prompt(77), "max_tokens": 8, "temperature": 0}
+            headers = {"X-Tiercake-Session": "vllm-chat", "X-Tiercake-Session-Pause": "20"}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(tc.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                await pool_sessions({"paused": 1})
+                headers["X-Tiercake-Session-Final"] = "true"
+                async with http.post(tc.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+            await pool_sessions({})
+        finally:
+            await client.set_policy(eviction={"pool": {"policy": "lru"}})
+
+
 @pytest.mark.timeout(600)
 async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trace(served, sidecars):
     """The conversations among the trace's first requests through the front, round robin, then with the

@@ -23,6 +23,7 @@ class Link:
     def __init__(self, local: int) -> None:
         self.local = local
         self.asked: list[concurrent.futures.Future] = []
+        self.told: list = []
 
     def local_prefix(self, tenant, keys):
         return min(self.local, len(keys))
@@ -30,6 +31,9 @@ class Link:
     def longest_prefix_soon(self, tenant, keys):
         self.asked.append(concurrent.futures.Future())
         return self.asked[-1]
+
+    def tell_session(self, node, notice, keys):
+        self.told.append((node, notice, keys))
 
 
 def scheduler(link: Link, timeout: float = 5.0, stands: int = 1):
@@ -103,3 +107,38 @@ def test_a_saves_buffer_is_reused_once_its_writes_end_and_only_a_few_are_kept():
     for _ in range(SaveBuffers.KEEP + 3):
         buffers.give(SaveBuffers(16, 160).take(1))
     assert len(buffers._free) == SaveBuffers.KEEP
+
+
+def test_a_session_named_by_the_front_is_told_to_the_node_when_the_request_starts_and_ends():
+    """Active with the prompt's full blocks at its first lookup; paused with prompt and answer's when
+    it finishes (what its next turn reads); closed on a final turn; a bad session is ignored."""
+    from tiercake.workers.vllm.scheduler_side import ConnectorScheduler
+
+    link = Link(local=4)
+    s = scheduler(link)
+    session = {"id": "ab" * 16, "pause_s": 12.5, "priority": 3}
+    req = request(blocks=4)
+    req.kv_transfer_params = {"tiercake": {"tenant": "acme", "salt": "acme", "session": session}}
+    req.all_token_ids = req.prompt_token_ids + list(range(2 * BLOCK))  # the answer fills two more blocks
+    s.get_num_new_matched_tokens(req, 0)
+    s.get_num_new_matched_tokens(req, 0)  # asked again: told once
+    ((node, notice, keys),) = link.told
+    assert node == "here" and notice.state == "active" and notice.tenant == "acme" and notice.priority == 3
+    assert len(keys) == 4 and keys == s._tracked["r"].keys[:4]
+    s.request_finished(req, [])
+    node, notice, keys = link.told[1]
+    assert notice.state == "paused" and notice.resume_in == 12.5 and len(keys) == 6 and keys[:4] == link.told[0][2]
+
+    final = request(rid="f")
+    final.kv_transfer_params = {"tiercake": {"session": {"id": "cd" * 16, "close": True}}}
+    s.get_num_new_matched_tokens(final, 0)
+    s.request_finished(final, [])
+    assert link.told[-1][1].state == "closed" and link.told[-1][2] == []
+
+    bad = request(rid="b")
+    bad.kv_transfer_params = {"tiercake": {"session": {"id": "not hex", "pause_s": -1}}}
+    assert ConnectorScheduler._session(bad) is None
+    before = len(link.told)
+    s.get_num_new_matched_tokens(bad, 0)
+    s.request_finished(bad, [])
+    assert len(link.told) == before

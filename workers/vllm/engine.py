@@ -325,6 +325,8 @@ class VllmEngine(ServingEngine):
             "cache_salt": cache_salt(salt),
             "kv_transfer_params": {"tiercake": {"tenant": request.tenant, "salt": salt}},
         }
+        if request.session is not None:  # the connector tells the node's tiers of the conversation
+            body["kv_transfer_params"]["tiercake"]["session"] = request.session.model_dump(exclude_defaults=True)
         if request.seed is not None:
             body["seed"] = request.seed
         if request.logprobs is not None:

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -25,11 +25,16 @@ from tiercake.loop_thread import LoopThread
 from tiercake.tiers import StoreError
 from tiercake.tiers.pool import PoolIndexReader
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferError, TransferResult
+from tiercake.transfer.protocol import SessionNotice
 from tiercake.transfer.transports import PoolLease
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+async def _one(result: Awaitable[TransferResult]) -> list[TransferResult]:
+    return [await result]
 
 
 class TiercakeLink:
@@ -196,6 +201,25 @@ class TiercakeLink:
         except (TimeoutError, OSError, ConductorError, TransferError, StoreError) as exc:
             log.warning("tiercake link %s: lease from %s failed, reading instead: %s", self.identity, node, exc)
             return None
+
+    def tell_session(self, node: str, notice: SessionNotice, keys: list[bytes]) -> None:
+        """Tell ``node``'s tiers a session's new state, without waiting (in the order of the calls:
+        one loop runs them); a failure is logged, the policies then act on what they knew."""
+        if self.engine is None:
+            return
+        engine = self.engine
+
+        async def tell() -> list[TransferResult]:
+            return await self.nodes.to_node(node, lambda: _one(engine.session_event(node, notice, keys)))
+
+        def done(future: concurrent.futures.Future) -> None:
+            failed = future.exception() if not future.cancelled() else None
+            if failed is None and not future.cancelled():
+                failed = future.result()[0].error
+            if failed is not None:
+                log.info("tiercake link %s: session notice to %s: %s", self.identity, node, failed)
+
+        self.submit(tell()).add_done_callback(done)
 
     def release(self, node: str, lease: PoolLease) -> None:
         """Give ``lease`` back, without waiting (the node frees it after its ttl in any case)."""

@@ -10,11 +10,17 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tiercake.blocks import Namespace, chain_key
+from pydantic import ValidationError
 
+from tiercake.blocks import Namespace, chain_key
+from tiercake.messages import SessionDirective
+from tiercake.transfer.protocol import SessionNotice
+
+from ..sessions import ended_notice, started_notice
 from .link import TiercakeLink
 from .loading import LoadReport
 from .metadata import BlockLoad, BlockSave, ConnectorSettings, RequestLoad, TiercakeMetadata, TiercakeWorkerMetadata
@@ -41,6 +47,7 @@ class _Tracked:
     lookup_s: float = 0.0  # from the first question to the answer (the conductor's, if it was asked)
     lookup_cpu_s: float = 0.0  # of which vLLM's scheduler thread spent in this connector's lookups
     lookup_local: bool = False  # answered by the local pool's index alone
+    session: SessionDirective | None = None  # the conversation it belongs to (the front's, in its params)
 
 
 @dataclass(slots=True)
@@ -85,7 +92,35 @@ class ConnectorScheduler:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.request is not request:
             tracked = self._tracked[request.request_id] = _Tracked(request, *self._tenant(request))
+            tracked.session = self._session(request)
+            self._tell(tracked, started_notice, list(request.prompt_token_ids or []))
         return tracked
+
+    @staticmethod
+    def _session(request: Request) -> SessionDirective | None:
+        """The session the front named in the request's ``kv_transfer_params`` (None: none, or not
+        one: logged)."""
+        params = getattr(request, "kv_transfer_params", None)
+        ours = params.get("tiercake") if isinstance(params, dict) else None
+        session = ours.get("session") if isinstance(ours, dict) else None
+        if session is None:
+            return None
+        try:
+            return SessionDirective.model_validate(session)
+        except ValidationError as exc:
+            log.warning("TiercakeConnector: request %s names a bad session: %s", request.request_id, exc)
+            return None
+
+    def _tell(
+        self, tracked: _Tracked, notice: Callable[[SessionDirective, str], SessionNotice], tokens: list[int]
+    ) -> None:
+        """The node's tiers told of the request's session (its blocks: the full ones of ``tokens``)."""
+        node = self.settings.node
+        if tracked.session is None or node is None:
+            return
+        made = notice(tracked.session, tracked.tenant)
+        keys = self._keys(tracked, tokens, len(tokens) // self.block_size) if made.state != "closed" else []
+        self.link.tell_session(node, made, list(keys))
 
     def _tenant(self, request: Request) -> tuple[str, str]:
         """The index tenant and the hashing salt. tiercake's front names both in the request's
@@ -223,6 +258,8 @@ class ConnectorScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None:  # what its next turn reads: prompt and answer
+            self._tell(tracked, ended_notice, list(getattr(request, "all_token_ids", request.prompt_token_ids or [])))
         self._plans.pop(request.request_id, None)
         asked = self._asked.pop(request.request_id, None)
         if asked is not None:
