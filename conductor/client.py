@@ -316,6 +316,7 @@ class Client:
         max_tokens: int = 16,
         temperature: float = 0.0,
         tenant: str | None = None,
+        session: Session | None = None,
         **extra,
     ):
         """``/v1/completions`` streamed: each server-sent chunk as a dict, the last one with usage."""
@@ -329,6 +330,8 @@ class Client:
             **extra,
         }
         headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
+        if session is not None:
+            headers |= session.headers()
         url = self.urls[self._current % len(self.urls)]
         async with self._http().post(url + "/v1/completions", json=body, headers=headers) as resp:
             if resp.status >= 400:

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from tiercake.bench.report import Report, cluster_figures, machine
-from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Client, ConductorError, Session
 from tiercake.messages import ClusterView
 from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -43,6 +43,8 @@ class Outcome:
     load_tier: str | None = None  # where the pulled prefix came from (pool, ssd, ...); None: nothing pulled
     prefetched_blocks: int = 0  # of the blocks pulled from nodes, those pulled while the request waited
     error: str = ""
+    turn: int | None = None  # its session's turn (replayed with sessions): > 0 came after a pause
+    text: str = ""  # the answer, to compare two runs of the same trace
 
 
 class TokenMap:
@@ -100,9 +102,13 @@ async def replay(
     control: str | None = None,
     control_token: str | None = None,
     progress=None,
+    sessions: bool = False,
+    tenant: str | None = None,
 ) -> ReplayRun:
     """``control``: the control API's URL, for the cluster's own counters (default: ``target``, where
-    the OpenAI API and the control API share a port)."""
+    the OpenAI API and the control API share a port). ``sessions``: each record's session goes with
+    it as the front's session headers (its pause as announced, scaled by ``time_scale``; its last
+    turn final). ``tenant``: every request under it (default: each record's own)."""
     control = control or target
     before = await _cluster_view(control, control_token or api_key)
     async with Client([target], token=api_key, timeout=600, retries=3) as client:
@@ -121,15 +127,22 @@ async def replay(
                 await asyncio.sleep(delay)
             max_tokens = max(1, min(max_output, round(record.output_length * tokens_per_block / TRACE_BLOCK_TOKENS)))
             prompt = tokens.prompt(record, context - max_tokens)
-            outcome = Outcome(i, time.monotonic() - start, prompt_tokens=len(prompt))
+            outcome = Outcome(i, time.monotonic() - start, prompt_tokens=len(prompt), turn=record.turn)
+            session = _session(record, time_scale) if sessions else None
             async with gate:
                 sent = time.perf_counter()
                 try:
                     async for chunk in client.stream_completion(
-                        prompt, model=model, max_tokens=max_tokens, temperature=0.0, tenant=record.tenant
+                        prompt,
+                        model=model,
+                        max_tokens=max_tokens,
+                        temperature=0.0,
+                        tenant=tenant or record.tenant,
+                        session=session,
                     ):
                         if chunk.get("choices") and not outcome.ttft_s:
                             outcome.ttft_s = time.perf_counter() - sent
+                        outcome.text += "".join(c.get("text", "") for c in chunk.get("choices") or ())
                         usage = chunk.get("usage")
                         if usage:
                             outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
@@ -158,6 +171,13 @@ async def replay(
     return ReplayRun(sorted(outcomes, key=lambda o: o.index), before, after)
 
 
+def _session(record: TraceRecord, time_scale: float) -> Session | None:
+    if record.session is None:
+        return None
+    pause = None if record.pause_ms is None else record.pause_ms / 1000 * time_scale
+    return Session(record.session, parent=record.fork_of, pause_s=pause, final=bool(record.closes))
+
+
 def _pct(values: list[float], p: float) -> float:
     if not values:
         return 0.0
@@ -178,6 +198,7 @@ def report(run: ReplayRun, records: list[TraceRecord], trace_name: str, **params
     ok = [o for o in outcomes if o.status == "ok"]
     common = {"trace": trace_name, "requests": len(outcomes), **params}
     _ttft_figures(rep, ok, common)
+    _resumed_figures(rep, ok, common)
     _hit_figures(rep, ok, records, common)
     _pull_figures(rep, ok, common)
     _counter_figures(rep, run, records, common)
@@ -214,6 +235,24 @@ def _ttft_figures(rep: Report, ok: list[Outcome], common: dict) -> None:
                 **common,
                 loads=len(pulled),
             )
+
+
+def _resumed_figures(rep: Report, ok: list[Outcome], common: dict) -> None:
+    """TTFT of the turns that came after a pause (a session's turn > 0), against the first turns'."""
+    resumed = [o.ttft_s for o in ok if o.turn]
+    first = [o.ttft_s for o in ok if o.turn == 0]
+    if not resumed or not first:
+        return
+    for p in (50, 90):
+        rep.add(
+            f"ttft.resumed.p{p}",
+            _pct(resumed, p),
+            "s",
+            _pct(first, p),
+            limit_name="first turns",
+            turns=len(resumed),
+            **common,
+        )
 
 
 def _hit_figures(rep: Report, ok: list[Outcome], records: list[TraceRecord], common: dict) -> None:

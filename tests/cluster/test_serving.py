@@ -1315,3 +1315,27 @@ async def test_top_p_reaches_the_sampler(cluster):
             for s in range(4)
         }
     assert narrow == {greedy} and len(wide) > 1
+
+
+def test_replay_with_sessions_sends_them_and_reports_the_turns_after_a_pause(cluster, tmp_path):
+    """`tiercake replay --sessions` on a trace without sessions: inferred, sent as headers (a bad one
+    would be a 400, a failed request here), and the resumed turns' TTFT reported apart."""
+    from tiercake.agent_traces import agentic_trace
+    from tiercake.traces import write_trace
+
+    records = agentic_trace(sessions=4, seed=2, agent_share=1.0, agent_turns=(2, 3), tool_pause_s=0.3, rate_per_s=5)
+    blank = dict(session=None, turn=None, pause_ms=None, closes=None, fork_of=None)
+    trace = tmp_path / "agents.jsonl"
+    write_trace(trace, [r.model_copy(update=blank) for r in records])
+    out = tmp_path / "replay.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", "replay", str(trace), "--target", cluster.url, "--control",
+         cluster.control_url, "--control-token", cluster.token, "--max-output", "4", "--sessions",
+         "--tokens-per-block", "16", "--json", str(out), "--plot", str(tmp_path / "r.png")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    assert figures["requests.ok"]["value"] == len(records)
+    resumed = figures["ttft.resumed.p90"]
+    assert resumed["params"]["turns"] == sum(1 for r in records if r.turn) and resumed["value"] > 0

@@ -25,8 +25,12 @@ BLIND = [("lru", "none", None, 0.0), ("reuse", "none", None, 0.0)]
 AWARE = [("session", info, None, 0.0) for info in ("open", "close", "announced")]
 
 
-async def run(quick: bool = False, trace: str | Path | None = None) -> Report:
+async def run(quick: bool = False, trace: str | Path | None = None, live: bool = False) -> Report:
     report = Report(bench="sessions", machine=machine())
+    if live:  # first: its cluster starts on an idle machine
+        from . import sessions_live
+
+        await sessions_live.run(report, quick)
     sets: list[tuple[str, list[TraceRecord], list[float], list]] = []
     shape = AgentShape(sessions=80 if quick else 400, seed=1)
     sets.append(("agentic (generated)", agentic_trace(shape), [300, 1000], BLIND + AWARE))

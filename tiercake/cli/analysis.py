@@ -310,11 +310,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tiercake import replay as rp
-    from tiercake.traces import read_trace
+    from tiercake.traces import infer_sessions, read_trace
 
     records = read_trace(args.trace, args.limit)
     if not records:
         raise ValueError(f"{args.trace}: no requests")
+    if args.sessions:
+        records = infer_sessions(records)  # a trace's own sessions are kept
     with progress_bar(f"replaying {len(records)} requests", len(records)) as update:
         done = 0
 
@@ -335,6 +337,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 control=args.control,
                 control_token=args.control_token,
                 progress=advance,
+                sessions=args.sessions,
             )
         )
     if run.cluster_before is None:
@@ -432,6 +435,12 @@ def _replay(sub) -> None:
         help="the control API, for the cluster's own counters (default: --target, where both APIs share a port)",
     )
     rep.add_argument("--control-token", help="a control API token (default: --api-key)")
+    rep.add_argument(
+        "--sessions",
+        action="store_true",
+        help="send each request's session as the front's session headers (inferred where the trace has none): "
+        "its pause announced, its last turn final; TTFT of resumed turns reported apart",
+    )
     rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
     rep.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     rep.set_defaults(func=cmd_replay)

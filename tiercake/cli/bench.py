@@ -113,7 +113,7 @@ def cmd_bench_store_api(args: argparse.Namespace) -> int:
 def cmd_bench_sessions(args: argparse.Namespace) -> int:
     from tiercake.bench import sessions
 
-    return _bench(args, "session-aware eviction against session-blind", sessions.run(args.quick, args.trace))
+    return _bench(args, "session-aware eviction against session-blind", sessions.run(args.quick, args.trace, args.live))
 
 
 def cmd_bench_metadata(args: argparse.Namespace) -> int:
@@ -254,4 +254,10 @@ def _serving_benches(bench_parser) -> None:
         "pauses, beside LRU, the reuse policy and the tree-constrained optimum at two capacities.",
     )
     sessions.add_argument("--trace", metavar="FILE", help="also a trace in the Mooncake format (sessions inferred)")
+    sessions.add_argument(
+        "--live",
+        action="store_true",
+        help="also replay an agentic trace against a live cluster it starts, session-blind then session-aware: "
+        "TTFT of the turns after a pause, and the answers compared (minutes)",
+    )
     sessions.set_defaults(func=cmd_bench_sessions)
