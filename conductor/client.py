@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import aiohttp
 from pydantic import BaseModel
@@ -42,6 +43,8 @@ from tiercake.messages import (
     RemoveReply,
     ReportReply,
     RevokeReply,
+    SessionInfo,
+    SessionsReply,
     SlotReady,
     SlotReportsReply,
     UnpinReply,
@@ -392,6 +395,26 @@ class Client:
         """Switch the router and/or tiers' eviction policies (``{tier: {"policy", "params"}}``) at run time."""
         body = {"router": router, "router_params": router_params or {}, "eviction": eviction}
         return await self._typed(PolicyReply, "POST", "/v1/policy", body)
+
+    async def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
+        """The sessions the front served (one tenant's, or all), as it last saw them."""
+        path = "/v1/sessions" + (f"?tenant={quote(tenant)}" if tenant is not None else "")
+        return (await self._typed(SessionsReply, "GET", path)).sessions
+
+    async def change_session(
+        self,
+        session: str,
+        tenant: str = "default",
+        *,
+        close: bool = False,
+        retain_s: float | None = None,
+        priority: int | None = None,
+    ) -> SessionInfo:
+        """Close a session (its KV goes first everywhere), or keep it ``retain_s`` / at ``priority``;
+        ``session`` is its id as ``sessions()`` lists it."""
+        body = {"tenant": tenant, "close": close, "retain_s": retain_s, "priority": priority}
+        path = f"/v1/sessions/{quote(session, safe='')}"
+        return (await self._typed(SessionsReply, "POST", path, body)).sessions[0]
 
     async def members(self) -> list[MemberInfo]:
         return (await self._typed(MembersReply, "GET", "/v1/members")).members

@@ -638,6 +638,42 @@ class SessionDirective(Request):
     close: bool = Field(default=False, description="the conversation ends with this request")
 
 
+class SessionCommand(Request):
+    """The front asks the worker that ran a session's last turn to tell its tiers again: closed
+    (``session.close``), or paused with a new retention and priority."""
+
+    session: SessionDirective
+    tenant: Name
+
+
+class SessionInfo(Reply):
+    """A session as the front has seen it (the control API's ``/v1/sessions``)."""
+
+    id: str
+    tenant: str
+    parent: str | None = None
+    state: Literal["active", "paused", "closed"]
+    turns: int
+    idle_s: float = Field(description="since its last turn began or ended")
+    retain_s: float | None = None
+    priority: int = 0
+    pause_s: float | None = None
+    worker: str | None = Field(default=None, description="the worker that ran its last turn")
+
+
+class SessionsReply(Reply):
+    sessions: list[SessionInfo]
+
+
+class SessionChange(Request):
+    """``POST /v1/sessions/{id}``: close it now, or keep it longer or at another priority."""
+
+    tenant: Name = "default"
+    close: bool = False
+    retain_s: float | None = Field(default=None, gt=0, le=MAX_SESSION_S)
+    priority: int | None = Field(default=None, ge=-100, le=100)
+
+
 class GenerateRequest(Request):
     """What the front sends a worker (token ids: the front tokenizes)."""
 

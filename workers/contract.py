@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
-from tiercake.messages import GenerateRequest, KVSpace, TokenEvent, WorkerLoadReply, WorkerPerf
+from tiercake.messages import GenerateRequest, KVSpace, SessionCommand, TokenEvent, WorkerLoadReply, WorkerPerf
 from tiercake.tiers import TieredStore
 
 from .conductor_link import HeldBlocks
@@ -81,6 +81,12 @@ class ServingEngine(ABC):
     @abstractmethod
     def load(self) -> WorkerLoadReply:
         """Waiting, prefilling and running requests, free and total KV blocks, completed requests."""
+
+    def change_session(self, command: SessionCommand) -> None:
+        """The control API closes a session, or changes its retention or priority, through the worker
+        that ran its last turn: its tiers and its node's are told. ``LookupError``: not one it knows;
+        ``NotImplementedError``: this engine cannot (the worker answers 501)."""
+        raise NotImplementedError(f"the {self.name} engine does not take session changes")
 
     @abstractmethod
     async def close(self) -> None:

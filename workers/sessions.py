@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 from tiercake.messages import SessionDirective
 from tiercake.tiers import TieredStore
@@ -23,6 +24,7 @@ from tiercake.transfer.server import session_event
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 1024  # notices waiting for a slow node at most; older ones are dropped first
+MAX_REMEMBERED = 10_000  # sessions whose last blocks are kept, for the control API's changes
 
 
 def started_notice(session: SessionDirective, tenant: str) -> SessionNotice:
@@ -49,6 +51,7 @@ class SessionNotifier:
         self.store, self.transfer, self.node = store, transfer, node
         self._queue: asyncio.Queue[tuple[SessionNotice, list[bytes]]] = asyncio.Queue(MAX_QUEUED)
         self._sender: asyncio.Task | None = None
+        self._last: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> the blocks it was paused with
         self.sent = self.failed = self.dropped = 0
 
     def started(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
@@ -57,7 +60,23 @@ class SessionNotifier:
     def ended(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
         """After the request: paused (its next turn reads ``keys``), or closed."""
         notice = ended_notice(session, tenant)
-        self._tell(notice, keys if notice.state != "closed" else [])
+        self._last.pop(session.id, None)
+        if notice.state == "closed":
+            self._tell(notice, [])
+            return
+        self._last[session.id] = keys
+        while len(self._last) > MAX_REMEMBERED:
+            self._last.popitem(last=False)
+        self._tell(notice, keys)
+
+    def changed(self, session: SessionDirective, tenant: str) -> None:
+        """The control API's change of a paused session: closed, or paused again with its new
+        retention and priority over the blocks it was paused with. ``LookupError``: this worker
+        does not remember it (another ran its last turn, or it was forgotten)."""
+        keys = self._last.get(session.id)
+        if keys is None and not session.close:
+            raise LookupError(f"session {session.id} is not one this worker paused")
+        self.ended(session, tenant, keys or [])
 
     def _tell(self, notice: SessionNotice, keys: list[bytes]) -> None:
         if self.store is not None:

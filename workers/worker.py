@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import app_runner, bearer_guard, body_reader, error_middleware, error_response, parse_body
-from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, WorkerHealth
+from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, SessionCommand, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
 from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
 
@@ -140,6 +140,7 @@ class Worker:
         app.add_routes(
             [
                 web.post("/generate", self._generate),
+                web.post("/session", self._session),
                 web.get("/health", self._health),
                 web.get("/load", self._load),
                 web.get("/metrics", metrics_handler(registry_of(self._families))),
@@ -197,6 +198,17 @@ class Worker:
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
         return response
+
+    async def _session(self, request: web.Request) -> web.Response:
+        """The front's change of a session this worker ran (close, retain, priority)."""
+        command = parse_body(SessionCommand, await request.read())
+        try:
+            self.engine.change_session(command)
+        except LookupError as exc:
+            return error_response(404, str(exc), code="session_not_found")
+        except NotImplementedError as exc:
+            return error_response(501, str(exc), "server_error", "not_implemented")
+        return web.json_response({"changed": True})
 
     async def _health(self, _: web.Request) -> web.Response:
         health = WorkerHealth(

@@ -75,6 +75,7 @@ class Job:
     top_p: float = 1.0
     logprobs: int | None = None
     session: SessionDirective | None = None  # the conversation it belongs to (tenant-scoped hash)
+    worker: str | None = None  # the worker it was last sent to
     timing: Timing = field(default_factory=Timing)
     failed_on: set[str] = field(default_factory=set)  # workers that answered this request with a server error
     _keys_in: dict = field(default_factory=dict, init=False, repr=False)  # namespace -> the prompt's keys in it
@@ -294,6 +295,7 @@ class Dispatcher:
         request = job.request(
             max_tokens=1 if split else job.max_tokens, pull=route.decision.pull, source=route.source, handoff=split
         )
+        job.worker = route.member.node_id
         return route.member, request
 
     def route(self, job: Job, roles: tuple[str, ...], split: bool = False) -> Route:
@@ -387,6 +389,7 @@ class Dispatcher:
         request = self._route_request(self._space(members), len(tokens), handoff.blocks if handoff else 0)
         decision = self.router().choose_decode([self._state(m, 0) for m in members], request)
         member = next(m for m in members if m.node_id == decision.worker)
+        job.worker = member.node_id
         return member, job.request(tokens=tokens, max_tokens=job.max_tokens - 1, pull=True, source=handoff)
 
     @staticmethod

@@ -19,6 +19,7 @@ from .dispatch import Dispatcher, Job, Route
 from .openai_api import OPEN_PATHS, OpenAIApi
 from .operator import OperatorApi
 from .serving_stats import ServingStats
+from .session_book import SessionBook
 from .tenants import TENANT_HEADER, Tenants
 
 __all__ = ["OPEN_PATHS", "TENANT_HEADER", "Frontend", "Job", "Route"]
@@ -31,8 +32,9 @@ class Frontend:
         self.tenants = Tenants(config.serving)
         self.stats = ServingStats(config.serving)
         self.dispatcher = Dispatcher(conductor, config, self.stats)
-        self.openai = OpenAIApi(config, self.tenants, self.dispatcher, self.stats)
-        self.operator = OperatorApi(conductor, config, self.tenants, self.dispatcher, self.stats)
+        self.sessions = SessionBook()
+        self.openai = OpenAIApi(config, self.tenants, self.dispatcher, self.stats, self.sessions)
+        self.operator = OperatorApi(conductor, config, self.tenants, self.dispatcher, self.stats, self.sessions)
 
     def bind_metrics(self, registry) -> None:
         self.stats.bind_metrics(registry)

@@ -37,6 +37,7 @@ from .openai_models import (
     stop_strings,
 )
 from .serving_stats import ServingStats
+from .session_book import SessionBook
 from .sessions import session_of
 from .tenants import Quotas, Tenants
 from .worker_client import StreamBroken, WorkerError
@@ -161,10 +162,18 @@ MidStreamError = (WorkerError, ApiError)
 
 
 class OpenAIApi:
-    def __init__(self, config: TiercakeConfig, tenants: Tenants, dispatcher: Dispatcher, stats: ServingStats) -> None:
+    def __init__(
+        self,
+        config: TiercakeConfig,
+        tenants: Tenants,
+        dispatcher: Dispatcher,
+        stats: ServingStats,
+        sessions: SessionBook | None = None,
+    ) -> None:
         self.config = config
         self.serving = config.serving
         self.tenants = tenants
+        self.sessions = sessions if sessions is not None else SessionBook()
         self.quotas = Quotas(config.serving)
         self.dispatcher = dispatcher
         self.stats = stats
@@ -234,6 +243,7 @@ class OpenAIApi:
             answers: list[Answer] = []
             try:
                 ask, jobs = await self._jobs(request, held, parse)
+                held.callback(self._turn_ended, request, jobs)
                 answers = [Answer(i, job, self.dispatcher.run(job), ask) for i, job in enumerate(jobs)]
                 firsts = await _together(_first(a) for a in answers)
             except ApiError as exc:
@@ -282,9 +292,12 @@ class OpenAIApi:
         if any(not 0 <= t < vocab for t in ask.stop_ids):
             raise ApiError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
         session = session_of(request.headers, ask.session_key, tenant)
+        request["tenant"] = tenant
         held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
         index_tenant, salt = self.tenants.namespace(tenant)
         namespace = self.config.serving_namespace(salt)
+        if session is not None:
+            self.sessions.began(tenant, session)
         jobs = []
         for tokens in ask.prompts:
             keys = block_keys(namespace, tokens)  # the front's only hashing of it
@@ -305,6 +318,12 @@ class OpenAIApi:
                     )
                 )
         return ask, jobs
+
+    def _turn_ended(self, request: web.Request, jobs: list[Job]) -> None:
+        """The session's turn is over (answered, failed or abandoned): the book says so."""
+        session = jobs[0].session if jobs else None
+        if session is not None:
+            self.sessions.ended(request["tenant"], session, jobs[-1].worker)
 
     # Rendering ----------------------------------------------------------------------------------
 

@@ -26,6 +26,10 @@ from tiercake.messages import (
     PrefixReply,
     PromptRequest,
     RouterSpec,
+    SessionChange,
+    SessionCommand,
+    SessionDirective,
+    SessionsReply,
     TierStats,
 )
 from tiercake.policies import create_eviction, create_router
@@ -33,7 +37,9 @@ from tiercake.policies import create_eviction, create_router
 from ..service import Conductor
 from .dispatch import Dispatcher, own_cache_only
 from .serving_stats import ServingStats
+from .session_book import SessionBook, SessionRecord
 from .tenants import Tenants
+from .worker_client import WorkerRefused, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +65,10 @@ class OperatorApi:
         tenants: Tenants,
         dispatcher: Dispatcher,
         stats: ServingStats,
+        sessions: SessionBook | None = None,
     ) -> None:
         self.conductor = conductor
+        self.sessions = sessions if sessions is not None else SessionBook()
         self.config = config
         self.tenants = tenants
         self.dispatcher = dispatcher
@@ -75,7 +83,59 @@ class OperatorApi:
             web.post("/v1/prefix/unpin", self.unpin),
             web.post("/v1/flush", self.flush),
             web.post("/v1/policy", self.policy),
+            web.get("/v1/sessions", self.list_sessions),
+            web.post("/v1/sessions/{session}", self.change_session),
+            web.delete("/v1/sessions/{session}", self.drop_session),
         ]
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        """The sessions this front served (``?tenant=``: one tenant's), newest last."""
+        tenant = request.query.get("tenant")
+        return reply(SessionsReply(sessions=self.sessions.list(tenant)))
+
+    async def change_session(self, request: web.Request) -> web.Response:
+        """Close a session now, or keep it longer or at another priority: told to the tiers through the
+        worker that ran its last turn."""
+        change = await parse(request, SessionChange)
+        record = self._session(request.match_info["session"], change.tenant)
+        update: dict = {"close": change.close}
+        if change.retain_s is not None:
+            update["retain_s"] = change.retain_s
+        if change.priority is not None:
+            update["priority"] = change.priority
+        await self._tell(record, record.directive.model_copy(update=update))
+        return reply(
+            SessionsReply(sessions=[s for s in self.sessions.list(change.tenant) if s.id == record.directive.id])
+        )
+
+    async def drop_session(self, request: web.Request) -> web.Response:
+        """``DELETE``: close it (its KV goes first in every tier that holds it)."""
+        tenant = request.query.get("tenant", "default")
+        record = self._session(request.match_info["session"], tenant)
+        await self._tell(record, record.directive.model_copy(update={"close": True}))
+        return reply(SessionsReply(sessions=[s for s in self.sessions.list(tenant) if s.id == record.directive.id]))
+
+    def _session(self, session: str, tenant: str) -> SessionRecord:
+        record = self.sessions.get(tenant, session)
+        if record is None:
+            raise ApiError(404, f"no session {session!r} of tenant {tenant!r} here", code="session_not_found")
+        if record.state == "active":
+            raise ApiError(409, "the session has a turn running: change it once the turn is over", code="session_busy")
+        return record
+
+    async def _tell(self, record: SessionRecord, directive: SessionDirective) -> None:
+        member = next((m for m in self.conductor.members.alive() if m.node_id == record.worker and m.url), None)
+        if member is None:
+            raise ApiError(503, f"the worker that ran the session, {record.worker}, is gone", code="worker_gone")
+        try:
+            await self.dispatcher.workers.change_session(
+                member, SessionCommand(session=directive, tenant=record.tenant)
+            )
+        except WorkerRefused as exc:
+            raise ApiError(exc.status, exc.reason) from None
+        except WorkerUnavailable as exc:
+            raise ApiError(503, str(exc), code="worker_gone", retryable=True) from None
+        self.sessions.changed(record, directive)
 
     async def cluster(self, _: web.Request) -> web.Response:
         """Nodes and workers with their tiers (capacity, use, blocks, hits), loads, and the serving

@@ -18,7 +18,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from tiercake.errors import parse_error
-from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, TokenEvent
+from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, SessionCommand, TokenEvent
 
 
 class WorkerError(Exception):
@@ -73,6 +73,21 @@ class WorkerClient:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+
+    async def change_session(self, member: MemberInfo, command: SessionCommand) -> None:
+        """Have the worker that ran a session's last turn tell its tiers of a change.
+        ``WorkerUnavailable``: it could not be reached; ``WorkerRefused``: it said no (404: it does
+        not know the session; 501: its engine cannot)."""
+        try:
+            resp = await self.http().post(
+                member.url + "/session", data=command.model_dump_json(), headers={"Content-Type": "application/json"}
+            )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise WorkerUnavailable(member.node_id, repr(exc)) from exc
+        async with resp:
+            if resp.status >= 400:
+                error = parse_error(await resp.json(content_type=None), resp.status)
+                raise WorkerRefused(member.node_id, resp.status, error.message)
 
     async def generate(self, member: MemberInfo, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """The worker's events. Before the first: ``WorkerUnavailable`` or ``WorkerRefused``; after

@@ -228,3 +228,17 @@ def test_make_check_selects_the_tests_that_start_no_process():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     per_file = dict(re.findall(r"^(tests/\S+\.py): (\d+)$", done.stdout, re.M))  # what -q -q prints
     assert int(per_file["tests/tiercake/test_blocks.py"]) > 10 and "tests/cluster/test_serving.py" not in per_file
+
+
+def test_the_sessions_config_example_loads_and_builds_its_policies(tmp_path):
+    """The YAML of the README's sessions section: a valid config whose tiers' session policies build."""
+    from tiercake.config import load_config
+    from tiercake.policies import SessionAware, create_eviction
+
+    block = README.split("## Sessions and agents", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    (tmp_path / "sessions.yaml").write_text(block)
+    config = load_config(tmp_path / "sessions.yaml")
+    assert config.store.session_prefetch_lead_s == 1.0
+    policies = [create_eviction(t.eviction, t.eviction_params) for t in config.store.tiers]
+    assert all(isinstance(p, SessionAware) for p in policies)
+    assert policies[0].tenant_quota == 4 << 30 and policies[0].tenant_floor == 512 << 20

@@ -19,6 +19,7 @@ from up_helpers import UpCluster
 
 from tiercake.chaos import pid_listening as _pid_listening
 from tiercake.conductor.client import Client, ConductorError, Session
+from tiercake.conductor.front.sessions import session_hash
 from tiercake.devtls import self_signed
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
@@ -617,6 +618,30 @@ async def test_sessions_from_the_request_reach_the_nodes_pool_policy_and_a_final
             async with Client([cluster.url], timeout=60) as client:  # the Python client's way
                 await client.complete(PROMPT, session=Session("agent-7", final=True))
             await _pool_of(ops, lambda pool: pool.sessions == {"paused": 1}, "the client's final turn")
+
+            # the control API: the front's book, per tenant; changes go through the worker of the last turn
+            listed = {(s.tenant, s.state) for s in await ops.sessions()}
+            assert {("default", "closed"), ("other", "paused")} <= listed
+            (other,) = await ops.sessions("other")
+            assert other.turns == 1 and other.worker and other.id == session_hash("other", "chat-1")
+            changed = await ops.change_session(other.id, "other", retain_s=600, priority=5)
+            assert (changed.retain_s, changed.priority, changed.state) == (600, 5, "paused")
+            await _pool_of(ops, lambda pool: pool.sessions == {"paused": 1}, "the session still paused")
+            with pytest.raises(ConductorError) as err:
+                await ops.change_session(other.id, "default")  # another tenant's: not found
+            assert err.value.status == 404
+            with pytest.raises(ConductorError) as err:
+                await ops.change_session("no-such-session", "other", close=True)
+            assert err.value.status == 404
+            async with http.post(cluster.control_url + "/v1/sessions/" + other.id, json={"tenant": "other"}) as resp:
+                assert resp.status == 401  # the control API's token is needed
+            async with http.delete(
+                cluster.control_url + f"/v1/sessions/{other.id}?tenant=other",
+                headers={"Authorization": f"Bearer {cluster.token}"},
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+            await _pool_of(ops, lambda pool: pool.sessions == {}, "the dropped session freed")
+            assert (await ops.sessions("other"))[0].state == "closed"
         finally:
             await ops.set_policy(eviction={"pool": {"policy": before or "lru"}})
 

@@ -69,3 +69,24 @@ def test_directives_are_read_and_checked():
         with pytest.raises(ApiError) as err:
             of(headers)
         assert err.value.status == 400, headers
+
+
+def test_the_book_keeps_the_latest_sessions_and_lets_closed_ones_age_out(monkeypatch):
+    from tiercake.conductor.front import session_book
+    from tiercake.messages import SessionDirective
+
+    now = [1000.0]
+    monkeypatch.setattr(session_book.time, "monotonic", lambda: now[0])
+    book = session_book.SessionBook(max_sessions=2, closed_kept_s=10)
+    a, b, c = (SessionDirective(id=f"{i}" * 32) for i in "abc")
+    for s in (a, b, c):
+        book.began("t", s)
+        book.ended("t", s, "w1")
+    assert [s.id for s in book.list()] == [b.id, c.id]  # a, the least recently used, went
+    book.began("t", b)
+    assert [s.state for s in book.list("t")] == ["paused", "active"] and book.list("other") == []
+    book.ended("t", b.model_copy(update={"close": True}), None)
+    closed = book.list()[-1]
+    assert closed.state == "closed" and closed.turns == 2 and closed.worker == "w1"  # kept from the last turn
+    now[0] += 11
+    assert [s.id for s in book.list()] == [c.id]

@@ -17,7 +17,14 @@ import torch
 from tiercake.blocks import block_keys
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig
-from tiercake.messages import GenerateRequest, SessionDirective, TokenEvent, WorkerLoadReply, WorkerPerf
+from tiercake.messages import (
+    GenerateRequest,
+    SessionCommand,
+    SessionDirective,
+    TokenEvent,
+    WorkerLoadReply,
+    WorkerPerf,
+)
 from tiercake.policies import fit_prefill
 from tiercake.tiers import GpuBackend, GpuBlockPool, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
@@ -120,6 +127,11 @@ class ReferenceEngine(ServingEngine):
             return
         async for event in self._generate(request):
             yield event
+
+    def change_session(self, command: SessionCommand) -> None:
+        if self.sessions is None:
+            raise LookupError("this worker has not started")
+        self.sessions.changed(command.session, command.tenant)
 
     async def _session_events(self, request: GenerateRequest, session: SessionDirective) -> AsyncIterator[TokenEvent]:
         """``_generate`` between the session's notices: active with the prompt's blocks, then paused
