@@ -144,8 +144,12 @@ def _figures(report: Report, runs: dict[str, list[list[Outcome]]], requests: int
         limit_name="answered in both runs",
         **common,
     )
-    failed = sum(o.status != "ok" for r in runs["aware"] + runs["blind"] for o in r)
-    report.add("live.failed", failed, "requests", sum(len(r) for r in runs["aware"] + runs["blind"]), **common)
+    for name, done in runs.items():  # rejected: a 429 (the small gpu tier full); failed: anything else
+        sent = sum(len(r) for r in done)
+        for status in ("rejected", "failed"):
+            count = sum(o.status == status for r in done for o in r)
+            errors = sorted({o.error for r in done for o in r if o.status == status})[:3]
+            report.add(f"live.{status}.{name}", count, "requests", sent, errors=errors, **common)
     if aware and blind:
         report.add(
             "live.resumed_ttft.mean",
