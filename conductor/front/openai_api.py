@@ -44,6 +44,7 @@ from .worker_client import StreamBroken, WorkerError
 
 # API keys, not control tokens; an entry ending in "/" opens every path under it
 OPEN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/")
+TENANT = web.RequestKey("tiercake_tenant", str)  # the request's tenant, once known
 
 
 @dataclass(slots=True)
@@ -292,7 +293,7 @@ class OpenAIApi:
         if any(not 0 <= t < vocab for t in ask.stop_ids):
             raise ApiError(400, f"stop_token_ids must lie in [0, {vocab})", param="stop_token_ids")
         session = session_of(request.headers, ask.session_key, tenant)
-        request["tenant"] = tenant
+        request[TENANT] = tenant
         held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
         index_tenant, salt = self.tenants.namespace(tenant)
         namespace = self.config.serving_namespace(salt)
@@ -323,7 +324,7 @@ class OpenAIApi:
         """The session's turn is over (answered, failed or abandoned): the book says so."""
         session = jobs[0].session if jobs else None
         if session is not None:
-            self.sessions.ended(request["tenant"], session, jobs[-1].worker)
+            self.sessions.ended(request[TENANT], session, jobs[-1].worker)
 
     # Rendering ----------------------------------------------------------------------------------
 
@@ -361,6 +362,8 @@ class OpenAIApi:
             texts = await _together(_rest(a, first) for a, first in zip(answers, firsts))
         except MidStreamError as exc:
             done = sum(a.generated for a in answers)
+            if isinstance(exc, ApiError):  # the front's own refusal after the prefill (every decode worker full: a 429)
+                return ApiError(exc.status, f"{exc} (after {done} tokens)", exc.kind, exc.code, exc.headers).response()
             return ApiError(502, f"{exc} (after {done} tokens)", "server_error").response()
         finally:
             await _close(answers)  # stopped early, or a client gone mid-request: the worker streams close too
@@ -428,8 +431,9 @@ class OpenAIApi:
                 )
             await send("[DONE]")
             self.stats.served += 1
-        except MidStreamError as exc:  # a worker died mid-stream: say so, end the stream
-            await send(json.loads(ApiError(502, str(exc), "server_error").reply().model_dump_json()))
+        except MidStreamError as exc:  # a worker died mid-stream, or no decode worker has room: say so, end
+            refusal = exc if isinstance(exc, ApiError) else ApiError(502, str(exc), "server_error")
+            await send(json.loads(refusal.reply().model_dump_json()))
             await send("[DONE]")
         finally:  # the client went away, or a failure: closing the worker streams frees their sequences
             await _settle(pending)

@@ -238,3 +238,51 @@ async def test_a_front_without_api_keys_says_once_that_its_callers_share_a_cache
             async with http.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-a"}):
                 pass
     assert not [r for r in caplog.records if "share the tenant" in r.getMessage()]
+
+
+async def test_no_decode_worker_with_room_after_the_prefill_is_a_429_not_a_502():
+    """Prefilled, then every decode worker answers that its gpu tier is full: the whole response is
+    the front's 429 with Retry-After (it was a 502, as if a worker had failed)."""
+    from aiohttp import web
+
+    from tiercake.messages import TokenEvent
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        first = TokenEvent(token=65, index=0, finish_reason="length")
+        await response.write(first.model_dump_json(exclude_defaults=True).encode() + b"\n")
+        await response.write_eof()
+        return response
+
+    async def full(request: web.Request) -> web.Response:
+        await request.read()
+        error = {"error": {"message": "gpu tier full", "type": "server_error", "code": "worker_busy"}}
+        return web.json_response(error, status=503)
+
+    servers, urls = [], []
+    for handler in (prefill, full):
+        app = web.Application()
+        app.router.add_post("/generate", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        servers.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    members = [
+        worker("p1", "prefill").model_copy(update={"url": urls[0]}),
+        worker("d1", "decode").model_copy(update={"url": urls[1]}),
+    ]
+    body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 4}
+    try:
+        async with _front(ServingConfig(disaggregated=True), members) as (url, _):
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    error = (await resp.json())["error"]
+                    assert resp.status == 429 and resp.headers["Retry-After"] == "1", error
+                    assert error["code"] == "gpu_full" and "decode" in error["message"]
+    finally:
+        for runner in servers:
+            await runner.cleanup()
