@@ -303,7 +303,7 @@ class OpenAIApi:
         for tokens in ask.prompts:
             keys = block_keys(namespace, tokens)  # the front's only hashing of it
             for j in range(ask.n):
-                await self.stats.arrived(keys, tokens, ask.max_tokens, index_tenant)
+                await self.stats.arrived(keys, tokens, ask.max_tokens, index_tenant, session and session.id)
                 jobs.append(
                     Job(
                         tokens,

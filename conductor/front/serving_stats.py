@@ -41,7 +41,11 @@ class TraceRecorder:
         self.started = time.monotonic()
         self._lock = asyncio.Lock()
 
-    async def record(self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str) -> None:
+    async def record(
+        self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str, session: str | None = None
+    ) -> None:
+        """One request as a trace line; ``session``: its session's hashed id (``tiercake trace
+        sessions`` adds turns, pauses and closes from the recorded trace)."""
         from tiercake.blocks import chain_key
         from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -56,6 +60,7 @@ class TraceRecorder:
             output_length=max_tokens,
             hash_ids=tuple(ids),
             tenant=tenant,
+            session=session,
         )
         line = record.model_dump_json(exclude_none=True) + "\n"
         async with self._lock:  # in arrival order, off the event loop
@@ -126,12 +131,14 @@ class ServingStats:
         if self.access is not None:
             self.access.bind_metrics(registry)
 
-    async def arrived(self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str) -> None:
+    async def arrived(
+        self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str, session: str | None = None
+    ) -> None:
         """A request the front accepted: its blocks count for reuse, and it joins the recorded trace."""
         if self.access is not None:
             self.access.observe(keys, time.monotonic())
         if self.recorder is not None:
-            await self.recorder.record(keys, tokens, max_tokens, tenant)
+            await self.recorder.record(keys, tokens, max_tokens, tenant, session)
 
     def outcome(self, outcome: str) -> None:
         self.m_requests.labels(outcome).inc()

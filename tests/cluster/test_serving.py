@@ -788,6 +788,7 @@ async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_pa
             assert (await alice.complete(prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         async with Client([up.url], token="key-b", timeout=60) as bob:  # another tenant, one namespace
             assert (await bob.complete(prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            await bob.complete(prompt + " And on.", session=Session("conversation-1"))
         async with Client([up.url], token="key-x", timeout=60, retries=1) as stranger:
             with pytest.raises(ConductorError) as err:
                 await stranger.complete(prompt)
@@ -796,8 +797,10 @@ async def test_api_keys_select_tenants_and_a_shared_namespace_shares_hits(tmp_pa
         from tiercake.traces import read_trace
 
         lines = read_trace(recorded)
-        assert len(lines) == 2 and lines[0].hash_ids == lines[1].hash_ids and lines[0].tenant == "shared"
+        assert len(lines) == 3 and lines[0].hash_ids == lines[1].hash_ids and lines[0].tenant == "shared"
         assert lines[0].timestamp <= lines[1].timestamp
+        # a session is recorded by its hash, scoped by the tenant that sent it (not the shared namespace)
+        assert lines[0].session is None and lines[2].session == session_hash("bob", "conversation-1")
     finally:
         assert "tiercake is down" in up.stop()
 
