@@ -333,6 +333,8 @@ class SessionAware(EvictionPolicy):
         self._held[key] = None
         tenant = self._owner[key]
         self._held_size[tenant] = self._held_size.get(tenant, 0) + self._metas[key].size
+        if not self._unpassed.get(key):  # every session listing it was passed before it arrived here
+            self._ready.append(key)
 
     def _unhold(self, key: Key) -> None:
         del self._held[key]

@@ -185,3 +185,19 @@ def test_quota_and_floor_parameters_are_checked():
     ):
         with pytest.raises(ValueError):
             create_eviction("session", params)
+
+
+def test_a_block_arriving_after_its_session_was_passed_still_goes_before_a_sooner_sessions():
+    """A lower tier sees a session's blocks only when they spill into it: one that arrives after the
+    session was looked at to its root (nothing of it was here then) still goes in the session's
+    order, not after every other held block (it once waited for the last resort, the oldest held)."""
+    policy = SessionAware(LRU())
+    turn(policy, "soon", ["s1"], 0, pause=10)
+    policy.on_session(SessionEvent("late", ACTIVE, 0, ("l1",)))
+    policy.on_session(SessionEvent("late", PAUSED, 0, ("l1",), 900))  # none of its blocks here yet
+    policy.on_insert("x")  # a stray block: goes first ...
+    assert policy.victims(1) == ["x"]
+    assert policy.victims(1) == ["s1"]  # ... then "late" is passed (nothing here) and "soon" goes
+    turn(policy, "soon", ["s1"], 1, pause=10)
+    policy.on_insert("l1")  # "late"'s block arrives (spilled from above)
+    assert policy.victims(1) == ["l1"]

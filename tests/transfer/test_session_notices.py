@@ -161,3 +161,47 @@ async def test_a_new_notice_replaces_the_planned_staging(session_node):
     assert len(store.session_prefetch._planned) == 1
     assert (await engine.session_event("node-b", SessionNotice(session="s", state="closed"), [])).ok
     assert store.session_prefetch._planned == {}
+
+
+async def test_retained_kv_is_found_in_the_tier_it_was_demoted_to_until_its_retention_ends(tmp_path):
+    """Pool and SSD both session-aware: a paused session pushed out of the pool is found on SSD while
+    its retention lasts; once it has ended, its blocks are the first the full SSD lets go, while a
+    session still retained stays."""
+    path = f"/dev/shm/tiercake-test-retain-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    pool = Tier(PoolBackend(PoolRegion.create(path, 4 * BLOCK)), eviction=SessionAware(LRU()), high_watermark=1.0)
+    ssd = Tier(
+        SsdFilesBackend(tmp_path / "ssd", capacity_bytes=4 * BLOCK), eviction=SessionAware(LRU()), high_watermark=1.0
+    )
+    store = await TieredStore([pool, ssd], session_prefetch_lead_s=0).open()
+    server = await TransferServer(store, SECRET, "node-b").start()
+    engine = TransferEngine("worker", SECRET, transports=("tcp",))
+    engine.add_peer("node-b", *server.address)
+
+    async def paused(session: str, keys: list[bytes], first: int, retain: float, back: float = 600) -> None:
+        assert (await engine.session_event("node-b", SessionNotice(session=session, state="active"), keys)).ok
+        data = [payload(first + i, BLOCK) for i in range(len(keys))]
+        assert all(r.ok for r in await engine.write_blocks("node-b", keys, data))
+        notice = SessionNotice(session=session, state="paused", resume_in=back, retain_s=retain)
+        assert (await engine.session_event("node-b", notice, keys)).ok
+
+    try:
+        short, kept = [b"short-0", b"short-1"], [b"kept-0", b"kept-1"]
+        await paused("short", short, 0, retain=1.0)
+        await paused("kept", kept, 2, retain=600, back=60)  # expected back before the others
+        await paused("p1", [b"p1-0", b"p1-1"], 4, retain=600)  # pressure: the pool holds four blocks
+        await paused("p2", [b"p2-0", b"p2-1"], 6, retain=600)
+        assert [store.where(k) for k in short] == [["ssd"], ["ssd"]]  # demoted, not dropped
+        out = torch.empty(BLOCK, dtype=torch.uint8)
+        (read,) = await engine.read_blocks("node-b", [short[1]], [out])  # found where it was demoted to
+        assert read.ok and torch.equal(out, payload(1, BLOCK))
+        await asyncio.sleep(1.2)  # "short" is past its retention: any notice advances the node's clock
+        assert (await engine.session_event("node-b", SessionNotice(session="tick", state="closed"), [])).ok
+        more = [f"more-{i}".encode() for i in range(4)]
+        await paused("more", more, 8, retain=600)  # pushes four more blocks down into the full SSD
+        assert not any(store.contains(k) for k in short)  # the expired session went first
+        assert all(store.contains(k) for k in kept)  # the retained one stayed, in one tier or the other
+    finally:
+        await engine.close()
+        await server.close()
+        await store.close()
+        remove_pool(path)
