@@ -42,6 +42,7 @@ class _Session:
     announced: bool = False
     priority: int = 0
     tenant: str = ""
+    turns: int = 0  # pauses so far: turns it has finished
     version: int = 0
     cursor: int = 0  # how many of its keys, deepest first, were looked at for eviction in this version
     passed: bool = False  # looked at to its root: every other open session is expected back sooner
@@ -53,6 +54,7 @@ class SessionAware(EvictionPolicy):
     all. See the module's design note."""
 
     name = "session"
+    TURN_BUCKETS = 4  # sessions paused after 1, 2, 3, 4+ turns learn apart how often they come back
 
     def __init__(
         self,
@@ -86,8 +88,10 @@ class SessionAware(EvictionPolicy):
         self._sessions: dict[Any, _Session] = {}
         # per tenant, its paused sessions, lazily valid: (priority, -resume_at, version, session) for
         # announced pauses, (priority, paused_at, version, session) for the others
-        self._announced: dict[str, list[tuple[int, float, int, Any]]] = {}
-        self._unannounced: dict[str, list[tuple[int, float, int, Any]]] = {}
+        self._announced: dict[Any, list[tuple[int, float, int, Any]]] = {}  # by tenant
+        self._unannounced: dict[Any, list[tuple[int, float, int, Any]]] = {}  # by (tenant, turns bucket)
+        # per turns bucket: [resumed, paused]: how often a session paused after that many turns came back
+        self._resumed: dict[int, list[float]] = {}
         self._owner: dict[Key, str] = {}  # a listed key's tenant (its first holder's)
         self._held_size: dict[str, float] = {}  # per tenant: the sizes of its resident held blocks
         self._expiry: list[tuple[float, int, Any]] = []  # (expires at, version, session), lazy
@@ -183,28 +187,31 @@ class SessionAware(EvictionPolicy):
         floor first when ``protect``), lowest priority first, with the heap it tops."""
         best: tuple[bool, int, float, float] | None = None
         found = None
-        for t in [tenant] if tenant is not None else list(self._announced.keys() | self._unannounced.keys()):
+        lanes = [(t, self._announced) for t in self._announced] + [(t, self._unannounced) for t in self._unannounced]
+        for lane, heaps in lanes:
+            t = lane if heaps is self._announced else lane[0]
+            if tenant is not None and t != tenant:
+                continue
             floor_kept = protect and 0 < self.tenant_floor >= self._held_size.get(t, 0)
-            for heaps in (self._announced, self._unannounced):
-                heap = self._valid_top(heaps, t)
-                if heap is None:
-                    continue
-                session = self._sessions[heap[0][3]]
-                # ties (pauses shorter than the mean) go to the longest quiet, as one heap would order them
-                rank = (floor_kept, session.priority, -self._remaining(session), session.paused_at)
-                if best is None or rank < best:
-                    best, found = rank, (heap[0][3], heap)
+            heap = self._valid_top(heaps, lane)
+            if heap is None:
+                continue
+            session = self._sessions[heap[0][3]]
+            # ties (pauses shorter than the mean) go to the longest quiet, as one heap would order them
+            rank = (floor_kept, session.priority, -self._remaining(session), session.paused_at)
+            if best is None or rank < best:
+                best, found = rank, (heap[0][3], heap)
         return found
 
-    def _valid_top(self, heaps: dict[str, list], tenant: str) -> list | None:
-        heap = heaps.get(tenant)
+    def _valid_top(self, heaps: dict[Any, list], lane: Any) -> list | None:
+        heap = heaps.get(lane)
         while heap:
             _, _, version, sid = heap[0]
             session = self._sessions.get(sid)
             if session is not None and session.version == version and session.state is SessionState.PAUSED:
                 return heap
             heapq.heappop(heap)
-        heaps.pop(tenant, None)
+        heaps.pop(lane, None)
         return None
 
     def _remaining(self, session: _Session) -> float:
@@ -213,7 +220,16 @@ class SessionAware(EvictionPolicy):
         longer a conversation has been quiet, the longer it stays so)."""
         if session.announced:
             return session.resume_at - self._now
-        return max(self._pause_mean, self._now - session.paused_at)
+        return max(self._pause_mean, self._now - session.paused_at) / self._p_resume(session.turns)
+
+    def _bucket(self, turns: int) -> int:
+        return min(turns, self.TURN_BUCKETS)
+
+    def _p_resume(self, turns: int) -> float:
+        """How likely a session paused after ``turns`` turns is to come back, as seen so far (sessions
+        of one turn rarely do: most of a chat trace's sessions are one question)."""
+        resumed, paused = self._resumed.get(self._bucket(turns), (1.0, 2.0))
+        return max(resumed / paused, 0.01)
 
     def _enforce_quota(self, tenant: str) -> None:
         """A tenant past its quota lets go of its sessions expected back last until it is within it."""
@@ -247,11 +263,15 @@ class SessionAware(EvictionPolicy):
         session.cursor = 0
         session.priority = event.priority
         if event.state is SessionState.ACTIVE:
-            if session.state is SessionState.PAUSED and not session.announced:
-                self._learn_pause(self._now - session.paused_at)
+            if session.state is SessionState.PAUSED:
+                self._resumed.setdefault(self._bucket(session.turns), [1.0, 2.0])[0] += 1
+                if not session.announced:
+                    self._learn_pause(self._now - session.paused_at)
             session.state, session.resume_at = SessionState.ACTIVE, self._now
             return
         session.state, session.paused_at = SessionState.PAUSED, self._now
+        session.turns += 1
+        self._resumed.setdefault(self._bucket(session.turns), [1.0, 2.0])[1] += 1
         session.announced = event.resume_in is not None
         pause = event.resume_in if event.resume_in is not None else self._pause_mean
         session.resume_at = self._now + max(0.0, pause)
@@ -260,7 +280,8 @@ class SessionAware(EvictionPolicy):
             heapq.heappush(self._announced.setdefault(session.tenant, []), entry)
         else:
             entry = (session.priority, session.paused_at, session.version, event.session)
-            heapq.heappush(self._unannounced.setdefault(session.tenant, []), entry)
+            lane = (session.tenant, self._bucket(session.turns))
+            heapq.heappush(self._unannounced.setdefault(lane, []), entry)
         retain = event.retain_s if event.retain_s is not None else self.retain_s
         heapq.heappush(self._expiry, (self._now + retain, session.version, event.session))
         self._enforce_quota(session.tenant)
