@@ -14,8 +14,9 @@ split in two:
   system prompt between conversations): a session-blind policy (``fallback``, by default ``reuse``)
   orders them, and they leave before any held block.
 
-A paused session without an announced pause is expected back after the mean pause this policy has
-seen, which orders such sessions as LRU orders them. A paused session expires ``retain_s`` after its
+A paused session without an announced pause is expected to stay quiet as long again as it has been
+(at least the mean pause seen), divided by how likely a session paused after as many turns is to come
+back at all (learned online: most one-turn conversations never do). A paused session expires ``retain_s`` after its
 pause (its own ``retain_s`` or the policy's): its blocks become free. Time comes only from the events
 (``SessionEvent.at``), so the simulator and the live conductor drive it the same way.
 """
