@@ -64,11 +64,16 @@ class SessionAware(EvictionPolicy):
         initial_pause_s: float = 60.0,
         tenant_quota: float | None = None,
         tenant_floor: float = 0.0,
+        max_sessions: int = 1_000_000,
     ) -> None:
         """``tenant_quota``: the most a tenant's paused sessions retain in this tier (in the unit of
         ``BlockMeta.size``: bytes in a store, blocks in the simulator); past it, its sessions expected
         back last are let go (their blocks are then like any other). ``tenant_floor``: what a tenant's
-        sessions keep while another tenant's held blocks can go instead."""
+        sessions keep while another tenant's held blocks can go instead. ``max_sessions``: the most
+        sessions tracked; past it, the paused ones whose retention ends first are let go early (a
+        client opening sessions without end costs this policy bounded memory)."""
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be at least 1")
         if not (0 < retain_s < math.inf and 0 < initial_pause_s < math.inf):
             raise ValueError("retain_s and initial_pause_s must be positive, finite seconds")
         if tenant_quota is not None and not 0 < tenant_quota < math.inf:
@@ -78,6 +83,7 @@ class SessionAware(EvictionPolicy):
         if isinstance(fallback, SessionAware):
             raise ValueError("the fallback of the session policy must be a session-blind policy")
         self.retain_s, self.tenant_quota, self.tenant_floor = retain_s, tenant_quota, tenant_floor
+        self.max_sessions = max_sessions
         self._free = fallback if fallback is not None else ReuseAware()
         self._held: dict[Key, None] = {}  # resident keys that an open session lists, oldest first
         self._metas: dict[Key, BlockMeta] = {}  # every resident key's, for the fallback when it is freed
@@ -257,6 +263,7 @@ class SessionAware(EvictionPolicy):
                 self._close(event.session, session)
             return
         if session is None:
+            self._make_room()
             session = self._sessions[event.session] = _Session(tenant=event.tenant)
         self._unpass(session)
         self._relist(session, event.keys)
@@ -290,6 +297,15 @@ class SessionAware(EvictionPolicy):
     def _advance(self, at: float) -> None:
         self._now = max(self._now, at)
         while self._expiry and self._expiry[0][0] <= self._now:
+            _, version, sid = heapq.heappop(self._expiry)
+            session = self._sessions.get(sid)
+            if session is not None and session.version == version and session.state is SessionState.PAUSED:
+                self._close(sid, session)
+
+    def _make_room(self) -> None:
+        """Room for one more session: past ``max_sessions``, paused sessions are let go in the order
+        their retention would end."""
+        while len(self._sessions) >= self.max_sessions and self._expiry:
             _, version, sid = heapq.heappop(self._expiry)
             session = self._sessions.get(sid)
             if session is not None and session.version == version and session.state is SessionState.PAUSED:

@@ -201,3 +201,15 @@ def test_a_block_arriving_after_its_session_was_passed_still_goes_before_a_soone
     turn(policy, "soon", ["s1"], 1, pause=10)
     policy.on_insert("l1")  # "late"'s block arrives (spilled from above)
     assert policy.victims(1) == ["l1"]
+
+
+def test_sessions_tracked_are_bounded_and_the_ones_retained_shortest_go_first():
+    policy = SessionAware(LRU(), max_sessions=3)
+    turn(policy, "a", ["a1"], 0, pause=5, retain=100)
+    turn(policy, "b", ["b1"], 0, pause=5, retain=50)  # its retention ends first
+    turn(policy, "c", ["c1"], 0, pause=5, retain=200)
+    turn(policy, "d", ["d1"], 1, pause=5, retain=300)  # a fourth: "b" is let go early
+    assert policy.describe()["sessions"] == {"paused": 3}
+    assert policy.victims(1) == ["b1"]  # its block is free now: it goes first
+    with pytest.raises(ValueError):
+        SessionAware(max_sessions=0)
