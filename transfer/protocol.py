@@ -60,6 +60,8 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tiercake.messages import MAX_SESSION_S
+
 MAGIC = b"TCXF"
 VERSION = 5  # 2: seals in WRITE, READ_REPLY and LEASE_REPLY; 3: RELEASE with FLAG_NO_REPLY, eager WRITE;
 # 4: the key-value store's object operations (object_wire.py), HELLO names the server's version; 5: SESSION
@@ -67,7 +69,6 @@ OLDEST = 4  # the oldest version this side still speaks: a cluster upgrades one 
 FRAMED_SINCE = 3  # the frame header has been the same since: a HELLO of an older release is still read
 OBJECTS_SINCE = 4  # the object operations: not sent to, nor asked of, an older peer
 SESSIONS_SINCE = 5  # SESSION: an older peer is not told (its tiers' policies are session-blind anyway)
-MAX_SESSION_S = 7 * 24 * 3600.0  # the longest pause or retention a session may announce
 POOL_FORMAT_SINCE = 4  # the shared pool's region format (TCPOOL02): an older peer's pool is not mapped, nor ours by it
 NONCE_BYTES = 32
 MAX_BODY = 16 << 20  # metadata of one request; bulk data is counted separately
