@@ -169,12 +169,12 @@ class OpenAIApi:
         tenants: Tenants,
         dispatcher: Dispatcher,
         stats: ServingStats,
-        sessions: SessionBook | None = None,
+        sessions: SessionBook,
     ) -> None:
         self.config = config
         self.serving = config.serving
         self.tenants = tenants
-        self.sessions = sessions if sessions is not None else SessionBook()
+        self.sessions = sessions
         self.quotas = Quotas(config.serving)
         self.dispatcher = dispatcher
         self.stats = stats

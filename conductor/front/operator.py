@@ -65,10 +65,10 @@ class OperatorApi:
         tenants: Tenants,
         dispatcher: Dispatcher,
         stats: ServingStats,
-        sessions: SessionBook | None = None,
+        sessions: SessionBook,
     ) -> None:
         self.conductor = conductor
-        self.sessions = sessions if sessions is not None else SessionBook()
+        self.sessions = sessions  # the front's one book, shared with the OpenAI API that fills it
         self.config = config
         self.tenants = tenants
         self.dispatcher = dispatcher
@@ -104,16 +104,14 @@ class OperatorApi:
         if change.priority is not None:
             update["priority"] = change.priority
         await self._tell(record, record.directive.model_copy(update=update))
-        return reply(
-            SessionsReply(sessions=[s for s in self.sessions.list(change.tenant) if s.id == record.directive.id])
-        )
+        return reply(SessionsReply(sessions=[self.sessions.info(record)]))
 
     async def drop_session(self, request: web.Request) -> web.Response:
         """``DELETE``: close it (its KV goes first in every tier that holds it)."""
         tenant = request.query.get("tenant", "default")
         record = self._session(request.match_info["session"], tenant)
         await self._tell(record, record.directive.model_copy(update={"close": True}))
-        return reply(SessionsReply(sessions=[s for s in self.sessions.list(tenant) if s.id == record.directive.id]))
+        return reply(SessionsReply(sessions=[self.sessions.info(record)]))
 
     def _session(self, session: str, tenant: str) -> SessionRecord:
         record = self.sessions.get(tenant, session)

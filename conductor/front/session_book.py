@@ -60,19 +60,21 @@ class SessionBook:
         now = time.monotonic()
         for key in [k for k, r in self._records.items() if r.state == "closed" and now - r.since > self.closed_kept_s]:
             del self._records[key]
-        return [
-            SessionInfo(
-                id=session,
-                tenant=owner,
-                parent=r.directive.parent,
-                state=r.state,  # type: ignore[arg-type]
-                turns=r.turns,
-                idle_s=round(now - r.since, 3),
-                retain_s=r.directive.retain_s,
-                priority=r.directive.priority,
-                pause_s=r.directive.pause_s,
-                worker=r.worker,
-            )
-            for (owner, session), r in self._records.items()
-            if tenant is None or owner == tenant
-        ]
+        return [self.info(r, now) for r in self._records.values() if tenant is None or r.tenant == tenant]
+
+    @staticmethod
+    def info(r: SessionRecord, now: float | None = None) -> SessionInfo:
+        """One session as the control API shows it."""
+        now = time.monotonic() if now is None else now
+        return SessionInfo(
+            id=r.directive.id,
+            tenant=r.tenant,
+            parent=r.directive.parent,
+            state=r.state,  # type: ignore[arg-type]
+            turns=r.turns,
+            idle_s=round(now - r.since, 3),
+            retain_s=r.directive.retain_s,
+            priority=r.directive.priority,
+            pause_s=r.directive.pause_s,
+            worker=r.worker,
+        )
