@@ -100,16 +100,20 @@ def chain_key(parent: bytes, block_tokens: Sequence[int] | np.ndarray) -> BlockK
     return BlockKey(h.digest())
 
 
-def block_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
-    """Keys of every *full* block of ``tokens``; a trailing partial block is never keyed."""
+def block_keys(
+    namespace: Namespace, tokens: Sequence[int] | np.ndarray, known: Sequence[BlockKey] = ()
+) -> list[BlockKey]:
+    """Keys of every *full* block of ``tokens``; a trailing partial block is never keyed. ``known``:
+    the keys of its first blocks, made before (a prompt's, when the answer has grown it): only the
+    rest are hashed."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
     size = namespace.block_size
     full = arr.shape[0] // size
-    keys: list[BlockKey] = []
-    parent = namespace.root()
-    for i in range(full):
+    keys: list[BlockKey] = list(known[:full])
+    parent = keys[-1] if keys else namespace.root()
+    for i in range(len(keys), full):
         key = chain_key(parent, arr[i * size : (i + 1) * size])
         keys.append(key)
         parent = key

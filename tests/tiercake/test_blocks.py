@@ -143,3 +143,11 @@ def test_a_seal_binds_the_bytes_to_the_key_the_tenant_and_the_secret():
     assert sealer_for(material, "alice").seal(b"k1", data.tobytes()) == seal  # stable, any buffer
     with pytest.raises(ValueError, match="at least 16 bytes"):
         seal_material(b"short")
+
+
+def test_block_keys_extend_a_known_chain_as_they_would_hash_it_whole():
+    tokens = list(range(5 * NS.block_size + 3))
+    whole = block_keys(NS, tokens)
+    prompt = block_keys(NS, tokens[: 2 * NS.block_size + 1])
+    assert block_keys(NS, tokens, known=prompt) == whole
+    assert block_keys(NS, tokens[: NS.block_size], known=whole) == whole[:1]  # more known than full blocks

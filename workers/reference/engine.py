@@ -137,14 +137,15 @@ class ReferenceEngine(ServingEngine):
         """``_generate`` between the session's notices: active with the prompt's blocks, then paused
         with the blocks of prompt and answer (what its next turn starts with), or closed."""
         namespace = self.inference.namespace_for(request.salt if request.salt is not None else request.tenant)
-        self.sessions.started(session, request.tenant, block_keys(namespace, request.tokens))
+        prompt = block_keys(namespace, request.tokens)
+        self.sessions.started(session, request.tenant, prompt)
         tokens = list(request.tokens)
         try:
             async for event in self._generate(request):
                 tokens.append(event.token)
                 yield event
-        finally:
-            self.sessions.ended(session, request.tenant, block_keys(namespace, tokens))
+        finally:  # the answer's full blocks extend the prompt's chain: only they are hashed
+            self.sessions.ended(session, request.tenant, block_keys(namespace, tokens, known=prompt))
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         events = self.scheduler.generate(request)
