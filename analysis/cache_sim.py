@@ -82,11 +82,12 @@ def session_stream(
             continue
         sid, at = (record.tenant, record.session), record.timestamp / 1000
         full = len(record.hash_ids) - (record.input_length % TRACE_BLOCK_TOKENS != 0)
-        keys = tuple(_key(record, h) for h in record.hash_ids[:full])  # a partial block changes next turn
         tenant = record.tenant or ""
-        prompt = tuple(_key(record, h) for h in record.hash_ids)
+        reads = _record_accesses(record)
+        prompt = tuple(a.key for a in reads)
+        keys = prompt[:full]  # a partial block changes next turn
         out.append(SessionEvent(sid, SessionState.ACTIVE, at, prompt, tenant=tenant))
-        out.extend(_record_accesses(record))
+        out.extend(reads)
         if info != "open" and record.closes:
             out.append(SessionEvent(sid, SessionState.CLOSED, at, tenant=tenant))
             continue

@@ -151,17 +151,19 @@ def evaluate_sessions(
     scores = []
     total = len(capacities) * (len(runs) + 1)
     done = 0
+    blind = accesses(records)
+    streams = {(info, sigma): session_stream(records, info, sigma) for _, info, _, sigma in runs}  # once each
     for cap in capacities:
         if progress is not None:
             progress(done, total, f"optimum @ {cap:,} blocks")
-        best = optimum(accesses(records), cap).hit_ratio
+        best = optimum(blind, cap).hit_ratio
         done += 1
         for policy, info, params, sigma in runs:
             if progress is not None:
                 progress(done, total, f"{policy} ({info}) @ {cap:,} blocks")
             started = time.perf_counter()
             tier = TierSpec(cap, create_eviction(policy, params))
-            hit = simulate(session_stream(records, info, sigma), [tier]).hit_ratio
+            hit = simulate(streams[(info, sigma)], [tier]).hit_ratio
             scores.append(SessionScore(policy, info, cap, hit, best, time.perf_counter() - started, sigma))
             done += 1
     if progress is not None:
