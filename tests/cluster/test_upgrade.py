@@ -83,7 +83,7 @@ async def test_a_previous_release_node_agent_joins_a_current_conductor_and_serve
         # the previous release's link reports to this conductor: the index finds the blocks there
         await _written_found_and_read(client, old, keys)
         # both speak the object operations: the object map gives slots to both
-        chains = (await wait_until(lambda: _mapped(client), what="an object map")).chains
+        chains = (await wait_until(lambda: _mapped_to_both(client), what="an object map of both nodes")).chains
         assert {node for chain in chains for node in chain} == {"node-old", "node-new"}
         # a session notice is not sent to a node without SESSION (it would drop the connection), and
         # the node serves on over the same engine
@@ -135,9 +135,10 @@ async def _two_nodes(client: Client):
     return members if len(members) == 2 else None
 
 
-async def _mapped(client: Client):
+async def _mapped_to_both(client: Client):
+    """The object map once it gives slots to both nodes (the second to register joins it later)."""
     view = await client.object_map()
-    return view if view.chains else None
+    return view if {node for chain in view.chains for node in chain} == {"node-old", "node-new"} else None
 
 
 def test_the_previous_release_is_the_last_of_protocol_4(previous):
