@@ -205,6 +205,19 @@ async def wait_indexed(
     raise TimeoutError(f"the node's {tier} tier never held {at_least} indexed bytes")
 
 
+async def after_reset(engine: Vllm, tokens: list[int], tries: int = 3) -> dict:
+    """``tokens`` completed after vLLM forgot its prefix cache, once the connector's index of its
+    node's pool shows them (reread every 50 ms, a little less often on a busy machine: a second is
+    many rereads, and a few seconds are allowed) or after ``tries`` attempts."""
+    for _ in range(tries):
+        await engine.reset_prefix_cache()
+        await asyncio.sleep(1.0)
+        reply = await engine.complete(tokens)
+        if tiercake(reply).get("lookup_local"):
+            break
+    return reply
+
+
 BLOCK_BYTES = 4 * 2 * BLOCK * 2 * 64 * 2  # layers x (K, V) x tokens x kv heads x head size x bf16
 
 
@@ -214,14 +227,11 @@ async def test_same_instance_loads_its_own_blocks_back_after_its_prefix_cache_is
     first = await a.complete(tokens)
     assert loaded(first) == 0 and cached(first) == 0  # computed from scratch
     await wait_indexed(tc, "pool", PROMPT_BLOCKS * BLOCK_BYTES)
-    await a.reset_prefix_cache()
-    # the connector rereads its node's pool index every 50 ms, less often when a reread costs more
-    # than 5% of a core (a busy CI machine): a second covers many rereads
-    await asyncio.sleep(1.0)
-    again = await a.complete(tokens)
+    again = await after_reset(a, tokens)
     assert loaded(again) == PROMPT_BLOCKS * BLOCK and cached(again) >= PROMPT_BLOCKS * BLOCK
     # found in the node's pool index read in place, without asking the conductor
-    assert tiercake(again)["lookup_local"] is True and tiercake(again)["lookup_s"] < 0.05
+    assert tiercake(again)["lookup_local"] is True, tiercake(again)["local_index"]
+    assert tiercake(again)["lookup_s"] < 0.05
     assert tiercake(again)["load_bytes"] == PROMPT_BLOCKS * BLOCK_BYTES and tiercake(again)["load_s"] > 0
     # loaded layer by layer beside the forward pass: it waited for part of the load at most
     assert 0 <= tiercake(again)["load_wait_s"] <= tiercake(again)["load_s"]
@@ -244,7 +254,8 @@ async def test_the_vllm_benchs_requests_load_each_held_prefix_and_time_the_same_
     assert sorted(samples) == ["cold50", "cold90", "held50", "held90"]
     for pct, blocks in (("50", 4), ("90", 7)):
         (seconds, held), (_, cold) = samples[f"held{pct}"][0], samples[f"cold{pct}"][0]
-        assert seconds > 0 and loaded(held) == blocks * BLOCK and tiercake(held)["lookup_local"] is True
+        assert seconds > 0 and loaded(held) == blocks * BLOCK
+        assert tiercake(held)["lookup_local"] is True, tiercake(held)["local_index"]
         assert loaded(cold) == 0 and cached(cold) == 0 and answer(cold) == answer(held)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
@@ -23,10 +22,11 @@ from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.config import TlsConfig
 from tiercake.loop_thread import LoopThread
 from tiercake.tiers import StoreError
-from tiercake.tiers.pool import PoolIndexReader
+from tiercake.tiers.pool import PoolRegion
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferError, TransferResult
 from tiercake.transfer.protocol import SessionNotice
 from tiercake.transfer.transports import PoolLease
+from tiercake.workers.vllm.pool_watch import PoolWatch
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TiercakeLink:
 
         self.client, self.engine = self.call(build(), 10.0)
         self.nodes = NodeDirectory(self.client, self.engine, every=members_every)
-        self.pool_index: PoolIndexReader | None = None  # of the watched node's pool (watch_pool)
+        self.pool_watch: PoolWatch | None = None  # of the node's pool (watch_pool)
         self._watch: concurrent.futures.Future | None = None
 
     # Plumbing ------------------------------------------------------------------------------------
@@ -116,41 +116,27 @@ class TiercakeLink:
         return node, live[node]
 
     def watch_pool(self, node: str, every: float) -> None:
-        """Keep an index of ``node``'s shared pool here (``local_prefix``), read from the pool's own
-        index every ``every`` seconds (in a worker thread, off the link's loop); nothing when the node
-        is not on this host."""
+        """Keep ``node``'s pool index here (``local_prefix``), reread every ``every`` seconds on the
+        link's loop (see ``PoolWatch``); nothing without a transfer engine."""
 
-        async def watch() -> None:
-            while True:
-                try:
-                    if node not in self.nodes and self.engine.address(node) is None:
-                        await self.nodes.refresh()
-                    region = await self.engine.pool_region(node)  # a restarted node agent: its new pool
-                    if region is None:
-                        self.pool_index = None
-                        return
-                    if self.pool_index is None or self.pool_index.region is not region:
-                        self.pool_index = PoolIndexReader(region)
-                    started = time.perf_counter()
-                    await asyncio.to_thread(self.pool_index.refresh)  # about 1 ms at 512 MiB: off the loop
-                    # at most 5% of a core: a big pool's index (a million entries) is reread less often
-                    pause = max(every, 20 * (time.perf_counter() - started))
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the index is a hint: without it, the conductor answers
-                    log.debug("tiercake link %s: pool index of %s: %s", self.identity, node, exc)
-                    self.pool_index = None
-                    pause = every
-                await asyncio.sleep(pause)
+        async def region() -> PoolRegion | None:
+            if node not in self.nodes and self.engine.address(node) is None:
+                await self.nodes.refresh()
+            return await self.engine.pool_region(node)
 
         if self.engine is not None:
-            self._watch = self.submit(watch())
+            self.pool_watch = PoolWatch(node, every, region)
+            self._watch = self.submit(self.pool_watch.run())
+
+    @property
+    def pool_index_state(self) -> str:
+        """Whether the watched pool's index is read here, or why not."""
+        return "not watched" if self.pool_watch is None else self.pool_watch.state
 
     def local_prefix(self, tenant: str, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first, the watched pool held for ``tenant`` (0 before the
         first read): microseconds, no round trip; a hint the lease confirms."""
-        index = self.pool_index
-        return 0 if index is None else index.leading(tenant, keys)
+        return 0 if self.pool_watch is None else self.pool_watch.leading(tenant, keys)
 
     def longest_prefix_soon(self, tenant: str, keys: list[bytes]) -> concurrent.futures.Future:
         """``longest_prefix`` without waiting: a future of (node, blocks), (None, 0) on failure."""

@@ -271,6 +271,7 @@ class ConnectorScheduler:
             "lookup_s": tracked.lookup_s,
             "lookup_cpu_s": tracked.lookup_cpu_s,
             "lookup_local": tracked.lookup_local,
+            "local_index": self.link.pool_index_state,
             **self.space,
         }
         report = tracked.load
