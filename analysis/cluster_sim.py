@@ -16,6 +16,7 @@ import heapq
 import math
 import random
 import textwrap
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +153,33 @@ def _scaled(model: PrefillModel, factor: float) -> PrefillModel:
     return PrefillModel(model.a * factor, model.b * factor, model.q * factor)
 
 
+class _Sessions:
+    """Where each session of the trace last ran (its records' ``session`` and ``fork_of``), as the
+    live front's session book knows it: what a session-aware router reads."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str | None, str], str] = {}
+        self.paused: Counter[str] = Counter()  # open sessions whose last turn ran on each worker
+
+    def affinity(self, record: TraceRecord) -> tuple[str, ...]:
+        if record.session is None:
+            return ()
+        mine = self.last.get((record.tenant, record.session))
+        parent = self.last.get((record.tenant, record.fork_of)) if record.fork_of is not None else None
+        return tuple(w for w in (mine, parent) if w is not None)
+
+    def ran(self, record: TraceRecord, worker: str) -> None:
+        if record.session is None:
+            return
+        key = (record.tenant, record.session)
+        before = self.last.pop(key, None)
+        if before is not None:
+            self.paused[before] -= 1
+        if not record.closes:
+            self.last[key] = worker
+            self.paused[worker] += 1
+
+
 class _Cluster:
     """One run's state: each prefill worker's cache and when it is next free, the node pool, and the
     end times of what each decode worker runs."""
@@ -166,7 +194,7 @@ class _Cluster:
         self.believed = [_scaled(spec.prefill, 1 + rng.uniform(-noise, noise)) for _ in range(spec.prefill_workers)]
         self.decoding: list[list[float]] = [[] for _ in range(spec.decode_workers)]  # heaps of end times
 
-    def prefill_states(self, own: list[int], now: float) -> list[WorkerState]:
+    def prefill_states(self, own: list[int], now: float, paused: Counter[str]) -> list[WorkerState]:
         spec = self.spec
         return [
             WorkerState(
@@ -178,6 +206,7 @@ class _Cluster:
                 spec.decode_step_s,
                 spec.bandwidth_bytes_per_s,
                 queue_s=max(0.0, self.free_at[i] - now),
+                sessions=paused[f"p{i}"],
             )
             for i in range(spec.prefill_workers)
         ]
@@ -222,6 +251,7 @@ def simulate_cluster(
     """``progress(requests done)``, every 1,000 requests and at the end."""
     router = create_router(router, router_params) if isinstance(router, str) else router
     cluster = _Cluster(spec)
+    sessions = _Sessions()
     result = ClusterResult(router.describe())
     for done, record in enumerate(sorted(records, key=lambda r: r.timestamp)):
         if progress is not None and done % 1000 == 0:
@@ -230,8 +260,10 @@ def simulate_cluster(
         keys = list(record.hash_ids) if record.tenant is None else [(record.tenant, h) for h in record.hash_ids]
         own = [cache.prefix(keys) for cache in cluster.caches]
         best = cluster.pool.prefix(keys) if cluster.pool is not None else 0
-        request = RouteRequest(record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best)
-        decision = router.choose(cluster.prefill_states(own, now), request)
+        request = RouteRequest(
+            record.input_length, TRACE_BLOCK_TOKENS, spec.block_nbytes, best, sessions.affinity(record)
+        )
+        decision = router.choose(cluster.prefill_states(own, now, sessions.paused), request)
         decode = router.choose_decode(cluster.decode_states(now), request)  # the live front's rule
         d, tbt = int(decode.worker[1:]), decode.tbt_s
         if _rejected(spec, decision.ttft_s, tbt):
@@ -259,6 +291,7 @@ def simulate_cluster(
         result.bytes_moved += (reused - mine) * spec.block_nbytes
         result.slo_met += not _rejected(spec, finish - now, tbt)
         cluster.cache(w, keys, result)
+        sessions.ran(record, decision.worker)
     if progress is not None:
         progress(len(records))
     return result

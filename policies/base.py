@@ -40,6 +40,9 @@ class SessionState(StrEnum):
     CLOSED = "closed"
 
 
+DEFAULT_RETAIN_S = 1800.0  # how long a paused session is kept when it announces no retention
+
+
 @dataclass(frozen=True, slots=True)
 class SessionEvent:
     """A session's state changed, at time ``at`` (seconds, on the caller's clock: the trace's in the

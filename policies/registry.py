@@ -51,6 +51,7 @@ _BUILTINS: dict[tuple[str, str], type] = {
         placement.FixedReplicas,
         placement.HotReplicas,
         routing.TtftRouter,
+        routing.SessionRouter,
         routing.CacheAwareRouter,
         routing.LeastLoadedRouter,
         routing.RoundRobinRouter,

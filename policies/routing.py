@@ -45,6 +45,7 @@ class WorkerState:
     decode_step_s: float = 0.005  # one decode step at a small batch
     load_bytes_per_s: float = 2e9  # measured rate of its pulls into the gpu tier
     queue_s: float = 0.0  # known backlog in seconds (the simulator knows it; the live front counts tokens)
+    sessions: int = 0  # paused sessions whose last turn ran here (their KV is retained on its node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class RouteRequest:
     block_size: int
     block_nbytes: int
     best_blocks: int = 0  # the longest prefix any node holds (pool or SSD)
+    # the request's session: the workers that ran its last turn, then its parent's (a subagent's
+    # first turn), most preferred first; empty for a request without a session
+    affinity: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,47 @@ class TtftRouter(Router):
         spread = max(w.prefill.a for w in workers) - min(w.prefill.a for w in workers) if self.margin else 0.0
         near = [d for d in decisions if d.ttft_s <= fastest * (1 + self.margin) + spread]
         return min(near, key=lambda d: (-own[d.worker], d.ttft_s))
+
+
+class SessionRouter(TtftRouter):
+    """Algorithm 1 that keeps a conversation where it was: a session's next turn goes back to the
+    worker that ran its last turn, and a subagent's first turn to its parent's, while that worker's
+    predicted TTFT is within ``affinity`` of the fastest; a new session goes, among equals, to the
+    worker retaining the fewest paused sessions.
+
+    Why, when Algorithm 1 already prefers the worker whose cache holds the prompt: a paused
+    session's blocks leave the gpu tier (demoted to its node's pool, staged back before an announced
+    resume), and then every worker looks alike to the cache rule. A turn sent elsewhere loads the
+    whole conversation again, across nodes when the pool is another node's, and leaves a second copy
+    of the conversation in a second gpu tier (two workers' caches each hold what one would). Keeping
+    it on one worker keeps one copy, next to the node that staged it. Siblings of a fan start where
+    their parent ran, where the shared prefix is hot. The bound keeps a busy worker from being
+    loaded further: past ``affinity``, the fastest wins as in ``ttft``. Without session information
+    it routes exactly as ``ttft``."""
+
+    name = "session"
+
+    def __init__(self, pull_ratio: float = 1.25, margin: float = 0.1, affinity: float = 0.25) -> None:
+        super().__init__(pull_ratio, margin)
+        if not 0 <= affinity < 10:
+            raise ValueError("affinity is a fraction of the fastest prediction, in [0, 10)")
+        self.affinity = affinity
+
+    def choose(self, workers, request):
+        decisions = [self.predict(w, request, self.pull_ratio) for w in workers]
+        fastest = min(d.ttft_s for d in decisions)
+        usable = max(0, (request.prompt_tokens - 1) // request.block_size)
+        own = {w.worker: min(w.cached_blocks, usable) for w in workers}
+        held = {w.worker: w.sessions for w in workers}
+        spread = max(w.prefill.a for w in workers) - min(w.prefill.a for w in workers) if self.margin else 0.0
+        rank = {worker: i for i, worker in enumerate(request.affinity)}
+        near = [
+            d
+            for d in decisions
+            if d.ttft_s <= fastest * (1 + self.margin) + spread
+            or (d.worker in rank and d.ttft_s <= fastest * (1 + max(self.margin, self.affinity)) + spread)
+        ]
+        return min(near, key=lambda d: (-own[d.worker], rank.get(d.worker, len(rank)), held[d.worker], d.ttft_s))
 
 
 class _PullingBaseline(Router):

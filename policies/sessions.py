@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import BlockMeta, CanEvict, EvictionPolicy, Key, SessionEvent, SessionState, _always
+from .base import DEFAULT_RETAIN_S, BlockMeta, CanEvict, EvictionPolicy, Key, SessionEvent, SessionState, _always
 from .eviction import ReuseAware
 
 
@@ -60,7 +60,7 @@ class SessionAware(EvictionPolicy):
     def __init__(
         self,
         fallback: EvictionPolicy | None = None,
-        retain_s: float = 1800.0,
+        retain_s: float = DEFAULT_RETAIN_S,
         initial_pause_s: float = 60.0,
         tenant_quota: float | None = None,
         tenant_floor: float = 0.0,

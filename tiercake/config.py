@@ -412,7 +412,9 @@ class ServingConfig(BaseModel):
         "model's, e.g. vLLM's --model directory): the front tokenizes with it; null: "
         "the reference model's UTF-8 bytes",
     )
-    router: str = Field(default="ttft", description="ttft, cache_aware, least_loaded, round_robin, random, plug-in")
+    router: str = Field(
+        default="ttft", description="ttft, session, cache_aware, least_loaded, round_robin, random, plug-in"
+    )
     router_params: dict[str, Any] = Field(default_factory=dict)
 
     slo_ttft_s: float | None = Field(default=None, gt=0, description="reject (429) when predicted TTFT exceeds it")

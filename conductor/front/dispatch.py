@@ -45,6 +45,7 @@ from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest,
 
 from ..service import Conductor
 from .serving_stats import ServingStats, Timing
+from .session_book import SessionBook
 from .worker_client import RequestFailed, StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ class Job:
     top_p: float = 1.0
     logprobs: int | None = None
     session: SessionDirective | None = None  # the conversation it belongs to (tenant-scoped hash)
+    affinity: tuple[str, ...] = ()  # workers its session prefers (SessionBook.began), most first
     worker: str | None = None  # the worker it was last sent to
+    prefilled_on: str | None = None  # the worker that computed its prompt
     timing: Timing = field(default_factory=Timing)
     failed_on: set[str] = field(default_factory=set)  # workers that answered this request with a server error
     _keys_in: dict = field(default_factory=dict, init=False, repr=False)  # namespace -> the prompt's keys in it
@@ -132,9 +135,15 @@ class Dispatcher:
     REQUEST_FAILURES = 2  # workers that answered a request with a server error before the request fails
 
     def __init__(
-        self, conductor: Conductor, config: TiercakeConfig, stats: ServingStats, workers: WorkerClient | None = None
+        self,
+        conductor: Conductor,
+        config: TiercakeConfig,
+        stats: ServingStats,
+        sessions: SessionBook,
+        workers: WorkerClient | None = None,
     ) -> None:
         self.conductor = conductor
+        self.sessions = sessions  # the front's one book: which worker each session last ran on
         self.config = config
         self.serving = config.serving
         self.layout = self.serving.layout()
@@ -295,7 +304,7 @@ class Dispatcher:
         request = job.request(
             max_tokens=1 if split else job.max_tokens, pull=route.decision.pull, source=route.source, handoff=split
         )
-        job.worker = route.member.node_id
+        job.worker = job.prefilled_on = route.member.node_id
         return route.member, request
 
     def route(self, job: Job, roles: tuple[str, ...], split: bool = False) -> Route:
@@ -310,11 +319,14 @@ class Dispatcher:
         job.timing.lookup_s += time.perf_counter() - started
         nodes = {m.node_id for m in self.conductor.members.alive("node")}
         best, best_node = max(((p.length, n) for n, p in found.items() if n in nodes), default=(0, None))
-        request = self._route_request(space, len(job.tokens), best)
+        request = self._route_request(space, len(job.tokens), best, job.affinity)
         router = self.router()
+        held = self.sessions.held_per_worker()
         decision = router.choose(
             [
-                self._state(m, found[m.node_id].length if m.node_id in found and m.kv_space == space else 0)
+                self._state(
+                    m, found[m.node_id].length if m.node_id in found and m.kv_space == space else 0, held[m.node_id]
+                )
                 for m in members
             ],
             request,
@@ -343,10 +355,12 @@ class Dispatcher:
         spaces = [m.kv_space for m in members]
         return max(spaces, key=spaces.count)
 
-    def _route_request(self, space: KVSpace | None, tokens: int, cached_blocks: int) -> RouteRequest:
+    def _route_request(
+        self, space: KVSpace | None, tokens: int, cached_blocks: int, affinity: tuple[str, ...] = ()
+    ) -> RouteRequest:
         if space is None:
-            return RouteRequest(tokens, self.layout.block_size, self.layout.nbytes, cached_blocks)
-        return RouteRequest(tokens, space.namespace.block_size, space.block_bytes, cached_blocks)
+            return RouteRequest(tokens, self.layout.block_size, self.layout.nbytes, cached_blocks, affinity)
+        return RouteRequest(tokens, space.namespace.block_size, space.block_bytes, cached_blocks, affinity)
 
     def _check_slo(self, ttft_s: float, tbt_s: float) -> None:
         slo_ttft, slo_tbt = self.serving.slo_ttft_s, self.serving.slo_tbt_s
@@ -418,7 +432,7 @@ class Dispatcher:
             and self.loads[m.node_id].busy_until <= now
         ]
 
-    def _state(self, member: MemberInfo, cached: int) -> WorkerState:
+    def _state(self, member: MemberInfo, cached: int, sessions: int = 0) -> WorkerState:
         load, perf = self.loads[member.node_id], member.perf
         return WorkerState(
             member.node_id,
@@ -428,4 +442,5 @@ class Dispatcher:
             PrefillModel(perf.prefill_a, perf.prefill_b, perf.prefill_q),
             perf.decode_step_s,
             load.load_bytes_per_s,
+            sessions=sessions,
         )

@@ -31,8 +31,8 @@ class Frontend:
         self.config = config
         self.tenants = Tenants(config.serving)
         self.stats = ServingStats(config.serving)
-        self.dispatcher = Dispatcher(conductor, config, self.stats)
         self.sessions = SessionBook()
+        self.dispatcher = Dispatcher(conductor, config, self.stats, self.sessions)
         self.openai = OpenAIApi(config, self.tenants, self.dispatcher, self.stats, self.sessions)
         self.operator = OperatorApi(conductor, config, self.tenants, self.dispatcher, self.stats, self.sessions)
 

@@ -297,8 +297,7 @@ class OpenAIApi:
         held.enter_context(self.quotas.admit(tenant, ask.n * sum(len(p) + ask.max_tokens for p in ask.prompts)))
         index_tenant, salt = self.tenants.namespace(tenant)
         namespace = self.config.serving_namespace(salt)
-        if session is not None:
-            self.sessions.began(tenant, session)
+        affinity = self.sessions.began(tenant, session) if session is not None else ()
         jobs = []
         for tokens in ask.prompts:
             keys = block_keys(namespace, tokens)  # the front's only hashing of it
@@ -316,6 +315,7 @@ class OpenAIApi:
                         ask.top_p,
                         ask.logprobs,
                         session=session,
+                        affinity=affinity,
                     )
                 )
         return ask, jobs
@@ -324,7 +324,7 @@ class OpenAIApi:
         """The session's turn is over (answered, failed or abandoned): the book says so."""
         session = jobs[0].session if jobs else None
         if session is not None:
-            self.sessions.ended(request[TENANT], session, jobs[-1].worker)
+            self.sessions.ended(request[TENANT], session, jobs[-1].worker, jobs[-1].prefilled_on)
 
     # Rendering ----------------------------------------------------------------------------------
 

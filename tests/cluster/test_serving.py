@@ -646,6 +646,37 @@ async def test_sessions_from_the_request_reach_the_nodes_pool_policy_and_a_final
             await ops.set_policy(eviction={"pool": {"policy": before or "lru"}})
 
 
+async def test_the_session_router_spreads_new_sessions_and_brings_each_turn_back_to_its_worker(tmp_path):
+    """With ``session`` routing, the front's book feeds the router: new sessions go to the worker
+    holding the fewest paused ones, and a session's next turn goes back to the worker that computed
+    its last one even when its prompt shares nothing the caches could find (``ttft`` would send every
+    one of these to whichever worker it predicts fastest). Two combined workers, so that there is a
+    choice for the prompt."""
+    cluster = UpCluster(tmp_path, args=["--workers", "2"])
+    try:
+        await cluster.wait_up(workers=2)
+        async with cluster.ops() as ops, Client([cluster.url], timeout=60) as client:
+            await ops.set_policy(router="session", router_params={"margin": 0.9, "affinity": 5})
+            names = [f"routed-{i}" for i in range(6)]
+            ids = {session_hash("default", name): name for name in names}
+
+            async def workers() -> dict[str, str | None]:
+                return {s.id: s.worker for s in await ops.sessions("default") if s.id in ids}
+
+            for i, name in enumerate(names):
+                await client.complete(
+                    f"Session {i} starts with words of its own, {i * 7919}. " * 3, session=Session(name)
+                )
+            first = await workers()
+            assert len(first) == 6 and len(set(first.values())) == 2, first
+            for i, name in enumerate(names):
+                # unrelated from its first byte: no block of it is cached anywhere
+                await client.complete(f"{i * 104729} is then asked, unrelated. " * 3, session=Session(name))
+            assert await workers() == first
+    finally:
+        cluster.stop()
+
+
 def test_bench_serve_against_the_cluster(cluster, tmp_path):
     out = tmp_path / "serve.json"
     done = subprocess.run(

@@ -90,3 +90,38 @@ def test_the_book_keeps_the_latest_sessions_and_lets_closed_ones_age_out(monkeyp
     assert closed.state == "closed" and closed.turns == 2 and closed.worker == "w1"  # kept from the last turn
     now[0] += 11
     assert [s.id for s in book.list()] == [c.id]
+
+
+def test_the_book_names_each_turns_preferred_workers_and_counts_paused_sessions_per_worker(monkeypatch):
+    """What the session router reads: a turn starts where its session's last prompt was computed (not
+    where its decode ran), a subagent's first turn where its parent's was; and how many paused
+    sessions within their retention each worker computed last."""
+    from tiercake.conductor.front import session_book
+    from tiercake.messages import SessionDirective
+
+    now = [1000.0]
+    monkeypatch.setattr(session_book.time, "monotonic", lambda: now[0])
+    book = session_book.SessionBook()
+    parent, short = SessionDirective(id="a" * 32), SessionDirective(id="c" * 32, retain_s=5)
+    child = SessionDirective(id="b" * 32, parent=parent.id)
+    assert book.began("t", parent) == ()
+    book.ended("t", parent, "decode-1", "prefill-2")
+    assert book.began("t", child) == ("prefill-2",)  # its first turn: where the parent's prefix is
+    book.ended("t", child, "decode-1", "prefill-1")
+    assert book.began("t", child) == ("prefill-1", "prefill-2") and book.began("other", child) == ()
+    book.ended("t", child, "decode-1", "prefill-1")
+    book.began("t", short)
+    book.ended("t", short, "w3")  # no split: the worker that answered computed it
+    assert book.held_per_worker() == {"prefill-1": 1, "prefill-2": 1, "w3": 1}
+    now[0] += 6  # the short session's retention is over; the count is at most a second stale
+    assert book.held_per_worker()["w3"] == 0
+    burst = SessionDirective(id="d" * 32)
+    book.began("t", burst)
+    book.ended("t", burst, "w9")
+    assert book.held_per_worker()["w9"] == 1  # at once, not at the next recount: a burst spreads
+    book.began("t", burst)
+    assert book.held_per_worker()["w9"] == 0
+    book.ended("t", parent.model_copy(update={"close": True}), "decode-1", "prefill-2")
+    assert book.began("t", child) == ("prefill-1",)  # a closed parent is no reason to go anywhere
+    now[0] += 1
+    assert +book.held_per_worker() == {}  # the child runs a turn, the parent closed: nothing paused

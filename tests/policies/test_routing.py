@@ -5,6 +5,7 @@ import pytest
 from tiercake.policies import (
     PrefillModel,
     RouteRequest,
+    SessionRouter,
     TtftRouter,
     WorkerState,
     create_router,
@@ -104,3 +105,52 @@ def test_baseline_routers_load_what_a_node_holds_unless_told_not_to():
         assert decision.pull and decision.reused_blocks == 40, name
         local = create_router(name, {"pull": False}).choose([worker], request)
         assert not local.pull and local.reused_blocks == 2, name
+
+
+def test_session_router_brings_a_turn_back_to_its_sessions_worker_within_its_bound():
+    """The session's blocks left both gpu tiers (every worker pulls the same prefix from the pool):
+    by prediction b is 10% faster and ``ttft`` (10% margin) would send the turn there; the session
+    router keeps it on a, where its last turn ran, until a is more than ``affinity`` slower."""
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=64 << 10, best_blocks=80, affinity=("a",))
+    a = WorkerState("a", prefill=SLOW, queued_tokens=2)
+    b = WorkerState("b", prefill=PrefillModel(a=0.009, b=0.0009))
+    assert TtftRouter(margin=0.05).choose([a, b], request).worker == "b"
+    kept = SessionRouter(margin=0.05, affinity=0.25).choose([a, b], request)
+    assert kept.worker == "a" and kept.pull and kept.reused_blocks == 80
+    busy = WorkerState("a", prefill=SLOW, queued_tokens=200)  # 0.2 s of queue: far past 25%
+    assert SessionRouter(margin=0.05, affinity=0.25).choose([busy, b], request).worker == "b"
+    # a worker holding more of the prompt in its own cache still comes first (it computes less)
+    holder = WorkerState("c", cached_blocks=80, prefill=PrefillModel(a=0.009, b=0.0009))
+    assert SessionRouter(margin=0.05, affinity=0.25).choose([a, b, holder], request).worker == "c"
+    with pytest.raises(ValueError):
+        SessionRouter(affinity=-1)
+
+
+def test_session_router_starts_a_subagent_where_its_parent_ran_and_new_sessions_where_fewest_wait():
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=64 << 10, best_blocks=80)
+    workers = [WorkerState(w, prefill=SLOW, sessions=n) for w, n in (("a", 5), ("b", 1), ("c", 3))]
+    assert SessionRouter().choose(workers, request).worker == "b"  # equals: the fewest paused sessions
+    fork = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=64 << 10, best_blocks=80, affinity=("c",))
+    assert SessionRouter().choose(workers, fork).worker == "c"
+    # its own last worker before its parent's
+    both = RouteRequest(1601, 16, 64 << 10, 80, affinity=("a", "c"))
+    assert SessionRouter().choose(workers, both).worker == "a"
+
+
+def test_session_router_without_sessions_routes_as_ttft():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        workers = [
+            WorkerState(
+                f"w{i}",
+                cached_blocks=rng.choice((0, 0, 20, 60, 100)),
+                queued_tokens=rng.choice((0, 0, 100, 800)),
+                prefill=PrefillModel(a=rng.uniform(0.005, 0.03), b=rng.uniform(5e-4, 1.5e-3)),
+                load_bytes_per_s=rng.choice((1e9, 2e10)),
+            )
+            for i in range(4)
+        ]
+        request = RouteRequest(1601, 16, 1 << 20, rng.choice((0, 50, 100)))
+        assert SessionRouter().choose(workers, request) == TtftRouter().choose(workers, request)

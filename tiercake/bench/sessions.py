@@ -7,7 +7,8 @@ inferred from its block chains (a turn extends its conversation's whole prompt),
 taken from the trace's own next turn as a client that announced it would have. The session-aware
 policy runs told four levels of information (``SESSION_INFO``): nothing, sessions only (open,
 expiring by retention), also when they close, also each announced pause; the conversation trace also
-with a 30% error on each announced pause.
+with a 30% error on each announced pause. Then the ``session`` router against ``ttft`` in the
+cluster simulator, on the agentic trace.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 from pathlib import Path
 
 from tiercake.agent_traces import AgentShape, agentic_trace
+from tiercake.analysis.cluster_sim import ClusterSpec, simulate_cluster
 from tiercake.analysis.evaluate import SessionScore, evaluate_sessions
 from tiercake.traces import TraceRecord, infer_sessions, read_trace
 
@@ -41,7 +43,20 @@ async def run(quick: bool = False, trace: str | Path | None = None, live: bool =
     for name, records, capacities, runs in sets:
         scores = await asyncio.to_thread(evaluate_sessions, records, capacities, runs)
         _add(report, name, records, scores)
+    await asyncio.to_thread(_routing, report, sets[0][1])
     return report
+
+
+def _routing(report: Report, records: list[TraceRecord]) -> None:
+    """The ``session`` router against ``ttft`` on the agentic trace in the cluster simulator (four
+    prefill workers, small gpu caches, a shared pool): blocks pulled from the pool, gpu-local hits and
+    mean TTFT, each as a ratio to ``ttft``'s."""
+    for local_blocks in (100, 300):
+        spec = ClusterSpec(prefill_workers=4, decode_workers=4, local_blocks=local_blocks, global_blocks=1e9)
+        blind, aware = (simulate_cluster(records, spec, router).summary() for router in ("ttft", "session"))
+        common = {"trace": "agentic (generated)", "prefill_workers": 4, "local_blocks": local_blocks}
+        for figure, unit in (("bytes_moved", "B"), ("local_hit_ratio", "ratio"), ("ttft_mean_s", "s")):
+            report.add(f"router.{figure}", aware[figure], unit, blind[figure], limit_name="ttft", **common)
 
 
 def _add(report: Report, trace: str, records: list[TraceRecord], scores: list[SessionScore]) -> None:
