@@ -22,6 +22,7 @@ class Link:
 
     def __init__(self, local: int) -> None:
         self.local = local
+        self.pool_index_state = "read" if local else "not read yet"
         self.asked: list[concurrent.futures.Future] = []
         self.told: list = []
 
