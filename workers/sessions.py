@@ -15,9 +15,10 @@ import asyncio
 import logging
 from collections import OrderedDict
 
+from tiercake.conductor.client import ConductorError, NodeDirectory
 from tiercake.messages import SessionDirective
 from tiercake.tiers import TieredStore
-from tiercake.transfer import TransferEngine
+from tiercake.transfer import TransferEngine, TransferResult
 from tiercake.transfer.protocol import SessionNotice
 from tiercake.transfer.server import session_event
 
@@ -47,8 +48,16 @@ def ended_notice(session: SessionDirective, tenant: str) -> SessionNotice:
 
 
 class SessionNotifier:
-    def __init__(self, store: TieredStore | None, transfer: TransferEngine | None, node: str | None) -> None:
-        self.store, self.transfer, self.node = store, transfer, node
+    def __init__(
+        self,
+        store: TieredStore | None,
+        transfer: TransferEngine | None,
+        node: str | None,
+        nodes: NodeDirectory | None = None,
+    ) -> None:
+        """``nodes``: where ``transfer`` learns the node's address (and a restarted node's new one);
+        None when its owner keeps ``transfer``'s peers itself."""
+        self.store, self.transfer, self.node, self.nodes = store, transfer, node, nodes
         self._queue: asyncio.Queue[tuple[SessionNotice, list[bytes]]] = asyncio.Queue(MAX_QUEUED)
         self._sender: asyncio.Task | None = None
         self._last: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> the blocks it was paused with
@@ -59,15 +68,18 @@ class SessionNotifier:
 
     def ended(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
         """After the request: paused (its next turn reads ``keys``), or closed."""
-        notice = ended_notice(session, tenant)
+        self.remember(session, keys)
+        self._tell(ended_notice(session, tenant), [] if session.close else keys)
+
+    def remember(self, session: SessionDirective, keys: list[bytes]) -> None:
+        """What ``ended`` keeps for a later change, without telling anyone (under vLLM the connector
+        told the node already)."""
         self._last.pop(session.id, None)
-        if notice.state == "closed":
-            self._tell(notice, [])
+        if session.close:
             return
         self._last[session.id] = keys
         while len(self._last) > MAX_REMEMBERED:
             self._last.popitem(last=False)
-        self._tell(notice, keys)
 
     def changed(self, session: SessionDirective, tenant: str) -> None:
         """The control API's change of a paused session: closed, or paused again with its new
@@ -94,12 +106,26 @@ class SessionNotifier:
         assert self.transfer is not None and self.node is not None
         while not self._queue.empty():
             notice, keys = self._queue.get_nowait()
-            result = await self.transfer.session_event(self.node, notice, keys)
+            result = await self._deliver(notice, keys)
             if result.ok:
                 self.sent += 1
             else:
                 self.failed += 1
                 log.info("session notice to %s failed: %s", self.node, result.error)
+
+    async def _deliver(self, notice: SessionNotice, keys: list[bytes]) -> TransferResult:
+        assert self.transfer is not None and self.node is not None
+        transfer, node = self.transfer, self.node
+        if self.nodes is None:
+            return await transfer.session_event(node, notice, keys)
+
+        async def attempt() -> list[TransferResult]:
+            return [await transfer.session_event(node, notice, keys)]
+
+        try:
+            return (await self.nodes.to_node(node, attempt))[0]
+        except ConductorError as exc:  # the node's address could not be learned
+            return TransferResult(False, transport="control", error=exc)
 
     async def close(self) -> None:
         if self._sender is not None:

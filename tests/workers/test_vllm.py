@@ -24,6 +24,7 @@ from tiercake.bench.vllm_requests import held_and_cold
 from tiercake.blocks import Namespace, block_keys, seal_material, sealer_for
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
+from tiercake.conductor.front.sessions import session_hash
 from tiercake.config import TiercakeConfig
 from tiercake.tiers.pool import remove_pool
 from tiercake.tiers.ssd.log import block_payloads
@@ -651,7 +652,8 @@ async def test_text_and_chat_through_the_front_are_tokenized_and_detokenized_as_
 async def test_a_session_through_the_front_reaches_the_nodes_pool_policy_from_the_connector(served, sidecars):
     """Under vLLM the connector is the worker that tells the node: the front's session goes to vLLM
     in the request's kv_transfer_params, and the scheduler side sends active, then paused, then
-    closed on the final turn, to the node's session-aware pool."""
+    closed on the final turn, to the node's session-aware pool; the control API's changes reach it
+    through the vLLM worker."""
     tc, _, _ = served
     sidecars(["worker", "worker"])
     await wait_workers(tc, 2)
@@ -674,7 +676,17 @@ async def test_a_session_through_the_front_reaches_the_nodes_pool_policy_from_th
                 async with http.post(tc.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers) as r:
                     assert r.status == 200, await r.text()
                 await pool_sessions({"paused": 1})
-                headers["X-Tiercake-Session-Final"] = "true"
+                # the control API's changes go through the vLLM worker that ran the turn (its sidecar
+                # remembers the blocks the connector paused the session with) to the node
+                (listed,) = [
+                    s for s in await client.sessions("default") if s.id == session_hash("default", "vllm-chat")
+                ]
+                changed = await client.change_session(listed.id, "default", retain_s=600, priority=3)
+                assert changed.priority == 3 and changed.retain_s == 600 and changed.state == "paused"
+                await pool_sessions({"paused": 1})
+                await client.change_session(listed.id, "default", close=True)
+                await pool_sessions({})
+                headers["X-Tiercake-Session-Final"] = "true"  # a final turn closes it too
                 async with http.post(tc.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers) as r:
                     assert r.status == 200, await r.text()
             await pool_sessions({})

@@ -2,6 +2,7 @@
 when the server it stands for is missing or is not running the TiercakeConnector. (Everything it does
 with a real vLLM is in test_vllm.py.)"""
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -178,3 +179,28 @@ async def test_a_prefill_hands_off_once_the_index_shows_its_blocks_and_no_later_
         started = time.monotonic()
         handoff = await vllm._handoff(other)
         assert handoff.blocks == 2 and 0.5 <= time.monotonic() - started < 2
+
+
+def test_session_changes_need_the_cluster_secret_and_say_so():
+    """Without a transfer engine (no cluster secret) a vLLM worker cannot tell its node of the control
+    API's session changes: NotImplementedError, which the worker answers as 501 naming the cause."""
+    from tiercake.messages import SessionCommand, SessionDirective
+
+    command = SessionCommand(session=SessionDirective(id="a" * 32, close=True), tenant="t")
+    with pytest.raises(NotImplementedError, match="cluster secret"):
+        VllmEngine("http://127.0.0.1:1").change_session(command)
+
+
+def test_the_vllm_worker_gets_a_transfer_engine_only_with_the_secret(monkeypatch, tmp_path):
+    from tiercake.cli.cluster import session_transfer
+    from tiercake.config import TiercakeConfig
+
+    config = TiercakeConfig.model_validate(
+        {"node_id": "n", "store": {"tiers": [{"kind": "pool", "capacity": "1MiB", "path": str(tmp_path / "pool")}]}}
+    )
+    monkeypatch.delenv(config.transfer.secret_env, raising=False)
+    assert session_transfer(config, "w") is None
+    monkeypatch.setenv(config.transfer.secret_env, "s" * 32)
+    engine = session_transfer(config, "w")
+    assert engine is not None and engine.node_id == "w"
+    asyncio.run(engine.close())

@@ -80,10 +80,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
             return 2
         from tiercake.workers.vllm.engine import VllmEngine
 
-        engine = lambda client: VllmEngine(args.vllm_url, client, wait_s=args.vllm_wait).start()  # noqa: E731
+        def engine(client):
+            return VllmEngine(
+                args.vllm_url, client, wait_s=args.vllm_wait, transfer=session_transfer(config, args.id)
+            ).start()
+
     worker = Worker(config, args.role, args.id, args.data_dir, advertise=args.advertise, engine=engine)
     asyncio.run(worker.serve_forever(host or "127.0.0.1", int(port)))
     return 0
+
+
+def session_transfer(config, identity: str | None):
+    """The vLLM worker's transfer engine, for the control API's session changes: None (they answer
+    501) without a cluster secret, which the connector inside vLLM has as the node agent does."""
+    from tiercake.transfer import TransferEngine
+
+    try:
+        secret = config.transfer.secret()
+    except ValueError:
+        return None
+    return TransferEngine(
+        identity or "vllm-worker",
+        secret,
+        transports=("tcp",),
+        tls=config.transfer_tls_client(),
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:

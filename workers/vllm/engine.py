@@ -44,20 +44,23 @@ import aiohttp
 import msgspec
 
 from tiercake.blocks import Namespace, block_keys
-from tiercake.conductor.client import Client, ConductorError
+from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.messages import (
     GenerateRequest,
     KVHandoff,
     KVSpace,
     PrefillStats,
+    SessionCommand,
     TokenEvent,
     TokenLogprob,
     WorkerLoadReply,
     WorkerPerf,
 )
 from tiercake.tiers import BlockChange
+from tiercake.transfer import TransferEngine
 
 from ..contract import EngineBusy, RequestRejected, ServingEngine
+from ..sessions import SessionNotifier
 from .events import EventMirror, EventsEndpoints
 
 log = logging.getLogger(__name__)
@@ -121,13 +124,23 @@ class VllmEngine(ServingEngine):
     name = "vllm"
 
     def __init__(
-        self, url: str, client: Client | None = None, *, timeout_s: float = 600.0, wait_s: float = 0.0
+        self,
+        url: str,
+        client: Client | None = None,
+        *,
+        timeout_s: float = 600.0,
+        wait_s: float = 0.0,
+        transfer: TransferEngine | None = None,
     ) -> None:
         """``wait_s``: how long to wait for the vLLM server to answer at start (0: it must be up; a
-        sidecar started with vLLM waits while vLLM loads its model)."""
+        sidecar started with vLLM waits while vLLM loads its model). ``transfer``: the engine that
+        tells the node of the control API's session changes (it closes with this engine); without
+        it those changes answer 501."""
         self.url = url.rstrip("/")
         self.wait_s = wait_s
         self.client = client  # the conductor: where a prefill's handoff waits for its blocks
+        self.transfer = transfer
+        self.sessions: SessionNotifier | None = None  # once the node the connector saves to is known
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self.http: aiohttp.ClientSession | None = None
         self.model = ""
@@ -157,6 +170,8 @@ class VllmEngine(ServingEngine):
             raise
         if events is None:
             self.mirror = PrefixMirror(self._kv_blocks, self.space.block_bytes)
+        if self.transfer is not None and self.node is not None and self.client is not None:
+            self.sessions = SessionNotifier(None, self.transfer, self.node, NodeDirectory(self.client, self.transfer))
         log.info(
             "vllm worker: %s serves %s with %d KV blocks of %d bytes, saving to %s; its cache %s; fitted %s",
             self.url,
@@ -285,19 +300,28 @@ class VllmEngine(ServingEngine):
             await asyncio.gather(self._events_task, return_exceptions=True)
         if self.http is not None:
             await self.http.close()
+        if self.sessions is not None:
+            await self.sessions.close()
+        if self.transfer is not None:
+            await self.transfer.close()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         self._in_flight += 1
         if isinstance(self.mirror, EventMirror):  # so that the blocks vLLM stores for it can be keyed
             salt = self._salt(request)
             self.mirror.remember(cache_salt(salt), request.tenant, salt)
+        answer: list[int] = []
         try:
             events = self._one_event(request) if request.max_tokens == 1 else self._stream(request)
             async for event in events:
+                answer.append(event.token)
                 if event.finish_reason is not None:  # before it goes: the caller stops reading at the last
                     self._completed += 1
                     if isinstance(self.mirror, PrefixMirror):
                         self.mirror.touch(request.tenant, self._keys(request))
+                    if request.session is not None and self.sessions is not None:
+                        # what the connector paused the session with: for the control API's changes
+                        self.sessions.remember(request.session, self._keys(request, answer))
                 yield event
         finally:
             self._in_flight -= 1
@@ -307,10 +331,19 @@ class VllmEngine(ServingEngine):
     def _salt(self, request: GenerateRequest) -> str:
         return request.tenant if request.salt is None else request.salt
 
-    def _keys(self, request: GenerateRequest) -> list[bytes]:
-        """The prompt's full blocks as the connector keys them."""
+    def _keys(self, request: GenerateRequest, answer: list[int] = ()) -> list[bytes]:
+        """The prompt's full blocks (and ``answer``'s after it) as the connector keys them."""
         namespace = self.space.namespace.model_copy(update={"tenant_salt": self._salt(request)})
-        return block_keys(namespace, request.tokens)
+        return block_keys(namespace, [*request.tokens, *answer])
+
+    def change_session(self, command: SessionCommand) -> None:
+        if self.sessions is None:
+            raise NotImplementedError(
+                "this vLLM worker cannot tell its node of session changes: it has no cluster secret"
+                if self.transfer is None
+                else "this vLLM worker does not know the node its connector saves to"
+            )
+        self.sessions.changed(command.session, command.tenant)
 
     def _body(self, request: GenerateRequest, stream: bool) -> dict:
         salt = self._salt(request)
