@@ -348,8 +348,9 @@ class Client:
                 if data == b"[DONE]":
                     return
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ConductorError(502, chunk["error"]["message"])
+                if "error" in chunk:  # after the first token: the status was 200; the error's type tells
+                    error = parse_error(chunk, 502)
+                    raise ConductorError(429 if error.type == "rate_limit_error" else 502, error.message, error.code)
                 yield chunk
             raise ConductorError(502, "the stream ended without [DONE]: the response is incomplete")
 

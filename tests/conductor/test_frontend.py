@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from conductor_helpers import running_conductor
 
+from tiercake.conductor.client import Client, ConductorError
 from tiercake.conductor.front.frontend import Frontend, Job
 from tiercake.conductor.membership import MemberInfo, Registration
 from tiercake.config import ServingConfig, TiercakeConfig, default_config
@@ -283,6 +284,16 @@ async def test_no_decode_worker_with_room_after_the_prefill_is_a_429_not_a_502()
                     error = (await resp.json())["error"]
                     assert resp.status == 429 and resp.headers["Retry-After"] == "1", error
                     assert error["code"] == "gpu_full" and "decode" in error["message"]
+            # streamed, the refusal comes after the first token, as an error event: the Python client
+            # raises it as the 429 it is (it raised every error event as a 502, and replay counted
+            # these refusals as failures). Once the decode worker's short back-off is over: meanwhile
+            # the front would serve the request on the prefill worker alone.
+            await asyncio.sleep(0.3)
+            async with Client([url], timeout=10) as client:
+                with pytest.raises(ConductorError) as refused:
+                    async for _ in client.stream_completion("hello", max_tokens=4):
+                        pass
+                assert refused.value.status == 429 and refused.value.code == "gpu_full"
     finally:
         for runner in servers:
             await runner.cleanup()
