@@ -35,6 +35,9 @@ class AgentShape:
     subagent_p: float = 0.15  # per agent turn: a fan of subagents starts
     fan: tuple[int, int] = (2, 6)
     turn_blocks: tuple[int, int] = (1, 4)
+    # blocks of the session's own context in its first prompt (a task, the files an agent read): a
+    # long conversation of short turns; (0, 0): none
+    context_blocks: tuple[int, int] = (0, 0)
     tenants: int = 1
     system_prompts: int = 4
     system_blocks: int = 6
@@ -51,6 +54,8 @@ class AgentShape:
         for low, high in (self.chat_turns, self.agent_turns, self.fan, self.turn_blocks):
             if not 1 <= low <= high:
                 raise ValueError(f"a range ({low}, {high}) must have 1 <= low <= high")
+        if not 0 <= self.context_blocks[0] <= self.context_blocks[1]:
+            raise ValueError(f"context_blocks {self.context_blocks} must have 0 <= low <= high")
 
 
 @dataclass(order=True)
@@ -97,6 +102,8 @@ class _Generator:
         agent = rng.random() < shape.agent_share
         turns = rng.randint(*(shape.agent_turns if agent else shape.chat_turns))
         ids = list(self.prompts[(tenant, rng.randrange(shape.system_prompts))])
+        if shape.context_blocks[1]:  # drawn only when asked: other shapes keep their random stream
+            ids += [next(self.ids) for _ in range(rng.randint(*shape.context_blocks))]
         heapq.heappush(self.queue, _Turn(at, next(self.seq), session, tenant, ids, turns, agent))
 
     def _pause(self, agent: bool) -> float:

@@ -89,9 +89,22 @@ def test_with_subagents_the_inference_recovers_each_family_and_its_forks():
 def test_the_generator_is_seeded_and_checks_its_shape():
     assert agentic_trace(sessions=20, seed=3) == agentic_trace(sessions=20, seed=3)
     assert agentic_trace(sessions=20, seed=3) != agentic_trace(sessions=20, seed=4)
-    for bad in ({"rate_per_s": 0}, {"tool_pause_s": float("nan")}, {"fan": (3, 2)}, {"agent_share": 2}):
+    for bad in (
+        {"rate_per_s": 0},
+        {"tool_pause_s": float("nan")},
+        {"fan": (3, 2)},
+        {"agent_share": 2},
+        {"context_blocks": (5, 2)},
+    ):
         with pytest.raises(ValueError):
             AgentShape(**bad)
+    # a session's own context: its first prompt is that much longer than the shared system prompt
+    plain, long = (
+        agentic_trace(sessions=20, seed=3, subagent_p=0.0, system_blocks=2, context_blocks=c) for c in ((0, 0), (8, 8))
+    )
+    firsts = [{len(r.hash_ids) for r in records if r.turn == 0} for records in (plain, long)]
+    # system prompt (2) + context + the turn's own blocks (1-4) + its partial block
+    assert firsts[0] <= set(range(4, 8)) and firsts[1] <= set(range(12, 16)) and len(firsts[1]) > 1
 
 
 class Recording(LRU):
@@ -258,3 +271,25 @@ def test_two_tenants_one_past_its_quota_and_the_other_kept_at_its_floor():
         floored.tenant_hit_ratio("quiet"),
         blind.tenant_hit_ratio("quiet"),
     )
+
+
+def test_the_live_benchs_pool_is_a_share_of_every_conversation_at_its_longest():
+    from tiercake.bench import sessions_live
+    from tiercake.traces import TraceRecord
+
+    def record(session: str, blocks: int) -> TraceRecord:
+        return TraceRecord(
+            timestamp=0, input_length=512 * blocks, output_length=1, hash_ids=list(range(blocks)), session=session
+        )
+
+    records = [record("a", 4), record("a", 10), record("b", 6)]  # a at its longest: 10 blocks; b: 6
+    kv_per_token = 4096
+    whole = 16 * sessions_live.TOKENS_PER_BLOCK * kv_per_token
+    assert sessions_live.pool_bytes(records, kv_per_token, 1.0) == whole
+    assert sessions_live.pool_bytes(records, kv_per_token, 0.5) == whole // 2
+    quick = sessions_live.scenarios(quick=True)
+    assert [s.name for s in quick] == ["fleet"] and [s.name for s in sessions_live.scenarios(False)] == [
+        "fleet",
+        "staggered",
+    ]
+    assert all(r.session for r in agentic_trace(quick[0].shape))

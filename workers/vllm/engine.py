@@ -399,8 +399,9 @@ class VllmEngine(ServingEngine):
         reply = await self._complete(self._body(request, stream=False))
         choice = reply["choices"][0]
         token = choice["token_ids"][0]
-        stats = self._stats(
-            request, reply.get("usage") or {}, reply.get("kv_transfer_params"), time.perf_counter() - started
+        elapsed, bs = time.perf_counter() - started, self.space.namespace.block_size
+        stats = _prefill_stats(
+            request, reply.get("usage") or {}, reply.get("kv_transfer_params"), elapsed, bs, self.node
         )
         handoff = await self._handoff(request) if request.handoff else None
         yield TokenEvent(
@@ -446,29 +447,9 @@ class VllmEngine(ServingEngine):
                         held = None
         if held is None:
             raise VllmUnavailable(f"vLLM at {self.url} ended the answer without its last token")
-        stats = self._stats(request, usage, None, first_s or time.perf_counter() - started)
+        elapsed, bs = first_s or time.perf_counter() - started, self.space.namespace.block_size
+        stats = _prefill_stats(request, usage, None, elapsed, bs, self.node)
         yield held.model_copy(update={"finish_reason": finish or "length", "stats": stats})
-
-    def _stats(self, request: GenerateRequest, usage: dict, transfer: dict | None, compute_s: float) -> PrefillStats:
-        """The request's reuse: vLLM's cached tokens, split into its own cache's and the connector's
-        loads when the connector's figures are there (a whole answer; a stream has only the total)."""
-        bs = self.space.namespace.block_size
-        cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-        figures = (transfer or {}).get("tiercake") or {}
-        loaded = figures.get("loaded_tokens", 0)
-        sources = {"gpu": (cached - loaded) // bs} if transfer else {"vllm": cached // bs}
-        if loaded:
-            sources[f"{self.node}:tiercake"] = loaded // bs
-        return PrefillStats(
-            prompt_tokens=len(request.tokens),
-            cached_tokens=cached,
-            sources={k: v for k, v in sources.items() if v},
-            block_size=bs,
-            load_s=figures.get("load_s", 0.0),
-            load_bytes=figures.get("load_bytes", 0),
-            load_tier="tiercake" if loaded else None,
-            compute_s=compute_s,
-        )
 
     async def _handoff(self, request: GenerateRequest) -> KVHandoff | None:
         """Where the decode worker finds the prompt's full blocks: the node the connector saves to, once
@@ -487,6 +468,30 @@ class VllmEngine(ServingEngine):
                 break
             await asyncio.sleep(0.02)
         return KVHandoff(node=self.node, blocks=held, tier="tiercake")
+
+
+def _prefill_stats(
+    request: GenerateRequest, usage: dict, transfer: dict | None, compute_s: float, block_size: int, node: str | None
+) -> PrefillStats:
+    """The request's reuse: vLLM's cached tokens, split into its own cache's and the connector's
+    loads when the connector's figures are there (a whole answer; a stream has only the total)."""
+    bs = block_size
+    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+    figures = (transfer or {}).get("tiercake") or {}
+    loaded = figures.get("loaded_tokens", 0)
+    sources = {"gpu": (cached - loaded) // bs} if transfer else {"vllm": cached // bs}
+    if loaded:
+        sources[f"{node}:tiercake"] = loaded // bs
+    return PrefillStats(
+        prompt_tokens=len(request.tokens),
+        cached_tokens=cached,
+        sources={k: v for k, v in sources.items() if v},
+        block_size=bs,
+        load_s=figures.get("load_s", 0.0),
+        load_bytes=figures.get("load_bytes", 0),
+        load_tier="tiercake" if loaded else None,
+        compute_s=compute_s,
+    )
 
 
 def _scores(logprobs: dict | None, i: int) -> dict:
