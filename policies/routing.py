@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -131,11 +132,23 @@ class TtftRouter(Router):
     def choose(self, workers, request):
         decisions = [self.predict(w, request, self.pull_ratio) for w in workers]
         fastest = min(d.ttft_s for d in decisions)
-        usable = max(0, (request.prompt_tokens - 1) // request.block_size)
-        own = {w.worker: min(w.cached_blocks, usable) for w in workers}
         spread = max(w.prefill.a for w in workers) - min(w.prefill.a for w in workers) if self.margin else 0.0
-        near = [d for d in decisions if d.ttft_s <= fastest * (1 + self.margin) + spread]
-        return min(near, key=lambda d: (-own[d.worker], d.ttft_s))
+        near = [d for d in decisions if d.ttft_s <= fastest * (1 + self._margin_for(d.worker, request)) + spread]
+        return min(near, key=self._preference(workers, request))
+
+    def _margin_for(self, worker: str, request: RouteRequest) -> float:
+        """How far above the fastest prediction ``worker``'s may be and still count as near."""
+        return self.margin
+
+    def _preference(self, workers: list[WorkerState], request: RouteRequest) -> Callable[[RouteDecision], tuple]:
+        """The order among near workers: the most of the prompt in its own cache, then the fastest."""
+        own = self._own(workers, request)
+        return lambda d: (-own[d.worker], d.ttft_s)
+
+    @staticmethod
+    def _own(workers: list[WorkerState], request: RouteRequest) -> dict[str, int]:
+        usable = max(0, (request.prompt_tokens - 1) // request.block_size)
+        return {w.worker: min(w.cached_blocks, usable) for w in workers}
 
 
 class SessionRouter(TtftRouter):
@@ -162,21 +175,13 @@ class SessionRouter(TtftRouter):
             raise ValueError("affinity is a fraction of the fastest prediction, in [0, 10)")
         self.affinity = affinity
 
-    def choose(self, workers, request):
-        decisions = [self.predict(w, request, self.pull_ratio) for w in workers]
-        fastest = min(d.ttft_s for d in decisions)
-        usable = max(0, (request.prompt_tokens - 1) // request.block_size)
-        own = {w.worker: min(w.cached_blocks, usable) for w in workers}
-        held = {w.worker: w.sessions for w in workers}
-        spread = max(w.prefill.a for w in workers) - min(w.prefill.a for w in workers) if self.margin else 0.0
+    def _margin_for(self, worker: str, request: RouteRequest) -> float:
+        return max(self.margin, self.affinity) if worker in request.affinity else self.margin
+
+    def _preference(self, workers: list[WorkerState], request: RouteRequest) -> Callable[[RouteDecision], tuple]:
+        own, held = self._own(workers, request), {w.worker: w.sessions for w in workers}
         rank = {worker: i for i, worker in enumerate(request.affinity)}
-        near = [
-            d
-            for d in decisions
-            if d.ttft_s <= fastest * (1 + self.margin) + spread
-            or (d.worker in rank and d.ttft_s <= fastest * (1 + max(self.margin, self.affinity)) + spread)
-        ]
-        return min(near, key=lambda d: (-own[d.worker], rank.get(d.worker, len(rank)), held[d.worker], d.ttft_s))
+        return lambda d: (-own[d.worker], rank.get(d.worker, len(rank)), held[d.worker], d.ttft_s)
 
 
 class _PullingBaseline(Router):

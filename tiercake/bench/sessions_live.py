@@ -25,6 +25,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tiercake.agent_traces import AgentShape, agentic_trace
 from tiercake.conductor.client import Client
@@ -66,34 +67,27 @@ def scenarios(quick: bool) -> list[Scenario]:
     taking short turns between tool calls of about 4 s (a tool-heavy agent's shape); the pool holds
     most of their conversations but not all. ``staggered``: agents arriving over half a minute,
     shorter contexts, a pool of a third of their KV (the first shape measured)."""
+    agents: dict[str, Any] = dict(agent_share=1.0, tool_pause_s=4.0, announce_sigma=0.2, subagent_p=0.0, seed=3)
     fleet = AgentShape(
         sessions=8 if quick else 12,
         rate_per_s=4.0,
-        agent_share=1.0,
         agent_turns=(4, 6),
-        tool_pause_s=4.0,
         pause_sigma=0.2,
-        announce_sigma=0.2,
-        subagent_p=0.0,
         turn_blocks=(1, 1),
         context_blocks=(14, 18),
         system_prompts=1,
         system_blocks=2,
-        seed=3,
+        **agents,
     )
     staggered = AgentShape(
-        sessions=6 if quick else 12,
+        sessions=12,
         rate_per_s=0.4,
-        agent_share=1.0,
         agent_turns=(3, 5),
-        tool_pause_s=4.0,
         pause_sigma=0.5,
-        announce_sigma=0.2,
-        subagent_p=0.0,
         turn_blocks=(1, 2),
         system_prompts=2,
         system_blocks=4,
-        seed=3,
+        **agents,
     )
     chosen = [Scenario("fleet", fleet, FLEET_POOL_SHARE, gpu_blocks=256, concurrency=1)]
     return chosen if quick else [*chosen, Scenario("staggered", staggered, 0.33)]
