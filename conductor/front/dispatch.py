@@ -325,7 +325,9 @@ class Dispatcher:
         decision = router.choose(
             [
                 self._state(
-                    m, found[m.node_id].length if m.node_id in found and m.kv_space == space else 0, held[m.node_id]
+                    m,
+                    found[m.node_id].length if m.node_id in found and m.kv_space == space else 0,
+                    max(0, held[m.node_id]),  # a turn that began before the count was first taken
                 )
                 for m in members
             ],
