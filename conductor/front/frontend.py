@@ -31,10 +31,9 @@ class Frontend:
         self.config = config
         self.tenants = Tenants(config.serving)
         self.stats = ServingStats(config.serving)
-        self.sessions = SessionBook()
-        self.dispatcher = Dispatcher(conductor, config, self.stats, self.sessions)
-        self.openai = OpenAIApi(config, self.tenants, self.dispatcher, self.stats, self.sessions)
-        self.operator = OperatorApi(conductor, config, self.tenants, self.dispatcher, self.stats, self.sessions)
+        self.dispatcher = Dispatcher(conductor, config, self.stats, SessionBook())
+        self.openai = OpenAIApi(config, self.tenants, self.dispatcher, self.stats)
+        self.operator = OperatorApi(conductor, config, self.tenants, self.dispatcher, self.stats)
 
     def bind_metrics(self, registry) -> None:
         self.stats.bind_metrics(registry)

@@ -37,7 +37,6 @@ from .openai_models import (
     stop_strings,
 )
 from .serving_stats import ServingStats
-from .session_book import SessionBook
 from .sessions import session_of
 from .tenants import Quotas, Tenants
 from .worker_client import StreamBroken, WorkerError
@@ -169,12 +168,11 @@ class OpenAIApi:
         tenants: Tenants,
         dispatcher: Dispatcher,
         stats: ServingStats,
-        sessions: SessionBook,
     ) -> None:
         self.config = config
         self.serving = config.serving
         self.tenants = tenants
-        self.sessions = sessions
+        self.sessions = dispatcher.sessions  # the front's one book, which the router reads too
         self.quotas = Quotas(config.serving)
         self.dispatcher = dispatcher
         self.stats = stats

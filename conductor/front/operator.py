@@ -37,7 +37,7 @@ from tiercake.policies import create_eviction, create_router
 from ..service import Conductor
 from .dispatch import Dispatcher, own_cache_only
 from .serving_stats import ServingStats
-from .session_book import SessionBook, SessionRecord
+from .session_book import SessionRecord
 from .tenants import Tenants
 from .worker_client import WorkerRefused, WorkerUnavailable
 
@@ -65,10 +65,9 @@ class OperatorApi:
         tenants: Tenants,
         dispatcher: Dispatcher,
         stats: ServingStats,
-        sessions: SessionBook,
     ) -> None:
         self.conductor = conductor
-        self.sessions = sessions  # the front's one book, shared with the OpenAI API that fills it
+        self.sessions = dispatcher.sessions  # the front's one book, which the OpenAI API fills
         self.config = config
         self.tenants = tenants
         self.dispatcher = dispatcher

@@ -40,6 +40,19 @@ def worker(name: str, role: str = "worker") -> MemberInfo:
     return MemberInfo(node_id=name, role=role, url="http://127.0.0.1:9", tiers={"gpu": 1 << 20}, perf=SLOW)
 
 
+async def fake_worker(generate) -> tuple:
+    """A worker's /generate answered by ``generate``, on a real port: (its runner, its URL)."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 async def test_predicted_ttft_over_the_slo_is_a_429_with_the_reason():
     async with _front(ServingConfig(slo_ttft_s=0.05), [worker("w1")]) as (url, front):
         async with aiohttp.ClientSession() as http:
@@ -86,13 +99,7 @@ async def test_a_request_that_fails_on_live_workers_fails_alone_and_sidelines_no
         await request.read()
         return web.json_response({"error": {"message": "this request broke me", "type": "server_error"}}, status=500)
 
-    app = web.Application()
-    app.router.add_post("/generate", failing)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, url = await fake_worker(failing)
     live = [worker(name).model_copy(update={"url": url}) for name in ("w-a", "w-b", "w-c")]
     body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 2}
     try:
@@ -262,16 +269,7 @@ async def test_no_decode_worker_with_room_after_the_prefill_is_a_429_not_a_502()
         error = {"error": {"message": "gpu tier full", "type": "server_error", "code": "worker_busy"}}
         return web.json_response(error, status=503)
 
-    servers, urls = [], []
-    for handler in (prefill, full):
-        app = web.Application()
-        app.router.add_post("/generate", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        servers.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    servers, urls = zip(*[await fake_worker(handler) for handler in (prefill, full)])
     members = [
         worker("p1", "prefill").model_copy(update={"url": urls[0]}),
         worker("d1", "decode").model_copy(update={"url": urls[1]}),

@@ -317,11 +317,12 @@ class VllmEngine(ServingEngine):
                 answer.append(event.token)
                 if event.finish_reason is not None:  # before it goes: the caller stops reading at the last
                     self._completed += 1
+                    prompt = self._keys(request) if isinstance(self.mirror, PrefixMirror) else []
                     if isinstance(self.mirror, PrefixMirror):
-                        self.mirror.touch(request.tenant, self._keys(request))
+                        self.mirror.touch(request.tenant, prompt)
                     if request.session is not None and self.sessions is not None:
                         # what the connector paused the session with: for the control API's changes
-                        self.sessions.remember(request.session, self._keys(request, answer))
+                        self.sessions.remember(request.session, self._keys(request, answer, known=prompt))
                 yield event
         finally:
             self._in_flight -= 1
@@ -331,18 +332,16 @@ class VllmEngine(ServingEngine):
     def _salt(self, request: GenerateRequest) -> str:
         return request.tenant if request.salt is None else request.salt
 
-    def _keys(self, request: GenerateRequest, answer: list[int] = ()) -> list[bytes]:
-        """The prompt's full blocks (and ``answer``'s after it) as the connector keys them."""
+    def _keys(self, request: GenerateRequest, answer: list[int] = (), known: list[bytes] = ()) -> list[bytes]:
+        """The prompt's full blocks (and ``answer``'s after it) as the connector keys them; ``known``:
+        the prompt's, hashed before."""
         namespace = self.space.namespace.model_copy(update={"tenant_salt": self._salt(request)})
-        return block_keys(namespace, [*request.tokens, *answer])
+        return block_keys(namespace, [*request.tokens, *answer], known=known)
 
     def change_session(self, command: SessionCommand) -> None:
         if self.sessions is None:
-            raise NotImplementedError(
-                "this vLLM worker cannot tell its node of session changes: it has no cluster secret"
-                if self.transfer is None
-                else "this vLLM worker does not know the node its connector saves to"
-            )
+            why = "it has no cluster secret" if self.transfer is None else "it does not know its connector's node"
+            raise NotImplementedError(f"this vLLM worker cannot tell its node of session changes: {why}")
         self.sessions.changed(command.session, command.tenant)
 
     def _body(self, request: GenerateRequest, stream: bool) -> dict:
