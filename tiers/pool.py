@@ -560,23 +560,79 @@ class PoolIndexReader:
         self._heads = self.table.view(np.uint8).reshape(len(self.table), ENTRY_DT.itemsize)[:, :40]
         self._seen = np.zeros((len(self.table), 5), dtype="<u8")
         self._held: dict[int, tuple[str, bytes]] = {}  # entry -> (tenant, key)
-        self.blocks: set[tuple[str, bytes]] = set()
+        self.blocks: dict[tuple[str, bytes], int] = {}  # (tenant, key) -> its entry
 
     def refresh(self) -> None:
         now = np.ascontiguousarray(self._heads).view("<u8")
         for entry in np.flatnonzero((now != self._seen).any(axis=1)).tolist():
             old = self._held.pop(entry, None)
-            if old is not None:
-                self.blocks.discard(old)
+            if old is not None and self.blocks.get(old) == entry:
+                del self.blocks[old]
             row = self.table[entry]
             if row["state"] == COMMITTED:
                 block = (bytes(row["tenant"][: row["tlen"]]).decode(errors="replace"), bytes(row["key"][: row["klen"]]))
                 if row["state"] == COMMITTED:  # still: not freed while it was read
                     self._held[entry] = block
-                    self.blocks.add(block)
+                    self.blocks[block] = entry
         self._seen = now
 
     def leading(self, tenant: str, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first, the index held for ``tenant`` at the last refresh."""
         blocks = self.blocks
         return next((i for i, key in enumerate(keys) if (tenant, key) not in blocks), len(keys))
+
+    def entries(self, tenant: str, keys: list[bytes]) -> list[int]:
+        """The index entries of the leading ``keys`` the index held for ``tenant`` at the last refresh
+        (for ``PoolPlaces.read``: a hint, checked there)."""
+        found = []
+        for key in keys:
+            entry = self.blocks.get((tenant, key))
+            if entry is None:
+                break
+            found.append(entry)
+        return found
+
+
+class PoolPlaces:
+    """Committed blocks of a region read by their index entries, without asking its owner for a lease
+    (the connector's same-host load: no round trip on the forward pass's path).
+
+    Nothing holds a block read this way: the owner may free its extent and give it to another block
+    meanwhile. So a reader snapshots the blocks' entries (``read``), checks their seals over the
+    mapped bytes, copies them, and then asks whether each entry is still what it snapshotted
+    (``unchanged``). The owner clears an entry before it frees its extent, and writes a new block only
+    into a freed extent, so an entry unchanged from before the seal check to after the copy means the
+    bytes copied are the bytes checked; an entry committed again identically (same key, place and seal)
+    holds identical bytes, since the seal binds them. A changed entry means that block and those after
+    it are recomputed: a moved block costs time, never a wrong byte."""
+
+    def __init__(self, region: PoolRegion) -> None:
+        if region.index is None:
+            raise PoolFormatError(f"{region.path}: the region has no index")
+        self.region = region
+        self.table = region.index
+        self.data = region.array[region.data_offset :]
+
+    def read(self, entries: list[int], keys: list[bytes], nbytes: int) -> tuple[np.ndarray, list[tuple[int, bytes]]]:
+        """A snapshot of ``entries`` (each ``keys[i]``'s, as an index reader last saw them) and the
+        (offset, seal) of the leading ones that still describe a committed block of that key and size."""
+        if not entries or len(entries) > len(keys) or min(entries) < 0 or max(entries) >= len(self.table):
+            return self.table[:0].copy(), []
+        rows = self.table[entries]  # one copy of the rows: the snapshot ``unchanged`` compares against
+        places = []
+        data_size = self.data.size
+        for row, key in zip(rows.tolist(), keys):
+            state, klen, _, slen, _, _, offset, size, _, raw_key, _, seal, _, _ = row
+            if state != COMMITTED or size != nbytes or bytes(raw_key[:klen]) != key or offset + size > data_size:
+                break
+            places.append((offset, bytes(seal[:slen])))
+        return rows, places
+
+    def unchanged(self, entries: list[int], snapshot: np.ndarray) -> int:
+        """How many of ``entries``, from the first, still hold exactly what ``read`` snapshotted."""
+        if not entries:
+            return 0
+        now = self.table[entries].view(np.uint8).reshape(len(entries), -1)
+        then = snapshot[: len(entries)].view(np.uint8).reshape(len(entries), -1)
+        same = (now == then).all(axis=1)
+        return int(same.argmin()) if not same.all() else len(entries)

@@ -1,5 +1,7 @@
+import concurrent.futures
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -8,11 +10,13 @@ from tiercake.blocks import (
     BlockKey,
     BlockLayout,
     Namespace,
+    SealCheck,
     block_keys,
     block_parents,
     chain_key,
     seal_material,
     sealer_for,
+    verified_prefix,
 )
 
 NS = Namespace(model_id="llama-3-8b@rev1", kv_layout="L32.H8.D128.B16.float16", block_size=16)
@@ -151,3 +155,26 @@ def test_block_keys_extend_a_known_chain_as_they_would_hash_it_whole():
     prompt = block_keys(NS, tokens[: 2 * NS.block_size + 1])
     assert block_keys(NS, tokens, known=prompt) == whole
     assert block_keys(NS, tokens[: NS.block_size], known=whole) == whole[:1]  # more known than full blocks
+
+
+def test_a_seal_check_from_both_ends_finds_the_first_bad_seal_and_never_waits_for_an_idle_helper():
+    """``SealCheck``: the loader's thread checks from the front, a helper from the back; the answer is
+    the verified prefix either way. A helper still busy elsewhere when the front has checked every
+    item is not waited for (the load would stall behind unrelated work)."""
+    sealer = sealer_for(bytes(32), "")
+    items = [(bytes([i]) * 32, bytes([i]) * 4096) for i in range(10)]
+    sealed = [(k, d, sealer.seal(k, d)) for k, d in items]
+    forged = list(sealed)
+    forged[6] = (forged[6][0], forged[6][1], bytes(16))
+    with concurrent.futures.ThreadPoolExecutor(1) as helper:
+        assert verified_prefix(sealer, sealed, helper) == 10 and verified_prefix(sealer, forged, helper) == 6
+        assert verified_prefix(sealer, forged) == 6 and verified_prefix(sealer, forged[:3]) == 3
+        check = SealCheck(sealer, forged)
+        helper.submit(check.from_back)
+        assert check.prefix() == 6  # both ends ran, whichever took the bad one
+        busy = threading.Event()
+        helper.submit(busy.wait)  # the helper is taken
+        check = SealCheck(sealer, sealed)
+        helper.submit(check.from_back)  # queued behind it
+        assert check.prefix() == 10  # returned without the helper
+        busy.set()

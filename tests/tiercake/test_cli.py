@@ -131,6 +131,7 @@ def test_bench_vllm_kv_loads_from_the_pool_in_place_what_it_saved_byte_for_byte(
     assert {"load.throughput", "load.seal", "load.copy_only", "save.in_step"} <= set(figures)
     load = figures["load.throughput"]
     assert load["params"]["in_place_share"] == 1.0 and load["params"]["device"] == "cpu"
+    assert load["params"]["unleased_share"] == 1.0  # by the pool index's entries: no lease round trip
     assert 0 < figures["load.seal"]["ratio"] < 1  # the seal check is part of the load, and on
 
 

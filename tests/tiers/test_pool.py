@@ -286,3 +286,43 @@ def test_a_reader_of_the_pools_index_sees_commits_and_removes_per_tenant(shm_pat
         assert held == {i for i in range(1, 20) if "pool" in store.where(key(i))}
 
     asyncio.run(go())
+
+
+def test_pool_places_read_blocks_by_their_entries_and_tell_when_one_moved(shm_path, make_store):
+    """What the connector reads without a lease: a block's place and seal from its index entry, checked
+    against the key and size it expects; and, after its copy, whether each entry is still what it read
+    (the owner clears an entry before it frees the block's extent)."""
+    import asyncio
+
+    from tiercake.tiers.pool import PoolIndexReader, PoolPlaces
+
+    async def go():
+        store = await make_store(gpu=None, pool=8, ssd=None)
+        keys = [key(i) for i in (1, 2, 3)]
+        for i, k in enumerate(keys, 1):
+            await store.put(k, block(i), tenant="t", seal=bytes([i]) * 16)
+        region = PoolRegion.attach(shm_path)
+        reader = PoolIndexReader(region)
+        reader.refresh()
+        entries = reader.entries("t", keys + [key(4)])
+        assert len(entries) == 3 and reader.entries("u", keys) == []
+        places = PoolPlaces(region)
+        nbytes = block(1).numel() * 2
+        snapshot, found = places.read(entries, keys, nbytes)
+        assert [seal for _, seal in found] == [bytes([i]) * 16 for i in (1, 2, 3)]
+        for i, (offset, _) in enumerate(found, 1):  # the bytes there are the block's
+            assert bytes(places.data[offset : offset + nbytes]) == bytes(block(i).view(torch.uint8).numpy())
+        assert places.unchanged(entries, snapshot) == 3
+        # an entry that names another key, a size not asked for, or no entry at all: read stops there
+        assert len(places.read([entries[0], entries[2]], keys[:2], nbytes)[1]) == 1
+        assert places.read(entries, keys, nbytes + 1)[1] == []
+        assert places.read([len(region.index)], keys[:1], nbytes)[1] == []
+        assert places.read([-1], keys[:1], nbytes)[1] == []
+        await store.remove(key(2))  # freed by its owner after the read
+        assert places.unchanged(entries, snapshot) == 1
+        for i in range(10, 20):  # and its entry reused
+            await store.put(key(i), block(i), tenant="t")
+        assert places.unchanged(entries, snapshot) < 3
+        assert len(places.read(entries, keys, nbytes)[1]) < 3
+
+    asyncio.run(go())

@@ -29,6 +29,9 @@ class Link:
     def local_prefix(self, tenant, keys):
         return min(self.local, len(keys))
 
+    def pool_entries(self, tenant, keys):
+        return "region-1", [100 + i for i in range(min(self.local, len(keys)))]
+
     def longest_prefix_soon(self, tenant, keys):
         self.asked.append(concurrent.futures.Future())
         return self.asked[-1]
@@ -62,6 +65,25 @@ def test_a_prefix_the_local_pool_holds_is_answered_at_once_without_asking_the_co
     assert s.get_num_new_matched_tokens(request(), 0) == (local * BLOCK, False)
     assert link.asked == []
     assert s._plans["r"].node == "here"
+
+
+def test_a_load_from_the_local_pool_names_each_blocks_index_entry_for_the_worker_side():
+    """The worker side reads those blocks by these entries, without a lease; a block the index did not
+    show (a stale read) has none, and the worker side leases instead."""
+    link = Link(local=4)
+    s = scheduler(link)
+    r = request()
+    assert s.get_num_new_matched_tokens(r, 0) == (4 * BLOCK, False)
+    link.local = 3  # the index lost the last block since
+    s.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10, 11],)), 4 * BLOCK)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+    )
+    (loaded,) = s.build_connector_meta(out).loads
+    assert loaded.node == "here" and loaded.pool == "region-1"
+    assert [(b.block_id, b.entry) for b in loaded.blocks] == [(7, 100), (8, 101), (9, 102), (10, -1)]
 
 
 def test_otherwise_the_conductor_is_asked_while_vllm_schedules_on_and_the_longer_holder_wins():

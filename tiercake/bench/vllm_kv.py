@@ -119,6 +119,7 @@ class _Driver:
         self.names = list(kv)
         self.worker = ConnectorWorker(settings, self.link, keys, self.names, blocks)
         self.worker.register_kv_caches(kv)
+        self.link.watch_pool(NODE, 0.05)  # as the scheduler side does: loads then name the index entries
         self.warm: torch.Tensor | None = None  # a warm host buffer for the copy-only figure
 
     def save(self, keys: Sequence[bytes], first: int) -> float:
@@ -141,7 +142,9 @@ class _Driver:
         """``keys`` loaded into blocks ``first``..; (seconds until the last layer landed, the report)."""
         from tiercake.workers.vllm.metadata import BlockLoad, RequestLoad, TiercakeMetadata
 
-        load = RequestLoad("bench", NODE, [BlockLoad(k, first + i) for i, k in enumerate(keys)], "")
+        pool, entries = self._entries(list(keys))
+        blocks = [BlockLoad(k, first + i, entries[i]) for i, k in enumerate(keys)]
+        load = RequestLoad("bench", NODE, blocks, "", pool)
         started = time.perf_counter()
         self.worker.start_load_kv(TiercakeMetadata(loads=[load]))
         for name in self.names:
@@ -154,6 +157,17 @@ class _Driver:
         if report.loaded != len(keys):
             raise RuntimeError(f"only {report.loaded} of {len(keys)} blocks loaded: {self.worker.stats}")
         return seconds, report
+
+    def _entries(self, keys: list[bytes]) -> tuple[str, list[int]]:
+        """The keys' pool index entries, as the scheduler side finds them (once the watch has read them)."""
+        deadline = time.monotonic() + 10
+        pool, entries = self.link.pool_entries("default", keys)
+        while len(entries) < len(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the pool index shows {len(entries)} of {len(keys)} saved blocks")
+            time.sleep(0.01)
+            pool, entries = self.link.pool_entries("default", keys)
+        return pool, entries
 
     def close(self) -> None:
         self.worker.close()
@@ -229,7 +243,9 @@ def _measure(report: Report, shape: Shape, count: int, reps: int, device: str, c
             "load.throughput", nbytes / statistics.median(loads) / 1e9, "GB/s", memcpy, limit_name=limit_name, **common
         )
         load.params["load_ms"] = round(statistics.median(loads) * 1e3, 3)
-        load.params["in_place_share"] = driver.worker.stats["in_place_blocks"] / driver.worker.stats["loaded_blocks"]
+        stats = driver.worker.stats
+        load.params["in_place_share"] = stats["in_place_blocks"] / stats["loaded_blocks"]
+        load.params["unleased_share"] = stats["unleased_blocks"] / stats["loaded_blocks"]
         report.add(
             "load.seal",
             statistics.median(seals) * 1e3,

@@ -22,7 +22,7 @@ from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.config import TlsConfig
 from tiercake.loop_thread import LoopThread
 from tiercake.tiers import StoreError
-from tiercake.tiers.pool import PoolRegion
+from tiercake.tiers.pool import PoolPlaces, PoolRegion
 from tiercake.transfer import BlockLoc, BufferLoc, Transfer, TransferEngine, TransferError, TransferResult
 from tiercake.transfer.protocol import SessionNotice
 from tiercake.transfer.transports import PoolLease
@@ -74,6 +74,7 @@ class TiercakeLink:
         self.nodes = NodeDirectory(self.client, self.engine, every=members_every)
         self.pool_watch: PoolWatch | None = None  # of the node's pool (watch_pool)
         self._watch: concurrent.futures.Future | None = None
+        self._places: dict[str, PoolPlaces] = {}  # node -> its pool read by index entries (pool_places)
 
     # Plumbing ------------------------------------------------------------------------------------
 
@@ -119,14 +120,16 @@ class TiercakeLink:
         """Keep ``node``'s pool index here (``local_prefix``), reread every ``every`` seconds on the
         link's loop (see ``PoolWatch``); nothing without a transfer engine."""
 
-        async def region() -> PoolRegion | None:
-            if node not in self.nodes and self.engine.address(node) is None:
-                await self.nodes.refresh()
-            return await self.engine.pool_region(node)
-
         if self.engine is not None:
-            self.pool_watch = PoolWatch(node, every, region)
+            self.pool_watch = PoolWatch(node, every, lambda: self._pool_region(node))
             self._watch = self.submit(self.pool_watch.run())
+
+    async def _pool_region(self, node: str) -> PoolRegion | None:
+        """``node``'s pool mapped here (a node not yet in the member list is looked up first)."""
+        assert self.engine is not None
+        if node not in self.nodes and self.engine.address(node) is None:
+            await self.nodes.refresh()
+        return await self.engine.pool_region(node)
 
     @property
     def pool_index_state(self) -> str:
@@ -137,6 +140,48 @@ class TiercakeLink:
         """How many of ``keys``, from the first, the watched pool held for ``tenant`` (0 before the
         first read): microseconds, no round trip; a hint the lease confirms."""
         return 0 if self.pool_watch is None else self.pool_watch.leading(tenant, keys)
+
+    def pool_entries(self, tenant: str, keys: list[bytes]) -> tuple[str, list[int]]:
+        """The watched pool's region (its instance id) and the index entries of the leading ``keys``
+        it held at the last read: where the worker side reads them without a lease (``PoolPlaces``)."""
+        index = None if self.pool_watch is None else self.pool_watch.index
+        if index is None:
+            return "", []
+        return index.region.instance, index.entries(tenant, keys)
+
+    def pool_places(self, node: str, instance: str, timeout: float) -> PoolPlaces | None:
+        """``node``'s pool, mapped here, when it is the region ``instance`` (what the scheduler side
+        read the entries from); None otherwise. The link's loop is asked only when the region is new
+        here (once per node agent start)."""
+        places = self._places.get(node)
+        if places is None or places.region.instance != instance:
+            try:
+                region = self.call(self._pool_region(node), timeout) if self.engine is not None else None
+            except (TimeoutError, OSError, ConductorError, TransferError, StoreError) as exc:
+                log.info("tiercake link %s: %s's pool is not mapped here: %s", self.identity, node, exc)
+                region = None
+            if region is None or region.instance != instance or region.index is None:
+                return None
+            places = self._places[node] = PoolPlaces(region)
+        return places
+
+    def touch(self, node: str, keys: list[bytes], length: int) -> None:
+        """Tell ``node`` these blocks of its pool were just read without a lease, in the background:
+        a lease given straight back, so that its eviction policy counts the reads."""
+        if self.engine is None:
+            return
+        engine = self.engine
+
+        async def touch() -> None:
+            lease = await engine.lease_blocks(node, keys, length, 5.0)
+            if lease is not None:
+                await engine.release_blocks(node, lease)
+
+        def done(future: concurrent.futures.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.debug("tiercake link %s: touch on %s: %s", self.identity, node, future.exception())
+
+        self.submit(touch()).add_done_callback(done)
 
     def longest_prefix_soon(self, tenant: str, keys: list[bytes]) -> concurrent.futures.Future:
         """``longest_prefix`` without waiting: a future of (node, blocks), (None, 0) on failure."""

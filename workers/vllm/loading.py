@@ -52,6 +52,7 @@ class LoadReport:
     seconds: float  # from the step's start until every layer was in
     waited: float = 0.0  # of which the forward pass waited (the step's; the rest ran under its layers)
     seal_s: float = 0.0  # of which checking the seals
+    unleased: int = 0  # of the blocks loaded, those read by the pool's index entries, without a lease
 
 
 @dataclass(slots=True)
@@ -60,6 +61,25 @@ class Segment:
 
     base: np.ndarray  # flat uint8: the mapped pool, or the loader's staging buffer
     starts: list[int]
+
+    def step(self) -> int | None:
+        """The blocks' spacing when they lie evenly within ``base`` (else None)."""
+        starts = self.starts
+        step = starts[1] - starts[0] if len(starts) > 1 else 0
+        even = step > 0 and all(b - a == step for a, b in zip(starts, starts[1:]))
+        if (even or len(starts) == 1) and starts[0] >= 0 and starts[-1] <= self.base.size:
+            return step
+        return None
+
+    def part(self, offset: int, size: int, window: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Bytes ``[offset, offset + size)`` of each block, a row per block: a plain strided view where
+        the blocks lie evenly (as a chain saved in one batch does in the pool: no temporary), else an
+        indexed read of ``window(base)`` (its ``block_window``)."""
+        step = self.step()
+        if step is None or self.starts[-1] + offset + size > self.base.size:
+            return window(self.base)[self.starts, offset : offset + size]  # (numpy checks these bounds)
+        start = self.starts[0] + offset
+        return as_strided(self.base[start:], (len(self.starts), size), (step, 1), writeable=False)
 
 
 @dataclass(slots=True)
@@ -71,6 +91,10 @@ class Fetched:
     segments: list[Segment]
     release: Callable[[], None] | None = None
     seal_s: float = 0.0
+    unleased: bool = False  # read by the pool's index entries, with no lease
+    # after the copy: how many of the usable blocks, from the first, are still the bytes whose seals
+    # were checked (blocks read without a lease); None: all of them
+    confirm: Callable[[], int] | None = None
 
     @property
     def usable(self) -> int:
@@ -132,14 +156,18 @@ class KvCopier:
         if self.host_layers is not None:
             kv = self.host_layers[layer]
             for seg, ids in parts:
-                kv[ids] = self.window(seg.base)[seg.starts, offset : offset + size]
+                src = seg.part(offset, size, self.window)
+                if ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                    kv[ids[0] : ids[-1] + 1] = src  # vLLM's blocks in a run: a strided copy
+                else:
+                    kv[ids] = src
             return
         count = sum(len(ids) for _, ids in parts)
         start = layer * count * max(self.layer_bytes)  # each layer its own rows: copies may still be in flight
         rows = self._pinned_rows(start, count, size)
         at = 0
         for seg, ids in parts:
-            rows.numpy()[at : at + len(ids)] = self.window(seg.base)[seg.starts, offset : offset + size]
+            rows.numpy()[at : at + len(ids)] = seg.part(offset, size, self.window)
             at += len(ids)
         index = torch.tensor([i for _, ids in parts for i in ids], dtype=torch.long)
         dst = self.layers[layer]
@@ -248,12 +276,15 @@ class LayerwiseLoader:
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
                 fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
-                self._copy_in(step, fetched)
+                # blocks still to be confirmed after the copy: the pass sees no layer before that
+                self._copy_in(step, fetched, announce=all(got.confirm is None for _, got in fetched))
             seconds = time.perf_counter() - started
             for load, got in fetched:
-                n = got.usable
+                n = got.usable if got.confirm is None else min(got.usable, got.confirm())
                 step.errors.update(b.block_id for b in load.blocks[n:])
-                report = LoadReport(n, len(load.blocks) - n, n * self.block_bytes, seconds, seal_s=got.seal_s)
+                report = LoadReport(
+                    n, len(load.blocks) - n, n * self.block_bytes, seconds, seal_s=got.seal_s, unleased=n * got.unleased
+                )
                 step.reports[load.request_id] = report
         except Exception as exc:  # noqa: BLE001 - whatever it was, vLLM recomputes every block of the step
             log.exception(
@@ -265,15 +296,16 @@ class LayerwiseLoader:
                 step.errors.update(b.block_id for b in load.blocks)
                 step.reports[load.request_id] = LoadReport(0, len(load.blocks), 0, time.perf_counter() - started)
         finally:
-            for _, got in fetched:
-                if got.release is not None:
-                    got.release()
             for ready in step.layers:  # never leaves the forward pass waiting
                 ready.set()
+            for _, got in fetched:  # after the layers: nothing the pass waits for
+                if got.release is not None:
+                    got.release()
             step.done.set()
 
-    def _copy_in(self, step: _Step, fetched: list[tuple[Load, Fetched]]) -> None:
-        """Every usable block into each layer's KV, a layer at a time, announcing each."""
+    def _copy_in(self, step: _Step, fetched: list[tuple[Load, Fetched]], announce: bool = True) -> None:
+        """Every usable block into each layer's KV, a layer at a time, announcing each (if ``announce``;
+        else ``_run`` announces them all at the end)."""
         parts: list[tuple[Segment, list[int]]] = []
         for load, got in fetched:
             at = 0
@@ -289,7 +321,8 @@ class LayerwiseLoader:
             if parts:
                 self.copier.copy(layer, offset, parts)
             offset += size
-            self._landed(step, layer)
+            if announce:
+                self._landed(step, layer)
 
     def _landed(self, step: _Step, layer: int) -> None:
         step.layers[layer].set()

@@ -71,6 +71,7 @@ class ConnectorSettings(BaseModel):
 class BlockLoad:
     key: bytes
     block_id: int  # vLLM's block to fill
+    entry: int = -1  # its entry in the node's pool index, as the scheduler side last read it (-1: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class RequestLoad:
     node: str
     blocks: list[BlockLoad]
     salt: str  # its keys' hashing salt: the seals are checked under it
+    pool: str = ""  # the pool region (its instance id) the blocks' entries are of ("": none known)
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,13 +199,16 @@ class ConnectorScheduler:
             return
         ids = blocks.get_block_ids()[0]
         count = min(plan.count, num_external_tokens // self.block_size)
-        keys = tracked.keys
+        keys = tracked.keys[plan.first : plan.first + count]
+        pool, entries = self.link.pool_entries(tracked.tenant, keys) if plan.node == self.settings.node else ("", [])
+        entries += [-1] * (count - len(entries))
         self._pending_loads.append(
             RequestLoad(
                 request.request_id,
                 plan.node,
-                [BlockLoad(keys[i], ids[i]) for i in range(plan.first, plan.first + count)],
+                [BlockLoad(keys[i], ids[plan.first + i], entries[i]) for i in range(count)],
                 tracked.salt,
+                pool,
             )
         )
         tracked.next_save = plan.first + count
@@ -283,6 +286,7 @@ class ConnectorScheduler:
                 load_bytes=report.nbytes,
                 load_s=report.seconds,
                 load_wait_s=report.waited,
+                load_unleased_tokens=report.unleased * self.block_size,  # read by index entries, no lease
             )
         # in the request's output: what vLLM was told it could load, what it did (the rest it
         # recomputed), and how long loading took

@@ -14,11 +14,12 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from tiercake.blocks import SealKeys, verified_prefix
+from tiercake.blocks import SealCheck, SealKeys, verified_prefix
 from tiercake.transfer import ItemError, Status
 
 from .link import TiercakeLink
@@ -114,6 +115,8 @@ class ConnectorWorker:
         self.stats = {
             "loaded_blocks": 0,
             "in_place_blocks": 0,  # of which copied straight from the node's shared pool (no staging copy)
+            "unleased_blocks": 0,  # of which read by the pool's index entries, with no lease (no round trip)
+            "moved_blocks": 0,  # read that way, but freed or moved in the pool meanwhile: recomputed
             "failed_blocks": 0,
             "refused_blocks": 0,
             "saved_blocks": 0,
@@ -165,6 +168,9 @@ class ConnectorWorker:
         to its first missing block, or its first whose seal does not verify (forged or corrupt). The
         rest is recomputed."""
         keys = [b.key for b in load.blocks]
+        unleased = self._from_index(load, keys, rows)
+        if unleased is not None:
+            return unleased
         lease = self.link.lease(load.node, keys, self.block_nbytes, self.settings.load_timeout_s)
         if lease is None:
             return self._complete(load, keys, rows, [], None, [], read_rest=True)
@@ -179,6 +185,70 @@ class ConnectorWorker:
         if stop is not None and not _on_disk(stop) and fetched.usable == len(found):
             self._log_missing(load, len(keys) - len(found), stop)
         return fetched
+
+    def _from_index(self, load: RequestLoad, keys: list[bytes], rows: torch.Tensor) -> Fetched | None:
+        """Every block of ``load`` read in place by the pool index entries the scheduler side found,
+        with no lease (no round trip: see ``PoolPlaces``); None when any of them is not there as the
+        entries said (a block moved since the lookup: the lease path then). The seals are checked from
+        the back on the helper thread while the loader copies, and from the front by the loader once it
+        has copied (``SealCheck``); the pass sees the layers only after both (``Fetched.confirm``)."""
+        entries = [b.entry for b in load.blocks]
+        if not load.pool or min(entries) < 0:
+            return None
+        places = self.link.pool_places(load.node, load.pool, self.settings.load_timeout_s)
+        if places is None:
+            return None
+        snapshot, found = places.read(entries, keys, self.block_nbytes)
+        if len(found) < len(keys):
+            return None
+        pool, n = places.data, self.block_nbytes
+        check = SealCheck(
+            self._seal_keys.for_salt(load.salt), [(k, pool[o : o + n], s) for k, (o, s) in zip(keys, found)]
+        )
+        self._helper.submit(check.from_back)
+        fetched = Fetched([Segment(pool, [offset for offset, _ in found])], unleased=True)
+
+        def confirm() -> int:
+            return self._confirmed(load, fetched, check, lambda: places.unchanged(entries, snapshot))
+
+        fetched.confirm = confirm
+        fetched.release = lambda: self.link.touch(load.node, keys, n)  # after the copy: nothing waits for it
+        return fetched
+
+    def _confirmed(self, load: RequestLoad, fetched: Fetched, check: SealCheck, unmoved: Callable[[], int]) -> int:
+        """After the copy: how many of the blocks, from the first, carry a seal that verifies and were
+        not moved in the pool meanwhile (a block that moved while it was read failed its seal for that,
+        not because it was forged)."""
+        started = time.perf_counter()
+        verified = check.prefix()
+        unchanged = unmoved()
+        fetched.seal_s = time.perf_counter() - started  # what the check added after the copy
+        total = len(load.blocks)
+        usable = min(verified, unchanged)
+        self.stats["in_place_blocks"] += usable
+        self.stats["unleased_blocks"] += usable
+        if unchanged < total and unchanged <= verified:
+            self.stats["moved_blocks"] += total - unchanged
+            log.info(
+                "TiercakeConnector: request %s: block %d moved in %s's pool while it was loaded; vLLM recomputes "
+                "from it",
+                load.request_id,
+                unchanged,
+                load.node,
+            )
+        elif verified < total:
+            self._refused(load, verified, total)
+        return usable
+
+    def _refused(self, load: RequestLoad, first: int, total: int) -> None:
+        self.stats["refused_blocks"] += total - first
+        log.warning(
+            "TiercakeConnector: request %s: block %d from %s failed its seal (forged or corrupt); vLLM "
+            "recomputes from it",
+            load.request_id,
+            first,
+            load.node,
+        )
 
     def _complete(
         self,
@@ -208,14 +278,7 @@ class ConnectorWorker:
             segments.append(Segment(staged.reshape(-1), [i * self.block_nbytes for i in range(first, verified)]))
         fetched = Fetched([s for s in segments if s.starts], seal_s=time.perf_counter() - started)
         if verified < len(items):
-            self.stats["refused_blocks"] += len(items) - verified
-            log.warning(
-                "TiercakeConnector: request %s: block %d from %s failed its seal (forged or corrupt); vLLM "
-                "recomputes from it",
-                load.request_id,
-                verified,
-                load.node,
-            )
+            self._refused(load, verified, len(items))
         elif read < len(rest):
             self._log_missing(load, len(rest) - read, rest[read].error)
         return fetched
