@@ -91,12 +91,18 @@ def in_kv(w, block_id: int) -> bytes:
     return b"".join(bytes(layer[block_id].numpy()) for layer in w._layers)
 
 
-def test_blocks_are_read_by_their_entries_without_a_lease_and_copied_in_whole(shm_path, make_store):
+@pytest.mark.parametrize("device", [False, True])
+def test_blocks_are_read_by_their_entries_without_a_lease_and_copied_in_whole(shm_path, make_store, device):
+    """``device``: through the GPU path's pinned buffer and copies (run here on the CPU)."""
+    from tiercake.workers.vllm.loading import LayerwiseLoader
+
     async def go():
         store, keys = await saved(make_store, 4)
         region, entries = mapped(shm_path, keys)
         link = Link(PoolPlaces(region))
         w = worker(link)
+        if device:
+            w._loader = LayerwiseLoader(w._layers, w._fetch, device=True)
         try:
             report, errors = await asyncio.to_thread(load, w, keys, entries, region.instance)
         finally:

@@ -48,7 +48,7 @@ from tiercake.workers.vllm.tiny_model import make_tiny_llama
 from .report import Report, machine
 from .store import _memcpy_seconds
 from .vllm_peers import NULL_CONNECTOR, mooncake_samples, peer_server
-from .vllm_requests import BLOCK, FRACTIONS, MODEL, held_and_cold, median_s
+from .vllm_requests import BLOCK, FRACTIONS, MODEL, interleaved, median_s
 
 ROUTERS = ("round_robin", "cache_aware", "ttft")
 
@@ -113,26 +113,6 @@ def _memcpy_rate(blocks: int, block_bytes: int) -> float:
 def tiercake_figures(samples: dict, held: str) -> list[dict]:
     """The connector's own figures of the ``held`` samples (what its answers carry)."""
     return [(data.get("kv_transfer_params") or {}).get("tiercake") or {} for _, data in samples[held]]
-
-
-async def interleaved(
-    ours: str, null: str | None, prompt_tokens: int, rounds: int
-) -> tuple[dict[str, list], dict[str, list] | None]:
-    """tiercake's instance's samples (``held_and_cold``) and, with ``null`` (an instance with the
-    do-nothing connector, alive beside it), that one's cold requests, a round of each in turn: a quiet
-    or a busy moment of the machine touches both."""
-    samples: dict[str, list] = {}
-    baseline: dict[str, list] | None = {} if null is not None else None
-    for r in range(rounds):
-        for url, into, held in ((ours, samples, True), (null, baseline, False)):
-            if url is None or into is None:
-                continue
-            got = await held_and_cold(url, prompt_tokens, 1, held=held, first_round=r, warm=r == 0)
-            for name, items in got.items():
-                into.setdefault(name, []).extend(items)
-            if null is not None:
-                await asyncio.sleep(1.2)  # a vLLM CPU worker keeps polling for a second after its last step
-    return samples, baseline
 
 
 def _figures(samples: dict, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:

@@ -8,7 +8,8 @@ vLLM on this machine, in the same run.
 - **vLLM's MooncakeStoreConnector over Mooncake Store** (where its package is installed): its
   ``mooncake_master`` binds every address, so it runs with vLLM and this measurement inside a network
   namespace of its own (``unshare -n``, loopback only), as ``bench store-api`` runs it, after
-  tiercake's instances have stopped; compare it by each instance's own recompute (held / cold).
+  tiercake's instances have stopped, with a do-nothing instance beside it as tiercake's has (rounds
+  interleaved the same way); compare it by each instance's own recompute (held / cold).
   Its load time and bytes come from its metrics (``vllm:mooncake_store_operation_*{operation="load_get"}``).
 
 Each peer's held and cold requests are timed exactly as tiercake's (``vllm.held_and_cold``).
@@ -33,7 +34,7 @@ from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .store_api import in_namespace, mooncake_master
-from .vllm_requests import BLOCK, MODEL, held_and_cold
+from .vllm_requests import BLOCK, MODEL, interleaved
 
 INSIDE = "TIERCAKE_BENCH_VLLM_PEERS_INSIDE"
 MOONCAKE_PORT = 50071
@@ -82,7 +83,7 @@ async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
             stdout=open(root / "mooncake-master.log", "w"),
             stderr=subprocess.STDOUT,
         )
-        server = None
+        servers: list[VllmServer] = []
         try:
             config = root / "mooncake.json"
             config.write_text(
@@ -100,9 +101,14 @@ async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
             model = await asyncio.to_thread(bench_model, root)
             env = {**os.environ, "MOONCAKE_CONFIG_PATH": str(config)}
             server = peer_server(model, MOONCAKE_CONNECTOR, env, root / "vllm-mooncake.log", MODEL, BLOCK)
+            servers.append(server)
             await asyncio.to_thread(server.wait_ready)
+            # a do-nothing instance beside it, rounds interleaved: measured as tiercake's instance is
+            null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
+            servers.append(null)
+            await asyncio.to_thread(null.wait_ready)
             before = await _mooncake_load_counters(server.url)
-            samples = await held_and_cold(server.url, prompt_tokens, rounds)
+            samples, _ = await interleaved(server.url, null.url, prompt_tokens, rounds)
             after = await _mooncake_load_counters(server.url)
             return {
                 "samples": {name: [s for s, _ in got] for name, got in samples.items()},
@@ -110,8 +116,8 @@ async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
                 "load_bytes": after[1] - before[1],
             }
         finally:
-            if server is not None:
-                await asyncio.to_thread(server.stop)
+            for running in servers:
+                await asyncio.to_thread(running.stop)
             master.terminate()
             master.wait(10)
 

@@ -110,5 +110,25 @@ async def held_and_cold(
     return samples
 
 
+async def interleaved(
+    ours: str, null: str | None, prompt_tokens: int, rounds: int
+) -> tuple[dict[str, list], dict[str, list] | None]:
+    """tiercake's instance's samples (``held_and_cold``) and, with ``null`` (an instance with the
+    do-nothing connector, alive beside it), that one's cold requests, a round of each in turn: a quiet
+    or a busy moment of the machine touches both."""
+    samples: dict[str, list] = {}
+    baseline: dict[str, list] | None = {} if null is not None else None
+    for r in range(rounds):
+        for url, into, held in ((ours, samples, True), (null, baseline, False)):
+            if url is None or into is None:
+                continue
+            got = await held_and_cold(url, prompt_tokens, 1, held=held, first_round=r, warm=r == 0)
+            for name, items in got.items():
+                into.setdefault(name, []).extend(items)
+            if null is not None:
+                await asyncio.sleep(1.2)  # a vLLM CPU worker keeps polling for a second after its last step
+    return samples, baseline
+
+
 def median_s(samples: dict, name: str) -> float:
     return statistics.median(seconds for seconds, _ in samples[name])
