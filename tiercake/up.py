@@ -410,7 +410,7 @@ class VllmServer:
     def proc(self) -> subprocess.Popen:
         return self.child.proc
 
-    def _tail(self) -> str:
+    def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def wait_ready(self, timeout: float = 300, stop: threading.Event | None = None) -> None:
@@ -421,7 +421,7 @@ class VllmServer:
             if stop is not None and stop.is_set():
                 raise Interrupted()
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self._tail()}")
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -429,7 +429,7 @@ class VllmServer:
             except OSError:
                 pass
             (stop or threading.Event()).wait(0.5)
-        raise TimeoutError(f"vLLM did not answer /health within {timeout} s:\n{self._tail()}")
+        raise TimeoutError(f"vLLM did not answer /health within {timeout} s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = STOP_GRACE_S) -> None:
         self.child.stop(timeout)

@@ -252,14 +252,17 @@ async def test_the_vllm_benchs_requests_load_each_held_prefix_and_time_the_same_
     """`bench vllm`'s protocol (``held_and_cold``, also what it times on its peers) on a real instance:
     each held prefix is loaded by the connector, as vLLM's cached_tokens say (it raises otherwise),
     after a reset vLLM confirmed; the cold request is the same prompt under another salt, computed."""
-    _, a, _ = served
-    samples = await held_and_cold(a.url, 8 * BLOCK, 1, model=MODEL, pause=1.0, first_round=50)
-    assert sorted(samples) == ["cold50", "cold90", "held50", "held90"]
+    _, a, b = served
+    samples = await held_and_cold(a.url, 8 * BLOCK, 1, model=MODEL, pause=1.0, first_round=50, other=b.url)
+    assert sorted(samples) == ["across50", "across90", "cold50", "cold90", "held50", "held90"]
     for pct, blocks in (("50", 4), ("90", 7)):
         (seconds, held), (_, cold) = samples[f"held{pct}"][0], samples[f"cold{pct}"][0]
         assert seconds > 0 and loaded(held) == blocks * BLOCK
         assert tiercake(held)["lookup_local"] is True, tiercake(held)["local_index"]
         assert loaded(cold) == 0 and cached(cold) == 0 and answer(cold) == answer(held)
+        # the second instance loaded the prefix the first saved (the same prefix, another ending)
+        across = samples[f"across{pct}"][0][1]
+        assert loaded(across) == blocks * BLOCK and tiercake(across)["lookup_local"] is True
 
 
 async def test_another_instance_on_the_node_loads_from_the_pool(served):

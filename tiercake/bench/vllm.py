@@ -129,6 +129,18 @@ def _figures(samples: dict, prompt_tokens: int, rounds: int, memcpy: float, repo
             prompt_tokens=prompt_tokens,
             rounds=rounds,
         )
+        if f"across{pct}" in samples:  # a second instance loading what the first saved
+            report.add(
+                f"ttft.across{pct}",
+                median_s(samples, f"across{pct}"),
+                "s",
+                median_s(samples, f"cold{pct}"),
+                limit_name="same prompts recomputed (on the first instance)",
+                includes="one decode step",
+                ideal=round(1 - fraction, 2),
+                prompt_tokens=prompt_tokens,
+                rounds=rounds,
+            )
     held = [f for fraction in FRACTIONS for f in tiercake_figures(samples, f"held{int(fraction * 100)}")]
     cold = [f for fraction in FRACTIONS for f in tiercake_figures(samples, f"cold{int(fraction * 100)}")]
     _lookup_figures(report, held, cold)
@@ -227,22 +239,28 @@ def _peer_figures(report: Report, ours: dict, null: dict | None, mooncake: dict 
                 median_s(null, f"cold{pct}"),
                 limit_name="the same cold prompts on vLLM with a do-nothing connector",
             )
-        if mooncake is not None:
-            theirs = mooncake["samples"]
+        if mooncake is None:
+            continue
+        theirs = mooncake["samples"]
+        for held in ("held", "across"):
+            name = f"{held}{pct}"
+            if name not in ours or name not in theirs:
+                continue
+            where = "on the same instance" if held == "held" else "on a second instance"
             report.add(
-                f"peers.held{pct}.vs_mooncake",
-                median_s(ours, f"held{pct}"),
+                f"peers.{name}.vs_mooncake",
+                median_s(ours, name),
                 "s",
-                statistics.median(theirs[f"held{pct}"]),
-                limit_name="the same held prompts on vLLM's MooncakeStoreConnector",
+                statistics.median(theirs[name]),
+                limit_name=f"the same held prompts {where} on vLLM's MooncakeStoreConnector",
             )
             # each by its own instance's recompute: the two instances ran at different moments
             report.add(
-                f"peers.held{pct}_of_recompute.vs_mooncake",
-                median_s(ours, f"held{pct}") / median_s(ours, f"cold{pct}"),
+                f"peers.{name}_of_recompute.vs_mooncake",
+                median_s(ours, name) / median_s(ours, f"cold{pct}"),
                 "ratio",
-                statistics.median(theirs[f"held{pct}"]) / statistics.median(theirs[f"cold{pct}"]),
-                limit_name="the same on Mooncake's instance",
+                statistics.median(theirs[name]) / statistics.median(theirs[f"cold{pct}"]),
+                limit_name="the same on Mooncake's instances",
             )
     if mooncake is not None and mooncake["load_s"] > 0:
         loads = [f for f in tiercake_figures(ours, "held90") + tiercake_figures(ours, "held50") if f.get("load_s")]
@@ -294,15 +312,27 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
         try:
             servers.append(_server(model, cluster, env, root, "vllm-0"))
             await asyncio.to_thread(servers[0].wait_ready)
-            null = None
-            if peers:  # beside ours, requests interleaved
+            null = second = None
+            if peers:  # beside ours, requests interleaved; and a second instance of ours, to load across
+                second = _server(model, cluster, env, root, "vllm-1")
                 null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
-                servers.append(null)
-                await asyncio.to_thread(null.wait_ready)
+                servers += [second, null]
+                for server in (second, null):
+                    await asyncio.to_thread(server.wait_ready)
             ours, baseline = await interleaved(
-                servers[0].url, None if null is None else null.url, prompt_tokens, rounds
+                servers[0].url,
+                None if null is None else null.url,
+                prompt_tokens,
+                rounds,
+                other=None if second is None else second.url,
             )
             _figures(ours, prompt_tokens, rounds, memcpy, report)
+            if prompts:  # the second server only now (if not started for --peers): idle, it would slow the above
+                if second is None:
+                    second = _server(model, cluster, env, root, "vllm-1")
+                    servers.append(second)
+                    await asyncio.to_thread(second.wait_ready)
+                await _routing(cluster, [servers[0], second], prompts, token, report, rows)
             if peers:  # Mooncake in a namespace of its own, with nothing of ours running
                 for server in servers:
                     await asyncio.to_thread(server.stop)
@@ -310,10 +340,6 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
                 mooncake = await asyncio.to_thread(mooncake_samples, prompt_tokens, rounds)
                 report.machine["mooncake"] = "measured" if mooncake is not None else "absent (no package or unshare)"
                 _peer_figures(report, ours, baseline, mooncake)
-            if prompts:  # the second server only now: idle, it would slow the figures above
-                servers.append(_server(model, cluster, env, root, "vllm-1"))
-                await asyncio.to_thread(servers[1].wait_ready)
-                await _routing(cluster, servers, prompts, token, report, rows)
         finally:
             for server in servers:
                 await asyncio.to_thread(server.stop)

@@ -43,7 +43,16 @@ NULL_CONNECTOR = {
     "kv_connector_module_path": "tiercake.workers.vllm.null_connector",
     "kv_role": "kv_both",
 }
-MOONCAKE_CONNECTOR = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+
+
+def mooncake_connector(instance: int) -> dict:
+    """vLLM's MooncakeStoreConnector for the ``instance``-th vLLM on this host: each needs a lookup port
+    of its own (it names the scheduler's ZMQ socket, the same path for every instance otherwise)."""
+    return {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lookup_rpc_port": instance},
+    }
 
 
 def bench_model(root: Path) -> Path:
@@ -99,14 +108,19 @@ async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
                 )
             )
             model = await asyncio.to_thread(bench_model, root)
-            env = {**os.environ, "MOONCAKE_CONFIG_PATH": str(config)}
-            server = peer_server(model, MOONCAKE_CONNECTOR, env, root / "vllm-mooncake.log", MODEL, BLOCK)
-            servers.append(server)
-            await asyncio.to_thread(server.wait_ready)
-            # a do-nothing instance beside it, rounds interleaved: measured as tiercake's instance is
-            null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
-            servers.append(null)
-            await asyncio.to_thread(null.wait_ready)
+            # inside the namespace vLLM finds no address of its own and names its Mooncake segment 0.0.0.0,
+            # which a second instance cannot open: loopback it is
+            env = {**os.environ, "MOONCAKE_CONFIG_PATH": str(config), "VLLM_HOST_IP": "127.0.0.1"}
+            # a do-nothing instance beside it, rounds interleaved: measured as tiercake's instance is. Not
+            # a second Mooncake instance to load across: with two on this host, the first one's saves
+            # stalled (its blocks held for over 10 s, vLLM's prefix cache could not be reset)
+            server, null = (
+                peer_server(model, mooncake_connector(0), env, root / "vllm-mooncake.log", MODEL, BLOCK),
+                peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK),
+            )
+            servers += [server, null]
+            for started in servers:
+                await asyncio.to_thread(started.wait_ready)
             before = await _mooncake_load_counters(server.url)
             samples, _ = await interleaved(server.url, null.url, prompt_tokens, rounds)
             after = await _mooncake_load_counters(server.url)
@@ -115,6 +129,10 @@ async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
                 "load_s": after[0] - before[0],
                 "load_bytes": after[1] - before[1],
             }
+        except Exception:
+            for running in servers:  # the temporary directory goes with them: say what they said
+                print(f"--- {running.log_path.name}:\n{running.log_tail()}", file=sys.stderr)
+            raise
         finally:
             for running in servers:
                 await asyncio.to_thread(running.stop)

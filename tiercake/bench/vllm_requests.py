@@ -33,7 +33,7 @@ async def complete(
     return time.perf_counter() - started, data
 
 
-async def reset(http: aiohttp.ClientSession, url: str, tries: int = 50) -> None:
+async def reset(http: aiohttp.ClientSession, url: str, tries: int = 200) -> None:
     """vLLM's prefix cache emptied: it answers 200 with ``success: false`` while blocks are still held
     (a request finishing), so it is asked again until it says it did."""
     for _ in range(tries):
@@ -68,6 +68,21 @@ async def _warm_up(http: aiohttp.ClientSession, url: str, prompt_tokens: int, mo
     await reset(http, url)
 
 
+QUIET_S = 1.2  # a vLLM CPU worker keeps polling for a second after its last step: instances kept apart
+
+
+async def _loaded(
+    http: aiohttp.ClientSession, url: str, tokens: list[int], held: int, model: str
+) -> tuple[float, dict]:
+    """``tokens`` timed on ``url``, whose connector must load the first ``held`` of them (vLLM's
+    ``cached_tokens`` say so; a block's worth may be short, vLLM computes the last prompt token)."""
+    seconds, data = await complete(http, url, tokens, model=model)
+    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+    if (details.get("cached_tokens") or 0) < held - BLOCK:
+        raise RuntimeError(f"only {details} of {held} held tokens were loaded by the connector at {url}")
+    return seconds, data
+
+
 async def held_and_cold(
     url: str,
     prompt_tokens: int,
@@ -77,6 +92,7 @@ async def held_and_cold(
     warm: bool = True,
     model: str = MODEL,
     pause: float = 0.3,
+    other: str | None = None,
 ) -> dict[str, list[tuple[float, dict]]]:
     """Samples of one vLLM instance, whatever its connector. For each held fraction and round: the
     prefix is computed (and saved by the connector), vLLM's prefix cache reset, and the full prompt
@@ -85,12 +101,18 @@ async def held_and_cold(
     "cold90": nothing held anywhere, all computed). Each sample: (seconds, vLLM's answer). Without
     ``held`` (a connector that holds nothing), only the cold requests, timed the same. Rounds are
     numbered from ``first_round`` (their prompts differ); ``warm``: first the warm-up requests;
-    ``pause``: before each timed request (the saves land meanwhile)."""
+    ``pause``: before each timed request (the saves land meanwhile).
+
+    With ``other`` (a second instance with the same connector), also the same prefix with another
+    ending timed there ("across50", "across90": the prefix the first instance saved, loaded by the
+    second), the instances kept ``QUIET_S`` apart."""
     samples: dict[str, list[tuple[float, dict]]] = {}
     async with aiohttp.ClientSession() as http:
         if warm:
-            await _warm_up(http, url, prompt_tokens, model)
+            for warmed in (url, other) if other is not None and held else (url,):
+                await _warm_up(http, warmed, prompt_tokens, model)
         for fraction in FRACTIONS:
+            pct = int(fraction * 100)
             for r in range(first_round, first_round + rounds):
                 tokens = prompt(int(fraction * 1000) + r, prompt_tokens)
                 prefix = tokens[: int(prompt_tokens * fraction) // BLOCK * BLOCK]
@@ -98,35 +120,38 @@ async def held_and_cold(
                     await complete(http, url, prefix + [1], model=model)  # computed, saved by the connector
                     await asyncio.sleep(pause)  # saves are asynchronous: let them land and be indexed
                     await reset(http, url)
-                    seconds, data = await complete(http, url, tokens, model=model)
-                    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-                    if (details.get("cached_tokens") or 0) < len(prefix) - BLOCK:
-                        raise RuntimeError(f"only {details} of {len(prefix)} held tokens were loaded by the connector")
-                    samples.setdefault(f"held{int(fraction * 100)}", []).append((seconds, data))
+                    samples.setdefault(f"held{pct}", []).append(await _loaded(http, url, tokens, len(prefix), model))
                     await reset(http, url)
+                if held and other is not None:
+                    await asyncio.sleep(QUIET_S)
+                    ending = prompt(50_000 + int(fraction * 1000) + r, prompt_tokens)[len(prefix) :]
+                    sample = await _loaded(http, other, prefix + ending, len(prefix), model)
+                    samples.setdefault(f"across{pct}", []).append(sample)
+                    await reset(http, other)
+                    await asyncio.sleep(QUIET_S - pause)
                 await asyncio.sleep(pause)  # as before the held request: an idle pause changes the next step's time
                 seconds, data = await complete(http, url, tokens, salt=secrets.token_hex(8), model=model)
-                samples.setdefault(f"cold{int(fraction * 100)}", []).append((seconds, data))
+                samples.setdefault(f"cold{pct}", []).append((seconds, data))
     return samples
 
 
 async def interleaved(
-    ours: str, null: str | None, prompt_tokens: int, rounds: int
+    ours: str, null: str | None, prompt_tokens: int, rounds: int, other: str | None = None
 ) -> tuple[dict[str, list], dict[str, list] | None]:
-    """tiercake's instance's samples (``held_and_cold``) and, with ``null`` (an instance with the
-    do-nothing connector, alive beside it), that one's cold requests, a round of each in turn: a quiet
-    or a busy moment of the machine touches both."""
+    """An instance's samples (``held_and_cold``, with ``other`` its second instance) and, with ``null``
+    (an instance with the do-nothing connector, alive beside it), that one's cold requests, a round of
+    each in turn: a quiet or a busy moment of the machine touches both."""
     samples: dict[str, list] = {}
     baseline: dict[str, list] | None = {} if null is not None else None
     for r in range(rounds):
         for url, into, held in ((ours, samples, True), (null, baseline, False)):
             if url is None or into is None:
                 continue
-            got = await held_and_cold(url, prompt_tokens, 1, held=held, first_round=r, warm=r == 0)
+            got = await held_and_cold(url, prompt_tokens, 1, held=held, first_round=r, warm=r == 0, other=other)
             for name, items in got.items():
                 into.setdefault(name, []).extend(items)
             if null is not None:
-                await asyncio.sleep(1.2)  # a vLLM CPU worker keeps polling for a second after its last step
+                await asyncio.sleep(QUIET_S)
     return samples, baseline
 
 

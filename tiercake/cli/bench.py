@@ -228,9 +228,9 @@ def _serving_benches(bench_parser) -> None:
     vllm_bench.add_argument(
         "--peers",
         action="store_true",
-        help="also time the same requests on vLLM with a do-nothing connector (the cold baseline) and with "
-        "vLLM's MooncakeStoreConnector over Mooncake Store (where installed; inside unshare -n), one instance "
-        "at a time",
+        help="also time a second instance loading the prefixes the first saved, and the same requests on vLLM "
+        "with a do-nothing connector (the cold baseline, beside each) and with vLLM's MooncakeStoreConnector "
+        "over Mooncake Store (where installed; inside unshare -n, after tiercake's)",
     )
     vllm_bench.set_defaults(func=cmd_bench_vllm)
 
