@@ -118,24 +118,18 @@ def tiercake_figures(samples: dict, held: str) -> list[dict]:
 def _figures(samples: dict, prompt_tokens: int, rounds: int, memcpy: float, report: Report) -> None:
     for fraction in FRACTIONS:
         pct = int(fraction * 100)
-        report.add(
-            f"ttft.held{pct}",
-            median_s(samples, f"held{pct}"),
-            "s",
-            median_s(samples, f"cold{pct}"),
-            limit_name="same prompts recomputed",
-            includes="one decode step",
-            ideal=round(1 - fraction, 2),
-            prompt_tokens=prompt_tokens,
-            rounds=rounds,
-        )
-        if f"across{pct}" in samples:  # a second instance loading what the first saved
+        for name, limit_name in (
+            ("held", "same prompts recomputed"),
+            ("across", "same prompts recomputed (on the first instance)"),  # a second instance loading
+        ):
+            if f"{name}{pct}" not in samples:
+                continue
             report.add(
-                f"ttft.across{pct}",
-                median_s(samples, f"across{pct}"),
+                f"ttft.{name}{pct}",
+                median_s(samples, f"{name}{pct}"),
                 "s",
                 median_s(samples, f"cold{pct}"),
-                limit_name="same prompts recomputed (on the first instance)",
+                limit_name=limit_name,
                 includes="one decode step",
                 ideal=round(1 - fraction, 2),
                 prompt_tokens=prompt_tokens,

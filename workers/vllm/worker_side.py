@@ -168,7 +168,7 @@ class ConnectorWorker:
         to its first missing block, or its first whose seal does not verify (forged or corrupt). The
         rest is recomputed."""
         keys = [b.key for b in load.blocks]
-        unleased = self._from_index(load, keys, rows)
+        unleased = self._from_index(load, keys)
         if unleased is not None:
             return unleased
         lease = self.link.lease(load.node, keys, self.block_nbytes, self.settings.load_timeout_s)
@@ -186,7 +186,7 @@ class ConnectorWorker:
             self._log_missing(load, len(keys) - len(found), stop)
         return fetched
 
-    def _from_index(self, load: RequestLoad, keys: list[bytes], rows: torch.Tensor) -> Fetched | None:
+    def _from_index(self, load: RequestLoad, keys: list[bytes]) -> Fetched | None:
         """Every block of ``load`` read in place by the pool index entries the scheduler side found,
         with no lease (no round trip: see ``PoolPlaces``); None when any of them is not there as the
         entries said (a block moved since the lookup: the lease path then). The seals are checked from
