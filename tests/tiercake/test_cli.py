@@ -128,7 +128,9 @@ def test_bench_vllm_kv_loads_from_the_pool_in_place_what_it_saved_byte_for_byte(
     done = tiercake("bench", "vllm-kv", "--quick", "--json", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
-    assert {"load.throughput", "load.seal", "load.copy_only", "save.in_step"} <= set(figures)
+    assert {"load.throughput", "load.fetch", "load.copy", "load.seal", "load.copy_only", "save.in_step"} <= set(figures)
+    # the stages are parts of the load (their medians, each a share of the load's median)
+    assert 0 < figures["load.fetch"]["ratio"] + figures["load.copy"]["ratio"] + figures["load.seal"]["ratio"] < 1.5
     load = figures["load.throughput"]
     assert load["params"]["in_place_share"] == 1.0 and load["params"]["device"] == "cpu"
     assert load["params"]["unleased_share"] == 1.0  # by the pool index's entries: no lease round trip

@@ -207,3 +207,31 @@ def test_what_the_pass_waited_is_part_of_the_loads_own_time(made):
         loader.wait(layer)
     _, reports = loader.finish()
     assert 0.04 < reports["a"].waited <= reports["a"].seconds
+
+
+def test_blocks_confirmed_after_the_copy_count_the_confirmation_in_the_loads_time_and_wait_for_it(made):
+    """Blocks read without a lease are confirmed after the copy (their seals, their entries): the pass
+    sees no layer before that, and the load's time includes it, beside its own parts."""
+    import time
+
+    confirmed = threading.Event()
+
+    def confirm_later(load, rows):
+        got = fetch_all_but({})(load, rows)
+
+        def confirm() -> int:
+            time.sleep(0.05)
+            confirmed.set()
+            return got.usable - 1  # the last block moved meanwhile
+
+        got.confirm = confirm
+        return got
+
+    loader = made(kv_layers(), confirm_later)
+    loader.start([Load("a", [Block(1), Block(2)])])
+    loader.wait(0)
+    assert confirmed.is_set()  # no layer before the confirmation
+    errors, reports = loader.finish()
+    report = reports["a"]
+    assert errors == {2} and report.loaded == 1
+    assert report.seconds >= 0.05 + report.fetch_s + report.copy_s

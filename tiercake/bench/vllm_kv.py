@@ -223,7 +223,7 @@ def _measure(report: Report, shape: Shape, count: int, reps: int, device: str, c
         # the first second or two after the link starts, copies here ran 3-4x slower (measured: 1.6 ms
         # against 0.4-0.5 ms after, in the same process): measure after that
         time.sleep(2.0)
-        loads, seals, plain, warm = [], [], [], []
+        loads, seals, fetches, copies, plain, warm = [], [], [], [], [], []
         for rep in range(reps):  # interleaved: a quiet or busy moment touches both
             for layer in kv.values():
                 layer[count : 2 * count].zero_()
@@ -234,6 +234,8 @@ def _measure(report: Report, shape: Shape, count: int, reps: int, device: str, c
                 _check(kv, count, count)
             loads.append(seconds)
             seals.append(got.seal_s)
+            fetches.append(got.fetch_s)
+            copies.append(got.copy_s)
             plain.append(_plain_copy_seconds(nbytes, device))
             warm.append(_warm_copy_seconds(driver, kv, count, count))
         memcpy = nbytes / statistics.median(plain) / 1e9
@@ -246,14 +248,22 @@ def _measure(report: Report, shape: Shape, count: int, reps: int, device: str, c
         stats = driver.worker.stats
         load.params["in_place_share"] = stats["in_place_blocks"] / stats["loaded_blocks"]
         load.params["unleased_share"] = stats["unleased_blocks"] / stats["loaded_blocks"]
-        report.add(
-            "load.seal",
-            statistics.median(seals) * 1e3,
-            "ms",
-            statistics.median(loads) * 1e3,
-            limit_name="the whole load (share: the seal check's)",
-            **common,
-        )
+        # where the load's time goes, each a share of the whole: finding the blocks (the entries' read,
+        # or a lease), copying them in (the seal check beside it), what the seal check added after the
+        # copy; the rest is thread wake-ups
+        for stage, values, what in (
+            ("fetch", fetches, "finding the blocks"),
+            ("copy", copies, "copying into the layers, the seal check beside it"),
+            ("seal", seals, "the seal check after the copy"),
+        ):
+            report.add(
+                f"load.{stage}",
+                statistics.median(values) * 1e3,
+                "ms",
+                statistics.median(loads) * 1e3,
+                limit_name=f"the whole load (share: {what})",
+                **common,
+            )
         report.add(
             "load.copy_only",
             nbytes / statistics.median(warm) / 1e9,

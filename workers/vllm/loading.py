@@ -51,7 +51,9 @@ class LoadReport:
     nbytes: int  # bytes loaded
     seconds: float  # from the step's start until every layer was in
     waited: float = 0.0  # of which the forward pass waited (the step's; the rest ran under its layers)
-    seal_s: float = 0.0  # of which checking the seals
+    seal_s: float = 0.0  # of which checking the seals (blocks read by index entries: what it added after the copy)
+    fetch_s: float = 0.0  # of which the step's finding its blocks (leases, reads; the lease path's seal check)
+    copy_s: float = 0.0  # of which the step's copying into the layers
     unleased: int = 0  # of the blocks loaded, those read by the pool's index entries, without a lease
 
 
@@ -276,16 +278,24 @@ class LayerwiseLoader:
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
                 fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
+                found_at = time.perf_counter()
                 # blocks still to be confirmed after the copy: the pass sees no layer before that
                 self._copy_in(step, fetched, announce=all(got.confirm is None for _, got in fetched))
-            seconds = time.perf_counter() - started
-            for load, got in fetched:
-                n = got.usable if got.confirm is None else min(got.usable, got.confirm())
+                copied_at = time.perf_counter()
+            usable = [got.usable if got.confirm is None else min(got.usable, got.confirm()) for _, got in fetched]
+            seconds = time.perf_counter() - started  # the confirmations included: the pass waits for them
+            for (load, got), n in zip(fetched, usable):
                 step.errors.update(b.block_id for b in load.blocks[n:])
-                report = LoadReport(
-                    n, len(load.blocks) - n, n * self.block_bytes, seconds, seal_s=got.seal_s, unleased=n * got.unleased
+                step.reports[load.request_id] = LoadReport(
+                    n,
+                    len(load.blocks) - n,
+                    n * self.block_bytes,
+                    seconds,
+                    seal_s=got.seal_s,
+                    fetch_s=found_at - started,
+                    copy_s=copied_at - found_at,
+                    unleased=n * got.unleased,
                 )
-                step.reports[load.request_id] = report
         except Exception as exc:  # noqa: BLE001 - whatever it was, vLLM recomputes every block of the step
             log.exception(
                 "TiercakeConnector: loading failed (%s); vLLM recomputes the step's %d blocks",
