@@ -1,27 +1,29 @@
-"""The cluster simulator: Mooncake's scheduling ablation on the conversation trace, SLO rejection,
-and the live router objects doing the routing."""
+"""The cluster simulator: Mooncake's scheduling ablation on a generated trace of conversations on
+shared system prompts, SLO rejection, and the live router objects doing the routing."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-from paths import TRACE
 
 from tiercake.analysis.cluster_sim import ClusterSpec, ablation, simulate_cluster
 from tiercake.policies import TtftRouter
 from tiercake.traces import read_trace, synthetic_trace, write_trace
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"the conversation trace is not at {TRACE}")
-def test_mooncake_ablation_ordering_and_the_global_cache_effect():
-    # the parameters documented in docs/BENCHMARKS.md: 8 prefill and 8 decode workers, 2,000 blocks
-    # of local cache each, an unbounded global pool, the default prefill model
-    results = ablation(read_trace(TRACE), ClusterSpec(prefill_workers=8, decode_workers=8, local_blocks=2000))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mooncake_ablation_ordering_and_the_global_cache_effect(seed):
+    """A trace built for it: conversations whose turns extend their prompts on a few shared system
+    prompts, at a rate that loads four prefill workers with 200 blocks of local cache each. Mooncake's
+    ordering (random, load balancing, local cache-aware, global cache-aware) and a global cache
+    hitting more than local ones; on the conversation trace itself it is `tiercake simulate --ablation`
+    (docs/BENCHMARKS.md)."""
+    records = synthetic_trace(1500, tenants=2, seed=seed, rate_per_s=4.0, new_session_p=0.2)
+    results = ablation(records, ClusterSpec(prefill_workers=4, decode_workers=4, local_blocks=200))
     ttft = {name: r["ttft_mean_s"] for name, r in results.items()}
     assert ttft["random"] > ttft["load_balancing"] > ttft["local_cache_aware"] > ttft["global_cache_aware"]
-    ratio = results["global_cache_aware"]["hit_ratio"] / results["local_cache_aware"]["hit_ratio"]
-    assert 1.38 <= ratio <= 2.36  # Mooncake: a global cache gave 1.38x-2.36x the hit rate of a local one
+    assert results["global_cache_aware"]["hit_ratio"] > 1.3 * results["local_cache_aware"]["hit_ratio"]
     assert results["global_cache_aware"]["bytes_moved"] > 0 and results["local_cache_aware"]["bytes_moved"] == 0
     assert results["global_cache_aware"]["metadata_ops_per_request"] > 1
     assert 0 < results["global_cache_aware"]["metadata_bytes_per_kv_byte"] < 1e-3  # metadata is tiny beside KV

@@ -17,7 +17,6 @@ import aiohttp
 import pytest
 import torch
 import yaml
-from paths import TRACE
 
 from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
 from tiercake.bench.vllm_requests import held_and_cold
@@ -28,7 +27,7 @@ from tiercake.conductor.front.sessions import session_hash
 from tiercake.config import TiercakeConfig
 from tiercake.tiers.pool import remove_pool
 from tiercake.tiers.ssd.log import block_payloads
-from tiercake.traces import read_trace
+from tiercake.traces import synthetic_trace
 from tiercake.transfer import TransferEngine
 from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
 from tiercake.workers.vllm.process import serve_command
@@ -708,16 +707,17 @@ async def test_a_session_through_the_front_reaches_the_nodes_pool_policy_from_th
 
 @pytest.mark.timeout(600)
 async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trace(served, sidecars):
-    """The conversations among the trace's first requests through the front, round robin, then with the
-    cache-aware router, then with the TTFT router (each under a tenant of its own, so none reuses
+    """Conversations on shared system prompts (a generated trace of the conversation trace's shape,
+    39 requests) through the front, round robin, then with the cache-aware router, then with the TTFT
+    router (each under a tenant of its own, so none reuses
     another's blocks): the instances' own prefix caches hit more when the router knows what each
     holds. The TTFT router fell below round robin here (0.16-0.18 against 0.26) until it counted the
     spread of the instances' fitted fixed costs as noise (TtftRouter's docstring)."""
     tc, a, b = served
     sidecars(["worker", "worker"])
     await wait_workers(tc, 2)
-    trace = TRACE
-    prompts = conversation_prompts(read_trace(trace, limit=300), BLOCK)  # 41 requests (as bench vllm --quick)
+    records = synthetic_trace(40, tenants=1, system_prompts=6, system_blocks=2, seed=3, new_session_p=0.4)
+    prompts = conversation_prompts(records, BLOCK)
     ratios = {}
     async with Client([tc.url], token=TOKEN) as client, aiohttp.ClientSession() as http:
         for router in ("round_robin", "cache_aware", "ttft"):
@@ -728,7 +728,7 @@ async def test_routing_by_what_each_instance_holds_beats_round_robin_on_the_trac
             after = await own_cache_hits(http, [a.url, b.url])
             ratios[router] = (after[0] - hits) / (after[1] - queries)
         await client.set_policy(router="ttft")
-    print(f"own prefix cache hit ratio over the conversations of the trace's first 300 requests: {ratios}")
+    print(f"own prefix cache hit ratio over the generated conversations: {ratios}")
     assert ratios["cache_aware"] > ratios["round_robin"] + 0.05, ratios
     assert ratios["ttft"] > ratios["round_robin"] + 0.05, ratios
 
