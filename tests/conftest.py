@@ -16,7 +16,7 @@ from tiercake.policies import LRU
 from tiercake.tiers import GpuBackend, GpuBlockPool, PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
 from tiercake.tiers.pool import remove_pool
 
-pytest_plugins = ["process_guard"]
+pytest_plugins = ["process_guard", "shm_guard"]
 
 
 def pytest_configure(config):

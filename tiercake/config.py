@@ -68,9 +68,15 @@ class TierConfig(BaseModel):
     prefault: bool = Field(default=True, description="pool: touch every page at start")
     adopt: bool = Field(
         default=True,
-        description="pool: the region's file outlives the node agent, and a "
-        "restarted one adopts the blocks it holds (false: every start begins empty, and a "
-        "clean stop removes the file)",
+        description="pool: a node agent that finds the region a dead one left adopts the blocks it "
+        "holds (false: every start begins empty)",
+    )
+    keep_on_stop: bool = Field(
+        default=False,
+        description="pool: a clean stop (SIGTERM, Ctrl-C) leaves the region's file for the next node "
+        "agent on this host to adopt, so a rolling restart keeps the memory level (tiercake up and the "
+        "Kubernetes manifests set it: they retire the file themselves); false: a clean stop removes it, "
+        "and nothing stays in /dev/shm",
     )
     index_entries: int | None = Field(
         default=None,
@@ -114,6 +120,11 @@ class TierConfig(BaseModel):
     @property
     def tier_name(self) -> str:
         return self.name or self.kind
+
+    @property
+    def region_path(self) -> Path:
+        """pool: the region's file (or DAX device); by default one in /dev/shm named after the tier."""
+        return Path(self.path or f"/dev/shm/tiercake-{self.tier_name}")
 
 
 class StoreConfig(BaseModel):

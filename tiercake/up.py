@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from tiercake.conductor.front.tenants import SHARED_CACHE_NOTE
-from tiercake.tiers.pool_files import remove_pool
+from tiercake.tiers.pool_files import DIRECTORY_SUFFIX, OBJECT_MAP_SUFFIX, remove_pool
 
 from .config import TiercakeConfig
 from .up_state import DataDirLock, ShmLeftovers, write_private
@@ -32,6 +32,14 @@ from .up_state import DataDirLock, ShmLeftovers, write_private
 
 class StartError(RuntimeError):
     """A process of the cluster did not start; the message says why (the tail of its log)."""
+
+
+def last_error(log_text: str) -> str:
+    """The line of a child's output that says why it stopped: its last ``error:`` line (what the CLI
+    prints for a refused start), else its last line (a traceback's exception)."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    said = next((line for line in reversed(lines) if line.lower().startswith("error:")), None)
+    return (said or (lines[-1] if lines else "it printed nothing")).removeprefix("error: ")
 
 
 class Interrupted(Exception):
@@ -172,10 +180,10 @@ class Child:
             self.announce = json.loads(result[0])
         except ValueError:
             self.stop()
-            tail = self.log_path.read_text(errors="replace").strip()[-2000:]
             said = result[0].decode(errors="replace").strip() if result and result[0] else ""
+            log_text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
             raise StartError(
-                f"the {self.name} did not start (its log: {self.log_path}):\n{said}\n{tail}".rstrip()
+                f"the {self.name} did not start: {last_error(said + chr(10) + log_text)} (its log: {self.log_path})"
             ) from None
         return self.announce
 
@@ -322,7 +330,7 @@ class NodeCluster:
         the OpenAI API themselves); ``stop``: set, it ends the waits for the processes to start."""
         self.root, self.env, self.logs, self.stop_event = root, env, root / "logs", stop
         root.mkdir(parents=True, exist_ok=True)
-        cfg = config.model_copy(deep=True)
+        cfg = supervised(config)
         cfg.conductor.port = port
         cfg.serving.port = serving_port
         (root / "up-conductor.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
@@ -359,8 +367,11 @@ class NodeCluster:
         self.node = self.start_node()
 
     def close(self) -> None:
+        """Stop both, and retire the node's pool files (kept through its restarts)."""
         self.node.stop()
         self.conductor.stop()
+        for path in _shm_pools(self.config):
+            remove_pool(path)
 
 
 def vllm_worker(
@@ -421,7 +432,9 @@ class VllmServer:
             if stop is not None and stop.is_set():
                 raise Interrupted()
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise StartError(
+                    f"vLLM exited with {self.proc.returncode}: {last_error(self.log_tail())} (its log: {self.log_path})"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -429,7 +442,7 @@ class VllmServer:
             except OSError:
                 pass
             (stop or threading.Event()).wait(0.5)
-        raise TimeoutError(f"vLLM did not answer /health within {timeout} s:\n{self.log_tail()}")
+        raise StartError(f"vLLM did not answer /health within {timeout} s (its log: {self.log_path})")
 
     def stop(self, timeout: float = STOP_GRACE_S) -> None:
         self.child.stop(timeout)
@@ -575,7 +588,7 @@ def up(
     token_at = credentials(config, data_dir, env)
     logs = data_dir / "logs"
     children: list[Child] = []
-    cfg = config.model_copy(deep=True)
+    cfg = supervised(config)
     try:
         cfg.conductor.host, cfg.conductor.port = host, port + 1 if control_port is None else control_port
         cfg.serving.host, cfg.serving.port = host, port
@@ -648,22 +661,31 @@ def _worker_child(cfg: TiercakeConfig, node_cfg: Path, name: str, role: str, dat
     return Child(name, [*argv, "--data-dir", str(data_dir)], env, data_dir / "logs")
 
 
+def supervised(config: TiercakeConfig) -> TiercakeConfig:
+    """A copy of ``config`` for a node agent that a supervisor restarts: its pool file stays through
+    a clean stop too (a restarted agent adopts what it held), and the supervisor removes it at the end."""
+    cfg = config.model_copy(deep=True)
+    for tier in cfg.store.tiers:
+        if tier.kind == "pool":
+            tier.keep_on_stop = True
+    return cfg
+
+
+def _shm_pools(cfg: TiercakeConfig) -> list[Path]:
+    """The node's pool files that lie in /dev/shm (a file or DAX device elsewhere is the operator's)."""
+    return [t.region_path for t in cfg.store.tiers if t.kind == "pool" and t.region_path.parent == Path("/dev/shm")]
+
+
 def _pools(cfg: TiercakeConfig) -> set[str]:
     """The names in /dev/shm of the node's pool and what lies beside it (kept while up runs)."""
-    names = set()
-    for tier in cfg.store.tiers:
-        if tier.kind == "pool" and tier.path and Path(tier.path).parent == Path("/dev/shm"):
-            name = Path(tier.path).name
-            names |= {name, f"{name}.objects", f"{name}.object-map.json"}
-    return names
+    return {f"{path.name}{suffix}" for path in _shm_pools(cfg) for suffix in ("", DIRECTORY_SUFFIX, OBJECT_MAP_SUFFIX)}
 
 
 def _give_back(cfg: TiercakeConfig, shm: ShmLeftovers) -> None:
     """A stopped cluster gives its memory back: the node's pool file under /dev/shm (what it held at
     the memory level goes with it; what was persisted stays on SSD), and what its children left."""
-    for tier in cfg.store.tiers:
-        if tier.kind == "pool" and tier.path and Path(tier.path).parent == Path("/dev/shm"):
-            remove_pool(tier.path)
+    for path in _shm_pools(cfg):
+        remove_pool(path)
     shm.clean()
 
 

@@ -30,8 +30,11 @@ class DataDirBusy(RuntimeError):
 
 
 class DataDirLock:
-    def __init__(self, data_dir: Path) -> None:
+    """One command per data directory (``up``, ``demo``): ``acquire`` refuses a second one."""
+
+    def __init__(self, data_dir: Path, command: str = "up") -> None:
         self.path = data_dir / "up.lock"
+        self.command = command
         self._fd: int | None = None
 
     def acquire(self) -> DataDirLock:
@@ -40,10 +43,10 @@ class DataDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            command, holder = _read_holder(fd)
             os.close(fd)
             raise DataDirBusy(
-                f"another tiercake up runs in {self.path.parent} ({holder}); stop it first, or give this "
+                f"another tiercake {command} runs in {self.path.parent} ({holder}); stop it first, or give this "
                 "one its own --data-dir"
             ) from None
         self._fd = fd
@@ -51,11 +54,11 @@ class DataDirLock:
         return self
 
     def record(self, **about) -> None:
-        """Say who holds the directory (its pid, then where it listens), for a second ``up`` to name."""
+        """Say who holds the directory (its command and pid, then where it listens), for a second one to name."""
         if self._fd is None:
             return
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, json.dumps(about).encode(), 0)
+        os.pwrite(self._fd, json.dumps({"command": self.command, **about}).encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -63,12 +66,14 @@ class DataDirLock:
             self._fd = None
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder(fd: int) -> tuple[str, str]:
+    """The holder's command and what else it recorded."""
     try:
         about = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:
-        return "pid unknown"
-    return ", ".join(f"{k} {v}" for k, v in about.items()) or "pid unknown"
+        return "up", "pid unknown"
+    command = str(about.pop("command", "up"))
+    return command, ", ".join(f"{k} {v}" for k, v in about.items()) or "pid unknown"
 
 
 def write_private(path: Path, text: str) -> None:

@@ -48,3 +48,11 @@ class ObjectPinnedError(StoreError):
 
 class CorruptBlockError(StoreError):
     """A stored block failed its checksum or header check; it is dropped and counted as a miss."""
+
+
+class PoolFormatError(RuntimeError):
+    """The mapped path is not a tiercake pool region (wrong magic or size)."""
+
+
+class PoolInUseError(RuntimeError):
+    """Another live process owns the pool region at this path."""

@@ -67,15 +67,8 @@ assert _ENTRY.size == ENTRY_DT.itemsize
 FREE, COMMITTED = 0, 1
 
 
-from .pool_files import DIRECTORY_SUFFIX, OBJECT_MAP_SUFFIX, beside, remove_pool  # noqa: E402,F401 (re-exported)
-
-
-class PoolFormatError(RuntimeError):
-    """The mapped path is not a tiercake pool region (wrong magic or size)."""
-
-
-class PoolInUseError(RuntimeError):
-    """Another live process owns the pool region at this path."""
+from .errors import PoolFormatError, PoolInUseError  # noqa: E402,F401 (re-exported)
+from .pool_files import DIRECTORY_SUFFIX, OBJECT_MAP_SUFFIX, beside, lock_holder, remove_pool  # noqa: E402,F401 (re-exported)
 
 
 def default_index_entries(data_bytes: int, page_size: int) -> int:
@@ -144,7 +137,10 @@ class PoolRegion:
             try:  # one owner per region: a second node agent must not reformat a live pool
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise PoolInUseError(f"pool region {path} is owned by another live process") from None
+                raise PoolInUseError(
+                    f"pool region {path} is owned by another live process ({lock_holder(fd)}): stop it, or give "
+                    "this one a pool of its own (--data-dir: the default pool follows it; or the pool tier's path)"
+                ) from None
             kept = _same_geometry(fd, total, data_offset, page_size, entries) if adopt and existed else None
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 if kept is None:
@@ -237,7 +233,8 @@ class PoolRegion:
         return self.array[start : start + nbytes]
 
     def close(self, unlink: bool | None = None) -> None:
-        """Unmap; the owner also removes a regular file it created unless ``unlink=False``."""
+        """Unmap; the owner also removes a regular file it created (and what lies beside it: the
+        object directory, the last object map) unless ``unlink=False``."""
         if self._mem.closed:
             return
         del self.bytes, self.array
@@ -249,7 +246,7 @@ class PoolRegion:
             pass
         os.close(self._fd)
         if (self.owner if unlink is None else unlink) and self.path.exists() and self.path.is_file():
-            self.path.unlink()
+            remove_pool(self.path)
 
 
 def _read_header(fd: int) -> tuple[int, int, int, bytes, int] | None:
@@ -434,16 +431,15 @@ class PoolBackend(PoolKind, MemoryTierBackend):
 
     @classmethod
     def from_config(cls, cfg, layout) -> PoolBackend:
-        path = cfg.path or f"/dev/shm/tiercake-{cfg.tier_name}"
         region = PoolRegion.create(
-            path,
+            cfg.region_path,
             int(cfg.capacity),
             page_size=cfg.page_size,
             prefault=cfg.prefault,
             index_entries=cfg.index_entries,
             adopt=cfg.adopt,
         )
-        return cls(region, name=cfg.tier_name, keep=cfg.adopt)
+        return cls(region, name=cfg.tier_name, keep=cfg.adopt and cfg.keep_on_stop)
 
     def __init__(self, region: PoolRegion, name: str = "pool", keep: bool = False) -> None:
         """``keep``: closing leaves the region's file for the next owner to adopt (else it is removed)."""

@@ -9,7 +9,7 @@ import pytest
 
 from tiercake.analysis.cluster_sim import ClusterSpec, ablation, simulate_cluster
 from tiercake.policies import TtftRouter
-from tiercake.traces import read_trace, synthetic_trace, write_trace
+from tiercake.traces import synthetic_trace, write_trace
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -15,6 +15,7 @@ from tiercake.analysis.cache_sim import TierSpec, accesses, optimum, simulate
 from tiercake.policies import LRU, available, create_admission, create_eviction
 from tiercake.traces import TraceError, TraceRecord, read_trace, write_trace
 
+
 @pytest.fixture(scope="module")
 def any_trace(tmp_path_factory) -> Path:
     """A seeded synthetic trace of the conversation trace's shape (shared system prompts,
@@ -119,7 +120,7 @@ def test_policy_eval_scores_a_plug_in_against_lru_and_the_optimum(tmp_path):
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 1 and "not a number of blocks" in bad.stderr
+    assert bad.returncode == 2 and "not a number of blocks" in bad.stderr
 
 
 def test_synthetic_traces_are_seeded_valid_and_reuse_within_tenants(tmp_path):

@@ -38,7 +38,7 @@ def _conductor(*args: str, env: dict | None = None) -> subprocess.Popen:
 async def test_a_conductor_without_a_token_refuses_to_start_unless_told_insecure():
     refused = _conductor()
     out, err = refused.communicate(timeout=60)
-    assert refused.returncode == 1 and out == b""
+    assert refused.returncode == 2 and out == b""
     assert "no control token" in err.decode() and "--insecure" in err.decode()
 
     insecure = _conductor("--insecure")

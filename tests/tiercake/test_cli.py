@@ -153,7 +153,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
     assert done.returncode == 2
     assert "needs a 'path'" in done.stderr  # errors go to stderr
     missing = tiercake("config", "show", "--config", str(tmp_path / "nope.yaml"))
-    assert missing.returncode == 1 and "error" in missing.stderr
+    assert missing.returncode == 2 and "error" in missing.stderr
 
 
 @pytest.mark.cluster
@@ -245,7 +245,7 @@ def test_a_config_error_is_one_line_naming_the_field_and_what_is_accepted(tmp_pa
     config.write_text(text)
     for command in (["config", "show"], ["up", "--data-dir", str(tmp_path / "d")]):
         done = tiercake(*command, "--config", str(config), timeout=60)
-        assert done.returncode in (1, 2) and said in done.stderr, done.stderr
+        assert done.returncode == 2 and said in done.stderr, done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "d").exists()  # up refused before it wrote anything
 
@@ -280,7 +280,7 @@ def test_up_refuses_a_size_it_cannot_read_and_a_data_dir_another_up_holds(tmp_pa
         done = tiercake("up", "--data-dir", str(data), "--port", "0")
     finally:
         lock.release()
-    assert done.returncode == 1 and "another tiercake up runs in" in done.stderr, done.stderr
+    assert done.returncode == 2 and "another tiercake up runs in" in done.stderr, done.stderr
     assert f"pid {os.getpid()}, url http://127.0.0.1:1" in done.stderr
     assert (data / "control-token").read_text() == "the running cluster's\n"  # nothing of it touched
     assert (data / "logs" / "conductor.log").read_text() == "the running cluster's log\n"
@@ -357,7 +357,7 @@ def test_up_on_a_busy_port_says_so(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         done = tiercake("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr, done.stderr
     assert "Expecting value" not in done.stdout + done.stderr
 
@@ -553,3 +553,84 @@ def test_up_and_its_conductor_load_no_torch_and_a_ctrl_c_takes_everything_down_w
         cluster.stop()
     assert took < 3, took
     assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+
+
+def _default_pool(data_dir) -> str:
+    from tiercake.config import default_config
+
+    (pool,) = [t.region_path for t in default_config(data_dir).store.tiers if t.kind == "pool"]
+    return str(pool)
+
+
+@pytest.mark.cluster
+def test_demo_gives_its_pool_back_and_a_busy_data_dir_is_one_line(tmp_path):
+    """``tiercake demo`` ends with its pool file removed (its SSD keeps the blocks for the next run);
+    run where another command holds the data directory (``make run``'s up, say), it says so in one
+    line, exit 2, and touches nothing."""
+    from tiercake.up_state import DataDirLock
+
+    data = tmp_path / "d"
+    done = tiercake("demo", "--data-dir", str(data), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not os.path.exists(_default_pool(data)) and list((data / "ssd").iterdir())
+    lock = DataDirLock(data).acquire()
+    lock.record(pid=os.getpid(), url="http://127.0.0.1:8080")
+    try:
+        busy = tiercake("demo", "--data-dir", str(data), timeout=120)
+    finally:
+        lock.release()
+    assert busy.returncode == 2 and "Traceback" not in busy.stderr, busy.stderr
+    assert busy.stderr.strip().splitlines() == [
+        f"error: another tiercake up runs in {data} (pid {os.getpid()}, url http://127.0.0.1:8080); stop it "
+        "first, or give this one its own --data-dir"
+    ]
+
+
+@pytest.mark.cluster
+def test_a_pool_another_process_owns_is_named_in_one_line(tmp_path, shm_path):
+    """A pool path that another process owns (two configs naming one file): who owns it, exit 2."""
+    from tiercake.tiers.pool import PoolRegion
+
+    config = tmp_path / "node.yaml"
+    config.write_text(f"store:\n  tiers:\n    - {{kind: pool, capacity: 4MiB, path: {shm_path}}}\n")
+    region = PoolRegion.create(shm_path, 4 << 20)
+    try:
+        done = tiercake("demo", "--config", str(config), "--data-dir", str(tmp_path / "d"), timeout=120)
+    finally:
+        region.close()
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"pool region {shm_path} is owned by another live process (pid {os.getpid()}: " in done.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_standalone_node_agent_removes_its_pool_when_stopped(tmp_path, shm_path, how):
+    """A node agent on its own (no supervisor to retire the file): a clean stop takes its pool file and
+    what lies beside it out of /dev/shm; with ``keep_on_stop`` it stays for the next agent to adopt."""
+    import signal
+
+    for keep in (False, True):
+        config = tmp_path / "node.yaml"
+        config.write_text(
+            "store:\n  tiers:\n"
+            f"    - {{kind: pool, capacity: 4MiB, path: {shm_path}, keep_on_stop: {str(keep).lower()}}}\n"
+            f"    - {{kind: ssd, capacity: 16MiB, path: {tmp_path / 'ssd'}}}\n"
+            "transfer: {host: 127.0.0.1, port: 0}\n"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercake.cli", "node", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "TIERCAKE_SECRET": "a-test-secret-of-32-bytes-length"},
+        )
+        try:
+            assert json.loads(proc.stdout.readline())["port"] > 0, proc.stderr.read()
+            assert shm_path.exists()
+            proc.send_signal(getattr(signal, how))
+            assert proc.wait(30) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        siblings = [p.name for p in shm_path.parent.iterdir() if p.name.startswith(shm_path.name + ".")]
+        assert (shm_path.exists(), bool(siblings)) == ((True, True) if keep else (False, False)), siblings
+        remove_pool(shm_path)

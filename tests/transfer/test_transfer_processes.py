@@ -75,7 +75,7 @@ def test_node_agent_without_a_secret_is_a_clear_error(tmp_path):
         env=env,
         timeout=60,
     )
-    assert done.returncode == 1 and "no cluster secret" in done.stderr  # errors go to stderr
+    assert done.returncode == 2 and "no cluster secret" in done.stderr  # errors go to stderr
 
 
 async def test_peer_killed_during_a_batch(node_process):

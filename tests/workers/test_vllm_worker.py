@@ -121,7 +121,7 @@ def test_the_worker_command_says_what_is_missing():
     missing = run()
     assert missing.returncode == 2 and "--engine vllm needs --vllm-url" in missing.stderr
     gone = run("--vllm-url", "http://127.0.0.1:1")
-    assert gone.returncode == 1 and "no vLLM OpenAI server at http://127.0.0.1:1" in gone.stderr
+    assert gone.returncode == 2 and "no vLLM OpenAI server at http://127.0.0.1:1" in gone.stderr
     assert "Traceback" not in gone.stderr
 
 

@@ -63,15 +63,48 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     level = os.environ.get("TIERCAKE_LOG_LEVEL", "INFO" if args.verbose else "WARNING").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _stop_on_sigterm()
     try:
         return args.func(args)
     except ValidationError as exc:
         for line in config_problems(exc):
             errors.print(line, markup=False, highlight=False)
         return 2
-    except (OSError, ValueError, StartError, DataDirBusy) as exc:
-        errors.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
-        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # every failure of a command is one line on stderr and exit 2
+        errors.print(f"error: {one_line(exc)}", markup=False, highlight=False)
+        if level == "DEBUG" or args.verbose:
+            logging.getLogger("tiercake.cli").exception("what failed")
+        return 2
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops a command as Ctrl-C does: its cleanups run (a bench's pool file, a demo's store),
+    where the default action would kill it on the spot. Commands that serve (up, node, conductor)
+    install handlers of their own, which replace this one."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+# What a user can act on: said as it is. Anything else is a fault of tiercake, said with its type and
+# how to see where it happened.
+USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, StartError, DataDirBusy, TimeoutError)
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line: its message's first line (the rest is for -v)."""
+    from tiercake.conductor.client import ConductorError
+    from tiercake.tiers.errors import PoolFormatError, PoolInUseError, StoreError
+
+    text = " ".join(str(exc).split("\n", 1)[0].split()) or type(exc).__name__
+    if isinstance(exc, (*USER_ERRORS, ConductorError, StoreError, PoolInUseError, PoolFormatError)):
+        return text
+    return f"{type(exc).__name__}: {text} (unexpected: -v shows where it happened)"
 
 
 def run() -> int:

@@ -54,9 +54,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tiercake.demo import run_demo
+    from pathlib import Path
 
-    asyncio.run(run_demo(load(args.config, args.data_dir), console))
+    from tiercake.demo import run_demo
+    from tiercake.up_state import DataDirLock
+
+    config = load(args.config, args.data_dir)
+    lock = DataDirLock(Path(args.data_dir), command="demo").acquire()  # one command per data directory
+    try:
+        asyncio.run(run_demo(config, console))
+    finally:
+        lock.release()
     return 0
 
 

@@ -1,0 +1,36 @@
+"""Nothing the suite starts may leave a file in /dev/shm: what /dev/shm holds at the session's end
+that it did not hold at its start fails the run (once every test, on every xdist worker, is done),
+and is named and removed so that the next run starts clean."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+_before: set[str] = set()
+
+
+def _controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # an xdist worker has it; the controller and a plain run do not
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _controller(session.config):
+        _before.update(os.listdir(SHM))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _controller(session.config) or session.config.option.collectonly:
+        return
+    left = sorted(set(os.listdir(SHM)) - _before)
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"/dev/shm: the suite left {len(left)} files (removed now): {', '.join(left)}", red=True)
+    for name in left:
+        (SHM / name).unlink(missing_ok=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
