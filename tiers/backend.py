@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .kinds import TierKind
 
@@ -90,8 +89,9 @@ class MemoryTierBackend(TierBackend):
     in_memory = True
 
     @abstractmethod
-    def view(self, slot: Any, nbytes: int) -> torch.Tensor:
-        """The slot's bytes in place (flat uint8; on the tier's device)."""
+    def view(self, slot: Any, nbytes: int) -> Any:
+        """The slot's bytes in place, flat uint8 (``buffers.as_bytes``' kinds): a numpy array in host
+        memory, a torch tensor on a device."""
 
     @abstractmethod
     def host_array(self, slot: Any, nbytes: int) -> np.ndarray | None:
@@ -110,7 +110,7 @@ class DiskTierBackend(TierBackend):
     in_memory = False
 
     @abstractmethod
-    def staging(self, slot: Any) -> torch.Tensor:
+    def staging(self, slot: Any) -> np.ndarray:
         """Host memory a put is written into before ``persist`` (flat uint8, the slot's size)."""
 
     @abstractmethod
@@ -119,7 +119,7 @@ class DiskTierBackend(TierBackend):
         slot: Any,
         key: bytes,
         parent: bytes | None,
-        src: torch.Tensor | None = None,
+        src: Any = None,
         *,
         tenant: str = "",
         seal: bytes = b"",
@@ -130,5 +130,5 @@ class DiskTierBackend(TierBackend):
         durably enough to recover after the machine does (on the device before this returns)."""
 
     @abstractmethod
-    async def read_into(self, slot: Any, key: bytes, dst: torch.Tensor) -> None:
+    async def read_into(self, slot: Any, key: bytes, dst: Any) -> None:
         """Read the block into ``dst``; ``CorruptBlockError`` when it fails its checksum."""

@@ -44,7 +44,7 @@ def build_store(cfg: StoreConfig) -> TieredStore:
     return TieredStore(
         tiers,
         payload_nbytes=cfg.layout.nbytes if cfg.layout else None,
-        payload_dtype=cfg.layout.torch_dtype() if cfg.layout else None,
+        payload_dtype=cfg.layout.dtype if cfg.layout else None,
         promote_on_hit=cfg.promote_on_hit,
         lease_ttl=cfg.lease_ttl_s,
         session_prefetch_lead_s=cfg.session_prefetch_lead_s,

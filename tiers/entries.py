@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from tiercake.messages import RESIDENCY_BUCKETS
 from tiercake.policies import LRU, AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy
 
 from .backend import TierBackend
-from .buffers import Payload, as_bytes
+from .buffers import Payload, as_bytes, copy_into, size_of
 from .errors import InvalidStateError, PayloadError
 
 if TYPE_CHECKING:
@@ -152,7 +150,7 @@ class PutHandle:
     copy: Copy
     written: int = 0
     done: bool = False
-    _buffer: torch.Tensor | None = None
+    _buffer: Any = None
 
     def host_target(self):
         """Where a socket may write the bytes in place: a numpy view of the slot (memory tier in host
@@ -160,10 +158,10 @@ class PutHandle:
         backend = self.copy.tier.backend
         if backend.in_memory:
             return backend.host_array(self.copy.slot, self.entry.nbytes)
-        return self.buffer.numpy()
+        return self.buffer
 
     @property
-    def buffer(self) -> torch.Tensor:
+    def buffer(self) -> Any:
         """Where the object's bytes go: the slot itself in a memory tier, a staging buffer on disk."""
         if self._buffer is None:
             backend = self.copy.tier.backend
@@ -185,12 +183,13 @@ class PutHandle:
         if self.done:
             raise InvalidStateError(f"put of {self.key.hex()[:16]}… is already committed or revoked")
         src = as_bytes(data)
-        if offset < 0 or offset + src.numel() > self.entry.nbytes:
+        n = size_of(src)
+        if offset < 0 or offset + n > self.entry.nbytes:
             raise PayloadError(
-                f"write of {src.numel()} bytes at offset {offset} overflows the object's {self.entry.nbytes} bytes"
+                f"write of {n} bytes at offset {offset} overflows the object's {self.entry.nbytes} bytes"
             )
-        self.buffer[offset : offset + src.numel()].copy_(src)
-        self.written += src.numel()
+        copy_into(self.buffer[offset : offset + n], src)
+        self.written += n
 
     def note_written(self, nbytes: int) -> None:
         """Record bytes written straight into ``buffer`` (a zero-copy receive)."""
@@ -215,8 +214,8 @@ class Lease:
     nbytes: int
 
     @property
-    def data(self) -> torch.Tensor:
-        """The block in place, as a flat uint8 tensor."""
+    def data(self) -> Any:
+        """The block in place, flat uint8 (a numpy array in host memory, a tensor on a device)."""
         return self.backend.view(self.slot, self.nbytes)
 
     def host_array(self):
@@ -230,7 +229,7 @@ class BlockView:
 
     key: bytes
     tier: str
-    data: torch.Tensor
+    data: Any  # flat uint8: a numpy array in host memory, a tensor on a device
 
 
 def short_key(key: bytes) -> str:

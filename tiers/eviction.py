@@ -10,8 +10,6 @@ import math
 import time
 from typing import Any
 
-import torch
-
 from .buffers import copy_async
 from .entries import Copy, Entry, State, Tier, short_key
 from .errors import (
@@ -174,5 +172,5 @@ class StoreEviction:
             self._entries.pop(entry.key, None)
         await copy.tier.backend.release(copy.slot)
 
-    async def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    async def _copy(self, dst: Any, src: Any) -> None:
         await copy_async(dst, src, self.inline_copy_max)

@@ -38,12 +38,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import torch
 
 from tiercake.blocks import is_object_tenant, object_block_key, object_block_tenant, object_id
 
+from .buffers import copy_into, host_bytes
 from .directory import ObjectDirectory
 from .errors import ObjectLeasedError, ObjectNotFoundError, PayloadError, StoreError
 from .store import BlockChange, PutHandle, TieredStore
@@ -177,7 +178,7 @@ class Staged:
     def block(self) -> bytes:
         return self.handle.key
 
-    def payload(self) -> torch.Tensor:
+    def payload(self) -> Any:
         """Where the object's bytes go (in place: the pool slot, or a disk tier's staging buffer)."""
         return self.handle.buffer[self.offset : self.offset + self.size]
 
@@ -349,11 +350,7 @@ class ObjectTable:
         record = Record(staged.tenant, staged.name, staged.size, version, staged.meta, _soft_pin_until_ms(staged.meta))
         handle = staged.handle
         head = record.encode()
-        target = handle.host_target()
-        if target is not None:
-            target[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-        else:  # device memory
-            handle.buffer[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        copy_into(handle.buffer[: len(head)], np.frombuffer(head, dtype=np.uint8))
         handle.note_written(handle.entry.nbytes - handle.written)
         return record
 
@@ -501,7 +498,7 @@ class ObjectTable:
                 raise
             return None
 
-    async def read_disk(self, stored: Stored) -> torch.Tensor:
+    async def read_disk(self, stored: Stored) -> np.ndarray:
         """The object's bytes read from a disk copy (maybe promoted into memory on the way)."""
         block = await self.store.get(stored.block)
         return block[stored.offset : stored.offset + stored.size]
@@ -581,11 +578,10 @@ class ObjectTable:
         with contextlib.suppress(ObjectNotFoundError):
             lease = self.store.acquire_lease(block, math.inf)
             try:
-                data = lease.data
-                return bytes(data[: min(data.numel(), _HEAD.size + MAX_TENANT + MAX_NAME)].numpy())
+                return bytes(host_bytes(lease.data[: _HEAD.size + MAX_TENANT + MAX_NAME]))
             finally:
                 await self.store.release_lease(block, lease.id)
-        return bytes((await self.store.get(block))[: _HEAD.size + MAX_TENANT + MAX_NAME].numpy())
+        return bytes((await self.store.get(block))[: _HEAD.size + MAX_TENANT + MAX_NAME])
 
 
 def _soft_pin_until_ms(meta: Meta) -> int:

@@ -30,11 +30,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-import torch
+import numpy as np
 
 from tiercake.policies import BlockMeta, SessionEvent
 
-from .buffers import INLINE_COPY_MAX, Payload, as_bytes
+from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_into, empty, is_tensor, size_of
 from .entries import BlockChange, BlockView, Copy, Entry, Lease, PutHandle, State, Tier, short_key
 from .errors import (
     CorruptBlockError,
@@ -61,7 +61,7 @@ MANY_IN_FLIGHT_BYTES = 256 << 20  # ... and bytes: small blocks go together, lar
 def in_flight(payloads: Iterable[Payload]) -> int:
     """How many of a batch's operations may be in flight at once: up to ``MANY_IN_FLIGHT``, as long as
     that many of its largest item stay within ``MANY_IN_FLIGHT_BYTES`` (at least one)."""
-    largest = max((len(p) if isinstance(p, (bytes, bytearray)) else as_bytes(p).numel() for p in payloads), default=1)
+    largest = max((len(p) if isinstance(p, (bytes, bytearray)) else size_of(as_bytes(p)) for p in payloads), default=1)
     return max(1, min(MANY_IN_FLIGHT, MANY_IN_FLIGHT_BYTES // max(1, largest)))
 
 
@@ -75,7 +75,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         tiers: list[Tier],
         *,
         payload_nbytes: int | None = None,
-        payload_dtype: torch.dtype | None = None,
+        payload_dtype: Any = None,
         promote_on_hit: bool = True,
         inline_copy_max: int = INLINE_COPY_MAX,
         lease_ttl: float = 5.0,
@@ -90,7 +90,8 @@ class TieredStore(StoreRemoval, StoreEviction):
         for i, tier in enumerate(tiers):
             tier.index = i
         self.payload_nbytes = payload_nbytes
-        self.payload_dtype = payload_dtype
+        # the KV dtype by name ("bfloat16"; a torch dtype is taken too): a typed payload must be of it
+        self.payload_dtype = None if payload_dtype is None else str(payload_dtype).removeprefix("torch.")
         self.promote_on_hit = promote_on_hit
         self.inline_copy_max = inline_copy_max
         self.lease_ttl = lease_ttl
@@ -238,11 +239,19 @@ class TieredStore(StoreRemoval, StoreEviction):
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"block keys are 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
 
-    def _check_payload(self, data: Payload) -> torch.Tensor:
-        if self.payload_dtype is not None and isinstance(data, torch.Tensor) and data.dtype != self.payload_dtype:
-            raise PayloadError(f"payload dtype is {data.dtype}, this store holds {self.payload_dtype}")
+    def _check_payload(self, data: Payload) -> Any:
+        if self.payload_dtype is not None:
+            typed = (
+                str(data.dtype).removeprefix("torch.")
+                if is_tensor(data)
+                else data.dtype.name
+                if isinstance(data, np.ndarray) and data.dtype != np.uint8
+                else None  # raw bytes: only their size is checked
+            )
+            if typed is not None and typed != self.payload_dtype:
+                raise PayloadError(f"payload dtype is {typed}, this store holds {self.payload_dtype}")
         src = as_bytes(data)
-        self._check_size(src.numel())
+        self._check_size(size_of(src))
         return src
 
     def _check_size(self, nbytes: int, exact: bool = True) -> None:
@@ -327,7 +336,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         self._commit_copy(handle.entry, handle.copy)
         handle.copy.tier.stats.puts += 1
 
-    async def _place(self, entry: Entry, start: int, *, offer: bool, src: torch.Tensor | None = None) -> Copy | None:
+    async def _place(self, entry: Entry, start: int, *, offer: bool, src: Any = None) -> Copy | None:
         """A pending copy in the first tier from ``start`` down that admits the block and has room.
 
         With ``src`` the copy is also filled (a spill). Admission refusals and full tiers pass the
@@ -380,7 +389,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         """Make the object visible. Fails if the handle was committed, revoked or not fully written."""
         await self._commit(handle)
 
-    async def _commit(self, handle: PutHandle, src: torch.Tensor | None = None) -> None:
+    async def _commit(self, handle: PutHandle, src: Any = None) -> None:
         """Commit; a disk tier writes its file from ``src`` when given (no staging copy)."""
         if handle.done:
             raise InvalidStateError(f"put of {short_key(handle.key)} is already committed or revoked")
@@ -446,14 +455,15 @@ class TieredStore(StoreRemoval, StoreEviction):
     ) -> str:
         """Start, write and commit in one call; returns the tier that took the block."""
         src = self._check_payload(data)
-        handle = await self.put_start(key, src.numel(), tier=tier, parent=parent, cost=cost, tenant=tenant, seal=seal)
+        n = size_of(src)
+        handle = await self.put_start(key, n, tier=tier, parent=parent, cost=cost, tenant=tenant, seal=seal)
         if not handle.copy.tier.backend.in_memory:
-            handle.written = src.numel()
+            handle.written = n
             await self._commit(handle, src)  # the file is written straight from src
             return handle.tier
         try:
             await self._copy(handle.buffer, src)
-            handle.written = src.numel()
+            handle.written = n
         except BaseException:
             await self.revoke(handle)
             raise
@@ -499,10 +509,11 @@ class TieredStore(StoreRemoval, StoreEviction):
 
     # Get ------------------------------------------------------------------------------------------
 
-    async def get(self, key: bytes) -> torch.Tensor:
-        """A private copy of the block's bytes (``.view(dtype)`` to reinterpret)."""
+    async def get(self, key: bytes) -> np.ndarray:
+        """A private copy of the block's bytes, flat uint8 in host memory (``.view(dtype)`` to
+        reinterpret; ``torch.from_numpy`` for a tensor over the same memory)."""
         entry = self._committed_entry(key)
-        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        out = empty(entry.nbytes)
         await self.get_into(key, out)
         return out
 
@@ -514,8 +525,8 @@ class TieredStore(StoreRemoval, StoreEviction):
             if entry is None or not entry.committed():
                 self.misses += 1
                 raise ObjectNotFoundError(f"no committed block {short_key(key)}")
-            if out.numel() != entry.nbytes:
-                raise PayloadError(f"destination is {out.numel()} bytes, block {short_key(key)} is {entry.nbytes}")
+            if size_of(out) != entry.nbytes:
+                raise PayloadError(f"destination is {size_of(out)} bytes, block {short_key(key)} is {entry.nbytes}")
             index = entry.committed()[0]
             copy = entry.copies[index]
             tier = copy.tier
@@ -532,21 +543,21 @@ class TieredStore(StoreRemoval, StoreEviction):
                 await self._promote(entry, index, out)
             return tier.name
 
-    async def _read_copy(self, entry: Entry, copy: Copy, out: torch.Tensor) -> None:
+    async def _read_copy(self, entry: Entry, copy: Copy, out: Any) -> None:
         backend = copy.tier.backend
         if backend.in_memory and entry.nbytes <= self.inline_copy_max:
-            out.copy_(backend.view(copy.slot, entry.nbytes))  # no await: nothing can free it meanwhile
+            copy_into(out, backend.view(copy.slot, entry.nbytes))  # no await: nothing can free it meanwhile
             return
         lease = self._lease(copy, math.inf)
         try:
             if backend.in_memory:
-                await asyncio.to_thread(out.copy_, backend.view(copy.slot, entry.nbytes))
+                await asyncio.to_thread(copy_into, out, backend.view(copy.slot, entry.nbytes))
             else:
                 await backend.read_into(copy.slot, entry.key, out)
         finally:
             await self.release_lease(entry.key, lease)
 
-    async def _promote(self, entry: Entry, index: int, data: torch.Tensor) -> None:
+    async def _promote(self, entry: Entry, index: int, data: Any) -> None:
         """Best effort: copy a block that was hit in tier ``index`` one tier up, if admitted."""
         up = self.tiers[index - 1]
         if up.index in entry.copies or not up.backend.accepts(entry.nbytes):
@@ -600,7 +611,7 @@ class TieredStore(StoreRemoval, StoreEviction):
                     )
                 )
                 continue
-            data = torch.empty(entry.nbytes, dtype=torch.uint8)
+            data = empty(entry.nbytes)
             try:
                 await self._read_copy(entry, copy, data)
             except CorruptBlockError as exc:

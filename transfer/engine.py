@@ -16,12 +16,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from tiercake.plugins import TRANSPORTS
 from tiercake.tiers import ObjectExistsError, PoolRegion, StoreError, TieredStore
-from tiercake.tiers.buffers import INLINE_COPY_MAX, as_bytes, host_bytes
+from tiercake.tiers.buffers import INLINE_COPY_MAX, as_bytes, copy_into, host_bytes, size_of
 
 from . import protocol as p
 from .connection import PeerAddress, PeerChannel
@@ -46,9 +45,10 @@ class BlockLoc:
 
 @dataclass(frozen=True, slots=True)
 class BufferLoc:
-    """``length`` bytes at byte ``offset`` of a tensor in this process (host or device memory)."""
+    """``length`` bytes at byte ``offset`` of a buffer in this process: an ndarray or a buffer (host
+    memory), or a torch tensor (host or device memory)."""
 
-    tensor: torch.Tensor
+    tensor: Any
     offset: int = 0
 
 
@@ -241,7 +241,7 @@ class TransferEngine:
             raise ValueError(f"item {i}: length must be positive, got {item.length}")
         src, dst = item.src, item.dst
         if isinstance(src, BufferLoc) and isinstance(dst, BufferLoc):
-            _slice(dst, item.length).copy_(_slice(src, item.length))
+            copy_into(_slice(dst, item.length), _slice(src, item.length))
             results[i] = TransferResult(True, "local", nbytes=item.length)
         elif isinstance(src, BlockLoc) and isinstance(dst, BufferLoc):
             groups[src.node].reads.append((i, ReadReq(src.key, _slice(dst, item.length))))
@@ -272,7 +272,7 @@ class TransferEngine:
             done = await op(peer, [req for _, req in pairs])
             for (i, req), err in zip(pairs, done):
                 read = isinstance(req, ReadReq)
-                nbytes = (req.dst if read else req.src).numel()
+                nbytes = size_of(req.dst if read else req.src)
                 results[i] = TransferResult(
                     err is None, transport.name, err, 0 if err else nbytes, req.seal if read and err is None else b""
                 )
@@ -500,7 +500,7 @@ async def _verified(verify, reads: list[ReadReq], done: list) -> list:
                 out[j] = p.SealError(f"block {req.key.hex()[:16]}: its seal does not verify (forged or corrupt)")
         return out
 
-    if sum(req.dst.numel() for req in reads) > INLINE_COPY_MAX:
+    if sum(size_of(req.dst) for req in reads) > INLINE_COPY_MAX:
         return await asyncio.to_thread(check)
     return check()
 
@@ -512,10 +512,10 @@ def _transport_class(name: str) -> type[Transport]:
     return cls
 
 
-def _slice(loc: BufferLoc, length: int) -> torch.Tensor:
+def _slice(loc: BufferLoc, length: int) -> Any:
     flat = as_bytes(loc.tensor)
-    if loc.offset == 0 and length == flat.numel():
+    if loc.offset == 0 and length == size_of(flat):
         return flat
-    if loc.offset < 0 or loc.offset + length > flat.numel():
-        raise ValueError(f"buffer of {flat.numel()} bytes has no [{loc.offset}, {loc.offset + length})")
+    if loc.offset < 0 or loc.offset + length > size_of(flat):
+        raise ValueError(f"buffer of {size_of(flat)} bytes has no [{loc.offset}, {loc.offset + length})")
     return flat[loc.offset : loc.offset + length]

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
-import torch
 
 from tiercake.plugins import TRANSPORTS, PluginNotFoundError
 from tiercake.tiers import ObjectNotFoundError, TieredStore
+from tiercake.tiers.buffers import copy_into, device_staging
 from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
@@ -105,7 +105,7 @@ class StreamPath(DataPath):
         targets, staged = receive_targets([h for _, h in accepted])
         await recv_into_all(self.conn, targets)
         for handle, host in staged:
-            handle.buffer.copy_(host)
+            copy_into(handle.buffer, host)
 
     async def receive_eager(self, lengths: list[int], handles: list[PutHandle | None]) -> None:
         """An eager write's data: every item's bytes in order, into its slot, or, for an item that was
@@ -117,7 +117,7 @@ class StreamPath(DataPath):
             self.conn, [next(accepted) if h is not None else scratch[:n] for n, h in zip(lengths, handles)]
         )
         for handle, host in staged:
-            handle.buffer.copy_(host)
+            copy_into(handle.buffer, host)
 
 
 class ShmPath(DataPath):
@@ -173,17 +173,16 @@ class ShmPath(DataPath):
         return ReplyItem(Status.OK, expected, offset=lease.slot[0], lease=lease.id, seal=store.seal_of(key))
 
 
-def receive_targets(handles: list[PutHandle]) -> tuple[list[np.ndarray], list[tuple[PutHandle, torch.Tensor]]]:
+def receive_targets(handles: list[PutHandle]) -> tuple[list[np.ndarray], list[tuple[PutHandle, np.ndarray]]]:
     """Where each accepted item's bytes land in place: its reserved slot, or, for a device tier, a
     host staging buffer copied over afterwards (the second list)."""
-    staged: list[tuple[PutHandle, torch.Tensor]] = []
+    staged: list[tuple[PutHandle, np.ndarray]] = []
     targets = []
     for handle in handles:
         target = handle.host_target()
         if target is None:
-            host = torch.empty(handle.entry.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            staged.append((handle, host))
-            target = host.numpy()
+            target = device_staging(handle.entry.nbytes)
+            staged.append((handle, target))
         targets.append(target)
     return targets, staged
 

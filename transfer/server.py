@@ -301,7 +301,7 @@ class TransferServer:
                 try:
                     view, lease = self._leased_block(key)
                     if view is None:  # only on disk: read (and maybe promote) it
-                        view = (await self.store.get(key)).numpy()
+                        view = await self.store.get(key)
                 except (StoreError, ValueError, TypeError) as exc:
                     replies.append(ReplyItem(status_of(exc), message=str(exc)))
                     continue

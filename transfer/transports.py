@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from tiercake.tiers import PoolRegion, StoreError, TieredStore
-from tiercake.tiers.buffers import copy_async
+from tiercake.tiers.buffers import copy_async, copy_into, device_staging, host_bytes, on_host, size_of
 
 from . import protocol as p
 from .connection import PeerChannel, item_error
@@ -33,14 +32,14 @@ Results = list[BaseException | None]
 @dataclass(slots=True)
 class ReadReq:
     key: bytes
-    dst: torch.Tensor  # flat uint8, exactly the block's size
+    dst: Any  # flat uint8 (``buffers.as_bytes``), exactly the block's size
     seal: bytes = b""  # filled in by the transport: the seal the holder keeps with the block
 
 
 @dataclass(slots=True)
 class WriteReq:
     key: bytes
-    src: torch.Tensor  # flat uint8
+    src: Any  # flat uint8 (``buffers.as_bytes``)
     parent: bytes | None = None
     tenant: str = ""
     seal: bytes = b""  # kept with the block by the holder
@@ -99,18 +98,12 @@ class Transport(ABC):
         pass
 
 
-def _host_src(t: torch.Tensor) -> np.ndarray:
-    """Host bytes to send from (a device tensor is copied to the host first)."""
-    t = t.contiguous()
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
-
-
-def _host(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:
-    """A host numpy view to receive into; for a device tensor, a staging buffer to copy over after."""
-    if t.device.type == "cpu":
-        return t.numpy(), None
-    staging = torch.empty(t.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-    return staging.numpy(), staging
+def _host(t: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """A host array to receive into; for device memory, a staging buffer to copy over after."""
+    if on_host(t):
+        return t, None
+    staging = device_staging(size_of(t))
+    return staging, staging
 
 
 class LocalTransport(Transport):
@@ -217,16 +210,16 @@ class TcpTransport(Transport):
                 items[i].seal = seal
             return errors
 
-        runs = _split(list(range(len(items))), peer.channel.streams, lambda i: items[i].dst.numel())
+        runs = _split(list(range(len(items))), peer.channel.streams, lambda i: size_of(items[i].dst))
         results = await self._run(peer, runs, op)
         for it, (_, staging), err in zip(items, staged, results):
             if staging is not None and err is None:
-                it.dst.copy_(staging)
+                copy_into(it.dst, staging)
         return results
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         async def op(conn, run):
-            return await conn.write([(items[i].item(), _host_src(items[i].src)) for i in run], self.checksum)
+            return await conn.write([(items[i].item(), host_bytes(items[i].src)) for i in run], self.checksum)
 
         # one stream: a chain's blocks must commit in order on the peer
         return await self._run(peer, [list(range(len(items)))], op)
@@ -292,14 +285,14 @@ class ShmTransport(TcpTransport):
         return region
 
     async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
-        if sum(it.dst.numel() for it in items) < self.stream_below_bytes:
+        if sum(size_of(it.dst) for it in items) < self.stream_below_bytes:
             return await super().read(peer, items)
         results: Results = [None] * len(items)
         over_stream: list[int] = []
 
         async def in_place(conn, run) -> Results:
             region = self.region(conn.info)
-            replies = await conn.lease([(it.key, it.dst.numel(), self.lease_ttl) for it in items])
+            replies = await conn.lease([(it.key, size_of(it.dst), self.lease_ttl) for it in items])
             held = []
             try:
                 for i, (it, reply) in enumerate(zip(items, replies)):
@@ -347,17 +340,17 @@ class ShmTransport(TcpTransport):
                 await conn.release(lease.held)
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
-        if sum(it.src.numel() for it in items) <= p.MAX_EAGER_BYTES:  # one round trip over the stream
+        if sum(size_of(it.src) for it in items) <= p.MAX_EAGER_BYTES:  # one round trip over the stream
             return await super().write(peer, items)
 
         async def op(conn, run):
             region = self.region(conn.info)
 
             def copy_into_pool(offset: int, src: np.ndarray) -> None:
-                region.view(offset, src.size).copy_(torch.from_numpy(src))  # the caller runs it off the loop
+                np.copyto(region.view(offset, src.size), src)  # the caller runs it off the loop
 
             return await conn.write(
-                [(items[i].item(), _host_src(items[i].src)) for i in run], self.checksum, copy_into_pool
+                [(items[i].item(), host_bytes(items[i].src)) for i in run], self.checksum, copy_into_pool
             )
 
         return await self._run(peer, [list(range(len(items)))], op)

@@ -25,6 +25,7 @@ import logging
 import os
 from typing import Any
 
+from tiercake.tiers.buffers import copy_into, host_bytes, size_of
 from tiercake.tiers.store import PutHandle
 
 from . import protocol as p
@@ -32,7 +33,7 @@ from .connection import PeerConnection, check_count, item_error, write_results
 from .paths import Bulk, DataPath, ServerSide, receive_targets
 from .protocol import Op, Status
 from .sockio import send_frame, wait_hangup
-from .transports import Peer, ReadReq, Results, TcpTransport, WriteReq, _host, _host_src
+from .transports import Peer, ReadReq, Results, TcpTransport, WriteReq, _host
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class UcxPath(DataPath):
                 handle.done = True
             raise UcxStuckError("UCX receives from a departed peer could not be cancelled")
         for handle, host in staged:
-            handle.buffer.copy_(host)
+            copy_into(handle.buffer, host)
 
     async def _until_done_or_hangup(self, ep, work: asyncio.Future) -> bool:
         """Wait for the work; if the peer hangs up on the stream first (same-host endpoints have no
@@ -228,7 +229,7 @@ class UcxTransport(TcpTransport):
         async with peer.channel.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
             async with conn._request() as request:
-                body = p.encode_read([(it.key, it.dst.numel()) for it in items])
+                body = p.encode_read([(it.key, size_of(it.dst)) for it in items])
                 await send_frame(conn.sock, Op.READ, request, body, p.FLAG_UCX)
                 replies = p.decode_read_reply(await conn._reply(request, Op.READ_REPLY))
                 check_count(replies, items)
@@ -245,13 +246,13 @@ class UcxTransport(TcpTransport):
                 results.append(item_error(reply, peer.node_id))
                 continue
             if staging is not None:
-                it.dst.copy_(staging)
+                copy_into(it.dst, staging)
             it.seal = reply.seal
             results.append(None)
         return results
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
-        sources = [_host_src(it.src) for it in items]
+        sources = [host_bytes(it.src) for it in items]
         async with peer.channel.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
             async with conn._request() as request:

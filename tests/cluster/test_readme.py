@@ -1,6 +1,6 @@
-"""The README's commands as printed: its quick start (make run, ask, tiercake up under vLLM) and its
-key-value example against make run's cluster; its store example (it once had undefined names and a
-payload of the wrong dtype); its policy example, a complete policy the registry accepts."""
+"""The README as printed: every command block runs from the repository's root as a user's terminal
+would run it, every Python block runs as a program, the command table names every command the CLI
+has, and nothing any of it started is left in /dev/shm."""
 
 import asyncio
 import contextlib
@@ -17,62 +17,44 @@ from paths import README as README_PATH
 from paths import ROOT
 from up_helpers import left_in_shm
 
-from tiercake.tiers.pool import remove_pool
-
 README = README_PATH.read_text()
-
-
-def _block(after: str) -> str:
-    return README.split(after, 1)[1].split("```python", 1)[1].split("```", 1)[0]
-
-
-@pytest.mark.cluster
-def test_the_store_example_runs(tmp_path):
-    (tmp_path / "tiercake.yaml").write_text(
-        "store:\n  tiers:\n"
-        f"    - {{kind: pool, capacity: 4MiB, path: /dev/shm/tiercake-readme-{os.getpid()}}}\n"
-        f"    - {{kind: ssd, capacity: 16MiB, path: {tmp_path / 'ssd'}}}\n"
-    )
-    (tmp_path / "example.py").write_text(_block("## Python API"))
-    try:
-        done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    finally:
-        remove_pool(f"/dev/shm/tiercake-readme-{os.getpid()}")
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def test_the_policy_example_is_a_whole_policy():
-    namespace: dict = {}
-    exec(_block("### Writing a policy"), namespace)  # noqa: S102 - the README's own code
-    policy = namespace["Fifo"]()
-    for key in "abc":
-        policy.on_insert(key)
-    policy.on_access("a")
-    assert policy.victims(2, can_evict=lambda k: k != "a") == ["b", "c"]
-    assert len(policy) == 1 and "a" in policy and "b" not in policy
-    policy.on_remove("a")
-    policy.on_remove("a")  # idempotent
-    assert len(policy) == 0
-
-
-# The quick start, as printed ---------------------------------------------------------------------
-
 REPO = ROOT
 ANSWER = re.compile(r"cached prompt tokens (\d+)/(\d+)")
 
 
-def _commands(after: str) -> list[str]:
-    """The shell commands of the first plain code block after ``after``, without their comments."""
-    block = README.split(after, 1)[1].split("```\n", 1)[1].split("```", 1)[0]
-    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
+def _section(title: str) -> str:
+    """The text of the README's section (any level) whose title starts with ``title``."""
+    start = re.search(rf"^#+ {re.escape(title)}.*$", README, re.M)
+    assert start, title
+    rest = README[start.end() :]
+    end = re.search(r"^#+ ", rest, re.M)
+    return rest[: end.start()] if end else rest
+
+
+def _python(title: str) -> str:
+    return _section(title).split("```python", 1)[1].split("```", 1)[0]
+
+
+def _commands(title: str, index: int = 0) -> list[str]:
+    """The shell commands of the ``index``-th plain (shell) code block of a section, without comments."""
+    blocks = [body for lang, body in re.findall(r"^```(\w*)\n(.*?)^```$", _section(title), re.M | re.S) if not lang]
+    lines = [line.split("  #", 1)[0].strip() for line in blocks[index].splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
 
 
-class Server:
-    """A command of the quick start that keeps running (``make run``, ``tiercake up``), started as a
-    user's terminal would (its own process group: Ctrl-C reaches make and what it runs)."""
+def test_every_python_block_is_run_by_a_test_and_the_readme_stays_short():
+    """A snippet added without a test of its own fails here; so does a README past 350 lines."""
+    tested = {"The two commands", "Key-value store", "The store from Python", "Writing a policy"}
+    titled = [_section(t) for t in tested]
+    assert README.count("```python") == sum(s.count("```python") for s in titled) == 4
+    assert len(README.splitlines()) < 350
 
-    def __init__(self, command: str, ready: str, timeout: float) -> None:
+
+class Server:
+    """A command of the README that keeps running (``make run``, ``tiercake up``), started as a user's
+    terminal would (its own process group: Ctrl-C reaches make and what it runs)."""
+
+    def __init__(self, command: str, ready: str, timeout: float, env: dict | None = None) -> None:
         self.proc = subprocess.Popen(
             command,
             shell=True,
@@ -81,13 +63,17 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []
+        self.wait_for(ready, timeout)
+
+    def wait_for(self, text: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not any(ready in line for line in self.lines):
-            assert time.monotonic() < deadline, f"{command}: not ready in {timeout} s:\n" + "".join(self.lines)[-3000:]
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline, f"not {text!r} in {timeout} s:\n" + "".join(self.lines)[-3000:]
             line = self.proc.stdout.readline()
-            assert line, f"{command} exited:\n" + "".join(self.lines)[-3000:]
+            assert line, "it exited:\n" + "".join(self.lines)[-3000:]
             self.lines.append(line)
 
     def ctrl_c(self) -> float:
@@ -103,11 +89,11 @@ class Server:
         return time.monotonic() - sent
 
 
-def _run(command: str, env: dict | None = None) -> str:
+def _run(command: str, env: dict | None = None, cwd: Path = REPO) -> str:
     done = subprocess.run(
         command,
         shell=True,
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
@@ -143,55 +129,66 @@ def _vllm_server_pids(model: str) -> list[int]:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
-def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_same_after_its_restart():
-    """Every command of the README's quick start, as printed, from the repository's root: make run,
-    the same question twice (the second from the cache), the key-value example against that cluster,
-    a model made here, tiercake up under vLLM and a question to it. Then a vLLM server killed under
-    up: up restarts it and the same prompt, which the pool holds, gets the same answer (a restarted
-    server's first step once died with SIGILL in vLLM's CPU attention). Ctrl-C stops each within
-    5 s and nothing is left in /dev/shm."""
-    commands = _commands("## Quick start")
+def test_the_quick_start_and_the_python_and_key_value_examples_against_make_run():
+    """The quick start as printed, from the repository's root: make run, the same question twice (the
+    second from the cache); then, against that cluster, the two commands' Python example and the
+    key-value store's export and example. Ctrl-C stops it within 5 s and nothing is left in /dev/shm."""
+    commands = _commands("Quick start")
     assert [c.split()[:3] for c in commands] == [
         ["make", "run"],
         [".venv/bin/tiercake", "ask", '"Hello,'],
         [".venv/bin/tiercake", "ask", '"Hello,'],
-        [".venv/bin/tiercake", "model", "make"],
-        [".venv/bin/tiercake", "up", "--engine"],
-        [".venv/bin/tiercake", "ask", '"Hello,'],
     ], commands
     before = set(os.listdir("/dev/shm"))
     cluster = Server(commands[0], "tiercake is up:", 600)
-    while not any("Ctrl-C stops everything" in line for line in cluster.lines):
-        cluster.lines.append(cluster.proc.stdout.readline())
+    cluster.wait_for("Ctrl-C stops everything", 30)
     assert any("note: no API keys are configured" in line for line in cluster.lines)  # the shared cache, said
     try:
         _run(commands[1])
-        again = _run(commands[2])
-        cached, prompt = map(int, ANSWER.search(again).groups())
-        assert 0 < cached <= prompt, again
-        example = _block("## Key-value store API")
-        export = next(c for c in _commands("Against `make run`'s cluster") if c.startswith("export"))
-        (REPO / ".tiercake" / "kv-example.py").write_text(example)
+        cached, prompt = map(int, ANSWER.search(_run(commands[2])).groups())
+        assert 0 < cached <= prompt
+        (REPO / ".tiercake" / "client-example.py").write_text(_python("The two commands"))
+        assert "prompt_tokens_details" in _run(".venv/bin/python .tiercake/client-example.py")
+        (export,) = _commands("Key-value store")
+        (REPO / ".tiercake" / "kv-example.py").write_text(_python("Key-value store"))
         _run(f"{export} && .venv/bin/python .tiercake/kv-example.py")
     finally:
         took = cluster.ctrl_c()
     assert took < 5, took
-    _run(commands[3])
-    model = commands[3].split()[-1]
-    vllm = Server(commands[4], "tiercake is up under vLLM", 900)
+    assert left_in_shm(before) == set()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+def test_under_vllm_as_printed_and_a_killed_vllm_server_answers_the_same_after_its_restart():
+    """The vLLM quick start as printed: a model made here, tiercake up under vLLM and the question
+    twice. Then its vLLM server killed: up restarts it and the same prompt, which the pool holds,
+    gets the same answer loaded from the pool (a restarted server's first step once died with SIGILL
+    in vLLM's CPU attention). Ctrl-C stops it within a few seconds and nothing is left in /dev/shm."""
+    commands = _commands("Under vLLM")
+    assert [c.split()[:3] for c in commands] == [
+        [".venv/bin/tiercake", "model", "make"],
+        [".venv/bin/tiercake", "up", "--engine"],
+        [".venv/bin/tiercake", "ask", '"Hello,'],
+        [".venv/bin/tiercake", "ask", '"Hello,'],
+    ], commands
+    before = set(os.listdir("/dev/shm"))
+    _run(commands[0])
+    model = commands[0].split()[-1]
+    vllm = Server(commands[1], "tiercake is up under vLLM", 900)
     try:
-        first = _run(commands[5]).splitlines()[0]
+        first = _run(commands[2]).splitlines()[0]
+        again = _run(commands[3])
+        assert again.splitlines()[0] == first and int(ANSWER.search(again).group(1)) > 0
         conductor = re.search(r"conductor (http://\S+?),", "".join(vllm.lines)).group(1)
-        data_dir = Path(commands[4].split("--data-dir", 1)[1].split()[0])
+        data_dir = Path(commands[1].split("--data-dir", 1)[1].split()[0])
         asyncio.run(_until_the_pool_holds_blocks(conductor, (data_dir / "control-token").read_text().strip()))
         (pid,) = _vllm_server_pids(model)
         os.kill(pid, signal.SIGKILL)
+        vllm.wait_for("restarting", 600)  # up saw it go
         deadline = time.monotonic() + 600
-        while not any("restarting" in line for line in vllm.lines):  # up saw it go
-            assert time.monotonic() < deadline
-            vllm.lines.append(vllm.proc.stdout.readline())
         while True:
-            done = subprocess.run(commands[5], shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(commands[2], shell=True, cwd=REPO, capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
                 break
             # while it restarts the front says so, and retryably: no worker (503), or none ready (429)
@@ -200,19 +197,107 @@ def test_the_quick_start_runs_as_printed_and_a_killed_vllm_server_answers_the_sa
             ), done.stderr
             time.sleep(2)
         assert done.stdout.splitlines()[0] == first  # the same answer, its prompt's blocks from the pool
-        cached, prompt = map(int, ANSWER.search(done.stdout).groups())
-        assert cached > 0, done.stdout
+        assert int(ANSWER.search(done.stdout).group(1)) > 0, done.stdout
     finally:
         took = vllm.ctrl_c()
-    # "within a few seconds", as the README says: a vLLM server gets up's 3 s grace before SIGKILL, and
-    # under CI's load the whole stop once took 5.3 s
+    # "within a few seconds": a vLLM server gets up's 3 s grace before SIGKILL, and under CI's load the
+    # whole stop once took 5.3 s
     assert took < 8, took
     assert left_in_shm(before) == set()
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(900)
+def test_your_own_vllm_server_over_up_no_engine_as_printed():
+    """The storage side alone (up --no-engine), and vLLM started by hand as printed, with the
+    environment file and the connector config up wrote: its answer says the connector ran, and the
+    node's pool then holds the prompt's blocks, saved by the connector. Both stop on Ctrl-C, and
+    nothing is left in /dev/shm."""
+    commands = _commands("Your own vLLM server")
+    assert [c.split()[:3] for c in commands] == [
+        [".venv/bin/tiercake", "up", "--no-engine"],
+        ["set", "-a;", "."],
+        ["VLLM_CPU_KVCACHE_SPACE=1", ".venv/bin/python", "-m"],
+        ["curl", "-s", "http://127.0.0.1:8300/v1/completions"],
+    ], commands
+    model = commands[2].split("--model", 1)[1].split()[0]
+    if not (Path(model) / "config.json").exists():  # the vLLM quick start makes it; this test may run first
+        _run(_commands("Under vLLM")[0])
+    before = set(os.listdir("/dev/shm"))
+    data_dir = Path(commands[0].split("--data-dir", 1)[1].split()[0])
+    storage = Server(commands[0], "tiercake is up (no engine)", 300)
+    vllm = None
+    try:
+        vllm = Server(f"{commands[1]}; {commands[2]}", "Application startup complete", 600)
+        answer = _run(commands[3])
+        assert '"tiercake"' in answer and '"namespace"' in answer, answer  # the connector's own figures
+        conductor = re.search(r"conductor (http://\S+?),", "".join(storage.lines)).group(1)
+        asyncio.run(_until_the_pool_holds_blocks(conductor, (data_dir / "control-token").read_text().strip()))
+    finally:
+        took = [server.ctrl_c() for server in (vllm, storage) if server is not None]
+    assert max(took) < 8, took
+    assert left_in_shm(before) == set()
+
+
+@pytest.mark.cluster
+def test_the_store_example_runs_and_leaves_nothing_in_shm(tmp_path):
+    """The Python block of "The store from Python", as a program: it runs, with torch importable or
+    not, and its pool file is gone after it."""
+    (tmp_path / "example.py").write_text(_python("The store from Python"))
+    before = set(os.listdir("/dev/shm"))
+    for blocked in ("", "import sys; sys.modules['torch'] = None; "):
+        done = subprocess.run(
+            [sys.executable, "-c", f"{blocked}exec(open('example.py').read())"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0 and "read from pool" in done.stdout, done.stderr[-3000:]
+    assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_the_policy_example_is_a_whole_policy():
+    namespace: dict = {}
+    exec(_python("Writing a policy"), namespace)  # noqa: S102 - the README's own code
+    policy = namespace["Fifo"]()
+    for key in "abc":
+        policy.on_insert(key)
+    policy.on_access("a")
+    assert policy.victims(2, can_evict=lambda k: k != "a") == ["b", "c"]
+    assert len(policy) == 1 and "a" in policy and "b" not in policy
+    policy.on_remove("a")
+    policy.on_remove("a")  # idempotent
+    assert len(policy) == 0
+
+
+@pytest.mark.cluster
+def test_the_policy_is_scored_on_a_trace_as_printed(tmp_path):
+    """The policy saved as the README says, then its two commands as printed, in a folder of their own
+    (``.venv`` there is the checkout's)."""
+    (tmp_path / "my_policies.py").write_text(_python("Writing a policy"))
+    (tmp_path / ".venv").symlink_to(REPO / ".venv")
+    for command in _commands("Writing a policy"):
+        _run(command, cwd=tmp_path)
+    assert (tmp_path / "mine.png").read_bytes()[:4] == b"\x89PNG"
+    figures = (tmp_path / "mine.json").read_text()
+    assert "hit_ratio.my_policies:Fifo" in figures and "hit_ratio.optimum" in figures
+
+
+def test_the_command_table_names_every_command():
+    """The README's command table and the CLI's commands are the same set."""
+    from tiercake.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    table = _section("Command line")
+    named = set(re.findall(r"`tiercake ([a-z][a-z-]*)", table))
+    assert named == set(sub.choices), set(sub.choices) ^ named
+
+
+@pytest.mark.cluster
 def test_make_check_selects_the_tests_that_start_no_process():
-    """``make check`` as the README prints it (collecting only: running it is the loop itself)."""
+    """``make check`` as the README describes it (collecting only: running it is the loop itself)."""
     done = subprocess.run(
         [
             "make",
@@ -230,12 +315,29 @@ def test_make_check_selects_the_tests_that_start_no_process():
     assert int(per_file["tests/tiercake/test_blocks.py"]) > 10 and "tests/cluster/test_serving.py" not in per_file
 
 
-def test_the_sessions_config_example_loads_and_builds_its_policies(tmp_path):
-    """The YAML of the README's sessions section: a valid config whose tiers' session policies build."""
+DOCS = ROOT / "docs"
+
+
+@pytest.mark.parametrize("doc", ["CONFIG.md", "SESSIONS.md", "VLLM.md"])
+def test_the_configs_the_docs_print_are_valid_and_their_policies_build(tmp_path, doc):
+    """Every YAML config of these pages loads as the config model and names policies that build."""
+    from tiercake.config import load_config
+    from tiercake.policies import create_eviction
+
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", (DOCS / doc).read_text(), re.M | re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        (tmp_path / f"{i}.yaml").write_text(block)
+        config = load_config(tmp_path / f"{i}.yaml")
+        for tier in config.store.tiers:
+            create_eviction(tier.eviction, tier.eviction_params)
+
+
+def test_the_sessions_page_config_builds_session_policies(tmp_path):
     from tiercake.config import load_config
     from tiercake.policies import SessionAware, create_eviction
 
-    block = README.split("## Sessions and agents", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    block = re.findall(r"^```yaml\n(.*?)^```$", (DOCS / "SESSIONS.md").read_text(), re.M | re.S)[0]
     (tmp_path / "sessions.yaml").write_text(block)
     config = load_config(tmp_path / "sessions.yaml")
     assert config.store.session_prefetch_lead_s == 1.0

@@ -504,7 +504,7 @@ def test_the_async_flavour_answers_every_call_as_a_coroutine(cluster):
 
 def test_the_readme_example_runs(cluster, tmp_path):
     readme = README.read_text()
-    example = readme.split("## Key-value store API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    example = readme.split("## Key-value store", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     assert '"127.0.0.1:8081"' in example  # make run's conductor (tests/cluster/test_readme.py runs it there too)
     script = tmp_path / "example.py"
     script.write_text(example.replace('"127.0.0.1:8081"', repr(cluster.url)))  # here: this test's cluster

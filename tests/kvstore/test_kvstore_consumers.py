@@ -21,7 +21,7 @@ from kvstore_helpers import KvCluster, ready
 
 from tiercake.conductor.etcd_process import free_port
 from tiercake.kvstore import DistributedStore
-from tiercake.up import VllmServer
+from tiercake.up_vllm import VllmServer
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 

@@ -8,10 +8,10 @@ them the way it finds any package's."""
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from tiercake.policies import BlockMeta, EvictionPolicy, Router
 from tiercake.tiers.backend import MemoryTierBackend
+from tiercake.tiers.buffers import copy_into, host_bytes, size_of
 from tiercake.transfer import protocol as p
 from tiercake.transfer.connection import check_count, item_error, write_results
 from tiercake.transfer.paths import DataPath, receive_targets
@@ -35,12 +35,12 @@ class SlotTier(MemoryTierBackend):
     def __init__(self, capacity: int, slot_bytes: int, name: str = "slots") -> None:
         self.name = name
         self.slot_bytes = slot_bytes
-        self.buffer = torch.zeros(capacity // slot_bytes * slot_bytes, dtype=torch.uint8)
+        self.buffer = np.zeros(capacity // slot_bytes * slot_bytes, dtype=np.uint8)
         self.free = list(range(capacity // slot_bytes))
 
     @property
     def capacity_bytes(self) -> int:
-        return self.buffer.numel()
+        return self.buffer.size
 
     @property
     def used_bytes(self) -> int:
@@ -52,11 +52,11 @@ class SlotTier(MemoryTierBackend):
     def allocate(self, nbytes: int):
         return self.free.pop() if self.free else None
 
-    def view(self, slot, nbytes: int) -> torch.Tensor:
+    def view(self, slot, nbytes: int) -> np.ndarray:
         return self.buffer[slot * self.slot_bytes : slot * self.slot_bytes + nbytes]
 
     def host_array(self, slot, nbytes: int):
-        return self.view(slot, nbytes).numpy()
+        return self.view(slot, nbytes)
 
     def in_use(self, slot) -> bool:
         return False
@@ -105,7 +105,7 @@ class SpoolPath(DataPath):
             target[:] = np.frombuffer(path.read_bytes(), dtype=np.uint8)
             path.unlink()
         for handle, host in staged:
-            handle.buffer.copy_(host)
+            copy_into(handle.buffer, host)
         SpoolPath.served += len(accepted)
 
 
@@ -118,7 +118,7 @@ class SpoolTransport(TcpTransport):
 
     async def read(self, peer, items):
         async with peer.channel.connection() as conn, conn._request() as request:
-            table = p.encode_read([(it.key, it.dst.numel()) for it in items])
+            table = p.encode_read([(it.key, size_of(it.dst)) for it in items])
             await send_frame(conn.sock, p.Op.READ, request, table, FLAG_SPOOL)
             replies = p.decode_read_reply(await conn._reply(request, p.Op.READ_REPLY))
             check_count(replies, items)
@@ -128,7 +128,7 @@ class SpoolTransport(TcpTransport):
                 results.append(item_error(reply, peer.node_id))
                 continue
             path = _spooled(request, index)
-            it.dst.copy_(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+            copy_into(it.dst, np.frombuffer(path.read_bytes(), dtype=np.uint8))
             path.unlink()
             it.seal = reply.seal  # what the holder keeps with the block: a reader of KV checks it
             results.append(None)
@@ -136,13 +136,13 @@ class SpoolTransport(TcpTransport):
 
     async def write(self, peer, items):
         async with peer.channel.connection() as conn, conn._request() as request:
-            table = p.encode_write([it.item(it.src.numel()) for it in items])
+            table = p.encode_write([it.item(size_of(it.src)) for it in items])
             await send_frame(conn.sock, p.Op.WRITE, request, table, FLAG_SPOOL)
             ready = p.decode_lease_reply(await conn._reply(request, p.Op.WRITE_READY))
             check_count(ready, items)
             for index, (it, reply) in enumerate(zip(items, ready)):
                 if reply.status is p.Status.OK:
-                    _spooled(request, index).write_bytes(it.src.numpy().tobytes())
+                    _spooled(request, index).write_bytes(host_bytes(it.src).tobytes())
             await send_frame(conn.sock, p.Op.WRITE_COMMIT, request)
             done = p.decode_statuses(await conn._reply(request, p.Op.WRITE_DONE))
         return write_results(ready, done, peer.node_id)

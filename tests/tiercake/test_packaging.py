@@ -51,8 +51,9 @@ def test_wheel_holds_every_module(wheel):
 
 
 # third-party modules the installed package imports, by the distribution that must provide them
-# (torch, the base of it all, is installed first: its version picks the build; vLLM's extra brings
-# transformers, pyzmq and tokenizers for the vLLM side; ucxx, mooncake and cryptography are optional)
+# (torch is the reference engine's, in the extra of that name: the control plane and the storage side
+# run without it; vLLM's extra brings transformers, pyzmq and tokenizers for the vLLM side; ucxx,
+# mooncake and cryptography are optional)
 CORE = {
     "numpy",
     "pydantic",
@@ -66,7 +67,6 @@ CORE = {
     "etcd3aio",
     "matplotlib",
     "msgspec",
-    "torch",
 }
 
 
@@ -78,6 +78,9 @@ def test_the_wheel_declares_what_the_core_imports(wheel):
         if "extra ==" not in r
     }
     assert CORE <= required, CORE - required
+    assert "torch" not in required and not any(r.startswith("nvidia") for r in required)  # no GPU stack by default
+    extras = {r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if 'extra == "reference"' in r}
+    assert any(r.startswith("torch") for r in extras), extras
 
 
 @pytest.mark.timeout(300)

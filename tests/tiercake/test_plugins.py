@@ -82,7 +82,7 @@ async def test_a_plug_in_memory_tier_serves_and_spills_to_ssd(installed, tmp_pat
         assert stats["slots"]["kind"] == "slots" and stats["slots"]["blocks"] <= 4
         assert stats["ssd"]["blocks"] >= 2  # evicted from the plug-in tier, spilled below
         for key, data in blocks.items():
-            assert torch.equal(await store.get(key), data)
+            assert torch.equal(torch.from_numpy(await store.get(key)), data)
     finally:
         await store.close()
 
@@ -116,7 +116,7 @@ async def test_a_plug_in_transport_brings_its_own_server_data_path(installed, tm
         wrote = await engine.write_blocks("node-s", keys, srcs)
         assert all(r.ok and r.transport == "spool" for r in wrote)
         for key, src in zip(keys, srcs):
-            assert torch.equal(await store.get(key), src)
+            assert torch.equal(torch.from_numpy(await store.get(key)), src)
         dsts = [torch.zeros(s.numel(), dtype=torch.uint8) for s in srcs]
         read = await engine.read_blocks("node-s", keys + [b"x" * 32], dsts + [torch.empty(4, dtype=torch.uint8)])
         assert [r.ok for r in read] == [True, True, True, False]

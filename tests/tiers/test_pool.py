@@ -12,12 +12,22 @@ from tiercake.tiers.pool import ExtentAllocator, PoolFormatError
 
 def _reader(path, offset, nbytes, conn):
     region = PoolRegion.attach(path)
-    view = region.view(offset, nbytes)
-    conn.send(bytes(view.numpy()))  # what this process sees at that offset
-    # write an answer in place, next to the block
-    region.view(offset + nbytes, 4).copy_(torch.tensor([7, 7, 7, 7], dtype=torch.uint8))
-    conn.send(view.data_ptr() != 0)
+    try:
+        view = region.view(offset, nbytes)
+        conn.send(bytes(view))  # what this process sees at that offset
+        region.view(offset + nbytes, 4)[:] = 7  # write an answer in place, next to the block
+        conn.send(view.ctypes.data != 0)
+    except Exception as exc:  # said, not a parent left waiting on the pipe
+        conn.send(exc)
     conn.close()
+
+
+def _received(conn, timeout: float = 60):
+    assert conn.poll(timeout), "the reader process said nothing"
+    got = conn.recv()
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
 @pytest.mark.cluster
@@ -26,13 +36,13 @@ def test_two_processes_share_the_region(shm_path):
     tier = PoolBackend(region)
     slot = tier.allocate(LAYOUT.nbytes)
     payload = block(3).view(torch.uint8).view(-1)
-    tier.view(slot, LAYOUT.nbytes).copy_(payload)
+    tier.view(slot, LAYOUT.nbytes)[:] = payload.numpy()
     ctx = mp.get_context("spawn")  # a fresh interpreter: nothing inherited but the path
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_reader, args=(str(shm_path), slot[0], LAYOUT.nbytes, child))
     proc.start()
-    seen = parent.recv()
-    assert parent.recv() is True
+    seen = _received(parent)
+    assert _received(parent) is True
     proc.join(30)
     assert proc.exitcode == 0
     assert seen == bytes(payload.numpy())
@@ -55,8 +65,8 @@ def test_store_block_read_in_place_by_another_process(shm_path, make_store):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_reader, args=(str(shm_path), offset, LAYOUT.nbytes, child))
         proc.start()
-        seen = await asyncio.to_thread(parent.recv)
-        await asyncio.to_thread(parent.recv)
+        seen = await asyncio.to_thread(_received, parent)
+        await asyncio.to_thread(_received, parent)
         proc.join(30)
         await store.release_lease(key(5), lease.id)
         assert seen == bytes(block(5).view(torch.uint8).view(-1).numpy())
@@ -76,7 +86,7 @@ def test_attach_checks_what_it_maps(tmp_path):
 def test_file_backed_region_for_cxl_style_paths(tmp_path):
     path = tmp_path / "dax-like-file"
     region = PoolRegion.create(path, 64 << 10, prefault=False)
-    region.view(0, 3).copy_(torch.tensor([1, 2, 3], dtype=torch.uint8))
+    region.view(0, 3)[:] = [1, 2, 3]
     other = PoolRegion.attach(path)
     assert other.view(0, 3).tolist() == [1, 2, 3]
     other.close()
@@ -177,7 +187,7 @@ async def main(path, n):
                         tenant=f"t{i % 3}", parent=b"p" * 32 if i % 2 else None, seal=bytes([i % 256]) * 16)
     await store.remove((0).to_bytes(8, "big") * 4)  # removed before the kill: gone after it too
     handle = await store.put_start(b"pending-".ljust(32, b"x"), 9000)  # reserved, never committed
-    handle.buffer.fill_(1)
+    handle.buffer.fill(1)
     print("ready", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -211,7 +221,7 @@ async def test_a_restarted_owner_adopts_every_committed_block_of_a_killed_one(sh
         for i in range(1, n):
             k = i.to_bytes(8, "big") * 4
             got = await store.get(k)
-            assert got.numel() == 5000 + i and bool((got == i % 251).all())
+            assert got.size == 5000 + i and bool((got == i % 251).all())
             entry = store._entries[k]
             assert entry.meta.tenant == f"t{i % 3}" and entry.meta.parent == (b"p" * 32 if i % 2 else None)
             assert store.seal_of(k) == bytes([i % 256]) * 16

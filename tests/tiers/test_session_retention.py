@@ -33,7 +33,9 @@ def test_a_paused_session_is_demoted_tier_by_tier_and_found_where_it_went(make_s
         await paused(store, "soonest", 20, at=1002, back=30)  # and again: "kept" is on SSD now
         assert [store.where(k) for k in kept] == [["ssd"], ["ssd"]]
         for i, k in enumerate(kept):  # demoted, never dropped: its bytes are there
-            assert torch.equal((await store.get(k)).view(torch.float16).reshape(block(i).shape), block(i))
+            assert torch.equal(
+                torch.from_numpy(await store.get(k)).view(torch.float16).reshape(block(i).shape), block(i)
+            )
 
     asyncio.run(go())
 

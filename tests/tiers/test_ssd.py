@@ -24,7 +24,8 @@ LAYOUTS = pytest.mark.parametrize("layout", ["files", "log"])
 
 
 def same(data, i):
-    return torch.equal(data.view(torch.float16).view(LAYOUT.shape), block(i))
+    """Whether ``data`` (the store's bytes: an array, or a tensor) are block ``i``'s."""
+    return torch.equal(torch.as_tensor(data).view(torch.float16).view(LAYOUT.shape), block(i))
 
 
 def ssd_tier(path, layout="files", **kw) -> SsdFilesBackend:
@@ -124,7 +125,7 @@ async def stored_size(path, shuffle: bool) -> tuple[int, int]:
     await store.put(key(1), smooth_kv())
     await store.put(key(2), torch.randint(0, 256, (BIG,), dtype=torch.uint8))  # incompressible
     sizes = (store._entries[key(1)].copies[0].slot.stored, store._entries[key(2)].copies[0].slot.stored)
-    assert torch.equal((await store.get(key(1))).view(torch.float16), smooth_kv())
+    assert torch.equal(torch.from_numpy(await store.get(key(1))).view(torch.float16), smooth_kv())
     await store.close()
     return sizes
 
@@ -136,7 +137,7 @@ async def test_compression_and_the_byte_shuffle(tmp_path):
     assert shuffled < 0.95 * plain < BIG  # the shuffle pays on fp16
     # reading needs no setting: the flags are in each file
     store = await ssd_store(tmp_path / "shuffled", payload_nbytes=BIG, compression=False)
-    assert torch.equal((await store.get(key(1))).view(torch.float16), smooth_kv())
+    assert torch.equal(torch.from_numpy(await store.get(key(1))).view(torch.float16), smooth_kv())
     await store.close()
 
 
@@ -343,7 +344,7 @@ async def test_process_killed_mid_write_never_serves_half_a_block(tmp_path, layo
         except ObjectNotFoundError:
             assert i not in written  # a torn block that was never acknowledged: a miss
             continue
-        assert torch.equal(got, expected)
+        assert torch.equal(torch.from_numpy(got), expected)
     assert not list((tmp_path / "blocks").rglob("*.tmp-*"))
     await store.close()
 

@@ -128,7 +128,9 @@ async def test_per_item_errors_leave_the_rest_alone(node):
     assert isinstance(got[5].error, ItemError) and "unknown node" in str(got[5].error)
     assert isinstance(got[6].error, ValueError) and "positive" in str(got[6].error)
     assert isinstance(got[7].error, ValueError) and "has no" in str(got[7].error)
-    assert torch.equal(await store.get(b"exists"), payload(1, 4 * KB))  # the refused write changed nothing
+    assert torch.equal(
+        torch.from_numpy(await store.get(b"exists")), payload(1, 4 * KB)
+    )  # the refused write changed nothing
     await engine.close()
 
 
@@ -141,7 +143,7 @@ async def test_pull_into_local_store_and_local_transport(node, make_store):
     await store_b.put(b"hot", payload(7, 64 * KB))
     (pulled,) = await engine.transfer([Transfer(BlockLoc("node-b", b"hot"), BlockLoc("node-a", b"hot"), 64 * KB)])
     assert pulled.ok and pulled.transport == "tcp"
-    assert torch.equal(await local.get(b"hot"), payload(7, 64 * KB))  # replicated here
+    assert torch.equal(torch.from_numpy(await local.get(b"hot")), payload(7, 64 * KB))  # replicated here
     out = torch.empty(64 * KB, dtype=torch.uint8)
     (res,) = await engine.read_blocks("node-a", [b"hot"], [out])
     assert res.ok and res.transport == "local" and torch.equal(out, payload(7, 64 * KB))
@@ -266,7 +268,7 @@ async def test_truncated_frames_and_oversized_writes(node):
     ready, done = await asyncio.to_thread(oversized)
     assert ready[0].status is Status.LENGTH_MISMATCH and "over this node's limit" in ready[0].message
     assert ready[1].status is Status.OK and done[1].status is Status.OK
-    assert bytes((await store.get(b"fine")).numpy()) == b"0123456789"
+    assert bytes(await store.get(b"fine")) == b"0123456789"
     assert not store.contains(b"huge")
     with pytest.raises(ValueError, match="negative"):
         p.encode_read([(b"k", -1)])
@@ -284,9 +286,9 @@ async def test_a_small_write_is_one_round_trip_and_a_refused_item_keeps_the_rest
     assert frames_sent[-1] == (p.Op.WRITE, p.FLAG_EAGER)
     assert results[0].ok and results[2].ok
     assert results[1].error.status is Status.EXISTS
-    assert torch.equal((await store.get(b"e1")).view(-1), srcs[0])
-    assert torch.equal((await store.get(b"e3")).view(-1), srcs[2])
-    assert torch.equal((await store.get(b"taken")).view(-1), payload(9, 3000))  # untouched
+    assert torch.equal(torch.from_numpy(await store.get(b"e1")).view(-1), srcs[0])
+    assert torch.equal(torch.from_numpy(await store.get(b"e3")).view(-1), srcs[2])
+    assert torch.equal(torch.from_numpy(await store.get(b"taken")).view(-1), payload(9, 3000))  # untouched
 
     def by_hand():  # the peer sends nothing before WRITE_DONE
         sock = authenticated_socket(server.address)
@@ -296,7 +298,7 @@ async def test_a_small_write_is_one_round_trip_and_a_refused_item_keeps_the_rest
 
     op, body = await asyncio.to_thread(by_hand)
     assert op == p.Op.WRITE_DONE and p.decode_statuses(body)[0].status is Status.OK
-    assert bytes((await store.get(b"hand")).numpy()) == b"abcd"
+    assert bytes(await store.get(b"hand")) == b"abcd"
     await engine.close()
 
 
@@ -597,7 +599,7 @@ async def test_shm_follows_a_node_agent_that_restarted_with_a_new_pool_at_the_sa
             if wrote.ok:
                 break
         assert wrote.ok and wrote.transport == "shm"
-        assert torch.equal(await store.get(b"b" * 32), payload(2, 8192))  # landed in the live pool
+        assert torch.equal(torch.from_numpy(await store.get(b"b" * 32)), payload(2, 8192))  # landed in the live pool
         dst = torch.zeros(8192, dtype=torch.uint8)
         (read,) = await engine.read_blocks("node-r", [b"b" * 32], [dst])
         assert read.ok and torch.equal(dst, payload(2, 8192))

@@ -125,7 +125,7 @@ async def test_hot_block_is_replicated_while_hot_and_dropped_when_it_cools(condu
 
             await wait_until(heat_and_check, what="a second replica")
             assert b[0].contains(k(7))  # node-b pulled it from node-a over the transfer engine
-            assert (await b[0].get(k(7))).equal(payload(7, 64 * KB))
+            assert np.array_equal(await b[0].get(k(7)), payload(7, 64 * KB).numpy())
             # no more lookups (the index is read directly, which counts no access): the rate decays
             # (half-life 1 s) and one replica is dropped, from its node's store and from the index
             await wait_until(

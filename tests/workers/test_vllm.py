@@ -29,7 +29,8 @@ from tiercake.tiers.pool import remove_pool
 from tiercake.tiers.ssd.log import block_payloads
 from tiercake.traces import synthetic_trace
 from tiercake.transfer import TransferEngine
-from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
+from tiercake.up import NodeCluster, stop_all
+from tiercake.up_vllm import VllmServer, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 

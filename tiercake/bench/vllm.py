@@ -41,7 +41,8 @@ from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
 from tiercake.config import TiercakeConfig
 from tiercake.traces import TraceRecord, read_trace
-from tiercake.up import NodeCluster, VllmServer, stop_all, vllm_worker
+from tiercake.up import NodeCluster, stop_all
+from tiercake.up_vllm import VllmServer, vllm_worker
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 

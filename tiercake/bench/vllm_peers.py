@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from tiercake.conductor.etcd_process import free_port
-from tiercake.up import VllmServer
+from tiercake.up_vllm import VllmServer
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 

@@ -125,7 +125,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 tier.path = args.pool_path
     print_fn = lambda text: console.print(text, soft_wrap=True, markup=False, highlight=False)  # noqa: E731
     if args.engine == "vllm":
-        from tiercake.up import up_vllm
+        from tiercake.up_vllm import up_vllm
 
         if not args.model:
             errors.print("error: --engine vllm needs --model DIR (a Hugging Face model directory)")
@@ -150,6 +150,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     etcd = [e for e in (args.etcd or "").split(",") if e]
     workers = args.workers if args.workers is not None else 0
     prefill, decode = (args.prefill, args.decode) if not workers else (0, 0)
+    if args.engine == "none":
+        prefill = decode = workers = 0
     node_netns = None
     if args.node_netns:
         namespace, _, address = args.node_netns.partition(":")
@@ -168,6 +170,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         etcd,
         print_fn=print_fn,
         control_port=args.control_port,
+        engine=args.engine != "none",
         node_netns=node_netns,
     )
 
@@ -355,6 +358,14 @@ def _up_vllm_flags(upp) -> None:
         choices=["reference", "vllm"],
         default="reference",
         help="reference: tiercake's own workers; vllm: vLLM servers with the TiercakeConnector",
+    )
+    group.add_argument(
+        "--no-engine",
+        dest="engine",
+        action="store_const",
+        const="none",
+        help="the storage side alone (conductor, node agent; no workers): for vLLM servers started by hand, "
+        "told where it is by the files it writes to the data directory (connector.env, kv-transfer-config.json)",
     )
     group.add_argument("--model", metavar="DIR", help="--engine vllm: the Hugging Face model directory")
     group.add_argument(

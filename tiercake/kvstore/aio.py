@@ -31,13 +31,14 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tiercake.blocks import object_id, object_slot
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import ObjectMap
+from tiercake.tiers.buffers import is_tensor, size_of
 from tiercake.tiers.directory import DirectoryReader
 from tiercake.tiers.pool import PoolFormatError, PoolRegion
 from tiercake.transfer import object_wire as w
@@ -81,6 +82,9 @@ from .requests import (
     remove_results,
     writable,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +215,8 @@ class AsyncStore:
         return got
 
     async def get_tensor(self, name: str) -> torch.Tensor:
+        import torch
+
         return torch.from_numpy(await self.get_array(name))
 
     async def get_into(self, name: str, buffer) -> int:
@@ -366,9 +372,9 @@ class AsyncStore:
             if buffer is None:
                 continue
             try:
-                if isinstance(buffer, torch.Tensor) and buffer.device.type != "cpu":
+                if is_tensor(buffer) and buffer.device.type != "cpu":
                     it.device = device_bytes(buffer)
-                    it.out = np.empty(it.device.numel(), dtype=np.uint8)
+                    it.out = np.empty(size_of(it.device), dtype=np.uint8)
                 else:
                     it.out = writable(buffer)
             except InvalidParams as exc:

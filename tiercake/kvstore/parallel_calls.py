@@ -11,14 +11,17 @@ parallelism and a writer partition at once); a read with nothing to answer gives
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .errors import ErrorCode, InvalidParams
-from .parallel import Layout, ShardRead, decode, layout_of, shard_to_write, writer_layout
-from .tensors import TensorHeader, pack_into
 from .types import ReplicateConfig
+
+if TYPE_CHECKING:  # the layout modules need torch: they load at the first tensor call
+    import torch
+
+    from .parallel import Layout, ShardRead
 
 log = logging.getLogger(__name__)
 MAX_ROUNDS = 4  # a read needs at most three (its shard, shard 0, the overlapping ones)
@@ -151,6 +154,8 @@ class ParallelCalls:
         if config is not None and config.group_ids is not None and len(config.group_ids) != count:
             log.warning("kvstore: group_ids has %d entries for %d tensors", len(config.group_ids), count)
             return [int(ErrorCode.INVALID_PARAMS)] * count
+        from .parallel import shard_to_write
+
         names, shards, places, owners = [], [], [], []
         for i, (key, tensor) in enumerate(zip(keys, tensors)):
             if codes[i]:
@@ -180,6 +185,8 @@ class ParallelCalls:
         return self._write_parallel(keys, tensors, parallelisms, config, partitions, upsert=upsert, codes=codes)
 
     def _read_parallel(self, keys, targets) -> list:
+        from .parallel import ShardRead, decode
+
         count = len(keys) if isinstance(keys, (list, tuple)) else 0
         targets = [None] * count if targets is None else list(targets)
         if len(targets) != count:
@@ -207,6 +214,8 @@ class ParallelCalls:
 
 def _write_layout(parallelism, partition) -> tuple[Layout, bool]:
     """The layout a write stores under, and whether its tensor is the whole one (cut the shard)."""
+    from .parallel import layout_of, writer_layout
+
     if partition is not None:
         if parallelism is not None and getattr(parallelism, "axes", None):
             raise InvalidParams("a write takes a parallelism or a writer partition, not both")
@@ -216,6 +225,10 @@ def _write_layout(parallelism, partition) -> tuple[Layout, bool]:
 
 
 def _into(key: str, view: np.ndarray, tensor: torch.Tensor) -> torch.Tensor | None:
+    import torch
+
+    from .tensors import TensorHeader, pack_into
+
     header = TensorHeader(tensor.dtype, tuple(tensor.shape))
     size = header.nbytes + header.data_bytes
     if size > view.size:

@@ -7,10 +7,11 @@ share every rule here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import torch
 
+from tiercake.tiers.buffers import as_bytes, copy_into, host_bytes, is_tensor
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import MAX_ITEMS, Status, TransferError
 
@@ -64,7 +65,7 @@ class Item:
     oid: bytes
     payload: np.ndarray | None = None  # a put's bytes
     out: np.ndarray | None = None  # a get's buffer
-    device: torch.Tensor | None = None  # a get into device memory: received on the host, then copied
+    device: Any = None  # a torch tensor: a get into device memory: received on the host, then copied
     stream: bool = False  # a same-host get whose object is not in the pool: over the stream
 
 
@@ -215,12 +216,10 @@ def name_bytes(name) -> bytes:
 def readable(value) -> np.ndarray:
     """The bytes of a value to put, without a copy where they are host memory."""
     try:
-        if isinstance(value, torch.Tensor):
+        if is_tensor(value):
             if not value.is_contiguous():
                 raise InvalidParams("a tensor to put must be contiguous")
-            flat = value.detach().reshape(-1)
-            flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-            return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+            return host_bytes(value.detach())
         if isinstance(value, np.ndarray):
             if not value.flags.c_contiguous:
                 raise InvalidParams("an array to put must be C-contiguous (np.ascontiguousarray)")
@@ -238,11 +237,10 @@ def readable(value) -> np.ndarray:
 def writable(buffer) -> np.ndarray:
     """A buffer to read into, refusing read-only memory (bytes, a read-only array)."""
     try:
-        if isinstance(buffer, torch.Tensor):
+        if is_tensor(buffer):
             if not buffer.is_contiguous():
                 raise InvalidParams("a tensor to read into must be contiguous")
-            flat = buffer.detach().reshape(-1)
-            return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
+            return as_bytes(buffer.detach())  # a CPU tensor's memory, as an array
         if isinstance(buffer, np.ndarray):
             if not buffer.flags.writeable or not buffer.flags.c_contiguous:
                 raise InvalidParams("an array to read into must be writable and C-contiguous")
@@ -257,11 +255,11 @@ def writable(buffer) -> np.ndarray:
         raise InvalidParams(f"a buffer to read into is a writable buffer, array or tensor: {exc}") from None
 
 
-def device_bytes(buffer: torch.Tensor) -> torch.Tensor:
+def device_bytes(buffer):
+    """A device tensor's bytes, flat (a torch tensor on its device)."""
     if not buffer.is_contiguous():
         raise InvalidParams("a tensor to read into must be contiguous")
-    flat = buffer.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    return as_bytes(buffer.detach())
 
 
 # What a batch's calls give back, in the callers' order ----------------------------------------
@@ -278,6 +276,6 @@ def finish_reads(outcomes: list, items: list[Item], done: dict[int, object]) -> 
     for it in items:
         got = done[it.index]
         if it.device is not None and isinstance(got, np.ndarray):
-            it.device[: got.size].copy_(torch.from_numpy(got))
+            copy_into(it.device[: got.size], got)
         outcomes[it.index] = got
     return outcomes

@@ -11,6 +11,8 @@
 - safetensors files: ``save_tensor_to_safetensor``, ``load_tensor_from_safetensor``.
 
 A missing tensor reads as None (Mooncake's answer); a put that fails answers the negative code.
+The layout modules (``tensors``, ``parallel``) need torch and load at the first tensor call: a
+client of plain objects runs without torch.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import torch
+
+from tiercake.tiers.buffers import is_tensor
 
 from .errors import ErrorCode, InvalidParams, StoreApiError
 from .parallel_calls import ParallelCalls
-from .tensors import TensorHeader, assemble, pack, split, unpack
 from .types import ReadTarget, ReplicateConfig, TensorParallelism
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class TensorCalls(ParallelCalls):
             tensor = self._tensor_of(key, raw)
             if tensor is None:
                 codes.append(_code(raw))
-            elif not isinstance(dst, torch.Tensor) or dst.numel() != tensor.numel() or dst.dtype != tensor.dtype:
+            elif not is_tensor(dst) or dst.numel() != tensor.numel() or dst.dtype != tensor.dtype:
                 log.warning(
                     "kvstore: %r is a %s tensor of %d elements; the destination does not match",
                     key,
@@ -238,6 +240,8 @@ class TensorCalls(ParallelCalls):
     # Plumbing -------------------------------------------------------------------------------------
 
     def _tensor_of(self, key: str, raw):
+        from .tensors import unpack
+
         if not isinstance(raw, np.ndarray):
             return None
         try:
@@ -257,6 +261,8 @@ class TensorCalls(ParallelCalls):
         parts: list | None = None,
         groups: bool = True,
     ) -> list[int]:
+        from .tensors import pack
+
         if len(keys) != len(tensors):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         packed, codes = [], []
@@ -274,6 +280,8 @@ class TensorCalls(ParallelCalls):
     def _put_shards(
         self, keys: list[str], tensors: list, config: ReplicateConfig | None, parts: int, dim: int, *, upsert: bool
     ) -> list[int]:
+        from .tensors import split
+
         if len(keys) != len(tensors):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         if config is not None and config.group_ids is not None and len(config.group_ids) != len(keys):
@@ -296,6 +304,8 @@ class TensorCalls(ParallelCalls):
         return codes
 
     def _put_packed_buffers(self, keys, buffer_ptrs, sizes, *, upsert: bool) -> list[int]:
+        from .tensors import unpack
+
         views, codes = self._memories(keys, buffer_ptrs, sizes)
         for i, view in enumerate(views):
             if view is None:
@@ -309,6 +319,8 @@ class TensorCalls(ParallelCalls):
         return self._put_views(keys, (views, codes), None, upsert=upsert)
 
     def _tensors_in(self, keys, buffer_ptrs, sizes) -> tuple[list, list[int]]:
+        from .tensors import unpack
+
         views, codes = self._memories(keys, buffer_ptrs, sizes)
         tensors = []
         for i, view in enumerate(views):
@@ -327,4 +339,4 @@ def _code(outcome) -> int:
     return int(outcome.code) if isinstance(outcome, StoreApiError) else int(ErrorCode.OBJECT_NOT_FOUND)
 
 
-__all__ = ["ReadTarget", "TensorCalls", "TensorHeader", "TensorParallelism", "assemble", "tp_key"]
+__all__ = ["ReadTarget", "TensorCalls", "TensorParallelism", "tp_key"]

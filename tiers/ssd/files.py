@@ -23,13 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 import zstandard
 
 from ..backend import DiskTierBackend, RecoveredBlock
-from ..buffers import PAGE, aligned_buffer, round_up
+from ..buffers import PAGE, aligned_buffer, copy_into, empty, host_bytes, on_host, round_up, size_of
 from ..errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
 from ..kinds import SsdKind
 from .record import (
@@ -62,7 +62,7 @@ class SsdSlot:
     reserved: int  # bytes counted against capacity: raw size before the write, file size after
     path: Path | None = None
     stored: int = 0  # payload bytes in the file (compressed size when compressed)
-    staging: torch.Tensor | None = field(default=None, repr=False)
+    staging: np.ndarray | None = field(default=None, repr=False)
 
 
 class _ThreadBuffers(threading.local):
@@ -178,10 +178,10 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
     def in_use(self, slot: SsdSlot) -> bool:
         return False
 
-    def staging(self, slot: SsdSlot) -> torch.Tensor:
+    def staging(self, slot: SsdSlot) -> np.ndarray:
         """A host buffer that a two-phase put writes into before ``persist``."""
         if slot.staging is None:
-            slot.staging = torch.empty(slot.nbytes, dtype=torch.uint8)
+            slot.staging = empty(slot.nbytes)
         return slot.staging
 
     # I/O ------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
         slot: SsdSlot,
         key: bytes,
         parent: bytes | None,
-        src: torch.Tensor | None = None,
+        src: Any = None,
         tenant: str = "",
         seal: bytes = b"",
         sync: bool = False,
@@ -219,9 +219,7 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
         self.raw_bytes += slot.nbytes
 
     @staticmethod
-    def _payload(
-        slot, key: bytes, parent: bytes | None, tenant: str, seal: bytes, src: torch.Tensor | None
-    ) -> np.ndarray:
+    def _payload(slot, key: bytes, parent: bytes | None, tenant: str, seal: bytes, src: Any) -> np.ndarray:
         """The bytes a persist writes (``src``, else the slot's staging buffer), as host memory, once the
         names that go in the header are checked against its fields."""
         if len(key) > MAX_KEY or (parent is not None and len(parent) > MAX_KEY):
@@ -233,11 +231,10 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
         data = slot.staging if src is None else src
         if data is None:
             raise PayloadError("nothing to persist: no source and no staging buffer")
-        if data.device.type != "cpu":
-            data = data.cpu()
-        if data.numel() != slot.nbytes:
-            raise PayloadError(f"block is {data.numel()} bytes, slot holds {slot.nbytes}")
-        return data.numpy()
+        data = host_bytes(data)
+        if data.size != slot.nbytes:
+            raise PayloadError(f"block is {data.size} bytes, slot holds {slot.nbytes}")
+        return data
 
     def _encode(self, payload: np.ndarray) -> tuple[np.ndarray, int]:
         if not self.compression:
@@ -323,20 +320,20 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
             raise
         return total, stored.size
 
-    async def read_into(self, slot: SsdSlot, key: bytes, dst: torch.Tensor) -> None:
+    async def read_into(self, slot: SsdSlot, key: bytes, dst: Any) -> None:
         """Fill ``dst`` with the block; CorruptBlockError when any check fails."""
-        if dst.numel() != slot.nbytes:
-            raise PayloadError(f"destination is {dst.numel()} bytes, block is {slot.nbytes}")
+        if size_of(dst) != slot.nbytes:
+            raise PayloadError(f"destination is {size_of(dst)} bytes, block is {slot.nbytes}")
         if slot.path is None:  # still staged: a two-phase put not yet persisted
             raise PayloadError("block is not on disk yet")
-        target = dst if dst.device.type == "cpu" else torch.empty(slot.nbytes, dtype=torch.uint8)
+        target = dst if on_host(dst) else empty(slot.nbytes)
         try:
-            await self._run(self._read_file, slot.path, key, slot.nbytes, target.numpy())
+            await self._run(self._read_file, slot.path, key, slot.nbytes, target)
         except CorruptBlockError:
             self.corrupt_dropped += 1  # the store drops the copy, which deletes the file
             raise
         if target is not dst:
-            dst.copy_(target)
+            copy_into(dst, target)
 
     def _read_file(self, path: Path, key: bytes, nbytes: int, out: np.ndarray) -> None:
         """Read, check and decode a block into ``out``. With direct I/O, an uncompressed block is read

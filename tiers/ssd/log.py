@@ -37,12 +37,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 from ..backend import RecoveredBlock
-from ..buffers import PAGE, aligned_buffer, round_up
+from ..buffers import PAGE, aligned_buffer, copy_into, empty, on_host, round_up, size_of
 from ..errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
 from .files import SsdFilesBackend, _drop_other_layout
 from .record import (
@@ -76,7 +76,7 @@ class LogSlot:
     segment: int | None = None
     offset: int = 0
     stored: int = 0  # payload bytes on disk (compressed size when compressed)
-    staging: torch.Tensor | None = field(default=None, repr=False)
+    staging: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)
@@ -257,7 +257,7 @@ class SsdLogBackend(SsdFilesBackend):
         slot: LogSlot,
         key: bytes,
         parent: bytes | None,
-        src: torch.Tensor | None = None,
+        src: Any = None,
         tenant: str = "",
         seal: bytes = b"",
         sync: bool = False,
@@ -374,14 +374,14 @@ class SsdLogBackend(SsdFilesBackend):
 
     # Reads ----------------------------------------------------------------------------------------
 
-    async def read_into(self, slot: LogSlot, key: bytes, dst: torch.Tensor) -> None:
-        if dst.numel() != slot.nbytes:
-            raise PayloadError(f"destination is {dst.numel()} bytes, block is {slot.nbytes}")
+    async def read_into(self, slot: LogSlot, key: bytes, dst: Any) -> None:
+        if size_of(dst) != slot.nbytes:
+            raise PayloadError(f"destination is {size_of(dst)} bytes, block is {slot.nbytes}")
         if slot.segment is None:
             raise PayloadError("block is not on disk yet")
         segment = self.segments[slot.segment]
-        target = dst if dst.device.type == "cpu" else torch.empty(slot.nbytes, dtype=torch.uint8)
-        out = target.numpy()
+        target = dst if on_host(dst) else empty(slot.nbytes)
+        out = target
         segment.readers += 1
         try:
             if (
@@ -410,7 +410,7 @@ class SsdLogBackend(SsdFilesBackend):
             segment.readers -= 1
             self._close_if_retired(segment)
         if target is not dst:
-            dst.copy_(target)
+            copy_into(dst, target)
 
     def _coalesced(self, read: _Read) -> asyncio.Future:
         """Queue a read of a whole, raw, page-sized record into page-aligned memory. The reads queued in

@@ -1,7 +1,7 @@
 """A vLLM OpenAI server with the TiercakeConnector: how it is started.
 
 ``kv_transfer_config`` is the one place that says how vLLM is told about tiercake; ``serve_command``
-is the exact command line a user would run (the README prints it); ``tiercake.up.VllmServer`` runs it
+is the exact command line a user would run (the README prints it); ``tiercake.up_vllm.VllmServer`` runs it
 for ``tiercake up --engine vllm``, the benchmark and the tests.
 """
 

@@ -449,7 +449,7 @@ class Replicator:
     async def _payload(self, stored: Stored) -> tuple[np.ndarray, int | None]:
         lease = self.table.read_lease(stored)
         if lease is None:
-            return (await self.table.read_disk(stored)).numpy(), None
+            return await self.table.read_disk(stored), None
         return lease.host_array()[stored.offset : stored.offset + stored.size], lease.id
 
 

@@ -261,7 +261,7 @@ class ObjectServer(AnswerNow):
         lease = self.table.read_lease(stored)
         if lease is None:
             try:
-                payload = (await self.table.read_disk(stored)).numpy()
+                payload = await self.table.read_disk(stored)
             except StoreError as exc:  # a corrupt copy: dropped by the store, never served
                 return w.Got(Status.NOT_FOUND, message=str(exc)), None, None
             return w.Got(Status.OK, stored.size, stored.version), payload, None
