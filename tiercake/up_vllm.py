@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tiercake.conductor.front.tenants import SHARED_CACHE_NOTE
@@ -83,11 +84,22 @@ class VllmServer:
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def wait_ready(self, timeout: float = 300, stop: threading.Event | None = None) -> None:
-        """Until its /health answers; RuntimeError (with its log's tail) if it exits first,
-        ``Interrupted`` once ``stop`` is set."""
-        deadline = time.monotonic() + timeout
+    def wait_ready(
+        self,
+        timeout: float = 300,
+        stop: threading.Event | None = None,
+        progress: Callable[[str], None] | None = None,
+        every_s: float = 10.0,
+    ) -> None:
+        """Until its /health answers; ``StartError`` (with its log's last error) if it exits first,
+        ``Interrupted`` once ``stop`` is set. ``progress`` hears a line every ``every_s`` meanwhile
+        (vLLM takes minutes to start on a CPU: a silent terminal looks hung)."""
+        started = time.monotonic()
+        deadline, said = started + timeout, started
         while time.monotonic() < deadline:
+            if progress is not None and time.monotonic() - said >= every_s:
+                said = time.monotonic()
+                progress(f"  waiting for vLLM at {self.url} ({said - started:.0f} s; its log: {self.log_path})")
             if stop is not None and stop.is_set():
                 raise Interrupted()
             if self.proc.poll() is not None:
@@ -153,8 +165,12 @@ def up_vllm(
                 extra=list(vllm_args),
             )
             servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
+        print_fn(
+            f"starting {len(servers)} vLLM server(s) beside the conductor and node agent (a minute or more on "
+            f"a CPU; logs in {data_dir / 'logs'})"
+        )
         for server in servers:
-            server.wait_ready(stop=stop)
+            server.wait_ready(stop=stop, progress=print_fn)
         workers = [
             vllm_worker(cluster, server.url, role, f"vllm-{role}-{i}", stop)
             for i, (server, role) in enumerate(zip(servers, roles))

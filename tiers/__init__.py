@@ -1,7 +1,8 @@
 """Storage tiers (gpu, pool, ssd) and the node-local tiered block store that composes them.
 
-The errors load at once (callers catch them without the store); the tiers, which need torch, load on
-first use, so a process that never touches a tier (the conductor, the command line) starts without it."""
+The errors load at once (callers catch them without the store); the tiers load on first use, so a
+process that never touches a tier (the conductor, the command line) starts without their imports.
+Only the gpu tier (``gpu.py``, ``sequences.py``) needs torch."""
 
 from __future__ import annotations
 

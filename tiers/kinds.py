@@ -1,9 +1,9 @@
 """What the configuration knows of each built-in tier kind, without its implementation.
 
 Loading a config checks every tier against its kind: the speed rank (tiers are listed fastest first)
-and the kind's own rules. The backends need torch; a process that only reads a config (the command
-line, ``tiercake up``, the conductor) must not pay torch's import and exit (about 3 s) for that. So
-each rule lives here, once, and each backend class inherits its kind's: ``GpuBackend(GpuKind, ...)``.
+and the kind's own rules. A process that only reads a config (the command line, ``tiercake up``, the
+conductor) must not pay for a backend's imports (the gpu tier's is torch: about 3 s with its exit)
+for that. So each rule lives here, once, and each backend class inherits its kind's: ``GpuBackend(GpuKind, ...)``.
 A plug-in backend is its own kind (the registry gives its class for both)."""
 
 from __future__ import annotations

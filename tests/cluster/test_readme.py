@@ -176,6 +176,7 @@ def test_under_vllm_as_printed_and_a_killed_vllm_server_answers_the_same_after_i
     _run(commands[0])
     model = commands[0].split()[-1]
     vllm = Server(commands[1], "tiercake is up under vLLM", 900)
+    assert any("waiting for vLLM at" in line for line in vllm.lines)  # never minutes of silence
     try:
         first = _run(commands[2]).splitlines()[0]
         again = _run(commands[3])

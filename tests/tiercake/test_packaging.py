@@ -159,3 +159,102 @@ def test_pip_install_of_the_wheel_alone_serves_a_completion(wheel, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
+
+
+def _venv_without_torch(tmp_path: Path, wheel: Path) -> Path:
+    """A fresh venv with the wheel installed and the suite's dependencies visible through a .pth
+    file, except torch (and what is built on it): there, ``import torch`` fails as on a machine
+    that never installed it. Offline: nothing is downloaded."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+    suite = Path(sysconfig.get_paths()["purelib"])
+    farm = tmp_path / "deps-without-torch"
+    farm.mkdir()
+    built_on_torch = ("torch", "vllm", "triton", "torchvision", "torchaudio", "functorch", "xformers", "lmcache")
+    for entry in suite.iterdir():
+        top = entry.name.split("-")[0].split(".")[0].lower()
+        if top in built_on_torch or entry.name.startswith("__editable__") or entry.suffix == ".pth":
+            continue
+        (farm / entry.name).symlink_to(entry)
+    (site / "suite-deps.pth").write_text(f"{farm}\n")
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert installed.returncode == 0, installed.stderr
+    return venv
+
+
+@pytest.mark.timeout(300)
+def test_the_bare_package_runs_the_storage_side_and_the_key_value_store_without_torch(wheel, tmp_path):
+    """``pip install tiercake`` with no torch anywhere: ``up --help`` answers, ``up`` with workers
+    says in one line that they need torch, and ``up --no-engine`` serves a key-value round trip
+    (conductor, node agent with the pool and SSD tiers, Mooncake's client) and stops clean."""
+    venv = _venv_without_torch(tmp_path, wheel)
+    python, tiercake = str(venv / "bin" / "python"), str(venv / "bin" / "tiercake")
+    no_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
+    helped = subprocess.run([tiercake, "up", "--help"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert helped.returncode == 0 and "--no-engine" in helped.stdout, helped.stderr
+    data = tmp_path / "data"
+    refused = subprocess.run(
+        [tiercake, "up", "--data-dir", str(data), "--port", "0"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "needs torch" in refused.stderr and "--no-engine" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        [tiercake, "up", "--no-engine", "--data-dir", str(data), "--port", "0", "--control-port", "0"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        while not any("Ctrl-C stops everything" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        conductor = next(line for line in lines if "tiercake is up (no engine)" in line).split()[6].rstrip(",")
+        env = dict(line.split("=", 1) for line in (data / "connector.env").read_text().split())
+        roundtrip = subprocess.run(
+            [
+                python,
+                "-c",
+                "import sys; from tiercake.kvstore import MooncakeDistributedStore as S\n"
+                "s = S(); assert s.setup(sys.argv[1]) == 0\n"
+                "assert s.put('k', b'no torch here') == 0 and s.get('k') == b'no torch here'\n"
+                "assert s.remove('k', force=True) == 0; s.close()\n"
+                "assert 'torch' not in sys.modules; print('ok')",
+                conductor,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+            env={**os.environ, **env},
+        )
+        assert roundtrip.returncode == 0 and roundtrip.stdout.strip() == "ok", roundtrip.stderr[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+    assert set(os.listdir("/dev/shm")) - before == set()

@@ -116,4 +116,20 @@ def run() -> int:
 
     code = main()
     gc.freeze()
+    _quiet_exit()
     return code
+
+
+def _quiet_exit() -> None:
+    """Nothing after the command's own last line: triton's extension (loaded with vLLM, transformers
+    or torch's compiler) reports nanobind's "leaked" objects on stderr at interpreter shutdown, about
+    30 lines that say nothing about tiercake. As triton does for its own workers, stderr goes to
+    /dev/null once the command has finished and flushed what it had to say."""
+    import os
+
+    if "triton" not in sys.modules:
+        return
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
