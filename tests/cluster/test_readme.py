@@ -23,12 +23,22 @@ ANSWER = re.compile(r"cached prompt tokens (\d+)/(\d+)")
 
 
 def _section(title: str) -> str:
-    """The text of the README's section (any level) whose title starts with ``title``."""
-    start = re.search(rf"^#+ {re.escape(title)}.*$", README, re.M)
-    assert start, title
-    rest = README[start.end() :]
-    end = re.search(r"^#+ ", rest, re.M)
-    return rest[: end.start()] if end else rest
+    """The text of the README's section (any level) whose title starts with ``title``, up to the next
+    heading (a ``#`` line inside a code block is a shell comment, not a heading)."""
+    lines, inside, fenced = [], False, False
+    for line in README.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = not fenced and re.match(r"#+ ", line)
+        if heading and inside:
+            break
+        if heading and line.lstrip("#").strip().startswith(title):
+            inside = True
+            continue
+        if inside:
+            lines.append(line)
+    assert inside, title
+    return "\n".join(lines) + "\n"
 
 
 def _python(title: str) -> str:
@@ -148,7 +158,7 @@ def test_the_quick_start_and_the_python_and_key_value_examples_against_make_run(
         cached, prompt = map(int, ANSWER.search(_run(commands[2])).groups())
         assert 0 < cached <= prompt
         (REPO / ".tiercake" / "client-example.py").write_text(_python("The two commands"))
-        assert "prompt_tokens_details" in _run(".venv/bin/python .tiercake/client-example.py")
+        assert "cached_tokens" in _run(".venv/bin/python .tiercake/client-example.py")
         (export,) = _commands("Key-value store")
         (REPO / ".tiercake" / "kv-example.py").write_text(_python("Key-value store"))
         _run(f"{export} && .venv/bin/python .tiercake/kv-example.py")
