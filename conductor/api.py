@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel
 
 from tiercake.config import TiercakeConfig, reachable_host
-from tiercake.errors import ApiError, app_runner, body_reader, error_middleware, require_bearer
+from tiercake.credentials import TENANT_READS, tenant_of_token
+from tiercake.errors import ApiError, app_runner, bearer, body_reader, error_middleware, require_bearer
 from tiercake.messages import (
     CONTROL_API,
     BeginReply,
@@ -163,9 +164,10 @@ class _Metrics:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
 
-def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metrics):
-    """Bearer tokens on every path but the probes (and the OpenAI API's, which take API keys), and the
-    conductor's own errors in the one format."""
+def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metrics, cluster_secret: bytes | None):
+    """Bearer tokens on every path but the probes (and the OpenAI API's, which take API keys), a
+    tenant's token on what its key-value store client reads (``tiercake.credentials``; with the
+    cluster secret to check it by), and the conductor's own errors in the one format."""
 
     @web.middleware
     async def auth(request: web.Request, handler):
@@ -175,6 +177,11 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
             and path not in PROBE_PATHS
             and path not in open_paths
             and not any(p.endswith("/") and path.startswith(p) for p in open_paths)
+            and not (
+                cluster_secret is not None
+                and (request.method, path) in TENANT_READS
+                and tenant_of_token(bearer(request), cluster_secret) is not None
+            )
         ):
             require_bearer(request, tokens)
         resource = request.match_info.route.resource
@@ -419,17 +426,19 @@ def build_app(
     frontend=None,
     with_public: bool = True,
     metrics_open: bool = True,
+    cluster_secret: bytes | None = None,
 ) -> web.Application:
     """The control API; with ``frontend`` (a ``Frontend``), its operator endpoints and, unless
     ``with_public`` is False (the public API has its own port), the OpenAI-compatible API beside it.
-    ``metrics_open``: /metrics without a token (for scrapers)."""
+    ``metrics_open``: /metrics without a token (for scrapers); ``cluster_secret``: what tenants'
+    tokens are checked by (None: none is taken)."""
     metrics = _Metrics(conductor)
     if frontend is not None:
         frontend.bind_metrics(metrics.registry)
     open_paths = (OPEN_PATHS if frontend is not None and with_public else ()) + (("/metrics",) if metrics_open else ())
     keys = [frontend.openai.key_first] if frontend is not None and with_public else []
     app = web.Application(
-        middlewares=[error_middleware, _auth(tokens, open_paths, metrics), *keys, body_reader()],
+        middlewares=[error_middleware, _auth(tokens, open_paths, metrics, cluster_secret), *keys, body_reader()],
         client_max_size=MAX_BODY,
     )
     app.add_routes(
@@ -509,7 +518,12 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
         sites = [
             (
                 build_app(
-                    conductor, tokens, frontend, with_public=public_sock is None, metrics_open=config.metrics_open
+                    conductor,
+                    tokens,
+                    frontend,
+                    with_public=public_sock is None,
+                    metrics_open=config.metrics_open,
+                    cluster_secret=_cluster_secret(full),
                 ),
                 sock,
             )
@@ -544,6 +558,14 @@ def _public_socket(full: TiercakeConfig):
     if public_port is None or (public_port == config.port != 0 and (full.serving.host or config.host) == config.host):
         return None
     return _bind(full.serving.host or config.host, public_port)
+
+
+def _cluster_secret(full: TiercakeConfig) -> bytes | None:
+    """The cluster secret, where this conductor was given it (tenants' tokens are checked by it)."""
+    try:
+        return full.transfer.secret()
+    except (ValueError, OSError):
+        return None
 
 
 def _conductor(full: TiercakeConfig, meta, conductor_id: str | None, url: str, tokens) -> Conductor:

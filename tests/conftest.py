@@ -18,6 +18,10 @@ from tiercake.tiers.pool import remove_pool
 
 pytest_plugins = ["process_guard", "shm_guard"]
 
+# The node agents the tests start prove this to each other (a node agent of a cluster refuses to start
+# without a node secret); clients never use it. Tests of what happens without one take it away.
+os.environ.setdefault("TIERCAKE_NODE_SECRET", "the-suite-node-secret-" + uuid.uuid4().hex)
+
 
 def pytest_configure(config):
     import process_guard

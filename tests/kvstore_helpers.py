@@ -40,7 +40,9 @@ class KvCluster:
         replicas_max: int = 3,
         pool_extra: str = "",
         start: bool = True,
+        metrics: bool = False,
     ) -> None:
+        """``metrics``: each node agent serves /metrics (its URL in ``announced[name]``)."""
         self.tmp = tmp
         self.group = Processes()
         self.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
@@ -62,6 +64,8 @@ class KvCluster:
         self.urls = [url for _, url in self.conductors]
         self.url = self.urls[0]
         self.nodes: dict = {}
+        self.metrics = metrics
+        self.announced: dict[str, dict] = {}
         for name in nodes if start else ():
             self.start_node(name)
 
@@ -93,14 +97,27 @@ class KvCluster:
                 f"    - {{kind: pool, capacity: {self.pool}, path: {pool}{self.pool_extra}}}\n{ssd}"
                 f"conductor: {{urls: {json.dumps(self.urls)}, member_ttl: 1}}\n"
                 f"objects: {self.objects}\n"
-                "transfer: {host: 127.0.0.1}\n"
+                "transfer: {host: 127.0.0.1" + (", metrics_port: 0" if self.metrics else "") + "}\n"
             )
         return path
 
     def start_node(self, name: str):
-        proc, _ = self.group.start(["node", "--config", str(self.config(name))], self.env)
+        proc, self.announced[name] = self.group.start(["node", "--config", str(self.config(name))], self.env)
         self.nodes[name] = proc
         return proc
+
+    def metric(self, name: str, family: str) -> float:
+        """One counter of a node agent's /metrics (``metrics=True``)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.announced[name]["metrics_url"], timeout=10) as resp:
+            text = resp.read().decode()
+        for parsed in text_string_to_metric_families(text):
+            if parsed.name == family:
+                return sum(sample.value for sample in parsed.samples if sample.name.endswith("_total"))
+        raise KeyError(family)
 
     def kill(self, name: str) -> None:
         proc = self.nodes.pop(name)

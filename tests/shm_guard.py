@@ -1,6 +1,8 @@
 """Nothing the suite starts may leave a file in /dev/shm: what /dev/shm holds at the session's end
-that it did not hold at its start fails the run (once every test, on every xdist worker, is done),
-and is named and removed so that the next run starts clean."""
+that it did not hold at its start, and that no live process has open or mapped, fails the run (once
+every test, on every xdist worker, is done), and is named and removed so that the next run starts
+clean. A file some process still uses is not a leftover of this suite's: another suite's, or a
+service's (two suites on one machine must not remove each other's pools)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _controller(session.config) or session.config.option.collectonly:
         return
-    left = sorted(set(os.listdir(SHM)) - _before)
+    from tiercake.up_state import inodes_in_use
+
+    new = set(os.listdir(SHM)) - _before
+    used = inodes_in_use(SHM) if new else set()
+    left = sorted(n for n in new if _inode(SHM / n) not in used)
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -34,3 +40,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for name in left:
         (SHM / name).unlink(missing_ok=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None

@@ -182,6 +182,14 @@ class TransferConfig(BaseModel):
         "to workers only; when unset it is derived from the cluster secret, and then anyone "
         "holding that (node agents, key-value store clients) could forge a block",
     )
+    node_secret_file: str | None = Field(default=None, description="file holding the node secret")
+    node_secret_env: str = Field(
+        default="TIERCAKE_NODE_SECRET",
+        description="environment variable with the node secret: what "
+        "node agents prove to each other for a slot's replication, its copies and handoffs. Give it to "
+        "node agents only (never to clients, workers or vLLM): a node agent in a cluster refuses to "
+        "start without it",
+    )
     transports: list[str] = Field(
         default_factory=lambda: ["local", "shm", "tcp"],
         description="transports in order of preference: local, shm, tcp, ucx, plug-ins "
@@ -235,6 +243,22 @@ class TransferConfig(BaseModel):
             raise ValueError(f"no cluster secret: set ${self.secret_env} or transfer.secret_file")
         if len(value) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
+        return value
+
+    def node_secret(self) -> bytes | None:
+        """The node secret from the environment or its file (None: unset); at least 16 bytes, and not
+        the cluster secret (which clients hold)."""
+        import os
+
+        value: bytes | None = os.environ.get(self.node_secret_env, "").encode() or None
+        if value is None and self.node_secret_file:
+            value = Path(self.node_secret_file).read_bytes().strip()
+        if value is None:
+            return None
+        if len(value) < 16:
+            raise ValueError("the node secret must be at least 16 bytes")
+        if value == self.secret():
+            raise ValueError("the node secret must not be the cluster secret: clients hold that one")
         return value
 
     def seal_material(self) -> bytes:

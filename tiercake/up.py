@@ -293,6 +293,8 @@ def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> 
         write_private(data_dir / "cluster-secret", env[config.transfer.secret_env])
     if not env.get(config.transfer.seal_secret_env) and not config.transfer.seal_secret_file:
         env[config.transfer.seal_secret_env] = secrets.token_hex(24)
+    if not env.get(config.transfer.node_secret_env) and not config.transfer.node_secret_file:
+        env[config.transfer.node_secret_env] = secrets.token_hex(24)  # the node agents' own: never written out
     conductor = config.conductor
     if conductor.insecure:
         return None
@@ -307,10 +309,16 @@ def credentials(config: TiercakeConfig, data_dir: Path, env: dict[str, str]) -> 
     return str(path)
 
 
-def without_seal_secret(config: TiercakeConfig, env: dict[str, str]) -> dict[str, str]:
-    """``env`` for a process that writes no KV (a conductor, a node agent): without the seal secret,
-    it could not forge a block that a worker would use, even if it were taken over."""
-    return {k: v for k, v in env.items() if k != config.transfer.seal_secret_env}
+def env_for(role: str, config: TiercakeConfig, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a process of ``role`` with only the secrets its job needs, so that one taken over
+    gives away no more: the seal secret only to what writes and reads KV (workers, vLLM), the node
+    secret only to node agents (the replication plane), neither to the conductor."""
+    drop = {
+        "node": {config.transfer.seal_secret_env},
+        "conductor": {config.transfer.seal_secret_env, config.transfer.node_secret_env},
+        "worker": {config.transfer.node_secret_env},
+    }[role]
+    return {k: v for k, v in env.items() if k not in drop}
 
 
 class NodeCluster:
@@ -329,7 +337,9 @@ class NodeCluster:
     ) -> None:
         """``port``: the control API's; ``serving_port``: the front's (None: no front, the engines serve
         the OpenAI API themselves); ``stop``: set, it ends the waits for the processes to start."""
-        self.root, self.env, self.logs, self.stop_event = root, env, root / "logs", stop
+        self.root, self.env, self.logs, self.stop_event = root, dict(env), root / "logs", stop
+        if not self.env.get(config.transfer.node_secret_env) and not config.transfer.node_secret_file:
+            self.env[config.transfer.node_secret_env] = secrets.token_hex(24)  # its node agent's own
         root.mkdir(parents=True, exist_ok=True)
         cfg = supervised(config)
         cfg.conductor.port = port
@@ -338,7 +348,7 @@ class NodeCluster:
         self.conductor = Child(
             "conductor",
             ["conductor", "--config", str(root / "up-conductor.yaml"), "--id", "conductor-0"],
-            without_seal_secret(config, env),
+            env_for("conductor", config, env),
             self.logs,
         )
         try:
@@ -357,7 +367,7 @@ class NodeCluster:
         node = Child(
             "node",
             ["node", "--config", str(self.root / "up-node.yaml")],
-            without_seal_secret(self.config, self.env),
+            env_for("node", self.config, self.env),
             self.logs,
         )
         node.wait_announce(120, self.stop_event)
@@ -461,7 +471,7 @@ def _start_conductor(
     path = data_dir / "up-conductor.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     argv = ["conductor", "--config", str(path), "--id", "conductor-0"]
-    conductor = Child("conductor", argv, without_seal_secret(cfg, env), data_dir / "logs")
+    conductor = Child("conductor", argv, env_for("conductor", cfg, env), data_dir / "logs")
     children.append(conductor)
     announced = conductor.wait_announce(60, stop)
     return announced["url"], announced.get("api_url", announced["url"])
@@ -480,12 +490,12 @@ def _node_child(
         agent_cfg.write_text(yaml.safe_dump(inside.model_dump(mode="json")))
         prefix = ["ip", "netns", "exec", namespace]
     argv = ["node", "--config", str(agent_cfg)]
-    return Child("node", argv, without_seal_secret(cfg, env), logs, prefix=prefix, spare=True)
+    return Child("node", argv, env_for("node", cfg, env), logs, prefix=prefix, spare=True)
 
 
 def _worker_child(cfg: TiercakeConfig, node_cfg: Path, name: str, role: str, data_dir: Path, env: dict) -> Child:
     argv = ["worker", "--config", str(node_cfg), "--role", role, "--id", f"{cfg.node_id}-{name}"]
-    return Child(name, [*argv, "--data-dir", str(data_dir)], env, data_dir / "logs")
+    return Child(name, [*argv, "--data-dir", str(data_dir)], env_for("worker", cfg, env), data_dir / "logs")
 
 
 def supervised(config: TiercakeConfig) -> TiercakeConfig:

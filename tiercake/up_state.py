@@ -105,7 +105,7 @@ class ShmLeftovers:
         new = self._names() - self.before - set(keep)
         if not new:
             return []
-        used = _inodes_in_use(self.shm)
+        used = inodes_in_use(self.shm)
         removed = []
         for name in sorted(new):
             path = self.shm / name
@@ -116,7 +116,7 @@ class ShmLeftovers:
         return removed
 
 
-def _inodes_in_use(shm: Path) -> set[int]:
+def inodes_in_use(shm: Path) -> set[int]:
     """The inodes of files under ``shm`` that some process has open or mapped, by inode, not name: a
     POSIX semaphore is mapped under the temporary name it was made as, then linked to its own."""
     device = shm.stat().st_dev

@@ -24,6 +24,7 @@ from .up import (
     StartError,
     Supervisor,
     credentials,
+    env_for,
     give_back,
     last_error,
     on_stop_signals,
@@ -57,7 +58,7 @@ def vllm_worker(
             "--id",
             name,
         ],
-        cluster.env,
+        env_for("worker", cluster.config, cluster.env),
         cluster.logs,
     )
     try:
@@ -164,7 +165,9 @@ def up_vllm(
                 kv_events=(free_port(), free_port()),
                 extra=list(vllm_args),
             )
-            servers.append(VllmServer(command, env, data_dir / "logs" / f"vllm-{i}.log", vllm_port))
+            servers.append(
+                VllmServer(command, env_for("worker", cfg, env), data_dir / "logs" / f"vllm-{i}.log", vllm_port)
+            )
         print_fn(
             f"starting {len(servers)} vLLM server(s) beside the conductor and node agent (a minute or more on "
             f"a CPU; logs in {data_dir / 'logs'})"

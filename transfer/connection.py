@@ -77,7 +77,7 @@ class PeerConnection:
     def __init__(
         self,
         address: PeerAddress,
-        secret: bytes,
+        secret: bytes | p.Credential,
         node_id: str,
         buffer_bytes: int | None = None,
         tls: ssl.SSLContext | None = None,
@@ -128,14 +128,15 @@ class PeerConnection:
         self.version = p.session_version(nonce, self.address.node_id, self.needs)
         p.speak(self.sock, self.version)
         mine = os.urandom(p.NONCE_BYTES)
-        claim = p.proof(self.secret, b"client", bytes(nonce), mine)
+        cred = p.credential(self.secret)
+        claim = p.proof(cred.key, cred.role(self.node_id), bytes(nonce), mine)
         await send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
         try:
             _, _, _, body = await recv_frame(self.sock, expect=[Op.WELCOME], max_body=p.WELCOME_BODY)
         except (p.ProtocolError, p.PeerClosedError) as exc:
             raise p.AuthenticationError(f"{self.address.node_id} refused us: {exc}") from exc
-        if not p.verify(self.secret, b"server", mine, bytes(nonce), bytes(body[:32])):
-            raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the cluster secret")
+        if not p.verify(cred.key, cred.server_role, mine, bytes(nonce), bytes(body[:32])):
+            raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the {cred.kind} secret")
         self.info = p.PeerInfo.model_validate_json(bytes(body[32:]))
 
     def close(self) -> None:
@@ -315,7 +316,7 @@ class PeerChannel:
     def __init__(
         self,
         address: PeerAddress,
-        secret: bytes,
+        secret: bytes | p.Credential,
         node_id: str,
         streams: int = 2,
         buffer_bytes: int | None = None,
@@ -407,7 +408,7 @@ class Channels:
     def __init__(
         self,
         node_id: str,
-        secret: bytes,
+        secret: bytes | p.Credential,
         resolve: Callable,
         *,
         streams: int = 2,
@@ -463,7 +464,7 @@ class BlockingConnection:
     def __init__(
         self,
         address: PeerAddress,
-        secret: bytes,
+        secret: bytes | p.Credential,
         node_id: str,
         tls: ssl.SSLContext | None = None,
         connect_timeout: float = 5.0,
@@ -527,14 +528,15 @@ class BlockingConnection:
         self.version = p.session_version(nonce, self.address.node_id, self.needs)
         p.speak(self.sock, self.version)
         mine = os.urandom(p.NONCE_BYTES)
-        claim = p.proof(self.secret, b"client", bytes(nonce), mine)
+        cred = p.credential(self.secret)
+        claim = p.proof(cred.key, cred.role(self.node_id), bytes(nonce), mine)
         _send_frame(self.sock, Op.AUTH, 0, mine + claim + self.node_id.encode())
         try:
             _, _, _, body = _recv_frame(self.sock, [Op.WELCOME], p.WELCOME_BODY)
         except (p.ProtocolError, p.PeerClosedError) as exc:
             raise p.AuthenticationError(f"{self.address.node_id} refused us: {exc}") from exc
-        if not p.verify(self.secret, b"server", mine, bytes(nonce), bytes(body[:32])):
-            raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the cluster secret")
+        if not p.verify(cred.key, cred.server_role, mine, bytes(nonce), bytes(body[:32])):
+            raise p.AuthenticationError(f"{self.address.node_id} could not prove it knows the {cred.kind} secret")
         self.info = p.PeerInfo.model_validate_json(bytes(body[32:]))
 
     def exchange(

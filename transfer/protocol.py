@@ -5,11 +5,17 @@ body. Batches travel as one table of fixed-size entries (plus variable keys and 
 by the bulk data of every accepted item back to back, so a batch of 64 blocks is a handful of
 ``sendmsg``/``recvmsg_into`` calls that scatter straight into the destination buffers.
 
-Connection start (mutual HMAC-SHA256 over fresh nonces; the secret never crosses the wire):
+Connection start (mutual HMAC-SHA256 over fresh nonces; no secret crosses the wire):
 
     server -> HELLO   {nonce_s}
-    client -> AUTH    {nonce_c, HMAC(secret, "client" | nonce_s | nonce_c), client node}
-    server -> WELCOME {HMAC(secret, "server" | nonce_c | nonce_s), PeerInfo JSON}   or ERROR + close
+    client -> AUTH    {nonce_c, HMAC(key, role | nonce_s | nonce_c), name}
+    server -> WELCOME {HMAC(key, server role | nonce_c | nonce_s), PeerInfo JSON}   or ERROR + close
+
+Three credentials (``Credential``), one plane each, told apart by the role the proof is made under:
+the cluster secret ("client": workers, vLLM, the cluster's own tools: every block and object), the
+node secret ("node:<name>": node agents to each other, never given to clients; the only way in for
+a slot's replication), and a tenant key ("tenant:<name>", derived from the cluster secret for one
+tenant: that tenant's objects and nothing else). A server proves back with the key the client used.
 
 Versions, N and N-1 (``OLDEST``..``VERSION``): the server frames its HELLO at ``OLDEST`` and ends
 ``nonce_s`` with a byte naming its own version (a version-3 server sends a bare 32-byte nonce; every
@@ -146,6 +152,8 @@ class Status(enum.IntEnum):
     TOO_SMALL = 14  # the reader's buffer cannot hold the object
     INVALID = 15  # a request's parameters make no sense (an empty name, a replica count of 0)
     REPLICA_FAILED = 16  # the slot's backups could not take a replicated write: not stored
+    FORBIDDEN = 17  # the connection's credential does not reach this (another tenant's object)
+    AWAY = 18  # the object may be on a node that is away (persisted there): unavailable, not absent
 
 
 class TransferError(Exception):
@@ -157,6 +165,13 @@ class TransferError(Exception):
         super().__init__(message)
         if status is not None:
             self.status = status
+
+
+class Forbidden(TransferError):
+    """The peer's credential does not reach what it asked for (a tenant's key for another tenant's
+    objects or for blocks; a replication from a peer that is not the slot's primary node)."""
+
+    status = Status.FORBIDDEN
 
 
 class ProtocolError(TransferError):
@@ -538,6 +553,41 @@ def session_version(hello: bytes | bytearray, peer: str, needs: int = OLDEST) ->
             f"{peer} speaks transfer protocol {theirs}, which has no object operations (since {needs}): upgrade it"
         )
     return version
+
+
+CLUSTER, NODE, TENANT = "cluster", "node", "tenant"
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """What a connection proves at its handshake: ``key`` under the role of its ``kind`` (module
+    docstring). The cluster secret's is ``Credential(secret)``."""
+
+    key: bytes
+    kind: Literal["cluster", "node", "tenant"] = CLUSTER
+
+    def role(self, name: str) -> bytes:
+        return b"client" if self.kind == CLUSTER else f"{self.kind}:{name}".encode()
+
+    @property
+    def server_role(self) -> bytes:
+        return b"server" if self.kind == CLUSTER else f"server:{self.kind}".encode()
+
+
+def credential(secret: bytes | Credential) -> Credential:
+    """A cluster secret as the credential it is; a credential as itself."""
+    return secret if isinstance(secret, Credential) else Credential(secret)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIdentity:
+    """Who the server's peer proved to be: its credential's kind and the name it proved it under."""
+
+    kind: Literal["cluster", "node", "tenant"]
+    name: str
+
+    def __str__(self) -> str:
+        return self.name if self.kind == CLUSTER else f"{self.kind} {self.name}"
 
 
 def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import xxhash
 
+from tiercake.credentials import tenant_key
 from tiercake.policies import SessionEvent, SessionState
 from tiercake.tiers import (
     ObjectExistsError,
@@ -70,6 +71,13 @@ def status_of(exc: BaseException) -> Status:
     return Status.INTERNAL
 
 
+# what a tenant's key may ask: its objects (each item's tenant is checked by the object server)
+TENANT_OPS = frozenset({Op.OBJ_PUT, Op.OBJ_GET, Op.OBJ_QUERY, Op.OBJ_REMOVE})
+# a tenant's client is not told where the node's pool and directory are: reading them in place would
+# show every tenant's bytes (the files are the node agent's anyway)
+TENANT_HIDES = {"pool_path": None, "pool_size": 0, "pool_id": None, "objects_path": None}
+
+
 class TransferServer:
     def __init__(
         self,
@@ -86,15 +94,20 @@ class TransferServer:
         tls: ssl.SSLContext | None = None,
         stall_timeout: float = STALL_TIMEOUT,
         objects=None,
+        node_secret: bytes | None = None,
     ) -> None:
         """``tls``: a server context (``transfer_tls_server``): the port speaks TLS only, before the
         cluster secret's challenge; UCX is then not served (its bytes would bypass TLS). ``objects``:
         what answers the key-value store's object operations (``workers.node.objects.ObjectServer``: its
-        ``ops`` and ``handle``); None: they are refused."""
+        ``ops`` and ``handle``); None: they are refused. ``node_secret``: what other node agents prove
+        (the replication plane); None: no peer is a node here."""
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
+        if node_secret is not None and (len(node_secret) < 16 or node_secret == secret):
+            raise ValueError("the node secret is at least 16 bytes, and not the cluster secret (clients hold that)")
         self.store = store
         self.secret = secret
+        self.node_secret = node_secret
         self.node_id = node_id
         self.host = host
         self.port = port
@@ -115,6 +128,7 @@ class TransferServer:
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
         self.refused = 0  # connections that failed authentication
+        self.forbidden = 0  # requests beyond their credential (a tenant's key asking for blocks)
         self.stalled = 0  # connections dropped because a request's bytes stopped moving
         self._moving: dict[asyncio.Task, float] = {}  # connection task -> deadline of the bytes it moves
         self._watchdog_task: asyncio.Task | None = None
@@ -209,38 +223,54 @@ class TransferServer:
         finally:
             conn.close()
 
-    async def _handshake(self, conn: socket.socket) -> str:
+    async def _handshake(self, conn: socket.socket) -> p.PeerIdentity:
         nonce = p.hello_nonce()
         await send_frame(conn, Op.HELLO, 0, nonce, version=p.OLDEST)  # any version we speak can read it
         version, _, _, _, body = await recv_versioned(conn, expect=[Op.AUTH], max_body=p.HANDSHAKE_BODY)
         if len(body) < p.NONCE_BYTES + 32:
             raise p.AuthenticationError("short AUTH frame")
-        client_nonce, claimed, peer = (
+        client_nonce, claimed, name = (
             bytes(body[: p.NONCE_BYTES]),
             bytes(body[p.NONCE_BYTES : p.NONCE_BYTES + 32]),
-            bytes(body[p.NONCE_BYTES + 32 :]),
+            bytes(body[p.NONCE_BYTES + 32 :]).decode(errors="replace"),
         )
-        if not p.verify(self.secret, b"client", nonce, client_nonce, claimed):
-            raise p.AuthenticationError("wrong proof of the cluster secret")
-        server_proof = p.proof(self.secret, b"server", client_nonce, nonce)
+        used = next(
+            (c for c in self._credentials(name) if p.verify(c.key, c.role(name), nonce, client_nonce, claimed)), None
+        )
+        if used is None:
+            raise p.AuthenticationError("wrong proof of the cluster secret (or of a node or tenant key)")
+        server_proof = p.proof(used.key, used.server_role, client_nonce, nonce)
         p.speak(conn, version)  # the client's choice: ours, or an older one it speaks
-        await send_frame(conn, Op.WELCOME, 0, server_proof + self.info().encode_for(version))
-        return peer.decode(errors="replace")
+        info = self.info() if used.kind != p.TENANT else self.info().model_copy(update=TENANT_HIDES)
+        await send_frame(conn, Op.WELCOME, 0, server_proof + info.encode_for(version))
+        return p.PeerIdentity(used.kind, name)
 
-    async def _requests(self, conn: socket.socket, peer: str) -> None:
+    def _credentials(self, name: str) -> list[p.Credential]:
+        """What a peer calling itself ``name`` may have proved: the cluster secret, the node secret, its
+        tenant's key."""
+        known = [p.Credential(self.secret)]
+        if self.node_secret is not None:
+            known.append(p.Credential(self.node_secret, p.NODE))
+        if name:
+            known.append(p.Credential(tenant_key(self.secret, name), p.TENANT))
+        return known
+
+    async def _requests(self, conn: socket.socket, peer: p.PeerIdentity) -> None:
         session = Session(conn, self._side, self._paths)
         try:
             await self._serve_requests(session, peer)
         finally:
             await session.close()
 
-    async def _serve_requests(self, session: Session, peer: str) -> None:
+    async def _serve_requests(self, session: Session, peer: p.PeerIdentity) -> None:
         conn = session.conn
         inbox = None
         if self.objects is not None and not isinstance(conn, ssl.SSLSocket):
 
             def fast(op: Op, flags: int, request: int, body: bytearray):
-                return op in self.objects.ops and self.objects.fast(conn, op, flags, request, body, self._deadline)
+                return op in self.objects.ops and self.objects.fast(
+                    conn, peer, op, flags, request, body, self._deadline
+                )
 
             inbox = Inbox(conn, fast)  # small object requests answered by the reader callback
         while True:
@@ -261,6 +291,8 @@ class TransferServer:
                     await send_frame(conn, Op.ERROR, 0, str(exc).encode())
                 return
             try:
+                if op is not None and peer.kind == p.TENANT and op not in TENANT_OPS:
+                    raise p.Forbidden(f"{peer}'s key reaches its objects only, not {op.name}")
                 if op is None:
                     await got()
                 elif op is Op.READ:
@@ -276,14 +308,16 @@ class TransferServer:
                 elif op in session.ops:
                     await session.ops[op].handle(op, flags, request, body)
                 elif self.objects is not None and op in self.objects.ops:
-                    await self.objects.handle(conn, op, flags, request, body, self._deadline)
+                    await self.objects.handle(conn, peer, op, flags, request, body, self._deadline)
                 else:
                     raise p.ProtocolError(f"{op.name} is not a request")
             except p.PeerClosedError as exc:
                 log.info("transfer server %s: %s left mid-request: %s", self.node_id, peer, exc)
                 return
-            except p.ProtocolError as exc:
-                log.warning("transfer server %s: bad request from %s: %s", self.node_id, peer, exc)
+            except (p.ProtocolError, p.Forbidden) as exc:
+                if isinstance(exc, p.Forbidden):
+                    self.forbidden += 1
+                log.warning("transfer server %s: refused a request from %s: %s", self.node_id, peer, exc)
                 with contextlib.suppress(OSError, p.TransferError):
                     await send_frame(conn, Op.ERROR, request, str(exc).encode())
                 return

@@ -20,6 +20,7 @@ import ssl
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from .protocol import FRAME, MAGIC, MAX_BODY, Op, PeerClosedError, ProtocolError, spoken, version_of
 
@@ -273,3 +274,20 @@ async def recv_versioned(
     if op is Op.ERROR:
         raise ProtocolError(f"peer refused: {body.decode(errors='replace')}")
     return version, op, flags, request, body
+
+
+async def receive_or_discard(conn, items: list[tuple[Any, int]]) -> None:
+    """Each item's bytes, in order: into its target, or read and dropped (an item refused: the
+    stream stays in step)."""
+    run: list = []
+    for target, n in items:
+        if target is not None:
+            run.append(target)
+            continue
+        if run:
+            await recv_into_all(conn, run)
+            run = []
+        if n:
+            await discard(conn, n)
+    if run:
+        await recv_into_all(conn, run)

@@ -10,6 +10,7 @@ BASE = {
     "tiercake",
     "tiercake.blocks",
     "tiercake.config",
+    "tiercake.credentials",
     "tiercake.errors",
     "tiercake.messages",
     "tiercake.metrics",

@@ -95,7 +95,12 @@ class Peer:
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "TIERCAKE_SECRET": self.secret.decode(), **({"TIERCAKE_TOKEN": token} if token else {})},
+            env={
+                **os.environ,
+                "TIERCAKE_SECRET": self.secret.decode(),
+                "TIERCAKE_NODE_SECRET": secrets.token_hex(24),  # its node agent's, for the replication plane
+                **({"TIERCAKE_TOKEN": token} if token else {}),
+            },
         )
         assert self.proc.stdout is not None and self.proc.stdin is not None  # both piped above
         line = self.proc.stdout.readline()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -83,6 +84,7 @@ class UpgradedNode:
 
     def _start(self, runner: list[str]) -> subprocess.Popen:
         env = {**os.environ, "TIERCAKE_SECRET": self.secret, "TIERCAKE_TOKEN": self.token}
+        env.setdefault("TIERCAKE_NODE_SECRET", secrets.token_hex(24))  # a node agent of a cluster needs one
         with open(self.root / "upgraded-node.log", "ab") as log:
             proc = subprocess.Popen(
                 [*runner, "node", "--config", str(self.config())],

@@ -1,5 +1,5 @@
 """The `tiercake` command line: one module per family of commands, each registering its own
-subcommands (``cluster``: up and the processes it runs, chaos; ``local``: ask, demo, model, config;
+subcommands (``cluster``: up and the processes it runs, chaos; ``local``: ask, demo, model, config, secret;
 ``bench``; ``analysis``: policies, replay, simulate, trace); ``common`` what they share."""
 
 from __future__ import annotations

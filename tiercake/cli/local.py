@@ -100,9 +100,17 @@ def _readable(value):
     return to_jsonable_python(value)
 
 
+def cmd_secret_tenant(args: argparse.Namespace) -> int:
+    from tiercake.credentials import tenant_key
+
+    config = load(args.config, args.data_dir)
+    print(tenant_key(config.transfer.secret(), args.tenant).decode())
+    return 0
+
+
 def register(sub) -> None:
-    """``ask``, ``demo``, ``model`` and ``config``."""
-    for parser_of in (_ask, _demo, _model, _config):
+    """``ask``, ``demo``, ``model``, ``config`` and ``secret``."""
+    for parser_of in (_ask, _demo, _model, _config, _secret):
         parser_of(sub)
 
 
@@ -163,3 +171,19 @@ def _config(sub) -> None:
     show = config_sub.add_parser("show", help="validate a config and print it with every default filled in")
     with_config(show)
     show.set_defaults(func=cmd_config_show)
+
+
+def _secret(sub) -> None:
+    """``tiercake secret tenant``."""
+    secret = sub.add_parser("secret", help="credentials derived from the cluster secret")
+    secret_sub = secret.add_subparsers(dest="secret_command", required=True, metavar="ACTION")
+    tenant = secret_sub.add_parser(
+        "tenant",
+        help="print a tenant's key: it reaches that tenant's key-value objects and nothing else",
+        description="The key of one tenant's key-value store clients ($TIERCAKE_TENANT_KEY, or setup(url, "
+        "tenant_key=..., tenant=NAME)), derived from the cluster secret ($TIERCAKE_SECRET or the config's "
+        "transfer.secret_file): give it to that tenant's clients in place of the cluster secret.",
+    )
+    tenant.add_argument("tenant", metavar="NAME", help="the tenant")
+    with_config(tenant)
+    tenant.set_defaults(func=cmd_secret_tenant)

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
@@ -82,6 +80,7 @@ from .requests import (
     remove_results,
     writable,
 )
+from .setup_args import client_credential
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +101,8 @@ class AsyncStore:
         self,
         conductors: str | Sequence[str],
         *,
-        secret: bytes | str,
+        secret: bytes | str | None = None,
+        tenant_key: bytes | str | None = None,
         token: str | None = None,
         tenant: str = "default",
         transports: Sequence[str] = ("shm", "tcp"),
@@ -116,8 +116,10 @@ class AsyncStore:
         blocking: bool = False,
         spin_s: float = SPIN_S,
     ) -> None:
-        """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret; ``token``: its
-        control token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
+        """``conductors``: the conductor URLs; ``secret``: the cluster's transfer secret, or
+        ``tenant_key``: the tenant's own key (``tiercake secret tenant``; it reaches that tenant's
+        objects only, over the stream, and is the control API's token too); ``token``: the control
+        token; ``tenant``: whose objects (tenants never see each other's); ``transports``:
         ``shm`` (same host, through the node's pool) and/or ``tcp``; ``ssl``: the conductors' TLS client
         context; ``transfer_tls``: the node agents' (``transfer.tls``); ``retry_s``: how long a call
         keeps asking when the owner of an object cannot answer; ``timeout_s``: how long one request
@@ -131,16 +133,18 @@ class AsyncStore:
             raise ValueError(f"a tenant is a non-empty name of at most 200 bytes without '/' or '#', got {tenant!r}")
         urls = [conductors] if isinstance(conductors, str) else list(conductors)
         self.tenant = tenant
-        self.client = Client(urls, token=token, timeout=conductor_timeout, ssl=ssl)
-        secret = secret.encode() if isinstance(secret, str) else secret
-        self.identity = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
-        self.channels = Channels(self.identity, secret, self._address, streams=streams, tls=transfer_tls)
+        who = client_credential(secret, tenant_key, tenant, identity, token)
+        self.identity = who.identity
+        self.client = Client(urls, token=who.token, timeout=conductor_timeout, ssl=ssl)
+        credential = who.credential
+        self.channels = Channels(self.identity, credential, self._address, streams=streams, tls=transfer_tls)
         self.blocking = blocking
         self.stale = False  # a node answered with a newer map epoch than this store's (the fast path saw it)
         self._idle: dict[str, list[BlockingConnection]] = defaultdict(list)  # blocking: per node
         spin = SpinWait(spin_s)  # checks spin_s
         self.spin = spin if blocking and spin.budget_s > 0 else None
-        self.shm = "shm" in transports and transfer_tls is None  # TLS: every byte on the encrypted stream
+        # TLS: every byte on the encrypted stream; a tenant's key: the node's pool is not its to map
+        self.shm = "shm" in transports and transfer_tls is None and who.may_map_pools
         self.retry_s = retry_s
         self.timeout_s = timeout_s
         self.map = ObjectMap()
@@ -153,7 +157,11 @@ class AsyncStore:
         self._map_lock = asyncio.Lock()
 
     async def open(self) -> AsyncStore:
-        await self.refresh()
+        try:
+            await self.refresh()
+        except BaseException:
+            await self.close()  # nothing of it is left open when it cannot start
+            raise
         return self
 
     async def close(self) -> None:

@@ -14,6 +14,8 @@ class ErrorCode(enum.IntEnum):
     BUFFER_OVERFLOW = -10  # a value larger than the local buffer the Mooncake-style setup gave
     NO_AVAILABLE_HANDLE = -200  # no room for the object (nothing may be evicted), or fewer nodes than replicas
     INVALID_PARAMS = -600  # an empty or oversized key, an empty value, a buffer too small or unregistered
+    ILLEGAL_CLIENT = -601  # a tenant's key asking for another tenant's objects
+    REPLICA_IS_NOT_READY = -703  # its only holder is away (a persisted object): unavailable, not lost
     OBJECT_NOT_FOUND = -704
     OBJECT_HAS_LEASE = -706  # a remove while a reader's lease holds the object
     TRANSFER_FAIL = -800  # a node died or stalled mid-transfer: a write's outcome is unknown
@@ -38,6 +40,16 @@ class ObjectNotFound(StoreApiError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "object not found"
+
+
+class IllegalClient(StoreApiError):
+    code = ErrorCode.ILLEGAL_CLIENT
+
+
+class NotReady(StoreApiError):
+    """The object's only holder is away: it is not lost, and reads again once that node is back."""
+
+    code = ErrorCode.REPLICA_IS_NOT_READY
 
 
 class ObjectHasLease(StoreApiError):

@@ -15,7 +15,16 @@ from tiercake.tiers.buffers import as_bytes, copy_into, host_bytes, is_tensor
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import MAX_ITEMS, Status, TransferError
 
-from .errors import InvalidParams, NoSpace, ObjectHasLease, ObjectNotFound, StoreApiError, TransferFailed
+from .errors import (
+    IllegalClient,
+    InvalidParams,
+    NoSpace,
+    NotReady,
+    ObjectHasLease,
+    ObjectNotFound,
+    StoreApiError,
+    TransferFailed,
+)
 
 Outcome = StoreApiError | None
 MAX_NAME_BYTES = 64 << 10
@@ -192,6 +201,10 @@ def outcome(status: int, message: str, name: bytes, *, write: bool):
         return ObjectHasLease(text)
     if status == Status.FULL:
         return NoSpace(text)
+    if status == Status.FORBIDDEN:
+        return IllegalClient(text)
+    if status == Status.AWAY:
+        return NotReady(text)
     if status in (Status.INVALID, Status.TOO_SMALL, Status.LENGTH_MISMATCH, Status.BAD_REQUEST):
         return InvalidParams(text)
     return TransferFailed(text)  # REPLICA_FAILED, INTERNAL: the outcome of a write is unknown

@@ -1,10 +1,16 @@
 """``setup``'s arguments in each form it takes: tiercake's (the conductor's URL or URLs and keyword
 settings), Mooncake's seven positional ones and their keyword names, or Mooncake's dict; sizes as
-Mooncake writes them ('16MB', '1 GiB', a number of bytes)."""
+Mooncake writes them ('16MB', '1 GiB', a number of bytes); and which credential a store proves."""
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+from dataclasses import dataclass
+
+from tiercake.credentials import tenant_token
+from tiercake.transfer.protocol import TENANT, Credential
 
 from .errors import InvalidParams
 
@@ -56,7 +62,7 @@ def setup_form(args: tuple, kwargs: dict) -> tuple[object, dict]:
     conductor = args[0] if args else kwargs.pop("conductor", None)
     if len(args) > 1:
         raise TypeError("tiercake's setup takes the conductor URL(s) and keyword arguments")
-    allowed = {"config", "secret", "token", "tenant", "transports", "connect_timeout"}
+    allowed = {"config", "secret", "tenant_key", "token", "tenant", "transports", "connect_timeout"}
     unknown = set(kwargs) - allowed
     if unknown:
         raise TypeError(f"setup got unknown arguments {sorted(unknown)}")
@@ -107,3 +113,28 @@ def _size(value, what: str) -> int:
         if match:
             return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
     raise InvalidParams(f"{what}: {value!r} is not a size (a number of bytes, or '16MB', '1 GiB')")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCredential:
+    """What a store proves to the node agents, as whom, and its token for the conductors."""
+
+    credential: bytes | Credential
+    identity: str
+    token: str | None
+    may_map_pools: bool  # a same-host store reads the node's pool in place (the cluster's own clients)
+
+
+def client_credential(
+    secret: bytes | str | None, tenant_key: bytes | str | None, tenant: str, identity: str | None, token: str | None
+) -> ClientCredential:
+    """The cluster secret (every tenant's objects, the node's pool in place), or a tenant's key
+    (``tiercake.credentials``: that tenant's objects only, over the stream; proved under its tenant's
+    name, and the control API's token too unless one is given)."""
+    if (secret is None) == (tenant_key is None):
+        raise ValueError("a store needs the cluster secret or its tenant's key (one of them)")
+    if tenant_key is not None:
+        key = tenant_key.encode() if isinstance(tenant_key, str) else tenant_key
+        return ClientCredential(Credential(key, TENANT), tenant, token or tenant_token(tenant, key), False)
+    own = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
+    return ClientCredential(secret.encode() if isinstance(secret, str) else secret, own, token, True)

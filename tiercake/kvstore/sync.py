@@ -67,7 +67,7 @@ class DistributedStore(TensorCalls):
         """Connect to a tiercake cluster. Mooncake's forms: ``setup(local_hostname, metadata_server,
         global_segment_size, local_buffer_size, protocol, rdma_devices, master_server_addr, ...,
         tenant_id=...)`` and ``setup(config_dict)``; tiercake's: ``setup(conductor_url(s), *,
-        config=, secret=, token=, tenant=, transports=)``. 0, or a negative code (logged)."""
+        config=, secret= or tenant_key=, token=, tenant=, transports=)``. 0, or a negative code (logged)."""
         if self._clients is not None:
             log.error("kvstore: setup called twice (close first)")
             return int(ErrorCode.INVALID_PARAMS)
@@ -86,6 +86,7 @@ class DistributedStore(TensorCalls):
         *,
         config: str | None = None,
         secret=None,
+        tenant_key=None,
         token=None,
         tenant: str = "default",
         transports: Sequence[str] = ("shm", "tcp"),
@@ -107,12 +108,13 @@ class DistributedStore(TensorCalls):
             except (OSError, ValueError) as exc:  # no such file, an invalid config, no secret
                 log.error("kvstore: setup: config %s: %s", config, exc)
                 return int(ErrorCode.INVALID_PARAMS)
-        secret = secret or os.environ.get("TIERCAKE_SECRET")
+        tenant_key = tenant_key or (None if secret else os.environ.get("TIERCAKE_TENANT_KEY") or None)
+        secret = secret or (None if tenant_key else os.environ.get("TIERCAKE_SECRET"))
         token = token or os.environ.get("TIERCAKE_TOKEN") or None
-        if not conductor or not secret:
+        if not conductor or not (secret or tenant_key):
             log.error(
                 "kvstore: setup needs the conductor URL(s) and the cluster secret ($TIERCAKE_SECRET, or a "
-                "config file: $TIERCAKE_CONFIG)"
+                "config file: $TIERCAKE_CONFIG) or a tenant's key ($TIERCAKE_TENANT_KEY)"
             )
             return int(ErrorCode.INVALID_PARAMS)
 
@@ -120,6 +122,7 @@ class DistributedStore(TensorCalls):
             store = AsyncStore(
                 conductor,
                 secret=secret,
+                tenant_key=tenant_key,
                 token=token,
                 tenant=tenant,
                 transports=transports,

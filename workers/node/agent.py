@@ -46,6 +46,12 @@ class NodeAgent:
     async def start(self) -> NodeAgent:
         cfg = self.config
         secret = cfg.transfer.secret()  # fail before touching any tier
+        node_secret = cfg.transfer.node_secret()
+        if cfg.conductor.urls and node_secret is None:
+            raise ValueError(
+                f"no node secret: node agents of a cluster prove it to each other for replication (set "
+                f"${cfg.transfer.node_secret_env} or transfer.node_secret_file; never give it to clients)"
+            )
         # building pre-faults the pool (about 1 s per GB here): off the event loop
         self.store = await (await asyncio.to_thread(build_store, cfg.store)).open()
         pool = next((t.tier_name for t in cfg.store.tiers if t.kind == "pool"), None)
@@ -68,6 +74,7 @@ class NodeAgent:
                 disk_tier=disk,
                 tls=cfg.transfer_tls_client(),
                 map_path=_map_path(cfg),
+                node_secret=node_secret,
             )
             await self.objects.recover()
             self.server = await TransferServer(
@@ -82,6 +89,7 @@ class NodeAgent:
                 ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
                 tls=cfg.transfer_tls_server(),
                 objects=self.objects.server,
+                node_secret=node_secret,
             ).start()
             if cfg.transfer.metrics_port is not None:
                 await self._serve_metrics()
@@ -135,9 +143,20 @@ class NodeAgent:
     def _families(self):
         node = self.config.node_id
         yield from store_families({node: member_stats(self.store)})
+        counts = self.objects.server.counts if self.objects is not None else {}
         for name, doc, value in (
             ("transfer_served_bytes", "bytes this node's transfer server sent to readers", self.server.served_bytes),
             ("transfer_refused_connections", "connections that failed authentication", self.server.refused),
+            (
+                "transfer_forbidden_requests",
+                "requests beyond their credential (a tenant's key asking for blocks, or for another tenant's objects)",
+                self.server.forbidden + counts.get("forbidden", 0),
+            ),
+            (
+                "replication_forged",
+                "replications refused because the peer was not the node it named as the slot's primary",
+                counts.get("replicate_forged", 0),
+            ),
         ):
             family = CounterMetricFamily(f"tiercake_{name}", doc, labels=["member"])
             family.add_metric([node], value)

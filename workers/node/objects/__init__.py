@@ -18,6 +18,7 @@ from tiercake.tiers.directory import ObjectDirectory, ordered_memory
 from tiercake.tiers.objects import ObjectTable
 from tiercake.tiers.pool import DIRECTORY_SUFFIX, beside
 from tiercake.transfer.connection import Channels
+from tiercake.transfer.protocol import NODE, Credential
 
 from .ownership import Ownership
 from .replication import Replicator
@@ -44,8 +45,11 @@ class NodeObjects:
         disk_tier: str | None = None,
         tls=None,
         map_path: Path | None = None,
+        node_secret: bytes | None = None,
     ) -> None:
-        """``map_path``: where the node keeps its last object map (beside its pool or SSD)."""
+        """``map_path``: where the node keeps its last object map (beside its pool or SSD);
+        ``node_secret``: what this node proves to the others when it replicates (None: a standalone
+        node, which has no backups)."""
         self.client = client
         self.directory = _directory(store, pool_tier)
         self._pool_backend = store.tier(pool_tier).backend if pool_tier is not None else None
@@ -55,7 +59,9 @@ class NodeObjects:
         self.ownership = Ownership(node_id, client, ttl, map_path)
         self.table.publishes = self._serves_object
         self.ownership.listeners.append(lambda old, new: self._map_changed())
-        self.channels = Channels(node_id, secret, self._address, tls=tls)
+        # a slot's replication goes to the other nodes as a node: they take it from nobody else
+        plane = secret if node_secret is None else Credential(node_secret, NODE)
+        self.channels = Channels(node_id, plane, self._address, tls=tls)
         self.replicator = Replicator(node_id, self.table, self.ownership, self.channels, client)
         self.server = ObjectServer(node_id, self.table, self.ownership, self.replicator, pool_tier)
 

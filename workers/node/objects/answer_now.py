@@ -30,6 +30,7 @@ from tiercake.tiers import StoreError, TierFullError
 from tiercake.tiers.objects import Meta, Staged, kept_pin
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import (
+    CLUSTER,
     FLAG_EAGER,
     FLAG_NO_REPLY,
     FLAG_SHM,
@@ -37,6 +38,7 @@ from tiercake.transfer.protocol import (
     MAGIC,
     VERSION,
     Op,
+    PeerIdentity,
     ProtocolError,
     Status,
 )
@@ -51,8 +53,13 @@ INLINE_BYTES = 1 << 20  # what of a put's bytes the callback receives itself; th
 class AnswerNow:
     """Mixed into ``ObjectServer``: ``fast`` is the inbox's hook."""
 
-    def fast(self, conn: socket.socket, op: Op, flags: int, request: int, body: bytearray, deadline):
-        """True when answered; False to leave the request to ``handle``; or a continuation."""
+    def fast(
+        self, conn: socket.socket, peer: PeerIdentity, op: Op, flags: int, request: int, body: bytearray, deadline
+    ):
+        """True when answered; False to leave the request to ``handle``; or a continuation. A tenant's
+        key is left to ``handle``, which checks the tenant of what it asks."""
+        if peer.kind != CLUSTER:
+            return False
         try:
             if op is Op.OBJ_GET:
                 return self._get_now(conn, flags, request, w.decode(w.GetRequest, body), deadline)

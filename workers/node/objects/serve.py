@@ -27,10 +27,21 @@ from tiercake.blocks import object_id
 from tiercake.tiers import ObjectNotFoundError, StoreError, TierFullError
 from tiercake.tiers.objects import Meta, ObjectTable, Staged, Stored, kept_pin
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, FLAG_SHM, Op, ProtocolError, Status
-from tiercake.transfer.sockio import discard, recv_frame, recv_into_all, send_frame
+from tiercake.transfer.protocol import (
+    FLAG_EAGER,
+    FLAG_NO_REPLY,
+    FLAG_SHM,
+    NODE,
+    TENANT,
+    Op,
+    PeerIdentity,
+    ProtocolError,
+    Status,
+)
+from tiercake.transfer.sockio import receive_or_discard, recv_frame, send_frame
 
 from .answer_now import AnswerNow
+from .forbidden import TENANT_REQUESTS, refuse_foreign
 from .ownership import Ownership
 from .remove import Remover
 from .replication import BackupSide, Replicator, ReplicaUnsafe, replica_of
@@ -39,6 +50,17 @@ log = logging.getLogger(__name__)
 
 SHM_LEASE_S = 30.0  # a same-host reader that dies holds its objects' blocks this long at most
 OBJECT_OPS = (Op.OBJ_PUT, Op.OBJ_GET, Op.OBJ_RELEASE, Op.OBJ_QUERY, Op.OBJ_REMOVE, Op.OBJ_REPLICATE)
+# what the server counts: requests by operation, and refusals: "replicate_forged" (a peer that is not
+# the node it names as the slot's primary), "replicate_refused" (a node that is not the primary by this
+# node's map), "forbidden" (a tenant's key asking for another tenant's objects)
+COUNTS = ("put", "get", "query", "remove", "replicate", "replicate_forged", "replicate_refused", "forbidden")
+# the request each operation a tenant's key may send carries (its ``tenant`` is checked)
+_REQUESTS = {
+    Op.OBJ_PUT: w.PutRequest,
+    Op.OBJ_GET: w.GetRequest,
+    Op.OBJ_QUERY: w.QueryRequest,
+    Op.OBJ_REMOVE: w.RemoveRequest,
+}
 
 
 class ObjectServer(AnswerNow):
@@ -56,7 +78,7 @@ class ObjectServer(AnswerNow):
         self.backup = BackupSide(node_id, table, ownership)
         self.remover = Remover(table, ownership, replicator, self._owner_check)
         self.pool_tier = pool_tier
-        self.counts: dict[str, int] = {"put": 0, "get": 0, "query": 0, "remove": 0, "replicate": 0}
+        self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
 
     @property
     def directory_path(self) -> str | None:
@@ -65,9 +87,24 @@ class ObjectServer(AnswerNow):
         return str(directory.path) if directory is not None else None
 
     async def handle(
-        self, conn: socket.socket, op: Op, flags: int, request: int, body: bytearray, deadline: Callable[[int], object]
+        self,
+        conn: socket.socket,
+        peer: PeerIdentity,
+        op: Op,
+        flags: int,
+        request: int,
+        body: bytearray,
+        deadline: Callable[[int], object],
     ) -> None:
-        """Answer one request; ``deadline(nbytes)`` is the server's watchdog for the bytes it moves."""
+        """Answer one request of ``peer``; ``deadline(nbytes)`` is the server's watchdog for the bytes
+        it moves. A tenant's key reaches that tenant's objects only: every item of a request for
+        another tenant is answered FORBIDDEN."""
+        if peer.kind == TENANT and op is not Op.OBJ_REPLICATE:
+            decoded = w.decode(TENANT_REQUESTS[op], body)
+            if decoded.tenant != peer.name:
+                self.counts["forbidden"] += 1
+                await refuse_foreign(conn, op, flags, request, decoded, peer, self.ownership.map.epoch, deadline)
+                return
         if op is Op.OBJ_PUT:
             await self._put(conn, flags, request, w.decode(w.PutRequest, body), deadline)
         elif op is Op.OBJ_GET:
@@ -82,7 +119,7 @@ class ObjectServer(AnswerNow):
             removed = await self._remove(w.decode(w.RemoveRequest, body))
             await send_frame(conn, Op.OBJ_REMOVE_REPLY, request, w.encode(removed))
         elif op is Op.OBJ_REPLICATE:
-            await self._replicate(conn, request, w.decode(w.ReplicateRequest, body), deadline)
+            await self._replicate(conn, peer, request, w.decode(w.ReplicateRequest, body), deadline)
         else:
             raise ProtocolError(f"{op.name} is not an object request")
 
@@ -108,7 +145,7 @@ class ObjectServer(AnswerNow):
                     await send_frame(conn, Op.OBJ_PUT_READY, request, w.encode(ready))
                     await recv_frame(conn, expect=[Op.OBJ_PUT_COMMIT])  # the client copied into the pool
                 else:
-                    await _receive(
+                    await receive_or_discard(
                         conn,
                         [
                             (s.payload_array() if isinstance(s, Staged) else None, item.size)
@@ -313,12 +350,30 @@ class ObjectServer(AnswerNow):
 
     # Replication (a backup's side) ----------------------------------------------------------------
 
-    async def _replicate(self, conn, request: int, req: w.ReplicateRequest, deadline) -> None:
+    async def _replicate(self, conn, peer: PeerIdentity, request: int, req: w.ReplicateRequest, deadline) -> None:
         self.counts["replicate"] += 1
         sizes = [0 if item.removed else item.size for item in req.items]
-        if not await self.backup.accepts(req):
+        if peer.kind != NODE or peer.name != req.primary:
+            # only a node agent proves the node secret, and only under its own name: a client (the
+            # cluster secret, a tenant's key) or another node naming the primary is a forgery
+            self.counts["replicate_forged"] += 1
+            log.warning(
+                "node %s: refused a replication of slot %d naming %s as its primary, from %s",
+                self.node_id,
+                req.slot,
+                req.primary,
+                peer,
+            )
             with deadline(sum(sizes)):
-                await _receive(conn, [(None, n) for n in sizes])
+                await receive_or_discard(conn, [(None, n) for n in sizes])
+            refused = w.Result(Status.FORBIDDEN, f"only the node {req.primary} itself replicates as it")
+            reply = w.ReplicateReply(self.ownership.map.epoch, [refused] * max(1, len(req.items)))
+            await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(reply))
+            return
+        if not await self.backup.accepts(req):
+            self.counts["replicate_refused"] += 1
+            with deadline(sum(sizes)):
+                await receive_or_discard(conn, [(None, n) for n in sizes])
             refused = w.Result(
                 Status.WRONG_OWNER,
                 f"{req.primary} is not slot {req.slot}'s primary by map epoch "
@@ -339,7 +394,7 @@ class ObjectServer(AnswerNow):
         staged = await self.backup.stage(req)
         try:
             with deadline(sum(sizes)):
-                await _receive(
+                await receive_or_discard(
                     conn, [(s.payload_array() if isinstance(s, Staged) else None, n) for s, n in zip(staged, sizes)]
                 )
             results = await self.backup.finish(req, staged)
@@ -350,19 +405,3 @@ class ObjectServer(AnswerNow):
         await send_frame(
             conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(w.ReplicateReply(self.ownership.map.epoch, results))
         )
-
-
-async def _receive(conn, items: list[tuple[np.ndarray | None, int]]) -> None:
-    """Each item's bytes, in order: into its target, or read and dropped (an item refused)."""
-    run: list[np.ndarray] = []
-    for target, n in items:
-        if target is not None:
-            run.append(target)
-            continue
-        if run:
-            await recv_into_all(conn, run)
-            run = []
-        if n:
-            await discard(conn, n)
-    if run:
-        await recv_into_all(conn, run)
