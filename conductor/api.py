@@ -43,6 +43,8 @@ from tiercake.messages import (
     NodeBlocksReply,
     NodePin,
     NodePinsReply,
+    NodeRelease,
+    NodeReleaseReply,
     ObjectMap,
     PinReply,
     PinRequest,
@@ -389,6 +391,20 @@ def _member_routes(conductor: Conductor) -> list:
     async def leader_info(_: web.Request) -> web.Response:
         return reply(LeaderReply.model_validate({"leader": await conductor.leader(), "self": conductor.conductor_id}))
 
+    return [
+        *_object_routes(conductor),
+        web.post("/v1/members/register", register),
+        web.post("/v1/members/keepalive", keep_alive),
+        web.post("/v1/members/leave", leave),
+        web.get("/v1/members", members),
+        web.get("/v1/leader", leader_info),
+        web.post("/v1/flush/applied", flush_applied),
+    ]
+
+
+def _object_routes(conductor: Conductor) -> list[web.RouteDef]:
+    """The key-value store's object map: read by any conductor, changed by the leader alone."""
+
     async def object_map(_: web.Request) -> web.Response:
         """Who owns each slot of the key-value store's objects (any conductor: the one it follows)."""
         return reply(conductor.objects.map)
@@ -407,16 +423,17 @@ def _member_routes(conductor: Conductor) -> list:
         taken = await conductor.objects.seed(body)
         return reply(SlotReportsReply(map=conductor.objects.map, refused=[] if taken else ["the conductor has a map"]))
 
+    async def release_node(request: web.Request) -> web.Response:
+        """An operator's: a node gone for good; the slots it pinned (objects it alone persisted) move."""
+        body = await parse(request, NodeRelease)
+        conductor.require_leader(await conductor.leader())
+        return reply(NodeReleaseReply(released=await conductor.objects.release(body.node)))
+
     return [
         web.get("/v1/objects/map", object_map),
         web.post("/v1/objects/reports", slot_reports),
         web.post("/v1/objects/seed", seed_map),
-        web.post("/v1/members/register", register),
-        web.post("/v1/members/keepalive", keep_alive),
-        web.post("/v1/members/leave", leave),
-        web.get("/v1/members", members),
-        web.get("/v1/leader", leader_info),
-        web.post("/v1/flush/applied", flush_applied),
+        web.post("/v1/objects/release", release_node),
     ]
 
 

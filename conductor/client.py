@@ -33,6 +33,7 @@ from tiercake.messages import (
     NodeBlock,
     NodeBlocksReply,
     NodePinsReply,
+    NodeReleaseReply,
     ObjectMap,
     PinPrefixReply,
     PinReply,
@@ -431,6 +432,10 @@ class Client:
     async def seed_object_map(self, offered: ObjectMap) -> SlotReportsReply:
         """Offer a node's last object map to a conductor that has none (after it lost its backend)."""
         return await self._typed(SlotReportsReply, "POST", "/v1/objects/seed", offered.model_dump(mode="json"))
+
+    async def release_node(self, node: str) -> NodeReleaseReply:
+        """``node`` gone for good: the slots it pinned move, and what it alone persisted is lost."""
+        return await self._typed(NodeReleaseReply, "POST", "/v1/objects/release", {"node": node})
 
     async def slot_reports(self, reports: list[SlotReady]) -> SlotReportsReply:
         """A primary's word that backups now hold its slots whole (or no more: ``lagging``), or took

@@ -19,7 +19,11 @@ How it changes (``plan``, on the leader, a few times a second):
   (``mark_ready``);
 - rebalance: where a slot's rendezvous-first node is a ready backup, the map asks the primary to hand
   the slot to it (``handoff``); the primary stops serving it and says so (``mark_ready(handed_off=
-  True)``), and the next map makes that backup the primary.
+  True)``), and the next map makes that backup the primary;
+- a slot whose primary holds objects persisted on it alone (``pinned``: it says so before it
+  acknowledges the first) never moves away from that primary while it is absent: the objects are on
+  its SSD and nowhere else, so the slot is unavailable until it returns (or an operator ``release``s
+  it: those objects are then lost, knowingly). Its handoff moves the pin with it.
 """
 
 from __future__ import annotations
@@ -69,13 +73,19 @@ def plan(current: ObjectMap, alive: list[str], gone: set[str], slots: int, repli
         return ObjectMap(epoch=current.epoch + 1, chains=chains, ready=[len(c) for c in chains])
     chains, ready, handoff = [], [], {}
     for s, (chain, ready_n) in enumerate(zip(current.chains, current.ready)):
+        if current.pinned.get(s) == chain[0] and chain[0] not in alive:
+            # what the primary alone persisted is nowhere else: the slot waits for it, however long
+            # it is away (its objects answer "not ready", never "not found")
+            chains.append(list(chain))
+            ready.append(ready_n)
+            continue
         chain, ready_n = _next_chain(chain, ready_n, rendezvous(s, alive)[:replicas_max], gone, replicas_max)
         chains.append(chain)
         ready.append(ready_n)
         best = rendezvous(s, alive)[0] if alive else None
         if best is not None and best != chain[0] and best in chain[1:ready_n] and chain[0] in alive:
             handoff[s] = best
-    proposal = ObjectMap(epoch=current.epoch, chains=chains, ready=ready, handoff=handoff)
+    proposal = ObjectMap(epoch=current.epoch, chains=chains, ready=ready, handoff=handoff, pinned=current.pinned)
     if proposal.chains == current.chains and proposal.ready == current.ready and proposal.handoff == current.handoff:
         return current
     return proposal.model_copy(update={"epoch": current.epoch + 1})
@@ -246,20 +256,31 @@ class ObjectMapKeeper:
         async with self._lock:
             current = self.map
             chains, ready, handoff = [list(c) for c in current.chains], list(current.ready), dict(current.handoff)
+            pinned = dict(current.pinned)
             refused = []
             for report in reports:
                 try:
-                    _apply_report(report, chains, ready, handoff)
+                    _apply_report(report, chains, ready, handoff, pinned)
                     refused.append("")
                 except MapRefused as exc:
                     refused.append(str(exc))
-            if chains != current.chains or ready != current.ready or handoff != current.handoff:
-                await self._write(
-                    current.model_copy(
-                        update={"epoch": current.epoch + 1, "chains": chains, "ready": ready, "handoff": handoff}
-                    )
-                )
+            changed = {"chains": chains, "ready": ready, "handoff": handoff, "pinned": pinned}
+            if any(value != getattr(current, field) for field, value in changed.items()):
+                await self._write(current.model_copy(update={"epoch": current.epoch + 1, **changed}))
             return self.map, refused
+
+    async def release(self, node: str) -> list[int]:
+        """An operator's word that ``node`` is gone for good with what it alone persisted: its pinned
+        slots may move (their objects that were persisted on it alone are lost). The slots released."""
+        async with self._lock:
+            released = sorted(s for s, holder in self.map.pinned.items() if holder == node)
+            if released:
+                pinned = {s: n for s, n in self.map.pinned.items() if n != node}
+                await self._write(self.map.model_copy(update={"epoch": self.map.epoch + 1, "pinned": pinned}))
+                log.warning(
+                    "object map: slots %s released from %s: what it alone persisted there is lost", released, node
+                )
+            return released
 
     async def _write(self, nxt: ObjectMap) -> None:
         await self.meta.commit([Put(OBJECT_MAP, nxt.model_dump_json().encode())], guard=self.guard)
@@ -274,11 +295,18 @@ class ObjectMapKeeper:
         )
 
 
-def _apply_report(report: SlotReady, chains: list[list[str]], ready: list[int], handoff: dict[int, str]) -> None:
+def _apply_report(
+    report: SlotReady, chains: list[list[str]], ready: list[int], handoff: dict[int, str], pinned: dict[int, str]
+) -> None:
     s = report.slot
     if not 0 <= s < len(chains) or not chains[s] or chains[s][0] != report.primary:
         raise MapRefused(f"slot {s}: {report.primary} is not its primary")
     chain = chains[s]
+    if report.pinned:  # the primary holds, or is about to acknowledge, an object persisted on it alone
+        if report.node != report.primary:
+            raise MapRefused(f"slot {s}: only its primary pins it, to itself")
+        pinned[s] = report.primary
+        return
     if report.node not in chain[1:]:
         raise MapRefused(f"slot {s}: {report.node} is not one of its backups")
     at = chain.index(report.node)
@@ -292,6 +320,8 @@ def _apply_report(report: SlotReady, chains: list[list[str]], ready: list[int], 
             raise MapRefused(f"slot {s}: no handoff to {report.node} was asked")
         chain.insert(0, chain.pop(at))  # the old primary stays, as a ready backup
         del handoff[s]
+        if pinned.get(s) == report.primary:  # its objects persisted alone went with the slot
+            pinned[s] = report.node
     elif at >= ready[s]:
         chain.insert(ready[s], chain.pop(at))
         ready[s] += 1

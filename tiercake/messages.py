@@ -204,13 +204,17 @@ class ObjectMap(Reply):
     write of its objects goes through it, in order, and to as many of the backups as each object's
     replicas ask, before it is acknowledged. ``ready[s]`` of a chain's members, from the start, hold
     every replicated object of the slot (a member after them is still being copied); ``handoff[s]``
-    names a ready backup the primary is to hand the slot to (a rebalance). Only the leading conductor
-    writes it, each change with a new ``epoch``."""
+    names a ready backup the primary is to hand the slot to (a rebalance); ``pinned[s]`` names the
+    primary that holds objects of the slot persisted there alone (``replicas`` 1): the slot does not
+    move while that node is away, however long (its objects answer "not ready" meanwhile, never
+    "not found"), unless an operator releases it. Only the leading conductor writes it, each change
+    with a new ``epoch``."""
 
     epoch: int = 0
     chains: list[list[str]] = Field(default_factory=list)
     ready: list[int] = Field(default_factory=list)
     handoff: dict[int, str] = Field(default_factory=dict)
+    pinned: dict[int, str] = Field(default_factory=dict)
 
     @property
     def slots(self) -> int:
@@ -235,12 +239,27 @@ class SlotReady(Request):
         description="``node`` failed a write: it holds the slot whole no more, and "
         "is copied it again before it may be promoted",
     )
+    pinned: bool = Field(
+        default=False,
+        description="the primary (``node`` itself) is about to acknowledge an object of the "
+        "slot persisted on it alone: the slot stays with it (``ObjectMap.pinned``)",
+    )
 
 
 class SlotReports(Request):
     """A primary's reports of several slots at once (one map change for all of them)."""
 
     reports: list[SlotReady] = Field(min_length=1, max_length=65536)
+
+
+class NodeRelease(Request):
+    """An operator's word that a node is gone for good, with what it alone persisted."""
+
+    node: Name
+
+
+class NodeReleaseReply(Reply):
+    released: list[int] = Field(default_factory=list, description="the slots that may move now")
 
 
 class SlotReportsReply(Reply):

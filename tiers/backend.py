@@ -132,3 +132,14 @@ class DiskTierBackend(TierBackend):
     @abstractmethod
     async def read_into(self, slot: Any, key: bytes, dst: Any) -> None:
         """Read the block into ``dst``; ``CorruptBlockError`` when it fails its checksum."""
+
+    async def read_head(self, slot: Any, key: bytes, nbytes: int, want: int) -> bytes:
+        """The first ``want`` bytes of the block of ``nbytes``, for a record that describes itself (a
+        key-value object's header, read at recovery): no more than needed is read where the backend
+        can, and they are not checked against the whole payload's checksum (a full read still is).
+        The default reads it all."""
+        from .buffers import empty
+
+        out = empty(nbytes)
+        await self.read_into(slot, key, out)
+        return bytes(out[:want])

@@ -44,7 +44,7 @@ import numpy as np
 
 from tiercake.blocks import is_object_tenant, object_block_key, object_block_tenant, object_id
 
-from .buffers import copy_into, host_bytes
+from .buffers import copy_into
 from .directory import ObjectDirectory
 from .errors import ObjectLeasedError, ObjectNotFoundError, PayloadError, StoreError
 from .store import BlockChange, PutHandle, TieredStore
@@ -567,21 +567,22 @@ class ObjectTable:
         for block in stale:
             with contextlib.suppress(StoreError):
                 await self.store.remove(block)
+        found = 0
         for oid, (record, block) in best.items():
-            self.store.set_keep(block, record.meta.kept)
-            self._pin(block, record.meta, record.soft_pin_until_ms)
+            try:
+                self.store.set_keep(block, record.meta.kept)
+                self._pin(block, record.meta, record.soft_pin_until_ms)
+            except StoreError as exc:  # gone since it was read (a corrupt copy dropped): not an object any more
+                log.warning("objects: block %s of %r went during recovery (%s)", block.hex()[:16], record.name, exc)
+                continue
             self._install(Stored(oid, record, block))
-        return len(best)
+            found += 1
+        return found
 
     async def _head(self, block: bytes) -> bytes:
-        """The first bytes of a block: its record header (a view in memory, a read from disk)."""
-        with contextlib.suppress(ObjectNotFoundError):
-            lease = self.store.acquire_lease(block, math.inf)
-            try:
-                return bytes(host_bytes(lease.data[: _HEAD.size + MAX_TENANT + MAX_NAME]))
-            finally:
-                await self.store.release_lease(block, lease.id)
-        return bytes((await self.store.get(block))[: _HEAD.size + MAX_TENANT + MAX_NAME])
+        """The first bytes of a block: its record header (a view in memory, a read of those bytes from
+        disk, never a promotion)."""
+        return await self.store.read_head(block, _HEAD.size + MAX_TENANT + MAX_NAME)
 
 
 def _soft_pin_until_ms(meta: Meta) -> int:

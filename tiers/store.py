@@ -34,7 +34,7 @@ import numpy as np
 
 from tiercake.policies import BlockMeta, SessionEvent
 
-from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_into, empty, is_tensor, size_of
+from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_into, empty, host_bytes, is_tensor, size_of
 from .entries import BlockChange, BlockView, Copy, Entry, Lease, PutHandle, State, Tier, short_key
 from .errors import (
     CorruptBlockError,
@@ -542,6 +542,28 @@ class TieredStore(StoreRemoval, StoreEviction):
             if self.promote_on_hit and index > 0:
                 await self._promote(entry, index, out)
             return tier.name
+
+    async def read_head(self, key: bytes, want: int) -> bytes:
+        """The block's first ``want`` bytes from its fastest copy, never promoted (a recovery reads
+        every object's header: promoting each into a full pool would evict what it has just found).
+        A copy that fails its check is dropped and the next one tried; ``ObjectNotFoundError`` when
+        none is left."""
+        while True:
+            entry = self._committed_entry(key)
+            index = entry.committed()[0]
+            copy = entry.copies[index]
+            backend = copy.tier.backend
+            if backend.in_memory:
+                return bytes(host_bytes(backend.view(copy.slot, entry.nbytes)[:want]))
+            lease = self._lease(copy, math.inf)
+            try:
+                return await backend.read_head(copy.slot, key, entry.nbytes, want)
+            except CorruptBlockError as exc:
+                log.warning("store: %s", exc)
+                copy.tier.stats.corrupt += 1
+                await self._drop_copy(entry, index)
+            finally:
+                await self.release_lease(key, lease)
 
     async def _read_copy(self, entry: Entry, copy: Copy, out: Any) -> None:
         backend = copy.tier.backend

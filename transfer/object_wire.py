@@ -153,7 +153,7 @@ class ReplicateRequest(msgspec.Struct, array_like=True, frozen=True):
     slot: int
     epoch: int
     primary: str
-    phase: int = ITEMS  # SYNC_BEGIN: drop everything of the slot, a full copy follows; SYNC_END: it is whole
+    phase: int = ITEMS  # SYNC_BEGIN: a full copy of the slot follows; SYNC_END: it is whole (what it did not send goes)
     items: list[Replica] = []
 
 

@@ -347,3 +347,82 @@ async def test_a_node_that_joins_takes_over_slots_without_losing_any_object(tmp_
             await eventually_none_lost(store, replicated)
     finally:
         cluster.close()
+
+
+def owner(store, name: str) -> str:
+    from tiercake.blocks import object_id, object_slot
+
+    return store.map.primary(object_slot(object_id(name.encode(), store.tenant), store.map.slots))
+
+
+@pytest.mark.timeout(300)
+async def test_persisted_objects_of_a_node_away_for_a_minute_all_read_back_when_it_returns(tmp_path):
+    """Persisted on one node alone (replica_num 1, nof_replica_num 1), then that node SIGKILLed and away
+    for 60 s, far past its member lease and failover (2.5 s here): the slots holding them stay its own
+    (the map pins them), so its objects answer REPLICA_IS_NOT_READY (-703), never OBJECT_NOT_FOUND,
+    while the slots it held nothing persisted in move on and take writes; back with its SSD, it serves
+    every one as it was written. (Before, its slots moved to the other node and, on its return, the
+    slot copy dropped all it had: 20 of 20 lost.)"""
+    from tiercake.kvstore import NotReady
+
+    cluster = KvCluster(tmp_path, failover_s=1.5)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 2)
+            objects = values("away", 60)
+            await put_all(store, objects, Durability(persist=True))
+            on_a = {n: v for n, v in objects.items() if owner(store, n) == "kv-a"}
+            assert 0 < len(on_a) < len(objects)
+            cluster.kill("kv-a")
+            started = time.monotonic()
+            while "kv-a" in store.members:  # until its member lease is over (reads before may still find it)
+                await asyncio.sleep(0.2)
+                await store.refresh()
+            await asyncio.sleep(3)  # and past the failover: whatever was to move has moved
+            await store.refresh()
+            assert {c[0] for c in store.map.chains} == {"kv-a", "kv-b"}  # kv-a's pinned slots stayed its own
+            assert all(holder == "kv-a" or holder == "kv-b" for holder in store.map.pinned.values())
+            moved_on = [f"meanwhile{i}" for i in range(200) if owner(store, f"meanwhile{i}") == "kv-b"]
+            for name in moved_on:
+                await store.put(name, b"written while kv-a was away")
+            while time.monotonic() - started < 60:
+                got = await store.get_many(list(on_a))
+                assert all(isinstance(g, NotReady) and g.code == ErrorCode.REPLICA_IS_NOT_READY for g in got), got[:3]
+                await asyncio.sleep(5)
+            cluster.start_node("kv-a")
+            await eventually_none_lost(store, objects)
+            assert all([await store.get(n) for n in moved_on])
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(400)
+async def test_a_full_node_restarts_five_times_reading_only_headers_and_serves_everything(tmp_path):
+    """A node filled until it answers no room (its pool and SSD full of persisted and memory-level
+    objects), SIGKILLed and restarted five times in a row: every start recovers without a crash, reads
+    only each object's header (its tiers count no hit and no eviction before the first client read:
+    recovery once read every object whole, promoting it into the full pool, whose eviction dropped
+    objects it had just chosen, and crashed), and serves every acknowledged object as it was written.
+    How long a restart takes is `tiercake bench restart`'s (docs/BENCHMARKS.md)."""
+    cluster = KvCluster(tmp_path, nodes=("kv-a",), pool="24MiB", ssd="96MiB", metrics=True, failover_s=30.0)
+    try:
+        async with cluster.store() as store:
+            await ready(store, 1)
+            written: dict[str, bytes] = {}
+            for i in range(1000):
+                name, value = f"full{i}", blob(i, 256 * KB + i)
+                try:
+                    await store.put(name, value, durability=Durability(persist=i % 3 != 0))
+                except NoSpace:
+                    break
+                written[name] = value
+            assert 200 < len(written) < 1000  # it filled up
+            for _ in range(5):
+                cluster.restart("kv-a")
+                assert cluster.metric("kv-a", "tiercake_tier_hits") == 0
+                assert cluster.metric("kv-a", "tiercake_tier_evictions") == 0
+                await ready(store, 1)
+                persisted = {n: v for i, (n, v) in enumerate(written.items()) if i % 3 != 0}
+                assert await lost(store, persisted) == []  # every persisted one; memory-level ones are a cache
+    finally:
+        cluster.close()

@@ -37,8 +37,7 @@ from tiercake.blocks import object_id, object_slot
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import ObjectMap
 from tiercake.tiers.buffers import is_tensor, size_of
-from tiercake.tiers.directory import DirectoryReader
-from tiercake.tiers.pool import PoolFormatError, PoolRegion
+from tiercake.tiers.pool import PoolRegion
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
 from tiercake.transfer.protocol import (
@@ -49,11 +48,10 @@ from tiercake.transfer.protocol import (
     Op,
     Status,
     TransferError,
-    boot_id,
 )
 from tiercake.transfer.spin import SpinWait
 
-from .errors import InvalidParams, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
+from .errors import InvalidParams, NotReady, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
 from .requests import (
     MEMORY,
     Described,
@@ -80,6 +78,7 @@ from .requests import (
     remove_results,
     writable,
 )
+from .same_host import SameHost
 from .setup_args import client_credential
 
 if TYPE_CHECKING:
@@ -95,7 +94,6 @@ class AsyncStore:
     # and written from this one: below it a put on the stream is answered in one round trip by the
     # node's reader callback, where the pool's takes two through its event loop (docs/BENCHMARKS.md)
     SHM_PUT_MIN_BYTES = 4 << 20
-    NOTES_MAX = 256  # reads from a node's directory it is told of at once (their leases)
 
     def __init__(
         self,
@@ -149,11 +147,7 @@ class AsyncStore:
         self.timeout_s = timeout_s
         self.map = ObjectMap()
         self.members: dict[str, tuple[str, int]] = {}
-        self._pools: dict[str, PoolRegion | None] = {}  # node -> its pool, mapped here (None: not same host)
-        self._directories: dict[str, DirectoryReader] = {}  # node -> its object directory, mapped here
-        self._notes: dict[str, list[tuple[bytes, float]]] = defaultdict(
-            list
-        )  # node -> (name, when) read from its directory
+        self.same_host = SameHost(tenant, self.shm)
         self._map_lock = asyncio.Lock()
 
     async def open(self) -> AsyncStore:
@@ -170,10 +164,7 @@ class AsyncStore:
             for conn in conns:
                 conn.close()
         self._idle.clear()
-        for region in self._pools.values():
-            if region is not None:
-                region.close(unlink=False)
-        self._pools.clear()
+        self.same_host.close()
         await self.client.close()
 
     async def __aenter__(self) -> AsyncStore:
@@ -198,7 +189,7 @@ class AsyncStore:
                 if self.members.get(node) not in (None, address):
                     self.channels.forget(node)  # restarted elsewhere
                     self._forget_blocking(node)
-                    self._drop_pool(node)
+                    self.same_host.drop(node)
             self.members = moved
 
     async def _address(self, node: str) -> tuple[str, int] | None:
@@ -405,17 +396,33 @@ class AsyncStore:
         pending = items
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
+        away: set[str] = set()  # nodes of pinned slots absent from the members, in a round of this call
         if pending and not self.map.chains:
             await self.refresh()
         while pending:
             groups: dict[str, list[Item]] = defaultdict(list)
             for it in pending:
-                node = self.map.primary(object_slot(it.oid, self.map.slots)) if self.map.slots else None
+                slot = object_slot(it.oid, self.map.slots) if self.map.slots else 0
+                node = self.map.primary(slot) if self.map.slots else None
                 if node is None:
                     results[it.index] = Retry("no node owns its slot yet")
+                elif node not in self.members and self.map.pinned.get(slot) == node:
+                    # away, as the members fetched before this round say too (the round before asked
+                    # for them): what it alone persisted is unavailable, not lost
+                    results[it.index] = (
+                        NotReady(
+                            f"object {it.name[:80]!r}: its node {node} is away, and what it persisted is there "
+                            "alone: readable again once it is back"
+                        )
+                        if node in away
+                        else Retry(f"its node {node} is away")
+                    )
+                    away.add(node)
                 else:
                     groups[node].append(it)
-            if len(groups) == 1:  # the common case: no task for it
+            if not groups:
+                answers = []
+            elif len(groups) == 1:  # the common case: no task for it
                 answers = [await self._guarded(*next(iter(groups.items())), send, writes)]
             else:
                 answers = await asyncio.gather(
@@ -490,8 +497,7 @@ class AsyncStore:
     ) -> bytearray:
         """One request on the stream: on an asyncio connection, or a blocking one (``blocking``)."""
         if not self.blocking:
-            if node in self._notes:
-                await self._flush_notes(node)
+            await self._flush_notes(node)
             return await self._on(node, lambda conn: conn.exchange(op, answer, body, flags, data, receive))
         idle = self._idle[node]
         if idle:
@@ -513,7 +519,7 @@ class AsyncStore:
                 conn.open()
             except (TransferError, OSError) as exc:
                 raise NotSent() from exc
-        note = self.take_note(node) if node in self._notes else None
+        note = self.same_host.take_note(node, self.map.epoch)
         if note is not None:  # ahead of the request, on its connection (a remove after the reads finds their leases)
             conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
         reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.timeout_s + nbytes / 20e6)
@@ -539,7 +545,7 @@ class AsyncStore:
     async def _put_on(self, node: str, group: list[Item], like: w.PutItem) -> dict[int, object]:
         region = None
         if any(it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream for it in group):
-            region = await self._pool(node)
+            region = await self.same_host.pool(node, self.channels)
         pooled = [
             it for it in group if region is not None and it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream
         ]
@@ -603,7 +609,7 @@ class AsyncStore:
     async def _get_asked(self, node: str, group: list[Item]) -> dict[int, object]:
         region = None
         if any(it.out is not None and it.out.size >= self.SHM_MIN_BYTES and not it.stream for it in group):
-            region = await self._pool(node)
+            region = await self.same_host.pool(node, self.channels)
         pooled = [
             it
             for it in group
@@ -707,43 +713,13 @@ class AsyncStore:
 
     # The shared pool of a node on this host -----------------------------------------------------
 
-    async def _pool(self, node: str) -> PoolRegion | None:
-        if not self.shm:
-            return None
-        if node in self._pools:
-            return self._pools[node]
-        region = None
-        try:
-            channel = await self.channels.get(node)
-            info = await channel.peer_info()
-            if info.pool_path and info.boot_id == boot_id():
-                region = PoolRegion.attach(info.pool_path)
-                if region.instance != info.pool_id:  # a pool at the path, not the node's (yet)
-                    region.close(unlink=False)
-                    region = None
-                elif info.objects_path:
-                    self._directories[node] = DirectoryReader(info.objects_path, region.array[region.data_offset :])
-        except (TransferError, OSError, PoolFormatError, RpcFailed) as exc:
-            log.info("kvstore: %s's pool cannot be mapped here (%s): the stream carries its bytes", node, exc)
-            region = None
-        self._pools[node] = region
-        return region
-
-    def _drop_pool(self, node: str) -> None:
-        reader = self._directories.pop(node, None)
-        if reader is not None:
-            reader.close()
-        region = self._pools.pop(node, None)
-        if region is not None:
-            region.close(unlink=False)
-
     async def _from_directory(self, node: str, group: list[Item]) -> tuple[dict[int, object], list[Item]]:
         """Same host: the items the node's directory has, copied straight out of its pool (no round
         trip), and those left to ask it for."""
-        if not self.shm or (node not in self._pools and await self._pool(node) is None):
+        if not self.shm or (not self.same_host.mapped(node) and await self.same_host.pool(node, self.channels) is None):
             return {}, group
-        reader = self._directories.get(node)
-        if reader is None or not reader.valid():
+        reader = self.same_host.directory(node)
+        if reader is None:
             return {}, group
         found: dict[int, object] = {}
         rest = []
@@ -753,36 +729,14 @@ class AsyncStore:
                 found[it.index] = got
             else:
                 rest.append(it)  # not there (or the buffer is too small: the node says so)
-        if found:
-            # Mooncake's read lease, granted as the node would for a get: noted, and told the node ahead of
-            # the next request to it, on the same connection (so a remove after this read finds the
-            # lease), or once NOTES_MAX are noted; telling it at once would cost the node a turn per read
-            if self.note_reads(node, [it.name for it in group if it.index in found]):
-                await self._flush_notes(node)
+        # Mooncake's read lease, granted as the node would for a get: noted, and told the node ahead of
+        # the next request to it (``SameHost``), or once enough are noted
+        if found and self.same_host.note_reads(node, [it.name for it in group if it.index in found]):
+            await self._flush_notes(node)
         return found, rest
 
-    def note_reads(self, node: str, names: list[bytes]) -> bool:
-        """Note reads from ``node``'s directory (their leases, from now); True when it is time to tell it."""
-        notes = self._notes[node]
-        now = time.monotonic()
-        notes.extend((name, now) for name in names)
-        return len(notes) >= self.NOTES_MAX
-
-    def take_note(self, node: str) -> bytes | None:
-        """What to tell ``node`` of the reads noted: the names and how long ago each was read, so that
-        its leases run from the reads, not from the note."""
-        notes = self._notes.pop(node, None)
-        if not notes:
-            return None
-        now = time.monotonic()
-        return w.encode(
-            w.QueryRequest(
-                self.tenant, self.map.epoch, [n for n, _ in notes], True, [int((now - when) * 1e3) for _, when in notes]
-            )
-        )
-
     async def _flush_notes(self, node: str) -> None:
-        note = self.take_note(node)
+        note = self.same_host.take_note(node, self.map.epoch)
         if note is not None:
             await self._send_only(node, Op.OBJ_QUERY, note, FLAG_NO_REPLY)
 

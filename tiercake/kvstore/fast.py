@@ -69,8 +69,8 @@ class FastPath:
     def get(self, items: list[Item]) -> tuple[dict[int, object], list[Item]]:
         def send(node: str, group: list[Item]) -> dict[int, object]:
             done: dict[int, object] = {}
-            reader = self.store._directories.get(node)
-            if reader is not None and reader.valid():
+            reader = self.store.same_host.directory(node)
+            if reader is not None:
                 rest = []
                 for it in group:
                     got = reader.read(it.oid, it.out) if it.device is None else None
@@ -78,13 +78,13 @@ class FastPath:
                         done[it.index] = got
                     else:
                         rest.append(it)
-                if done and self.store.note_reads(node, [it.name for it in group if it.index in done]):
+                if done and self.store.same_host.note_reads(node, [it.name for it in group if it.index in done]):
                     self._flush_notes(node)
                 group = rest
             if not group:
                 return done
             if self.store.shm and (
-                node not in self.store._pools
+                not self.store.same_host.mapped(node)
                 or any(it.out is not None and it.out.size >= self.store.SHM_MIN_BYTES for it in group)
             ):
                 done.update({it.index: Retry("through the pool", refresh=False) for it in group})
@@ -193,7 +193,7 @@ class FastPath:
     ) -> bytearray:
         conn = self._connection(node)
         try:
-            note = self.store.take_note(node) if node in self.store._notes else None
+            note = self.store.same_host.take_note(node, self.store.map.epoch)
             if note is not None:  # ahead of the request, on its connection: a remove after the reads finds their leases
                 conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
             reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.store.timeout_s + nbytes / 20e6)
@@ -213,7 +213,7 @@ class FastPath:
         idle = self.store._idle.get(node)
         if not idle:
             return  # told with the next request, once there is a connection
-        note = self.store.take_note(node)
+        note = self.store.same_host.take_note(node, self.store.map.epoch)
         if note is None:
             return
         try:

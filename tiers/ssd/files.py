@@ -375,6 +375,43 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
         _check_block(where, head, key, nbytes, stored)
         self._decode(where, head, stored, nbytes, out)
 
+    async def read_head(self, slot: SsdSlot, key: bytes, nbytes: int, want: int) -> bytes:
+        if slot.path is None:
+            raise PayloadError("block is not on disk yet")
+
+        def read() -> bytes:
+            direct = self._direct(slot.nbytes)
+            try:
+                fd = os.open(slot.path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            except FileNotFoundError:
+                raise CorruptBlockError(f"{slot.path}: file is gone") from None
+            try:
+                return self._head_of(fd, 0, slot.reserved, slot.path, key, slot.nbytes, want, direct)
+            finally:
+                os.close(fd)
+
+        return await self._run(read)
+
+    def _head_of(
+        self, fd: int, base: int, size: int, where: object, key: bytes, nbytes: int, want: int, direct: bool
+    ) -> bytes:
+        """The payload's first ``want`` bytes: the header's page and those (one ``pread``) where the
+        payload is stored raw; the whole record, decoded, where it is compressed."""
+        want = min(want, nbytes)
+        length = min(round_up(PAGE + want), round_up(size)) if direct else min(PAGE + want, size)
+        buf = self._tls.get(round_up(length))
+        got = os.preadv(fd, [buf[:length]], base)
+        head = _parse_header(where, buf[:HEADER_SIZE].tobytes(), size)
+        if head.key != key or head.raw_len != nbytes:
+            raise CorruptBlockError(f"{where}: header names another block")
+        if head.flags & _FLAG_ZSTD:  # compressed: only the whole decodes
+            out = empty(nbytes)
+            self._read_record(fd, base, size, where, key, nbytes, out, direct)
+            return bytes(out[:want])
+        if got < head.data_offset + want:
+            raise CorruptBlockError(f"{where}: truncated: read {got} bytes")
+        return bytes(buf[head.data_offset : head.data_offset + want])
+
     def _decode(self, where: object, head: _Header, stored: np.ndarray, nbytes: int, out: np.ndarray) -> None:
         if not head.flags & _FLAG_ZSTD:
             out[:] = stored

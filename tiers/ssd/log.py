@@ -412,6 +412,20 @@ class SsdLogBackend(SsdFilesBackend):
         if target is not dst:
             copy_into(dst, target)
 
+    async def read_head(self, slot: LogSlot, key: bytes, nbytes: int, want: int) -> bytes:
+        if slot.segment is None:
+            raise PayloadError("block is not on disk yet")
+        segment = self.segments[slot.segment]
+        segment.readers += 1
+        try:
+            where = f"{segment.path}@{slot.offset}"
+            return await self._run(
+                self._head_of, segment.fd, slot.offset, slot.reserved, where, key, slot.nbytes, want, self.direct_io
+            )
+        finally:
+            segment.readers -= 1
+            self._close_if_retired(segment)
+
     def _coalesced(self, read: _Read) -> asyncio.Future:
         """Queue a read of a whole, raw, page-sized record into page-aligned memory. The reads queued in
         one pass of the event loop (a ``get_many``) are sorted, and each run of records that lie next to

@@ -111,6 +111,26 @@ class Reporter:
                 if not future.done():
                     future.set_result(why)
 
+    async def pinned(self, slot: int) -> bool:
+        """Whether the map pins ``slot`` to this node (``ObjectMap.pinned``), asking the conductor to
+        first: an object persisted here alone is acknowledged only once the slot cannot move away
+        while this node is away (else it would be silently absent, then dropped on its return)."""
+        me = self.ownership.node_id
+        if self.ownership.map.pinned.get(slot) == me:
+            return True
+        report = SlotReady(slot=slot, epoch=self.ownership.map.epoch, node=me, primary=me, pinned=True)
+        for _ in range(3):
+            try:
+                refused = await self.tell(report)
+            except ConductorError:
+                await asyncio.sleep(0.2)
+                continue
+            if refused:
+                log.info("node %s: the conductor refused to pin slot %d here: %s", me, slot, refused)
+                return False
+            return self.ownership.map.pinned.get(slot) == me
+        return False
+
     async def close(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
@@ -460,6 +480,7 @@ class BackupSide:
         self.node_id = node_id
         self.table = table
         self.ownership = ownership
+        self.syncing: dict[int, set[bytes]] = {}  # slot -> the objects its primary sent since SYNC_BEGIN
 
     async def accepts(self, request: w.ReplicateRequest) -> bool:
         if request.epoch > self.ownership.map.epoch:
@@ -470,8 +491,17 @@ class BackupSide:
                 await asyncio.sleep(0.02)
         return self.ownership.is_backup(request.slot, request.primary)
 
-    def drop_slot(self, slot: int) -> int:
-        gone = [s.oid for s in self.table if self.ownership.slot_of(s.oid) == slot]
+    def begin_sync(self, slot: int) -> None:
+        """The primary copies the slot here: what this node holds of it stays until the copy is over
+        (a returning node reconciles, it is not emptied first), and is then kept only as the primary
+        sent it."""
+        self.syncing[slot] = set()
+
+    def end_sync(self, slot: int) -> int:
+        """The copy is over: drop what the primary did not send (removed meanwhile, or never there).
+        How many objects went."""
+        sent = self.syncing.pop(slot, set())
+        gone = [s.oid for s in self.table if self.ownership.slot_of(s.oid) == slot and s.oid not in sent]
         for oid in gone:
             self.table.remove(oid)
         return len(gone)
@@ -505,7 +535,14 @@ class BackupSide:
                 continue
             if one is None:
                 self.table.remove(oid)
+                self.syncing.get(request.slot, set()).discard(oid)
                 await self.table.retired()  # as the primary's remove: nothing left for a restart to find
+                results.append(w.Result(Status.OK))
+                continue
+            self.syncing.get(request.slot, set()).add(oid)
+            held = self.table.get(oid)
+            if held is not None and held.version > item.version:  # versions only go forward: keep ours
+                await self.table.abort(one)
                 results.append(w.Result(Status.OK))
                 continue
             try:

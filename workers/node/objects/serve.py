@@ -226,6 +226,8 @@ class ObjectServer(AnswerNow):
             old = self.table.get(oid)
             if old is not None and not item.upsert:
                 return w.Result(Status.EXISTS)  # a racing first put won: its value stays
+            if item.persist and item.replicas <= 1 and not await self.replicator.reporter.pinned(slot):
+                return w.Result(Status.REPLICA_FAILED, "the conductor could not be told this node holds it alone")
             version = max(old.version + 1 if old is not None else 0, time.time_ns())
             if item.soft_pin_ms == w.KEEP_SOFT_PIN:
                 staged.meta = kept_pin(staged.meta, old)
@@ -383,9 +385,12 @@ class ObjectServer(AnswerNow):
             await send_frame(conn, Op.OBJ_REPLICATE_REPLY, request, w.encode(reply))
             return
         if req.phase == w.SYNC_BEGIN:
-            dropped = self.backup.drop_slot(req.slot)
+            self.backup.begin_sync(req.slot)
+            log.info("node %s: slot %d is copied here from %s", self.node_id, req.slot, req.primary)
+        elif req.phase == w.SYNC_END:
+            dropped = self.backup.end_sync(req.slot)
             log.info(
-                "node %s: slot %d is copied here from %s (dropped %d objects it had)",
+                "node %s: slot %d copied from %s (%d it held are gone there)",
                 self.node_id,
                 req.slot,
                 req.primary,
