@@ -555,7 +555,10 @@ def session_version(hello: bytes | bytearray, peer: str, needs: int = OLDEST) ->
     return version
 
 
-CLUSTER, NODE, TENANT = "cluster", "node", "tenant"
+CredentialKind = Literal["cluster", "node", "tenant"]
+CLUSTER: CredentialKind = "cluster"
+NODE: CredentialKind = "node"
+TENANT: CredentialKind = "tenant"
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,7 +567,7 @@ class Credential:
     docstring). The cluster secret's is ``Credential(secret)``."""
 
     key: bytes
-    kind: Literal["cluster", "node", "tenant"] = CLUSTER
+    kind: CredentialKind = CLUSTER
 
     def role(self, name: str) -> bytes:
         return b"client" if self.kind == CLUSTER else f"{self.kind}:{name}".encode()
@@ -583,7 +586,7 @@ def credential(secret: bytes | Credential) -> Credential:
 class PeerIdentity:
     """Who the server's peer proved to be: its credential's kind and the name it proved it under."""
 
-    kind: Literal["cluster", "node", "tenant"]
+    kind: CredentialKind
     name: str
 
     def __str__(self) -> str:

@@ -137,4 +137,5 @@ def client_credential(
         key = tenant_key.encode() if isinstance(tenant_key, str) else tenant_key
         return ClientCredential(Credential(key, TENANT), tenant, token or tenant_token(tenant, key), False)
     own = identity or f"kvstore-{os.getpid()}-{secrets.token_hex(3)}"
+    assert secret is not None  # one of the two, checked above
     return ClientCredential(secret.encode() if isinstance(secret, str) else secret, own, token, True)
