@@ -303,10 +303,7 @@ class Client:
         """``/v1/completions``, whole: the OpenAI response (usage includes cached prompt tokens).
         ``session``: the conversation it belongs to and what to do with its KV afterwards."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
-        headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
-        if session is not None:
-            headers |= session.headers()
-        return await self._call("POST", "/v1/completions", body, headers=headers or None)
+        return await self._call("POST", "/v1/completions", body, headers=_serving_headers(tenant, session) or None)
 
     async def models(self) -> list[dict]:
         """``/v1/models``: the served model, with ``max_model_len`` (its context)."""
@@ -324,36 +321,17 @@ class Client:
         **extra,
     ):
         """``/v1/completions`` streamed: each server-sent chunk as a dict, the last one with usage."""
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **extra,
-        }
-        headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
-        if session is not None:
-            headers |= session.headers()
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
         url = self.urls[self._current % len(self.urls)]
-        async with self._http().post(url + "/v1/completions", json=body, headers=headers) as resp:
-            if resp.status >= 400:
-                error = parse_error(await resp.json(content_type=None), resp.status)
-                raise ConductorError(resp.status, error.message, error.code)
-            async for line in resp.content:
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk:  # after the first token: the status was 200; the error's type tells
-                    error = parse_error(chunk, 502)
-                    raise ConductorError(429 if error.type == "rate_limit_error" else 502, error.message, error.code)
+        async with self._http().post(
+            url + "/v1/completions", json=body, headers=_serving_headers(tenant, session)
+        ) as r:
+            if r.status >= 400:
+                error = parse_error(await r.json(content_type=None), r.status)
+                raise ConductorError(r.status, error.message, error.code)
+            async for chunk in _server_sent(r):
                 yield chunk
-            raise ConductorError(502, "the stream ended without [DONE]: the response is incomplete")
 
     # Serving control ----------------------------------------------------------------------------
 
@@ -399,9 +377,15 @@ class Client:
         return await self._typed(PolicyReply, "POST", "/v1/policy", body)
 
     async def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
-        """The sessions the front served (one tenant's, or all), as it last saw them."""
-        path = "/v1/sessions" + (f"?tenant={quote(tenant)}" if tenant is not None else "")
-        return (await self._typed(SessionsReply, "GET", path)).sessions
+        """The sessions the front served (one tenant's, or all), as it last saw them: every page."""
+        found: list[SessionInfo] = []
+        offset: int | None = 0
+        while offset is not None:
+            query = f"?offset={offset}" + (f"&tenant={quote(tenant)}" if tenant is not None else "")
+            page = await self._typed(SessionsReply, "GET", "/v1/sessions" + query)
+            found += page.sessions
+            offset = page.next_offset
+        return found
 
     async def change_session(
         self,
@@ -443,6 +427,29 @@ class Client:
         return await self._typed(
             SlotReportsReply, "POST", "/v1/objects/reports", {"reports": [r.model_dump() for r in reports]}
         )
+
+
+def _serving_headers(tenant: str | None, session: Session | None) -> dict[str, str]:
+    headers = {"X-Tiercake-Tenant": tenant} if tenant else {}
+    return headers | session.headers() if session is not None else headers
+
+
+async def _server_sent(resp: aiohttp.ClientResponse):
+    """A streamed completion's chunks, each a dict, until ``[DONE]``; an error event (the status was
+    200 already: its type tells what it stands for) or a stream cut short is a ``ConductorError``."""
+    async for line in resp.content:
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:]
+        if data == b"[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            error = parse_error(chunk, 502)
+            raise ConductorError(429 if error.type == "rate_limit_error" else 502, error.message, error.code)
+        yield chunk
+    raise ConductorError(502, "the stream ended without [DONE]: the response is incomplete")
 
 
 class NodeDirectory:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,15 +65,19 @@ class SessionAware(EvictionPolicy):
         tenant_quota: float | None = None,
         tenant_floor: float = 0.0,
         max_sessions: int = 1_000_000,
+        max_tenant_sessions: int = 10_000,
     ) -> None:
         """``tenant_quota``: the most a tenant's paused sessions retain in this tier (in the unit of
         ``BlockMeta.size``: bytes in a store, blocks in the simulator); past it, its sessions expected
         back last are let go (their blocks are then like any other). ``tenant_floor``: what a tenant's
         sessions keep while another tenant's held blocks can go instead. ``max_sessions``: the most
-        sessions tracked; past it, the paused ones whose retention ends first are let go early (a
-        client opening sessions without end costs this policy bounded memory)."""
-        if max_sessions < 1:
-            raise ValueError("max_sessions must be at least 1")
+        sessions tracked, and ``max_tenant_sessions`` of one tenant's: past them, the paused sessions
+        whose retention ends first are let go early, of the newcomer's own tenant (past the total: of
+        the tenant that holds the most), so that a client opening sessions without end costs bounded
+        memory and another tenant's sessions nothing; a session there is no room for is not tracked
+        (its blocks are like any other's)."""
+        if max_sessions < 1 or max_tenant_sessions < 1:
+            raise ValueError("max_sessions and max_tenant_sessions must be at least 1")
         if not (0 < retain_s < math.inf and 0 < initial_pause_s < math.inf):
             raise ValueError("retain_s and initial_pause_s must be positive, finite seconds")
         if tenant_quota is not None and not 0 < tenant_quota < math.inf:
@@ -83,7 +87,9 @@ class SessionAware(EvictionPolicy):
         if isinstance(fallback, SessionAware):
             raise ValueError("the fallback of the session policy must be a session-blind policy")
         self.retain_s, self.tenant_quota, self.tenant_floor = retain_s, tenant_quota, tenant_floor
-        self.max_sessions = max_sessions
+        self.max_sessions, self.max_tenant_sessions = max_sessions, max_tenant_sessions
+        self._per_tenant: Counter[str] = Counter()  # sessions tracked, by tenant
+        self._tenant_expiry: dict[str, list[tuple[float, int, Any]]] = {}  # the same as _expiry, by tenant
         self._free = fallback if fallback is not None else ReuseAware()
         self._held: dict[Key, None] = {}  # resident keys that an open session lists, oldest first
         self._metas: dict[Key, BlockMeta] = {}  # every resident key's, for the fallback when it is freed
@@ -263,8 +269,10 @@ class SessionAware(EvictionPolicy):
                 self._close(event.session, session)
             return
         if session is None:
-            self._make_room()
+            if not self._make_room(event.tenant):
+                return  # no room that its own tenant can give: not tracked
             session = self._sessions[event.session] = _Session(tenant=event.tenant)
+            self._per_tenant[event.tenant] += 1
         self._unpass(session)
         self._relist(session, event.keys)
         session.version += 1
@@ -292,6 +300,9 @@ class SessionAware(EvictionPolicy):
             heapq.heappush(self._unannounced.setdefault(lane, []), entry)
         retain = event.retain_s if event.retain_s is not None else self.retain_s
         heapq.heappush(self._expiry, (self._now + retain, session.version, event.session))
+        heapq.heappush(
+            self._tenant_expiry.setdefault(session.tenant, []), (self._now + retain, session.version, event.session)
+        )
         self._enforce_quota(session.tenant)
 
     def _advance(self, at: float) -> None:
@@ -302,14 +313,27 @@ class SessionAware(EvictionPolicy):
             if session is not None and session.version == version and session.state is SessionState.PAUSED:
                 self._close(sid, session)
 
-    def _make_room(self) -> None:
-        """Room for one more session: past ``max_sessions``, paused sessions are let go in the order
-        their retention would end."""
-        while len(self._sessions) >= self.max_sessions and self._expiry:
-            _, version, sid = heapq.heappop(self._expiry)
+    def _make_room(self, tenant: str) -> bool:
+        """Room for one more of ``tenant``'s sessions (whether there is): past its own bound, its
+        paused sessions go in the order their retention would end; past the total, those of the
+        tenant that holds the most."""
+        if self._per_tenant[tenant] >= self.max_tenant_sessions and not self._let_go(tenant):
+            return False
+        while len(self._sessions) >= self.max_sessions:
+            if not self._let_go(max(self._per_tenant, key=self._per_tenant.__getitem__)):
+                return False
+        return True
+
+    def _let_go(self, tenant: str) -> bool:
+        """Close ``tenant``'s paused session whose retention ends first; whether there was one."""
+        heap = self._tenant_expiry.get(tenant, [])
+        while heap:
+            _, version, sid = heapq.heappop(heap)
             session = self._sessions.get(sid)
             if session is not None and session.version == version and session.state is SessionState.PAUSED:
                 self._close(sid, session)
+                return True
+        return False
 
     def _learn_pause(self, pause: float) -> None:
         self._pauses_seen += 1
@@ -319,6 +343,10 @@ class SessionAware(EvictionPolicy):
         self._pass(session)
         self._relist(session, ())
         del self._sessions[sid]
+        self._per_tenant[session.tenant] -= 1
+        if not self._per_tenant[session.tenant]:
+            del self._per_tenant[session.tenant]
+            self._tenant_expiry.pop(session.tenant, None)
 
     def _pass(self, session: _Session) -> None:
         if session.passed:

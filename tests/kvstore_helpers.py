@@ -41,13 +41,16 @@ class KvCluster:
         pool_extra: str = "",
         start: bool = True,
         metrics: bool = False,
+        member_ttl: float = 1.0,
     ) -> None:
-        """``metrics``: each node agent serves /metrics (its URL in ``announced[name]``)."""
+        """``metrics``: each node agent serves /metrics (its URL in ``announced[name]``); ``member_ttl``:
+        the node agents' lease (short: the faults' tests wait less for a node to be gone)."""
         self.tmp = tmp
         self.group = Processes()
         self.env = {"TIERCAKE_SECRET": SECRET, "TIERCAKE_TOKEN": TOKEN}
         self.pool, self.ssd, self.pool_extra = pool, ssd, pool_extra
         self.lease_ttl_s = lease_ttl_s
+        self.member_ttl = member_ttl
         self.objects = (
             f"{{failover_s: {failover_s}, lease_ttl_s: {lease_ttl_s}, bootstrap_s: 0.5, replicas_max: {replicas_max}}}"
         )
@@ -95,7 +98,7 @@ class KvCluster:
                 f"node_id: {name}\n"
                 "store:\n  layout: null\n  tiers:\n"
                 f"    - {{kind: pool, capacity: {self.pool}, path: {pool}{self.pool_extra}}}\n{ssd}"
-                f"conductor: {{urls: {json.dumps(self.urls)}, member_ttl: 1}}\n"
+                f"conductor: {{urls: {json.dumps(self.urls)}, member_ttl: {self.member_ttl}}}\n"
                 f"objects: {self.objects}\n"
                 "transfer: {host: 127.0.0.1" + (", metrics_port: 0" if self.metrics else "") + "}\n"
             )

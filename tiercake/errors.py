@@ -165,6 +165,8 @@ def parse_body(model: type[M], raw: bytes, what: str = "invalid body") -> M:
         json.loads(raw, object_pairs_hook=_once, parse_constant=_no_constant)
     except _Twice as exc:
         raise ApiError(400, f"{what}: {exc.name}: given twice in one object", param=exc.name) from None
+    except RecursionError:  # a 100,000-deep body once answered 500
+        raise ApiError(400, f"{what}: JSON nested too deeply") from None
     except (ValueError, UnicodeDecodeError):
         pass  # not JSON: pydantic's parser says where
     try:

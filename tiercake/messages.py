@@ -682,6 +682,7 @@ class SessionInfo(Reply):
 
 class SessionsReply(Reply):
     sessions: list[SessionInfo]
+    next_offset: int | None = Field(default=None, description="where the next page starts (None: this was the last)")
 
 
 class SessionChange(Request):

@@ -41,7 +41,11 @@ class Throttled:
 class StoreEviction:
     """``TieredStore``'s eviction and spill (its entries, its tiers)."""
 
-    def _evictable(self, tier: Tier, *, soft_ok: bool, tenant: str | None = None):
+    def _evictable(self, tier: Tier, *, soft_ok: bool, tenant: str | None = None, lossless: bool = False):
+        """Which keys of ``tier`` may go now. ``lossless``: only those that lose nothing by it, with
+        a copy below or room below to spill into as it is (what a promotion may evict: bringing a
+        block up must never drop another's last copy, as a read of a persisted object once dropped
+        memory-level objects off a full SSD)."""
         now = time.monotonic()
         index, last = tier.index, len(self.tiers) - 1
 
@@ -54,11 +58,21 @@ class StoreEviction:
                 return False
             if copy.leased(now) or tier.backend.in_use(copy.slot) or entry.hold_until > now:
                 return False
-            if entry.keep and index == last and not any(i > index for i in entry.committed()):
+            below = any(i > index for i in entry.committed())
+            if entry.keep and index == last and not below:
                 return False  # a kept block's last copy, at the bottom: nowhere to spill it
+            if lossless and not below and not self._room_below(index, entry.nbytes):
+                return False
             return soft_ok or entry.soft_pin_until <= now
 
         return can_evict
+
+    def _room_below(self, index: int, nbytes: int) -> bool:
+        """Whether a tier below ``index`` has room for ``nbytes`` without evicting anything."""
+        return any(
+            t.backend.accepts(nbytes) and t.backend.capacity_bytes - t.backend.used_bytes >= nbytes
+            for t in self.tiers[index + 1 :]
+        )
 
     async def _within_quota(self, tier: Tier, entry: Entry) -> bool:
         """Room for ``entry`` in its tenant's share of ``tier``, evicting the tenant's own blocks
@@ -74,16 +88,16 @@ class StoreEviction:
                     return False
         return True
 
-    async def _evict_some(self, tier: Tier, nbytes: int, tenant: str | None = None) -> bool:
-        """Evict blocks worth about ``nbytes`` from ``tier`` (only ``tenant``'s, when given); False
-        when nothing may be evicted."""
+    async def _evict_some(self, tier: Tier, nbytes: int, tenant: str | None = None, lossless: bool = False) -> bool:
+        """Evict blocks worth about ``nbytes`` from ``tier`` (only ``tenant``'s, when given; only
+        what loses nothing by it, ``lossless``); False when nothing may be evicted."""
         if self._holds:
             self._end_holds()
         avg = max(1, tier.backend.used_bytes // max(1, len(tier.eviction)))
         want = max(1, min(64, -(-nbytes // avg)))
-        victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False, tenant=tenant))
+        victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=False, tenant=tenant, lossless=lossless))
         if not victims:
-            victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True, tenant=tenant))
+            victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True, tenant=tenant, lossless=lossless))
         for key in victims:
             await self._demote(tier, key)
         return bool(victims)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import re2
 
 from tiercake.blocks import is_object_tenant, object_block_key, object_block_tenant, object_id
 
@@ -595,3 +596,20 @@ def kept_pin(meta: Meta, old: Stored | None) -> Meta:
     if old is not None and old.meta.soft_pin_ms is not None:
         left = max(0, old.record.soft_pin_until_ms - int(time.time() * 1e3))
     return Meta(meta.replicas, meta.persist, meta.hard_pin, left)
+
+
+MAX_PATTERN = 4096  # bytes of a pattern a client may send
+_RE2 = re2.Options()
+_RE2.log_errors = False  # a bad pattern is answered INVALID, not logged by RE2 on stderr
+_RE2.max_mem = 8 << 20  # what one pattern's automaton may take
+
+
+def compile_pattern(pattern: str):
+    """A client's regular expression, compiled with RE2 (linear time; no backreferences or
+    lookarounds); ``ValueError`` naming what is wrong."""
+    if len(pattern.encode(errors="surrogatepass")) > MAX_PATTERN:
+        raise ValueError(f"a pattern is at most {MAX_PATTERN} bytes")
+    try:
+        return re2.compile(pattern.encode(errors="surrogatepass"), _RE2)
+    except re2.error as exc:
+        raise ValueError(f"bad pattern (RE2's syntax: no backreferences or lookarounds): {exc}") from None

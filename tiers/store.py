@@ -365,7 +365,9 @@ class TieredStore(StoreRemoval, StoreEviction):
             raise full
         return None
 
-    async def _allocate(self, tier: Tier, nbytes: int) -> Any:
+    async def _allocate(self, tier: Tier, nbytes: int, lossless: bool = False) -> Any:
+        """A slot of ``nbytes`` in ``tier``, evicting (only what loses nothing by it, ``lossless``)
+        as needed; ``TierFullError`` when nothing may go."""
         slot = tier.backend.allocate(nbytes)
         if slot is not None:
             return slot
@@ -374,7 +376,7 @@ class TieredStore(StoreRemoval, StoreEviction):
                 slot = tier.backend.allocate(nbytes)
                 if slot is not None:
                     return slot
-                if not await self._evict_some(tier, nbytes):
+                if not await self._evict_some(tier, nbytes, lossless=lossless):
                     break
             slot = tier.backend.allocate(nbytes)
             if slot is not None:
@@ -588,7 +590,7 @@ class TieredStore(StoreRemoval, StoreEviction):
             up.stats.admission_refusals += 1
             return
         try:
-            slot = await self._allocate(up, entry.nbytes)
+            slot = await self._allocate(up, entry.nbytes, lossless=True)  # best effort: at no block's cost
         except TierFullError:
             return
         if self._entries.get(entry.key) is not entry or up.index in entry.copies:

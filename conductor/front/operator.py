@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tiercake.blocks import BlockKey, block_keys
 from tiercake.config import TiercakeConfig
-from tiercake.errors import ApiError, invalid
+from tiercake.errors import ApiError, parse_body
 from tiercake.messages import (
     ClusterMember,
     ClusterView,
@@ -49,12 +49,9 @@ def reply(model: BaseModel, status: int = 200) -> web.Response:
 
 
 async def parse(request: web.Request, model: type[BaseModel], empty: bytes | None = None):
-    """The body as ``model``; a malformed one is a 400 that names the field."""
-    raw = await request.read() or empty or b""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise invalid(exc) from None
+    """The body as ``model`` (``parse_body``'s rules: one JSON, the model's checks); a malformed one is
+    a 400 that names the field."""
+    return parse_body(model, await request.read() or empty or b"")
 
 
 class OperatorApi:
@@ -88,9 +85,14 @@ class OperatorApi:
         ]
 
     async def list_sessions(self, request: web.Request) -> web.Response:
-        """The sessions this front served (``?tenant=``: one tenant's), newest last."""
+        """The sessions this front served (``?tenant=``: one tenant's), least recently used first, a
+        page at a time: ``?offset=`` (default 0) and ``?limit=`` (default and most ``PAGE``); the reply's
+        ``next_offset`` is where the next page starts."""
         tenant = request.query.get("tenant")
-        return reply(SessionsReply(sessions=self.sessions.list(tenant)))
+        offset, limit = _count(request, "offset", 0, 10**9), _count(request, "limit", PAGE, PAGE)
+        page = self.sessions.list(tenant, offset, limit + 1)  # one more: whether there is a next page
+        more = len(page) > limit
+        return reply(SessionsReply(sessions=page[:limit], next_offset=offset + limit if more else None))
 
     async def change_session(self, request: web.Request) -> web.Response:
         """Close a session now, or keep it longer or at another priority: told to the tiers through the
@@ -221,6 +223,14 @@ class OperatorApi:
                     "entry point, `tiercake policy list`); a module:Class path only from the config",
                     param="router" if spec == body.router else "eviction",
                 )
+        known = {t.tier_name for t in self.config.store.tiers} | {
+            tier for member in self.conductor.members.alive() for tier in member.tiers
+        }
+        unknown = sorted(set(body.eviction or {}) - known)
+        if unknown:
+            raise ApiError(
+                400, f"no tier {unknown[0]!r} in this cluster: its tiers are {sorted(known)}", param="eviction"
+            )
         try:
             if body.router is not None:
                 router = create_router(body.router, body.router_params)  # refuse what would not build
@@ -241,3 +251,16 @@ class OperatorApi:
         return reply(
             PolicyReply(router=self.dispatcher.router_spec, eviction=conductor.settings.eviction, warnings=warnings)
         )
+
+
+PAGE = 1000  # sessions in a page of GET /v1/sessions (one tenant's 100k once answered 19 MB at once)
+
+
+def _count(request: web.Request, name: str, default: int, most: int) -> int:
+    """A whole-number query parameter, 0 to ``most``: a 400 naming it otherwise."""
+    text = request.query.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or int(text) > most:
+        raise ApiError(400, f"{name} is a whole number from 0 to {most}, got {text[:40]!r}", param=name)
+    return int(text)

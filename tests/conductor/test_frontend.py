@@ -295,3 +295,32 @@ async def test_no_decode_worker_with_room_after_the_prefill_is_a_429_not_a_502()
     finally:
         for runner in servers:
             await runner.cleanup()
+
+
+async def test_a_policy_for_a_tier_the_cluster_has_not_is_a_400_naming_its_tiers():
+    """``/v1/policy`` once stored an eviction policy for a tier no member has (a typo took effect
+    nowhere, silently): refused, with the tiers it has."""
+    async with _front(ServingConfig(), [worker("w1")]) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/policy", json={"eviction": {"poool": {"policy": "lru"}}}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and "no tier 'poool'" in error["message"] and "'pool'" in error["message"]
+            async with http.post(url + "/v1/policy", json={"eviction": {"pool": {"policy": "lru"}}}) as resp:
+                assert resp.status == 200, await resp.text()
+
+
+async def test_a_body_nested_100000_deep_is_a_400_on_every_api():
+    """JSON nested 100,000 deep (Python's parser recurses: it once answered 500 with a RecursionError):
+    a 400 that says so, on the OpenAI API, the operator's endpoints and the members' control calls."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with _front(ServingConfig(), [worker("w1")]) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            for path, body in (
+                ("/v1/completions", b'{"model": "tiercake-reference", "prompt": ' + deep + b"}"),
+                ("/v1/policy", b'{"eviction": ' + deep + b"}"),
+                ("/v1/placements/lookup", b'{"tenant": "t", "keys": ' + deep + b"}"),
+                ("/v1/objects/reports", b'{"reports": ' + deep + b"}"),
+            ):
+                async with http.post(url + path, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    error = (await resp.json())["error"]
+                    assert resp.status == 400 and "too deeply" in error["message"], (path, resp.status, error)

@@ -67,6 +67,7 @@ CORE = {
     "etcd3aio",
     "matplotlib",
     "msgspec",
+    "google-re2",
 }
 
 

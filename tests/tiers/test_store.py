@@ -171,6 +171,26 @@ async def test_promotion_on_hit_and_inclusive_copies(make_store):
     assert same(await store.get(key(1)), 1)
 
 
+async def test_a_promotion_never_costs_another_blocks_last_copy(make_store):
+    """A read from the SSD promotes its block into the pool only at no block's cost: with the pool full
+    of blocks that have no copy below and the SSD full too (nowhere to spill them), the read is served
+    from the SSD and nothing is dropped (a read of a persisted object on a full SSD once evicted, and
+    lost, memory-level objects); once the pool has a block with a copy below, that one makes room."""
+    store = await make_store(gpu=None, pool=4, ssd=4)
+    for tier in store.tiers:
+        tier.high_watermark = 1.0  # no background round: the tiers stay full
+    for i in range(4):
+        await store.put(key(10 + i), block(10 + i), tier="ssd")
+    for i in range(4):
+        await store.put(key(i), block(i), tier="pool")
+    await store.drain()
+    assert [len(store.keys(t)) for t in ("pool", "ssd")] == [4, 4]
+    out = torch.empty(LAYOUT.nbytes, dtype=torch.uint8)
+    assert await store.get_into(key(10), out) == "ssd" and same(out, 10)
+    assert sorted(store.keys()) == sorted(key(i) for i in (0, 1, 2, 3, 10, 11, 12, 13))  # none dropped
+    assert store.tier("pool").stats.drops == 0 and "pool" not in store.where(key(10))
+
+
 async def test_admission_gates_promotion(make_store):
     store = await make_store(gpu=None, pool=4, ssd=16, admission={"pool": AdmitOnNth(n=3)})
     await store.put(key(1), block(1), tier="ssd")

@@ -4,6 +4,7 @@ equal the outputs computed from scratch, wherever the KV came from, and a block 
 loaded must be recomputed, never served wrong."""
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -407,8 +408,8 @@ async def test_tiercake_up_starts_the_front_the_tiers_and_vllm_with_the_connecto
     """The one command: `tiercake up --engine vllm --model DIR --vllm-prefill 1 --vllm-decode 1` serves
     tiercake's front on --port over two vLLM servers with the connector (a tiercake worker beside each):
     the prefill server computes a prompt and saves its blocks, the decode server loads them through
-    tiercake and generates; blocks come back from tiercake once vLLM's own caches are reset; Ctrl-C
-    stops it all. (Combined workers, `--vllm N`, are the same code with another role; the routing tests
+    tiercake and generates; blocks come back from tiercake once vLLM's own caches are reset; the
+    prefill server SIGKILLed is restarted by up and answers the same from the pool; Ctrl-C stops it all. (Combined workers, `--vllm N`, are the same code with another role; the routing tests
     run them. up restarts a child that dies with the same supervisor for every kind of child:
     test_serving's up test kills a worker and watches it come back.)"""
     config = tmp_path / "cluster.yaml"
@@ -472,11 +473,44 @@ async def test_tiercake_up_starts_the_front_the_tiers_and_vllm_with_the_connecto
                 again = await resp.json()
         # the prefill server's cache was empty: every full block came from tiercake's pool
         assert cached(first) == 0 and cached(again) == PROMPT_BLOCKS * BLOCK and answer(again) == answer(first)
-
+        # the prefill server killed: up restarts it, and the same prompt gets the same answer, its
+        # blocks loaded from the pool into the new server's empty cache
+        (pid,) = _pids_serving(vllm.rsplit(":", 1)[1])
+        os.kill(pid, signal.SIGKILL)
+        while not any("restarting" in line for line in lines):
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line, "".join(lines)
+            lines.append(line)
+        after = await _until_answered(front, body)
+        assert answer(after) == answer(first) and cached(after) == PROMPT_BLOCKS * BLOCK
     finally:
         proc.send_signal(signal.SIGINT)
         out = await asyncio.to_thread(proc.communicate, timeout=60)
     assert proc.returncode == 0 and "tiercake is down" in out[0]
+
+
+def _pids_serving(port: str) -> list[int]:
+    """The vLLM server processes listening on ``port`` (by their command lines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if "vllm.entrypoints" in line and f"--port {port} " in line + " ":
+                    found.append(int(entry.name))
+    return found
+
+
+async def _until_answered(front: str, body: dict, timeout: float = 600) -> dict:
+    """The front's answer, asking again while an instance restarts (it says so retryably: 503 or 429)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.post(front + "/v1/completions", json=body) as resp:
+                if resp.status == 200:
+                    return await resp.json()
+                assert resp.status in (429, 502, 503) and time.monotonic() < deadline, (resp.status, await resp.text())
+            await asyncio.sleep(2)
 
 
 # Routing across vLLM instances: each vLLM server has a tiercake worker beside it (`tiercake worker

@@ -61,6 +61,7 @@ from .requests import (
     Outcome,
     Retry,
     chunks,
+    deadline_s,
     device_bytes,
     exactly,
     finish_reads,
@@ -332,7 +333,8 @@ class AsyncStore:
 
     async def remove_matching(self, pattern: str | None, *, force: bool = False) -> int:
         """Remove every object of this tenant whose name matches the regular expression ``pattern``
-        (Python's ``re.search``; None: every object); returns how many went."""
+        (a search with RE2's semantics, on each node off its event loop; None: every object); returns
+        how many went."""
         if pattern is not None and not isinstance(pattern, str):
             raise InvalidParams("a pattern is a str")
         removed, deadline = 0, time.monotonic() + self.retry_s
@@ -454,12 +456,7 @@ class AsyncStore:
         answers: dict[int, object] = {}
         for chunk in chunks(group):
             try:
-                nbytes = sum(
-                    (it.payload.size if it.payload is not None else 0) + (it.out.size if it.out is not None else 0)
-                    for it in chunk
-                )
-                unknown = any(it.payload is None and it.out is None for it in chunk)  # a get of any size
-                async with asyncio.timeout(self.timeout_s * (6 if unknown else 1) + nbytes / 20e6):
+                async with asyncio.timeout(deadline_s(self.timeout_s, chunk)):
                     answers.update(await send(node, chunk))
             except NotSent as exc:
                 self.channels.forget(node)
@@ -493,7 +490,7 @@ class AsyncStore:
             await lent.__aexit__(None, None, None)
 
     async def _exchange(
-        self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(), receive=None, nbytes: int = 0
+        self, node: str, op: Op, answer: Op, body: bytes, flags: int = 0, data=(), receive=None, timeout=None
     ) -> bytearray:
         """One request on the stream: on an asyncio connection, or a blocking one (``blocking``)."""
         if not self.blocking:
@@ -522,7 +519,7 @@ class AsyncStore:
         note = self.same_host.take_note(node, self.map.epoch)
         if note is not None:  # ahead of the request, on its connection (a remove after the reads finds their leases)
             conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
-        reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.timeout_s + nbytes / 20e6)
+        reply = conn.exchange(op, answer, body, flags, data, receive, timeout=timeout or self.timeout_s)
         idle.append(conn)
         return reply
 
@@ -565,7 +562,7 @@ class AsyncStore:
                     w.encode(request),
                     FLAG_EAGER,
                     data,
-                    nbytes=sum(d.size for d in data),
+                    timeout=deadline_s(self.timeout_s, group),
                 )
                 reply = w.decode(w.PutReply, body)
             else:
@@ -582,6 +579,7 @@ class AsyncStore:
     async def _put_through_pool(
         self, conn: PeerConnection, region: PoolRegion, request: w.PutRequest, group: list[Item]
     ) -> w.PutReply:
+        self._check_pool(conn, region)
         async with conn.request() as rid:
             from tiercake.transfer.sockio import send_frame
 
@@ -599,6 +597,15 @@ class AsyncStore:
                 copy_all()
             await send_frame(conn.sock, Op.OBJ_PUT_COMMIT, rid)
             return w.decode(w.PutReply, await conn.reply(rid, Op.OBJ_PUT_REPLY))
+
+    def _check_pool(self, conn: PeerConnection, region: PoolRegion) -> None:
+        """Before anything of a request through the pool is sent: the pool mapped here is the one the
+        node serves now (a node restarted at the same address on a new pool file would otherwise
+        reserve offsets in its new pool that this process copies into the old one: acknowledged
+        puts of bytes it never got). Else the old mapping goes and the request is asked again."""
+        if conn.info is None or conn.info.pool_id != region.instance:
+            self.same_host.drop(conn.address.node_id)
+            raise NotSent() from TransferError(f"{conn.address.node_id} serves another pool now")
 
     async def _get_on(self, node: str, group: list[Item]) -> dict[int, object]:
         out, group = await self._from_directory(node, group)
@@ -637,7 +644,7 @@ class AsyncStore:
             Op.OBJ_GET_REPLY,
             w.encode(request),
             receive=targets,
-            nbytes=sum(it.out.size for it in group if it.out is not None),
+            timeout=deadline_s(self.timeout_s, group),
         )
         self._note_epoch(decoded[0].epoch)
         return get_results(decoded[0], group)
@@ -646,6 +653,7 @@ class AsyncStore:
         request = w.GetRequest(self.tenant, self.map.epoch, [w.GetItem(it.name, it.out.size) for it in group])
 
         async def call(conn: PeerConnection) -> w.GetReply:
+            self._check_pool(conn, region)
             reply = w.decode(w.GetReply, await conn.exchange(Op.OBJ_GET, Op.OBJ_GET_REPLY, w.encode(request), FLAG_SHM))
             leased = [(it, got) for it, got in zip(group, exactly(reply.items, group)) if got.status == Status.OK]
 

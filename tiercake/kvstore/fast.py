@@ -27,6 +27,7 @@ from .errors import TransferFailed
 from .requests import (
     Item,
     Retry,
+    deadline_s,
     get_request,
     get_results,
     get_targets,
@@ -57,7 +58,7 @@ class FastPath:
                 w.encode(put_request(self.store.tenant, self.store.map.epoch, group, like)),
                 FLAG_EAGER,
                 data,
-                nbytes=sum(d.size for d in data),
+                timeout=deadline_s(self.store.timeout_s, group),
                 write=True,
             )
             reply = w.decode(w.PutReply, body)
@@ -101,7 +102,7 @@ class FastPath:
                 Op.OBJ_GET_REPLY,
                 w.encode(get_request(self.store.tenant, self.store.map.epoch, group)),
                 receive=targets,
-                nbytes=sum(it.out.size for it in group if it.out is not None),
+                timeout=deadline_s(self.store.timeout_s, group),
             )
             self._seen(decoded[0].epoch)
             done.update(get_results(decoded[0], group))
@@ -188,15 +189,16 @@ class FastPath:
         flags: int = 0,
         data=(),
         receive=None,
-        nbytes: int = 0,
+        timeout: float | None = None,
         write: bool = False,
     ) -> bytearray:
+        """One request on a blocking connection, within ``timeout`` (``deadline_s``; default the store's)."""
         conn = self._connection(node)
         try:
             note = self.store.same_host.take_note(node, self.store.map.epoch)
             if note is not None:  # ahead of the request, on its connection: a remove after the reads finds their leases
                 conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
-            reply = conn.exchange(op, answer, body, flags, data, receive, timeout=self.store.timeout_s + nbytes / 20e6)
+            reply = conn.exchange(op, answer, body, flags, data, receive, timeout=timeout or self.store.timeout_s)
         except (TransferError, OSError, TimeoutError) as exc:
             self.store._forget_blocking(node)
             if write:  # it may have been applied: its outcome is unknown, and it is not sent again

@@ -181,6 +181,21 @@ def chunks(group: list[Item]) -> list[list[Item]]:
     return chunks
 
 
+PER_ITEM_S = 2e-3  # what one item may add to a request's deadline (a busy node's per-object work, a sync)
+PER_BYTE_S = 1 / 20e6  # and one byte of it (a slow link or disk)
+
+
+def deadline_s(base_s: float, chunk: list[Item]) -> float:
+    """How long a request of ``chunk`` may take: the base, its bytes at 20 MB/s, and its items at
+    ``PER_ITEM_S`` each (a deadline that ignored the count failed 8,000-item batches on a busy node
+    with part of them stored); a get of any size (no buffer given) gets six times the base."""
+    nbytes = sum(
+        (it.payload.size if it.payload is not None else 0) + (it.out.size if it.out is not None else 0) for it in chunk
+    )
+    unknown = any(it.payload is None and it.out is None for it in chunk)
+    return base_s * (6 if unknown else 1) + nbytes * PER_BYTE_S + len(chunk) * PER_ITEM_S
+
+
 def exactly(answers: list, items: list) -> list:
     if len(answers) != len(items):
         raise TransferError(f"{len(answers)} answers to {len(items)} items")

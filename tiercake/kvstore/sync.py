@@ -27,13 +27,14 @@ import bisect
 import ctypes
 import logging
 import os
-import re
 import socket
 import threading
 from collections.abc import Sequence
 
 import aiohttp
 import numpy as np
+
+from tiercake.tiers.objects import compile_pattern
 
 from .aio import AsyncStore
 from .errors import ErrorCode, InvalidParams, NotSupported, ObjectNotFound, StoreApiError, code_of
@@ -256,10 +257,11 @@ class DistributedStore(TensorCalls):
         return self._run(lambda s: s.remove_all(force=force))
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """How many objects whose names match went (Python's ``re.search``); INVALID_PARAMS for a bad pattern."""
+        """How many objects whose names match went (a search with RE2's semantics: linear time, no
+        backreferences or lookarounds); INVALID_PARAMS for a bad pattern."""
         try:
-            re.compile(regex_pattern)
-        except (re.error, TypeError) as exc:
+            compile_pattern(regex_pattern)
+        except (ValueError, TypeError, AttributeError) as exc:
             return _logged(InvalidParams(f"bad pattern {regex_pattern!r}: {exc}"))
         return self._run(lambda s: s.remove_matching(regex_pattern, force=force))
 

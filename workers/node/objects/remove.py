@@ -7,11 +7,10 @@ serves, and says which it could not remove yet, so that the caller asks again.""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 
 from tiercake.blocks import object_id
-from tiercake.tiers.objects import ObjectTable
+from tiercake.tiers.objects import ObjectTable, compile_pattern
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import Status
 
@@ -65,18 +64,19 @@ class Remover:
         return w.Result(Status.OK)
 
     async def _remove_every(self, req: w.RemoveRequest) -> w.RemoveReply:
-        """Every object of the tenant in the slots this node serves (matching ``pattern``, if any)."""
+        """Every object of the tenant in the slots this node serves (matching ``pattern``, if any).
+        A client's pattern is matched with RE2's semantics (time linear in the name: no pattern can
+        backtrack for seconds), over a snapshot of the names, on a thread: the event loop, and with it
+        every other tenant's requests and this node's keep-alives, never waits for it."""
         try:
-            pattern = re.compile(req.pattern.encode()) if req.pattern is not None else None
-        except re.error as exc:
-            return w.RemoveReply(self.ownership.map.epoch, [w.Result(Status.INVALID, f"bad pattern: {exc}")])
-        names = [
-            s.record.name
-            for s in self.table
-            if s.record.tenant == req.tenant
-            and (pattern is None or pattern.search(s.record.name))
-            and self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None
-        ]
+            pattern = compile_pattern(req.pattern) if req.pattern is not None else None
+        except ValueError as exc:
+            return w.RemoveReply(self.ownership.map.epoch, [w.Result(Status.INVALID, str(exc))])
+        mine = [s for s in self.table if s.record.tenant == req.tenant]
+        if pattern is not None:
+            matched = await asyncio.to_thread(lambda: [pattern.search(s.record.name) is not None for s in mine])
+            mine = [s for s, hit in zip(mine, matched) if hit]
+        names = [s.record.name for s in mine if self.ownership.serves(self.ownership.slot_of(s.oid), req.epoch) is None]
         results = await asyncio.gather(*(self._remove_one(req.tenant, n, req.epoch, req.force) for n in names))
         removed = sum(1 for r in results if r.status == Status.OK)
         # what this node could not remove now but may later (its lease not surely alive, the slot moved):

@@ -41,6 +41,7 @@ from tiercake.transfer.protocol import (
 from tiercake.transfer.sockio import receive_or_discard, recv_frame, send_frame
 
 from .answer_now import AnswerNow
+from .batches import await_every
 from .forbidden import TENANT_REQUESTS, refuse_foreign
 from .ownership import Ownership
 from .remove import Remover
@@ -132,7 +133,7 @@ class ObjectServer(AnswerNow):
             raise ProtocolError("an object put's bytes come either eagerly on the stream or through the pool")
         if shm and self.pool_tier is None:
             raise ProtocolError("this node has no shared pool to put objects into")
-        staged = [await self._stage(req, item, shm) for item in req.items]
+        staged = [await self._stage(req, item, shm) async for item in await_every(req.items)]
         try:
             with deadline(sum(item.size for item in req.items)):
                 if shm:
@@ -152,9 +153,12 @@ class ObjectServer(AnswerNow):
                             for s, item in zip(staged, req.items)
                         ],
                     )
-            if len(staged) == 1 or not any(self._forwards(req, item) for item in req.items):
-                results = [await self._finish_put(req, item, s) for item, s in zip(req.items, staged)]  # no task each
-            else:  # backups to wait for: the items' round trips overlap
+            if len(staged) == 1 or not any(item.persist or self._forwards(req, item) for item in req.items):
+                results = [  # no task each
+                    await self._finish_put(req, item, s) async for item, s in await_every(zip(req.items, staged))
+                ]
+            else:  # backups or a disk to wait for: the items' round trips and syncs overlap (the SSD log
+                # writes what is in flight together, one sync for all: serially, 4,096 syncs)
                 results = await asyncio.gather(*(self._finish_put(req, item, s) for item, s in zip(req.items, staged)))
         finally:
             for s in staged:
