@@ -554,7 +554,9 @@ SURVIVES = {
 def test_the_readmes_table_of_what_each_level_survives_is_what_the_tests_show():
     from paths import README
 
-    rows = [line for line in README.read_text().splitlines() if line.startswith(("| memory", "| replicated", "| persisted"))]
+    rows = [
+        line for line in README.read_text().splitlines() if line.startswith(("| memory", "| replicated", "| persisted"))
+    ]
     table = {cells[0]: cells[2:4] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
     assert set(table) == set(SURVIVES)
     for level, shown in SURVIVES.items():

@@ -23,6 +23,11 @@ else on the embedded backend), replays a synthetic conversation trace against it
   and the run says so) joins beside the current one, serves blocks over the previous protocol, and is
   upgraded in place (``chaos/upgrade.py``)
 
+- the store's own (``chaos/store_faults.py``): ``forge_replication`` (a client's credential naming a
+  slot's primary: refused), ``regex_stall`` (a pattern that backtracks exponentially in Python's re),
+  ``big_batch`` (16,000 persisted objects in one call), ``kill_node_without_pool`` (a host reboot: the
+  pool file deleted with the node agent SIGKILLed)
+
 Beside the requests, a key-value workload (``chaos/kv.py``: clients of the cluster's store
 putting, upserting, removing and reading checksummed values) runs throughout; after each fault every
 key is read back, and at the end each key's history is checked for linearizability: an acknowledged

@@ -131,7 +131,7 @@ class Faults:
         async with aiohttp.ClientSession() as http, http.get(member.url + "/health") as resp:
             return (await resp.json())["pid"]
 
-    async def _node_pid(self) -> int:
+    async def node_pid(self) -> int:
         netns = self.partition.ns if self.partition is not None else None
         return await asyncio.to_thread(pid_listening, (await self._member("node")).port, netns)
 
@@ -150,9 +150,9 @@ class Faults:
         return await self._kill_worker("decode")
 
     async def kill_node(self):
-        pid = await self._node_pid()
+        pid = await self.node_pid()
         os.kill(pid, signal.SIGKILL)
-        return lambda: _replaced(self._node_pid(), pid)
+        return lambda: _replaced(self.node_pid(), pid)
 
     async def kill_conductor(self):
         pid = self._conductor_pid()
@@ -160,20 +160,20 @@ class Faults:
         return lambda: _replaced(asyncio.to_thread(self._conductor_pid), pid)
 
     async def stall_node(self):
-        pid = await self._node_pid()
+        pid = await self.node_pid()
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(self.stall_s)
         finally:
             os.kill(pid, signal.SIGCONT)
-        return lambda: _replaced(self._node_pid(), -1)
+        return lambda: _replaced(self.node_pid(), -1)
 
     async def rolling_restart(self):
         """Every process in turn stopped as a rolling update stops it (SIGTERM; ``up`` starts it again):
         node agent, prefill worker, decode worker, conductor with the front; the next only once the one
         before is back and a request was answered after it. Back: every one came back in time."""
         steps = (
-            ("node", self._node_pid),
+            ("node", self.node_pid),
             ("prefill", lambda: self._worker_pid("prefill")),
             ("decode", lambda: self._worker_pid("decode")),
             ("conductor", lambda: asyncio.to_thread(self._conductor_pid)),
@@ -213,7 +213,7 @@ class Faults:
         partition = self.partition
         if partition is None:
             raise RuntimeError("no network namespace for the node agent: the run leaves this fault out")
-        lease, pid = (await self._member("node")).lease, await self._node_pid()
+        lease, pid = (await self._member("node")).lease, await self.node_pid()
         await asyncio.to_thread(partition.cut)
         try:
             await asyncio.sleep(seconds)
@@ -222,7 +222,7 @@ class Faults:
 
         async def rejoined() -> bool:
             try:
-                return (await self._member("node")).lease != lease and await self._node_pid() == pid
+                return (await self._member("node")).lease != lease and await self.node_pid() == pid
             except (LookupError, OSError, aiohttp.ClientError, ValueError):
                 return False
 
@@ -240,7 +240,7 @@ class Faults:
             await asyncio.sleep(seconds)
         finally:
             ballast.unlink()
-        return lambda: _replaced(self._node_pid(), -1)
+        return lambda: _replaced(self.node_pid(), -1)
 
     async def corrupt_detected(self) -> int:
         """Copies the node agents' tiers found corrupt (checksums) and dropped, so far in this run: the
@@ -280,7 +280,7 @@ class Faults:
                 f.seek(at)
                 f.write(bytes(b ^ 0x5A for b in data))
         self.load.resume()
-        return lambda: _replaced(self._node_pid(), -1)
+        return lambda: _replaced(self.node_pid(), -1)
 
     async def kill_etcd_leader(self, down_s: float = 3.0):
         leader = await asyncio.to_thread(self._etcd_leader)

@@ -24,6 +24,7 @@ from tiercake.up import UpProcess
 from .faults import CORRUPTED_FILES, RECOVERY_TIMEOUT_S, Faults, recovered, ssd_filesystem
 from .kv import KvLoad, KvVerdict
 from .load import MAX_TOKENS, Load, Oracle
+from .store_faults import BATCH_ITEMS, StoreFaults, StoreFindings
 from .upgrade import BLOCKS as UPGRADE_BLOCKS
 from .upgrade import UpgradedNode
 
@@ -49,6 +50,10 @@ FAULTS = (
     "kill_etcd_leader",
     "rolling_restart",
     "upgrade",
+    "forge_replication",
+    "regex_stall",
+    "big_batch",
+    "kill_node_without_pool",
 )
 KV_CLIENTS = 2  # the key-value workload beside the serving one
 # its puts ask to be on disk, synced, before they are acknowledged: what may not be lost then is every
@@ -96,6 +101,7 @@ class _Findings:
     listed: int = 0
     lost: int = 0
     detected: int = 0
+    store_faults: StoreFaults | None = None  # the store's faults, and what they saw
 
 
 def _without(faults: tuple[str, ...], fault: str) -> tuple[str, ...]:
@@ -156,15 +162,16 @@ def _workloads(up: UpProcess, config, secret: str, quick: bool) -> tuple[Load, K
 
 
 async def _inject(fault: str, injector: Faults, load: Load, kv: KvLoad, found: _Findings, settle: float, progress):
-    """One fault: the rate just before it, the fault, what was served meanwhile, how long until the
-    cluster served again, and every object read back."""
+    """One fault (a serving one, ``Faults``, or the store's, ``StoreFaults``): the rate just before
+    it, the fault, what was served meanwhile, how long until the cluster served again, and every
+    object read back."""
     before = (load.tally.ok, load.tally.failed, load.tally.wrong)
     await asyncio.sleep(RATE_WINDOW_S)  # the rate just before, to hold the rate during it against
     rate_before = (load.tally.ok - before[0]) / RATE_WINDOW_S
     await injector.sample_corrupt()  # before a fault that may restart the node agent
     progress(f"{fault} ... (at {time.monotonic():.1f} s on the monotonic clock)")
     at, ok_at = time.monotonic(), load.tally.ok
-    back = await getattr(injector, fault)()
+    back = await (getattr(injector, fault, None) or getattr(found.store_faults, fault))()
     lasted = time.monotonic() - at
     if lasted >= 1.0:  # a fault that lasts (a stall, a partition): what the cluster served meanwhile
         found.during[fault] = ((load.tally.ok - ok_at) / lasted, rate_before, lasted)
@@ -238,6 +245,7 @@ async def run(
                 upgraded = UpgradedNode(root, up.control_url, up.token or "", secret, previous, progress)
             stall_s = 4.0 if quick else 20.0
             injector = Faults(up, ssd, etcd, load, partition, stall_s=stall_s, progress=progress, upgraded=upgraded)
+            found.store_faults = StoreFaults(up, secret, pool, injector.node_pid)
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
                 await _inject(fault, injector, load, kv, found, settle, progress)
@@ -309,6 +317,8 @@ def _figures(report: Report, found: _Findings, load: Load, kv: KvLoad, upgraded:
                 limit_name="hit ratio just before the fault",
             )
     _kv_figures(report, kv.verdict())
+    if found.store_faults is not None:
+        _store_figures(report, found.store_faults.found)
     if upgraded is not None:
         report.add(
             "upgrade.read_back",
@@ -325,6 +335,25 @@ def _figures(report: Report, found: _Findings, load: Load, kv: KvLoad, upgraded:
             found.cold_start,
             limit_name="the cluster's cold start, same run",
             recovered=seconds is not None,
+        )
+
+
+def _store_figures(report: Report, seen: StoreFindings) -> None:
+    if "forge_replication" in seen.seen:
+        report.add(
+            "forge_replication.refused",
+            seen.forged_refused,
+            "requests",
+            seen.forged_sent,
+            limit_name="forged replications sent (a client's credential naming the slot's primary)",
+        )
+    if "big_batch" in seen.seen:
+        report.add(
+            "big_batch.stored", seen.batch_answered, "objects", BATCH_ITEMS, limit_name="objects in one put_many"
+        )
+    if "regex_stall" in seen.seen:
+        report.add(
+            "regex_stall.removal_s", seen.regex_s, "s", 1.0, limit_name="a second (Python's re took 15 s per name)"
         )
 
 
