@@ -98,6 +98,9 @@ def pid_listening(port: int, netns: str | None = None) -> int:
     raise LookupError(f"no process owns the socket on {port}")
 
 
+NODE_ID = "chaos-node"  # the cluster's own node agent (chaos.yaml names it)
+
+
 class Faults:
     """How each fault is injected into the cluster ``up`` runs. Each returns a check that is true once
     what it broke is back (a new process serving in the killed one's place, the stalled one resumed)."""
@@ -120,10 +123,11 @@ class Faults:
     async def _members(self) -> list:
         return [MemberInfo.model_validate(m) for m in await asyncio.to_thread(self.up.members)]
 
-    async def _member(self, role: str) -> MemberInfo:
-        member = next((m for m in await self._members() if m.role == role), None)
+    async def _member(self, role: str, node_id: str | None = None) -> MemberInfo:
+        """A member of ``role`` (the one named ``node_id``, if given)."""
+        member = next((m for m in await self._members() if m.role == role and node_id in (None, m.node_id)), None)
         if member is None:
-            raise LookupError(f"no {role} member")
+            raise LookupError(f"no {role} member" + (f" {node_id}" if node_id else ""))
         return member
 
     async def _worker_pid(self, role: str) -> int:
@@ -132,8 +136,9 @@ class Faults:
             return (await resp.json())["pid"]
 
     async def node_pid(self) -> int:
+        """The pid of the cluster's own node agent (not the upgraded one, which stays a member too)."""
         netns = self.partition.ns if self.partition is not None else None
-        return await asyncio.to_thread(pid_listening, (await self._member("node")).port, netns)
+        return await asyncio.to_thread(pid_listening, (await self._member("node", NODE_ID)).port, netns)
 
     def _conductor_pid(self) -> int:
         return pid_listening(int(self.up.control_url.rsplit(":", 1)[1]))
@@ -213,7 +218,7 @@ class Faults:
         partition = self.partition
         if partition is None:
             raise RuntimeError("no network namespace for the node agent: the run leaves this fault out")
-        lease, pid = (await self._member("node")).lease, await self.node_pid()
+        lease, pid = (await self._member("node", NODE_ID)).lease, await self.node_pid()
         await asyncio.to_thread(partition.cut)
         try:
             await asyncio.sleep(seconds)
@@ -222,7 +227,7 @@ class Faults:
 
         async def rejoined() -> bool:
             try:
-                return (await self._member("node")).lease != lease and await self.node_pid() == pid
+                return (await self._member("node", NODE_ID)).lease != lease and await self.node_pid() == pid
             except (LookupError, OSError, aiohttp.ClientError, ValueError):
                 return False
 

@@ -21,14 +21,14 @@ from tiercake.tiers.pool import remove_pool
 from tiercake.traces import synthetic_trace
 from tiercake.up import UpProcess
 
-from .faults import CORRUPTED_FILES, RECOVERY_TIMEOUT_S, Faults, recovered, ssd_filesystem
+from .faults import CORRUPTED_FILES, NODE_ID, RECOVERY_TIMEOUT_S, Faults, recovered, ssd_filesystem
 from .kv import KvLoad, KvVerdict
 from .load import MAX_TOKENS, Load, Oracle
 from .store_faults import BATCH_ITEMS, StoreFaults, StoreFindings
 from .upgrade import BLOCKS as UPGRADE_BLOCKS
 from .upgrade import UpgradedNode
 
-CONFIG = """node_id: chaos-node
+CONFIG = """node_id: {node_id}
 store:
   tiers:
     - {{kind: pool, capacity: 2MiB, path: {pool}}}
@@ -226,7 +226,7 @@ async def run(
         pool = Path(f"/dev/shm/tiercake-chaos-{os.getpid()}")
         ssd = (ssd_fs or root) / "ssd"
         config_path = root / "chaos.yaml"
-        config_path.write_text(CONFIG.format(pool=pool, ssd=ssd))
+        config_path.write_text(CONFIG.format(node_id=NODE_ID, pool=pool, ssd=ssd))
         faults, etcd, partition = _machine_allows(root, faults, ssd_fs, previous, progress)
         found = _Findings(faults)
         reached(0, "starting the cluster")

@@ -110,6 +110,12 @@ def cmd_bench_store_api(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench_restart(args: argparse.Namespace) -> int:
+    from tiercake.bench import restart
+
+    return _bench(args, "a full node agent's restarts", restart.run(quick=args.quick, load=args.load))
+
+
 def cmd_bench_sessions(args: argparse.Namespace) -> int:
     from tiercake.bench import sessions
 
@@ -179,6 +185,15 @@ def _data_path_benches(bench_parser) -> None:
         help="N processes spinning on the CPU while it measures (a busy machine; default 0)",
     )
     store_api.set_defaults(func=cmd_bench_store_api)
+
+    restart = bench_parser(
+        "restart",
+        help="a full node agent SIGKILLed and restarted: seconds to listen and to serve vs 3 s",
+        description="A node agent whose SSD holds 2 GiB of persisted objects (512 MiB with --quick) and whose "
+        "pool is full, killed and started again: how long until it listens and until a get answers.",
+    )
+    restart.add_argument("--load", type=int, default=0, help="processes spinning on the CPU meanwhile")
+    restart.set_defaults(func=cmd_bench_restart)
 
     meta = bench_parser(
         "metadata",
