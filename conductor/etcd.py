@@ -15,6 +15,7 @@ from typing import TypeVar
 import grpc
 from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError
 from etcd3aio.client import Etcd3Client
+from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 
 from .metadata import (
@@ -36,6 +37,12 @@ from .metadata import (
 
 T = TypeVar("T")
 
+KEEPALIVE_MS = 1000  # a gRPC ping each second, a connection dead after a second unanswered: a member cut
+# off (its packets black-holed, no reset ever comes) is left by round robin within about two seconds,
+# where the library's 10 s + a minute outlived every lease. etcd must allow it: --grpc-keepalive-min-time
+# at most 1s (etcd_process.py sets 500ms; an operator's etcd needs the same, docs/DEPLOY.md)
+ATTEMPT_S = 1.0  # one try of an idempotent call; the next goes to another member (round robin)
+
 
 class EtcdBackend(MetadataBackend):
     def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0, attempts: int = 2) -> None:
@@ -48,6 +55,22 @@ class EtcdBackend(MetadataBackend):
 
     async def start(self) -> EtcdBackend:
         self._client = Etcd3Client(self.endpoints, rpc_max_attempts=self.attempts)
+        # the client makes its channel with fixed keepalives; its manager is the one place to set them
+        manager = ConnectionManager(self.endpoints, keepalive_time_ms=KEEPALIVE_MS, keepalive_timeout_ms=KEEPALIVE_MS)
+        # pings go on while a call waits for its answer (gRPC's defaults stop after two without data),
+        # only while a call is open (etcd answers pings on an idle connection with a GOAWAY), and an
+        # unanswered one ends the connection after KEEPALIVE_MS (gRPC's own ping timeout: a minute)
+        options = dict(manager.grpc_options)
+        options.update(
+            {
+                "grpc.http2.max_pings_without_data": 0,
+                "grpc.http2.min_time_between_pings_ms": KEEPALIVE_MS,
+                "grpc.keepalive_permit_without_calls": 0,
+                "grpc.http2.ping_timeout_ms": KEEPALIVE_MS,
+            }
+        )
+        manager.grpc_options = list(options.items())
+        self._client._manager = manager
         await self._call(self._client.connect)
         return self
 
@@ -77,13 +100,33 @@ class EtcdBackend(MetadataBackend):
         except EtcdError as exc:
             raise MetadataError(str(exc)) from exc
 
+    async def _idempotent(self, fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
+        """A call that may be repeated (a read, a lease's refresh), tried ``ATTEMPT_S`` at a time until
+        ``timeout``: a try that went to a member cut off (the channel does not know it yet) costs a
+        second, not the whole timeout, and the next try goes to another member."""
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                async with asyncio.timeout(min(ATTEMPT_S, max(left, 0.01))):
+                    return await self._call(fn, *args, **kwargs)
+            except (TimeoutError, MetadataUnavailableError) as exc:
+                if asyncio.get_running_loop().time() + 0.05 >= deadline:
+                    if isinstance(exc, MetadataUnavailableError):
+                        raise
+                    raise MetadataUnavailableError(
+                        f"etcd at {', '.join(self.endpoints)} did not answer within {self.timeout} s"
+                    ) from exc
+                await asyncio.sleep(0.05)
+
     # Reads ----------------------------------------------------------------------------------------
 
     async def get(self, key: bytes) -> KeyValue | None:
-        resp = await self._call(self.client.kv.get, key, timeout=self.timeout)
+        resp = await self._idempotent(self.client.kv.get, key, timeout=ATTEMPT_S)
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     async def range(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        # may take seconds for a big prefix: one try, bounded by the channel's keepalive
         resp = await self._call(self.client.kv.get, prefix, prefix_end(prefix), timeout=self.timeout)
         return sorted((_kv(kv) for kv in resp.kvs), key=lambda kv: kv.key), resp.header.revision
 
@@ -150,7 +193,7 @@ class EtcdBackend(MetadataBackend):
             finally:
                 stream.cancel()
 
-        ttl = await self._call(once)
+        ttl = await self._idempotent(once)
         if ttl <= 0:
             raise LeaseNotFoundError(f"lease {lease:x} expired or was revoked")
         return ttl

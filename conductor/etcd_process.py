@@ -27,8 +27,18 @@ def free_port() -> int:
 
 
 class EtcdMember:
-    def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int, cluster: str, state: str = "new"):
-        self.name = name
+    def __init__(
+        self,
+        name: str,
+        data_dir: Path,
+        client_port: int,
+        peer_port: int,
+        cluster: str,
+        state: str = "new",
+        host: str = "127.0.0.1",
+    ):
+        """``host``: the address it listens on and is reached at (a lab host's, or loopback)."""
+        self.name, self.host = name, host
         self.data_dir = data_dir
         self.client_port = client_port
         self.peer_port = peer_port
@@ -38,42 +48,45 @@ class EtcdMember:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
+
+    def command(self) -> list[str]:
+        """The member's command line (its data directory kept across restarts: the flags of a new
+        cluster are ignored once it has one)."""
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        return [
+            etcd_binary(),
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            self.cluster,
+            "--initial-cluster-state",
+            self.state,
+            "--initial-cluster-token",
+            "tiercake-test",
+            "--grpc-keepalive-min-time",
+            "500ms",  # the backend pings each second (conductor/etcd.py's KEEPALIVE_MS): with room to spare
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+            "--log-level",
+            "error",
+        ]
 
     def start(self) -> None:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [
-                etcd_binary(),
-                "--name",
-                self.name,
-                "--data-dir",
-                str(self.data_dir),
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                self.cluster,
-                "--initial-cluster-state",
-                self.state,
-                "--initial-cluster-token",
-                "tiercake-test",
-                "--heartbeat-interval",
-                "50",
-                "--election-timeout",
-                "500",
-                "--log-level",
-                "error",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         """Until the member reports itself healthy (it has a leader and serves requests)."""
@@ -85,13 +98,17 @@ class EtcdMember:
                 said = proc.stderr.read().decode()[-2000:] if proc.stderr is not None else ""
                 raise RuntimeError(f"etcd {self.name} exited: {said}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health", timeout=0.5) as resp:
-                    if json.loads(resp.read()).get("health") == "true":
-                        return
+                if self.healthy():
+                    return
             except (OSError, ValueError):
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"etcd {self.name} was not healthy within {timeout} s")
+
+    def healthy(self) -> bool:
+        """Whether the member says it is healthy (raises OSError when it cannot be reached)."""
+        with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as resp:
+            return json.loads(resp.read()).get("health") == "true"
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -66,14 +66,16 @@ def plan(current: ObjectMap, alive: list[str], gone: set[str], slots: int, repli
     the best dropped once the best all hold the slot), and a handoff asked where the best node is a
     ready backup. Returns ``current`` itself when nothing changes."""
     alive = sorted(alive)
+    if not alive:
+        # nobody to move a slot to: what looks like every node gone is likelier this conductor cut off
+        # from them (or their leases lapsing together); either way the chains wait as they are
+        return current
     if not current.chains:
-        if not alive:
-            return current
         chains = [rendezvous(s, alive)[:replicas_max] for s in range(slots)]
         return ObjectMap(epoch=current.epoch + 1, chains=chains, ready=[len(c) for c in chains])
     chains, ready, handoff = [], [], {}
     for s, (chain, ready_n) in enumerate(zip(current.chains, current.ready)):
-        if current.pinned.get(s) == chain[0] and chain[0] not in alive:
+        if chain and current.pinned.get(s) == chain[0] and chain[0] not in alive:
             # what the primary alone persisted is nowhere else: the slot waits for it, however long
             # it is away (its objects answer "not ready", never "not found")
             chains.append(list(chain))

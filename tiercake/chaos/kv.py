@@ -52,6 +52,7 @@ class KvVerdict:
     violations: list[str]  # per key whose history no order explains: where it first fails
     lost: int  # reads of a steady key that found nothing: an acknowledged object gone
     torn: int  # reads that came back not whole
+    stale: int = 0  # reads of a value overwritten (or removed) before the read began
 
 
 class KvLoad:
@@ -64,9 +65,13 @@ class KvLoad:
         durability: Durability | None = None,
         large: int = 256 * KB,
         pause_s: float = 0.0,
+        prefix: str = "",
     ) -> None:
         """``large``: the size of one value in twenty; ``pause_s``: each client's pause between operations
-        (a workload beside another on a small machine)."""
+        (a workload beside another on a small machine); ``prefix``: before every key's name (a fresh set
+        of keys for each of several loads on one cluster)."""
+        self.steady = tuple(prefix + k for k in STEADY)
+        self.churn = tuple(prefix + k for k in CHURN)
         self.open_store, self.clients, self.large = open_store, clients, large
         self.durability = durability or Durability()
         self.pause_s = pause_s
@@ -81,7 +86,7 @@ class KvLoad:
         or until ``stop``)."""
         for _ in range(self.clients):
             self._stores.append(await self.open_store().open())
-        for key in STEADY:
+        for key in self.steady:
             v = value(99, 0, random.Random(key), self.large)
             called = time.monotonic()
             await self._stores[0].put(key, v, durability=self.durability)
@@ -102,15 +107,17 @@ class KvLoad:
 
     async def read_back(self) -> None:
         """Every key read once, into its history."""
-        for key in (*STEADY, *CHURN):
+        for key in (*self.steady, *self.churn):
             await self._one(self._stores[0], key, "get", None)
 
     async def _client(self, client: int, store: AsyncStore, ops_each: int | None) -> None:
         rng = random.Random(client)
         seq = 0
         while not self._stop.is_set() and (ops_each is None or seq < ops_each):
-            key = rng.choice(STEADY + CHURN)
-            kind = rng.choice(["upsert", "get", "get"] if key in STEADY else ["put", "upsert", "remove", "get", "get"])
+            key = rng.choice(self.steady + self.churn)
+            kind = rng.choice(
+                ["upsert", "get", "get"] if key in self.steady else ["put", "upsert", "remove", "get", "get"]
+            )
             await self._one(
                 store, key, kind, value(client, seq, rng, self.large) if kind in ("put", "upsert") else None
             )
@@ -152,5 +159,34 @@ class KvLoad:
         violations = [
             f"{key}: {explain(ops, label=label)}" for key, ops in sorted(self.history.items()) if not check(ops)
         ]
-        lost = sum(o.kind == "get" and o.result is None for key in STEADY for o in self.history[key])
-        return KvVerdict(len(ops), sum(o.returned is None for o in ops), violations, lost, self.torn)
+        lost = sum(o.kind == "get" and o.result is None for key in self.steady for o in self.history[key])
+        stale = sum(stale_reads(ops) for ops in self.history.values())
+        return KvVerdict(len(ops), sum(o.returned is None for o in ops), violations, lost, self.torn, stale)
+
+
+def stale_reads(ops: list[Op]) -> int:
+    """Reads of one key that returned what a write known to have been overwritten before the read began
+    had written (or nothing, where every removal came too early to explain it): reads no order of the
+    key's history allows, counted one by one (``check`` says only whether one exists)."""
+    writes = [o for o in ops if o.kind in ("put", "upsert") and o.result == "ok"]
+    removes = [o for o in ops if o.kind == "remove" and o.result in ("ok", "not_found")]
+    stale = 0
+    for read in (o for o in ops if o.kind == "get" and o.returned is not None):
+        done_before = [w for w in writes if w.returned is not None and w.returned < read.called]
+        if read.result is None:
+            latest = max(done_before, key=lambda w: w.returned, default=None)
+            stale += latest is not None and not any(_between(r, latest, read) for r in removes)
+            continue
+        source = next((w for w in writes if w.value == read.result), None)
+        if source is None or source.returned is None:
+            continue  # an unknown write's value, or one torn: the linearizability check speaks for it
+        stale += any(w.called > source.returned for w in done_before)
+        stale += any(
+            r.returned is not None and r.called > source.returned and r.returned < read.called for r in removes
+        )
+    return stale
+
+
+def _between(remove: Op, write: Op, read: Op) -> bool:
+    """Whether ``remove`` may fall after ``write`` and before ``read`` in some order."""
+    return (remove.returned is None or remove.returned > write.called) and remove.called < read.returned

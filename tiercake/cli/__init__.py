@@ -10,9 +10,10 @@ import sys
 
 from pydantic import ValidationError
 
+from ..lab.hosts import LabUnavailable
 from ..up import SPARE_ENV, StartError
 from ..up_state import DataDirBusy
-from . import analysis, bench, cluster, local
+from . import analysis, bench, cluster, lab, local
 from .common import config_problems, errors
 
 
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the store does")
     parser.add_argument("--version", action="version", version=f"tiercake {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for family in (cluster, local, bench, analysis):
+    for family in (cluster, lab, local, bench, analysis):
         family.register(sub)
     return parser
 
@@ -93,7 +94,14 @@ def _stop_on_sigterm() -> None:
 
 # What a user can act on: said as it is. Anything else is a fault of tiercake, said with its type and
 # how to see where it happened.
-USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, StartError, DataDirBusy, TimeoutError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    StartError,
+    DataDirBusy,
+    TimeoutError,
+    LabUnavailable,
+)
 
 
 def one_line(exc: BaseException) -> str:

@@ -14,19 +14,30 @@ from .common import byte_size, console, errors, load, progress_bar, refused, wit
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     from tiercake import chaos
+    from tiercake.chaos import lab_run
+    from tiercake.lab.nemesis import FAULTS as LAB_FAULTS
 
-    faults = tuple(f for f in (args.faults or ",".join(chaos.FAULTS)).split(",") if f)
-    unknown = [f for f in faults if f not in chaos.FAULTS]
+    known = LAB_FAULTS if args.lab else chaos.FAULTS
+    faults = tuple(f for f in (args.faults or ",".join(known)).split(",") if f)
+    unknown = [f for f in faults if f not in known]
     if unknown:
-        errors.print(f"error: unknown faults {unknown}; known: {', '.join(chaos.FAULTS)}")
+        errors.print(f"error: unknown faults {unknown}; known{' with --lab' if args.lab else ''}: {', '.join(known)}")
         return 2
-    with progress_bar("chaos") as stage:  # messages print above the bar
-        report = asyncio.run(
-            chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage, previous=args.previous)
-        )
+    if args.lab:
+        from tiercake.lab.hosts import require_root
+
+        require_root()
+        report = asyncio.run(lab_run.run(quick=args.quick, faults=faults, progress=console.print))
+        failed = lab_run.failed
+    else:
+        with progress_bar("chaos") as stage:  # messages print above the bar
+            report = asyncio.run(
+                chaos.run(quick=args.quick, faults=faults, progress=console.print, stage=stage, previous=args.previous)
+            )
+        failed = chaos.failed
     report.print(console)
     write_json(args, report)
-    reasons = chaos.failed(report)
+    reasons = failed(report)
     if reasons:
         errors.print(f"[red]chaos run failed:[/red] {'; '.join(reasons)}")
         return 1
@@ -198,6 +209,12 @@ def _chaos(sub) -> None:
     chaos_parser.add_argument("--quick", action="store_true", help="a short run (CI runs it)")
     chaos_parser.add_argument("--faults", metavar="F,...", help="which faults, in order (default: all)")
     chaos_parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    chaos_parser.add_argument(
+        "--lab",
+        action="store_true",
+        help="on a three-host lab (tiercake lab up; needs root): partitions, loss, flapping links and remote "
+        "kills, each under the serving and key-value workloads",
+    )
     chaos_parser.add_argument(
         "--previous",
         metavar="DIR",

@@ -1,0 +1,190 @@
+"""``tiercake chaos --lab``: the nemesis's partitions (``tiercake.lab.nemesis``) on a three-host lab,
+each under both workloads: the serving one (requests through the front, every answer checked
+against a recompute) and the key-value one (concurrent clients, checksummed values, each key's
+history checked for linearizability), a fresh set of keys for each fault. Per fault, figures
+``partition.<fault>.acked_lost``, ``.stale_reads``, ``.nonlinearizable_keys``, ``.wrong_answers``
+(each 0 when the contract holds), ``.served_share`` (requests answered right during the fault over
+the rate just before) and ``.recovery_s`` (from the heal until both workloads are served again)."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tiercake.bench.report import Report, machine
+from tiercake.config import load_config
+from tiercake.kvstore import AsyncStore, Durability, StoreApiError, TransferFailed
+from tiercake.lab.nemesis import FAULTS, Findings, Nemesis
+from tiercake.lab.process import LabProcess
+from tiercake.replay import TokenMap
+from tiercake.traces import synthetic_trace
+
+from .kv import KvLoad
+from .load import MAX_TOKENS, Load, Oracle
+
+RATE_WINDOW_S = 4.0
+RECOVERY_TIMEOUT_S = 90.0
+DURABILITY = Durability(replicas=2, persist=True)  # what outlives a host cut off: a copy on another
+
+
+async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress: Callable[[str], None] = print) -> Report:
+    report = Report(bench="chaos-lab", machine=machine())
+    with tempfile.TemporaryDirectory(prefix="tiercake-chaos-lab-") as tmp:
+        started = time.monotonic()
+        lab = LabProcess(Path(tmp) / "lab", ["--hosts", "3", "--port", "8080"])
+        try:
+            await asyncio.to_thread(lab.wait_ready)
+            cold_start = time.monotonic() - started
+            progress(f"the lab is up in {cold_start:.0f} s: {lab.url}")
+            load = _serving(lab, quick)
+            load.start()
+            nemesis = Nemesis(
+                lab, hold_s=6.0 if quick else 15.0, loss_s=10.0 if quick else 30.0, flaps=5 if quick else 15
+            )
+            async with _store(lab) as writer:
+                nemesis.writer = lambda name, value: writer.put(name, value, replace=True, durability=DURABILITY)
+                try:
+                    for fault in faults:
+                        await _one(fault, lab, nemesis, load, report, cold_start, progress)
+                finally:
+                    await load.stop()
+        finally:
+            output = await asyncio.to_thread(lab.stop)
+            if "tiercake lab is down" not in output:
+                progress(output[-2000:])
+    return report
+
+
+def _store(lab: LabProcess) -> AsyncStore:
+    return AsyncStore(lab.control_urls, secret=lab.secret, token=lab.token, retry_s=20.0, timeout_s=3.0)
+
+
+def _serving(lab: LabProcess, quick: bool) -> Load:
+    config = load_config(lab.config_path())
+    records = synthetic_trace(
+        30 if quick else 300, tenants=2, system_prompts=2, system_blocks=4, turn_blocks=(1, 3), seed=7
+    )
+    tokens = TokenMap(16)
+    prompts = [(tokens.prompt(r, 320 - MAX_TOKENS), r.tenant) for r in records]
+    return Load(lab.url, Oracle(config), prompts)
+
+
+async def _one(fault: str, lab: LabProcess, nemesis: Nemesis, load: Load, report: Report, cold_start: float, progress):
+    kv = KvLoad(lambda: _store(lab), clients=2, durability=DURABILITY, large=16 << 10, pause_s=0.02, prefix=f"{fault}-")
+    await kv.start()
+    t = load.tally
+    ok0 = t.ok
+    await asyncio.sleep(RATE_WINDOW_S)
+    rate_before = (t.ok - ok0) / RATE_WINDOW_S
+    progress(f"{fault} ... ({rate_before:.1f} requests/s before)")
+    at, ok_at, wrong_at = time.monotonic(), t.ok, t.wrong
+    healed = await getattr(nemesis, fault)()
+    lasted = max(healed - at, 1e-9)
+    served = t.ok - ok_at
+    recovery = await _recovered(lab, load, healed)
+    await kv.read_back()
+    await kv.stop()
+    verdict = kv.verdict()
+    name = f"partition.{fault}"
+    keys = len(kv.steady) + len(kv.churn)
+    acked = sum(o.kind != "get" and o.returned is not None for ops in kv.history.values() for o in ops)
+    reads = sum(o.kind == "get" and o.returned is not None for ops in kv.history.values() for o in ops)
+    report.add(f"{name}.acked_lost", verdict.lost, "reads", max(acked, 1), limit_name="writes acknowledged")
+    report.add(f"{name}.stale_reads", verdict.stale, "reads", max(reads, 1), limit_name="reads answered")
+    report.add(
+        f"{name}.nonlinearizable_keys",
+        len(verdict.violations),
+        "keys",
+        keys,
+        limit_name="keys",
+        first=verdict.violations[:1],
+        torn=verdict.torn,
+        unknown_outcome=verdict.unknown,
+        ops=verdict.ops,
+    )
+    report.add(f"{name}.wrong_answers", t.wrong - wrong_at, "answers", max(served, 1), limit_name="answers during it")
+    report.add(
+        f"{name}.served_share",
+        served / lasted,
+        "requests/s",
+        max(rate_before, 1e-9),
+        limit_name="requests/s just before",
+        seconds=round(lasted, 1),
+    )
+    report.add(
+        f"{name}.recovery_s",
+        recovery if recovery is not None else RECOVERY_TIMEOUT_S,
+        "s",
+        cold_start,
+        limit_name="the lab's cold start, same run",
+        recovered=recovery is not None,
+    )
+    found = nemesis.found.get(fault)
+    if found is not None:
+        _fence_figures(report, name, found)
+    progress(
+        f"{fault}: {lasted:.1f} s, {served} answered ({t.wrong - wrong_at} wrong), back {recovery} s after the heal; "
+        f"kv {verdict.ops} ops, {verdict.lost} lost, {verdict.stale} stale, {len(verdict.violations)} keys not linearizable"
+    )
+
+
+def _fence_figures(report: Report, name: str, found: Findings) -> None:
+    report.add(
+        f"{name}.old_owner_acked",
+        found.fence_acked,
+        "requests",
+        max(found.fence_asked, 1),
+        limit_name="requests sent to the old owner with its old map, just healed",
+        answers=found.statuses[:16],
+    )
+    report.add(
+        f"{name}.old_owner_refused",
+        found.fence_refused,
+        "requests",
+        max(found.fence_asked, 1),
+        limit_name="requests sent to the old owner with its old map, just healed",
+        stale_answers=found.fence_stale,
+        moved_slots=found.moved_slots,
+    )
+
+
+async def _recovered(lab: LabProcess, load: Load, healed: float) -> float | None:
+    """Seconds from the heal until a put and a get of the store went through and a request was answered
+    right."""
+    deadline = healed + RECOVERY_TIMEOUT_S
+    kv_at = None
+    async with _store(lab) as store:
+        while time.monotonic() < deadline:
+            try:
+                await store.put("recovery-probe", b"back", replace=True)
+                await store.get("recovery-probe")
+                kv_at = time.monotonic()
+                break
+            except (StoreApiError, TransferFailed, OSError):
+                await asyncio.sleep(0.2)
+    if kv_at is None:
+        return None
+    while time.monotonic() < deadline:
+        if load.tally.last_ok > healed:  # a request answered right after the heal
+            return max(load.tally.last_ok, kv_at) - healed
+        await asyncio.sleep(0.2)
+    return None
+
+
+def failed(report: Report) -> list[str]:
+    """What fails a lab chaos run: any acknowledged write lost, stale read, key not linearizable, wrong
+    answer, write acknowledged by a fenced owner, or a fault never recovered from."""
+    reasons = []
+    for f in report.figures:
+        tail = f.name.rsplit(".", 1)[1]
+        if (
+            tail in ("acked_lost", "stale_reads", "nonlinearizable_keys", "wrong_answers", "old_owner_acked")
+            and f.value
+        ):
+            reasons.append(f"{f.name} = {f.value:.0f}")
+        if tail == "recovery_s" and not f.params["recovered"]:
+            reasons.append(f"never recovered from {f.name.split('.')[1]}")
+    return reasons
