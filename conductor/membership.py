@@ -90,7 +90,7 @@ class Membership:
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self.version = 0  # bumped on every change seen
-        self.on_leave: Callable[[str], None] | None = None  # told of each member whose record went
+        self.leave_listeners: list[Callable[[str], None]] = []  # each told of every member whose record went
 
     async def start(self) -> Membership:
         kvs, revision = await self.meta.range(self.prefix)
@@ -108,8 +108,8 @@ class Membership:
             self.members[node] = MemberInfo.model_validate_json(event.value)
         else:
             self.members.pop(node, None)
-            if self.on_leave is not None:
-                self.on_leave(node)
+            for listener in self.leave_listeners:
+                listener(node)
         self.version += 1
         self._changed.set()  # wakes every waiter; later waiters wait on a fresh event
         self._changed = asyncio.Event()

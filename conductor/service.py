@@ -141,7 +141,7 @@ class Conductor:
         # Volatile placements are the leader's alone: a term starts and ends with none (members
         # re-report theirs to each new term), and a member that leaves takes its own along.
         self.election.on_change = lambda leading: self.index.drop_volatile()
-        self.members.on_leave = self._member_left
+        self.members.leave_listeners.append(self._member_left)
         # the leader's writes go through only while the election key is still its own (fencing)
         self.guard = Guard(self.election.key, self.election.candidate.encode())
         self.index.guard = self.guard

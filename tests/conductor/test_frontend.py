@@ -324,3 +324,59 @@ async def test_a_body_nested_100000_deep_is_a_400_on_every_api():
                 async with http.post(url + path, data=body, headers={"Content-Type": "application/json"}) as resp:
                     error = (await resp.json())["error"]
                     assert resp.status == 400 and "too deeply" in error["message"], (path, resp.status, error)
+
+
+async def test_a_worker_that_leaves_mid_request_is_not_waited_for():
+    """A worker whose lease lapses (cut off, stopped) while it holds a request it has not begun to
+    answer: the request goes to another worker at once, not after the read timeout (a minute; the
+    lab's isolated host once held the front's requests that long)."""
+    from aiohttp import web
+
+    from tiercake.messages import TokenEvent
+
+    started, released = asyncio.Event(), asyncio.Event()
+
+    async def stalled(request: web.Request) -> web.Response:
+        await request.read()
+        started.set()
+        await released.wait()  # never answers while the test runs
+        return web.json_response({"error": {"message": "too late", "type": "server_error"}}, status=500)
+
+    async def answers(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        for i in range(2):
+            event = TokenEvent(token=65 + i, index=i, finish_reason="length" if i == 1 else None)
+            await response.write(event.model_dump_json(exclude_defaults=True).encode() + b"\n")
+        await response.write_eof()
+        return response
+
+    servers, urls = zip(*[await fake_worker(handler) for handler in (stalled, answers)])
+    config = default_config()
+
+    def make(conductor):
+        return Frontend(conductor, config)
+
+    body = {"model": "tiercake-reference", "prompt": "hello", "max_tokens": 2}
+    try:
+        async with running_conductor(frontend=make) as (url, conductor):
+            member = worker("w-cut").model_copy(update={"url": urls[0]})
+            cut = await Registration(conductor.meta, member, ttl=5).start()
+            await conductor.members.wait_for(lambda ms: len(ms.alive()) == 1, 5)
+            async with aiohttp.ClientSession() as http:
+                request = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
+                await asyncio.wait_for(started.wait(), 10)
+                other = worker("w-other").model_copy(update={"url": urls[1]})
+                spare = await Registration(conductor.meta, other, ttl=5).start()
+                await conductor.members.wait_for(lambda ms: len(ms.alive()) == 2, 5)
+                await cut.stop()  # its record goes, as when its lease lapses
+                async with asyncio.timeout(10):
+                    resp = await request
+                    data = await resp.json()
+                assert resp.status == 200 and data["choices"][0]["text"] == "AB", data
+                await spare.stop()
+    finally:
+        released.set()
+        for runner in servers:
+            await runner.cleanup()

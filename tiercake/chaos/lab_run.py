@@ -45,7 +45,7 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress: C
                 lab, hold_s=6.0 if quick else 15.0, loss_s=10.0 if quick else 30.0, flaps=5 if quick else 15
             )
             async with _store(lab) as writer:
-                nemesis.writer = lambda name, value: writer.put(name, value, replace=True, durability=DURABILITY)
+                nemesis.writer = lambda name, value: _until_put(writer, name, value)
                 try:
                     for fault in faults:
                         await _one(fault, lab, nemesis, load, report, cold_start, progress)
@@ -56,6 +56,18 @@ async def run(quick: bool = False, faults: tuple[str, ...] = FAULTS, progress: C
             if "tiercake lab is down" not in output:
                 progress(output[-2000:])
     return report
+
+
+async def _until_put(store: AsyncStore, name: str, value: bytes, timeout: float = 30.0) -> None:
+    """An upsert, tried again while its outcome is unknown (its connection to the old owner broke)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await store.put(name, value, replace=True, durability=DURABILITY)
+        except TransferFailed:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 def _store(lab: LabProcess) -> AsyncStore:

@@ -150,6 +150,7 @@ class AsyncStore:
         self.members: dict[str, tuple[str, int]] = {}
         self.same_host = SameHost(tenant, self.shm)
         self._map_lock = asyncio.Lock()
+        self._refreshing: asyncio.Task | None = None  # a background fetch of the map, after a node failed
 
     async def open(self) -> AsyncStore:
         try:
@@ -465,6 +466,7 @@ class AsyncStore:
             except (TransferError, OSError, TimeoutError) as exc:
                 self.channels.forget(node)
                 self._forget_blocking(node)
+                self._refresh_soon()  # the node may have lost its slots meanwhile: the next call knows
                 if writes:  # it may have been applied: not sent again
                     answers.update(
                         {it.index: TransferFailed(f"{node} failed mid-request: {exc or 'timed out'}") for it in chunk}
@@ -475,10 +477,14 @@ class AsyncStore:
 
     async def _connection(self, node: str):
         try:
-            channel = await self.channels.get(node)
-            lent = channel.connection()
-            conn = await lent.__aenter__()
-        except (TransferError, OSError, RpcFailed) as exc:
+            # a connection not made within half the timeout was not made (a host cut off drops the
+            # attempt): nothing was sent, so a write may go to the slot's next owner; past the whole
+            # timeout, the request's own deadline would call its outcome unknown
+            async with asyncio.timeout(self.timeout_s / 2):
+                channel = await self.channels.get(node)
+                lent = channel.connection()
+                conn = await lent.__aenter__()
+        except (TransferError, OSError, RpcFailed, TimeoutError) as exc:
             raise NotSent() from exc
         return lent, conn
 
@@ -508,7 +514,7 @@ class AsyncStore:
                 self.channels.secret,
                 self.identity,
                 self.channels.tls,
-                connect_timeout=self.timeout_s,
+                connect_timeout=self.timeout_s / 2,  # as _connection: not made in time, not sent
                 spin=self.spin,
                 needs=OBJECTS_SINCE,
             )
@@ -530,6 +536,10 @@ class AsyncStore:
     def _note_epoch(self, epoch: int) -> None:
         if epoch > self.map.epoch:
             asyncio.get_running_loop().create_task(self._refresh_quietly(epoch))
+
+    def _refresh_soon(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly(0))
 
     async def _refresh_quietly(self, epoch: int) -> None:
         try:

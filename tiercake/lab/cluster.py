@@ -14,10 +14,12 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from pydantic import ByteSize
 
 from tiercake.config import TiercakeConfig, TierConfig, default_config, load_config, merge
 
@@ -80,6 +82,13 @@ class Lab:
     config: TiercakeConfig | None = None  # what every host's is made from
 
     @property
+    def made(self) -> HostsState:
+        """The hosts of a lab that ``start`` has made (an error before)."""
+        if self.state is None:
+            raise lab_hosts.LabUnavailable("the lab has no hosts yet: start() makes them")
+        return self.state
+
+    @property
     def state_path(self) -> Path:
         return self.root / STATE
 
@@ -110,12 +119,12 @@ class Lab:
     # the parts, in the order they start ------------------------------------------------------
 
     def _links(self) -> None:
-        for host in self.state.hosts:
-            links.shape(self.state, host, loss=self.spec.loss, rate_gbit=self.spec.rate_gbit)
+        for host in self.made.hosts:
+            links.shape(self.made, host, loss=self.spec.loss, rate_gbit=self.spec.rate_gbit)
             relay = self._child(host, "delay", argv=links.delay_command(host))
             _wait_for(lambda r=relay: b"ready" in r.log_path.read_bytes(), 10, f"{host.name}'s link relay")
-        if len(self.state.hosts) > 1:
-            self.measured_rtt_s = links.set_rtt(self.state, self.spec.rtt_ms / 1e3)
+        if len(self.made.hosts) > 1:
+            self.measured_rtt_s = links.set_rtt(self.made, self.spec.rtt_ms / 1e3)
 
     def _etcd(self, base: TiercakeConfig, stop) -> None:
         from tiercake.conductor.etcd_process import EtcdMember
@@ -133,7 +142,7 @@ class Lab:
         base.conductor.etcd = [m.endpoint for m in etcd]
 
     def _conductors(self, base: TiercakeConfig, stop) -> None:
-        hosts = self.state.hosts[:2]
+        hosts = self.made.hosts[:2]
         self.control_urls = [f"http://{h.address}:{CONTROL_PORT}" for h in hosts]
         base.conductor.urls = list(self.control_urls)
         for i, host in enumerate(hosts):
@@ -149,14 +158,14 @@ class Lab:
 
     def _nodes_and_workers(self, base: TiercakeConfig, stop) -> None:
         nodes = []
-        for host in self.state.hosts:
+        for host in self.made.hosts:
             path = self._write(host, "node", self._host_config(base, host))
             nodes.append(self._child(host, "node", ["node", "--config", str(path)]))
         for node in nodes:
             node.wait_announce(120, stop)
         workers = []
         for i in range(self.spec.workers):
-            for host in self.state.hosts:
+            for host in self.made.hosts:
                 argv = ["worker", "--config", str(self.root / host.name / "node.yaml"), "--role", "worker"]
                 argv += ["--id", f"{host.name}-worker-{i}", "--listen", f"{host.address}:0"]
                 argv += ["--data-dir", str(self.root / "calibration")]  # one machine: one fit of its timings
@@ -184,9 +193,11 @@ class Lab:
         cfg.conductor.port, cfg.transfer.port = CONTROL_PORT, NODE_PORT
         cfg.serving.host = host.address
         cfg.store.tiers = [
-            TierConfig(kind="gpu", capacity="4MiB"),
-            TierConfig(kind="pool", capacity="64MiB", path=POOL, keep_on_stop=True),
-            TierConfig(kind="ssd", capacity="256MiB", path=str(self.root / host.name / "ssd"), compression=True),
+            TierConfig(kind="gpu", capacity=ByteSize(4 << 20)),
+            TierConfig(kind="pool", capacity=ByteSize(64 << 20), path=POOL, keep_on_stop=True),
+            TierConfig(
+                kind="ssd", capacity=ByteSize(256 << 20), path=str(self.root / host.name / "ssd"), compression=True
+            ),
         ]
         return cfg
 
@@ -198,38 +209,38 @@ class Lab:
 
     # processes ---------------------------------------------------------------------------------
 
-    def _child(self, host: Host, name: str, args: list[str] = (), argv: list[str] | None = None):
+    def _child(self, host: Host, name: str, args: Sequence[str] = (), argv: list[str] | None = None):
         from tiercake.up import Child, env_for
 
         if argv is not None:  # a relay or etcd: no secret at all
             env = {k: v for k, v in self.env.items() if not k.startswith("TIERCAKE")}
         else:
             role = name if name in ("node", "conductor") else "worker"
+            assert self.config is not None, "a tiercake process starts after the config is made"
             env = env_for(role, self.config, self.env)
         child = Child(f"{host.name}-{name}", list(args), env, self.root / "logs", argv=argv, prefix=host.prefix())
-        child.host = host
         self.children.append(child)
-        self.state.pids.append(child.proc.pid)
+        self.made.pids.append(child.proc.pid)
         self._save()
         return child
 
     def restarted(self, child) -> None:
         """After the supervisor started ``child`` again: its new process group recorded."""
-        self.state.pids.append(child.proc.pid)
+        self.made.pids.append(child.proc.pid)
         self._save()
 
     def etcd_hosts(self) -> list[Host]:
-        return self.state.hosts[:3]
+        return self.made.hosts[:3]
 
     def host(self, name: str) -> Host:
-        return next(h for h in self.state.hosts if h.name == name)
+        return next(h for h in self.made.hosts if h.name == name)
 
     def child(self, name: str):
         return next(c for c in self.children if c.name == name)
 
     def _save(self) -> None:
-        self.state.url = self.url
-        self.state.save(self.state_path)
+        self.made.url = self.url
+        self.made.save(self.state_path)
 
     def close(self) -> list[str]:
         """Every process stopped (SIGTERM, then SIGKILL), then the hosts taken away; what is left, named."""

@@ -160,7 +160,7 @@ class Nemesis:
 
     def worker_pid(self, host: Host) -> int | None:
         """A worker's pid on ``host`` (from the lab's state: the process groups it started)."""
-        for pid in self.lab.state.pids:
+        for pid in self.lab.pids:
             with contextlib.suppress(OSError):
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
                 if b"worker" in cmdline and f"{host.name}-worker-0".encode() in cmdline:

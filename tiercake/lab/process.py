@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from .cluster import CONTROL_PORT, STATE
@@ -16,7 +17,7 @@ from .hosts import Host, HostsState
 
 
 class LabProcess:
-    def __init__(self, root: Path, args: list[str] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         from tiercake.up import _die_with_parent
 
         self.root = root
@@ -35,6 +36,7 @@ class LabProcess:
         self.url = ""
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None  # PIPE
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
@@ -58,7 +60,14 @@ class LabProcess:
 
     @property
     def hosts(self) -> list[Host]:
+        if self.state is None:
+            raise RuntimeError("the lab is not up yet: wait_ready() first")
         return self.state.hosts
+
+    @property
+    def pids(self) -> list[int]:
+        """The process groups the lab has started, restarts included (read afresh from its state)."""
+        return HostsState.load(self.root / STATE).pids
 
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
