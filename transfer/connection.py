@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from tiercake import dead_peer
 from tiercake.tiers.buffers import INLINE_COPY_MAX
 
 from . import protocol as p
@@ -489,6 +490,7 @@ class BlockingConnection:
                 f"cannot reach {self.address.node_id} at {self.address.host}:{self.address.port}: {exc}"
             ) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        dead_peer.watch(sock)
         try:
             if self.tls is not None:
                 hostname = self.address.host if self.tls.check_hostname else None

@@ -22,16 +22,20 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tiercake import dead_peer
+
 from .protocol import FRAME, MAGIC, MAX_BODY, Op, PeerClosedError, ProtocolError, spoken, version_of
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
 def tune(sock: socket.socket, buffer_bytes: int | None) -> None:
-    """Non-blocking, no Nagle delay; fixed buffers when asked (else the kernel autotunes)."""
+    """Non-blocking, no Nagle delay, a peer that stops acknowledging dropped in seconds
+    (``dead_peer``); fixed buffers when asked (else the kernel autotunes)."""
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        dead_peer.watch(sock)
     if buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)

@@ -22,8 +22,6 @@ the client (``StreamBroken``) ends the stream with an error.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -46,17 +44,10 @@ from tiercake.messages import (
 from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest, WorkerState, create_router
 
 from ..service import Conductor
+from .departures import Departures
 from .serving_stats import ServingStats, Timing
 from .session_book import SessionBook
-from .worker_client import (
-    RequestFailed,
-    StreamBroken,
-    WorkerBusy,
-    WorkerClient,
-    WorkerError,
-    WorkerRefused,
-    WorkerUnavailable,
-)
+from .worker_client import RequestFailed, StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +151,7 @@ class Dispatcher:
         self.stats = stats
         self.workers = workers or WorkerClient(conductor.peer_token, config.tls.client_context())
         self.loads: dict[str, WorkerLoad] = defaultdict(WorkerLoad)
-        self._serving: dict[str, set[asyncio.Event]] = defaultdict(set)  # per worker: its requests' "it left"
-        conductor.members.leave_listeners.append(self._worker_left)
+        self.departures = Departures(conductor.members)
         self._router_spec = RouterSpec(name=self.serving.router, params=self.serving.router_params)
         self._router = create_router(self._router_spec.name, self._router_spec.params)
         if not self._router.loads_from_nodes:
@@ -240,7 +230,7 @@ class Dispatcher:
             load.running += 1
             pending, first = queued, True
             try:
-                async for event in self._while_member(member.node_id, self.workers.generate(member, request)):
+                async for event in self.departures.watch(member.node_id, self.workers.generate(member, request)):
                     if first:  # the prompt is prefilled: no longer queued
                         load.queued_tokens -= pending
                         pending = 0
@@ -288,40 +278,6 @@ class Dispatcher:
             "worker_failed",
             retryable=True,
         )
-
-    def _worker_left(self, worker: str) -> None:
-        for left in self._serving.pop(worker, ()):
-            left.set()
-
-    async def _while_member(self, worker: str, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
-        """``events`` while ``worker`` is a member. One whose lease lapsed (cut off, stopped) is not
-        waited for: a request it had not begun to answer goes to another worker at once
-        (``WorkerUnavailable``), one it had is broken (``StreamBroken``), instead of hanging on a
-        connection no answer will come through until the read timeout (a minute)."""
-        left = asyncio.Event()
-        self._serving[worker].add(left)
-        gone = asyncio.ensure_future(left.wait())
-        emitted = 0
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(events))
-                await asyncio.wait((step, gone), return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, WorkerError):
-                        await step
-                    why = "left the cluster (its lease lapsed) while serving the request"
-                    raise (StreamBroken if emitted else WorkerUnavailable)(worker, why)
-                try:
-                    event = step.result()
-                except StopAsyncIteration:
-                    return
-                emitted += 1
-                yield event
-        finally:
-            gone.cancel()
-            self._serving.get(worker, set()).discard(left)
-            await events.aclose()
 
     def _full(self, phase: str) -> ApiError:
         self.stats.rejected += 1

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from pydantic import ValidationError
 
+from tiercake import dead_peer
 from tiercake.errors import parse_error
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, SessionCommand, TokenEvent
 
@@ -62,11 +63,12 @@ class WorkerClient:
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            connector = aiohttp.TCPConnector(ssl=self.ssl) if self.ssl is not None else None
+            # a worker that stops acknowledging (its replies dropped) is left in seconds (dead_peer);
+            # a connection not made in 2 s survives one lost SYN and no more
             self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=60),
                 headers=headers,
-                connector=connector,
+                connector=dead_peer.connector(self.ssl),
             )
         return self._http
 

@@ -16,6 +16,7 @@ DEFAULT_DIR = ".tiercake-lab"
 
 def cmd_lab_up(args: argparse.Namespace) -> int:
     from tiercake.lab.cluster import Lab, LabSpec
+    from tiercake.lab.hosts import require_root
     from tiercake.up import Interrupted, Supervisor, on_stop_signals
 
     spec = LabSpec(
@@ -28,6 +29,7 @@ def cmd_lab_up(args: argparse.Namespace) -> int:
         config=Path(args.config) if args.config else None,
     )
     spec.check()
+    require_root()  # before anything is read or made
     root = Path(args.data_dir).resolve()
     _refuse_if_running(root)
     stop = on_stop_signals()

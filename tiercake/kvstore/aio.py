@@ -161,6 +161,8 @@ class AsyncStore:
         return self
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
         self.channels.close()
         for conns in self._idle.values():
             for conn in conns:

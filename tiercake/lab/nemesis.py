@@ -2,7 +2,8 @@
 coroutine that injects the fault, holds it, heals it and returns the moment it healed. What each one
 found beyond the workloads' own checks (the fencing probe's answers) is in ``Findings``.
 
-- ``isolate_etcd_leader``: the host of etcd's leader cut off from every other host and the machine;
+- ``isolate_etcd_leader``: the host of etcd's leader cut off from every other host and the machine
+  (never the front's host, through which the load comes: a leader there hands its leadership on first);
 - ``isolate_node``: a node's host (not the front's) cut off until its member lease has expired and
   its slots have moved; new versions of the moved keys written through the new owners; healed, the
   old owner is asked directly, with the object map it had, to read and to write them: it must refuse
@@ -71,6 +72,9 @@ class Nemesis:
 
     async def isolate_etcd_leader(self) -> float:
         leader = await asyncio.to_thread(self.etcd_leader)
+        if leader == self.lab.hosts[0]:  # the load comes in through the front's host: lead elsewhere
+            leader = self.lab.hosts[2]
+            await asyncio.to_thread(self.move_etcd_leader, leader)
         await self._run(links.isolate, self.lab.state, leader)
         await self._hold()
         return await self.heal()
@@ -149,14 +153,21 @@ class Nemesis:
         """The host whose etcd member leads (asked over etcd's JSON gateway)."""
         for host in self.lab.hosts[:3]:
             with contextlib.suppress(OSError, ValueError, KeyError):
-                request = urllib.request.Request(
-                    f"http://{host.address}:{ETCD_CLIENT}/v3/maintenance/status", data=b"{}", method="POST"
-                )
-                with urllib.request.urlopen(request, timeout=2) as resp:
-                    status = json.loads(resp.read())
+                status = _etcd_call(host, "maintenance/status")
                 if status["leader"] == status["header"]["member_id"]:
                     return host
         raise LookupError("no etcd member says it leads")
+
+    def move_etcd_leader(self, to: Host, timeout: float = 15.0) -> None:
+        """Have etcd's leader hand its leadership to ``to``'s member, and wait until it leads."""
+        leader = self.etcd_leader()
+        target = _etcd_call(to, "maintenance/status")["header"]["member_id"]
+        _etcd_call(leader, "maintenance/transfer-leadership", {"targetID": target})
+        deadline = time.monotonic() + timeout
+        while self.etcd_leader() != to:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd's leadership did not move to {to.name} in {timeout:.0f} s")
+            time.sleep(0.2)
 
     def worker_pid(self, host: Host) -> int | None:
         """A worker's pid on ``host`` (from the lab's state: the process groups it started)."""
@@ -242,3 +253,12 @@ def pid_in(host: Host, port: int) -> int:
     from tiercake.chaos.faults import pid_listening
 
     return pid_listening(port, host.netns)
+
+
+def _etcd_call(host: Host, call: str, body: dict | None = None) -> dict:
+    """One call of etcd's JSON gateway on ``host``'s member."""
+    request = urllib.request.Request(
+        f"http://{host.address}:{ETCD_CLIENT}/v3/{call}", data=json.dumps(body or {}).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=2) as resp:
+        return json.loads(resp.read())
