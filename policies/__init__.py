@@ -30,6 +30,7 @@ from .registry import (
 from .routing import (
     CacheAwareRouter,
     LeastLoadedRouter,
+    LinkModel,
     PrefillModel,
     RandomRouter,
     RoundRobinRouter,
@@ -39,6 +40,7 @@ from .routing import (
     SessionRouter,
     TtftRouter,
     WorkerState,
+    fit_link,
     fit_prefill,
 )
 from .sessions import SessionAware
@@ -76,6 +78,7 @@ __all__ = [
     "create_replication",
     "CacheAwareRouter",
     "LeastLoadedRouter",
+    "LinkModel",
     "PrefillModel",
     "RandomRouter",
     "RoundRobinRouter",
@@ -86,5 +89,6 @@ __all__ = [
     "TtftRouter",
     "WorkerState",
     "create_router",
+    "fit_link",
     "fit_prefill",
 ]

@@ -10,6 +10,7 @@ own by the ``pull_ratio``; otherwise it computes from its own. The simpler route
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -44,7 +45,10 @@ class WorkerState:
     running: int = 0  # sequences it is decoding
     prefill: PrefillModel = PrefillModel()
     decode_step_s: float = 0.005  # one decode step at a small batch
-    load_bytes_per_s: float = 2e9  # measured rate of its pulls into the gpu tier
+    # the link from the node holding the request's prefix into its gpu tier, as measured by its
+    # pulls from there (``LinkModel``): a pull costs pull_latency_s + bytes / load_bytes_per_s
+    load_bytes_per_s: float = 2e9
+    pull_latency_s: float = 0.0
     queue_s: float = 0.0  # known backlog in seconds (the simulator knows it; the live front counts tokens)
     sessions: int = 0  # paused sessions whose last turn ran here (their KV is retained on its node)
 
@@ -92,16 +96,22 @@ class Router(ABC):
 
     @staticmethod
     def predict(worker: WorkerState, request: RouteRequest, pull_ratio: float | None = 1.0) -> RouteDecision:
-        """Algorithm 1's estimate for one worker (``pull_ratio`` None: never pull)."""
+        """Algorithm 1's estimate for one worker (``pull_ratio`` None: never pull). A pull is taken
+        when the prefix held elsewhere is longer than the worker's own by ``pull_ratio`` and loading
+        it over the worker's measured link beats computing it: across a slow link, recompute wins."""
         usable = (request.prompt_tokens - 1) // request.block_size
         own = min(worker.cached_blocks, usable)
         best = min(request.best_blocks, usable)
+        compute = worker.prefill.seconds(request.prompt_tokens - own * request.block_size, own * request.block_size)
         pull = pull_ratio is not None and best > own and best >= pull_ratio * max(own, 1)
+        if pull:
+            transfer = worker.pull_latency_s + (best - own) * request.block_nbytes / worker.load_bytes_per_s
+            cached = best * request.block_size
+            pulled = transfer + worker.prefill.seconds(request.prompt_tokens - cached, cached)
+            pull = pulled < compute
         reused = best if pull else own
-        transfer = (best - own) * request.block_nbytes / worker.load_bytes_per_s if pull else 0.0
-        cached = reused * request.block_size
         queue = worker.queue_s + (worker.prefill.seconds(worker.queued_tokens) if worker.queued_tokens else 0.0)
-        ttft = queue + transfer + worker.prefill.seconds(request.prompt_tokens - cached, cached)
+        ttft = queue + (pulled if pull else compute)
         tbt = worker.decode_step_s * (1 + worker.running / 32)
         return RouteDecision(worker.worker, ttft, tbt, pull, reused)
 
@@ -235,6 +245,41 @@ class RandomRouter(_PullingBaseline):
 
     def choose(self, workers, request):
         return self.decide(self._random.choice(workers), request)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Seconds to load ``n`` bytes from a node into a worker: ``latency_s + n / bytes_per_s``, fitted
+    from the pulls between that pair (``fit_link``); before any, the worker's own rate, no latency."""
+
+    latency_s: float = 0.0
+    bytes_per_s: float = 2e9
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+def fit_link(samples: list[tuple[int, float]], prior: LinkModel = LinkModel()) -> LinkModel:
+    """The least-squares line through ``(bytes, seconds)`` of pulls, its latency at least 0 and its
+    rate positive; with fewer than two sizes apart, the prior's latency and the rate that leaves.
+    Non-finite or non-positive samples are ignored."""
+    good = [(n, s) for n, s in samples if n > 0 and s > 0 and math.isfinite(s)]
+    if not good:
+        return prior
+    sizes = {n for n, _ in good}
+    if len(sizes) >= 2:
+        xs, ys = [float(n) for n, _ in good], [s for _, s in good]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        latency = my - slope * mx
+        if slope > 0 and latency >= 0:
+            return LinkModel(latency, 1.0 / slope)
+        if slope > 0:  # a negative intercept is noise: the rate through the origin
+            return LinkModel(0.0, sum(xs) / sum(ys))
+    latency = min(prior.latency_s, min(s for _, s in good) / 2)
+    rate = sum(n for n, _ in good) / max(sum(s for _, s in good) - latency * len(good), 1e-9)
+    return LinkModel(latency, rate)
 
 
 def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillModel:

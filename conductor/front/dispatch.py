@@ -45,6 +45,7 @@ from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest,
 
 from ..service import Conductor
 from .departures import Departures
+from .links import LinkBook
 from .serving_stats import ServingStats, Timing
 from .session_book import SessionBook
 from .worker_client import RequestFailed, StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
@@ -113,11 +114,10 @@ class Job:
 @dataclass
 class WorkerLoad:
     """What the front counts of a worker: prompt tokens routed and not yet prefilled, sequences it
-    serves, its measured pull rate, and until when it is skipped after a failure."""
+    serves, and until when it is skipped after a failure."""
 
     queued_tokens: int = 0
     running: int = 0
-    load_bytes_per_s: float = 2e9
     failed_until: float = 0.0
     busy_until: float = 0.0  # full a moment ago: alive, skipped briefly
 
@@ -151,6 +151,7 @@ class Dispatcher:
         self.stats = stats
         self.workers = workers or WorkerClient(conductor.peer_token, config.tls.client_context())
         self.loads: dict[str, WorkerLoad] = defaultdict(WorkerLoad)
+        self.links = LinkBook()  # per worker and node: the link its pulls measured
         self.departures = Departures(conductor.members)
         self._router_spec = RouterSpec(name=self.serving.router, params=self.serving.router_params)
         self._router = create_router(self._router_spec.name, self._router_spec.params)
@@ -330,6 +331,7 @@ class Dispatcher:
                     m,
                     found[m.node_id].length if m.node_id in found and m.kv_space == space else 0,
                     max(0, held[m.node_id]),  # a turn that began before the count was first taken
+                    best_node,
                 )
                 for m in members
             ],
@@ -394,8 +396,7 @@ class Dispatcher:
             self.stats.prefilled(job.timing)
         else:
             self.stats.reused(stats)
-        if stats.load_bytes and stats.load_s:
-            load.load_bytes_per_s = 0.8 * load.load_bytes_per_s + 0.2 * stats.load_bytes / stats.load_s
+        self.links.observe(job.worker, stats)
 
     # HANDOFF and DECODE -------------------------------------------------------------------------
 
@@ -405,7 +406,8 @@ class Dispatcher:
             raise self._no_worker(("decode",))
         tokens = [*job.tokens, first]
         request = self._route_request(self._space(members), len(tokens), handoff.blocks if handoff else 0)
-        decision = self.router().choose_decode([self._state(m, 0) for m in members], request)
+        source = handoff.node if handoff else None
+        decision = self.router().choose_decode([self._state(m, 0, source=source) for m in members], request)
         member = next(m for m in members if m.node_id == decision.worker)
         job.worker = member.node_id
         return member, job.request(tokens=tokens, max_tokens=job.max_tokens - 1, pull=True, source=handoff)
@@ -436,8 +438,10 @@ class Dispatcher:
             and self.loads[m.node_id].busy_until <= now
         ]
 
-    def _state(self, member: MemberInfo, cached: int, sessions: int = 0) -> WorkerState:
+    def _state(self, member: MemberInfo, cached: int, sessions: int = 0, source: str | None = None) -> WorkerState:
+        """``member`` as the router sees it; ``source``: the node it would pull the prefix from."""
         load, perf = self.loads[member.node_id], member.perf
+        link = self.links.model(member.node_id, source)
         return WorkerState(
             member.node_id,
             cached,
@@ -445,6 +449,7 @@ class Dispatcher:
             load.running,
             PrefillModel(perf.prefill_a, perf.prefill_b, perf.prefill_q),
             perf.decode_step_s,
-            load.load_bytes_per_s,
+            load_bytes_per_s=link.bytes_per_s,
+            pull_latency_s=link.latency_s,
             sessions=sessions,
         )

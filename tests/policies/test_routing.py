@@ -3,12 +3,14 @@
 import pytest
 
 from tiercake.policies import (
+    LinkModel,
     PrefillModel,
     RouteRequest,
     SessionRouter,
     TtftRouter,
     WorkerState,
     create_router,
+    fit_link,
     fit_prefill,
 )
 
@@ -38,6 +40,38 @@ def test_ttft_router_pulls_a_longer_prefix_held_elsewhere():
     assert not TtftRouter(pull_ratio=2).choose([near], request).pull
     with pytest.raises(ValueError):
         TtftRouter(pull_ratio=0.5)
+
+
+def test_a_pull_is_priced_on_the_workers_measured_link_and_recompute_wins_across_a_slow_one():
+    """90 blocks of 1 MiB held on another host, 1.44 s to compute: over a 10 GB/s link the pull costs
+    0.01 s and wins; over a 50 MB/s link (1.9 s) or one with a 2 s round trip, recomputing is faster,
+    whatever the pull ratio says."""
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=1 << 20, best_blocks=100)
+    fast = TtftRouter().choose([WorkerState("b", cached_blocks=10, prefill=SLOW, load_bytes_per_s=10e9)], request)
+    assert fast.pull and fast.reused_blocks == 100
+    slow = WorkerState("b", cached_blocks=10, prefill=SLOW, load_bytes_per_s=50e6)
+    recompute = TtftRouter().choose([slow], request)
+    assert not recompute.pull and recompute.reused_blocks == 10
+    assert recompute.ttft_s == pytest.approx(SLOW.seconds(1601 - 160, 160))
+    far = WorkerState("b", cached_blocks=10, prefill=SLOW, load_bytes_per_s=10e9, pull_latency_s=2.0)
+    assert not TtftRouter().choose([far], request).pull
+    # the worker whose link is fast gets the request, pulling; the one across the slow link would compute
+    picked = TtftRouter().choose(
+        [slow, WorkerState("c", cached_blocks=10, prefill=SLOW, load_bytes_per_s=10e9)], request
+    )
+    assert picked.worker == "c" and picked.pull
+
+
+def test_a_link_is_fitted_from_its_pulls_as_latency_plus_bytes_over_rate():
+    exact = [(n, 0.002 + n / 1e9) for n in (1 << 20, 4 << 20, 16 << 20)]
+    link = fit_link(exact)
+    assert link.latency_s == pytest.approx(0.002) and link.bytes_per_s == pytest.approx(1e9)
+    assert link.seconds(8 << 20) == pytest.approx(0.002 + (8 << 20) / 1e9)
+    assert fit_link([]) == LinkModel()  # nothing measured: the prior
+    one_size = fit_link([(1 << 20, 0.01), (1 << 20, 0.01)])
+    assert one_size.latency_s == 0 and one_size.bytes_per_s == pytest.approx((1 << 20) / 0.01)
+    hostile = [(1 << 20, float("nan")), (1 << 20, float("inf")), (0, 1.0), (1 << 20, -1.0)]
+    assert fit_link(hostile) == LinkModel()  # a report that is not a measurement changes nothing
 
 
 def test_ttft_router_keeps_a_prompt_where_its_prefix_is_unless_another_is_clearly_faster():
