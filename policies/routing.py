@@ -259,27 +259,28 @@ class LinkModel:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
-def fit_link(samples: list[tuple[int, float]], prior: LinkModel = LinkModel()) -> LinkModel:
-    """The least-squares line through ``(bytes, seconds)`` of pulls, its latency at least 0 and its
-    rate positive; with fewer than two sizes apart, the prior's latency and the rate that leaves.
-    Non-finite or non-positive samples are ignored."""
-    good = [(n, s) for n, s in samples if n > 0 and s > 0 and math.isfinite(s)]
+def fit_link(samples: list[tuple[int, float]], prior: LinkModel = LinkModel(), decay: float = 0.5) -> LinkModel:
+    """The line through ``(bytes, seconds)`` of pulls, oldest first, each weighted ``decay`` times
+    the one after it (a link that turns slow is priced slow after a pull or two), its latency at least
+    0 and its rate positive: weighted least squares when the sizes differ, else the prior's latency and
+    the rate that leaves. Non-finite or non-positive samples are ignored."""
+    good = [(float(n), s) for n, s in samples if n > 0 and s > 0 and math.isfinite(s)]
     if not good:
         return prior
-    sizes = {n for n, _ in good}
-    if len(sizes) >= 2:
-        xs, ys = [float(n) for n, _ in good], [s for _, s in good]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    weights = [decay ** (len(good) - 1 - i) for i in range(len(good))]
+    total = sum(weights)
+    mx = sum(w * n for w, (n, _) in zip(weights, good, strict=True)) / total
+    my = sum(w * s for w, (_, s) in zip(weights, good, strict=True)) / total
+    var = sum(w * (n - mx) ** 2 for w, (n, _) in zip(weights, good, strict=True))
+    if var > 1e-12 * mx * mx:
+        slope = sum(w * (n - mx) * (s - my) for w, (n, s) in zip(weights, good, strict=True)) / var
         latency = my - slope * mx
         if slope > 0 and latency >= 0:
             return LinkModel(latency, 1.0 / slope)
         if slope > 0:  # a negative intercept is noise: the rate through the origin
-            return LinkModel(0.0, sum(xs) / sum(ys))
+            return LinkModel(0.0, mx / my)
     latency = min(prior.latency_s, min(s for _, s in good) / 2)
-    rate = sum(n for n, _ in good) / max(sum(s for _, s in good) - latency * len(good), 1e-9)
-    return LinkModel(latency, rate)
+    return LinkModel(latency, mx / max(my - latency, 1e-12))
 
 
 def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillModel:

@@ -647,6 +647,12 @@ def load_config(path: str | Path, data_dir: str | Path = ".tiercake") -> Tiercak
     section or field the file does not name keeps its default (mappings merge; a list, such as the
     tiers, is replaced whole). A file that does not parse is a ``ValueError`` naming the file and the
     place."""
+    merged = merge(default_config(data_dir).model_dump(mode="json"), config_data(path))
+    return with_environment(TiercakeConfig.model_validate(merged))
+
+
+def config_data(path: str | Path) -> dict:
+    """The mapping a config file holds (YAML, JSON or TOML, by extension), not yet merged or checked."""
     path = Path(path)
     text = path.read_text()
     try:
@@ -664,8 +670,7 @@ def load_config(path: str | Path, data_dir: str | Path = ".tiercake") -> Tiercak
         data = {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping, got {type(data).__name__}")
-    merged = merge(default_config(data_dir).model_dump(mode="json"), data)
-    return with_environment(TiercakeConfig.model_validate(merged))
+    return data
 
 
 def merge(base: dict, over: dict) -> dict:

@@ -14,7 +14,7 @@ from collections import defaultdict, deque
 from tiercake.messages import PrefillStats
 from tiercake.policies import LinkModel, fit_link
 
-SAMPLES = 32  # per pair: the latest pulls (a link changes; old samples age out)
+SAMPLES = 8  # per pair: the latest pulls (a link changes: the fit weighs the newest most)
 
 
 class LinkBook:

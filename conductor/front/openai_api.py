@@ -346,6 +346,7 @@ class OpenAIApi:
                 "ttft_s": round(max(t.ttft_s for t in timings), 6),
                 "route_s": round(sum(t.route_s - t.lookup_s for t in timings), 6),
                 "sources": dict(sources),
+                "prefilled_on": sorted({a.job.prefilled_on for a in answers if a.job.prefilled_on}),
                 "lookup_s": round(sum(t.lookup_s + t.stats.lookup_s for t in timings), 6),
                 "load_s": sum(t.stats.load_s for t in timings),
                 "load_tier": timings[0].stats.load_tier,

@@ -222,6 +222,35 @@ def test_your_own_vllm_server_over_up_no_engine_as_printed():
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the lab makes network namespaces: it needs root (CI runs as root)")
+def test_across_hosts_as_printed():
+    """The lab's three commands: up prints the front's URL (the one printed, unless another lab on
+    this machine holds that network: then the one it chose, which the user copies), ask answers
+    through it, down takes the lab away and up exits."""
+    commands = _commands("Across hosts")
+    assert [c.split()[:3] for c in commands] == [
+        [".venv/bin/tiercake", "lab", "up"],
+        [".venv/bin/tiercake", "ask", '"Hello,'],
+        [".venv/bin/tiercake", "lab", "down"],
+    ], commands
+    printed = re.search(r"tiercake lab is up: (\S+)", _section("Across hosts")).group(1)
+    assert printed in commands[1], (printed, commands[1])
+    lab = Server(commands[0], "tiercake lab is up: ", 300)
+    try:
+        url = re.search(r"tiercake lab is up: (\S+)", "".join(lab.lines)).group(1)
+        assert re.fullmatch(r"http://198\.18\.\d+\.11:8080", url), url
+        answer = _run(commands[1].replace(printed, url))
+        assert ANSWER.search(answer), answer
+        down = _run(commands[2])
+        assert "tiercake lab is down" in down, down
+        lab.proc.wait(60)
+    finally:
+        lab.ctrl_c()
+    assert "tiercake lab is down" in "".join(lab.lines)
+
+
+@pytest.mark.cluster
 def test_the_store_example_runs_and_leaves_nothing_in_shm(tmp_path):
     """The Python block of "The store from Python", as a program: it runs, with torch importable or
     not, and its pool file is gone after it."""

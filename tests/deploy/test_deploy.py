@@ -274,6 +274,12 @@ def test_etcd_is_three_members_on_persistent_volumes(rendered, overlay):
     assert initial == [f"tiercake-etcd-{i}=http://tiercake-etcd-{i}.tiercake-etcd:2380" for i in range(3)]
     assert one(docs, "Service", "tiercake-etcd")["spec"]["clusterIP"] == "None"
     assert one(docs, "PodDisruptionBudget", "tiercake-etcd")["spec"]["minAvailable"] == 2
+    # etcd lets clients ping at most this often; tiercake's backend pings each KEEPALIVE_MS to notice
+    # a member cut off (etcd's default, 5 s, answers such pings with GOAWAY "too many pings")
+    from tiercake.conductor.etcd import KEEPALIVE_MS
+
+    min_time = re.search(r"--grpc-keepalive-min-time=(\d+)ms", args)
+    assert min_time and int(min_time.group(1)) < KEEPALIVE_MS, args
 
 
 @pytest.mark.cluster

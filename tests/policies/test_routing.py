@@ -188,3 +188,15 @@ def test_session_router_without_sessions_routes_as_ttft():
         ]
         request = RouteRequest(1601, 16, 1 << 20, rng.choice((0, 50, 100)))
         assert SessionRouter().choose(workers, request) == TtftRouter().choose(workers, request)
+
+
+def test_a_link_that_turns_slow_is_priced_slow_after_a_pull_or_two():
+    """Three pulls of 1 MiB in 1 ms, then the link drops to 2.5 MB/s (0.4 s each): the newest weigh
+    most, so after two slow pulls the link is priced near its new rate, not the average of its past."""
+    mib = 1 << 20
+    fast = [(mib, 0.001)] * 3
+    assert fit_link(fast).bytes_per_s == pytest.approx(mib / 0.001)
+    after_two = fit_link([*fast, (mib, 0.4), (mib, 0.4)])
+    assert after_two.seconds(mib) > 0.3, after_two
+    back = fit_link([*fast, (mib, 0.4), (mib, 0.4), *fast * 2])
+    assert back.seconds(mib) < 0.05, back  # and fast again once it is

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 from pydantic import ByteSize
 
-from tiercake.config import TiercakeConfig, TierConfig, default_config, load_config, merge
+from tiercake.config import TiercakeConfig, TierConfig, config_data, default_config, merge
 
 from . import hosts as lab_hosts
 from . import links
@@ -178,11 +178,12 @@ class Lab:
     # configuration -----------------------------------------------------------------------------
 
     def _base_config(self) -> TiercakeConfig:
-        """The operator's config (``--config``), else the lab's defaults: members and leases short, so
-        that a cut host's slots move within seconds."""
+        """The lab's defaults (members and leases short, so that a cut host's slots move within
+        seconds), the operator's config (``--config``) over them."""
+        data = merge(default_config(self.root).model_dump(mode="json"), LAB_DEFAULTS)
         if self.spec.config is not None:
-            return load_config(self.spec.config, self.root)
-        return TiercakeConfig.model_validate(merge(default_config(self.root).model_dump(mode="json"), LAB_DEFAULTS))
+            data = merge(data, config_data(self.spec.config))
+        return TiercakeConfig.model_validate(data)
 
     def _host_config(self, base: TiercakeConfig, host: Host) -> TiercakeConfig:
         """``base`` for the processes of ``host``: its name, its own address for everything it serves,

@@ -51,11 +51,23 @@ def shape(state: HostsState, host: Host, *, loss: float = 0.0, rate_gbit: float 
     if loss:
         set_loss(host, loss)
     if rate_gbit:
-        _inside(
-            host,
-            *("tc", "qdisc", "add", "dev", host.veth, "root", "tbf"),
-            *("rate", f"{rate_gbit}gbit", "burst", "1mb", "latency", "50ms"),
-        )
+        set_rate(host, rate_gbit)
+
+
+def set_rate(host: Host, rate_gbit: float | None) -> None:
+    """At most ``rate_gbit`` leaving ``host`` (a token bucket on its link; None: no limit), replacing
+    any rate set."""
+    if rate_gbit is None:
+        host.run("tc", "qdisc", "del", "dev", host.veth, "root", check=False)  # none set: nothing to do
+        return
+    if not (0 < rate_gbit <= 400) or rate_gbit != rate_gbit:
+        raise ValueError(f"a rate is over 0 and at most 400 Gbit/s, got {rate_gbit}")
+    burst = max(16 << 10, int(rate_gbit * 1e9 / 8 / 1000))  # a millisecond's worth, at least 16 KiB
+    _inside(
+        host,
+        *("tc", "qdisc", "replace", "dev", host.veth, "root", "tbf"),
+        *("rate", f"{rate_gbit}gbit", "burst", str(burst), "latency", "50ms"),
+    )
 
 
 def delay_file(host: Host) -> Path:

@@ -59,10 +59,15 @@ class LabProcess:
         return self
 
     @property
-    def hosts(self) -> list[Host]:
+    def made(self) -> HostsState:
+        """The hosts' state, once the lab is up."""
         if self.state is None:
             raise RuntimeError("the lab is not up yet: wait_ready() first")
-        return self.state.hosts
+        return self.state
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.made.hosts
 
     @property
     def pids(self) -> list[int]:
