@@ -36,6 +36,9 @@ system-deps:
 	@command -v etcd >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
 	@# Mooncake Store (the side-by-side runs) links RDMA's user-space libraries even for TCP
 	@ldconfig -p | grep -q librdmacm.so.1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libibverbs1 librdmacm1; }
+	@# the lab (tiercake lab, tests/cluster/test_lab.py): network namespaces, iptables, tc, nsenter
+	@command -v iptables >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq iptables; }
+	@command -v tc >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq iproute2; }
 	@command -v kubectl >/dev/null 2>&1 || echo "warning: no kubectl: tests/deploy/test_deploy.py needs kubectl 1.27+" >&2
 
 # ruff (lint, import order, format) and mypy (.ci/typecheck), as CI runs them before the tests

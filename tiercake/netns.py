@@ -19,12 +19,22 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
+def _free_octet() -> int:
+    """A /24 of 198.19.0.0/16 (within 198.18.0.0/15, the range set aside for network tests; the
+    lab uses 198.18.0.0/16) that no interface here has an address in."""
+    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+    free = [o for o in range(1, 255) if f" 198.19.{o}." not in used]
+    if not free:
+        raise PartitionUnavailable("every 198.19.x.0/24 is in use here")
+    return random.choice(free)
+
+
 class Partition:
     def __init__(self) -> None:
         tag = uuid.uuid4().hex[:6]
         self.ns, self.host_if, self.ns_if = f"tc-part-{tag}", f"tch{tag}", f"tcn{tag}"
-        octet = random.randrange(1, 250)
-        self.host_ip, self.ns_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
+        octet = _free_octet()
+        self.host_ip, self.ns_ip = f"198.19.{octet}.1", f"198.19.{octet}.2"
         try:
             _ip("netns", "add", self.ns)
         except (OSError, subprocess.CalledProcessError) as exc:
