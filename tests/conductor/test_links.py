@@ -35,3 +35,16 @@ def test_a_report_without_a_measurement_is_ignored_and_sources_name_the_node():
         pull(1 << 20, float("nan"), **{"h1:pool": 1})
     assert source_node(pull(1, 1.0, **{"gpu": 9, "h2:ssd": 3, "h3:pool": 2})) == "h2"
     assert source_node(pull(1, 1.0, gpu=4)) is None
+
+
+def test_a_pairs_price_goes_stale_so_a_link_priced_slow_is_measured_again():
+    """One pull that waited behind something else priced a fast link slow; nothing pulls over a link
+    priced slow, so without an end to the measurement it would stay unused for good."""
+    from tiercake.conductor.front.links import STALE_S
+
+    now = [0.0]
+    book = LinkBook(clock=lambda: now[0])
+    book.observe("w1", pull(1 << 20, 0.2, **{"h3:pool": 16}))
+    assert book.model("w1", "h3").bytes_per_s == pytest.approx((1 << 20) / 0.2)
+    now[0] = STALE_S + 1
+    assert book.model("w1", "h3") == LinkModel()  # unmeasured again: the next pull measures it
