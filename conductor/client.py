@@ -168,7 +168,7 @@ class Client:
                             continue
                     else:
                         raise ConductorError(resp.status, error.message, error.code)
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # unreachable, cut short, not JSON
                 last = f"{url}: {exc!r}"
                 trail.append(f"{url} {type(exc).__name__}")
                 self._down[url] = time.monotonic() + 1.0

@@ -144,8 +144,7 @@ class ConductorLink:
             except ConductorError as exc:
                 if exc.status == 404:
                     log.warning("node %s: lease expired; registering again", self.member.node_id)
-                    with contextlib.suppress(ConductorError):
-                        await self._register()
+                    await self._register_again()
                 else:
                     log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
                 continue
@@ -162,6 +161,17 @@ class ConductorLink:
                 log.warning("node %s: %s", self.member.node_id, exc)
             except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
                 log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
+
+    async def _register_again(self) -> None:
+        """A registration after the lease lapsed. Whatever it meets, the keep-alive loop goes on and
+        tries again: once, the loop ended on an error no handler expected (a body cut short by a
+        partition), and the node agent stayed out of the cluster for good while it ran."""
+        try:
+            await self._register()
+        except ConductorError as exc:
+            log.warning("node %s: registering failed (%s); trying again", self.member.node_id, exc)
+        except Exception:  # noqa: BLE001 - the membership must outlive any one failure
+            log.exception("node %s: registering failed; trying again", self.member.node_id)
 
     def _kept_alive(self, sent: float, answer: KeepAliveReply) -> None:
         for listener in self.on_keepalive:

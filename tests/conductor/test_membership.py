@@ -120,3 +120,40 @@ async def test_a_deposed_leaders_write_in_flight_is_refused_by_the_backend(meta,
     assert index.holders("t", b"j" * 32) == {}  # not in its memory either
     await index.close()
     await second.resign()
+
+
+async def test_a_member_whose_re_registration_fails_unexpectedly_registers_again():
+    """Its lease lapsed (cut off), and the first registration after met an error no handler
+    expected (in the lab: a body cut short as the partition healed). The keep-alive loop once ended
+    there, silently, and the node agent stayed out of the cluster while it ran; it must try again."""
+    import aiohttp
+    from conductor_helpers import running_conductor
+
+    from tiercake.conductor.client import Client
+    from tiercake.messages import MemberInfo
+    from tiercake.workers.conductor_link import ConductorLink
+
+    member = MemberInfo(node_id="cut-off", role="node", tiers={"pool": 1 << 20})
+    async with running_conductor() as (url, conductor):
+        link = await ConductorLink(Client([url]), member, None, ttl=2, report=False).start()
+        try:
+            real, failures = link.client.register, []
+
+            async def register(info, ttl=5):
+                if not failures:
+                    failures.append(1)
+                    raise aiohttp.ClientPayloadError("response cut short")
+                return await real(info, ttl)
+
+            link.client.register = register
+            first = link.lease
+            await conductor.leave(first)  # as its lease lapsing would
+            await conductor.members.wait_for(lambda ms: "cut-off" not in ms.members, 5)
+            deadline = asyncio.get_running_loop().time() + 10
+            while not ("cut-off" in conductor.members.members and link.lease != first):
+                assert asyncio.get_running_loop().time() < deadline, "it never registered again"
+                await asyncio.sleep(0.1)
+            assert failures and conductor.members.members["cut-off"].lease == link.lease
+        finally:
+            await link.close(leave=True)
+            await link.client.close()

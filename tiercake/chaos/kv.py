@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tiercake.kvstore import AsyncStore, Durability, ObjectNotFound, StoreApiError, TransferFailed
+from tiercake.kvstore import AsyncStore, Durability, NoSpace, ObjectNotFound, StoreApiError, TransferFailed
 from tiercake.linearizability import Op, check, explain
 
 STEADY = ("s0", "s1", "s2")
@@ -89,10 +89,22 @@ class KvLoad:
         for key in self.steady:
             v = value(99, 0, random.Random(key), self.large)
             called = time.monotonic()
-            await self._stores[0].put(key, v, durability=self.durability)
+            await self._seed(key, v)
             self.history[key].append(Op("put", v, "ok", called, time.monotonic()))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._client(i, store, ops_each)) for i, store in enumerate(self._stores)]
+
+    async def _seed(self, key: str, v: bytes, timeout: float = 30.0) -> None:
+        """A steady key's first put, tried again while it is refused for want of nodes (a cluster
+        just back from a fault places its replicas a moment later)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self._stores[0].put(key, v, durability=self.durability)
+            except NoSpace:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def wait(self) -> None:
         """Until every client has run its operations."""

@@ -4,8 +4,8 @@ against a recompute) and the key-value one (concurrent clients, checksummed valu
 history checked for linearizability), a fresh set of keys for each fault. Per fault, figures
 ``partition.<fault>.acked_lost``, ``.stale_reads``, ``.nonlinearizable_keys``, ``.wrong_answers``
 (each 0 when the contract holds), ``.served_share`` (requests answered right during the fault over
-the rate just before) and ``.recovery_s`` (from the heal until the store answers and requests are
-served at 80% of the rate before again)."""
+the rate just before) and ``.recovery_s`` (from the heal until the store answers, every host's node
+agent and worker is a member again and requests are served at 80% of the rate before)."""
 
 from __future__ import annotations
 
@@ -78,8 +78,35 @@ class Campaign:
             await self._writer.close()
 
     async def fault(self, fault: str, report: Report) -> None:
-        """``fault`` injected, held and healed; its figures added to ``report``."""
+        """``fault`` injected, held and healed, once the lab is whole again after the one before (every
+        host's node agent and worker a member, or 30 s); its figures added to ``report``."""
+        await _whole(self.lab, 30.0)  # a fault that never recovered has said so: go on regardless
         await _one(fault, self.lab, self.nemesis, self.load, report, self.cold_start, self.progress)
+
+
+async def _whole(lab: LabProcess, timeout: float) -> list[str]:
+    """Until every host's node agent and worker are members again; what is still missing after
+    ``timeout`` (empty: the lab is whole)."""
+    from tiercake.conductor.client import Client, ConductorError
+
+    wanted = {h.name for h in lab.hosts}
+    deadline = time.monotonic() + timeout
+    missing: list[str] = ["(the conductors did not answer)"]
+    async with Client(lab.control_urls, token=lab.token, timeout=5) as client:
+        while True:
+            try:
+                members = (await client.cluster()).members
+                nodes = {m.id for m in members if m.role == "node"}
+                workers = {m.id.split("-", 1)[0] for m in members if m.role != "node"}
+                missing = [f"{h}'s node agent" for h in sorted(wanted - nodes)]
+                missing += [f"{h}'s worker" for h in sorted(wanted - workers)]
+                if not missing:
+                    return []
+            except (ConductorError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                return missing
+            await asyncio.sleep(0.5)
 
 
 async def _until_put(store: AsyncStore, name: str, value: bytes, timeout: float = 30.0) -> None:
@@ -121,6 +148,11 @@ async def _one(fault: str, lab: LabProcess, nemesis: Nemesis, load: Load, report
     lasted = max(healed - at, 1e-9)
     served = t.ok - ok_at
     recovery = await _recovered(lab, load, healed, rate_before)
+    missing = await _whole(lab, max(1.0, healed + RECOVERY_TIMEOUT_S - time.monotonic()))
+    if missing:  # served again, but not every host's processes are members: not recovered
+        recovery = None
+    elif recovery is not None:
+        recovery = max(recovery, time.monotonic() - healed)
     await kv.read_back()
     await kv.stop()
     verdict = kv.verdict()
@@ -157,6 +189,7 @@ async def _one(fault: str, lab: LabProcess, nemesis: Nemesis, load: Load, report
         cold_start,
         limit_name="the lab's cold start, same run",
         recovered=recovery is not None,
+        missing=missing,
     )
     found = nemesis.found.get(fault)
     if found is not None:
