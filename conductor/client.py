@@ -15,6 +15,7 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel
 
+from tiercake import dead_peer
 from tiercake.errors import parse_error
 from tiercake.messages import (
     BeginReply,
@@ -123,9 +124,10 @@ class Client:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            connector = aiohttp.TCPConnector(ssl=self.ssl) if self.ssl is not None else None
             self._session = aiohttp.ClientSession(
-                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout), connector=connector
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=dead_peer.connector(self.ssl),  # a conductor cut off is left in seconds
             )
         return self._session
 

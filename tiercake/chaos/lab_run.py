@@ -84,9 +84,9 @@ class Campaign:
         await _one(fault, self.lab, self.nemesis, self.load, report, self.cold_start, self.progress)
 
 
-async def _whole(lab: LabProcess, timeout: float) -> list[str]:
-    """Until every host's node agent and worker are members again; what is still missing after
-    ``timeout`` (empty: the lab is whole)."""
+async def _whole(lab: LabProcess, timeout: float) -> tuple[list[str], float]:
+    """Until every host's node agent and worker are members again: what is still missing after
+    ``timeout`` (empty: the lab is whole), and when it was seen whole."""
     from tiercake.conductor.client import Client, ConductorError
 
     wanted = {h.name for h in lab.hosts}
@@ -101,12 +101,12 @@ async def _whole(lab: LabProcess, timeout: float) -> list[str]:
                 missing = [f"{h}'s node agent" for h in sorted(wanted - nodes)]
                 missing += [f"{h}'s worker" for h in sorted(wanted - workers)]
                 if not missing:
-                    return []
+                    return [], time.monotonic()
             except (ConductorError, OSError):
                 pass
             if time.monotonic() > deadline:
-                return missing
-            await asyncio.sleep(0.5)
+                return missing, time.monotonic()
+            await asyncio.sleep(0.2)
 
 
 async def _until_put(store: AsyncStore, name: str, value: bytes, timeout: float = 30.0) -> None:
@@ -147,12 +147,13 @@ async def _one(fault: str, lab: LabProcess, nemesis: Nemesis, load: Load, report
     healed = await getattr(nemesis, fault)()
     lasted = max(healed - at, 1e-9)
     served = t.ok - ok_at
+    whole = asyncio.ensure_future(_whole(lab, RECOVERY_TIMEOUT_S))  # measured from the heal too
     recovery = await _recovered(lab, load, healed, rate_before)
-    missing = await _whole(lab, max(1.0, healed + RECOVERY_TIMEOUT_S - time.monotonic()))
+    missing, whole_at = await whole
     if missing:  # served again, but not every host's processes are members: not recovered
         recovery = None
     elif recovery is not None:
-        recovery = max(recovery, time.monotonic() - healed)
+        recovery = max(recovery, whole_at - healed)
     await kv.read_back()
     await kv.stop()
     verdict = kv.verdict()
