@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.credentials import TENANT_READS, tenant_of_token
 from tiercake.errors import ApiError, app_runner, bearer, body_reader, error_middleware, require_bearer
+from tiercake.heap import freeze_startup_heap
 from tiercake.messages import (
     CONTROL_API,
     BeginReply,
@@ -552,6 +553,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             runners.append(runner)
             await runner.setup()
             await web.SockSite(runner, bound_sock, ssl_context=tls).start()
+        freeze_startup_heap()
         announced = {"conductor": conductor.conductor_id, "url": url}
         if public_sock is not None:
             host, port = public_sock.getsockname()[:2]

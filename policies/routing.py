@@ -262,8 +262,12 @@ class LinkModel:
 def fit_link(samples: list[tuple[int, float]], prior: LinkModel = LinkModel(), decay: float = 0.5) -> LinkModel:
     """The line through ``(bytes, seconds)`` of pulls, oldest first, each weighted ``decay`` times
     the one after it (a link that turns slow is priced slow after a pull or two), its latency at least
-    0 and its rate positive: weighted least squares when the sizes differ, else the prior's latency and
-    the rate that leaves. Non-finite or non-positive samples are ignored."""
+    0 and its rate positive: weighted least squares when the sizes differ. Pulls of one size cannot
+    tell a fixed cost from a rate: the prior's rate is kept and what it does not explain is latency
+    (a pull's round trips and lookups are a fixed cost; pricing them as a rate made a pull of twice
+    the blocks cost twice, so a small first pull turned every later one into a recompute), unless
+    they ran faster than that rate, which is then theirs. Non-finite or non-positive samples are
+    ignored."""
     good = [(float(n), s) for n, s in samples if n > 0 and s > 0 and math.isfinite(s)]
     if not good:
         return prior
@@ -279,8 +283,10 @@ def fit_link(samples: list[tuple[int, float]], prior: LinkModel = LinkModel(), d
             return LinkModel(latency, 1.0 / slope)
         if slope > 0:  # a negative intercept is noise: the rate through the origin
             return LinkModel(0.0, mx / my)
-    latency = min(prior.latency_s, min(s for _, s in good) / 2)
-    return LinkModel(latency, mx / max(my - latency, 1e-12))
+    latency = my - mx / prior.bytes_per_s
+    if latency > 0:
+        return LinkModel(latency, prior.bytes_per_s)
+    return LinkModel(0.0, mx / my)
 
 
 def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillModel:

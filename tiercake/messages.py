@@ -779,6 +779,7 @@ class WorkerHealth(Reply):
     role: str
     engine: str = "reference"
     pid: int
+    frozen_objects: int = 0  # objects its start left that the collector no longer walks (tiercake.heap)
 
 
 class WorkerLoadReply(Reply):

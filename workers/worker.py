@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import app_runner, bearer_guard, body_reader, error_middleware, error_response, parse_body
+from tiercake.heap import freeze_startup_heap
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, SessionCommand, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
 from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
@@ -212,7 +214,12 @@ class Worker:
 
     async def _health(self, _: web.Request) -> web.Response:
         health = WorkerHealth(
-            status="ok", worker=self.worker_id, role=self.role, engine=self.engine.name, pid=os.getpid()
+            status="ok",
+            worker=self.worker_id,
+            role=self.role,
+            engine=self.engine.name,
+            pid=os.getpid(),
+            frozen_objects=gc.get_freeze_count(),
         )
         return web.json_response(text=health.model_dump_json())
 
@@ -221,6 +228,7 @@ class Worker:
 
     async def serve_forever(self, host: str, port: int, announce=sys.stdout) -> None:
         await self.start(host, port)
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -89,7 +89,8 @@ class Server:
     def ctrl_c(self) -> float:
         """Ctrl-C; how long until it and everything it started were gone."""
         sent = time.monotonic()
-        os.killpg(self.proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # it and all it started may have exited already
+            os.killpg(self.proc.pid, signal.SIGINT)
         try:
             self.proc.wait(30)
         finally:

@@ -45,6 +45,6 @@ def test_a_pairs_price_goes_stale_so_a_link_priced_slow_is_measured_again():
     now = [0.0]
     book = LinkBook(clock=lambda: now[0])
     book.observe("w1", pull(1 << 20, 0.2, **{"h3:pool": 16}))
-    assert book.model("w1", "h3").bytes_per_s == pytest.approx((1 << 20) / 0.2)
+    assert book.model("w1", "h3").seconds(1 << 20) == pytest.approx(0.2)
     now[0] = STALE_S + 1
     assert book.model("w1", "h3") == LinkModel()  # unmeasured again: the next pull measures it

@@ -68,8 +68,15 @@ def test_a_link_is_fitted_from_its_pulls_as_latency_plus_bytes_over_rate():
     assert link.latency_s == pytest.approx(0.002) and link.bytes_per_s == pytest.approx(1e9)
     assert link.seconds(8 << 20) == pytest.approx(0.002 + (8 << 20) / 1e9)
     assert fit_link([]) == LinkModel()  # nothing measured: the prior
+    # pulls of one size: the prior's rate stands and the rest is a fixed cost, so a pull twice as
+    # big costs one more prior-rate transfer, not twice as much (a small first pull, mostly round
+    # trips, priced every later pull as a recompute)
     one_size = fit_link([(1 << 20, 0.01), (1 << 20, 0.01)])
-    assert one_size.latency_s == 0 and one_size.bytes_per_s == pytest.approx((1 << 20) / 0.01)
+    assert one_size.seconds(1 << 20) == pytest.approx(0.01)
+    assert one_size.bytes_per_s == LinkModel().bytes_per_s
+    assert one_size.seconds(2 << 20) == pytest.approx(0.01 + (1 << 20) / LinkModel().bytes_per_s)
+    faster = fit_link([(1 << 20, 1e-4)])  # faster than the prior's rate: the rate is the link's own
+    assert faster.latency_s == 0 and faster.bytes_per_s == pytest.approx((1 << 20) / 1e-4)
     hostile = [(1 << 20, float("nan")), (1 << 20, float("inf")), (0, 1.0), (1 << 20, -1.0)]
     assert fit_link(hostile) == LinkModel()  # a report that is not a measurement changes nothing
 
@@ -195,7 +202,7 @@ def test_a_link_that_turns_slow_is_priced_slow_after_a_pull_or_two():
     most, so after two slow pulls the link is priced near its new rate, not the average of its past."""
     mib = 1 << 20
     fast = [(mib, 0.001)] * 3
-    assert fit_link(fast).bytes_per_s == pytest.approx(mib / 0.001)
+    assert fit_link(fast).seconds(mib) == pytest.approx(0.001)
     after_two = fit_link([*fast, (mib, 0.4), (mib, 0.4)])
     assert after_two.seconds(mib) > 0.3, after_two
     back = fit_link([*fast, (mib, 0.4), (mib, 0.4), *fast * 2])

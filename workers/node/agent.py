@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 from tiercake.conductor.client import Client
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.errors import app_runner, bearer_guard, error_middleware
+from tiercake.heap import freeze_startup_heap
 from tiercake.messages import MemberInfo
 from tiercake.metrics import metrics_handler, registry_of, store_families
 from tiercake.tiers import TieredStore
@@ -181,6 +182,7 @@ class NodeAgent:
     async def serve_forever(self, announce=sys.stdout) -> None:
         """Run until SIGINT or SIGTERM. Prints one JSON line with the address once ready."""
         await self.start()
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
