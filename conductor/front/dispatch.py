@@ -46,6 +46,7 @@ from tiercake.policies import PrefillModel, RouteDecision, Router, RouteRequest,
 from ..service import Conductor
 from .departures import Departures
 from .links import LinkBook
+from .pace import PaceBook
 from .serving_stats import ServingStats, Timing
 from .session_book import SessionBook
 from .worker_client import RequestFailed, StreamBroken, WorkerBusy, WorkerClient, WorkerRefused, WorkerUnavailable
@@ -152,6 +153,7 @@ class Dispatcher:
         self.workers = workers or WorkerClient(conductor.peer_token, config.tls.client_context())
         self.loads: dict[str, WorkerLoad] = defaultdict(WorkerLoad)
         self.links = LinkBook()  # per worker and node: the link its pulls measured
+        self.paces = PaceBook()  # per worker: how fast it computes now against its fit
         self.departures = Departures(conductor.members)
         self._router_spec = RouterSpec(name=self.serving.router, params=self.serving.router_params)
         self._router = create_router(self._router_spec.name, self._router_spec.params)
@@ -397,6 +399,9 @@ class Dispatcher:
         else:
             self.stats.reused(stats)
         self.links.observe(job.worker, stats)
+        member = self.conductor.members.members.get(job.worker)
+        if member is not None:
+            self.paces.observe(job.worker, _fitted(member), stats)
 
     # HANDOFF and DECODE -------------------------------------------------------------------------
 
@@ -447,9 +452,14 @@ class Dispatcher:
             cached,
             load.queued_tokens,
             load.running,
-            PrefillModel(perf.prefill_a, perf.prefill_b, perf.prefill_q),
+            self.paces.model(member.node_id, _fitted(member)),
             perf.decode_step_s,
             load_bytes_per_s=link.bytes_per_s,
             pull_latency_s=link.latency_s,
             sessions=sessions,
         )
+
+
+def _fitted(member: MemberInfo) -> PrefillModel:
+    """The prefill timings ``member`` measured when it started."""
+    return PrefillModel(member.perf.prefill_a, member.perf.prefill_b, member.perf.prefill_q)

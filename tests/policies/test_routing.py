@@ -62,6 +62,25 @@ def test_a_pull_is_priced_on_the_workers_measured_link_and_recompute_wins_across
     assert picked.worker == "c" and picked.pull
 
 
+def test_a_pull_about_as_fast_as_recomputing_is_taken():
+    """Recomputing holds the worker's compute, a pull mostly waits on a copy: a pull up to
+    REUSE_MARGIN slower than recomputing still reuses the prefix; one clearly slower does not."""
+    from tiercake.policies.routing import REUSE_MARGIN
+
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=1 << 20, best_blocks=100)
+    compute = SLOW.seconds(1601)
+    rest = SLOW.seconds(1601 - 1600, 1600)
+
+    def pulls(latency: float) -> bool:
+        return TtftRouter().choose([WorkerState("b", prefill=SLOW, pull_latency_s=latency)], request).pull
+
+    bytes_s = 100 * (1 << 20) / 2e9
+    assert pulls(compute * 1.1 - rest - bytes_s)  # 10% slower than computing: reused
+    assert pulls(compute * (1 + REUSE_MARGIN) * 0.999 - rest - bytes_s)
+    assert not pulls(compute * (1 + REUSE_MARGIN) * 1.01 - rest - bytes_s)
+    assert not pulls(compute * 2)
+
+
 def test_a_link_is_fitted_from_its_pulls_as_latency_plus_bytes_over_rate():
     exact = [(n, 0.002 + n / 1e9) for n in (1 << 20, 4 << 20, 16 << 20)]
     link = fit_link(exact)

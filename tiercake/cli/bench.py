@@ -128,6 +128,13 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
     return _bench(args, "the placement index (a local etcd starts for it)", metadata.run(quick=args.quick))
 
 
+def cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from tiercake.bench import fleet
+
+    run = fleet.run(quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget)
+    return _bench(args, "the control plane under simulated fleets (etcd and two conductors start for each)", run)
+
+
 def cmd_bench_hosts(args: argparse.Namespace) -> int:
     from tiercake.bench import hosts
     from tiercake.lab.hosts import require_root
@@ -150,6 +157,7 @@ def register(sub) -> None:
         return p
 
     _data_path_benches(bench_parser)
+    _control_plane_benches(bench_parser)
     _serving_benches(bench_parser)
 
 
@@ -213,6 +221,9 @@ def _data_path_benches(bench_parser) -> None:
     restart.add_argument("--load", type=int, default=0, help="processes spinning on the CPU meanwhile")
     restart.set_defaults(func=cmd_bench_restart)
 
+
+def _control_plane_benches(bench_parser) -> None:
+    """The conductor's index and membership, without block bytes."""
     meta = bench_parser(
         "metadata",
         help="placement index lookups and durable commits vs dict probes and raw etcd",
@@ -221,6 +232,28 @@ def _data_path_benches(bench_parser) -> None:
         "commit against raw batched etcd transactions of the same operations; metadata bytes per block.",
     )
     meta.set_defaults(func=cmd_bench_metadata)
+
+    fleet = bench_parser(
+        "fleet",
+        help="the control plane under 10/100/1000 simulated nodes: placements/s, lookups, memory, failover",
+        description="A real etcd (three members; one with --quick) and two conductor processes, driven by "
+        "load-generator processes whose simulated node agents register, renew their leases and report their "
+        "blocks through the conductor client, and whose front looks up 64-block chains. Per fleet size: "
+        "placements/s against raw etcd and per conductor CPU-second, lookup p50/p99, the leader's memory per "
+        "replica, etcd's database size, lease renewals, how long a dead node's blocks stay listed, and a "
+        "failover after the leader is SIGKILLed.",
+    )
+    fleet.add_argument("--nodes", metavar="N,...", help="fleet sizes (default 10,100,1000; 10,100 with --quick)")
+    fleet.add_argument(
+        "--blocks-per-node", type=int, metavar="N", help="blocks each node reports (default 100000; 1024 with --quick)"
+    )
+    fleet.add_argument(
+        "--budget",
+        type=float,
+        metavar="S",
+        help="seconds a fill may take per fleet size (default 900; 60 with --quick)",
+    )
+    fleet.set_defaults(func=cmd_bench_fleet)
 
 
 def _serving_benches(bench_parser) -> None:

@@ -1,0 +1,248 @@
+"""One load generator of `tiercake bench fleet`: simulated node agents and a front, control traffic
+only (no block bytes), sent through the real conductor client as the real members send it.
+
+Each simulated node registers, renews its lease every third of its TTL (a renewal that finds the
+lease gone registers again, as ``ConductorLink`` does), and on ``fill`` reports the chains it holds
+as a node agent does after a restart, one chain of 64 blocks per report, one report in flight per
+node. ``lookup`` times 64-block chain lookups as vLLM's scheduler side makes them, closed loop,
+interleaved with an empty request to the same conductor (the floor of any lookup over HTTP). The
+parent (``fleet.py``) drives it with one JSON command per line on stdin; each answer is one JSON line
+on stdout.
+
+    python -m tiercake.bench.fleet_load --urls URL,... --first 0 --nodes 50 --blocks 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import resource
+import struct
+import sys
+import time
+
+import aiohttp
+
+from tiercake.conductor.client import Client, ConductorError
+from tiercake.messages import MemberInfo
+
+CHAIN = 64
+TENANT = "fleet"
+TTL_S = 5
+BLOCK_NBYTES = 1 << 20
+
+
+def node_id(i: int) -> str:
+    return f"fleet-{i:05d}"
+
+
+def chain_keys(node: int, chain: int) -> list[bytes]:
+    """Chain ``chain`` of node ``node``: 64 distinct 32-byte keys (what a BlockKey is on the wire)."""
+    return [struct.pack(">QQQQ", node, chain, j, 0x7469657263616B65) for j in range(CHAIN)]
+
+
+class SimNode:
+    def __init__(self, index: int, urls: list[str], token: str, renewals: list[float]) -> None:
+        self.index, self.id = index, node_id(index)
+        self.client = Client(urls, token=token, timeout=30)
+        self.lease = 0
+        self.alive = True
+        self.keepalives = 0
+        self.renewals = renewals  # every renewal's seconds, the generator's nodes together, in order
+        self.errors = 0
+        self.chains = 0  # what it holds: reported again whenever it registers again
+        self._task: asyncio.Task | None = None
+        self._refill: asyncio.Task | None = None
+
+    async def register(self) -> None:
+        member = MemberInfo(node_id=self.id, role="node", host="127.0.0.1", port=1, tiers={"pool": 1 << 40})
+        self.lease = await self.client.register(member, ttl=TTL_S)
+        self._task = asyncio.create_task(self._keep_alive())
+
+    async def _keep_alive(self) -> None:
+        while self.alive:
+            await asyncio.sleep(TTL_S / 3)
+            started = time.perf_counter()
+            try:
+                await self.client.keep_alive(self.id, self.lease)
+            except ConductorError as exc:
+                self.errors += 1
+                if exc.status == 404:  # the lease is gone (a conductor failover took too long): again
+                    with contextlib.suppress(ConductorError):
+                        await self.register_again()
+                continue
+            self.keepalives += 1
+            self.renewals.append(time.perf_counter() - started)
+
+    async def register_again(self) -> None:
+        """As a node agent whose lease lapsed: register, then report everything it holds again (its
+        placements went with the lease)."""
+        member = MemberInfo(node_id=self.id, role="node", host="127.0.0.1", port=1, tiers={"pool": 1 << 40})
+        self.lease = await self.client.register(member, ttl=TTL_S)
+        if self.chains and (self._refill is None or self._refill.done()):
+            self._refill = asyncio.create_task(self.fill(self.chains, float("inf")))
+
+    async def fill(self, chains: int, deadline: float) -> int:
+        """Report every chain it holds, or as many as it can before ``deadline`` (monotonic); how
+        many blocks the index took."""
+        sizes = [BLOCK_NBYTES] * CHAIN
+        reported = 0
+        self.chains = chains
+        for c in range(chains):
+            if time.monotonic() >= deadline:
+                break
+            for attempt in range(20):
+                try:
+                    await self.client.report(TENANT, self.id, "pool", chain_keys(self.index, c), sizes)
+                    break
+                except ConductorError:
+                    self.errors += 1
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            else:
+                continue
+            reported += CHAIN
+        return reported
+
+    def crash(self) -> None:
+        """Stops renewing its lease, as a node that lost power would."""
+        self.alive = False
+        if self._task is not None:
+            self._task.cancel()
+
+    async def close(self) -> None:
+        self.crash()
+        if self._refill is not None:
+            self._refill.cancel()
+        await self.client.close()
+
+
+class Generator:
+    def __init__(self, urls: list[str], token: str, first: int, nodes: int, chains: int) -> None:
+        self.urls, self.token, self.chains = urls, token, chains
+        self.renewals: list[float] = []
+        self.nodes = [SimNode(first + i, urls, token, self.renewals) for i in range(nodes)]
+        self.front = Client(urls, token=token, timeout=30)
+        self.rng = random.Random(first)
+
+    async def start(self) -> dict:
+        for start in range(0, len(self.nodes), 50):  # registrations in waves, as a fleet's rollout would
+            await asyncio.gather(*(n.register() for n in self.nodes[start : start + 50]))
+        return {"ready": len(self.nodes)}
+
+    async def fill(self, seconds: float) -> dict:
+        cpu, started = _cpu(), time.perf_counter()
+        deadline = time.monotonic() + seconds
+        counts = await asyncio.gather(*(n.fill(self.chains, deadline) for n in self.nodes))
+        return {"filled": sum(counts), "s": time.perf_counter() - started, "cpu_s": _cpu() - cpu}
+
+    async def lookup(self, seconds: float, url: str | None = None) -> dict:
+        """Closed-loop lookups of a random chain of its nodes, each followed by the empty request."""
+        front = self.front if url is None else Client([url], token=self.token, timeout=30)
+        floor_url = (url or self.urls[0]) + "/health"
+        lookups, floors, whole = [], [], 0
+        try:
+            async with aiohttp.ClientSession() as http:
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    node = self.rng.choice(self.nodes)
+                    keys = chain_keys(node.index, self.rng.randrange(self.chains))
+                    started = time.perf_counter()
+                    found = await front.lookup(TENANT, keys)
+                    lookups.append(time.perf_counter() - started)
+                    whole += found.get(node.id) is not None and found[node.id].length == CHAIN
+                    started = time.perf_counter()
+                    async with http.get(floor_url) as resp:
+                        await resp.read()
+                    floors.append(time.perf_counter() - started)
+        finally:
+            if front is not self.front:
+                await front.close()
+        return {"lookup_s": lookups, "floor_s": floors, "whole": whole}
+
+    async def holders(self, url: str, nodes: list[int]) -> dict:
+        """For one chain of each of ``nodes``: which of them the conductor at ``url`` lists as holding
+        it whole (one request of many chains, as the front asks)."""
+        client = Client([url], token=self.token, timeout=5)
+        try:
+            chains = [chain_keys(i, 0) for i in nodes]
+            found = await client.lookup_many(TENANT, chains)
+        finally:
+            await client.close()
+        return {
+            "whole": [
+                i for i, f in zip(nodes, found, strict=True) if f.get(node_id(i)) and f[node_id(i)].length == CHAIN
+            ]
+        }
+
+    def stats(self, since: int = 0) -> dict:
+        """Renewals so far, and the seconds of each from the ``since``-th on."""
+        return {
+            "keepalives": len(self.renewals),
+            "keepalive_s": self.renewals[since:],
+            "errors": sum(n.errors for n in self.nodes),
+            "cpu_s": _cpu(),
+        }
+
+    def crash(self, index: int) -> dict:
+        for n in self.nodes:
+            if n.index == index:
+                n.crash()
+                return {"crashed": n.id}
+        raise ValueError(f"node {index} is not one of this generator's")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(n.close() for n in self.nodes), self.front.close())
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _serve(gen: Generator) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    _say(await gen.start())
+    commands = {"fill": gen.fill, "lookup": gen.lookup, "holders": gen.holders, "stats": gen.stats, "crash": gen.crash}
+    try:
+        while line := await reader.readline():
+            command = json.loads(line)
+            what = command.pop("cmd")
+            if what == "stop":
+                break
+            try:
+                answer = commands[what](**command)
+                _say(await answer if asyncio.iscoroutine(answer) else answer)
+            except (KeyError, TypeError) as exc:
+                _say({"error": f"bad command {what!r}: {exc}"})
+            except (ConductorError, aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
+                _say({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        await gen.close()
+
+
+def _say(answer: dict) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--urls", required=True, help="the conductors' control APIs, comma-separated")
+    parser.add_argument("--first", type=int, default=0, help="the index of its first node")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--blocks", type=int, required=True, help="blocks per node (a multiple of 64)")
+    args = parser.parse_args(argv)
+    token = os.environ["TIERCAKE_TOKEN"]
+    gen = Generator(args.urls.split(","), token, args.first, args.nodes, max(1, args.blocks // CHAIN))
+    asyncio.run(_serve(gen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
