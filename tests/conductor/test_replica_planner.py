@@ -1,0 +1,66 @@
+"""The leader's hot-block replication plan (``conductor/replica_planner.py``), on a stand-in
+conductor (the planner reads its index, members, access rates and policies, nothing else)."""
+
+from types import SimpleNamespace
+
+from tiercake.conductor.heat import AccessRates
+from tiercake.conductor.placement import Replica
+from tiercake.conductor.replica_planner import ReplicaPlanner
+from tiercake.messages import MemberInfo
+from tiercake.policies.placement import HotReplicas, LeastUsed, NodeLoad
+
+NODES = [f"n{i}" for i in range(20)]
+
+
+class Index:
+    """Block -> holders, counting how often the planner asks."""
+
+    def __init__(self, held: dict[bytes, set[str]]) -> None:
+        self.held, self.asked, self.used = held, 0, {}
+
+    def holders(self, tenant: str, key: bytes) -> dict[Replica, int]:
+        self.asked += 1
+        return {Replica(node, "pool"): 4096 for node in sorted(self.held.get(key, ()))}
+
+
+def conductor(blocks: int, hot: set[int]) -> SimpleNamespace:
+    heat = AccessRates(half_life=30)
+    for i in range(blocks):
+        heat.add([(("t", b"k%d" % i), 10_000.0 if i in hot else 1.0)])
+    index = Index({b"k%d" % i: {NODES[i % len(NODES)]} for i in range(blocks)})
+    members = {n: MemberInfo(node_id=n, role="node", tiers={"pool": 1 << 30}) for n in NODES}
+    return SimpleNamespace(
+        heat=heat,
+        index=index,
+        members=SimpleNamespace(members=members),
+        replication=HotReplicas(base=1, threshold=10, maximum=3),
+        placement=LeastUsed(),
+        pins=set(),
+        _loads=lambda tier, exclude: [NodeLoad(n, 1 << 30, 0) for n in NODES if n not in exclude],
+    )
+
+
+def test_every_node_renewing_costs_one_pass_over_the_hot_blocks_not_one_each():
+    c = conductor(blocks=500, hot={3, 7})
+    planner = ReplicaPlanner(c)
+    handed = {n: planner.tasks(n) for n in NODES}
+    assert c.index.asked < 500 + 100, c.index.asked  # one pass (and a check per task), not 20 passes
+    copies = [(n, m.key) for n, moves in handed.items() for m in moves]
+    # each hot block gets its two more replicas once, on nodes that do not hold it, from its holder
+    assert sorted(key for _, key in copies) == [b"k3", b"k3", b"k7", b"k7"]
+    for node, key in copies:
+        assert node not in c.index.held[key]
+    assert all({m.source} == c.index.held[m.key] for moves in handed.values() for m in moves)
+    assert all(planner.tasks(n) == [] for n in NODES)  # handed out: not again until done or due
+
+
+def test_a_move_the_index_shows_done_is_not_handed_out():
+    c = conductor(blocks=10, hot={3})
+    planner = ReplicaPlanner(c)
+    first = planner.tasks("n19")  # makes the plan: k3 goes to two nodes that lack it (not n19)
+    targets = {n for n, moves in planner._plan.items() for m in moves if m.key == b"k3"}
+    assert len(targets) == 2 and not first
+    done, other = sorted(targets)
+    c.index.held[b"k3"].add(done)  # it copied the block meanwhile (another path, a report)
+    assert planner.tasks(done) == []
+    assert [m.key for m in planner.tasks(other)] == [b"k3"]
