@@ -15,6 +15,7 @@ class AccessRates:
         self.decay = math.log(2) / half_life
         self.max_keys = max_keys
         self._counts: dict[object, tuple[float, float]] = {}  # key -> (decayed count, at)
+        self._touched: set[object] = set()  # accessed since the last ``take_touched``
 
     def _value(self, key: object, now: float) -> float:
         count, at = self._counts.get(key, (0.0, now))
@@ -28,6 +29,7 @@ class AccessRates:
         now = time.monotonic() if now is None else now
         for key, n in counts:
             self._counts[key] = (self._value(key, now) + n, now)
+            self._touched.add(key)
         if len(self._counts) > self.max_keys:
             self._forget_coldest(now)
 
@@ -36,6 +38,15 @@ class AccessRates:
         decayed count at r / decay)."""
         now = time.monotonic() if now is None else now
         return [(key, self._value(key, now) * self.decay) for key in self._counts]
+
+    def rate(self, key: object, now: float | None = None) -> float:
+        """One block's rate in accesses per second (0 for one not tracked)."""
+        return self._value(key, time.monotonic() if now is None else now) * self.decay
+
+    def take_touched(self) -> set[object]:
+        """The tracked blocks accessed since the last call (the rest only cooled meanwhile)."""
+        touched, self._touched = self._touched, set()
+        return {key for key in touched if key in self._counts}
 
     def forget(self, key: object) -> None:
         self._counts.pop(key, None)

@@ -52,6 +52,12 @@ def test_every_node_renewing_costs_one_pass_over_the_hot_blocks_not_one_each():
         assert node not in c.index.held[key]
     assert all({m.source} == c.index.held[m.key] for moves in handed.values() for m in moves)
     assert all(planner.tasks(n) == [] for n in NODES)  # handed out: not again until done or due
+    # the next plan looks only at blocks read since, and at those with more than one replica wanted
+    c.index.asked = 0
+    c.heat.add([(("t", b"k11"), 1.0)])
+    planner._planned_at = -1e9
+    planner.tasks("n0")
+    assert c.index.asked <= 3 + 4, c.index.asked  # k3, k7 (watched) and k11 (read), not all 500
 
 
 def test_a_move_the_index_shows_done_is_not_handed_out():
