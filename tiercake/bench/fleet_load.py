@@ -64,6 +64,8 @@ class SimNode:
         self._task = asyncio.create_task(self._keep_alive())
 
     async def _keep_alive(self) -> None:
+        # a fleet's nodes start at different moments: renewals spread over the period, not in bursts
+        await asyncio.sleep(random.uniform(0, TTL_S / 3))
         while self.alive:
             await asyncio.sleep(TTL_S / 3)
             started = time.perf_counter()
