@@ -23,6 +23,12 @@ side does. No block bytes move: this is the control plane alone. Per fleet size:
 - ``failover_s``: the leader SIGKILLed: until the other conductor is leader and lists one chain of
   every node whole, against 10 s.
 
+Each fleet size runs twice, once per place the pool's placements live (``--index``): ``durable``,
+each placement an etcd key (today's default), and ``memory``, the conductors' memory only, fed by
+the nodes' reports and re-reported to a new leader when its term begins (``conductor.volatile_tiers``
+with the pool in it: the design docs/SCALE.md argues for). Figures are named
+``fleet.<index>.n<nodes>.<figure>``.
+
 A fill that cannot finish within the budget (``--budget``, seconds per fleet size) stops there and
 says so in its figures' params, with the time the whole fill would take at the rate measured.
 """
@@ -45,7 +51,10 @@ from pathlib import Path
 from .fleet_load import CHAIN, TTL_S
 from .report import Report, machine
 
-QUICK_SIZES, FULL_SIZES = (10, 100), (10, 100, 1000)
+# where pool placements live: etcd, each one durable (today's default), or the conductors' memory,
+# fed by the nodes' reports and re-reported to a new leader (``conductor.volatile_tiers``)
+INDEXES = ("durable", "memory")
+QUICK_SIZES, FULL_SIZES = {"durable": (10, 100), "memory": (100,)}, (10, 100, 1000)
 QUICK_BLOCKS, FULL_BLOCKS = 1024, 100_000
 FULL_REPLICAS = 10**8  # what the full run is sized for: 1,000 nodes of 10^5 blocks
 ETCD_QUOTA = 2 << 30  # etcd's default backend quota
@@ -94,22 +103,29 @@ class Fleet:
 
 
 async def run(
-    quick: bool = False, sizes: list[int] | None = None, blocks: int | None = None, budget_s: float | None = None
+    quick: bool = False,
+    sizes: list[int] | None = None,
+    blocks: int | None = None,
+    budget_s: float | None = None,
+    indexes: list[str] | None = None,
 ) -> Report:
     report = Report(bench="fleet", machine=machine())
     blocks = max(CHAIN, (blocks or (QUICK_BLOCKS if quick else FULL_BLOCKS)) // CHAIN * CHAIN)
     budget = budget_s or (60.0 if quick else 900.0)
-    for nodes in sizes or (QUICK_SIZES if quick else FULL_SIZES):
-        with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
-            fleet = await _start(Path(tmp), nodes, blocks, quick)
-            try:
-                await _measure(report, fleet, nodes, blocks, budget, quick)
-            finally:
-                await _stop(fleet)
+    for index in indexes or INDEXES:
+        if index not in INDEXES:
+            raise ValueError(f"--index takes {', '.join(INDEXES)}, not {index!r}")
+        for nodes in sizes or (QUICK_SIZES[index] if quick else FULL_SIZES):
+            with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
+                fleet = await _start(Path(tmp), nodes, blocks, quick, index)
+                try:
+                    await _measure(report, fleet, nodes, blocks, budget, quick, f"fleet.{index}.n{nodes}")
+                finally:
+                    await _stop(fleet)
     return report
 
 
-async def _start(root: Path, nodes: int, blocks: int, quick: bool) -> Fleet:
+async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = "durable") -> Fleet:
     from tiercake.conductor.etcd_process import EtcdCluster
     from tiercake.up import Child
 
@@ -119,7 +135,8 @@ async def _start(root: Path, nodes: int, blocks: int, quick: bool) -> Fleet:
     fleet = Fleet(etcd, [], [], [], token)
     try:
         config = root / "conductor.yaml"
-        config.write_text(f"conductor: {{member_ttl: {TTL_S}}}\n")
+        volatile = '["gpu", "pool"]' if index == "memory" else '["gpu"]'
+        config.write_text(f"conductor: {{member_ttl: {TTL_S}, volatile_tiers: {volatile}}}\n")
         for i in range(2):
             args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}"]
             args += ["--config", str(config), "--etcd", ",".join(etcd.endpoints), "--ttl", "2"]
@@ -175,7 +192,7 @@ async def _stop(fleet: Fleet) -> None:
     await asyncio.to_thread(fleet.etcd.stop)
 
 
-async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget: float, quick: bool) -> None:
+async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget: float, quick: bool, n: str) -> None:
     leader = await _wait_leader(fleet)
     pid = fleet.conductors[leader].proc.pid
     raw = await _raw_etcd_rate(fleet.etcd.endpoints)
@@ -192,7 +209,6 @@ async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget
     if filled < wanted:
         size["filled"] = f"{filled}/{wanted} in the {budget:.0f} s budget"
         size["whole_fill_s"] = round(wanted / max(filled / wall, 1e-9))
-    n = f"fleet.n{nodes}"
     gen_cpu = sum(f["cpu_s"] for f in fills)
     report.add(f"{n}.placements_per_s", filled / wall, "1/s", raw, **size, limit_name="raw batched etcd txns")
     report.add(

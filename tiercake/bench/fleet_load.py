@@ -48,13 +48,14 @@ def chain_keys(node: int, chain: int) -> list[bytes]:
 class SimNode:
     def __init__(self, index: int, urls: list[str], token: str, renewals: list[float]) -> None:
         self.index, self.id = index, node_id(index)
-        self.client = Client(urls, token=token, timeout=30)
+        self.client = Client(urls, token=token, timeout=10)
         self.lease = 0
         self.alive = True
         self.keepalives = 0
         self.renewals = renewals  # every renewal's seconds, the generator's nodes together, in order
         self.errors = 0
         self.chains = 0  # what it holds: reported again whenever it registers again
+        self.term = 0  # the leader's, as its last renewal said
         self._task: asyncio.Task | None = None
         self._refill: asyncio.Task | None = None
 
@@ -70,7 +71,7 @@ class SimNode:
             await asyncio.sleep(TTL_S / 3)
             started = time.perf_counter()
             try:
-                await self.client.keep_alive(self.id, self.lease)
+                answer = await self.client.keep_alive(self.id, self.lease)
             except ConductorError as exc:
                 self.errors += 1
                 if exc.status == 404:  # the lease is gone (a conductor failover took too long): again
@@ -79,12 +80,19 @@ class SimNode:
                 continue
             self.keepalives += 1
             self.renewals.append(time.perf_counter() - started)
+            if answer.term != self.term:  # a new leader: it has none of the volatile tiers' placements
+                if self.term and "pool" in answer.volatile_tiers:
+                    self._report_again()
+                self.term = answer.term
 
     async def register_again(self) -> None:
         """As a node agent whose lease lapsed: register, then report everything it holds again (its
         placements went with the lease)."""
         member = MemberInfo(node_id=self.id, role="node", host="127.0.0.1", port=1, tiers={"pool": 1 << 40})
         self.lease = await self.client.register(member, ttl=TTL_S)
+        self._report_again()
+
+    def _report_again(self) -> None:
         if self.chains and (self._refill is None or self._refill.done()):
             self._refill = asyncio.create_task(self.fill(self.chains, float("inf")))
 
@@ -95,18 +103,19 @@ class SimNode:
         reported = 0
         self.chains = chains
         for c in range(chains):
-            if time.monotonic() >= deadline:
-                break
-            for attempt in range(20):
+            attempt = 0
+            while time.monotonic() < deadline:  # a report the conductor did not take is sent again
                 try:
                     await self.client.report(TENANT, self.id, "pool", chain_keys(self.index, c), sizes)
-                    break
                 except ConductorError:
                     self.errors += 1
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                    attempt += 1
+                    await asyncio.sleep(min(2.0, 0.2 * attempt))
+                    continue
+                reported += CHAIN
+                break
             else:
-                continue
-            reported += CHAIN
+                break
         return reported
 
     def crash(self) -> None:

@@ -131,7 +131,10 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
     from tiercake.bench import fleet
 
-    run = fleet.run(quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget)
+    indexes = args.index.split(",") if args.index else None
+    run = fleet.run(
+        quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget, indexes=indexes
+    )
     return _bench(args, "the control plane under simulated fleets (etcd and two conductors start for each)", run)
 
 
@@ -252,6 +255,11 @@ def _control_plane_benches(bench_parser) -> None:
         type=float,
         metavar="S",
         help="seconds a fill may take per fleet size (default 900; 60 with --quick)",
+    )
+    fleet.add_argument(
+        "--index",
+        metavar="durable,memory",
+        help="where pool placements live: etcd (durable, today's default) or the conductors' memory (both)",
     )
     fleet.set_defaults(func=cmd_bench_fleet)
 
