@@ -232,7 +232,7 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
 
     async def leader_only(request: web.Request, model: type[BaseModel]):
         body = await parse(request, model)
-        conductor.require_leader(await conductor.leader())
+        await conductor.require_leader()
         return body
 
     async def begin(request: web.Request) -> web.Response:
@@ -311,7 +311,7 @@ def _node_feed_routes(conductor: Conductor) -> list:
         if conductor.is_leader and body.term == term and index.volatile_changes(body.after) == [] and body.wait_s:
             await index.wait_volatile(body.after, body.wait_s)
         if not conductor.is_leader:  # also when it stepped down while waiting
-            conductor.require_leader(await conductor.leader())
+            await conductor.require_leader()
         changes = index.volatile_changes(body.after) if body.term == term else None
         if changes is None:
             return _volatile_reply(term, index.volatile_seq, True, index.volatile_snapshot())
@@ -377,7 +377,7 @@ def _member_routes(conductor: Conductor) -> list:
     async def flush_applied(request: web.Request) -> web.Response:
         """A member applied a flush (the leader answers synchronous flushes)."""
         body = await parse(request, FlushAppliedRequest)
-        conductor.require_leader(await conductor.leader())
+        await conductor.require_leader()
         conductor.flush_applied(body.node_id, body.epoch)
         return reply(FlushReply(flush_epoch=body.epoch, applied=True))
 
@@ -413,21 +413,21 @@ def _object_routes(conductor: Conductor) -> list[web.RouteDef]:
     async def slot_reports(request: web.Request) -> web.Response:
         """Primaries' word that backups hold their slots whole now (or no more), or took them over."""
         body = await parse(request, SlotReports)
-        conductor.require_leader(await conductor.leader())
+        await conductor.require_leader()
         current, refused = await conductor.objects.mark(body.reports)
         return reply(SlotReportsReply(map=current, refused=refused))
 
     async def seed_map(request: web.Request) -> web.Response:
         """A node's last map, for a conductor that lost its own (taken only when it has none)."""
         body = await parse(request, ObjectMap)
-        conductor.require_leader(await conductor.leader())
+        await conductor.require_leader()
         taken = await conductor.objects.seed(body)
         return reply(SlotReportsReply(map=conductor.objects.map, refused=[] if taken else ["the conductor has a map"]))
 
     async def release_node(request: web.Request) -> web.Response:
         """An operator's: a node gone for good; the slots it pinned (objects it alone persisted) move."""
         body = await parse(request, NodeRelease)
-        conductor.require_leader(await conductor.leader())
+        await conductor.require_leader()
         return reply(NodeReleaseReply(released=await conductor.objects.release(body.node)))
 
     return [

@@ -222,8 +222,12 @@ class Conductor:
             return self.election.won_term
         return self.link.followed_term or await self.election.term()
 
-    def require_leader(self, leader: ConductorInfo | None) -> None:
+    async def require_leader(self) -> None:
+        """``NotLeaderError`` naming the leader's URL unless this conductor leads. The leader asks
+        the backend nothing: every report, commit and begin asked etcd who leads (a read per request,
+        6% of the leader's CPU under a fleet's reports)."""
         if not self.is_leader:
+            leader = await self.leader()
             raise NotLeaderError(leader.url if leader else None)
 
     # Membership -----------------------------------------------------------------------------------

@@ -195,20 +195,20 @@ class OperatorApi:
         body, tenant, keys = await self._prompt_keys(request)
         if not keys:
             raise ApiError(400, "the prompt has no full block to pin")
-        self.conductor.require_leader(await self.conductor.leader())
+        await self.conductor.require_leader()
         await self.conductor.pin(tenant, keys, body.ttl)
         return reply(PinPrefixReply(pinned_blocks=len(keys)))
 
     async def unpin(self, request: web.Request) -> web.Response:
         _, tenant, keys = await self._prompt_keys(request)
-        self.conductor.require_leader(await self.conductor.leader())
+        await self.conductor.require_leader()
         if keys:
             await self.conductor.unpin(tenant, keys)
         return reply(PinPrefixReply(unpinned_blocks=len(keys)))
 
     async def flush(self, request: web.Request) -> web.Response:
         body = await parse(request, FlushRequest, empty=b"{}")
-        self.conductor.require_leader(await self.conductor.leader())
+        await self.conductor.require_leader()
         epoch = await self.conductor.flush(body.tiers, wait_s=body.timeout_s if body.wait else None)
         return reply(FlushReply(flush_epoch=epoch, applied=body.wait))
 
@@ -241,7 +241,7 @@ class OperatorApi:
         except (LookupError, TypeError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
         conductor = self.conductor
-        conductor.require_leader(await conductor.leader())
+        await conductor.require_leader()
         if body.router is not None:
             await conductor.put_setting("router", RouterSpec(name=body.router, params=body.router_params))
         if body.eviction is not None:

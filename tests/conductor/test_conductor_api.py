@@ -714,3 +714,26 @@ async def test_a_request_head_that_trickles_is_cut_at_its_deadline(api, monkeypa
     async with aiohttp.ClientSession() as http:  # and everyone else is served
         async with http.get(url + "/health") as resp:
             assert resp.status == 200
+
+
+async def test_the_leader_takes_reports_without_asking_the_backend_who_leads():
+    """Every report, commit and begin used to read the election key from etcd first: one read per
+    request on the leader's hot path. A follower still answers with the leader's URL."""
+    async with leader_and_follower() as (leader, follower):
+        asked = []
+        original = leader.election.leader
+
+        async def counted():
+            asked.append(1)
+            return await original()
+
+        leader.election.leader = counted
+        async with Client([leader.url], token="peer-token") as client:
+            await client.register(MemberInfo(node_id="node-a", tiers={"pool": 1 << 20}), ttl=5)
+            for i in range(20):
+                await client.report("t", "node-a", "pool", [k(i)], [1])
+        assert asked == []
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer peer-token"}) as http:
+            body = {"tenant": "t", "node": "node-a", "tier": "pool", "blocks": [{"key": k(99).hex(), "size": 1}]}
+            async with http.post(follower.url + "/v1/placements/report", json=body) as resp:
+                assert resp.status == 503 and leader.url in await resp.text()
