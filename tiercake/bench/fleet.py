@@ -30,7 +30,9 @@ with the pool in it: the design docs/SCALE.md argues for). Figures are named
 ``fleet.<index>.n<nodes>.<figure>``.
 
 A fill that cannot finish within the budget (``--budget``, seconds per fleet size) stops there and
-says so in its figures' params, with the time the whole fill would take at the rate measured.
+says so in its figures' params, with the time the whole fill would take at the rate measured. A
+fleet size whose conductors stop answering gets a ``ran_out`` figure saying where, and the next
+size runs.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class Fleet:
         """Which of the conductors is leader, as ``url`` (default: any) says; None: none yet."""
         from tiercake.conductor.client import Client, ConductorError
 
-        client = Client([url] if url else self.urls, token=self.token, timeout=2)
+        client = Client([url] if url else self.urls, token=self.token, timeout=5)
         try:
             info = await client.leader()
         except ConductorError:
@@ -118,8 +120,11 @@ async def run(
         for nodes in sizes or (QUICK_SIZES[index] if quick else FULL_SIZES):
             with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
                 fleet = await _start(Path(tmp), nodes, blocks, quick, index)
+                name = f"fleet.{index}.n{nodes}"
                 try:
-                    await _measure(report, fleet, nodes, blocks, budget, quick, f"fleet.{index}.n{nodes}")
+                    await _measure(report, fleet, nodes, blocks, budget, quick, name)
+                except (RuntimeError, TimeoutError) as exc:  # what ran out, said as a figure
+                    report.add(f"{name}.ran_out", 1.0, "flag", 1.0, error=f"{type(exc).__name__}: {exc}"[:400])
                 finally:
                     await _stop(fleet)
     return report
@@ -139,7 +144,7 @@ async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = 
         config.write_text(f"conductor: {{member_ttl: {TTL_S}, volatile_tiers: {volatile}}}\n")
         for i in range(2):
             args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}"]
-            args += ["--config", str(config), "--etcd", ",".join(etcd.endpoints), "--ttl", "2"]
+            args += ["--config", str(config), "--etcd", ",".join(etcd.endpoints)]  # the default leader TTL
             child = Child(f"c{i}", args, env, root / "logs")
             fleet.conductors.append(child)
             fleet.urls.append((await asyncio.to_thread(child.wait_announce, 60))["url"])
@@ -342,13 +347,13 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 
 
 async def _wait_leader(fleet: Fleet) -> int:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         found = await fleet.leader()
         if found is not None:
             return found
         await asyncio.sleep(0.2)
-    raise RuntimeError("no conductor was elected within 30 s")
+    raise RuntimeError("no conductor answered as leader within 60 s")
 
 
 async def _raw_etcd_rate(endpoints: list[str]) -> float:
