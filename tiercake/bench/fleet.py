@@ -50,6 +50,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiercake.conductor.etcd_process import EtcdCluster
+from tiercake.up import Child
+
 from .fleet_load import CHAIN, TTL_S
 from .report import Report, machine
 
@@ -67,19 +70,33 @@ RAW_OPS = 20_000
 
 
 @dataclass
+class LoadGenerator:
+    """One ``fleet_load`` process and its pipes: a command a line in, an answer a line out."""
+
+    proc: asyncio.subprocess.Process
+    commands: asyncio.StreamWriter
+    answers: asyncio.StreamReader
+
+    @classmethod
+    def of(cls, proc: asyncio.subprocess.Process) -> LoadGenerator:
+        assert proc.stdin is not None and proc.stdout is not None  # started with both piped
+        return cls(proc, proc.stdin, proc.stdout)
+
+
+@dataclass
 class Fleet:
     """One fleet size's processes."""
 
-    etcd: object
-    conductors: list
-    generators: list[asyncio.subprocess.Process]
+    etcd: EtcdCluster
+    conductors: list[Child]
+    generators: list[LoadGenerator]
     urls: list[str]
     token: str
 
-    async def ask(self, gen: asyncio.subprocess.Process, command: dict, timeout: float = 600) -> dict:
-        gen.stdin.write((json.dumps(command) + "\n").encode())
-        await gen.stdin.drain()
-        line = await asyncio.wait_for(gen.stdout.readline(), timeout)
+    async def ask(self, gen: LoadGenerator, command: dict, timeout: float = 600) -> dict:
+        gen.commands.write((json.dumps(command) + "\n").encode())
+        await gen.commands.drain()
+        line = await asyncio.wait_for(gen.answers.readline(), timeout)
         if not line:
             raise RuntimeError(f"a load generator exited (command {command['cmd']!r})")
         answer = json.loads(line)
@@ -131,9 +148,6 @@ async def run(
 
 
 async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = "durable") -> Fleet:
-    from tiercake.conductor.etcd_process import EtcdCluster
-    from tiercake.up import Child
-
     token = secrets.token_hex(16)
     env = {**os.environ, "TIERCAKE_TOKEN": token, "TIERCAKE_SECRET": secrets.token_hex(24)}
     etcd = await asyncio.to_thread(lambda: EtcdCluster(root / "etcd", size=1 if quick else 3).start())
@@ -156,28 +170,27 @@ async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = 
     return fleet
 
 
-async def _generators(fleet: Fleet, env: dict, nodes: int, blocks: int) -> list:
+async def _generators(fleet: Fleet, env: dict, nodes: int, blocks: int) -> list[LoadGenerator]:
     """Enough processes that none simulates more than 250 nodes (its event loop is their CPU)."""
     count = max(1, min(8, -(-nodes // 250)), 2 if nodes > 10 else 1)
     per, gens = -(-nodes // count), []
     for first in range(0, nodes, per):
         n = min(per, nodes - first)
         args = ["--urls", ",".join(fleet.urls), "--first", str(first), "--nodes", str(n), "--blocks", str(blocks)]
-        gens.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "tiercake.bench.fleet_load",
-                *args,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                env=env,
-                limit=1 << 24,
-            )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tiercake.bench.fleet_load",
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+            limit=1 << 24,
         )
+        gens.append(LoadGenerator.of(proc))
     fleet.generators = gens
     for gen in gens:
-        line = await asyncio.wait_for(gen.stdout.readline(), 300)
+        line = await asyncio.wait_for(gen.answers.readline(), 300)
         if not line or "ready" not in json.loads(line):
             raise RuntimeError(f"a load generator did not register its nodes: {line!r}")
     return gens
@@ -185,13 +198,13 @@ async def _generators(fleet: Fleet, env: dict, nodes: int, blocks: int) -> list:
 
 async def _stop(fleet: Fleet) -> None:
     for gen in fleet.generators:
-        if gen.returncode is None:
+        if gen.proc.returncode is None:
             try:
-                gen.stdin.write(b'{"cmd": "stop"}\n')
-                await asyncio.wait_for(gen.wait(), 10)
+                gen.commands.write(b'{"cmd": "stop"}\n')
+                await asyncio.wait_for(gen.proc.wait(), 10)
             except (OSError, TimeoutError, RuntimeError):
-                gen.kill()
-                await gen.wait()
+                gen.proc.kill()
+                await gen.proc.wait()
     for child in fleet.conductors:
         await asyncio.to_thread(child.stop)
     await asyncio.to_thread(fleet.etcd.stop)

@@ -24,6 +24,8 @@ import resource
 import struct
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -219,7 +221,13 @@ async def _serve(gen: Generator) -> None:
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     _say(await gen.start())
-    commands = {"fill": gen.fill, "lookup": gen.lookup, "holders": gen.holders, "stats": gen.stats, "crash": gen.crash}
+    commands: dict[str, Callable[..., Any]] = {
+        "fill": gen.fill,
+        "lookup": gen.lookup,
+        "holders": gen.holders,
+        "stats": gen.stats,
+        "crash": gen.crash,
+    }
     try:
         while line := await reader.readline():
             command = json.loads(line)
