@@ -737,3 +737,58 @@ async def test_the_leader_takes_reports_without_asking_the_backend_who_leads():
             body = {"tenant": "t", "node": "node-a", "tier": "pool", "blocks": [{"key": k(99).hex(), "size": 1}]}
             async with http.post(follower.url + "/v1/placements/report", json=body) as resp:
                 assert resp.status == 503 and leader.url in await resp.text()
+
+
+STALE_BOUND_S = 1.0  # docs/SCALE.md: how long after its removal is acknowledged a lookup may name a block
+
+
+@pytest.mark.cluster
+async def test_a_failover_during_churn_keeps_every_placement_and_no_removed_one(conductors, etcd):
+    """A node adds and removes blocks without pause while the leader is SIGKILLed: after the
+    failover, every block whose addition was acknowledged and not removed is listed, and no lookup
+    later than ``STALE_BOUND_S`` after a removal's acknowledgement names that block."""
+    from tiercake.conductor.etcd import EtcdBackend
+
+    meta = await EtcdBackend(etcd.endpoints).start()
+    for prefix in (b"/tiercake/leader/", b"/tiercake/placements/"):
+        for kv in (await meta.range(prefix))[0]:
+            await meta.delete(kv.key)
+    await meta.close()
+
+    first, url1 = conductors("c-churn-1")
+    await asyncio.sleep(1.0)  # the first one leads
+    _, url2 = conductors("c-churn-2")
+    added: set[bytes] = set()
+    removed: dict[bytes, float] = {}  # key -> when its removal was acknowledged
+    stop = asyncio.Event()
+
+    async def churn(node: Client) -> None:
+        i = 0
+        while not stop.is_set():
+            key = k(10_000 + i)
+            await node.report("churn", "node-a", "pool", [key], [1])
+            added.add(key)
+            if i >= 8:  # keep eight, remove the oldest
+                old = k(10_000 + i - 8)
+                await node.remove("churn", "node-a", "pool", [old])
+                removed[old] = time.monotonic()
+            i += 1
+
+    async with Client([url1, url2]) as node, Client([url2, url1]) as reader:
+        await node.register(MemberInfo(node_id="node-a", tiers={"pool": 1 << 30}), ttl=60)
+        task = asyncio.create_task(churn(node))
+        await asyncio.sleep(1.0)
+        first.send_signal(signal.SIGKILL)
+        await asyncio.sleep(4.0)  # through the failover, churning
+        stop.set()
+        await task
+        assert (await reader.leader()).conductor_id == "c-churn-2"
+        assert len(removed) > 50, len(removed)  # churn went on before and after the kill
+        await asyncio.sleep(STALE_BOUND_S)
+        listed = {}
+        for key in sorted(added):
+            found = await reader.lookup("churn", [key])
+            listed[key] = "node-a" in found
+    stale = [key.hex() for key, at in removed.items() if listed[key]]
+    lost = [key.hex() for key in added - set(removed) if not listed[key]]
+    assert stale == [] and lost == [], (stale, lost)
