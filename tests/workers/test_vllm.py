@@ -352,7 +352,7 @@ async def test_blocks_forged_with_the_transfer_secret_are_recomputed_never_used(
     assert answer(other) == answer(reference)
 
 
-async def wait_held(client: Client, keys: list[bytes], held: bool = True, timeout: float = 30) -> None:
+async def wait_held(client: Client, keys: list[bytes], held: bool = True, timeout: float = 60) -> None:
     """Until the index shows the node holding the whole chain (``held``), or not its first block."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -375,8 +375,12 @@ async def test_a_dead_node_agent_means_recomputing_or_reading_its_pool_in_place(
     await wait_indexed(tc, "pool", PROMPT_BLOCKS * BLOCK_BYTES)
     tc.node.proc.kill()  # SIGKILL
     tc.node.proc.wait()
+    killed = time.monotonic()
     other = await b.complete(tokens)
-    assert planned(other) == PROMPT_BLOCKS * BLOCK
+    if planned(other) == 0:  # the index dropped the dead agent's placements first: its lease (2 s) lapsed
+        assert time.monotonic() - killed > 2.0, "told nothing of blocks whose node was still a member"
+    else:
+        assert planned(other) == PROMPT_BLOCKS * BLOCK
     assert loaded(other) in (0, PROMPT_BLOCKS * BLOCK)
     assert tiercake(other)["load_unleased_tokens"] == loaded(other)  # never through the dead agent
     assert answer(other) == answer(first)
@@ -708,12 +712,14 @@ async def test_a_session_through_the_front_reaches_the_nodes_pool_policy_from_th
         try:
 
             async def pool_sessions(want: dict) -> dict:
-                for _ in range(100):  # the node's tier statistics come with its keep-alive
-                    node = next(m for m in (await client.cluster()).members if m.role == "node")
-                    if node.tiers["pool"].eviction == "session" and node.tiers["pool"].sessions == want:
+                node = None
+                for _ in range(150):  # the node's tier statistics come with its keep-alive
+                    # (a node agent an earlier test restarted may not be a member again yet)
+                    node = next((m for m in (await client.cluster()).members if m.role == "node"), None)
+                    if node and node.tiers["pool"].eviction == "session" and node.tiers["pool"].sessions == want:
                         return want
                     await asyncio.sleep(0.2)
-                raise AssertionError(f"the pool never showed {want}: {node.tiers['pool']}")
+                raise AssertionError(f"the pool never showed {want}: {node and node.tiers['pool']}")
 
             await pool_sessions({})
             body = {"prompt": prompt(77), "max_tokens": 8, "temperature": 0}
