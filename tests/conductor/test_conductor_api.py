@@ -185,9 +185,8 @@ def conductors(etcd, tmp_path):
         proc.wait(10)
 
 
-@pytest.mark.cluster
-async def test_leader_killed_standby_takes_over_with_every_placement(conductors, etcd):
-    # a clean slate for this test's election and index on the shared etcd
+async def _clean_slate(etcd) -> None:
+    """No election or placements left on the shared etcd by an earlier test."""
     from tiercake.conductor.etcd import EtcdBackend
 
     meta = await EtcdBackend(etcd.endpoints).start()
@@ -195,6 +194,11 @@ async def test_leader_killed_standby_takes_over_with_every_placement(conductors,
         for kv in (await meta.range(prefix))[0]:
             await meta.delete(kv.key)
     await meta.close()
+
+
+@pytest.mark.cluster
+async def test_leader_killed_standby_takes_over_with_every_placement(conductors, etcd):
+    await _clean_slate(etcd)  # this test's election and index on the shared etcd
 
     first, url1 = conductors("c-one")
     await asyncio.sleep(1.0)  # c-one wins the election
@@ -747,13 +751,7 @@ async def test_a_failover_during_churn_keeps_every_placement_and_no_removed_one(
     """A node adds and removes blocks without pause while the leader is SIGKILLed: after the
     failover, every block whose addition was acknowledged and not removed is listed, and no lookup
     later than ``STALE_BOUND_S`` after a removal's acknowledgement names that block."""
-    from tiercake.conductor.etcd import EtcdBackend
-
-    meta = await EtcdBackend(etcd.endpoints).start()
-    for prefix in (b"/tiercake/leader/", b"/tiercake/placements/"):
-        for kv in (await meta.range(prefix))[0]:
-            await meta.delete(kv.key)
-    await meta.close()
+    await _clean_slate(etcd)
 
     first, url1 = conductors("c-churn-1")
     await asyncio.sleep(1.0)  # the first one leads
