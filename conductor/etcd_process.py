@@ -110,6 +110,12 @@ class EtcdMember:
         with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as resp:
             return json.loads(resp.read()).get("health") == "true"
 
+    def status(self, timeout: float = 5.0) -> dict:
+        """The member's maintenance status (its id, the leader's, ``dbSize``); blocking."""
+        request = urllib.request.Request(f"http://{self.endpoint}/v3/maintenance/status", data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
     def stop(self, kill: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()

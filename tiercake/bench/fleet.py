@@ -46,7 +46,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,11 +75,12 @@ class LoadGenerator:
     proc: asyncio.subprocess.Process
     commands: asyncio.StreamWriter
     answers: asyncio.StreamReader
+    nodes: range  # the indexes of the nodes it simulates
 
     @classmethod
-    def of(cls, proc: asyncio.subprocess.Process) -> LoadGenerator:
+    def of(cls, proc: asyncio.subprocess.Process, nodes: range) -> LoadGenerator:
         assert proc.stdin is not None and proc.stdout is not None  # started with both piped
-        return cls(proc, proc.stdin, proc.stdout)
+        return cls(proc, proc.stdin, proc.stdout, nodes)
 
 
 @dataclass
@@ -187,7 +187,7 @@ async def _generators(fleet: Fleet, env: dict, nodes: int, blocks: int) -> list[
             env=env,
             limit=1 << 24,
         )
-        gens.append(LoadGenerator.of(proc))
+        gens.append(LoadGenerator.of(proc, range(first, first + n)))
     fleet.generators = gens
     for gen in gens:
         line = await asyncio.wait_for(gen.answers.readline(), 300)
@@ -214,13 +214,13 @@ async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget
     leader = await _wait_leader(fleet)
     pid = fleet.conductors[leader].proc.pid
     raw = await _raw_etcd_rate(fleet.etcd.endpoints)
-    rss0, db0, cpu0 = _rss(pid), _etcd_db(fleet.etcd.endpoints[0]), _conductors_cpu(fleet)
+    rss0, db0, cpu0 = _rss(pid), await _etcd_db(fleet.etcd), _conductors_cpu(fleet)
     started = time.perf_counter()
     fills = await fleet.all({"cmd": "fill", "seconds": budget}, timeout=budget + 120)
     wall = time.perf_counter() - started
     cpu, filled = _conductors_cpu(fleet) - cpu0, sum(f["filled"] for f in fills)
     wanted = nodes * blocks
-    rss1, db1 = _rss(pid), _etcd_db(fleet.etcd.endpoints[0])
+    rss1, db1 = _rss(pid), await _etcd_db(fleet.etcd)
     size = {"nodes": nodes, "blocks_per_node": blocks, "replicas": filled}
     if await _wait_leader(fleet) != leader:
         size["leader_moved_during_fill"] = True
@@ -333,8 +333,8 @@ async def _failover(report: Report, fleet: Fleet, n: str, size: dict, leader: in
         if await fleet.leader(url) == other:
             answers = await asyncio.gather(
                 *(
-                    fleet.ask(g, {"cmd": "holders", "url": url, "nodes": part})
-                    for g, part in zip(fleet.generators, _split(live, len(fleet.generators)), strict=True)
+                    fleet.ask(g, {"cmd": "holders", "url": url, "nodes": [i for i in live if i in g.nodes]})
+                    for g in fleet.generators
                 )
             )
             missing = sorted(set(live) - {i for a in answers for i in a["whole"]})
@@ -351,12 +351,6 @@ async def _failover(report: Report, fleet: Fleet, n: str, size: dict, leader: in
         missing_after=len(missing),
         limit_name="10 s (issue 45)",
     )
-
-
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    """``items`` in ``parts`` contiguous runs, as the generators own their nodes."""
-    per = -(-(len(items) + 1) // parts)  # node 0 is in the first generator's run, though crashed
-    return [[i for i in items if k * per <= i < (k + 1) * per] for k in range(parts)]
 
 
 async def _wait_leader(fleet: Fleet) -> int:
@@ -386,10 +380,9 @@ async def _raw_etcd_rate(endpoints: list[str]) -> float:
     return rate
 
 
-def _etcd_db(endpoint: str) -> int:
-    request = urllib.request.Request(f"http://{endpoint}/v3/maintenance/status", data=b"{}", method="POST")
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return int(json.loads(resp.read())["dbSize"])
+async def _etcd_db(etcd: EtcdCluster) -> int:
+    """Bytes of etcd's database (its first member's; every member holds the same)."""
+    return int((await asyncio.to_thread(etcd.members[0].status))["dbSize"])
 
 
 def _rss(pid: int) -> int:

@@ -61,9 +61,12 @@ class SimNode:
         self._task: asyncio.Task | None = None
         self._refill: asyncio.Task | None = None
 
+    def member(self) -> MemberInfo:
+        """What it registers as: a node agent with a pool (its port is never dialled: no block moves)."""
+        return MemberInfo(node_id=self.id, role="node", host="127.0.0.1", port=1, tiers={"pool": 1 << 40})
+
     async def register(self) -> None:
-        member = MemberInfo(node_id=self.id, role="node", host="127.0.0.1", port=1, tiers={"pool": 1 << 40})
-        self.lease = await self.client.register(member, ttl=TTL_S)
+        self.lease = await self.client.register(self.member(), ttl=TTL_S)
         self._task = asyncio.create_task(self._keep_alive())
 
     async def _keep_alive(self) -> None:
@@ -90,8 +93,7 @@ class SimNode:
     async def register_again(self) -> None:
         """As a node agent whose lease lapsed: register, then report everything it holds again (its
         placements went with the lease)."""
-        member = MemberInfo(node_id=self.id, role="node", host="127.0.0.1", port=1, tiers={"pool": 1 << 40})
-        self.lease = await self.client.register(member, ttl=TTL_S)
+        self.lease = await self.client.register(self.member(), ttl=TTL_S)
         self._report_again()
 
     def _report_again(self) -> None:

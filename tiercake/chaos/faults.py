@@ -296,14 +296,7 @@ class Faults:
 
     def _etcd_leader(self):
         """The member that leads; a ``LookupError`` unless every member answers."""
-        import json
-        import urllib.request
-
-        statuses = {}
-        for member in self.etcd.members:
-            request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}")
-            with urllib.request.urlopen(request, timeout=5) as resp:
-                statuses[member.name] = json.loads(resp.read())
+        statuses = {member.name: member.status() for member in self.etcd.members}
         for member in self.etcd.members:
             status = statuses[member.name]
             if status["leader"] == status["header"]["member_id"]:
