@@ -46,15 +46,17 @@ class AccessRates:
     def take_touched(self) -> set[object]:
         """The tracked blocks accessed since the last call (the rest only cooled meanwhile)."""
         touched, self._touched = self._touched, set()
-        return {key for key in touched if key in self._counts}
+        return touched
 
     def forget(self, key: object) -> None:
         self._counts.pop(key, None)
+        self._touched.discard(key)
 
     def _forget_coldest(self, now: float) -> None:
         ranked = sorted(self._counts, key=lambda k: self._value(k, now))
         for key in ranked[: len(ranked) // 2]:
             del self._counts[key]
+            self._touched.discard(key)  # what nobody takes (a follower's) stays within max_keys too
 
     def __len__(self) -> int:
         return len(self._counts)

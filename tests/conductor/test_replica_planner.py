@@ -70,3 +70,14 @@ def test_a_move_the_index_shows_done_is_not_handed_out():
     c.index.held[b"k3"].add(done)  # it copied the block meanwhile (another path, a report)
     assert planner.tasks(done) == []
     assert [m.key for m in planner.tasks(other)] == [b"k3"]
+
+
+def test_the_blocks_read_since_the_last_plan_stay_within_the_tracked_ones():
+    """A follower counts accesses too and never plans: what it read since stays bounded."""
+    heat = AccessRates(half_life=30, max_keys=100)
+    for i in range(1000):
+        heat.add([(("t", b"k%d" % i), 1.0)])
+    heat.forget(("t", b"k999"))
+    touched = heat.take_touched()
+    assert len(touched) <= 100 and ("t", b"k999") not in touched
+    assert touched <= {key for key, _ in heat.items()}
