@@ -296,9 +296,9 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
     ]
 
 
-def _volatile_reply(term: int, seq: int, reset: bool, rows) -> web.Response:
+def _volatile_reply(term: int, seq: int, reset: bool, rows, rereport_s: float | None) -> web.Response:
     changes = [VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in rows]
-    return reply(VolatileReply(term=term, seq=seq, reset=reset, changes=changes))
+    return reply(VolatileReply(term=term, seq=seq, reset=reset, changes=changes, rereport_s=rereport_s))
 
 
 def _node_feed_routes(conductor: Conductor) -> list:
@@ -314,9 +314,9 @@ def _node_feed_routes(conductor: Conductor) -> list:
             await conductor.require_leader()
         changes = index.volatile_changes(body.after) if body.term == term else None
         if changes is None:
-            return _volatile_reply(term, index.volatile_seq, True, index.volatile_snapshot())
+            return _volatile_reply(term, index.volatile_seq, True, index.volatile_snapshot(), conductor.rereport_window())
         changes = changes[:VOLATILE_BATCH]
-        return _volatile_reply(term, body.after + len(changes), False, changes)
+        return _volatile_reply(term, body.after + len(changes), False, changes, conductor.rereport_window())
 
     async def node_blocks(request: web.Request) -> web.Response:
         pins = conductor.pins
@@ -370,6 +370,7 @@ def _member_routes(conductor: Conductor) -> list:
                 ],
                 term=await conductor.term(),
                 volatile_tiers=sorted(conductor.index.volatile_tiers),
+                rereport_s=conductor.rereport_window(),
                 objects_epoch=conductor.objects.map.epoch,
             )
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from .client import Client, ConductorError
@@ -28,6 +29,8 @@ class LeaderLink:
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
         self.followed_term = 0  # the leader's term this follower's volatile feed answered in last
+        self.followed_rereport_s: float | None = None  # what that leader asks its members to re-report
+        self._synced_at: float | None = None  # monotonic: when the mirror was last in step with a leader
         self._heat_out: dict[tuple[str, bytes], int] = {}
         self._peers: dict[str, Client] = {}  # leader URL -> a client of it
         self._tasks: list[asyncio.Task] = []
@@ -45,6 +48,10 @@ class LeaderLink:
                 await task
         for peer in self._peers.values():
             await peer.close()
+
+    def mirror_age(self) -> float | None:
+        """Seconds since the volatile mirror was last in step with a leader; None without one."""
+        return None if self._synced_at is None else time.monotonic() - self._synced_at
 
     def count(self, hits: list[tuple[str, bytes]]) -> None:
         """Accesses a follower's lookup found, for the next send (bounded: past ``MAX_HEAT_OUT``
@@ -91,6 +98,7 @@ class LeaderLink:
         while True:
             if self.conductor.is_leader:
                 term = seq = self.followed_term = 0  # on stepping down it starts over from a snapshot
+                self._synced_at = None
                 await asyncio.sleep(VOLATILE_POLL_S)
                 continue
             peer = await self._leader_peer()
@@ -111,6 +119,7 @@ class LeaderLink:
                 ((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size) for c in answer.changes), answer.reset
             )
             term, seq = answer.term, answer.seq
-            self.followed_term = term
+            self.followed_term, self.followed_rereport_s = term, answer.rereport_s
+            self._synced_at = time.monotonic()
             if answer.changes:
                 await asyncio.sleep(VOLATILE_GATHER_S)  # the next answer carries what came meanwhile

@@ -11,9 +11,11 @@ then, so a lookup never reports a placement the backend could lose.
 Volatile tiers (a worker's gpu tier by default) change with every request and matter only for
 routing, so their replicas live in the conductors' memory only: no backend write. The leader, which
 members report to, logs each change; followers follow that log over HTTP (``volatile_changes``, or a
-whole ``volatile_snapshot`` when one is in another term or too far behind). A new leader starts with
-none and the members re-report theirs when they see its term (``KeepAliveReply``), and a member that
-leaves takes its volatile replicas with it (``drop_volatile``).
+whole ``volatile_snapshot`` when one is in another term or too far behind). A follower that wins
+keeps its mirror (``keep_mirror``) when it is fresh, and the members re-report only what changed
+since; otherwise the new leader starts with none and they re-report all of theirs when they see its
+term (``KeepAliveReply``). A member that leaves takes its volatile replicas with it
+(``drop_volatile``).
 """
 
 from __future__ import annotations
@@ -291,6 +293,17 @@ class PlacementIndex:
             self._unset(tenant, key, Replica(node, tier))
             self._record(tenant, key, Replica(node, tier), None)
         return len(held)
+
+    def keep_mirror(self, members: Iterable[str]) -> int:
+        """A follower that wins keeps what it mirrored of the old leader's volatile replicas, but for
+        those of nodes no longer ``members`` (they left while nobody led, so nobody logged it); its
+        followers start from a snapshot of the new term. Returns how many replicas it kept."""
+        live = set(members)
+        for node in [n for n in self._volatile if n not in live]:
+            for tenant, key, tier in self._volatile.pop(node):
+                self._unset(tenant, key, Replica(node, tier))
+        self._log.clear()
+        return sum(len(held) for held in self._volatile.values())
 
     def volatile_changes(self, after: int) -> list[tuple[str, bytes, str, str, int | None]] | None:
         """The logged changes after sequence number ``after``, in order; None when they are no longer

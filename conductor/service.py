@@ -65,6 +65,11 @@ class LeaseExpiredError(Exception):
 
 PINS = b"/tiercake/pins/"
 SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
+# A follower's mirror of the volatile replicas is kept on a win if in step this recently (members keep
+# 60 s of acknowledged changes, ``workers.conductor_link.RECENT_S``); the window they re-report is
+# its age and a margin for the last poll's flight and the clocks' rates.
+MIRROR_FRESH_S = 30.0
+REREPORT_MARGIN_S = 2.0
 
 
 def _pin_key(tenant: str, key: bytes) -> bytes:
@@ -138,9 +143,10 @@ class Conductor:
         self.election = LeaderElection(
             meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(), ttl=ttl
         )
-        # Volatile placements are the leader's alone: a term starts and ends with none (members
-        # re-report theirs to each new term), and a member that leaves takes its own along.
-        self.election.on_change = lambda leading: self.index.drop_volatile()
+        # Volatile placements are the leader's alone: a term starts with the follower's fresh mirror
+        # (or none), ends with none, and a member that leaves takes its own along.
+        self.election.on_change = self._leadership_changed
+        self.rereport_s: float | None = None  # what this leader's term asks members to re-report
         self.members.leave_listeners.append(self._member_left)
         # the leader's writes go through only while the election key is still its own (fencing)
         self.guard = Guard(self.election.key, self.election.candidate.encode())
@@ -211,6 +217,21 @@ class Conductor:
             return False, "no leader elected yet"
         return True, f"leader {leader.conductor_id}"
 
+    def _leadership_changed(self, leading: bool) -> None:
+        """A win keeps the follower's mirror of the old leader's volatile replicas if it was in step
+        with it less than ``MIRROR_FRESH_S`` ago: every change the mirror may lack was acknowledged
+        since, and the members re-report only those (``rereport_s``), not the whole index, which at a
+        fleet's size costs more than a term lasts. A stale or missing mirror is dropped, and so is a
+        leader's index when it steps down (it follows the next leader from a snapshot)."""
+        age = self.link.mirror_age()
+        if leading and age is not None and age <= MIRROR_FRESH_S:
+            kept = self.index.keep_mirror(self.members.members)
+            self.rereport_s = age + REREPORT_MARGIN_S
+            log.info("conductor %s: leading with %d mirrored volatile replicas (%.1f s old)", self.conductor_id, kept, age)
+        else:
+            self.index.drop_volatile()
+            self.rereport_s = None
+
     def _member_left(self, node: str) -> None:
         if self.election.leading.is_set():  # the leader's log tells the followers
             self.index.drop_volatile(node)
@@ -221,6 +242,14 @@ class Conductor:
         if self.is_leader:
             return self.election.won_term
         return self.link.followed_term or await self.election.term()
+
+    def rereport_window(self) -> float | None:
+        """What the current term asks members to re-report (``KeepAliveReply.rereport_s``): the
+        leader's own word, or what a follower's feed last heard from it; None (everything) when
+        this conductor knows neither."""
+        if self.is_leader:
+            return self.rereport_s
+        return self.link.followed_rereport_s if self.link.followed_term else None
 
     async def require_leader(self) -> None:
         """``NotLeaderError`` naming the leader's URL unless this conductor leads. The leader asks

@@ -280,6 +280,13 @@ class KeepAliveReply(Reply):
     volatile_tiers: list[str] = Field(
         default_factory=list, description="tiers whose placements the conductors keep in memory only"
     )
+    rereport_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="with a new term: the new leader kept its mirror of the old one's volatile "
+        "replicas, so a member re-reports only the changes acknowledged in the last this many seconds; "
+        "None: it has none, and a member re-reports everything it holds in the volatile tiers",
+    )
 
 
 # Placements --------------------------------------------------------------------------------------
@@ -425,6 +432,9 @@ class VolatileReply(Reply):
     seq: int = Field(description="the sequence number of the last change included")
     reset: bool
     changes: list[VolatileChange]
+    rereport_s: float | None = Field(
+        default=None, ge=0, description="what the leader tells members of its term"
+    )
 
 
 class CommitReply(Reply):

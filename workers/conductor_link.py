@@ -7,8 +7,9 @@ replication act on the store and are skipped without one.
 
 When the lease is found expired (the node was paused, partitioned or restarted), the node registers
 again and re-reports everything its store holds, so its blocks (its SSD tier's after a restart)
-become findable again. When a new leader's term begins, the node re-reports what it holds in the
-volatile tiers, whose placements only the leader's memory kept. A conductor that cannot be reached is
+become findable again. When a new leader's term begins, the node re-reports what the new leader may
+lack of the volatile tiers, whose placements only the leaders' memory keeps: the changes the old one
+acknowledged in the window the new one names (it kept its mirror of the old one's), or everything. A conductor that cannot be reached is
 retried; nothing is dropped: changes queue up and are sent, coalesced, once it answers.
 """
 
@@ -18,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -38,6 +39,8 @@ from tiercake.tiers import BlockChange, StoreError, TieredStore
 from tiercake.transfer import BlockLoc, Transfer, TransferEngine
 
 log = logging.getLogger(__name__)
+
+RECENT_S = 60.0  # how long acknowledged changes are kept for a new leader's re-report window
 
 
 class HeldBlocks(Protocol):
@@ -78,6 +81,9 @@ class ConductorLink:
         self._pins_version = -1
         # (tenant, key, tier) -> (added, nbytes): the latest change of each copy not yet reported
         self._changes: dict[tuple[str, bytes, str], tuple[bool, int]] = {}
+        # the same, acknowledged in the last RECENT_S: (tenant, key, tier) -> (when, added, nbytes),
+        # oldest first, for a new leader that kept its mirror of the old one's volatile replicas
+        self._recent: OrderedDict[tuple[str, bytes, str], tuple[float, bool, int]] = OrderedDict()
         self._wakeup = asyncio.Event()
         self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -149,7 +155,7 @@ class ConductorLink:
                     log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
                 continue
             self._kept_alive(sent, answer)
-            self._note_term(answer.term, answer.volatile_tiers)
+            self._note_term(answer)
             try:
                 if self.store is not None:  # else nothing here to pin or copy into
                     if answer.pins_version != self._pins_version:
@@ -182,19 +188,31 @@ class ConductorLink:
 
     # Reports --------------------------------------------------------------------------------------
 
-    def _note_term(self, term: int, volatile_tiers: list[str]) -> None:
-        """A new leader knows nothing of the volatile tiers' copies: report them all again."""
+    def _note_term(self, answer: KeepAliveReply) -> None:
+        """A new leader may lack some of the volatile tiers' copies: report them again, only those
+        acknowledged in the window it names when it kept its mirror of the old leader's, else all."""
+        term, tiers = answer.term, answer.volatile_tiers
         if term and term != self._term:
-            if self._term and self.report and volatile_tiers:
-                again = [c for c in self.held.holdings() if c.tier in volatile_tiers]
-                for change in again:
-                    self._on_change(change)
+            if self._term and self.report and tiers:
+                window = answer.rereport_s
+                if window is not None and window <= RECENT_S:
+                    since = time.monotonic() - window
+                    again = [(copy, (added, n)) for copy, (at, added, n) in self._recent.items() if at >= since]
+                    for copy, state in again:
+                        if copy[2] in tiers:
+                            self._changes.setdefault(copy, state)  # a change not yet sent is newer
+                    self._wakeup.set()
+                else:
+                    again = [(c, None) for c in self.held.holdings() if c.tier in tiers]
+                    for change, _ in again:
+                        self._on_change(change)
                 log.info(
-                    "node %s: new leader (term %d), re-reporting %d copies in %s",
+                    "node %s: new leader (term %d), re-reporting %d copies in %s (%s)",
                     self.member.node_id,
                     term,
                     len(again),
-                    ", ".join(volatile_tiers),
+                    ", ".join(tiers),
+                    "everything" if window is None or window > RECENT_S else f"the last {window:.1f} s",
                 )
             self._term = term
 
@@ -222,11 +240,27 @@ class ConductorLink:
                 *(self._send_group(added, tenant, tier, blocks) for (added, tenant, tier), blocks in groups.items()),
                 return_exceptions=True,
             )
+            self._note_acknowledged(groups, outcomes)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 for copy, state in pending.items():  # keep them, unless a newer change came meanwhile
                     self._changes.setdefault(copy, state)
                 raise failed[0]
+
+    def _note_acknowledged(
+        self, groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]], outcomes: list[object]
+    ) -> None:
+        """Keep the acknowledged changes of the last ``RECENT_S``, for a new leader's window."""
+        now = time.monotonic()
+        recent = self._recent
+        for ((added, tenant, tier), blocks), outcome in zip(groups.items(), outcomes, strict=True):
+            if not isinstance(outcome, BaseException):
+                for key, nbytes in blocks:
+                    copy = (tenant, key, tier)
+                    recent[copy] = (now, added, nbytes)
+                    recent.move_to_end(copy)
+        while recent and next(iter(recent.values()))[0] < now - RECENT_S:
+            recent.popitem(last=False)
 
     async def _send_group(self, added: bool, tenant: str, tier: str, blocks: list[tuple[bytes, int]]) -> None:
         keys = [k for k, _ in blocks]

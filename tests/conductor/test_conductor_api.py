@@ -588,6 +588,78 @@ async def test_a_follower_mirrors_the_leaders_volatile_replicas_over_http():
                 assert answer["reset"] and answer["term"] == leader.election.won_term > 0
 
 
+async def test_a_winning_follower_keeps_its_mirror_and_members_re_report_only_the_last_changes(make_store):
+    """The leader dies: the follower that wins serves the volatile replicas it mirrored at once, and
+    a member re-reports only what was acknowledged in the window the new term names (here a change
+    the mirror lacks), not everything it holds: at a fleet's size that storm outlasted a term."""
+    from tiercake.workers.conductor_link import ConductorLink
+
+    store = await make_store(gpu=8, pool=None, ssd=None)
+    member = MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20})
+    async with leader_and_follower() as (leader, follower):
+        link = await ConductorLink(Client([leader.url, follower.url], token="peer-token"), member, store, ttl=3).start()
+        try:
+            old = [k(i) for i in range(3)]
+            for i, key in enumerate(old):
+                await store.put(key, block(i), tier="gpu", tenant="t")
+            await link.send_reports()
+            for _ in range(100):
+                if (found := follower.index.lookup("t", old).get("w")) and found.length == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert found.length == 3
+            await asyncio.sleep(5.0)  # older than any window a quick failover names
+            late = k(99)
+            await store.put(late, block(9), tier="gpu", tenant="t")
+            await link.send_reports()
+            for _ in range(100):  # then the mirror misses that change, as a follower one poll behind
+                if follower.index.holders("t", late):
+                    break
+                await asyncio.sleep(0.05)
+            follower.index.apply_volatile([("t", late, "w", "gpu", None)], reset=False)
+            sent: list[bytes] = []  # what the member sends from here on
+            report = link.client.report
+
+            async def counted(tenant, node, tier, keys, sizes):
+                sent.extend(keys)
+                return await report(tenant, node, tier, keys, sizes)
+
+            link.client.report = counted
+            leader.election.crash()
+            await asyncio.wait_for(follower.election.leading.wait(), 10)
+            assert follower.index.lookup("t", old)["w"].length == 3  # the mirror, before any re-report
+            assert follower.rereport_s is not None and follower.rereport_s < 5.0
+            for _ in range(100):
+                if follower.index.holders("t", late):
+                    break
+                await asyncio.sleep(0.05)
+            assert follower.index.holders("t", late), "the change after the mirror was not re-reported"
+            assert sent == [late]  # that one, not the three before
+        finally:
+            await link.close(leave=False)
+            await link.client.close()
+
+
+async def test_a_follower_without_a_fresh_mirror_asks_members_for_everything():
+    """A follower that never followed a leader (or lost it long ago) wins with no volatile replicas
+    and asks for a full re-report: a window would then miss what it never had."""
+    async with leader_and_follower() as (leader, follower):
+        async with Client([leader.url], token="peer-token") as client:
+            lease = await client.register(MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20}), ttl=30)
+            await client.report("t", "w", "gpu", [k(1)], [1])
+            for _ in range(100):
+                if follower.index.holders("t", k(1)):
+                    break
+                await asyncio.sleep(0.05)
+            follower.link._synced_at -= 60  # as if its feed had stopped a minute ago
+            leader.election.crash()
+            await asyncio.wait_for(follower.election.leading.wait(), 10)
+            assert follower.rereport_s is None and not follower.index.holders("t", k(1))
+        async with Client([follower.url], token="peer-token") as client:
+            answer = await client.keep_alive("w", lease)
+            assert answer.term == follower.election.won_term and answer.rereport_s is None
+
+
 async def test_a_member_that_left_takes_its_metric_series_with_it(api):
     from tiercake.messages import MemberStats, TierStats
 

@@ -24,13 +24,14 @@ import resource
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import MemberInfo
+from tiercake.workers.conductor_link import RECENT_S
 
 CHAIN = 64
 TENANT = "fleet"
@@ -58,6 +59,7 @@ class SimNode:
         self.errors = 0
         self.chains = 0  # what it holds: reported again whenever it registers again
         self.term = 0  # the leader's, as its last renewal said
+        self.acked: dict[int, float] = {}  # chain -> when the conductor last acknowledged its report
         self._task: asyncio.Task | None = None
         self._refill: asyncio.Task | None = None
 
@@ -85,28 +87,38 @@ class SimNode:
                 continue
             self.keepalives += 1
             self.renewals.append(time.perf_counter() - started)
-            if answer.term != self.term:  # a new leader: it has none of the volatile tiers' placements
+            if answer.term != self.term:  # a new leader: it may lack some of the volatile tiers' placements
                 if self.term and "pool" in answer.volatile_tiers:
-                    self._report_again()
+                    self._report_again(answer.rereport_s)
                 self.term = answer.term
 
     async def register_again(self) -> None:
         """As a node agent whose lease lapsed: register, then report everything it holds again (its
         placements went with the lease)."""
         self.lease = await self.client.register(self.member(), ttl=TTL_S)
-        self._report_again()
+        self._report_again(None)
 
-    def _report_again(self) -> None:
-        if self.chains and (self._refill is None or self._refill.done()):
-            self._refill = asyncio.create_task(self.fill(self.chains, float("inf")))
+    def _report_again(self, window: float | None) -> None:
+        """What ``ConductorLink`` re-reports: the chains acknowledged in the last ``window`` seconds
+        (a new leader that kept its mirror names it), or every chain held."""
+        if window is not None and window <= RECENT_S:
+            since = time.monotonic() - window
+            chains = [c for c, at in self.acked.items() if at >= since]
+        else:
+            chains = list(range(self.chains))
+        if chains and (self._refill is None or self._refill.done()):
+            self._refill = asyncio.create_task(self._report(chains, float("inf")))
 
     async def fill(self, chains: int, deadline: float) -> int:
         """Report every chain it holds, or as many as it can before ``deadline`` (monotonic); how
         many blocks the index took."""
+        self.chains = chains
+        return await self._report(range(chains), deadline)
+
+    async def _report(self, chains: Iterable[int], deadline: float) -> int:
         sizes = [BLOCK_NBYTES] * CHAIN
         reported = 0
-        self.chains = chains
-        for c in range(chains):
+        for c in chains:
             attempt = 0
             while time.monotonic() < deadline:  # a report the conductor did not take is sent again
                 try:
@@ -117,6 +129,7 @@ class SimNode:
                     await asyncio.sleep(min(2.0, 0.2 * attempt))
                     continue
                 reported += CHAIN
+                self.acked[c] = time.monotonic()
                 break
             else:
                 break
