@@ -314,7 +314,9 @@ def _node_feed_routes(conductor: Conductor) -> list:
             await conductor.require_leader()
         changes = index.volatile_changes(body.after) if body.term == term else None
         if changes is None:
-            return _volatile_reply(term, index.volatile_seq, True, index.volatile_snapshot(), conductor.rereport_window())
+            return _volatile_reply(
+                term, index.volatile_seq, True, index.volatile_snapshot(), conductor.rereport_window()
+            )
         changes = changes[:VOLATILE_BATCH]
         return _volatile_reply(term, body.after + len(changes), False, changes, conductor.rereport_window())
 

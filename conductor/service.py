@@ -227,7 +227,9 @@ class Conductor:
         if leading and age is not None and age <= MIRROR_FRESH_S:
             kept = self.index.keep_mirror(self.members.members)
             self.rereport_s = age + REREPORT_MARGIN_S
-            log.info("conductor %s: leading with %d mirrored volatile replicas (%.1f s old)", self.conductor_id, kept, age)
+            log.info(
+                "conductor %s: leading with %d mirrored volatile replicas (%.1f s old)", self.conductor_id, kept, age
+            )
         else:
             self.index.drop_volatile()
             self.rereport_s = None

@@ -432,9 +432,7 @@ class VolatileReply(Reply):
     seq: int = Field(description="the sequence number of the last change included")
     reset: bool
     changes: list[VolatileChange]
-    rereport_s: float | None = Field(
-        default=None, ge=0, description="what the leader tells members of its term"
-    )
+    rereport_s: float | None = Field(default=None, ge=0, description="what the leader tells members of its term")
 
 
 class CommitReply(Reply):
