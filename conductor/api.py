@@ -12,6 +12,7 @@ does not start unless the config says insecure. Writes go to the leader: a follo
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -25,8 +26,10 @@ from tiercake.messages import (
     CONTROL_API,
     BeginReply,
     BeginRequest,
+    BlockBatch,
     CommitReply,
-    CommitRequest,
+    FeedReply,
+    FeedRequest,
     FlushAppliedRequest,
     FlushReply,
     HeatReply,
@@ -49,33 +52,34 @@ from tiercake.messages import (
     ObjectMap,
     PinReply,
     PinRequest,
+    PlacementChange,
     PrefixHolding,
     RegisterReply,
     RegisterRequest,
     RemoveReply,
-    RemoveRequest,
     ReplicationTask,
     ReportReply,
     RevokeReply,
     SlotReports,
     SlotReportsReply,
     UnpinReply,
-    VolatileChange,
-    VolatileReply,
-    VolatileRequest,
 )
 from tiercake.metrics import Collected, store_families
 
+from .block_table import KEY_BYTES, IndexFullError, TooManyNamesError
 from .front.openai_api import OPEN_PATHS
 from .front.operator import parse, reply
 from .metadata import FencedError, MetadataUnavailableError
-from .service import Conductor, FlushTimeoutError, LeaseExpiredError, NoRoomError, NotLeaderError, PlacementError
+from .placement import Change
+from .puts import NoRoomError, PlacementError
+from .service import Conductor, FlushTimeoutError, LeaseExpiredError, NotLeaderError
 
+M = TypeVar("M", bound=BaseModel)
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
 MAX_BODY = 8 << 20
 
 
-VOLATILE_BATCH = 20_000  # volatile changes per answer to a follower (it asks again for the rest)
+FEED_KEYS = 1 << 17  # block keys per answer to a follower (about 5 MiB of JSON; it asks again for the rest)
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
@@ -100,8 +104,8 @@ def _member_families(conductor: Conductor):
 
 
 class _ElectionCollector:
-    """Terms won and leader changes seen, as the counters they are (they only grow), read from the
-    election when scraped."""
+    """Placement changes applied, terms won and leader changes seen, as the counters they are (they
+    only grow), read from the index and the election when scraped."""
 
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
@@ -109,7 +113,10 @@ class _ElectionCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        election = self.conductor.election
+        election, index = self.conductor.election, self.conductor.index.stats
+        yield CounterMetricFamily(
+            "tiercake_placement_ops", "placement changes applied to the index (rate: ops per second)", value=index.ops
+        )
         yield CounterMetricFamily("tiercake_leader_terms", "terms this conductor has won", value=election.terms)
         yield CounterMetricFamily(
             "tiercake_leader_changes", "leader changes this conductor has seen", value=election.changes_seen
@@ -123,19 +130,10 @@ class _Metrics:
         self.conductor = conductor
         self.registry = registry = CollectorRegistry()
         self.index_size = Gauge("tiercake_index_replicas", "replicas in the placement index", registry=registry)
-        self.ops = Counter(
-            "tiercake_placement_ops", "placement changes made durable (rate: ops per second)", registry=registry
-        )
-        self.batch_ops = Histogram(
-            "tiercake_group_commit_batch_ops",
-            "placement changes per group-commit batch",
-            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048),
-            registry=registry,
-        )
-        self.commit_seconds = Histogram(
-            "tiercake_metadata_commit_seconds",
-            "time to make one batch durable in the backend",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5),
+        self.batch_keys = Histogram(
+            "tiercake_placement_batch_keys",
+            "block keys per placement change batch (a report, a removal, a commit)",
+            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
             registry=registry,
         )
         self.leader = Gauge("tiercake_is_leader", "1 when this conductor leads", registry=registry)
@@ -148,14 +146,8 @@ class _Metrics:
             buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3),
             registry=registry,
         )
-        conductor.index.stats.on_batch = self.on_batch
         registry.register(Collected(lambda: _member_families(conductor)))
         registry.register(_ElectionCollector(conductor))
-
-    def on_batch(self, n: int, seconds: float) -> None:
-        self.ops.inc(n)
-        self.batch_ops.observe(n)
-        self.commit_seconds.observe(seconds)
 
     async def handler(self, _: web.Request) -> web.Response:
         conductor = self.conductor
@@ -208,76 +200,67 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
             raise ApiError(504, str(exc), "server_error", "flush_timeout") from None
         except NoRoomError as exc:
             raise ApiError(507, str(exc), code="no_room") from None
+        except (IndexFullError, TooManyNamesError) as exc:
+            raise ApiError(507, str(exc), code="index_full") from None
         except PlacementError as exc:
             raise ApiError(409, str(exc), code="placement_conflict") from None
 
     return auth
 
 
+async def _leader_only(request: web.Request, conductor: Conductor, model: type[M]) -> M:
+    body = await parse(request, model)
+    await conductor.require_leader()
+    return body
+
+
+async def _batch(request: web.Request, conductor: Conductor, metrics: _Metrics, sized: bool) -> BlockBatch:
+    """A batch of blocks for the leader (``sized``: each with its size, as additions come)."""
+    body = await _leader_only(request, conductor, BlockBatch)
+    metrics.batch_keys.observe(len(body.keys) // KEY_BYTES)
+    if sized != bool(body.sizes):
+        raise ApiError(400, "invalid body: sizes: one per key" if sized else "invalid body: sizes: not taken here")
+    return body
+
+
 def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
-    """The index: lookups (any conductor), puts, reports, removals, pins and heat (the leader)."""
+    """The index: lookups (any conductor), reports, removals, pins and heat (the leader)."""
 
     async def lookup(request: web.Request) -> web.Response:
         body = await parse(request, LookupRequest)
-        keys = _keys(body.keys)
         with metrics.lookup_seconds.time():
-            found = conductor.lookup(body.tenant, keys)
+            found = conductor.lookup(body.tenant, body.keys)
         return reply(LookupReply(nodes=_holdings(found, body.sizes)))
 
     async def lookup_many(request: web.Request) -> web.Response:
         body = await parse(request, LookupManyRequest)
         with metrics.lookup_seconds.time():
-            found = [conductor.lookup(body.tenant, _keys(chain)) for chain in body.chains]
+            found = [conductor.lookup(body.tenant, chain) for chain in body.chains]
         return reply(LookupManyReply(found=[_holdings(f, body.sizes) for f in found]))
-
-    async def leader_only(request: web.Request, model: type[BaseModel]):
-        body = await parse(request, model)
-        await conductor.require_leader()
-        return body
-
-    async def begin(request: web.Request) -> web.Response:
-        body = await leader_only(request, BeginRequest)
-        keys = _keys([b.key for b in body.blocks])
-        targets = conductor.begin_put(
-            body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local, body.evict
-        )
-        return reply(BeginReply(targets={k.hex(): nodes for k, nodes in targets.items()}))
-
-    async def commit(request: web.Request) -> web.Response:
-        body = await leader_only(request, CommitRequest)
-        keys = _keys([b.key for b in body.blocks])
-        await conductor.commit_put(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks])
-        return reply(CommitReply(committed=len(keys)))
-
-    async def revoke(request: web.Request) -> web.Response:
-        body = await leader_only(request, RemoveRequest)
-        conductor.revoke_put(body.tenant, _keys(body.keys), body.node, body.tier)
-        return reply(RevokeReply(revoked=len(body.keys)))
 
     async def report(request: web.Request) -> web.Response:
         """A node declares blocks it holds (spilled, promoted, or its SSD tier's after a restart)."""
-        body = await leader_only(request, CommitRequest)
-        keys = _keys([b.key for b in body.blocks])
-        new = await conductor.report(body.tenant, keys, body.node, body.tier, [b.size for b in body.blocks])
-        return reply(ReportReply(reported=len(keys), new=new))
+        body = await _batch(request, conductor, metrics, sized=True)
+        new = conductor.report(body.tenant, body.keys, body.node, body.tier, body.sizes)
+        return reply(ReportReply(reported=len(body.sizes), new=new))
 
     async def remove(request: web.Request) -> web.Response:
-        body = await leader_only(request, RemoveRequest)
-        removed, unknown = await conductor.remove(body.tenant, _keys(body.keys), body.node, body.tier)
+        body = await _batch(request, conductor, metrics, sized=False)
+        removed, unknown = conductor.remove(body.tenant, body.keys, body.node, body.tier)
         return reply(RemoveReply(removed=removed, unknown=unknown))
 
     async def pin(request: web.Request) -> web.Response:
-        body = await leader_only(request, PinRequest)
+        body = await _leader_only(request, conductor, PinRequest)
         await conductor.pin(body.tenant, _keys(body.keys), body.ttl)
         return reply(PinReply(pinned=len(body.keys)))
 
     async def unpin(request: web.Request) -> web.Response:
-        body = await leader_only(request, PinRequest)
+        body = await _leader_only(request, conductor, PinRequest)
         await conductor.unpin(body.tenant, _keys(body.keys))
         return reply(UnpinReply(unpinned=len(body.keys)))
 
     async def heat(request: web.Request) -> web.Response:
-        body = await leader_only(request, HeatRequest)
+        body = await _leader_only(request, conductor, HeatRequest)
         keys = _keys([h.key for h in body.hits])
         conductor.add_heat([((h.tenant, key), h.count) for h, key in zip(body.hits, keys)])
         return reply(HeatReply(accepted=len(keys)))
@@ -285,9 +268,6 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
     return [
         web.post("/v1/placements/lookup", lookup),
         web.post("/v1/placements/lookup-many", lookup_many),
-        web.post("/v1/placements/begin", begin),
-        web.post("/v1/placements/commit", commit),
-        web.post("/v1/placements/revoke", revoke),
         web.post("/v1/placements/report", report),
         web.post("/v1/placements/remove", remove),
         web.post("/v1/placements/pin", pin),
@@ -296,29 +276,87 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
     ]
 
 
-def _volatile_reply(term: int, seq: int, reset: bool, rows, rereport_s: float | None) -> web.Response:
-    changes = [VolatileChange(tenant=t, key=k.hex(), node=n, tier=tier, size=size) for t, k, n, tier, size in rows]
-    return reply(VolatileReply(term=term, seq=seq, reset=reset, changes=changes, rereport_s=rereport_s))
+def _put_routes(conductor: Conductor, metrics: _Metrics) -> list:
+    """Puts through the conductor (``PutBook``): begin, then commit or revoke (the leader)."""
+
+    async def begin(request: web.Request) -> web.Response:
+        body = await _leader_only(request, conductor, BeginRequest)
+        keys = _keys([b.key for b in body.blocks])
+        targets = conductor.puts.begin(
+            body.tenant, keys, [b.size for b in body.blocks], body.tier, body.local, body.evict
+        )
+        return reply(BeginReply(targets={k.hex(): nodes for k, nodes in targets.items()}))
+
+    async def commit(request: web.Request) -> web.Response:
+        body = await _batch(request, conductor, metrics, sized=True)
+        conductor.puts.commit(body.tenant, body.key_list(), body.node, body.tier, body.sizes)
+        return reply(CommitReply(committed=len(body.sizes)))
+
+    async def revoke(request: web.Request) -> web.Response:
+        body = await _batch(request, conductor, metrics, sized=False)
+        keys = body.key_list()
+        conductor.puts.revoke(body.tenant, keys, body.node, body.tier)
+        return reply(RevokeReply(revoked=len(keys)))
+
+    return [
+        web.post("/v1/placements/begin", begin),
+        web.post("/v1/placements/commit", commit),
+        web.post("/v1/placements/revoke", revoke),
+    ]
+
+
+def _wire(change: Change) -> PlacementChange:
+    return PlacementChange(
+        kind=change.kind,
+        tenant=change.tenant,
+        node=change.node,
+        tier=change.tier,
+        keys=change.keys.tobytes(),
+        sizes=change.sizes.tolist(),
+    )
 
 
 def _node_feed_routes(conductor: Conductor) -> list:
-    """What followers and node agents follow: the volatile replicas, a node's blocks and its pins."""
+    """What followers and node agents follow: the leader's placement changes, a node's blocks and pins."""
 
-    async def volatile(request: web.Request) -> web.Response:
-        """A follower's feed of the volatile tiers' replicas (the leader alone hears of them)."""
-        body = await parse(request, VolatileRequest)
+    async def feed(request: web.Request) -> web.Response:
+        """A follower's feed of the leader's placement changes (the leader alone hears of them), or
+        the next page of a snapshot it is reading."""
+        body = await parse(request, FeedRequest)
         index, term = conductor.index, conductor.election.won_term
-        if conductor.is_leader and body.term == term and index.volatile_changes(body.after) == [] and body.wait_s:
-            await index.wait_volatile(body.after, body.wait_s)
+        if conductor.is_leader and body.term == term and body.snapshot_row is None and body.wait_s:
+            if index.changes_after(body.after) == []:
+                await index.wait_change(body.after, body.wait_s)
         if not conductor.is_leader:  # also when it stepped down while waiting
             await conductor.require_leader()
-        changes = index.volatile_changes(body.after) if body.term == term else None
-        if changes is None:
-            return _volatile_reply(
-                term, index.volatile_seq, True, index.volatile_snapshot(), conductor.rereport_window()
+        window = conductor.rereport_window()
+        found = index.changes_after(body.after, FEED_KEYS) if body.term == term else None
+        if body.snapshot_row is not None and found is not None:  # a snapshot's next page
+            page, next_row = index.snapshot(body.snapshot_row)
+            return reply(
+                FeedReply(
+                    term=term,
+                    seq=body.after,
+                    reset=False,
+                    changes=[_wire(c) for c in page],
+                    next_row=next_row,
+                    rereport_s=window,
+                )
             )
-        changes = changes[:VOLATILE_BATCH]
-        return _volatile_reply(term, body.after + len(changes), False, changes, conductor.rereport_window())
+        if found is None:  # another term, or the log no longer reaches back: a snapshot from its first page
+            page, next_row = index.snapshot(0)
+            return reply(
+                FeedReply(
+                    term=term,
+                    seq=index.seq,
+                    reset=True,
+                    changes=[_wire(c) for c in page],
+                    next_row=next_row,
+                    rereport_s=window,
+                )
+            )
+        seq = body.after + len(found)
+        return reply(FeedReply(term=term, seq=seq, reset=False, changes=[_wire(c) for c in found], rereport_s=window))
 
     async def node_blocks(request: web.Request) -> web.Response:
         pins = conductor.pins
@@ -341,7 +379,7 @@ def _node_feed_routes(conductor: Conductor) -> list:
         )
 
     return [
-        web.post("/v1/placements/volatile", volatile),
+        web.post("/v1/placements/feed", feed),
         web.get("/v1/nodes/{node}/blocks", node_blocks),
         web.get("/v1/nodes/{node}/pins", node_pins),
     ]
@@ -371,7 +409,7 @@ def _member_routes(conductor: Conductor) -> list:
                     for t in tasks
                 ],
                 term=await conductor.term(),
-                volatile_tiers=sorted(conductor.index.volatile_tiers),
+                volatile_tiers=sorted(getattr(conductor.members.members.get(body.node_id), "tiers", ())),
                 rereport_s=conductor.rereport_window(),
                 objects_epoch=conductor.objects.map.epoch,
             )
@@ -468,6 +506,7 @@ def build_app(
             web.get("/metrics", metrics.handler),
             *_member_routes(conductor),
             *_placement_routes(conductor, metrics),
+            *_put_routes(conductor, metrics),
             *_node_feed_routes(conductor),
         ]
     )
@@ -603,8 +642,8 @@ def _conductor(full: TiercakeConfig, meta, conductor_id: str | None, url: str, t
         put_timeout=config.put_timeout_s,
         peer_token=tokens[0] if tokens else None,
         peer_ssl=full.tls.client_context(),
-        volatile_tiers=tuple(config.volatile_tiers),
         objects=full.objects,
+        index_max_blocks=config.index_max_blocks,
     )
 
 

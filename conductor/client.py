@@ -4,6 +4,7 @@ that refuses a write names the leader, and a conductor that does not answer is s
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from tiercake.messages import (
     ClusterView,
     CommitReply,
     ConductorInfo,
+    FeedReply,
     FlushReply,
     HeatReply,
     KeepAliveReply,
@@ -50,7 +52,6 @@ from tiercake.messages import (
     SlotReady,
     SlotReportsReply,
     UnpinReply,
-    VolatileReply,
 )
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,9 @@ class Client:
         body: dict | None = None,
         headers: dict | None = None,
         timeout: float | None = None,
+        raw: bool = False,
     ) -> Any:
+        """The JSON answer, parsed (``raw``: its bytes, for a model that parses JSON itself)."""
         last = "no conductor answered"
         trail: list[str] = []  # what each attempt met, for the error
         # each call walks the conductors on its own (concurrent calls must not steer each other),
@@ -151,6 +154,10 @@ class Client:
                     {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
                 )  # else the session's
                 async with self._http().request(method, url + path, json=body, headers=headers, **limit) as resp:
+                    if raw and resp.status < 400:
+                        data = await resp.read()
+                        self._current = index % len(self.urls)
+                        return data
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
                         self._current = index % len(self.urls)
@@ -184,14 +191,14 @@ class Client:
     async def lookup(self, tenant: str, keys: list[bytes], sizes: bool = False) -> dict[str, PrefixHolding]:
         """Node -> how much of the chain it holds (``length`` blocks from the start, by tier; with
         ``sizes``, each held block's size)."""
-        body = {"tenant": tenant, "keys": [k.hex() for k in keys], **({"sizes": True} if sizes else {})}
+        body = {"tenant": tenant, "keys": _packed(keys), **({"sizes": True} if sizes else {})}
         return (await self._typed(LookupReply, "POST", "/v1/placements/lookup", body)).nodes
 
     async def lookup_many(
         self, tenant: str, chains: list[list[bytes]], sizes: bool = False
     ) -> list[dict[str, PrefixHolding]]:
         """``lookup`` of each chain, in one request."""
-        body = {"tenant": tenant, "chains": [[k.hex() for k in chain] for chain in chains], "sizes": sizes}
+        body = {"tenant": tenant, "chains": [_packed(chain) for chain in chains], "sizes": sizes}
         return (await self._typed(LookupManyReply, "POST", "/v1/placements/lookup-many", body)).found
 
     async def begin_put(
@@ -211,30 +218,34 @@ class Client:
         return {bytes.fromhex(k): nodes for k, nodes in targets.items()}
 
     async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
-        """The node stored blocks begun for it; returns once their placement is durable."""
-        body = self._replicas(tenant, node, tier, keys, sizes)
+        """The node stored blocks begun for it; returns once the index has them."""
+        body = _batch(tenant, node, tier, keys, sizes)
         return (await self._typed(CommitReply, "POST", "/v1/placements/commit", body)).committed
 
     async def report(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
         """The node holds these blocks (spilled, promoted, or its SSD tier's after a restart); no put
-        needed. Returns how many the index did not have yet."""
-        body = self._replicas(tenant, node, tier, keys, sizes)
-        return (await self._typed(ReportReply, "POST", "/v1/placements/report", body)).new
-
-    @staticmethod
-    def _replicas(tenant, node, tier, keys, sizes) -> dict:
-        blocks = [{"key": k.hex(), "size": s} for k, s in zip(keys, sizes, strict=True)]
-        return {"tenant": tenant, "node": node, "tier": tier, "blocks": blocks}
+        needed. Returns how many the index did not have yet. Sent ``BATCH_KEYS`` at a time."""
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys for {len(sizes)} sizes")
+        new = 0
+        for i in range(0, len(keys), BATCH_KEYS):
+            body = _batch(tenant, node, tier, keys[i : i + BATCH_KEYS], sizes[i : i + BATCH_KEYS])
+            new += (await self._typed(ReportReply, "POST", "/v1/placements/report", body)).new
+        return new
 
     async def revoke(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
-        body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
+        body = _batch(tenant, node, tier, keys)
         return (await self._typed(RevokeReply, "POST", "/v1/placements/revoke", body)).revoked
 
     async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> tuple[int, int]:
-        """The node no longer holds these blocks; returns (removed, unknown to the index)."""
-        body = {"tenant": tenant, "node": node, "tier": tier, "keys": [k.hex() for k in keys]}
-        data = await self._typed(RemoveReply, "POST", "/v1/placements/remove", body)
-        return data.removed, data.unknown
+        """The node no longer holds these blocks; returns (removed, unknown to the index). Sent
+        ``BATCH_KEYS`` at a time."""
+        removed = unknown = 0
+        for i in range(0, len(keys), BATCH_KEYS):
+            body = _batch(tenant, node, tier, keys[i : i + BATCH_KEYS])
+            data = await self._typed(RemoveReply, "POST", "/v1/placements/remove", body)
+            removed, unknown = removed + data.removed, unknown + data.unknown
+        return removed, unknown
 
     async def pin(self, tenant: str, keys: list[bytes], ttl: int | None = None) -> int:
         """Keep these blocks wherever they are held, until unpinned (or for ``ttl`` seconds)."""
@@ -246,13 +257,13 @@ class Client:
         body = {"hits": [{"tenant": t, "key": k.hex(), "count": n} for t, k, n in hits]}
         return (await self._typed(HeatReply, "POST", "/v1/heat", body)).accepted
 
-    async def volatile(self, term: int, after: int, wait_s: float = 0.0) -> VolatileReply:
-        """The leader's volatile replicas for a follower conductor: the changes after ``after`` in
-        ``term``, or a snapshot (``reset``); waits up to ``wait_s`` for a change."""
-        body = {"term": term, "after": after, "wait_s": wait_s}
-        return VolatileReply.model_validate(
-            await self._call("POST", "/v1/placements/volatile", body, timeout=wait_s + self.timeout)
-        )
+    async def feed(self, term: int, after: int, snapshot_row: int | None = None, wait_s: float = 0.0) -> FeedReply:
+        """The leader's placement changes for a follower conductor: those after ``after`` in
+        ``term``, or a snapshot's page (``reset`` on its first; ``snapshot_row`` asks for the next);
+        waits up to ``wait_s`` for a change."""
+        body = {"term": term, "after": after, "snapshot_row": snapshot_row, "wait_s": wait_s}
+        raw = await self._call("POST", "/v1/placements/feed", body, timeout=wait_s + self.timeout, raw=True)
+        return FeedReply.model_validate_json(raw)
 
     async def unpin(self, tenant: str, keys: list[bytes]) -> int:
         body = {"tenant": tenant, "keys": [k.hex() for k in keys]}
@@ -429,6 +440,22 @@ class Client:
         return await self._typed(
             SlotReportsReply, "POST", "/v1/objects/reports", {"reports": [r.model_dump() for r in reports]}
         )
+
+
+BATCH_KEYS = 16384  # block keys per placement request (the server takes up to MAX_KEYS)
+
+
+def _packed(keys: list[bytes]) -> str:
+    """Block keys as the control API takes them: back to back, base64."""
+    return base64.b64encode(b"".join(keys)).decode()
+
+
+def _batch(tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int] | None = None) -> dict:
+    """A placement change's body: blocks of one tenant on one node and tier (with sizes: additions)."""
+    body: dict[str, Any] = {"tenant": tenant, "node": node, "tier": tier, "keys": _packed(keys)}
+    if sizes is not None:
+        body["sizes"] = list(sizes)
+    return body
 
 
 def _serving_headers(tenant: str | None, session: Session | None) -> dict[str, str]:

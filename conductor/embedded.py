@@ -81,6 +81,7 @@ class EmbeddedBackend(MetadataBackend):
         for op in ops:  # check first: a transaction applies whole or not at all
             if isinstance(op, Put) and op.lease and op.lease not in self._leases:
                 raise LeaseNotFoundError(f"lease {op.lease:x} not found")
+        self.writes += len(ops)
         self._revision += 1
         events = []
         for op in ops:

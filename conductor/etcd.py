@@ -134,10 +134,12 @@ class EtcdBackend(MetadataBackend):
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         resp = await self._call(self.client.kv.put, key, value, lease, timeout=self.timeout)
+        self.writes += 1
         return resp.header.revision
 
     async def delete(self, key: bytes) -> bool:
         resp = await self._call(self.client.kv.delete, key, timeout=self.timeout)
+        self.writes += 1
         return resp.deleted > 0
 
     async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
@@ -158,6 +160,7 @@ class EtcdBackend(MetadataBackend):
                     f"refused: {guard.key.decode(errors='replace')} no longer holds this writer's "
                     "record (a new leader was elected)"
                 )
+            self.writes += len(chunk)
             return resp.header.revision
 
         parts = chunks(ops, TXN_OPS)
@@ -173,6 +176,7 @@ class EtcdBackend(MetadataBackend):
         resp = await self._call(
             self.client.kv.txn, [absent], [KVService.txn_op_put(key, value, lease=lease)], timeout=self.timeout
         )
+        self.writes += bool(resp.succeeded)
         return bool(resp.succeeded)
 
     # Leases ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A follower conductor's calls to the leader: the accesses its lookups counted, forwarded every
-second (the leader decides replication), and the leader's volatile replicas, mirrored by long polls
-(the leader alone hears of them). It keeps one client per leader URL until it closes."""
+second (the leader decides replication), and the leader's placement index, mirrored by long polls
+of its change log (the leader alone hears of placements). It keeps one client per leader URL until
+it closes."""
 
 from __future__ import annotations
 
@@ -10,17 +11,23 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from tiercake.messages import PlacementChange
+
+from .block_table import as_keys
 from .client import Client, ConductorError
 from .metadata import MetadataUnavailableError
+from .placement import Change
 
 if TYPE_CHECKING:
     from .service import Conductor
 
 log = logging.getLogger(__name__)
 
-VOLATILE_WAIT_S = 2.0  # a follower's long poll for the leader's volatile changes
-VOLATILE_POLL_S = 0.5  # its pause after a failed poll, or while it leads
-VOLATILE_GATHER_S = 0.02  # and after an answer with changes, so the next one gathers a batch
+FEED_WAIT_S = 2.0  # a follower's long poll for the leader's placement changes
+FEED_POLL_S = 0.5  # its pause after a failed poll, or while it leads
+FEED_GATHER_S = 0.02  # and after an answer with changes, so the next one gathers a batch
 HEAT_FORWARD_S = 1.0  # how often a follower sends its lookups' access counts to the leader
 MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two sends
 
@@ -28,18 +35,18 @@ MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two
 class LeaderLink:
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
-        self.followed_term = 0  # the leader's term this follower's volatile feed answered in last
-        self.followed_rereport_s: float | None = None  # what that leader asks its members to re-report
+        self.followed_term = 0  # the leader's term this follower's feed answered in last
+        # what that leader asks its members to re-report, and when it said so (monotonic)
+        self._followed_window: tuple[float | None, float] = (None, 0.0)
         self._synced_at: float | None = None  # monotonic: when the mirror was last in step with a leader
         self._heat_out: dict[tuple[str, bytes], int] = {}
         self._peers: dict[str, Client] = {}  # leader URL -> a client of it
         self._tasks: list[asyncio.Task] = []
 
-    def start(self, follow_volatile: bool) -> None:
+    def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._forward_heat_forever()))
-        if follow_volatile:
-            self._tasks.append(loop.create_task(self._follow_volatile_forever()))
+        self._tasks.append(loop.create_task(self._follow_forever()))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -49,8 +56,18 @@ class LeaderLink:
         for peer in self._peers.values():
             await peer.close()
 
+    def followed_window(self) -> float | None:
+        """The leader's re-report window (``Conductor.rereport_s``) as of now: what it said, plus the
+        time since it said it."""
+        window, said = self._followed_window
+        return None if window is None else window + time.monotonic() - said
+
+    def stepped_down(self) -> None:
+        """This conductor stopped leading: its index is exact as of now, a mirror in step."""
+        self._synced_at = time.monotonic()
+
     def mirror_age(self) -> float | None:
-        """Seconds since the volatile mirror was last in step with a leader; None without one."""
+        """Seconds since the mirror of the index was last in step with a leader; None without one."""
         return None if self._synced_at is None else time.monotonic() - self._synced_at
 
     def count(self, hits: list[tuple[str, bytes]]) -> None:
@@ -91,35 +108,54 @@ class LeaderLink:
             )
         return self._peers[leader.url]
 
-    async def _follow_volatile_forever(self) -> None:
-        """A follower mirrors the leader's volatile replicas (the leader alone hears of them): a
-        snapshot first, then each change, by long polls; it starts over whenever the term changes."""
+    async def _follow_forever(self) -> None:
+        """A follower mirrors the leader's placement index (the leader alone hears of placements): a
+        snapshot first, page by page, then each change, by long polls; it starts over whenever the
+        term changes or it falls further behind than the leader's log keeps."""
         term = seq = 0
+        row: int | None = None  # the next page of a snapshot being read
+        began = 0.0  # when its first page was asked for
         while True:
             if self.conductor.is_leader:
                 term = seq = self.followed_term = 0  # on stepping down it starts over from a snapshot
-                self._synced_at = None
-                await asyncio.sleep(VOLATILE_POLL_S)
+                row = None
+                await asyncio.sleep(FEED_POLL_S)
                 continue
             peer = await self._leader_peer()
             if peer is None:
                 self.followed_term = 0
-                await asyncio.sleep(VOLATILE_POLL_S)
+                await asyncio.sleep(FEED_POLL_S)
                 continue
+            sent = time.monotonic()
             try:
-                answer = await peer.volatile(term, seq, wait_s=VOLATILE_WAIT_S)
+                answer = await peer.feed(term, seq, row, wait_s=0.0 if row is not None else FEED_WAIT_S)
             except ConductorError as exc:
                 self.followed_term = 0  # the leader may have changed: ask the backend meanwhile
-                log.debug("conductor %s: volatile replicas not fetched: %s", self.conductor.conductor_id, exc)
-                await asyncio.sleep(VOLATILE_POLL_S)
+                log.debug("conductor %s: placement changes not fetched: %s", self.conductor.conductor_id, exc)
+                await asyncio.sleep(FEED_POLL_S)
                 continue
-            if self.conductor.is_leader:  # it won meanwhile: its own term began with none
+            if self.conductor.is_leader:  # it won meanwhile: its own term began with its mirror
                 continue
-            self.conductor.index.apply_volatile(
-                ((c.tenant, bytes.fromhex(c.key), c.node, c.tier, c.size) for c in answer.changes), answer.reset
-            )
+            self.conductor.index.apply((_change(c) for c in answer.changes), reset=answer.reset)
+            if answer.reset:
+                began = sent  # the snapshot holds what was acknowledged before its first page
+            if answer.reset or row is not None:  # a snapshot's page: a mirror in part is not kept on a win
+                row = answer.next_row
+                self._synced_at = began if row is None else None
+            else:
+                self._synced_at = sent  # it holds what was acknowledged before this poll
             term, seq = answer.term, answer.seq
-            self.followed_term, self.followed_rereport_s = term, answer.rereport_s
-            self._synced_at = time.monotonic()
-            if answer.changes:
-                await asyncio.sleep(VOLATILE_GATHER_S)  # the next answer carries what came meanwhile
+            self.followed_term, self._followed_window = term, (answer.rereport_s, sent)
+            if answer.changes and row is None:
+                await asyncio.sleep(FEED_GATHER_S)  # the next answer carries what came meanwhile
+
+
+def _change(wire: PlacementChange) -> Change:
+    return Change(
+        wire.kind,
+        wire.tenant,
+        wire.node,
+        wire.tier,
+        as_keys(wire.keys),
+        np.asarray(wire.sizes, dtype=np.uint32),
+    )

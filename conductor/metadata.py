@@ -114,6 +114,8 @@ def chunks(ops: Sequence, size: int = TXN_OPS) -> list[Sequence]:
 class MetadataBackend(ABC):
     """The operations the conductor needs. Keys and values are bytes."""
 
+    writes = 0  # keys put or deleted through this backend so far (what this process asked it to store)
+
     @abstractmethod
     async def start(self) -> MetadataBackend: ...
 

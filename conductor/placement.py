@@ -1,41 +1,34 @@
-"""The placement index: which node and tier hold each block, served from memory, durable in the
-metadata backend, except for the volatile tiers.
+"""The placement index: which node and tier hold each block, in this conductor's memory.
 
-A replica is the key ``<prefix><tenant>/<block key hex>/<node>/<tier>`` with a small JSON value,
-attached to the node's lease, so a dead node's replicas disappear from the backend when its lease
-expires, and from every index that follows the backend through its watch. Writes are group-committed:
-concurrent ``add``/``remove`` calls are queued and flushed together in transactions of at most
-``TXN_OPS`` operations; each call returns only once its change is durable, and memory changes only
-then, so a lookup never reports a placement the backend could lose.
-
-Volatile tiers (a worker's gpu tier by default) change with every request and matter only for
-routing, so their replicas live in the conductors' memory only: no backend write. The leader, which
-members report to, logs each change; followers follow that log over HTTP (``volatile_changes``, or a
-whole ``volatile_snapshot`` when one is in another term or too far behind). A follower that wins
-keeps its mirror (``keep_mirror``) when it is fresh, and the members re-report only what changed
-since; otherwise the new leader starts with none and they re-report all of theirs when they see its
-term (``KeepAliveReply``). A member that leaves takes its volatile replicas with it
-(``drop_volatile``).
+Design note (docs/SCALE.md). A block's placement is a routing hint that its holder can always say
+again, and a fleet has 10^8 of them changing at a million a second: far past what a consensus store
+holds (etcd: a few GiB, tens of thousands of writes a second). So no placement is written to etcd.
+The leader, which members report to, keeps the index in a ``BlockTable`` (48 bytes a block) and
+logs each batch of changes it applied; followers follow that log over HTTP (``changes_after``, or
+a ``snapshot`` page by page when one is in another term or too far behind) and answer lookups from
+their mirror. Nothing a member acknowledged is lost when the leader dies: the follower that wins
+keeps its mirror (``keep_mirror``) if it is fresh, and every member re-reports the changes it had
+acknowledged in the window the new term names (``KeepAliveReply.rereport_s``); otherwise the new
+leader starts empty and members re-report everything. A member that leaves takes its replicas with
+it (``drop_node``, logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
-import time
-from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from typing import Literal
 
-from .metadata import TXN_OPS, Delete, Guard, MetadataBackend, MetadataUnavailableError, Put, WatchEvent
-from .metadata import follow as follow_changes
+import numpy as np
 
-log = logging.getLogger(__name__)
+from .block_table import DEFAULT_RESERVE, KEY_BYTES, MAX_HOLDER_BITS, BlockTable, as_keys, key_bytes
 
-PREFIX = b"/tiercake/placements/"
+LOG_KEYS = 1 << 22  # block keys the change log keeps for followers (128 MiB of keys)
+SNAPSHOT_ROWS = 1 << 16  # rows of the table per snapshot page
+TIER_ORDER = {"gpu": 0, "pool": 1, "ssd": 2}  # fastest first; other tier names after these
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,20 +37,45 @@ class Replica:
     tier: str
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One batch of changes the leader applied, as followers apply it: blocks of one tenant that
+    ``node`` now holds (``add``, with each block's size) or no longer holds (``remove``) in ``tier``,
+    or every replica of ``node`` gone (``drop``: it left)."""
+
+    kind: Literal["add", "remove", "drop"]
+    tenant: str = ""
+    node: str = ""
+    tier: str = ""
+    keys: np.ndarray = field(default_factory=lambda: np.zeros((0, KEY_BYTES // 8), dtype=np.uint64))
+    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
+
+
 @dataclass(slots=True)
 class NodePrefix:
-    """How much of a chain one node holds: the leading ``length`` blocks, and in which tiers."""
+    """How much of a chain one node holds: the leading ``length`` blocks, each one's tier bits (in
+    ``table``'s numbering) and size."""
 
     length: int
-    tiers: dict[str, int] = field(default_factory=dict)  # tier -> blocks of the prefix it holds
-    per_block: list[dict] = field(default_factory=list)  # each block's tiers, in chain order (not copied)
+    bits: np.ndarray
+    block_sizes: np.ndarray
+    tier_name: dict[int, str]  # tier bit -> name, for the bits this prefix has
+
+    @property
+    def tiers(self) -> dict[str, int]:
+        """Tier -> blocks of the prefix it holds."""
+        return {name: int(np.count_nonzero(self.bits >> b & 1)) for b, name in self.tier_name.items()}
 
     def runs(self) -> list[tuple[str, int]]:
         """The tier each block is served from (its fastest), run-length encoded in chain order: what
-        a reader of the prefix will get from where. Computed on demand, off the lookup's hot path."""
+        a reader of the prefix will get from where."""
+        fastest = {}
+        for bits in np.unique(self.bits).tolist():
+            names = [self.tier_name[b] for b in range(MAX_HOLDER_BITS) if bits >> b & 1]
+            fastest[bits] = min(names, key=lambda t: (TIER_ORDER.get(t, len(TIER_ORDER)), t))
         out: list[tuple[str, int]] = []
-        for tiers in self.per_block:
-            tier = min(tiers, key=lambda t: (TIER_ORDER.get(t, len(TIER_ORDER)), t))
+        for bits in self.bits.tolist():
+            tier = fastest[bits]
             if out and out[-1][0] == tier:
                 out[-1] = (tier, out[-1][1] + 1)
             else:
@@ -66,27 +84,18 @@ class NodePrefix:
 
     def sizes(self) -> list[int]:
         """Each block's size in bytes, in chain order (its copies in every tier have the same)."""
-        return [next(iter(tiers.values())) for tiers in self.per_block]
-
-
-TIER_ORDER = {"gpu": 0, "pool": 1, "ssd": 2}  # fastest first; other tier names after these
-VOLATILE_LOG = 1 << 16  # volatile changes a follower may fall behind by before it needs a snapshot
+        return self.block_sizes.tolist()
 
 
 @dataclass(slots=True)
 class IndexStats:
-    replicas: int = 0
-    commits: int = 0  # group-commit batches flushed
-    txns: int = 0  # backend transactions those batches took (at most TXN_OPS changes each)
-    ops: int = 0  # placement changes made durable
-    bytes: int = 0  # of keys and values written to (or deleted from) the backend
     lookups: int = 0
-    volatile_ops: int = 0  # placement changes in volatile tiers, kept in memory only
-    # durable changes by tier and kind ("pool+": added to a pool, "ssd-": removed from an SSD tier)
+    batches: int = 0  # change batches applied (reports, removals, commits)
+    ops: int = 0  # replicas added or removed by them
+    bytes: int = 0  # of block keys and sizes those changes carried
+    # changes by tier and kind ("pool+": added to a pool, "ssd-": removed from an SSD tier)
     changes: Counter = field(default_factory=Counter)
     largest_batch: int = 0
-    # called with (operations, seconds) of every flushed batch (the API feeds its histograms)
-    on_batch: Callable[[int, float], None] | None = None
 
 
 def _check(name: str, value: str) -> str:
@@ -95,326 +104,212 @@ def _check(name: str, value: str) -> str:
     return value
 
 
+def _sizes(sizes: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    array = np.asarray(sizes, dtype=np.int64)
+    if array.shape != (n,):
+        raise ValueError(f"{n} keys for {array.size} sizes")
+    if n and (array.min() < 0 or array.max() >= 1 << 32):
+        raise ValueError("a block's size is 0 to 4 GiB - 1")
+    return array.astype(np.uint32)
+
+
 class PlacementIndex:
-    def __init__(
-        self,
-        meta: MetadataBackend,
-        prefix: bytes = PREFIX,
-        max_batch: int = 2048,
-        concurrency: int = 8,
-        volatile_tiers: Iterable[str] = (),
-        volatile_log: int = VOLATILE_LOG,
-    ) -> None:
-        self.meta = meta
-        self.prefix = prefix
-        self.max_batch = max_batch
-        self.concurrency = concurrency  # transactions of one batch in flight at once
-        # tenant -> block key -> node -> tier -> size: a lookup walks one dict per block and tests
-        # node membership directly
-        self._tenants: dict[str, dict[bytes, dict[str, dict[str, int]]]] = defaultdict(dict)
-        self._queue: deque[tuple[list[Put | Delete], asyncio.Future]] = deque()  # group-commit items
-        self._wakeup = asyncio.Event()
-        self._flusher: asyncio.Task | None = None
-        self._follower: asyncio.Task | None = None
-        self.revision = 0
+    def __init__(self, log_keys: int = LOG_KEYS, reserve: int = DEFAULT_RESERVE) -> None:
+        self.table = BlockTable(reserve)
         self.stats = IndexStats()
-        self.used: dict[tuple[str, str], int] = defaultdict(int)  # (node, tier) -> bytes placed there
-        self.guard: Guard | None = None  # every commit checks it (the conductor's leadership)
-        self.volatile_tiers = frozenset(volatile_tiers)
-        # node -> (tenant, key, tier) of its replicas in volatile tiers, so they go with the node
-        self._volatile: dict[str, set[tuple[str, bytes, str]]] = defaultdict(set)
-        # the leader's log of volatile changes for its followers: (tenant, key, node, tier, size or None)
-        self._log: deque[tuple[str, bytes, str, str, int | None]] = deque(maxlen=volatile_log)
-        self.volatile_seq = 0  # the sequence number of the last logged change
+        self.log_keys = log_keys
+        # the leader's log of applied changes for its followers: (sequence number, change), oldest first
+        self._log: deque[tuple[int, Change]] = deque()
+        self._logged_keys = 0
+        self.seq = 0  # the sequence number of the last logged change
         self._logged = asyncio.Event()  # set (and replaced) at each logged change
+        self._maintainer: asyncio.Task | None = None
 
-    # Keys -----------------------------------------------------------------------------------------
-
-    def _meta_key(self, tenant: str, key: bytes, replica: Replica) -> bytes:
-        return (
-            self.prefix
-            + f"{_check('tenant', tenant)}/{key.hex()}/{_check('node', replica.node)}/"
-            f"{_check('tier', replica.tier)}".encode()
-        )
-
-    def _parse(self, meta_key: bytes) -> tuple[str, bytes, Replica] | None:
-        """The replica a backend key names; None for a malformed key and for a volatile tier's (left
-        by a conductor that kept that tier durable: the tier's replicas are re-reported instead)."""
-        parts = meta_key[len(self.prefix) :].decode(errors="replace").split("/")
-        if len(parts) != 4 or parts[3] in self.volatile_tiers:
-            return None
-        tenant, key_hex, node, tier = parts
-        try:
-            return tenant, bytes.fromhex(key_hex), Replica(node, tier)
-        except ValueError:
-            return None
-
-    # Lifecycle ------------------------------------------------------------------------------------
-
-    async def start(self, follow: bool = True) -> PlacementIndex:
-        """Load everything from the backend, then (``follow``) apply its changes as they happen."""
-        kvs, self.revision = await self.meta.range(self.prefix)
-        for kv in kvs:
-            parsed = self._parse(kv.key)
-            if parsed is not None:
-                self._set(*parsed, json.loads(kv.value).get("size", 0))
-        loop = asyncio.get_running_loop()
-        self._flusher = loop.create_task(self._flush_forever())
-        if follow:
-            self._follower = loop.create_task(
-                follow_changes(self.meta, self.prefix, self.revision + 1, self._apply, "placement index")
-            )
+    async def start(self) -> PlacementIndex:
+        self._maintainer = asyncio.get_running_loop().create_task(self._maintain_forever())
         return self
 
     async def close(self) -> None:
-        for task in (self._flusher, self._follower):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        for _, future in self._queue:
-            if not future.done():
-                future.set_exception(MetadataUnavailableError("placement index closed"))
-        self._queue.clear()
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintainer
 
-    def _apply(self, event: WatchEvent) -> None:
-        parsed = self._parse(event.key)
-        if parsed is None:
-            return
-        tenant, key, replica = parsed
-        if event.kind == "put":
-            self._set(tenant, key, replica, json.loads(event.value).get("size", 0))
-        else:
-            self._unset(tenant, key, replica)
-        self.revision = max(self.revision, event.revision)
+    async def _maintain_forever(self) -> None:
+        while True:  # a table that grew is moved on while changes are few, a slice at a time
+            await asyncio.sleep(0.01)
+            self.table.slots.maintain()
 
-    def _set(self, tenant: str, key: bytes, replica: Replica, size: int) -> None:
-        tiers = self._tenants[tenant].setdefault(key, {}).setdefault(replica.node, {})
-        if replica.tier not in tiers:
-            self.stats.replicas += 1
-        self.used[(replica.node, replica.tier)] += size - tiers.get(replica.tier, 0)
-        tiers[replica.tier] = size
+    # Changes --------------------------------------------------------------------------------------
 
-    def _unset(self, tenant: str, key: bytes, replica: Replica) -> None:
-        blocks = self._tenants.get(tenant)
-        nodes = blocks.get(key) if blocks else None
-        tiers = nodes.get(replica.node) if nodes else None
-        size = tiers.pop(replica.tier, None) if tiers else None
-        if size is not None:
-            self.stats.replicas -= 1
-            self.used[(replica.node, replica.tier)] -= size
-            if not tiers:
-                del nodes[replica.node]
-                if not nodes:
-                    del blocks[key]
+    def add_many(
+        self, tenant: str, keys: Sequence[bytes] | np.ndarray, node: str, tier: str, sizes: Sequence[int] | np.ndarray
+    ) -> int:
+        """``node`` holds these blocks in ``tier`` (each of the given size); returns how many replicas
+        were new (or changed size). Logged for followers."""
+        _check("tenant", tenant), _check("node", node), _check("tier", tier)
+        array = as_keys(keys)
+        size = _sizes(sizes, len(array))
+        new = self.table.add(tenant, array, node, tier, size)
+        count = int(np.count_nonzero(new))
+        self._count(tier + "+", len(array), count)
+        if count:
+            self._record(Change("add", tenant, node, tier, array[new], size[new]))
+        return count
 
-    # Writes (group commit) ------------------------------------------------------------------------
+    def remove_many(self, tenant: str, keys: Sequence[bytes] | np.ndarray, node: str, tier: str) -> int:
+        """``node`` no longer holds these blocks in ``tier``; returns how many replicas the index had."""
+        array = as_keys(keys)
+        removed = self.table.remove(tenant, array, node, tier)
+        count = int(np.count_nonzero(removed))
+        self._count(tier + "-", len(array), count)
+        if count:
+            self._record(Change("remove", tenant, node, tier, array[removed]))
+        return count
 
-    async def add(self, tenant: str, key: bytes, node: str, tier: str, size: int, lease: int = 0) -> None:
-        """Record a committed replica; returns once durable. ``lease``: the node's lease."""
-        await self.add_many(tenant, [key], node, tier, [size], lease)
+    def _count(self, kind: str, sent: int, applied: int) -> None:
+        stats = self.stats
+        stats.batches += 1
+        stats.ops += applied
+        stats.bytes += sent * (KEY_BYTES + 4)
+        stats.changes[kind] += applied
+        stats.largest_batch = max(stats.largest_batch, sent)
 
-    async def add_many(
-        self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int], lease: int = 0
-    ) -> None:
-        """Record replicas of many blocks on one node and tier (a request's new blocks); returns
-        once all are durable. They travel as one item of the group commit."""
-        if len(keys) != len(sizes):
-            raise ValueError(f"{len(keys)} keys for {len(sizes)} sizes")
-        replica = Replica(node, tier)
-        if tier in self.volatile_tiers:
-            _check("tenant", tenant), _check("node", node)
-            for key, size in zip(keys, sizes):
-                self._set_volatile(tenant, key, replica, size, log=True)
-            self.stats.volatile_ops += len(keys)
-            return
-        ops = [
-            Put(self._meta_key(tenant, key, replica), b'{"size": %d}' % size, lease) for key, size in zip(keys, sizes)
-        ]
-        self.stats.changes[tier + "+"] += len(ops)
-        await self._submit(ops)
-        for key, size in zip(keys, sizes):
-            self._set(tenant, key, replica, size)
+    def drop_node(self, node: str) -> int:
+        """Forget every replica of ``node`` (it left: logged, so followers forget them too); returns how many."""
+        dropped = self.table.drop_node(node)
+        if dropped:
+            self._record(Change("drop", node=node))
+        return dropped
 
-    async def remove(self, tenant: str, key: bytes, node: str, tier: str) -> None:
-        """Forget a replica (evicted, demoted or removed on its node); returns once durable."""
-        await self.remove_many(tenant, [key], node, tier)
+    def clear(self) -> int:
+        """Forget everything (this conductor's term began with nothing to keep, or ended: it follows
+        the next leader from a snapshot); returns how many replicas it held."""
+        held = len(self.table)
+        self.table = BlockTable(self.table.reserve)
+        self._log.clear()
+        self._logged_keys = 0
+        return held
 
-    async def remove_many(self, tenant: str, keys: list[bytes], node: str, tier: str) -> None:
-        """Forget replicas of many blocks on one node and tier; returns once all are durable. They
-        travel as one item of the group commit."""
-        replica = Replica(node, tier)
-        if tier in self.volatile_tiers:
-            for key in keys:
-                self._unset_volatile(tenant, key, replica, log=True)
-            self.stats.volatile_ops += len(keys)
-            return
-        self.stats.changes[tier + "-"] += len(keys)
-        await self._submit([Delete(self._meta_key(tenant, key, replica)) for key in keys])
-        for key in keys:
-            self._unset(tenant, key, replica)
+    def keep_mirror(self, members: Iterable[str]) -> int:
+        """A follower that wins keeps what it mirrored of the old leader's index, but for the nodes no
+        longer ``members`` (they left while nobody led, so nobody logged it); its own followers start
+        from a snapshot of the new term. Returns how many replicas it kept."""
+        live = set(members)
+        for node in [n for n in self.table.nodes.names[1:] if n not in live]:
+            self.table.drop_node(node)
+        self._log.clear()
+        self._logged_keys = 0
+        return len(self.table)
 
-    # Volatile replicas ----------------------------------------------------------------------------
-
-    def _set_volatile(self, tenant: str, key: bytes, replica: Replica, size: int, log: bool) -> None:
-        self._set(tenant, key, replica, size)
-        self._volatile[replica.node].add((tenant, key, replica.tier))
-        if log:
-            self._record(tenant, key, replica, size)
-
-    def _unset_volatile(self, tenant: str, key: bytes, replica: Replica, log: bool) -> None:
-        self._unset(tenant, key, replica)
-        held = self._volatile.get(replica.node)
-        if held is not None:
-            held.discard((tenant, key, replica.tier))
-        if log:
-            self._record(tenant, key, replica, None)
-
-    def _record(self, tenant: str, key: bytes, replica: Replica, size: int | None) -> None:
-        self._log.append((tenant, key, replica.node, replica.tier, size))
-        self.volatile_seq += 1
+    def _record(self, change: Change) -> None:
+        self.seq += 1
+        self._log.append((self.seq, change))
+        self._logged_keys += len(change.keys) + 1
+        while self._logged_keys > self.log_keys and len(self._log) > 1:
+            _, old = self._log.popleft()
+            self._logged_keys -= len(old.keys) + 1
         self._logged.set()
         self._logged = asyncio.Event()
 
-    def drop_volatile(self, node: str | None = None) -> int:
-        """Forget the volatile replicas of ``node`` (it left: logged, so followers forget them too) or
-        of every node (this conductor's term began or ended: the members re-report to whoever leads,
-        and followers of the new term start from a snapshot); returns how many."""
-        if node is None:
-            dropped = sum(len(held) for held in self._volatile.values())
-            for name, held in self._volatile.items():
-                for tenant, key, tier in held:
-                    self._unset(tenant, key, Replica(name, tier))
-            self._volatile.clear()
-            self._log.clear()
-            return dropped
-        held = list(self._volatile.pop(node, ()))
-        for tenant, key, tier in held:
-            self._unset(tenant, key, Replica(node, tier))
-            self._record(tenant, key, Replica(node, tier), None)
-        return len(held)
+    # The followers' feed --------------------------------------------------------------------------
 
-    def keep_mirror(self, members: Iterable[str]) -> int:
-        """A follower that wins keeps what it mirrored of the old leader's volatile replicas, but for
-        those of nodes no longer ``members`` (they left while nobody led, so nobody logged it); its
-        followers start from a snapshot of the new term. Returns how many replicas it kept."""
-        live = set(members)
-        for node in [n for n in self._volatile if n not in live]:
-            for tenant, key, tier in self._volatile.pop(node):
-                self._unset(tenant, key, Replica(node, tier))
-        self._log.clear()
-        return sum(len(held) for held in self._volatile.values())
-
-    def volatile_changes(self, after: int) -> list[tuple[str, bytes, str, str, int | None]] | None:
-        """The logged changes after sequence number ``after``, in order; None when they are no longer
-        (or never were) in the log: the caller needs ``volatile_snapshot``."""
-        first = self.volatile_seq - len(self._log)  # the sequence number before the log's first change
-        if not first <= after <= self.volatile_seq:
+    def changes_after(self, after: int, max_keys: int = 1 << 17) -> list[Change] | None:
+        """The logged changes after sequence number ``after``, in order, up to about ``max_keys``
+        keys; None when they are no longer (or never were) in the log: the caller needs a snapshot."""
+        first = self._log[0][0] - 1 if self._log else self.seq
+        if not first <= after <= self.seq:
             return None
-        return list(islice(self._log, after - first, None))
+        out, keys = [], 0
+        for seq, change in self._log:  # the follower is usually a few entries behind: read from the end
+            if seq > after:
+                out.append(change)
+                keys += len(change.keys) + 1
+                if keys >= max_keys:
+                    break
+        return out
 
-    def volatile_snapshot(self) -> list[tuple[str, bytes, str, str, int]]:
-        """Every volatile replica: (tenant, key, node, tier, size)."""
-        blocks = self._tenants
-        return [
-            (tenant, key, node, tier, blocks[tenant][key][node][tier])
-            for node, held in self._volatile.items()
-            for tenant, key, tier in held
+    def snapshot(self, start_row: int, rows: int = SNAPSHOT_ROWS) -> tuple[list[Change], int | None]:
+        """Every replica in rows ``[start_row, start_row + rows)`` of the table, as ``add`` changes,
+        and the row to ask for next (None: that was the last). Taken page by page while changes go on,
+        it is fuzzy, and exact once the changes logged after its first page are applied over it (each
+        change says what a replica is now, so applying it again is harmless)."""
+        table = self.table
+        live = table.live_rows(start_row, rows)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for row, nid, bits in table.holdings(live):
+            for b in range(MAX_HOLDER_BITS):
+                if bits >> b & 1:
+                    groups.setdefault((int(table.tenant[row]), nid, b), []).append(row)
+        changes = [
+            Change(
+                "add",
+                table.tenants.names[tid],
+                table.nodes.names[nid],
+                table.tiers.name(b),
+                table.keys[picked].copy(),
+                table.size[picked].copy(),
+            )
+            for (tid, nid, b), held in groups.items()
+            for picked in [np.asarray(held, dtype=np.int64)]
         ]
+        nxt = start_row + rows
+        return changes, (nxt if nxt < table.end else None)
 
-    async def wait_volatile(self, after: int, timeout: float) -> None:
+    async def wait_change(self, after: int, timeout: float) -> None:
         """Return once a change after ``after`` is logged, or after ``timeout`` seconds."""
-        if self.volatile_seq == after:
+        if self.seq == after:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._logged.wait(), timeout)
 
-    def apply_volatile(self, changes: Iterable[tuple[str, bytes, str, str, int | None]], reset: bool) -> None:
-        """A follower applies what the leader logged (``reset``: a snapshot, replacing what it had)."""
+    def apply(self, changes: Iterable[Change], reset: bool = False) -> None:
+        """A follower applies what the leader logged (``reset``: the first page of a snapshot, which
+        replaces what it had)."""
         if reset:
-            self.drop_volatile()
-        for tenant, key, node, tier, size in changes:
-            if size is None:
-                self._unset_volatile(tenant, key, Replica(node, tier), log=False)
+            self.clear()
+        for change in changes:
+            if change.kind == "add":
+                self.table.add(change.tenant, change.keys, change.node, change.tier, change.sizes)
+            elif change.kind == "remove":
+                self.table.remove(change.tenant, change.keys, change.node, change.tier)
             else:
-                self._set_volatile(tenant, key, Replica(node, tier), size, log=False)
-
-    async def _submit(self, ops: list[Put | Delete]) -> None:
-        if self._flusher is None:
-            raise RuntimeError("the placement index is not started")
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((ops, future))
-        self._wakeup.set()
-        await future
-
-    async def _flush_forever(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue:
-                batch, taken = [], 0
-                while self._queue and (not batch or taken + len(self._queue[0][0]) <= self.max_batch):
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    taken += len(item[0])
-                # The last change of each key wins (a put then a delete is a delete), so every key
-                # appears once and the batch's transactions may run concurrently in any order.
-                latest = {op.key: op for ops, _ in batch for op in ops}
-                started = time.perf_counter()
-                try:
-                    revision = await self.meta.commit(
-                        list(latest.values()), concurrency=self.concurrency, guard=self.guard
-                    )
-                except Exception as exc:  # noqa: BLE001 - every waiter gets the error, none hangs
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                self.revision = max(self.revision, revision)
-                self.stats.commits += 1
-                self.stats.txns += -(-len(latest) // TXN_OPS)
-                self.stats.ops += taken
-                self.stats.bytes += sum(len(op.key) + len(getattr(op, "value", b"")) for op in latest.values())
-                self.stats.largest_batch = max(self.stats.largest_batch, taken)
-                if self.stats.on_batch is not None:
-                    self.stats.on_batch(taken, time.perf_counter() - started)
-                for _, future in batch:
-                    if not future.done():
-                        future.set_result(None)
+                self.table.drop_node(change.node)
 
     # Reads (memory only) --------------------------------------------------------------------------
 
     def holders(self, tenant: str, key: bytes) -> dict[Replica, int]:
-        nodes = self._tenants.get(tenant, {}).get(key, {})
-        return {Replica(node, tier): size for node, tiers in nodes.items() for tier, size in tiers.items()}
+        return {Replica(node, tier): size for node, tier, size in self.table.holders(tenant, key)}
 
-    def lookup(self, tenant: str, keys: Iterable[bytes]) -> dict[str, NodePrefix]:
-        """For each node holding the chain's first block: the longest prefix of ``keys`` it holds
-        (in any of its tiers), walking until the last node drops out."""
+    def lookup(self, tenant: str, keys: Sequence[bytes] | np.ndarray) -> dict[str, NodePrefix]:
+        """For each node holding the chain's first block: the longest prefix of ``keys`` it holds (in
+        any of its tiers), walking until the last node drops out."""
         self.stats.lookups += 1
-        blocks = self._tenants.get(tenant)
-        keys = list(keys)
-        if not blocks or not keys or keys[0] not in blocks:
+        array = as_keys(keys)
+        if not len(array):
             return {}
-        result: dict[str, NodePrefix] = {}
-        for node in blocks[keys[0]]:  # one tight walk per candidate node (usually one to three)
-            seen = []
-            for key in keys:
-                nodes = blocks.get(key)
-                tiers = nodes.get(node) if nodes is not None else None
-                if tiers is None:
-                    break
-                seen.append(tiers)
-            result[node] = NodePrefix(len(seen), dict(Counter(chain.from_iterable(seen))), seen)
-        return result
+        table = self.table
+        found = {}
+        for node, (bits, sizes) in table.chain(tenant, array).items():
+            present = int(np.bitwise_or.reduce(bits)) if len(bits) else 0
+            names = {b: table.tiers.name(b) for b in range(MAX_HOLDER_BITS) if present >> b & 1}
+            found[node] = NodePrefix(len(bits), bits, sizes, names)
+        return found
 
     def node_blocks(self, node: str) -> list[tuple[str, bytes, str, int]]:
         """(tenant, block key, tier, size) of every replica on ``node``."""
+        table = self.table
+        rows, bits = table.node_rows(node)
+        keys = key_bytes(table.keys[rows])
         return [
-            (tenant, key, tier, size)
-            for tenant, blocks in self._tenants.items()
-            for key, nodes in blocks.items()
-            for tier, size in nodes.get(node, {}).items()
+            (table.tenants.names[int(table.tenant[row])], key, table.tiers.name(b), int(table.size[row]))
+            for row, key, held in zip(rows.tolist(), keys, bits.tolist(), strict=True)
+            for b in range(MAX_HOLDER_BITS)
+            if held >> b & 1
         ]
 
+    def used_bytes(self, node: str, tier: str) -> int:
+        """Bytes of the blocks ``node`` holds in ``tier``, by the index's count."""
+        return self.table.used_bytes(node, tier)
+
     def __len__(self) -> int:
-        return self.stats.replicas
+        return len(self.table)

@@ -9,6 +9,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from .puts import node_loads
+
 if TYPE_CHECKING:
     from .service import Conductor
 
@@ -89,10 +91,12 @@ class ReplicaPlanner:
                 self._watched.add((tenant, key))
             replica, size = min(holders.items(), key=lambda item: (item[0].node, item[0].tier))
             if wanted > len(nodes):
-                for target in c.placement.choose(c._loads(tier, exclude=set(nodes)), size, wanted - len(nodes)):
+                for target in c.placement.choose(
+                    node_loads(c.members, c.index, tier, exclude=set(nodes)), size, wanted - len(nodes)
+                ):
                     plan[target].append(ReplicaMove(tenant, key, tier, size, replica.node))
             elif wanted < len(nodes) and (tenant, key) not in c.pins:
-                by_use = sorted(nodes, key=lambda n: -c.index.used.get((n, tier), 0))
+                by_use = sorted(nodes, key=lambda n: -c.index.used_bytes(n, tier))
                 for node in by_use[: len(nodes) - wanted]:
                     plan[node] += [ReplicaMove(tenant, key, r.tier, size, None) for r in holders if r.node == node]
         return plan

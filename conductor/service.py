@@ -1,7 +1,9 @@
 """The conductor: one process's share of the control plane, over a metadata backend.
 
-Every conductor loads and follows the placement index and the membership, and serves lookups from
-memory; the one that wins the election also accepts placement writes. The HTTP face is ``api.py``.
+Every conductor follows the membership, pins and settings in the backend and keeps the placement
+index in memory (the leader's fed by members' reports, a follower's by the leader's change log), and
+serves lookups from it; the one that wins the election also accepts placement changes. The HTTP
+face is ``api.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import uuid
 from collections.abc import Sequence
 
 from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
-from tiercake.policies import NodeLoad, create_placement, create_replication
+from tiercake.policies import create_placement, create_replication
 
+from .block_table import DEFAULT_RESERVE, KEY_BYTES
 from .election import LeaderElection
 from .heat import AccessRates
 from .leader_link import LeaderLink
@@ -32,7 +35,8 @@ from .metadata import (
     follow,
 )
 from .objects import ObjectMapKeeper
-from .placement import PlacementIndex, Replica
+from .placement import PlacementIndex
+from .puts import PlacementError, PutBook
 from .replica_planner import ReplicaMove, ReplicaPlanner
 
 log = logging.getLogger(__name__)
@@ -46,15 +50,6 @@ class NotLeaderError(Exception):
         self.leader = leader
 
 
-class PlacementError(Exception):
-    """A commit or revoke names a put the conductor does not know (never begun, timed out, revoked,
-    already committed), or a node that is not a live member."""
-
-
-class NoRoomError(PlacementError):
-    """No live node has room for the block in the asked tier."""
-
-
 class FlushTimeoutError(Exception):
     """A flush that was waited for is not applied by every member in time."""
 
@@ -65,9 +60,9 @@ class LeaseExpiredError(Exception):
 
 PINS = b"/tiercake/pins/"
 SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch, policies
-# A follower's mirror of the volatile replicas is kept on a win if in step this recently (members keep
-# 60 s of acknowledged changes, ``workers.conductor_link.RECENT_S``); the window they re-report is
-# its age and a margin for the last poll's flight and the clocks' rates.
+# A follower's mirror of the index is kept on a win if in step this recently (members keep 60 s of
+# acknowledged changes, ``workers.conductor_link.RECENT_S``); the window they re-report is its age
+# and a margin for the last poll's flight and the clocks' rates.
 MIRROR_FRESH_S = 30.0
 REREPORT_MARGIN_S = 2.0
 
@@ -127,30 +122,29 @@ class Conductor:
         heat_half_life: float = 10.0,
         peer_token: str | None = None,
         peer_ssl=None,
-        volatile_tiers: tuple[str, ...] = ("gpu",),
         objects=None,
+        index_max_blocks: int = DEFAULT_RESERVE,
     ) -> None:
-        """``objects``: the ``ObjectsConfig`` the object map is kept by (slots, replicas, failover)."""
+        """``objects``: the ``ObjectsConfig`` the object map is kept by (slots, replicas, failover);
+        ``index_max_blocks``: the blocks the placement index reserves room for."""
         self.meta = meta
         self.placement = create_placement(placement)
         self.replication = create_replication(replication, replication_params)
-        self.put_timeout = put_timeout
-        self._pending: dict[tuple[str, bytes, str], tuple[str, float]] = {}  # (tenant, key, node) -> tier, deadline
         self.conductor_id = conductor_id or f"conductor-{uuid.uuid4().hex[:8]}"
         self.url = url
-        self.index = PlacementIndex(meta, volatile_tiers=volatile_tiers)
+        self.index = PlacementIndex(reserve=index_max_blocks)
         self.members = Membership(meta)
+        self.puts = PutBook(self.index, self.members, self.placement, self.replication, put_timeout, self._member)
         self.election = LeaderElection(
             meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(), ttl=ttl
         )
-        # Volatile placements are the leader's alone: a term starts with the follower's fresh mirror
-        # (or none), ends with none, and a member that leaves takes its own along.
+        # Placements are the leader's: a term starts with the follower's fresh mirror (or none), ends
+        # with none, and a member that leaves takes its own along.
         self.election.on_change = self._leadership_changed
-        self.rereport_s: float | None = None  # what this leader's term asks members to re-report
+        self._mirror_synced: float | None = None  # monotonic: when this term's mirror was last in step
         self.members.leave_listeners.append(self._member_left)
         # the leader's writes go through only while the election key is still its own (fencing)
         self.guard = Guard(self.election.key, self.election.candidate.encode())
-        self.index.guard = self.guard
         self.heat = AccessRates(half_life=heat_half_life)
         # a follower's lookups count too: it sends them to the leader, which decides replication
         self.peer_token = peer_token  # the control token conductors use with each other
@@ -184,7 +178,7 @@ class Conductor:
         )
         await self.objects.start()
         await self.election.start()
-        self.link.start(follow_volatile=bool(self.index.volatile_tiers))
+        self.link.start()
         return self
 
     async def close(self) -> None:
@@ -218,25 +212,28 @@ class Conductor:
         return True, f"leader {leader.conductor_id}"
 
     def _leadership_changed(self, leading: bool) -> None:
-        """A win keeps the follower's mirror of the old leader's volatile replicas if it was in step
-        with it less than ``MIRROR_FRESH_S`` ago: every change the mirror may lack was acknowledged
-        since, and the members re-report only those (``rereport_s``), not the whole index, which at a
-        fleet's size costs more than a term lasts. A stale or missing mirror is dropped, and so is a
-        leader's index when it steps down (it follows the next leader from a snapshot)."""
+        """A win keeps the follower's mirror of the old leader's index if it was in step with it less
+        than ``MIRROR_FRESH_S`` ago: every change the mirror may lack was acknowledged since, and the
+        members re-report only those (``rereport_s``), not the whole index, which at a fleet's size
+        costs more than a term lasts. A stale or missing mirror is dropped. A leader that steps down
+        keeps its index as a mirror in step at that moment: it wins again with it (etcd lost its
+        quorum for a while, say), or follows the next leader from a snapshot."""
+        if not leading:
+            self.link.stepped_down()
+            self._mirror_synced = None
+            return
         age = self.link.mirror_age()
-        if leading and age is not None and age <= MIRROR_FRESH_S:
+        if age is not None and age <= MIRROR_FRESH_S:
             kept = self.index.keep_mirror(self.members.members)
-            self.rereport_s = age + REREPORT_MARGIN_S
-            log.info(
-                "conductor %s: leading with %d mirrored volatile replicas (%.1f s old)", self.conductor_id, kept, age
-            )
+            self._mirror_synced = time.monotonic() - age
+            log.info("conductor %s: leading with %d mirrored replicas (%.1f s old)", self.conductor_id, kept, age)
         else:
-            self.index.drop_volatile()
-            self.rereport_s = None
+            self.index.clear()
+            self._mirror_synced = None
 
     def _member_left(self, node: str) -> None:
         if self.election.leading.is_set():  # the leader's log tells the followers
-            self.index.drop_volatile(node)
+            self.index.drop_node(node)
 
     async def term(self) -> int:
         """The current leader's term (see ``LeaderElection.term``): the leader knows its own, and a
@@ -245,13 +242,23 @@ class Conductor:
             return self.election.won_term
         return self.link.followed_term or await self.election.term()
 
+    @property
+    def rereport_s(self) -> float | None:
+        """What this leader's term asks a member to re-report, as of now: the changes it had
+        acknowledged since the mirror this term began with was last in step (plus a margin for the
+        poll's flight), or None (everything: the term began with no mirror). Counted back from now,
+        so a member that hears of the term late still reaches back far enough."""
+        if self._mirror_synced is None:
+            return None
+        return time.monotonic() - self._mirror_synced + REREPORT_MARGIN_S
+
     def rereport_window(self) -> float | None:
         """What the current term asks members to re-report (``KeepAliveReply.rereport_s``): the
         leader's own word, or what a follower's feed last heard from it; None (everything) when
         this conductor knows neither."""
         if self.is_leader:
             return self.rereport_s
-        return self.link.followed_rereport_s if self.link.followed_term else None
+        return self.link.followed_window() if self.link.followed_term else None
 
     async def require_leader(self) -> None:
         """``NotLeaderError`` naming the leader's URL unless this conductor leads. The leader asks
@@ -296,112 +303,32 @@ class Conductor:
             raise PlacementError(f"node {node!r} has no tier {tier!r} (it has {sorted(member.tiers)})")
         return member
 
-    # Puts -----------------------------------------------------------------------------------------
-
-    def _loads(self, tier: str, exclude: set[str] = frozenset()) -> list[NodeLoad]:
-        return [
-            NodeLoad(m.node_id, m.tiers[tier], self.index.used.get((m.node_id, tier), 0))
-            for m in self.members.alive("node")
-            if tier in m.tiers and m.node_id not in exclude
-        ]
-
-    def begin_put(
-        self,
-        tenant: str,
-        keys: list[bytes],
-        sizes: list[int],
-        tier: str = "pool",
-        local: str | None = None,
-        evict: bool = False,
-    ) -> dict[bytes, list[str]]:
-        """Choose target nodes for each new block (as many as the replication policy wants) and
-        remember the put until it is committed, revoked or times out. Blocks already placed keep
-        their placement (objects are immutable). With ``evict`` (a cache's put: the node's store
-        evicts to make room), a block no node has room for by the index's count goes where the
-        strategy says among the nodes whose tier is large enough for it."""
-        now = time.monotonic()
-        self._pending = {k: v for k, v in self._pending.items() if v[1] > now}
-        loads = {load.node: load for load in self._loads(tier)}
-        targets: dict[bytes, list[str]] = {}
-        for key, size in zip(keys, sizes, strict=True):
-            held = sorted({r.node for r in self.index.holders(tenant, key)})
-            if held:
-                targets[key] = held
-                continue
-            count = self.replication.replicas((tenant, key), 0.0)
-            chosen = self.placement.choose(list(loads.values()), size, count, local)
-            if not chosen and evict:
-                room = [
-                    NodeLoad(n.node, n.capacity, min(n.used, n.capacity - size))
-                    for n in loads.values()
-                    if n.capacity >= size
-                ]
-                chosen = self.placement.choose(room, size, count, local)
-            if not chosen:
-                raise NoRoomError(f"no node has {size} bytes free in tier {tier!r} ({len(loads)} candidate nodes)")
-            for node in chosen:
-                self._pending[(tenant, key, node)] = (tier, now + self.put_timeout)
-                load = loads[node]
-                loads[node] = NodeLoad(node, load.capacity, load.used + size)  # later blocks see it
-            targets[key] = chosen
-        return targets
-
-    def _take_pending(self, tenant: str, keys: list[bytes], node: str, tier: str) -> None:
-        now = time.monotonic()
-        missing = [
-            k.hex()[:16]
-            for k in keys
-            if self._pending.get((tenant, k, node), (None, 0.0))[0] != tier
-            or self._pending[(tenant, k, node)][1] <= now
-        ]
-        if missing:
-            raise PlacementError(
-                f"no put in progress on {node}/{tier} for {len(missing)} blocks "
-                f"(first {missing[0]}…): unknown, timed out, revoked or already committed"
-            )
-        for key in keys:
-            del self._pending[(tenant, key, node)]
-
-    async def commit_put(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int]) -> None:
-        """The node stored the blocks begun for it: durable placement (under the node's lease, so it
-        goes when the node dies), then acknowledged."""
-        member = self._member(node, tier)
-        self._take_pending(tenant, keys, node, tier)
-        await self.index.add_many(tenant, keys, node, tier, sizes, member.lease)
-
-    def revoke_put(self, tenant: str, keys: list[bytes], node: str, tier: str) -> None:
-        self._take_pending(tenant, keys, node, tier)
-
     # What nodes report ----------------------------------------------------------------------------
 
-    async def report(self, tenant: str, keys: list[bytes], node: str, tier: str, sizes: list[int]) -> int:
+    def report(self, tenant: str, keys: bytes | list[bytes], node: str, tier: str, sizes: list[int]) -> int:
         """A live node holds these blocks (it spilled or promoted them, or its SSD tier still has them
         after a restart): record what is new; returns how many were. Only members may report, and
         only into tiers they registered."""
-        member = self._member(node, tier)
-        new = [
-            (k, s)
-            for k, s in zip(keys, sizes, strict=True)
-            if self.index.holders(tenant, k).get(Replica(node, tier)) != s
-        ]
-        if new:
-            await self.index.add_many(tenant, [k for k, _ in new], node, tier, [s for _, s in new], member.lease)
-        return len(new)
+        self._member(node, tier)
+        return self.index.add_many(tenant, keys, node, tier, sizes)
 
-    async def remove(self, tenant: str, keys: list[bytes], node: str, tier: str) -> tuple[int, int]:
+    def remove(self, tenant: str, keys: bytes | list[bytes], node: str, tier: str) -> tuple[int, int]:
         """The node no longer holds these blocks in ``tier``: returns (removed, unknown), unknown being
         replicas the index never had (nothing to do for them)."""
-        held = [k for k in keys if Replica(node, tier) in self.index.holders(tenant, k)]
-        if held:
-            await self.index.remove_many(tenant, held, node, tier)
-        return len(held), len(keys) - len(held)
+        removed = self.index.remove_many(tenant, keys, node, tier)
+        count = len(keys) // KEY_BYTES if isinstance(keys, bytes) else len(keys)
+        return removed, count - removed
 
-    def lookup(self, tenant: str, keys: list[bytes]) -> dict:
-        """The longest cached prefix per node; the blocks found count as accesses (hot replication)."""
+    def lookup(self, tenant: str, keys: bytes | Sequence[bytes]) -> dict:
+        """The longest cached prefix per node (``keys``: a chain's keys, or them back to back); the
+        blocks found count as accesses (hot replication)."""
         found = self.index.lookup(tenant, keys)
         longest = max((p.length for p in found.values()), default=0)
         if longest:
-            hits = [(tenant, k) for k in keys[:longest]]
+            if isinstance(keys, bytes):
+                hits = [(tenant, keys[i : i + KEY_BYTES]) for i in range(0, longest * KEY_BYTES, KEY_BYTES)]
+            else:
+                hits = [(tenant, k) for k in keys[:longest]]
             self.heat.hit(hits)
             if not self.is_leader:
                 self.link.count(hits)

@@ -303,12 +303,12 @@ class ConductorConfig(BaseModel):
     replication_params: dict[str, Any] = Field(default_factory=dict)
 
     put_timeout_s: float = Field(default=60.0, gt=0, description="a begun put not committed by then is forgotten")
-    volatile_tiers: list[str] = Field(
-        default_factory=lambda: ["gpu"],
-        description="tiers whose placements "
-        "live in the leading conductor's memory only, not in etcd: they change with "
-        "every request and serve only routing; members re-report them to a new "
-        "leader, and followers' lookups do without them",
+    index_max_blocks: int = Field(
+        default=1 << 30,
+        ge=1024,
+        le=(1 << 31) - 1,
+        description="blocks the placement index reserves address space for (48 bytes each, memory only "
+        "as they are used); past it a report is refused with a 507",
     )
     metrics_open: bool = Field(
         default=True,
@@ -322,6 +322,16 @@ class ConductorConfig(BaseModel):
         "(anyone who reaches them can register workers, read every tenant's keys and answer "
         "requests): for a throwaway cluster on a laptop only; refused by default",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "volatile_tiers" in data:
+            raise ValueError(
+                "volatile_tiers was removed: every tier's placements now live in the conductors' memory, "
+                "none in etcd (docs/SCALE.md); delete the setting"
+            )
+        return data
 
     def tokens(self) -> list[str]:
         """Bearer tokens from the environment variable and the token file, as found (maybe none)."""

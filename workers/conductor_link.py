@@ -7,10 +7,11 @@ replication act on the store and are skipped without one.
 
 When the lease is found expired (the node was paused, partitioned or restarted), the node registers
 again and re-reports everything its store holds, so its blocks (its SSD tier's after a restart)
-become findable again. When a new leader's term begins, the node re-reports what the new leader may
-lack of the volatile tiers, whose placements only the leaders' memory keeps: the changes the old one
-acknowledged in the window the new one names (it kept its mirror of the old one's), or everything. A conductor that cannot be reached is
-retried; nothing is dropped: changes queue up and are sent, coalesced, once it answers.
+become findable again. Placements live in the conductors' memory only, so when a new leader's term
+begins the node re-reports what the new leader may lack: the changes the old one acknowledged in the
+window the new one names (it kept its mirror of the old one's), or everything. A conductor that
+cannot be reached is retried; nothing is dropped: changes queue up and are sent, coalesced, once it
+answers.
 """
 
 from __future__ import annotations
@@ -189,29 +190,28 @@ class ConductorLink:
     # Reports --------------------------------------------------------------------------------------
 
     def _note_term(self, answer: KeepAliveReply) -> None:
-        """A new leader may lack some of the volatile tiers' copies: report them again, only those
-        acknowledged in the window it names when it kept its mirror of the old leader's, else all."""
-        term, tiers = answer.term, answer.volatile_tiers
+        """A new leader may lack some of this node's copies: report again those acknowledged in the
+        window it names when it kept its mirror of the old leader's index, else all of them."""
+        term, window = answer.term, answer.rereport_s
         if term and term != self._term:
-            if self._term and self.report and tiers:
-                window = answer.rereport_s
+            if self._term and self.report:
                 if window is not None and window <= RECENT_S:
                     since = time.monotonic() - window
                     again = [(copy, (added, n)) for copy, (at, added, n) in self._recent.items() if at >= since]
                     for copy, state in again:
-                        if copy[2] in tiers:
-                            self._changes.setdefault(copy, state)  # a change not yet sent is newer
+                        self._changes.setdefault(copy, state)  # a change not yet sent is newer
                     self._wakeup.set()
+                    count = len(again)
                 else:
-                    again = [(c, None) for c in self.held.holdings() if c.tier in tiers]
-                    for change, _ in again:
+                    held = self.held.holdings()
+                    for change in held:
                         self._on_change(change)
+                    count = len(held)
                 log.info(
-                    "node %s: new leader (term %d), re-reporting %d copies in %s (%s)",
+                    "node %s: new leader (term %d), re-reporting %d copies (%s)",
                     self.member.node_id,
                     term,
-                    len(again),
-                    ", ".join(tiers),
+                    count,
                     "everything" if window is None or window > RECENT_S else f"the last {window:.1f} s",
                 )
             self._term = term

@@ -114,7 +114,7 @@ class Worker:
         )
         # a decode worker's gpu blocks are not indexed: work is routed to it by load, never by its
         # cache (the prompt's blocks are on the node already), and each block it pulled would cost
-        # two durable index changes (in, then evicted)
+        # two index changes (in, then evicted)
         link = await ConductorLink(
             client,
             member,

@@ -156,7 +156,7 @@ class OperatorApi:
                     url=m.url,
                     tiers=tiers,
                     load=load,
-                    indexed_bytes={t: conductor.index.used.get((m.node_id, t), 0) for t in m.tiers},
+                    indexed_bytes={t: conductor.index.used_bytes(m.node_id, t) for t in m.tiers},
                 )
             )
         return reply(
@@ -166,7 +166,7 @@ class OperatorApi:
                 settings=conductor.settings,
                 serving=self.stats.figures(),
                 index=IndexFigures(replicas=len(conductor.index), pins=len(conductor.pins)),
-                metadata=self.stats.metadata_costs(conductor.index.stats),
+                metadata=self.stats.metadata_costs(conductor.index.stats, conductor.meta.writes),
                 reuse=await self.stats.reuse(),
             )
         )

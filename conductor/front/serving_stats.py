@@ -198,18 +198,18 @@ class ServingStats:
             cached_tokens_by_source=dict(self.cached_by_source),
         )
 
-    def metadata_costs(self, index_stats) -> MetadataCosts:
-        """Metadata work per request and per KV byte moved: index lookups and durable placement
-        changes (with their key and value bytes), against the requests served and the KV moved."""
+    def metadata_costs(self, index_stats, backend_writes: int) -> MetadataCosts:
+        """Metadata work per request and per KV byte moved: index lookups and placement changes (with
+        the bytes of their keys and sizes), against the requests served and the KV moved."""
         requests = max(1, self.served + self.rejected)
         ops = index_stats.ops + index_stats.lookups
         return MetadataCosts(
             lookups=index_stats.lookups,
-            durable_ops=index_stats.ops,
-            durable_txns=index_stats.txns,
-            volatile_ops=index_stats.volatile_ops,
-            durable_changes=dict(index_stats.changes),
-            durable_bytes=index_stats.bytes,
+            placement_changes=index_stats.ops,
+            change_batches=index_stats.batches,
+            changes=dict(index_stats.changes),
+            change_bytes=index_stats.bytes,
+            backend_writes=backend_writes,
             ops_per_request=ops / requests,
             bytes_per_request=index_stats.bytes / requests,
             kv_bytes_moved=self.kv_bytes_moved,

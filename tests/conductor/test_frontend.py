@@ -124,14 +124,14 @@ async def test_routing_sees_each_workers_own_prefix():
     async with _front(ServingConfig(), [worker("w-a"), worker("w-b"), node]) as (_, front):
         tokens = list(b"a shared system prompt, long enough for a few blocks of sixteen tokens")
         keys = block_keys(front.config.serving_namespace("default"), tokens)
-        await front.conductor.report("default", keys, "w-b", "gpu", [1] * len(keys))
+        front.conductor.report("default", keys, "w-b", "gpu", [1] * len(keys))
         route = front.dispatcher.route(Job(tokens, keys, "default", "default", 4), ("worker",))
         assert route.member.node_id == "w-b" and route.decision.reused_blocks == len(keys) == 4
         assert not route.decision.pull and route.source is None  # its own gpu tier has it all: nothing to pull
         # a prompt only a node holds: the chosen worker is told to pull it, and from where
         other = list(b"another prompt that only the node's pool holds, long enough for blocks")
         node_keys = block_keys(front.config.serving_namespace("default"), other)
-        await front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
+        front.conductor.report("default", node_keys, "n1", "pool", [1] * len(node_keys))
         route = front.dispatcher.route(Job(other, node_keys, "default", "default", 4), ("worker",))
         assert route.decision.pull and route.source == KVHandoff(
             node="n1", blocks=len(node_keys), tier="pool", runs=[("pool", len(node_keys))]

@@ -96,29 +96,23 @@ async def test_a_stalled_leader_is_not_leader_the_moment_it_resumes(meta, prefix
 
 
 async def test_a_deposed_leaders_write_in_flight_is_refused_by_the_backend(meta, prefix):
-    """Fencing: writes carry a guard (the election key holds the writer's record), checked in the
-    same transaction, so a write sent after the term ended, by a leader that had already passed its
-    own check, is refused instead of landing under the new leader."""
+    """Fencing: a leader's durable writes (settings, pins, the object map) carry a guard (the
+    election key holds the writer's record), checked in the same transaction, so a write sent after
+    the term ended, by a leader that had already passed its own check, is refused instead of landing
+    under the new leader."""
     from tiercake.conductor.metadata import FencedError, Guard, Put
-    from tiercake.conductor.placement import PlacementIndex, Replica
 
     first = await LeaderElection(meta, "conductor-1", ttl=1, prefix=prefix).start()
     await asyncio.wait_for(first.leading.wait(), 10)
-    index = await PlacementIndex(meta, prefix=prefix + b"placements/").start()
-    index.guard = Guard(first.key, first.candidate.encode())
-    await index.add("t", b"k" * 32, "node-a", "pool", 1)  # while leading: written
+    guard = Guard(first.key, first.candidate.encode())
+    await meta.commit([Put(prefix + b"settings/flush", b"{}")], guard=guard)  # while leading: written
     first.crash()  # paused past its term; a standby takes over
     second = await LeaderElection(meta, "conductor-2", ttl=1, prefix=prefix).start()
     await asyncio.wait_for(second.leading.wait(), 10)
     with pytest.raises(FencedError):  # the first resumes and sends what it had queued
-        await index.add("t", b"j" * 32, "node-a", "pool", 1)
-    with pytest.raises(FencedError):
-        await meta.commit([Put(prefix + b"settings/router", b"{}")], guard=index.guard)
-    stored, _ = await meta.range(prefix + b"placements/")
-    assert [kv.key for kv in stored] == [index._meta_key("t", b"k" * 32, Replica("node-a", "pool"))]
-    assert await meta.get(prefix + b"settings/router") is None
-    assert index.holders("t", b"j" * 32) == {}  # not in its memory either
-    await index.close()
+        await meta.commit([Put(prefix + b"settings/router", b"{}"), Put(prefix + b"pins/x", b"{}")], guard=guard)
+    assert await meta.get(prefix + b"settings/flush") is not None
+    assert await meta.get(prefix + b"settings/router") is None and await meta.get(prefix + b"pins/x") is None
     await second.resign()
 
 

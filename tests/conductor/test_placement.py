@@ -1,81 +1,39 @@
-"""The placement index on both metadata backends."""
+"""The placement index in a conductor's memory: its answers, its change log and its snapshots."""
 
 import asyncio
-import uuid
+import random
 
+import numpy as np
 import pytest
 
-from tiercake.conductor.etcd import EtcdBackend
-from tiercake.conductor.placement import PlacementIndex, Replica
-
-pytestmark = pytest.mark.cluster  # every test here starts processes
-
-
-@pytest.fixture
-def prefix():
-    return f"/t/{uuid.uuid4().hex[:10]}/placements/".encode()
+from tiercake.conductor import placement
+from tiercake.conductor.placement import Change, PlacementIndex, Replica
 
 
 def k(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
 
 
-async def test_add_is_durable_and_a_new_index_rebuilds_it(meta, prefix):
-    index = await PlacementIndex(meta, prefix).start()
-    await index.add("t1", k(1), "node-a", "pool", 4096)
-    await index.add("t1", k(1), "node-b", "ssd", 4096)
-    assert index.holders("t1", k(1)) == {Replica("node-a", "pool"): 4096, Replica("node-b", "ssd"): 4096}
-    fresh = await PlacementIndex(meta, prefix).start(follow=False)  # a standby taking over
-    assert fresh.holders("t1", k(1)) == index.holders("t1", k(1)) and len(fresh) == 2
-    await index.remove("t1", k(1), "node-a", "pool")
-    again = await PlacementIndex(meta, prefix).start(follow=False)
-    assert again.holders("t1", k(1)) == {Replica("node-b", "ssd"): 4096}
-    for i in (index, fresh, again):
-        await i.close()
+@pytest.fixture
+async def index():
+    built = await PlacementIndex().start()
+    yield built
+    await built.close()
 
 
-async def test_group_commit_batches_concurrent_adds(meta, prefix):
-    index = await PlacementIndex(meta, prefix).start(follow=False)
-    await asyncio.gather(*(index.add("t", k(i), "node-a", "pool", 1) for i in range(1000)))
-    assert len(index) == 1000
-    assert index.stats.commits < 50 and index.stats.largest_batch > 20  # far fewer round trips than adds
-    fresh = await PlacementIndex(meta, prefix).start(follow=False)
-    assert len(fresh) == 1000
-    await index.close()
-    await fresh.close()
-
-
-async def test_removing_many_replicas_is_one_item_of_the_group_commit(meta, prefix):
-    index = await PlacementIndex(meta, prefix).start(follow=False)
-    keys = [k(i) for i in range(300)]
-    await index.add_many("t", keys, "node-a", "pool", [1] * 300)
-    before = index.stats.txns
-    await index.remove_many("t", keys[:290], "node-a", "pool")
-    assert index.stats.txns - before == 3 and index.stats.changes["pool-"] == 290  # ceil(290 / 128)
-    fresh = await PlacementIndex(meta, prefix).start(follow=False)
-    assert len(fresh) == 10
-    await index.close()
-    await fresh.close()
-
-
-async def test_longest_prefix_per_node_and_tenants_apart(meta, prefix):
-    index = await PlacementIndex(meta, prefix).start(follow=False)
+async def test_longest_prefix_per_node_and_tenants_apart(index):
     chain = [k(i) for i in range(6)]
-    for key in chain[:4]:
-        await index.add("t", key, "node-a", "pool", 1)
-    for key in chain[:2]:
-        await index.add("t", key, "node-b", "gpu", 1)
-        await index.add("t", key, "node-b", "ssd", 1)
-    await index.add("t", chain[5], "node-c", "pool", 1)  # a deep block without its prefix: useless
+    index.add_many("t", chain[:4], "node-a", "pool", [1] * 4)
+    index.add_many("t", chain[:2], "node-b", "gpu", [1] * 2)
+    index.add_many("t", chain[:2], "node-b", "ssd", [1] * 2)
+    index.add_many("t", chain[5:], "node-c", "pool", [1])  # a deep block without its prefix: useless
     found = index.lookup("t", chain)
     assert {n: p.length for n, p in found.items()} == {"node-a": 4, "node-b": 2}
     assert found["node-b"].tiers == {"gpu": 2, "ssd": 2}
     assert found["node-b"].runs() == [("gpu", 2)]  # each block read from its fastest tier
-    await index.add("t", chain[4], "node-a", "ssd", 1)
-    await index.add("t", chain[5], "node-a", "ssd", 1)
-    await index.add("t", chain[1], "node-a", "ssd", 1)
+    index.add_many("t", [chain[4], chain[5], chain[1]], "node-a", "ssd", [1] * 3)
     held = index.lookup("t", chain)["node-a"]
-    assert held.length == 6 and held.runs() == [("pool", 4), ("ssd", 2)]
+    assert held.length == 6 and held.runs() == [("pool", 4), ("ssd", 2)] and held.tiers == {"pool": 4, "ssd": 3}
     from tiercake.messages import PrefixHolding
 
     holding = PrefixHolding(length=6, tiers=held.tiers, runs=held.runs())
@@ -83,128 +41,121 @@ async def test_longest_prefix_per_node_and_tenants_apart(meta, prefix):
     assert index.lookup("other-tenant", chain) == {}
     assert index.lookup("t", []) == {}
     with pytest.raises(ValueError):
-        await index.add("bad/tenant", k(1), "n", "pool", 1)
-    await index.close()
+        index.add_many("bad/tenant", [k(1)], "n", "pool", [1])
+    with pytest.raises(ValueError, match="32 bytes"):
+        index.lookup("t", [b"short"])
 
 
-async def test_a_dead_nodes_placements_vanish_from_followers(meta, prefix):
-    leader = await PlacementIndex(meta, prefix).start()
-    follower = await PlacementIndex(meta, prefix).start()
-    lease = await meta.grant_lease(30)
-    await leader.add("t", k(1), "node-a", "pool", 1, lease=lease)
-    await leader.add("t", k(1), "node-b", "pool", 1)
-    for _ in range(100):  # the follower learns through the watch
-        await asyncio.sleep(0.02)
-        if len(follower.holders("t", k(1))) == 2:
-            break
-    assert len(follower.holders("t", k(1))) == 2
-    await meta.revoke_lease(lease)  # node-a's lease ends (expiry does the same, just later)
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if len(follower.holders("t", k(1))) == 1 and len(leader.holders("t", k(1))) == 1:
-            break
-    assert follower.holders("t", k(1)) == {Replica("node-b", "pool"): 1}
-    assert leader.holders("t", k(1)) == {Replica("node-b", "pool"): 1}
-    assert follower.node_blocks("node-a") == []
-    await leader.close()
-    await follower.close()
+async def test_a_report_says_what_is_new_and_sizes_count_per_node_and_tier(index):
+    assert index.add_many("t", [k(1), k(2), k(1)], "node-a", "pool", [10, 20, 10]) == 2  # a key twice counts once
+    assert index.add_many("t", [k(1), k(2)], "node-a", "pool", [10, 20]) == 0  # nothing new
+    assert index.add_many("t", [k(1)], "node-a", "ssd", [10]) == 1
+    assert index.used_bytes("node-a", "pool") == 30 and index.used_bytes("node-a", "ssd") == 10
+    assert index.add_many("t", [k(2)], "node-a", "pool", [25]) == 1  # a new size is news too
+    assert index.used_bytes("node-a", "pool") == 35
+    assert index.holders("t", k(1)) == {Replica("node-a", "pool"): 10, Replica("node-a", "ssd"): 10}
+    assert index.remove_many("t", [k(1), k(9)], "node-a", "pool") == 1  # k(9) was never there
+    assert index.used_bytes("node-a", "pool") == 25 and len(index) == 2
+    for bad in ([-1], [1 << 32], [1, 2]):
+        with pytest.raises(ValueError):
+            index.add_many("t", [k(3)], "node-a", "pool", bad)
+    assert index.stats.changes["pool+"] == 3 and index.stats.changes["pool-"] == 1
 
 
-async def test_lookups_served_while_etcd_is_down(tmp_path):
-    from tiercake.conductor.etcd_process import EtcdCluster
-    from tiercake.conductor.metadata import MetadataUnavailableError, retry_unavailable
-
-    cluster = EtcdCluster(tmp_path, size=1).start()
-    try:
-        meta = await EtcdBackend(cluster.endpoints, timeout=1.0, attempts=1).start()
-        index = await PlacementIndex(meta, b"/p/").start()
-        await index.add("t", k(1), "node-a", "pool", 1)
-        cluster.members[0].stop()
-        assert index.lookup("t", [k(1)])["node-a"].length == 1  # from memory
-        with pytest.raises(MetadataUnavailableError):
-            await index.add("t", k(2), "node-a", "pool", 1)  # clear and retryable
-        assert index.holders("t", k(2)) == {}  # not durable, so not visible
-        cluster.members[0].start()
-        cluster.members[0].wait_ready()
-        await retry_unavailable(lambda: index.add("t", k(2), "node-a", "pool", 1))
-        assert index.lookup("t", [k(1), k(2)])["node-a"].length == 2
-        await index.close()
-        await meta.close()
-    finally:
-        cluster.stop()
-
-
-async def test_add_many_and_last_change_wins_within_a_batch(meta, prefix):
-    index = await PlacementIndex(meta, prefix).start(follow=False)
-    await index.add_many("t", [k(i) for i in range(300)], "node-a", "pool", [7] * 300)
-    assert len(index) == 300 and index.lookup("t", [k(i) for i in range(300)])["node-a"].length == 300
-    # an add and a remove of the same replica queued together: the later one decides
-    await asyncio.gather(index.add("t", k(999), "node-b", "pool", 1), index.remove("t", k(999), "node-b", "pool"))
-    fresh = await PlacementIndex(meta, prefix).start(follow=False)
-    assert fresh.holders("t", k(999)) == {} and len(fresh) == 300
-    with pytest.raises(ValueError, match="keys for"):
-        await index.add_many("t", [k(1)], "node-a", "pool", [])
-    await index.close()
-    await fresh.close()
-
-
-async def test_volatile_tiers_stay_in_memory_and_go_with_their_node(meta, prefix):
-    """A worker's gpu tier changes with every request: its replicas are served from memory and never
-    written to the backend, so a standby rebuilding from the backend has none; a node that leaves
-    takes its own along, and a new term starts with none."""
-    index = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start()
-    chain = [k(i) for i in range(4)]
-    await index.add_many("t", chain, "worker-a", "gpu", [1] * 4)
-    await index.add_many("t", chain[:2], "worker-b", "gpu", [1] * 2)
-    await index.add_many("t", chain[:3], "node-a", "pool", [1] * 3)
-    await index.remove("t", chain[3], "worker-a", "gpu")
+async def test_a_hot_block_held_by_many_nodes_keeps_every_holder(index):
+    """Two holders of a block live in its row, the rest beside it; every one is found and kept in
+    order as holders come and go."""
+    chain = [k(i) for i in range(3)]
+    for n in range(5):
+        index.add_many("t", chain, f"node-{n}", "pool", [4] * 3)
+    assert set(index.lookup("t", chain)) == {f"node-{n}" for n in range(5)}
+    assert all(p.length == 3 for p in index.lookup("t", chain).values())
+    index.remove_many("t", chain[1:], "node-0", "pool")
+    index.remove_many("t", chain, "node-3", "pool")
     found = index.lookup("t", chain)
-    assert {n: p.length for n, p in found.items()} == {"worker-a": 3, "worker-b": 2, "node-a": 3}
-    assert index.stats.ops == 3 and index.stats.volatile_ops == 7  # only the pool's reached the backend
-    kvs, _ = await meta.range(prefix)
-    assert len(kvs) == 3 and not any(kv.key.endswith(b"/gpu") for kv in kvs)
-    fresh = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start(follow=False)
-    assert set(fresh.lookup("t", chain)) == {"node-a"}
-    assert index.drop_volatile("worker-a") == 3 and set(index.lookup("t", chain)) == {"worker-b", "node-a"}
-    assert index.used[("worker-a", "gpu")] == 0
-    assert index.drop_volatile() == 2 and set(index.lookup("t", chain)) == {"node-a"}
-    with pytest.raises(ValueError):  # names are checked as for durable replicas
-        await index.add("t/x", k(9), "worker-a", "gpu", 1)
-    # a gpu replica a conductor that kept gpu durable left in the backend is not loaded
-    durable = await PlacementIndex(meta, prefix).start(follow=False)
-    await durable.add("t", k(7), "worker-c", "gpu", 1)
-    upgraded = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start(follow=False)
-    assert upgraded.lookup("t", [k(7)]) == {}
-    for i in (index, fresh, durable, upgraded):
-        await i.close()
+    assert {n: p.length for n, p in found.items()} == {"node-0": 1, "node-1": 3, "node-2": 3, "node-4": 3}
+    assert index.drop_node("node-1") == 3 and len(index) == 1 + 3 + 3
+    assert index.used_bytes("node-1", "pool") == 0 and index.node_blocks("node-1") == []
+    assert sorted(index.node_blocks("node-4")) == sorted(("t", key, "pool", 4) for key in chain)
 
 
-async def test_the_volatile_log_answers_changes_in_order_or_asks_for_a_snapshot(meta, prefix):
+async def test_the_log_answers_changes_in_order_or_asks_for_a_snapshot():
     """What a follower conductor reads from the leader: each change after its last one, in order, or
-    None once it fell further behind than the log keeps; a snapshot then replaces what it held."""
-    leader = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"], volatile_log=4).start(follow=False)
-    follower = await PlacementIndex(meta, prefix, volatile_tiers=["gpu"]).start(follow=False)
-    await leader.add_many("t", [k(1), k(2)], "w", "gpu", [10, 20])
-    changes = leader.volatile_changes(0)
-    assert changes == [("t", k(1), "w", "gpu", 10), ("t", k(2), "w", "gpu", 20)] and leader.volatile_changes(2) == []
-    follower.apply_volatile(changes, reset=False)
-    await leader.remove("t", k(1), "w", "gpu")
-    follower.apply_volatile(leader.volatile_changes(2), reset=False)
-    assert follower.holders("t", k(1)) == {} and follower.holders("t", k(2)) == {Replica("w", "gpu"): 20}
-    await leader.add_many("t", [k(3), k(4), k(5), k(6)], "w", "gpu", [1] * 4)
-    assert leader.volatile_changes(2) is None and leader.volatile_changes(99) is None  # behind the log, or ahead
-    assert len(leader.volatile_changes(3)) == 4
-    follower.apply_volatile([("t", k(9), "gone", "gpu", 1)], reset=False)
-    follower.apply_volatile(leader.volatile_snapshot(), reset=True)
-    assert sorted(follower.volatile_snapshot()) == sorted(leader.volatile_snapshot())
-    assert len(follower.volatile_snapshot()) == 5 and follower.holders("t", k(9)) == {}
-    # a node that leaves: its replicas go, and the log tells the followers
-    seq = leader.volatile_seq
-    assert leader.drop_volatile("w") == 5 and all(size is None for *_, size in leader.volatile_changes(seq + 1))
-    waiting = asyncio.create_task(leader.wait_volatile(leader.volatile_seq, 5))
-    await asyncio.sleep(0.05)
-    assert not waiting.done()
-    await leader.add("t", k(1), "w", "gpu", 1)
-    await asyncio.wait_for(waiting, 1)  # woken by the change
-    await leader.close()
-    await follower.close()
+    None once it fell further behind than the log keeps; a node that leaves is one change."""
+    leader = await PlacementIndex(log_keys=8).start()
+    follower = await PlacementIndex().start()
+    try:
+        leader.add_many("t", [k(1), k(2)], "w", "gpu", [10, 20])
+        leader.add_many("t", [k(1)], "w", "gpu", [10])  # nothing new: nothing logged
+        changes = leader.changes_after(0)
+        assert [(c.kind, len(c.keys), c.sizes.tolist()) for c in changes] == [("add", 2, [10, 20])]
+        assert leader.changes_after(1) == []
+        follower.apply(changes)
+        leader.remove_many("t", [k(1)], "w", "gpu")
+        follower.apply(leader.changes_after(1))
+        assert follower.holders("t", k(1)) == {} and follower.holders("t", k(2)) == {Replica("w", "gpu"): 20}
+        leader.add_many("t", [k(i) for i in range(3, 10)], "w", "gpu", [1] * 7)
+        assert leader.changes_after(1) is None and leader.changes_after(99) is None  # behind the log, or ahead
+        assert leader.drop_node("w") == 8 and leader.changes_after(leader.seq - 1)[0].kind == "drop"
+        waiting = asyncio.create_task(leader.wait_change(leader.seq, 5))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        leader.add_many("t", [k(1)], "w", "gpu", [1])
+        await asyncio.wait_for(waiting, 1)  # woken by the change
+    finally:
+        await leader.close()
+        await follower.close()
+
+
+async def test_a_snapshot_read_page_by_page_while_changes_go_on_ends_exact(monkeypatch):
+    """A follower that starts late reads the table a page at a time while the leader keeps taking
+    changes (adds, removals, a node leaving and coming back); the pages and then the changes logged
+    since the first page leave it exactly where the leader is."""
+    monkeypatch.setattr(placement, "SNAPSHOT_ROWS", 16)
+    rng = random.Random(7)
+    leader, follower = PlacementIndex(), PlacementIndex()
+    nodes, tiers = [f"n{i}" for i in range(4)], ["gpu", "pool", "ssd"]
+
+    def churn(steps: int) -> None:
+        for _ in range(steps):
+            keys = [k(rng.randrange(300)) for _ in range(rng.randrange(1, 8))]
+            node, tier = rng.choice(nodes), rng.choice(tiers)
+            what = rng.random()
+            if what < 0.6:
+                leader.add_many(rng.choice("ab"), keys, node, tier, [7] * len(keys))
+            elif what < 0.95:
+                leader.remove_many(rng.choice("ab"), keys, node, tier)
+            else:
+                leader.drop_node(node)
+
+    churn(400)
+    start = leader.seq
+    page, row = leader.snapshot(0)
+    follower.apply(page, reset=True)
+    while row is not None:
+        churn(5)
+        page, row = leader.snapshot(row)
+        follower.apply(page)
+    churn(20)
+    follower.apply(leader.changes_after(start, max_keys=1 << 30))
+    for node in nodes:
+        assert sorted(follower.node_blocks(node)) == sorted(leader.node_blocks(node))
+    assert len(follower) == len(leader)
+
+
+async def test_a_winning_follower_keeps_its_mirror_of_members_only(index):
+    index.add_many("t", [k(1), k(2)], "stays", "pool", [1, 1])
+    index.add_many("t", [k(1)], "left", "gpu", [1])
+    assert index.keep_mirror(["stays"]) == 2
+    assert set(index.lookup("t", [k(1)])) == {"stays"} and index.changes_after(index.seq) == []
+    assert index.clear() == 2 and len(index) == 0 and index.lookup("t", [k(1)]) == {}
+
+
+async def test_a_follower_applies_what_the_leader_sends_as_arrays():
+    """The feed's changes carry keys as one array and sizes as another, as they go on the wire."""
+    follower = PlacementIndex()
+    keys = np.frombuffer(k(1) + k(2), dtype="<u8").reshape(-1, 4)
+    follower.apply([Change("add", "t", "n", "pool", keys, np.array([5, 6], dtype=np.uint32))])
+    assert follower.lookup("t", [k(1), k(2)])["n"].sizes() == [5, 6]
+    follower.apply([Change("drop", node="n")])
+    assert len(follower) == 0

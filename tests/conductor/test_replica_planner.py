@@ -7,7 +7,7 @@ from tiercake.conductor.heat import AccessRates
 from tiercake.conductor.placement import Replica
 from tiercake.conductor.replica_planner import ReplicaPlanner
 from tiercake.messages import MemberInfo
-from tiercake.policies.placement import HotReplicas, LeastUsed, NodeLoad
+from tiercake.policies.placement import HotReplicas, LeastUsed
 
 NODES = [f"n{i}" for i in range(20)]
 
@@ -16,7 +16,10 @@ class Index:
     """Block -> holders, counting how often the planner asks."""
 
     def __init__(self, held: dict[bytes, set[str]]) -> None:
-        self.held, self.asked, self.used = held, 0, {}
+        self.held, self.asked = held, 0
+
+    def used_bytes(self, node: str, tier: str) -> int:
+        return 0
 
     def holders(self, tenant: str, key: bytes) -> dict[Replica, int]:
         self.asked += 1
@@ -32,11 +35,10 @@ def conductor(blocks: int, hot: set[int]) -> SimpleNamespace:
     return SimpleNamespace(
         heat=heat,
         index=index,
-        members=SimpleNamespace(members=members),
+        members=SimpleNamespace(members=members, alive=lambda role=None: list(members.values())),
         replication=HotReplicas(base=1, threshold=10, maximum=3),
         placement=LeastUsed(),
         pins=set(),
-        _loads=lambda tier, exclude: [NodeLoad(n, 1 << 30, 0) for n in NODES if n not in exclude],
     )
 
 

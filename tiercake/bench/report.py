@@ -99,27 +99,27 @@ def machine() -> dict[str, Any]:
 
 
 def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **params: Any) -> None:
-    """Metadata cost over a run, from two ``/v1/cluster`` views (before and after): bytes made durable in
-    the placement index per KV byte moved (pulled into workers or written to nodes), against the least
-    an index could record (one block key per block moved), and metadata operations (lookups and
-    durable placement changes, or lookups and the backend transactions those changes took) per
-    request, against one lookup per request."""
+    """Metadata cost over a run, from two ``/v1/cluster`` views (before and after): bytes of placement
+    changes (their keys and sizes) per KV byte moved (pulled into workers or written to nodes), against
+    the least an index could be told (one block key per block moved); index operations (lookups and
+    placement changes) per request, against one lookup per request; and the writes the conductor made
+    to etcd per request (placements never go there), against the same one operation."""
     from tiercake.blocks import KEY_BYTES
 
     was, now = before.metadata, after.metadata
     moved = now.kv_bytes_moved - was.kv_bytes_moved
-    durable = now.durable_bytes - was.durable_bytes
-    ops = now.durable_ops + now.lookups - was.durable_ops - was.lookups
+    told = now.change_bytes - was.change_bytes
+    ops = now.placement_changes + now.lookups - was.placement_changes - was.lookups
     served = after.serving.requests - before.serving.requests
     if moved > 0:
         report.add(
             "metadata.bytes_per_kv_byte",
-            durable / moved,
+            told / moved,
             "B/B",
             KEY_BYTES / now.block_bytes,
             limit_name="one block key per block moved",
             kv_bytes_moved=moved,
-            metadata_bytes=durable,
+            metadata_bytes=told,
             block_bytes=now.block_bytes,
             **params,
         )
@@ -132,19 +132,17 @@ def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **p
             limit_name="one lookup per request",
             requests_served=served,
             ops=ops,
-            volatile_ops=now.volatile_ops - was.volatile_ops,
-            durable_changes={kind: n - was.durable_changes.get(kind, 0) for kind, n in now.durable_changes.items()},
+            changes={kind: n - was.changes.get(kind, 0) for kind, n in now.changes.items()},
             **params,
         )
-        # what the etcd cluster sees: each group commit's transactions (up to 128 changes each)
-        txns = now.durable_txns + now.lookups - was.durable_txns - was.lookups
+        writes = now.backend_writes - was.backend_writes
         report.add(
-            "metadata.txns_per_request",
-            txns / served,
+            "metadata.etcd_writes_per_request",
+            writes / served,
             "ops",
             1.0,
-            limit_name="one lookup per request",
+            limit_name="one operation per request",
             requests_served=served,
-            transactions=txns - (now.lookups - was.lookups),
+            writes=writes,
             **params,
         )
