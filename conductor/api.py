@@ -312,7 +312,7 @@ def _wire(change: Change) -> PlacementChange:
         node=change.node,
         tier=change.tier,
         keys=change.keys.tobytes(),
-        sizes=change.sizes.tolist(),
+        sizes=change.sizes.astype("<u4").tobytes(),
     )
 
 

@@ -50,12 +50,7 @@ ROW_BYTES = KEY_BYTES + 2 + 4 + 2 * 4 + 2
 TIER_BITS = {"gpu": 0, "pool": 1, "ssd": 2}
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value where the module lacks it
 
-_M = (
-    np.uint64(0x9E3779B97F4A7C15),
-    np.uint64(0xC2B2AE3D27D4EB4F),
-    np.uint64(0x165667B19E3779F9),
-    np.uint64(0xD6E8FEB86659FD93),
-)
+_M = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93], dtype=np.uint64)
 _F1, _F2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 
@@ -94,19 +89,18 @@ def key_bytes(keys: np.ndarray) -> list[bytes]:
 
 
 def _hash(keys: np.ndarray, salt: np.uint64) -> np.ndarray:
-    """64 bits of each key and its tenant, mixed (keys need not be uniform: tests' and benches' are
-    counters), for the slot a probe starts at."""
-    h = keys[:, 0] * _M[0]
-    h ^= keys[:, 1] * _M[1]
-    h ^= keys[:, 2] * _M[2]
-    h ^= keys[:, 3] * _M[3]
-    h ^= salt
-    h ^= h >> np.uint64(33)
-    h *= _F1
-    h ^= h >> np.uint64(33)
-    h *= _F2
-    h ^= h >> np.uint64(33)
-    return h
+    """64 bits of each key and its tenant: MurmurHash3's finalizer on each of the key's four words
+    (each xored with its own seed, the first also with the tenant's), xored together. Every input bit
+    reaches every output bit, so keys need not be uniform: tests' and benches' are counters in a few
+    bytes, which a multiply alone leaves in a handful of bits."""
+    words = keys ^ _M
+    words[:, 0] ^= salt
+    words ^= words >> np.uint64(33)
+    words *= _F1
+    words ^= words >> np.uint64(33)
+    words *= _F2
+    words ^= words >> np.uint64(33)
+    return np.bitwise_xor.reduce(words, axis=1)
 
 
 class _Names:
@@ -190,29 +184,32 @@ class KeySlots:
     def _probe(self, slots: _Slots, h: np.ndarray, keys: np.ndarray, tid: int) -> tuple[np.ndarray, np.ndarray]:
         """Each key's row in ``slots`` (-1: absent) and the slot holding it. A probe reads two buckets
         at once: a key goes past its bucket only when that is full, which at 0.75 full happens to a
-        few keys in a hundred, and reading the next one with it spares their batch a second round."""
+        few keys in a hundred, and reading the next one with it spares their batch a second round
+        (a chain's lookup is then one round: about a dozen numpy calls)."""
         n = len(h)
         rows = np.full(n, -1, dtype=np.int64)
         where = np.full(n, -1, dtype=np.int64)
-        todo = np.arange(n)
         tag = (h >> np.uint64(34)).astype(np.int64) | _TAG_BIT
-        flat, size = slots.ids.reshape(-1), slots.ids.size
+        flat, wrap = slots.ids.reshape(-1), slots.ids.size - 1
         at = (h & slots.mask).astype(np.int64) * BUCKET
-        while todo.size:
-            span = (at[:, None] + _SPAN) % size  # (keys, 2 * BUCKET) slots
+        todo: np.ndarray | None = None  # the keys still looked for (None: all of them)
+        while True:
+            span = (at[:, None] + _SPAN) & wrap  # (keys, 2 * BUCKET) slots
             line = flat[span]
-            ki, si = np.nonzero((line >> 32) == tag[todo, None])  # empty and gone slots are negative
-            hit = np.zeros(todo.size, dtype=bool)
+            ki, si = np.nonzero((line >> 32) == (tag if todo is None else tag[todo])[:, None])  # empty, gone < 0
+            hit = np.zeros(len(line), dtype=bool)
             if ki.size:
                 r = (line[ki, si] & _ROW) - 1
-                same = (self.tenant[r] == tid) & (self.keys[r] == keys[todo[ki]]).all(axis=1)
-                ki, si, r = ki[same], si[same], r[same]
-                hit[ki] = True
-                rows[todo[ki]] = r
-                where[todo[ki]] = span[ki, si]
-            on = ~hit & ~(line == EMPTY).any(axis=1)  # a bucket with a never-used slot ends the probe
-            todo, at = todo[on], (at[on] + 2 * BUCKET) % size
-        return rows, where
+                asked = ki if todo is None else todo[ki]
+                same = (self.keys[r] == keys[asked]).all(axis=1) & (self.tenant[r] == tid)
+                hit[ki[same]] = True
+                rows[asked[same]] = r[same]
+                where[asked[same]] = span[ki[same], si[same]]
+            on = ~hit & (line != EMPTY).all(axis=1)  # a bucket with a never-used slot ends the probe
+            if not on.any():
+                return rows, where
+            todo = np.flatnonzero(on) if todo is None else todo[on]
+            at = (at[on] + 2 * BUCKET) & wrap
 
     def find(self, tid: int, keys: np.ndarray, h: np.ndarray) -> Found:
         """Where each of a batch's keys (of tenant ``tid``, hashed ``h``) is."""
@@ -594,19 +591,23 @@ class BlockTable:
         out = [(int(self.node[row, s]), int(self.bits[row, s])) for s in (0, 1) if self.node[row, s]]
         return out + list(self.extra.get(row, {}).items())
 
-    def holders(self, tenant: str, key: bytes) -> list[tuple[str, str, int]]:
-        """(node, tier, size) of each replica of one block."""
-        rows = self.find(tenant, as_keys([key]))
-        if rows[0] < 0:
-            return []
-        row, names = int(rows[0]), self.nodes.names
-        size = int(self.size[row])
-        return [
-            (names[nid], self.tiers.name(b), size)
-            for nid, bits in self._holders_of(row)
-            for b in range(MAX_HOLDER_BITS)
-            if bits >> b & 1
-        ]
+    def holders(self, tenant: str, keys: np.ndarray) -> list[list[tuple[str, str, int]]]:
+        """(node, tier, size) of each replica of each block."""
+        names, out = self.nodes.names, []
+        for row in self.find(tenant, keys).tolist():
+            if row < 0:
+                out.append([])
+                continue
+            size = int(self.size[row])
+            out.append(
+                [
+                    (names[nid], self.tiers.name(b), size)
+                    for nid, bits in self._holders_of(row)
+                    for b in range(MAX_HOLDER_BITS)
+                    if bits >> b & 1
+                ]
+            )
+        return out
 
     def chain(self, tenant: str, keys: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """For each node holding the chain's first block: the tier bits of each block of the longest
@@ -639,14 +640,17 @@ class BlockTable:
         stop = min(self.end, start + count)
         return start + np.flatnonzero(self.node[start:stop, 0] != 0)
 
-    def holdings(self, rows: np.ndarray) -> Iterable[tuple[int, int, int]]:
-        """(row, node id, tier bits) of every holder of ``rows``."""
+    def holdings(self, rows: np.ndarray) -> Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The holders of ``rows``, as arrays: (rows, node ids, tier bits), once per inline slot and
+        once for the holders kept beside the rows."""
         for slot in (0, 1):
             held = rows[self.node[rows, slot] != 0]
-            yield from zip(held.tolist(), self.node[held, slot].tolist(), self.bits[held, slot].tolist(), strict=True)
-        for row in rows.tolist():
-            for nid, bits in self.extra.get(row, {}).items():
-                yield row, nid, bits
+            yield held, self.node[held, slot].copy(), self.bits[held, slot].copy()
+        extra = [(row, nid, bits) for row in rows.tolist() for nid, bits in self.extra.get(row, {}).items()]
+        if extra:
+            yield tuple(
+                np.asarray(column, dtype=dtype) for column, dtype in zip(zip(*extra), (np.int64, np.uint32, np.uint8))
+            )
 
     def memory(self) -> int:
         """Bytes in use: the rows ever used and the hash tables (what a conductor's RSS holds)."""

@@ -110,6 +110,7 @@ class Client:
         self._current = 0
         self._down: dict[str, float] = {}  # url -> until when it is not worth a redirect
         self._session: aiohttp.ClientSession | None = None
+        self.hex_keys = False  # the conductor is of the release before, which takes block keys as hex lists
 
     async def __aenter__(self) -> Client:
         return self
@@ -192,14 +193,14 @@ class Client:
         """Node -> how much of the chain it holds (``length`` blocks from the start, by tier; with
         ``sizes``, each held block's size)."""
         body = {"tenant": tenant, "keys": _packed(keys), **({"sizes": True} if sizes else {})}
-        return (await self._typed(LookupReply, "POST", "/v1/placements/lookup", body)).nodes
+        return (await _keyed(self, LookupReply, "/v1/placements/lookup", body)).nodes
 
     async def lookup_many(
         self, tenant: str, chains: list[list[bytes]], sizes: bool = False
     ) -> list[dict[str, PrefixHolding]]:
         """``lookup`` of each chain, in one request."""
         body = {"tenant": tenant, "chains": [_packed(chain) for chain in chains], "sizes": sizes}
-        return (await self._typed(LookupManyReply, "POST", "/v1/placements/lookup-many", body)).found
+        return (await _keyed(self, LookupManyReply, "/v1/placements/lookup-many", body)).found
 
     async def begin_put(
         self,
@@ -220,7 +221,7 @@ class Client:
     async def commit(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
         """The node stored blocks begun for it; returns once the index has them."""
         body = _batch(tenant, node, tier, keys, sizes)
-        return (await self._typed(CommitReply, "POST", "/v1/placements/commit", body)).committed
+        return (await _keyed(self, CommitReply, "/v1/placements/commit", body)).committed
 
     async def report(self, tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int]) -> int:
         """The node holds these blocks (spilled, promoted, or its SSD tier's after a restart); no put
@@ -230,12 +231,12 @@ class Client:
         new = 0
         for i in range(0, len(keys), BATCH_KEYS):
             body = _batch(tenant, node, tier, keys[i : i + BATCH_KEYS], sizes[i : i + BATCH_KEYS])
-            new += (await self._typed(ReportReply, "POST", "/v1/placements/report", body)).new
+            new += (await _keyed(self, ReportReply, "/v1/placements/report", body)).new
         return new
 
     async def revoke(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> int:
         body = _batch(tenant, node, tier, keys)
-        return (await self._typed(RevokeReply, "POST", "/v1/placements/revoke", body)).revoked
+        return (await _keyed(self, RevokeReply, "/v1/placements/revoke", body)).revoked
 
     async def remove(self, tenant: str, node: str, tier: str, keys: list[bytes]) -> tuple[int, int]:
         """The node no longer holds these blocks; returns (removed, unknown to the index). Sent
@@ -243,7 +244,7 @@ class Client:
         removed = unknown = 0
         for i in range(0, len(keys), BATCH_KEYS):
             body = _batch(tenant, node, tier, keys[i : i + BATCH_KEYS])
-            data = await self._typed(RemoveReply, "POST", "/v1/placements/remove", body)
+            data = await _keyed(self, RemoveReply, "/v1/placements/remove", body)
             removed, unknown = removed + data.removed, unknown + data.unknown
         return removed, unknown
 
@@ -448,6 +449,39 @@ BATCH_KEYS = 16384  # block keys per placement request (the server takes up to M
 def _packed(keys: list[bytes]) -> str:
     """Block keys as the control API takes them: back to back, base64."""
     return base64.b64encode(b"".join(keys)).decode()
+
+
+async def _keyed(client: Client, model: type[R], path: str, body: dict) -> R:
+    """A request that carries block keys, packed; to a conductor of the release before (it answers
+    the packed form with a 400 on ``keys``, ``chains`` or ``blocks``), as hex lists from then on."""
+    if not client.hex_keys:
+        try:
+            return await client._typed(model, "POST", path, body)
+        except ConductorError as exc:
+            refused = str(exc)
+            if exc.status != 400 or not any(s in refused for s in ("valid array", "valid list", "blocks")):
+                raise
+        log.info("the conductor is of an earlier release: block keys go to it as hex lists")
+        client.hex_keys = True
+    return await client._typed(model, "POST", path, _hex_keys(body))
+
+
+def _hex_keys(body: dict) -> dict:
+    """A request's packed keys as the release before takes them: hex lists, and a batch with sizes as
+    a list of blocks."""
+
+    def hexes(packed: str) -> list[str]:
+        raw = base64.b64decode(packed)
+        return [raw[i : i + 32].hex() for i in range(0, len(raw), 32)]
+
+    out = dict(body)
+    if "chains" in out:
+        out["chains"] = [hexes(chain) for chain in out["chains"]]
+    if "keys" in out:
+        out["keys"] = hexes(out["keys"])
+    if "sizes" in out and "node" in out:
+        out["blocks"] = [{"key": k, "size": s} for k, s in zip(out.pop("keys"), out.pop("sizes"), strict=True)]
+    return out
 
 
 def _batch(tenant: str, node: str, tier: str, keys: list[bytes], sizes: list[int] | None = None) -> dict:

@@ -157,5 +157,5 @@ def _change(wire: PlacementChange) -> Change:
         wire.node,
         wire.tier,
         as_keys(wire.keys),
-        np.asarray(wire.sizes, dtype=np.uint32),
+        np.frombuffer(wire.sizes, dtype="<u4").astype(np.uint32),
     )

@@ -229,31 +229,30 @@ class PlacementIndex:
                     break
         return out
 
-    def snapshot(self, start_row: int, rows: int = SNAPSHOT_ROWS) -> tuple[list[Change], int | None]:
-        """Every replica in rows ``[start_row, start_row + rows)`` of the table, as ``add`` changes,
-        and the row to ask for next (None: that was the last). Taken page by page while changes go on,
-        it is fuzzy, and exact once the changes logged after its first page are applied over it (each
-        change says what a replica is now, so applying it again is harmless)."""
+    def snapshot(self, start_row: int, rows: int | None = None) -> tuple[list[Change], int | None]:
+        """Every replica in rows ``[start_row, start_row + rows)`` of the table (``SNAPSHOT_ROWS`` by
+        default), as ``add`` changes by tenant, node and tier, and the row to ask for next (None: that
+        was the last). Taken page by page while changes go on, it is fuzzy, and exact once the changes
+        logged after its first page are applied over it (each change says what a replica is now, so
+        applying it again is harmless)."""
         table = self.table
-        live = table.live_rows(start_row, rows)
-        groups: dict[tuple[int, int, int], list[int]] = {}
-        for row, nid, bits in table.holdings(live):
+        live = table.live_rows(start_row, rows or SNAPSHOT_ROWS)
+        changes = []
+        for held, nids, bits in table.holdings(live):
             for b in range(MAX_HOLDER_BITS):
-                if bits >> b & 1:
-                    groups.setdefault((int(table.tenant[row]), nid, b), []).append(row)
-        changes = [
-            Change(
-                "add",
-                table.tenants.names[tid],
-                table.nodes.names[nid],
-                table.tiers.name(b),
-                table.keys[picked].copy(),
-                table.size[picked].copy(),
-            )
-            for (tid, nid, b), held in groups.items()
-            for picked in [np.asarray(held, dtype=np.int64)]
-        ]
-        nxt = start_row + rows
+                has = (bits >> b & 1).astype(bool)
+                if not has.any():
+                    continue
+                picked, owners = held[has], nids[has]
+                groups = table.tenant[picked].astype(np.uint64) << np.uint64(32) | owners.astype(np.uint64)
+                order = np.argsort(groups, kind="stable")
+                picked, groups = picked[order], groups[order]
+                starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]]).tolist() + [len(groups)]
+                for first, end in zip(starts[:-1], starts[1:], strict=True):
+                    group, mine = int(groups[first]), picked[first:end]
+                    tenant, node = table.tenants.names[group >> 32], table.nodes.names[group & 0xFFFFFFFF]
+                    changes.append(Change("add", tenant, node, table.tiers.name(b), table.keys[mine], table.size[mine]))
+        nxt = start_row + (rows or SNAPSHOT_ROWS)
         return changes, (nxt if nxt < table.end else None)
 
     async def wait_change(self, after: int, timeout: float) -> None:
@@ -278,7 +277,14 @@ class PlacementIndex:
     # Reads (memory only) --------------------------------------------------------------------------
 
     def holders(self, tenant: str, key: bytes) -> dict[Replica, int]:
-        return {Replica(node, tier): size for node, tier, size in self.table.holders(tenant, key)}
+        return self.holders_many(tenant, [key])[0]
+
+    def holders_many(self, tenant: str, keys: Sequence[bytes]) -> list[dict[Replica, int]]:
+        """Each block's replicas and their sizes (one find for them all)."""
+        return [
+            {Replica(node, tier): size for node, tier, size in held}
+            for held in self.table.holders(tenant, as_keys(keys) if keys else np.zeros((0, 4), np.uint64))
+        ]
 
     def lookup(self, tenant: str, keys: Sequence[bytes] | np.ndarray) -> dict[str, NodePrefix]:
         """For each node holding the chain's first block: the longest prefix of ``keys`` it holds (in

@@ -25,6 +25,9 @@ class Index:
         self.asked += 1
         return {Replica(node, "pool"): 4096 for node in sorted(self.held.get(key, ()))}
 
+    def holders_many(self, tenant: str, keys: list[bytes]) -> list[dict[Replica, int]]:
+        return [self.holders(tenant, key) for key in keys]
+
 
 def conductor(blocks: int, hot: set[int]) -> SimpleNamespace:
     heat = AccessRates(half_life=30)

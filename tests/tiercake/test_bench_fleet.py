@@ -1,8 +1,9 @@
 """`tiercake bench fleet` on a small fleet: real etcd, two conductor processes, simulated nodes.
 
 What the bench's figures rest on is checked here, not its numbers: every lookup found the chain it
-asked for whole, a node that stopped renewing its lease is gone from lookups within about its TTL,
-and after the leader is SIGKILLed the other conductor leads and lists every live node's chain."""
+asked for whole, no placement reached etcd, a node that stopped renewing its lease is gone from both
+conductors' lookups within about its TTL, and after the leader is SIGKILLed the other conductor
+leads and lists every live node's chain; the plot draws each figure against the fleet size."""
 
 import json
 import math
@@ -18,10 +19,11 @@ pytestmark = pytest.mark.cluster
 
 FIGURES = (
     "placements_per_s",
-    "placements_per_conductor_cpu_s",
+    "placements_per_leader_cpu_s",
+    "etcd_writes_per_s",
     "lookup_p50",
     "lookup_p99",
-    "conductor_rss_per_mreplica",
+    "conductor_rss_per_replica",
     "etcd_db_bytes",
     "keepalive_p50",
     "dead_node_s",
@@ -30,10 +32,10 @@ FIGURES = (
 
 
 def test_a_small_fleet_is_served_through_a_dead_node_and_a_failover(tmp_path):
-    out = tmp_path / "fleet.json"
+    out, plot = tmp_path / "fleet.json", tmp_path / "fleet.png"
     command = ["bench", "fleet", "--quick", "--nodes", "12", "--blocks-per-node", "256", "--json", str(out)]
     done = subprocess.run(
-        [sys.executable, "-m", "tiercake.cli", *command],
+        [sys.executable, "-m", "tiercake.cli", *command, "--plot", str(plot)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -42,9 +44,9 @@ def test_a_small_fleet_is_served_through_a_dead_node_and_a_failover(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     names = {f["name"] for f in report["figures"]}
-    assert names == {f"fleet.{index}.n12.{name}" for index in ("durable", "memory") for name in FIGURES}, names
-    for index in ("durable", "memory"):
-        _check({f["name"].removeprefix(f"fleet.{index}.n12."): f for f in report["figures"] if index in f["name"]})
+    assert names == {f"fleet.n12.{name}" for name in FIGURES}, names
+    _check({f["name"].removeprefix("fleet.n12."): f for f in report["figures"]})
+    assert plot.read_bytes().startswith(b"\x89PNG")
 
 
 def _check(figures: dict) -> None:
@@ -57,3 +59,5 @@ def _check(figures: dict) -> None:
     assert figures["failover_s"]["params"]["missing_after"] == 0
     assert figures["failover_s"]["value"] < 60
     assert figures["keepalive_p50"]["params"]["errors"] == 0
+    writes = figures["etcd_writes_per_s"]
+    assert writes["params"]["etcd_revisions"] < 12 * 256 / 64  # not one a placement, nor one a report

@@ -3,36 +3,32 @@
 Real parts: an etcd cluster (three members; one with ``--quick``) started from the installed binary,
 two conductor processes on it (the first one elected leader), and load-generator processes
 (``fleet_load.py``) whose simulated node agents register, renew their leases and report the blocks
-they hold through the real conductor client, and whose front looks chains up as vLLM's scheduler
-side does. No block bytes move: this is the control plane alone. Per fleet size:
+they hold through the real conductor client, and a front process that looks chains up as vLLM's
+scheduler side does. No block bytes move: this is the control plane alone. Per fleet size
+(figures ``fleet.n<nodes>.<figure>``):
 
 - ``placements_per_s``: blocks whose placement the index took, per second of the fill, against raw
-  batched etcd transactions of the same kind (eight in flight, as the index's group commit keeps)
-  measured on the same etcd just before (the ceiling of
-  an index that makes every placement durable); ``placements_per_conductor_cpu_s``: the same per
-  CPU-second of the two conductor processes together, against the 100,000 per core a fleet of a hundred vLLM
-  instances needs (issue 45); the load generators' CPU is reported apart;
-- ``lookup_p50`` / ``lookup_p99``: a 64-block chain over HTTP, against an empty request to the same
-  conductor (p50) and 1 ms (p99);
-- ``conductor_rss_per_mreplica``: the leader's RSS growth per million replicas, against a flat array
-  of 40 bytes per replica (a 32-byte key, a node and a tier);
-- ``etcd_db_bytes``: etcd's database after the fill, against its default 2 GiB quota, and what it
-  would be at 10^8 replicas at the bytes per replica measured;
+  batched etcd transactions of the same kind (eight in flight) measured on the same etcd just
+  before: the ceiling of an index that made every placement durable, as this one did before
+  (docs/SCALE.md); ``placements_per_leader_cpu_s``: the same per CPU-second of the leader, against
+  the 100,000 per core a fleet of a hundred vLLM instances needs (issue 45), with the follower's CPU
+  (it mirrors every change) and the load generators' reported apart;
+- ``etcd_writes_per_s``: etcd's revisions per second during the fill (every write it took), against
+  the placements per second: placements never reach etcd, so this stays flat in the blocks;
+- ``lookup_p50`` / ``lookup_p99``: a 64-block chain over HTTP from the front, against an empty
+  request to the same conductor (p50) and 1 ms (p99);
+- ``conductor_rss_per_replica``: the leader's RSS growth per replica, against a flat array of 40
+  bytes per replica (a 32-byte key, a node and a tier); the follower's beside it;
+- ``etcd_db_bytes``: etcd's database after the fill, against its default 2 GiB quota;
 - ``keepalive_p50``: one lease renewal, against the empty request; the conductors' CPU per renewal;
-- ``dead_node_s``: a node stops renewing: until no lookup lists its blocks, against its lease TTL;
-- ``failover_s``: the leader SIGKILLed: until the other conductor is leader and lists one chain of
-  every node whole, against 10 s.
-
-Each fleet size runs twice, once per place the pool's placements live (``--index``): ``durable``,
-each placement an etcd key (today's default), and ``memory``, the conductors' memory only, fed by
-the nodes' reports and re-reported to a new leader when its term begins (``conductor.volatile_tiers``
-with the pool in it: the design docs/SCALE.md argues for). Figures are named
-``fleet.<index>.n<nodes>.<figure>``.
+- ``dead_node_s``: a node stops renewing: until neither conductor lists its blocks, against its TTL;
+- ``failover_s``: the leader SIGKILLed: until the other conductor leads and lists one chain of
+  every live node whole, against 10 s.
 
 A fill that cannot finish within the budget (``--budget``, seconds per fleet size) stops there and
 says so in its figures' params, with the time the whole fill would take at the rate measured. A
 fleet size whose conductors stop answering gets a ``ran_out`` figure saying where, and the next
-size runs.
+size runs. ``--plot`` draws each figure against the fleet size.
 """
 
 from __future__ import annotations
@@ -55,17 +51,49 @@ from tiercake.up import Child
 from .fleet_load import CHAIN, TTL_S
 from .report import Report, machine
 
-# where pool placements live: etcd, each one durable (today's default), or the conductors' memory,
-# fed by the nodes' reports and re-reported to a new leader (``conductor.volatile_tiers``)
-INDEXES = ("durable", "memory")
-QUICK_SIZES, FULL_SIZES = {"durable": (10, 100), "memory": (100,)}, (10, 100, 1000)
+QUICK_SIZES, FULL_SIZES = (10, 100), (10, 100, 1000)
 QUICK_BLOCKS, FULL_BLOCKS = 1024, 100_000
-FULL_REPLICAS = 10**8  # what the full run is sized for: 1,000 nodes of 10^5 blocks
 ETCD_QUOTA = 2 << 30  # etcd's default backend quota
 FLAT_REPLICA = 40  # bytes: a 32-byte key, a node and a tier in a flat array
 PER_CORE_FLOOR = 100_000  # placements per conductor core (issue 45)
 FAILOVER_LIMIT_S = 10.0
 RAW_OPS = 20_000
+NODES_PER_GENERATOR = 250  # a generator's event loop is its nodes' CPU
+
+
+class FleetReport(Report):
+    def plot(self, path: str | Path) -> None:
+        """Each figure against the fleet size, its limit dashed."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        series: dict[str, list[tuple[int, float, float, str]]] = {}
+        for f in self.figures:
+            _, size, what = f.name.split(".", 2)
+            if size.startswith("n") and what != "ran_out":
+                series.setdefault(what, []).append((int(size[1:]), f.value, f.limit, f.unit))
+        cols = 3
+        rows = -(-len(series) // cols) or 1
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        for ax, (what, points) in zip(axes.flat, sorted(series.items()), strict=False):
+            points.sort()
+            xs = [p[0] for p in points]
+            ax.plot(xs, [p[1] for p in points], marker="o", label="measured")
+            ax.plot(xs, [p[2] for p in points], linestyle="--", color="black", linewidth=0.8, label="limit")
+            ax.set_xscale("log")
+            ax.set_title(what, fontsize=9)
+            ax.set_xlabel("nodes", fontsize=8)
+            ax.set_ylabel(points[0][3], fontsize=8)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(series) :]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle("tiercake bench fleet: each figure against the fleet size", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
 
 
 @dataclass
@@ -75,7 +103,7 @@ class LoadGenerator:
     proc: asyncio.subprocess.Process
     commands: asyncio.StreamWriter
     answers: asyncio.StreamReader
-    nodes: range  # the indexes of the nodes it simulates
+    nodes: range  # the indexes of the nodes it simulates (none: the front)
 
     @classmethod
     def of(cls, proc: asyncio.subprocess.Process, nodes: range) -> LoadGenerator:
@@ -89,9 +117,17 @@ class Fleet:
 
     etcd: EtcdCluster
     conductors: list[Child]
-    generators: list[LoadGenerator]
+    generators: list[LoadGenerator]  # the simulated nodes' generators, then the front
     urls: list[str]
     token: str
+
+    @property
+    def front(self) -> LoadGenerator:
+        return self.generators[-1]
+
+    @property
+    def node_generators(self) -> list[LoadGenerator]:
+        return self.generators[:-1]
 
     async def ask(self, gen: LoadGenerator, command: dict, timeout: float = 600) -> dict:
         gen.commands.write((json.dumps(command) + "\n").encode())
@@ -104,8 +140,8 @@ class Fleet:
             raise RuntimeError(f"load generator: {answer['error']}")
         return answer
 
-    async def all(self, command: dict, timeout: float = 600) -> list[dict]:
-        return await asyncio.gather(*(self.ask(g, dict(command), timeout) for g in self.generators))
+    async def nodes(self, command: dict, timeout: float = 600) -> list[dict]:
+        return await asyncio.gather(*(self.ask(g, dict(command), timeout) for g in self.node_generators))
 
     async def leader(self, url: str | None = None) -> int | None:
         """Which of the conductors is leader, as ``url`` (default: any) says; None: none yet."""
@@ -122,40 +158,32 @@ class Fleet:
 
 
 async def run(
-    quick: bool = False,
-    sizes: list[int] | None = None,
-    blocks: int | None = None,
-    budget_s: float | None = None,
-    indexes: list[str] | None = None,
+    quick: bool = False, sizes: list[int] | None = None, blocks: int | None = None, budget_s: float | None = None
 ) -> Report:
-    report = Report(bench="fleet", machine=machine())
+    report = FleetReport(bench="fleet", machine=machine())
     blocks = max(CHAIN, (blocks or (QUICK_BLOCKS if quick else FULL_BLOCKS)) // CHAIN * CHAIN)
     budget = budget_s or (60.0 if quick else 900.0)
-    for index in indexes or INDEXES:
-        if index not in INDEXES:
-            raise ValueError(f"--index takes {', '.join(INDEXES)}, not {index!r}")
-        for nodes in sizes or (QUICK_SIZES[index] if quick else FULL_SIZES):
-            with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
-                fleet = await _start(Path(tmp), nodes, blocks, quick, index)
-                name = f"fleet.{index}.n{nodes}"
-                try:
-                    await _measure(report, fleet, nodes, blocks, budget, quick, name)
-                except (RuntimeError, TimeoutError) as exc:  # what ran out, said as a figure
-                    report.add(f"{name}.ran_out", 1.0, "flag", 1.0, error=f"{type(exc).__name__}: {exc}"[:400])
-                finally:
-                    await _stop(fleet)
+    for nodes in sizes or (QUICK_SIZES if quick else FULL_SIZES):
+        with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
+            fleet = await _start(Path(tmp), nodes, blocks, quick)
+            name = f"fleet.n{nodes}"
+            try:
+                await _measure(report, fleet, nodes, blocks, budget, quick, name)
+            except (RuntimeError, TimeoutError) as exc:  # what ran out, said as a figure
+                report.add(f"{name}.ran_out", 1.0, "flag", 1.0, error=f"{type(exc).__name__}: {exc}"[:400])
+            finally:
+                await _stop(fleet)
     return report
 
 
-async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = "durable") -> Fleet:
+async def _start(root: Path, nodes: int, blocks: int, quick: bool) -> Fleet:
     token = secrets.token_hex(16)
     env = {**os.environ, "TIERCAKE_TOKEN": token, "TIERCAKE_SECRET": secrets.token_hex(24)}
     etcd = await asyncio.to_thread(lambda: EtcdCluster(root / "etcd", size=1 if quick else 3).start())
     fleet = Fleet(etcd, [], [], [], token)
     try:
         config = root / "conductor.yaml"
-        volatile = '["gpu", "pool"]' if index == "memory" else '["gpu"]'
-        config.write_text(f"conductor: {{member_ttl: {TTL_S}, volatile_tiers: {volatile}}}\n")
+        config.write_text(f"conductor: {{member_ttl: {TTL_S}}}\n")
         for i in range(2):
             args = ["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0", "--id", f"c{i}"]
             args += ["--config", str(config), "--etcd", ",".join(etcd.endpoints)]  # the default leader TTL
@@ -163,7 +191,7 @@ async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = 
             fleet.conductors.append(child)
             fleet.urls.append((await asyncio.to_thread(child.wait_announce, 60))["url"])
         fleet.generators = await _generators(fleet, env, nodes, blocks)
-        await fleet.all({"cmd": "stats"})
+        await fleet.nodes({"cmd": "stats"})
     except BaseException:
         await _stop(fleet)
         raise
@@ -171,23 +199,28 @@ async def _start(root: Path, nodes: int, blocks: int, quick: bool, index: str = 
 
 
 async def _generators(fleet: Fleet, env: dict, nodes: int, blocks: int) -> list[LoadGenerator]:
-    """Enough processes that none simulates more than 250 nodes (its event loop is their CPU)."""
-    count = max(1, min(8, -(-nodes // 250)), 2 if nodes > 10 else 1)
-    per, gens = -(-nodes // count), []
-    for first in range(0, nodes, per):
-        n = min(per, nodes - first)
-        args = ["--urls", ",".join(fleet.urls), "--first", str(first), "--nodes", str(n), "--blocks", str(blocks)]
+    """Enough processes that none simulates more than ``NODES_PER_GENERATOR`` nodes, and the front."""
+    count = max(1, min(8, -(-nodes // NODES_PER_GENERATOR)), 2 if nodes > 10 else 1)
+    per = -(-nodes // count)
+    ranges = [range(first, min(nodes, first + per)) for first in range(0, nodes, per)] + [range(0)]
+    gens = []
+    for part in ranges:
+        args = ["--urls", ",".join(fleet.urls), "--first", str(part.start), "--nodes", str(len(part))]
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "tiercake.bench.fleet_load",
             *args,
+            "--blocks",
+            str(blocks),
+            "--fleet",
+            str(nodes),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env=env,
             limit=1 << 24,
         )
-        gens.append(LoadGenerator.of(proc, range(first, first + n)))
+        gens.append(LoadGenerator.of(proc, part))
     fleet.generators = gens
     for gen in gens:
         line = await asyncio.wait_for(gen.answers.readline(), 300)
@@ -212,66 +245,78 @@ async def _stop(fleet: Fleet) -> None:
 
 async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget: float, quick: bool, n: str) -> None:
     leader = await _wait_leader(fleet)
-    pid = fleet.conductors[leader].proc.pid
+    pids = [c.proc.pid for c in fleet.conductors]
     raw = await _raw_etcd_rate(fleet.etcd.endpoints)
-    rss0, db0, cpu0 = _rss(pid), await _etcd_db(fleet.etcd), _conductors_cpu(fleet)
+    rss0, cpu0 = [_rss(p) for p in pids], [_proc_cpu(p) for p in pids]
+    db0, rev0 = await _etcd_status(fleet.etcd)
     started = time.perf_counter()
-    fills = await fleet.all({"cmd": "fill", "seconds": budget}, timeout=budget + 120)
+    fills = await fleet.nodes({"cmd": "fill", "seconds": budget}, timeout=budget + 300)
     wall = time.perf_counter() - started
-    cpu, filled = _conductors_cpu(fleet) - cpu0, sum(f["filled"] for f in fills)
+    cpu = [_proc_cpu(p) - c for p, c in zip(pids, cpu0, strict=True)]
+    filled = sum(f["filled"] for f in fills)
+    db1, rev1 = await _etcd_status(fleet.etcd)
+    rss1 = [_rss(p) for p in pids]
     wanted = nodes * blocks
-    rss1, db1 = _rss(pid), await _etcd_db(fleet.etcd)
     size = {"nodes": nodes, "blocks_per_node": blocks, "replicas": filled}
     if await _wait_leader(fleet) != leader:
         size["leader_moved_during_fill"] = True
     if filled < wanted:
         size["filled"] = f"{filled}/{wanted} in the {budget:.0f} s budget"
         size["whole_fill_s"] = round(wanted / max(filled / wall, 1e-9))
-    gen_cpu = sum(f["cpu_s"] for f in fills)
-    report.add(f"{n}.placements_per_s", filled / wall, "1/s", raw, **size, limit_name="raw batched etcd txns")
+    rate = filled / wall
+    report.add(f"{n}.placements_per_s", rate, "1/s", raw, **size, limit_name="raw batched etcd txns")
     report.add(
-        f"{n}.placements_per_conductor_cpu_s",
-        filled / max(cpu, 1e-9),
+        f"{n}.placements_per_leader_cpu_s",
+        filled / max(cpu[leader], 1e-9),
         "1/s",
         PER_CORE_FLOOR,
         **size,
-        conductors_cpu_s=round(cpu, 2),
-        generators_cpu_s=round(gen_cpu, 2),
+        leader_cpu_s=round(cpu[leader], 2),
+        follower_cpu_s=round(cpu[1 - leader], 2),
+        generators_cpu_s=round(sum(f["cpu_s"] for f in fills), 2),
+        fill_s=round(wall, 1),
         limit_name="100k per core (issue 45)",
     )
-    await _lookups(report, fleet, n, size, 2.0 if quick else 10.0)
-    per_replica = max(0, rss1 - rss0) / max(filled, 1)
     report.add(
-        f"{n}.conductor_rss_per_mreplica",
-        per_replica * 1e6,
-        "B",
-        FLAT_REPLICA * 1e6,
+        f"{n}.etcd_writes_per_s",
+        (rev1 - rev0) / wall,
+        "1/s",
+        rate,
         **size,
-        rss_mb=round(rss1 / 1e6),
+        etcd_revisions=rev1 - rev0,
+        limit_name="placements per second (each a write, were they in etcd)",
+    )
+    await _lookups(report, fleet, n, size, 2.0 if quick else 10.0)
+    grown = [max(0, b - a) / max(filled, 1) for a, b in zip(rss0, rss1, strict=True)]
+    report.add(
+        f"{n}.conductor_rss_per_replica",
+        grown[leader],
+        "B",
+        FLAT_REPLICA,
+        **size,
+        leader_rss_mb=round(rss1[leader] / 1e6),
+        follower_bytes_per_replica=round(grown[1 - leader], 1),
         limit_name="a flat array, 40 B a replica",
     )
-    etcd_per_replica = max(0, db1 - db0) / max(filled, 1)
     report.add(
         f"{n}.etcd_db_bytes",
         db1,
         "B",
         ETCD_QUOTA,
         **size,
-        bytes_per_replica=round(etcd_per_replica, 1),
-        at_1e8_replicas_gib=round(etcd_per_replica * FULL_REPLICAS / (1 << 30), 1),
+        grew_bytes=db1 - db0,
         limit_name="etcd's default quota",
     )
     await _keepalives(report, fleet, n, size, 3.0 if quick else 10.0)
-    await _dead_node(report, fleet, n, size, fleet.urls[await _wait_leader(fleet)])
+    await _dead_node(report, fleet, n, size)
     await _failover(report, fleet, n, size, await _wait_leader(fleet), nodes)
 
 
 async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: float) -> None:
-    answers = await fleet.all({"cmd": "lookup", "seconds": seconds})
-    lookups = sorted(s for a in answers for s in a["lookup_s"])
-    floor = statistics.median(s for a in answers for s in a["floor_s"])
-    whole = sum(a["whole"] for a in answers)
-    params = {**size, "lookups": len(lookups), "found_whole": f"{whole}/{len(lookups)}"}
+    answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": seconds})
+    lookups = sorted(answer["lookup_s"])
+    floor = statistics.median(answer["floor_s"])
+    params = {**size, "lookups": len(lookups), "found_whole": f"{answer['whole']}/{len(lookups)}"}
     report.add(
         f"{n}.lookup_p50", lookups[len(lookups) // 2] * 1e3, "ms", floor * 1e3, **params, limit_name="an empty request"
     )
@@ -282,19 +327,18 @@ async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: fl
 async def _keepalives(report: Report, fleet: Fleet, n: str, size: dict, seconds: float) -> None:
     """Renewals alone (nothing else asked of the conductors): their latency and the conductors' CPU."""
     await asyncio.sleep(1.0)
-    before, cpu0 = await fleet.all({"cmd": "stats"}), _conductors_cpu(fleet)
+    before, cpu0 = await fleet.nodes({"cmd": "stats"}), _conductors_cpu(fleet)
     await asyncio.sleep(seconds)
     cpu = _conductors_cpu(fleet) - cpu0
     after = await asyncio.gather(
         *(
             fleet.ask(g, {"cmd": "stats", "since": b["keepalives"]})
-            for g, b in zip(fleet.generators, before, strict=True)
+            for g, b in zip(fleet.node_generators, before, strict=True)
         )
     )
     renewals = sum(a["keepalives"] for a in after) - sum(b["keepalives"] for b in before)
     samples = [s for a in after for s in a["keepalive_s"]] or [float("nan")]
-    floors = await fleet.all({"cmd": "lookup", "seconds": 0.5})
-    floor = statistics.median(s for a in floors for s in a["floor_s"])
+    floor = statistics.median((await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": 0.5}))["floor_s"])
     report.add(
         f"{n}.keepalive_p50",
         statistics.median(samples) * 1e3,
@@ -309,13 +353,14 @@ async def _keepalives(report: Report, fleet: Fleet, n: str, size: dict, seconds:
     )
 
 
-async def _dead_node(report: Report, fleet: Fleet, n: str, size: dict, url: str) -> None:
-    """Node 0 stops renewing its lease: until a lookup of its chain no longer lists it."""
-    await fleet.ask(fleet.generators[0], {"cmd": "crash", "index": 0})
+async def _dead_node(report: Report, fleet: Fleet, n: str, size: dict) -> None:
+    """Node 0 stops renewing its lease: until a lookup of its chain, on either conductor, no longer lists it."""
+    first = fleet.node_generators[0]
+    await fleet.ask(first, {"cmd": "crash", "index": 0})
     started = time.monotonic()
     while time.monotonic() - started < 60:
-        held = await fleet.ask(fleet.generators[0], {"cmd": "holders", "url": url, "nodes": [0]})
-        if not held["whole"]:
+        held = [await fleet.ask(first, {"cmd": "holders", "url": url, "nodes": [0]}) for url in fleet.urls]
+        if not any(h["whole"] for h in held):
             break
         await asyncio.sleep(0.1)
     gone = time.monotonic() - started
@@ -326,6 +371,7 @@ async def _failover(report: Report, fleet: Fleet, n: str, size: dict, leader: in
     """SIGKILL the leader: until the other conductor leads and lists one chain of every live node whole."""
     other = 1 - leader
     live = list(range(1, nodes))  # node 0 crashed above
+    before = sum(s["rereported_chains"] for s in await fleet.nodes({"cmd": "stats"}))
     os.kill(fleet.conductors[leader].proc.pid, signal.SIGKILL)
     started = time.monotonic()
     url, missing = fleet.urls[other], live
@@ -334,7 +380,7 @@ async def _failover(report: Report, fleet: Fleet, n: str, size: dict, leader: in
             answers = await asyncio.gather(
                 *(
                     fleet.ask(g, {"cmd": "holders", "url": url, "nodes": [i for i in live if i in g.nodes]})
-                    for g in fleet.generators
+                    for g in fleet.node_generators
                 )
             )
             missing = sorted(set(live) - {i for a in answers for i in a["whole"]})
@@ -342,6 +388,8 @@ async def _failover(report: Report, fleet: Fleet, n: str, size: dict, leader: in
                 break
         await asyncio.sleep(0.1)
     lasted = time.monotonic() - started
+    await asyncio.sleep(TTL_S / 3 + 1)  # every member has seen the new term by now
+    rereported = sum(s["rereported_chains"] for s in await fleet.nodes({"cmd": "stats"})) - before
     report.add(
         f"{n}.failover_s",
         lasted,
@@ -349,6 +397,7 @@ async def _failover(report: Report, fleet: Fleet, n: str, size: dict, leader: in
         FAILOVER_LIMIT_S,
         **size,
         missing_after=len(missing),
+        rereported_blocks=rereported * CHAIN,
         limit_name="10 s (issue 45)",
     )
 
@@ -372,7 +421,7 @@ async def _raw_etcd_rate(endpoints: list[str]) -> float:
     try:
         ops = [Put(b"/bench/raw/%08d/fleet-00000/pool" % i, b'{"size": 1048576}') for i in range(RAW_OPS)]
         started = time.perf_counter()
-        await meta.commit(ops, concurrency=8)  # as many in flight as the index's group commit keeps
+        await meta.commit(ops, concurrency=8)  # as many in flight as a group commit of placements kept
         rate = RAW_OPS / (time.perf_counter() - started)
         await meta.commit([Delete(op.key) for op in ops], concurrency=8)
     finally:
@@ -380,9 +429,10 @@ async def _raw_etcd_rate(endpoints: list[str]) -> float:
     return rate
 
 
-async def _etcd_db(etcd: EtcdCluster) -> int:
-    """Bytes of etcd's database (its first member's; every member holds the same)."""
-    return int((await asyncio.to_thread(etcd.members[0].status))["dbSize"])
+async def _etcd_status(etcd: EtcdCluster) -> tuple[int, int]:
+    """Bytes of etcd's database (its first member's; every member holds the same) and its revision."""
+    status = await asyncio.to_thread(etcd.members[0].status)
+    return int(status["dbSize"]), int(status["header"]["revision"])
 
 
 def _rss(pid: int) -> int:

@@ -1,15 +1,17 @@
-"""One load generator of `tiercake bench fleet`: simulated node agents and a front, control traffic
+"""One load generator of `tiercake bench fleet`: simulated node agents, or a front, control traffic
 only (no block bytes), sent through the real conductor client as the real members send it.
 
 Each simulated node registers, renews its lease every third of its TTL (a renewal that finds the
-lease gone registers again, as ``ConductorLink`` does), and on ``fill`` reports the chains it holds
-as a node agent does after a restart, one chain of 64 blocks per report, one report in flight per
-node. ``lookup`` times 64-block chain lookups as vLLM's scheduler side makes them, closed loop,
-interleaved with an empty request to the same conductor (the floor of any lookup over HTTP). The
-parent (``fleet.py``) drives it with one JSON command per line on stdin; each answer is one JSON line
-on stdout.
+lease gone registers again, as ``ConductorLink`` does), and on ``fill`` reports the chains of 64
+blocks it holds as a node agent does after a restart: its changes coalesced, ``REPORT_CHAINS`` chains
+a report, one report in flight per node. When a renewal shows a new leader's term it re-reports
+the chains acknowledged in the window the term names (or all of them), as ``ConductorLink`` does.
+A generator of no nodes is a front: ``lookup`` times 64-block chain lookups of the fleet's chains as
+vLLM's scheduler side makes them, closed loop, interleaved with an empty request to the same
+conductor (the floor of any lookup over HTTP). The parent (``fleet.py``) drives it with one JSON
+command per line on stdin; each answer is one JSON line on stdout.
 
-    python -m tiercake.bench.fleet_load --urls URL,... --first 0 --nodes 50 --blocks 1000
+    python -m tiercake.bench.fleet_load --urls URL,... --first 0 --nodes 50 --blocks 1024 --fleet 100
 """
 
 from __future__ import annotations
@@ -21,37 +23,47 @@ import json
 import os
 import random
 import resource
-import struct
 import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import MemberInfo
 from tiercake.workers.conductor_link import RECENT_S
 
 CHAIN = 64
+REPORT_CHAINS = 16  # chains a report carries (1,024 blocks)
 TENANT = "fleet"
 TTL_S = 5
 BLOCK_NBYTES = 1 << 20
+_TAG = 0x7469657263616B65
 
 
 def node_id(i: int) -> str:
     return f"fleet-{i:05d}"
 
 
-def chain_keys(node: int, chain: int) -> list[bytes]:
-    """Chain ``chain`` of node ``node``: 64 distinct 32-byte keys (what a BlockKey is on the wire)."""
-    return [struct.pack(">QQQQ", node, chain, j, 0x7469657263616B65) for j in range(CHAIN)]
+def chain_keys(node: int, chains: Iterable[int]) -> list[bytes]:
+    """The blocks of ``chains`` of node ``node``, 64 distinct 32-byte keys each (what a BlockKey is on
+    the wire), chain after chain."""
+    picked = np.asarray(list(chains), dtype=np.uint64)
+    words = np.empty((len(picked), CHAIN, 4), dtype=">u8")
+    words[:, :, 0] = node
+    words[:, :, 1] = picked[:, None]
+    words[:, :, 2] = np.arange(CHAIN, dtype=np.uint64)[None, :]
+    words[:, :, 3] = _TAG
+    raw = words.tobytes()
+    return [raw[i : i + 32] for i in range(0, len(raw), 32)]
 
 
 class SimNode:
     def __init__(self, index: int, urls: list[str], token: str, renewals: list[float]) -> None:
         self.index, self.id = index, node_id(index)
-        self.client = Client(urls, token=token, timeout=10)
+        self.client = Client(urls, token=token, timeout=30)
         self.lease = 0
         self.alive = True
         self.keepalives = 0
@@ -60,6 +72,7 @@ class SimNode:
         self.chains = 0  # what it holds: reported again whenever it registers again
         self.term = 0  # the leader's, as its last renewal said
         self.acked: dict[int, float] = {}  # chain -> when the conductor last acknowledged its report
+        self.rereported = 0  # chains sent again to a new term
         self._task: asyncio.Task | None = None
         self._refill: asyncio.Task | None = None
 
@@ -87,8 +100,8 @@ class SimNode:
                 continue
             self.keepalives += 1
             self.renewals.append(time.perf_counter() - started)
-            if answer.term != self.term:  # a new leader: it may lack some of the volatile tiers' placements
-                if self.term and "pool" in answer.volatile_tiers:
+            if answer.term != self.term:  # a new leader: it may lack what was acknowledged lately
+                if self.term:
                     self._report_again(answer.rereport_s)
                 self.term = answer.term
 
@@ -106,6 +119,7 @@ class SimNode:
             chains = [c for c, at in self.acked.items() if at >= since]
         else:
             chains = list(range(self.chains))
+        self.rereported += len(chains)
         if chains and (self._refill is None or self._refill.done()):
             self._refill = asyncio.create_task(self._report(chains, float("inf")))
 
@@ -116,20 +130,23 @@ class SimNode:
         return await self._report(range(chains), deadline)
 
     async def _report(self, chains: Iterable[int], deadline: float) -> int:
-        sizes = [BLOCK_NBYTES] * CHAIN
+        ordered = list(chains)
         reported = 0
-        for c in chains:
+        for first in range(0, len(ordered), REPORT_CHAINS):
+            batch = ordered[first : first + REPORT_CHAINS]
+            keys = chain_keys(self.index, batch)
             attempt = 0
             while time.monotonic() < deadline:  # a report the conductor did not take is sent again
                 try:
-                    await self.client.report(TENANT, self.id, "pool", chain_keys(self.index, c), sizes)
+                    await self.client.report(TENANT, self.id, "pool", keys, [BLOCK_NBYTES] * len(keys))
                 except ConductorError:
                     self.errors += 1
                     attempt += 1
                     await asyncio.sleep(min(2.0, 0.2 * attempt))
                     continue
-                reported += CHAIN
-                self.acked[c] = time.monotonic()
+                reported += len(keys)
+                now = time.monotonic()
+                self.acked.update((c, now) for c in batch)
                 break
             else:
                 break
@@ -149,8 +166,8 @@ class SimNode:
 
 
 class Generator:
-    def __init__(self, urls: list[str], token: str, first: int, nodes: int, chains: int) -> None:
-        self.urls, self.token, self.chains = urls, token, chains
+    def __init__(self, urls: list[str], token: str, first: int, nodes: int, chains: int, fleet: int) -> None:
+        self.urls, self.token, self.chains, self.fleet = urls, token, chains, fleet
         self.renewals: list[float] = []
         self.nodes = [SimNode(first + i, urls, token, self.renewals) for i in range(nodes)]
         self.front = Client(urls, token=token, timeout=30)
@@ -168,7 +185,7 @@ class Generator:
         return {"filled": sum(counts), "s": time.perf_counter() - started, "cpu_s": _cpu() - cpu}
 
     async def lookup(self, seconds: float, url: str | None = None) -> dict:
-        """Closed-loop lookups of a random chain of its nodes, each followed by the empty request."""
+        """Closed-loop lookups of a random chain of the fleet, each followed by the empty request."""
         front = self.front if url is None else Client([url], token=self.token, timeout=30)
         floor_url = (url or self.urls[0]) + "/health"
         lookups, floors, whole = [], [], 0
@@ -176,12 +193,13 @@ class Generator:
             async with aiohttp.ClientSession() as http:
                 deadline = time.monotonic() + seconds
                 while time.monotonic() < deadline:
-                    node = self.rng.choice(self.nodes)
-                    keys = chain_keys(node.index, self.rng.randrange(self.chains))
+                    node = self.rng.randrange(self.fleet)
+                    keys = chain_keys(node, [self.rng.randrange(self.chains)])
                     started = time.perf_counter()
                     found = await front.lookup(TENANT, keys)
                     lookups.append(time.perf_counter() - started)
-                    whole += found.get(node.id) is not None and found[node.id].length == CHAIN
+                    held = found.get(node_id(node))
+                    whole += held is not None and held.length == CHAIN
                     started = time.perf_counter()
                     async with http.get(floor_url) as resp:
                         await resp.read()
@@ -196,8 +214,7 @@ class Generator:
         it whole (one request of many chains, as the front asks)."""
         client = Client([url], token=self.token, timeout=5)
         try:
-            chains = [chain_keys(i, 0) for i in nodes]
-            found = await client.lookup_many(TENANT, chains)
+            found = await client.lookup_many(TENANT, [chain_keys(i, [0]) for i in nodes])
         finally:
             await client.close()
         return {
@@ -212,6 +229,7 @@ class Generator:
             "keepalives": len(self.renewals),
             "keepalive_s": self.renewals[since:],
             "errors": sum(n.errors for n in self.nodes),
+            "rereported_chains": sum(n.rereported for n in self.nodes),
             "cpu_s": _cpu(),
         }
 
@@ -269,11 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--urls", required=True, help="the conductors' control APIs, comma-separated")
     parser.add_argument("--first", type=int, default=0, help="the index of its first node")
-    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--nodes", type=int, required=True, help="nodes it simulates (0: a front)")
     parser.add_argument("--blocks", type=int, required=True, help="blocks per node (a multiple of 64)")
+    parser.add_argument("--fleet", type=int, required=True, help="nodes in the whole fleet (whose chains it looks up)")
     args = parser.parse_args(argv)
     token = os.environ["TIERCAKE_TOKEN"]
-    gen = Generator(args.urls.split(","), token, args.first, args.nodes, max(1, args.blocks // CHAIN))
+    gen = Generator(args.urls.split(","), token, args.first, args.nodes, max(1, args.blocks // CHAIN), args.fleet)
     asyncio.run(_serve(gen))
     return 0
 

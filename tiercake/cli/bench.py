@@ -131,10 +131,7 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
     from tiercake.bench import fleet
 
-    indexes = args.index.split(",") if args.index else None
-    run = fleet.run(
-        quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget, indexes=indexes
-    )
+    run = fleet.run(quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget)
     return _bench(args, "the control plane under simulated fleets (etcd and two conductors start for each)", run)
 
 
@@ -242,10 +239,10 @@ def _control_plane_benches(bench_parser) -> None:
         help="the control plane under 10/100/1000 simulated nodes: placements/s, lookups, memory, failover",
         description="A real etcd (three members; one with --quick) and two conductor processes, driven by "
         "load-generator processes whose simulated node agents register, renew their leases and report their "
-        "blocks through the conductor client, and whose front looks up 64-block chains. Per fleet size: "
-        "placements/s against raw etcd and per conductor CPU-second, lookup p50/p99, the leader's memory per "
-        "replica, etcd's database size, lease renewals, how long a dead node's blocks stay listed, and a "
-        "failover after the leader is SIGKILLed.",
+        "blocks through the conductor client, and a front that looks up 64-block chains. Per fleet size: "
+        "placements/s against raw etcd and per leader CPU-second, etcd's writes meanwhile, lookup p50/p99, "
+        "memory per replica, etcd's database size, lease renewals, how long a dead node's blocks stay listed, "
+        "and a failover after the leader is SIGKILLed; --plot draws each against the fleet size.",
     )
     fleet.add_argument("--nodes", metavar="N,...", help="fleet sizes (default 10,100,1000; 10,100 with --quick)")
     fleet.add_argument(
@@ -256,11 +253,6 @@ def _control_plane_benches(bench_parser) -> None:
         type=float,
         metavar="S",
         help="seconds a fill may take per fleet size (default 900; 60 with --quick)",
-    )
-    fleet.add_argument(
-        "--index",
-        metavar="durable,memory",
-        help="where pool placements live: etcd (durable, today's default) or the conductors' memory (both)",
     )
     fleet.set_defaults(func=cmd_bench_fleet)
 

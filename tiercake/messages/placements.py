@@ -155,8 +155,8 @@ class PlacementChange(Reply):
     tenant: str = ""
     node: str = ""
     tier: str = ""
-    keys: bytes = b""
-    sizes: list[int] = Field(default_factory=list)
+    keys: bytes = Field(default=b"", description="32-byte block keys back to back")
+    sizes: bytes = Field(default=b"", description="each block's size, a little-endian uint32 (additions)")
 
 
 class FeedRequest(Request):
