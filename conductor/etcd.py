@@ -223,8 +223,11 @@ class _Renewals:
     """Lease renewals on one long-lived keep-alive stream, not a stream each: etcd takes any lease's
     id on it and answers each with its TTL (0: gone), so a renewal is one message each way (a new
     stream per renewal cost a conductor about 240 us of CPU, and a fleet's members renew every
-    1.7 s). A stream that breaks or stalls fails the renewals waiting on it (they are retried, as any
-    idempotent call) and the next renewal opens another."""
+    1.7 s). A stream that breaks fails the renewals waiting on it (they are retried, as any idempotent
+    call) and the next renewal opens another; a member that stops answering breaks it within
+    ``KEEPALIVE_MS`` (the channel's pings). A renewal that times out is only dropped: breaking the
+    stream for one late answer (this process's loop was busy, say) would fail every renewal behind it
+    on the stream, the leader's own included."""
 
     def __init__(self, stub: Callable[[], LeaseStub]) -> None:
         self._stub = stub
@@ -236,18 +239,18 @@ class _Renewals:
     async def renew(self, lease: int) -> int:
         """One renewal: the lease's TTL (0: expired or revoked)."""
         answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        async with self._writing:
-            call = self._open()
-            self._waiting.setdefault(lease, deque()).append(answer)
-            try:
-                await call.write(LeaseKeepAliveRequest(ID=lease))
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-                self._broken(call, exc)
         try:
+            async with self._writing:
+                call = self._open()
+                self._waiting.setdefault(lease, deque()).append(answer)
+                try:
+                    await call.write(LeaseKeepAliveRequest(ID=lease))
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                    self._broken(call, exc)
             return await answer
-        except asyncio.CancelledError:  # timed out: the stream may be stuck; the next renewal opens another
-            self._broken(call, TimeoutError("no answer to a lease renewal"))
-            raise
+        finally:
+            if not answer.done():
+                answer.cancel()  # nobody waits for it any more: its answer, if any, is dropped
 
     def _open(self) -> grpc.aio.StreamStreamCall:
         if self._call is None:

@@ -142,11 +142,11 @@ class LeaderLink:
             if answer.reset or row is not None:  # a snapshot's page: a mirror in part is not kept on a win
                 row = answer.next_row
                 self._synced_at = began if row is None else None
-            else:
+            elif not answer.more:
                 self._synced_at = sent  # it holds what was acknowledged before this poll
             term, seq = answer.term, answer.seq
             self.followed_term, self._followed_window = term, (answer.rereport_s, sent)
-            if answer.changes and row is None:
+            if answer.changes and row is None and not answer.more:
                 await asyncio.sleep(FEED_GATHER_S)  # the next answer carries what came meanwhile
 
 

@@ -64,6 +64,7 @@ SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch
 # acknowledged changes, ``workers.conductor_link.RECENT_S``); the window they re-report is its age
 # and a margin for the last poll's flight and the clocks' rates.
 MIRROR_FRESH_S = 30.0
+INGEST_AT_ONCE = 2  # placement change batches parsed and applied in one turn of the loop, at most
 REREPORT_MARGIN_S = 2.0
 
 
@@ -134,6 +135,10 @@ class Conductor:
         self.url = url
         self.index = PlacementIndex(reserve=index_max_blocks)
         self.members = Membership(meta)
+        # Placement changes are applied a few at a time: each is a burst of CPU with no pause in it,
+        # and a thousand members' reports handled in one turn of the loop held it for a second (the
+        # leader's own lease renewal waited behind them, and it stepped down).
+        self.ingest = asyncio.Semaphore(INGEST_AT_ONCE)
         self.puts = PutBook(self.index, self.members, self.placement, self.replication, put_timeout, self._member)
         self.election = LeaderElection(
             meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(), ttl=ttl

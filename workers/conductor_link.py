@@ -85,6 +85,9 @@ class ConductorLink:
         # the same, acknowledged in the last RECENT_S: (tenant, key, tier) -> (when, added, nbytes),
         # oldest first, for a new leader that kept its mirror of the old one's volatile replicas
         self._recent: OrderedDict[tuple[str, bytes, str], tuple[float, bool, int]] = OrderedDict()
+        # copies a new term asked for again: sent, at the next send, as last acknowledged then (a
+        # change of one in flight meanwhile is newer than what was acknowledged before it)
+        self._redo: set[tuple[str, bytes, str]] = set()
         self._wakeup = asyncio.Event()
         self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -197,9 +200,8 @@ class ConductorLink:
             if self._term and self.report:
                 if window is not None and window <= RECENT_S:
                     since = time.monotonic() - window
-                    again = [(copy, (added, n)) for copy, (at, added, n) in self._recent.items() if at >= since]
-                    for copy, state in again:
-                        self._changes.setdefault(copy, state)  # a change not yet sent is newer
+                    again = [copy for copy, (at, _, _) in self._recent.items() if at >= since]
+                    self._redo.update(again)
                     self._wakeup.set()
                     count = len(again)
                 else:
@@ -229,13 +231,16 @@ class ConductorLink:
             await self._send_reports()
 
     async def _send_reports(self) -> None:
-        while self._changes:
+        while self._changes or self._redo:
+            redo, self._redo = self._redo, set()
+            for copy in redo:  # nothing is in flight now: what was last acknowledged is the latest
+                if copy not in self._changes and copy in self._recent:
+                    self._changes[copy] = self._recent[copy][1:]
             pending, self._changes = self._changes, {}
             groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]] = defaultdict(list)
             for (tenant, key, tier), (added, nbytes) in pending.items():
                 groups[(added, tenant, tier)].append((key, nbytes))
-            # all at once: each copy is in one group only, and the conductor's group commit then makes
-            # the round one batch of transactions instead of one per group
+            # all at once: each copy is in one group only (the leader applies each group as one batch)
             outcomes = await asyncio.gather(
                 *(self._send_group(added, tenant, tier, blocks) for (added, tenant, tier), blocks in groups.items()),
                 return_exceptions=True,

@@ -151,3 +151,51 @@ async def test_a_member_whose_re_registration_fails_unexpectedly_registers_again
         finally:
             await link.close(leave=True)
             await link.client.close()
+
+
+async def test_a_new_terms_window_does_not_send_again_what_a_change_in_flight_replaced(make_store):
+    """A new leader asks a member for what it acknowledged lately while a newer change of the same
+    block is on its way: the member sends the block as it is once that change lands, never the older
+    state (a removal in flight, then the addition before it sent again, left a removed block listed
+    past the failover)."""
+    from conftest import block
+    from conductor_helpers import running_conductor
+
+    from tiercake.conductor.client import Client
+    from tiercake.messages import KeepAliveReply, MemberInfo
+    from tiercake.workers.conductor_link import ConductorLink
+
+    store = await make_store(gpu=8, pool=None, ssd=None)
+    key = b"x" * 32
+    async with running_conductor() as (url, conductor):
+        member = MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20})
+        link = await ConductorLink(Client([url]), member, store, ttl=30).start()
+        try:
+            await store.put(key, block(1), tier="gpu", tenant="t")
+            await link.send_reports()
+            sent: list[str] = []
+            landing = asyncio.Event()
+            report, remove = link.client.report, link.client.remove
+
+            async def counted_report(*args):
+                sent.append("add")
+                return await report(*args)
+
+            async def slow_remove(*args):
+                sent.append("remove")
+                await landing.wait()  # on its way while the new term's window comes
+                return await remove(*args)
+
+            link.client.report, link.client.remove = counted_report, slow_remove
+            await store.remove(key)
+            in_flight = asyncio.create_task(link.send_reports())
+            while "remove" not in sent:
+                await asyncio.sleep(0.01)
+            link._note_term(KeepAliveReply(pins_version=0, term=link._term + 1, rereport_s=30.0))
+            landing.set()
+            await in_flight
+            await link.send_reports()
+            assert "add" not in sent and conductor.index.holders("t", key) == {}
+        finally:
+            await link.close(leave=False)
+            await link.client.close()

@@ -180,6 +180,7 @@ class FeedReply(Reply):
     reset: bool
     changes: list[PlacementChange]
     next_row: int | None = Field(default=None, description="a snapshot's next page, if it has more")
+    more: bool = Field(default=False, description="the log has changes past these: ask again at once")
     rereport_s: float | None = Field(default=None, ge=0, description="what the leader tells members of its term")
 
 

@@ -118,8 +118,8 @@ class KeepAliveReply(Reply):
     tasks: list[ReplicationTask] = Field(default_factory=list)
     term: int = Field(
         default=0,
-        description="the leader's term; when it changes, a member re-reports what it "
-        "holds in the volatile tiers (the new leader has none of those placements)",
+        description="the leader's term; when it changes, a member re-reports what the new leader may "
+        "lack of its placements (rereport_s)",
     )
     volatile_tiers: list[str] = Field(
         default_factory=list,
@@ -130,7 +130,7 @@ class KeepAliveReply(Reply):
     rereport_s: float | None = Field(
         default=None,
         ge=0,
-        description="with a new term: the new leader kept its mirror of the old one's volatile "
-        "replicas, so a member re-reports only the changes acknowledged in the last this many seconds; "
-        "None: it has none, and a member re-reports everything it holds in the volatile tiers",
+        description="with a new term: the new leader kept its mirror of the old one's index, so a "
+        "member re-reports only the changes acknowledged in the last this many seconds; None: it has "
+        "none, and a member re-reports everything it holds",
     )
