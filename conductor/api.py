@@ -111,13 +111,18 @@ class _ElectionCollector:
         self.conductor = conductor
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         election, index = self.conductor.election, self.conductor.index.stats
         yield CounterMetricFamily(
             "tiercake_placement_ops", "placement changes applied to the index (rate: ops per second)", value=index.ops
         )
         yield CounterMetricFamily("tiercake_leader_terms", "terms this conductor has won", value=election.terms)
+        yield GaugeMetricFamily(
+            "tiercake_loop_lag_seconds",
+            "the worst lag of the conductor's event loop in the last 10 s (its lease is lost past 3 s)",
+            value=self.conductor.loop_lag.worst,
+        )
         yield CounterMetricFamily(
             "tiercake_leader_changes", "leader changes this conductor has seen", value=election.changes_seen
         )

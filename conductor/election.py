@@ -6,16 +6,22 @@ over. A leader that finds its lease gone steps down at once: it must not act aft
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
+
+from tiercake.loop_thread import LoopThread
 
 from .metadata import KeyValue, LeaseNotFoundError, MetadataBackend, MetadataUnavailableError
 
 log = logging.getLogger(__name__)
 
 ELECTION = b"/tiercake/leader/"
+TICK_S = 0.1  # how often the election's loop says it turns
+STALL_S = 10.0  # a loop that has not turned for this long gives the lead up
 
 
 class LeaderElection:
@@ -32,6 +38,8 @@ class LeaderElection:
         self.changes_seen = 0  # leader changes this candidate saw: its own wins and vacancies
         self.won_term = 0  # the term (see ``term``) of this candidate's latest win
         self._valid_until = 0.0  # monotonic: the lease surely lives until then
+        self._ticked = time.monotonic()  # when this candidate's loop last turned (``_tick``)
+        self._stop_renewing = threading.Event()  # tells the renewals' thread to end
         self._task: asyncio.Task | None = None
         # called with True just before this candidate starts leading and with False once it stopped:
         # what it kept in memory for its term only is reset there, with no await in between
@@ -104,19 +112,59 @@ class LeaderElection:
                 return
 
     async def _hold(self) -> None:
+        """Renew the lease until it is lost. On a backend another thread can reach (etcd), the renewals
+        run on a thread of their own: a turn of this loop held for seconds by a burst of requests
+        once let the lease lapse and handed leadership over mid-fill, and the next leader's loop met
+        the same burst. The thread stops renewing when this loop has not turned for ``STALL_S``: a
+        loop stuck for good must not keep the lead."""
+        detached = self.meta.detached()
+        if detached is None:
+            await self._renew(self.meta)
+            return
+        thread = LoopThread(f"election {self.candidate[:40]}")
+        ticking = asyncio.get_running_loop().create_task(self._tick())
+        self._stop_renewing.clear()
+        renewing = thread.submit(self._renew(detached, own=True))
+        try:  # shielded: a crash stops the renewals by the flag, so that they close their connection
+            await asyncio.shield(asyncio.wrap_future(renewing))
+        finally:
+            ticking.cancel()
+            self._stop_renewing.set()
+            await asyncio.to_thread(_finish, renewing, thread, self.ttl + 10)
+
+    async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(max(self.ttl / 4, 0.2))  # renew well before the validity runs out
-            asked = time.monotonic()
-            try:
-                await self.meta.refresh_lease(self.lease)
-                self._valid_until = asked + self.ttl
-            except LeaseNotFoundError:
-                log.warning("election: %s lost its lease; stepping down", self.candidate)
-                return
-            except MetadataUnavailableError:
-                # Cannot renew: once the TTL may have run out, someone else may lead. Step down.
-                log.warning("election: %s cannot renew; stepping down", self.candidate)
-                return
+            self._ticked = time.monotonic()
+            await asyncio.sleep(TICK_S)
+
+    async def _renew(self, meta: MetadataBackend, own: bool = False) -> None:
+        """Renew every quarter of the TTL until the lease is lost or cannot be renewed (``own``: on a
+        backend this coroutine starts and closes, on its thread's loop)."""
+        try:
+            if own:
+                await meta.start()
+            while True:
+                await asyncio.sleep(max(self.ttl / 4, 0.2))  # renew well before the validity runs out
+                if own and self._stop_renewing.is_set():
+                    return
+                if own and time.monotonic() - self._ticked > STALL_S:
+                    log.warning("election: %s's loop has not turned for %.0f s; stepping down", self.candidate, STALL_S)
+                    return
+                asked = time.monotonic()
+                try:
+                    await meta.refresh_lease(self.lease)
+                    self._valid_until = asked + self.ttl
+                except LeaseNotFoundError:
+                    log.warning("election: %s lost its lease; stepping down", self.candidate)
+                    return
+                except MetadataUnavailableError:
+                    # Cannot renew: once the TTL may have run out, someone else may lead. Step down.
+                    log.warning("election: %s cannot renew; stepping down", self.candidate)
+                    return
+        finally:
+            if own:
+                await meta.close()
+                await asyncio.sleep(0.05)  # gRPC finishes its cancelled calls before the loop stops
 
     def crash(self) -> None:
         """Stop everything without resigning, as a killed process would."""
@@ -129,3 +177,10 @@ class LeaderElection:
         self.crash()
         with contextlib.suppress(MetadataUnavailableError):
             await self.meta.revoke_lease(self.lease)
+
+
+def _finish(renewing: concurrent.futures.Future, thread: LoopThread, wait_s: float) -> None:
+    """Wait (on a worker thread) for the renewals to end and close their connection, then stop their loop."""
+    with contextlib.suppress(Exception):
+        renewing.result(wait_s)
+    thread.stop()

@@ -44,6 +44,7 @@ KEEPALIVE_MS = 1000  # a gRPC ping each second, a connection dead after a second
 # where the library's 10 s + a minute outlived every lease. etcd must allow it: --grpc-keepalive-min-time
 # at most 1s (etcd_process.py sets 500ms; an operator's etcd needs the same, docs/DEPLOY.md)
 ATTEMPT_S = 1.0  # one try of an idempotent call; the next goes to another member (round robin)
+RENEWAL_STREAMS = 16  # lease keep-alive streams a backend keeps open (``_Renewals``)
 
 
 class EtcdBackend(MetadataBackend):
@@ -76,6 +77,9 @@ class EtcdBackend(MetadataBackend):
         self._client._manager = manager
         await self._call(self._client.connect)
         return self
+
+    def detached(self) -> EtcdBackend:
+        return EtcdBackend(self.endpoints, timeout=self.timeout, attempts=self.attempts)
 
     async def close(self) -> None:
         await self._renewals.close()
@@ -220,14 +224,30 @@ class EtcdBackend(MetadataBackend):
 
 
 class _Renewals:
-    """Lease renewals on one long-lived keep-alive stream, not a stream each: etcd takes any lease's
-    id on it and answers each with its TTL (0: gone), so a renewal is one message each way (a new
-    stream per renewal cost a conductor about 240 us of CPU, and a fleet's members renew every
-    1.7 s). A stream that breaks fails the renewals waiting on it (they are retried, as any idempotent
-    call) and the next renewal opens another; a member that stops answering breaks it within
-    ``KEEPALIVE_MS`` (the channel's pings). A renewal that times out is only dropped: breaking the
-    stream for one late answer (this process's loop was busy, say) would fail every renewal behind it
-    on the stream, the leader's own included."""
+    """Lease renewals on ``RENEWAL_STREAMS`` long-lived keep-alive streams, not a stream each: etcd
+    takes any lease's id on a stream and answers each with its TTL (0: gone), so a renewal is one
+    message each way (a new stream per renewal cost a conductor about 240 us of CPU, and a fleet's
+    members renew every 1.7 s). Several, because etcd answers a stream's renewals one after another
+    (a follower member forwards each to its leader): one stream took 600 renewals a second behind
+    each other, and they timed out. A lease always goes on the same stream."""
+
+    def __init__(self, stub: Callable[[], LeaseStub]) -> None:
+        self._streams = [_RenewalStream(stub) for _ in range(RENEWAL_STREAMS)]
+
+    async def renew(self, lease: int) -> int:
+        return await self._streams[lease % len(self._streams)].renew(lease)
+
+    async def close(self) -> None:
+        for stream in self._streams:
+            await stream.close()
+
+
+class _RenewalStream:
+    """One keep-alive stream. A stream that breaks fails the renewals waiting on it (they are
+    retried, as any idempotent call) and the next renewal opens another; a member that stops
+    answering breaks it within ``KEEPALIVE_MS`` (the channel's pings). A renewal that times out is
+    only dropped: breaking the stream for one late answer (this process's loop was busy, say) would
+    fail every renewal behind it on the stream, the leader's own included."""
 
     def __init__(self, stub: Callable[[], LeaseStub]) -> None:
         self._stub = stub

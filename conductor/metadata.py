@@ -160,6 +160,11 @@ class MetadataBackend(ABC):
     async def revoke_lease(self, lease: int) -> None:
         """Revoke now (its keys are deleted). Revoking an unknown lease is not an error."""
 
+    def detached(self) -> MetadataBackend | None:
+        """Another, unstarted connection to the same store, for another thread's loop to start and
+        use (the election's lease renewals); None when no other thread may reach the store."""
+        return None
+
     @abstractmethod
     def watch(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
         """Events for keys with ``prefix`` from ``start_revision`` (0: from now), in order."""

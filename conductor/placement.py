@@ -26,7 +26,7 @@ import numpy as np
 
 from .block_table import DEFAULT_RESERVE, KEY_BYTES, MAX_HOLDER_BITS, BlockTable, as_keys, key_bytes
 
-LOG_KEYS = 1 << 22  # block keys the change log keeps for followers (128 MiB of keys)
+LOG_KEYS = 1 << 24  # block keys the change log keeps for followers (at most 600 MiB, a minute of a fleet's fill)
 SNAPSHOT_ROWS = 1 << 16  # rows of the table per snapshot page
 TIER_ORDER = {"gpu": 0, "pool": 1, "ssd": 2}  # fastest first; other tier names after these
 

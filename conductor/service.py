@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from tiercake.loop_lag import LoopLag
 from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
 from tiercake.policies import create_placement, create_replication
 
@@ -70,6 +71,29 @@ REREPORT_MARGIN_S = 2.0
 
 def _pin_key(tenant: str, key: bytes) -> bytes:
     return PINS + f"{tenant}/{key.hex()}".encode()
+
+
+class TurnGate:
+    """``async with`` it around work that has no pause in it (parsing and applying a batch of
+    placement changes): at most ``n`` such pieces run in one turn of the loop. A thousand members'
+    reports arriving together once ran in one turn, two seconds long (renewals, lookups and the
+    follower's feed all waited behind them). A semaphore alone would not do: work with no pause
+    takes and gives it back within one step, so each waiter passes; here each holder gives the turn
+    up once before it works, and the others wait for a holder to finish."""
+
+    def __init__(self, n: int) -> None:
+        self._slots = asyncio.Semaphore(n)
+
+    async def __aenter__(self) -> None:
+        await self._slots.acquire()
+        try:
+            await asyncio.sleep(0)  # this turn ends for it here; it works at the start of the next
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._slots.release()
 
 
 class FlushBarrier:
@@ -135,10 +159,7 @@ class Conductor:
         self.url = url
         self.index = PlacementIndex(reserve=index_max_blocks)
         self.members = Membership(meta)
-        # Placement changes are applied a few at a time: each is a burst of CPU with no pause in it,
-        # and a thousand members' reports handled in one turn of the loop held it for a second (the
-        # leader's own lease renewal waited behind them, and it stepped down).
-        self.ingest = asyncio.Semaphore(INGEST_AT_ONCE)
+        self.ingest = TurnGate(INGEST_AT_ONCE)
         self.puts = PutBook(self.index, self.members, self.placement, self.replication, put_timeout, self._member)
         self.election = LeaderElection(
             meta, ConductorInfo(conductor_id=self.conductor_id, url=url).model_dump_json(), ttl=ttl
@@ -164,6 +185,8 @@ class Conductor:
         self.member_stats: dict[str, MemberStats] = {}  # what members said of their stores in keep-alives
         self.flushes = FlushBarrier(self.members)
         self._settings_follower: asyncio.Task | None = None
+        self.loop_lag = LoopLag(f"conductor {self.conductor_id}")
+        self._lag_watch: asyncio.Task | None = None
         self.objects = ObjectMapKeeper.of(meta, self.members, self.guard, lambda: self.is_leader, objects)
 
     async def start(self) -> Conductor:
@@ -184,12 +207,13 @@ class Conductor:
         await self.objects.start()
         await self.election.start()
         self.link.start()
+        self._lag_watch = asyncio.get_running_loop().create_task(self.loop_lag.watch())
         return self
 
     async def close(self) -> None:
         await self.election.resign()
         await self.objects.close()
-        for task in (self._pin_follower, self._settings_follower):
+        for task in (self._pin_follower, self._settings_follower, self._lag_watch):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

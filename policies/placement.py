@@ -6,6 +6,7 @@ their capacity and use in the target tier; a replication policy sees a block's r
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
@@ -83,6 +84,14 @@ class ReplicationPolicy(ABC):
     @abstractmethod
     def replicas(self, key: Hashable, accesses_per_s: float) -> int: ...
 
+    @property
+    def one_replica_below(self) -> float:
+        """A rate (accesses per second) below which a block that wanted one replica so far still
+        wants one: the conductor's planner asks the policy only of blocks read at least this often
+        (or with more replicas), so a fleet's lookups cost it nothing for the cold majority. 0 (the
+        default): every block read is asked of."""
+        return 0.0
+
 
 class FixedReplicas(ReplicationPolicy):
     """Every block gets ``count`` replicas."""
@@ -97,6 +106,10 @@ class FixedReplicas(ReplicationPolicy):
     def replicas(self, key, accesses_per_s):
         return self.count
 
+    @property
+    def one_replica_below(self) -> float:
+        return math.inf if self.count == 1 else 0.0
+
 
 class HotReplicas(ReplicationPolicy):
     """``base`` replicas; one more for each ``threshold`` accesses per second, up to ``maximum``.
@@ -109,6 +122,10 @@ class HotReplicas(ReplicationPolicy):
             raise ValueError("need 1 <= base <= maximum, threshold > 0, 0 <= hysteresis < 1")
         self.base, self.threshold, self.maximum, self.hysteresis = base, threshold, maximum, hysteresis
         self._current: dict[Hashable, int] = {}
+
+    @property
+    def one_replica_below(self) -> float:
+        return self.threshold if self.base == 1 else 0.0
 
     def replicas(self, key, accesses_per_s):
         current = self._current.get(key, self.base)

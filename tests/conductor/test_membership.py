@@ -86,12 +86,26 @@ async def test_a_leader_that_loses_its_lease_steps_down(meta, prefix):
     await leader.resign()
 
 
-async def test_a_stalled_leader_is_not_leader_the_moment_it_resumes(meta, prefix):
+async def test_a_stalled_leader_is_not_leader_the_moment_it_resumes(meta, prefix, monkeypatch):
+    """Where the lease is renewed from the loop (the embedded backend), a loop stalled past the TTL
+    is not leader the moment it resumes. Where the renewals run on their own thread (etcd), a turn
+    of the loop held past the TTL keeps the lead (a burst of requests once handed it over mid-fill),
+    but a loop stuck past ``STALL_S`` gives it up; a paused process (SIGSTOP: no thread runs) loses
+    it as before (``test_a_paused_leader_does_not_act_as_leader_when_it_resumes``)."""
+    from tiercake.conductor import election
+
+    monkeypatch.setattr(election, "STALL_S", 1.5)
     leader = await LeaderElection(meta, "conductor-1", ttl=1, prefix=prefix).start()
     await asyncio.wait_for(leader.leading.wait(), 10)
     assert leader.is_leader
-    time.sleep(1.2)  # the whole event loop stalls past the TTL (as under SIGSTOP): no renewal ran
-    assert not leader.is_leader  # checked before any task runs: no window where it acts as leader
+    time.sleep(1.2)  # the whole event loop stalls past the TTL
+    if meta.detached() is None:
+        assert not leader.is_leader  # checked before any task runs: no window where it acts as leader
+    else:
+        assert leader.is_leader  # renewed meanwhile on the election's own thread
+        await asyncio.sleep(0.3)
+        time.sleep(2.5)  # stuck past STALL_S: the thread stops renewing, and the lease runs out
+        assert not leader.is_leader
     await leader.resign()
 
 
@@ -158,8 +172,8 @@ async def test_a_new_terms_window_does_not_send_again_what_a_change_in_flight_re
     block is on its way: the member sends the block as it is once that change lands, never the older
     state (a removal in flight, then the addition before it sent again, left a removed block listed
     past the failover)."""
-    from conftest import block
     from conductor_helpers import running_conductor
+    from conftest import block
 
     from tiercake.conductor.client import Client
     from tiercake.messages import KeepAliveReply, MemberInfo

@@ -16,6 +16,7 @@ BASE = {
     "tiercake.heap",
     "tiercake.messages",
     "tiercake.metrics",
+    "tiercake.loop_lag",
     "tiercake.loop_thread",
     "tiercake.plugins",
     "tiercake.tokenizer",
