@@ -72,7 +72,7 @@ from .front.operator import parse, reply
 from .metadata import FencedError, MetadataUnavailableError
 from .placement import Change
 from .puts import NoRoomError, PlacementError
-from .service import Conductor, FlushTimeoutError, LeaseExpiredError, NotLeaderError
+from .service import Conductor, FlushTimeoutError, IngestBusyError, LeaseExpiredError, NotLeaderError
 
 M = TypeVar("M", bound=BaseModel)
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
@@ -205,6 +205,8 @@ def _auth(tokens: list[str] | None, open_paths: tuple[str, ...], metrics: _Metri
             raise ApiError(504, str(exc), "server_error", "flush_timeout") from None
         except NoRoomError as exc:
             raise ApiError(507, str(exc), code="no_room") from None
+        except IngestBusyError as exc:
+            raise ApiError(503, str(exc), code="busy", headers={"Retry-After": "1"}, retryable=True) from None
         except (IndexFullError, TooManyNamesError) as exc:
             raise ApiError(507, str(exc), code="index_full") from None
         except PlacementError as exc:

@@ -73,26 +73,56 @@ def _pin_key(tenant: str, key: bytes) -> bytes:
     return PINS + f"{tenant}/{key.hex()}".encode()
 
 
+class IngestBusyError(Exception):
+    """More placement change batches wait than the leader queues: retry a little later."""
+
+
 class TurnGate:
     """``async with`` it around work that has no pause in it (parsing and applying a batch of
-    placement changes): at most ``n`` such pieces run in one turn of the loop. A thousand members'
+    placement changes). At most ``n`` such pieces run in one turn of the loop: a thousand members'
     reports arriving together once ran in one turn, two seconds long (renewals, lookups and the
-    follower's feed all waited behind them). A semaphore alone would not do: work with no pause
-    takes and gives it back within one step, so each waiter passes; here each holder gives the turn
-    up once before it works, and the others wait for a holder to finish."""
+    follower's feed all waited behind them); a semaphore alone would not do, since work with no
+    pause takes and gives it back within one step, so here each holder gives the turn up once
+    before it works. Together they take at most ``share`` of the loop's time: a leader that spent
+    all of it on a fleet's fill answered renewals so late, and left etcd so little of the machine,
+    that members' leases lapsed, and each lapse cost a drop and a re-report of everything. Past
+    ``queue`` waiting, a batch is refused at once (``IngestBusyError``: a retryable 503)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, share: float = 0.6, queue: int = 1024, burst_s: float = 0.1) -> None:
         self._slots = asyncio.Semaphore(n)
+        self.share, self.queue, self.burst_s = share, queue, burst_s
+        self._waiting = 0
+        self._credit = burst_s  # seconds of work it may start now; below 0, the next waits
+        self._credited_at = time.monotonic()
+        self._working: dict[asyncio.Task | None, float] = {}  # holder -> when its work started
 
     async def __aenter__(self) -> None:
-        await self._slots.acquire()
+        if self._waiting >= self.queue:
+            raise IngestBusyError(f"{self._waiting} batches of placement changes wait already; retry")
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
         try:
             await asyncio.sleep(0)  # this turn ends for it here; it works at the start of the next
+            while (credit := self._refill()) < 0:
+                await asyncio.sleep(-credit / self.share)
         except BaseException:
             self._slots.release()
             raise
+        self._working[asyncio.current_task()] = time.monotonic()
+
+    def _refill(self) -> float:
+        now = time.monotonic()
+        self._credit = min(self.burst_s, self._credit + (now - self._credited_at) * self.share)
+        self._credited_at = now
+        return self._credit
 
     async def __aexit__(self, *exc: object) -> None:
+        started = self._working.pop(asyncio.current_task(), None)
+        if started is not None:
+            self._credit -= time.monotonic() - started
         self._slots.release()
 
 

@@ -49,7 +49,7 @@ from tiercake.conductor.etcd_process import EtcdCluster
 from tiercake.up import Child
 
 from .fleet_load import CHAIN, TTL_S
-from .report import Report, machine
+from .report import Report, machine, spinners
 
 QUICK_SIZES, FULL_SIZES = (10, 100), (10, 100, 1000)
 QUICK_BLOCKS, FULL_BLOCKS = 1024, 100_000
@@ -158,22 +158,38 @@ class Fleet:
 
 
 async def run(
-    quick: bool = False, sizes: list[int] | None = None, blocks: int | None = None, budget_s: float | None = None
+    quick: bool = False,
+    sizes: list[int] | None = None,
+    blocks: int | None = None,
+    budget_s: float | None = None,
+    load: int = 0,
 ) -> Report:
-    report = FleetReport(bench="fleet", machine=machine())
+    """``load``: that many processes spinning on the CPU meanwhile (a busy machine)."""
+    report = FleetReport(bench="fleet", machine={**machine(), "load": load})
     blocks = max(CHAIN, (blocks or (QUICK_BLOCKS if quick else FULL_BLOCKS)) // CHAIN * CHAIN)
     budget = budget_s or (60.0 if quick else 900.0)
-    for nodes in sizes or (QUICK_SIZES if quick else FULL_SIZES):
-        with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
-            fleet = await _start(Path(tmp), nodes, blocks, quick)
-            name = f"fleet.n{nodes}"
-            try:
-                await _measure(report, fleet, nodes, blocks, budget, quick, name)
-            except (RuntimeError, TimeoutError) as exc:  # what ran out, said as a figure
-                report.add(f"{name}.ran_out", 1.0, "flag", 1.0, error=f"{type(exc).__name__}: {exc}"[:400])
-            finally:
-                await _stop(fleet)
+    burners = spinners(load)
+    try:
+        for nodes in sizes or (QUICK_SIZES if quick else FULL_SIZES):
+            await _one_size(report, nodes, blocks, budget, quick)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
     return report
+
+
+async def _one_size(report: Report, nodes: int, blocks: int, budget: float, quick: bool) -> None:
+    """One fleet size, on its own etcd and conductors; what ran out is said as a figure."""
+    with tempfile.TemporaryDirectory(prefix="tiercake-bench-fleet-") as tmp:
+        fleet = await _start(Path(tmp), nodes, blocks, quick)
+        name = f"fleet.n{nodes}"
+        try:
+            await _measure(report, fleet, nodes, blocks, budget, quick, name)
+        except (RuntimeError, TimeoutError) as exc:  # what ran out, said as a figure
+            report.add(f"{name}.ran_out", 1.0, "flag", 1.0, error=f"{type(exc).__name__}: {exc}"[:400])
+        finally:
+            await _stop(fleet)
 
 
 async def _start(root: Path, nodes: int, blocks: int, quick: bool) -> Fleet:

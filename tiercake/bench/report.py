@@ -6,6 +6,8 @@ import contextvars
 import json
 import os
 import platform
+import subprocess
+import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +94,11 @@ class Report(BaseModel):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.model_dump(), indent=2) + "\n")
+
+
+def spinners(load: int) -> list[subprocess.Popen]:
+    """``load`` processes spinning on the CPU (a busy machine, for ``--load``); the caller kills them."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
 
 
 def machine() -> dict[str, Any]:

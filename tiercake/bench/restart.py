@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .report import Report, machine
+from .report import Report, machine, spinners
 
 LIMIT_S = 3.0
 OBJECT = 1 << 20
@@ -37,7 +35,7 @@ async def run(quick: bool = False, load: int = 0) -> Report:
         "TIERCAKE_TOKEN": token,
         "TIERCAKE_NODE_SECRET": secrets.token_hex(24),
     }
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
+    burners = spinners(load)
     with tempfile.TemporaryDirectory(prefix="tiercake-bench-restart-") as tmp:
         root = Path(tmp)
         pool = Path(f"/dev/shm/tiercake-bench-restart-{os.getpid()}")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tiercake.up import Child
 
-from .report import Report, machine
+from .report import Report, machine, spinners
 from .store import KiB, MiB, _warm
 from .transfer import Peer, _raw_seconds
 
@@ -273,10 +273,6 @@ def raw_limits(peer: Peer, sizes: list[tuple[int, int, int]], limits: dict) -> N
             _keep(limits, f"{op}.{size}", _raw_seconds(peer.address["raw_port"], way, size * count, rows))
 
 
-def _spinners(load: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(load)]
-
-
 # The run -----------------------------------------------------------------------------------------
 
 
@@ -303,7 +299,7 @@ def measure_all(quick: bool, load: int, with_mooncake: bool) -> dict:
         for store, cold in sides.values():
             buffers.register(*(c for c in (store, cold) if c is not None))
             warm_up(store, buffers, cold)
-        spinning = _spinners(load)
+        spinning = spinners(load)
         order = list(sides)
         for rep in range(reps):
             for name in order if rep % 2 == 0 else order[::-1]:

@@ -131,7 +131,9 @@ def cmd_bench_metadata(args: argparse.Namespace) -> int:
 def cmd_bench_fleet(args: argparse.Namespace) -> int:
     from tiercake.bench import fleet
 
-    run = fleet.run(quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget)
+    run = fleet.run(
+        quick=args.quick, sizes=_ints(args.nodes), blocks=args.blocks_per_node, budget_s=args.budget, load=args.load
+    )
     return _bench(args, "the control plane under simulated fleets (etcd and two conductors start for each)", run)
 
 
@@ -254,6 +256,7 @@ def _control_plane_benches(bench_parser) -> None:
         metavar="S",
         help="seconds a fill may take per fleet size (default 900; 60 with --quick)",
     )
+    fleet.add_argument("--load", type=int, default=0, help="processes spinning on the CPU meanwhile (a busy machine)")
     fleet.set_defaults(func=cmd_bench_fleet)
 
 
