@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
 from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError
-from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseStub
 from etcd3aio.client import Etcd3Client
 from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
@@ -44,7 +42,6 @@ KEEPALIVE_MS = 1000  # a gRPC ping each second, a connection dead after a second
 # where the library's 10 s + a minute outlived every lease. etcd must allow it: --grpc-keepalive-min-time
 # at most 1s (etcd_process.py sets 500ms; an operator's etcd needs the same, docs/DEPLOY.md)
 ATTEMPT_S = 1.0  # one try of an idempotent call; the next goes to another member (round robin)
-RENEWAL_STREAMS = 16  # lease keep-alive streams a backend keeps open (``_Renewals``)
 
 
 class EtcdBackend(MetadataBackend):
@@ -55,7 +52,6 @@ class EtcdBackend(MetadataBackend):
         self.timeout = timeout
         self.attempts = attempts
         self._client: Etcd3Client | None = None
-        self._renewals = _Renewals(lambda: self.client.lease._stub)
 
     async def start(self) -> EtcdBackend:
         self._client = Etcd3Client(self.endpoints, rpc_max_attempts=self.attempts)
@@ -82,7 +78,6 @@ class EtcdBackend(MetadataBackend):
         return EtcdBackend(self.endpoints, timeout=self.timeout, attempts=self.attempts)
 
     async def close(self) -> None:
-        await self._renewals.close()
         if self._client is not None:
             with contextlib.suppress(Exception):
                 await self._client.close()
@@ -196,7 +191,21 @@ class EtcdBackend(MetadataBackend):
         return resp.ID
 
     async def refresh_lease(self, lease: int) -> int:
-        ttl = await self._idempotent(self._renewals.renew, lease)
+        """One renewal, on a keep-alive stream of its own. One long-lived stream for every renewal
+        cost 30% less CPU, but etcd answers a stream's renewals one after another, and a write
+        cancelled by a timeout under load could leave a stream that took no more: members' keep-
+        alives then waited past their leases, and each lapse brought a full re-report."""
+
+        async def once() -> int:
+            stream = self.client.lease.keep_alive(lease)
+            try:
+                async for resp in stream:
+                    return resp.TTL
+                return 0
+            finally:
+                stream.cancel()
+
+        ttl = await self._idempotent(once)
         if ttl <= 0:
             raise LeaseNotFoundError(f"lease {lease:x} expired or was revoked")
         return ttl
@@ -221,102 +230,6 @@ class EtcdBackend(MetadataBackend):
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
-
-
-class _Renewals:
-    """Lease renewals on ``RENEWAL_STREAMS`` long-lived keep-alive streams, not a stream each: etcd
-    takes any lease's id on a stream and answers each with its TTL (0: gone), so a renewal is one
-    message each way (a new stream per renewal cost a conductor about 240 us of CPU, and a fleet's
-    members renew every 1.7 s). Several, because etcd answers a stream's renewals one after another
-    (a follower member forwards each to its leader): one stream took 600 renewals a second behind
-    each other, and they timed out. A lease always goes on the same stream."""
-
-    def __init__(self, stub: Callable[[], LeaseStub]) -> None:
-        self._streams = [_RenewalStream(stub) for _ in range(RENEWAL_STREAMS)]
-
-    async def renew(self, lease: int) -> int:
-        return await self._streams[lease % len(self._streams)].renew(lease)
-
-    async def close(self) -> None:
-        for stream in self._streams:
-            await stream.close()
-
-
-class _RenewalStream:
-    """One keep-alive stream. A stream that breaks fails the renewals waiting on it (they are
-    retried, as any idempotent call) and the next renewal opens another; a member that stops
-    answering breaks it within ``KEEPALIVE_MS`` (the channel's pings). A renewal that times out is
-    only dropped: breaking the stream for one late answer (this process's loop was busy, say) would
-    fail every renewal behind it on the stream, the leader's own included."""
-
-    def __init__(self, stub: Callable[[], LeaseStub]) -> None:
-        self._stub = stub
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._reader: asyncio.Task | None = None
-        self._waiting: dict[int, deque[asyncio.Future[int]]] = {}  # lease -> renewals sent, in order
-        self._writing = asyncio.Lock()  # one write at a time on a stream
-
-    async def renew(self, lease: int) -> int:
-        """One renewal: the lease's TTL (0: expired or revoked)."""
-        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        try:
-            async with self._writing:
-                call = self._open()
-                self._waiting.setdefault(lease, deque()).append(answer)
-                try:
-                    await call.write(LeaseKeepAliveRequest(ID=lease))
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-                    self._broken(call, exc)
-            return await answer
-        finally:
-            if not answer.done():
-                answer.cancel()  # nobody waits for it any more: its answer, if any, is dropped
-
-    def _open(self) -> grpc.aio.StreamStreamCall:
-        if self._call is None:
-            self._call = self._stub().LeaseKeepAlive()
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
-        return self._call
-
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
-        try:
-            while True:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    raise MetadataUnavailableError("etcd ended the lease keep-alive stream")
-                waiting = self._waiting.get(resp.ID)
-                while waiting:  # the oldest renewal of this lease still waiting takes the answer
-                    answer = waiting.popleft()
-                    if not answer.done():
-                        answer.set_result(resp.TTL)
-                        break
-                if waiting is not None and not waiting:
-                    del self._waiting[resp.ID]
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every waiting renewal gets it, none hangs
-            self._broken(call, exc)
-
-    def _broken(self, call: grpc.aio.StreamStreamCall, exc: BaseException) -> None:
-        if self._call is not call:
-            return
-        self._call = None
-        call.cancel()
-        if self._reader is not None and self._reader is not asyncio.current_task():
-            self._reader.cancel()
-        waiting, self._waiting = self._waiting, {}
-        for answers in waiting.values():
-            for answer in answers:
-                if not answer.done():
-                    answer.set_exception(MetadataUnavailableError(f"lease keep-alive stream broke: {exc!r}"))
-
-    async def close(self) -> None:
-        if self._call is not None:
-            self._broken(self._call, MetadataUnavailableError("closed"))
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
 
 
 def _kv(kv) -> KeyValue:

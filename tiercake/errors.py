@@ -30,6 +30,10 @@ HEAD_DEADLINE_S = 10.0
 LINGER_S = 2.0
 # the request bodies one HTTP server holds at once (body_reader)
 BODY_BUDGET_BYTES = 64 << 20
+# Small bodies (a keep-alive, a lookup) may go this far past the budget, which large ones never do: a
+# fleet's re-reports once filled the budget, members' keep-alives were refused with it, their leases
+# lapsed, and each lapse brought another full re-report.
+SMALL_BODY_BYTES, SMALL_BODY_RESERVE = 64 << 10, 16 << 20
 
 
 def app_runner(app: web.Application, **kwargs) -> web.AppRunner:
@@ -264,7 +268,8 @@ def body_reader(budget_bytes: int = BODY_BUDGET_BYTES):
     handler, which then reads it from memory. Innermost, after any authentication: nobody unknown gets
     a buffer. The bodies a server holds at once (announced, being read, or held by a handler still
     running) stay within ``budget_bytes``: past it a new body is a 503 with Retry-After, before a byte
-    of it is read (64 clients announcing 8 MiB bodies once held 512 MiB of a front)."""
+    of it is read (64 clients announcing 8 MiB bodies once held 512 MiB of a front); a small body may
+    use a reserve past it (``SMALL_BODY_RESERVE``)."""
     held = 0
 
     @web.middleware
@@ -274,7 +279,7 @@ def body_reader(budget_bytes: int = BODY_BUDGET_BYTES):
             return await handler(request)
         # a chunked body may grow to the app's limit; a larger announced one is aiohttp's 413
         charge = min(request.content_length or request.client_max_size, request.client_max_size)
-        if held + charge > budget_bytes:
+        if held + charge > budget_bytes + (SMALL_BODY_RESERVE if charge <= SMALL_BODY_BYTES else 0):
             raise ApiError(
                 503,
                 "the server holds as many request bodies as it may; retry",

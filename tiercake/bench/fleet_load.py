@@ -73,6 +73,7 @@ class SimNode:
         self.term = 0  # the leader's, as its last renewal said
         self.acked: dict[int, float] = {}  # chain -> when the conductor last acknowledged its report
         self.rereported = 0  # chains sent again to a new term
+        self._filling = self._restart = False  # a fill under way; it starts over (registered again)
         self._task: asyncio.Task | None = None
         self._refill: asyncio.Task | None = None
 
@@ -113,10 +114,16 @@ class SimNode:
 
     def _report_again(self, window: float | None) -> None:
         """What ``ConductorLink`` re-reports: the chains acknowledged in the last ``window`` seconds
-        (a new leader that kept its mirror names it), or every chain held."""
+        (a new leader that kept its mirror names it), or every chain held; as it coalesces them
+        with what is still to be sent, a fill under way starts over instead of a second report
+        of everything beside it."""
         if window is not None and window <= RECENT_S:
             since = time.monotonic() - window
             chains = [c for c, at in self.acked.items() if at >= since]
+        elif self._filling:
+            self._restart = True
+            self.rereported += self.chains
+            return
         else:
             chains = list(range(self.chains))
         self.rereported += len(chains)
@@ -126,14 +133,20 @@ class SimNode:
     async def fill(self, chains: int, deadline: float) -> int:
         """Report every chain it holds, or as many as it can before ``deadline`` (monotonic); how
         many blocks the index took."""
-        self.chains = chains
-        return await self._report(range(chains), deadline)
+        self.chains, self._filling = chains, True
+        try:
+            return await self._report(range(chains), deadline, restartable=True)
+        finally:
+            self._filling = False
 
-    async def _report(self, chains: Iterable[int], deadline: float) -> int:
+    async def _report(self, chains: Iterable[int], deadline: float, restartable: bool = False) -> int:
         ordered = list(chains)
-        reported = 0
-        for first in range(0, len(ordered), REPORT_CHAINS):
+        reported, first = 0, 0
+        while first < len(ordered):
+            if restartable and self._restart:  # registered again: the leader dropped what it had
+                self._restart, first, reported = False, 0, 0
             batch = ordered[first : first + REPORT_CHAINS]
+            first += REPORT_CHAINS
             keys = chain_keys(self.index, batch)
             attempt = 0
             while time.monotonic() < deadline:  # a report the conductor did not take is sent again
