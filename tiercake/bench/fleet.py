@@ -337,7 +337,17 @@ async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: fl
         f"{n}.lookup_p50", lookups[len(lookups) // 2] * 1e3, "ms", floor * 1e3, **params, limit_name="an empty request"
     )
     p99 = lookups[min(len(lookups) - 1, int(len(lookups) * 0.99))]
-    report.add(f"{n}.lookup_p99", p99 * 1e3, "ms", 1.0, **params, limit_name="1 ms (issue 45)")
+    floors = sorted(answer["floor_s"])
+    floor_p99 = floors[min(len(floors) - 1, int(len(floors) * 0.99))]
+    report.add(
+        f"{n}.lookup_p99",
+        p99 * 1e3,
+        "ms",
+        1.0,
+        **params,
+        empty_request_p99_ms=round(floor_p99 * 1e3, 3),
+        limit_name="1 ms (issue 45)",
+    )
 
 
 async def _keepalives(report: Report, fleet: Fleet, n: str, size: dict, seconds: float) -> None:
