@@ -63,7 +63,11 @@ class TooManyNamesError(ValueError):
     """More tenants, nodes or tiers than the table's ids can name."""
 
 
-def as_keys(keys: Sequence[bytes] | bytes | np.ndarray) -> np.ndarray:
+# Block keys as callers hold them: 32-byte keys in a list, back to back, or as ``as_keys`` gives them.
+BlockKeys = Sequence[bytes] | bytes | np.ndarray
+
+
+def as_keys(keys: BlockKeys) -> np.ndarray:
     """Block keys as a (n, 4) uint64 array: from 32-byte ``bytes`` each, their concatenation, or
     such an array already. ``ValueError`` for a key of another length."""
     if isinstance(keys, np.ndarray):
@@ -593,7 +597,8 @@ class BlockTable:
 
     def holders(self, tenant: str, keys: np.ndarray) -> list[list[tuple[str, str, int]]]:
         """(node, tier, size) of each replica of each block."""
-        names, out = self.nodes.names, []
+        names = self.nodes.names
+        out: list[list[tuple[str, str, int]]] = []
         for row in self.find(tenant, keys).tolist():
             if row < 0:
                 out.append([])
@@ -617,7 +622,7 @@ class BlockTable:
             return {}
         miss = np.flatnonzero(rows < 0)
         rows = rows[: miss[0]] if miss.size else rows
-        out = {}
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for nid, _ in self._holders_of(int(rows[0])):
             bits = self._holder_bits(rows, nid)
             gap = np.flatnonzero(bits == 0)
@@ -648,9 +653,8 @@ class BlockTable:
             yield held, self.node[held, slot].copy(), self.bits[held, slot].copy()
         extra = [(row, nid, bits) for row in rows.tolist() for nid, bits in self.extra.get(row, {}).items()]
         if extra:
-            yield tuple(
-                np.asarray(column, dtype=dtype) for column, dtype in zip(zip(*extra), (np.int64, np.uint32, np.uint8))
-            )
+            held, nids, bits = zip(*extra)
+            yield np.array(held, np.int64), np.array(nids, np.uint32), np.array(bits, np.uint8)
 
     def memory(self) -> int:
         """Bytes in use: the rows ever used and the hash tables (what a conductor's RSS holds)."""

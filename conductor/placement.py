@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-from .block_table import DEFAULT_RESERVE, KEY_BYTES, MAX_HOLDER_BITS, BlockTable, as_keys, key_bytes
+from .block_table import DEFAULT_RESERVE, KEY_BYTES, MAX_HOLDER_BITS, BlockKeys, BlockTable, as_keys, key_bytes
 
 LOG_KEYS = 1 << 24  # block keys the change log keeps for followers (at most 600 MiB, a minute of a fleet's fill)
 SNAPSHOT_ROWS = 1 << 16  # rows of the table per snapshot page
@@ -142,9 +142,7 @@ class PlacementIndex:
 
     # Changes --------------------------------------------------------------------------------------
 
-    def add_many(
-        self, tenant: str, keys: Sequence[bytes] | np.ndarray, node: str, tier: str, sizes: Sequence[int] | np.ndarray
-    ) -> int:
+    def add_many(self, tenant: str, keys: BlockKeys, node: str, tier: str, sizes: Sequence[int] | np.ndarray) -> int:
         """``node`` holds these blocks in ``tier`` (each of the given size); returns how many replicas
         were new (or changed size). Logged for followers."""
         _check("tenant", tenant), _check("node", node), _check("tier", tier)
@@ -157,7 +155,7 @@ class PlacementIndex:
             self._record(Change("add", tenant, node, tier, array[new], size[new]))
         return count
 
-    def remove_many(self, tenant: str, keys: Sequence[bytes] | np.ndarray, node: str, tier: str) -> int:
+    def remove_many(self, tenant: str, keys: BlockKeys, node: str, tier: str) -> int:
         """``node`` no longer holds these blocks in ``tier``; returns how many replicas the index had."""
         array = as_keys(keys)
         removed = self.table.remove(tenant, array, node, tier)
@@ -286,7 +284,7 @@ class PlacementIndex:
             for held in self.table.holders(tenant, as_keys(keys) if keys else np.zeros((0, 4), np.uint64))
         ]
 
-    def lookup(self, tenant: str, keys: Sequence[bytes] | np.ndarray) -> dict[str, NodePrefix]:
+    def lookup(self, tenant: str, keys: BlockKeys) -> dict[str, NodePrefix]:
         """For each node holding the chain's first block: the longest prefix of ``keys`` it holds (in
         any of its tiers), walking until the last node drops out."""
         self.stats.lookups += 1

@@ -5,7 +5,7 @@ or revoke; a put neither committed nor revoked within its timeout is forgotten."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from tiercake.messages import MemberInfo
 from tiercake.policies import NodeLoad, PlacementStrategy, ReplicationPolicy
@@ -23,9 +23,7 @@ class NoRoomError(PlacementError):
     """No live node has room for the block in the asked tier."""
 
 
-def node_loads(
-    members: Membership, index: PlacementIndex, tier: str, exclude: set[str] = frozenset()
-) -> list[NodeLoad]:
+def node_loads(members: Membership, index: PlacementIndex, tier: str, exclude: Collection[str] = ()) -> list[NodeLoad]:
     """Each live node agent with ``tier``: its capacity there and what the index counts as used."""
     return [
         NodeLoad(m.node_id, m.tiers[tier], index.used_bytes(m.node_id, tier))

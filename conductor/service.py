@@ -20,7 +20,7 @@ from tiercake.loop_lag import LoopLag
 from tiercake.messages import ClusterSettings, ConductorInfo, FlushSetting, MemberInfo, MemberStats
 from tiercake.policies import create_placement, create_replication
 
-from .block_table import DEFAULT_RESERVE, KEY_BYTES
+from .block_table import DEFAULT_RESERVE, KEY_BYTES, BlockKeys
 from .election import LeaderElection
 from .heat import AccessRates
 from .leader_link import LeaderLink
@@ -364,21 +364,21 @@ class Conductor:
 
     # What nodes report ----------------------------------------------------------------------------
 
-    def report(self, tenant: str, keys: bytes | list[bytes], node: str, tier: str, sizes: list[int]) -> int:
+    def report(self, tenant: str, keys: BlockKeys, node: str, tier: str, sizes: list[int]) -> int:
         """A live node holds these blocks (it spilled or promoted them, or its SSD tier still has them
         after a restart): record what is new; returns how many were. Only members may report, and
         only into tiers they registered."""
         self._member(node, tier)
         return self.index.add_many(tenant, keys, node, tier, sizes)
 
-    def remove(self, tenant: str, keys: bytes | list[bytes], node: str, tier: str) -> tuple[int, int]:
+    def remove(self, tenant: str, keys: BlockKeys, node: str, tier: str) -> tuple[int, int]:
         """The node no longer holds these blocks in ``tier``: returns (removed, unknown), unknown being
         replicas the index never had (nothing to do for them)."""
         removed = self.index.remove_many(tenant, keys, node, tier)
         count = len(keys) // KEY_BYTES if isinstance(keys, bytes) else len(keys)
         return removed, count - removed
 
-    def lookup(self, tenant: str, keys: bytes | Sequence[bytes]) -> dict:
+    def lookup(self, tenant: str, keys: BlockKeys) -> dict:
         """The longest cached prefix per node (``keys``: a chain's keys, or them back to back); the
         blocks found count as accesses (hot replication)."""
         found = self.index.lookup(tenant, keys)

@@ -102,7 +102,13 @@ def spinners(load: int) -> list[subprocess.Popen]:
 
 
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    # os.uname, not platform.platform(): that one runs `uname -p` in a subprocess on first use
+    name = os.uname()
+    return {
+        "platform": f"{name.sysname}-{name.release}-{name.machine}",
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def cluster_figures(before: ClusterView, after: ClusterView, report: Report, **params: Any) -> None:

@@ -28,7 +28,6 @@ from .base import (
     PackedKeys,
     Reply,
     Request,
-    packed_keys,
 )
 from .members import (
     RESIDENCY_BUCKETS,
@@ -210,5 +209,4 @@ __all__ = [
     "WorkerHealth",
     "WorkerLoadReply",
     "WorkerPerf",
-    "packed_keys",
 ]

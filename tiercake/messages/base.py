@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..blocks import KEY_BYTES
 
@@ -13,24 +14,39 @@ MAX_KEYS = 65536  # block keys in one control request
 Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]  # tenants, nodes, tiers: parts of etcd keys
 KeyHex = Annotated[str, Field(pattern=r"^([0-9a-f]{2}){1,64}$")]
 BlockSizeValue = Annotated[int, Field(ge=0, lt=1 << 32)]  # bytes; the index keeps 32 bits
+_HEX = re.compile(r"([0-9a-f]{2}){1,64}")
 
 
-def packed_keys(value: bytes | list[str], what: str = "keys") -> bytes:
-    """Block keys as one string of 32-byte keys back to back, from that (base64 on the wire) or from
-    a list of hex keys (the form the previous release sends); ``ValueError`` for a key of another
-    length or more than ``MAX_KEYS``."""
-    raw = value if isinstance(value, bytes) else b"".join(bytes.fromhex(h) for h in value)
+def _from_hex_list(value: object) -> object:
+    """The previous release's form: a list of hex keys, joined into one string of raw keys."""
+    if not isinstance(value, list):
+        return value
+    if not all(isinstance(h, str) and _HEX.fullmatch(h) for h in value):
+        raise ValueError("block keys: a list of hex strings, or base64 of 32-byte keys back to back")
+    return b"".join(bytes.fromhex(h) for h in value)
+
+
+def packed_from_hex(keys: list[str]) -> bytes:
+    """Hex block keys (the previous release's form) as one string of raw keys, checked as
+    ``PackedKeys`` is; ``ValueError`` otherwise."""
+    packed = _from_hex_list(keys)
+    assert isinstance(packed, bytes)
+    return _whole_keys(packed)
+
+
+def _whole_keys(raw: bytes) -> bytes:
     if len(raw) % KEY_BYTES:
-        raise ValueError(f"{what}: block keys are {KEY_BYTES} bytes each, got {len(raw)} bytes in all")
+        raise ValueError(f"block keys are {KEY_BYTES} bytes each, got {len(raw)} bytes in all")
     if len(raw) > MAX_KEYS * KEY_BYTES:
-        raise ValueError(f"{what}: at most {MAX_KEYS} keys in one request")
+        raise ValueError(f"at most {MAX_KEYS} keys in one request")
     return raw
 
 
 # Block keys in a control request: their 32-byte keys back to back, base64 (one string, so a report
 # of thousands of blocks is parsed in a fraction of a millisecond, not as an object per block), or a
-# list of hex keys (the previous release's form, taken during a rolling upgrade).
-PackedKeys = bytes | list[KeyHex]
+# list of hex keys (the previous release's form, taken during a rolling upgrade). Validated, it is
+# the raw keys; a key of another length, or more than ``MAX_KEYS``, is refused.
+PackedKeys = Annotated[bytes, BeforeValidator(_from_hex_list), AfterValidator(_whole_keys)]
 
 
 # The control API's version: 2 numbers it (``/health`` says it) and adds ``MemberInfo.ADDED``'s fields.

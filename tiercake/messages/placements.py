@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ..blocks import KEY_BYTES
-from .base import MAX_KEYS, BlockSizeValue, KeyHex, Name, PackedKeys, Reply, Request, packed_keys
+from .base import MAX_KEYS, BlockSizeValue, KeyHex, Name, PackedKeys, Reply, Request, packed_from_hex
 from .members import MemberInfo
 
 
@@ -15,11 +15,6 @@ class LookupRequest(Request):
     tenant: Name
     keys: PackedKeys = Field(description="the block keys of one chain, in order (base64 of 32-byte keys)")
     sizes: bool = Field(default=False, description="also answer each held block's size")
-
-    @model_validator(mode="after")
-    def _packed(self) -> LookupRequest:
-        self.keys = packed_keys(self.keys)
-        return self
 
 
 class PrefixHolding(Reply):
@@ -66,7 +61,6 @@ class LookupManyRequest(Request):
 
     @model_validator(mode="after")
     def _bounded(self) -> LookupManyRequest:
-        self.chains = [packed_keys(c, "chains") for c in self.chains]
         if sum(len(c) for c in self.chains) > MAX_KEYS * KEY_BYTES:
             raise ValueError(f"at most {MAX_KEYS} keys in all chains of one lookup")
         return self
@@ -114,9 +108,8 @@ class BlockBatch(Request):
         if self.blocks is not None:
             if self.keys or self.sizes:
                 raise ValueError("either keys (and sizes) or blocks, not both")
-            self.keys, self.sizes = [b.key for b in self.blocks], [b.size for b in self.blocks]
+            self.keys, self.sizes = packed_from_hex([b.key for b in self.blocks]), [b.size for b in self.blocks]
             self.blocks = None
-        self.keys = packed_keys(self.keys)
         if not self.keys:
             raise ValueError("keys: at least one block key")
         if self.sizes and len(self.sizes) * KEY_BYTES != len(self.keys):
