@@ -725,7 +725,8 @@ def test_bench_serve_against_the_cluster(cluster, tmp_path):
     assert meta["ratio"] >= 1  # never below one key per block moved
     ops, writes = figures.pop("metadata.ops_per_request"), figures.pop("metadata.etcd_writes_per_request")
     assert ops["ratio"] >= 1 and ops["params"]["changes"]["gpu+"] > 0  # the workers' gpu tiers changed
-    assert writes["value"] < 0.1  # placements never reach etcd (nor the embedded backend)
+    # placements never reach etcd: what is left is membership (a registration during a short run)
+    assert writes["value"] < 1
     for name, f in figures.items():
         assert f["value"] > 0 and f["limit"] > 0 and abs(f["ratio"] - f["value"] / f["limit"]) < 1e-9
         if name != "ttft.none.cached0":
