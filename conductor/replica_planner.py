@@ -87,7 +87,7 @@ class ReplicaPlanner:
         c = self.conductor
         plan: dict[str, list[ReplicaMove]] = defaultdict(list)
         now = time.monotonic()
-        floor = getattr(c.replication, "one_replica_below", 0.0)
+        floor = c.replication.one_replica_below
         watched, self._watched = self._watched, set()
         by_tenant: dict[str, list[bytes]] = defaultdict(list)
         for tenant, key in cast(set[tuple[str, bytes]], c.heat.take_touched()) | watched:

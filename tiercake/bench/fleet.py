@@ -328,6 +328,10 @@ async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget
     await _failover(report, fleet, n, size, await _wait_leader(fleet), nodes)
 
 
+def _p99(ordered: list[float]) -> float:
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
 async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: float) -> None:
     answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": seconds})
     lookups = sorted(answer["lookup_s"])
@@ -336,9 +340,7 @@ async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: fl
     report.add(
         f"{n}.lookup_p50", lookups[len(lookups) // 2] * 1e3, "ms", floor * 1e3, **params, limit_name="an empty request"
     )
-    p99 = lookups[min(len(lookups) - 1, int(len(lookups) * 0.99))]
-    floors = sorted(answer["floor_s"])
-    floor_p99 = floors[min(len(floors) - 1, int(len(floors) * 0.99))]
+    p99, floor_p99 = _p99(lookups), _p99(sorted(answer["floor_s"]))
     report.add(
         f"{n}.lookup_p99",
         p99 * 1e3,

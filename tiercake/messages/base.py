@@ -12,26 +12,26 @@ from ..blocks import KEY_BYTES
 MAX_KEYS = 65536  # block keys in one control request
 
 Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]  # tenants, nodes, tiers: parts of etcd keys
-KeyHex = Annotated[str, Field(pattern=r"^([0-9a-f]{2}){1,64}$")]
+_HEX = r"([0-9a-f]{2}){1,64}"
+KeyHex = Annotated[str, Field(pattern=f"^{_HEX}$")]
 BlockSizeValue = Annotated[int, Field(ge=0, lt=1 << 32)]  # bytes; the index keeps 32 bits
-_HEX = re.compile(r"([0-9a-f]{2}){1,64}")
+
+
+def _joined_hex(keys: list) -> bytes:
+    if not all(isinstance(h, str) and re.fullmatch(_HEX, h) for h in keys):
+        raise ValueError("block keys: a list of hex strings, or base64 of 32-byte keys back to back")
+    return b"".join(bytes.fromhex(h) for h in keys)
 
 
 def _from_hex_list(value: object) -> object:
     """The previous release's form: a list of hex keys, joined into one string of raw keys."""
-    if not isinstance(value, list):
-        return value
-    if not all(isinstance(h, str) and _HEX.fullmatch(h) for h in value):
-        raise ValueError("block keys: a list of hex strings, or base64 of 32-byte keys back to back")
-    return b"".join(bytes.fromhex(h) for h in value)
+    return _joined_hex(value) if isinstance(value, list) else value
 
 
 def packed_from_hex(keys: list[str]) -> bytes:
     """Hex block keys (the previous release's form) as one string of raw keys, checked as
     ``PackedKeys`` is; ``ValueError`` otherwise."""
-    packed = _from_hex_list(keys)
-    assert isinstance(packed, bytes)
-    return _whole_keys(packed)
+    return _whole_keys(_joined_hex(keys))
 
 
 def _whole_keys(raw: bytes) -> bytes:
