@@ -342,7 +342,7 @@ def _node_feed_routes(conductor: Conductor) -> list:
                 await index.wait_change(body.after, body.wait_s)
         if not conductor.is_leader:  # also when it stepped down while waiting
             await conductor.require_leader()
-        window = conductor.rereport_window()
+        window = conductor.term_and_window()[1]
         found = index.changes_after(body.after, FEED_KEYS) if body.term == term else None
         if body.snapshot_row is not None and found is not None:  # a snapshot's next page
             page, next_row = index.snapshot(body.snapshot_row)
@@ -416,6 +416,7 @@ def _member_routes(conductor: Conductor) -> list:
         if body.stats is not None:
             conductor.note_stats(body.node_id, body.stats)
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
+        term, window = conductor.term_and_window()
         return reply(
             KeepAliveReply(
                 pins_version=conductor.pins_version,
@@ -424,9 +425,9 @@ def _member_routes(conductor: Conductor) -> list:
                     ReplicationTask(tenant=t.tenant, key=t.key.hex(), tier=t.tier, size=t.size, source=t.source)
                     for t in tasks
                 ],
-                term=await conductor.term(),
+                term=term,
                 volatile_tiers=sorted(getattr(conductor.members.members.get(body.node_id), "tiers", ())),
-                rereport_s=conductor.rereport_window(),
+                rereport_s=window,
                 objects_epoch=conductor.objects.map.epoch,
             )
         )

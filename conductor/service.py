@@ -294,13 +294,6 @@ class Conductor:
         if self.election.leading.is_set():  # the leader's log tells the followers
             self.index.drop_node(node)
 
-    async def term(self) -> int:
-        """The current leader's term (see ``LeaderElection.term``): the leader knows its own, and a
-        follower the one its volatile feed last answered in (asked of the backend only without one)."""
-        if self.is_leader:
-            return self.election.won_term
-        return self.link.followed_term or await self.election.term()
-
     @property
     def rereport_s(self) -> float | None:
         """What this leader's term asks a member to re-report, as of now: the changes it had
@@ -311,13 +304,18 @@ class Conductor:
             return None
         return time.monotonic() - self._mirror_synced + REREPORT_MARGIN_S
 
-    def rereport_window(self) -> float | None:
-        """What the current term asks members to re-report (``KeepAliveReply.rereport_s``): the
-        leader's own word, or what a follower's feed last heard from it; None (everything) when
-        this conductor knows neither."""
+    def term_and_window(self) -> tuple[int, float | None]:
+        """The leader's term a keep-alive answer names, and what that term asks members to re-report
+        (``KeepAliveReply.rereport_s``), read together: the leader's own, or what a follower's feed
+        last heard from the leader. A follower that follows no leader now names no term (0: a member
+        keeps its own) rather than one whose window it does not know: between a leader's death and
+        its own win, a follower named the new term from the backend with no window, and members
+        re-reported everything they held."""
         if self.is_leader:
-            return self.rereport_s
-        return self.link.followed_window() if self.link.followed_term else None
+            return self.election.won_term, self.rereport_s
+        if self.link.followed_term:
+            return self.link.followed_term, self.link.followed_window()
+        return 0, None
 
     async def require_leader(self) -> None:
         """``NotLeaderError`` naming the leader's URL unless this conductor leads. The leader asks

@@ -739,6 +739,35 @@ async def test_a_follower_without_a_fresh_mirror_asks_members_for_everything():
             assert answer.term == follower.election.won_term and answer.rereport_s is None
 
 
+async def test_a_follower_that_follows_no_leader_names_no_term_to_members():
+    """Between a leader's death and the next leader's word reaching a follower, the follower names
+    no term in keep-alive answers: it once named the new term from the backend with no window, and
+    members re-reported everything they held."""
+    from tiercake.conductor.election import LeaderElection
+
+    async with leader_and_follower() as (leader, follower):
+        async with Client([follower.url], token="peer-token") as client:
+            lease = await client.register(MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20}), ttl=30)
+            for _ in range(100):
+                if follower.link.followed_term:
+                    break
+                await asyncio.sleep(0.05)
+            answer = await client.keep_alive("w", lease)
+            assert answer.term == leader.election.won_term  # what its feed heard
+            await follower.link.close()  # its feed stops, as when the leader it followed died
+            follower.link.followed_term = 0
+            follower.election.crash()  # a third candidate wins, not this one
+            leader.election.crash()
+            third = await LeaderElection(follower.meta, "third", ttl=1).start()
+            try:
+                await asyncio.wait_for(third.leading.wait(), 10)
+                assert await follower.election.term() == third.won_term  # the backend knows the new term
+                answer = await client.keep_alive("w", lease)
+                assert answer.term == 0 and answer.rereport_s is None
+            finally:
+                await third.resign()
+
+
 async def test_a_member_that_left_takes_its_metric_series_with_it(api):
     from tiercake.messages import MemberStats, TierStats
 
