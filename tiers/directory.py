@@ -18,7 +18,12 @@ host) is the end of the node's lease: past it, a reader trusts nothing here (the
 its slots about to move) and asks over the protocol. A miss here is not an answer either: the object
 may be on the node's disk only, or the directory full; the reader then asks the node.
 
-    header (4 KiB): magic, format, capacity (a power of two), instance, valid_until (f64)
+A directory names the pool its offsets are in (the pool region's instance): a reader that mapped
+another pool (the node came back on a new one) must not read these offsets in its own. And a reader
+whose file was deleted (the node came back on a new directory file, as after a reboot) trusts nothing
+in it however long its lease seemed to run: the new node may have removed what it lists.
+
+    header (4 KiB): magic, format, capacity (a power of two), instance, pool instance, valid_until (f64)
     entries, 64 bytes each: sequence u32, state u8 (0 empty, 1 live, 2 removed), _, object id 32 B,
                             pool offset u64, size u64, version u64
 """
@@ -35,13 +40,14 @@ from pathlib import Path
 import numpy as np
 
 _MAGIC = b"TCOD"
-_FORMAT = 1
-_HEAD = struct.Struct("<4sIQ16sd")  # magic, format, capacity, instance, valid_until
+_FORMAT = 2
+_HEAD = struct.Struct("<4sIQ16s16sd")  # magic, format, capacity, instance, pool instance, valid_until
 HEADER_BYTES = 4096
 _ENTRY = struct.Struct("<IB3x32sQQQ")  # sequence, state, object id, offset, size, version (4 bytes spare)
 ENTRY_BYTES = 64
 EMPTY, LIVE, REMOVED = 0, 1, 2
-_VALID_AT = 4 + 4 + 8 + 16  # where valid_until lies in the header
+_POOL_AT = 4 + 4 + 8 + 16  # where the pool's instance lies in the header
+_VALID_AT = _POOL_AT + 16  # and valid_until
 
 
 def ordered_memory() -> bool:
@@ -56,7 +62,11 @@ def _start(oid: bytes, mask: int) -> int:
 class ObjectDirectory:
     """The node's side: create (or take over) the file, publish and unpublish entries."""
 
-    def __init__(self, path: str | Path, capacity: int) -> None:
+    def __init__(self, path: str | Path, capacity: int, pool_instance: bytes) -> None:
+        """``pool_instance``: the instance id (16 bytes) of the pool region whose data space the
+        published offsets are in."""
+        if len(pool_instance) != 16:
+            raise ValueError(f"a pool instance is 16 bytes, got {len(pool_instance)}")
         size = 1
         while size < max(capacity, 64):
             size <<= 1
@@ -76,7 +86,7 @@ class ObjectDirectory:
         entries[:, 1] = 0
         del entries
         self.instance = os.urandom(16)
-        _HEAD.pack_into(self._mem, 0, _MAGIC, _FORMAT, size, self.instance, 0.0)
+        _HEAD.pack_into(self._mem, 0, _MAGIC, _FORMAT, size, self.instance, pool_instance, 0.0)
         self._where: dict[bytes, int] = {}  # object id -> its entry
         self._used = 0  # entries live or removed (open addressing: removed ones stay in the probe chains)
 
@@ -152,25 +162,35 @@ class ObjectDirectory:
 class DirectoryReader:
     """A reader's side: look objects up and copy their bytes out of the pool, or say to ask the node."""
 
-    def __init__(self, path: str | Path, pool_data: np.ndarray) -> None:
-        """``pool_data``: the node's pool region's data space, mapped here."""
+    def __init__(self, path: str | Path, pool_data: np.ndarray, pool_instance: bytes) -> None:
+        """``pool_data``: the data space of the node's pool region as mapped here; ``pool_instance``:
+        that region's instance id (the directory is read only while it names the same)."""
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDONLY)
+        self._fd = os.open(self.path, os.O_RDONLY)  # kept: its link count says whether the file was deleted
         try:
-            size = os.fstat(fd).st_size
-            self._mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        magic, fmt, capacity, self.instance, _ = _HEAD.unpack_from(self._mem, 0)
+            size = os.fstat(self._fd).st_size
+            self._mem = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError:
+            os.close(self._fd)
+            raise
+        magic, fmt, capacity, self.instance, _, _ = _HEAD.unpack_from(self._mem, 0)
         if magic != _MAGIC or fmt != _FORMAT or HEADER_BYTES + capacity * ENTRY_BYTES > size:
-            self._mem.close()
+            self.close()
             raise ValueError(f"{path}: not an object directory")
         self.mask = capacity - 1
         self.pool = pool_data
+        self.pool_instance = pool_instance
         self.usable = ordered_memory()
 
+    def stale(self) -> bool:
+        """Whether this is no longer the node's directory for the pool mapped here: its file deleted
+        (the node restarted on a new one) or taken over by a node on another pool. A stale reader is
+        dropped and the node asked where it keeps its pool and directory now."""
+        return os.fstat(self._fd).st_nlink == 0 or self._mem[_POOL_AT : _POOL_AT + 16] != self.pool_instance
+
     def valid(self) -> bool:
-        return self.usable and time.monotonic() < struct.unpack_from("<d", self._mem, _VALID_AT)[0]
+        """Whether reads may be trusted now: the node's lease runs and the directory is not stale."""
+        return self.usable and time.monotonic() < struct.unpack_from("<d", self._mem, _VALID_AT)[0] and not self.stale()
 
     def read(self, oid: bytes, out: np.ndarray | None) -> np.ndarray | int | None:
         """The object's bytes (copied into ``out``, or into a new array), its size when ``out`` is too
@@ -202,3 +222,4 @@ class DirectoryReader:
 
     def close(self) -> None:
         self._mem.close()
+        os.close(self._fd)

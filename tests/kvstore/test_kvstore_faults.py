@@ -16,6 +16,7 @@ import pytest
 from kvstore_helpers import KB, MB, SECRET, TOKEN, KvCluster, blob, ready
 
 from tiercake.kvstore import Durability, ErrorCode, NoSpace, ObjectNotFound
+from tiercake.tiers.pool import remove_pool
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -494,6 +495,15 @@ async def node_lease(store) -> int:
     return member.lease
 
 
+def same_address(cluster: KvCluster, name: str) -> int:
+    """The node agent's next start listens where it listens now; its port."""
+    config, port = cluster.config(name), cluster.announced[name]["port"]
+    config.write_text(
+        config.read_text().replace("transfer: {host: 127.0.0.1", f"transfer: {{host: 127.0.0.1, port: {port}")
+    )
+    return port
+
+
 async def test_a_node_back_at_the_same_address_on_a_new_pool_gets_the_bytes_put_through_its_pool(tmp_path):
     """Same host, objects large enough to go through the node's pool: the node SIGKILLed, its pool
     file deleted (a reboot), and started again at the same address on a new pool. A client that had
@@ -508,11 +518,7 @@ async def test_a_node_back_at_the_same_address_on_a_new_pool_gets_the_bytes_put_
             big = 8 * MB  # over SHM_PUT_MIN_BYTES: through the pool
             await store.put("before", blob(1, big), durability=Durability(persist=True))
             assert await store.get("before") == blob(1, big)  # the pool is mapped here now
-            config = cluster.config("kv-a")
-            port = cluster.announced["kv-a"]["port"]
-            config.write_text(
-                config.read_text().replace("transfer: {host: 127.0.0.1", f"transfer: {{host: 127.0.0.1, port: {port}")
-            )
+            port = same_address(cluster, "kv-a")
             cluster.kill("kv-a")
             Path(cluster.pools["kv-a"]).unlink()
             cluster.start_node("kv-a")
@@ -530,6 +536,42 @@ async def test_a_node_back_at_the_same_address_on_a_new_pool_gets_the_bytes_put_
                 written[f"after{i}"] = blob(10 + i, big)
         async with cluster.store(transports=("tcp",)) as tcp:
             assert await lost(tcp, {"before": blob(1, big), **written}) == []
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("deleted", ["pool and directory", "pool"])
+async def test_a_same_host_reader_never_reads_what_a_node_back_from_a_reboot_removed(tmp_path, deleted):
+    """A client on the node's host reads small objects from the node's directory with no round trip,
+    while the node's lease runs. The node SIGKILLed and its pool and directory deleted (a reboot, the
+    chaos run's ``kill_node_without_pool``), back within its old lease: another client removes one
+    object and replaces another. The first client's mapping of the old directory still said both were
+    there, as the dead node left them, and it read them (the chaos run's one non-linearizable history).
+    It must see the remove and the new value. With the pool alone deleted, the new node takes the old
+    directory file over and publishes offsets in its new pool, which the reader read in the old one."""
+    cluster = KvCluster(tmp_path, nodes=("kv-a",), failover_s=30.0, member_ttl=30.0)
+    persist = Durability(persist=True)
+    try:
+        async with cluster.store() as reader, cluster.store(transports=("tcp",), retry_s=20.0) as writer:
+            await ready(reader, 1)
+            same_address(cluster, "kv-a")  # as ``tiercake up`` restarts it: the reader sees no move
+            await reader.put("gone", b"removed after the reboot", durability=persist)
+            await reader.put("changed", b"the old value", durability=persist)
+            got = await reader.get_many(["gone", "changed"])
+            assert [bytes(g) for g in got] == [b"removed after the reboot", b"the old value"]
+            assert reader.same_host.directory("kv-a") is not None  # read from the directory: no round trip
+            cluster.kill("kv-a")
+            if deleted == "pool":
+                Path(cluster.pools["kv-a"]).unlink()
+            else:
+                remove_pool(cluster.pools["kv-a"])  # the pool, its directory and object map: a reboot
+            cluster.start_node("kv-a")
+            await ready(writer, 1)
+            await writer.remove("gone", force=True)
+            await writer.put("changed", b"the new value", replace=True, durability=persist)
+            with pytest.raises(ObjectNotFound):
+                await reader.get("gone")
+            assert bytes(await reader.get("changed")) == b"the new value"
     finally:
         cluster.close()
 

@@ -47,7 +47,8 @@ class SameHost:
                     region.close(unlink=False)
                     region = None
                 elif info.objects_path:
-                    self._directories[node] = DirectoryReader(info.objects_path, region.array[region.data_offset :])
+                    data = region.array[region.data_offset :]
+                    self._directories[node] = DirectoryReader(info.objects_path, data, bytes.fromhex(region.instance))
         except (TransferError, OSError, PoolFormatError, RpcFailed) as exc:
             log.info("kvstore: %s's pool cannot be mapped here (%s): the stream carries its bytes", node, exc)
             region = None
@@ -59,9 +60,16 @@ class SameHost:
         return node in self.pools
 
     def directory(self, node: str) -> DirectoryReader | None:
-        """``node``'s directory, while it is valid (the node's lease surely alive)."""
+        """``node``'s directory, while it is valid (the node's lease surely alive); one gone stale (the
+        node restarted on a new directory or pool) is dropped with the pool mapped beside it, so that
+        the next request asks the node where they are now."""
         reader = self._directories.get(node)
-        return reader if reader is not None and reader.valid() else None
+        if reader is None:
+            return None
+        if reader.stale():
+            self.drop(node)
+            return None
+        return reader if reader.valid() else None
 
     def drop(self, node: str) -> None:
         """Forget ``node``'s pool and directory (it restarted elsewhere, or with a new pool)."""

@@ -118,4 +118,4 @@ def _directory(store: TieredStore, pool_tier: str | None) -> ObjectDirectory | N
         return None
     backend = store.tier(pool_tier).backend
     path = beside(backend.region.path, DIRECTORY_SUFFIX)
-    return ObjectDirectory(path, 2 * len(backend.index))
+    return ObjectDirectory(path, 2 * len(backend.index), bytes.fromhex(backend.region.instance))
