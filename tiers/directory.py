@@ -23,9 +23,19 @@ another pool (the node came back on a new one) must not read these offsets in it
 whose file was deleted (the node came back on a new directory file, as after a reboot) trusts nothing
 in it however long its lease seemed to run: the new node may have removed what it lists.
 
+Mooncake's read lease: a get holds the object against removes (without force) for the lease's TTL,
+because its master, which grants the lease, is the one that removes. A read here asks nobody, so the
+reader writes when it read beside the entry (``reads``, one f64 per entry, CLOCK_MONOTONIC) before it
+copies, and the node, before it removes, takes the entry out and then looks (``withdraw``). The two
+are a Dekker pair (each stores, then loads what the other stored): x86 may let a load pass an earlier
+store, so each side puts a full barrier between them (``_fence``), and then either the node sees the
+read (the object stays, leased) or the reader sees the entry moved (it asks the node, which has
+removed it). Two readers of one entry at once may leave the earlier of two nearly equal times.
+
     header (4 KiB): magic, format, capacity (a power of two), instance, pool instance, valid_until (f64)
     entries, 64 bytes each: sequence u32, state u8 (0 empty, 1 live, 2 removed), _, object id 32 B,
                             pool offset u64, size u64, version u64
+    reads, 8 bytes each: when a same-host reader last copied the entry's object (f64; 0: never)
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import mmap
 import os
 import platform
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +66,20 @@ def ordered_memory() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
+_BARRIER = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: taking an uncontended lock is a locked read-modify-write, which x86
+    orders against every earlier store and later load (what ``mfence`` does)."""
+    _BARRIER.acquire()
+    _BARRIER.release()
+
+
+def _file_bytes(capacity: int) -> int:
+    return HEADER_BYTES + capacity * (ENTRY_BYTES + 8)
+
+
 def _start(oid: bytes, mask: int) -> int:
     return int.from_bytes(oid[8:16], "little") & mask
 
@@ -72,7 +97,7 @@ class ObjectDirectory:
             size <<= 1
         self.path = Path(path)
         self.capacity = size
-        total = HEADER_BYTES + size * ENTRY_BYTES
+        total = _file_bytes(size)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, total)
@@ -81,10 +106,13 @@ class ObjectDirectory:
             os.close(fd)
         struct.pack_into("<d", self._mem, _VALID_AT, 0.0)  # nothing here is to be trusted until it is rebuilt
         # every entry empty, its sequence moved on (a reader midway through an old entry reads again)
-        entries = np.frombuffer(self._mem, dtype=np.uint32, offset=HEADER_BYTES).reshape(size, ENTRY_BYTES // 4)
+        entries = np.frombuffer(self._mem, dtype=np.uint32, offset=HEADER_BYTES, count=size * ENTRY_BYTES // 4)
+        entries = entries.reshape(size, ENTRY_BYTES // 4)
         entries[:, 0] += 2
         entries[:, 1] = 0
         del entries
+        self._reads = np.frombuffer(self._mem, dtype=np.float64, offset=HEADER_BYTES + size * ENTRY_BYTES, count=size)
+        self._reads[:] = 0.0
         self.instance = os.urandom(16)
         _HEAD.pack_into(self._mem, 0, _MAGIC, _FORMAT, size, self.instance, pool_instance, 0.0)
         self._where: dict[bytes, int] = {}  # object id -> its entry
@@ -94,9 +122,10 @@ class ObjectDirectory:
         """Readers may trust the directory until ``until`` (CLOCK_MONOTONIC): the node's lease."""
         struct.pack_into("<d", self._mem, _VALID_AT, until)
 
-    def publish(self, oid: bytes, offset: int, size: int, version: int) -> bool:
+    def publish(self, oid: bytes, offset: int, size: int, version: int, read_at: float = 0.0) -> bool:
         """The object's current version lies at ``offset`` of the pool's data space; False when the
-        directory has no room (readers then ask the node)."""
+        directory has no room (readers then ask the node). An object not listed yet starts with its
+        last read at ``read_at`` (an upsert's new version keeps the entry and its reads)."""
         at = self._where.get(oid)
         if at is None:
             if (self._used + 1) * 4 > self.capacity * 3:
@@ -106,6 +135,7 @@ class ObjectDirectory:
             at = self._free_entry(oid)
             self._where[oid] = at
             self._used += 1
+            self._reads[at] = read_at
         self._write(at, LIVE, oid, offset, size, version)
         return True
 
@@ -114,6 +144,17 @@ class ObjectDirectory:
         if at is not None:
             self._write(at, REMOVED, oid, 0, 0, 0)
 
+    def withdraw(self, oid: bytes) -> float:
+        """Unpublish ahead of a remove and say when a same-host reader last copied the object
+        (CLOCK_MONOTONIC; 0.0: never, or not listed). A read that this does not see fails its own
+        check and asks the node (the module's docstring)."""
+        at = self._where.pop(oid, None)
+        if at is None:
+            return 0.0
+        self._write(at, REMOVED, oid, 0, 0, 0)
+        _fence()
+        return float(self._reads[at])
+
     def clear(self) -> None:
         for oid in list(self._where):
             self.unpublish(oid)
@@ -121,6 +162,7 @@ class ObjectDirectory:
 
     def close(self, unlink: bool = False) -> None:
         self.set_valid_until(0.0)
+        del self._reads  # (an exported view keeps the mapping from closing)
         self._mem.close()
         if unlink:
             self.path.unlink(missing_ok=True)
@@ -144,15 +186,15 @@ class ObjectDirectory:
     def _rebuild(self) -> None:
         """Empty the removed entries (probe chains otherwise only grow): every live one moved to where
         a fresh insert would put it."""
-        live = [(oid, self._read(at)) for oid, at in self._where.items()]
+        live = [(oid, self._read(at), float(self._reads[at])) for oid, at in self._where.items()]
         for at in range(self.capacity):
             pos = HEADER_BYTES + at * ENTRY_BYTES
             if self._mem[pos + 4] != EMPTY:
                 self._write(at, EMPTY, b"\0" * 32, 0, 0, 0)
         self._where.clear()
         self._used = 0
-        for oid, (offset, size, version) in live:
-            self.publish(oid, offset, size, version)
+        for oid, (offset, size, version), read_at in live:
+            self.publish(oid, offset, size, version, read_at)
 
     def _read(self, at: int) -> tuple[int, int, int]:
         _, _, _, offset, size, version = _ENTRY.unpack_from(self._mem, HEADER_BYTES + at * ENTRY_BYTES)
@@ -166,17 +208,26 @@ class DirectoryReader:
         """``pool_data``: the data space of the node's pool region as mapped here; ``pool_instance``:
         that region's instance id (the directory is read only while it names the same)."""
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY)  # kept: its link count says whether the file was deleted
+        try:  # kept open: its link count says whether the file was deleted
+            self._fd, prot = os.open(self.path, os.O_RDWR), mmap.PROT_READ | mmap.PROT_WRITE
+        except PermissionError:  # reads, but no leases: the node learns of them from the notes alone
+            self._fd, prot = os.open(self.path, os.O_RDONLY), mmap.PROT_READ
         try:
             size = os.fstat(self._fd).st_size
-            self._mem = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._mem = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=prot)
         except OSError:
             os.close(self._fd)
             raise
         magic, fmt, capacity, self.instance, _, _ = _HEAD.unpack_from(self._mem, 0)
-        if magic != _MAGIC or fmt != _FORMAT or HEADER_BYTES + capacity * ENTRY_BYTES > size:
-            self.close()
+        if magic != _MAGIC or fmt != _FORMAT or _file_bytes(capacity) > size:
+            self._mem.close()
+            os.close(self._fd)
             raise ValueError(f"{path}: not an object directory")
+        self._reads = (
+            np.frombuffer(self._mem, dtype=np.float64, offset=HEADER_BYTES + capacity * ENTRY_BYTES, count=capacity)
+            if prot & mmap.PROT_WRITE
+            else None
+        )
         self.mask = capacity - 1
         self.pool = pool_data
         self.pool_instance = pool_instance
@@ -211,6 +262,9 @@ class DirectoryReader:
                     return size
                 if offset + size > self.pool.size:
                     return None
+                if self._reads is not None:  # the lease, before the copy and its check (``withdraw``)
+                    self._reads[at] = time.monotonic()
+                    _fence()
                 target = out[:size] if out is not None else np.empty(size, dtype=np.uint8)
                 target[:] = self.pool[offset : offset + size]
                 if struct.unpack_from("<I", mem, pos)[0] == seq:
@@ -221,5 +275,6 @@ class DirectoryReader:
         return None
 
     def close(self) -> None:
+        self._reads = None
         self._mem.close()
         os.close(self._fd)

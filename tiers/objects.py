@@ -487,6 +487,21 @@ class ObjectTable:
     def leased(stored: Stored) -> bool:
         return stored.lease_until > time.monotonic()
 
+    def withdraw(self, stored: Stored) -> bool:
+        """Ahead of a remove without force: False while a reader's lease holds the object (granted by
+        this node, or a same-host reader's copy from the directory: then made this node's own lease,
+        and the object published again); True when it may go (out of the directory already)."""
+        if self.leased(stored):
+            return False
+        if self.directory is None:
+            return True
+        read_at = self.directory.withdraw(stored.oid)
+        if read_at + self.lease_ttl <= time.monotonic():
+            return True
+        self.lease(stored, age=max(0.0, time.monotonic() - read_at))
+        self.publish(stored)
+        return False
+
     # Reading ----------------------------------------------------------------------------------------
 
     def read_lease(self, stored: Stored):

@@ -182,6 +182,28 @@ async def test_a_get_or_an_exists_grants_mooncakes_read_lease(store, cluster):
     assert not await store.exists("checked")
 
 
+async def test_a_same_host_read_holds_its_lease_against_every_other_client(cluster):
+    """Mooncake's get is granted its lease by the master, so every other client's remove (without
+    force) and ``remove_all`` leave the object be. Ours, read from the node's directory with no round
+    trip, is written where the node looks before it removes: another client finds it at once, not
+    only once the reader's next request to the node tells of it."""
+    tenant = f"t{uuid.uuid4().hex[:8]}"
+    async with (
+        cluster.store(tenant=tenant) as reader,
+        cluster.store(tenant=tenant, transports=("tcp",)) as other,
+    ):
+        await ready(reader, 2)
+        await other.put_many(["held", "free"], [b"read here", b"never read"])
+        assert bytes(await reader.get("held")) == b"read here"
+        assert any(reader.same_host.directory(n) is not None for n in reader.members)  # no round trip
+        assert await other.remove_all() == 1  # "free" only
+        with pytest.raises(ObjectHasLease):
+            await other.remove("held")
+        assert bytes(await other.get("held")) == b"read here"
+        await asyncio.sleep(cluster.lease_ttl_s + 0.3)
+        assert await other.remove_all() == 1  # the lease ran out
+
+
 async def test_replicated_objects_are_on_the_slots_nodes_and_more_than_there_are_is_refused(store):
     await store.put("one", b"memory level")
     await store.put("two", b"on two nodes", durability=Durability(replicas=2))

@@ -90,3 +90,23 @@ def test_a_lapsed_lease_stops_reads_without_making_the_reader_stale(path):
     assert not reader.valid() and not reader.stale()
     directory.close(unlink=True)
     reader.close()
+
+
+def test_a_read_is_marked_where_the_node_looks_before_it_removes(path):
+    """Mooncake's read lease with no round trip: a copy from the directory leaves its time beside the
+    entry, and the node's ``withdraw`` (ahead of a remove) sees it; an object nobody read shows none."""
+    data, pool_id = pool(7, os.urandom(16))
+    directory = node(path, pool_id)
+    other = bytes(reversed(OID))
+    assert directory.publish(other, 8192, 10, 1)
+    reader = DirectoryReader(path, data, pool_id)
+    before = time.monotonic()
+    assert reader.read(OID, None) is not None
+    assert directory.withdraw(OID) >= before
+    assert reader.read(OID, None) is None  # withdrawn: the reader asks the node
+    assert directory.withdraw(other) == 0.0
+    assert directory.withdraw(b"\0" * 32) == 0.0  # never listed
+    assert directory.publish(OID, 4096, 100, 2)  # listed again: a fresh entry, no read of it yet
+    assert directory.withdraw(OID) == 0.0
+    directory.close(unlink=True)
+    reader.close()

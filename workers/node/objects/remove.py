@@ -49,7 +49,7 @@ class Remover:
             stored = self.table.get(oid)
             if stored is None:
                 return w.Result(Status.NOT_FOUND)
-            if not force and self.table.leased(stored):
+            if not force and not self.table.withdraw(stored):
                 return w.Result(Status.LEASED, "a reader's lease holds it (Mooncake's default_kv_lease_ttl)")
             slot, replicated = self.ownership.slot_of(oid), stored.meta.replicas > 1
             if self.replicator.wants(slot, replicated):
@@ -58,6 +58,7 @@ class Remover:
                         slot, w.Replica(tenant, name, stored.version, removed=True), None, replicated=replicated
                     )
                 except ReplicaUnsafe as exc:
+                    self.table.publish(stored)  # not removed: same-host readers find it again
                     return w.Result(Status.REPLICA_FAILED, str(exc))
             self.table.remove(oid)
             await self.table.retired()  # answered once no block of it is left for a restart to find
