@@ -60,17 +60,22 @@ class KvCluster:
         (tmp / "conductor.yaml").write_text(
             f"store: {{tiers: [{{kind: pool, capacity: 1MiB}}]}}\nobjects: {self.objects}\n"
         )
-        for i in range(conductors):
-            self.conductors.append(self.start_conductor(i))
-            if i == 0 and conductors > 1:
-                time.sleep(1.0)  # the first one wins the election
-        self.urls = [url for _, url in self.conductors]
-        self.url = self.urls[0]
         self.nodes: dict = {}
         self.metrics = metrics
         self.announced: dict[str, dict] = {}
-        for name in nodes if start else ():
-            self.start_node(name)
+        try:  # a process that fails to start leaves none of the others running (a module fixture's
+            # teardown never runs when its setup raised)
+            for i in range(conductors):
+                self.conductors.append(self.start_conductor(i))
+                if i == 0 and conductors > 1:
+                    time.sleep(1.0)  # the first one wins the election
+            self.urls = [url for _, url in self.conductors]
+            self.url = self.urls[0]
+            for name in nodes if start else ():
+                self.start_node(name)
+        except BaseException:
+            self.close()
+            raise
 
     def start_conductor(self, i: int):
         args = [
