@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from tiercake.conductor.etcd import EtcdBackend, LeaseRenewals
+from tiercake.conductor.etcd import EtcdBackend
 from tiercake.conductor.metadata import (
     TXN_OPS,
     Delete,
@@ -82,8 +82,8 @@ async def test_lease_keys_vanish_when_it_expires(backend, ns):
 
 @pytest.mark.cluster
 async def test_concurrent_renewals_each_get_their_own_answer(backend):
-    """A fleet's keep-alives at once (etcd sends them in batches, ``LeaseRenewals``): every live lease
-    is renewed, every revoked one says so, and one lease renewed twice at once answers both."""
+    """A fleet's keep-alives at once: every live lease is renewed, every revoked one says so, and one
+    lease renewed twice at once answers both."""
     live = [await backend.grant_lease(30) for _ in range(300)]
     gone = [await backend.grant_lease(30) for _ in range(5)]
     for lease in gone:
@@ -94,27 +94,6 @@ async def test_concurrent_renewals_each_get_their_own_answer(backend):
     assert all(isinstance(r, LeaseNotFoundError) for r in results[300:305]), results[300:305]
     for lease in live:
         await backend.revoke_lease(lease)
-
-
-async def test_renewals_asked_meanwhile_go_together_and_a_failed_batch_fails_only_its_own():
-    sent: list[list[int]] = []
-    fail = {7}
-
-    async def send(leases: list[int]) -> dict[int, int]:
-        sent.append(leases)
-        await asyncio.sleep(0.01)  # etcd's round trip: the next renewals gather meanwhile
-        if fail & set(leases):
-            raise MetadataUnavailableError("etcd is unavailable: a member cut off")
-        return {lease: 30 for lease in leases}
-
-    renewals = LeaseRenewals(send)
-    results = await asyncio.gather(*(renewals.refresh(lease) for lease in range(300)), return_exceptions=True)
-    assert [len(batch) for batch in sent] == [128, 128, 44]  # not 300 streams
-    failed = {i for i, r in enumerate(results) if isinstance(r, MetadataUnavailableError)}
-    assert failed == set(range(128)) and all(r == 30 for r in results[128:])  # lease 7's batch only
-    fail.clear()
-    assert await renewals.refresh(7) == 30  # and the next renewal goes by itself, at once
-    assert sent[-1] == [7]
 
 
 @pytest.mark.cluster
