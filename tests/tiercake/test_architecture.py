@@ -190,9 +190,60 @@ MAX_CLASS_LINES = 350  # in the services: conductor/ and workers/
 MAX_MODULE_LINES = 800
 
 
+def module_of(root, folder: str, path) -> str:
+    """The dotted name a file of ``folder`` is imported as (the parts are installed as tiercake.*)."""
+    rel = path.relative_to(root / folder).with_suffix("")
+    package = "tiercake" if folder == "tiercake" else f"tiercake.{folder}"
+    return ".".join([package, *(p for p in rel.parts if p != "__init__")])
+
+
+def class_lines(root=ROOT) -> dict[str, tuple[int, int]]:
+    """Every class of the package, by ``module.Class``: (its own lines, with its mixins'), a mixin
+    being any base class of the package that is not a contract (an ``ABC`` or ``Protocol``): a class
+    split over files is one class, however its parts are spread."""
+    names: dict[str, dict[str, str]] = {}  # module -> a name it binds -> what it names
+    defined: dict[str, tuple[int, list[str], bool]] = {}  # module.Class -> (lines, bases, a contract)
+    for folder in ("tiercake", *sorted(PARTS)):
+        for path in (root / folder).rglob("*.py"):
+            module = module_of(root, folder, path)
+            here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            bound = names.setdefault(module, {})
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    target = base if node.level else (node.module or "")
+                    bound.update({a.asname or a.name: f"{target}.{a.name}" for a in node.names})
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef):
+                    bases = [ast.unparse(b) for b in node.bases]
+                    contract = any(b.split(".")[-1] in ("ABC", "Protocol") for b in bases)
+                    bound[node.name] = f"{module}.{node.name}"
+                    defined[f"{module}.{node.name}"] = (node.end_lineno - node.lineno + 1, bases, contract)
+
+    def resolve(module: str, name: str, hops: int = 0) -> str | None:
+        """The class a name bound in ``module`` is, following re-exports."""
+        target = names.get(module, {}).get(name)
+        if target is None or target in defined or hops > 5:
+            return target
+        owner, _, short = target.rpartition(".")
+        return resolve(owner, short, hops + 1)
+
+    def total(qualified: str, seen: frozenset = frozenset()) -> int:
+        lines, bases, _ = defined[qualified]
+        module = qualified.rpartition(".")[0]
+        for base in bases:
+            mixin = resolve(module, base)
+            if mixin in defined and mixin not in seen and not defined[mixin][2]:
+                lines += total(mixin, seen | {qualified})
+        return lines
+
+    return {q: (defined[q][0], total(q)) for q in defined}
+
+
 def sizes(root=ROOT) -> list[str]:
-    """What is over the limits: a function that needs a scroll, a service class with several jobs,
-    a module too long to hold in mind."""
+    """What is over the limits: a function that needs a scroll, a service class with several jobs
+    (its mixins counted with it), a module too long to hold in mind."""
     over = []
     for part in ("tiercake", *sorted(PARTS)):
         for path in sorted((root / part).rglob("*.py")):
@@ -204,8 +255,10 @@ def sizes(root=ROOT) -> list[str]:
                 lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > MAX_FUNCTION_LINES:
                     over.append(f"{name}: {node.name} is {lines} lines")
-                if isinstance(node, ast.ClassDef) and part in ("conductor", "workers") and lines > MAX_CLASS_LINES:
-                    over.append(f"{name}: class {node.name} is {lines} lines")
+    for qualified, (own, whole) in class_lines(root).items():
+        if qualified.split(".")[1] in ("conductor", "workers") and whole > MAX_CLASS_LINES:
+            mixins = "" if whole == own else f" with its mixins ({own} of its own)"
+            over.append(f"class {qualified} is {whole} lines{mixins}")
     return over
 
 
@@ -220,3 +273,20 @@ def test_the_size_check_finds_a_long_function(tmp_path):
     for part in ("tiercake", *PARTS):
         (tmp_path / part).mkdir(exist_ok=True)
     assert sizes(tmp_path) == [f"workers/long.py: long is {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def test_the_size_check_counts_a_class_with_its_mixins(tmp_path):
+    """Split over two files, neither part past the limit, the class is still one class; a contract
+    (an ABC) it implements is not counted with it."""
+    for part in ("tiercake", *PARTS):
+        (tmp_path / part).mkdir(exist_ok=True)
+    half = "".join(f"    def m{i}(self):\n        return {i}\n" for i in range(MAX_CLASS_LINES // 3))
+    (tmp_path / "workers" / "mixin.py").write_text(f"class Half:\n{half}")
+    (tmp_path / "workers" / "contract.py").write_text(f"from abc import ABC\n\n\nclass Engine(ABC):\n{half}")
+    (tmp_path / "workers" / "server.py").write_text(
+        f"from .mixin import Half\nfrom .contract import Engine\n\n\nclass Server(Half, Engine):\n{half}"
+    )
+    own = 1 + 2 * (MAX_CLASS_LINES // 3)
+    assert sizes(tmp_path) == [
+        f"class tiercake.workers.server.Server is {2 * own} lines with its mixins ({own} of its own)"
+    ]

@@ -1,5 +1,5 @@
 """Requests answered by the event loop's reader callback (``transfer/inbox.py``, and the object
-answers it drives, ``workers/node/objects/answer_now.py``): frames that arrive together, or a byte at a
+answers it drives, the ``now`` doors of ``workers/node/objects/``): frames that arrive together, or a byte at a
 time, are each answered once and in order; what the callback declines reaches the connection's
 task; a bad frame or a peer that leaves ends the connection with the reason. Then against a node
 agent: a put whose bytes trickle in is finished by the task, and a get whose reply the socket will

@@ -1,7 +1,8 @@
 """The node's side of the key-value store: the objects of the slots the object map gives this node.
 
-``ownership.py`` decides which slots it serves (its map, its lease), ``serve.py`` answers the object
-operations on the transfer port, ``replication.py`` keeps each slot's backups in step, and the state
+``ownership.py`` decides which slots it serves (its map, its lease), ``serve.py`` routes the object
+operations on the transfer port to a module each (``put.py``, ``get.py``, ``query.py``, ``remove.py``,
+``replicate.py``), ``replication.py`` keeps each slot's backups in step, and the state
 itself is ``tiercake.tiers.objects.ObjectTable``. ``NodeObjects`` puts them together for the node
 agent; the contract they keep is in docs/ARCHITECTURE.md ("The key-value store").
 """

@@ -27,6 +27,7 @@ from pathlib import Path
 from tiercake.blocks import object_slot
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import KeepAliveReply, ObjectMap
+from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import Status
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Ownership:
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
 
     async def _refresh(self) -> None:
+        assert self.client is not None  # refresh_soon starts it only with a client
         for attempt in range(50):
             try:
                 fetched = await self.client.object_map()
@@ -92,6 +94,7 @@ class Ownership:
             await asyncio.sleep(0.05)  # a follower that has not seen the newest map yet: ask again
 
     async def _offer(self, saved: ObjectMap) -> None:
+        assert self.client is not None  # offered only with a client
         try:
             answer = await self.client.seed_object_map(saved)
         except ConductorError as exc:
@@ -147,6 +150,11 @@ class Ownership:
         if slot in self.frozen or not self.lease_alive() or self.map.epoch < self.known_epoch:
             return Status.UNAVAILABLE
         return None
+
+    def refusal(self, oid: bytes, client_epoch: int) -> w.Result | None:
+        """``serves`` for the object ``oid``, as an item's answer: None when this node serves it."""
+        status = self.serves(self.slot_of(oid), client_epoch)
+        return None if status is None else w.Result(status, f"by map epoch {self.map.epoch}")
 
     def backups(self, slot: int) -> list[str]:
         chain = self.map.chains[slot] if 0 <= slot < self.map.slots else []

@@ -7,7 +7,6 @@ serves, and says which it could not remove yet, so that the caller asks again.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from tiercake.blocks import object_id
 from tiercake.tiers.objects import ObjectTable, compile_pattern
@@ -19,15 +18,8 @@ from .replication import Replicator, ReplicaUnsafe
 
 
 class Remover:
-    def __init__(
-        self,
-        table: ObjectTable,
-        ownership: Ownership,
-        replicator: Replicator,
-        owner_check: Callable[[bytes, int], w.Result | None],
-    ) -> None:
+    def __init__(self, table: ObjectTable, ownership: Ownership, replicator: Replicator) -> None:
         self.table, self.ownership, self.replicator = table, ownership, replicator
-        self._owner_check = owner_check  # None where this node is the object's primary by that epoch
 
     async def remove(self, req: w.RemoveRequest) -> w.RemoveReply:
         if req.every:
@@ -43,7 +35,7 @@ class Remover:
             return w.Result(Status.INVALID, "an object needs a name")
         oid = object_id(name, tenant)
         async with self.table.lock(oid):
-            refused = self._owner_check(oid, epoch)
+            refused = self.ownership.refusal(oid, epoch)
             if refused is not None:
                 return refused
             stored = self.table.get(oid)

@@ -25,15 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
-from tiercake.blocks import object_id
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import ObjectMap, SlotReady
-from tiercake.tiers import StoreError, TierFullError
 from tiercake.tiers.objects import Meta, ObjectTable, Stored
 from tiercake.transfer import object_wire as w
 from tiercake.transfer.connection import Channels
@@ -42,6 +41,8 @@ from tiercake.transfer.protocol import FLAG_EAGER, Op, Status, TransferError
 from .ownership import Ownership
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 SYNC_BATCH_ITEMS = 64
 SYNC_BATCH_BYTES = 8 << 20
@@ -96,6 +97,7 @@ class Reporter:
         return await future
 
     async def _flush(self) -> None:
+        assert self.client is not None  # ``tell`` queues only with a client
         while self._queue:
             await asyncio.sleep(self.every)
             batch, self._queue = self._queue, []
@@ -202,7 +204,7 @@ class Replicator:
             if new.primary(slot) == self.node_id and slot not in self._handoffs:
                 task = asyncio.get_running_loop().create_task(self._hand_off(slot, target))
                 self._handoffs[slot] = task
-                task.add_done_callback(lambda t, s=slot: self._handoffs.get(s) is t and self._handoffs.pop(s))
+                task.add_done_callback(_forget_when_done(self._handoffs, slot))
         for slot, task in list(self._handoffs.items()):
             if new.handoff.get(slot) is None or new.primary(slot) != self.node_id:
                 task.cancel()
@@ -210,7 +212,7 @@ class Replicator:
     def _start_sync(self, slot: int, backup: str) -> None:
         task = asyncio.get_running_loop().create_task(self._sync(slot, backup))
         self._syncs[(slot, backup)] = task
-        task.add_done_callback(lambda t, key=(slot, backup): self._syncs.get(key) is t and self._syncs.pop(key))
+        task.add_done_callback(_forget_when_done(self._syncs, (slot, backup)))
 
     # Forwarding -------------------------------------------------------------------------------------
 
@@ -473,83 +475,11 @@ class Replicator:
         return lease.host_array()[stored.offset : stored.offset + stored.size], lease.id
 
 
-class BackupSide:
-    """What a backup does with its primary's REPLICATE requests."""
+def _forget_when_done(tasks: dict[K, asyncio.Task[None]], key: K) -> Callable[[asyncio.Task[None]], None]:
+    """A done callback that takes ``key``'s task out of ``tasks``, unless another took its place."""
 
-    def __init__(self, node_id: str, table: ObjectTable, ownership: Ownership) -> None:
-        self.node_id = node_id
-        self.table = table
-        self.ownership = ownership
-        self.syncing: dict[int, set[bytes]] = {}  # slot -> the objects its primary sent since SYNC_BEGIN
+    def done(task: asyncio.Task[None]) -> None:
+        if tasks.get(key) is task:
+            del tasks[key]
 
-    async def accepts(self, request: w.ReplicateRequest) -> bool:
-        if request.epoch > self.ownership.map.epoch:
-            self.ownership.known_epoch = max(self.ownership.known_epoch, request.epoch)
-            self.ownership.refresh_soon()
-            deadline = time.monotonic() + 5.0
-            while self.ownership.map.epoch < request.epoch and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-        return self.ownership.is_backup(request.slot, request.primary)
-
-    def begin_sync(self, slot: int) -> None:
-        """The primary copies the slot here: what this node holds of it stays until the copy is over
-        (a returning node reconciles, it is not emptied first), and is then kept only as the primary
-        sent it."""
-        self.syncing[slot] = set()
-
-    def end_sync(self, slot: int) -> int:
-        """The copy is over: drop what the primary did not send (removed meanwhile, or never there).
-        How many objects went."""
-        sent = self.syncing.pop(slot, set())
-        gone = [s.oid for s in self.table if self.ownership.slot_of(s.oid) == slot and s.oid not in sent]
-        for oid in gone:
-            self.table.remove(oid)
-        return len(gone)
-
-    async def stage(self, request: w.ReplicateRequest) -> list:
-        """Per item: a ``Staged`` version to receive the bytes of, a ``Result`` (refused: its bytes are
-        dropped), or None (a removal, applied in ``finish``)."""
-        staged: list = []
-        for item in request.items:
-            if item.removed:
-                staged.append(None)
-                continue
-            try:
-                staged.append(
-                    await self.table.stage(
-                        object_id(item.name, item.tenant), item.tenant, item.name, item.size, meta_of(item)
-                    )
-                )
-            except TierFullError as exc:
-                staged.append(w.Result(Status.FULL, str(exc)))
-            except (StoreError, ValueError) as exc:
-                staged.append(w.Result(Status.INVALID, str(exc)))
-        return staged
-
-    async def finish(self, request: w.ReplicateRequest, staged: list) -> list[w.Result]:
-        results = []
-        for item, one in zip(request.items, staged):
-            oid = object_id(item.name, item.tenant)
-            if isinstance(one, w.Result):
-                results.append(one)
-                continue
-            if one is None:
-                self.table.remove(oid)
-                self.syncing.get(request.slot, set()).discard(oid)
-                await self.table.retired()  # as the primary's remove: nothing left for a restart to find
-                results.append(w.Result(Status.OK))
-                continue
-            self.syncing.get(request.slot, set()).add(oid)
-            held = self.table.get(oid)
-            if held is not None and held.version > item.version:  # versions only go forward: keep ours
-                await self.table.abort(one)
-                results.append(w.Result(Status.OK))
-                continue
-            try:
-                self.table.install(await self.table.prepare(one, item.version))
-                results.append(w.Result(Status.OK))
-            except TierFullError as exc:
-                results.append(w.Result(Status.FULL, str(exc)))
-            except (StoreError, OSError) as exc:
-                results.append(w.Result(Status.INTERNAL, str(exc)))
-        return results
+    return done
