@@ -53,10 +53,10 @@ from tiercake.messages import (
     PinReply,
     PinRequest,
     PlacementChange,
+    PlacementRemoveReply,
     PrefixHolding,
     RegisterReply,
     RegisterRequest,
-    RemoveReply,
     ReplicationTask,
     ReportReply,
     RevokeReply,
@@ -258,7 +258,7 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         async with conductor.ingest:
             body = await _batch(request, conductor, metrics, sized=False)
             removed, unknown = conductor.remove(body.tenant, body.keys, body.node, body.tier)
-        return reply(RemoveReply(removed=removed, unknown=unknown))
+        return reply(PlacementRemoveReply(removed=removed, unknown=unknown))
 
     async def pin(request: web.Request) -> web.Response:
         body = await _leader_only(request, conductor, PinRequest)

@@ -40,11 +40,11 @@ from tiercake.messages import (
     ObjectMap,
     PinPrefixReply,
     PinReply,
+    PlacementRemoveReply,
     PolicyReply,
     PrefixHolding,
     PrefixReply,
     RegisterReply,
-    RemoveReply,
     ReportReply,
     RevokeReply,
     SessionInfo,
@@ -244,7 +244,7 @@ class Client:
         removed = unknown = 0
         for i in range(0, len(keys), BATCH_KEYS):
             body = _batch(tenant, node, tier, keys[i : i + BATCH_KEYS])
-            data = await _keyed(self, RemoveReply, "/v1/placements/remove", body)
+            data = await _keyed(self, PlacementRemoveReply, "/v1/placements/remove", body)
             removed, unknown = removed + data.removed, unknown + data.unknown
         return removed, unknown
 

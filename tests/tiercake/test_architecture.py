@@ -290,3 +290,23 @@ def test_the_size_check_counts_a_class_with_its_mixins(tmp_path):
     assert sizes(tmp_path) == [
         f"class tiercake.workers.server.Server is {2 * own} lines with its mixins ({own} of its own)"
     ]
+
+
+def message_classes(root=ROOT) -> dict[str, list[str]]:
+    """Every class of a module that defines what crosses a process (it uses msgspec or pydantic),
+    by name: where each is defined."""
+    found: dict[str, list[str]] = {}
+    for folder in ("tiercake", *sorted(PARTS)):
+        for path in sorted((root / folder).rglob("*.py")):
+            text = path.read_text()
+            if "msgspec" not in text and "pydantic" not in text:
+                continue
+            for node in ast.parse(text).body:
+                if isinstance(node, ast.ClassDef) and node.bases:
+                    found.setdefault(node.name, []).append(str(path.relative_to(root)))
+    return found
+
+
+def test_no_two_message_classes_share_a_name():
+    """A reader of a trace or a log, or an import, never mistakes one message for another."""
+    assert {name: where for name, where in message_classes().items() if len(where) > 1} == {}

@@ -190,7 +190,7 @@ class RevokeReply(Reply):
     revoked: int
 
 
-class RemoveReply(Reply):
+class PlacementRemoveReply(Reply):
     removed: int
     unknown: int
 
