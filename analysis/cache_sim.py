@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from tiercake.policies.admission import AlwaysAdmit
 from tiercake.policies.base import AdmissionPolicy, BlockMeta, EvictionPolicy, SessionEvent, SessionState, one_victim
-from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord
+from tiercake.traces import TRACE_BLOCK_TOKENS, TraceRecord, oracle_announcements
 
 
 @dataclass(slots=True)
@@ -58,8 +58,9 @@ def _record_accesses(record: TraceRecord) -> list[Access]:
 
 
 # What a session-aware policy is told, from least to most: nothing; that sessions exist (active,
-# then paused, expiring by retention); also when they close; also the pause each turn announced.
-SESSION_INFO = ("none", "open", "close", "announced")
+# then paused, expiring by retention); also when they close; also the pause each turn announced (all
+# as the trace carries them); and, apart, the oracle: every pause and close from the trace's future.
+SESSION_INFO = ("none", "open", "close", "announced", "oracle")
 Event = Access | SessionEvent
 
 
@@ -68,13 +69,17 @@ def session_stream(
 ) -> list[Event]:
     """The access stream with each record's session events around its accesses: ACTIVE before (the
     turn's prompt), then PAUSED or, with ``info`` "close" or more, CLOSED after its last turn. Records
-    need ``session`` (``infer_sessions`` adds it); those without one get no events. ``announce_sigma``
-    puts a log-normal error on each announced pause (clients guess a tool call's length)."""
+    need ``session`` (``infer_sessions`` adds it); those without one get no events. Pauses and closes
+    are the trace's own, except at "oracle", the one level that reads the future
+    (``oracle_announcements``). ``announce_sigma`` puts a log-normal error on each announced pause
+    (clients guess a tool call's length)."""
     if info not in SESSION_INFO:
         raise ValueError(f"session info must be one of {', '.join(SESSION_INFO)}, got {info!r}")
     if not (math.isfinite(announce_sigma) and announce_sigma >= 0):
         raise ValueError(f"announce_sigma must be finite and >= 0, got {announce_sigma}")
     rng = random.Random(seed)
+    if info == "oracle":
+        records = oracle_announcements(records)
     out: list[Event] = []
     for record in records:
         if info == "none" or record.session is None:
@@ -92,7 +97,7 @@ def session_stream(
             out.append(SessionEvent(sid, SessionState.CLOSED, at, tenant=tenant))
             continue
         pause = None
-        if info == "announced" and record.pause_ms is not None:
+        if info in ("announced", "oracle") and record.pause_ms is not None:
             pause = record.pause_ms / 1000 * (math.exp(rng.gauss(0, announce_sigma)) if announce_sigma else 1.0)
         out.append(SessionEvent(sid, SessionState.PAUSED, at, keys, pause, tenant=tenant))
     return out

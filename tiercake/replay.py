@@ -107,8 +107,8 @@ async def replay(
 ) -> ReplayRun:
     """``control``: the control API's URL, for the cluster's own counters (default: ``target``, where
     the OpenAI API and the control API share a port). ``sessions``: each record's session goes with
-    it as the front's session headers (its pause as announced, scaled by ``time_scale``; its last
-    turn final). ``tenant``: every request under it (default: each record's own)."""
+    it as the front's session headers (the pause the trace announces, scaled by ``time_scale``, and its
+    close). ``tenant``: every request under it (default: each record's own)."""
     control = control or target
     before = await _cluster_view(control, control_token or api_key)
     async with Client([target], token=api_key, timeout=600, retries=3) as client:

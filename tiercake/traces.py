@@ -6,7 +6,10 @@
 A session is a conversation: each turn's prompt extends the previous turn's. ``pause_ms`` is the pause
 the client announced after the turn (a tool call's expected length), ``closes`` says the session
 ends with it, ``fork_of`` names the session a subagent forked from (sharing its prefix). Traces
-without them get them from ``infer_sessions``.
+without sessions get them from ``infer_sessions``, which reads only the past: a pause or a close the
+trace does not carry stays unknown, as it is to a cache while it serves. ``oracle_announcements``
+fills them from the trace's own future (the gap to the session's next turn, the last turn closing):
+an upper bound to compare with, never what a client was told.
 
 ``hash_ids`` are chained ids of 512-token prefix blocks (equal ids: a reusable prefix), so
 ``len(hash_ids) == ceil(input_length / 512)``. Readers validate every line and name the one that is
@@ -98,9 +101,9 @@ def infer_sessions(records: Iterable[TraceRecord], min_blocks: int = 2) -> list[
     from it). A prompt's partial last block is left out of the match, since the next turn fills it and
     its hash changes. A match shorter than ``min_blocks`` full blocks starts a new session instead
     (one block shared by every request is a system prompt, not a conversation). Each record gets
-    ``session``, ``turn``, ``fork_of`` and, from the trace's own future, ``pause_ms`` (the gap to its
-    session's next turn, as a client that announced it would have) and ``closes`` (its last turn).
-    Records that already carry a session keep it. Tenants are apart."""
+    ``session``, ``turn`` and ``fork_of``, from what came before it only; its ``pause_ms`` and
+    ``closes`` stay as the trace carries them. Records that already carry a session keep it. Tenants
+    are apart."""
     if min_blocks < 1:
         raise ValueError(f"min_blocks must be >= 1, got {min_blocks}")
     records = list(records)
@@ -130,19 +133,28 @@ def infer_sessions(records: Iterable[TraceRecord], min_blocks: int = 2) -> list[
         full = len(record.hash_ids) - (record.input_length % TRACE_BLOCK_TOKENS != 0)
         if full >= 1:
             ends[(record.tenant, record.hash_ids[full - 1])] = n
-    next_turn: dict[str, int] = {}
-    out: list[TraceRecord] = [records[0]] * len(records)
+    return [
+        record.model_copy(update={"session": session, "turn": turn, "fork_of": record.fork_of or fork})
+        for record, session, turn, fork in zip(records, session_of, turn_of, fork_of)
+    ]
+
+
+def oracle_announcements(records: Iterable[TraceRecord]) -> list[TraceRecord]:
+    """The records as if every client had known its future: each turn's ``pause_ms`` the exact gap to
+    its session's next turn, ``closes`` true on its last. It reads what is yet to come, so it scores
+    the ``oracle`` level only (records need ``session``; those without one are left as they are)."""
+    records = list(records)
+    out = list(records)
+    later: dict[tuple, TraceRecord] = {}  # (tenant, session) -> its next turn, walking backwards
     for n in range(len(records) - 1, -1, -1):
-        record, session = records[n], session_of[n]
-        later = next_turn.get(session)
-        next_turn[session] = n
-        pause = record.pause_ms
-        if pause is None and later is not None:
-            pause = max(0, records[later].timestamp - record.timestamp)
-        closes = record.closes if record.closes is not None else later is None
-        update = {"session": session, "turn": turn_of[n], "pause_ms": pause, "closes": closes}
-        update["fork_of"] = record.fork_of or fork_of[n]
-        out[n] = record.model_copy(update=update)
+        record = records[n]
+        if record.session is None:
+            continue
+        key = (record.tenant, record.session)
+        after = later.get(key)
+        later[key] = record
+        pause = None if after is None else max(0, after.timestamp - record.timestamp)
+        out[n] = record.model_copy(update={"pause_ms": pause, "closes": after is None})
     return out
 
 

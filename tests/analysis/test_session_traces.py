@@ -7,7 +7,14 @@ from tiercake.agent_traces import AgentShape, agentic_trace
 from tiercake.analysis.cache_sim import SESSION_INFO, TierSpec, accesses, optimum, session_stream, simulate
 from tiercake.policies import LRU, SessionAware, create_eviction
 from tiercake.policies.base import SessionEvent, SessionState
-from tiercake.traces import TraceRecord, infer_sessions, read_trace, synthetic_trace, write_trace
+from tiercake.traces import (
+    TraceRecord,
+    infer_sessions,
+    oracle_announcements,
+    read_trace,
+    synthetic_trace,
+    write_trace,
+)
 
 BLANK = dict(session=None, turn=None, pause_ms=None, closes=None, fork_of=None)
 
@@ -53,8 +60,11 @@ def test_a_request_extending_a_whole_prompt_continues_its_session_and_a_second_o
     assert [r.session for r in out] == ["s0", "s0", "s0", "s3", "s4"]
     assert [r.turn for r in out] == [0, 1, 2, 0, 0]
     assert out[3].fork_of == "s0" and out[4].fork_of is None
-    assert [r.pause_ms for r in out] == [1000, 2000, None, None, None]
-    assert [r.closes for r in out] == [False, False, True, True, True]
+    # the inference reads the past only: the pauses and closes the trace lacks stay unknown
+    assert [(r.pause_ms, r.closes) for r in out] == [(None, None)] * 5
+    told = oracle_announcements(out)  # what a client that knew its future would have said
+    assert [r.pause_ms for r in told] == [1000, 2000, None, None, None]
+    assert [r.closes for r in told] == [False, False, True, True, True]
     assert infer_sessions([]) == []
     with pytest.raises(ValueError):
         infer_sessions(records, min_blocks=0)
@@ -72,7 +82,8 @@ def test_the_inference_recovers_the_generators_sessions():
     inferred = infer_sessions([r.model_copy(update=BLANK) for r in truth])
     assert partition(inferred) == partition(truth)
     assert [r.turn for r in inferred] == [r.turn for r in truth]
-    assert [r.closes for r in inferred] == [r.closes for r in truth]
+    assert not any(r.closes for r in inferred)  # nothing announced them
+    assert [r.closes for r in oracle_announcements(inferred)] == [r.closes for r in truth]
 
 
 def test_with_subagents_the_inference_recovers_each_family_and_its_forks():
@@ -119,7 +130,7 @@ class Recording(LRU):
 def test_the_simulator_tells_every_tier_of_sessions_and_the_optimum_ignores_them():
     records = infer_sessions([rec([1, 2], t=0), rec([1, 2, 3], t=2000)])
     tiers = [TierSpec(1, Recording()), TierSpec(10, Recording())]
-    stream = session_stream(records, "announced")
+    stream = session_stream(records, "oracle")
     assert simulate(stream, tiers).accesses == 5
     for tier in tiers:
         states = [(e.state, e.at, e.resume_in) for e in tier.eviction.events]
@@ -156,6 +167,25 @@ def test_the_session_policy_is_never_below_lru_whatever_it_is_told(shape):
         for info in SESSION_INFO[1:]:  # told nothing, it is its fallback (reuse: never below LRU, tested apart)
             aware = simulate(session_stream(records, info), [TierSpec(capacity, create_eviction("session"))])
             assert aware.hit_ratio >= lru, (shape, capacity, info, aware.hit_ratio, lru)
+
+
+def test_only_the_oracle_reads_the_future():
+    """On a trace whose records carry sessions but no pauses or closes, "announced" and "close" tell
+    the policy exactly what "open" does, and score the same; the oracle tells it more. Cut the trace
+    short and every other level's events for what is left are unchanged: only the oracle's move."""
+    records = infer_sessions(synthetic_trace(600, tenants=2, seed=7))
+    assert all(r.session for r in records) and not any(r.pause_ms or r.closes for r in records)
+    opened = session_stream(records, "open")
+    assert session_stream(records, "announced") == opened == session_stream(records, "close")
+    scores = {
+        info: simulate(session_stream(records, info), [TierSpec(150, create_eviction("session"))]).hit_ratio
+        for info in ("open", "close", "announced", "oracle")
+    }
+    assert scores["open"] == scores["close"] == scores["announced"] != scores["oracle"]
+    cut = len(records) // 2
+    for info in SESSION_INFO:
+        short = session_stream(records[:cut], info)
+        assert (session_stream(records, info)[: len(short)] == short) == (info != "oracle"), info
 
 
 def share_of_optimum(records, capacity, info="announced", announce_sigma=0.0, fallback="lru"):
@@ -197,12 +227,12 @@ def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
     assert f"in {len({r.session for r in inferred})} sessions" in out
 
     tiercake(
-        "policy", "eval", "session", "--trace", "blank.jsonl", "--capacity", "100,300", "--sessions", "announced",
+        "policy", "eval", "session", "--trace", "blank.jsonl", "--capacity", "100,300", "--sessions", "oracle",
         "--json", "eval.json", "--plot", "eval.png", cwd=tmp_path,
     )  # fmt: skip
     figures = json.loads((tmp_path / "eval.json").read_text())["figures"]
     mine = [f for f in figures if f["name"] == "hit_ratio.session"]
-    assert len(mine) == 2 and all(f["params"]["sessions"] == "announced" for f in mine)
+    assert len(mine) == 2 and all(f["params"]["sessions"] == "oracle" for f in mine)
     for f in mine:
         lru = next(
             g for g in figures if g["name"] == "hit_ratio.lru" and g["params"]["capacity"] == f["params"]["capacity"]
@@ -214,7 +244,7 @@ def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
     assert report["bench"] == "sessions"
     names = {(f["name"], f["params"]["trace"]) for f in report["figures"]}
     for trace in ("agentic (generated)", "blank.jsonl"):
-        assert {("vs_blind.session.announced", trace), ("hit_ratio.session.announced", trace)} <= names
+        assert {("vs_blind.session.announced", trace), ("hit_ratio.session.oracle", trace)} <= names
     for f in report["figures"]:
         if f["name"].startswith("router."):  # the session router against ttft, simulated
             assert f["params"]["trace"] == "agentic (generated)" and f["value"] > 0 and f["limit"] > 0

@@ -183,19 +183,19 @@ async def test_a_synchronous_flush_waits_for_every_live_member_and_names_the_lat
     from tiercake.conductor.client import Client, ConductorError
 
     async with _front(ServingConfig(), [worker("silent"), worker("leaver")]) as (url, _):
-        async with Client([url], timeout=5) as ops:
+        async with Client([url], timeout=30) as ops:  # the flushes' own timeouts judge
             with pytest.raises(ConductorError) as late:
                 await ops.flush(wait=True, timeout_s=0.5)
             assert late.value.status == 504 and "leaver, silent" in str(late.value)
             epoch = await ops.flush()  # asynchronous: the epoch, at once
-            waiting = asyncio.create_task(ops.flush(["gpu"], wait=True, timeout_s=10))
+            waiting = asyncio.create_task(ops.flush(["gpu"], wait=True, timeout_s=20))
             await asyncio.sleep(0.3)
             await ops.flush_applied("silent", epoch + 1)
             await asyncio.sleep(0.3)
             assert not waiting.done()  # "leaver" has not confirmed yet
             members = {m.node_id: m for m in await ops.members()}
             await ops.leave("leaver", members["leaver"].lease)
-            assert await asyncio.wait_for(waiting, 5) == epoch + 1  # gone: no longer waited for
+            assert await waiting == epoch + 1  # gone: no longer waited for (else a 504 after 20 s)
 
 
 async def test_a_front_started_with_a_router_that_ignores_the_tiers_says_so(caplog):

@@ -3,12 +3,13 @@ of the tree-constrained optimum and as ratios to the best session-blind policy i
 
 Two traces: a generated agentic one (tool pauses announced with a 30% error, human chats that
 announce nothing, subagent fans) and, given ``--trace``, a trace in the Mooncake format with sessions
-inferred from its block chains (a turn extends its conversation's whole prompt), each turn's pause
-taken from the trace's own next turn as a client that announced it would have. The session-aware
-policy runs told four levels of information (``SESSION_INFO``): nothing, sessions only (open,
-expiring by retention), also when they close, also each announced pause; the conversation trace also
-with a 30% error on each announced pause. Then the ``session`` router against ``ttft`` in the
-cluster simulator, on the agentic trace.
+inferred from its block chains (a turn extends its conversation's whole prompt); such a trace
+announces no pause and no close. The session-aware policy runs told each level of information
+(``SESSION_INFO``): nothing, sessions only (open, expiring by retention), also when they close, also
+each announced pause (as the trace carries them), and the oracle, which reads every pause and close
+from the trace's future (an upper bound, never a figure of what a client tells); the conversation
+trace also with a 30% error on each oracle pause. Then the ``session`` router against ``ttft`` in
+the cluster simulator, on the agentic trace.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tiercake.traces import TraceRecord, infer_sessions, read_trace
 from .report import Report, machine
 
 BLIND = [("lru", "none", None, 0.0), ("reuse", "none", None, 0.0)]
-AWARE = [("session", info, None, 0.0) for info in ("open", "close", "announced")]
+AWARE = [("session", info, None, 0.0) for info in ("open", "close", "announced", "oracle")]
 
 
 async def run(quick: bool = False, trace: str | Path | None = None, live: bool = False) -> Report:
@@ -38,7 +39,7 @@ async def run(quick: bool = False, trace: str | Path | None = None, live: bool =
     sets.append(("agentic (generated)", agentic_trace(shape), [300, 1000], BLIND + AWARE))
     if trace is not None:
         records = await asyncio.to_thread(read_trace, trace, 4000 if quick else None)
-        noisy = [("session", "announced", None, 0.3)]
+        noisy = [("session", "oracle", None, 0.3)]
         sets.append((Path(trace).name, infer_sessions(records), [1000, 10_000], BLIND + AWARE + noisy))
     for name, records, capacities, runs in sets:
         scores = await asyncio.to_thread(evaluate_sessions, records, capacities, runs)

@@ -37,7 +37,7 @@ from .store import KiB, MiB, _warm
 from .transfer import Peer, _raw_seconds
 
 OPS = ("put", "get", "get_cold", "batch_put", "batch_get")
-BATCH = {64 * KiB: 32, 1 * MiB: 8, 16 * MiB: 2}
+BATCH = {4 * KiB: 128, 64 * KiB: 32, 1 * MiB: 8, 16 * MiB: 2}
 INSIDE = "TIERCAKE_BENCH_STORE_API_NETNS"  # set in the namespace's process
 MOONCAKE_PORT = 50091
 
@@ -45,7 +45,10 @@ MOONCAKE_PORT = 50091
 def plan(quick: bool) -> list[tuple[int, int, int]]:
     """(object bytes, objects, objects per batch) per size."""
     total = (16 if quick else 64) * MiB
-    return [(size, max(2, total // size), BATCH[size]) for size in (64 * KiB, 1 * MiB, 16 * MiB)]
+    small = (1024 if quick else 4096) * 4 * KiB  # 4 KiB objects: what Python costs per object, not bytes
+    return [(4 * KiB, small // (4 * KiB), BATCH[4 * KiB])] + [
+        (size, max(2, total // size), BATCH[size]) for size in (64 * KiB, 1 * MiB, 16 * MiB)
+    ]
 
 
 class Buffers:

@@ -399,9 +399,10 @@ def _policy(sub) -> None:
     peval.add_argument(
         "--sessions",
         default="none",
-        choices=["none", "open", "close", "announced"],
+        choices=["none", "open", "close", "announced", "oracle"],
         help="what the policy is told of sessions (inferred where the trace has none): nothing (default), that "
-        "they exist, also when they close, also each turn's announced pause",
+        "they exist, also when they close, also each turn's announced pause (closes and pauses as the trace "
+        "carries them); oracle: every pause and close read from the trace's future, an upper bound",
     )
     peval.add_argument("--plot", metavar="PATH", help="the PNG (default policy-eval-<policy>.png)")
     peval.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -438,8 +439,8 @@ def _replay(sub) -> None:
     rep.add_argument(
         "--sessions",
         action="store_true",
-        help="send each request's session as the front's session headers (inferred where the trace has none): "
-        "its pause announced, its last turn final; TTFT of resumed turns reported apart",
+        help="send each request's session as the front's session headers (inferred where the trace has none), "
+        "with the pause and close the trace announces; TTFT of resumed turns reported apart",
     )
     rep.add_argument("--plot", metavar="PATH", help="the PNG (default replay.png)")
     rep.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -509,9 +510,9 @@ def _trace(sub) -> None:
     tsessions = trace_sub.add_parser(
         "sessions",
         help="infer sessions in a trace without them: a turn extends its conversation's whole prompt",
-        description="Writes the trace with session, turn, fork_of, pause_ms (the gap to the session's next turn) "
-        "and closes (its last turn) on every request: a request whose full blocks extend a previous request's "
-        "whole prompt continues that session (the first to do so; later ones fork from it).",
+        description="Writes the trace with session, turn and fork_of on every request, from what came before it "
+        "only: a request whose full blocks extend a previous request's whole prompt continues that session (the "
+        "first to do so; later ones fork from it). Pauses and closes are left as the trace carries them.",
     )
     tsessions.add_argument("trace", help="a trace file in Mooncake's format (JSON lines)")
     tsessions.add_argument("--out", required=True, metavar="FILE", help="the trace file to write")
