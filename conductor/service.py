@@ -65,6 +65,7 @@ SETTINGS = b"/tiercake/settings/"  # cluster-wide run-time settings: flush epoch
 # acknowledged changes, ``workers.conductor_link.RECENT_S``); the window they re-report is its age
 # and a margin for the last poll's flight and the clocks' rates.
 MIRROR_FRESH_S = 30.0
+REGISTER_SEEN_S = 5.0  # how long a register waits for its own member record to come back through the watch
 INGEST_AT_ONCE = 2  # placement change batches parsed and applied in one turn of the loop, at most
 REREPORT_MARGIN_S = 2.0
 
@@ -333,6 +334,10 @@ class Conductor:
         lease = await self.meta.grant_lease(ttl)
         info = info.model_copy(update={"lease": lease})
         await self.meta.put(MEMBERS + info.node_id.encode(), info.model_dump_json().encode(), lease=lease)
+        # read your writes: the member's next request may come at once, and this conductor knows its
+        # members through a watch (a report right after a register was refused, 409, under load)
+        with contextlib.suppress(TimeoutError):
+            await self.members.wait_for(lambda m: _lease_of(m, info.node_id) == lease, REGISTER_SEEN_S)
         return lease
 
     def note_stats(self, member: str, stats: MemberStats) -> None:
@@ -466,3 +471,8 @@ class Conductor:
     def replication_tasks(self, node: str, limit: int = 64) -> list[ReplicaMove]:
         """What ``node`` should copy or drop now (``ReplicaPlanner.tasks``)."""
         return self.replicas.tasks(node, limit)
+
+
+def _lease_of(members: Membership, node: str) -> int | None:
+    member = members.members.get(node)
+    return None if member is None else member.lease

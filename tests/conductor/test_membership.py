@@ -213,3 +213,24 @@ async def test_a_new_terms_window_does_not_send_again_what_a_change_in_flight_re
         finally:
             await link.close(leave=False)
             await link.client.close()
+
+
+async def test_a_member_may_report_the_moment_its_register_returns(meta, monkeypatch):
+    """A conductor knows its members through a watch; a register answers only once its own record
+    came back through it, so the member's next request is never refused as a stranger's (here the
+    watch delivers every change half a second late; without the wait the report was a 409)."""
+    from tiercake.conductor.service import Conductor
+
+    applied = Membership._apply
+
+    def late(self, event):
+        asyncio.get_running_loop().call_later(0.5, applied, self, event)
+
+    monkeypatch.setattr(Membership, "_apply", late)
+    conductor = await Conductor(meta, f"c-{uuid.uuid4().hex[:6]}", ttl=2).start()
+    try:
+        node = f"n-{uuid.uuid4().hex[:6]}"
+        await conductor.register(MemberInfo(node_id=node, tiers={"pool": 1 << 20}), ttl=30)
+        assert conductor.report("t", [bytes(32)], node, "pool", [1]) == 1
+    finally:
+        await conductor.close()
