@@ -19,19 +19,32 @@ A paused session without an announced pause is expected to stay quiet as long ag
 back at all (learned online: most one-turn conversations never do). A paused session expires ``retain_s`` after its
 pause (its own ``retain_s`` or the policy's): its blocks become free. Time comes only from the events
 (``SessionEvent.at``), so the simulator and the live conductor drive it the same way.
+
+What clients tell may be worth less than a blind ordering's guess (sessions that never announce a
+pause, or are abandoned without a close): the policy keeps a shadow of the tier under its own
+ordering and under each of ``blind`` (LRU, ARC, S3-FIFO and ``reuse`` by default), and evicts in the
+order of whichever has hit most lately (``learned.Shadows``), so that it is never much below the best
+of them. While a blind ordering leads, tenant quotas still let go of sessions, but the blind order
+picks the victims.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .base import DEFAULT_RETAIN_S, BlockMeta, CanEvict, EvictionPolicy, Key, SessionEvent, SessionState, _always
-from .eviction import ReuseAware
+from .eviction import ARC, LRU, S3FIFO, ReuseAware
+from .learned import Shadows
+
+# the blind orderings a session policy learns against unless told otherwise: the best of them is
+# its floor (issue 48)
+BLIND: tuple[Callable[[], EvictionPolicy], ...] = (LRU, ARC, S3FIFO, ReuseAware)
 
 
 @dataclass(slots=True)
@@ -66,6 +79,9 @@ class SessionAware(EvictionPolicy):
         tenant_floor: float = 0.0,
         max_sessions: int = 1_000_000,
         max_tenant_sessions: int = 10_000,
+        blind: Sequence[Callable[[], EvictionPolicy]] | None = None,
+        half_life: float = 2.0,
+        margin: float = 0.05,
     ) -> None:
         """``tenant_quota``: the most a tenant's paused sessions retain in this tier (in the unit of
         ``BlockMeta.size``: bytes in a store, blocks in the simulator); past it, its sessions expected
@@ -75,7 +91,9 @@ class SessionAware(EvictionPolicy):
         whose retention ends first are let go early, of the newcomer's own tenant (past the total: of
         the tenant that holds the most), so that a client opening sessions without end costs bounded
         memory and another tenant's sessions nothing; a session there is no room for is not tracked
-        (its blocks are like any other's)."""
+        (its blocks are like any other's). ``blind``: factories of the session-blind orderings it
+        learns against (None: ``BLIND``; empty: it follows its own ordering always); ``half_life``
+        and ``margin`` as ``learned.Shadows`` takes them."""
         if max_sessions < 1 or max_tenant_sessions < 1:
             raise ValueError("max_sessions and max_tenant_sessions must be at least 1")
         if not (0 < retain_s < math.inf and 0 < initial_pause_s < math.inf):
@@ -111,6 +129,16 @@ class SessionAware(EvictionPolicy):
         self._now = 0.0
         self._pause_mean = initial_pause_s
         self._pauses_seen = 0
+        self._size = 0  # of every resident key, in the unit of BlockMeta.size
+        blind = BLIND if blind is None else tuple(blind)
+        self._blind = [make() for make in blind]  # each ordering over the real residents
+        self._shadows: Shadows | None = None
+        if self._blind:
+            twin = SessionAware(
+                copy.deepcopy(self._free), retain_s, initial_pause_s, tenant_quota, tenant_floor,
+                max_sessions, max_tenant_sessions, blind=(),
+            )  # fmt: skip
+            self._shadows = Shadows([twin, *(make() for make in blind)], half_life, margin)
 
     @classmethod
     def from_params(cls, params: dict[str, Any], create: Callable[..., EvictionPolicy]) -> SessionAware:
@@ -120,6 +148,13 @@ class SessionAware(EvictionPolicy):
         fallback = params.pop("fallback", "reuse")
         if fallback == cls.name:
             raise ValueError("the fallback of the session policy must be a session-blind policy")
+        blind = params.pop("blind", None)
+        if blind is not None:
+            if not isinstance(blind, list | tuple) or not all(isinstance(b, str) for b in blind):
+                raise ValueError("blind must be a list of session-blind policies' names")
+            if cls.name in blind:
+                raise ValueError("the session policy cannot learn against itself")
+            params["blind"] = [lambda name=name: create(name, None) for name in blind]
         return cls(create(fallback, params.pop("fallback_params", None)), **params)
 
     # --- blocks -----------------------------------------------------------------------------------
@@ -129,6 +164,11 @@ class SessionAware(EvictionPolicy):
             self.on_access(key)
             return
         self._metas[key] = meta
+        self._size += meta.size
+        if self._shadows is not None:
+            self._shadows.read(key, meta)
+        for ordering in self._blind:
+            ordering.on_insert(key, meta)
         if self._holders.get(key):
             self._hold(key)
             self._enforce_quota(self._owner[key])
@@ -138,14 +178,41 @@ class SessionAware(EvictionPolicy):
     def on_access(self, key: Key) -> None:
         if key not in self._held:
             self._free.on_access(key)
+        if self._shadows is not None and key in self._metas:
+            self._shadows.read(key, self._metas[key])
+        for ordering in self._blind:
+            ordering.on_access(key)
 
     def on_remove(self, key: Key) -> None:
+        self._forget(key)
+        if self._shadows is not None:
+            self._shadows.remove(key)
+
+    def _forget(self, key: Key, chooser: EvictionPolicy | None = None) -> None:
+        """``key`` is no longer resident, in every ordering but ``chooser``, which evicted it and
+        may remember it as a ghost (the shadows are told apart)."""
         if key in self._held:
             self._unhold(key)
-        self._metas.pop(key, None)
-        self._free.on_remove(key)
+        meta = self._metas.pop(key, None)
+        if meta is not None:
+            self._size -= meta.size
+        for ordering in (self._free, *self._blind):
+            if ordering is not chooser:
+                ordering.on_remove(key)
 
     def victims(self, n: int, can_evict: CanEvict = _always) -> list[Key]:
+        leader = 0
+        if self._shadows is not None:
+            self._shadows.full(self._size, len(self._metas))
+            leader = self._shadows.leader
+        chooser = self._free if leader == 0 else self._blind[leader - 1]
+        chosen = self._ordered_victims(n, can_evict) if leader == 0 else chooser.victims(n, can_evict)
+        for key in chosen:
+            self._forget(key, chooser)
+        return chosen
+
+    def _ordered_victims(self, n: int, can_evict: CanEvict) -> list[Key]:
+        """Up to ``n`` victims in this policy's own order: free blocks first, then held ones."""
         chosen = self._free.victims(n, can_evict)
         while len(chosen) < n:
             victim = self._ready_victim(can_evict)
@@ -157,8 +224,6 @@ class SessionAware(EvictionPolicy):
                 break
             self._unhold(victim)
             chosen.append(victim)
-        for key in chosen:
-            self._metas.pop(key, None)
         return chosen
 
     def _ready_victim(self, can_evict: CanEvict) -> Key | None:
@@ -262,6 +327,8 @@ class SessionAware(EvictionPolicy):
     # --- sessions ---------------------------------------------------------------------------------
 
     def on_session(self, event: SessionEvent) -> None:
+        if self._shadows is not None:
+            self._shadows.on_session(event)
         self._advance(event.at)
         session = self._sessions.get(event.session)
         if event.state is SessionState.CLOSED:
@@ -428,4 +495,5 @@ class SessionAware(EvictionPolicy):
             "sessions": {state.value: states.count(state.value) for state in SessionState if state.value in states},
             "mean_pause_s": round(self._pause_mean, 3),
             "held_by_tenant": dict(self._held_size),
+            **({"learned": self._shadows.describe()} if self._shadows is not None else {}),
         }

@@ -244,12 +244,12 @@ def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
     assert report["bench"] == "sessions"
     names = {(f["name"], f["params"]["trace"]) for f in report["figures"]}
     for trace in ("agentic (generated)", "blank.jsonl"):
-        assert {("vs_blind.session.announced", trace), ("hit_ratio.session.oracle", trace)} <= names
+        assert {("vs_best_blind.session.announced", trace), ("hit_ratio.session.oracle", trace)} <= names
     for f in report["figures"]:
         if f["name"].startswith("router."):  # the session router against ttft, simulated
             assert f["params"]["trace"] == "agentic (generated)" and f["value"] > 0 and f["limit"] > 0
             continue
-        assert f["name"].startswith(("hit_ratio.", "vs_blind.")) and 0 <= f["value"] <= 1
+        assert f["name"].startswith(("hit_ratio.", "vs_best_blind.")) and 0 <= f["value"] <= 1
         if f["name"].startswith("hit_ratio."):
             assert f["ratio"] <= 1 + 1e-9  # nothing beats the optimum
     routed = {f["name"]: f for f in report["figures"] if f["name"].startswith("router.")}

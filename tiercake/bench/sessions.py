@@ -1,5 +1,7 @@
 """`tiercake bench sessions`: what knowing sessions is worth to a tier's eviction, offline, as shares
-of the tree-constrained optimum and as ratios to the best session-blind policy in the same sitting.
+of the tree-constrained optimum and as ratios to the best session-blind policy (LRU, ARC, S3-FIFO,
+``reuse``) in the same sitting: ``vs_best_blind.*``, which the session policy's learning keeps near 1
+or above whatever it is told.
 
 Two traces: a generated agentic one (tool pauses announced with a 30% error, human chats that
 announce nothing, subagent fans) and, given ``--trace``, a trace in the Mooncake format with sessions
@@ -24,7 +26,7 @@ from tiercake.traces import TraceRecord, infer_sessions, read_trace
 
 from .report import Report, machine
 
-BLIND = [("lru", "none", None, 0.0), ("reuse", "none", None, 0.0)]
+BLIND = [(name, "none", None, 0.0) for name in ("lru", "arc", "s3fifo", "reuse")]
 AWARE = [("session", info, None, 0.0) for info in ("open", "close", "announced", "oracle")]
 
 
@@ -70,5 +72,5 @@ def _add(report: Report, trace: str, records: list[TraceRecord], scores: list[Se
             report.add(f"hit_ratio.{s.label}", s.hit_ratio, "ratio", s.optimum, limit_name="optimum", **common)
             if s.info != "none":
                 report.add(
-                    f"vs_blind.{s.label}", s.hit_ratio, "ratio", blind.hit_ratio, limit_name=blind.policy, **common
+                    f"vs_best_blind.{s.label}", s.hit_ratio, "ratio", blind.hit_ratio, limit_name=blind.policy, **common
                 )
