@@ -6,6 +6,14 @@ a few turns of their own and close, after which the parent goes on).
 Each turn's prompt is its session's conversation so far plus new blocks; its last block is partial,
 so the next turn's prompt replaces it (its hash changes), as a real tokenizer's blocks would.
 Seeded: the same arguments write the same trace.
+
+Clients are as honest as a shape says (issue 48): an agent announces a share of its tool pauses
+(``announce_share``), each with a log-normal error (``announce_sigma``; ln 2 ~ 0.69 is "within a
+factor of two" at one sigma); a human's think time is never announced; a share of sessions is
+abandoned (``abandon_p``: the last turn does not close, as when a user walks away); and a long
+conversation may be compacted (``compact_p`` per turn once it holds ``compact_after`` blocks of its
+own): its context is replaced by a short summary, so its next prompt shares only the system prompt
+with what the cache holds for it.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ class AgentShape:
     tool_pause_s: float = 6.0
     pause_sigma: float = 1.0
     announce_sigma: float = 0.3  # an agent's announced pause = the real one times a log-normal error
+    announce_share: float = 1.0  # of an agent's tool pauses, how many it announces
+    abandon_p: float = 0.0  # sessions whose last turn does not close (the user walked away; subagents end)
+    compact_p: float = 0.0  # per turn, once a conversation is long: its context compacted
+    compact_after: int = 24  # blocks of its own a conversation holds before it may be compacted
+    summary_blocks: tuple[int, int] = (2, 4)  # what a compaction leaves of it
     subagent_p: float = 0.15  # per agent turn: a fan of subagents starts
     fan: tuple[int, int] = (2, 6)
     turn_blocks: tuple[int, int] = (1, 4)
@@ -49,9 +62,12 @@ class AgentShape:
             raise ValueError("rates, pauses and sigmas must be finite and not negative (the rate positive)")
         if self.sessions < 1 or self.tenants < 1 or self.system_prompts < 1 or self.system_blocks < 1:
             raise ValueError("sessions, tenants, system_prompts and system_blocks must be >= 1")
-        if not (0 <= self.agent_share <= 1 and 0 <= self.subagent_p <= 1):
-            raise ValueError("agent_share and subagent_p are probabilities")
-        for low, high in (self.chat_turns, self.agent_turns, self.fan, self.turn_blocks):
+        probabilities = (self.agent_share, self.subagent_p, self.announce_share, self.abandon_p, self.compact_p)
+        if not all(0 <= p <= 1 for p in probabilities):
+            raise ValueError("agent_share, subagent_p, announce_share, abandon_p and compact_p are probabilities")
+        if self.compact_after < 1:
+            raise ValueError("compact_after must be >= 1 block")
+        for low, high in (self.chat_turns, self.agent_turns, self.fan, self.turn_blocks, self.summary_blocks):
             if not 1 <= low <= high:
                 raise ValueError(f"a range ({low}, {high}) must have 1 <= low <= high")
         if not 0 <= self.context_blocks[0] <= self.context_blocks[1]:
@@ -70,6 +86,8 @@ class _Turn:
     fork_of: str | None = field(compare=False, default=None)
     parent: _Turn | None = field(compare=False, default=None)  # a subagent's parent, waiting for its fan
     waiting: int = field(compare=False, default=0)  # a parent's subagents still running
+    system: int = field(compare=False, default=0)  # blocks of its system prompt, never compacted
+    abandoned: bool = field(compare=False, default=False)  # its last turn will not close
 
 
 class _Generator:
@@ -102,9 +120,12 @@ class _Generator:
         agent = rng.random() < shape.agent_share
         turns = rng.randint(*(shape.agent_turns if agent else shape.chat_turns))
         ids = list(self.prompts[(tenant, rng.randrange(shape.system_prompts))])
+        system = len(ids)
         if shape.context_blocks[1]:  # drawn only when asked: other shapes keep their random stream
             ids += [next(self.ids) for _ in range(rng.randint(*shape.context_blocks))]
-        heapq.heappush(self.queue, _Turn(at, next(self.seq), session, tenant, ids, turns, agent))
+        abandoned = bool(shape.abandon_p) and rng.random() < shape.abandon_p
+        turn = _Turn(at, next(self.seq), session, tenant, ids, turns, agent, system=system, abandoned=abandoned)
+        heapq.heappush(self.queue, turn)
 
     def _pause(self, agent: bool) -> float:
         median = self.shape.tool_pause_s if agent else self.shape.chat_pause_s
@@ -112,6 +133,8 @@ class _Generator:
 
     def _serve(self, turn: _Turn) -> None:
         shape, rng = self.shape, self.rng
+        if shape.compact_p and len(turn.ids) - turn.system >= shape.compact_after and rng.random() < shape.compact_p:
+            turn.ids = turn.ids[: turn.system] + [next(self.ids) for _ in range(rng.randint(*shape.summary_blocks))]
         turn.ids = turn.ids + [next(self.ids) for _ in range(rng.randint(*shape.turn_blocks))]
         partial = next(self.ids)  # this turn's last, partial block: the next turn's prompt refills it
         last = turn.left == 1
@@ -119,7 +142,8 @@ class _Generator:
         fan = 0 if last or nested or not turn.agent or rng.random() >= shape.subagent_p else rng.randint(*shape.fan)
         pause = self._pause(turn.agent)
         announced = None
-        if turn.agent and not fan:
+        tells = shape.announce_share >= 1 or (shape.announce_share > 0 and rng.random() < shape.announce_share)
+        if turn.agent and not fan and tells:
             announced = int(1000 * pause * math.exp(rng.gauss(0, shape.announce_sigma)))
         self.records.append(
             TraceRecord(
@@ -130,7 +154,7 @@ class _Generator:
                 tenant=f"tenant-{turn.tenant}" if shape.tenants > 1 else None,
                 session=turn.session,
                 pause_ms=announced,
-                closes=last,
+                closes=last and not turn.abandoned,
                 fork_of=turn.fork_of,
             )
         )
@@ -159,6 +183,7 @@ class _Generator:
                 True,
                 fork_of=parent.session,
                 parent=parent,
+                system=parent.system,
             )
             heapq.heappush(self.queue, child)
 

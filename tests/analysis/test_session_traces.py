@@ -116,6 +116,31 @@ def test_the_generator_is_seeded_and_checks_its_shape():
     assert firsts[0] <= set(range(4, 8)) and firsts[1] <= set(range(12, 16)) and len(firsts[1]) > 1
 
 
+def test_honest_clients_announce_a_share_abandon_sessions_and_compact_long_ones():
+    """Generated clients tell what real ones do: a share of the agents' pauses, no close for an
+    abandoned session, and a compacted conversation whose next prompt keeps only its system prompt
+    (and a summary) of what came before."""
+    base = dict(sessions=120, seed=6, subagent_p=0.0, agent_share=1.0, system_blocks=3)
+    told = agentic_trace(**base)
+    honest = agentic_trace(**base, announce_share=0.5, abandon_p=1.0, compact_p=1.0, compact_after=6)
+    share = sum(r.pause_ms is not None for r in honest) / sum(r.pause_ms is not None for r in told)
+    assert 0.35 < share < 0.65
+    assert any(r.closes for r in told) and not any(r.closes for r in honest)
+    last: dict = {}
+    compacted = 0
+    for record in honest:
+        before = last.get(record.session)
+        if before is not None and record.hash_ids[: len(before) - 1] != before[:-1]:
+            compacted += 1
+            assert record.hash_ids[:3] == before[:3]  # the system prompt stays; the rest is new
+            assert not set(record.hash_ids[3:]) & set(before)
+        last[record.session] = record.hash_ids
+    assert compacted > 20
+    for bad in ({"announce_share": 1.5}, {"abandon_p": -0.1}, {"compact_p": float("nan")}, {"compact_after": 0}):
+        with pytest.raises(ValueError):
+            AgentShape(**bad)
+
+
 class Recording(LRU):
     name = "recording"
 
@@ -221,6 +246,19 @@ def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
     truth = read_trace(tmp_path / "agents.jsonl")
     assert all(r.session and r.turn is not None for r in truth)
     write_trace(tmp_path / "blank.jsonl", [r.model_copy(update=BLANK) for r in truth])
+    honest = ("--announce-share", "0.5", "--announce-sigma", "0.69", "--abandon", "1", "--compact", "0.1")
+    tiercake("trace", "generate", "--agentic", "--sessions", "40", *honest, "--out", "honest.jsonl", cwd=tmp_path)
+    import subprocess
+    import sys
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "tiercake.cli", "trace", "generate", "--agentic", "--abandon", "2", "--out", "x.jsonl"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "probabilities" in refused.stderr and not (tmp_path / "x.jsonl").exists()
+    told = read_trace(tmp_path / "honest.jsonl")
+    assert len(told) > 100 and not any(r.closes for r in told if not r.fork_of)  # subagents still end
+    assert 0 < sum(r.pause_ms is not None for r in told) < sum(r.pause_ms is not None for r in truth)
     out = tiercake("trace", "sessions", "blank.jsonl", "--out", "inferred.jsonl", cwd=tmp_path)
     inferred = read_trace(tmp_path / "inferred.jsonl")
     assert partition(inferred, families=True) == partition(truth, families=True)
@@ -243,7 +281,7 @@ def test_the_session_commands_run_as_the_readme_prints_them(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["bench"] == "sessions"
     names = {(f["name"], f["params"]["trace"]) for f in report["figures"]}
-    for trace in ("agentic (generated)", "blank.jsonl"):
+    for trace in ("agentic (generated)", "agentic, honest clients (generated)", "blank.jsonl"):
         assert {("vs_best_blind.session.announced", trace), ("hit_ratio.session.oracle", trace)} <= names
     for f in report["figures"]:
         if f["name"].startswith("router."):  # the session router against ttft, simulated

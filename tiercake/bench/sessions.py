@@ -3,8 +3,9 @@ of the tree-constrained optimum and as ratios to the best session-blind policy (
 ``reuse``) in the same sitting: ``vs_best_blind.*``, which the session policy's learning keeps near 1
 or above whatever it is told.
 
-Two traces: a generated agentic one (tool pauses announced with a 30% error, human chats that
-announce nothing, subagent fans) and, given ``--trace``, a trace in the Mooncake format with sessions
+Three traces: a generated agentic one (tool pauses announced with a 30% error, human chats that
+announce nothing, subagent fans), the same shape with honest clients (``HONEST``: a share of the
+pauses announced, within a factor of two, abandoned sessions, compaction) and, given ``--trace``, a trace in the Mooncake format with sessions
 inferred from its block chains (a turn extends its conversation's whole prompt); such a trace
 announces no pause and no close. The session-aware policy runs told each level of information
 (``SESSION_INFO``): nothing, sessions only (open, expiring by retention), also when they close, also
@@ -17,6 +18,7 @@ the cluster simulator, on the agentic trace.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from tiercake.agent_traces import AgentShape, agentic_trace
@@ -28,6 +30,9 @@ from .report import Report, machine
 
 BLIND = [(name, "none", None, 0.0) for name in ("lru", "arc", "s3fifo", "reuse")]
 AWARE = [("session", info, None, 0.0) for info in ("open", "close", "announced", "oracle")]
+# what real agents tell, roughly: most tool pauses announced within a factor of two, no think time,
+# a third of the users walking away without a close, long conversations now and then compacted
+HONEST = {"announce_share": 0.7, "announce_sigma": 0.69, "abandon_p": 0.3, "compact_p": 0.05}
 
 
 async def run(quick: bool = False, trace: str | Path | None = None, live: bool = False) -> Report:
@@ -39,6 +44,8 @@ async def run(quick: bool = False, trace: str | Path | None = None, live: bool =
     sets: list[tuple[str, list[TraceRecord], list[float], list]] = []
     shape = AgentShape(sessions=80 if quick else 400, seed=1)
     sets.append(("agentic (generated)", agentic_trace(shape), [300, 1000], BLIND + AWARE))
+    honest = replace(shape, **HONEST)  # type: ignore[arg-type]
+    sets.append(("agentic, honest clients (generated)", agentic_trace(honest), [100, 300], BLIND + AWARE))
     if trace is not None:
         records = await asyncio.to_thread(read_trace, trace, 4000 if quick else None)
         noisy = [("session", "oracle", None, 0.3)]

@@ -75,7 +75,14 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
 
     if args.agentic:
         shape = AgentShape(
-            sessions=args.sessions, tenants=args.tenants, system_prompts=args.system_prompts, seed=args.seed
+            sessions=args.sessions,
+            tenants=args.tenants,
+            system_prompts=args.system_prompts,
+            seed=args.seed,
+            announce_share=args.announce_share,
+            announce_sigma=args.announce_sigma,
+            abandon_p=args.abandon,
+            compact_p=args.compact,
         )
         records = agentic_trace(shape)
     else:
@@ -505,6 +512,22 @@ def _trace(sub) -> None:
         help="agents with tool pauses (announced), human chats and subagent fans, sessions marked",
     )
     generate.add_argument("--sessions", type=int, default=200, help="with --agentic: how many sessions (default 200)")
+    honest = generate.add_argument_group("with --agentic: how honest the clients are")
+    honest.add_argument(
+        "--announce-share", type=float, default=1.0, help="of agents' tool pauses, the share announced (default 1)"
+    )
+    honest.add_argument(
+        "--announce-sigma",
+        type=float,
+        default=0.3,
+        help="log-normal error on each announced pause (default 0.3; 0.69: a factor of two)",
+    )
+    honest.add_argument(
+        "--abandon", type=float, default=0.0, help="share of sessions that end without a close (default 0)"
+    )
+    honest.add_argument(
+        "--compact", type=float, default=0.0, help="per turn of a long conversation: chance its context is compacted"
+    )
     generate.add_argument("--seed", type=int, default=0, help="the same seed writes the same file (default 0)")
     generate.set_defaults(func=cmd_trace_generate)
     tsessions = trace_sub.add_parser(
