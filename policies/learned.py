@@ -10,35 +10,43 @@ would have hit, not an estimate from the decisions the tier happened to take. Hi
 by age (``half_life`` tier-fuls of reads), and the leader changes only when another shadow leads it
 by ``margin``, so the tier does not flap between orderings of equal worth.
 
+Following a leader, the tier first evicts what the leader's shadow has let go and it still holds
+(``not_kept``), oldest first, and only then asks the leader's ordering: after a change of leader it
+comes to hold what the new leader would, instead of a mixture of both orderings' choices (measured:
+on the conversation trace at 3k blocks, 1.04 of the best blind policy without this, 1.09 with it).
+
 A shadow holds at most ``shadow_keys`` keys: a larger tier is sampled by key hash (SHARDS,
 Waldspurger et al., FAST'15), every shadow over the same keys of a tier scaled down alike, so the
 cost is bounded per read and per tier, whatever the tier's size. The capacity is the tier's resident
-size when it first evicts (and on every later eviction): until then every shadow holds everything
-and none has an edge.
+size when it first evicts (the most it held at any eviction later): until then every shadow holds
+everything and none has an edge.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import replace
 
-from .base import BlockMeta, EvictionPolicy, Key, SessionEvent, one_victim
+from .base import BlockMeta, CanEvict, EvictionPolicy, Key, SessionEvent, one_victim
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: sequential ids (a trace's) sample evenly
 _SAMPLE_BITS = 24
 
 
 class _Shadow:
-    """One ordering's imagined tier: its policy, what it holds and its discounted hits."""
+    """One ordering's imagined tier: its policy, what it holds, its discounted hits, and the real
+    tier's residents it would not hold (``outside``, in the order it let them go)."""
 
-    __slots__ = ("policy", "sizes", "size", "score")
+    __slots__ = ("policy", "sizes", "size", "score", "outside", "resident")
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy, resident: Container[Key]) -> None:
         self.policy = policy
         self.sizes: dict[Key, int] = {}
         self.size = 0
         self.score = 0.0
+        self.outside: dict[Key, None] = {}
+        self.resident = resident
 
     def read(self, key: Key, meta: BlockMeta, capacity: float, gain: float) -> None:
         if key in self.sizes:
@@ -46,7 +54,11 @@ class _Shadow:
             self.policy.on_access(key)
             return
         while self.sizes and self.size + meta.size > capacity:
-            self.forget(one_victim(self.policy, self.sizes))
+            victim = one_victim(self.policy, self.sizes)
+            self.forget(victim)
+            if victim in self.resident:
+                self.outside[victim] = None
+        self.outside.pop(key, None)
         self.sizes[key] = meta.size
         self.size += meta.size
         self.policy.on_insert(key, meta)
@@ -62,7 +74,8 @@ class Shadows:
     def __init__(
         self,
         policies: Sequence[EvictionPolicy],
-        half_life: float = 2.0,
+        resident: Container[Key],
+        half_life: float = 8.0,
         margin: float = 0.05,
         shadow_keys: int = 16_384,
     ) -> None:
@@ -71,7 +84,7 @@ class Shadows:
         if not (0 < half_life < math.inf and 0 <= margin < math.inf and shadow_keys >= 16):
             raise ValueError("half_life must be positive and finite, margin finite and >= 0, shadow_keys >= 16")
         self.half_life, self.margin, self.shadow_keys = half_life, margin, shadow_keys
-        self._shadows = [_Shadow(p) for p in policies]
+        self._shadows = [_Shadow(p, resident) for p in policies]
         self.leader = 0
         self._capacity = math.inf  # in the unit of BlockMeta.size, scaled by the sample
         self._threshold = 1 << _SAMPLE_BITS  # a key is shadowed when its mixed hash is below this
@@ -102,9 +115,26 @@ class Shadows:
     def remove(self, key: Key) -> None:
         """``key`` left the tier for a reason other than eviction: it leaves every shadow."""
         for shadow in self._shadows:
+            shadow.outside.pop(key, None)
             if key in shadow.sizes:
                 shadow.forget(key)
                 shadow.policy.on_remove(key)
+
+    def evicted(self, key: Key) -> None:
+        """The tier evicted ``key``: the shadows that still hold it keep it."""
+        for shadow in self._shadows:
+            shadow.outside.pop(key, None)
+
+    def not_kept(self, n: int, can_evict: CanEvict) -> list[Key]:
+        """Up to ``n`` of the tier's residents that the leader's shadow let go, those it let go
+        first first: evicting them brings the tier to what the leader would hold."""
+        chosen: list[Key] = []
+        for key in self._shadows[self.leader].outside:
+            if len(chosen) == n:
+                break
+            if can_evict(key):
+                chosen.append(key)
+        return chosen
 
     def on_session(self, event: SessionEvent) -> None:
         keys = tuple(k for k in event.keys if self._sampled(k))
@@ -113,7 +143,8 @@ class Shadows:
             shadow.policy.on_session(event)
 
     def full(self, resident_size: float, resident_keys: int) -> None:
-        """The tier evicts, holding ``resident_size`` in ``resident_keys`` keys: that is its capacity.
+        """The tier evicts, holding ``resident_size`` in ``resident_keys`` keys: its capacity is the
+        most it held when it evicted (as ARC learns it; a caller may evict before the tier is full).
         The first time, a tier of more than ``shadow_keys`` keys is sampled from here on."""
         if resident_keys <= 0 or not math.isfinite(resident_size):
             return
@@ -124,9 +155,11 @@ class Shadows:
                 for key in [k for k in shadow.sizes if not self._sampled(k)]:
                     shadow.forget(key)
                     shadow.policy.on_remove(key)
+                shadow.outside = {k: None for k in shadow.outside if self._sampled(k)}
         rate = self._threshold / (1 << _SAMPLE_BITS)
-        self._capacity = resident_size * rate
-        self._growth = 2.0 ** (1.0 / (self.half_life * max(resident_keys * rate, 1.0)))
+        if math.isinf(self._capacity) or resident_size * rate > self._capacity:
+            self._capacity = resident_size * rate
+            self._growth = 2.0 ** (1.0 / (self.half_life * max(resident_keys * rate, 1.0)))
 
     def describe(self) -> dict[str, object]:
         return {

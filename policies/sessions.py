@@ -80,7 +80,7 @@ class SessionAware(EvictionPolicy):
         max_sessions: int = 1_000_000,
         max_tenant_sessions: int = 10_000,
         blind: Sequence[Callable[[], EvictionPolicy]] | None = None,
-        half_life: float = 2.0,
+        half_life: float = 8.0,
         margin: float = 0.05,
     ) -> None:
         """``tenant_quota``: the most a tenant's paused sessions retain in this tier (in the unit of
@@ -138,7 +138,7 @@ class SessionAware(EvictionPolicy):
                 copy.deepcopy(self._free), retain_s, initial_pause_s, tenant_quota, tenant_floor,
                 max_sessions, max_tenant_sessions, blind=(),
             )  # fmt: skip
-            self._shadows = Shadows([twin, *(make() for make in blind)], half_life, margin)
+            self._shadows = Shadows([twin, *(make() for make in blind)], self._metas, half_life, margin)
 
     @classmethod
     def from_params(cls, params: dict[str, Any], create: Callable[..., EvictionPolicy]) -> SessionAware:
@@ -199,16 +199,25 @@ class SessionAware(EvictionPolicy):
         for ordering in (self._free, *self._blind):
             if ordering is not chooser:
                 ordering.on_remove(key)
+        if self._shadows is not None:
+            self._shadows.evicted(key)
 
     def victims(self, n: int, can_evict: CanEvict = _always) -> list[Key]:
         leader = 0
         if self._shadows is not None:
             self._shadows.full(self._size, len(self._metas))
             leader = self._shadows.leader
-        chooser = self._free if leader == 0 else self._blind[leader - 1]
-        chosen = self._ordered_victims(n, can_evict) if leader == 0 else chooser.victims(n, can_evict)
-        for key in chosen:
-            self._forget(key, chooser)
+        chosen = []
+        if self._shadows is not None:
+            chosen = self._shadows.not_kept(n, can_evict)
+            for key in chosen:
+                self._forget(key)
+        if len(chosen) < n:
+            chooser = self._free if leader == 0 else self._blind[leader - 1]
+            more = self._ordered_victims(n - len(chosen), can_evict) if leader == 0 else chooser.victims(n - len(chosen), can_evict)
+            for key in more:
+                self._forget(key, chooser)
+            chosen += more
         return chosen
 
     def _ordered_victims(self, n: int, can_evict: CanEvict) -> list[Key]:
