@@ -214,7 +214,11 @@ class SessionAware(EvictionPolicy):
                 self._forget(key)
         if len(chosen) < n:
             chooser = self._free if leader == 0 else self._blind[leader - 1]
-            more = self._ordered_victims(n - len(chosen), can_evict) if leader == 0 else chooser.victims(n - len(chosen), can_evict)
+            more = (
+                self._ordered_victims(n - len(chosen), can_evict)
+                if leader == 0
+                else chooser.victims(n - len(chosen), can_evict)
+            )
             for key in more:
                 self._forget(key, chooser)
             chosen += more
