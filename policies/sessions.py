@@ -14,6 +14,10 @@ split in two:
   system prompt between conversations): a session-blind policy (``fallback``, by default ``reuse``)
   orders them, and they leave before any held block.
 
+An announced pause is read as the announcements so far say to read it: the policy learns how far the
+real pauses fall from the announced ones (the mean of log(real / announced)), so that clients that
+always announce half the pause are believed at twice what they say.
+
 A paused session without an announced pause is expected to stay quiet as long again as it has been
 (at least the mean pause seen), divided by how likely a session paused after as many turns is to come
 back at all (learned online: most one-turn conversations never do). A paused session expires ``retain_s`` after its
@@ -54,6 +58,7 @@ class _Session:
     resume_at: float = 0.0
     paused_at: float = 0.0
     announced: bool = False
+    told: float = 0.0  # the pause its client announced, when it did
     priority: int = 0
     tenant: str = ""
     turns: int = 0  # pauses so far: turns it has finished
@@ -129,6 +134,11 @@ class SessionAware(EvictionPolicy):
         self._now = 0.0
         self._pause_mean = initial_pause_s
         self._pauses_seen = 0
+        # how announcements compare with what happened: log(real pause / announced), its running
+        # mean and spread (Welford), so that a client that always says half is believed at twice
+        self._told_n = 0
+        self._told_mean = 0.0
+        self._told_m2 = 0.0
         self._size = 0  # of every resident key, in the unit of BlockMeta.size
         blind = BLIND if blind is None else tuple(blind)
         self._blind = [make() for make in blind]  # each ordering over the real residents
@@ -363,13 +373,16 @@ class SessionAware(EvictionPolicy):
                 self._resumed.setdefault(self._bucket(session.turns), [1.0, 2.0])[0] += 1
                 if not session.announced:
                     self._learn_pause(self._now - session.paused_at)
+                else:
+                    self._learn_told(self._now - session.paused_at, session.told)
             session.state, session.resume_at = SessionState.ACTIVE, self._now
             return
         session.state, session.paused_at = SessionState.PAUSED, self._now
         session.turns += 1
         self._resumed.setdefault(self._bucket(session.turns), [1.0, 2.0])[1] += 1
         session.announced = event.resume_in is not None
-        pause = event.resume_in if event.resume_in is not None else self._pause_mean
+        session.told = event.resume_in if event.resume_in is not None else 0.0
+        pause = self._believe(event.resume_in) if event.resume_in is not None else self._pause_mean
         session.resume_at = self._now + max(0.0, pause)
         if session.announced:
             entry = (session.priority, -session.resume_at, session.version, event.session)
@@ -414,6 +427,21 @@ class SessionAware(EvictionPolicy):
                 self._close(sid, session)
                 return True
         return False
+
+    def _learn_told(self, real: float, told: float) -> None:
+        ratio = math.log(max(real, 1e-3) / max(told, 1e-3))
+        self._told_n = min(self._told_n + 1, 1000)
+        delta = ratio - self._told_mean
+        self._told_mean += delta / self._told_n
+        self._told_m2 += delta * (ratio - self._told_mean)
+        if self._told_n == 1000:
+            self._told_m2 *= 0.999
+
+    def _believe(self, told: float) -> float:
+        """An announced pause as the announcements so far say to read it."""
+        if self._told_n < 8:  # too few to judge: taken as said
+            return told
+        return told * math.exp(self._told_mean)
 
     def _learn_pause(self, pause: float) -> None:
         self._pauses_seen += 1
@@ -507,6 +535,7 @@ class SessionAware(EvictionPolicy):
             "free": self._free.describe(),
             "sessions": {state.value: states.count(state.value) for state in SessionState if state.value in states},
             "mean_pause_s": round(self._pause_mean, 3),
+            "announced_read_as": round(math.exp(self._told_mean), 3) if self._told_n >= 8 else 1.0,
             "held_by_tenant": dict(self._held_size),
             **({"learned": self._shadows.describe()} if self._shadows is not None else {}),
         }

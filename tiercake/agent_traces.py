@@ -9,7 +9,8 @@ Seeded: the same arguments write the same trace.
 
 Clients are as honest as a shape says (issue 48): an agent announces a share of its tool pauses
 (``announce_share``), each with a log-normal error (``announce_sigma``; ln 2 ~ 0.69 is "within a
-factor of two" at one sigma); a human's think time is never announced; a share of sessions is
+factor of two" at one sigma) and, if asked, a bias (``announce_bias``: a client that always says
+half); a human's think time is never announced; a share of sessions is
 abandoned (``abandon_p``: the last turn does not close, as when a user walks away); and a long
 conversation may be compacted (``compact_p`` per turn once it holds ``compact_after`` blocks of its
 own): its context is replaced by a short summary, so its next prompt shares only the system prompt
@@ -41,6 +42,7 @@ class AgentShape:
     pause_sigma: float = 1.0
     announce_sigma: float = 0.3  # an agent's announced pause = the real one times a log-normal error
     announce_share: float = 1.0  # of an agent's tool pauses, how many it announces
+    announce_bias: float = 1.0  # what it announces is the pause times this (0.5: it always says half)
     abandon_p: float = 0.0  # sessions whose last turn does not close (the user walked away; subagents end)
     compact_p: float = 0.0  # per turn, once a conversation is long: its context compacted
     compact_after: int = 24  # blocks of its own a conversation holds before it may be compacted
@@ -57,9 +59,10 @@ class AgentShape:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        numbers = [self.rate_per_s, self.chat_pause_s, self.tool_pause_s, self.pause_sigma, self.announce_sigma]
-        if not all(math.isfinite(x) and x >= 0 for x in numbers) or self.rate_per_s <= 0:
-            raise ValueError("rates, pauses and sigmas must be finite and not negative (the rate positive)")
+        numbers = [self.chat_pause_s, self.tool_pause_s, self.pause_sigma, self.announce_sigma]
+        positive = [self.rate_per_s, self.announce_bias]
+        if not all(math.isfinite(x) and x >= 0 for x in numbers) or not all(0 < x < math.inf for x in positive):
+            raise ValueError("pauses and sigmas must be finite and not negative, the rate and announce_bias positive")
         if self.sessions < 1 or self.tenants < 1 or self.system_prompts < 1 or self.system_blocks < 1:
             raise ValueError("sessions, tenants, system_prompts and system_blocks must be >= 1")
         probabilities = (self.agent_share, self.subagent_p, self.announce_share, self.abandon_p, self.compact_p)
@@ -144,7 +147,7 @@ class _Generator:
         announced = None
         tells = shape.announce_share >= 1 or (shape.announce_share > 0 and rng.random() < shape.announce_share)
         if turn.agent and not fan and tells:
-            announced = int(1000 * pause * math.exp(rng.gauss(0, shape.announce_sigma)))
+            announced = int(1000 * pause * shape.announce_bias * math.exp(rng.gauss(0, shape.announce_sigma)))
         self.records.append(
             TraceRecord(
                 timestamp=int(turn.at * 1000),

@@ -136,7 +136,10 @@ def test_honest_clients_announce_a_share_abandon_sessions_and_compact_long_ones(
             assert not set(record.hash_ids[3:]) & set(before)
         last[record.session] = record.hash_ids
     assert compacted > 20
-    for bad in ({"announce_share": 1.5}, {"abandon_p": -0.1}, {"compact_p": float("nan")}, {"compact_after": 0}):
+    said = agentic_trace(**base, announce_bias=0.5)
+    assert [r.pause_ms and r.pause_ms * 2 for r in said] == pytest.approx([r.pause_ms for r in told], abs=2)
+    bad_shapes = ({"announce_share": 1.5}, {"abandon_p": -0.1}, {"compact_p": float("nan")}, {"compact_after": 0})
+    for bad in (*bad_shapes, {"announce_bias": 0}, {"announce_bias": float("inf")}):
         with pytest.raises(ValueError):
             AgentShape(**bad)
 

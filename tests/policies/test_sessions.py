@@ -213,3 +213,26 @@ def test_sessions_tracked_are_bounded_and_the_ones_retained_shortest_go_first():
     assert policy.victims(1) == ["b1"]  # its block is free now: it goes first
     with pytest.raises(ValueError):
         SessionAware(max_sessions=0)
+
+
+def test_announcements_are_read_as_the_past_ones_turned_out():
+    """Clients that always announce half the real pause: after enough resumes the policy reads an
+    announced 10 s as 20, and a session so announced goes before an unannounced one expected back in
+    about 16 s (taken at its word, 10 s, it would have stayed)."""
+
+    def run(learn: bool):
+        policy = SessionAware(LRU(), initial_pause_s=15, blind=())
+        for n in range(12):
+            turn(policy, f"s{n}", [f"k{n}"], 100 * n, pause=10)
+            told = 20 if learn else 10
+            turn(policy, f"s{n}", [f"k{n}"], 100 * n + told, pause=None)
+            policy.on_session(SessionEvent(f"s{n}", CLOSED, 100 * n + told))
+        drain(policy)
+        turn(policy, "quiet", ["q"], 2000)  # unannounced: ~15 s / how often one-turn sessions return
+        turn(policy, "told", ["t"], 2000, pause=10)
+        return policy
+
+    learned, believed = run(learn=True), run(learn=False)
+    assert learned.describe()["announced_read_as"] == pytest.approx(2.0)
+    assert believed.describe()["announced_read_as"] == pytest.approx(1.0)
+    assert learned.victims(1) == ["t"] and believed.victims(1) == ["q"]

@@ -81,6 +81,7 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             announce_share=args.announce_share,
             announce_sigma=args.announce_sigma,
+            announce_bias=args.announce_bias,
             abandon_p=args.abandon,
             compact_p=args.compact,
         )
@@ -521,6 +522,9 @@ def _trace(sub) -> None:
         type=float,
         default=0.3,
         help="log-normal error on each announced pause (default 0.3; 0.69: a factor of two)",
+    )
+    honest.add_argument(
+        "--announce-bias", type=float, default=1.0, help="each announced pause times this (default 1; 0.5: says half)"
     )
     honest.add_argument(
         "--abandon", type=float, default=0.0, help="share of sessions that end without a close (default 0)"
