@@ -39,12 +39,11 @@ from tiercake.messages import ObjectMap
 from tiercake.tiers.buffers import is_tensor, size_of
 from tiercake.tiers.pool import PoolRegion
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.connection import BlockingConnection, Channels, PeerAddress, PeerConnection
+from tiercake.transfer.connection import Channels, PeerConnection
 from tiercake.transfer.protocol import (
     FLAG_EAGER,
     FLAG_NO_REPLY,
     FLAG_SHM,
-    OBJECTS_SINCE,
     Op,
     Status,
     TransferError,
@@ -52,6 +51,7 @@ from tiercake.transfer.protocol import (
 from tiercake.transfer.spin import SpinWait
 
 from .errors import InvalidParams, NotReady, ObjectNotFound, RpcFailed, StoreApiError, TransferFailed
+from .links import BlockingLinks, LinkNotOpened
 from .requests import (
     MEMORY,
     Described,
@@ -139,7 +139,6 @@ class AsyncStore:
         self.channels = Channels(self.identity, credential, self._address, streams=streams, tls=transfer_tls)
         self.blocking = blocking
         self.stale = False  # a node answered with a newer map epoch than this store's (the fast path saw it)
-        self._idle: dict[str, list[BlockingConnection]] = defaultdict(list)  # blocking: per node
         spin = SpinWait(spin_s)  # checks spin_s
         self.spin = spin if blocking and spin.budget_s > 0 else None
         # TLS: every byte on the encrypted stream; a tenant's key: the node's pool is not its to map
@@ -149,6 +148,7 @@ class AsyncStore:
         self.map = ObjectMap()
         self.members: dict[str, tuple[str, int]] = {}
         self.same_host = SameHost(tenant, self.shm)
+        self.links = BlockingLinks(self.channels, self.identity, self.same_host, timeout_s, self.spin)
         self._map_lock = asyncio.Lock()
         self._refreshing: asyncio.Task | None = None  # a background fetch of the map, after a node failed
 
@@ -164,10 +164,7 @@ class AsyncStore:
         if self._refreshing is not None:
             self._refreshing.cancel()
         self.channels.close()
-        for conns in self._idle.values():
-            for conn in conns:
-                conn.close()
-        self._idle.clear()
+        self.links.close()
         self.same_host.close()
         await self.client.close()
 
@@ -192,7 +189,7 @@ class AsyncStore:
             for node, address in moved.items():
                 if self.members.get(node) not in (None, address):
                     self.channels.forget(node)  # restarted elsewhere
-                    self._forget_blocking(node)
+                    self.links.forget(node)
                     self.same_host.drop(node)
             self.members = moved
 
@@ -463,11 +460,11 @@ class AsyncStore:
                     answers.update(await send(node, chunk))
             except NotSent as exc:
                 self.channels.forget(node)
-                self._forget_blocking(node)
+                self.links.forget(node)
                 answers.update({it.index: Retry(f"{node} could not be reached: {exc.__cause__}") for it in chunk})
             except (TransferError, OSError, TimeoutError) as exc:
                 self.channels.forget(node)
-                self._forget_blocking(node)
+                self.links.forget(node)
                 self._refresh_soon()  # the node may have lost its slots meanwhile: the next call knows
                 if writes:  # it may have been applied: not sent again
                     answers.update(
@@ -504,36 +501,13 @@ class AsyncStore:
         if not self.blocking:
             await self._flush_notes(node)
             return await self._on(node, lambda conn: conn.exchange(op, answer, body, flags, data, receive))
-        idle = self._idle[node]
-        if idle:
-            conn = idle.pop()
-        else:
-            address = await self._address(node)
-            if address is None:
-                raise NotSent() from TransferError(f"node {node} is not a live member")
-            conn = BlockingConnection(
-                PeerAddress(node, *address),
-                self.channels.secret,
-                self.identity,
-                self.channels.tls,
-                connect_timeout=self.timeout_s / 2,  # as _connection: not made in time, not sent
-                spin=self.spin,
-                needs=OBJECTS_SINCE,
-            )
-            try:
-                conn.open()
-            except (TransferError, OSError) as exc:
-                raise NotSent() from exc
-        note = self.same_host.take_note(node, self.map.epoch)
-        if note is not None:  # ahead of the request, on its connection (a remove after the reads finds their leases)
-            conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
-        reply = conn.exchange(op, answer, body, flags, data, receive, timeout=timeout or self.timeout_s)
-        idle.append(conn)
-        return reply
-
-    def _forget_blocking(self, node: str) -> None:
-        for conn in self._idle.pop(node, []):
-            conn.close()
+        address = await self._address(node)
+        if address is None:
+            raise NotSent() from TransferError(f"node {node} is not a live member")
+        try:
+            return self.links.exchange(node, address, self.map.epoch, op, answer, body, flags, data, receive, timeout)
+        except LinkNotOpened as exc:
+            raise NotSent() from exc
 
     def _note_epoch(self, epoch: int) -> None:
         if epoch > self.map.epoch:
@@ -762,12 +736,9 @@ class AsyncStore:
 
     async def _send_only(self, node: str, op: Op, body: bytes, flags: int) -> None:
         try:
-            if self.blocking:
-                idle = self._idle.get(node)
-                if idle:
-                    idle[-1].send_only(op, body, flags)
-                    return
+            if self.blocking and self.links.send_only(node, op, body, flags):
+                return
             await self._on(node, lambda conn: conn.send_only(op, body, flags))
         except (TransferError, OSError, NotSent) as exc:
             log.info("kvstore: a note to %s was lost (%s): its read leases are not granted", node, exc)
-            self._forget_blocking(node)
+            self.links.forget(node)

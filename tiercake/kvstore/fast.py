@@ -19,11 +19,11 @@ import numpy as np
 
 from tiercake.blocks import object_slot
 from tiercake.transfer import object_wire as w
-from tiercake.transfer.connection import BlockingConnection, PeerAddress
-from tiercake.transfer.protocol import FLAG_EAGER, FLAG_NO_REPLY, OBJECTS_SINCE, Op, TransferError
+from tiercake.transfer.protocol import FLAG_EAGER, Op, TransferError
 
 from .aio import AsyncStore
 from .errors import TransferFailed
+from .links import LinkNotOpened
 from .requests import (
     Item,
     Retry,
@@ -40,7 +40,7 @@ from .requests import (
 
 class FastPath:
     def __init__(self, store: AsyncStore) -> None:
-        self.store = store  # this thread's: its map, members, directories and blocking connections
+        self.store = store  # this thread's: its map, members, directories and blocking links
 
     # What the synchronous client asks ---------------------------------------------------------
 
@@ -161,25 +161,6 @@ class FastPath:
                     done[it.index] = answer
         return done, left
 
-    def _connection(self, node: str) -> BlockingConnection:
-        idle = self.store._idle[node]
-        if idle:
-            return idle.pop()
-        host, port = self.store.members[node]
-        conn = BlockingConnection(
-            PeerAddress(node, host, port),
-            self.store.channels.secret,
-            self.store.identity,
-            self.store.channels.tls,
-            connect_timeout=self.store.timeout_s,
-            spin=self.store.spin,
-            needs=OBJECTS_SINCE,
-        )
-        try:
-            return conn.open()
-        except (TransferError, OSError) as exc:
-            raise _Unsent() from exc
-
     def _exchange(
         self,
         node: str,
@@ -192,36 +173,30 @@ class FastPath:
         timeout: float | None = None,
         write: bool = False,
     ) -> bytearray:
-        """One request on a blocking connection, within ``timeout`` (``deadline_s``; default the store's)."""
-        conn = self._connection(node)
+        """One request on the store's blocking links, within ``timeout`` (``deadline_s``; default the store's)."""
+        store = self.store
         try:
-            note = self.store.same_host.take_note(node, self.store.map.epoch)
-            if note is not None:  # ahead of the request, on its connection: a remove after the reads finds their leases
-                conn.send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
-            reply = conn.exchange(op, answer, body, flags, data, receive, timeout=timeout or self.store.timeout_s)
+            return store.links.exchange(
+                node, store.members[node], store.map.epoch, op, answer, body, flags, data, receive, timeout
+            )
+        except LinkNotOpened as exc:
+            raise _Unsent() from exc
         except (TransferError, OSError, TimeoutError) as exc:
-            self.store._forget_blocking(node)
             if write:  # it may have been applied: its outcome is unknown, and it is not sent again
                 raise _Failed(TransferFailed(f"{node} failed mid-request: {exc or 'timed out'}")) from None
             raise _Unsent() from exc  # a read: the asyncio path asks again
-        self.store._idle[node].append(conn)
-        return reply
 
     def _seen(self, epoch: int) -> None:
         if epoch > self.store.map.epoch:
             self.store.stale = True  # the caller fetches the map before its next call
 
     def _flush_notes(self, node: str) -> None:
-        idle = self.store._idle.get(node)
-        if not idle:
-            return  # told with the next request, once there is a connection
-        note = self.store.same_host.take_note(node, self.store.map.epoch)
-        if note is None:
-            return
+        """The node's lease note now, on an idle connection if there is one (else ahead of the next
+        request); a failure is the asyncio path's to meet on the next call."""
         try:
-            idle[-1].send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
+            self.store.links.send_note(node, self.store.map.epoch)
         except (TransferError, OSError):
-            self.store._forget_blocking(node)
+            pass  # its connections are forgotten: the leases are not granted, as when a note is lost
 
 
 class _Unsent(Exception):
