@@ -6,6 +6,7 @@ import heapq
 import itertools
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .base import BlockMeta, CanEvict, EvictionPolicy, Key, _always
@@ -519,12 +520,21 @@ class ReuseAware(EvictionPolicy):
         self._ghost.pop(key, None)
         self._depth.pop(key, None)
 
-    def _value(self, key: Key) -> float:
-        last, _, kind = self._resident[key]
-        return self.p_reuse(kind) / (self._clock - last + 1 + self._capacity)
+    def _valuer(self) -> Callable[[Key], float]:
+        """A resident's expected use now: ``p(reuse) / (age + capacity)`` (one closure per choice:
+        it runs ``sample`` times for each victim, the policy's hot spot)."""
+        resident, seen, now = self._resident, self._seen, self._clock + 1 + self._capacity
+
+        def value(key: Key) -> float:
+            last, _, kind = resident[key]
+            reused, intervals = seen.get(kind, (1.0, 2.0))
+            return reused / intervals / (now - last)
+
+        return value
 
     def victims(self, n: int, can_evict: CanEvict = _always) -> list[Key]:
         chosen: list[Key] = []
+        value = self._valuer()  # the clock does not move while victims are chosen
         while len(chosen) < n and self._keys:
             keys = self._keys
             oldest = next(iter(self._recency))
@@ -536,12 +546,8 @@ class ReuseAware(EvictionPolicy):
                     candidates = [k for k in keys if can_evict(k)]
                     if not candidates:
                         break
-            victim = min(candidates, key=self._value)
-            if (
-                victim != oldest
-                and oldest in candidates
-                and self._value(victim) > self.lru_margin * self._value(oldest)
-            ):
+            victim = min(candidates, key=value)
+            if victim != oldest and oldest in candidates and value(victim) > self.lru_margin * value(oldest):
                 victim = oldest  # not clearly better than LRU's choice: LRU's choice
             _, reads, kind = self._forget_resident(victim)
             self._ghost[victim] = (reads, kind)

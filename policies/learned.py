@@ -32,6 +32,7 @@ from .base import BlockMeta, CanEvict, EvictionPolicy, Key, SessionEvent, one_vi
 
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: sequential ids (a trace's) sample evenly
 _SAMPLE_BITS = 24
+_FULL = 1 << _SAMPLE_BITS  # the threshold that samples every key
 
 
 class _Shadow:
@@ -48,11 +49,12 @@ class _Shadow:
         self.outside: dict[Key, None] = {}
         self.resident = resident
 
-    def read(self, key: Key, meta: BlockMeta, capacity: float, gain: float) -> None:
+    def read(self, key: Key, meta: BlockMeta, capacity: float, gain: float) -> bool:
+        """Whether it was a hit."""
         if key in self.sizes:
             self.score += gain
             self.policy.on_access(key)
-            return
+            return True
         while self.sizes and self.size + meta.size > capacity:
             victim = one_victim(self.policy, self.sizes)
             self.forget(victim)
@@ -62,6 +64,7 @@ class _Shadow:
         self.sizes[key] = meta.size
         self.size += meta.size
         self.policy.on_insert(key, meta)
+        return False
 
     def forget(self, key: Key) -> None:
         self.size -= self.sizes.pop(key)
@@ -96,16 +99,17 @@ class Shadows:
 
     def read(self, key: Key, meta: BlockMeta) -> None:
         """``key`` was read from the tier or inserted into it (a hit or a miss of the real tier)."""
-        if not self._sampled(key):
+        if self._threshold < _FULL and not self._sampled(key):
             return
-        for shadow in self._shadows:
-            shadow.read(key, meta, self._capacity, self._gain)
+        capacity, gain = self._capacity, self._gain
+        hit = [shadow.read(key, meta, capacity, gain) for shadow in self._shadows]
         self._gain *= self._growth
         if self._gain > 1e200:
             for shadow in self._shadows:
                 shadow.score /= self._gain
             self._gain = 1.0
-        self._follow()
+        if any(hit):  # only a shadow that just hit can have overtaken the leader
+            self._follow()
 
     def _follow(self) -> None:
         best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
