@@ -134,11 +134,11 @@ class SessionAware(EvictionPolicy):
         self._now = 0.0
         self._pause_mean = initial_pause_s
         self._pauses_seen = 0
-        # how announcements compare with what happened: log(real pause / announced), its running
-        # mean and spread (Welford), so that a client that always says half is believed at twice
+        # how announcements compare with what happened: the running mean of log(real pause /
+        # announced) over the last thousand or so, so that a client that always says half is
+        # believed at twice
         self._told_n = 0
         self._told_mean = 0.0
-        self._told_m2 = 0.0
         self._size = 0  # of every resident key, in the unit of BlockMeta.size
         blind = BLIND if blind is None else tuple(blind)
         self._blind = [make() for make in blind]  # each ordering over the real residents
@@ -213,13 +213,11 @@ class SessionAware(EvictionPolicy):
             self._shadows.evicted(key)
 
     def victims(self, n: int, can_evict: CanEvict = _always) -> list[Key]:
-        leader = 0
+        leader, chosen = 0, []
         if self._shadows is not None:
             self._shadows.full(self._size, len(self._metas))
             leader = self._shadows.leader
-        chosen = []
-        if self._shadows is not None:
-            chosen = self._shadows.not_kept(n, can_evict)
+            chosen = self._shadows.not_kept(n, can_evict)  # first what the leader would not hold
             for key in chosen:
                 self._forget(key)
         if len(chosen) < n:
@@ -431,11 +429,7 @@ class SessionAware(EvictionPolicy):
     def _learn_told(self, real: float, told: float) -> None:
         ratio = math.log(max(real, 1e-3) / max(told, 1e-3))
         self._told_n = min(self._told_n + 1, 1000)
-        delta = ratio - self._told_mean
-        self._told_mean += delta / self._told_n
-        self._told_m2 += delta * (ratio - self._told_mean)
-        if self._told_n == 1000:
-            self._told_m2 *= 0.999
+        self._told_mean += (ratio - self._told_mean) / self._told_n
 
     def _believe(self, told: float) -> float:
         """An announced pause as the announcements so far say to read it."""
