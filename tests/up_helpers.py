@@ -53,14 +53,15 @@ class UpCluster(UpProcess):
                 return member, (await resp.json())["pid"]
 
 
-def left_in_shm(before: set[str]) -> set[str]:
+def left_in_shm(before: set[str], ours: str | None = None) -> set[str]:
     """What appeared in /dev/shm since ``before`` that a cluster on the default config left: its pool
-    (named after the host, ``config.default_config``) and anything not tiercake's (vLLM's, torch's)
-    that no live process has open or mapped. Other tiercake pools, and the shared memory of processes
-    that still run, belong to other tests' clusters and servers, running beside this one under xdist."""
+    (named after the host, ``config.default_config``; or starting with ``ours``) and anything not
+    tiercake's (vLLM's, torch's) that no live process has open or mapped. Other tiercake pools, and
+    the shared memory of processes that still run, belong to other tests' clusters and servers,
+    running beside this one under xdist."""
     from tiercake.up_state import inodes_in_use
 
-    ours = f"tiercake-{socket.gethostname()}-"
+    ours = ours or f"tiercake-{socket.gethostname()}-"
     new = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(ours) or not n.startswith("tiercake-")}
     used = inodes_in_use(Path("/dev/shm")) if new else set()
     return {n for n in new if _inode(Path("/dev/shm") / n) not in used}

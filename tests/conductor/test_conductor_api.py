@@ -744,6 +744,7 @@ async def test_a_follower_that_follows_no_leader_names_no_term_to_members():
     no term in keep-alive answers: it once named the new term from the backend with no window, and
     members re-reported everything they held."""
     from tiercake.conductor.election import LeaderElection
+    from tiercake.messages import ConductorInfo
 
     async with leader_and_follower() as (leader, follower):
         async with Client([follower.url], token="peer-token") as client:
@@ -758,7 +759,9 @@ async def test_a_follower_that_follows_no_leader_names_no_term_to_members():
             follower.link.followed_term = 0
             follower.election.crash()  # a third candidate wins, not this one
             leader.election.crash()
-            third = await LeaderElection(follower.meta, "third", ttl=1).start()
+            # as a conductor stands: its ConductorInfo (a follower that reads it mid-close parses it)
+            info = ConductorInfo(conductor_id="third", url="http://127.0.0.1:9").model_dump_json()
+            third = await LeaderElection(follower.meta, info, ttl=1).start()
             try:
                 await asyncio.wait_for(third.leading.wait(), 10)
                 assert await follower.election.term() == third.won_term  # the backend knows the new term

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from paths import ROOT
+from up_helpers import left_in_shm
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -258,4 +259,4 @@ def test_the_bare_package_runs_the_storage_side_and_the_key_value_store_without_
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert left_in_shm(before) == set()  # another test's pools, made meanwhile under xdist, are not its
