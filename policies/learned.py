@@ -90,12 +90,17 @@ class Shadows:
         self._shadows = [_Shadow(p, resident) for p in policies]
         self.leader = 0
         self._capacity = math.inf  # in the unit of BlockMeta.size, scaled by the sample
-        self._threshold = 1 << _SAMPLE_BITS  # a key is shadowed when its mixed hash is below this
+        self._threshold = _FULL  # a key is shadowed when its mixed hash is below this
         self._gain = 1.0  # the weight of a hit now; it grows instead of every score decaying
         self._growth = 1.0
 
     def _sampled(self, key: Key) -> bool:
-        return (hash(key) * _MIX) & ((1 << _SAMPLE_BITS) - 1) < self._threshold
+        return (hash(key) * _MIX) & (_FULL - 1) < self._threshold
+
+    @property
+    def _rate(self) -> float:
+        """The share of keys the shadows follow."""
+        return self._threshold / _FULL
 
     def read(self, key: Key, meta: BlockMeta) -> None:
         """``key`` was read from the tier or inserted into it (a hit or a miss of the real tier)."""
@@ -141,8 +146,8 @@ class Shadows:
         return chosen
 
     def on_session(self, event: SessionEvent) -> None:
-        keys = tuple(k for k in event.keys if self._sampled(k))
-        event = event if len(keys) == len(event.keys) else replace(event, keys=keys)
+        if self._threshold < _FULL:
+            event = replace(event, keys=tuple(k for k in event.keys if self._sampled(k)))
         for shadow in self._shadows:
             shadow.policy.on_session(event)
 
@@ -154,13 +159,13 @@ class Shadows:
             return
         if math.isinf(self._capacity):
             rate = min(1.0, self.shadow_keys / resident_keys)
-            self._threshold = max(1, int(rate * (1 << _SAMPLE_BITS)))
+            self._threshold = max(1, int(rate * _FULL))
             for shadow in self._shadows:
                 for key in [k for k in shadow.sizes if not self._sampled(k)]:
                     shadow.forget(key)
                     shadow.policy.on_remove(key)
                 shadow.outside = {k: None for k in shadow.outside if self._sampled(k)}
-        rate = self._threshold / (1 << _SAMPLE_BITS)
+        rate = self._rate
         if math.isinf(self._capacity) or resident_size * rate > self._capacity:
             self._capacity = resident_size * rate
             self._growth = 2.0 ** (1.0 / (self.half_life * max(resident_keys * rate, 1.0)))
@@ -169,5 +174,5 @@ class Shadows:
         return {
             "leader": self._shadows[self.leader].policy.name,
             "scores": {s.policy.name: round(s.score / self._gain, 2) for s in self._shadows},
-            "sampled": self._threshold / (1 << _SAMPLE_BITS),
+            "sampled": self._rate,
         }

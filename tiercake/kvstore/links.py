@@ -66,18 +66,10 @@ class BlockingLinks:
         """The node's pending lease note on an idle connection, with no reply; whether there was one
         to send it on (without, it goes ahead of the next request). A failure forgets the node's
         connections and raises."""
-        idle = self._idle.get(node)
-        if not idle:
+        if not self._idle.get(node):
             return False
         note = self._same_host.take_note(node, epoch)
-        if note is None:
-            return True
-        try:
-            idle[-1].send_only(Op.OBJ_QUERY, note, FLAG_NO_REPLY)
-        except (TransferError, OSError):
-            self.forget(node)
-            raise
-        return True
+        return note is None or self.send_only(node, Op.OBJ_QUERY, note, FLAG_NO_REPLY)
 
     def send_only(self, node: str, op: Op, body: bytes, flags: int) -> bool:
         """``body`` on an idle connection to ``node``, no reply awaited; whether there was one."""
