@@ -69,10 +69,11 @@ from tiercake.metrics import Collected, store_families
 from .block_table import KEY_BYTES, IndexFullError, TooManyNamesError
 from .front.openai_api import OPEN_PATHS
 from .front.operator import parse, reply
+from .liveness import LeaseExpiredError
 from .metadata import FencedError, MetadataUnavailableError
 from .placement import Change
 from .puts import NoRoomError, PlacementError
-from .service import Conductor, FlushTimeoutError, IngestBusyError, LeaseExpiredError, NotLeaderError
+from .service import Conductor, FlushTimeoutError, IngestBusyError, NotLeaderError
 
 M = TypeVar("M", bound=BaseModel)
 PROBE_PATHS = ("/health", "/ready")  # kubelet probes carry no token
@@ -412,7 +413,7 @@ def _member_routes(conductor: Conductor) -> list:
         """Renew a member's lease; the answer carries the pins version (fetch the node's pins when
         it changes), the cluster settings and, from the leader, the node's replication tasks."""
         body = await parse(request, LeaseRequest)
-        await conductor.keep_alive(body.lease)
+        await conductor.keep_alive(body.node_id, body.lease)
         if body.stats is not None:
             conductor.note_stats(body.node_id, body.stats)
         tasks = conductor.replication_tasks(body.node_id) if conductor.is_leader else []
@@ -441,7 +442,7 @@ def _member_routes(conductor: Conductor) -> list:
 
     async def leave(request: web.Request) -> web.Response:
         body = await parse(request, LeaseRequest)
-        await conductor.leave(body.lease)
+        await conductor.leave(body.node_id, body.lease)
         return reply(LeaveReply(left=body.node_id))
 
     async def members(_: web.Request) -> web.Response:

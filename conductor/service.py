@@ -24,11 +24,11 @@ from .block_table import DEFAULT_RESERVE, KEY_BYTES, BlockKeys
 from .election import LeaderElection
 from .heat import AccessRates
 from .leader_link import LeaderLink
-from .membership import MEMBERS, Membership
+from .liveness import Liveness
+from .membership import Membership
 from .metadata import (
     Delete,
     Guard,
-    LeaseNotFoundError,
     MetadataBackend,
     MetadataUnavailableError,
     Put,
@@ -53,10 +53,6 @@ class NotLeaderError(Exception):
 
 class FlushTimeoutError(Exception):
     """A flush that was waited for is not applied by every member in time."""
-
-
-class LeaseExpiredError(Exception):
-    """A keep-alive for a lease that is gone: the member must register again (and re-report)."""
 
 
 PINS = b"/tiercake/pins/"
@@ -219,6 +215,7 @@ class Conductor:
         self.loop_lag = LoopLag(f"conductor {self.conductor_id}")
         self._lag_watch: asyncio.Task | None = None
         self.objects = ObjectMapKeeper.of(meta, self.members, self.guard, lambda: self.is_leader, objects)
+        self.liveness = Liveness(meta, self.members, self.guard)
 
     async def start(self) -> Conductor:
         await self.index.start()
@@ -243,6 +240,7 @@ class Conductor:
 
     async def close(self) -> None:
         await self.election.resign()
+        await self.liveness.close()
         await self.objects.close()
         for task in (self._pin_follower, self._settings_follower, self._lag_watch):
             if task is not None:
@@ -279,9 +277,11 @@ class Conductor:
         keeps its index as a mirror in step at that moment: it wins again with it (etcd lost its
         quorum for a while, say), or follows the next leader from a snapshot."""
         if not leading:
+            self.liveness.term_ended()
             self.link.stepped_down()
             self._mirror_synced = None
             return
+        self.liveness.term_began()
         age = self.link.mirror_age()
         if age is not None and age <= MIRROR_FRESH_S:
             kept = self.index.keep_mirror(self.members.members)
@@ -329,11 +329,10 @@ class Conductor:
     # Membership -----------------------------------------------------------------------------------
 
     async def register(self, info: MemberInfo, ttl: int) -> int:
-        """Register a member (node or worker) under a new lease; returns the lease. Any conductor may
-        do this: the lease lives in the backend, not in this process."""
-        lease = await self.meta.grant_lease(ttl)
-        info = info.model_copy(update={"lease": lease})
-        await self.meta.put(MEMBERS + info.node_id.encode(), info.model_dump_json().encode(), lease=lease)
+        """Register a member (node or worker) with the leader's liveness; returns its lease (the
+        registration's id)."""
+        await self.require_leader()
+        lease = await self.liveness.register(info, ttl)
         # read your writes: the member's next request may come at once, and this conductor knows its
         # members through a watch (a report right after a register was refused, 409, under load)
         with contextlib.suppress(TimeoutError):
@@ -348,14 +347,23 @@ class Conductor:
                 del self.member_stats[gone]
         self.member_stats[member] = stats
 
-    async def keep_alive(self, lease: int) -> None:
-        try:
-            await self.meta.refresh_lease(lease)
-        except LeaseNotFoundError:
-            raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report") from None
+    async def keep_alive(self, node: str, lease: int) -> None:
+        """The leader notes the keep-alive; a follower sends the member to the leader, or vouches
+        for it while none is named (``liveness.py``). ``LeaseExpiredError``: register again."""
+        if self.is_leader:
+            await self.liveness.keep_alive(node, lease)
+            return
+        leader = await self.leader()
+        if leader is not None:
+            raise NotLeaderError(leader.url)
+        self.liveness.vouch(node, lease)
 
-    async def leave(self, lease: int) -> None:
-        await self.meta.revoke_lease(lease)
+    async def leave(self, node: str, lease: int) -> None:
+        """A member leaves at once (its records are deleted, its placements dropped). One that holds
+        an etcd lease of its own (registered straight into the backend) leaves by revoking it."""
+        await self.require_leader()
+        if not await self.liveness.leave(node, lease):
+            await self.meta.revoke_lease(lease)
 
     def _member(self, node: str, tier: str) -> MemberInfo:
         member = self.members.members.get(node)

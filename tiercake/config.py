@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from .blocks import BlockLayout, Namespace
+from .messages.members import MAX_MEMBER_TTL
 
 
 class ModelConfig(BaseModel):
@@ -297,7 +298,9 @@ class ConductorConfig(BaseModel):
     )
     token_file: str | None = Field(default=None, description="file with bearer tokens, whitespace-separated")
     leader_ttl: int = Field(default=3, ge=1, description="seconds a dead leader keeps the lead")
-    member_ttl: int = Field(default=5, ge=1, description="seconds a silent node or worker stays a member")
+    member_ttl: int = Field(
+        default=5, ge=1, le=MAX_MEMBER_TTL, description="seconds a silent node or worker stays a member"
+    )
     placement: str = Field(default="least_used", description="placement strategy: least_used, local_first, random")
     replication: str = Field(default="fixed", description="replication policy: fixed, hot")
     replication_params: dict[str, Any] = Field(default_factory=dict)

@@ -422,7 +422,7 @@ async def test_a_paused_leader_does_not_act_as_leader_when_it_resumes(conductors
     first, url1 = conductors("p-one")
     async with Client([url1]) as client:
         await wait_for_leader(client, "p-one")  # the previous test's leader, if any, has to expire first
-        await client.register(MemberInfo(node_id="node-p", tiers={"pool": 1 << 30}), ttl=60)
+        await client.register(MemberInfo(node_id="node-p", tiers={"pool": 1 << 30}), ttl=40)
     second, url2 = conductors("p-two")
     first.send_signal(signal.SIGSTOP)  # a partition, as far as etcd can tell
     try:
@@ -538,7 +538,7 @@ async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_pat
                     "url": "http://127.0.0.1:9",
                     "tiers": {"gpu": 1},
                 },
-                "ttl": 60,
+                "ttl": 40,
             }
             async with http.post(control + "/v1/members/register", json=worker, headers=token) as resp:
                 assert resp.status == 200, await resp.text()
@@ -739,36 +739,49 @@ async def test_a_follower_without_a_fresh_mirror_asks_members_for_everything():
             assert answer.term == follower.election.won_term and answer.rereport_s is None
 
 
-async def test_a_follower_that_follows_no_leader_names_no_term_to_members():
-    """Between a leader's death and the next leader's word reaching a follower, the follower names
-    no term in keep-alive answers: it once named the new term from the backend with no window, and
-    members re-reported everything they held."""
+async def test_a_follower_answers_keep_alives_only_while_no_leader_is_named():
+    """Liveness is the leader's (conductor/liveness.py): a follower sends a member's keep-alive to the
+    leader it names, and answers it itself only while the backend names no leader (whoever wins next
+    counts its members' TTLs from its own term's start). Answering so, a follower that follows no
+    leader names no term: between a leader's death and the next leader's word reaching a follower, it
+    once named the new term from the backend with no window, and members re-reported everything."""
     from tiercake.conductor.election import LeaderElection
     from tiercake.messages import ConductorInfo
 
     async with leader_and_follower() as (leader, follower):
-        async with Client([follower.url], token="peer-token") as client:
+        async with Client([leader.url], token="peer-token") as client:
             lease = await client.register(MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20}), ttl=30)
-            for _ in range(100):
-                if follower.link.followed_term:
-                    break
-                await asyncio.sleep(0.05)
-            answer = await client.keep_alive("w", lease)
-            assert answer.term == leader.election.won_term  # what its feed heard
+        await follower.members.wait_for(lambda m: "w" in m.members, 5)
+        only_follower = Client([follower.url], token="peer-token", retries=1)  # follows no hint
+        try:
+            with pytest.raises(ConductorError) as refused:
+                await only_follower.keep_alive("w", lease)
+            assert refused.value.status == 503 and leader.url in str(refused.value)
             await follower.link.close()  # its feed stops, as when the leader it followed died
             follower.link.followed_term = 0
-            follower.election.crash()  # a third candidate wins, not this one
+            follower.election.crash()  # neither leads now; the leader's key runs out
             leader.election.crash()
-            # as a conductor stands: its ConductorInfo (a follower that reads it mid-close parses it)
+            for _ in range(100):
+                if await follower.leader() is None:
+                    break
+                await asyncio.sleep(0.05)
+            answer = await only_follower.keep_alive("w", lease)  # vouched for
+            assert answer.term == 0 and answer.rereport_s is None
+            with pytest.raises(ConductorError) as unknown:  # a registration it does not hold
+                await only_follower.keep_alive("w", lease + 1)
+            assert unknown.value.status == 404
+            # a third candidate wins: the follower sends members to it again
             info = ConductorInfo(conductor_id="third", url="http://127.0.0.1:9").model_dump_json()
             third = await LeaderElection(follower.meta, info, ttl=1).start()
             try:
                 await asyncio.wait_for(third.leading.wait(), 10)
-                assert await follower.election.term() == third.won_term  # the backend knows the new term
-                answer = await client.keep_alive("w", lease)
-                assert answer.term == 0 and answer.rereport_s is None
+                with pytest.raises(ConductorError) as refused:
+                    await only_follower.keep_alive("w", lease)
+                assert refused.value.status == 503 and "127.0.0.1:9" in str(refused.value)
             finally:
                 await third.resign()
+        finally:
+            await only_follower.close()
 
 
 async def test_a_member_that_left_takes_its_metric_series_with_it(api):

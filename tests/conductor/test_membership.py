@@ -155,7 +155,7 @@ async def test_a_member_whose_re_registration_fails_unexpectedly_registers_again
 
             link.client.register = register
             first = link.lease
-            await conductor.leave(first)  # as its lease lapsing would
+            await conductor.leave("cut-off", first)  # as its lease lapsing would
             await conductor.members.wait_for(lambda ms: "cut-off" not in ms.members, 5)
             deadline = asyncio.get_running_loop().time() + 10
             while not ("cut-off" in conductor.members.members and link.lease != first):
@@ -229,6 +229,7 @@ async def test_a_member_may_report_the_moment_its_register_returns(meta, monkeyp
     monkeypatch.setattr(Membership, "_apply", late)
     conductor = await Conductor(meta, f"c-{uuid.uuid4().hex[:6]}", ttl=2).start()
     try:
+        await asyncio.wait_for(conductor.election.leading.wait(), 10)  # members register with the leader
         node = f"n-{uuid.uuid4().hex[:6]}"
         await conductor.register(MemberInfo(node_id=node, tiers={"pool": 1 << 20}), ttl=30)
         assert conductor.report("t", [bytes(32)], node, "pool", [1]) == 1

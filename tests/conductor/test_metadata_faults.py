@@ -83,7 +83,7 @@ async def test_conductor_on_three_members_through_member_deaths_and_quorum_loss(
         url = f"http://{host}:{port}"
         await asyncio.wait_for(conductor.election.leading.wait(), 20)
         async with Client([url], timeout=5.0, retries=60) as client:
-            await client.register(MemberInfo(node_id="n", tiers={"pool": 1 << 30}), ttl=600)
+            await client.register(MemberInfo(node_id="n", tiers={"pool": 1 << 30}), ttl=40)
             await client.report("t", "n", "pool", [k(1)], [1])
             cluster.members[0].stop(kill=True)
             await client.report("t", "n", "pool", [k(2)], [1])  # two of three: still a quorum

@@ -30,6 +30,7 @@ from .base import (
     Request,
 )
 from .members import (
+    MAX_MEMBER_TTL,
     RESIDENCY_BUCKETS,
     KVSpace,
     LeaseRequest,
@@ -159,6 +160,7 @@ __all__ = [
     "LookupRequest",
     "MAX_KEYS",
     "MAX_SESSION_S",
+    "MAX_MEMBER_TTL",
     "MemberInfo",
     "MemberStats",
     "MembersReply",

@@ -85,9 +85,14 @@ class MemberStats(Reply):
     tiers: dict[str, TierStats] = Field(default_factory=dict)
 
 
+# the longest a member may stay silent and still be a member: the leader keeps liveness under one
+# etcd lease of 60 s that must outlive every member's TTL by its renewal period (conductor/liveness.py)
+MAX_MEMBER_TTL = 40
+
+
 class RegisterRequest(Request):
     member: MemberInfo
-    ttl: int = Field(default=5, ge=1, le=3600, description="seconds without a keep-alive before it is dead")
+    ttl: int = Field(default=5, ge=1, le=MAX_MEMBER_TTL, description="seconds without a keep-alive before it is dead")
 
 
 class RegisterReply(Reply):

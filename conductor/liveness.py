@@ -1,0 +1,240 @@
+"""Member liveness in the leader's memory: a keep-alive is a timestamp, not an etcd lease renewal.
+
+Every member registered through a conductor holds its record (``MEMBERS``) and a liveness record
+(``LIVENESS``: its registration's id and TTL) under one etcd lease shared by all of them, the
+*backstop*, which the leader renews every ``BACKSTOP_TTL / 6`` s whatever the fleet's size. A
+keep-alive reaches the leader and sets the member's last-seen time; the leader deletes, fenced by
+its own election key, the records of members silent for their TTL. Before this, each keep-alive
+renewed the member's own etcd lease: a gRPC stream of about a millisecond of the conductor's CPU, 55%
+of the conductors' CPU at 1,000 members (docs/SCALE.md), as Mooncake's master does not either.
+
+What keeps it safe (a node serves objects only while its lease is *surely* alive: the last
+keep-alive acknowledged was sent less than its TTL ago, ``workers/node/objects/ownership.py``):
+
+- the leader deletes a member no sooner than its TTL after the last keep-alive it received, and it
+  received it after the member sent it;
+- a new leader counts every member as seen when its term begins, so it deletes none before its
+  TTL has run from then;
+- a follower vouches for a member (answers its keep-alive itself) only when the backend names no
+  leader: whichever conductor wins next starts its term, and its members' clocks, after that read;
+  while a leader is named the member is sent to it (a retryable 503 naming it);
+- the backstop outlives every member's TTL by a refresh period and more (``MAX_MEMBER_TTL``): a
+  leader that dies leaves the records in place for the next one, and only a control plane with no
+  leader for ``BACKSTOP_TTL`` lets them all go.
+
+Records of members that hold a lease of their own (registered straight into the backend, or by a
+conductor of the release before) are not the leader's to expire: their lease does that. A
+keep-alive for one reaches a leader that does not know its id and is told to register again, so an
+upgraded control plane moves every member onto the backstop within a TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from tiercake.messages import MAX_MEMBER_TTL, MemberInfo
+
+from .membership import MEMBERS, Membership
+from .metadata import (
+    Delete,
+    FencedError,
+    Guard,
+    LeaseNotFoundError,
+    MetadataBackend,
+    MetadataUnavailableError,
+    Put,
+    chunks,
+)
+
+log = logging.getLogger(__name__)
+
+LIVENESS = b"/tiercake/liveness/"  # node -> {"lease": its registration's id, "ttl": seconds}
+BACKSTOP = b"/tiercake/liveness-lease"  # the backstop lease's id, written by the leader
+BACKSTOP_TTL = 60
+assert MAX_MEMBER_TTL <= BACKSTOP_TTL * 5 / 6  # a member's TTL ends before the backstop's can
+SWEEP_S = 0.25  # how often the leader looks for silent members: a dead one goes within TTL + this
+TERM_READY_S = 5.0  # how long a registration waits for a new term's liveness to be loaded
+
+
+class LeaseExpiredError(Exception):
+    """A keep-alive for a registration the leader no longer holds: the member must register again
+    (and re-report)."""
+
+
+@dataclass(slots=True)
+class _Kept:
+    lease: int  # the registration's id, as the member knows it
+    ttl: int
+    seen: float  # monotonic: the last keep-alive (or registration, or the term's start)
+
+
+class Liveness:
+    """The leader's account of its members' keep-alives, and the backstop lease under their
+    records. One instance per conductor; it acts only during this conductor's terms."""
+
+    def __init__(self, meta: MetadataBackend, members: Membership, guard: Guard) -> None:
+        self.meta = meta
+        self.members = members
+        self.guard = guard
+        self.backstop = 0  # the lease every record of a kept member is under (this term's)
+        self._kept: dict[str, _Kept] = {}
+        self._doomed: dict[str, int] = {}  # node -> the id whose records are to be deleted (retried)
+        self._changing = asyncio.Lock()  # a registration and the deletion of a member's records
+        self._ready = asyncio.Event()  # set while this conductor leads and its term is loaded
+        self._task: asyncio.Task | None = None
+        self.expired = 0  # members this conductor deleted for silence
+
+    # The leader's term ----------------------------------------------------------------------------
+
+    def term_began(self) -> None:
+        self.term_ended()
+        self._task = asyncio.get_running_loop().create_task(self._lead())
+
+    def term_ended(self) -> None:
+        self._ready.clear()
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._kept.clear()
+        self._doomed.clear()
+
+    async def close(self) -> None:
+        task = self._task
+        self.term_ended()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _lead(self) -> None:
+        """Take the backstop over, count every kept member as seen now, then sweep and renew."""
+        while True:
+            try:
+                await self._take_over()
+                break
+            except (MetadataUnavailableError, FencedError) as exc:
+                log.warning("liveness: the backstop lease is not taken over yet (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+        self._ready.set()
+        renewed = time.monotonic()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            await self._sweep()
+            if time.monotonic() - renewed >= BACKSTOP_TTL / 6:
+                with contextlib.suppress(MetadataUnavailableError):  # tried again at the next sweep
+                    await self._renew()
+                    renewed = time.monotonic()
+
+    async def _take_over(self) -> None:
+        found = await self.meta.get(BACKSTOP)
+        lease = int(found.value) if found is not None else 0
+        if lease:
+            try:
+                await self.meta.refresh_lease(lease)
+            except LeaseNotFoundError:  # no leader for BACKSTOP_TTL: every kept record went with it
+                lease = 0
+        if not lease:
+            await self._new_backstop()
+            return
+        self.backstop = lease
+        kvs, _ = await self.meta.range(LIVENESS)
+        now = time.monotonic()
+        for kv in kvs:
+            node = kv.key[len(LIVENESS) :].decode()
+            record = json.loads(kv.value)
+            self._kept[node] = _Kept(int(record["lease"]), int(record["ttl"]), now)
+
+    async def _new_backstop(self) -> None:
+        lease = await self.meta.grant_lease(BACKSTOP_TTL)
+        await self.meta.commit([Put(BACKSTOP, str(lease).encode())], guard=self.guard)
+        self.backstop = lease
+        self._kept.clear()
+
+    async def _renew(self) -> None:
+        try:
+            await self.meta.refresh_lease(self.backstop)
+        except LeaseNotFoundError:
+            log.error("liveness: the backstop lease expired under a live leader; members register again")
+            async with self._changing:
+                await self._new_backstop()
+
+    async def _sweep(self) -> None:
+        now = time.monotonic()
+        for node, kept in list(self._kept.items()):
+            if now - kept.seen > kept.ttl:
+                del self._kept[node]  # its keep-alives are refused from now on
+                self._doomed[node] = kept.lease
+                log.warning("liveness: %s missed its keep-alives for %d s; its records go", node, kept.ttl)
+        if self._doomed:
+            async with self._changing:
+                doomed, self._doomed = self._doomed, {}
+                try:
+                    await self._delete(list(doomed))
+                    self.expired += len(doomed)
+                except MetadataUnavailableError:
+                    self._doomed = doomed | self._doomed
+                except FencedError:  # deposed meanwhile: the next leader expires them
+                    pass
+
+    async def _delete(self, nodes: list[str]) -> None:
+        ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS)]
+        for batch in chunks(ops):
+            await self.meta.commit(batch, guard=self.guard)
+
+    async def _leading(self) -> None:
+        try:
+            async with asyncio.timeout(TERM_READY_S):
+                await self._ready.wait()
+        except TimeoutError:
+            raise MetadataUnavailableError("this leader's term is not loaded yet; retry") from None
+
+    # What members ask ----------------------------------------------------------------------------
+
+    async def register(self, info: MemberInfo, ttl: int) -> int:
+        """Write the member's records under the backstop; returns its registration's id (what the
+        member calls its lease)."""
+        await self._leading()
+        lease = secrets.randbits(62) + 1
+        record = info.model_copy(update={"lease": lease}).model_dump_json().encode()
+        node = info.node_id.encode()
+        async with self._changing:
+            self._doomed.pop(info.node_id, None)  # its new records must not be deleted for the old
+            liveness = json.dumps({"lease": lease, "ttl": ttl}).encode()
+            await self.meta.commit(
+                [Put(MEMBERS + node, record, self.backstop), Put(LIVENESS + node, liveness, self.backstop)],
+                guard=self.guard,
+            )
+            self._kept[info.node_id] = _Kept(lease, ttl, time.monotonic())
+        return lease
+
+    async def keep_alive(self, node: str, lease: int) -> None:
+        """The leader's answer to a keep-alive; ``LeaseExpiredError`` when the registration is not
+        (or no longer) one it keeps."""
+        await self._leading()
+        kept = self._kept.get(node)
+        if kept is None or kept.lease != lease:
+            raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
+        kept.seen = time.monotonic()
+
+    def vouch(self, node: str, lease: int) -> None:
+        """A follower's answer to a keep-alive while no leader is named (see the module's note): the
+        member's record must still be the one it registered."""
+        member = self.members.members.get(node)
+        if member is None or member.lease != lease:
+            raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
+
+    async def leave(self, node: str, lease: int) -> bool:
+        """Delete a kept member's records now; False when this registration is not kept here."""
+        await self._leading()
+        async with self._changing:
+            kept = self._kept.get(node)
+            if kept is None or kept.lease != lease:
+                return False
+            del self._kept[node]
+            await self._delete([node])
+        return True

@@ -1,0 +1,129 @@
+"""Member liveness in the leader's memory (conductor/liveness.py), on both metadata backends: a
+keep-alive costs the backend nothing, a silent member goes within its TTL, a new leader keeps the
+members and expires the silent ones counting from its own term's start."""
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from tiercake.conductor.liveness import BACKSTOP, LIVENESS, LeaseExpiredError
+from tiercake.conductor.membership import MEMBERS
+from tiercake.conductor.service import Conductor
+from tiercake.messages import MemberInfo, RegisterRequest
+
+pytestmark = pytest.mark.cluster  # the etcd backend is a real etcd process
+
+
+def _member(name: str) -> MemberInfo:
+    return MemberInfo(node_id=name, tiers={"pool": 1 << 20})
+
+
+async def _leading(meta, name: str) -> Conductor:
+    conductor = await Conductor(meta, name, ttl=1).start()
+    await asyncio.wait_for(conductor.election.leading.wait(), 10)
+    return conductor
+
+
+async def _gone(conductor: Conductor, node: str, within: float) -> float:
+    started = time.monotonic()
+    await conductor.members.wait_for(lambda m: node not in m.members, within)
+    return time.monotonic() - started
+
+
+async def test_keep_alives_cost_the_backend_nothing_and_a_silent_member_goes_within_its_ttl(meta, monkeypatch):
+    refreshes = []
+    real_refresh = meta.refresh_lease
+
+    async def counted(lease):
+        refreshes.append(lease)
+        return await real_refresh(lease)
+
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    try:
+        kept, silent = f"kept-{uuid.uuid4().hex[:6]}", f"silent-{uuid.uuid4().hex[:6]}"
+        kept_lease = await conductor.register(_member(kept), ttl=1)
+        silent_lease = await conductor.register(_member(silent), ttl=1)
+        for node in (kept, silent):  # both records under the one backstop lease, not one each
+            record = await meta.get(MEMBERS + node.encode())
+            assert record.lease == conductor.liveness.backstop and record.lease not in (kept_lease, silent_lease)
+        monkeypatch.setattr(meta, "refresh_lease", counted)
+        started = time.monotonic()
+        gone_after = None
+        while time.monotonic() - started < 3:  # three TTLs
+            await conductor.keep_alive(kept, kept_lease)
+            if gone_after is None and silent not in conductor.members.members:
+                gone_after = time.monotonic() - started
+            await asyncio.sleep(0.2)
+        assert gone_after is not None and gone_after < 1 + 1.0  # TTL, a sweep, the watch
+        assert kept in conductor.members.members  # kept alive past its TTL three times over
+        # 15 keep-alives and not one lease renewal in the backend (the election renews its own)
+        assert [lease for lease in refreshes if lease != conductor.election.lease] == []
+        assert await meta.get(LIVENESS + silent.encode()) is None
+        with pytest.raises(LeaseExpiredError):  # the silent one must register again
+            await conductor.keep_alive(silent, silent_lease)
+        await conductor.leave(kept, kept_lease)  # a clean leave: gone at once
+        await _gone(conductor, kept, 2)
+    finally:
+        await conductor.close()
+
+
+async def test_a_new_leader_keeps_the_members_and_expires_the_silent_ones_from_its_term(meta):
+    first = await _leading(meta, f"c1-{uuid.uuid4().hex[:6]}")
+    second = await Conductor(meta, f"c2-{uuid.uuid4().hex[:6]}", ttl=1).start()
+    try:
+        kept, silent = f"kept-{uuid.uuid4().hex[:6]}", f"silent-{uuid.uuid4().hex[:6]}"
+        kept_lease = await first.register(_member(kept), ttl=2)
+        await first.register(_member(silent), ttl=2)
+        backstop = first.liveness.backstop
+        await asyncio.sleep(1.5)  # most of their TTL spent under the first leader
+        first.election.crash()  # killed: no resignation, its election lease runs out
+        first.liveness.term_ended()  # as its process would, being dead
+        await asyncio.wait_for(second.election.leading.wait(), 10)
+        won = time.monotonic()
+        await second.keep_alive(kept, kept_lease)  # the registration carried over the failover
+        assert second.liveness.backstop == backstop  # the backstop lease taken over, not replaced
+        assert silent in second.members.members  # counted as seen when the term began
+
+        async def keep() -> None:
+            while True:
+                await asyncio.sleep(0.3)
+                await second.keep_alive(kept, kept_lease)
+
+        keeping = asyncio.create_task(keep())
+        try:
+            await second.members.wait_for(lambda m: silent not in m.members, 5)
+            assert time.monotonic() - won >= 2 - 0.3  # not before its TTL from the new term's start
+            await asyncio.sleep(1.0)
+            assert kept in second.members.members and not keeping.done()
+        finally:
+            keeping.cancel()
+    finally:
+        await second.close()
+        await first.close()
+
+
+async def test_a_backstop_lost_under_a_live_leader_is_replaced_and_members_register_again(meta):
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    try:
+        node = f"n-{uuid.uuid4().hex[:6]}"
+        lease = await conductor.register(_member(node), ttl=5)
+        old = conductor.liveness.backstop
+        await meta.revoke_lease(old)  # etcd lost it (restored from a backup, say): the records went
+        await _gone(conductor, node, 5)
+        await conductor.liveness._renew()  # the renewal finds it gone and takes a new one
+        assert conductor.liveness.backstop != old
+        assert int((await meta.get(BACKSTOP)).value) == conductor.liveness.backstop
+        with pytest.raises(LeaseExpiredError):
+            await conductor.keep_alive(node, lease)
+        again = await conductor.register(_member(node), ttl=5)
+        await conductor.keep_alive(node, again)
+        assert (await meta.get(MEMBERS + node.encode())).lease == conductor.liveness.backstop
+    finally:
+        await conductor.close()
+
+
+def test_a_member_ttl_past_the_backstop_is_refused():
+    with pytest.raises(ValueError, match="less than or equal to 40"):
+        RegisterRequest(member=_member("n"), ttl=41)
