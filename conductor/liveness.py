@@ -59,6 +59,7 @@ BACKSTOP = b"/tiercake/liveness-lease"  # the backstop lease's id, written by th
 BACKSTOP_TTL = 60
 assert MAX_MEMBER_TTL <= BACKSTOP_TTL * 5 / 6  # a member's TTL ends before the backstop's can
 SWEEP_S = 0.25  # how often the leader looks for silent members: a dead one goes within TTL + this
+STALL_GRACE_S = 0.25  # a sweep later than this past its time: the leader's loop stalled
 TERM_READY_S = 5.0  # how long a registration waits for a new term's liveness to be loaded
 
 
@@ -121,10 +122,17 @@ class Liveness:
                 log.warning("liveness: the backstop lease is not taken over yet (%s); retrying", exc)
                 await asyncio.sleep(0.5)
         self._ready.set()
-        renewed = time.monotonic()
+        renewed = swept = time.monotonic()
         while True:
             await asyncio.sleep(SWEEP_S)
+            # a leader whose loop stalled (paused, swapped out) heard nobody meanwhile: the stall is
+            # its own, not its members' silence
+            stalled = time.monotonic() - swept - SWEEP_S - STALL_GRACE_S
+            if stalled > 0:
+                for kept in self._kept.values():
+                    kept.seen += stalled
             await self._sweep()
+            swept = time.monotonic()
             if time.monotonic() - renewed >= BACKSTOP_TTL / 6:
                 with contextlib.suppress(MetadataUnavailableError):  # tried again at the next sweep
                     await self._renew()

@@ -20,8 +20,8 @@ def _member(name: str) -> MemberInfo:
     return MemberInfo(node_id=name, tiers={"pool": 1 << 20})
 
 
-async def _leading(meta, name: str) -> Conductor:
-    conductor = await Conductor(meta, name, ttl=1).start()
+async def _leading(meta, name: str, ttl: int = 1) -> Conductor:
+    conductor = await Conductor(meta, name, ttl=ttl).start()
     await asyncio.wait_for(conductor.election.leading.wait(), 10)
     return conductor
 
@@ -127,3 +127,24 @@ async def test_a_backstop_lost_under_a_live_leader_is_replaced_and_members_regis
 def test_a_member_ttl_past_the_backstop_is_refused():
     with pytest.raises(ValueError, match="less than or equal to 40"):
         RegisterRequest(member=_member("n"), ttl=41)
+
+
+async def test_a_leader_whose_own_loop_stalled_does_not_expire_the_members_it_could_not_hear():
+    """A leader paused for longer than a member's TTL (swapped out, a long GC) heard nobody meanwhile;
+    its next sweep ran before the keep-alives queued behind the pause and expired members that had
+    sent them on time."""
+    from tiercake.conductor.embedded import EmbeddedBackend
+
+    meta = await EmbeddedBackend().start()
+    conductor = await _leading(meta, "stalls", ttl=5)  # it keeps the lead through the stall
+    try:
+        lease = await conductor.register(_member("patient"), ttl=2)
+        await conductor.keep_alive("patient", lease)
+        time.sleep(2.5)  # the loop stalls past the TTL; the sweep's timer is due first when it resumes  # noqa: ASYNC251
+        await asyncio.sleep(0.6)  # a few sweeps
+        await conductor.keep_alive("patient", lease)  # its keep-alive, queued behind the stall
+        assert conductor.election.terms == 1  # the same term throughout
+        assert "patient" in conductor.members.members and conductor.liveness.expired == 0
+    finally:
+        await conductor.close()
+        await meta.close()
