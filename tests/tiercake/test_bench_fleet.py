@@ -23,6 +23,8 @@ FIGURES = (
     "etcd_writes_per_s",
     "lookup_p50",
     "lookup_p99",
+    "lookup_p50_follower",
+    "lookup_p99_follower",
     "conductor_rss_per_replica",
     "etcd_db_bytes",
     "keepalive_p50",
@@ -53,8 +55,9 @@ def _check(figures: dict) -> None:
     for f in figures.values():
         assert math.isfinite(f["value"]) and f["value"] >= 0 and f["limit"] > 0, f
         assert f["params"]["replicas"] == 12 * 256, f  # the whole fill, within the budget
-    lookups = figures["lookup_p50"]["params"]
-    assert lookups["found_whole"] == f"{lookups['lookups']}/{lookups['lookups']}"
+    for where in ("", "_follower"):  # the follower's mirror as whole as the leader's index
+        lookups = figures[f"lookup_p50{where}"]["params"]
+        assert lookups["found_whole"] == f"{lookups['lookups']}/{lookups['lookups']}"
     assert figures["dead_node_s"]["value"] < TTL_S + 3
     assert figures["failover_s"]["params"]["missing_after"] == 0
     assert figures["failover_s"]["value"] < 60

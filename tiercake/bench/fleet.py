@@ -16,11 +16,13 @@ scheduler side does. No block bytes move: this is the control plane alone. Per f
 - ``etcd_writes_per_s``: etcd's revisions per second during the fill (every write it took), against
   the placements per second: placements never reach etcd, so this stays flat in the blocks;
 - ``lookup_p50`` / ``lookup_p99``: a 64-block chain over HTTP from the front, against an empty
-  request to the same conductor (p50) and 1 ms (p99);
+  request to the same conductor (p50) and 1 ms (p99), at the leader and (``_follower``) at the
+  follower, which takes no keep-alives or reports;
 - ``conductor_rss_per_replica``: the leader's RSS growth per replica, against a flat array of 40
   bytes per replica (a 32-byte key, a node and a tier); the follower's beside it;
 - ``etcd_db_bytes``: etcd's database after the fill, against its default 2 GiB quota;
-- ``keepalive_p50``: one lease renewal, against the empty request; the conductors' CPU per renewal;
+- ``keepalive_p50``: one keep-alive (the leader notes it in memory), against the empty request; the
+  conductors' CPU per keep-alive;
 - ``dead_node_s``: a node stops renewing: until neither conductor lists its blocks, against its TTL;
 - ``failover_s``: the leader SIGKILLed: until the other conductor leads and lists one chain of
   every live node whole, against 10 s.
@@ -302,7 +304,7 @@ async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget
         etcd_revisions=rev1 - rev0,
         limit_name="placements per second (each a write, were they in etcd)",
     )
-    await _lookups(report, fleet, n, size, 2.0 if quick else 10.0)
+    await _lookups(report, fleet, n, size, 2.0 if quick else 10.0, fleet.urls[1 - leader])
     grown = [max(0, b - a) / max(filled, 1) for a, b in zip(rss0, rss1, strict=True)]
     report.add(
         f"{n}.conductor_rss_per_replica",
@@ -332,24 +334,32 @@ def _p99(ordered: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: float) -> None:
-    answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": seconds})
-    lookups = sorted(answer["lookup_s"])
-    floor = statistics.median(answer["floor_s"])
-    params = {**size, "lookups": len(lookups), "found_whole": f"{answer['whole']}/{len(lookups)}"}
-    report.add(
-        f"{n}.lookup_p50", lookups[len(lookups) // 2] * 1e3, "ms", floor * 1e3, **params, limit_name="an empty request"
-    )
-    p99, floor_p99 = _p99(lookups), _p99(sorted(answer["floor_s"]))
-    report.add(
-        f"{n}.lookup_p99",
-        p99 * 1e3,
-        "ms",
-        1.0,
-        **params,
-        empty_request_p99_ms=round(floor_p99 * 1e3, 3),
-        limit_name="1 ms (issue 45)",
-    )
+async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: float, follower: str) -> None:
+    """The front's lookups, at the leader (which also takes every keep-alive and report) and at the
+    follower (which serves lookups from its mirror), each beside an empty request to the same one."""
+    for where, url in (("", None), ("_follower", follower)):
+        answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": seconds, "url": url})
+        lookups = sorted(answer["lookup_s"])
+        floor = statistics.median(answer["floor_s"])
+        params = {**size, "lookups": len(lookups), "found_whole": f"{answer['whole']}/{len(lookups)}"}
+        report.add(
+            f"{n}.lookup_p50{where}",
+            lookups[len(lookups) // 2] * 1e3,
+            "ms",
+            floor * 1e3,
+            **params,
+            limit_name="an empty request",
+        )
+        p99, floor_p99 = _p99(lookups), _p99(sorted(answer["floor_s"]))
+        report.add(
+            f"{n}.lookup_p99{where}",
+            p99 * 1e3,
+            "ms",
+            1.0,
+            **params,
+            empty_request_p99_ms=round(floor_p99 * 1e3, 3),
+            limit_name="1 ms (issue 45)",
+        )
 
 
 async def _keepalives(report: Report, fleet: Fleet, n: str, size: dict, seconds: float) -> None:
