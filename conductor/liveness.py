@@ -59,7 +59,9 @@ BACKSTOP = b"/tiercake/liveness-lease"  # the backstop lease's id, written by th
 BACKSTOP_TTL = 60
 assert MAX_MEMBER_TTL <= BACKSTOP_TTL * 5 / 6  # a member's TTL ends before the backstop's can
 SWEEP_S = 0.25  # how often the leader looks for silent members: a dead one goes within TTL + this
-STALL_GRACE_S = 0.25  # a sweep later than this past its time: the leader's loop stalled
+# a sweep later than this past its time: the leader's loop stalled (paused, swapped out), well past
+# the longest turn its own gates allow (a 10^8-block index's busy turns made dead nodes linger)
+STALL_GRACE_S = 1.0
 TERM_READY_S = 5.0  # how long a registration waits for a new term's liveness to be loaded
 
 
@@ -129,6 +131,9 @@ class Liveness:
             # its own, not its members' silence
             stalled = time.monotonic() - swept - SWEEP_S - STALL_GRACE_S
             if stalled > 0:
+                log.warning(
+                    "liveness: this leader's loop stalled %.1f s; its members' silence meanwhile is not theirs", stalled
+                )
                 for kept in self._kept.values():
                     kept.seen += stalled
             await self._sweep()
@@ -176,6 +181,9 @@ class Liveness:
         for node, kept in list(self._kept.items()):
             if now - kept.seen > kept.ttl:
                 del self._kept[node]  # its keep-alives are refused from now on
+                record = self.members.members.get(node)
+                if record is not None and record.lease != kept.lease:
+                    continue  # registered since under a lease of its own (a conductor of the release before)
                 self._doomed[node] = kept.lease
                 log.warning("liveness: %s missed its keep-alives for %d s; its records go", node, kept.ttl)
         if self._doomed:
@@ -231,11 +239,12 @@ class Liveness:
             raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
         kept.seen = time.monotonic()
 
-    def vouch(self, node: str, lease: int) -> None:
+    async def vouch(self, node: str, lease: int) -> None:
         """A follower's answer to a keep-alive while no leader is named (see the module's note): the
-        member's record must still be the one it registered."""
-        member = self.members.members.get(node)
-        if member is None or member.lease != lease:
+        registration must be one a leader keeps (a member under an etcd lease of its own, from a
+        conductor of the release before, is alive only as long as that lease)."""
+        found = await self.meta.get(LIVENESS + node.encode())
+        if found is None or int(json.loads(found.value)["lease"]) != lease:
             raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
 
     async def leave(self, node: str, lease: int) -> bool:

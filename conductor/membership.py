@@ -1,7 +1,6 @@
-"""Membership: nodes and workers register under leases kept alive in the background; the conductor
-follows the member keys through a watch. A member that misses its keep-alives for the TTL vanishes
-(its placements go with it, being attached to the same lease); one that comes back registers again
-and is told to re-report what it still holds."""
+"""Membership: every conductor follows the member keys through a watch. A member that misses its
+keep-alives for its TTL vanishes (the leader deletes its key, ``liveness.py``, and its placements
+go with it); one that comes back registers again and is told to re-report what it still holds."""
 
 from __future__ import annotations
 
@@ -22,7 +21,10 @@ __all__ = ["MEMBERS", "MemberInfo", "Membership", "Registration"]
 
 
 class Registration:
-    """Keeps one member registered: a lease, its key, and a keep-alive every third of the TTL."""
+    """Keeps one member registered straight in the backend under an etcd lease of its own, renewed
+    every third of the TTL: how members registered before liveness moved into the leader's memory
+    (a conductor of the previous release still registers them so), and what the membership tests
+    stand members up with."""
 
     def __init__(
         self,

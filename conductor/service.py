@@ -356,7 +356,7 @@ class Conductor:
         leader = await self.leader()
         if leader is not None:
             raise NotLeaderError(leader.url)
-        self.liveness.vouch(node, lease)
+        await self.liveness.vouch(node, lease)
 
     async def leave(self, node: str, lease: int) -> None:
         """A member leaves at once (its records are deleted, its placements dropped). One that holds

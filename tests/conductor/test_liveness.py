@@ -148,3 +148,28 @@ async def test_a_leader_whose_own_loop_stalled_does_not_expire_the_members_it_co
     finally:
         await conductor.close()
         await meta.close()
+
+
+async def test_a_member_that_moved_to_a_lease_of_its_own_is_not_the_leaders_to_expire(meta):
+    """During an upgrade a member may register again with a conductor of the release before, under
+    an etcd lease of its own: the leader's entry for its old registration goes silent, and deleting
+    the record then would take the member out of the cluster while its own lease says it lives."""
+    from tiercake.conductor.membership import Registration
+
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    own = None
+    try:
+        node = f"moved-{uuid.uuid4().hex[:6]}"
+        await conductor.register(_member(node), ttl=1)
+        own = await Registration(meta, _member(node), ttl=5).start()  # as the previous release registers
+        await conductor.members.wait_for(lambda m: m.members.get(node) and m.members[node].lease == own.lease, 5)
+        await asyncio.sleep(2.0)  # the leader's entry is silent past its TTL
+        assert node not in conductor.liveness._kept  # forgotten, not deleted
+        assert (await meta.get(MEMBERS + node.encode())).lease == own.lease
+        assert node in conductor.members.members
+        with pytest.raises(LeaseExpiredError):  # no follower vouches for a lease the leader does not keep
+            await conductor.liveness.vouch(node, own.lease)
+    finally:
+        if own is not None:
+            await own.stop()
+        await conductor.close()
