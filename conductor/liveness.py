@@ -6,7 +6,8 @@ Every member registered through a conductor holds its record (``MEMBERS``) and a
 keep-alive reaches the leader and sets the member's last-seen time; the leader deletes, fenced by
 its own election key, the records of members silent for their TTL. Before this, each keep-alive
 renewed the member's own etcd lease: a gRPC stream of about a millisecond of the conductor's CPU, 55%
-of the conductors' CPU at 1,000 members (docs/SCALE.md), as Mooncake's master does not either.
+of the conductors' CPU at 1,000 members (docs/SCALE.md). Mooncake's master, too, keeps its clients'
+heartbeats in memory.
 
 What keeps it safe (a node serves objects only while its lease is *surely* alive: the last
 keep-alive acknowledged was sent less than its TTL ago, ``workers/node/objects/ownership.py``):
@@ -136,12 +137,15 @@ class Liveness:
                 )
                 for kept in self._kept.values():
                     kept.seen += stalled
-            await self._sweep()
+            try:  # the sweeps must outlive any one failure: without them the dead stay members
+                await self._sweep()
+                if time.monotonic() - renewed >= BACKSTOP_TTL / 6:
+                    with contextlib.suppress(MetadataUnavailableError):  # tried again at the next sweep
+                        await self._renew()
+                        renewed = time.monotonic()
+            except Exception:  # noqa: BLE001
+                log.exception("liveness: a sweep failed; the next one tries again")
             swept = time.monotonic()
-            if time.monotonic() - renewed >= BACKSTOP_TTL / 6:
-                with contextlib.suppress(MetadataUnavailableError):  # tried again at the next sweep
-                    await self._renew()
-                    renewed = time.monotonic()
 
     async def _take_over(self) -> None:
         found = await self.meta.get(BACKSTOP)
