@@ -16,6 +16,7 @@ def small(monkeypatch):
     """A table that starts tiny and moves a few slots per batch, so growth and moves happen often."""
     monkeypatch.setattr(block_table, "MIN_SLOTS", 16)
     monkeypatch.setattr(block_table, "MIGRATE_SLOTS", 8)
+    monkeypatch.setattr(block_table.NodeRows, "MIN_FILTER", 8)  # and each node's row list is filtered often
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -71,6 +72,10 @@ def test_the_table_answers_as_a_model_does(small, seed):
     for node in nodes:
         for tier in tiers:
             assert table.used_bytes(node, tier) == sum(sizes[x] for x, h in model.items() if (node, tier) in h)
+        rows, _ = table.node_rows(node)
+        held = {(int(table.tenant[r]), bytes(table.keys[r].tobytes())) for r in rows.tolist()}
+        tids = {name: table.tenants.id(name, create=False) for name in "ab"}
+        assert held == {(tids[t], key) for (t, key), h in model.items() if any(n == node for n, _ in h)}
 
 
 def test_a_chain_is_found_per_holder_up_to_its_first_gap():
@@ -98,15 +103,16 @@ def test_more_blocks_than_reserved_is_a_clear_error():
 
 
 def test_memory_follows_the_blocks_held_not_the_reservation():
-    """A table reserving a billion blocks costs what its blocks use: 48 bytes of row each and the
-    hash table's slots (8 bytes, at 0.4-0.75 full), near a flat array's 40."""
+    """A table reserving a billion blocks costs what its blocks use: 48 bytes of row each, the
+    hash table's slots (8 bytes, at 0.4-0.75 full) and the node's list of its rows (4 bytes, and a
+    quarter more of room to grow), near a flat array's 40."""
     table = BlockTable()  # the default reservation: 2^30 blocks of address space
     rng = np.random.default_rng(0)
     for _ in range(100):
         keys = rng.integers(0, 1 << 63, size=(1000, 4), dtype=np.uint64)
         table.add("t", keys, "n", "pool", np.ones(1000, np.uint32))
     assert table.blocks == 100_000
-    assert 48 < table.memory() / table.blocks <= 48 + 8 / 0.3
+    assert 48 < table.memory() / table.blocks <= 48 + 8 / 0.3 + 4 * 1.25
 
 
 @pytest.mark.parametrize(
