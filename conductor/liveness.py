@@ -196,10 +196,12 @@ class Liveness:
                 try:
                     await self._delete(list(doomed))
                     self.expired += len(doomed)
-                except MetadataUnavailableError:
-                    self._doomed = doomed | self._doomed
                 except FencedError:  # deposed meanwhile: the next leader expires them
                     pass
+                except Exception as exc:
+                    self._doomed = doomed | self._doomed  # tried again at the next sweep
+                    if not isinstance(exc, MetadataUnavailableError):
+                        raise  # logged by the loop
 
     async def _delete(self, nodes: list[str]) -> None:
         ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS)]

@@ -69,6 +69,28 @@ async def test_keep_alives_cost_the_backend_nothing_and_a_silent_member_goes_wit
         await conductor.close()
 
 
+async def test_a_sweep_that_fails_is_tried_again_and_the_silent_member_still_goes(meta, monkeypatch):
+    """An unforeseen error in one sweep (a bug, a backend's surprise) must not end the sweeps, nor
+    forget whom that sweep was expiring: otherwise a dead member stays listed for good."""
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    try:
+        real_delete, failed = conductor.liveness._delete, []
+
+        async def fails_once(nodes):
+            if not failed:
+                failed.append(nodes)
+                raise RuntimeError("an unforeseen error")
+            await real_delete(nodes)
+
+        monkeypatch.setattr(conductor.liveness, "_delete", fails_once)
+        silent = f"silent-{uuid.uuid4().hex[:6]}"
+        await conductor.register(_member(silent), ttl=1)
+        await _gone(conductor, silent, 5)
+        assert failed == [[silent]] and await meta.get(MEMBERS + silent.encode()) is None
+    finally:
+        await conductor.close()
+
+
 async def test_a_new_leader_keeps_the_members_and_expires_the_silent_ones_from_its_term(meta):
     first = await _leading(meta, f"c1-{uuid.uuid4().hex[:6]}")
     second = await Conductor(meta, f"c2-{uuid.uuid4().hex[:6]}", ttl=1).start()
