@@ -189,7 +189,7 @@ def trace_stats(records: list[TraceRecord], lead_s: float = 0.0) -> TraceStats:
     return stats
 
 
-def residency(stream, capacity: int, policy: EvictionPolicy, times: list[float] | None = None) -> list[float]:
+def residency(stream, capacity: float, policy: EvictionPolicy, times: list[float] | None = None) -> list[float]:
     """Residency of every evicted block in one tier of ``capacity`` under ``policy``: accesses (or,
     with ``times`` per access, seconds) from insertion to eviction."""
     inserted: dict[Hashable, int] = {}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tiercake.messages import RESIDENCY_BUCKETS
 from tiercake.policies import LRU, AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy
 
-from .backend import TierBackend
+from .backend import DiskTierBackend, MemoryTierBackend, TierBackend
 from .buffers import Payload, as_bytes, copy_into, size_of
 from .errors import InvalidStateError, PayloadError
 
@@ -166,9 +166,11 @@ class PutHandle:
         if self._buffer is None:
             backend = self.copy.tier.backend
             nbytes = self.entry.nbytes
-            self._buffer = (
-                backend.view(self.copy.slot, nbytes) if backend.in_memory else backend.staging(self.copy.slot)
-            )
+            if isinstance(backend, MemoryTierBackend):
+                self._buffer = backend.view(self.copy.slot, nbytes)
+            else:
+                assert isinstance(backend, DiskTierBackend)
+                self._buffer = backend.staging(self.copy.slot)
         return self._buffer
 
     @property

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import re2
 
-from tiercake.blocks import is_object_tenant, object_block_key, object_block_tenant, object_id
+from tiercake.blocks import BlockKey, is_object_tenant, object_block_key, object_block_tenant, object_id
 
 from .buffers import copy_into
 from .directory import ObjectDirectory
@@ -329,6 +329,7 @@ class ObjectTable:
         await self.store.commit(staged.handle)
         try:
             if staged.meta.persist:
+                assert self.disk_tier is not None  # ``stage`` refused a persisted object without one
                 await self.store.persist_copy(staged.block, self.disk_tier, sync=True)
             self._pin(staged.block, staged.meta, record.soft_pin_until_ms)
         except BaseException:
@@ -384,7 +385,7 @@ class ObjectTable:
     def publish(self, stored: Stored) -> None:
         """Publish the object's current version for same-host readers, where its owner serves it and
         its bytes are in the pool; else make sure it is not published."""
-        if self.directory is None:
+        if self.directory is None or self.pool_tier is None:  # (a directory comes with a pool)
             return
         slot = self.store.slot_of(stored.block, self.pool_tier) if self.publishes(stored.oid) else None
         if slot is None or not self.directory.publish(stored.oid, slot[0] + stored.offset, stored.size, stored.version):
@@ -551,7 +552,7 @@ class ObjectTable:
         """Rebuild the table from the object blocks the store holds (after a restart): the highest
         version of each object is current, older ones and blocks that are no record are removed.
         Returns how many objects it found."""
-        best: dict[bytes, tuple[Record, bytes]] = {}
+        best: dict[BlockKey, tuple[Record, bytes]] = {}
         stale: list[bytes] = []
         for block in self.store.keys():
             entry = self.store._entries.get(block)

@@ -5,7 +5,7 @@ text through the served model's tokenizer (``tiercake.tokenizer``)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -129,7 +129,8 @@ class CompletionRequest(_OpenAIRequest):
     def prompts(self, tokenizer: Tokenizer) -> list[list[int]]:
         """The prompts as token ids, at most ``MAX_CHOICES`` answers in all."""
         p = self.prompt
-        many = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        # one prompt (text or token ids), or a list of them (mypy cannot narrow a union by its first item)
+        many = cast("list[str | list[int]]", [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p))
         if not many:
             raise ValueError("the prompt list is empty")
         if len(many) * self.n > MAX_CHOICES:
@@ -226,7 +227,7 @@ class ChatShape:
 
     @staticmethod
     def logprobs(events: list[TokenEvent], offsets: list[int], tok: Tokenizer) -> dict:
-        def entry(token: int, logprob: float) -> dict:
+        def entry(token: int, logprob: float | None) -> dict:
             return {"token": tok.token_text(token), "logprob": logprob, "bytes": tok.token_bytes(token)}
 
         return {

@@ -45,7 +45,8 @@ def _fill(index: PlacementIndex, blocks: int, nodes: int) -> tuple[float, list[n
     node's SSD; returns the seconds the reports took and a sample of the chains."""
     rng = np.random.default_rng(0)
     sizes = np.full(REPORT, 1 << 20, dtype=np.uint32)
-    sample, took = [], 0.0
+    sample: list[np.ndarray] = []
+    took = 0.0
     for first in range(0, blocks, REPORT):
         keys = rng.integers(0, 1 << 63, size=(REPORT, 4), dtype=np.uint64)
         node = first // REPORT % nodes

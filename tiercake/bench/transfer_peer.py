@@ -22,7 +22,7 @@ RAW_REQUEST = struct.Struct("<cQQ")  # b"R": send n bytes; b"W": receive n bytes
 
 
 def _serve_raw(listener: socket.socket, buffer: np.ndarray) -> None:
-    view = memoryview(buffer)
+    view = buffer.data
     while True:
         conn, _ = listener.accept()
         with conn:
@@ -70,6 +70,7 @@ async def main() -> None:
         transfer=TransferConfig(transports=["local", "shm", "tcp", *(["ucx"] if ucx_available() else [])]),
     )
     agent = await NodeAgent(config).start()
+    assert agent.server is not None and agent.store is not None  # started
     listener = socket.create_server(("127.0.0.1", 0))
     buffer = np.ones(args.raw_buffer, dtype=np.uint8)  # touched: pre-faulted
     threading.Thread(target=_serve_raw, args=(listener, buffer), daemon=True).start()

@@ -254,12 +254,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with progress_bar(f"simulating {len(records)} requests", len(records) * len(runs)) as update:
         for i, (name, (router, params, with_pool)) in enumerate(runs.items()):
             run = ClusterSpec(**{**spec.__dict__, "global_blocks": pool if with_pool else 0})
+
+            def progress(done: int, base: int = i * len(records), name: str = name) -> None:
+                update(base + done, description=name)
+
             results[name] = simulate_cluster(
                 records,
                 run,
                 router,
                 params,
-                progress=lambda done, i=i, name=name: update(i * len(records) + done, description=name),
+                progress=progress,
             )
     for name in runs:
         summary = results[name].summary()

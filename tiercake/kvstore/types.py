@@ -233,13 +233,13 @@ class BufferHandle:
         return self.size()
 
     def __buffer__(self, flags: int) -> memoryview:  # Python 3.12's buffer protocol
-        return memoryview(self._data)
+        return self._data.data
 
     def __bytes__(self) -> bytes:
         return self._data.tobytes()
 
     def memoryview(self) -> memoryview:
-        return memoryview(self._data)
+        return self._data.data
 
     def as_ctypes(self):
         return (ctypes.c_ubyte * self.size()).from_address(self.ptr()) if self.size() else None

@@ -88,7 +88,7 @@ def pack_header(
         data_offset,
         raw_len,
         stored.size,
-        xxhash.xxh3_64_intdigest(stored),
+        xxhash.xxh3_64_intdigest(stored.data),
         time.time_ns() if created_ns is None else created_ns,
         key,
         parent or b"",
@@ -155,14 +155,14 @@ def _parse_header(path: object, head: bytes, file_size: int) -> _Header:
 def _check_block(path: object, head: _Header, key: bytes, nbytes: int, stored: np.ndarray) -> None:
     if head.key != key or head.raw_len != nbytes:
         raise CorruptBlockError(f"{path}: header names another block")
-    if xxhash.xxh3_64_intdigest(stored) != head.checksum:
+    if xxhash.xxh3_64_intdigest(stored.data) != head.checksum:
         raise CorruptBlockError(f"{path}: payload checksum mismatch")
 
 
 def pwritev_all(fd: int, buffers: list[np.ndarray], offset: int = 0) -> None:
     """pwritev of every buffer from ``offset``, at most IOV_MAX (1024) at a time; a short write is
     retried from where it stopped."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = [b.data.cast("B") for b in buffers]
     while views:
         done = os.pwritev(fd, views[:1024], offset)
         if done == 0:

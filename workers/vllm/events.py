@@ -261,13 +261,14 @@ class EventMirror:
                 sub.bind(where.subscriber_address())
             else:
                 sub.connect(where.subscriber_address())
-            if where.replay_endpoint:  # what was missed before (the live ones queue on the subscription)
-                await self._replay(context, where, self.last_seq + 1)
+            replay = where.replay_endpoint
+            if replay:  # what was missed before (the live ones queue on the subscription)
+                await self._replay(context, replay, self.last_seq + 1)
             while True:
                 # (zmq's own timeouts: a zmq future under asyncio.wait_for does not end when cancelled)
-                if where.replay_endpoint and not await sub.poll(IDLE_REPLAY_S * 1000):
+                if replay and not await sub.poll(IDLE_REPLAY_S * 1000):
                     # quiet: ask whether the last batches were lost (a peer still connecting drops them)
-                    await self._replay(context, where, self.last_seq + 1)
+                    await self._replay(context, replay, self.last_seq + 1)
                     continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
@@ -278,8 +279,8 @@ class EventMirror:
                 if batch is None:
                     continue
                 if seq > self.last_seq + 1:  # missed some: vLLM's replay buffer may still have them
-                    if where.replay_endpoint:
-                        await self._replay(context, where, self.last_seq + 1)
+                    if replay:
+                        await self._replay(context, replay, self.last_seq + 1)
                     if seq > self.last_seq + 1:
                         self.figures["gaps"] += 1
                         log.warning(
@@ -292,11 +293,11 @@ class EventMirror:
         finally:
             sub.close()
 
-    async def _replay(self, context: zmq.asyncio.Context, where: EventsEndpoints, start: int) -> None:
+    async def _replay(self, context: zmq.asyncio.Context, endpoint: str, start: int) -> None:
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
-            dealer.connect(where.replay_endpoint)
+            dealer.connect(endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while await dealer.poll(REPLAY_TIMEOUT_S * 1000):
                 frames = await dealer.recv_multipart()
@@ -305,7 +306,7 @@ class EventMirror:
                     return
                 self.receive(int.from_bytes(frames[2], "big"), frames[3])
             if not self._replay_failing:  # said once until it answers again
-                log.warning("vllm events: no replay from %s within %g s", where.replay_endpoint, REPLAY_TIMEOUT_S)
+                log.warning("vllm events: no replay from %s within %g s", endpoint, REPLAY_TIMEOUT_S)
             self._replay_failing = True
         finally:
             dealer.close()

@@ -224,7 +224,7 @@ class ConnectorScheduler:
                 tracked.blocks = list(new.block_ids[0])
                 done[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
             if tracked is None:

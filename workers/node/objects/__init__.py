@@ -17,7 +17,7 @@ from tiercake.messages import KeepAliveReply
 from tiercake.tiers import TieredStore
 from tiercake.tiers.directory import ObjectDirectory, ordered_memory
 from tiercake.tiers.objects import ObjectTable
-from tiercake.tiers.pool import DIRECTORY_SUFFIX, beside
+from tiercake.tiers.pool import DIRECTORY_SUFFIX, PoolBackend, beside
 from tiercake.transfer.connection import Channels
 from tiercake.transfer.protocol import NODE, Credential
 
@@ -118,5 +118,6 @@ def _directory(store: TieredStore, pool_tier: str | None) -> ObjectDirectory | N
     if pool_tier is None or not ordered_memory():
         return None
     backend = store.tier(pool_tier).backend
+    assert isinstance(backend, PoolBackend)  # the node's tier of kind pool
     path = beside(backend.region.path, DIRECTORY_SUFFIX)
     return ObjectDirectory(path, 2 * len(backend.index), bytes.fromhex(backend.region.instance))
