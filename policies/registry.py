@@ -11,7 +11,7 @@ and any importable class works by path: ``"my_package.policies:MyLRU"``.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from typing import Any, TypeVar
+from typing import Any
 
 from tiercake.plugins import PluginNotFoundError, PluginRegistry, load_path
 
@@ -22,7 +22,6 @@ from .routing import Router
 
 ENTRY_POINT_GROUP = "tiercake.policies"
 
-P = TypeVar("P", EvictionPolicy, AdmissionPolicy, PlacementStrategy, ReplicationPolicy, Router)
 _KINDS = {
     EvictionPolicy: "eviction",
     AdmissionPolicy: "admission",
@@ -110,8 +109,9 @@ def resolve_kind(spec: str, kind: str) -> type:
     return cls
 
 
-def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
-    cls = resolve_kind(spec, _KINDS[base])
+def _create(spec: str, kind: str, params: dict[str, Any] | None) -> Any:
+    """A policy of ``kind`` made from ``spec`` (each ``create_*`` below names what it returns)."""
+    cls = resolve_kind(spec, kind)
     try:
         if hasattr(cls, "from_params"):  # a policy made of other policies: named in its params
             return cls.from_params(params or {}, create_eviction)
@@ -121,23 +121,23 @@ def _create(spec: str, base: type[P], params: dict[str, Any] | None) -> P:
 
 
 def create_eviction(spec: str, params: dict[str, Any] | None = None) -> EvictionPolicy:
-    return _create(spec, EvictionPolicy, params)
+    return _create(spec, "eviction", params)
 
 
 def create_admission(spec: str, params: dict[str, Any] | None = None) -> AdmissionPolicy:
-    return _create(spec, AdmissionPolicy, params)
+    return _create(spec, "admission", params)
 
 
 def create_placement(spec: str, params: dict[str, Any] | None = None) -> PlacementStrategy:
-    return _create(spec, PlacementStrategy, params)
+    return _create(spec, "placement", params)
 
 
 def create_replication(spec: str, params: dict[str, Any] | None = None) -> ReplicationPolicy:
-    return _create(spec, ReplicationPolicy, params)
+    return _create(spec, "replication", params)
 
 
 def create_router(spec: str, params: dict[str, Any] | None = None) -> Router:
-    return _create(spec, Router, params)
+    return _create(spec, "routing", params)
 
 
 def available() -> dict[str, str]:

@@ -59,7 +59,7 @@ class _Entry:
     def __init__(self, op: Op | None, index: int, is_call: bool) -> None:
         self.op, self.index, self.is_call = op, index, is_call
         self.match: _Entry | None = None
-        self.prev: _Entry | None = None
+        self.prev: _Entry = self  # the head's stays itself; every other entry's is set when linked
         self.next: _Entry | None = None
 
 
@@ -120,6 +120,7 @@ def check(ops: list[Op], initial: bytes | None = None, budget: int = 5_000_000) 
         if steps > budget:
             raise RuntimeError(f"the checker gave up after {budget} steps")
         if entry is not None and entry.is_call:
+            assert entry.op is not None  # only the head has none
             ok, after = step(state, entry.op)
             if ok:
                 key = (linearized | (1 << entry.index), after)

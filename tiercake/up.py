@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -93,11 +94,12 @@ class Child:
         env: dict,
         logs: Path,
         argv: list[str] | None = None,
-        prefix: list[str] = (),
+        prefix: Sequence[str] = (),
         spare: bool = False,
     ) -> None:
         self.name, self.args, self.env, self.argv, self.prefix = name, args, env, argv, list(prefix)
-        self.wants_spare, self.spare, self._spare_made = spare, None, 0.0
+        self.spare: subprocess.Popen | None = None
+        self.wants_spare, self._spare_made = spare, 0.0
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{name}.log"
         self.log_path.write_bytes(b"")
@@ -134,7 +136,7 @@ class Child:
 
     def _swap_in_spare(self) -> bool:
         spare, self.spare = self.spare, None
-        if spare is None or spare.poll() is not None:
+        if spare is None or spare.poll() is not None or spare.stdin is None:  # (a spare has a stdin pipe)
             return False
         try:
             spare.stdin.write(b"go\n")
@@ -167,7 +169,9 @@ class Child:
     def wait_announce(self, timeout: float, stop: threading.Event | None = None) -> dict:
         """The child's first stdout line (JSON: where it listens); ``Interrupted`` once ``stop`` is set."""
         result: list[bytes] = []
-        reader = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
+        stdout = self.proc.stdout
+        assert stdout is not None  # spawned with a pipe
+        reader = threading.Thread(target=lambda: result.append(stdout.readline()), daemon=True)
         reader.start()
         deadline = time.monotonic() + timeout
         while reader.is_alive() and time.monotonic() < deadline:
@@ -600,7 +604,7 @@ class UpProcess:
         config_path: Path,
         data_dir: Path,
         port: int,
-        args: list[str] = (),
+        args: Sequence[str] = (),
         token: str | None = "",
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
@@ -658,7 +662,7 @@ class UpProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("tiercake up exited:\n" + self.proc.stdout.read().decode()[-3000:])
+                raise RuntimeError("tiercake up exited:\n" + self._output()[-3000:])
             try:
                 members = self.members()
                 if any(m["role"] == "node" for m in members) and sum(m["role"] != "node" for m in members) >= workers:
@@ -677,4 +681,10 @@ class UpProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        return self.proc.stdout.read().decode()
+        return self._output()
+
+    def _output(self) -> str:
+        """What the process printed (stdout and stderr), to its end: call once it has exited."""
+        stdout = self.proc.stdout
+        assert stdout is not None  # spawned with a pipe
+        return stdout.read().decode()

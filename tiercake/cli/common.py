@@ -77,12 +77,7 @@ def progress_bar(description: str, total: float | None = None):
         task = bar.add_task(description, total=total)
 
         def update(done: float, total: float | None = None, description: str | None = None) -> None:
-            bar.update(
-                task,
-                completed=done,
-                **({"total": total} if total is not None else {}),
-                **({"description": description} if description is not None else {}),
-            )
+            bar.update(task, completed=done, total=total, description=description)  # None: left as it is
 
         yield update
 
