@@ -238,10 +238,17 @@ SMALL_TABLE = 8  # up to this many items a table is packed and parsed with struc
 
 
 @functools.cache
+def _fields(dtype: np.dtype) -> tuple[tuple[str, np.dtype], ...]:
+    """A record dtype's fields in order: each one's name and type."""
+    assert dtype.names is not None and dtype.fields is not None  # a record dtype, not a plain one
+    return tuple((name, dtype.fields[name][0]) for name in dtype.names)
+
+
+@functools.cache
 def _struct(dtype: np.dtype) -> struct.Struct:
     """The struct layout of one packed record of ``dtype`` (same bytes as numpy's)."""
     codes = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "<f8": "d"}
-    return struct.Struct("<" + "".join(codes[dtype.fields[name][0].str.replace("|", "")] for name in dtype.names))
+    return struct.Struct("<" + "".join(codes[kind.str.replace("|", "")] for _, kind in _fields(dtype)))
 
 
 def _encode(dtype: np.dtype, rows: list[tuple], blobs: list[bytes]) -> bytes:
@@ -274,12 +281,12 @@ def _decode(
         raise ProtocolError("truncated table")
     if n <= SMALL_TABLE:
         rows = list(_struct(dtype).iter_unpack(view[4:end]))
-        columns = {name: [row[i] for row in rows] for i, name in enumerate(dtype.names)}
+        columns = {name: [row[i] for row in rows] for i, (name, _) in enumerate(_fields(dtype))}
     else:
         records = np.frombuffer(view[4:end], dtype=dtype)
-        columns = {name: records[name].tolist() for name in dtype.names}
-    for name in dtype.names:  # every float on the wire is a number (a NaN TTL once pinned a block for good)
-        if dtype.fields[name][0].kind == "f" and not all(math.isfinite(v) for v in columns[name]):
+        columns = {name: records[name].tolist() for name, _ in _fields(dtype)}
+    for name, kind in _fields(dtype):  # every float on the wire is a number (a NaN TTL once pinned a block for good)
+        if kind.kind == "f" and not all(math.isfinite(v) for v in columns[name]):
             raise ProtocolError(f"{name}: not a finite number")
     sizes = [columns[f] for f in var]
     if sum(sum(column) for column in sizes) != len(view) - end:
