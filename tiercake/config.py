@@ -647,9 +647,11 @@ def default_config(data_dir: str | Path = ".tiercake") -> TiercakeConfig:
     return TiercakeConfig(
         store=StoreConfig(
             tiers=[
-                TierConfig(kind="gpu", capacity="4MiB"),
-                TierConfig(kind="pool", capacity="16MiB", path=f"/dev/shm/tiercake-{socket.gethostname()}-{which}"),
-                TierConfig(kind="ssd", capacity="256MiB", path=str(data_dir / "ssd"), compression=True),
+                TierConfig(kind="gpu", capacity=ByteSize(4 << 20)),
+                TierConfig(
+                    kind="pool", capacity=ByteSize(16 << 20), path=f"/dev/shm/tiercake-{socket.gethostname()}-{which}"
+                ),
+                TierConfig(kind="ssd", capacity=ByteSize(256 << 20), path=str(data_dir / "ssd"), compression=True),
             ]
         )
     )
@@ -710,7 +712,8 @@ def with_environment(config: TiercakeConfig) -> TiercakeConfig:
         if not name.startswith(ENV_PREFIX):
             continue
         path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
-        node, model = data, TiercakeConfig
+        node: object = data
+        model: type[BaseModel] | None = TiercakeConfig
         for part in path[:-1]:
             field = model.model_fields.get(part) if model is not None else None
             if not isinstance(node, dict) or part not in node:

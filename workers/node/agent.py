@@ -64,7 +64,7 @@ class NodeAgent:
                     cfg.conductor.urls, token=tokens[0] if tokens else None, ssl=cfg.tls.client_context()
                 )
             # the key-value store's objects: their table rebuilt before anyone can ask for them
-            self.objects = NodeObjects(
+            objects = self.objects = NodeObjects(
                 cfg.node_id,
                 self.store,
                 secret,
@@ -77,8 +77,8 @@ class NodeAgent:
                 map_path=_map_path(cfg),
                 node_secret=node_secret,
             )
-            await self.objects.recover()
-            self.server = await TransferServer(
+            await objects.recover()
+            server = self.server = await TransferServer(
                 self.store,
                 secret,
                 cfg.node_id,
@@ -89,19 +89,19 @@ class NodeAgent:
                 buffer_bytes=cfg.transfer.buffer_bytes,
                 ucx="ucx" in cfg.transfer.transports,  # served only when the cluster uses it: less to attack
                 tls=cfg.transfer_tls_server(),
-                objects=self.objects.server,
+                objects=objects.server,
                 node_secret=node_secret,
             ).start()
             if cfg.transfer.metrics_port is not None:
                 await self._serve_metrics()
-            if cfg.conductor.urls:
-                await self._join(secret)
+            if self._client is not None:  # (made when the config names conductors)
+                await self._join(secret, self._client, server, objects)
         except BaseException:
             await self.close()
             raise
         return self
 
-    async def _join(self, secret: bytes) -> None:
+    async def _join(self, secret: bytes, client: Client, server: TransferServer, objects: NodeObjects) -> None:
         cfg = self.config
         self.engine = TransferEngine(
             cfg.node_id,
@@ -112,7 +112,7 @@ class NodeAgent:
             checksum=cfg.transfer.checksum,
             tls=cfg.transfer_tls_client(),
         )
-        host, port = self.server.address
+        host, port = server.address
         member = MemberInfo(
             node_id=cfg.node_id,
             role="node",
@@ -121,9 +121,9 @@ class NodeAgent:
             transfer_version=p.VERSION,
             tiers={t.tier_name: int(t.capacity) for t in cfg.store.tiers},
         )
-        link = ConductorLink(self._client, member, self.store, ttl=cfg.conductor.member_ttl, engine=self.engine)
-        link.on_registered.append(self.objects.on_registered)
-        link.on_keepalive.append(self.objects.on_keepalive)
+        link = ConductorLink(client, member, self.store, ttl=cfg.conductor.member_ttl, engine=self.engine)
+        link.on_registered.append(objects.on_registered)
+        link.on_keepalive.append(objects.on_keepalive)
         self.link = await link.start()
 
     async def _serve_metrics(self) -> None:
@@ -187,6 +187,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        assert self.server is not None  # started
         host, port = self.server.address
         announced = {"node_id": self.config.node_id, "host": host, "port": port}
         if self.metrics_url is not None:

@@ -116,7 +116,11 @@ def kv_layout_tag(kv_cache_config: KVCacheConfig) -> str:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"TiercakeConnector supports models with one KV cache group, this one has {len(groups)}")
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
     spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"TiercakeConnector supports attention KV caches, this model's is a {type(spec).__name__}")
     dtype = str(spec.dtype).removeprefix("torch.")
     return (
         f"vllm:{type(spec).__name__}:L{len(groups[0].layer_names)}:H{spec.num_kv_heads}:D{spec.head_size}:"
