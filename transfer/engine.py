@@ -266,18 +266,21 @@ class TransferEngine:
             for i, _ in group.reads + group.writes:
                 results[i].error = exc
             return
-        for pairs, op in ((group.reads, transport.read), (group.writes, transport.write)):
-            if not pairs:
-                continue
-            done = await op(peer, [req for _, req in pairs])
-            for (i, req), err in zip(pairs, done):
-                read = isinstance(req, ReadReq)
-                nbytes = size_of(req.dst if read else req.src)
-                results[i] = TransferResult(
-                    err is None, transport.name, err, 0 if err else nbytes, req.seal if read and err is None else b""
-                )
-                if err is None:
-                    self.bytes_moved[transport.name] += nbytes
+        if group.reads:
+            done = await transport.read(peer, [req for _, req in group.reads])
+            for (i, read), err in zip(group.reads, done):
+                results[i] = self._moved(transport.name, err, size_of(read.dst), read.seal)
+        if group.writes:
+            done = await transport.write(peer, [req for _, req in group.writes])
+            for (i, write), err in zip(group.writes, done):
+                results[i] = self._moved(transport.name, err, size_of(write.src), b"")
+
+    def _moved(self, transport: str, err: BaseException | None, nbytes: int, seal: bytes) -> TransferResult:
+        """One item's result, its bytes counted when it moved."""
+        if err is not None:
+            return TransferResult(False, transport, err)
+        self.bytes_moved[transport] += nbytes
+        return TransferResult(True, transport, None, nbytes, seal)
 
     async def _pull(self, items: list[tuple[int, BlockLoc, BlockLoc, int]], results, verify=None) -> None:
         """Blocks from one other node into this node's store: reserve a slot for each, read them all in

@@ -113,7 +113,7 @@ class TiercakeLink:
         live = {node: holding.length for node, holding in found.items() if node in self.nodes}
         if not live:
             return None, 0
-        node = max(live, key=live.get)
+        node = max(live, key=lambda n: live[n])
         return node, live[node]
 
     def watch_pool(self, node: str, every: float) -> None:
@@ -206,14 +206,20 @@ class TiercakeLink:
             log.warning("tiercake link %s: lookup failed, computing instead: %s", self.identity, exc)
             return None, 0
 
+    def _engine(self) -> TransferEngine:
+        if self.engine is None:
+            raise TransferError("this link was given no transfer secret: it moves no blocks")
+        return self.engine
+
     def read(self, node: str, keys: list[bytes], dsts: list[torch.Tensor], timeout: float) -> list[TransferResult]:
         """Read each block into the buffer beside it; a result per block (all failed on a timeout)."""
         try:
+            engine = self._engine()
             return self.call(
-                self.nodes.to_node(node, lambda: self.engine.read_blocks(node, keys, dsts, timeout=timeout)),
+                self.nodes.to_node(node, lambda: engine.read_blocks(node, keys, dsts, timeout=timeout)),
                 timeout + 1.0,
             )
-        except (TimeoutError, OSError, ConductorError) as exc:
+        except (TimeoutError, OSError, ConductorError, TransferError) as exc:
             log.warning("tiercake link %s: read from %s failed: %s", self.identity, node, exc)
             return [TransferResult(False, error=exc) for _ in keys]
 
@@ -223,9 +229,10 @@ class TiercakeLink:
         cannot be reached (read the blocks with ``read`` then: it has its own second chance)."""
 
         async def lease() -> PoolLease | None:
-            if node not in self.nodes and self.engine.address(node) is None:
+            engine = self._engine()
+            if node not in self.nodes and engine.address(node) is None:
                 await self.nodes.refresh()
-            return await self.engine.lease_blocks(node, keys, length, timeout)
+            return await engine.lease_blocks(node, keys, length, timeout)
 
         try:
             return self.call(lease(), timeout + 1.0)
@@ -259,7 +266,7 @@ class TiercakeLink:
             if not future.cancelled() and future.exception() is not None:
                 log.warning("tiercake link %s: release on %s: %s", self.identity, node, future.exception())
 
-        self.submit(self.engine.release_blocks(node, lease)).add_done_callback(done)
+        self.submit(self._engine().release_blocks(node, lease)).add_done_callback(done)
 
     def write(
         self,
@@ -277,6 +284,7 @@ class TiercakeLink:
                 Transfer(BufferLoc(src), BlockLoc(node, key, parent, tenant, seal), src.numel())
                 for (key, parent, src), seal in zip(items, seals)
             ]
-            return await self.nodes.to_node(node, lambda: self.engine.transfer(batch, timeout=timeout))
+            engine = self._engine()
+            return await self.nodes.to_node(node, lambda: engine.transfer(batch, timeout=timeout))
 
         return self.submit(write())

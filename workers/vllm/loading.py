@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -38,8 +38,15 @@ log = logging.getLogger(__name__)
 class Load(Protocol):
     """One request's blocks to load (the connector's ``RequestLoad``)."""
 
-    request_id: str
-    blocks: Sequence  # each with ``block_id``: vLLM's block to fill, in chain order
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def blocks(self) -> Sequence:  # each with ``block_id``: vLLM's block to fill, in chain order
+        ...
+
+
+L = TypeVar("L", bound=Load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +110,7 @@ class Fetched:
         return sum(len(s.starts) for s in self.segments)
 
 
-Fetch = Callable[[Load, torch.Tensor], Fetched]
+Fetch = Callable[[L, torch.Tensor], Fetched]
 
 
 def block_window(base: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -209,12 +216,12 @@ class _Step:
     started: float = field(default_factory=time.perf_counter)  # when ``start`` began the step
 
 
-class LayerwiseLoader:
+class LayerwiseLoader(Generic[L]):
     """See the module docstring. ``layers``: each layer's KV as a row of bytes per vLLM block;
     ``fetch(load, rows)``: find the load's blocks (in place, or read into ``rows``: one tiercake
     block per row, every layer's part in layer order) and say which are usable (``Fetched``)."""
 
-    def __init__(self, layers: list[torch.Tensor], fetch: Fetch, device: bool | None = None) -> None:
+    def __init__(self, layers: list[torch.Tensor], fetch: Fetch[L], device: bool | None = None) -> None:
         self.copier = KvCopier(layers, device)
         self.layers = layers
         self.layer_bytes = self.copier.layer_bytes
@@ -224,7 +231,7 @@ class LayerwiseLoader:
         self._staging: torch.Tensor | None = None
         self._step: _Step | None = None
 
-    def start(self, loads: Sequence[Load]) -> None:
+    def start(self, loads: Sequence[L]) -> None:
         """Begin the step's loads. The previous step's must have been finished: its failed blocks must
         reach vLLM, never be dropped."""
         if not loads:
@@ -272,9 +279,9 @@ class LayerwiseLoader:
                 self._staging = torch.zeros((max(blocks, 16), self.block_bytes), dtype=torch.uint8)
         return self._staging[:blocks]
 
-    def _run(self, step: _Step, parts: list[tuple[Load, torch.Tensor]]) -> None:
+    def _run(self, step: _Step, parts: list[tuple[L, torch.Tensor]]) -> None:
         started = step.started  # from the step's start: the pass may wait from then on
-        fetched: list[tuple[Load, Fetched]] = []
+        fetched: list[tuple[L, Fetched]] = []
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
                 fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
@@ -313,7 +320,7 @@ class LayerwiseLoader:
                     got.release()
             step.done.set()
 
-    def _copy_in(self, step: _Step, fetched: list[tuple[Load, Fetched]], announce: bool = True) -> None:
+    def _copy_in(self, step: _Step, fetched: list[tuple[L, Fetched]], announce: bool = True) -> None:
         """Every usable block into each layer's KV, a layer at a time, announcing each (if ``announce``;
         else ``_run`` announces them all at the end)."""
         parts: list[tuple[Segment, list[int]]] = []

@@ -11,6 +11,7 @@ saves are dropped and counted: a missed save is a future miss, never a stall).""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tiercake.blocks import SealCheck, SealKeys, verified_prefix
+from tiercake.blocks import SealCheck, Sealer, SealKeys, verified_prefix
 from tiercake.transfer import ItemError, Status
 
 from .link import TiercakeLink
@@ -106,7 +107,7 @@ class ConnectorWorker:
         self.block_nbytes = 0
         self._load_errors: set[int] = set()
         self._layer_index: dict[str, int] = {}
-        self._loader: LayerwiseLoader | None = None
+        self._loader: LayerwiseLoader[RequestLoad] | None = None
         self._reports: dict[str, LoadReport] = {}
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
@@ -162,6 +163,12 @@ class ConnectorWorker:
             self._finish_loads()  # vLLM finishes each step (wait_for_save); this only guards against it not
             self._loader.start(meta.loads)
 
+    def _sealer(self, salt: str) -> Sealer:
+        """The seals of keys hashed under ``salt`` (loads and saves are enabled only with the secret)."""
+        if self._seal_keys is None:
+            raise RuntimeError("this connector has no transfer secret: it neither loads nor saves blocks")
+        return self._seal_keys.for_salt(salt)
+
     def _fetch(self, load: RequestLoad, rows: torch.Tensor) -> Fetched:
         """Find one request's blocks: on this host, leased in place in the node's shared pool (those
         only on its disk read into ``rows``); elsewhere, read into ``rows``. A chain is usable only up
@@ -202,9 +209,7 @@ class ConnectorWorker:
         if len(found) < len(keys):
             return None
         pool, n = places.data, self.block_nbytes
-        check = SealCheck(
-            self._seal_keys.for_salt(load.salt), [(k, pool[o : o + n], s) for k, (o, s) in zip(keys, found)]
-        )
+        check = SealCheck(self._sealer(load.salt), [(k, pool[o : o + n], s) for k, (o, s) in zip(keys, found)])
         self._helper.submit(check.from_back)
         fetched = Fetched([Segment(pool, [offset for offset, _ in found])], unleased=True)
 
@@ -271,7 +276,7 @@ class ConnectorWorker:
         read = next((i for i, r in enumerate(rest) if not r.ok), len(rest))
         items = found + [(keys[first + i], staged[first + i], rest[i].seal) for i in range(read)]
         started = time.perf_counter()
-        verified = verified_prefix(self._seal_keys.for_salt(load.salt), items, self._helper)
+        verified = verified_prefix(self._sealer(load.salt), items, self._helper)
         segments = [Segment(pool, starts[: min(first, verified)])] if pool is not None else []
         self.stats["in_place_blocks"] += min(first, verified)
         if verified > first:
@@ -311,7 +316,8 @@ class ConnectorWorker:
 
     def wait_for_save(self, meta: object) -> None:
         self._finish_loads()
-        if not isinstance(meta, TiercakeMetadata) or not meta.saves or not self._layers:
+        node = self.settings.node  # (saves are enabled only with a node to save to)
+        if not isinstance(meta, TiercakeMetadata) or not meta.saves or not self._layers or node is None:
             return
         nbytes = len(meta.saves) * self.block_nbytes
         with self._lock:
@@ -327,11 +333,11 @@ class ConnectorWorker:
             by_tenant.setdefault((s.tenant, s.salt), []).append((s.key, s.parent, row))
         writes = [len(by_tenant)]  # the buffer goes back once every write from it has ended
         for (tenant, salt), items in by_tenant.items():
-            future = self.link.write(
-                self.settings.node, items, tenant, self._seal_keys.for_salt(salt), self.settings.save_timeout_s
+            future = self.link.write(node, items, tenant, self._sealer(salt), self.settings.save_timeout_s)
+            saved = functools.partial(
+                self._saved, nbytes=len(items) * self.block_nbytes, count=len(items), buffer=buffer, writes=writes
             )
-            count = len(items)
-            future.add_done_callback(lambda f, n=count: self._saved(f, n * self.block_nbytes, n, buffer, writes))
+            future.add_done_callback(saved)
 
     def _saved(self, future, nbytes: int, count: int, buffer: torch.Tensor, writes: list[int]) -> None:
         """On the link's thread, when a background save ends."""
