@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from typing import Any
 
 from .protocol import FRAME, MAGIC, MAX_BODY, Op, PeerClosedError, ProtocolError, spoken
 
 BODY_CHUNK = 64 << 10  # a body's first allocation; it doubles as its bytes arrive
 
 Frame = tuple[Op, int, int, bytearray]
-Fast = Callable[[Op, int, int, bytearray], object]  # True: answered; False: the task's; else a continuation
+# True: answered; False: the task's; else a continuation
+Fast = Callable[[Op, int, int, bytearray], bool | Callable[..., Any]]
 
 
 class Inbox:
@@ -94,8 +96,10 @@ class Inbox:
                     return failed
                 if self._body:
                     continue
-            op, flags, request = self._frame
-            body, self._body, self._pos = self._body, None, 0
+            frame, body = self._frame, self._body
+            assert frame is not None and body is not None  # its header was read
+            op, flags, request = frame
+            self._body, self._pos = None, 0
             if op is Op.ERROR:
                 return ProtocolError(f"peer refused: {body.decode(errors='replace')}")
             try:

@@ -329,7 +329,7 @@ def encode_read(items: list[tuple[bytes, int]]) -> bytes:
     return _encode(READ_DT, [(len(_key(k)), _length(n)) for k, n in items], [k for k, _ in items])
 
 
-def decode_read(body: bytes) -> list[tuple[bytes, int]]:
+def decode_read(body: bytes | bytearray) -> list[tuple[bytes, int]]:
     records, fields = _decode(READ_DT, body, ("klen",))
     return [(f[0], n) for f, n in zip(fields, records["length"])]
 
@@ -391,7 +391,7 @@ def encode_write(items: list[WriteItem]) -> bytes:
     return _encode(WRITE_DT, rows, blobs)
 
 
-def decode_write(body: bytes) -> list[WriteItem]:
+def decode_write(body: bytes | bytearray) -> list[WriteItem]:
     records, fields = _decode(WRITE_DT, body, ("klen", "plen", "tlen", "slen"))
     return [
         WriteItem(f[0], n, f[1] or None, c, f[2].decode(errors="replace"), f[3])
@@ -447,7 +447,7 @@ def encode_keys(keys: list[bytes]) -> bytes:
     return _encode(KEYS_DT, [(len(_key(k)),) for k in keys], keys)
 
 
-def decode_keys(body: bytes) -> list[bytes]:
+def decode_keys(body: bytes | bytearray) -> list[bytes]:
     _, fields = _decode(KEYS_DT, body, ("klen",))
     return [f[0] for f in fields]
 

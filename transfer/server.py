@@ -29,6 +29,7 @@ from tiercake.tiers import (
     ObjectNotFoundError,
     ObjectPinnedError,
     PayloadError,
+    PoolBackend,
     PutInProgressError,
     StoreError,
     TieredStore,
@@ -137,7 +138,9 @@ class TransferServer:
     def info(self) -> p.PeerInfo:
         pool_path, pool_size, pool_id = None, 0, None
         if self.pool_tier is not None:
-            region = self.store.tier(self.pool_tier).backend.region
+            backend = self.store.tier(self.pool_tier).backend
+            assert isinstance(backend, PoolBackend)  # the node's tier of kind pool
+            region = backend.region
             pool_path, pool_size, pool_id = str(region.path), region.size, region.instance
         directory = getattr(self.objects, "directory_path", None)
         return p.PeerInfo(
@@ -165,7 +168,7 @@ class TransferServer:
         sock.listen(256)
         sock.setblocking(False)
         self._listener = sock
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept())
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept(sock))
         self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog())
         return self
 
@@ -187,10 +190,10 @@ class TransferServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _accept(self) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _addr = await loop.sock_accept(self._listener)
+            conn, _addr = await loop.sock_accept(listener)
             tune(conn, self.buffer_bytes)
             if self.tls is not None:  # the handshake runs in the connection's task, under its deadline
                 conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
@@ -204,7 +207,7 @@ class TransferServer:
         try:
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT):
-                    if self.tls is not None:
+                    if isinstance(conn, ssl.SSLSocket):  # (wrapped when the server has TLS)
                         await tls_handshake(conn)
                     peer = await self._handshake(conn)
             except ssl.SSLError as exc:  # not TLS, or no certificate we trust: nothing to answer in
@@ -294,6 +297,7 @@ class TransferServer:
                 if op is not None and peer.kind == p.TENANT and op not in TENANT_OPS:
                     raise p.Forbidden(f"{peer}'s key reaches its objects only, not {op.name}")
                 if op is None:
+                    assert callable(got)  # the rest of a request the callback began
                     await got()
                 elif op is Op.READ:
                     await self._read(session, flags, request, body)
@@ -346,7 +350,7 @@ class TransferServer:
                         ReplyItem(Status.LENGTH_MISMATCH, message=f"block is {view.size} bytes, {expected} were asked")
                     )
                     continue
-                checksum = xxhash.xxh3_64_intdigest(view) if flags & p.FLAG_CHECKSUM else 0
+                checksum = xxhash.xxh3_64_intdigest(view.data) if flags & p.FLAG_CHECKSUM else 0
                 replies.append(ReplyItem(Status.OK, view.size, checksum, seal=self.store.seal_of(key)))
                 data.append((len(replies) - 1, view))
             nbytes = sum(view.size for _, view in data)
@@ -452,32 +456,33 @@ class TransferServer:
                 ready.append(ReplyItem(Status.OK, it.length, offset=path.write_offset(handle)))
             with self._deadline(sum(it.length for it, h in zip(items, handles) if h is not None or eager)):
                 if eager:  # the data is on its way already: no WRITE_READY
+                    assert isinstance(path, StreamPath)  # (checked above)
                     await path.receive_eager([it.length for it in items], handles)
                 else:
                     await send_frame(session.conn, Op.WRITE_READY, request, p.encode_lease_reply(ready), flags)
                     await path.receive(request, [(i, h) for i, h in enumerate(handles) if h is not None])
             done: list[ReplyItem] = []
-            for it, handle, reserved in zip(items, handles, ready):
-                if handle is None:
+            for it, landed, reserved in zip(items, handles, ready):
+                if landed is None:
                     done.append(
                         reserved if eager else ReplyItem(Status.BAD_REQUEST, message="refused before the data was sent")
                     )
                     continue
-                if flags & p.FLAG_CHECKSUM and xxhash.xxh3_64_intdigest(host_bytes(handle.buffer)) != it.checksum:
-                    await self.store.revoke(handle)
+                if flags & p.FLAG_CHECKSUM and xxhash.xxh3_64_intdigest(host_bytes(landed.buffer).data) != it.checksum:
+                    await self.store.revoke(landed)
                     done.append(ReplyItem(Status.CHECKSUM, message="checksum mismatch: the block was not stored"))
                     continue
-                handle.note_written(it.length)
+                landed.note_written(it.length)
                 try:
-                    await self.store.commit(handle)
+                    await self.store.commit(landed)
                     done.append(ReplyItem(Status.OK, it.length))
                 except (StoreError, OSError) as exc:
                     done.append(ReplyItem(status_of(exc), message=str(exc)))
             await send_frame(session.conn, Op.WRITE_DONE, request, p.encode_statuses(done), flags)
         finally:
-            for handle in handles:  # anything not committed is revoked: nothing half-written is visible
-                if handle is not None and not handle.done:
-                    await self.store.revoke(handle)
+            for begun in handles:  # anything not committed is revoked: nothing half-written is visible
+                if begun is not None and not begun.done:
+                    await self.store.revoke(begun)
 
 
 class _Deadline:
@@ -489,8 +494,10 @@ class _Deadline:
         self.moving, self.deadline = moving, deadline
 
     def __enter__(self) -> None:
-        self.task = asyncio.current_task()
-        self.moving[self.task] = self.deadline
+        task = asyncio.current_task()
+        assert task is not None  # entered in a task
+        self.task = task
+        self.moving[task] = self.deadline
 
     def __exit__(self, *exc: object) -> None:
         self.moving.pop(self.task, None)

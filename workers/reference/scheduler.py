@@ -165,18 +165,19 @@ class Scheduler:
             return False
 
     def _emit(self, job: _Running, first: bool = False) -> None:
-        r = job.request
-        token = next_token(job.seq.logits, r.temperature, job.generator, r.top_p)
+        r, seq = job.request, job.seq
+        assert seq is not None  # a job emits only while it holds its sequence
+        token = next_token(seq.logits, r.temperature, job.generator, r.top_p)
         job.generated += 1
         done = job.generated >= r.max_tokens
         event = TokenEvent(
             token=token,
             index=job.generated - 1,
-            stats=job.seq.stats if first else None,
+            stats=seq.stats if first else None,
             finish_reason="length" if done else None,
         )
         if r.logprobs is not None:
-            event.logprob, top = logprobs_of(job.seq.logits, token, r.logprobs)
+            event.logprob, top = logprobs_of(seq.logits, token, r.logprobs)
             event.top_logprobs = [TokenLogprob(token=t, logprob=lp) for t, lp in top]
         job.out.put_nowait(event)
         job.pending = token
@@ -200,17 +201,20 @@ class Scheduler:
         return False
 
     async def _step(self) -> None:
-        jobs = []
+        jobs, seqs = [], []
         for job in self._running:  # room for the next token first: a full gpu tier fails one request
+            if job.seq is None:  # ended meanwhile
+                continue
             try:
                 await self.engine.reserve(job.seq, len(job.seq.tokens) + 1)
                 jobs.append(job)
+                seqs.append(job.seq)
             except StoreError as exc:
                 self._finish(job, error=exc)
         if not jobs:
             return
         try:
-            await self.engine.decode([j.seq for j in jobs], [j.pending for j in jobs])
+            await self.engine.decode(seqs, [j.pending for j in jobs])
         except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep serving
             log.exception("decode step failed")
             for job in jobs:
