@@ -17,6 +17,7 @@ import asyncio
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -69,7 +70,7 @@ class _ThreadBuffers(threading.local):
     """Per-I/O-thread aligned staging memory and zstd contexts, reused across calls."""
 
     def __init__(self) -> None:
-        self.mem = None
+        self.mem: mmap.mmap | None = None
         self.view: memoryview | None = None
         self.array: np.ndarray | None = None
         self.compressor: zstandard.ZstdCompressor | None = None
@@ -88,7 +89,7 @@ class _ThreadBuffers(threading.local):
 
     def get(self, nbytes: int) -> np.ndarray:
         if self.array is None or self.array.size < nbytes:
-            if self.view is not None:
+            if self.view is not None and self.mem is not None:
                 self.array = None
                 self.view.release()
                 self.mem.close()
@@ -246,7 +247,7 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
             flags |= _FLAG_SHUFFLE16
         if self._tls.compressor is None:
             self._tls.compressor = zstandard.ZstdCompressor(level=self.zstd_level)
-        packed = self._tls.compressor.compress(data)
+        packed = self._tls.compressor.compress(data.data)
         if len(packed) >= payload.size:
             return payload, 0
         return np.frombuffer(packed, dtype=np.uint8), flags
@@ -359,7 +360,7 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
         tls = self._tls
         if direct and out.ctypes.data % PAGE == 0:
             whole = nbytes - nbytes % PAGE
-            iov = [tls.head_page, out[:whole]] + ([tls.tail_page] if whole < nbytes else [])
+            iov = [tls.head_page.data, out[:whole].data] + ([tls.tail_page.data] if whole < nbytes else [])
             got = os.preadv(fd, iov, base)
             head = _parse_header(where, tls.head_page[:HEADER_SIZE].tobytes(), size)
             if head.flags & ~_FLAG_DEAD == 0 and head.data_offset == PAGE and head.stored_len == nbytes:
@@ -369,20 +370,21 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
                 _check_block(where, head, key, nbytes, out)
                 return
         buf = tls.get(round_up(size))
-        got = os.preadv(fd, [buf[: round_up(size) if direct else size]], base)
+        got = os.preadv(fd, [buf[: round_up(size) if direct else size].data], base)
         head = _parse_header(where, buf[:HEADER_SIZE].tobytes(), got)
         stored = buf[head.data_offset : head.data_offset + head.stored_len]
         _check_block(where, head, key, nbytes, stored)
         self._decode(where, head, stored, nbytes, out)
 
     async def read_head(self, slot: SsdSlot, key: bytes, nbytes: int, want: int) -> bytes:
-        if slot.path is None:
+        path = slot.path
+        if path is None:
             raise PayloadError("block is not on disk yet")
 
         def read() -> bytes:
             direct = self._direct(slot.nbytes)
             try:
-                fd = os.open(slot.path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+                fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             except FileNotFoundError:
                 raise CorruptBlockError(f"{slot.path}: file is gone") from None
             try:
@@ -400,7 +402,7 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
         want = min(want, nbytes)
         length = min(round_up(PAGE + want), round_up(size)) if direct else min(PAGE + want, size)
         buf = self._tls.get(round_up(length))
-        got = os.preadv(fd, [buf[:length]], base)
+        got = os.preadv(fd, [buf[:length].data], base)
         head = _parse_header(where, buf[:HEADER_SIZE].tobytes(), size)
         if head.key != key or head.raw_len != nbytes:
             raise CorruptBlockError(f"{where}: header names another block")
@@ -417,7 +419,7 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
             out[:] = stored
             return
         try:
-            raw = self._tls.decompressor.decompress(stored, max_output_size=nbytes)
+            raw = self._tls.decompressor.decompress(stored.data, max_output_size=nbytes)
         except zstandard.ZstdError as exc:
             raise CorruptBlockError(f"{where}: {exc}") from exc
         planes = np.frombuffer(raw, dtype=np.uint8)
@@ -430,6 +432,8 @@ class SsdFilesBackend(SsdKind, DiskTierBackend):
 
     def extent(self, slot: SsdSlot) -> tuple[Path, int, int]:
         """Where a block's record lies on disk: (file, offset, length). For tools and tests."""
+        if slot.path is None:
+            raise PayloadError("block is not on disk yet")
         return slot.path, 0, slot.reserved
 
     async def release(self, slot: SsdSlot) -> None:
