@@ -11,7 +11,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tiercake.messages import RESIDENCY_BUCKETS
 from tiercake.policies import LRU, AdmissionPolicy, AlwaysAdmit, BlockMeta, EvictionPolicy
@@ -79,6 +79,11 @@ class Entry:
             for index, copy in self.copies.items():
                 return [index] if copy.state is State.COMMITTED else []
         return sorted(i for i, c in self.copies.items() if c.state is State.COMMITTED)
+
+    @property
+    def parent(self) -> bytes | None:
+        """The chain's previous block (the policies' ``BlockMeta`` holds it as any hashable key)."""
+        return cast("bytes | None", self.meta.parent)
 
 
 @dataclass(slots=True)

@@ -161,7 +161,7 @@ class StoreEviction:
                 await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
             else:
                 await lower.tier.backend.persist(
-                    lower.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant, seal=entry.seal
+                    lower.slot, entry.key, entry.parent, src, tenant=entry.meta.tenant, seal=entry.seal
                 )
         except StoreError as exc:
             entry.copies.pop(lower.tier.index, None)

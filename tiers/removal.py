@@ -115,7 +115,7 @@ class StoreRemoval:
                 await target.backend.persist(
                     slot,
                     key,
-                    entry.meta.parent,
+                    entry.parent,
                     source.tier.backend.view(source.slot, entry.nbytes),
                     tenant=entry.meta.tenant,
                     seal=entry.seal,

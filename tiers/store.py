@@ -34,6 +34,7 @@ import numpy as np
 
 from tiercake.policies import BlockMeta, SessionEvent
 
+from .backend import DiskTierBackend, MemoryTierBackend
 from .buffers import INLINE_COPY_MAX, Payload, as_bytes, copy_into, empty, host_bytes, is_tensor, size_of
 from .entries import BlockChange, BlockView, Copy, Entry, Lease, PutHandle, State, Tier, short_key
 from .errors import (
@@ -193,6 +194,8 @@ class TieredStore(StoreRemoval, StoreEviction):
         copy of ``key`` without copying it; the tier takes its own reference to the slot. False when
         the key is already present (the caller keeps its slot to itself)."""
         backend = self.tier(tier).backend
+        if not isinstance(backend, MemoryTierBackend):
+            raise TypeError(f"{tier} is not a memory tier: only a slot in memory is adopted")
         if key in self._entries:
             return False
         self._check_key(key)
@@ -400,10 +403,10 @@ class TieredStore(StoreRemoval, StoreEviction):
                 f"put of {short_key(handle.key)}: {handle.written} of {handle.entry.nbytes} bytes written"
             )
         copy, entry = handle.copy, handle.entry
-        if not copy.tier.backend.in_memory:
+        if isinstance(copy.tier.backend, DiskTierBackend):
             try:
                 await copy.tier.backend.persist(
-                    copy.slot, entry.key, entry.meta.parent, src, tenant=entry.meta.tenant, seal=entry.seal
+                    copy.slot, entry.key, entry.parent, src, tenant=entry.meta.tenant, seal=entry.seal
                 )
             except BaseException:
                 await self.revoke(handle)
@@ -434,8 +437,8 @@ class TieredStore(StoreRemoval, StoreEviction):
 
     def _commit_copy(self, entry: Entry, copy: Copy) -> None:
         tier = copy.tier
-        if tier.backend.in_memory:  # before it is visible: the pool describes it in its region's index
-            tier.backend.on_commit(copy.slot, entry.key, entry.meta.parent, entry.meta.tenant, entry.seal)
+        if isinstance(tier.backend, MemoryTierBackend):  # before it is visible: the pool describes it in its index
+            tier.backend.on_commit(copy.slot, entry.key, entry.parent, entry.meta.tenant, entry.seal)
         copy.state = State.COMMITTED
         copy.committed_at = time.monotonic()
         if entry.hold_until <= copy.committed_at:  # a held block joins its policy when the hold ends
@@ -555,8 +558,9 @@ class TieredStore(StoreRemoval, StoreEviction):
             index = entry.committed()[0]
             copy = entry.copies[index]
             backend = copy.tier.backend
-            if backend.in_memory:
+            if isinstance(backend, MemoryTierBackend):
                 return bytes(host_bytes(backend.view(copy.slot, entry.nbytes)[:want]))
+            assert isinstance(backend, DiskTierBackend)  # a tier is one or the other
             lease = self._lease(copy, math.inf)
             try:
                 return await backend.read_head(copy.slot, key, entry.nbytes, want)
@@ -569,14 +573,15 @@ class TieredStore(StoreRemoval, StoreEviction):
 
     async def _read_copy(self, entry: Entry, copy: Copy, out: Any) -> None:
         backend = copy.tier.backend
-        if backend.in_memory and entry.nbytes <= self.inline_copy_max:
+        if isinstance(backend, MemoryTierBackend) and entry.nbytes <= self.inline_copy_max:
             copy_into(out, backend.view(copy.slot, entry.nbytes))  # no await: nothing can free it meanwhile
             return
         lease = self._lease(copy, math.inf)
         try:
-            if backend.in_memory:
+            if isinstance(backend, MemoryTierBackend):
                 await asyncio.to_thread(copy_into, out, backend.view(copy.slot, entry.nbytes))
             else:
+                assert isinstance(backend, DiskTierBackend)  # a tier is one or the other
                 await backend.read_into(copy.slot, entry.key, out)
         finally:
             await self.release_lease(entry.key, lease)
@@ -584,7 +589,8 @@ class TieredStore(StoreRemoval, StoreEviction):
     async def _promote(self, entry: Entry, index: int, data: Any) -> None:
         """Best effort: copy a block that was hit in tier ``index`` one tier up, if admitted."""
         up = self.tiers[index - 1]
-        if up.index in entry.copies or not up.backend.accepts(entry.nbytes):
+        backend = up.backend
+        if up.index in entry.copies or not isinstance(backend, MemoryTierBackend) or not backend.accepts(entry.nbytes):
             return
         if not up.admission.admit(entry.key, entry.meta):
             up.stats.admission_refusals += 1
@@ -598,7 +604,7 @@ class TieredStore(StoreRemoval, StoreEviction):
             return
         copy = Copy(up, slot)
         entry.copies[up.index] = copy
-        await self._copy(up.backend.view(slot, entry.nbytes), data)
+        await self._copy(backend.view(slot, entry.nbytes), data)
         if self._entries.get(entry.key) is not entry:  # removed while we copied
             entry.copies.pop(up.index, None)
             await up.backend.release(slot)
@@ -664,7 +670,8 @@ class TieredStore(StoreRemoval, StoreEviction):
         entry = self._committed_entry(key)
         index = entry.committed()[0]
         copy = entry.copies[index]
-        if not copy.tier.backend.in_memory:
+        backend = copy.tier.backend
+        if not isinstance(backend, MemoryTierBackend):
             data = await self.get(key)
             yield BlockView(key, copy.tier.name, data)
             return
@@ -672,7 +679,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         copy.tier.stats.hits += 1
         copy.tier.eviction.on_access(key)
         try:
-            yield BlockView(key, copy.tier.name, copy.tier.backend.view(copy.slot, entry.nbytes))
+            yield BlockView(key, copy.tier.name, backend.view(copy.slot, entry.nbytes))
         finally:
             await self.release_lease(key, lease)
 
