@@ -352,11 +352,15 @@ def test_up_on_a_busy_port_says_so(tmp_path):
     """The conductor's bind error reaches the user as what it is, not as a JSON parse error."""
     import socket
 
+    from tiercake.conductor.etcd_process import free_port
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = tiercake("up", "--port", str(port), "--data-dir", str(tmp_path / "data"), timeout=60)
+        # a free control port of its own: port + 1 (the default) may be a busy machine's ephemeral port
+        args = ["--port", str(port), "--control-port", str(free_port()), "--data-dir", str(tmp_path / "data")]
+        done = tiercake("up", *args, timeout=60)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr, done.stderr
     assert "Expecting value" not in done.stdout + done.stderr
