@@ -12,12 +12,13 @@ garbage collection walked them all. Here a block is one row of fixed-width numpy
 
 plus ``extra``, row -> {node id: bits}, for a third holder on (a hot block replicated wide). That is
 48 bytes a block; a block in a node's pool and on its SSD is one holder with two bits. Each node's
-rows are listed too (``NodeRows``, 4-8 bytes a replica), so a node's leaving costs its own rows. The rows live
-in one reserved anonymous mapping (``MAP_NORESERVE``): pages become memory as rows are first used,
-and growing never copies. An open-addressing table of row ids (linear probing, tombstones) finds a
-key; it grows into a table of four times its live keys by migrating ``MIGRATE_SLOTS`` slots per
-change batch (a finder looks in both meanwhile), so no call stalls the conductor's loop for a rehash
-of 10^8 keys. Every operation takes a batch of keys of one tenant and works over arrays.
+rows are listed too (``NodeRows``, 4-8 bytes a replica), so a node's leaving costs its own rows. The
+rows live in one reserved anonymous mapping (``MAP_NORESERVE``): pages become memory as rows are
+first used, and growing never copies. An open-addressing table of row ids (linear probing,
+tombstones) finds a key; it grows into a table of four times its live keys by migrating
+``MIGRATE_SLOTS`` slots per change batch (a finder looks in both meanwhile), so no call stalls the
+conductor's loop for a rehash of 10^8 keys. Every operation takes a batch of keys of one tenant and
+works over arrays.
 """
 
 from __future__ import annotations
