@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar, cast
 
 import grpc
 from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError
@@ -36,6 +36,15 @@ from .metadata import (
 )
 
 T = TypeVar("T")
+S = TypeVar("S")
+
+
+def _started(service: S | None) -> S:
+    """One of the client's services (None until it connects)."""
+    if service is None:
+        raise MetadataError("the etcd backend is not started")
+    return service
+
 
 KEEPALIVE_MS = 1000  # a gRPC ping each second, a connection dead after a second unanswered: a member cut
 # off (its packets black-holed, no reset ever comes) is left by round robin within about two seconds,
@@ -125,29 +134,30 @@ class EtcdBackend(MetadataBackend):
     # Reads ----------------------------------------------------------------------------------------
 
     async def get(self, key: bytes) -> KeyValue | None:
-        resp = await self._idempotent(self.client.kv.get, key, timeout=ATTEMPT_S)
+        resp = await self._idempotent(_started(self.client.kv).get, key, timeout=ATTEMPT_S)
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     async def range(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         # may take seconds for a big prefix: one try, bounded by the channel's keepalive
-        resp = await self._call(self.client.kv.get, prefix, prefix_end(prefix), timeout=self.timeout)
+        resp = await self._call(_started(self.client.kv).get, prefix, prefix_end(prefix), timeout=self.timeout)
         return sorted((_kv(kv) for kv in resp.kvs), key=lambda kv: kv.key), resp.header.revision
 
     # Writes ---------------------------------------------------------------------------------------
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        resp = await self._call(self.client.kv.put, key, value, lease, timeout=self.timeout)
+        resp = await self._call(_started(self.client.kv).put, key, value, lease, timeout=self.timeout)
         self.writes += 1
         return resp.header.revision
 
     async def delete(self, key: bytes) -> bool:
-        resp = await self._call(self.client.kv.delete, key, timeout=self.timeout)
+        resp = await self._call(_started(self.client.kv).delete, key, timeout=self.timeout)
         self.writes += 1
         return resp.deleted > 0
 
     async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
         gate = asyncio.Semaphore(max(1, concurrency))
         compare = [KVService.txn_compare_value(guard.key, guard.value)] if guard is not None else []
+        fence = guard.key.decode(errors="replace") if guard is not None else ""
 
         async def one(chunk: Sequence[Put | Delete]) -> int:
             requests = [
@@ -157,12 +167,9 @@ class EtcdBackend(MetadataBackend):
                 for op in chunk
             ]
             async with gate:
-                resp = await self._call(self.client.kv.txn, compare, requests, timeout=self.timeout)
+                resp = await self._call(_started(self.client.kv).txn, compare, requests, timeout=self.timeout)
             if not resp.succeeded:
-                raise FencedError(
-                    f"refused: {guard.key.decode(errors='replace')} no longer holds this writer's "
-                    "record (a new leader was elected)"
-                )
+                raise FencedError(f"refused: {fence} no longer holds this writer's record (a new leader was elected)")
             self.writes += len(chunk)
             return resp.header.revision
 
@@ -177,7 +184,10 @@ class EtcdBackend(MetadataBackend):
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:
         absent = KVService.txn_compare_create_revision(key, 0)
         resp = await self._call(
-            self.client.kv.txn, [absent], [KVService.txn_op_put(key, value, lease=lease)], timeout=self.timeout
+            _started(self.client.kv).txn,
+            [absent],
+            [KVService.txn_op_put(key, value, lease=lease)],
+            timeout=self.timeout,
         )
         self.writes += bool(resp.succeeded)
         return bool(resp.succeeded)
@@ -187,7 +197,7 @@ class EtcdBackend(MetadataBackend):
     async def grant_lease(self, ttl: int) -> int:
         if ttl < 1:
             raise ValueError("a lease TTL is at least 1 second")
-        resp = await self._call(self.client.lease.grant, ttl, timeout=self.timeout)
+        resp = await self._call(_started(self.client.lease).grant, ttl, timeout=self.timeout)
         return resp.ID
 
     async def refresh_lease(self, lease: int) -> int:
@@ -201,7 +211,7 @@ class EtcdBackend(MetadataBackend):
         held at 128k placements/s."""
 
         async def once() -> int:
-            stream = self.client.lease.keep_alive(lease)
+            stream = _started(self.client.lease).keep_alive(lease)
             try:
                 async for resp in stream:
                     return resp.TTL
@@ -216,18 +226,22 @@ class EtcdBackend(MetadataBackend):
 
     async def revoke_lease(self, lease: int) -> None:
         with contextlib.suppress(LeaseNotFoundError):
-            await self._call(self.client.lease.revoke, lease, timeout=self.timeout)
+            await self._call(_started(self.client.lease).revoke, lease, timeout=self.timeout)
 
     # Watches --------------------------------------------------------------------------------------
 
     async def watch(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
-        stream = self.client.watch.watch(prefix, prefix_end(prefix), start_revision=start_revision)
+        # an async generator, though the library declares an iterator: closed below, ending the watch
+        stream = cast(
+            AsyncGenerator[Any, None],
+            _started(self.client.watch).watch(prefix, prefix_end(prefix), start_revision=start_revision),
+        )
         try:
             async for resp in stream:
                 if resp.compact_revision > 0 and start_revision and start_revision < resp.compact_revision:
                     raise CompactedError(f"revision {start_revision} was compacted (now {resp.compact_revision})")
                 for ev in resp.events:
-                    kind = "delete" if ev.type == 1 else "put"
+                    kind: Literal["put", "delete"] = "delete" if ev.type == 1 else "put"
                     yield WatchEvent(kind, ev.kv.key, ev.kv.value if kind == "put" else b"", ev.kv.mod_revision)
         except grpc.aio.AioRpcError as exc:
             raise MetadataUnavailableError(f"etcd watch failed: {exc.details()}") from exc
