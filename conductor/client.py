@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -56,8 +56,10 @@ from tiercake.messages import (
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from tiercake.transfer import TransferResult
+
 R = TypeVar("R", bound=BaseModel)
-T = TypeVar("T")
 Prefix = PrefixHolding  # the name callers used before the messages module
 
 
@@ -151,10 +153,9 @@ class Client:
         for attempt in range(self.retries):
             url = self.urls[index % len(self.urls)]
             try:
-                limit = (
-                    {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
-                )  # else the session's
-                async with self._http().request(method, url + path, json=body, headers=headers, **limit) as resp:
+                http = self._http()
+                limit = http.timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
+                async with http.request(method, url + path, json=body, headers=headers, timeout=limit) as resp:
                     if raw and resp.status < 400:
                         data = await resp.read()
                         self._current = index % len(self.urls)
@@ -542,7 +543,7 @@ class NodeDirectory:
                 self.engine.ensure_peer(m.node_id, m.host, m.port)
         self.members = members
 
-    async def to_node(self, node: str, attempt: Callable[[], Awaitable[list[T]]]) -> list[T]:
+    async def to_node(self, node: str, attempt: Callable[[], Awaitable[list[TransferResult]]]) -> list[TransferResult]:
         from tiercake.transfer import unreachable
 
         if node not in self.members and self.engine.address(node) is None:
