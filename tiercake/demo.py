@@ -13,7 +13,7 @@ import xxhash
 from rich.console import Console
 from rich.table import Table
 
-from tiercake.blocks import block_keys
+from tiercake.blocks import BlockLayout, block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.tiers.build import build_store
 from tiercake.workers.reference.model import ModelConfig, ReferenceModel, encode
@@ -35,8 +35,14 @@ def document(n: int, words: int = 150) -> str:
     return f"Document {n}: " + " ".join(WORDS[i] for i in picks) + ". "
 
 
+def _layout(config: TiercakeConfig) -> BlockLayout:
+    if config.store.layout is None:
+        raise ValueError("the demo computes KV blocks: its config needs store.layout")
+    return config.store.layout
+
+
 def _model_for(config: TiercakeConfig) -> ReferenceModel:
-    layout = config.store.layout
+    layout = _layout(config)
     heads = layout.kv_heads * 2
     return ReferenceModel(
         ModelConfig(
@@ -64,7 +70,7 @@ def _blocks(kv: torch.Tensor, block_size: int) -> list[torch.Tensor]:
 
 
 async def run_demo(config: TiercakeConfig, console: Console) -> None:
-    layout = config.store.layout
+    layout = _layout(config)
     namespace = config.namespace()
     model = _model_for(config)
     store = build_store(config.store)

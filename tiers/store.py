@@ -27,7 +27,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -227,7 +227,7 @@ class TieredStore(StoreRemoval, StoreEviction):
             if c.state is State.COMMITTED
         ]
 
-    def prefix_length(self, keys: list[bytes]) -> int:
+    def prefix_length(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of a chain are held (the walk stops at the first miss)."""
         for n, key in enumerate(keys):
             if not self.contains(key):

@@ -27,7 +27,7 @@ The front relies on exactly this:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import ClassVar
 
 from tiercake.messages import GenerateRequest, KVSpace, SessionCommand, TokenEvent, WorkerLoadReply, WorkerPerf
@@ -75,7 +75,7 @@ class ServingEngine(ABC):
         return 0
 
     @abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """Token events for one request (see the module docstring for the contract)."""
 
     @abstractmethod

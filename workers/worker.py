@@ -22,6 +22,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Literal, cast
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -40,7 +41,8 @@ from .reference.engine import ReferenceEngine
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "worker")
+WorkerRole = Literal["prefill", "decode", "worker"]
+ROLES: tuple[WorkerRole, ...] = ("prefill", "decode", "worker")
 
 
 # builds and starts the engine, given the conductor client (None when the config names no conductor)
@@ -98,11 +100,18 @@ class Worker:
             raise
         return self
 
+    @property
+    def serving(self) -> ServingEngine:
+        """The engine serving requests (``start`` makes it)."""
+        if self.engine is None:
+            raise RuntimeError("the worker is not started")
+        return self.engine
+
     async def _join(self, client: Client, host: str, port: int) -> None:
-        engine = self.engine
+        engine = self.serving
         member = MemberInfo(
             node_id=self.worker_id,
-            role=self.role,
+            role=cast(WorkerRole, self.role),  # one of ROLES (checked when made)
             host=host,
             port=port,
             url=self.url,
@@ -172,7 +181,7 @@ class Worker:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(GenerateRequest, await request.read())
-        events = self.engine.generate(body)
+        events = self.serving.generate(body)
         try:
             first = await anext(events)
         except RequestRejected as exc:
@@ -205,7 +214,7 @@ class Worker:
         """The front's change of a session this worker ran (close, retain, priority)."""
         command = parse_body(SessionCommand, await request.read())
         try:
-            self.engine.change_session(command)
+            self.serving.change_session(command)
         except LookupError as exc:
             return error_response(404, str(exc), code="session_not_found")
         except NotImplementedError as exc:
@@ -217,14 +226,14 @@ class Worker:
             status="ok",
             worker=self.worker_id,
             role=self.role,
-            engine=self.engine.name,
+            engine=self.serving.name,
             pid=os.getpid(),
             frozen_objects=gc.get_freeze_count(),
         )
         return web.json_response(text=health.model_dump_json())
 
     async def _load(self, _: web.Request) -> web.Response:
-        return web.json_response(text=self.engine.load().model_dump_json())
+        return web.json_response(text=self.serving.load().model_dump_json())
 
     async def serve_forever(self, host: str, port: int, announce=sys.stdout) -> None:
         await self.start(host, port)

@@ -9,6 +9,7 @@ window (a tenth of a second for 100k blocks), which must not stall the event loo
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -62,12 +63,12 @@ class LiveAccessStats:
             registry=registry,
         )
 
-    def observe(self, keys: list[bytes], now: float) -> None:
+    def observe(self, keys: Sequence[bytes], now: float) -> None:
         """One request's full blocks, in chain order, at ``now`` (seconds, monotonic); counted on the
         tracking thread."""
         self._thread.submit(self._observe, keys, now).add_done_callback(_log_failure)
 
-    def _observe(self, keys: list[bytes], now: float) -> None:
+    def _observe(self, keys: Sequence[bytes], now: float) -> None:
         self.accesses += len(keys)
         self.m_accesses.inc(len(keys))
         for seen in self.tracker.observe(keys, now):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import defaultdict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 from tiercake.conductor.membership import Membership
 from tiercake.messages import TokenEvent
@@ -30,7 +30,7 @@ class Departures:
         for left in self._serving.pop(worker, ()):
             left.set()
 
-    async def watch(self, worker: str, events: AsyncGenerator[TokenEvent, None]) -> AsyncIterator[TokenEvent]:
+    async def watch(self, worker: str, events: AsyncGenerator[TokenEvent, None]) -> AsyncGenerator[TokenEvent, None]:
         """``events`` while ``worker`` is a member; closed when it is not."""
         left = asyncio.Event()
         self._serving[worker].add(left)

@@ -25,10 +25,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
-from tiercake.blocks import block_keys
+from tiercake.blocks import BlockKey, Namespace, block_keys
 from tiercake.config import TiercakeConfig
 from tiercake.errors import ApiError
 from tiercake.messages import (
@@ -70,7 +72,7 @@ class Job:
     """One completion request as the dispatcher runs it; its block keys are hashed once, at the front."""
 
     tokens: list[int]
-    keys: list[bytes]
+    keys: list[BlockKey]
     tenant: str  # the index tenant
     salt: str  # the hashing salt
     max_tokens: int
@@ -84,9 +86,10 @@ class Job:
     prefilled_on: str | None = None  # the worker that computed its prompt
     timing: Timing = field(default_factory=Timing)
     failed_on: set[str] = field(default_factory=set)  # workers that answered this request with a server error
-    _keys_in: dict = field(default_factory=dict, init=False, repr=False)  # namespace -> the prompt's keys in it
+    # namespace -> the prompt's keys in it
+    _keys_in: dict[Namespace, list[BlockKey]] = field(default_factory=dict, init=False, repr=False)
 
-    def keys_in(self, space: KVSpace | None) -> list[bytes]:
+    def keys_in(self, space: KVSpace | None) -> list[BlockKey]:
         """The prompt's block keys as workers of ``space`` key them (None: the serving config's,
         hashed at the front)."""
         if space is None:
@@ -97,8 +100,8 @@ class Job:
             keys = self._keys_in[space.namespace] = block_keys(namespace, self.tokens)
         return keys
 
-    def request(self, **fields) -> GenerateRequest:
-        base = {
+    def request(self, **fields: Any) -> GenerateRequest:
+        base: dict[str, Any] = {
             "tokens": self.tokens,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -176,7 +179,7 @@ class Dispatcher:
 
     # The state machine --------------------------------------------------------------------------
 
-    async def run(self, job: Job) -> AsyncIterator[TokenEvent]:
+    async def run(self, job: Job) -> AsyncGenerator[TokenEvent, None]:
         """The request's tokens, across prefill and decode workers; the last has its finish reason."""
         split = self._split()
         roles = ("prefill",) if split else ANY_WORKER
@@ -222,7 +225,7 @@ class Dispatcher:
         queued: int,
         on_stats: Callable[[TokenEvent, WorkerLoad, bool], None],
         tried: set[str],
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """The one retry rule (module docstring). ``on_stats`` sees the first event, and any later one
         with figures (an engine that learns its reuse only at the end sends them with the last)."""
         errors, busy, failed = [], 0, 0
@@ -398,10 +401,12 @@ class Dispatcher:
             self.stats.prefilled(job.timing)
         else:
             self.stats.reused(stats)
-        self.links.observe(job.worker, stats)
-        member = self.conductor.members.members.get(job.worker)
+        worker = job.worker
+        assert worker is not None  # named when it was sent
+        self.links.observe(worker, stats)
+        member = self.conductor.members.members.get(worker)
         if member is not None:
-            self.paces.observe(job.worker, _fitted(member), stats)
+            self.paces.observe(worker, _fitted(member), stats)
 
     # HANDOFF and DECODE -------------------------------------------------------------------------
 
@@ -432,7 +437,7 @@ class Dispatcher:
         """The live workers of these roles that serve an API (what the front may send work to)."""
         return [m for m in self.conductor.members.alive() if m.role in roles and m.url]
 
-    def _candidates(self, roles: tuple[str, ...], skip: set[str] = frozenset()) -> list[MemberInfo]:
+    def _candidates(self, roles: tuple[str, ...], skip: AbstractSet[str] = frozenset()) -> list[MemberInfo]:
         """Workers of ``roles`` not failed or full a moment ago, and not in ``skip``."""
         now = time.monotonic()
         return [

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -122,7 +122,7 @@ class Answer:
     """One choice as it is produced: its job, the worker's token stream, the text it makes (held back
     where a stop string may begin) and, when asked for, each token's log-probabilities."""
 
-    def __init__(self, index: int, job: Job, events: AsyncIterator[TokenEvent], ask: Ask) -> None:
+    def __init__(self, index: int, job: Job, events: AsyncGenerator[TokenEvent, None], ask: Ask) -> None:
         self.index, self.job, self.events = index, job, events
         self.stopper = ask.stopper()
         self.with_logprobs = ask.logprobs is not None
@@ -300,7 +300,9 @@ class OpenAIApi:
         for tokens in ask.prompts:
             keys = block_keys(namespace, tokens)  # the front's only hashing of it
             for j in range(ask.n):
-                await self.stats.arrived(keys, tokens, ask.max_tokens, index_tenant, session and session.id)
+                await self.stats.arrived(
+                    keys, tokens, ask.max_tokens, index_tenant, session.id if session is not None else None
+                )
                 jobs.append(
                     Job(
                         tokens,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -42,7 +43,7 @@ class TraceRecorder:
         self._lock = asyncio.Lock()
 
     async def record(
-        self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str, session: str | None = None
+        self, keys: Sequence[bytes], tokens: list[int], max_tokens: int, tenant: str, session: str | None = None
     ) -> None:
         """One request as a trace line; ``session``: its session's hashed id (``tiercake trace
         sessions`` adds turns, pauses and closes from the recorded trace)."""
@@ -51,7 +52,7 @@ class TraceRecorder:
 
         partial = len(tokens) - len(keys) * self.block_size
         if partial:  # the trailing partial block: keyed here by its tokens, so equal prompts get equal ids
-            keys = keys + [bytes(chain_key(keys[-1] if keys else b"partial", tokens[-partial:]))]
+            keys = [*keys, bytes(chain_key(keys[-1] if keys else b"partial", tokens[-partial:]))]
         ids = [self.ids.setdefault(k, len(self.ids) + 1) for k in keys]
         scale = TRACE_BLOCK_TOKENS / self.block_size
         record = TraceRecord(
@@ -132,7 +133,7 @@ class ServingStats:
             self.access.bind_metrics(registry)
 
     async def arrived(
-        self, keys: list[bytes], tokens: list[int], max_tokens: int, tenant: str, session: str | None = None
+        self, keys: Sequence[bytes], tokens: list[int], max_tokens: int, tenant: str, session: str | None = None
     ) -> None:
         """A request the front accepted: its blocks count for reuse, and it joins the recorded trace."""
         if self.access is not None:

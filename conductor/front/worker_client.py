@@ -12,7 +12,7 @@ into ``TokenEvent``s, and every failure typed by what the caller may do about it
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import aiohttp
 from pydantic import ValidationError
@@ -91,7 +91,7 @@ class WorkerClient:
                 error = parse_error(await resp.json(content_type=None), resp.status)
                 raise WorkerRefused(member.node_id, resp.status, error.message)
 
-    async def generate(self, member: MemberInfo, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, member: MemberInfo, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """The worker's events. Before the first: ``WorkerUnavailable`` or ``WorkerRefused``; after
         it: ``StreamBroken``."""
         worker = member.node_id

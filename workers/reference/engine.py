@@ -9,7 +9,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import torch
@@ -119,7 +119,7 @@ class ReferenceEngine(ServingEngine):
             **self.scheduler.load, free_blocks=kv.num_free, blocks=kv.num_blocks, completed=self.scheduler.completed
         )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         if request.session is not None:
             session_events = self._session_events(request, request.session)
             async for event in session_events:
@@ -133,7 +133,9 @@ class ReferenceEngine(ServingEngine):
             raise LookupError("this worker has not started")
         self.sessions.changed(command.session, command.tenant)
 
-    async def _session_events(self, request: GenerateRequest, session: SessionDirective) -> AsyncIterator[TokenEvent]:
+    async def _session_events(
+        self, request: GenerateRequest, session: SessionDirective
+    ) -> AsyncGenerator[TokenEvent, None]:
         """``_generate`` between the session's notices: active with the prompt's blocks, then paused
         with the blocks of prompt and answer (what its next turn starts with), or closed."""
         namespace = self.inference.namespace_for(request.salt if request.salt is not None else request.tenant)
@@ -147,7 +149,7 @@ class ReferenceEngine(ServingEngine):
         finally:  # the answer's full blocks extend the prompt's chain: only they are hashed
             self.sessions.ended(session, request.tenant, block_keys(namespace, tokens, known=prompt))
 
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         events = self.scheduler.generate(request)
         try:
             try:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +69,7 @@ class Scheduler:
             self._finish(job, error=RuntimeError("worker shutting down"))
         self._running.clear()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """Tokens as they are produced. Leaving the iteration early (a client that went away)
         frees the sequence at the next step."""
         if request.max_tokens <= 0:

@@ -38,7 +38,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import aiohttp
 import msgspec
@@ -305,7 +305,7 @@ class VllmEngine(ServingEngine):
         if self.transfer is not None:
             await self.transfer.close()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         self._in_flight += 1
         if isinstance(self.mirror, EventMirror):  # so that the blocks vLLM stores for it can be keyed
             salt = self._salt(request)
@@ -391,7 +391,7 @@ class VllmEngine(ServingEngine):
         async with await self._post(body) as resp:
             return await resp.json()
 
-    async def _one_event(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def _one_event(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """A one-token request, asked whole: its event has the final figures (and, for a prefill with
         a handoff, where the prompt's blocks are)."""
         started = time.perf_counter()
@@ -412,7 +412,7 @@ class VllmEngine(ServingEngine):
             **_scores(choice.get("logprobs"), 0),
         )
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """The first token as soon as it comes; later ones one behind, so that the last carries the
         finish reason and the reuse figures of the usage chunk that follows it."""
         started, first_s = time.perf_counter(), 0.0
