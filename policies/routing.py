@@ -41,7 +41,16 @@ class PrefillModel:
 # count that a recompute holds the worker's compute, which the requests behind it wait for, while a
 # pull mostly waits on a copy or the network; and two predictions this close are within the noise of
 # the fits they come from (a small model's prefix on the same host: 6 against 9 ms, either way).
+# Each router takes its own as ``reuse_margin`` (an operator whose compute is the scarce resource
+# raises it: a large one loads whatever a node holds, whatever the links measure).
 REUSE_MARGIN = 0.25
+MAX_REUSE_MARGIN = 1e6
+
+
+def check_reuse_margin(reuse_margin: float) -> float:
+    if not 0 <= reuse_margin <= MAX_REUSE_MARGIN:  # also NaN
+        raise ValueError(f"reuse_margin is a fraction of the recompute's time, in [0, {MAX_REUSE_MARGIN:g}]")
+    return float(reuse_margin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +111,12 @@ class Router(ABC):
         return getattr(self, "pull_ratio", 1.0) is not None
 
     @staticmethod
-    def predict(worker: WorkerState, request: RouteRequest, pull_ratio: float | None = 1.0) -> RouteDecision:
+    def predict(
+        worker: WorkerState, request: RouteRequest, pull_ratio: float | None = 1.0, reuse_margin: float = REUSE_MARGIN
+    ) -> RouteDecision:
         """Algorithm 1's estimate for one worker (``pull_ratio`` None: never pull). A pull is taken
         when the prefix held elsewhere is longer than the worker's own by ``pull_ratio`` and loading
-        it over the worker's measured link beats computing it, or is within ``REUSE_MARGIN`` of it:
+        it over the worker's measured link beats computing it, or is within ``reuse_margin`` of it:
         across a slow link, recompute wins."""
         usable = (request.prompt_tokens - 1) // request.block_size
         own = min(worker.cached_blocks, usable)
@@ -116,7 +127,7 @@ class Router(ABC):
             transfer = worker.pull_latency_s + (best - own) * request.block_nbytes / worker.load_bytes_per_s
             cached = best * request.block_size
             pulled = transfer + worker.prefill.seconds(request.prompt_tokens - cached, cached)
-            pull = pulled <= compute * (1 + REUSE_MARGIN)
+            pull = pulled <= compute * (1 + reuse_margin)
         reused = best if pull else own
         queue = worker.queue_s + (worker.prefill.seconds(worker.queued_tokens) if worker.queued_tokens else 0.0)
         ttft = queue + (pulled if pull else compute)
@@ -139,16 +150,17 @@ class TtftRouter(Router):
 
     name = "ttft"
 
-    def __init__(self, pull_ratio: float = 1.25, margin: float = 0.1) -> None:
-        if pull_ratio < 1:
+    def __init__(self, pull_ratio: float = 1.25, margin: float = 0.1, reuse_margin: float = REUSE_MARGIN) -> None:
+        if not pull_ratio >= 1:  # also NaN
             raise ValueError("pull_ratio must be at least 1")
         if not 0 <= margin < 1:
             raise ValueError("margin is a fraction in [0, 1)")
         self.pull_ratio = pull_ratio
         self.margin = margin
+        self.reuse_margin = check_reuse_margin(reuse_margin)
 
     def choose(self, workers, request):
-        decisions = [self.predict(w, request, self.pull_ratio) for w in workers]
+        decisions = [self.predict(w, request, self.pull_ratio, self.reuse_margin) for w in workers]
         fastest = min(d.ttft_s for d in decisions)
         spread = max(w.prefill.a for w in workers) - min(w.prefill.a for w in workers) if self.margin else 0.0
         near = [d for d in decisions if d.ttft_s <= fastest * (1 + self._margin_for(d.worker, request)) + spread]
@@ -187,8 +199,10 @@ class SessionRouter(TtftRouter):
 
     name = "session"
 
-    def __init__(self, pull_ratio: float = 1.25, margin: float = 0.1, affinity: float = 0.25) -> None:
-        super().__init__(pull_ratio, margin)
+    def __init__(
+        self, pull_ratio: float = 1.25, margin: float = 0.1, affinity: float = 0.25, reuse_margin: float = REUSE_MARGIN
+    ) -> None:
+        super().__init__(pull_ratio, margin, reuse_margin)
         if not 0 <= affinity < 10:
             raise ValueError("affinity is a fraction of the fastest prediction, in [0, 10)")
         self.affinity = affinity
@@ -207,11 +221,12 @@ class _PullingBaseline(Router):
     node holds (pool or SSD: far cheaper than recomputing it), unless ``pull=False`` (own cache only,
     as in Mooncake's ablation baselines). Choosing a baseline never silently turns the tiers off."""
 
-    def __init__(self, pull: bool = True) -> None:
+    def __init__(self, pull: bool = True, reuse_margin: float = REUSE_MARGIN) -> None:
         self.pull_ratio = 1.0 if pull else None
+        self.reuse_margin = check_reuse_margin(reuse_margin)
 
     def decide(self, worker: WorkerState, request: RouteRequest) -> RouteDecision:
-        return self.predict(worker, request, pull_ratio=self.pull_ratio)
+        return self.predict(worker, request, self.pull_ratio, self.reuse_margin)
 
 
 class CacheAwareRouter(_PullingBaseline):
@@ -235,8 +250,8 @@ class LeastLoadedRouter(_PullingBaseline):
 class RoundRobinRouter(_PullingBaseline):
     name = "round_robin"
 
-    def __init__(self, pull: bool = True) -> None:
-        super().__init__(pull)
+    def __init__(self, pull: bool = True, reuse_margin: float = REUSE_MARGIN) -> None:
+        super().__init__(pull, reuse_margin)
         self._turn = itertools.count()
 
     def choose(self, workers, request):
@@ -247,8 +262,8 @@ class RoundRobinRouter(_PullingBaseline):
 class RandomRouter(_PullingBaseline):
     name = "random"
 
-    def __init__(self, seed: int | None = None, pull: bool = True) -> None:
-        super().__init__(pull)
+    def __init__(self, seed: int | None = None, pull: bool = True, reuse_margin: float = REUSE_MARGIN) -> None:
+        super().__init__(pull, reuse_margin)
         self._random = random.Random(seed)
 
     def choose(self, workers, request):

@@ -81,6 +81,24 @@ def test_a_pull_about_as_fast_as_recomputing_is_taken():
     assert not pulls(compute * 2)
 
 
+@pytest.mark.parametrize("name", ["ttft", "session", "least_loaded", "cache_aware", "round_robin", "random"])
+def test_each_router_takes_its_reuse_margin_and_refuses_a_bad_one(name):
+    """``reuse_margin`` (a router parameter): how much slower than recomputing a predicted pull may
+    be and still be taken; a large one loads whatever a node holds, whatever the links measure."""
+    from tiercake.policies import create_router
+
+    request = RouteRequest(prompt_tokens=1601, block_size=16, block_nbytes=1 << 20, best_blocks=100)
+    slow_link = [WorkerState("b", prefill=SLOW, pull_latency_s=SLOW.seconds(1601) * 3)]
+    assert not create_router(name).choose(slow_link, request).pull  # three times the recompute: not taken
+    assert create_router(name, {"reuse_margin": 1e3}).choose(slow_link, request).pull
+    assert not create_router(name, {"reuse_margin": 0}).choose(
+        [WorkerState("b", prefill=SLOW, pull_latency_s=SLOW.seconds(1601) * 1.1)], request
+    ).pull
+    for bad in (-0.1, float("nan"), float("inf"), 1e7):
+        with pytest.raises(ValueError, match="reuse_margin"):
+            create_router(name, {"reuse_margin": bad})
+
+
 def test_a_link_is_fitted_from_its_pulls_as_latency_plus_bytes_over_rate():
     exact = [(n, 0.002 + n / 1e9) for n in (1 << 20, 4 << 20, 16 << 20)]
     link = fit_link(exact)
