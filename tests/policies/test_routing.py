@@ -91,9 +91,8 @@ def test_each_router_takes_its_reuse_margin_and_refuses_a_bad_one(name):
     slow_link = [WorkerState("b", prefill=SLOW, pull_latency_s=SLOW.seconds(1601) * 3)]
     assert not create_router(name).choose(slow_link, request).pull  # three times the recompute: not taken
     assert create_router(name, {"reuse_margin": 1e3}).choose(slow_link, request).pull
-    assert not create_router(name, {"reuse_margin": 0}).choose(
-        [WorkerState("b", prefill=SLOW, pull_latency_s=SLOW.seconds(1601) * 1.1)], request
-    ).pull
+    a_bit_slower = [WorkerState("b", prefill=SLOW, pull_latency_s=SLOW.seconds(1601) * 1.1)]
+    assert not create_router(name, {"reuse_margin": 0}).choose(a_bit_slower, request).pull
     for bad in (-0.1, float("nan"), float("inf"), 1e7):
         with pytest.raises(ValueError, match="reuse_margin"):
             create_router(name, {"reuse_margin": bad})
