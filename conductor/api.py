@@ -410,8 +410,8 @@ def _member_routes(conductor: Conductor) -> list:
         return reply(RegisterReply(lease=await conductor.register(body.member, body.ttl)))
 
     async def keep_alive(request: web.Request) -> web.Response:
-        """A member's keep-alive, noted by the leader (a follower sends the member there, or vouches
-        for it while no leader is named); the answer carries the pins version (fetch the node's pins
+        """A member's keep-alive, noted by the leader (a follower relays it there through the
+        backend, or vouches for it while no leader is named); the answer carries the pins version (fetch the node's pins
         when it changes), the cluster settings and, from the leader, the node's replication tasks."""
         body = await parse(request, LeaseRequest)
         await conductor.keep_alive(body.node_id, body.lease)

@@ -18,7 +18,16 @@ keep-alive acknowledged was sent less than its TTL ago, ``workers/node/objects/o
   TTL has run from then;
 - a follower vouches for a member (answers its keep-alive itself) only when the backend names no
   leader: whichever conductor wins next starts its term, and its members' clocks, after that read;
-  while a leader is named the member is sent to it (a retryable 503 naming it);
+- while a leader is named, a follower *relays* a keep-alive that reached it (a member cut off from
+  the leader but not from the follower: the two conductors split, or one way only): it writes
+  ``RELAYED`` for the member, guarded by the member's liveness record being the registration the
+  member names, and answers once that write is in; the leader watches ``RELAYED`` and counts the
+  member as seen when the write reaches it, after the member sent it. A relay that lands between
+  a sweep's verdict and its delete is answered still: that member serves until its TTL (less a
+  margin) from its send, while its slots move only ``objects.failover_s`` after the delete, and the
+  configuration keeps ``failover_s`` at least the member TTL. Before the relay, a partition between
+  the conductors expired every member on the follower's side, which the leader no longer heard,
+  and moved its slots while clients still reached it;
 - the backstop outlives every member's TTL by a refresh period and more (``MAX_MEMBER_TTL``): a
   leader that dies leaves the records in place for the next one, and only a control plane with no
   leader for ``BACKSTOP_TTL`` lets them all go.
@@ -50,12 +59,15 @@ from .metadata import (
     MetadataBackend,
     MetadataUnavailableError,
     Put,
+    WatchEvent,
     chunks,
+    follow,
 )
 
 log = logging.getLogger(__name__)
 
 LIVENESS = b"/tiercake/liveness/"  # node -> {"lease": its registration's id, "ttl": seconds}
+RELAYED = b"/tiercake/liveness-relayed/"  # node -> the registration a follower relayed a keep-alive for
 BACKSTOP = b"/tiercake/liveness-lease"  # the backstop lease's id, written by the leader
 BACKSTOP_TTL = 60
 assert MAX_MEMBER_TTL <= BACKSTOP_TTL * 5 / 6  # a member's TTL ends before the backstop's can
@@ -92,7 +104,9 @@ class Liveness:
         self._changing = asyncio.Lock()  # a registration and the deletion of a member's records
         self._ready = asyncio.Event()  # set while this conductor leads and its term is loaded
         self._task: asyncio.Task | None = None
+        self._relays: asyncio.Task | None = None  # the leader's watch of the followers' relays
         self.expired = 0  # members this conductor deleted for silence
+        self.relayed = 0  # keep-alives this conductor relayed (as a follower) or heard relayed (leader)
 
     # The leader's term ----------------------------------------------------------------------------
 
@@ -102,16 +116,17 @@ class Liveness:
 
     def term_ended(self) -> None:
         self._ready.clear()
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        for task in (self._task, self._relays):
+            if task is not None:
+                task.cancel()
+        self._task = self._relays = None
         self._kept.clear()
         self._doomed.clear()
 
     async def close(self) -> None:
-        task = self._task
+        tasks = [t for t in (self._task, self._relays) if t is not None]
         self.term_ended()
-        if task is not None:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
@@ -159,18 +174,37 @@ class Liveness:
             await self._new_backstop()
             return
         self.backstop = lease
-        kvs, _ = await self.meta.range(LIVENESS)
+        kvs, revision = await self.meta.range(LIVENESS)
         now = time.monotonic()
         for kv in kvs:
             node = kv.key[len(LIVENESS) :].decode()
             record = json.loads(kv.value)
             self._kept[node] = _Kept(int(record["lease"]), int(record["ttl"]), now)
+        self._watch_relays(revision + 1)  # every relay before that is counted by the term's start
 
     async def _new_backstop(self) -> None:
         lease = await self.meta.grant_lease(BACKSTOP_TTL)
-        await self.meta.commit([Put(BACKSTOP, str(lease).encode())], guard=self.guard)
+        revision = await self.meta.commit([Put(BACKSTOP, str(lease).encode())], guard=self.guard)
         self.backstop = lease
         self._kept.clear()
+        self._watch_relays(revision + 1)
+
+    def _watch_relays(self, start_revision: int) -> None:
+        if self._relays is not None:
+            self._relays.cancel()
+        self._relays = asyncio.get_running_loop().create_task(
+            follow(self.meta, RELAYED, start_revision, self._relay_heard, "liveness: followers' relays")
+        )
+
+    def _relay_heard(self, event: WatchEvent) -> None:
+        """A follower relayed a keep-alive: the member sent it before the follower's write, and that
+        before this event reached the leader."""
+        if event.kind != "put":
+            return
+        kept = self._kept.get(event.key[len(RELAYED) :].decode())
+        if kept is not None and str(kept.lease).encode() == event.value:
+            kept.seen = time.monotonic()
+            self.relayed += 1
 
     async def _renew(self) -> None:
         try:
@@ -204,7 +238,7 @@ class Liveness:
                         raise  # logged by the loop
 
     async def _delete(self, nodes: list[str]) -> None:
-        ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS)]
+        ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS, RELAYED)]
         for batch in chunks(ops):
             await self.meta.commit(batch, guard=self.guard)
 
@@ -252,6 +286,23 @@ class Liveness:
         found = await self.meta.get(LIVENESS + node.encode())
         if found is None or int(json.loads(found.value)["lease"]) != lease:
             raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
+
+    async def relay(self, node: str, lease: int) -> None:
+        """A follower's answer to a keep-alive while a leader is named (see the module's note): a
+        write the leader watches, guarded by the member's liveness record naming this registration;
+        answered once the write is in. A backend write per keep-alive, only for members that reach
+        a follower (the leader did not answer them)."""
+        key = LIVENESS + node.encode()
+        found = await self.meta.get(key)
+        if found is None or int(json.loads(found.value)["lease"]) != lease:
+            raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
+        try:
+            await self.meta.commit(
+                [Put(RELAYED + node.encode(), str(lease).encode(), found.lease)], guard=Guard(key, found.value)
+            )
+        except FencedError:  # deleted or registered again since the read
+            raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report") from None
+        self.relayed += 1
 
     async def leave(self, node: str, lease: int) -> bool:
         """Delete a kept member's records now; False when this registration is not kept here."""

@@ -348,15 +348,16 @@ class Conductor:
         self.member_stats[member] = stats
 
     async def keep_alive(self, node: str, lease: int) -> None:
-        """The leader notes the keep-alive; a follower sends the member to the leader, or vouches
-        for it while none is named (``liveness.py``). ``LeaseExpiredError``: register again."""
+        """The leader notes the keep-alive; a follower relays it to the leader through the backend,
+        or vouches for it while none is named (``liveness.py``). ``LeaseExpiredError``: register
+        again. A member reaches a follower when the leader did not answer it; its next report, which
+        only the leader takes, sends it back there."""
         if self.is_leader:
             await self.liveness.keep_alive(node, lease)
-            return
-        leader = await self.leader()
-        if leader is not None:
-            raise NotLeaderError(leader.url)
-        await self.liveness.vouch(node, lease)
+        elif await self.leader() is not None:
+            await self.liveness.relay(node, lease)
+        else:
+            await self.liveness.vouch(node, lease)
 
     async def leave(self, node: str, lease: int) -> None:
         """A member leaves at once (its records are deleted, its placements dropped). One that holds

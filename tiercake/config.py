@@ -584,6 +584,18 @@ class TiercakeConfig(BaseModel):
     objects: ObjectsConfig = Field(default_factory=ObjectsConfig)
 
     @model_validator(mode="after")
+    def _failover_after_a_lease(self) -> TiercakeConfig:
+        # a node cut off from the leader may serve its slots until its lease runs out (less a
+        # margin) from its last keep-alive, which a follower's relay may still acknowledge as the
+        # leader deletes it (conductor/liveness.py): its slots move only after that
+        if self.objects.failover_s < self.conductor.member_ttl:
+            raise ValueError(
+                f"objects.failover_s ({self.objects.failover_s:g}) must be at least conductor.member_ttl "
+                f"({self.conductor.member_ttl}): a node cut off may serve its slots until its lease runs out"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _transfer_tls(self) -> TiercakeConfig:
         if self.transfer.tls:
             if not (self.tls.cert_file and self.tls.ca_file):

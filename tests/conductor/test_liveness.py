@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tiercake.conductor.liveness import BACKSTOP, LIVENESS, LeaseExpiredError
+from tiercake.conductor.liveness import BACKSTOP, LIVENESS, RELAYED, LeaseExpiredError
 from tiercake.conductor.membership import MEMBERS
 from tiercake.conductor.service import Conductor
 from tiercake.messages import MemberInfo, RegisterRequest
@@ -124,6 +124,43 @@ async def test_a_new_leader_keeps_the_members_and_expires_the_silent_ones_from_i
     finally:
         await second.close()
         await first.close()
+
+
+async def test_a_member_that_reaches_only_a_follower_stays_a_member_through_its_relays(meta):
+    """The two conductors cut apart, a member on the follower's side: the follower relays its
+    keep-alives to the leader through the backend, so it is not expired (it was, and its slots moved
+    while clients still reached it); a relay for a registration the leader does not keep is refused."""
+    leader = await _leading(meta, f"c1-{uuid.uuid4().hex[:6]}")
+    follower = await Conductor(meta, f"c2-{uuid.uuid4().hex[:6]}", ttl=1).start()
+    try:
+        node, silent = f"cut-{uuid.uuid4().hex[:6]}", f"silent-{uuid.uuid4().hex[:6]}"
+        lease = await leader.register(_member(node), ttl=1)
+        await leader.register(_member(silent), ttl=1)
+        started = time.monotonic()
+        while time.monotonic() - started < 3:  # three TTLs, heard by the follower only
+            await follower.keep_alive(node, lease)
+            await asyncio.sleep(0.2)
+        assert node in leader.members.members and silent not in leader.members.members
+        assert follower.liveness.relayed >= 10 and leader.liveness.relayed >= 10
+        with pytest.raises(LeaseExpiredError):  # not the registration the leader keeps
+            await follower.keep_alive(node, lease + 1)
+        await leader.leave(node, lease)
+        with pytest.raises(LeaseExpiredError):  # gone: register again
+            await follower.keep_alive(node, lease)
+        assert await meta.get(RELAYED + node.encode()) is None  # its relay record went with it
+    finally:
+        await follower.close()
+        await leader.close()
+
+
+def test_a_failover_shorter_than_a_member_lease_is_refused():
+    """A node cut off may serve its slots until its lease runs out: they must not move sooner."""
+    from tiercake.config import TiercakeConfig
+
+    store = {"tiers": [{"kind": "pool", "capacity": "1MiB"}]}
+    with pytest.raises(ValueError, match="failover_s"):
+        TiercakeConfig.model_validate({"store": store, "conductor": {"member_ttl": 5}, "objects": {"failover_s": 4}})
+    TiercakeConfig.model_validate({"store": store, "conductor": {"member_ttl": 5}, "objects": {"failover_s": 5}})
 
 
 async def test_a_backstop_lost_under_a_live_leader_is_replaced_and_members_register_again(meta):
