@@ -10,6 +10,7 @@ from tiercake.conductor.metadata import (
     TXN_OPS,
     Delete,
     LeaseNotFoundError,
+    MetadataError,
     MetadataUnavailableError,
     Put,
     prefix_end,
@@ -28,6 +29,15 @@ def ns():
 
 
 @pytest.mark.cluster
+async def test_an_etcd_backend_not_started_says_so():
+    """Asked before ``start`` connected it: a typed error that says why (it was an AttributeError)."""
+    backend = EtcdBackend(["127.0.0.1:1"])
+    with pytest.raises(MetadataError, match="not started"):
+        await backend.get(b"/x")
+    with pytest.raises(MetadataError, match="not started"):
+        await backend.commit([Put(b"/x", b"1")])
+
+
 async def test_put_get_range_delete(backend, ns):
     r1 = await backend.put(ns + b"b", b"2")
     r2 = await backend.put(ns + b"a", b"1")

@@ -116,6 +116,8 @@ async def test_bad_input(make_store):
         await store.get(key(42))
     with pytest.raises(ObjectNotFoundError):
         await store.remove(key(42))
+    with pytest.raises(TypeError, match="not a memory tier"):  # a slot on disk is not adopted
+        store.adopt(key(3), "ssd", 0, block(3).numel())
     await store.put(key(1), block(1))
     with pytest.raises(PayloadError, match="destination"):
         await store.get_into(key(1), bytearray(10))
