@@ -292,12 +292,16 @@ class Client:
         body["member"] = member.model_dump(exclude={"lease", *MemberInfo.ADDED})
         return (await self._typed(RegisterReply, "POST", "/v1/members/register", body)).lease
 
-    async def keep_alive(self, node_id: str, lease: int, stats: MemberStats | None = None) -> KeepAliveReply:
+    async def keep_alive(
+        self, node_id: str, lease: int, stats: MemberStats | None = None, timeout: float | None = None
+    ) -> KeepAliveReply:
         """Renew the lease (and tell the conductor how the member's store is doing). Raises
         ``ConductorError`` with status 404 once it has expired (register again). Returns the pins
-        version, the cluster's run-time settings and the node's replication tasks."""
+        version, the cluster's run-time settings and the node's replication tasks. ``timeout``: each
+        attempt's (a member gives up on a conductor it cannot reach well within its TTL, and tries
+        the next, which relays it to the leader)."""
         body = {"node_id": node_id, "lease": lease, "stats": stats.model_dump() if stats is not None else None}
-        return await self._typed(KeepAliveReply, "POST", "/v1/members/keepalive", body)
+        return KeepAliveReply.model_validate(await self._call("POST", "/v1/members/keepalive", body, timeout=timeout))
 
     async def leave(self, node_id: str, lease: int) -> None:
         await self._call("POST", "/v1/members/leave", {"node_id": node_id, "lease": lease})

@@ -99,6 +99,13 @@ class ConductorLink:
         self.on_registered: list[Callable[[], None]] = []
         self.on_keepalive: list[Callable[[float, KeepAliveReply], None]] = []
 
+    @property
+    def attempt_s(self) -> float:
+        """How long a keep-alive waits on one conductor: a third of the TTL, then the next one (a
+        follower relays it to the leader). It waited the client's 5 s on a leader cut off from it,
+        and the lease ran out behind that wait with a follower in reach."""
+        return max(self.ttl / 3, 0.2)
+
     async def start(self) -> ConductorLink:
         if self.report:
             self.held.listeners.append(self._on_change)
@@ -130,7 +137,7 @@ class ConductorLink:
             listener()
         if self._flush_epoch is None or self.on_keepalive:
             sent = time.monotonic()
-            answer = await self.client.keep_alive(self.member.node_id, self.lease)
+            answer = await self.client.keep_alive(self.member.node_id, self.lease, timeout=self.attempt_s)
             if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
                 self._flush_epoch = answer.settings.flush.epoch
                 self._term = answer.term
@@ -150,7 +157,9 @@ class ConductorLink:
             await asyncio.sleep(max(self.ttl / 3, 0.2))
             sent = time.monotonic()
             try:
-                answer = await self.client.keep_alive(self.member.node_id, self.lease, self._stats())
+                answer = await self.client.keep_alive(
+                    self.member.node_id, self.lease, self._stats(), timeout=self.attempt_s
+                )
             except ConductorError as exc:
                 if exc.status == 404:
                     log.warning("node %s: lease expired; registering again", self.member.node_id)
