@@ -24,8 +24,8 @@ keep-alive acknowledged was sent less than its TTL ago, ``workers/node/objects/o
   member names, and answers once that write is in; the leader watches ``RELAYED`` and counts the
   member as seen when the write reaches it, after the member sent it. A relay that lands between
   a sweep's verdict and its delete is answered still: that member serves until its TTL (less a
-  margin) from its send, while its slots move only ``objects.failover_s`` after the delete, and the
-  configuration keeps ``failover_s`` at least the member TTL. Before the relay, a partition between
+  margin) from its send, and its slots move only its TTL (or ``objects.failover_s``, if longer)
+  after the delete (``ttl_of``, which the object map's keeper asks). Before the relay, a partition between
   the conductors expired every member on the follower's side, which the leader no longer heard,
   and moved its slots while clients still reached it;
 - the backstop outlives every member's TTL by a refresh period and more (``MAX_MEMBER_TTL``): a
@@ -101,6 +101,7 @@ class Liveness:
         self.backstop = 0  # the lease every record of a kept member is under (this term's)
         self._kept: dict[str, _Kept] = {}
         self._doomed: dict[str, int] = {}  # node -> the id whose records are to be deleted (retried)
+        self._ttls: dict[str, int] = {}  # node -> its latest registration's TTL (kept past its expiry)
         self._changing = asyncio.Lock()  # a registration and the deletion of a member's records
         self._ready = asyncio.Event()  # set while this conductor leads and its term is loaded
         self._task: asyncio.Task | None = None
@@ -180,6 +181,7 @@ class Liveness:
             node = kv.key[len(LIVENESS) :].decode()
             record = json.loads(kv.value)
             self._kept[node] = _Kept(int(record["lease"]), int(record["ttl"]), now)
+            self._ttls[node] = int(record["ttl"])
         self._watch_relays(revision + 1)  # every relay before that is counted by the term's start
 
     async def _new_backstop(self) -> None:
@@ -268,7 +270,13 @@ class Liveness:
                 guard=self.guard,
             )
             self._kept[info.node_id] = _Kept(lease, ttl, time.monotonic())
+            self._ttls[info.node_id] = ttl
         return lease
+
+    def ttl_of(self, node: str) -> float:
+        """The TTL of ``node``'s latest registration this conductor saw (0: none): how long after
+        its records went it may still serve what it owned."""
+        return self._ttls.get(node, 0)
 
     async def keep_alive(self, node: str, lease: int) -> None:
         """The leader's answer to a keep-alive; ``LeaseExpiredError`` when the registration is not

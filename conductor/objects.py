@@ -131,10 +131,14 @@ class ObjectMapKeeper:
         failover_s: float = 10.0,
         bootstrap_s: float = 2.0,
         every: float = 0.2,
+        ttl_of: Callable[[str], float] = lambda node: 0.0,
     ) -> None:
         """``bootstrap_s``: how long after the first node is seen the first map is made, so that
         restarted nodes can offer the map they last had (``seed``) to a conductor that lost it (the
-        embedded backend keeps nothing across a restart)."""
+        embedded backend keeps nothing across a restart). ``ttl_of``: a node's member TTL, which its
+        absence must last too before its slots move (a keep-alive a follower relayed may be
+        acknowledged as the leader deletes the member: the node serves until its lease, counted from
+        that keep-alive, runs out; ``liveness.py``)."""
         self.meta = meta
         self.members = members
         self.guard = guard
@@ -144,6 +148,7 @@ class ObjectMapKeeper:
         self.failover_s = failover_s
         self.bootstrap_s = bootstrap_s
         self.every = every
+        self.ttl_of = ttl_of
         self._first_node_at: float | None = None
         self.map = ObjectMap()
         self._absent: dict[str, float] = {}  # chain member -> monotonic time it was first seen absent
@@ -152,7 +157,15 @@ class ObjectMapKeeper:
         self.changed = asyncio.Event()
 
     @classmethod
-    def of(cls, meta: MetadataBackend, members: Membership, guard: Guard, leading: Callable[[], bool], objects=None):
+    def of(
+        cls,
+        meta: MetadataBackend,
+        members: Membership,
+        guard: Guard,
+        leading: Callable[[], bool],
+        objects=None,
+        ttl_of: Callable[[str], float] = lambda node: 0.0,
+    ):
         """Kept as ``objects`` (an ``ObjectsConfig``; default: its defaults) says."""
         from tiercake.config import ObjectsConfig
 
@@ -166,6 +179,7 @@ class ObjectMapKeeper:
             replicas_max=objects.replicas_max,
             failover_s=objects.failover_s,
             bootstrap_s=objects.bootstrap_s,
+            ttl_of=ttl_of,
         )
 
     async def start(self) -> ObjectMapKeeper:
@@ -226,7 +240,7 @@ class ObjectMapKeeper:
                     self._absent.setdefault(node, now)
             for node in [n for n in self._absent if n not in members]:
                 del self._absent[node]
-            gone = {n for n, since in self._absent.items() if now - since >= self.failover_s}
+            gone = {n for n, since in self._absent.items() if now - since >= max(self.failover_s, self.ttl_of(n))}
             if not self.map.chains:
                 if not alive:
                     return self.map

@@ -214,8 +214,10 @@ class Conductor:
         self._settings_follower: asyncio.Task | None = None
         self.loop_lag = LoopLag(f"conductor {self.conductor_id}")
         self._lag_watch: asyncio.Task | None = None
-        self.objects = ObjectMapKeeper.of(meta, self.members, self.guard, lambda: self.is_leader, objects)
         self.liveness = Liveness(meta, self.members, self.guard)
+        self.objects = ObjectMapKeeper.of(
+            meta, self.members, self.guard, lambda: self.is_leader, objects, self.liveness.ttl_of
+        )
 
     async def start(self) -> Conductor:
         await self.index.start()

@@ -380,8 +380,9 @@ class ObjectsConfig(BaseModel):
         gt=0,
         le=86400,
         description="conductor: how long a slot's primary may "
-        "be absent (its lease expired) before a backup takes the slot over; a node agent that "
-        "restarts sooner keeps its slots and, with its pool adopted, all it held",
+        "be absent (its lease expired) before a backup takes the slot over, and never less than "
+        "that node's member TTL; a node agent that restarts sooner keeps its slots and, with its "
+        "pool adopted, all it held",
     )
     bootstrap_s: float = Field(
         default=2.0,
@@ -582,18 +583,6 @@ class TiercakeConfig(BaseModel):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     tls: TlsConfig = Field(default_factory=TlsConfig)
     objects: ObjectsConfig = Field(default_factory=ObjectsConfig)
-
-    @model_validator(mode="after")
-    def _failover_after_a_lease(self) -> TiercakeConfig:
-        # a node cut off from the leader may serve its slots until its lease runs out (less a
-        # margin) from its last keep-alive, which a follower's relay may still acknowledge as the
-        # leader deletes it (conductor/liveness.py): its slots move only after that
-        if self.objects.failover_s < self.conductor.member_ttl:
-            raise ValueError(
-                f"objects.failover_s ({self.objects.failover_s:g}) must be at least conductor.member_ttl "
-                f"({self.conductor.member_ttl}): a node cut off may serve its slots until its lease runs out"
-            )
-        return self
 
     @model_validator(mode="after")
     def _transfer_tls(self) -> TiercakeConfig:

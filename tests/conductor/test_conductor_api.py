@@ -739,12 +739,14 @@ async def test_a_follower_without_a_fresh_mirror_asks_members_for_everything():
             assert answer.term == follower.election.won_term and answer.rereport_s is None
 
 
-async def test_a_follower_answers_keep_alives_only_while_no_leader_is_named():
-    """Liveness is the leader's (conductor/liveness.py): a follower sends a member's keep-alive to the
-    leader it names, and answers it itself only while the backend names no leader (whoever wins next
-    counts its members' TTLs from its own term's start). Answering so, a follower that follows no
-    leader names no term: between a leader's death and the next leader's word reaching a follower, it
-    once named the new term from the backend with no window, and members re-reported everything."""
+async def test_a_follower_relays_keep_alives_while_a_leader_is_named_and_vouches_while_none_is():
+    """Liveness is the leader's (conductor/liveness.py): a follower relays a member's keep-alive to
+    the leader it names (a guarded write the leader watches: it was a 503 sending the member there,
+    and a member cut off from the leader lost its lease), and answers it itself while the backend
+    names no leader (whoever wins next counts its members' TTLs from its own term's start).
+    Answering so, a follower that follows no leader names no term: between a leader's death and the
+    next leader's word reaching a follower, it once named the new term from the backend with no
+    window, and members re-reported everything."""
     from tiercake.conductor.election import LeaderElection
     from tiercake.messages import ConductorInfo
 
@@ -754,9 +756,16 @@ async def test_a_follower_answers_keep_alives_only_while_no_leader_is_named():
         await follower.members.wait_for(lambda m: "w" in m.members, 5)
         only_follower = Client([follower.url], token="peer-token", retries=1)  # follows no hint
         try:
-            with pytest.raises(ConductorError) as refused:
-                await only_follower.keep_alive("w", lease)
-            assert refused.value.status == 503 and leader.url in str(refused.value)
+            await only_follower.keep_alive("w", lease)  # relayed
+            assert follower.liveness.relayed == 1
+            for _ in range(100):  # the leader's watch hears it
+                if leader.liveness.relayed:
+                    break
+                await asyncio.sleep(0.05)
+            assert leader.liveness.relayed == 1
+            with pytest.raises(ConductorError) as unknown:  # a registration the leader does not keep
+                await only_follower.keep_alive("w", lease + 1)
+            assert unknown.value.status == 404 and follower.liveness.relayed == 1
             await follower.link.close()  # its feed stops, as when the leader it followed died
             follower.link.followed_term = 0
             follower.election.crash()  # neither leads now; the leader's key runs out
@@ -766,18 +775,17 @@ async def test_a_follower_answers_keep_alives_only_while_no_leader_is_named():
                     break
                 await asyncio.sleep(0.05)
             answer = await only_follower.keep_alive("w", lease)  # vouched for
-            assert answer.term == 0 and answer.rereport_s is None
+            assert answer.term == 0 and answer.rereport_s is None and follower.liveness.relayed == 1
             with pytest.raises(ConductorError) as unknown:  # a registration it does not hold
                 await only_follower.keep_alive("w", lease + 1)
             assert unknown.value.status == 404
-            # a third candidate wins: the follower sends members to it again
+            # a third candidate wins: the follower relays to it again
             info = ConductorInfo(conductor_id="third", url="http://127.0.0.1:9").model_dump_json()
             third = await LeaderElection(follower.meta, info, ttl=1).start()
             try:
                 await asyncio.wait_for(third.leading.wait(), 10)
-                with pytest.raises(ConductorError) as refused:
-                    await only_follower.keep_alive("w", lease)
-                assert refused.value.status == 503 and "127.0.0.1:9" in str(refused.value)
+                await only_follower.keep_alive("w", lease)
+                assert follower.liveness.relayed == 2
             finally:
                 await third.resign()
         finally:

@@ -153,14 +153,39 @@ async def test_a_member_that_reaches_only_a_follower_stays_a_member_through_its_
         await leader.close()
 
 
-def test_a_failover_shorter_than_a_member_lease_is_refused():
-    """A node cut off may serve its slots until its lease runs out: they must not move sooner."""
-    from tiercake.config import TiercakeConfig
+async def test_a_silent_nodes_slots_move_no_sooner_than_its_ttl_after_it_went(meta):
+    """A keep-alive a follower relayed may be acknowledged as the leader deletes the member: that
+    node serves until its lease, counted from the keep-alive, runs out. So its slots move only once
+    its TTL has passed since it went, even where ``objects.failover_s`` is shorter."""
+    from tiercake.config import ObjectsConfig
+    from tiercake.transfer.protocol import OBJECTS_SINCE
 
-    store = {"tiers": [{"kind": "pool", "capacity": "1MiB"}]}
-    with pytest.raises(ValueError, match="failover_s"):
-        TiercakeConfig.model_validate({"store": store, "conductor": {"member_ttl": 5}, "objects": {"failover_s": 4}})
-    TiercakeConfig.model_validate({"store": store, "conductor": {"member_ttl": 5}, "objects": {"failover_s": 5}})
+    objects = ObjectsConfig(failover_s=0.2, bootstrap_s=0, slots=16, replicas_max=1)
+    leader = await Conductor(meta, f"c-{uuid.uuid4().hex[:6]}", ttl=1, objects=objects).start()
+    try:
+        await asyncio.wait_for(leader.election.leading.wait(), 10)
+        kept, silent = f"kept-{uuid.uuid4().hex[:6]}", f"silent-{uuid.uuid4().hex[:6]}"
+        node = {"role": "node", "transfer_version": OBJECTS_SINCE}
+        kept_lease = await leader.register(MemberInfo(node_id=kept, **node), ttl=1)
+        await leader.register(MemberInfo(node_id=silent, **node), ttl=3)
+        assert leader.liveness.ttl_of(silent) == 3
+
+        def owns(name: str) -> bool:
+            return any(chain and chain[0] == name for chain in leader.objects.map.chains)
+
+        async def keep(until) -> None:
+            while not until():
+                await leader.keep_alive(kept, kept_lease)
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(keep(lambda: owns(silent) and owns(kept)), 10)  # a map of both
+        await asyncio.wait_for(keep(lambda: silent not in leader.members.members), 10)  # its TTL ran out
+        went = time.monotonic()
+        await asyncio.wait_for(keep(lambda: not owns(silent)), 15)
+        assert time.monotonic() - went >= 3 - 0.3  # not at failover_s (0.2 s) but its TTL (3 s) after
+        assert leader.liveness.ttl_of(silent) == 3  # known past its expiry
+    finally:
+        await leader.close()
 
 
 async def test_a_backstop_lost_under_a_live_leader_is_replaced_and_members_register_again(meta):

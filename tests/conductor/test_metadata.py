@@ -28,7 +28,6 @@ def ns():
     return f"/t/{uuid.uuid4().hex[:10]}/".encode()
 
 
-@pytest.mark.cluster
 async def test_an_etcd_backend_not_started_says_so():
     """Asked before ``start`` connected it: a typed error that says why (it was an AttributeError)."""
     backend = EtcdBackend(["127.0.0.1:1"])
@@ -38,6 +37,7 @@ async def test_an_etcd_backend_not_started_says_so():
         await backend.commit([Put(b"/x", b"1")])
 
 
+@pytest.mark.cluster
 async def test_put_get_range_delete(backend, ns):
     r1 = await backend.put(ns + b"b", b"2")
     r2 = await backend.put(ns + b"a", b"1")

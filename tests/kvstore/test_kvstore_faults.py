@@ -468,7 +468,7 @@ async def test_a_batch_of_16000_small_objects_answers_every_item_on_a_busy_node(
     -800 with part of the batch stored), and the node stays a member throughout (its keep-alive got
     its turns: its lease ran out twice behind such batches)."""
     # the default member lease (5 s): two busy processes beside it are what is tested, not a 1 s lease
-    cluster = KvCluster(tmp_path, nodes=("kv-a",), pool="64MiB", ssd="256MiB", member_ttl=5.0, failover_s=5.0)
+    cluster = KvCluster(tmp_path, nodes=("kv-a",), pool="64MiB", ssd="256MiB", member_ttl=5.0)
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL) for _ in range(2)
     ]
