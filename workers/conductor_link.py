@@ -104,8 +104,8 @@ class ConductorLink:
         """How long a keep-alive waits on one conductor where there is another to try: a third of the
         TTL, then the next one (a follower relays it to the leader). It waited the client's 5 s on a
         leader cut off from it, and the lease ran out behind that wait with a follower in reach. With
-        one conductor, the client's own timeout: a slow answer is still an answer (on a busy machine
-        a third of a 1 s TTL cut every keep-alive short and the lease was never renewed)."""
+        one conductor, the client's own timeout: there is nobody else to ask, and a slow answer on a
+        busy machine still keeps the member registered."""
         return max(self.ttl / 3, 0.2) if len(self.client.urls) > 1 else None
 
     async def start(self) -> ConductorLink:
