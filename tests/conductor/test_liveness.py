@@ -26,6 +26,12 @@ async def _leading(meta, name: str, ttl: int = 1) -> Conductor:
     return conductor
 
 
+async def _two(meta) -> tuple[Conductor, Conductor]:
+    """A leader and a conductor that follows it, on one backend."""
+    leader = await _leading(meta, f"c1-{uuid.uuid4().hex[:6]}")
+    return leader, await Conductor(meta, f"c2-{uuid.uuid4().hex[:6]}", ttl=1).start()
+
+
 async def _gone(conductor: Conductor, node: str, within: float) -> float:
     started = time.monotonic()
     await conductor.members.wait_for(lambda m: node not in m.members, within)
@@ -92,8 +98,7 @@ async def test_a_sweep_that_fails_is_tried_again_and_the_silent_member_still_goe
 
 
 async def test_a_new_leader_keeps_the_members_and_expires_the_silent_ones_from_its_term(meta):
-    first = await _leading(meta, f"c1-{uuid.uuid4().hex[:6]}")
-    second = await Conductor(meta, f"c2-{uuid.uuid4().hex[:6]}", ttl=1).start()
+    first, second = await _two(meta)
     try:
         kept, silent = f"kept-{uuid.uuid4().hex[:6]}", f"silent-{uuid.uuid4().hex[:6]}"
         kept_lease = await first.register(_member(kept), ttl=2)
@@ -130,8 +135,7 @@ async def test_a_member_that_reaches_only_a_follower_stays_a_member_through_its_
     """The two conductors cut apart, a member on the follower's side: the follower relays its
     keep-alives to the leader through the backend, so it is not expired (it was, and its slots moved
     while clients still reached it); a relay for a registration the leader does not keep is refused."""
-    leader = await _leading(meta, f"c1-{uuid.uuid4().hex[:6]}")
-    follower = await Conductor(meta, f"c2-{uuid.uuid4().hex[:6]}", ttl=1).start()
+    leader, follower = await _two(meta)
     try:
         node, silent = f"cut-{uuid.uuid4().hex[:6]}", f"silent-{uuid.uuid4().hex[:6]}"
         lease = await leader.register(_member(node), ttl=1)
