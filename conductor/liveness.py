@@ -295,14 +295,18 @@ class Liveness:
         if found is None or int(json.loads(found.value)["lease"]) != lease:
             raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
 
-    async def relay(self, node: str, lease: int) -> None:
+    async def relay(self, node: str, lease: int) -> bool:
         """A follower's answer to a keep-alive while a leader is named (see the module's note): a
         write the leader watches, guarded by the member's liveness record naming this registration;
         answered once the write is in. A backend write per keep-alive, only for members that reach
-        a follower (the leader did not answer them)."""
+        a follower (the leader did not answer them). False: the member holds an etcd lease of its
+        own (a leader of the release before registered it), which only that leader renews."""
         key = LIVENESS + node.encode()
         found = await self.meta.get(key)
         if found is None or int(json.loads(found.value)["lease"]) != lease:
+            record = self.members.members.get(node)
+            if record is not None and record.lease == lease:
+                return False
             raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report")
         try:
             await self.meta.commit(
@@ -311,6 +315,7 @@ class Liveness:
         except FencedError:  # deleted or registered again since the read
             raise LeaseExpiredError(f"lease {lease} has expired: register again and re-report") from None
         self.relayed += 1
+        return True
 
     async def leave(self, node: str, lease: int) -> bool:
         """Delete a kept member's records now; False when this registration is not kept here."""

@@ -356,10 +356,12 @@ class Conductor:
         only the leader takes, sends it back there."""
         if self.is_leader:
             await self.liveness.keep_alive(node, lease)
-        elif await self.leader() is not None:
-            await self.liveness.relay(node, lease)
-        else:
+            return
+        leader = await self.leader()
+        if leader is None:
             await self.liveness.vouch(node, lease)
+        elif not await self.liveness.relay(node, lease):  # a previous release's leader renews it
+            raise NotLeaderError(leader.url)
 
     async def leave(self, node: str, lease: int) -> None:
         """A member leaves at once (its records are deleted, its placements dropped). One that holds

@@ -149,6 +149,7 @@ async def test_a_member_that_reaches_only_a_follower_stays_a_member_through_its_
         with pytest.raises(LeaseExpiredError):  # not the registration the leader keeps
             await follower.keep_alive(node, lease + 1)
         await leader.leave(node, lease)
+        await follower.members.wait_for(lambda m: node not in m.members, 5)
         with pytest.raises(LeaseExpiredError):  # gone: register again
             await follower.keep_alive(node, lease)
         assert await meta.get(RELAYED + node.encode()) is None  # its relay record went with it
@@ -241,10 +242,12 @@ async def test_a_leader_whose_own_loop_stalled_does_not_expire_the_members_it_co
 async def test_a_member_that_moved_to_a_lease_of_its_own_is_not_the_leaders_to_expire(meta):
     """During an upgrade a member may register again with a conductor of the release before, under
     an etcd lease of its own: the leader's entry for its old registration goes silent, and deleting
-    the record then would take the member out of the cluster while its own lease says it lives."""
+    the record then would take the member out of the cluster while its own lease says it lives; and a
+    follower sends its keep-alives to that leader rather than relay them (nobody would hear them)."""
     from tiercake.conductor.membership import Registration
+    from tiercake.conductor.service import NotLeaderError
 
-    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    conductor, follower = await _two(meta)
     own = None
     try:
         node = f"moved-{uuid.uuid4().hex[:6]}"
@@ -257,7 +260,12 @@ async def test_a_member_that_moved_to_a_lease_of_its_own_is_not_the_leaders_to_e
         assert node in conductor.members.members
         with pytest.raises(LeaseExpiredError):  # no follower vouches for a lease the leader does not keep
             await conductor.liveness.vouch(node, own.lease)
+        await follower.members.wait_for(lambda m: m.members.get(node) and m.members[node].lease == own.lease, 5)
+        with pytest.raises(NotLeaderError):
+            await follower.keep_alive(node, own.lease)
+        assert follower.liveness.relayed == 0
     finally:
         if own is not None:
             await own.stop()
+        await follower.close()
         await conductor.close()
