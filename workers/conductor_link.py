@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from tiercake.blocks import is_object_tenant
@@ -70,9 +70,8 @@ class ConductorLink:
         self.client = client
         self.member = member
         self.store = store
-        self.held = held if held is not None else store  # what is reported
-        # False: a member, but what it holds is not indexed (nobody is routed by it)
-        self.report = report and self.held is not None
+        # what is reported; None: a member, but what it holds is not indexed (nobody is routed by it)
+        self.reported: HeldBlocks | None = (held if held is not None else store) if report else None
         self.ttl = ttl
         self.engine = engine  # for replication pulls; None: tasks to copy are ignored
         self.flush_interval = flush_interval
@@ -109,8 +108,8 @@ class ConductorLink:
         return max(self.ttl / 3, 0.2) if len(self.client.urls) > 1 else None
 
     async def start(self) -> ConductorLink:
-        if self.report:
-            self.held.listeners.append(self._on_change)
+        if self.reported is not None:
+            self.reported.listeners.append(self._on_change)
         await self._register()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._keep_alive()), loop.create_task(self._report_forever())]
@@ -118,9 +117,9 @@ class ConductorLink:
 
     async def close(self, leave: bool = True) -> None:
         """Stop; with ``leave`` the lease is revoked, so the node and its placements go at once."""
-        if self.report:
+        if self.reported is not None:
             with contextlib.suppress(ValueError):
-                self.held.listeners.remove(self._on_change)
+                self.reported.listeners.remove(self._on_change)
         for task in list(self._tasks):  # a flush confirmation leaves the list when it ends
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -145,7 +144,7 @@ class ConductorLink:
                 self._term = answer.term
             self._kept_alive(sent, answer)
         # everything held goes out again: the old lease took the node's placements with it
-        for change in self.held.holdings() if self.report else ():
+        for change in self.reported.holdings() if self.reported is not None else ():
             self._on_change(change)
         log.info(
             "node %s: registered (lease %x), re-reporting %d copies",
@@ -174,9 +173,9 @@ class ConductorLink:
             try:
                 if self.store is not None:  # else nothing here to pin or copy into
                     if answer.pins_version != self._pins_version:
-                        await self._sync_pins()
+                        await self._sync_pins(self.store)
                     if answer.tasks:
-                        await self._run_tasks(answer.tasks)
+                        await self._run_tasks(self.store, answer.tasks)
                 await self._apply_settings(answer.settings)
             except ConductorError as exc:
                 log.warning("node %s: %s", self.member.node_id, exc)
@@ -208,7 +207,7 @@ class ConductorLink:
         window it names when it kept its mirror of the old leader's index, else all of them."""
         term, window = answer.term, answer.rereport_s
         if term and term != self._term:
-            if self._term and self.report:
+            if self._term and self.reported is not None:
                 if window is not None and window <= RECENT_S:
                     since = time.monotonic() - window
                     again = [copy for copy, (at, _, _) in self._recent.items() if at >= since]
@@ -216,7 +215,7 @@ class ConductorLink:
                     self._wakeup.set()
                     count = len(again)
                 else:
-                    held = self.held.holdings()
+                    held = self.reported.holdings()
                     for change in held:
                         self._on_change(change)
                     count = len(held)
@@ -264,7 +263,7 @@ class ConductorLink:
                 raise failed[0]
 
     def _note_acknowledged(
-        self, groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]], outcomes: list[object]
+        self, groups: dict[tuple[bool, str, str], list[tuple[bytes, int]]], outcomes: Sequence[object]
     ) -> None:
         """Keep the acknowledged changes of the last ``RECENT_S``, for a new leader's window."""
         now = time.monotonic()
@@ -312,19 +311,19 @@ class ConductorLink:
 
     async def _apply_settings(self, settings: ClusterSettings) -> None:
         flush = settings.flush
-        epoch = flush.epoch
-        if epoch > self._flush_epoch:
+        epoch, known = flush.epoch, self._flush_epoch  # (known from the registration on)
+        if known is not None and epoch > known:
             tiers, store = flush.tiers, self.store
             mine = None if tiers is None or store is None else [t.name for t in store.tiers if t.name in tiers]
             if store is not None and (mine is None or mine):
-                removed = await self.store.flush(mine)
+                removed = await store.flush(mine)
                 log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
             self._flush_epoch = epoch
             # confirmed off the keep-alive loop: a confirmation retried through a leader change must
             # not delay the next keep-alive past the lease
             confirm = asyncio.get_running_loop().create_task(self._flushed(epoch))
             self._tasks.append(confirm)
-            confirm.add_done_callback(lambda task: task in self._tasks and self._tasks.remove(task))
+            confirm.add_done_callback(self._forget_task)
         eviction = settings.eviction
         if eviction != self._eviction and self.store is not None:
             names = {t.name for t in self.store.tiers}
@@ -338,6 +337,10 @@ class ConductorLink:
                         )
             self._eviction = eviction
 
+    def _forget_task(self, task: asyncio.Task) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+
     async def _flushed(self, epoch: int) -> None:
         """Tell the leader the flush is applied, once what it removed is reported (an operator waiting
         on a synchronous flush then finds the index without those copies)."""
@@ -349,30 +352,30 @@ class ConductorLink:
 
     # Pins and replication -------------------------------------------------------------------------
 
-    async def _sync_pins(self) -> None:
+    async def _sync_pins(self, store: TieredStore) -> None:
         version, pins = await self.client.node_pins(self.member.node_id)
         wanted = set(pins)
         for _tenant, key in wanted - self.pins:
             with contextlib.suppress(StoreError):  # gone meanwhile: the next report says so
-                self.store.pin(key, hard=True)
+                store.pin(key, hard=True)
         for _tenant, key in self.pins - wanted:
             with contextlib.suppress(StoreError):
-                self.store.unpin(key)
+                store.unpin(key)
         self.pins = wanted
         self._pins_version = version
 
-    async def _run_tasks(self, tasks: list[ReplicationTask]) -> None:
-        copies = [t for t in tasks if t.source and not self.store.contains(bytes.fromhex(t.key))]
+    async def _run_tasks(self, store: TieredStore, tasks: list[ReplicationTask]) -> None:
+        copies = [t for t in tasks if t.source and not store.contains(bytes.fromhex(t.key))]
         for task in tasks:
             if task.source is None:
                 with contextlib.suppress(StoreError):  # leased or pinned here: it stays
-                    await self.store.remove(bytes.fromhex(task.key))
+                    await store.remove(bytes.fromhex(task.key))
         if not copies or self.engine is None:
             return
         members = {m.node_id: m for m in await self.client.members()}
         batch = []
         for task in copies:
-            source = members.get(task.source)
+            source = members.get(task.source) if task.source else None
             if source is None:
                 continue
             self.engine.ensure_peer(source.node_id, source.host, source.port)
