@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 
 def chat_text(messages: list[tuple[str, str]]) -> str:
@@ -145,7 +146,7 @@ class HfTokenizer(Tokenizer):
     def chat(self, messages: list[tuple[str, str]]) -> list[int]:
         if self.tok.chat_template:
             conversation = [{"role": role, "content": content} for role, content in messages]
-            ids = self.tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+            ids: Any = self.tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a mapping from transformers 5
         return self.encode(chat_text(messages))
 
@@ -153,11 +154,16 @@ class HfTokenizer(Tokenizer):
         return _HfDetokenizer(self.tok)
 
     def token_text(self, token: int) -> str:
-        text = self.tok.decode([token])
+        text = self._decode(token)
         return text if "\ufffd" not in text else f"token_id:{token}"
 
     def token_bytes(self, token: int) -> list[int]:
-        return list(self.tok.decode([token]).encode("utf-8"))
+        return list(self._decode(token).encode("utf-8"))
+
+    def _decode(self, token: int) -> str:
+        text = self.tok.decode([token])
+        assert isinstance(text, str)  # one sequence's ids decode to one string
+        return text
 
 
 def load_tokenizer(path: str | Path | None, vocab: int) -> Tokenizer:

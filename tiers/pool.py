@@ -170,7 +170,7 @@ class PoolRegion:
             entries=entries,
             adopted=kept is not None,
         )
-        if kept is None:
+        if kept is None and region.index is not None:
             # a new format: no entry of an earlier region may survive (not truncated to nothing first: a
             # process that still maps the old region would fault on the pages in between)
             region.index[:] = np.zeros(1, dtype=ENTRY_DT)
@@ -271,8 +271,10 @@ class PoolIndex:
     """The region's index of committed blocks, and which of its entries are free (this process's)."""
 
     def __init__(self, region: PoolRegion) -> None:
+        if region.index is None:
+            raise PoolFormatError(f"{region.path}: the region has no index")
         self.table = region.index
-        self._mem = region._mem
+        self._mem: mmap.mmap | None = region._mem
         self._free = list(range(len(self.table) - 1, -1, -1))  # popped from the end: entry 0 first
 
     def __len__(self) -> int:
@@ -293,10 +295,13 @@ class PoolIndex:
         tenant_raw, parent = tenant.encode(), parent or b""
         if len(key) > 64 or len(parent) > 64 or len(seal) > 32 or len(tenant_raw) > 255:
             return False
+        mem = self._mem
+        if mem is None:
+            raise PoolFormatError("the pool is closed: nothing is committed into it")
         at = HEADER_BYTES + entry * ENTRY_DT.itemsize
-        self._mem[at] = FREE
+        mem[at] = FREE
         _ENTRY.pack_into(
-            self._mem,
+            mem,
             at,
             len(key),
             len(parent),
@@ -309,7 +314,7 @@ class PoolIndex:
             seal,
             tenant_raw,
         )
-        self._mem[at] = COMMITTED  # last: until here the entry describes nothing
+        mem[at] = COMMITTED  # last: until here the entry describes nothing
         return True
 
     def clear(self, entry: int) -> None:
@@ -524,7 +529,8 @@ class PoolBackend(PoolKind, MemoryTierBackend):
         self.allocator.free(*slot)
 
     def close(self) -> None:
-        self.index.table = self.index._mem = None  # a live view of the mapping would keep it (and its lock) open
+        # a live view of the mapping would keep it (and its lock) open
+        self.index.table, self.index._mem = self.index.table[:0].copy(), None
         self.region.close(unlink=not self.keep)
 
 

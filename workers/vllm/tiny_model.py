@@ -66,7 +66,7 @@ def make_tiny_llama(
     tok.train_from_iterator([CORPUS] * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]  # torch_dtype: one of the fields every config takes as **kwargs
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 3,
