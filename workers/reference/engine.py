@@ -105,18 +105,36 @@ class ReferenceEngine(ServingEngine):
         return self._perf
 
     @property
+    def _runner(self) -> ModelRunner:
+        if self.inference is None:
+            raise RuntimeError("this worker has not started")
+        return self.inference
+
+    @property
+    def _batches(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("this worker has not started")
+        return self.scheduler
+
+    @property
+    def _notices(self) -> SessionNotifier:
+        if self.sessions is None:
+            raise LookupError("this worker has not started")
+        return self.sessions
+
+    @property
     def store(self) -> TieredStore | None:
         return self.inference.store if self.inference is not None else None
 
     @property
     def gpu_capacity_bytes(self) -> int:
-        kv = self.inference.kv
+        kv = self._runner.kv
         return kv.num_blocks * kv.block_nbytes
 
     def load(self) -> WorkerLoadReply:
-        kv = self.inference.kv
+        kv, batches = self._runner.kv, self._batches
         return WorkerLoadReply(
-            **self.scheduler.load, free_blocks=kv.num_free, blocks=kv.num_blocks, completed=self.scheduler.completed
+            **batches.load, free_blocks=kv.num_free, blocks=kv.num_blocks, completed=batches.completed
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
@@ -129,28 +147,29 @@ class ReferenceEngine(ServingEngine):
             yield event
 
     def change_session(self, command: SessionCommand) -> None:
-        if self.sessions is None:
-            raise LookupError("this worker has not started")
-        self.sessions.changed(command.session, command.tenant)
+        self._notices.changed(command.session, command.tenant)
 
     async def _session_events(
         self, request: GenerateRequest, session: SessionDirective
     ) -> AsyncGenerator[TokenEvent, None]:
         """``_generate`` between the session's notices: active with the prompt's blocks, then paused
         with the blocks of prompt and answer (what its next turn starts with), or closed."""
-        namespace = self.inference.namespace_for(request.salt if request.salt is not None else request.tenant)
+        namespace = self._runner.namespace_for(request.salt if request.salt is not None else request.tenant)
         prompt = block_keys(namespace, request.tokens)
-        self.sessions.started(session, request.tenant, prompt)
+        notices = self._notices
+        started: list[bytes] = list(prompt)  # (a list of keys, as the notices hold them)
+        notices.started(session, request.tenant, started)
         tokens = list(request.tokens)
         try:
             async for event in self._generate(request):
                 tokens.append(event.token)
                 yield event
         finally:  # the answer's full blocks extend the prompt's chain: only they are hashed
-            self.sessions.ended(session, request.tenant, block_keys(namespace, tokens, known=prompt))
+            ended: list[bytes] = list(block_keys(namespace, tokens, known=prompt))
+            notices.ended(session, request.tenant, ended)
 
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
-        events = self.scheduler.generate(request)
+        events = self._batches.generate(request)
         try:
             try:
                 event = await anext(events)
@@ -161,7 +180,7 @@ class ReferenceEngine(ServingEngine):
                     event.stats.copy_bytes_per_s = self._perf.copy_bytes_per_s
                 if event.finish_reason is not None:
                     if request.handoff:  # the decode worker pulls the blocks next: they must be there
-                        event.handoff = await self.inference.handoff(len(request.tokens))
+                        event.handoff = await self._runner.handoff(len(request.tokens))
                     yield event
                     return
                 yield event
