@@ -57,6 +57,13 @@ class Peer:
     channel: PeerChannel | None  # None for this process itself
     info: p.PeerInfo | None
 
+    @property
+    def remote(self) -> PeerChannel:
+        """The channel to a peer in another process (a transport that uses it checked there is one)."""
+        if self.channel is None:
+            raise p.TransferError(f"{self.node_id} is this process: there is no channel to it")
+        return self.channel
+
 
 @dataclass(frozen=True, slots=True)
 class TransportContext:
@@ -73,6 +80,9 @@ class Transport(ABC):
 
     name: ClassVar[str]
     server_path: ClassVar[type[DataPath] | None] = None  # its half in the transfer server, if it has one
+
+    def __init__(self, checksum: bool = False) -> None:
+        self.checksum = checksum
 
     @classmethod
     def create(cls, context: TransportContext) -> Transport:
@@ -136,7 +146,7 @@ class LocalTransport(Transport):
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         store = self._need_store()
-        done = []
+        done: Results = []
         for it in items:  # in order: a chain's parents go first
             try:
                 await store.put(it.key, it.src, parent=it.parent, tenant=it.tenant, seal=it.seal)
@@ -155,7 +165,9 @@ def _split(items: list, streams: int, size) -> list[list]:
     if streams <= 1 or len(items) <= 1:
         return [items]
     total = sum(size(it) for it in items)
-    runs, current, acc = [], [], 0
+    runs: list[list] = []
+    current: list = []
+    acc = 0
     target = total / min(streams, len(items))
     for it in items:
         current.append(it)
@@ -173,10 +185,7 @@ class TcpTransport(Transport):
     whole run out and one ``recvmsg_into`` straight into the destinations."""
 
     name = "tcp"
-    server_path = StreamPath
-
-    def __init__(self, checksum: bool = False) -> None:
-        self.checksum = checksum
+    server_path: ClassVar[type[DataPath] | None] = StreamPath
 
     @classmethod
     def usable(cls, peer: Peer, local_node: str) -> bool:
@@ -185,7 +194,7 @@ class TcpTransport(Transport):
     async def _run(self, peer: Peer, runs: list[list], op) -> Results:
         async def one(run: list) -> Results:
             try:
-                async with peer.channel.connection() as conn:
+                async with peer.remote.connection() as conn:
                     return await op(conn, run)
             except p.TransferError as exc:
                 return [exc] * len(run)
@@ -210,7 +219,7 @@ class TcpTransport(Transport):
                 items[i].seal = seal
             return errors
 
-        runs = _split(list(range(len(items))), peer.channel.streams, lambda i: size_of(items[i].dst))
+        runs = _split(list(range(len(items))), peer.remote.streams, lambda i: size_of(items[i].dst))
         results = await self._run(peer, runs, op)
         for it, (_, staging), err in zip(items, staged, results):
             if staging is not None and err is None:
@@ -267,9 +276,11 @@ class ShmTransport(TcpTransport):
             and peer.channel.version >= p.POOL_FORMAT_SINCE
         )
 
-    def region(self, info: p.PeerInfo) -> PoolRegion:
+    def region(self, info: p.PeerInfo | None) -> PoolRegion:
         """The peer's pool, mapped here, as the connection's WELCOME describes it: a node agent that
         restarted has a new region (maybe at the same path), and the old mapping must not be used."""
+        if info is None or info.pool_path is None:
+            raise p.ItemError("the peer announced no pool to read in place", Status.BAD_REQUEST)
         region = self._regions.get(info.node_id)
         if region is not None and region.instance != info.pool_id:
             region.close(unlink=False)
@@ -319,7 +330,7 @@ class ShmTransport(TcpTransport):
     async def lease(self, peer: Peer, keys: list[bytes], length: int) -> PoolLease:
         """Lease ``keys`` (each ``length`` bytes) in the peer's pool for reading in place, in one round
         trip (see ``PoolLease``). A failure of the whole batch raises (``TransferError``, ``OSError``)."""
-        async with peer.channel.connection() as conn:
+        async with peer.remote.connection() as conn:
             region = self.region(conn.info)
             replies = await conn.lease([(key, length, self.lease_ttl) for key in keys])
         blocks: list[tuple[int, int, bytes] | BaseException] = []
@@ -336,7 +347,7 @@ class ShmTransport(TcpTransport):
     async def release(self, peer: Peer, lease: PoolLease) -> None:
         """Give ``lease``'s blocks back to the peer (nothing comes back: one frame)."""
         if lease.held:
-            async with peer.channel.connection() as conn:
+            async with peer.remote.connection() as conn:
                 await conn.release(lease.held)
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
