@@ -430,7 +430,7 @@ def _member_routes(conductor: Conductor) -> list:
                 term=term,
                 volatile_tiers=sorted(getattr(conductor.members.members.get(body.node_id), "tiers", ())),
                 rereport_s=window,
-                objects_epoch=conductor.objects.map.epoch,
+                objects_epoch=await conductor.objects_epoch(),
             )
         )
 

@@ -252,6 +252,12 @@ class ObjectMapKeeper:
                 await self._write(nxt)
             return self.map
 
+    async def stored_epoch(self) -> int:
+        """The epoch of the map in the backend now (0: none yet): what a follower's copy, which a
+        watch brings, may lag behind."""
+        kv = await self.meta.get(OBJECT_MAP)
+        return ObjectMap.model_validate_json(kv.value).epoch if kv is not None else 0
+
     async def seed(self, offered: ObjectMap) -> bool:
         """A node's last map, offered to a conductor that has none (its backend forgot it): taken
         when this conductor has no map yet, so the slots stay with the nodes that hold them."""

@@ -363,6 +363,16 @@ class Conductor:
         elif not await self.liveness.relay(node, lease):  # a previous release's leader renews it
             raise NotLeaderError(leader.url)
 
+    async def objects_epoch(self) -> int:
+        """The object map's epoch, as a keep-alive answer names it: the node serves by its map only
+        once it holds one as new. The leader writes the map, so its own is the newest; a follower's
+        copy follows a watch and may lag, so it reads the epoch from the backend too: a keep-alive a
+        follower answered (relayed or vouched) with a lagging epoch would let a node that came back
+        serve by the map it had before its slots moved."""
+        if self.is_leader:
+            return self.objects.map.epoch
+        return max(self.objects.map.epoch, await self.objects.stored_epoch())
+
     async def leave(self, node: str, lease: int) -> None:
         """A member leaves at once (its records are deleted, its placements dropped). One that holds
         an etcd lease of its own (registered straight into the backend) leaves by revoking it."""

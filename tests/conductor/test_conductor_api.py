@@ -792,6 +792,26 @@ async def test_a_follower_relays_keep_alives_while_a_leader_is_named_and_vouches
             await only_follower.close()
 
 
+async def test_a_followers_keep_alive_answer_names_the_stored_map_epoch_even_when_its_copy_lags():
+    """A node serves its slots by its object map only once it holds one as new as the epoch its
+    keep-alive answer names. A follower's copy of the map follows a watch and may lag: its answer
+    names the epoch in the backend, so a node that came back does not serve by the map it had
+    before its slots moved."""
+    from tiercake.conductor.objects import OBJECT_MAP
+    from tiercake.messages import ObjectMap
+
+    async with leader_and_follower() as (leader, follower):
+        async with Client([leader.url], token="peer-token") as client:
+            lease = await client.register(MemberInfo(node_id="n", role="node"), ttl=30)
+        await follower.members.wait_for(lambda m: "n" in m.members, 5)
+        await follower.objects.close()  # its copy stops following: as a watch that lags
+        stale = follower.objects.map.epoch
+        await leader.meta.put(OBJECT_MAP, ObjectMap(epoch=stale + 7).model_dump_json().encode())
+        async with Client([follower.url], token="peer-token", retries=1) as only_follower:
+            answer = await only_follower.keep_alive("n", lease)  # relayed
+        assert follower.objects.map.epoch == stale and answer.objects_epoch == stale + 7
+
+
 async def test_a_member_that_left_takes_its_metric_series_with_it(api):
     from tiercake.messages import MemberStats, TierStats
 
