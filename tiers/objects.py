@@ -287,6 +287,10 @@ class ObjectTable:
         """A write of the object is under way (or waiting): a write that cannot wait goes the long way."""
         return oid in self._locks
 
+    def writing(self) -> list[bytes]:
+        """The objects a write is under way for (or waiting on), new ones included."""
+        return list(self._locks)
+
     # Writing ----------------------------------------------------------------------------------------
 
     async def stage(self, oid: bytes, tenant: str, name: bytes, size: int, meta: Meta) -> Staged:
