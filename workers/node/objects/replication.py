@@ -11,8 +11,9 @@ The primary (``Replicator``):
   takes no replicated writes (``ReplicaUnsafe``) until it can.
 - a backup the map lists as not ready (new in the chain, or lagging) is copied the slot: SYNC_BEGIN
   (it drops what it had of the slot), from then on it gets every forwarded write, then every
-  replicated object of the slot under that object's lock, SYNC_END; then the conductor is told it
-  is ready, and from then on it may be promoted.
+  replicated object of the slot, and every object a write was under way for as the copy began (that
+  write chose its targets before), each under that object's lock, SYNC_END; then the conductor is
+  told it is ready, and from then on it may be promoted.
 
 The backup (``apply``): takes a REPLICATE only from the node its map names the slot's primary, and
 only for a slot whose chain it is in (a newer epoch in the request makes it fetch the map first);
