@@ -194,19 +194,26 @@ def test_a_block_window_reads_any_run_of_the_buffer_without_copying_it():
 
 
 def test_what_the_pass_waited_is_part_of_the_loads_own_time(made):
-    """The pass waits from the step's start; its wake-up after the last layer is not the load's."""
+    """The pass waits from the step's start; its wake-up after the last layer is not the load's. The
+    read goes on only once the pass is about to wait, then takes 0.1 s: the pass waited most of it
+    however late its thread came to ``wait`` (a fixed 0.05 s read, started with the step, left a
+    busy machine's late pass 0.03 s of it to wait)."""
     import time
 
+    waiting = threading.Event()
+
     def slow(load, rows):
-        time.sleep(0.05)
+        waiting.wait(10)
+        time.sleep(0.1)
         return fetch_all_but({})(load, rows)
 
     loader = made(kv_layers(), slow)
     loader.start([Load("a", [Block(1)])])
+    waiting.set()
     for layer in range(LAYERS):
         loader.wait(layer)
     _, reports = loader.finish()
-    assert 0.04 < reports["a"].waited <= reports["a"].seconds
+    assert 0.05 < reports["a"].waited <= reports["a"].seconds
 
 
 def test_blocks_confirmed_after_the_copy_count_the_confirmation_in_the_loads_time_and_wait_for_it(made):
