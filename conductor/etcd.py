@@ -18,6 +18,8 @@ from etcd3aio.client import Etcd3Client
 from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 
+from tiercake.started import started
+
 from .metadata import (
     TXN_OPS,
     CompactedError,
@@ -41,9 +43,7 @@ S = TypeVar("S")
 
 def _started(service: S | None) -> S:
     """One of the client's services (None until it connects)."""
-    if service is None:
-        raise MetadataError("the etcd backend is not started")
-    return service
+    return started(service, "the etcd backend", MetadataError)
 
 
 KEEPALIVE_MS = 1000  # a gRPC ping each second, a connection dead after a second unanswered: a member cut
@@ -94,9 +94,7 @@ class EtcdBackend(MetadataBackend):
 
     @property
     def client(self) -> Etcd3Client:
-        if self._client is None:
-            raise MetadataError("the etcd backend is not started")
-        return self._client
+        return started(self._client, "the etcd backend", MetadataError)
 
     async def _call(self, fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
         try:

@@ -559,7 +559,10 @@ class TlsConfig(BaseModel):
     def transfer_client_context(self):
         """What transfer clients check node agents with: any certificate the CA signed, whatever name
         it carries (node agents are reached by address, and the secret's challenge inside the stream
-        proves each end is of the cluster)."""
+        proves each end is of the cluster). Only with a CA of the cluster's own: the system's CAs
+        sign names, and no name is checked here."""
+        if not self.ca_file:
+            raise ValueError("transfer TLS needs tls.ca_file: without a name to check, only the cluster's CA may sign")
         return ca_context(self.ca_file, check_hostname=False)
 
 

@@ -161,7 +161,7 @@ class PutHandle:
         """Where a socket may write the bytes in place: a numpy view of the slot (memory tier in host
         memory) or of the staging buffer (disk tier); None for device memory (stage and copy)."""
         backend = self.copy.tier.backend
-        if backend.in_memory:
+        if isinstance(backend, MemoryTierBackend):
             return backend.host_array(self.copy.slot, self.entry.nbytes)
         return self.buffer
 

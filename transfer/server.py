@@ -23,6 +23,7 @@ import xxhash
 
 from tiercake.credentials import tenant_key
 from tiercake.policies import SessionEvent, SessionState
+from tiercake.started import started
 from tiercake.tiers import (
     ObjectExistsError,
     ObjectLeasedError,
@@ -156,9 +157,7 @@ class TransferServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        if self._listener is None:
-            raise RuntimeError("server is not started")
-        return self._listener.getsockname()[:2]
+        return started(self._listener, "the transfer server").getsockname()[:2]
 
     async def start(self) -> TransferServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

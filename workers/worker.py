@@ -33,6 +33,7 @@ from tiercake.errors import app_runner, bearer_guard, body_reader, error_middlew
 from tiercake.heap import freeze_startup_heap
 from tiercake.messages import ErrorReply, GenerateRequest, MemberInfo, SessionCommand, WorkerHealth
 from tiercake.metrics import metrics_handler, registry_of, store_families
+from tiercake.started import started
 from tiercake.transfer.protocol import VERSION as TRANSFER_VERSION
 
 from .conductor_link import ConductorLink, member_stats
@@ -103,9 +104,7 @@ class Worker:
     @property
     def serving(self) -> ServingEngine:
         """The engine serving requests (``start`` makes it)."""
-        if self.engine is None:
-            raise RuntimeError("the worker is not started")
-        return self.engine
+        return started(self.engine, "the worker")
 
     async def _join(self, client: Client, host: str, port: int) -> None:
         engine = self.serving
@@ -161,7 +160,7 @@ class Worker:
 
     def _families(self):
         """This worker's own series: its engine's queue and KV blocks, and its gpu tier."""
-        engine, labels = self.engine, ["worker", "role"]
+        engine, labels = self.serving, ["worker", "role"]
         load, key = engine.load(), [self.worker_id, self.role]
         for name, doc, value in (
             ("waiting", "requests waiting for a prefill slot", load.waiting),

@@ -19,6 +19,7 @@ BASE = {
     "tiercake.loop_lag",
     "tiercake.loop_thread",
     "tiercake.plugins",
+    "tiercake.started",
     "tiercake.tokenizer",
     "tiercake.traces",
 }

@@ -161,6 +161,14 @@ def test_transfer_tls_needs_the_certificates_and_rules_out_ucx():
     assert plain.transfer_tls_server() is None and plain.transfer_tls_client() is None
 
 
+def test_a_transfer_client_checks_no_name_so_it_trusts_only_the_clusters_ca():
+    from tiercake.config import TlsConfig
+
+    # the system's CAs sign names, and a transfer client checks none: without the cluster's CA it refuses
+    with pytest.raises(ValueError, match="transfer TLS needs tls.ca_file"):
+        TlsConfig().transfer_client_context()
+
+
 def test_the_seal_secret_is_its_own_or_derived_from_the_cluster_secret(monkeypatch, tmp_path):
     from tiercake.config import TransferConfig
 

@@ -20,6 +20,7 @@ from tiercake.blocks import is_object_tenant
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import MemberInfo
 from tiercake.netns import Partition
+from tiercake.started import started
 from tiercake.tiers.ssd.log import block_payloads
 from tiercake.up import UpProcess
 
@@ -210,7 +211,7 @@ class Faults:
 
     async def upgrade(self):
         """A node agent of the previous release joins, serves, and is upgraded in place (upgrade.py)."""
-        return await self.upgraded.inject()
+        return await started(self.upgraded, "the upgrade fault (no previous release was found)").inject()
 
     async def partition_node(self, seconds: float = 4.0):
         """Longer than the member lease: the node agent leaves the members while cut off; back once

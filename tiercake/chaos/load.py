@@ -6,10 +6,14 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from tiercake.conductor.client import Client, ConductorError
+
+if TYPE_CHECKING:
+    from tiercake.workers.reference.runner import ModelRunner
 
 MAX_TOKENS = 4
 
@@ -20,7 +24,7 @@ class Oracle:
 
     def __init__(self, config) -> None:
         self.config = config
-        self._engine = None
+        self._engine: ModelRunner | None = None
         self._answers: dict[tuple[int, ...], str] = {}
         self._lock = asyncio.Lock()  # one sequence at a time: the engine's tier is small
         self._computed = 0

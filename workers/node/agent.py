@@ -20,6 +20,7 @@ from tiercake.errors import app_runner, bearer_guard, error_middleware
 from tiercake.heap import freeze_startup_heap
 from tiercake.messages import MemberInfo
 from tiercake.metrics import metrics_handler, registry_of, store_families
+from tiercake.started import started
 from tiercake.tiers import TieredStore
 from tiercake.tiers.build import build_store
 from tiercake.tiers.pool import OBJECT_MAP_SUFFIX, beside
@@ -143,15 +144,16 @@ class NodeAgent:
 
     def _families(self):
         node = self.config.node_id
-        yield from store_families({node: member_stats(self.store)})
+        server = started(self.server, "the node agent")
+        yield from store_families({node: member_stats(started(self.store, "the node agent"))})
         counts = self.objects.server.counts if self.objects is not None else {}
         for name, doc, value in (
-            ("transfer_served_bytes", "bytes this node's transfer server sent to readers", self.server.served_bytes),
-            ("transfer_refused_connections", "connections that failed authentication", self.server.refused),
+            ("transfer_served_bytes", "bytes this node's transfer server sent to readers", server.served_bytes),
+            ("transfer_refused_connections", "connections that failed authentication", server.refused),
             (
                 "transfer_forbidden_requests",
                 "requests beyond their credential (a tenant's key asking for blocks, or for another tenant's objects)",
-                self.server.forbidden + counts.get("forbidden", 0),
+                server.forbidden + counts.get("forbidden", 0),
             ),
             (
                 "replication_forged",
@@ -187,8 +189,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        assert self.server is not None  # started
-        host, port = self.server.address
+        host, port = started(self.server, "the node agent").address
         announced = {"node_id": self.config.node_id, "host": host, "port": port}
         if self.metrics_url is not None:
             announced["metrics_url"] = self.metrics_url

@@ -26,6 +26,7 @@ from tiercake.messages import (
     WorkerPerf,
 )
 from tiercake.policies import fit_prefill
+from tiercake.started import started
 from tiercake.tiers import GpuBackend, GpuBlockPool, Tier, TieredStore, TierFullError
 from tiercake.tiers.gpu import default_device
 from tiercake.transfer import TransferEngine
@@ -106,21 +107,15 @@ class ReferenceEngine(ServingEngine):
 
     @property
     def _runner(self) -> ModelRunner:
-        if self.inference is None:
-            raise RuntimeError("this worker has not started")
-        return self.inference
+        return started(self.inference, "this worker")
 
     @property
     def _batches(self) -> Scheduler:
-        if self.scheduler is None:
-            raise RuntimeError("this worker has not started")
-        return self.scheduler
+        return started(self.scheduler, "this worker")
 
     @property
     def _notices(self) -> SessionNotifier:
-        if self.sessions is None:
-            raise LookupError("this worker has not started")
-        return self.sessions
+        return started(self.sessions, "this worker", LookupError)
 
     @property
     def store(self) -> TieredStore | None:
