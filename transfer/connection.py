@@ -10,11 +10,13 @@ import ssl
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from tiercake import dead_peer
+from tiercake.started import started
 from tiercake.tiers.buffers import INLINE_COPY_MAX
 
 from . import protocol as p
@@ -41,10 +43,11 @@ def check_count(replies: list, items: list) -> None:
         raise p.ProtocolError(f"{len(replies)} replies to {len(items)} items")
 
 
-def write_results(ready: list[ReplyItem], done: list[ReplyItem], peer: str) -> list[p.ItemError | None]:
-    """Per item of a write: refused at reservation (WRITE_READY), or at commit (WRITE_DONE), or None."""
+def write_results(ready: list[ReplyItem], done: list[ReplyItem], peer: str) -> list[BaseException | None]:
+    """Per item of a write: refused at reservation (WRITE_READY), or at commit (WRITE_DONE), or None
+    (a transport's results: any item's failure is an exception)."""
     check_count(done, ready)
-    results: list[p.ItemError | None] = []
+    results: list[BaseException | None] = []
     for r, d in zip(ready, done):
         failed = r if r.status is not Status.OK else d if d.status is not Status.OK else None
         results.append(None if failed is None else item_error(failed, peer))
@@ -91,12 +94,19 @@ class PeerConnection:
         self.secret = secret
         self.node_id = node_id
         self.buffer_bytes = buffer_bytes
-        self.sock: socket.socket | None = None
+        self._sock: socket.socket | None = None
         self.info: p.PeerInfo | None = None
         self.version = p.VERSION  # the session's, once the handshake has chosen it
         self.broken = False
-        self.ucx = None  # a transport's per-connection state (UCX endpoints)
+        self.ucx: Any = None  # a transport's per-connection state (UCX endpoints)
         self.on_close: Callable[[], object] | None = None
+
+    @property
+    def sock(self) -> socket.socket:
+        """The stream (``PeerClosedError`` before ``open`` made it)."""
+        if self._sock is None:
+            raise p.PeerClosedError(f"connection to {self.address.node_id} is not open")
+        return self._sock
 
     async def open(self) -> PeerConnection:
         loop = asyncio.get_running_loop()
@@ -109,12 +119,12 @@ class PeerConnection:
             if self.tls is not None:
                 hostname = self.address.host if self.tls.check_hostname else None  # ours checks the CA only
                 sock = self.tls.wrap_socket(sock, server_hostname=hostname, do_handshake_on_connect=False)
-                self.sock = sock
+                self._sock = sock
                 try:
                     await tls_handshake(sock)
                 except ssl.SSLError as exc:
                     raise p.AuthenticationError(f"{self.address.node_id}: TLS handshake failed: {exc}") from exc
-            self.sock = sock
+            self._sock = sock
             await self._handshake()
         except BaseException:
             self.close()
@@ -145,8 +155,8 @@ class PeerConnection:
         if self.on_close is not None:
             self.on_close()
             self.on_close = None
-        if self.sock is not None:
-            self.sock.close()
+        if self._sock is not None:
+            self._sock.close()
 
     def request(self) -> _Request:
         """``async with conn.request() as request_id:`` one request of several frames (a same-host
@@ -159,7 +169,7 @@ class PeerConnection:
 
     def _request(self) -> _Request:
         """``async with conn._request() as request_id:`` one request; a failure inside closes the stream."""
-        if self.broken or self.sock is None:
+        if self.broken or self._sock is None:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
         return _Request(self)
 
@@ -218,7 +228,7 @@ class PeerConnection:
         for (_, dst), reply in zip(items, replies):
             if reply.status is not Status.OK:
                 results.append(item_error(reply, self.address.node_id))
-            elif checksum and xxhash.xxh3_64_intdigest(dst) != reply.checksum:
+            elif checksum and xxhash.xxh3_64_intdigest(dst.data) != reply.checksum:
                 results.append(p.ItemError(f"{self.address.node_id}: checksum mismatch in transit", Status.CHECKSUM))
             else:
                 results.append(None)
@@ -229,13 +239,13 @@ class PeerConnection:
         items: list[tuple[p.WriteItem, np.ndarray]],
         checksum: bool = False,
         copy_into_pool: Callable[[int, np.ndarray], None] | None = None,
-    ) -> list[p.ItemError | None]:
+    ) -> list[BaseException | None]:
         """Store each source as a block on the peer. With ``copy_into_pool`` (same host), the bytes
         are copied into the peer's shared pool at the offsets it reserved instead of streamed."""
         flags = (p.FLAG_CHECKSUM if checksum else 0) | (p.FLAG_SHM if copy_into_pool else 0)
         for it, src in items:
             it.length = src.size
-            it.checksum = xxhash.xxh3_64_intdigest(src) if checksum else 0
+            it.checksum = xxhash.xxh3_64_intdigest(src.data) if checksum else 0
         if copy_into_pool is None and sum(src.size for _, src in items) <= p.MAX_EAGER_BYTES:
             return await self._write_eager(items, flags | p.FLAG_EAGER)
         async with self._request() as request:
@@ -259,7 +269,7 @@ class PeerConnection:
             done = p.decode_statuses(await self._reply(request, Op.WRITE_DONE))
         return write_results(ready, done, self.address.node_id)
 
-    async def _write_eager(self, items: list[tuple[p.WriteItem, np.ndarray]], flags: int) -> list[p.ItemError | None]:
+    async def _write_eager(self, items: list[tuple[p.WriteItem, np.ndarray]], flags: int) -> list[BaseException | None]:
         """A small write in one round trip: the table and every item's bytes at once, then WRITE_DONE
         (an item the peer refuses has its bytes dropped there)."""
         async with self._request() as request:
@@ -368,7 +378,7 @@ class PeerChannel:
         if self.info is None:
             async with self.connection():
                 pass
-        return self.info
+        return started(self.info, f"the channel to {self.address.node_id}")
 
     def close(self) -> None:
         for conn in self._idle:
@@ -396,7 +406,7 @@ class _Lent:
         return self.conn
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self.conn.broken:
+        if self.conn is not None and not self.conn.broken:
             self.channel._idle.append(self.conn)
         self.channel._slots.release()
 
@@ -476,11 +486,18 @@ class BlockingConnection:
         self.needs = needs
         self.connect_timeout = connect_timeout
         self.spin = spin if tls is None else None  # a TLS socket cannot peek without blocking
-        self.sock: socket.socket | None = None
+        self._sock: socket.socket | None = None
         self.info: p.PeerInfo | None = None
         self.version = p.VERSION  # the session's, once the handshake has chosen it
         self.broken = False
         self._timeout: float | None = -1.0  # what the socket's timeouts are set to (-1: not yet)
+
+    @property
+    def sock(self) -> socket.socket:
+        """The stream (``PeerClosedError`` before ``open`` made it)."""
+        if self._sock is None:
+            raise p.PeerClosedError(f"connection to {self.address.node_id} is not open")
+        return self._sock
 
     def open(self) -> BlockingConnection:
         try:
@@ -498,7 +515,7 @@ class BlockingConnection:
                     sock = self.tls.wrap_socket(sock, server_hostname=hostname)
                 except ssl.SSLError as exc:
                     raise p.AuthenticationError(f"{self.address.node_id}: TLS handshake failed: {exc}") from exc
-            self.sock = sock
+            self._sock = sock
             self._handshake()
         except BaseException:
             self.close()
@@ -552,7 +569,7 @@ class BlockingConnection:
         timeout: float | None = None,
     ) -> bytearray:
         """``PeerConnection.exchange``, blocking, within ``timeout`` seconds (``TimeoutError``)."""
-        if self.broken or self.sock is None:
+        if self.broken or self._sock is None:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
         request = next(_request_ids)
         try:
@@ -577,7 +594,7 @@ class BlockingConnection:
 
     def send_only(self, op: Op, body: bytes, flags: int = 0) -> None:
         """A request the peer answers nothing to."""
-        if self.broken or self.sock is None:
+        if self.broken or self._sock is None:
             raise p.PeerClosedError(f"connection to {self.address.node_id} is closed")
         try:
             self._timeouts(self.connect_timeout)
@@ -588,8 +605,8 @@ class BlockingConnection:
 
     def close(self) -> None:
         self.broken = True
-        if self.sock is not None:
-            self.sock.close()
+        if self._sock is not None:
+            self._sock.close()
 
 
 def _send_frame(

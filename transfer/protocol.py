@@ -359,7 +359,7 @@ def encode_read_reply(items: list[ReplyItem]) -> bytes:
     return _encode(READ_REPLY_DT, rows, blobs)
 
 
-def decode_read_reply(body: bytes) -> list[ReplyItem]:
+def decode_read_reply(body: bytes | bytearray) -> list[ReplyItem]:
     records, fields = _decode(READ_REPLY_DT, body, ("mlen", "slen"))
     return [
         ReplyItem(_status(s), n, c, f[0].decode(errors="replace"), seal=f[1])
@@ -404,7 +404,7 @@ def encode_statuses(items: list[ReplyItem]) -> bytes:
     return _encode(STATUS_DT, [(it.status, len(m)) for it, m in zip(items, messages)], messages)
 
 
-def decode_statuses(body: bytes) -> list[ReplyItem]:
+def decode_statuses(body: bytes | bytearray) -> list[ReplyItem]:
     records, fields = _decode(STATUS_DT, body, ("mlen",))
     return [ReplyItem(_status(s), message=f[0].decode(errors="replace")) for s, f in zip(records["status"], fields)]
 
@@ -424,7 +424,7 @@ def encode_lease_reply(items: list[ReplyItem]) -> bytes:
     return _encode(LEASE_REPLY_DT, rows, blobs)
 
 
-def decode_lease_reply(body: bytes) -> list[ReplyItem]:
+def decode_lease_reply(body: bytes | bytearray) -> list[ReplyItem]:
     records, fields = _decode(LEASE_REPLY_DT, body, ("mlen", "slen"))
     columns = (records[c] for c in ("status", "offset", "length", "lease"))
     return [

@@ -212,13 +212,12 @@ class UcxTransport(TcpTransport):
     async def _endpoint(self, conn: PeerConnection, peer: Peer) -> tuple[Any, int]:
         state = getattr(conn, "ucx", None)
         if state is None:
-            same_host = peer.info.boot_id == p.boot_id()
+            same_host = peer.info is not None and peer.info.boot_id == p.boot_id()
+            key = p.credential(conn.secret).key
             async with conn._request() as request:
-                await send_frame(
-                    conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + seal(conn.secret, worker_address())
-                )
+                await send_frame(conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + seal(key, worker_address()))
                 body = await conn._reply(request, Op.UCX_HELLO)
-                ep = await endpoint_to(unseal(conn.secret, bytes(body[4:])), same_host)
+                ep = await endpoint_to(unseal(key, bytes(body[4:])), same_host)
             state = (ep, int.from_bytes(body[:4], "little"))
             conn.ucx = state
             conn.on_close = lambda: abort_endpoint(ep)
@@ -226,7 +225,7 @@ class UcxTransport(TcpTransport):
 
     async def read(self, peer: Peer, items: list[ReadReq]) -> Results:
         staged = [_host(it.dst) for it in items]
-        async with peer.channel.connection() as conn:
+        async with peer.remote.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
             async with conn._request() as request:
                 body = p.encode_read([(it.key, size_of(it.dst)) for it in items])
@@ -253,7 +252,7 @@ class UcxTransport(TcpTransport):
 
     async def write(self, peer: Peer, items: list[WriteReq]) -> Results:
         sources = [host_bytes(it.src) for it in items]
-        async with peer.channel.connection() as conn:
+        async with peer.remote.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
             async with conn._request() as request:
                 table = p.encode_write([it.item(s.size) for it, s in zip(items, sources)])

@@ -46,7 +46,7 @@ def test_the_header_is_304_bytes_and_a_part_keeps_its_place_and_split():
     assert pack(t).size == HEADER_BYTES + t.numel() * 4  # Mooncake's callers size buffers so
     (piece, place), *_ = split(t, 3, 1)[1:]
     header, back = unpack(pack(piece, place))
-    assert header == TensorHeader(torch.float32, (4, 2), (4, 6), (0, 2), 3, 1) and torch.equal(back, piece)
+    assert header == TensorHeader(torch.float32, (4, 2), Part((4, 6), (0, 2), 3, 1)) and torch.equal(back, piece)
     bad = pack(piece, Part((4, 6), (0, 5), 3, 1))  # a part that reaches past its whole
     with pytest.raises(InvalidParams):
         unpack(bad)

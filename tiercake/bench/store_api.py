@@ -91,14 +91,18 @@ def _measure_size(
     keys = [f"o{size}-{rep}-{i}" for i in range(count)]
     ptrs = [src + i * size for i in range(count)]
     outs = [dst + i * size for i in range(count)]
-    timed = {
-        "put": lambda: [_check(store.put_from(k, p, size), "put_from") for k, p in zip(keys, ptrs)],
-        "get": lambda: [_check(store.get_into(k, o, size) - size, "get_into") for k, o in zip(keys, outs)],
-    }
+
+    def put() -> None:
+        for k, p in zip(keys, ptrs):
+            _check(store.put_from(k, p, size), "put_from")
+
+    def get(reader, what: str) -> None:
+        for k, o in zip(keys, outs):
+            _check(reader.get_into(k, o, size) - size, what)
+
+    timed = {"put": put, "get": lambda: get(store, "get_into")}
     if cold is not None:
-        timed["get_cold"] = lambda: [
-            _check(cold.get_into(k, o, size) - size, "get_into (cold)") for k, o in zip(keys, outs)
-        ]
+        timed["get_cold"] = lambda: get(cold, "get_into (cold)")
     for op, run in timed.items():
         if op != "put":  # each read proves itself: nothing left from the last one
             ctypes.memset(dst, 0, size * count)
@@ -110,34 +114,21 @@ def _measure_size(
     _check(store.remove_all(True) < 0, "remove_all")
     keys = [f"b{size}-{rep}-{i}" for i in range(count)]
     groups = [range(lo, min(count, lo + batch)) for lo in range(0, count, batch)]
-    _keep(
-        best,
-        f"batch_put.{size}",
-        _seconds(
-            lambda: [
-                _check(
-                    any(store.batch_put_from([keys[i] for i in g], [ptrs[i] for i in g], [size] * len(g))),
-                    "batch_put_from",
-                )
-                for g in groups
-            ]
-        ),
-    )
+
+    def batch_put() -> None:
+        for g in groups:
+            _check(
+                any(store.batch_put_from([keys[i] for i in g], [ptrs[i] for i in g], [size] * len(g))), "batch_put_from"
+            )
+
+    def batch_get() -> None:
+        for g in groups:
+            got = store.batch_get_into([keys[i] for i in g], [outs[i] for i in g], [size] * len(g))
+            _check(sum(got) - size * len(g), "batch_get_into")
+
+    _keep(best, f"batch_put.{size}", _seconds(batch_put))
     ctypes.memset(dst, 0, size * count)
-    _keep(
-        best,
-        f"batch_get.{size}",
-        _seconds(
-            lambda: [
-                _check(
-                    sum(store.batch_get_into([keys[i] for i in g], [outs[i] for i in g], [size] * len(g)))
-                    - size * len(g),
-                    "batch_get_into",
-                )
-                for g in groups
-            ]
-        ),
-    )
+    _keep(best, f"batch_get.{size}", _seconds(batch_get))
     _check(
         int(ctypes.string_at(dst, size * count) != ctypes.string_at(src, size * count)), "read back other bytes (batch)"
     )
@@ -196,7 +187,7 @@ class MooncakeSide:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
             )
-            if self.holder.stdout.readline().strip() != b"0":
+            if self.holder.stdout is None or self.holder.stdout.readline().strip() != b"0":
                 raise RuntimeError("the Mooncake segment holder did not start")
             self.store = MooncakeDistributedStore()
             if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", address) != 0:
@@ -209,7 +200,8 @@ class MooncakeSide:
         if getattr(self, "store", None) is not None:
             self.store.close()
         if self.holder is not None:
-            self.holder.stdin.close()
+            if self.holder.stdin is not None:
+                self.holder.stdin.close()
             self.holder.wait(30)
         self.master.kill()
         self.master.wait(30)
@@ -243,12 +235,10 @@ class TiercakeSide:
             if client.setup(self.url, secret=self.peer.secret, token=self.token, transports=transports) != 0:
                 raise RuntimeError("the kvstore client could not connect")
         deadline = time.monotonic() + 15
-        while not all(c._store.members and c._store.map.chains for c in (store, cold)):  # the agent registers
-            if time.monotonic() > deadline:  # after it prints its address, and owns the slots after that
+        while not all(c.ready() for c in (store, cold)):  # the agent registers after it prints its
+            if time.monotonic() > deadline:  # address, and owns the slots after that
                 raise RuntimeError("the node agent did not join the bench's conductor")
             time.sleep(0.1)
-            for client in (store, cold):
-                client._run(lambda s: s.refresh())
         self.clients[name] = (store, cold)
         return store, cold
 

@@ -74,9 +74,9 @@ from .requests import (
     put_request,
     put_results,
     query_results,
-    raise_for,
     readable,
     remove_results,
+    unless_failed,
     writable,
 )
 from .same_host import SameHost
@@ -203,7 +203,7 @@ class AsyncStore:
     async def put(self, name: str, value, *, replace: bool = False, durability: Durability = MEMORY) -> None:
         """Store ``value`` (bytes, a buffer, an array or a tensor: its bytes) under ``name``; a present
         object keeps its first value unless ``replace`` (Mooncake's ``upsert``)."""
-        raise_for((await self.put_many([name], [value], replace=replace, durability=durability))[0])
+        unless_failed((await self.put_many([name], [value], replace=replace, durability=durability))[0])
 
     async def get(self, name: str) -> bytes:
         return bytes(await self.get_array(name))
@@ -211,8 +211,7 @@ class AsyncStore:
     async def get_array(self, name: str) -> np.ndarray:
         """The object's bytes (a uint8 array of exactly its size)."""
         got = (await self.get_many([name]))[0]
-        raise_for(got if isinstance(got, StoreApiError) else None)
-        return got
+        return unless_failed(got)
 
     async def get_tensor(self, name: str) -> torch.Tensor:
         import torch
@@ -222,8 +221,7 @@ class AsyncStore:
     async def get_into(self, name: str, buffer) -> int:
         """Read the object into ``buffer`` (writable, at least its size); returns its size."""
         got = (await self.get_many_into([name], [buffer]))[0]
-        raise_for(got if isinstance(got, StoreApiError) else None)
-        return got
+        return unless_failed(got)
 
     async def exists(self, name: str) -> bool:
         return (await self.exists_many([name]))[0]
@@ -233,11 +231,10 @@ class AsyncStore:
 
     async def describe(self, name: str) -> Described:
         got = (await self.describe_many([name]))[0]
-        raise_for(got if isinstance(got, StoreApiError) else None)
-        return got
+        return unless_failed(got)
 
     async def remove(self, name: str, *, force: bool = False) -> None:
-        raise_for((await self.remove_many([name], force=force))[0])
+        unless_failed((await self.remove_many([name], force=force))[0])
 
     # Batches --------------------------------------------------------------------------------------
 
@@ -300,11 +297,7 @@ class AsyncStore:
     async def exists_many(self, names: Sequence[str]) -> list[bool]:
         """Whether each object exists (a read lease is granted on each found). ``StoreApiError`` when
         the cluster cannot tell (Mooncake answers -1 for those: ``exists_codes``)."""
-        codes = await self.exists_codes(names)
-        for code in codes:
-            if isinstance(code, StoreApiError):
-                raise code
-        return codes
+        return [unless_failed(code) for code in await self.exists_codes(names)]
 
     async def exists_codes(self, names: Sequence[str]) -> list[bool | StoreApiError]:
         got = await self.describe_many(names)
@@ -432,18 +425,19 @@ class AsyncStore:
                 )
             for answer in answers:
                 results.update(answer)
-            pending = [it for it in pending if isinstance(results.get(it.index), Retry)]
+            retries = {it.index: r for it in pending if isinstance(r := results.get(it.index), Retry)}
+            pending = [it for it in pending if it.index in retries]
             if not pending:
                 break
             if time.monotonic() + delay > deadline:
                 for it in pending:
                     results[it.index] = TransferFailed(
-                        f"object {it.name[:80]!r}: {results[it.index].why} (asked for {self.retry_s:.0f} s)"
+                        f"object {it.name[:80]!r}: {retries[it.index].why} (asked for {self.retry_s:.0f} s)"
                     )
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
-            if any(results[it.index].refresh for it in pending):
+            if any(r.refresh for r in retries.values()):
                 try:
                     await self.refresh()
                 except RpcFailed as exc:
@@ -527,39 +521,34 @@ class AsyncStore:
 
     async def _put_on(self, node: str, group: list[Item], like: w.PutItem) -> dict[int, object]:
         region = None
-        if any(it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream for it in group):
+        if any(it.data.size >= self.SHM_PUT_MIN_BYTES and not it.stream for it in group):
             region = await self.same_host.pool(node, self.channels)
-        pooled = [
-            it for it in group if region is not None and it.payload.size >= self.SHM_PUT_MIN_BYTES and not it.stream
-        ]
+        pooled = [it for it in group if region is not None and it.data.size >= self.SHM_PUT_MIN_BYTES and not it.stream]
         streamed = [it for it in group if it not in pooled]
         out: dict[int, object] = {}
-        for share, through in ((pooled, region), (streamed, None)):
-            if not share:
-                continue
-            request = put_request(self.tenant, self.map.epoch, share, like)
+        if pooled and region is not None:
+            request = put_request(self.tenant, self.map.epoch, pooled, like)
 
-            if through is None:
-                data = [it.payload for it in share if it.payload.size]
-                body = await self._exchange(
-                    node,
-                    Op.OBJ_PUT,
-                    Op.OBJ_PUT_REPLY,
-                    w.encode(request),
-                    FLAG_EAGER,
-                    data,
-                    timeout=deadline_s(self.timeout_s, group),
-                )
-                reply = w.decode(w.PutReply, body)
-            else:
-                reply = await self._on(
-                    node,
-                    lambda conn, share=share, through=through, request=request: self._put_through_pool(
-                        conn, through, request, share
-                    ),
-                )
+            async def through_pool(conn: PeerConnection, region: PoolRegion = region) -> w.PutReply:
+                return await self._put_through_pool(conn, region, request, pooled)
+
+            reply = await self._on(node, through_pool)
             self._note_epoch(reply.epoch)
-            out.update(put_results(reply, share))
+            out.update(put_results(reply, pooled))
+        if streamed:
+            data = [it.data for it in streamed if it.data.size]
+            body = await self._exchange(
+                node,
+                Op.OBJ_PUT,
+                Op.OBJ_PUT_REPLY,
+                w.encode(put_request(self.tenant, self.map.epoch, streamed, like)),
+                FLAG_EAGER,
+                data,
+                timeout=deadline_s(self.timeout_s, group),
+            )
+            reply = w.decode(w.PutReply, body)
+            self._note_epoch(reply.epoch)
+            out.update(put_results(reply, streamed))
         return out
 
     async def _put_through_pool(
@@ -571,7 +560,7 @@ class AsyncStore:
 
             await send_frame(conn.sock, Op.OBJ_PUT, rid, w.encode(request), FLAG_SHM)
             ready = w.decode(w.PutReady, await conn.reply(rid, Op.OBJ_PUT_READY))
-            copies = [(offset, it.payload) for offset, it in zip(exactly(ready.offsets, group), group) if offset >= 0]
+            copies = [(offset, it.data) for offset, it in zip(exactly(ready.offsets, group), group) if offset >= 0]
 
             def copy_all() -> None:
                 for offset, payload in copies:
@@ -610,7 +599,7 @@ class AsyncStore:
         ]
         streamed = [it for it in group if it not in pooled]
         out: dict[int, object] = {}
-        if pooled:
+        if pooled and region is not None:
             out.update(await self._get_through_pool(node, region, pooled))
         if streamed:
             out.update(await self._get_streamed(node, streamed))
@@ -636,7 +625,7 @@ class AsyncStore:
         return get_results(decoded[0], group)
 
     async def _get_through_pool(self, node: str, region: PoolRegion, group: list[Item]) -> dict[int, object]:
-        request = w.GetRequest(self.tenant, self.map.epoch, [w.GetItem(it.name, it.out.size) for it in group])
+        request = w.GetRequest(self.tenant, self.map.epoch, [w.GetItem(it.name, it.buffer.size) for it in group])
 
         async def call(conn: PeerConnection) -> w.GetReply:
             self._check_pool(conn, region)
@@ -645,7 +634,7 @@ class AsyncStore:
 
             def copy_all() -> None:
                 for it, got in leased:
-                    it.out[: got.size] = region.host_array(got.offset, got.size)
+                    it.buffer[: got.size] = region.host_array(got.offset, got.size)
 
             try:
                 if sum(got.size for _, got in leased) > 4 << 20:
@@ -659,10 +648,10 @@ class AsyncStore:
 
         reply = await self._on(node, call)
         self._note_epoch(reply.epoch)
-        out = {}
+        out: dict[int, object] = {}
         for it, got in zip(group, reply.items):
             if got.status == Status.OK:
-                out[it.index] = it.out[: got.size]
+                out[it.index] = it.buffer[: got.size]
             elif got.status == Status.NOT_IN_MEMORY:
                 it.stream = True  # on the node's disk only: the stream brings it
                 out[it.index] = Retry("not in the pool", refresh=False)

@@ -48,9 +48,9 @@ class FastPath:
         """(outcomes of the items done here, the items left to the asyncio path)."""
 
         def send(node: str, group: list[Item]) -> dict[int, object]:
-            if any(it.payload.size >= self.store.SHM_PUT_MIN_BYTES for it in group) and self.store.shm:
+            if any(it.data.size >= self.store.SHM_PUT_MIN_BYTES for it in group) and self.store.shm:
                 return {it.index: Retry("through the pool", refresh=False) for it in group}
-            data = [it.payload for it in group if it.payload.size]
+            data = [it.data for it in group if it.data.size]
             body = self._exchange(
                 node,
                 Op.OBJ_PUT,
@@ -136,7 +136,7 @@ class FastPath:
         store = self.store
         if not items or not store.map.chains:
             return {}, items
-        groups: dict[str, list[Item]] = defaultdict(list)
+        groups: dict[str | None, list[Item]] = defaultdict(list)
         for it in items:
             groups[store.map.primary(object_slot(it.oid, store.map.slots))].append(it)
         done: dict[int, object] = {}

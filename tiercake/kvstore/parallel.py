@@ -50,6 +50,13 @@ class Axis:
     expert_id: int | None = None
     stage_id: int | None = None
 
+    @property
+    def dim(self) -> int:
+        """A tp axis's split dimension (``axis_of`` and ``writer_layout`` give every tp axis one)."""
+        if self.split_dim is None:
+            raise InvalidParams(f"a {self.kind} axis has no split_dim")
+        return self.split_dim
+
     def suffix(self) -> str:
         out = f"{self.kind}_{self.rank}of{self.size}"
         if self.expert_id is not None:
@@ -76,9 +83,11 @@ class Layout:
         return key + "".join("__" + a.suffix() for a in self.scope) + f"__tp_{rank}"
 
 
-def _int(value, what: str, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
+def _optional_int(value, what: str) -> int | None:
+    return None if value is None else _int(value, what)
+
+
+def _int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidParams(f"{what} is an integer, got {value!r}")
     return int(value)
@@ -91,9 +100,9 @@ def axis_of(raw) -> Axis:
     rank, size = _int(getattr(raw, "rank", None), "rank"), _int(getattr(raw, "size", None), "size")
     if not 0 <= rank < size:
         raise InvalidParams(f"a {kind} axis has 0 <= rank < size, got rank {rank} of {size}")
-    split_dim = _int(getattr(raw, "split_dim", None), "split_dim", optional=True)
-    expert_id = _int(getattr(raw, "expert_id", None), "expert_id", optional=True)
-    stage_id = _int(getattr(raw, "stage_id", None), "stage_id", optional=True)
+    split_dim = _optional_int(getattr(raw, "split_dim", None), "split_dim")
+    expert_id = _optional_int(getattr(raw, "expert_id", None), "expert_id")
+    stage_id = _optional_int(getattr(raw, "stage_id", None), "stage_id")
     if (kind == "tp") != (split_dim is not None):
         raise InvalidParams("a tp axis needs a split_dim" if kind == "tp" else f"a {kind} axis takes no split_dim")
     if kind == "ep" and expert_id is None:
@@ -143,7 +152,7 @@ def shard_to_write(tensor: torch.Tensor, layout: Layout, *, full: bool) -> tuple
     tp = layout.tp
     if tp is None:
         return tensor, None
-    dim = _dim(tp.split_dim, tensor.dim())
+    dim = _dim(tp.dim, tensor.dim())
     if full:
         length = tensor.shape[dim]
         if length % tp.size:
@@ -217,8 +226,9 @@ class ShardRead:
     def feed(self, found: dict[str, tuple[TensorHeader, torch.Tensor] | None]) -> None:
         for name in self._next:
             self._asked.add(name)
-            if found.get(name) is not None:
-                self._got[name] = found[name]
+            got = found.get(name)
+            if got is not None:
+                self._got[name] = got
         self._next = []
         self._step()
 
@@ -227,8 +237,9 @@ class ShardRead:
         if self._direct():
             return self._finish(self._tensor(first[0]))
         shards = self._shards
-        known = next((got[0] for got in self._got.values() if got[0].is_part), None)  # any stored shard
-        if known is None:
+        # any stored shard: its header and where it lies
+        known, split = next(((h, h.part) for h, _ in self._got.values() if h.part is not None), (None, None))
+        if known is None or split is None:
             zero = shards.name(self.key, 0)
             if self.mode == "shard" and zero not in self._asked:
                 self._next = [zero]  # this rank's shard is missing: learn the split from shard 0
@@ -236,34 +247,36 @@ class ShardRead:
             if self.mode == "full" and len(first) > 1:
                 return self._finish(self._tensor(first[1]))  # not sharded: the tensor as stored, if any
             return self._finish(None)
-        region = self._region(known)
+        region = self._region(split)
         if region is None:
             return self._finish(None)
-        if self.mode == "shard" and known.shape == region.shape and tuple(known.start) == region.start:
+        if self.mode == "shard" and known.shape == region.shape and split.start == region.start:
             mine = self._got.get(shards.name(self.key))
             if mine is not None and mine[0] == known:
                 return self._finish(mine[1])  # the stored split is the one asked for
-        need = [shards.name(self.key, r) for r in overlapping(known, region)]
+        need = [shards.name(self.key, r) for r in overlapping(split, region)]
         missing = [n for n in need if n not in self._asked]
         if missing:
             self._next = missing
             return None
-        parts = [self._got.get(n) for n in need]
-        if any(p is None or not _same_split(p[0], known) for p in parts):
+        parts = [self._got[n] for n in need if n in self._got]
+        if len(parts) < len(need) or any(not _same_split(h, known) for h, _ in parts):
             return self._finish(None)  # a shard is missing, or was written by another split
         try:
             return self._finish(assemble(TensorHeader(known.dtype, region.shape), parts, start=region.start))
         except InvalidParams:
             return self._finish(None)
 
-    def _region(self, known: TensorHeader) -> Region | None:
-        whole = tuple(known.whole)
+    def _region(self, split: Part) -> Region | None:
+        whole = split.whole
         if self.mode == "full":
             return Region(tuple(0 for _ in whole), whole)
         tp = self.layout.tp
-        if not -len(whole) <= tp.split_dim < len(whole) or whole[tp.split_dim % len(whole)] % tp.size:
+        if tp is None:  # a read without a tp axis is direct or full
+            return None
+        if not -len(whole) <= tp.dim < len(whole) or whole[tp.dim % len(whole)] % tp.size:
             return None  # the asked-for split is not uniform on this tensor
-        dim = tp.split_dim % len(whole)
+        dim = tp.dim % len(whole)
         step = whole[dim] // tp.size
         start = tuple(tp.rank * step if i == dim else 0 for i in range(len(whole)))
         return Region(start, tuple(step if i == dim else n for i, n in enumerate(whole)))
@@ -276,19 +289,19 @@ class ShardRead:
         self.result, self.done, self._next = tensor, True, []
 
 
-def overlapping(known: TensorHeader, region: Region) -> list[int]:
-    """The ranks of the stored split (``known`` is one of its shards) that overlap ``region``."""
-    dim = known.split_dim
+def overlapping(split: Part, region: Region) -> list[int]:
+    """The ranks of the stored split (``split`` is one of its shards) that overlap ``region``."""
+    dim = split.split_dim
     lo, hi = region.start[dim], region.start[dim] + region.shape[dim]
-    return [r for r, (a, b) in enumerate(bounds(known.whole[dim], known.parts)) if a < hi and lo < b]
+    return [r for r, (a, b) in enumerate(bounds(split.whole[dim], split.parts)) if a < hi and lo < b]
 
 
 def _same_split(header: TensorHeader, known: TensorHeader) -> bool:
+    mine, theirs = header.part, known.part
     return (
-        header.is_part
-        and header.whole == known.whole
-        and header.parts == known.parts
-        and header.split_dim == known.split_dim
+        mine is not None
+        and theirs is not None
+        and (mine.whole, mine.parts, mine.split_dim) == (theirs.whole, theirs.parts, theirs.split_dim)
         and header.dtype == known.dtype
     )
 

@@ -11,7 +11,7 @@ parallelism and a writer partition at once); a read with nothing to answer gives
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,36 @@ MAX_ROUNDS = 4  # a read needs at most three (its shard, shard 0, the overlappin
 
 
 class ParallelCalls:
+    if TYPE_CHECKING:  # what the calls stand on, given by the classes below them: the store
+        # (``sync.DistributedStore``: registered memory, puts and gets) and ``TensorCalls`` (packing)
+
+        def _memory(self, ptr: int, size: int) -> np.ndarray: ...
+
+        def _memories(
+            self, keys: list[str], ptrs: list[int], sizes: list[int]
+        ) -> tuple[list[np.ndarray | None], list[int]]: ...
+
+        def _gets(self, keys: list[str], buffers: list | None = None, sizes: bool = False) -> Any: ...
+
+        def _put_views(
+            self, keys: list[str], memories, config: ReplicateConfig | None, *, upsert: bool, groups: bool = True
+        ) -> list[int]: ...
+
+        def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
+
+        def _put_packed(
+            self,
+            keys: list[str],
+            tensors: list,
+            config: ReplicateConfig | None,
+            *,
+            upsert: bool,
+            parts: list | None = None,
+            groups: bool = True,
+        ) -> list[int]: ...
+
+        def _tensors_in(self, keys, buffer_ptrs, sizes) -> tuple[list, list[int]]: ...
+
     # Writes -------------------------------------------------------------------------------------
 
     def put_tensor_with_parallelism(
@@ -130,7 +160,7 @@ class ParallelCalls:
         tensors = self._read_parallel(keys, targets)
         out = []
         for key, view, code, tensor in zip(keys, views, codes, tensors):
-            out.append(None if code or tensor is None else _into(key, view, tensor))
+            out.append(None if code or tensor is None or view is None else _into(key, view, tensor))
         return out
 
     # Plumbing -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ share every rule here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -67,6 +67,9 @@ class NotSent(Exception):
     """No connection to the node: nothing of the request reached it."""
 
 
+T = TypeVar("T")
+
+
 @dataclass(slots=True)
 class Item:
     index: int
@@ -76,6 +79,20 @@ class Item:
     out: np.ndarray | None = None  # a get's buffer
     device: Any = None  # a torch tensor: a get into device memory: received on the host, then copied
     stream: bool = False  # a same-host get whose object is not in the pool: over the stream
+
+    @property
+    def data(self) -> np.ndarray:
+        """A put's bytes (a get's item has none: asking is a bug of the caller)."""
+        if self.payload is None:
+            raise TypeError(f"item {self.index} is a read: it has no bytes to put")
+        return self.payload
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """A get's buffer (a put's item has none: asking is a bug of the caller)."""
+        if self.out is None:
+            raise TypeError(f"item {self.index} is a write: it has no buffer to read into")
+        return self.out
 
 
 @dataclass(slots=True)
@@ -97,9 +114,7 @@ def put_request(tenant: str, epoch: int, group: list[Item], like: w.PutItem) -> 
         tenant,
         epoch,
         [
-            w.PutItem(
-                it.name, it.payload.size, like.upsert, like.replicas, like.persist, like.hard_pin, like.soft_pin_ms
-            )
+            w.PutItem(it.name, it.data.size, like.upsert, like.replicas, like.persist, like.hard_pin, like.soft_pin_ms)
             for it in group
         ],
     )
@@ -165,7 +180,9 @@ def remove_results(reply: w.RemoveReply, group: list[Item]) -> dict[int, object]
 def chunks(group: list[Item]) -> list[list[Item]]:
     """Requests of at most ``MAX_ITEMS`` items, ``MAX_REQUEST_BYTES`` of a put's bytes and
     ``MAX_TABLE_BYTES`` of names (a frame's body is at most 16 MiB)."""
-    chunks, current, nbytes, names = [], [], 0, 0
+    chunks: list[list[Item]] = []
+    current: list[Item] = []
+    nbytes = names = 0
     for it in group:
         size = it.payload.size if it.payload is not None else 0
         if current and (
@@ -225,9 +242,11 @@ def outcome(status: int, message: str, name: bytes, *, write: bool):
     return TransferFailed(text)  # REPLICA_FAILED, INTERNAL: the outcome of a write is unknown
 
 
-def raise_for(result) -> None:
+def unless_failed(result: T | StoreApiError) -> T:
+    """An item's result, or its failure raised."""
     if isinstance(result, StoreApiError):
         raise result
+    return result
 
 
 def name_bytes(name) -> bytes:

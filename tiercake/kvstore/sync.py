@@ -167,6 +167,14 @@ class DistributedStore(TensorCalls):
         got = self._run(lambda s: s.refresh())
         return 2 if isinstance(got, _Failed) else 0
 
+    def ready(self) -> bool:
+        """Whether objects can be stored now: a node agent is a member and the object map gives its
+        slots out, as the conductor says on asking (tiercake's; Mooncake has no such call)."""
+        if self._clients is None or isinstance(self._run(lambda s: s.refresh()), _Failed):
+            return False
+        store = self._store
+        return store is not None and bool(store.members) and bool(store.map.chains)
+
     def get_hostname(self) -> str:
         """The name this client was set up with (Mooncake's local_hostname)."""
         return self._hostname
@@ -381,12 +389,12 @@ class DistributedStore(TensorCalls):
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
         codes = [0] * len(keys)
-        parts: list[list[np.ndarray] | None] = []
+        parts: list[list[np.ndarray]] = []
         for i, (ptrs, sizes) in enumerate(zip(all_buffer_ptrs, all_sizes)):
             try:
                 parts.append(self._many(ptrs, sizes))
             except InvalidParams as exc:
-                parts.append(None)
+                parts.append([])  # not read: its code says why
                 codes[i] = _logged(exc)
         todo = [i for i, c in enumerate(codes) if c == 0]
         got = self._gets([keys[i] for i in todo])

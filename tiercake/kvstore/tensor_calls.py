@@ -92,7 +92,7 @@ class TensorCalls(ParallelCalls):
         """Each tensor read into its registered buffer (header and data); the tensor (a view of the
         buffer), or None."""
         codes = self.batch_get_into(keys, buffer_ptrs, sizes)
-        out = []
+        out: list = []
         for key, ptr, code in zip(keys, buffer_ptrs, codes):
             if code < 0:
                 out.append(None)
@@ -265,7 +265,8 @@ class TensorCalls(ParallelCalls):
 
         if len(keys) != len(tensors):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        packed, codes = [], []
+        packed: list[np.ndarray | None] = []
+        codes: list[int] = []
         for i, tensor in enumerate(tensors):
             try:
                 packed.append(pack(tensor, parts[i] if parts is not None else None))

@@ -50,13 +50,20 @@ _ITEM = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES}
 
 
 @dataclass(frozen=True, slots=True)
+class Part:
+    """Where a part lies in its whole tensor, and the split that made it."""
+
+    whole: tuple[int, ...]
+    start: tuple[int, ...]
+    parts: int
+    split_dim: int
+
+
+@dataclass(frozen=True, slots=True)
 class TensorHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
-    whole: tuple[int, ...] | None = None  # a part: the whole tensor's shape
-    start: tuple[int, ...] | None = None  # where this part starts in it
-    parts: int = 0  # and how many parts the split that made it has, along ``split_dim``
-    split_dim: int = 0
+    part: Part | None = None  # a part of a whole tensor: where it lies in it
 
     nbytes = HEADER_BYTES  # the header's own size
 
@@ -65,19 +72,20 @@ class TensorHeader:
         return int(np.prod(self.shape, dtype=np.int64)) * _ITEM[self.dtype]
 
     @property
-    def is_part(self) -> bool:
-        return self.whole is not None
+    def start(self) -> tuple[int, ...]:
+        """Where these elements start in the whole tensor (at 0 for a whole one)."""
+        return self.part.start if self.part is not None else tuple(0 for _ in self.shape)
 
     def encode(self) -> bytes:
-        kind = PART if self.is_part else WHOLE
+        part = self.part
         pad = [0] * (MAX_DIMS - len(self.shape))
         dims = list(self.shape) + pad
-        if kind == PART:
-            assert self.whole is not None and self.start is not None  # a part has both
-            dims += list(self.whole) + pad + list(self.start) + pad
+        if part is not None:
+            dims += list(part.whole) + pad + list(part.start) + pad
         else:
             dims += [0] * (2 * MAX_DIMS)
-        head = _HEAD.pack(_MAGIC, _FORMAT, _CODE[self.dtype], len(self.shape), kind, self.parts, self.split_dim)
+        kind, parts, split_dim = (PART, part.parts, part.split_dim) if part is not None else (WHOLE, 0, 0)
+        head = _HEAD.pack(_MAGIC, _FORMAT, _CODE[self.dtype], len(self.shape), kind, parts, split_dim)
         return (head + _DIMS.pack(*dims)).ljust(HEADER_BYTES, b"\0")
 
     @classmethod
@@ -98,17 +106,7 @@ class TensorHeader:
         start = tuple(dims[2 * MAX_DIMS : 2 * MAX_DIMS + ndim])
         if any(s < 0 or s + n > w for s, n, w in zip(start, shape, whole)) or not 0 <= split_dim < max(ndim, 1):
             raise InvalidParams("not a tensor object (a part that lies outside its whole)")
-        return cls(DTYPES[code], shape, whole, start, parts, split_dim)
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    """Where a part lies in its whole tensor, and the split that made it."""
-
-    whole: tuple[int, ...]
-    start: tuple[int, ...]
-    parts: int
-    split_dim: int
+        return cls(DTYPES[code], shape, Part(whole, start, parts, split_dim))
 
 
 def header_of(tensor, part: Part | None = None) -> TensorHeader:
@@ -118,9 +116,7 @@ def header_of(tensor, part: Part | None = None) -> TensorHeader:
         raise InvalidParams(f"tensors of {tensor.dtype} are not supported")
     if tensor.dim() > MAX_DIMS:
         raise InvalidParams(f"tensors have at most {MAX_DIMS} dimensions")
-    if part is None:
-        return TensorHeader(tensor.dtype, tuple(tensor.shape))
-    return TensorHeader(tensor.dtype, tuple(tensor.shape), part.whole, part.start, part.parts, part.split_dim)
+    return TensorHeader(tensor.dtype, tuple(tensor.shape), part)
 
 
 def pack(tensor: torch.Tensor, part: Part | None = None) -> np.ndarray:
@@ -195,7 +191,7 @@ def assemble(
     target = out if out is not None else torch.empty(header.shape, dtype=header.dtype)
     covered = torch.zeros(header.shape, dtype=torch.bool)
     for part, data in parts:
-        pstart = part.start or tuple(0 for _ in part.shape)
+        pstart = part.start
         lo = [max(s, ps) for s, ps in zip(start, pstart)]
         hi = [min(s + n, ps + pn) for s, n, ps, pn in zip(start, header.shape, pstart, part.shape)]
         if any(a >= b for a, b in zip(lo, hi)) and header.shape:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from tiercake.loop_thread import LoopThread
 
@@ -21,7 +22,7 @@ from .fast import FastPath
 
 
 class ThreadClients:
-    def __init__(self, factory: Callable[[], Awaitable[AsyncStore]]) -> None:
+    def __init__(self, factory: Callable[[], Coroutine[Any, Any, AsyncStore]]) -> None:
         self.factory = factory
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -35,7 +36,7 @@ class ThreadClients:
         with self._lock:
             return self._all[0][1] if self._all else self._loop_thread_store
 
-    def run(self, call: Callable[[AsyncStore], Awaitable], timeout: float):
+    def run(self, call: Callable[[AsyncStore], Coroutine[Any, Any, Any]], timeout: float):
         """``call(store)`` with this thread's store, at most ``timeout`` seconds (TimeoutError)."""
         if self.closed:
             raise RuntimeError("the client is closed")

@@ -132,10 +132,9 @@ class ReplicateConfig:
 
     __repr__ = __str__
 
-    def durability(self, *, upsert: bool) -> Durability | None:
-        """What a put with this config asks; None for PRESERVE on an upsert without a TTL (the
-        object keeps its pin: ``Durability`` then carries ``soft_pin_ms=None`` and the caller keeps
-        the old pin). ``InvalidParams`` for what Mooncake refuses."""
+    def durability(self, *, upsert: bool) -> Durability:
+        """What a put with this config asks (``preserves_pin`` says whether an upsert keeps the
+        object's old pin instead). ``InvalidParams`` for what Mooncake refuses."""
         action = SoftPinAction(self.soft_pin_action)
         if self._soft_pin_ttl_ms is not None and action is not SoftPinAction.ENABLE:
             raise InvalidParams("soft_pin_ttl_ms is set, but soft_pin_action is not ENABLE")
