@@ -403,11 +403,12 @@ def test_setup_takes_mooncakes_forms(cluster, monkeypatch):
         assert as_dict.get(key) == b"from positional"
         assert other_tenant.get(key) == b""
         assert positional.get_hostname() == "localhost" and positional.health_check() == 0
+        assert positional.ready()  # a node agent is a member and owns the slots
         assert positional.remove(key, force=True) == 0
     finally:
         for s in (positional, as_dict, other_tenant):
             assert s.close() == 0
-    assert positional.health_check() == 1  # closed
+    assert positional.health_check() == 1 and not positional.ready()  # closed
     bad = DistributedStore()
     assert bad.setup({"local_hostname": "x", "global_segment_size": "50%", "master_server_addr": address}) != 0
     zero = DistributedStore()  # a local buffer of 0 bytes holds no value, as in Mooncake
