@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
+from .backend import DiskTierBackend, MemoryTierBackend
 from .buffers import copy_async
 from .entries import Copy, Entry, State, Tier, short_key
 from .errors import (
     StoreError,
     TierFullError,
 )
+from .store_part import StorePart
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class Throttled:
         log.warning(message + (f" (and {held} more like it in the last {self.every:g} s)" if held else ""), *args)
 
 
-class StoreEviction:
+class StoreEviction(StorePart):
     """``TieredStore``'s eviction and spill (its entries, its tiers)."""
 
     def _evictable(self, tier: Tier, *, soft_ok: bool, tenant: str | None = None, lossless: bool = False):
@@ -99,7 +101,7 @@ class StoreEviction:
         if not victims:
             victims = tier.eviction.victims(want, self._evictable(tier, soft_ok=True, tenant=tenant, lossless=lossless))
         for key in victims:
-            await self._demote(tier, key)
+            await self._demote(tier, cast(bytes, key))  # the store's policies hold its keys
         return bool(victims)
 
     async def _watermark_round(self, tier: Tier) -> None:
@@ -117,8 +119,8 @@ class StoreEviction:
     async def _demote(self, tier: Tier, key: bytes) -> None:
         """Move ``key``'s copy out of ``tier``: spill it down unless a lower tier has it already."""
         entry = self._entries.get(key)
-        copy = entry.copies.get(tier.index) if entry else None
-        if copy is None:
+        copy = entry.copies.get(tier.index) if entry is not None else None
+        if entry is None or copy is None:
             return
         tier.stats.evictions += 1
         tier.stats.note_residency(time.monotonic() - copy.committed_at)
@@ -146,8 +148,8 @@ class StoreEviction:
             await tier.backend.release(copy.slot)
 
     async def _spill(self, entry: Entry, tier: Tier, copy: Copy) -> bool:
-        if tier.index + 1 >= len(self.tiers):
-            return False
+        if tier.index + 1 >= len(self.tiers) or not isinstance(tier.backend, MemoryTierBackend):
+            return False  # the last tier, or a disk tier (its blocks go nowhere further)
         src = tier.backend.view(copy.slot, entry.nbytes)
         try:
             lower = await self._place(entry, tier.index + 1, offer=True)
@@ -156,11 +158,13 @@ class StoreEviction:
             return False
         if lower is None:
             return False
+        backend = lower.tier.backend
         try:
-            if lower.tier.backend.in_memory:
-                await self._copy(lower.tier.backend.view(lower.slot, entry.nbytes), src)
+            if isinstance(backend, MemoryTierBackend):
+                await self._copy(backend.view(lower.slot, entry.nbytes), src)
             else:
-                await lower.tier.backend.persist(
+                assert isinstance(backend, DiskTierBackend)  # a tier is one or the other
+                await backend.persist(
                     lower.slot, entry.key, entry.parent, src, tenant=entry.meta.tenant, seal=entry.seal
                 )
         except StoreError as exc:

@@ -11,9 +11,11 @@ import heapq
 import logging
 import math
 import time
+from typing import cast
 
 from tiercake.policies import BlockMeta, EvictionPolicy
 
+from .backend import DiskTierBackend, MemoryTierBackend
 from .entries import Copy, State, short_key
 from .errors import (
     ObjectLeasedError,
@@ -22,11 +24,12 @@ from .errors import (
     PutInProgressError,
     StoreError,
 )
+from .store_part import StorePart
 
 log = logging.getLogger(__name__)
 
 
-class StoreRemoval:
+class StoreRemoval(StorePart):
     """``TieredStore``'s removes, pins, holds and flushes (its entries, its tiers)."""
 
     async def remove(self, key: bytes) -> None:
@@ -95,7 +98,8 @@ class StoreRemoval:
         on the device before this returns with ``sync``. The copies stay inclusive: the memory copy
         keeps serving reads, and may be evicted later without a spill."""
         target = self.tier(tier)
-        if target.backend.in_memory:
+        disk = target.backend
+        if not isinstance(disk, DiskTierBackend):
             raise ValueError(f"tier {tier!r} is not a disk tier")
         entry = self._committed_entry(key)
         present = entry.copies.get(target.index)
@@ -103,8 +107,15 @@ class StoreRemoval:
             if present.state is State.COMMITTED:
                 return  # already there (written synced, or recovered from the disk)
             raise PutInProgressError(f"block {short_key(key)} is being written to {tier!r} already")
-        source = next((entry.copies[i] for i in entry.committed() if entry.copies[i].tier.backend.in_memory), None)
-        if source is None:
+        source, memory = next(
+            (
+                (entry.copies[i], backend)
+                for i in entry.committed()
+                if isinstance(backend := entry.copies[i].tier.backend, MemoryTierBackend)
+            ),
+            (None, None),
+        )
+        if source is None or memory is None:
             raise ObjectNotFoundError(f"block {short_key(key)} has no copy in memory to write down")
         lease = self._lease(source, math.inf)
         try:
@@ -112,11 +123,11 @@ class StoreRemoval:
             copy = Copy(target, slot)
             entry.copies[target.index] = copy
             try:
-                await target.backend.persist(
+                await disk.persist(
                     slot,
                     key,
                     entry.parent,
-                    source.tier.backend.view(source.slot, entry.nbytes),
+                    memory.view(source.slot, entry.nbytes),
                     tenant=entry.meta.tenant,
                     seal=entry.seal,
                     sync=sync,
@@ -139,7 +150,7 @@ class StoreRemoval:
         t = self.tier(tier)
         order = t.eviction.victims(len(t.eviction))
         for key in order:
-            entry = self._entries.get(key)
+            entry = self._entries.get(cast(bytes, key))  # the store's policies hold its keys
             policy.on_insert(key, entry.meta if entry is not None else BlockMeta())
         t.eviction = policy
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from tiercake.policies import SessionEvent, SessionState
 
+from .backend import DiskTierBackend
+
 if TYPE_CHECKING:
     from .store import TieredStore
 
@@ -40,7 +42,7 @@ class SessionPrefetch:
             old.cancel()
         if event.state is not SessionState.PAUSED or event.resume_in is None or not event.keys:
             return
-        if not any(not t.backend.in_memory for t in self.store.tiers):
+        if not any(isinstance(t.backend, DiskTierBackend) for t in self.store.tiers):
             return  # nothing is ever on disk here
         while len(self._planned) >= MAX_PLANNED:
             self._planned.pop(next(iter(self._planned))).cancel()

@@ -314,7 +314,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         if key in self._entries or not self.tiers:
             return None
         tier = self.tiers[0]
-        if not tier.backend.in_memory or not tier.backend.accepts(nbytes):
+        if not isinstance(tier.backend, MemoryTierBackend) or not tier.backend.accepts(nbytes):
             return None
         meta = BlockMeta(size=nbytes, tenant=tenant)
         quota = tier.tenant_quota_bytes
@@ -333,7 +333,11 @@ class TieredStore(StoreRemoval, StoreEviction):
 
     def commit_now(self, handle: PutHandle) -> None:
         """``commit`` of a copy in memory (no file to write): nothing to wait for."""
-        if handle.done or handle.written < handle.entry.nbytes or not handle.copy.tier.backend.in_memory:
+        if (
+            handle.done
+            or handle.written < handle.entry.nbytes
+            or not isinstance(handle.copy.tier.backend, MemoryTierBackend)
+        ):
             raise InvalidStateError(f"put of {short_key(handle.key)} cannot be committed now")
         handle.done = True
         self._commit_copy(handle.entry, handle.copy)
@@ -462,7 +466,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         src = self._check_payload(data)
         n = size_of(src)
         handle = await self.put_start(key, n, tier=tier, parent=parent, cost=cost, tenant=tenant, seal=seal)
-        if not handle.copy.tier.backend.in_memory:
+        if not isinstance(handle.copy.tier.backend, MemoryTierBackend):
             handle.written = n
             await self._commit(handle, src)  # the file is written straight from src
             return handle.tier
@@ -620,7 +624,9 @@ class TieredStore(StoreRemoval, StoreEviction):
         quarter of the memory tiers, so a prefetch cannot flush what is served now). The memory
         tier's eviction policy picks what makes room, as for any promotion."""
         if max_bytes is None:
-            max_bytes = sum(t.backend.capacity_bytes for t in self.tiers if t.backend.in_memory) // 4
+            max_bytes = (
+                sum(t.backend.capacity_bytes for t in self.tiers if isinstance(t.backend, MemoryTierBackend)) // 4
+            )
         results: list[StoreError | None] = []
         staged = 0
         for key in keys:
@@ -630,7 +636,7 @@ class TieredStore(StoreRemoval, StoreEviction):
                 continue
             index = entry.committed()[0]
             copy = entry.copies[index]
-            if copy.tier.backend.in_memory:
+            if isinstance(copy.tier.backend, MemoryTierBackend):
                 results.append(None)
                 continue
             if index == 0 or staged + entry.nbytes > max_bytes:
@@ -692,7 +698,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         wanted = None if tier is None else self.tier(tier).index
         for index in entry.committed():
             copy = entry.copies[index]
-            if copy.tier.backend.in_memory and wanted in (None, index):
+            if isinstance(copy.tier.backend, MemoryTierBackend) and wanted in (None, index):
                 ttl = self.lease_ttl if ttl is None else ttl
                 lease = self._lease(copy, math.inf if ttl == math.inf else time.monotonic() + ttl)
                 copy.tier.stats.hits += 1

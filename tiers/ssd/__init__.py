@@ -4,18 +4,19 @@ The layout is chosen here, above both, so neither layout's module imports the ot
 
 from __future__ import annotations
 
-from .files import SsdFilesBackend, SsdLockedError, SsdTier
+from .files import SsdFilesBackend, SsdTier
+from .layout import SsdLayout, SsdLockedError
 from .log import SsdLogBackend, SsdLogTier
 from .record import HEADER_SIZE, shuffle16, unshuffle16
 
 
 class SsdBackend(SsdFilesBackend):
-    """The registry's ``ssd`` kind: config checks from ``SsdFilesBackend``; ``from_config`` builds the layout
-    the config names (never an instance of this class)."""
+    """The registry's ``ssd`` kind: config checks from ``SsdKind``; ``from_config`` builds the layout the
+    config names (never an instance of this class)."""
 
     @classmethod
-    def from_config(cls, cfg, layout) -> SsdFilesBackend:
-        settings = SsdFilesBackend.settings_of(cfg)
+    def from_config(cls, cfg, layout) -> SsdLayout:  # type: ignore[override]  # a layout, not this class
+        settings = SsdLayout.settings_of(cfg)
         if cfg.layout == "log":
             return SsdLogBackend(
                 cfg.path, segment_bytes=int(cfg.segment_bytes) if cfg.segment_bytes else None, **settings

@@ -30,6 +30,7 @@ import ctypes
 import errno
 import functools
 import logging
+import mmap
 import os
 import threading
 from collections import deque
@@ -44,7 +45,7 @@ import numpy as np
 from ..backend import RecoveredBlock
 from ..buffers import PAGE, aligned_buffer, copy_into, empty, on_host, round_up, size_of
 from ..errors import CorruptBlockError, DiskFullError, PayloadError, StoreError
-from .files import SsdFilesBackend, _drop_other_layout
+from .layout import SsdLayout, _drop_other_layout
 from .record import (
     _FLAG_DEAD,
     HEADER_SIZE,
@@ -104,10 +105,11 @@ class _Read:
     length: int  # the record's
     key: bytes
     out: np.ndarray
-    future: asyncio.Future | None = None
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 def _finish_run(run: list[_Read], done: asyncio.Future) -> None:
+    results: list[BaseException | None]
     if done.cancelled():
         results = [None] * len(run)
         for read in run:
@@ -132,7 +134,7 @@ class _Append:
     header: bytes | None
     stored: int  # payload bytes on disk
     raw: np.ndarray | None = None  # a whole record (compaction)
-    future: asyncio.Future | None = None
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     sync: bool = False  # on the device (fdatasync) before its future is done
 
     @property
@@ -197,7 +199,7 @@ def walk_records(
             offset += parsed.data_offset + round_up(parsed.stored_len)
 
 
-class SsdLogBackend(SsdFilesBackend):
+class SsdLogBackend(SsdLayout[LogSlot]):
     """The ssd tier with blocks appended to segment files under ``root/segments``."""
 
     def __init__(
@@ -291,7 +293,6 @@ class SsdLogBackend(SsdFilesBackend):
 
     def _append(self, item: _Append) -> asyncio.Future:
         """Queue a record; the future gives its (segment, offset) once written."""
-        item.future = asyncio.get_running_loop().create_future()
         self._queue.append(item)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
@@ -309,7 +310,8 @@ class SsdLogBackend(SsdFilesBackend):
     async def _flush(self) -> None:
         """Write what is queued, batch after batch, until the queue is empty: one writer at a time."""
         while self._queue:
-            batch, size = [], 0
+            batch: list[_Append] = []
+            size = 0
             while self._queue and len(batch) < MAX_BATCH_RECORDS and (not batch or size < MAX_BATCH_BYTES):
                 item = self._queue.popleft()
                 batch.append(item)
@@ -431,11 +433,9 @@ class SsdLogBackend(SsdFilesBackend):
         one pass of the event loop (a ``get_many``) are sorted, and each run of records that lie next to
         each other (blocks appended together) is read with one ``preadv``, straight into the
         destinations: a batch of small blocks becomes a few large sequential reads."""
-        loop = asyncio.get_running_loop()
-        read.future = loop.create_future()
         self._reads.append(read)
         if len(self._reads) == 1:
-            loop.call_soon(self._dispatch_reads)
+            asyncio.get_running_loop().call_soon(self._dispatch_reads)
         return read.future
 
     def _dispatch_reads(self) -> None:
@@ -485,6 +485,8 @@ class SsdLogBackend(SsdFilesBackend):
 
     def extent(self, slot: LogSlot) -> tuple[Path, int, int]:
         """Where a block's record lies on disk: (segment file, offset, length). For tools and tests."""
+        if slot.segment is None:
+            raise PayloadError("block is not on disk yet")
         return self.segments[slot.segment].path, slot.offset, slot.reserved
 
     # Release and compaction ----------------------------------------------------------------------
@@ -519,7 +521,7 @@ class SsdLogBackend(SsdFilesBackend):
         """(I/O thread.) Rewrite the record's header with the dead flag, so no restart revives it, and
         punch its payload out of the file, so the disk space comes back now rather than at compaction."""
         page = self._tls.head_page
-        if os.preadv(segment.fd, [page], offset) < HEADER_SIZE:
+        if os.preadv(segment.fd, [page.data], offset) < HEADER_SIZE:
             return
         head = bytes(page[:HEADER_SIZE])
         try:
@@ -528,7 +530,7 @@ class SsdLogBackend(SsdFilesBackend):
             return  # already unreadable: recovery ends its walk here or skips it
         marked = pack_header_check(head, parsed.flags | _FLAG_DEAD)
         page[: len(marked)] = np.frombuffer(marked, dtype=np.uint8)
-        os.pwritev(segment.fd, [page], offset)
+        os.pwritev(segment.fd, [page.data], offset)
         if self._punch and parsed.stored_len:
             self._punch = punch_hole(segment.fd, offset + parsed.data_offset, round_up(parsed.stored_len))
 
@@ -558,7 +560,8 @@ class SsdLogBackend(SsdFilesBackend):
     async def _evacuate(self, victim: Segment) -> None:
         """Copy the victim's live records to the tail, up to ``COMPACT_CHUNK_BYTES`` at a time (one thread
         hop reads them, one group commit writes them), then delete it."""
-        chunk, size = [], 0
+        chunk: list[tuple[int, LogSlot]] = []
+        size = 0
         for offset, slot in sorted(victim.live.items()):
             if chunk and size + slot.reserved > COMPACT_CHUNK_BYTES:
                 await self._move(victim, chunk)
@@ -612,7 +615,7 @@ class SsdLogBackend(SsdFilesBackend):
     def _read_raw(self, segment: Segment, offset: int, length: int) -> np.ndarray:
         mem, view = aligned_buffer(length)
         out = np.frombuffer(view, dtype=np.uint8)[:length]
-        if os.preadv(segment.fd, [out], offset) != length:
+        if os.preadv(segment.fd, [out.data], offset) != length:
             raise CorruptBlockError(f"{segment.path}@{offset}: short read while compacting")
         return out
 
@@ -648,9 +651,9 @@ class SsdLogBackend(SsdFilesBackend):
                 rank = (head.created_ns, seg_id, offset)
                 if head.key in newest and newest[head.key][0] > rank:
                     continue
-                if head.key in newest and newest[head.key][1] is not None:  # an older live record: left dead
-                    _, old, old_segment = newest[head.key]  # (not marked; never read)
-                    old_segment.live.pop(old.slot.offset, None)
+                _, old, old_segment = newest.get(head.key, (None, None, None))
+                if old is not None and old_segment is not None:  # an older live record: left dead
+                    old_segment.live.pop(old.slot.offset, None)  # (not marked; never read)
                     old_segment.live_bytes -= old.slot.reserved
                 if head.flags & _FLAG_DEAD:
                     newest[head.key] = (rank, None, segment)
@@ -698,25 +701,27 @@ class _WriterBuffers:
         self.pages = np.frombuffer(view, dtype=np.uint8).reshape(2 * MAX_BATCH_RECORDS, PAGE)
         self._view = view
         self._staging: np.ndarray | None = None
-        self._staging_mem = None
+        self._staging_mem: mmap.mmap | None = None
         self._lock = threading.Lock()
 
     def iov(self, records: list[_Append]) -> list[np.ndarray]:
         iov: list[np.ndarray] = []
-        unaligned = sum(round_up(r.stored) for r in records if r.raw is None and r.payload.ctypes.data % PAGE)
+        unaligned = sum(round_up(r.stored) for r in records if r.payload is not None and r.payload.ctypes.data % PAGE)
         staging = self._staging_for(unaligned)
         used = 0
         for i, rec in enumerate(records):
             if rec.raw is not None:
                 iov.append(rec.raw)
                 continue
+            data, header = rec.payload, rec.header
+            if data is None or header is None:
+                raise PayloadError("a block's record without its header or payload")
             head = self.pages[2 * i]
             head[:] = 0
-            head[: len(rec.header)] = np.frombuffer(rec.header, dtype=np.uint8)
+            head[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             iov.append(head)
-            data = rec.payload
             padded = round_up(data.size)
-            if data.ctypes.data % PAGE:
+            if staging is not None and data.ctypes.data % PAGE:
                 staged = staging[used : used + padded]
                 staged[: data.size] = data
                 staged[data.size :] = 0
@@ -747,7 +752,7 @@ class _WriterBuffers:
 
     def close(self) -> None:
         self.close_staging()
-        self.pages = None
+        self.pages = np.empty((0, PAGE), dtype=np.uint8)  # the pages' mapping goes with its last view
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
