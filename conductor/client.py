@@ -8,7 +8,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
@@ -190,7 +190,7 @@ class Client:
     async def _typed(self, model: type[R], method: str, path: str, body: dict | None = None) -> R:
         return model.model_validate(await self._call(method, path, body))
 
-    async def lookup(self, tenant: str, keys: list[bytes], sizes: bool = False) -> dict[str, PrefixHolding]:
+    async def lookup(self, tenant: str, keys: Sequence[bytes], sizes: bool = False) -> dict[str, PrefixHolding]:
         """Node -> how much of the chain it holds (``length`` blocks from the start, by tier; with
         ``sizes``, each held block's size)."""
         body = {"tenant": tenant, "keys": _packed(keys), **({"sizes": True} if sizes else {})}
@@ -451,7 +451,7 @@ class Client:
 BATCH_KEYS = 16384  # block keys per placement request (the server takes up to MAX_KEYS)
 
 
-def _packed(keys: list[bytes]) -> str:
+def _packed(keys: Sequence[bytes]) -> str:
     """Block keys as the control API takes them: back to back, base64."""
     return base64.b64encode(b"".join(keys)).decode()
 

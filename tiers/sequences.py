@@ -11,6 +11,7 @@ found cannot be evicted before it is shared.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,14 +84,14 @@ class SequenceKV:
 
     # Sequences ------------------------------------------------------------------------------------
 
-    def cached_prefix(self, keys: list[bytes]) -> int:
+    def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the tier holds now."""
         for i, key in enumerate(keys):
             if self.store.slot_of(key, self.tier) is None:
                 return i
         return len(keys)
 
-    def open(self, keys: list[bytes]) -> BlockTable:
+    def open(self, keys: Sequence[bytes]) -> BlockTable:
         """A new sequence sharing the tier's blocks of the leading ``keys`` it holds."""
         slots = []
         for key in keys:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from tiercake.conductor.client import ConductorError, NodeDirectory
 from tiercake.messages import SessionDirective
@@ -71,13 +72,13 @@ class SessionNotifier:
         self.remember(session, keys)
         self._tell(ended_notice(session, tenant), [] if session.close else keys)
 
-    def remember(self, session: SessionDirective, keys: list[bytes]) -> None:
+    def remember(self, session: SessionDirective, keys: Sequence[bytes]) -> None:
         """What ``ended`` keeps for a later change, without telling anyone (under vLLM the connector
         told the node already)."""
         self._last.pop(session.id, None)
         if session.close:
             return
-        self._last[session.id] = keys
+        self._last[session.id] = list(keys)
         while len(self._last) > MAX_REMEMBERED:
             self._last.popitem(last=False)
 

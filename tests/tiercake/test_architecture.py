@@ -311,3 +311,13 @@ def message_classes(root=ROOT) -> dict[str, list[str]]:
 def test_no_two_message_classes_share_a_name():
     """A reader of a trace or a log, or an import, never mistakes one message for another."""
     assert {name: where for name, where in message_classes().items() if len(where) > 1} == {}
+
+
+def test_the_type_check_leaves_no_module_out():
+    """mypy (``make lint``) checks every module, the bodies of untyped functions too: no module may be
+    put back under ``ignore_errors``, nor the untyped bodies left unchecked."""
+    import tomllib
+
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert mypy.get("check_untyped_defs") is True
+    assert [o["module"] for o in mypy.get("overrides", []) if o.get("ignore_errors")] == []

@@ -25,9 +25,10 @@ from itertools import groupby
 
 import torch
 
-from tiercake.blocks import Namespace, Sealer, SealKeys, block_keys, chain_key, cluster_seal_material
+from tiercake.blocks import BlockKey, Namespace, Sealer, SealKeys, block_keys, chain_key, cluster_seal_material
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import KVHandoff, PrefillStats, PrefixHolding
+from tiercake.started import started
 from tiercake.tiers import BlockTable, SequenceKV, StoreError, TieredStore
 from tiercake.tiers.buffers import host_bytes
 from tiercake.transfer import BlockLoc, BufferLoc, SealError, Transfer, TransferEngine
@@ -61,7 +62,7 @@ class Sequence:
     salt: str  # the hashing salt its keys were made with
     tokens: list[int]  # prompt and generated so far
     table: BlockTable  # its blocks in the gpu tier
-    keys: list[bytes]  # keys of its full blocks so far
+    keys: list[BlockKey]  # keys of its full blocks so far
     logits: torch.Tensor  # of the last position
     stats: PrefillStats
     stored: int = 0  # full blocks already in the store (reused or adopted)
@@ -187,14 +188,14 @@ class ModelRunner:
         self,
         tenant: str,
         salt: str,
-        keys: list[bytes],
+        keys: list[BlockKey],
         own: int,
         stats: PrefillStats,
         source: KVHandoff | None = None,
         staged: frozenset[bytes] | set[bytes] = frozenset(),
     ) -> None:
         """Pull ``keys[own:]`` (as far as one node holds the chain) into the gpu tier."""
-        started = time.perf_counter()
+        began = time.perf_counter()
         try:
             if source is not None:
                 found = {
@@ -203,19 +204,19 @@ class ModelRunner:
                     )
                 }
             else:
-                found = await self.conductor.lookup(tenant, keys)
+                found = await started(self.conductor, "the worker's conductor client").lookup(tenant, keys)
         except ConductorError as exc:
             log.warning("worker %s: lookup failed (%s); computing instead", self.worker_id, exc)
             return
         finally:
-            stats.lookup_s = time.perf_counter() - started
+            stats.lookup_s = time.perf_counter() - began
         found = {n: p for n, p in found.items() if await self.link.reachable(n)}
         if not found:
             return
         node, prefix = max(found.items(), key=lambda item: item[1].length)
         if prefix.length <= own:
             return
-        started = time.perf_counter()
+        began = time.perf_counter()
         await self.store.reclaim("gpu", (prefix.length - own) * self.block_nbytes)
         loaded, refused = await self._pull(node, tenant, salt, keys, own, prefix.length)
         stats.refused_blocks += refused
@@ -229,12 +230,12 @@ class ModelRunner:
             served = prefix.served_from(own, loaded)
             for tier, count in served.items():
                 stats.sources[f"{node}:{tier}"] = count
-            stats.load_tier = max(served, key=served.get)
+            stats.load_tier = max(served, key=lambda tier: served[tier])
             stats.load_bytes = loaded * self.block_nbytes
-        stats.load_s = time.perf_counter() - started
+        stats.load_s = time.perf_counter() - began
 
     async def _pull(
-        self, node: str, tenant: str, salt: str, keys: list[bytes], start: int, end: int
+        self, node: str, tenant: str, salt: str, keys: list[BlockKey], start: int, end: int
     ) -> tuple[int, int]:
         """Pull ``keys[start:end]`` of a chain from ``node`` into the gpu tier; returns how many of them,
         from ``start``, the tier now holds (a chain is usable up to its first missing block) and how many
@@ -260,13 +261,13 @@ class ModelRunner:
             )
         loaded = 0
         for result in results:
-            if not result.ok and not self.store.contains(batch[loaded].dst.key):
+            if not result.ok and not self.store.contains(keys[start + loaded]):
                 log.info("worker %s: pull from %s stopped: %s", self.worker_id, node, result.error)
                 break
             loaded += 1
         return loaded, refused
 
-    def _credit_prefetched(self, stats: PrefillStats, held: list[bytes], prefetched: Prefetched) -> None:
+    def _credit_prefetched(self, stats: PrefillStats, held: list[BlockKey], prefetched: Prefetched) -> None:
         pulled = dict(prefetched.pulled)
         for key in held:
             origin = pulled.get(key)
@@ -313,7 +314,7 @@ class ModelRunner:
         keys = block_keys(self.namespace_for(tenant if salt is None else salt), tokens)
         keys = keys[: min(source.blocks, (len(tokens) - 1) // self.block_size)]
         tiers = [tier for tier, n in source.runs for _ in range(n)]
-        wanted = [key for key, tier in zip(keys, tiers) if tier not in MEMORY_TIERS]
+        wanted: list[bytes] = [key for key, tier in zip(keys, tiers) if tier not in MEMORY_TIERS]
         if not wanted or not await self.link.reachable(source.node):
             return frozenset()
         try:
@@ -337,29 +338,26 @@ class ModelRunner:
             seq.keys.append(chain_key(parent, seq.tokens[i * bs : (i + 1) * bs]))
         new = []
         for i in range(seq.stored, full):
-            parent = seq.keys[i - 1] if i else None
-            if self.kv.adopt(seq.table, i, seq.keys[i], parent, seq.tenant):
+            if self.kv.adopt(seq.table, i, seq.keys[i], seq.keys[i - 1] if i else None, seq.tenant):
                 new.append(i)
         if new and resend_cached:
             new = list(range(seq.stored)) + new
         seq.stored = full
         if new and self.node is not None and self.transfer is not None:
             leases = [self.store.acquire_lease(seq.keys[i], math.inf, tier="gpu") for i in new]  # held while sent
-            task = asyncio.get_running_loop().create_task(self._write_through(seq, new, leases))
+            task = asyncio.get_running_loop().create_task(self._write_through(self.node, seq, new, leases))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
 
-    async def _write_through(self, seq: Sequence, indices: list[int], leases: list) -> None:
-        """Send the adopted blocks at ``indices`` to the node agent. The gpu tier's leases on them were
+    async def _write_through(self, node: str, seq: Sequence, indices: list[int], leases: list) -> None:
+        """Send the adopted blocks at ``indices`` to the node agent ``node``. The gpu tier's leases on them were
         taken when they were adopted (the sequence may end and the blocks be evicted meanwhile
         otherwise); they are released here whatever happens."""
         try:
-            if not self.link.fence.open(self.node):
+            if not self.link.fence.open(node):
                 return  # the node is fenced: the blocks stay in the gpu tier only
-            if not await self.link.reachable(self.node, force=True):
-                log.warning(
-                    "worker %s: node %s is not a live member; blocks not written through", self.worker_id, self.node
-                )
+            if not await self.link.reachable(node, force=True):
+                log.warning("worker %s: node %s is not a live member; blocks not written through", self.worker_id, node)
                 return
             sealer = self.sealer(seq.salt)
             seals = await asyncio.to_thread(
@@ -368,16 +366,16 @@ class ModelRunner:
             batch = [
                 Transfer(
                     BufferLoc(lease.data),
-                    BlockLoc(self.node, seq.keys[i], seq.keys[i - 1] if i else None, seq.tenant, seal),
+                    BlockLoc(node, seq.keys[i], seq.keys[i - 1] if i else None, seq.tenant, seal),
                     self.block_nbytes,
                 )
                 for i, lease, seal in zip(indices, leases, seals)
             ]
-            for result in await self.link.send(self.node, batch):  # the gpu leases wait on it
+            for result in await self.link.send(node, batch):  # the gpu leases wait on it
                 if not result.ok and not result.exists:
-                    log.warning("worker %s: write-through to %s failed: %s", self.worker_id, self.node, result.error)
+                    log.warning("worker %s: write-through to %s failed: %s", self.worker_id, node, result.error)
         except Exception:  # noqa: BLE001 - a task nobody awaits: say what went wrong
-            log.exception("worker %s: write-through to %s failed", self.worker_id, self.node)
+            log.exception("worker %s: write-through to %s failed", self.worker_id, node)
         finally:
             await self.store.release_leases([lease.id for lease in leases])
 

@@ -35,15 +35,14 @@ import hashlib
 import json
 import logging
 import random
-import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
 
-import aiohttp
 import msgspec
 
-from tiercake.blocks import Namespace, block_keys
+from tiercake.blocks import BlockKey, Namespace, block_keys
 from tiercake.conductor.client import Client, ConductorError, NodeDirectory
 from tiercake.messages import (
     GenerateRequest,
@@ -56,22 +55,21 @@ from tiercake.messages import (
     WorkerLoadReply,
     WorkerPerf,
 )
+from tiercake.started import started
 from tiercake.tiers import BlockChange
 from tiercake.transfer import TransferEngine
 
-from ..contract import EngineBusy, RequestRejected, ServingEngine
+from ..conductor_link import HeldBlocks
+from ..contract import ServingEngine
 from ..sessions import SessionNotifier
 from .events import EventMirror, EventsEndpoints
+from .server_api import VllmServer, VllmUnavailable
 
 log = logging.getLogger(__name__)
 
 PROBE_TENANT = "tiercake-probe"  # the probes' blocks are indexed apart from every real tenant
 EVENTS_WAIT_S = 10.0  # the most the worker waits at start for the KV events of its probes
 HANDOFF_WAIT_S = 10.0  # the most a prefill waits for its blocks to be indexed on the node
-
-
-class VllmUnavailable(ConnectionError):
-    """The vLLM server could not be reached or failed the request (500: another worker may serve it)."""
 
 
 class PrefixMirror:
@@ -85,7 +83,7 @@ class PrefixMirror:
         self.listeners: list[Callable[[BlockChange], None]] = []
         self._blocks: OrderedDict[tuple[str, bytes], None] = OrderedDict()
 
-    def touch(self, tenant: str, keys: list[bytes]) -> None:
+    def touch(self, tenant: str, keys: Sequence[bytes]) -> None:
         """``keys`` (a prompt's full blocks, in chain order) are now in vLLM's cache, the newest."""
         for key in keys:
             copy = (tenant, key)
@@ -136,13 +134,12 @@ class VllmEngine(ServingEngine):
         sidecar started with vLLM waits while vLLM loads its model). ``transfer``: the engine that
         tells the node of the control API's session changes (it closes with this engine); without
         it those changes answer 501."""
-        self.url = url.rstrip("/")
+        self.vllm = VllmServer(url, timeout_s)
+        self.url = self.vllm.url
         self.wait_s = wait_s
         self.client = client  # the conductor: where a prefill's handoff waits for its blocks
         self.transfer = transfer
         self.sessions: SessionNotifier | None = None  # once the node the connector saves to is known
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
-        self.http: aiohttp.ClientSession | None = None
         self.model = ""
         self.space: KVSpace | None = None
         self.node: str | None = None  # where the connector saves
@@ -154,22 +151,21 @@ class VllmEngine(ServingEngine):
         self._completed = 0
 
     async def start(self) -> VllmEngine:
-        self.http = aiohttp.ClientSession(timeout=self.timeout)
+        self.vllm.open()
         try:
-            self.model = await self._served_model()
-            self._kv_blocks = await _num_kv_blocks(self.http, self.url)
+            self.model = await self.vllm.served_model(self.wait_s)
+            self._kv_blocks = await self.vllm.num_kv_blocks()
             rng, salt = random.Random(), f"probe-{random.getrandbits(64):016x}"
             events = await self._learn_space(rng, salt)
-            if events is not None:
-                self._follow_events(events)
+            mirror = self._follow_events(events) if events is not None else None
             await self._fit(rng, salt)
-            if events is not None:
-                await self._events_flowing(events)
+            if events is not None and mirror is not None:
+                await self._events_flowing(mirror, events)
         except BaseException:
             await self.close()
             raise
         if events is None:
-            self.mirror = PrefixMirror(self._kv_blocks, self.space.block_bytes)
+            self.mirror = PrefixMirror(self._kv_blocks, self._space.block_bytes)
         if self.transfer is not None and self.node is not None and self.client is not None:
             self.sessions = SessionNotifier(None, self.transfer, self.node, NodeDirectory(self.client, self.transfer))
         log.info(
@@ -177,19 +173,25 @@ class VllmEngine(ServingEngine):
             self.url,
             self.model,
             self._kv_blocks,
-            self.space.block_bytes,
+            self._space.block_bytes,
             self.node,
             "from its KV events" if events else "estimated from the prompts sent",
             self._perf,
         )
         return self
 
-    def _follow_events(self, where: EventsEndpoints) -> None:
-        self.mirror = EventMirror(
-            self.space.namespace, self.space.block_bytes, max_blocks=4 * self._kv_blocks or 1 << 20
+    @property
+    def _space(self) -> KVSpace:
+        """How vLLM keys its blocks (``start`` learns it from the first probe)."""
+        return started(self.space, "the vLLM worker")
+
+    def _follow_events(self, where: EventsEndpoints) -> EventMirror:
+        self.mirror = mirror = EventMirror(
+            self._space.namespace, self._space.block_bytes, max_blocks=4 * self._kv_blocks or 1 << 20
         )
-        self._events_task = asyncio.create_task(self.mirror.follow(where), name="vllm-kv-events")
-        self._events_task.add_done_callback(self._events_ended)
+        self._events_task = task = asyncio.create_task(mirror.follow(where), name="vllm-kv-events")
+        task.add_done_callback(self._events_ended)
+        return mirror
 
     def _events_ended(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -200,40 +202,23 @@ class VllmEngine(ServingEngine):
                 task.exception(),
             )
 
-    async def _events_flowing(self, where: EventsEndpoints) -> None:
+    async def _events_flowing(self, mirror: EventMirror, where: EventsEndpoints) -> None:
         """The fit's probes stored blocks: their events must have come (else the endpoints are wrong)."""
         try:
-            await asyncio.wait_for(self.mirror.batches.wait(), EVENTS_WAIT_S)
+            await asyncio.wait_for(mirror.batches.wait(), EVENTS_WAIT_S)
         except TimeoutError:
             task = self._events_task
-            failed = task.done() and not task.cancelled() and task.exception()
+            failed = task is not None and task.done() and not task.cancelled() and task.exception()
             raise VllmUnavailable(
                 f"vLLM at {self.url} says it publishes KV events at {where.endpoint}, but none came within "
                 f"{EVENTS_WAIT_S:g} s" + (f" ({failed})" if failed else "") + ": check its --kv-events-config "
                 "(process.serve_command sets it up)"
             ) from None
 
-    async def _served_model(self) -> str:
-        """The model vLLM serves, asked until it answers or ``wait_s`` has passed."""
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                async with self.http.get(self.url + "/v1/models") as resp:
-                    resp.raise_for_status()
-                    return (await resp.json())["data"][0]["id"]
-            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
-                if time.monotonic() >= deadline:
-                    waited = f" within {self.wait_s:g} s" if self.wait_s else ""
-                    raise VllmUnavailable(
-                        f"no vLLM OpenAI server at {self.url}{waited} ({exc or type(exc).__name__}): "
-                        "start it first (process.serve_command)"
-                    ) from None
-            await asyncio.sleep(1.0)
-
     async def _learn_space(self, rng: random.Random, salt: str) -> EventsEndpoints | None:
         """How the instance keys its blocks, from a first probe's figures; where it publishes its KV
         events, if it does."""
-        first = await self._complete(self._probe([rng.randrange(3, 200) for _ in range(8)], 1, salt))
+        first = await self.vllm.complete(self._probe([rng.randrange(3, 200) for _ in range(8)], 1, salt))
         figures = (first.get("kv_transfer_params") or {}).get("tiercake")
         if not figures or "namespace" not in figures:
             raise ValueError(
@@ -249,18 +234,18 @@ class VllmEngine(ServingEngine):
     async def _fit(self, rng: random.Random, salt: str) -> None:
         """prefill = a + b*t from the fastest of two tries at two lengths, and one decode step from a
         longer answer (each probe a prompt never seen: a per-start salt)."""
-        bs = self.space.namespace.block_size
+        bs = self._space.namespace.block_size
         short, long_ = 2 * bs + 1, 16 * bs + 1
         timed: dict[int, float] = {}
         for length in (short, long_, short, long_):
             tokens = [rng.randrange(3, 200) for _ in range(length)]
             started = time.perf_counter()
-            await self._complete(self._probe(tokens, 1, salt))
+            await self.vllm.complete(self._probe(tokens, 1, salt))
             timed[length] = min(timed.get(length, float("inf")), time.perf_counter() - started)
         b = max((timed[long_] - timed[short]) / (long_ - short), 1e-7)
         a = max(timed[short] - b * short, 1e-4)
         started = time.perf_counter()
-        await self._complete(self._probe([rng.randrange(3, 200) for _ in range(short)], 9, salt))
+        await self.vllm.complete(self._probe([rng.randrange(3, 200) for _ in range(short)], 9, salt))
         step = max((time.perf_counter() - started - timed[short]) / 8, 1e-4)
         self._perf = WorkerPerf(prefill_a=a, prefill_b=b, decode_step_s=step)
 
@@ -280,7 +265,7 @@ class VllmEngine(ServingEngine):
         return None  # vLLM owns its KV cache
 
     @property
-    def held(self) -> PrefixMirror | None:
+    def held(self) -> HeldBlocks | None:
         return self.mirror
 
     @property
@@ -298,8 +283,7 @@ class VllmEngine(ServingEngine):
         if self._events_task is not None:
             self._events_task.cancel()
             await asyncio.gather(self._events_task, return_exceptions=True)
-        if self.http is not None:
-            await self.http.close()
+        await self.vllm.close()
         if self.sessions is not None:
             await self.sessions.close()
         if self.transfer is not None:
@@ -332,10 +316,12 @@ class VllmEngine(ServingEngine):
     def _salt(self, request: GenerateRequest) -> str:
         return request.tenant if request.salt is None else request.salt
 
-    def _keys(self, request: GenerateRequest, answer: list[int] = (), known: list[bytes] = ()) -> list[bytes]:
+    def _keys(
+        self, request: GenerateRequest, answer: Sequence[int] = (), known: Sequence[BlockKey] = ()
+    ) -> list[BlockKey]:
         """The prompt's full blocks (and ``answer``'s after it) as the connector keys them; ``known``:
         the prompt's, hashed before."""
-        namespace = self.space.namespace.model_copy(update={"tenant_salt": self._salt(request)})
+        namespace = self._space.namespace.model_copy(update={"tenant_salt": self._salt(request)})
         return block_keys(namespace, [*request.tokens, *answer], known=known)
 
     def change_session(self, command: SessionCommand) -> None:
@@ -346,7 +332,7 @@ class VllmEngine(ServingEngine):
 
     def _body(self, request: GenerateRequest, stream: bool) -> dict:
         salt = self._salt(request)
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": request.tokens,
             "max_tokens": request.max_tokens,
@@ -367,38 +353,14 @@ class VllmEngine(ServingEngine):
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def _post(self, body: dict) -> aiohttp.ClientResponse:
-        """vLLM's answer, its status checked: 400 is the request's fault, anything else the server's."""
-        try:
-            resp = await self.http.post(self.url + "/v1/completions", json=body)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise VllmUnavailable(f"vLLM at {self.url}: {exc or type(exc).__name__}") from None
-        if resp.status == 200:
-            return resp
-        text = await resp.text()
-        resp.release()
-        try:
-            message = json.loads(text)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = text[:500]
-        if resp.status == 400:
-            raise RequestRejected(f"vLLM refused the request: {message}")
-        if resp.status == 503:
-            raise EngineBusy(f"vLLM at {self.url} is busy: {message}")
-        raise VllmUnavailable(f"vLLM at {self.url} answered {resp.status}: {message}")
-
-    async def _complete(self, body: dict) -> dict:
-        async with await self._post(body) as resp:
-            return await resp.json()
-
     async def _one_event(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         """A one-token request, asked whole: its event has the final figures (and, for a prefill with
         a handoff, where the prompt's blocks are)."""
         started = time.perf_counter()
-        reply = await self._complete(self._body(request, stream=False))
+        reply = await self.vllm.complete(self._body(request, stream=False))
         choice = reply["choices"][0]
         token = choice["token_ids"][0]
-        elapsed, bs = time.perf_counter() - started, self.space.namespace.block_size
+        elapsed, bs = time.perf_counter() - started, self._space.namespace.block_size
         stats = _prefill_stats(
             request, reply.get("usage") or {}, reply.get("kv_transfer_params"), elapsed, bs, self.node
         )
@@ -416,8 +378,10 @@ class VllmEngine(ServingEngine):
         """The first token as soon as it comes; later ones one behind, so that the last carries the
         finish reason and the reuse figures of the usage chunk that follows it."""
         started, first_s = time.perf_counter(), 0.0
-        index, held, usage, finish = 0, None, {}, None
-        async with await self._post(self._body(request, stream=True)) as resp:
+        index, finish = 0, None
+        held: TokenEvent | None = None
+        usage: dict = {}
+        async with await self.vllm.post(self._body(request, stream=True)) as resp:
             async for line in resp.content:
                 data = line.strip().removeprefix(b"data: ")
                 if not data or data == b"[DONE]":
@@ -446,7 +410,7 @@ class VllmEngine(ServingEngine):
                         held = None
         if held is None:
             raise VllmUnavailable(f"vLLM at {self.url} ended the answer without its last token")
-        elapsed, bs = first_s or time.perf_counter() - started, self.space.namespace.block_size
+        elapsed, bs = first_s or time.perf_counter() - started, self._space.namespace.block_size
         stats = _prefill_stats(request, usage, None, elapsed, bs, self.node)
         yield held.model_copy(update={"finish_reason": finish or "length", "stats": stats})
 
@@ -502,18 +466,3 @@ def _scores(logprobs: dict | None, i: int) -> dict:
         (TokenLogprob(token=token_id(name), logprob=lp) for name, lp in top.items()), key=lambda a: -a.logprob
     )
     return {"logprob": logprobs["token_logprobs"][i], "top_logprobs": alternatives}
-
-
-async def _num_kv_blocks(http: aiohttp.ClientSession, url: str) -> int:
-    """The instance's KV blocks (vLLM's ``cache_config_info`` metric)."""
-    async with http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
-    if not found:
-        log.warning(
-            "vllm worker: %s/metrics has no num_gpu_blocks; what vLLM caches is not reported, so "
-            "routing cannot prefer it",
-            url,
-        )
-        return 0
-    return int(found.group(1))
