@@ -76,6 +76,9 @@ SWEEP_S = 0.25  # how often the leader looks for silent members: a dead one goes
 # the longest turn its own gates allow (a 10^8-block index's busy turns made dead nodes linger)
 STALL_GRACE_S = 1.0
 TERM_READY_S = 5.0  # how long a registration waits for a new term's liveness to be loaded
+# how long a gone member's TTL is remembered (``ttl_of``): at least twice the TTL, past the object map
+# keeper's move of its slots (at most its TTL after it went); then forgotten, so ids do not pile up
+TTLS_KEPT_S = 3600.0
 
 
 class LeaseExpiredError(Exception):
@@ -102,6 +105,7 @@ class Liveness:
         self._kept: dict[str, _Kept] = {}
         self._doomed: dict[str, int] = {}  # node -> the id whose records are to be deleted (retried)
         self._ttls: dict[str, int] = {}  # node -> its latest registration's TTL (kept past its expiry)
+        self._gone: dict[str, float] = {}  # node -> when its records were deleted (its TTL forgotten later)
         self._changing = asyncio.Lock()  # a registration and the deletion of a member's records
         self._ready = asyncio.Event()  # set while this conductor leads and its term is loaded
         self._task: asyncio.Task | None = None
@@ -232,12 +236,17 @@ class Liveness:
                 try:
                     await self._delete(list(doomed))
                     self.expired += len(doomed)
+                    self._gone |= dict.fromkeys(doomed, now)
                 except FencedError:  # deposed meanwhile: the next leader expires them
                     pass
                 except Exception as exc:
                     self._doomed = doomed | self._doomed  # tried again at the next sweep
                     if not isinstance(exc, MetadataUnavailableError):
                         raise  # logged by the loop
+        for node, at in list(self._gone.items()):
+            if now - at > max(TTLS_KEPT_S, 2 * self._ttls.get(node, 0)):
+                del self._gone[node]
+                self._ttls.pop(node, None)
 
     async def _delete(self, nodes: list[str]) -> None:
         ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS, RELAYED)]
@@ -264,6 +273,7 @@ class Liveness:
         node = info.node_id.encode()
         async with self._changing:
             self._doomed.pop(info.node_id, None)  # its new records must not be deleted for the old
+            self._gone.pop(info.node_id, None)
             liveness = json.dumps({"lease": lease, "ttl": ttl}).encode()
             await self.meta.commit(
                 [Put(MEMBERS + node, record, self.backstop), Put(LIVENESS + node, liveness, self.backstop)],
@@ -326,4 +336,5 @@ class Liveness:
                 return False
             del self._kept[node]
             await self._delete([node])
+            self._gone[node] = time.monotonic()
         return True

@@ -193,6 +193,31 @@ async def test_a_silent_nodes_slots_move_no_sooner_than_its_ttl_after_it_went(me
         await leader.close()
 
 
+async def test_a_gone_members_ttl_is_forgotten_twice_its_ttl_after_it_went(meta, monkeypatch):
+    """``ttl_of`` remembers a member past its expiry (the keeper's slot move waits for it), then forgets
+    it: a fleet whose members come and go under new names does not pile their TTLs up."""
+    from tiercake.conductor import liveness
+
+    monkeypatch.setattr(liveness, "TTLS_KEPT_S", 0.0)  # only the 2 x TTL floor is left
+    leader = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    try:
+        silent, left = f"silent-{uuid.uuid4().hex[:6]}", f"left-{uuid.uuid4().hex[:6]}"
+        await leader.register(_member(silent), ttl=1)
+        left_lease = await leader.register(_member(left), ttl=1)
+        await leader.leave(left, left_lease)
+        went = time.monotonic()
+        while silent in leader.members.members:
+            await asyncio.sleep(0.05)
+        expired = time.monotonic()
+        assert leader.liveness.ttl_of(silent) == 1 and leader.liveness.ttl_of(left) == 1  # kept past going
+        while leader.liveness.ttl_of(silent) or leader.liveness.ttl_of(left):
+            assert time.monotonic() - went < 10
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - expired >= 2 - 0.3  # not before twice its TTL
+    finally:
+        await leader.close()
+
+
 async def test_a_backstop_lost_under_a_live_leader_is_replaced_and_members_register_again(meta):
     conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
     try:
