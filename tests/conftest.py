@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import shm_file
 
 from tiercake.blocks import BlockLayout
 from tiercake.policies import LRU
@@ -34,7 +35,7 @@ LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=16, block_size=16)  # 4 KiB 
 
 @pytest.fixture
 def shm_path():
-    path = Path(f"/dev/shm/tiercake-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    path = shm_file(f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     yield path
     remove_pool(path)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from conftest import Processes
+from paths import shm_file
 
 from tiercake.kvstore import AsyncStore
 from tiercake.tiers.pool import remove_pool
@@ -97,7 +98,7 @@ class KvCluster:
     def config(self, name: str) -> Path:
         path = self.tmp / f"{name}.yaml"
         if not path.exists():
-            pool = self.pools.setdefault(name, f"/dev/shm/tiercake-kv-{uuid.uuid4().hex[:12]}")
+            pool = self.pools.setdefault(name, str(shm_file(f"kv-{uuid.uuid4().hex[:12]}")))
             ssd = f"    - {{kind: ssd, capacity: {self.ssd}, path: {self.tmp / name / 'ssd'}}}\n" if self.ssd else ""
             path.write_text(
                 f"node_id: {name}\n"

@@ -30,6 +30,8 @@ import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from paths import shm_file
+
 from tiercake.kvstore.as_mooncake import PATH as SHIM
 from tiercake.tiers.pool import remove_pool
 
@@ -125,7 +127,7 @@ class TiercakeCluster:
         self.procs: list[subprocess.Popen] = []
         info = self._start(["conductor", "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"], self.logs[0])
         self.url = info["url"]
-        self.pools = [f"/dev/shm/tiercake-conformance-{uuid.uuid4().hex[:8]}" for _ in range(self.NODES)]
+        self.pools = [str(shm_file(f"conformance-{uuid.uuid4().hex[:8]}")) for _ in range(self.NODES)]
         for i, pool in enumerate(self.pools):
             config = work / f"node{i}.yaml"
             config.write_text(

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from paths import shm_file
+
 
 def k(i: int) -> bytes:
     return i.to_bytes(4, "big") * 8
@@ -35,7 +37,7 @@ def ssd_node_config(tmp_path, name: str, conductor: str) -> str:
 
 
 def pool_path(name: str) -> Path:
-    return Path(f"/dev/shm/tiercake-proc-test-{name}-{os.getpid()}")
+    return shm_file(f"proc-test-{name}-{os.getpid()}")
 
 
 def pool_node_config(tmp_path, name: str, pool: str = "256MiB", transports: str = "") -> str:

@@ -2,8 +2,19 @@
 package they test, so ``__file__`` arithmetic is kept here, once). Nothing outside the repository:
 a test makes the data it needs."""
 
+import os
+import uuid
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 README = ROOT / "README.md"
+
+# This run's mark, in the name of every /dev/shm file its tests make (xdist's workers and every process
+# a test starts inherit it): the shm guard removes what this run left, never another run's pools
+SUITE = os.environ.setdefault("TIERCAKE_TEST_SUITE", uuid.uuid4().hex[:8])
+
+
+def shm_file(what: str) -> Path:
+    """A /dev/shm path for a test's pool, marked as this run's (``what`` makes it unique)."""
+    return Path(f"/dev/shm/tiercake-{SUITE}-{what}")

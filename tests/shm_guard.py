@@ -1,8 +1,10 @@
 """Nothing the suite starts may leave a file in /dev/shm: what /dev/shm holds at the session's end
 that it did not hold at its start, and that no live process has open or mapped, fails the run (once
 every test, on every xdist worker, is done), and is named and removed so that the next run starts
-clean. A file some process still uses is not a leftover of this suite's: another suite's, or a
-service's (two suites on one machine must not remove each other's pools)."""
+clean. Only this run's files count: tiercake's pools the tests name carry the run's mark
+(``paths.SUITE``), and a tiercake pool without it is another run's, kept for a node it will restart
+(two suites on one machine must not remove each other's pools); others (torch's, vLLM's) count
+unless a live process still uses them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from paths import SUITE
 
 SHM = Path("/dev/shm")
 _before: set[str] = set()
@@ -29,7 +32,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     from tiercake.up_state import inodes_in_use
 
-    new = set(os.listdir(SHM)) - _before
+    new = {n for n in set(os.listdir(SHM)) - _before if this_runs(n)}
     used = inodes_in_use(SHM) if new else set()
     left = sorted(n for n in new if _inode(SHM / n) not in used)
     if not left:
@@ -40,6 +43,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for name in left:
         (SHM / name).unlink(missing_ok=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def this_runs(name: str) -> bool:
+    """Whether a new /dev/shm file may be this run's: tiercake's only with the run's mark."""
+    return SUITE in name or not name.startswith("tiercake-")
 
 
 def _inode(path: Path) -> int | None:

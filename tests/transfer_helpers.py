@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from paths import shm_file
 
 from tiercake.tiers import PoolBackend, PoolRegion, SsdFilesBackend, Tier, TieredStore
 from tiercake.transfer import TransferServer
@@ -22,7 +23,7 @@ def payload(i: int, nbytes: int) -> torch.Tensor:
 
 
 async def start_node(node_id: str, pool_bytes: int = 8 << 20, ssd_dir: Path | None = None, **kw):
-    path = f"/dev/shm/tiercake-test-{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    path = str(shm_file(f"test-{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"))
     tiers = [Tier(PoolBackend(PoolRegion.create(path, pool_bytes)))]
     if ssd_dir is not None:
         tiers.append(Tier(SsdFilesBackend(ssd_dir, capacity_bytes=64 << 20)))

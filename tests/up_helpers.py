@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import aiohttp
+from paths import shm_file
 
 from tiercake.conductor.client import Client
 from tiercake.conductor.etcd_process import free_port
@@ -16,7 +17,7 @@ from tiercake.up import UpProcess
 class UpCluster(UpProcess):
     def __init__(self, tmp, serving: str = "", args: list[str] = (), token: str | None = "", extra: str = ""):
         port = free_port()
-        self.pool = Path(f"/dev/shm/tiercake-serving-{os.getpid()}-{port}")
+        self.pool = shm_file(f"serving-{os.getpid()}-{port}")
         config = tmp / "cluster.yaml"
         config.write_text(
             "node_id: test-node\n"

@@ -29,7 +29,8 @@ def block(i: int) -> torch.Tensor:
 
 
 async def serve(secret: bytes) -> None:
-    path = f"/dev/shm/tiercake-version-peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    suite = os.environ.get("TIERCAKE_TEST_SUITE", "peer")  # the suite's mark (tests/paths.py), inherited
+    path = f"/dev/shm/tiercake-{suite}-version-peer-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     store = await TieredStore([Tier(PoolTier(PoolRegion.create(path, 16 << 20)))]).open()
     server = await TransferServer(store, secret, "peer-node").start()
     print(json.dumps({"port": server.address[1], "version": p.VERSION}), flush=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Processes
+from paths import shm_file
 
 from tiercake.blocks import object_id, object_slot
 from tiercake.kvstore import AsyncStore, Durability, ObjectNotFound, TransferFailed
@@ -31,7 +32,7 @@ def node_config(tmp: Path, name: str, conductor: str, host: str) -> Path:
     path.write_text(
         f"node_id: {name}\n"
         "store:\n  layout: null\n  tiers:\n"
-        f"    - {{kind: pool, capacity: 64MiB, path: /dev/shm/tiercake-part-{uuid.uuid4().hex[:12]}}}\n"
+        f"    - {{kind: pool, capacity: 64MiB, path: {shm_file(f'part-{uuid.uuid4().hex[:12]}')}}}\n"
         f"conductor: {{urls: [{conductor}], member_ttl: 1}}\n"
         "objects: {failover_s: 2, bootstrap_s: 0.5, lease_ttl_s: 1}\n"
         f"transfer: {{host: {host}}}\n"

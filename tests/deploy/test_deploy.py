@@ -15,7 +15,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from paths import ROOT
+from paths import ROOT, shm_file
 from pydantic import ByteSize, TypeAdapter
 
 from tiercake.config import TiercakeConfig
@@ -601,7 +601,7 @@ async def test_the_dev_overlay_runs_as_processes(rendered, tmp_path):
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "api-keys.yaml").write_text(secret["api-keys.yaml"])
     _, raw = config_of(docs)
-    pool = f"/dev/shm/tiercake-deploy-test-{os.getpid()}"
+    pool = str(shm_file(f"deploy-test-{os.getpid()}"))
     etcd = EtcdCluster(tmp_path / "etcd").start()
     ports = {name: free_port() for name in ("control", "api", "transfer", "metrics")}
     raw["store"]["tiers"][0]["path"] = pool

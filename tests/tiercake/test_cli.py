@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import yaml
+from paths import shm_file
 from up_helpers import left_in_shm
 
 from tiercake.tiers.pool import remove_pool
@@ -68,11 +69,11 @@ def test_version():
 
 @pytest.mark.cluster
 def test_demo_twice_finds_its_ssd_blocks(tmp_path):
-    config = tmp_path / "c.yaml"
+    config, pool = tmp_path / "c.yaml", shm_file(f"cli-test-{os.getpid()}")
     config.write_text(
         "store:\n  tiers:\n"
         "    - {kind: gpu, capacity: 512KiB, device: cpu}\n"
-        f"    - {{kind: pool, capacity: 1MiB, path: /dev/shm/tiercake-cli-test-{os.getpid()}}}\n"
+        f"    - {{kind: pool, capacity: 1MiB, path: {pool}}}\n"
         f"    - {{kind: ssd, capacity: 64MiB, path: {tmp_path / 'ssd'}}}\n"
     )
     try:
@@ -83,7 +84,7 @@ def test_demo_twice_finds_its_ssd_blocks(tmp_path):
         assert second.returncode == 0, second.stderr
         assert "the ssd tier still holds" in second.stdout
     finally:
-        remove_pool(f"/dev/shm/tiercake-cli-test-{os.getpid()}")
+        remove_pool(pool)
 
 
 @pytest.mark.cluster

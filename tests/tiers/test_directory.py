@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import shm_file
 
 from tiercake.tiers.directory import DirectoryReader, ObjectDirectory, ordered_memory
 
@@ -21,7 +22,7 @@ OID = bytes(range(32))
 
 @pytest.fixture
 def path():
-    p = Path(f"/dev/shm/tiercake-test-dir-{uuid.uuid4().hex[:12]}")
+    p = shm_file(f"test-dir-{uuid.uuid4().hex[:12]}")
     yield p
     p.unlink(missing_ok=True)
 

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 import torch
+from paths import shm_file
 from transfer_helpers import SECRET, authenticated_socket, closed, payload, raw_frame, read_frame
 
 from tiercake.policies import LRU, SessionAware
@@ -24,7 +25,7 @@ BLOCK = 64 * KB
 @pytest.fixture
 async def session_node(tmp_path):
     """A node whose 4-block pool is session-aware (LRU among blocks of no session) over an SSD."""
-    path = f"/dev/shm/tiercake-test-sessions-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    path = str(shm_file(f"test-sessions-{os.getpid()}-{uuid.uuid4().hex[:6]}"))
     policy = SessionAware(LRU(), max_sessions=5_000)  # a table smaller than one flood below
     pool = Tier(PoolBackend(PoolRegion.create(path, 4 * BLOCK)), eviction=policy, high_watermark=1.0)
     store = await TieredStore([pool, Tier(SsdFilesBackend(tmp_path / "ssd", capacity_bytes=8 << 20))]).open()
@@ -125,7 +126,7 @@ def test_a_notice_checks_its_numbers():
 async def test_a_demoted_session_is_staged_back_into_the_pool_just_before_its_announced_resume(tmp_path):
     """Demoted to SSD while another session computes, a paused session announced back in 1.5 s is in
     the pool again about ``lead`` before that, read from memory by its next turn."""
-    path = f"/dev/shm/tiercake-test-prefetch-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    path = str(shm_file(f"test-prefetch-{os.getpid()}-{uuid.uuid4().hex[:6]}"))
     pool = Tier(PoolBackend(PoolRegion.create(path, 8 * BLOCK)), eviction=SessionAware(LRU()), high_watermark=1.0)
     ssd = Tier(SsdFilesBackend(tmp_path / "ssd", capacity_bytes=8 << 20))
     store = await TieredStore([pool, ssd], session_prefetch_lead_s=0.5).open()
@@ -168,7 +169,7 @@ async def test_retained_kv_is_found_in_the_tier_it_was_demoted_to_until_its_rete
     """Pool and SSD both session-aware: a paused session pushed out of the pool is found on SSD while
     its retention lasts; once it has ended, its blocks are the first the full SSD lets go, while a
     session still retained stays."""
-    path = f"/dev/shm/tiercake-test-retain-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    path = str(shm_file(f"test-retain-{os.getpid()}-{uuid.uuid4().hex[:6]}"))
     policy = SessionAware(LRU(), max_sessions=5_000)
     pool = Tier(PoolBackend(PoolRegion.create(path, 4 * BLOCK)), eviction=policy, high_watermark=1.0)
     ssd = Tier(

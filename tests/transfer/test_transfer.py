@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from paths import shm_file
 from transfer_helpers import (
     SECRET,
     authenticated_socket,
@@ -580,7 +581,7 @@ async def test_shm_follows_a_node_agent_that_restarted_with_a_new_pool_at_the_sa
     from tiercake.tiers import PoolBackend, PoolRegion, Tier, TieredStore
     from tiercake.transfer import TransferServer
 
-    path = f"/dev/shm/tiercake-test-restart-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    path = str(shm_file(f"test-restart-{os.getpid()}-{uuid.uuid4().hex[:6]}"))
 
     async def node(port: int = 0):
         store = await TieredStore([Tier(PoolBackend(PoolRegion.create(path, 4 << 20)))]).open()

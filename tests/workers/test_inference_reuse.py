@@ -10,6 +10,7 @@ import uuid
 import pytest
 import torch
 from conductor_helpers import running_conductor
+from paths import shm_file
 from transfer_helpers import SECRET
 
 from tiercake.blocks import Namespace
@@ -48,7 +49,7 @@ class Cluster:
     async def node(self, name: str, pool: bool = True, ssd: bool = False):
         tiers, caps = [], {}
         if pool:
-            path = f"/dev/shm/tiercake-test-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            path = str(shm_file(f"test-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"))
             self.shm.append(path)
             tiers.append(Tier(PoolBackend(PoolRegion.create(path, 4 << 20))))
             caps["pool"] = 4 << 20

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import torch
 import yaml
+from paths import shm_file
 
 from tiercake.bench.vllm import conversation_prompts, own_cache_hits, vllm_counter
 from tiercake.bench.vllm_requests import held_and_cold
@@ -62,7 +63,7 @@ def tiercake_config(root: Path, model: Path | None = None) -> TiercakeConfig:
                     {
                         "kind": "pool",
                         "capacity": "64MiB",
-                        "path": f"/dev/shm/tiercake-vllm-test-{uuid.uuid4().hex[:12]}",
+                        "path": str(shm_file(f"vllm-test-{uuid.uuid4().hex[:12]}")),
                     },
                     {"kind": "ssd", "capacity": "256MiB", "path": str(root / "ssd")},
                 ],
