@@ -151,6 +151,7 @@ class ObjectMapKeeper:
         self.ttl_of = ttl_of
         self._first_node_at: float | None = None
         self.map = ObjectMap()
+        self._stored = (0, 0)  # (revision, epoch) of the newest map seen stored: a keep-alive's epoch check
         self._absent: dict[str, float] = {}  # chain member -> monotonic time it was first seen absent
         self._lock = asyncio.Lock()  # one writer of the map in this conductor
         self._tasks: list[asyncio.Task] = []
@@ -188,6 +189,7 @@ class ObjectMapKeeper:
         if kv is not None:
             self.map = ObjectMap.model_validate_json(kv.value)
             revision = kv.mod_revision
+            self._stored = (revision, self.map.epoch)
         else:
             _, revision = await self.meta.range(OBJECT_MAP)
         loop = asyncio.get_running_loop()
@@ -206,6 +208,7 @@ class ObjectMapKeeper:
     def _apply(self, event: WatchEvent) -> None:
         if event.kind == "put" and event.key == OBJECT_MAP:
             seen = ObjectMap.model_validate_json(event.value)
+            self._stored = max(self._stored, (event.revision, seen.epoch))
             if seen.epoch >= self.map.epoch:
                 self.map = seen
                 self.changed.set()
@@ -256,7 +259,14 @@ class ObjectMapKeeper:
         """The epoch of the map in the backend now (0: none yet): what a follower's copy, which a
         watch brings, may lag behind."""
         kv = await self.meta.get(OBJECT_MAP)
-        return ObjectMap.model_validate_json(kv.value).epoch if kv is not None else 0
+        if kv is None:
+            return 0
+        revision, epoch = self._stored
+        if kv.mod_revision and kv.mod_revision == revision:
+            return epoch  # the map this conductor parsed already (a follower's keep-alives ask often)
+        epoch = ObjectMap.model_validate_json(kv.value).epoch
+        self._stored = max(self._stored, (kv.mod_revision, epoch))
+        return epoch
 
     async def seed(self, offered: ObjectMap) -> bool:
         """A node's last map, offered to a conductor that has none (its backend forgot it): taken
@@ -305,7 +315,8 @@ class ObjectMapKeeper:
             return released
 
     async def _write(self, nxt: ObjectMap) -> None:
-        await self.meta.commit([Put(OBJECT_MAP, nxt.model_dump_json().encode())], guard=self.guard)
+        revision = await self.meta.commit([Put(OBJECT_MAP, nxt.model_dump_json().encode())], guard=self.guard)
+        self._stored = max(self._stored, (revision, nxt.epoch))
         self.map = nxt
         self.changed.set()
         self.changed = asyncio.Event()

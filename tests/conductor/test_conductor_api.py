@@ -809,7 +809,11 @@ async def test_a_followers_keep_alive_answer_names_the_stored_map_epoch_even_whe
         await leader.meta.put(OBJECT_MAP, ObjectMap(epoch=stale + 7).model_dump_json().encode())
         async with Client([follower.url], token="peer-token", retries=1) as only_follower:
             answer = await only_follower.keep_alive("n", lease)  # relayed
-        assert follower.objects.map.epoch == stale and answer.objects_epoch == stale + 7
+            assert follower.objects.map.epoch == stale and answer.objects_epoch == stale + 7
+            again = await only_follower.keep_alive("n", lease)  # the same stored map: parsed once
+            await leader.meta.put(OBJECT_MAP, ObjectMap(epoch=stale + 9).model_dump_json().encode())
+            newer = await only_follower.keep_alive("n", lease)  # a newer one: read anew
+        assert again.objects_epoch == stale + 7 and newer.objects_epoch == stale + 9
 
 
 async def test_a_member_that_left_takes_its_metric_series_with_it(api):
