@@ -559,20 +559,21 @@ class ObjectTable:
         best: dict[BlockKey, tuple[Record, bytes]] = {}
         stale: list[bytes] = []
         for block in self.store.keys():
-            entry = self.store._entries.get(block)
-            if entry is None or not is_object_tenant(entry.meta.tenant):
+            stored = self.store.stored_as(block)
+            if stored is None or not is_object_tenant(stored[0]):
                 continue
+            nbytes = stored[1]
             try:
                 record = Record.decode(await self._head(block))
             except (RecordError, StoreError) as exc:
                 log.warning("objects: block %s is not a readable object record (%s); removed", block.hex()[:16], exc)
                 stale.append(block)
                 continue
-            if entry.nbytes != record.offset + record.size:
+            if nbytes != record.offset + record.size:
                 log.warning(
                     "objects: block %s is %d bytes, its record says %d; removed",
                     block.hex()[:16],
-                    entry.nbytes,
+                    nbytes,
                     record.offset + record.size,
                 )
                 stale.append(block)

@@ -168,6 +168,11 @@ class TieredStore(StoreRemoval, StoreEviction):
         entry = self._entries.get(key)
         return b"" if entry is None else entry.seal
 
+    def stored_as(self, key: bytes) -> tuple[str, int] | None:
+        """The tenant ``key``'s block was stored for and its size (None: no such block)."""
+        entry = self._entries.get(key)
+        return None if entry is None else (entry.meta.tenant, entry.nbytes)
+
     def where(self, key: bytes) -> list[str]:
         """Names of the tiers holding a committed copy, fastest first; [] when absent."""
         entry = self._entries.get(key)

@@ -214,9 +214,9 @@ class UcxTransport(TcpTransport):
         if state is None:
             same_host = peer.info is not None and peer.info.boot_id == p.boot_id()
             key = p.credential(conn.secret).key
-            async with conn._request() as request:
+            async with conn.request() as request:
                 await send_frame(conn.sock, Op.UCX_HELLO, request, bytes([same_host]) + seal(key, worker_address()))
-                body = await conn._reply(request, Op.UCX_HELLO)
+                body = await conn.reply(request, Op.UCX_HELLO)
                 ep = await endpoint_to(unseal(key, bytes(body[4:])), same_host)
             state = (ep, int.from_bytes(body[:4], "little"))
             conn.ucx = state
@@ -227,10 +227,10 @@ class UcxTransport(TcpTransport):
         staged = [_host(it.dst) for it in items]
         async with peer.remote.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
-            async with conn._request() as request:
+            async with conn.request() as request:
                 body = p.encode_read([(it.key, size_of(it.dst)) for it in items])
                 await send_frame(conn.sock, Op.READ, request, body, p.FLAG_UCX)
-                replies = p.decode_read_reply(await conn._reply(request, Op.READ_REPLY))
+                replies = p.decode_read_reply(await conn.reply(request, Op.READ_REPLY))
                 check_count(replies, items)
                 receives = []
                 for i, ((target, _), reply) in enumerate(zip(staged, replies)):
@@ -254,10 +254,10 @@ class UcxTransport(TcpTransport):
         sources = [host_bytes(it.src) for it in items]
         async with peer.remote.connection() as conn:
             ep, connection = await self._endpoint(conn, peer)
-            async with conn._request() as request:
+            async with conn.request() as request:
                 table = p.encode_write([it.item(s.size) for it, s in zip(items, sources)])
                 await send_frame(conn.sock, Op.WRITE, request, table, p.FLAG_UCX)
-                ready = p.decode_lease_reply(await conn._reply(request, Op.WRITE_READY))
+                ready = p.decode_lease_reply(await conn.reply(request, Op.WRITE_READY))
                 check_count(ready, items)
                 await asyncio.gather(
                     *(
@@ -266,5 +266,5 @@ class UcxTransport(TcpTransport):
                         if r.status is Status.OK
                     )
                 )
-                done = p.decode_statuses(await conn._reply(request, Op.WRITE_DONE))
+                done = p.decode_statuses(await conn.reply(request, Op.WRITE_DONE))
         return write_results(ready, done, peer.node_id)
