@@ -43,6 +43,7 @@ class KvCluster:
         start: bool = True,
         metrics: bool = False,
         member_ttl: float = 1.0,
+        slots: int | None = None,
     ) -> None:
         """``metrics``: each node agent serves /metrics (its URL in ``announced[name]``); ``member_ttl``:
         the node agents' lease (short: the faults' tests wait less for a node to be gone)."""
@@ -53,7 +54,8 @@ class KvCluster:
         self.lease_ttl_s = lease_ttl_s
         self.member_ttl = member_ttl
         self.objects = (
-            f"{{failover_s: {failover_s}, lease_ttl_s: {lease_ttl_s}, bootstrap_s: 0.5, replicas_max: {replicas_max}}}"
+            f"{{failover_s: {failover_s}, lease_ttl_s: {lease_ttl_s}, bootstrap_s: 0.5, replicas_max: {replicas_max}"
+            + (f", slots: {slots}}}" if slots else "}")
         )
         self.etcd = etcd
         self.conductors = []
