@@ -28,8 +28,8 @@ MAX_ROUNDS = 4  # a read needs at most three (its shard, shard 0, the overlappin
 
 
 class ParallelCalls:
-    if TYPE_CHECKING:  # what the calls stand on, given by the classes below them: the store
-        # (``sync.DistributedStore``: registered memory, puts and gets) and ``TensorCalls`` (packing)
+    if TYPE_CHECKING:  # what the calls stand on, given by the store below them (``sync.DistributedStore``:
+        # registered memory, puts and gets)
 
         def _memory(self, ptr: int, size: int) -> np.ndarray: ...
 
@@ -44,19 +44,6 @@ class ParallelCalls:
         ) -> list[int]: ...
 
         def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
-
-        def _put_packed(
-            self,
-            keys: list[str],
-            tensors: list,
-            config: ReplicateConfig | None,
-            *,
-            upsert: bool,
-            parts: list | None = None,
-            groups: bool = True,
-        ) -> list[int]: ...
-
-        def _tensors_in(self, keys, buffer_ptrs, sizes) -> tuple[list, list[int]]: ...
 
     # Writes -------------------------------------------------------------------------------------
 
@@ -164,6 +151,49 @@ class ParallelCalls:
         return out
 
     # Plumbing -----------------------------------------------------------------------------------
+
+    def _put_packed(
+        self,
+        keys: list[str],
+        tensors: list,
+        config: ReplicateConfig | None,
+        *,
+        upsert: bool,
+        parts: list | None = None,
+        groups: bool = True,
+    ) -> list[int]:
+        from .tensors import pack
+
+        if len(keys) != len(tensors):
+            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        packed: list[np.ndarray | None] = []
+        codes: list[int] = []
+        for i, tensor in enumerate(tensors):
+            try:
+                packed.append(pack(tensor, parts[i] if parts is not None else None))
+                codes.append(0)
+            except (InvalidParams, RuntimeError, TypeError) as exc:
+                log.warning("kvstore: %r: %s", keys[i], exc)
+                packed.append(None)
+                codes.append(int(ErrorCode.INVALID_PARAMS))
+        views = ([p for p in packed], codes)
+        return self._put_views(keys, views, config, upsert=upsert, groups=groups)
+
+    def _tensors_in(self, keys, buffer_ptrs, sizes) -> tuple[list, list[int]]:
+        from .tensors import unpack
+
+        views, codes = self._memories(keys, buffer_ptrs, sizes)
+        tensors = []
+        for i, view in enumerate(views):
+            tensor = None
+            if view is not None:
+                try:
+                    tensor = unpack(view)[1]
+                except InvalidParams as exc:
+                    log.warning("kvstore: %r: the buffer holds no packed tensor: %s", keys[i], exc)
+                    codes[i] = int(ErrorCode.INVALID_PARAMS)
+            tensors.append(tensor)
+        return tensors, codes
 
     def _write_parallel(
         self, keys, tensors, parallelisms, config, partitions, *, upsert: bool, codes: list[int] | None = None

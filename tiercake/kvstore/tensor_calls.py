@@ -251,33 +251,6 @@ class TensorCalls(ParallelCalls):
             return None
         return tensor
 
-    def _put_packed(
-        self,
-        keys: list[str],
-        tensors: list,
-        config: ReplicateConfig | None,
-        *,
-        upsert: bool,
-        parts: list | None = None,
-        groups: bool = True,
-    ) -> list[int]:
-        from .tensors import pack
-
-        if len(keys) != len(tensors):
-            return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        packed: list[np.ndarray | None] = []
-        codes: list[int] = []
-        for i, tensor in enumerate(tensors):
-            try:
-                packed.append(pack(tensor, parts[i] if parts is not None else None))
-                codes.append(0)
-            except (InvalidParams, RuntimeError, TypeError) as exc:
-                log.warning("kvstore: %r: %s", keys[i], exc)
-                packed.append(None)
-                codes.append(int(ErrorCode.INVALID_PARAMS))
-        views = ([p for p in packed], codes)
-        return self._put_views(keys, views, config, upsert=upsert, groups=groups)
-
     def _put_shards(
         self, keys: list[str], tensors: list, config: ReplicateConfig | None, parts: int, dim: int, *, upsert: bool
     ) -> list[int]:
@@ -318,22 +291,6 @@ class TensorCalls(ParallelCalls):
                 codes[i] = int(ErrorCode.INVALID_PARAMS)
                 views[i] = None
         return self._put_views(keys, (views, codes), None, upsert=upsert)
-
-    def _tensors_in(self, keys, buffer_ptrs, sizes) -> tuple[list, list[int]]:
-        from .tensors import unpack
-
-        views, codes = self._memories(keys, buffer_ptrs, sizes)
-        tensors = []
-        for i, view in enumerate(views):
-            tensor = None
-            if view is not None:
-                try:
-                    tensor = unpack(view)[1]
-                except InvalidParams as exc:
-                    log.warning("kvstore: %r: the buffer holds no packed tensor: %s", keys[i], exc)
-                    codes[i] = int(ErrorCode.INVALID_PARAMS)
-            tensors.append(tensor)
-        return tensors, codes
 
 
 def _code(outcome) -> int:
