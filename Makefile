@@ -5,11 +5,10 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-# The suite's files run in three processes (pytest-xdist), a file's tests together: much of the suite
-# waits on real processes and sockets, so on two cores three workers take 13-14 minutes where two took
-# 15-20 (measured: the suite used 1.65 of the 2 cores with three). The loop below (`check`) computes
-# more than it waits: two workers.
-SUITE_WORKERS ?= 3
+# Test files run in two processes (pytest-xdist), a file's tests together. Three take 13-14 minutes
+# quiet where two take 15-16 (the suite keeps 1.65 of the 2 cores busy with three), but beside a
+# CPU-bound process three failed three tests that two pass (load 7-12: a 401 lost to the reset of a
+# connection closed with its body unread, a lab recovery past 90 s, a 10 ms lease): two it is.
 TEST_WORKERS ?= 2
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -54,7 +53,7 @@ check: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not cluster" $(PYTEST_ARGS)
 
 test: install system-deps
-	$(PY) -m pytest -q -n $(SUITE_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # make run PORT=8090 DATA_DIR=/tmp/c2: a second cluster beside the first
 run: install

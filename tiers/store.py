@@ -746,9 +746,10 @@ class TieredStore(StoreRemoval, StoreEviction):
             self._sweep_leases()
         return lease
 
-    def _sweep_leases(self) -> None:
-        """Forget leases that expired unreleased (a reader that died), and free copies they held."""
-        now = time.monotonic()
+    def _sweep_leases(self, now: float | None = None) -> None:
+        """Forget leases that expired unreleased (a reader that died) by ``now`` (the monotonic clock's
+        now by default), and free copies they held."""
+        now = time.monotonic() if now is None else now
         stale = [lease for lease, copy in self._leases.items() if copy.leases.get(lease, 0.0) <= now]
         orphans = []
         for lease in stale:

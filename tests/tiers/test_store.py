@@ -1,6 +1,7 @@
 """The tiered store's object semantics, spill and promotion, and its refusals."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -491,11 +492,13 @@ async def test_expired_remote_leases_are_swept_and_their_copies_freed(make_store
     store = await make_store(gpu=None, pool=2, ssd=16)
     pool = store.tier("pool")
     await store.put(key(0), block(0))
-    store.acquire_lease(key(0), ttl=0.01)  # a reader that dies without releasing
+    store.acquire_lease(key(0), ttl=30)  # a reader that dies without releasing
     await store._demote(pool, key(0))
-    assert pool.backend.used_bytes == LAYOUT.nbytes
-    await asyncio.sleep(0.05)
+    assert pool.backend.used_bytes == LAYOUT.nbytes  # held for it: not freed with its copy's demotion
     store._sweep_leases()
+    assert pool.backend.used_bytes == LAYOUT.nbytes  # not expired yet
+    store._sweep_leases(now=time.monotonic() + 31)  # its TTL has passed (no wall-clock wait: a busy
+    # machine once let a 10 ms lease run out before the demotion looked at it)
     for _ in range(10):
         await asyncio.sleep(0)
     assert pool.backend.used_bytes == 0 and not store._leases
