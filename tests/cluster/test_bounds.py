@@ -106,17 +106,23 @@ async def _body_held(host: str, port: int, key: str | None, announced: int, sent
             f"Content-Length: {announced}\r\n\r\n"
         ).encode()
     )
+    # the answer read as it comes, while the body is sent: a server that answered early and then gave
+    # up lingering (LINGER_S) resets the connection, and a reset loses what was not read before it
+    answer = asyncio.ensure_future(reader.readline())
     chunk = b" " * MIB
     for start in range(0, sent, MIB):
+        if answer.done():
+            break
         writer.write(chunk[: min(MIB, sent - start)])
         with contextlib.suppress(OSError):
             await writer.drain()
     started = time.monotonic()
     try:
         async with asyncio.timeout(BODY_DEADLINE_S + 10):
-            line = await reader.readline()
+            line = await answer
         return line, time.monotonic() - started
     finally:
+        answer.cancel()
         writer.close()
 
 
