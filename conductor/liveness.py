@@ -105,7 +105,9 @@ class Liveness:
         self._kept: dict[str, _Kept] = {}
         self._doomed: dict[str, int] = {}  # node -> the id whose records are to be deleted (retried)
         self._ttls: dict[str, int] = {}  # node -> its latest registration's TTL (kept past its expiry)
-        self._gone: dict[str, float] = {}  # node -> when its records were deleted (its TTL forgotten later)
+        self._gone: dict[
+            str, float
+        ] = {}  # node -> when its records were deleted, oldest first (its TTL forgotten later)
         self._changing = asyncio.Lock()  # a registration and the deletion of a member's records
         self._ready = asyncio.Event()  # set while this conductor leads and its term is loaded
         self._task: asyncio.Task | None = None
@@ -243,10 +245,12 @@ class Liveness:
                     self._doomed = doomed | self._doomed  # tried again at the next sweep
                     if not isinstance(exc, MetadataUnavailableError):
                         raise  # logged by the loop
-        for node, at in list(self._gone.items()):
-            if now - at > max(TTLS_KEPT_S, 2 * self._ttls.get(node, 0)):
-                del self._gone[node]
-                self._ttls.pop(node, None)
+        while self._gone:  # oldest first (a node comes back to it only after its registration took it out)
+            node, at = next(iter(self._gone.items()))
+            if now - at <= max(TTLS_KEPT_S, 2 * self._ttls.get(node, 0)):
+                break  # every later one went later: a sweep looks at one kept entry, not all of them
+            del self._gone[node]
+            self._ttls.pop(node, None)
 
     async def _delete(self, nodes: list[str]) -> None:
         ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS, RELAYED)]

@@ -107,15 +107,11 @@ class StoreRemoval(StorePart):
             if present.state is State.COMMITTED:
                 return  # already there (written synced, or recovered from the disk)
             raise PutInProgressError(f"block {short_key(key)} is being written to {tier!r} already")
-        source, memory = next(
-            (
-                (entry.copies[i], backend)
-                for i in entry.committed()
-                if isinstance(backend := entry.copies[i].tier.backend, MemoryTierBackend)
-            ),
-            (None, None),
-        )
-        if source is None or memory is None:
+        for i in entry.committed():  # the copy to write down from: one in memory
+            source, memory = entry.copies[i], entry.copies[i].tier.backend
+            if isinstance(memory, MemoryTierBackend):
+                break
+        else:
             raise ObjectNotFoundError(f"block {short_key(key)} has no copy in memory to write down")
         lease = self._lease(source, math.inf)
         try:

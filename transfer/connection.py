@@ -295,7 +295,7 @@ class PeerConnection:
         """Have the peer bring blocks only on its disk into memory; per-item errors (NOT_FOUND, FULL)."""
         return await self._keys_op(Op.STAGE, Op.STAGE_REPLY, keys)
 
-    async def session(self, notice: p.SessionNotice, keys: list[bytes]) -> None:
+    async def session(self, notice: p.SessionNotice, keys: Sequence[bytes]) -> None:
         """Tell the peer's tiers a session's new state (``p.SESSION``); raises ``ItemError`` if refused."""
         async with self._request() as request:
             await send_frame(self.sock, Op.SESSION, request, p.encode_session(notice, keys))

@@ -14,7 +14,7 @@ import asyncio
 import ssl
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -432,7 +432,7 @@ class TransferEngine:
         )
 
     async def session_event(
-        self, node: str, notice: p.SessionNotice, keys: list[bytes], timeout: float | None = None
+        self, node: str, notice: p.SessionNotice, keys: Sequence[bytes], timeout: float | None = None
     ) -> TransferResult:
         """Tell ``node``'s tiers a session's new state with the blocks its next turn reads (their
         eviction policies keep or demote them by it). A peer of an older release is not told (ok,

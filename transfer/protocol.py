@@ -60,6 +60,7 @@ import math
 import os
 import struct
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -251,7 +252,7 @@ def _struct(dtype: np.dtype) -> struct.Struct:
     return struct.Struct("<" + "".join(codes[kind.str.replace("|", "")] for _, kind in _fields(dtype)))
 
 
-def _encode(dtype: np.dtype, rows: list[tuple], blobs: list[bytes]) -> bytes:
+def _encode(dtype: np.dtype, rows: list[tuple], blobs: Sequence[bytes]) -> bytes:
     if len(rows) > MAX_ITEMS:
         raise ValueError(f"a batch holds at most {MAX_ITEMS} items, got {len(rows)}")
     if len(rows) <= SMALL_TABLE:
@@ -442,7 +443,7 @@ def decode_release(body: bytes | bytearray) -> list[tuple[bytes, int]]:
     return [(f[0], lease) for f, lease in zip(fields, records["lease"])]
 
 
-def encode_keys(keys: list[bytes]) -> bytes:
+def encode_keys(keys: Sequence[bytes]) -> bytes:
     """A table of keys alone (DELETE, STAGE)."""
     return _encode(KEYS_DT, [(len(_key(k)),) for k in keys], keys)
 
@@ -469,7 +470,7 @@ class SessionNotice(BaseModel):
 SESSION_HEADER = struct.Struct("<I")
 
 
-def encode_session(notice: SessionNotice, keys: list[bytes]) -> bytes:
+def encode_session(notice: SessionNotice, keys: Sequence[bytes]) -> bytes:
     header = notice.model_dump_json().encode()
     return SESSION_HEADER.pack(len(header)) + header + encode_keys(keys)
 

@@ -17,6 +17,7 @@ import math
 import socket
 import ssl
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -502,7 +503,7 @@ class _Deadline:
         self.moving.pop(self.task, None)
 
 
-def session_event(notice: p.SessionNotice, keys: list[bytes], at: float | None = None) -> SessionEvent:
+def session_event(notice: p.SessionNotice, keys: Sequence[bytes], at: float | None = None) -> SessionEvent:
     """A worker's notice as the tiers' policies take it, timed by this process's monotonic clock."""
     return SessionEvent(
         notice.session,

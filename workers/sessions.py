@@ -59,15 +59,15 @@ class SessionNotifier:
         """``nodes``: where ``transfer`` learns the node's address (and a restarted node's new one);
         None when its owner keeps ``transfer``'s peers itself."""
         self.store, self.transfer, self.node, self.nodes = store, transfer, node, nodes
-        self._queue: asyncio.Queue[tuple[SessionNotice, list[bytes]]] = asyncio.Queue(MAX_QUEUED)
+        self._queue: asyncio.Queue[tuple[SessionNotice, Sequence[bytes]]] = asyncio.Queue(MAX_QUEUED)
         self._sender: asyncio.Task | None = None
-        self._last: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> the blocks it was paused with
+        self._last: OrderedDict[str, Sequence[bytes]] = OrderedDict()  # session -> the blocks it was paused with
         self.sent = self.failed = self.dropped = 0
 
-    def started(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
+    def started(self, session: SessionDirective, tenant: str, keys: Sequence[bytes]) -> None:
         self._tell(started_notice(session, tenant), keys)
 
-    def ended(self, session: SessionDirective, tenant: str, keys: list[bytes]) -> None:
+    def ended(self, session: SessionDirective, tenant: str, keys: Sequence[bytes]) -> None:
         """After the request: paused (its next turn reads ``keys``), or closed."""
         self.remember(session, keys)
         self._tell(ended_notice(session, tenant), [] if session.close else keys)
@@ -78,7 +78,7 @@ class SessionNotifier:
         self._last.pop(session.id, None)
         if session.close:
             return
-        self._last[session.id] = list(keys)
+        self._last[session.id] = keys
         while len(self._last) > MAX_REMEMBERED:
             self._last.popitem(last=False)
 
@@ -91,7 +91,7 @@ class SessionNotifier:
             raise LookupError(f"session {session.id} is not one this worker paused")
         self.ended(session, tenant, keys or [])
 
-    def _tell(self, notice: SessionNotice, keys: list[bytes]) -> None:
+    def _tell(self, notice: SessionNotice, keys: Sequence[bytes]) -> None:
         if self.store is not None:
             self.store.on_session(session_event(notice, keys))
         if self.transfer is None or self.node is None or self.node == self.transfer.node_id:
@@ -114,7 +114,7 @@ class SessionNotifier:
                 self.failed += 1
                 log.info("session notice to %s failed: %s", self.node, result.error)
 
-    async def _deliver(self, notice: SessionNotice, keys: list[bytes]) -> TransferResult:
+    async def _deliver(self, notice: SessionNotice, keys: Sequence[bytes]) -> TransferResult:
         assert self.transfer is not None and self.node is not None
         transfer, node = self.transfer, self.node
         if self.nodes is None:

@@ -152,16 +152,14 @@ class ReferenceEngine(ServingEngine):
         namespace = self._runner.namespace_for(request.salt if request.salt is not None else request.tenant)
         prompt = block_keys(namespace, request.tokens)
         notices = self._notices
-        started: list[bytes] = list(prompt)  # (a list of keys, as the notices hold them)
-        notices.started(session, request.tenant, started)
+        notices.started(session, request.tenant, prompt)
         tokens = list(request.tokens)
         try:
             async for event in self._generate(request):
                 tokens.append(event.token)
                 yield event
         finally:  # the answer's full blocks extend the prompt's chain: only they are hashed
-            ended: list[bytes] = list(block_keys(namespace, tokens, known=prompt))
-            notices.ended(session, request.tenant, ended)
+            notices.ended(session, request.tenant, block_keys(namespace, tokens, known=prompt))
 
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         events = self._batches.generate(request)

@@ -159,7 +159,7 @@ class VllmEngine(ServingEngine):
             events = await self._learn_space(rng, salt)
             mirror = self._follow_events(events) if events is not None else None
             await self._fit(rng, salt)
-            if events is not None and mirror is not None:
+            if mirror is not None and events is not None:  # (one is None exactly when the other is)
                 await self._events_flowing(mirror, events)
         except BaseException:
             await self.close()
