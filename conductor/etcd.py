@@ -229,10 +229,16 @@ class EtcdBackend(MetadataBackend):
     # Watches --------------------------------------------------------------------------------------
 
     async def watch(self, prefix: bytes, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
+        service = _started(self.client.watch)
+        # etcd3aio reconnects a watch cut by a transient error itself, from the last answer's header
+        # revision + 1: past events etcd had not sent yet (a watch's creation answer, and a catching-up
+        # watcher's batches, carry the store's revision ahead of their events), so a member put as a
+        # partition began was never seen by a conductor's view. Here the error ends the watch instead
+        # (MetadataUnavailableError), and ``metadata.follow`` resumes after the last event it applied.
+        setattr(service, "_is_transient_error", _never_resumed)  # noqa: B010 - the library's own hook
         # an async generator, though the library declares an iterator: closed below, ending the watch
         stream = cast(
-            AsyncGenerator[Any, None],
-            _started(self.client.watch).watch(prefix, prefix_end(prefix), start_revision=start_revision),
+            AsyncGenerator[Any, None], service.watch(prefix, prefix_end(prefix), start_revision=start_revision)
         )
         try:
             async for resp in stream:
@@ -246,6 +252,11 @@ class EtcdBackend(MetadataBackend):
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
+
+
+def _never_resumed(exc: grpc.aio.AioRpcError) -> bool:
+    """No watch error is one the library may resume from itself (``EtcdBackend.watch``)."""
+    return False
 
 
 def _kv(kv) -> KeyValue:
