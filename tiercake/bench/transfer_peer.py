@@ -14,6 +14,7 @@ import threading
 import numpy as np
 
 from tiercake.config import ConductorConfig, StoreConfig, TiercakeConfig, TierConfig, TransferConfig
+from tiercake.heap import freeze_startup_heap
 from tiercake.transfer import TransferServer, spin
 from tiercake.transfer.ucx import available as ucx_available
 from tiercake.workers.node.agent import NodeAgent
@@ -70,6 +71,7 @@ async def main() -> None:
         transfer=TransferConfig(transports=["local", "shm", "tcp", *(["ucx"] if ucx_available() else [])]),
     )
     agent = await NodeAgent(config).start()
+    freeze_startup_heap()  # as a node agent's process does once started (``serve_forever``)
     assert agent.server is not None and agent.store is not None  # started
     listener = socket.create_server(("127.0.0.1", 0))
     buffer = np.ones(args.raw_buffer, dtype=np.uint8)  # touched: pre-faulted
