@@ -431,6 +431,8 @@ def test_the_synchronous_client_checks_every_address(cluster, monkeypatch, tmp_p
         assert store.register_buffer(ptr, 1 << 20) == 0
         assert store.register_buffer(ptr + 4096, 100) == ErrorCode.INVALID_PARAMS  # overlaps
         assert store.register_buffer(0, 100) == ErrorCode.INVALID_PARAMS
+        assert store.register_buffer(1 << 40, 1 << 70) == ErrorCode.INVALID_PARAMS  # no such range can exist
+        assert store.register_buffer(1 << 64, 100) == ErrorCode.INVALID_PARAMS
         ctypes.memmove(ptr, b"payload", 7)
         assert store.put_from("k", ptr, 7) == 0
         assert store.get_into("k", ctypes.addressof(other), 100) == ErrorCode.INVALID_PARAMS  # not registered

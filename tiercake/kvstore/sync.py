@@ -58,6 +58,7 @@ class DistributedStore(TensorCalls):
     def __init__(self) -> None:
         self._clients: ThreadClients | None = None
         self._buffers: list[tuple[int, int]] = []  # registered (start, end), sorted
+        self._views: dict[int, np.ndarray] = {}  # start -> the registered range as bytes, made once
         self._lock = threading.Lock()
         self._hostname = ""
         self._local_buffer: int | None = None  # Mooncake's local_buffer_size, when a Mooncake setup gave one
@@ -295,6 +296,10 @@ class DistributedStore(TensorCalls):
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         if not _is_int(buffer_ptr) or not _is_int(size) or buffer_ptr <= 0 or size <= 0:
             return int(ErrorCode.INVALID_PARAMS)
+        try:  # (no byte of it is read: the range is only described)
+            view = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(buffer_ptr))
+        except (OverflowError, ValueError, MemoryError) as exc:
+            return _logged(InvalidParams(f"a buffer of {size} bytes at {buffer_ptr:#x}: {exc}"))
         with self._lock:
             start, end = buffer_ptr, buffer_ptr + size
             i = bisect.bisect(self._buffers, (start, end))
@@ -305,6 +310,7 @@ class DistributedStore(TensorCalls):
                 log.error("kvstore: buffer at %#x (%d bytes) overlaps a registered one", buffer_ptr, size)
                 return int(ErrorCode.INVALID_PARAMS)
             self._buffers.insert(i, (start, end))
+            self._views[start] = view
         return 0
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
@@ -312,6 +318,7 @@ class DistributedStore(TensorCalls):
             for i, (start, _) in enumerate(self._buffers):
                 if start == buffer_ptr:
                     del self._buffers[i]
+                    del self._views[start]
                     return 0
         return int(ErrorCode.INVALID_PARAMS)
 
@@ -466,7 +473,8 @@ class DistributedStore(TensorCalls):
             i = bisect.bisect(self._buffers, (ptr, float("inf"))) - 1
             if i < 0 or ptr + size > self._buffers[i][1]:
                 raise InvalidParams(f"{size} bytes at {ptr:#x} are not inside a registered buffer (register_buffer)")
-        return np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(ptr))
+            start = self._buffers[i][0]
+            return self._views[start][ptr - start : ptr - start + size]  # a slice: no ctypes array per call
 
     def _many(self, ptrs: list[int], sizes: list[int]) -> list[np.ndarray]:
         if len(ptrs) != len(sizes) or not ptrs:

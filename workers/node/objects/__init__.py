@@ -83,7 +83,7 @@ class NodeObjects:
 
     def _serves_object(self, oid: bytes) -> bool:
         slot = self.ownership.slot_of(oid)
-        return self.ownership.map.primary(slot) == self.ownership.node_id and slot not in self.ownership.frozen
+        return self.ownership.is_primary(slot) and slot not in self.ownership.frozen
 
     def _map_changed(self) -> None:
         self.table.republish()

@@ -42,7 +42,8 @@ class Ownership:
         self.node_id = node_id
         self.client = client
         self.ttl = ttl
-        self.map = ObjectMap()
+        self._primary_of: frozenset[int] = frozenset()
+        self.map = ObjectMap()  # (the property keeps what every request asks of it)
         self.map_path = map_path
         self.saved = _load(map_path)  # the map this node had before it restarted, if any
         self._offered = False
@@ -52,6 +53,17 @@ class Ownership:
         self.listeners: list[Callable[[ObjectMap, ObjectMap], None]] = []  # (old, new) on every new map
         self._refreshing: asyncio.Task | None = None
         self._pending_lease = 0.0  # a lease renewal waiting for the map it was told of
+
+    @property
+    def map(self) -> ObjectMap:
+        return self._map
+
+    @map.setter
+    def map(self, new: ObjectMap) -> None:
+        # what each item of a request asks, kept as plain values: the slot count, the slots this node
+        # is the primary of (a 128-item put asked the map's model a thousand times)
+        self._map, self.slots = new, new.slots
+        self._primary_of = frozenset(s for s, chain in enumerate(new.chains) if chain and chain[0] == self.node_id)
 
     # What the conductor tells ----------------------------------------------------------------------
 
@@ -119,7 +131,7 @@ class Ownership:
             self._pending_lease = 0.0
         if fetched.epoch != old.epoch:
             _save(self.map_path, fetched)
-            self.frozen = {s for s in self.frozen if self.map.primary(s) == self.node_id}
+            self.frozen = {s for s in self.frozen if self.is_primary(s)}
             for listener in self.listeners:
                 listener(old, fetched)
 
@@ -132,7 +144,7 @@ class Ownership:
     # What the node may do ---------------------------------------------------------------------------
 
     def slot_of(self, oid: bytes) -> int:
-        return object_slot(oid, self.map.slots) if self.map.slots else 0
+        return object_slot(oid, self.slots) if self.slots else 0
 
     def lease_alive(self) -> bool:
         return time.monotonic() < self.lease_until
@@ -145,7 +157,7 @@ class Ownership:
             self.known_epoch = max(self.known_epoch, client_epoch)
             self.refresh_soon()
             return Status.UNAVAILABLE
-        if not self.map.slots or self.map.primary(slot) != self.node_id:
+        if slot not in self._primary_of:
             return Status.WRONG_OWNER
         if slot in self.frozen or not self.lease_alive() or self.map.epoch < self.known_epoch:
             return Status.UNAVAILABLE
@@ -157,15 +169,18 @@ class Ownership:
         return None if status is None else w.Result(status, f"by map epoch {self.map.epoch}")
 
     def backups(self, slot: int) -> list[str]:
-        chain = self.map.chains[slot] if 0 <= slot < self.map.slots else []
-        return chain[1:] if chain and chain[0] == self.node_id else []
+        return self.map.chains[slot][1:] if slot in self._primary_of else []
 
     def is_backup(self, slot: int, primary: str) -> bool:
-        chain = self.map.chains[slot] if 0 <= slot < self.map.slots else []
+        chain = self.map.chains[slot] if 0 <= slot < self.slots else []
         return bool(chain) and chain[0] == primary and self.node_id in chain[1:]
 
+    def is_primary(self, slot: int) -> bool:
+        """The map names this node the slot's primary (whether it serves it now: ``serves``)."""
+        return slot in self._primary_of
+
     def primary_slots(self) -> list[int]:
-        return [s for s in range(self.map.slots) if self.map.primary(s) == self.node_id]
+        return sorted(self._primary_of)
 
 
 def _load(path: Path | None) -> ObjectMap | None:

@@ -31,6 +31,7 @@ from .now import Answered, Deadline, frame, later, recv_now, send_now
 from .ownership import Ownership
 from .replication import Replicator, ReplicaUnsafe, replica_of
 
+OK = w.Result(Status.OK)  # (frozen: one answer for every item that went in)
 INLINE_BYTES = 1 << 20  # what of a put's bytes the callback receives itself; the task waits for the rest
 
 
@@ -90,12 +91,10 @@ class Puts:
             or self.replicator.wants(self.ownership.slot_of(oid), replicated=False)
         )
 
-    def _decide(self, req: w.PutRequest, item: w.PutItem, staged: Staged, old: Stored | None) -> int | w.Result:
-        """The new version's number, or why it is not installed after all: the map moved while its
-        bytes came, or a racing first put of the key won (its value stays)."""
-        refused = self.ownership.refusal(staged.oid, req.epoch)
-        if refused is not None:
-            return refused
+    def _decide(self, item: w.PutItem, staged: Staged, old: Stored | None) -> int | w.Result:
+        """The new version's number, or why it is not installed after all: a racing first put of the
+        key won (its value stays). (Whether the map moved while its bytes came is the caller's to ask
+        where it awaited since ``_admit``.)"""
         if old is not None and not item.upsert:
             return w.Result(Status.EXISTS)
         if item.soft_pin_ms == w.KEEP_SOFT_PIN:
@@ -132,7 +131,7 @@ class Puts:
     async def _through_pool(self, conn: socket.socket, request: int, staged: list[Staged | w.Result]) -> None:
         """A same-host client copies the bytes into the pool itself: tell it where, wait for its word."""
         offsets = [s.handle.copy.slot[0] + s.offset if isinstance(s, Staged) else -1 for s in staged]
-        results = [s if isinstance(s, w.Result) else w.Result(Status.OK) for s in staged]
+        results = [s if isinstance(s, w.Result) else OK for s in staged]
         ready = w.PutReady(self.ownership.map.epoch, offsets, results)
         await send_frame(conn, Op.OBJ_PUT_READY, request, w.encode(ready))
         await recv_frame(conn, expect=[Op.OBJ_PUT_COMMIT])
@@ -160,8 +159,11 @@ class Puts:
             return staged
         oid, slot = staged.oid, self.ownership.slot_of(staged.oid)
         async with self.table.lock(oid):
+            refused = self.ownership.refusal(oid, req.epoch)  # the map may have moved meanwhile
+            if refused is not None:
+                return refused
             old = self.table.get(oid)
-            version = self._decide(req, item, staged, old)
+            version = self._decide(item, staged, old)
             if isinstance(version, w.Result):
                 return version
             if item.persist and item.replicas <= 1 and not await self.replicator.reporter.pinned(slot):
@@ -175,7 +177,7 @@ class Puts:
                 self.table.discard(prepared)
                 return refused
             self.table.install(prepared)
-        return w.Result(Status.OK)
+        return OK
 
     async def _to_backups(
         self, req: w.PutRequest, item: w.PutItem, staged: Staged, prepared: Stored, old: Stored | None
@@ -271,13 +273,13 @@ class Puts:
 
     def _finish_now(self, req: w.PutRequest, plans: list[Staged | w.Result]) -> list[w.Result]:
         """``_finish`` for each item, in order, with nothing to wait for (no backup, no disk, no lock
-        held: checked when staged, and nothing ran since)."""
+        held, the map's word: checked when staged, and nothing ran since, or ``_still_now`` asked again)."""
         results = []
         for item, plan in zip(req.items, plans):
             if isinstance(plan, w.Result):
                 results.append(plan)
                 continue
-            version = self._decide(req, item, plan, self.table.get(plan.oid))  # the same key twice: first won
+            version = self._decide(item, plan, self.table.get(plan.oid))  # the same key twice: first won
             if isinstance(version, w.Result):
                 later(self.table.abort(plan))
                 results.append(version)
@@ -288,7 +290,7 @@ class Puts:
                 results.append(_not_prepared(exc))
                 continue
             self.table.install(prepared)
-            results.append(w.Result(Status.OK))
+            results.append(OK)
         return results
 
 
