@@ -183,6 +183,11 @@ class PutHandle:
         return self.entry.key
 
     @property
+    def in_memory(self) -> bool:
+        """Its copy is in a memory tier: committed with no file to write (``TieredStore.commit_now``)."""
+        return isinstance(self.copy.tier.backend, MemoryTierBackend)
+
+    @property
     def tier(self) -> str:
         return self.copy.tier.name
 

@@ -338,11 +338,7 @@ class TieredStore(StoreRemoval, StoreEviction):
 
     def commit_now(self, handle: PutHandle) -> None:
         """``commit`` of a copy in memory (no file to write): nothing to wait for."""
-        if (
-            handle.done
-            or handle.written < handle.entry.nbytes
-            or not isinstance(handle.copy.tier.backend, MemoryTierBackend)
-        ):
+        if handle.done or handle.written < handle.entry.nbytes or not handle.in_memory:
             raise InvalidStateError(f"put of {short_key(handle.key)} cannot be committed now")
         handle.done = True
         self._commit_copy(handle.entry, handle.copy)
@@ -471,7 +467,7 @@ class TieredStore(StoreRemoval, StoreEviction):
         src = self._check_payload(data)
         n = size_of(src)
         handle = await self.put_start(key, n, tier=tier, parent=parent, cost=cost, tenant=tenant, seal=seal)
-        if not isinstance(handle.copy.tier.backend, MemoryTierBackend):
+        if not handle.in_memory:
             handle.written = n
             await self._commit(handle, src)  # the file is written straight from src
             return handle.tier

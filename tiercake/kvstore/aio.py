@@ -523,8 +523,11 @@ class AsyncStore:
         region = None
         if any(it.data.size >= self.SHM_PUT_MIN_BYTES and not it.stream for it in group):
             region = await self.same_host.pool(node, self.channels)
-        pooled = [it for it in group if region is not None and it.data.size >= self.SHM_PUT_MIN_BYTES and not it.stream]
-        streamed = [it for it in group if it not in pooled]
+        pooled: list[Item] = []
+        streamed: list[Item] = []
+        for it in group:  # (one pass: a membership test compared items field by field, n^2 of them)
+            through = region is not None and it.data.size >= self.SHM_PUT_MIN_BYTES and not it.stream
+            (pooled if through else streamed).append(it)
         out: dict[int, object] = {}
         if pooled and region is not None:
             request = put_request(self.tenant, self.map.epoch, pooled, like)

@@ -7,8 +7,10 @@ then is it installed, in one step, and acknowledged.
 
 The rules are here once: ``_admit`` before an item's bytes are taken, ``_decide`` when a staged
 item is installed, ``_waits`` for what only the coroutine may do (backups, a disk, another write of
-the key). ``serve`` is the coroutine; ``now`` (``now.py``) takes a put whose items wait for nothing,
-with its bytes on the stream, and declines any other before it changes anything.
+the key). ``serve`` is the coroutine; ``now`` (``now.py``) takes a put of at most a run of items
+(``RUN``) that wait for nothing, with its bytes on the stream, and declines any other before it
+changes anything. Once the bytes are in, a run whose items wait for nothing finishes at once
+(``_finish_now``) on either door.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tiercake.transfer import object_wire as w
 from tiercake.transfer.protocol import FLAG_EAGER, FLAG_SHM, Op, ProtocolError, Status
 from tiercake.transfer.sockio import receive_or_discard, recv_frame, recv_into_all, send_all, send_frame
 
-from .batches import await_every
+from .batches import RUN, await_every
 from .now import Answered, Deadline, frame, later, recv_now, send_now
 from .ownership import Ownership
 from .replication import Replicator, ReplicaUnsafe, replica_of
@@ -118,15 +120,30 @@ class Puts:
                 else:
                     views = [s.payload_array() if isinstance(s, Staged) else None for s in staged]
                     await receive_or_discard(conn, [(v, item.size) for v, item in zip(views, req.items)])
-            waiting = [isinstance(s, Staged) and self._waits(item, s.oid) for item, s in zip(req.items, staged)]
-            if len(staged) == 1 or not any(waiting):
-                results = [await self._finish(req, item, s) async for item, s in await_every(zip(req.items, staged))]
-            else:  # backups or a disk to wait for: the items' round trips and syncs overlap (the SSD log
-                # writes what is in flight together, one sync for all: serially, 4,096 syncs)
-                results = await asyncio.gather(*(self._finish(req, item, s) for item, s in zip(req.items, staged)))
+            results = await self._finish_all(req, staged)
         finally:
             await self._abort_unfinished(staged)
         await send_frame(conn, Op.OBJ_PUT_REPLY, request, self._reply(results))
+
+    async def _finish_all(self, req: w.PutRequest, staged: list[Staged | w.Result]) -> list[w.Result]:
+        """Every item's answer once its bytes are in, a run of ``RUN`` items at a time with a turn of
+        the loop between: a run whose items wait for nothing finishes at once (``_finish_now``: a
+        128-item put through the pool went from 61 to 40 us an item), any other the long way."""
+        pairs = list(zip(req.items, staged))
+        if len(pairs) > 1 and any(isinstance(s, Staged) and self._waits(item, s.oid) for item, s in pairs):
+            # backups or a disk to wait for: the items' round trips and syncs overlap (the SSD log
+            # writes what is in flight together, one sync for all: serially, 4,096 syncs)
+            return await asyncio.gather(*(self._finish(req, item, s) for item, s in pairs))
+        results: list[w.Result] = []
+        for start in range(0, len(pairs), RUN):
+            if start:
+                await asyncio.sleep(0)
+            run = pairs[start : start + RUN]
+            if all(self._still_now(req, item, s) for item, s in run):
+                results += self._finish_now(run)
+            else:
+                results += [await self._finish(req, item, s) for item, s in run]
+        return results
 
     async def _through_pool(self, conn: socket.socket, request: int, staged: list[Staged | w.Result]) -> None:
         """A same-host client copies the bytes into the pool itself: tell it where, wait for its word."""
@@ -217,8 +234,8 @@ class Puts:
     # The door that answers at once ----------------------------------------------------------------
 
     def now(self, conn: socket.socket, flags: int, request: int, req: w.PutRequest, deadline: Deadline) -> Answered:
-        if flags & FLAG_SHM or not flags & FLAG_EAGER:
-            return False
+        if flags & FLAG_SHM or not flags & FLAG_EAGER or len(req.items) > RUN:
+            return False  # (more than a run of items: the coroutine gives the loop its turns)
         plans: list[Staged | w.Result] = []
         for item in req.items:
             plan = self._stage_now(req, item)
@@ -235,16 +252,14 @@ class Puts:
         ]
         left = recv_now(conn, views, INLINE_BYTES)
         if not left:
-            return send_now(conn, Op.OBJ_PUT_REPLY, request, self._reply(self._finish_now(req, plans)), [], deadline)
+            results = self._finish_now(list(zip(req.items, plans)))
+            return send_now(conn, Op.OBJ_PUT_REPLY, request, self._reply(results), [], deadline)
 
         async def rest() -> None:  # not all there after all: receive the rest, and finish the long way
             try:  # if awaiting the bytes let another write of a key start, or the map move
                 with deadline(sum(len(v) for v in left)):
                     await recv_into_all(conn, left)
-                if all(self._still_now(req, item, p) for item, p in zip(req.items, plans)):
-                    results = self._finish_now(req, plans)
-                else:
-                    results = [await self._finish(req, item, p) for item, p in zip(req.items, plans)]
+                results = await self._finish_all(req, plans)
             finally:
                 await self._abort_unfinished(plans)
             body = self._reply(results)
@@ -266,16 +281,21 @@ class Puts:
             return w.Result(Status.INVALID, str(exc))
 
     def _still_now(self, req: w.PutRequest, item: w.PutItem, plan: Staged | w.Result) -> bool:
-        """Whether a put staged at once may still finish at once after its bytes took awaits to come."""
+        """Whether a staged put may finish at once (``_finish_now``) after awaits: its version is in
+        memory, nothing to wait for, and its slot still served."""
         if isinstance(plan, w.Result):
             return True
-        return self.ownership.refusal(plan.oid, req.epoch) is None and not self._waits(item, plan.oid)
+        return (
+            plan.handle.in_memory
+            and self.ownership.refusal(plan.oid, req.epoch) is None
+            and not self._waits(item, plan.oid)
+        )
 
-    def _finish_now(self, req: w.PutRequest, plans: list[Staged | w.Result]) -> list[w.Result]:
+    def _finish_now(self, pairs: list[tuple[w.PutItem, Staged | w.Result]]) -> list[w.Result]:
         """``_finish`` for each item, in order, with nothing to wait for (no backup, no disk, no lock
         held, the map's word: checked when staged, and nothing ran since, or ``_still_now`` asked again)."""
         results = []
-        for item, plan in zip(req.items, plans):
+        for item, plan in pairs:
             if isinstance(plan, w.Result):
                 results.append(plan)
                 continue
