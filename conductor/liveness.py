@@ -201,7 +201,7 @@ class Liveness:
         if self._relays is not None:
             self._relays.cancel()
         self._relays = asyncio.get_running_loop().create_task(
-            follow(self.meta, RELAYED, start_revision, self._relay_heard, "liveness: followers' relays")
+            follow(self.meta, RELAYED, start_revision, self._relay_heard, "liveness: followers' relays", present=None)
         )
 
     def _relay_heard(self, event: WatchEvent) -> None:

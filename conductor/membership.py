@@ -100,7 +100,7 @@ class Membership:
             info = MemberInfo.model_validate_json(kv.value)
             self.members[info.node_id] = info
         self._task = asyncio.get_running_loop().create_task(
-            follow(self.meta, self.prefix, revision + 1, self._apply, "membership")
+            follow(self.meta, self.prefix, revision + 1, self._apply, "membership", present=[kv.key for kv in kvs])
         )
         return self
 

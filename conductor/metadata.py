@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -171,15 +171,55 @@ class MetadataBackend(ABC):
 
 
 async def follow(
-    meta: MetadataBackend, prefix: bytes, start_revision: int, apply: Callable[[WatchEvent], None], what: str
+    meta: MetadataBackend,
+    prefix: bytes,
+    start_revision: int,
+    apply: Callable[[WatchEvent], None],
+    what: str,
+    *,
+    present: Iterable[bytes] | None,
 ) -> None:
     """Apply every change under ``prefix`` from ``start_revision`` on, forever; a watch cut by an
-    unreachable backend resumes where it stopped, so no change is missed."""
+    unreachable backend resumes where it stopped, so no change is missed.
+
+    Where the history it needs was compacted away (a watch down longer than etcd keeps revisions),
+    the caller's view is brought to the state as it is now: ``present`` names the keys the view
+    holds at ``start_revision`` (what the caller's range found); each of them gone is applied as a
+    delete, each key there as a put, and the watch goes on from there. ``present=None``: the prefix
+    carries news, not state (a relayed keep-alive is only news when it is new): the watch goes on
+    from now, replaying nothing."""
+    keys = None if present is None else set(present)
+    reread = False
     while True:
         try:
+            if reread:
+                start_revision = await _reread(meta, prefix, keys, apply)
+                reread = False
             async for event in meta.watch(prefix, start_revision):
                 apply(event)
                 start_revision = event.revision + 1
+                if keys is not None:
+                    (keys.add if event.kind == "put" else keys.discard)(event.key)
         except MetadataUnavailableError as exc:
             log.warning("%s: watch interrupted (%s); resuming", what, exc)
             await asyncio.sleep(0.5)
+        except CompactedError as exc:
+            log.warning("%s: %s; reading the state as it is now", what, exc)
+            reread = True
+
+
+async def _reread(
+    meta: MetadataBackend, prefix: bytes, keys: set[bytes] | None, apply: Callable[[WatchEvent], None]
+) -> int:
+    """``follow``'s catch-up after a compaction: the revision to watch from, with what changed in
+    between applied to the view (``keys``, kept up to date; None: nothing applied)."""
+    kvs, revision = await meta.range(prefix)
+    if keys is not None:
+        there = {kv.key for kv in kvs}
+        for key in sorted(keys - there):
+            apply(WatchEvent("delete", key, b"", revision))
+        for kv in kvs:
+            apply(WatchEvent("put", kv.key, kv.value, revision))
+        keys.clear()
+        keys.update(there)
+    return revision + 1

@@ -186,6 +186,7 @@ class ObjectMapKeeper:
     async def start(self) -> ObjectMapKeeper:
         kv = await self.meta.get(OBJECT_MAP)
         revision = 0
+        present = [] if kv is None else [OBJECT_MAP]
         if kv is not None:
             self.map = ObjectMap.model_validate_json(kv.value)
             revision = kv.mod_revision
@@ -194,7 +195,7 @@ class ObjectMapKeeper:
             _, revision = await self.meta.range(OBJECT_MAP)
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(follow(self.meta, OBJECT_MAP, revision + 1, self._apply, "object map")),
+            loop.create_task(follow(self.meta, OBJECT_MAP, revision + 1, self._apply, "object map", present=present)),
             loop.create_task(self._keep_forever()),
         ]
         return self

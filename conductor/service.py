@@ -226,13 +226,13 @@ class Conductor:
         for kv in kvs:
             self._apply_pin(WatchEvent("put", kv.key, kv.value, revision))
         self._pin_follower = asyncio.get_running_loop().create_task(
-            follow(self.meta, PINS, revision + 1, self._apply_pin, "pins")
+            follow(self.meta, PINS, revision + 1, self._apply_pin, "pins", present=[kv.key for kv in kvs])
         )
         kvs, revision = await self.meta.range(SETTINGS)
         for kv in kvs:
             self._apply_setting(WatchEvent("put", kv.key, kv.value, revision))
         self._settings_follower = asyncio.get_running_loop().create_task(
-            follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings")
+            follow(self.meta, SETTINGS, revision + 1, self._apply_setting, "settings", present=[kv.key for kv in kvs])
         )
         await self.objects.start()
         await self.election.start()

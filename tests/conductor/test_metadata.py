@@ -13,6 +13,8 @@ from tiercake.conductor.metadata import (
     MetadataError,
     MetadataUnavailableError,
     Put,
+    WatchEvent,
+    follow,
     prefix_end,
 )
 
@@ -176,3 +178,71 @@ async def test_unreachable_etcd_is_a_clear_retryable_error():
         await meta.start()
         await meta.put(b"/x", b"1")
     await meta.close()
+
+
+@pytest.fixture(params=["embedded", "etcd"])
+async def forgetful(request):
+    """(a backend, a call that throws its history away up to now): etcd compacts; the embedded one
+    keeps only its last few events, and the call writes past them."""
+    from tiercake.conductor.embedded import EmbeddedBackend
+
+    if request.param == "etcd":
+        backend = await EtcdBackend(request.getfixturevalue("etcd").endpoints).start()
+
+        async def forget() -> None:
+            _, revision = await backend.range(b"/")
+            await backend.client.kv.compact(revision, physical=True)
+
+    else:
+        backend = await EmbeddedBackend(history=8).start()
+
+        async def forget() -> None:
+            for i in range(10):
+                await backend.put(b"/elsewhere/filler", str(i).encode())
+
+    yield backend, forget
+    await backend.close()
+
+
+@pytest.mark.cluster
+async def test_a_follower_whose_history_was_compacted_away_catches_up_with_the_state_now(forgetful, ns):
+    """A view built at revision R, its watch away while keys change and the history is thrown away:
+    ``follow`` reads the state as it is now, applies a delete for each key gone and a put for each
+    there, and follows on (it used to die on CompactedError, freezing the view). With
+    ``present=None`` (news, not state) nothing is replayed: only what comes after."""
+    backend, forget = forgetful
+    await backend.put(ns + b"a", b"1")
+    await backend.put(ns + b"b", b"1")
+    kvs, revision = await backend.range(ns)
+    view = {kv.key: kv.value for kv in kvs}
+    news: list[bytes] = []
+
+    def apply(event: WatchEvent) -> None:
+        if event.kind == "put":
+            view[event.key] = event.value
+        else:
+            view.pop(event.key, None)
+
+    await backend.delete(ns + b"a")
+    await backend.put(ns + b"b", b"2")
+    await backend.put(ns + b"c", b"1")
+    await forget()
+    following = [
+        asyncio.create_task(follow(backend, ns, revision + 1, apply, "test", present=list(view))),
+        asyncio.create_task(follow(backend, ns, revision + 1, lambda e: news.append(e.key), "news", present=None)),
+    ]
+    try:
+        async with asyncio.timeout(10):
+            while view != {ns + b"b": b"2", ns + b"c": b"1"}:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the news follower is watching by now
+            await backend.put(ns + b"d", b"1")
+            while ns + b"d" not in view or not news:
+                await asyncio.sleep(0.01)
+        assert view == {ns + b"b": b"2", ns + b"c": b"1", ns + b"d": b"1"}
+        assert news == [ns + b"d"]
+        assert all(not task.done() for task in following)  # still following
+    finally:
+        for task in following:
+            task.cancel()
+        await asyncio.gather(*following, return_exceptions=True)

@@ -35,7 +35,9 @@ async def test_etcd_down_then_back_recovers_by_itself(tmp_path):
         seen: list[bytes] = []
         _, revision = await meta.range(b"/k/")
         # a watch cut by the outage ends (MetadataUnavailableError); follow asks again where it stopped
-        watcher = asyncio.create_task(follow(meta, b"/k/", revision + 1, lambda ev: seen.append(ev.key), "test"))
+        watcher = asyncio.create_task(
+            follow(meta, b"/k/", revision + 1, lambda ev: seen.append(ev.key), "test", present=None)
+        )
         await asyncio.sleep(0.3)
         member.stop()
         with pytest.raises(MetadataUnavailableError):
@@ -159,7 +161,7 @@ async def test_a_watch_cut_by_a_transient_error_ends_so_its_follower_resumes_aft
     backend = EtcdBackend(["127.0.0.1:1"])
     backend._client = SimpleNamespace(watch=service)  # type: ignore[assignment]
     seen: list[bytes] = []
-    task = asyncio.create_task(follow(backend, b"/m/", 5, lambda e: seen.append(e.key), "test"))
+    task = asyncio.create_task(follow(backend, b"/m/", 5, lambda e: seen.append(e.key), "test", present=None))
     try:
         for _ in range(500):
             if len(seen) >= 2:
