@@ -628,16 +628,24 @@ def _send_frame(
 
 
 def _recv_into(sock: socket.socket, buffers: Sequence) -> None:
-    for buffer in buffers:
-        view = memoryview(buffer).cast("B") if memoryview(buffer).ndim != 1 else memoryview(buffer)
-        while len(view):
-            try:
-                got = sock.recv_into(view)
-            except ConnectionResetError as exc:
-                raise p.PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
-            if got == 0:
-                raise p.PeerClosedError("peer closed the connection mid-transfer")
-            view = view[got:]
+    """Fill each buffer in turn: many at a time with one ``recvmsg_into`` (a batch of small objects
+    was a system call per object), one at a time on TLS (which has no scatter read)."""
+    views = [memoryview(b).cast("B") if memoryview(b).ndim != 1 else memoryview(b) for b in buffers]
+    views = [v for v in views if len(v)]
+    tls = isinstance(sock, ssl.SSLSocket)
+    i = 0  # the first buffer not yet full
+    while i < len(views):
+        try:
+            got = sock.recv_into(views[i]) if tls else sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+        except ConnectionResetError as exc:
+            raise p.PeerClosedError(f"peer reset the connection mid-transfer: {exc}") from exc
+        if got == 0:
+            raise p.PeerClosedError("peer closed the connection mid-transfer")
+        while i < len(views) and got >= len(views[i]):
+            got -= len(views[i])
+            i += 1
+        if got:
+            views[i] = views[i][got:]
 
 
 def _recv_frame(sock: socket.socket, expect: Sequence[Op], max_body: int) -> tuple[Op, int, int, bytearray]:
