@@ -86,6 +86,40 @@ def test_a_load_from_the_local_pool_names_each_blocks_index_entry_for_the_worker
     assert [(b.block_id, b.entry) for b in loaded.blocks] == [(7, 100), (8, 101), (9, 102), (10, -1)]
 
 
+def test_blocks_a_failed_load_left_to_recompute_are_saved_once_recomputed():
+    """The worker side reports block 2 of 4 not loaded: vLLM recomputes from it, and the worker side
+    made no save in that step; the scheduler side hands those blocks out to save again once they are
+    computed, not only the blocks after the load."""
+    from tiercake.workers.vllm.loading import LoadReport
+    from tiercake.workers.vllm.metadata import TiercakeWorkerMetadata
+
+    link = Link(local=4)
+    s = scheduler(link)
+    r = request(blocks=6)
+    assert s.get_num_new_matched_tokens(r, 0) == (4 * BLOCK, False)
+    ids = [7, 8, 9, 10, 11, 12, 13]
+    s.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: (ids,)), 4 * BLOCK)
+
+    def step(computed: int, scheduled: int, new: bool) -> list[int]:
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+        news = []
+        if new:
+            news = [SimpleNamespace(req_id="r", block_ids=(ids,), num_computed_tokens=computed)]
+        else:
+            cached = SimpleNamespace(req_ids=["r"], new_block_ids=[None], num_computed_tokens=[computed])
+        out = SimpleNamespace(
+            scheduled_new_reqs=news, scheduled_cached_reqs=cached, num_scheduled_tokens={"r": scheduled}
+        )
+        return [save.block_id for save in s.build_connector_meta(out).saves]
+
+    assert step(4 * BLOCK, 2 * BLOCK + 1, new=True) == [11, 12]  # the step that loads, and computes the rest
+    s.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=TiercakeWorkerMetadata({"r": LoadReport(2, 2, 0, 0.01)}))
+    )
+    # vLLM truncated the request at block 2 and recomputes blocks 2 to 5
+    assert step(2 * BLOCK, 4 * BLOCK + 1, new=False) == [9, 10, 11, 12]
+
+
 def test_otherwise_the_conductor_is_asked_while_vllm_schedules_on_and_the_longer_holder_wins():
     link = Link(local=1)
     s = scheduler(link, stands=2)

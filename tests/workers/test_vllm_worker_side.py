@@ -4,6 +4,7 @@ real pool region), every seal checked, a forged block refused, and a block its o
 was read recomputed, not used. Through real vLLM and a real node agent: test_vllm.py."""
 
 import asyncio
+import concurrent.futures
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ class Link:
         self.places = places
         self.leased: list[list[bytes]] = []
         self.touched: list[list[bytes]] = []
+        self.written: list[list[bytes]] = []
 
     def pool_places(self, node, instance, timeout):
         return self.places if instance == self.places.region.instance else None
@@ -43,13 +45,20 @@ class Link:
     def touch(self, node, keys, length):
         self.touched.append(list(keys))
 
+    def write(self, node, items, tenant, sealer, timeout):
+        self.written.append([k for k, _, _ in items])
+        done = concurrent.futures.Future()
+        done.set_result([TransferResult(True) for _ in items])
+        return done
+
 
 def worker(link: Link):
     from tiercake.workers.vllm.metadata import ConnectorSettings
     from tiercake.workers.vllm.worker_side import ConnectorWorker
 
     names = [f"layer{i}" for i in range(LAYERS)]
-    w = ConnectorWorker(ConnectorSettings(conductor="http://127.0.0.1:1"), link, SealKeys(MATERIAL), names, BLOCKS)
+    settings = ConnectorSettings(conductor="http://127.0.0.1:1", node="node")
+    w = ConnectorWorker(settings, link, SealKeys(MATERIAL), names, BLOCKS)
     half = LAYOUT.nbytes // LAYERS // 2  # float16 elements of one layer's part of a block
     w.register_kv_caches({name: torch.zeros((BLOCKS, half), dtype=torch.float16) for name in names})
     assert w.block_nbytes == LAYOUT.nbytes
@@ -169,6 +178,33 @@ def test_entries_that_no_longer_describe_the_blocks_mean_the_lease_path(shm_path
             # a region the worker side does not map (a restarted node agent's): the lease path too
             await asyncio.to_thread(load, w, keys, entries, "another region")
             assert link.leased == [keys, keys]
+        finally:
+            w.close()
+
+    asyncio.run(go())
+
+
+def test_no_block_is_saved_in_a_step_whose_load_failed_nor_in_the_next(shm_path, make_store):
+    """The pass of a step whose load failed (block 3 forged) computed the blocks after it over KV it
+    did not have: saving them would seal wrong KV under their keys, which later loads would trust.
+    That step's saves and the next one's (vLLM scheduled it before it knew) are not made; the step
+    after saves again."""
+    from tiercake.workers.vllm.metadata import BlockSave, TiercakeMetadata
+
+    async def go():
+        store, keys = await saved(make_store, 4, forged=3)
+        region, entries = mapped(shm_path, keys)
+        link = Link(PoolPlaces(region))
+        w = worker(link)
+        saves = TiercakeMetadata(saves=[BlockSave(key(9), None, 8, "t", ""), BlockSave(key(10), key(9), 9, "t", "")])
+        try:
+            _, errors = await asyncio.to_thread(load, w, keys, entries, region.instance)
+            assert errors == {5, 6}
+            await asyncio.to_thread(w.wait_for_save, saves)  # the failed step
+            await asyncio.to_thread(w.wait_for_save, saves)  # the next, scheduled meanwhile
+            assert link.written == [] and w.stats["unsafe_saves"] == 4
+            await asyncio.to_thread(w.wait_for_save, saves)
+            assert link.written == [[key(9), key(10)]] and w.stats["saved_blocks"] == 2
         finally:
             w.close()
 

@@ -43,6 +43,7 @@ class _Tracked:
     blocks: list[int] = field(default_factory=list)  # vLLM's block ids, in position order
     next_save: int = 0  # first block index not yet handed out to save
     external_tokens: int = 0  # vLLM was told it could load these
+    load_first: int = 0  # the block index its load starts at
     load: LoadReport | None = None  # what the worker side did
     lookup_s: float = 0.0  # from the first question to the answer (the conductor's, if it was asked)
     lookup_cpu_s: float = 0.0  # of which vLLM's scheduler thread spent in this connector's lookups
@@ -212,6 +213,7 @@ class ConnectorScheduler:
             )
         )
         tracked.next_save = plan.first + count
+        tracked.load_first = plan.first
         tracked.external_tokens = count * self.block_size
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -256,8 +258,12 @@ class ConnectorScheduler:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, TiercakeWorkerMetadata):
             for req_id, report in meta.loads.items():
-                if req_id in self._tracked:
-                    self._tracked[req_id].load = report
+                tracked = self._tracked.get(req_id)
+                if tracked is None:
+                    continue
+                tracked.load = report
+                if report.failed:  # vLLM recomputes from the first block not loaded: save it once it has
+                    tracked.next_save = min(tracked.next_save, tracked.load_first + report.loaded)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)

@@ -6,7 +6,8 @@ their seals over those bytes (two threads), and copies them into vLLM's paged KV
 or whose seal does not verify under the request's salt, is reported and vLLM recomputes from it.
 After the pass, newly full blocks are gathered from every layer into one tiercake block, sealed, and
 written to the node agent in the background, within a bounded budget of bytes in flight (past it,
-saves are dropped and counted: a missed save is a future miss, never a stall)."""
+saves are dropped and counted: a missed save is a future miss, never a stall); none in a step whose
+load failed, nor in the next (what the pass computed over KV it lacked is never sealed and saved)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ class ConnectorWorker:
         self._layer_index: dict[str, int] = {}
         self._loader: LayerwiseLoader[RequestLoad] | None = None
         self._reports: dict[str, LoadReport] = {}
+        self._unsafe_steps = 0  # steps left whose saves are not made: a load failed (``wait_for_save``)
         self._in_flight = 0  # bytes of saves not yet acknowledged
         self._lock = threading.Lock()
         self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiercake-seal")
@@ -122,6 +124,7 @@ class ConnectorWorker:
             "refused_blocks": 0,
             "saved_blocks": 0,
             "dropped_saves": 0,
+            "unsafe_saves": 0,  # not made: a step after a failed load (computed over KV it lacked)
             "failed_saves": 0,
         }
 
@@ -308,6 +311,8 @@ class ConnectorWorker:
         if self._loader is None:
             return
         errors, reports = self._loader.finish()
+        if errors:
+            self._unsafe_steps = 2  # this step and the next, which vLLM scheduled before it knew
         self._load_errors.update(errors)
         self._reports.update(reports)
         for report in reports.values():
@@ -315,9 +320,19 @@ class ConnectorWorker:
             self.stats["failed_blocks"] += report.failed
 
     def wait_for_save(self, meta: object) -> None:
+        """Save the step's newly full blocks, in the background. Not in a step whose loads failed, nor
+        in the next: the pass computed over KV that was not loaded (a block missing, moved or
+        forged), so what it made of the following blocks is wrong until vLLM recomputes them, and a
+        save would seal it under their keys (the next step was scheduled before vLLM knew, and a
+        request sharing the block is not named here). A save missed is a future miss, never a wrong
+        answer; the failed request's blocks are saved when recomputed (the scheduler side)."""
         self._finish_loads()
+        unsafe, self._unsafe_steps = self._unsafe_steps > 0, max(0, self._unsafe_steps - 1)
         node = self.settings.node  # (saves are enabled only with a node to save to)
         if not isinstance(meta, TiercakeMetadata) or not meta.saves or not self._layers or node is None:
+            return
+        if unsafe:
+            self.stats["unsafe_saves"] += len(meta.saves)
             return
         nbytes = len(meta.saves) * self.block_nbytes
         with self._lock:
