@@ -2,9 +2,13 @@
 
 vLLM's attention calls the connector's ``wait_for_layer_load(layer)`` before each layer. The loader
 fetches every block of the step on its own thread (``fetch``: the blocks leased in place in the
-node's shared pool, or read into a reused host buffer, and their seals checked), then copies them in
-layer by layer, announcing each layer as it lands: the pass computes the first layers while the later
-ones are filled.
+node's shared pool, or read into a reused host buffer), then copies them in layer by layer,
+announcing each layer as it lands: the pass computes the first layers while the later ones are
+filled. The seals are checked behind the pass (``Fetched.confirm``: the helper thread starts from
+the back as soon as the blocks are found, the loader joins from the front once it has copied); a
+block that fails is reported with the step's invalid blocks, and vLLM throws away what the pass made
+of it for the requests that read it and recomputes (its ``recompute`` policy). On this CPU the check
+costs about four times a copy of the same bytes: in front of the pass, it was most of a load.
 
 Where the bytes come from is a ``Segment``: a host buffer (the mapped pool itself, or the staging
 buffer) and where each block starts in it. Each layer's part of every block is one indexed copy per
@@ -58,8 +62,8 @@ class LoadReport:
     nbytes: int  # bytes loaded
     seconds: float  # from the step's start until every layer was in
     waited: float = 0.0  # of which the forward pass waited (the step's; the rest ran under its layers)
-    seal_s: float = 0.0  # of which checking the seals (blocks read by index entries: what it added after the copy)
-    fetch_s: float = 0.0  # of which the step's finding its blocks (leases, reads; the lease path's seal check)
+    seal_s: float = 0.0  # checking the seals after the copy, behind the pass (not part of ``seconds``)
+    fetch_s: float = 0.0  # of which the step's finding its blocks (leases, reads)
     copy_s: float = 0.0  # of which the step's copying into the layers
     unleased: int = 0  # of the blocks loaded, those read by the pool's index entries, without a lease
 
@@ -101,8 +105,8 @@ class Fetched:
     release: Callable[[], None] | None = None
     seal_s: float = 0.0
     unleased: bool = False  # read by the pool's index entries, with no lease
-    # after the copy: how many of the usable blocks, from the first, are still the bytes whose seals
-    # were checked (blocks read without a lease); None: all of them
+    # after the copy, behind the pass: how many of the usable blocks, from the first, carry a seal that
+    # verifies (and, read without a lease, are still where their entries said); None: all of them
     confirm: Callable[[], int] | None = None
 
     @property
@@ -286,11 +290,12 @@ class LayerwiseLoader(Generic[L]):
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
                 fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
                 found_at = time.perf_counter()
-                # blocks still to be confirmed after the copy: the pass sees no layer before that
-                self._copy_in(step, fetched, announce=all(got.confirm is None for _, got in fetched))
+                self._copy_in(step, fetched)  # each layer to the pass as it lands
                 copied_at = time.perf_counter()
+            # the seals (and entries) checked behind the pass: what fails is reported with the step's
+            # invalid blocks, and vLLM throws away what the pass made of it and recomputes
             usable = [got.usable if got.confirm is None else min(got.usable, got.confirm()) for _, got in fetched]
-            seconds = time.perf_counter() - started  # the confirmations included: the pass waits for them
+            seconds = copied_at - started
             for (load, got), n in zip(fetched, usable):
                 step.errors.update(b.block_id for b in load.blocks[n:])
                 step.reports[load.request_id] = LoadReport(
@@ -320,9 +325,8 @@ class LayerwiseLoader(Generic[L]):
                     got.release()
             step.done.set()
 
-    def _copy_in(self, step: _Step, fetched: list[tuple[L, Fetched]], announce: bool = True) -> None:
-        """Every usable block into each layer's KV, a layer at a time, announcing each (if ``announce``;
-        else ``_run`` announces them all at the end)."""
+    def _copy_in(self, step: _Step, fetched: list[tuple[L, Fetched]]) -> None:
+        """Every usable block into each layer's KV, a layer at a time, announcing each."""
         parts: list[tuple[Segment, list[int]]] = []
         for load, got in fetched:
             at = 0
@@ -338,8 +342,7 @@ class LayerwiseLoader(Generic[L]):
             if parts:
                 self.copier.copy(layer, offset, parts)
             offset += size
-            if announce:
-                self._landed(step, layer)
+            self._landed(step, layer)
 
     def _landed(self, step: _Step, layer: int) -> None:
         step.layers[layer].set()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tiercake.blocks import SealCheck, Sealer, SealKeys, verified_prefix
+from tiercake.blocks import SealCheck, Sealer, SealKeys
 from tiercake.transfer import ItemError, Status
 
 from .link import TiercakeLink
@@ -269,8 +269,9 @@ class ConnectorWorker:
         read_rest: bool,
     ) -> Fetched:
         """The blocks after ``found`` (those only on disk, or all of them across hosts) read into
-        ``rows`` if ``read_rest``, then every seal checked; ``found`` holds (key, bytes, seal) of the
-        blocks leased in ``pool`` at ``starts``."""
+        ``rows`` if ``read_rest``; every block found or read is copied in, and its seal checked behind
+        the pass (``confirm``: from the back on the helper thread from now, from the front once
+        copied). ``found`` holds (key, bytes, seal) of the blocks leased in ``pool`` at ``starts``."""
         first = len(found)
         staged = rows.numpy()
         rest = []
@@ -278,17 +279,26 @@ class ConnectorWorker:
             rest = self.link.read(load.node, keys[first:], list(rows[first:]), self.settings.load_timeout_s)
         read = next((i for i, r in enumerate(rest) if not r.ok), len(rest))
         items = found + [(keys[first + i], staged[first + i], rest[i].seal) for i in range(read)]
-        started = time.perf_counter()
-        verified = verified_prefix(self._sealer(load.salt), items, self._helper)
-        segments = [Segment(pool, starts[: min(first, verified)])] if pool is not None else []
-        self.stats["in_place_blocks"] += min(first, verified)
-        if verified > first:
-            segments.append(Segment(staged.reshape(-1), [i * self.block_nbytes for i in range(first, verified)]))
-        fetched = Fetched([s for s in segments if s.starts], seal_s=time.perf_counter() - started)
-        if verified < len(items):
-            self._refused(load, verified, len(items))
-        elif read < len(rest):
-            self._log_missing(load, len(rest) - read, rest[read].error)
+        check = SealCheck(self._sealer(load.salt), items)
+        helped = len(items) >= 4  # (fewer: not worth a hand-off)
+        if helped:
+            self._helper.submit(check.from_back)
+        segments = [Segment(pool, starts)] if pool is not None else []
+        segments.append(Segment(staged.reshape(-1), [i * self.block_nbytes for i in range(first, first + read)]))
+        fetched = Fetched([s for s in segments if s.starts])
+
+        def confirm() -> int:
+            started = time.perf_counter()
+            verified = check.prefix(helped)
+            fetched.seal_s = time.perf_counter() - started  # what the check added after the copy
+            self.stats["in_place_blocks"] += min(first, verified)
+            if verified < len(items):
+                self._refused(load, verified, len(items))
+            elif read < len(rest):
+                self._log_missing(load, len(rest) - read, rest[read].error)
+            return verified
+
+        fetched.confirm = confirm
         return fetched
 
     def _log_missing(self, load: RequestLoad, missing: int, error: object) -> None:
