@@ -102,6 +102,15 @@ class Vllm(VllmServer):
                 assert resp.status == 200, await resp.text()
                 return await resp.json()
 
+    async def complete_together(self, prompts: list[list[int]], max_tokens: int = 12) -> list[dict]:
+        """One request of several prompts (vLLM hands them to its engine at once): a reply each."""
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0}
+            async with http.post(self.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                reply = await resp.json()
+        return [{**reply, "choices": [c]} for c in sorted(reply["choices"], key=lambda c: c["index"])]
+
     async def reset_prefix_cache(self) -> None:
         await reset_prefix_cache(self.url)
 
@@ -318,10 +327,14 @@ async def test_a_corrupt_block_is_recomputed(served):
 async def test_blocks_forged_with_the_transfer_secret_are_recomputed_never_used(served):
     """The attack a probe made: someone holding the cluster's transfer secret (not the seal secret)
     deletes a prompt's blocks on the node and writes another prompt's real KV under their keys,
-    sealed with a key of its own. The next instance to load them refuses every one by its seal."""
+    sealed with a key of its own. The next instance to load them refuses every one by its seal, behind
+    the pass: vLLM throws away what the pass made of them and recomputes (its log says so), for two
+    requests sent together that share the forged blocks too."""
     tc, a, b = served
     victim, decoy = prompt(21), prompt(22)
+    longer = victim[: PROMPT_BLOCKS * BLOCK] + prompt(23)[: 2 * BLOCK + 3]  # the same blocks, and more
     reference = await a.complete(victim)  # computed from scratch, saved to the node
+    reference_longer = await a.complete(longer)
     ns = Namespace(**tiercake(reference)["namespace"])
     keys = {name: block_keys(ns, tokens)[:PROMPT_BLOCKS] for name, tokens in (("victim", victim), ("decoy", decoy))}
     await a.complete(decoy)
@@ -347,10 +360,17 @@ async def test_blocks_forged_with_the_transfer_secret_are_recomputed_never_used(
         assert all(r.ok for r in written)
         await forger.close()
         await wait_held(client, keys["victim"])
-    other = await b.complete(victim)
+    logged = b.log_path.stat().st_size
+    # one request of both prompts: vLLM's engine takes them in one step (its log below: "2 request(s)
+    # rescheduled"), the longer one sharing the blocks the first loads
+    other, other_longer = await b.complete_together([victim, longer])
     # told the blocks were there, it read them, refused each by its seal and recomputed
-    assert planned(other) == PROMPT_BLOCKS * BLOCK and loaded(other) == 0
-    assert answer(other) == answer(reference)
+    assert planned(other) == PROMPT_BLOCKS * BLOCK
+    assert answer(other) == answer(reference) and answer(other_longer) == answer(reference_longer)
+    with open(b.log_path, errors="replace") as log:
+        log.seek(logged)
+        assert "failed its seal" in (text := log.read())  # the connector refused them
+        assert "Recovered from KV load failure" in text  # and vLLM's scheduler threw away and recomputed
 
 
 async def wait_held(client: Client, keys: list[bytes], held: bool = True, timeout: float = 60) -> None:
