@@ -248,20 +248,21 @@ def _measure(report: Report, shape: Shape, count: int, reps: int, device: str, c
         stats = driver.worker.stats
         load.params["in_place_share"] = stats["in_place_blocks"] / stats["loaded_blocks"]
         load.params["unleased_share"] = stats["unleased_blocks"] / stats["loaded_blocks"]
-        # where the load's time goes, each a share of the whole: finding the blocks (the entries' read,
-        # or a lease), copying them in (the seal check beside it), what the seal check added after the
-        # copy; the rest is thread wake-ups
+        # where the load's time goes, each against the whole (until the pass may read every layer):
+        # finding the blocks (the entries' read, or a lease), copying them in (the helper's seal check
+        # beside it); the rest is thread wake-ups. What the seal check takes after the copy runs behind
+        # the pass, outside the load's time (a ratio over 1 is still no wait of the pass's)
         for stage, values, what in (
-            ("fetch", fetches, "finding the blocks"),
-            ("copy", copies, "copying into the layers, the seal check beside it"),
-            ("seal", seals, "the seal check after the copy"),
+            ("fetch", fetches, "share: finding the blocks"),
+            ("copy", copies, "share: copying into the layers, the seal check beside it"),
+            ("seal", seals, "the seal check after the copy, behind the pass"),
         ):
             report.add(
                 f"load.{stage}",
                 statistics.median(values) * 1e3,
                 "ms",
                 statistics.median(loads) * 1e3,
-                limit_name=f"the whole load (share: {what})",
+                limit_name=f"the whole load ({what})",
                 **common,
             )
         report.add(
