@@ -76,8 +76,9 @@ def made(request):
     torch's indexed copies), which runs on the CPU the same."""
     loaders = []
 
-    def make(layers, fetch) -> LayerwiseLoader:
-        loaders.append(LayerwiseLoader(layers, fetch, device=request.param == "device"))
+    def make(layers, fetch, inline_bytes: int = 0) -> LayerwiseLoader:
+        """``inline_bytes``: 0, every load on the loader thread (what these tests look at)."""
+        loaders.append(LayerwiseLoader(layers, fetch, device=request.param == "device", inline_bytes=inline_bytes))
         return loaders[-1]
 
     yield make
@@ -243,3 +244,32 @@ def test_every_layer_reaches_the_pass_before_the_seals_are_confirmed_and_a_failu
     report = reports["a"]
     assert confirmed.is_set() and errors == {2} and report.loaded == 1
     assert report.seconds >= report.fetch_s + report.copy_s
+
+
+def test_a_small_load_is_copied_on_the_asking_thread_and_confirmed_behind_the_pass(made):
+    """Under ``inline_bytes``, ``start`` itself fetches and copies (every layer is in when it returns:
+    no hand-off to the loader thread and back); the confirmation still runs on the loader thread, and
+    what it fails is reported when the step finishes."""
+    asked_on, go_on = [], threading.Event()
+
+    def fetch(load, rows):
+        asked_on.append(threading.current_thread())
+        got = fetch_all_but({})(load, rows)
+
+        def confirm() -> int:
+            go_on.wait(10)
+            asked_on.append(threading.current_thread())
+            return got.usable - 1
+
+        got.confirm = confirm
+        return got
+
+    layers = kv_layers()
+    loader = made(layers, fetch, inline_bytes=1 << 20)
+    loader.start([Load("a", [Block(1), Block(2)])])
+    assert asked_on == [threading.current_thread()]
+    assert all(int(layers[layer][1][0]) == 10 + layer for layer in range(LAYERS))  # in before start returned
+    go_on.set()
+    errors, reports = loader.finish()
+    assert asked_on[1] is not threading.current_thread()  # the check ran on the loader thread
+    assert errors == {2} and reports["a"].loaded == 1

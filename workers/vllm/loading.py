@@ -211,6 +211,16 @@ class KvCopier:
 
 
 @dataclass
+class _Copied(Generic[L]):
+    """What ``_load`` did of a step, for ``_confirm``: the blocks found, when, or why it failed."""
+
+    fetched: list[tuple[L, Fetched]] = field(default_factory=list)
+    found_at: float = 0.0
+    copied_at: float = 0.0
+    failed: Exception | None = None
+
+
+@dataclass
 class _Step:
     layers: list[threading.Event]  # set once that layer's blocks are in (or the step failed)
     done: threading.Event
@@ -225,7 +235,12 @@ class LayerwiseLoader(Generic[L]):
     ``fetch(load, rows)``: find the load's blocks (in place, or read into ``rows``: one tiercake
     block per row, every layer's part in layer order) and say which are usable (``Fetched``)."""
 
-    def __init__(self, layers: list[torch.Tensor], fetch: Fetch[L], device: bool | None = None) -> None:
+    INLINE_BYTES = 4 << 20  # a load this small is fetched and copied on the thread that asks (``start``)
+
+    def __init__(
+        self, layers: list[torch.Tensor], fetch: Fetch[L], device: bool | None = None, inline_bytes: int | None = None
+    ) -> None:
+        self.inline_bytes = self.INLINE_BYTES if inline_bytes is None else inline_bytes
         self.copier = KvCopier(layers, device)
         self.layers = layers
         self.layer_bytes = self.copier.layer_bytes
@@ -237,18 +252,25 @@ class LayerwiseLoader(Generic[L]):
 
     def start(self, loads: Sequence[L]) -> None:
         """Begin the step's loads. The previous step's must have been finished: its failed blocks must
-        reach vLLM, never be dropped."""
+        reach vLLM, never be dropped. A load of at most ``inline_bytes`` is fetched and copied here, on
+        the asking thread (handing it to the loader thread and each layer back cost more wake-ups
+        than its copy here); its confirmation still runs behind the pass, on the loader thread."""
         if not loads:
             return
         if self._step is not None:
             raise RuntimeError("LayerwiseLoader: a step's loads started before the last step's were finished")
-        rows = self._rows(sum(len(load.blocks) for load in loads))
+        blocks = sum(len(load.blocks) for load in loads)
+        rows = self._rows(blocks)
         parts, at = [], 0
         for load in loads:
             parts.append((load, rows[at : at + len(load.blocks)]))
             at += len(load.blocks)
-        self._step = _Step([threading.Event() for _ in self.layers], threading.Event())
-        self._thread.submit(self._run, self._step, parts)
+        step = self._step = _Step([threading.Event() for _ in self.layers], threading.Event())
+        if blocks * self.block_bytes <= self.inline_bytes:
+            copied = self._load(step, parts)
+            self._thread.submit(self._confirm, step, parts, copied)
+        else:
+            self._thread.submit(lambda: self._confirm(step, parts, self._load(step, parts)))
 
     def wait(self, layer: int) -> None:
         """Until ``layer``'s blocks are in vLLM's KV (bounded: the reads have their deadline)."""
@@ -283,29 +305,44 @@ class LayerwiseLoader(Generic[L]):
                 self._staging = torch.zeros((max(blocks, 16), self.block_bytes), dtype=torch.uint8)
         return self._staging[:blocks]
 
-    def _run(self, step: _Step, parts: list[tuple[L, torch.Tensor]]) -> None:
-        started = step.started  # from the step's start: the pass may wait from then on
-        fetched: list[tuple[L, Fetched]] = []
+    def _load(self, step: _Step, parts: list[tuple[L, torch.Tensor]]) -> _Copied[L]:
+        """Find the step's blocks and copy them in, each layer announced as it lands. Whatever fails,
+        every layer is announced (the pass never waits on a load that will not come)."""
+        copied: _Copied[L] = _Copied()
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
-                fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
-                found_at = time.perf_counter()
-                self._copy_in(step, fetched)  # each layer to the pass as it lands
-                copied_at = time.perf_counter()
-            # the seals (and entries) checked behind the pass: what fails is reported with the step's
-            # invalid blocks, and vLLM throws away what the pass made of it and recomputes
+                copied.fetched = [(load, self.fetch(load, rows)) for load, rows in parts]
+                copied.found_at = time.perf_counter()
+                self._copy_in(step, copied.fetched)
+                copied.copied_at = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, vLLM recomputes every block of the step
+            copied.failed = exc
+        finally:
+            for ready in step.layers:
+                ready.set()
+        return copied
+
+    def _confirm(self, step: _Step, parts: list[tuple[L, torch.Tensor]], copied: _Copied[L]) -> None:
+        """Behind the pass: the seals (and entries) of what was copied, checked; the step's failed
+        blocks and reports; the blocks' leases given back."""
+        started = step.started  # from the step's start: the pass may wait from then on
+        try:
+            if copied.failed is not None:
+                raise copied.failed
+            fetched = copied.fetched
+            # what fails is reported with the step's invalid blocks: vLLM throws away what the pass
+            # made of it and recomputes
             usable = [got.usable if got.confirm is None else min(got.usable, got.confirm()) for _, got in fetched]
-            seconds = copied_at - started
             for (load, got), n in zip(fetched, usable):
                 step.errors.update(b.block_id for b in load.blocks[n:])
                 step.reports[load.request_id] = LoadReport(
                     n,
                     len(load.blocks) - n,
                     n * self.block_bytes,
-                    seconds,
+                    copied.copied_at - started,
                     seal_s=got.seal_s,
-                    fetch_s=found_at - started,
-                    copy_s=copied_at - found_at,
+                    fetch_s=copied.found_at - started,
+                    copy_s=copied.copied_at - copied.found_at,
                     unleased=n * got.unleased,
                 )
         except Exception as exc:  # noqa: BLE001 - whatever it was, vLLM recomputes every block of the step
@@ -318,9 +355,7 @@ class LayerwiseLoader(Generic[L]):
                 step.errors.update(b.block_id for b in load.blocks)
                 step.reports[load.request_id] = LoadReport(0, len(load.blocks), 0, time.perf_counter() - started)
         finally:
-            for ready in step.layers:  # never leaves the forward pass waiting
-                ready.set()
-            for _, got in fetched:  # after the layers: nothing the pass waits for
+            for _, got in copied.fetched:  # after the layers: nothing the pass waits for
                 if got.release is not None:
                     got.release()
             step.done.set()
