@@ -333,7 +333,7 @@ class Replicator:
 
     async def _sync(self, slot: int, backup: str) -> None:
         delay = 0.2
-        while self.ownership.map.primary(slot) == self.node_id and backup in self.ownership.backups(slot):
+        while self.ownership.is_primary(slot) and backup in self.ownership.backups(slot):
             try:
                 await self._copy_slot(slot, backup)
                 await self._tell(
@@ -397,7 +397,7 @@ class Replicator:
         flight and tell the conductor, whose next map makes ``target`` the primary. This node stays a
         backup, and drops the memory-level objects it no longer owns."""
         delay = 0.2
-        while self.ownership.map.handoff.get(slot) == target and self.ownership.map.primary(slot) == self.node_id:
+        while self.ownership.map.handoff.get(slot) == target and self.ownership.is_primary(slot):
             self.handing[slot] = target
             self._handoff_dirty.discard(slot)
             try:
