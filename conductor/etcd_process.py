@@ -5,6 +5,7 @@ to run against a real etcd; a one-machine deployment can too."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -21,9 +22,31 @@ def etcd_binary() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a process about to be started to listen on. Drawn below the
+    kernel's ephemeral range, from which every outgoing connection takes its source port: a port the
+    kernel hands out for binding 0 is such a port, and a connection made before the child bound it
+    could take it (seen: vLLM's KV-events port, bound by its worker minutes after it was picked)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_LISTEN_LOW, low) if low > _LISTEN_LOW + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free loopback port to listen on")
+
+
+_LISTEN_LOW = 10_000  # above the well-known and registered ports most services default to
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read: any port then)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class EtcdMember:

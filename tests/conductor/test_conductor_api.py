@@ -483,9 +483,9 @@ async def wait_for_leader(client, name: str | None = None):
 async def test_the_openai_api_on_its_own_port_apart_from_the_control_api(tmp_path):
     """serving.port set: completions and models there (no control token), the control endpoints only
     on the control port (token), so a firewall can open one port and keep the other internal."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        public_port = probe.getsockname()[1]
+    from tiercake.conductor.etcd_process import free_port
+
+    public_port = free_port()
     config = tmp_path / "c.yaml"
     config.write_text(
         "store: {tiers: [{kind: pool, capacity: 1MiB}]}\n"
