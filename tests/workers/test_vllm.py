@@ -197,6 +197,13 @@ def cached(reply: dict) -> int:
     return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
+async def indexed(tc: NodeCluster, tier: str) -> int:
+    """Bytes of the node's blocks the index shows in ``tier`` now."""
+    async with Client([tc.url], token=TOKEN) as client:
+        node = next((m for m in (await client.cluster()).members if m.id == "vllm-node"), None)
+    return 0 if node is None else node.indexed_bytes.get(tier, 0)
+
+
 async def wait_indexed(
     tc: NodeCluster | str, tier: str, at_least: int, only: bool = False, timeout: float = 30
 ) -> None:
@@ -308,10 +315,11 @@ async def test_blocks_come_back_from_ssd_after_the_node_agent_restarts(served):
 async def test_a_corrupt_block_is_recomputed(served):
     tc, a, b = served
     tokens = prompt(4)
+    on_ssd = await indexed(tc, "ssd")  # (what the module's earlier tests left there)
     first = await a.complete(tokens)
     async with Client([tc.url], token=TOKEN) as client:
         await client.flush(["pool"])
-    await wait_indexed(tc, "ssd", 4 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
+    await wait_indexed(tc, "ssd", on_ssd + PROMPT_BLOCKS * BLOCK_BYTES, only=True)
     for path, offset, length in block_payloads(tc.root / "ssd")[-PROMPT_BLOCKS:]:  # this prompt's blocks
         with open(path, "r+b") as f:  # one flipped byte in the payload
             f.seek(offset + length // 2)
