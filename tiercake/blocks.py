@@ -17,7 +17,6 @@ caught the same way.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import hmac
@@ -243,18 +242,6 @@ class SealCheck:
         if helped:
             self._back_done.wait()
         return next((i for i, ok in enumerate(self._ok) if not ok), len(self._ok))
-
-
-def verified_prefix(
-    sealer: Sealer, items: Sequence[tuple[bytes, Any, bytes]], helper: concurrent.futures.Executor | None = None
-) -> int:
-    """How many of ``items`` (key, bytes, seal), from the first, carry a seal that verifies. With
-    ``helper``, it checks from the back meanwhile (blake3 lets go of the GIL: two cores, half the time)."""
-    check = SealCheck(sealer, items)
-    if helper is None or len(items) < 4:
-        return check.prefix(helped=False)
-    helper.submit(check.from_back)
-    return check.prefix()
 
 
 def seal_material(secret: bytes) -> bytes:

@@ -16,7 +16,6 @@ from tiercake.blocks import (
     chain_key,
     seal_material,
     sealer_for,
-    verified_prefix,
 )
 
 NS = Namespace(model_id="llama-3-8b@rev1", kv_layout="L32.H8.D128.B16.float16", block_size=16)
@@ -167,8 +166,15 @@ def test_a_seal_check_from_both_ends_finds_the_first_bad_seal_and_never_waits_fo
     forged = list(sealed)
     forged[6] = (forged[6][0], forged[6][1], bytes(16))
     with concurrent.futures.ThreadPoolExecutor(1) as helper:
-        assert verified_prefix(sealer, sealed, helper) == 10 and verified_prefix(sealer, forged, helper) == 6
-        assert verified_prefix(sealer, forged) == 6 and verified_prefix(sealer, forged[:3]) == 3
+
+        def verified_prefix(items, helped: bool) -> int:
+            check = SealCheck(sealer, items)
+            if helped:
+                helper.submit(check.from_back)
+            return check.prefix(helped)
+
+        assert verified_prefix(sealed, True) == 10 and verified_prefix(forged, True) == 6
+        assert verified_prefix(forged, False) == 6 and verified_prefix(forged[:3], False) == 3
         check = SealCheck(sealer, forged)
         helper.submit(check.from_back)
         assert check.prefix() == 6  # both ends ran, whichever took the bad one

@@ -201,7 +201,7 @@ class ConnectorWorker:
         with no lease (no round trip: see ``PoolPlaces``); None when any of them is not there as the
         entries said (a block moved since the lookup: the lease path then). The seals are checked from
         the back on the helper thread while the loader copies, and from the front by the loader once it
-        has copied (``SealCheck``); the pass sees the layers only after both (``Fetched.confirm``)."""
+        has copied (``SealCheck``), behind the pass; then the entries are read again (``_confirmed``)."""
         entries = [b.entry for b in load.blocks]
         if not load.pool or min(entries) < 0:
             return None
@@ -212,29 +212,45 @@ class ConnectorWorker:
         if len(found) < len(keys):
             return None
         pool, n = places.data, self.block_nbytes
-        check = SealCheck(self._sealer(load.salt), [(k, pool[o : o + n], s) for k, (o, s) in zip(keys, found)])
-        self._helper.submit(check.from_back)
+        check = self._checking(load, [(k, pool[o : o + n], s) for k, (o, s) in zip(keys, found)])
         fetched = Fetched([Segment(pool, [offset for offset, _ in found])], unleased=True)
-
-        def confirm() -> int:
-            return self._confirmed(load, fetched, check, lambda: places.unchanged(entries, snapshot))
-
-        fetched.confirm = confirm
+        fetched.confirm = lambda: self._confirmed(
+            load, fetched, check, len(keys), unmoved=lambda: places.unchanged(entries, snapshot)
+        )
         fetched.release = lambda: self.link.touch(load.node, keys, n)  # after the copy: nothing waits for it
         return fetched
 
-    def _confirmed(self, load: RequestLoad, fetched: Fetched, check: SealCheck, unmoved: Callable[[], int]) -> int:
-        """After the copy: how many of the blocks, from the first, carry a seal that verifies and were
-        not moved in the pool meanwhile (a block that moved while it was read failed its seal for that,
-        not because it was forged)."""
+    def _checking(self, load: RequestLoad, items: list) -> SealCheck:
+        """The seals of ``items`` (key, bytes, seal), the helper thread checking from the back from now
+        (fewer than four: not worth a hand-off); the loader joins from the front (``_confirmed``)."""
+        check = SealCheck(self._sealer(load.salt), items)
+        if len(items) >= 4:
+            self._helper.submit(check.from_back)
+        return check
+
+    def _confirmed(
+        self,
+        load: RequestLoad,
+        fetched: Fetched,
+        check: SealCheck,
+        in_place: int,
+        unmoved: Callable[[], int] | None = None,
+        unread: list | None = None,
+    ) -> int:
+        """After the copy, behind the pass: how many of the blocks, from the first, carry a seal that
+        verifies and, read by their entries (``unmoved``), were not moved in the pool meanwhile (a block
+        that moved while it was read failed its seal for that, not because it was forged). The first
+        ``in_place`` were copied straight from the pool; ``unread``: the read results after the last
+        block read (what to log as missing)."""
         started = time.perf_counter()
-        verified = check.prefix()
-        unchanged = unmoved()
+        verified = check.prefix(helped=len(check.items) >= 4)
+        total = len(check.items)
+        unchanged = total if unmoved is None else unmoved()
         fetched.seal_s = time.perf_counter() - started  # what the check added after the copy
-        total = len(load.blocks)
         usable = min(verified, unchanged)
-        self.stats["in_place_blocks"] += usable
-        self.stats["unleased_blocks"] += usable
+        self.stats["in_place_blocks"] += min(in_place, usable)
+        if fetched.unleased:
+            self.stats["unleased_blocks"] += usable
         if unchanged < total and unchanged <= verified:
             self.stats["moved_blocks"] += total - unchanged
             log.info(
@@ -246,6 +262,8 @@ class ConnectorWorker:
             )
         elif verified < total:
             self._refused(load, verified, total)
+        elif unread:
+            self._log_missing(load, len(unread), unread[0].error)
         return usable
 
     def _refused(self, load: RequestLoad, first: int, total: int) -> None:
@@ -278,27 +296,11 @@ class ConnectorWorker:
         if read_rest and first < len(keys):
             rest = self.link.read(load.node, keys[first:], list(rows[first:]), self.settings.load_timeout_s)
         read = next((i for i, r in enumerate(rest) if not r.ok), len(rest))
-        items = found + [(keys[first + i], staged[first + i], rest[i].seal) for i in range(read)]
-        check = SealCheck(self._sealer(load.salt), items)
-        helped = len(items) >= 4  # (fewer: not worth a hand-off)
-        if helped:
-            self._helper.submit(check.from_back)
+        check = self._checking(load, found + [(keys[first + i], staged[first + i], rest[i].seal) for i in range(read)])
         segments = [Segment(pool, starts)] if pool is not None else []
         segments.append(Segment(staged.reshape(-1), [i * self.block_nbytes for i in range(first, first + read)]))
         fetched = Fetched([s for s in segments if s.starts])
-
-        def confirm() -> int:
-            started = time.perf_counter()
-            verified = check.prefix(helped)
-            fetched.seal_s = time.perf_counter() - started  # what the check added after the copy
-            self.stats["in_place_blocks"] += min(first, verified)
-            if verified < len(items):
-                self._refused(load, verified, len(items))
-            elif read < len(rest):
-                self._log_missing(load, len(rest) - read, rest[read].error)
-            return verified
-
-        fetched.confirm = confirm
+        fetched.confirm = lambda: self._confirmed(load, fetched, check, first, unread=rest[read:])
         return fetched
 
     def _log_missing(self, load: RequestLoad, missing: int, error: object) -> None:
