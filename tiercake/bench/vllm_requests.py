@@ -9,6 +9,7 @@ import random
 import secrets
 import statistics
 import time
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -135,24 +136,30 @@ async def held_and_cold(
     return samples
 
 
-async def interleaved(
-    ours: str, null: str | None, prompt_tokens: int, rounds: int, other: str | None = None
-) -> tuple[dict[str, list], dict[str, list] | None]:
-    """An instance's samples (``held_and_cold``, with ``other`` its second instance) and, with ``null``
-    (an instance with the do-nothing connector, alive beside it), that one's cold requests, a round of
-    each in turn: a quiet or a busy moment of the machine touches both."""
-    samples: dict[str, list] = {}
-    baseline: dict[str, list] | None = {} if null is not None else None
+@dataclass(frozen=True)
+class Instance:
+    """A vLLM instance a bench times: ``held``, its connector holds prefixes (held and cold requests;
+    else cold ones only); ``other``, a second instance with the same connector to load across."""
+
+    url: str
+    held: bool = True
+    other: str | None = None
+
+
+async def interleaved(instances: dict[str, Instance], prompt_tokens: int, rounds: int) -> dict[str, dict[str, list]]:
+    """Each instance's samples (``held_and_cold``), a round of each in turn, ``QUIET_S`` apart: a quiet
+    or a busy moment of the machine touches them all. Every instance gets the same prompts."""
+    samples: dict[str, dict[str, list]] = {name: {} for name in instances}
     for r in range(rounds):
-        for url, into, held in ((ours, samples, True), (null, baseline, False)):
-            if url is None or into is None:
-                continue
-            got = await held_and_cold(url, prompt_tokens, 1, held=held, first_round=r, warm=r == 0, other=other)
-            for name, items in got.items():
-                into.setdefault(name, []).extend(items)
-            if null is not None:
+        for name, instance in instances.items():
+            got = await held_and_cold(
+                instance.url, prompt_tokens, 1, held=instance.held, first_round=r, warm=r == 0, other=instance.other
+            )
+            for key, items in got.items():
+                samples[name].setdefault(key, []).extend(items)
+            if len(instances) > 1:
                 await asyncio.sleep(QUIET_S)
-    return samples, baseline
+    return samples
 
 
 def median_s(samples: dict, name: str) -> float:
