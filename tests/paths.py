@@ -18,3 +18,8 @@ SUITE = os.environ.setdefault("TIERCAKE_TEST_SUITE", uuid.uuid4().hex[:8])
 def shm_file(what: str) -> Path:
     """A /dev/shm path for a test's pool, marked as this run's (``what`` makes it unique)."""
     return Path(f"/dev/shm/tiercake-{SUITE}-{what}")
+
+
+# Where the tests of a GPU path put their tensors: "cpu" runs the same path on the CPU; on a machine with a
+# GPU, tiercake/gpu_check.py sets TIERCAKE_TEST_DEVICE=cuda
+KV_DEVICE = os.environ.get("TIERCAKE_TEST_DEVICE", "cpu")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from paths import KV_DEVICE
 
 from tiercake.workers.vllm.loading import Fetched, LayerwiseLoader, Segment, block_window
 
@@ -24,8 +25,8 @@ class Load:
     blocks: list[Block]
 
 
-def kv_layers() -> list[torch.Tensor]:
-    return [torch.zeros((BLOCKS, LAYER_BYTES), dtype=torch.uint8) for _ in range(LAYERS)]
+def kv_layers(device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.zeros((BLOCKS, LAYER_BYTES), dtype=torch.uint8, device=device) for _ in range(LAYERS)]
 
 
 def payload(load: Load, i: int) -> torch.Tensor:
@@ -70,24 +71,33 @@ def fetch_from_pool(pool: np.ndarray, released: list[str], staged_from: int | No
     return fetch
 
 
+class Made:
+    """Loaders of one kind, over layers where that kind's KV lives: on the host, numpy's indexed
+    copies; the GPU path (a pinned buffer, torch's indexed copies on a side stream) over layers on
+    ``KV_DEVICE``: the CPU here, which takes the same path, or a GPU where one is lent."""
+
+    def __init__(self, device: bool) -> None:
+        self.device, self.loaders = device, []
+
+    def layers(self) -> list[torch.Tensor]:
+        return kv_layers(KV_DEVICE if self.device else "cpu")
+
+    def __call__(self, layers, fetch, inline_bytes: int = 0) -> LayerwiseLoader:
+        """``inline_bytes``: 0, every load on the loader thread (what these tests look at)."""
+        self.loaders.append(LayerwiseLoader(layers, fetch, device=self.device, inline_bytes=inline_bytes))
+        return self.loaders[-1]
+
+
 @pytest.fixture(params=["host", "device"])
 def made(request):
-    """Loaders over host KV: numpy's indexed copies, and the path for KV on a GPU (a pinned buffer and
-    torch's indexed copies), which runs on the CPU the same."""
-    loaders = []
-
-    def make(layers, fetch, inline_bytes: int = 0) -> LayerwiseLoader:
-        """``inline_bytes``: 0, every load on the loader thread (what these tests look at)."""
-        loaders.append(LayerwiseLoader(layers, fetch, device=request.param == "device", inline_bytes=inline_bytes))
-        return loaders[-1]
-
-    yield make
-    for loader in loaders:
+    made = Made(request.param == "device")
+    yield made
+    for loader in made.loaders:
         loader.close()
 
 
 def test_each_load_lands_in_every_layer_of_its_blocks_and_an_unusable_tail_is_reported(made):
-    layers = kv_layers()
+    layers = made.layers()
     loader = made(layers, fetch_all_but({"b": 1}))
     a, b = Load("a", [Block(3), Block(7)]), Load("b", [Block(1), Block(9), Block(4)])
     loader.start([a, b])
@@ -110,7 +120,7 @@ def test_each_load_lands_in_every_layer_of_its_blocks_and_an_unusable_tail_is_re
 
 def test_a_layer_is_ready_before_the_later_layers_are_in(made):
     """The forward pass computes layer 0 while layers 1 and 2 are still being filled."""
-    loader = made(kv_layers(), fetch_all_but({}))
+    loader = made(made.layers(), fetch_all_but({}))
     gate, landed = threading.Event(), []
     original = loader._landed
 
@@ -138,7 +148,7 @@ def test_a_load_that_fails_outright_never_leaves_the_pass_waiting_and_every_bloc
     def broken(load, rows) -> Fetched:
         raise RuntimeError("the link's thread is gone")
 
-    loader = made(kv_layers(), broken)
+    loader = made(made.layers(), broken)
     loader.start([Load("a", [Block(2), Block(5)]), Load("b", [Block(6)])])
     for layer in range(LAYERS):
         loader.wait(layer)  # each returns
@@ -150,7 +160,7 @@ def test_a_load_that_fails_outright_never_leaves_the_pass_waiting_and_every_bloc
 def test_blocks_leased_in_place_anywhere_in_the_pool_land_in_every_layer_and_the_lease_is_given_back(made, staged_from):
     """Straight from the pool's bytes (no staging copy), at offsets no block size divides; a chain's
     blocks only on disk come through the staging rows after the pool's."""
-    layers, released = kv_layers(), []
+    layers, released = made.layers(), []
     pool = np.zeros(1 << 16, dtype=np.uint8)
     loader = made(layers, fetch_from_pool(pool, released, staged_from))
     a, b = Load("a", [Block(3), Block(7), Block(0)]), Load("b", [Block(11), Block(5)])
@@ -208,7 +218,7 @@ def test_what_the_pass_waited_is_part_of_the_loads_own_time(made):
         time.sleep(0.1)
         return fetch_all_but({})(load, rows)
 
-    loader = made(kv_layers(), slow)
+    loader = made(made.layers(), slow)
     loader.start([Load("a", [Block(1)])])
     waiting.set()
     for layer in range(LAYERS):
@@ -234,7 +244,7 @@ def test_every_layer_reaches_the_pass_before_the_seals_are_confirmed_and_a_failu
         got.confirm = confirm
         return got
 
-    loader = made(kv_layers(), confirm_later)
+    loader = made(made.layers(), confirm_later)
     loader.start([Load("a", [Block(1), Block(2)])])
     for layer in range(LAYERS):
         loader.wait(layer)
@@ -264,10 +274,13 @@ def test_a_small_load_is_copied_on_the_asking_thread_and_confirmed_behind_the_pa
         got.confirm = confirm
         return got
 
-    layers = kv_layers()
+    layers = made.layers()
     loader = made(layers, fetch, inline_bytes=1 << 20)
     loader.start([Load("a", [Block(1), Block(2)])])
     assert asked_on == [threading.current_thread()]
+    if KV_DEVICE != "cpu":  # into a GPU's KV the copies were enqueued on a side stream: the pass's wait orders them
+        for layer in range(LAYERS):
+            loader.wait(layer)
     assert all(int(layers[layer][1][0]) == 10 + layer for layer in range(LAYERS))  # in before start returned
     go_on.set()
     errors, reports = loader.finish()

@@ -9,6 +9,7 @@ import concurrent.futures
 import pytest
 import torch
 from conftest import LAYOUT, block, key
+from paths import KV_DEVICE
 
 from tiercake.blocks import SealKeys, seal_material
 from tiercake.tiers import PoolRegion
@@ -52,7 +53,7 @@ class Link:
         return done
 
 
-def worker(link: Link):
+def worker(link: Link, device: str = "cpu"):
     from tiercake.workers.vllm.metadata import ConnectorSettings
     from tiercake.workers.vllm.worker_side import ConnectorWorker
 
@@ -60,7 +61,7 @@ def worker(link: Link):
     settings = ConnectorSettings(conductor="http://127.0.0.1:1", node="node")
     w = ConnectorWorker(settings, link, SealKeys(MATERIAL), names, BLOCKS)
     half = LAYOUT.nbytes // LAYERS // 2  # float16 elements of one layer's part of a block
-    w.register_kv_caches({name: torch.zeros((BLOCKS, half), dtype=torch.float16) for name in names})
+    w.register_kv_caches({name: torch.zeros((BLOCKS, half), dtype=torch.float16, device=device) for name in names})
     assert w.block_nbytes == LAYOUT.nbytes
     return w
 
@@ -97,20 +98,22 @@ def load(w, keys, entries, instance, first_id: int = 3):
 
 
 def in_kv(w, block_id: int) -> bytes:
-    return b"".join(bytes(layer[block_id].numpy()) for layer in w._layers)
+    return b"".join(bytes(layer[block_id].cpu().numpy()) for layer in w._layers)
 
 
 @pytest.mark.parametrize("device", [False, True])
 def test_blocks_are_read_by_their_entries_without_a_lease_and_copied_in_whole(shm_path, make_store, device):
-    """``device``: through the GPU path's pinned buffer and copies (run here on the CPU)."""
+    """``device``: through the GPU path's pinned buffer and copies, into KV on ``KV_DEVICE`` (the CPU
+    here, which takes the same path; a GPU where tiercake/gpu_check.py runs it)."""
     from tiercake.workers.vllm.loading import LayerwiseLoader
 
     async def go():
         store, keys = await saved(make_store, 4)
         region, entries = mapped(shm_path, keys)
         link = Link(PoolPlaces(region))
-        w = worker(link)
+        w = worker(link, KV_DEVICE if device else "cpu")
         if device:
+            w._loader.close()
             w._loader = LayerwiseLoader(w._layers, w._fetch, device=True)
         try:
             report, errors = await asyncio.to_thread(load, w, keys, entries, region.instance)
