@@ -65,9 +65,11 @@ bench: install
 	$(VENV)/bin/tiercake bench store --quick --json bench-results/store.json
 
 # For tiercake/gpu_check.py on a lent GPU machine, which reaches no registry: wheels for its Python (3.12)
-# of what its image lacks (it has torch, numpy, aiohttp, pytest...), into .whl/, carried there with the tree
+# of what its image lacks (it has torch, numpy, aiohttp, pytest...), into .whl/, carried there with the tree;
+# setuptools too, at the release that builds tiercake here (the image's may be older than pyproject asks)
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	zstandard==0.25.0 blake3==1.0.11 msgspec==0.23.0 google-re2==1.1.20251105 etcd3aio==0.3.0 pytest-asyncio==1.5.0
+	zstandard==0.25.0 blake3==1.0.11 msgspec==0.23.0 google-re2==1.1.20251105 etcd3aio==0.3.0 pytest-asyncio==1.5.0 \
+	setuptools==78.1.1
 gpu-wheels: $(PY)
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
