@@ -150,6 +150,7 @@ def _figures(samples: dict, prompt_tokens: int, rounds: int, memcpy: float, repo
                 ideal=round(1 - fraction, 2),
                 prompt_tokens=prompt_tokens,
                 rounds=rounds,
+                samples_s=[round(seconds, 4) for seconds, _ in samples[f"{name}{pct}"]],  # an outlier shows
             )
     held = [f for fraction in FRACTIONS for f in tiercake_figures(samples, f"held{int(fraction * 100)}")]
     cold = [f for fraction in FRACTIONS for f in tiercake_figures(samples, f"cold{int(fraction * 100)}")]
@@ -291,6 +292,10 @@ def _one_peer(report: Report, ours: dict, peer: str, got: dict) -> None:
             "GB/s",
             got["load_bytes"] / got["load_s"] / 1e9,
             limit_name=f"{connector}'s loads ({got['load_source']})",
+            loads=len(loads),
+            slowest_ms=round(max(f["load_s"] for f in loads) * 1e3, 2),
+            # a load that stopped short (a block that failed, recomputed by vLLM)
+            short=sum(1 for f in loads if f.get("loaded_tokens", 0) < f.get("planned_load_tokens", 0)),
         )
 
 

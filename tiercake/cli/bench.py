@@ -299,8 +299,9 @@ def _serving_benches(bench_parser) -> None:
         "--peers",
         action="store_true",
         help="also time a second instance loading the prefixes the first saved, and the same requests on vLLM "
-        "with a do-nothing connector (the cold baseline, beside each) and with vLLM's MooncakeStoreConnector "
-        "over Mooncake Store (where installed; inside unshare -n, after tiercake's)",
+        "with a do-nothing connector (the cold baseline), with vLLM's LMCacheMPConnector over LMCache's server "
+        "and with its MooncakeStoreConnector over Mooncake Store (each where installed; with Mooncake the whole "
+        "bench runs inside unshare -n), every instance in the same interleaved rounds",
     )
     vllm_bench.set_defaults(func=cmd_bench_vllm)
 
