@@ -154,23 +154,6 @@ def peer_server(
     return VllmServer(command, {**env, "VLLM_SERVER_DEV_MODE": "1"}, log, port)
 
 
-async def _mooncake_load_counters(url: str) -> tuple[float, float]:
-    """(seconds, bytes) Mooncake's connector spent and moved loading so far, from vLLM's metrics."""
-    seconds = nbytes = 0.0
-    async with aiohttp.ClientSession() as http:
-        async with http.get(url + "/metrics") as resp:
-            text = await resp.text()
-    for line in text.splitlines():
-        if 'operation="load_get"' not in line or line.startswith("#"):
-            continue
-        name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
-        if name == "vllm:mooncake_store_operation_time_seconds_sum":
-            seconds += value
-        elif name == "vllm:mooncake_store_operation_bytes_total":
-            nbytes += value
-    return seconds, nbytes
-
-
 class MooncakePeer:
     """Mooncake Store's master and a vLLM instance with vLLM's MooncakeStoreConnector over it, inside
     the bench's network namespace (its master binds every address). One instance only: with two on
