@@ -360,6 +360,10 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
                     servers.append(ours[1])
                     await asyncio.to_thread(ours[1].wait_ready)
                 await _routing(cluster, ours, prompts, token, report, rows)
+        except Exception:
+            for log in [s.log_path for s in servers] + others.logs():  # they go with the temporary directory
+                print(f"--- {log.name}:\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
+            raise
         finally:
             for server in servers:
                 await asyncio.to_thread(server.stop)
@@ -409,6 +413,13 @@ class Peers:
             spent = (seconds - mooncake_before[0], nbytes - mooncake_before[1])
             mooncake = peer_result(samples["mooncake"], *spent, "its metrics")
         return {"mooncake": mooncake, "lmcache": lmcache}
+
+    def logs(self) -> list[Path]:
+        """Where the peers' own processes wrote (the vLLM instances in ``servers`` aside)."""
+        logs = [] if self.lmcache is None else [self.lmcache.log_path]
+        if self.mooncake is not None:
+            logs += [self.mooncake.server.log_path, self.mooncake.master.log_path]
+        return logs
 
     def stop(self) -> None:
         if self.mooncake is not None:
