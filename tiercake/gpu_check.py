@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -63,14 +64,15 @@ def _run(name: str, argv: list[str], out: Path, env: dict[str, str], limit: floa
 
 
 def _install(site: Path, out: Path, env: dict[str, str]) -> dict[str, object] | None:
-    """The carried wheels, then tiercake, into ``site`` (None: tiercake already imports here)."""
-    probe = subprocess.run([sys.executable, "-c", "import tiercake.workers"], cwd="/", env=env, capture_output=True)
+    """The carried wheels, then tiercake, into ``site`` (None: tiercake already imports here without
+    it). Installed again on every run: the checkout may have changed since the last one."""
+    probe = subprocess.run([sys.executable, "-c", "import tiercake.workers"], cwd="/", capture_output=True)
     if probe.returncode == 0:
         return None
     wheels = sorted(str(w) for w in (ROOT / ".whl").glob("*.whl"))
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
     script = " && ".join(
-        subprocess.list2cmdline(argv)
+        shlex.join(argv)
         for argv in (
             [*pip, "--target", str(site), *wheels] if wheels else ["true"],
             [*pip, "--no-build-isolation", "--target", str(site), str(ROOT)],

@@ -17,6 +17,7 @@ from tiercake.bench.vllm_peers import (
     bench_model,
     lmcache_installed,
     lmcache_result,
+    peer_result,
     peer_server,
 )
 from tiercake.bench.vllm_requests import BLOCK, MODEL, Instance, interleaved
@@ -57,7 +58,7 @@ async def test_lmcache_instance_loads_each_held_prefix_and_its_server_counts_the
         got = lmcache_result(server, samples)
         seconds, tokens = server.loads()
         # the warm-up's two held prompts, then the two timed: 4 + 7 blocks, or more where it reloads
-        assert tokens >= 2 * (4 + 7) * BLOCK and 0 < seconds < 10
+        assert tokens >= 2 * (4 + 7) * BLOCK and seconds > 0
         assert got["load_bytes"] == tokens * KV_BYTES_PER_TOKEN and got["load_s"] == seconds
         assert got["samples"]["held90"] == [s for s, _ in samples["held90"]]
     finally:
@@ -98,12 +99,7 @@ def fake(held: float, cold: float, load: tuple[float, int] | None = None) -> dic
 def test_each_peer_gets_its_held_load_and_recompute_figures_and_a_missing_peer_none():
     report = Report(bench="vllm", machine={})
     ours = fake(0.2, 1.0, load=(0.001, 4_000_000))
-    lmcache = {
-        "samples": {k: [s for s, _ in v] for k, v in fake(0.4, 1.0).items()},
-        "load_s": 0.004,
-        "load_bytes": 4_000_000,
-        "load_source": "its server's log",
-    }
+    lmcache = peer_result(fake(0.4, 1.0), 0.004, 4_000_000, "its server's log")
     _peer_figures(report, ours, fake(0.9, 0.9), {"mooncake": None, "lmcache": lmcache})
     figures = {f.name: f for f in report.figures}
     assert figures["peers.held90.vs_lmcache"].ratio == pytest.approx(0.5)

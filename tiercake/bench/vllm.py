@@ -353,6 +353,8 @@ async def run(quick: bool = False, trace: str | None = None, peers: bool = False
             if peers:
                 measured = await others.results(samples, mooncake_before)
                 report.machine.update({name: "absent" if got is None else "measured" for name, got in measured.items()})
+                if not in_own_namespace() and mooncake_master() is not None:  # run_in_namespace gave nothing
+                    report.machine["mooncake"] = "failed in its network namespace (its output's tail on stderr)"
                 _peer_figures(report, samples["tiercake"], samples["null"], measured)
             if prompts:  # the second server only now (if not started for --peers): idle, it would slow the above
                 if len(ours) == 1:

@@ -130,12 +130,13 @@ class LmcacheServer:
         Path("/dev/shm", self.shm).unlink(missing_ok=True)  # where it was killed before it removed it
 
 
-KV_BYTES_PER_TOKEN = 8 * 2 * 2 * 64 * 2  # the bench model's: 8 layers, K and V, 2 heads of 64, bf16
+LAYERS, HIDDEN, HEADS, KV_HEADS = 8, 512, 8, 2  # the bench model's shape
+KV_BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * (HIDDEN // HEADS) * 2  # K and V of every layer, bf16
 
 
 def bench_model(root: Path) -> Path:
-    """The vllm bench's model (8 layers of 512, 2 KV heads)."""
-    return make_tiny_llama(root / "model", layers=8, hidden=512, heads=8, kv_heads=2, vocab=512)
+    """The vllm bench's model."""
+    return make_tiny_llama(root / "model", layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, vocab=512)
 
 
 def lmcache_result(server: LmcacheServer, samples: dict[str, list]) -> dict:
