@@ -83,6 +83,8 @@ class LeaderElection:
                 await self._hold()
             except MetadataUnavailableError as exc:
                 log.warning("election %s: backend unavailable (%s)", self.candidate, exc)
+            except Exception:  # noqa: BLE001 - a candidate whose loop ended would never lead again
+                log.exception("election %s: the campaign failed; campaigning again", self.candidate)
             self._set_leading(False)
             await asyncio.sleep(0.2)
 

@@ -78,6 +78,14 @@ class LeaderLink:
                 self._heat_out[hit] = self._heat_out.get(hit, 0) + 1
 
     async def _forward_heat_forever(self) -> None:
+        while True:
+            try:
+                await self._forward_heat()
+            except Exception:  # noqa: BLE001 - one failure must not end the forwarding for good
+                log.exception("conductor %s: forwarding access counts failed", self.conductor.conductor_id)
+                await asyncio.sleep(HEAT_FORWARD_S)
+
+    async def _forward_heat(self) -> None:
         """Every second, a follower sends the accesses its lookups counted to the leader (dropped if the
         leader cannot take them: rates are estimates, and the next second brings more)."""
         while True:
@@ -109,6 +117,15 @@ class LeaderLink:
         return self._peers[leader.url]
 
     async def _follow_forever(self) -> None:
+        while True:  # a mirror that stopped following would be stale from then on, silently
+            try:
+                await self._follow()
+            except Exception:  # noqa: BLE001 - started over from a snapshot
+                self.followed_term = 0
+                log.exception("conductor %s: following the leader's placements failed", self.conductor.conductor_id)
+                await asyncio.sleep(FEED_POLL_S)
+
+    async def _follow(self) -> None:
         """A follower mirrors the leader's placement index (the leader alone hears of placements): a
         snapshot first, page by page, then each change, by long polls; it starts over whenever the
         term changes or it falls further behind than the leader's log keeps."""

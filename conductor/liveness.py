@@ -146,6 +146,9 @@ class Liveness:
             except (MetadataUnavailableError, FencedError) as exc:
                 log.warning("liveness: the backstop lease is not taken over yet (%s); retrying", exc)
                 await asyncio.sleep(0.5)
+            except Exception:  # noqa: BLE001 - a term never loaded refuses every registration
+                log.exception("liveness: taking the backstop lease over failed; retrying")
+                await asyncio.sleep(0.5)
         self._ready.set()
         renewed = swept = time.monotonic()
         while True:

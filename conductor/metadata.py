@@ -206,6 +206,9 @@ async def follow(
         except CompactedError as exc:
             log.warning("%s: %s; reading the state as it is now", what, exc)
             reread = True
+        except Exception:  # noqa: BLE001 - a view that stops following is wrong from then on, silently
+            log.exception("%s: the watch failed; resuming", what)
+            await asyncio.sleep(0.5)
 
 
 async def _reread(

@@ -90,6 +90,7 @@ class ConductorLink:
         self._wakeup = asyncio.Event()
         self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
+        self._acting: asyncio.Task | None = None  # acting on the latest keep-alive's answer
         self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
         self._eviction: dict[str, EvictionSpec] = {}
         self._term = 0  # the leader's term the volatile tiers were reported in
@@ -156,31 +157,48 @@ class ConductorLink:
     async def _keep_alive(self) -> None:
         while True:
             await asyncio.sleep(max(self.ttl / 3, 0.2))
-            sent = time.monotonic()
             try:
-                answer = await self.client.keep_alive(
-                    self.member.node_id, self.lease, self._stats(), timeout=self.attempt_s
-                )
-            except ConductorError as exc:
-                if exc.status == 404:
-                    log.warning("node %s: lease expired; registering again", self.member.node_id)
-                    await self._register_again()
-                else:
-                    log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
-                continue
-            self._kept_alive(sent, answer)
-            self._note_term(answer)
-            try:
-                if self.store is not None:  # else nothing here to pin or copy into
-                    if answer.pins_version != self._pins_version:
-                        await self._sync_pins(self.store)
-                    if answer.tasks:
-                        await self._run_tasks(self.store, answer.tasks)
-                await self._apply_settings(answer.settings)
-            except ConductorError as exc:
-                log.warning("node %s: %s", self.member.node_id, exc)
-            except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
-                log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
+                await self._keep_alive_once()
+            except Exception:  # noqa: BLE001 - the membership must outlive any one failure
+                log.exception("node %s: a keep-alive failed; the next one goes on", self.member.node_id)
+
+    async def _keep_alive_once(self) -> None:
+        """One keep-alive; its answer acted on (pins, replication tasks, settings) off this loop, one
+        answer at a time: a replication pull from a peer cut off waits out its deadline, and a lease
+        of a few seconds must not lapse behind it. An answer that comes while the last one is still
+        acted on is skipped: the next one carries the same pins and settings, and the leader hands
+        a task out again once its deadline passes."""
+        sent = time.monotonic()
+        try:
+            answer = await self.client.keep_alive(
+                self.member.node_id, self.lease, self._stats(), timeout=self.attempt_s
+            )
+        except ConductorError as exc:
+            if exc.status == 404:
+                log.warning("node %s: lease expired; registering again", self.member.node_id)
+                await self._register_again()
+            else:
+                log.warning("node %s: keep-alive failed (%s); retrying", self.member.node_id, exc)
+            return
+        self._kept_alive(sent, answer)
+        self._note_term(answer)
+        if self._acting is None or self._acting.done():
+            self._acting = asyncio.get_running_loop().create_task(self._act_on(answer))
+            self._tasks.append(self._acting)
+            self._acting.add_done_callback(self._forget_task)
+
+    async def _act_on(self, answer: KeepAliveReply) -> None:
+        try:
+            if self.store is not None:  # else nothing here to pin or copy into
+                if answer.pins_version != self._pins_version:
+                    await self._sync_pins(self.store)
+                if answer.tasks:
+                    await self._run_tasks(self.store, answer.tasks)
+            await self._apply_settings(answer.settings)
+        except ConductorError as exc:
+            log.warning("node %s: %s", self.member.node_id, exc)
+        except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
+            log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
 
     async def _register_again(self) -> None:
         """A registration after the lease lapsed. Whatever it meets, the keep-alive loop goes on and
@@ -299,8 +317,11 @@ class ConductorLink:
             await asyncio.sleep(self.flush_interval)  # let a burst of changes gather into one report
             try:
                 await self.send_reports()
-            except ConductorError as exc:
-                log.warning("node %s: report failed (%s); retrying", self.member.node_id, exc)
+            except Exception as exc:  # noqa: BLE001 - nothing may end the reports: the changes stay queued
+                if isinstance(exc, ConductorError):
+                    log.warning("node %s: report failed (%s); retrying", self.member.node_id, exc)
+                else:
+                    log.exception("node %s: report failed; retrying", self.member.node_id)
                 await asyncio.sleep(0.5)
                 self._wakeup.set()
 

@@ -652,6 +652,32 @@ async def test_a_follower_mirrors_the_leaders_index_over_http(monkeypatch):
                 assert answer["reset"] and answer["term"] == leader.election.won_term > 0
 
 
+async def test_a_followers_mirror_follows_on_after_a_failure_no_handler_expected():
+    """Applying a page of the leader's feed failed in a way nobody expected: the follower's mirror once
+    stopped there, silently, and its lookups (and its index, were it to win) went stale for good. It
+    starts over from a snapshot."""
+    async with leader_and_follower() as (leader, follower):
+        real, failures = follower.index.apply, []
+
+        def apply(changes, reset=False):
+            if not failures:
+                failures.append(reset)
+                raise RuntimeError("a fault of the test")
+            return real(changes, reset=reset)
+
+        follower.index.apply = apply
+        keys = [k(i) for i in range(3)]
+        async with Client([leader.url], token="peer-token") as client:
+            await client.register(MemberInfo(node_id="w", role="worker", tiers={"gpu": 1 << 20}), ttl=30)
+            await client.report("t", "w", "gpu", keys, [1] * 3)
+            for _ in range(100):
+                found = follower.index.lookup("t", keys).get("w")
+                if found is not None and found.length == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert failures and found is not None and found.length == 3, (failures, found)
+
+
 async def test_a_winning_follower_keeps_its_mirror_and_members_re_report_only_the_last_changes(make_store):
     """The leader dies: the follower that wins serves the volatile replicas it mirrored at once, and
     a member re-reports only what was acknowledged in the window the new term names (here a change

@@ -294,3 +294,25 @@ async def test_a_member_that_moved_to_a_lease_of_its_own_is_not_the_leaders_to_e
             await own.stop()
         await follower.close()
         await conductor.close()
+
+
+async def test_a_term_whose_take_over_meets_an_error_no_handler_expected_is_loaded_still(meta, monkeypatch):
+    """Reading the backstop lease as a term began met an error other than 'unavailable': the term's
+    task once ended there, silently, and every registration was refused as 'not loaded yet' while
+    that conductor led."""
+    real_get, failures = meta.get, []
+
+    async def get(key: bytes):
+        if key == BACKSTOP and not failures:
+            failures.append(key)
+            raise RuntimeError("a fault of the test")
+        return await real_get(key)
+
+    monkeypatch.setattr(meta, "get", get)
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    try:
+        node = f"n-{uuid.uuid4().hex[:6]}"
+        lease = await conductor.register(_member(node), ttl=2)
+        assert failures and lease and node in conductor.liveness._kept
+    finally:
+        await conductor.close()

@@ -235,3 +235,26 @@ async def test_a_member_may_report_the_moment_its_register_returns(meta, monkeyp
         assert conductor.report("t", [bytes(32)], node, "pool", [1]) == 1
     finally:
         await conductor.close()
+
+
+async def test_a_campaign_that_meets_an_error_no_handler_expected_campaigns_again(meta, prefix, monkeypatch):
+    """A lease grant refused with an error other than 'unavailable' (etcd answers INTERNAL or
+    CANCELLED around its own leader changes): the campaign's loop once ended there, silently, and
+    that conductor never stood for leader again while it ran."""
+    from tiercake.conductor.metadata import MetadataError
+
+    real, failures = meta.grant_lease, []
+
+    async def grant_lease(ttl: int) -> int:
+        if not failures:
+            failures.append(ttl)
+            raise MetadataError("etcd refused: INTERNAL: a fault of the test")
+        return await real(ttl)
+
+    monkeypatch.setattr(meta, "grant_lease", grant_lease)
+    election = await LeaderElection(meta, "conductor-1", ttl=1, prefix=prefix).start()
+    try:
+        await asyncio.wait_for(election.leading.wait(), 10)
+        assert failures and election.is_leader
+    finally:
+        await election.resign()

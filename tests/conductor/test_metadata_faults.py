@@ -171,3 +171,33 @@ async def test_a_watch_cut_by_a_transient_error_ends_so_its_follower_resumes_aft
         task.cancel()
         await channel.close()
     assert seen == [b"/m/a", b"/m/b"] and asked == [5, 6], (seen, asked)  # the library alone would have asked from 91
+
+
+async def test_a_view_follows_on_after_its_watch_fails_in_a_way_nobody_expected():
+    """A watch that ends on an error no handler names (not 'unavailable', not 'compacted'): the
+    view's ``follow`` once ended there, silently, and the conductor's view of the members froze
+    while it served (a member that registered again was missing from it for good). It resumes after
+    the last event it applied. (One function, its backend faked.)"""
+    from tiercake.conductor.metadata import WatchEvent
+
+    asked: list[int] = []
+
+    class Backend:
+        async def watch(self, prefix: bytes, start_revision: int = 0):
+            asked.append(start_revision)
+            if len(asked) == 1:
+                yield WatchEvent("put", b"/m/a", b"v", 5)
+                raise RuntimeError("aclose(): asynchronous generator is already running")
+            yield WatchEvent("put", b"/m/b", b"v", 6)
+            await asyncio.Future()
+
+    seen: list[bytes] = []
+    task = asyncio.create_task(follow(Backend(), b"/m/", 5, lambda e: seen.append(e.key), "test", present=None))
+    try:
+        for _ in range(300):
+            if len(seen) >= 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert seen == [b"/m/a", b"/m/b"] and asked == [5, 6], (seen, asked)

@@ -59,3 +59,38 @@ async def test_a_member_whose_leader_stops_answering_stays_a_member_through_a_fo
                 assert follower.liveness.relayed > 0 and leader.liveness.relayed > 0
             finally:
                 await link.close(leave=False)
+
+
+async def test_the_keep_alives_go_on_while_an_answer_is_acted_on_and_after_any_failure():
+    """Acting on a keep-alive's answer (pins, a replication pull from a peer cut off, a flush) once ran
+    inside the keep-alive loop: a pull waiting out its deadline let a lease of a few seconds lapse.
+    And an error no handler expected (here, the store's figures) ended the loop silently: the member
+    left the cluster for good while its process ran. A real conductor; the slow acting and the
+    failing figures are the test's."""
+    from conductor_helpers import running_conductor
+
+    member = MemberInfo(node_id="busy", role="node")
+    async with running_conductor() as (url, conductor), Client([url]) as client:
+        link = await ConductorLink(client, member, None, ttl=1, report=False).start()
+        try:
+            acted: list[float] = []
+
+            async def slow_settings(settings) -> None:
+                acted.append(asyncio.get_running_loop().time())
+                await asyncio.sleep(3)  # three TTLs
+
+            real_stats, failed = link._stats, []
+
+            def stats():
+                if not failed:
+                    failed.append(1)
+                    raise RuntimeError("a fault of the test")
+                return real_stats()
+
+            link._apply_settings = slow_settings  # type: ignore[method-assign]
+            link._stats = stats  # type: ignore[method-assign]
+            await asyncio.sleep(4)
+            assert acted and failed, (acted, failed)
+            assert "busy" in conductor.members.members and link.registrations == 1, link.registrations
+        finally:
+            await link.close(leave=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 from tiercake.bench.report import Report, machine
 from tiercake.config import load_config
 from tiercake.kvstore import AsyncStore, Durability, StoreApiError, TransferFailed
-from tiercake.lab.nemesis import FAULTS, Findings, Nemesis
+from tiercake.lab.nemesis import FAULTS, Findings, Nemesis, etcd_range
 from tiercake.lab.process import LabProcess
 from tiercake.replay import TokenMap
 from tiercake.traces import synthetic_trace
@@ -109,6 +109,43 @@ async def _whole(lab: LabProcess, timeout: float) -> tuple[list[str], float]:
             await asyncio.sleep(0.2)
 
 
+async def _diagnosis(lab: LabProcess, missing: list[str]) -> str:
+    """What a fault that never recovered left behind, for its report: each conductor's own view of the
+    members, the member and liveness records in etcd, and the log tails of the conductors and of the
+    hosts still missing (the lab's logs go with its temporary folder)."""
+    from tiercake.conductor.client import Client, ConductorError
+    from tiercake.conductor.liveness import LIVENESS
+    from tiercake.conductor.membership import MEMBERS
+
+    lines = [f"missing: {missing}"]
+    for url in lab.control_urls:
+        async with Client([url], token=lab.token, timeout=3, retries=1) as client:
+            try:
+                view = sorted(m.id for m in (await client.cluster()).members)
+                lines.append(f"{url} sees {view}")
+            except (ConductorError, OSError) as exc:
+                lines.append(f"{url} did not answer: {exc}")
+    for prefix in (MEMBERS, LIVENESS):
+        try:
+            records = await asyncio.to_thread(etcd_range, lab.hosts[-1], prefix)
+            lines.append(f"etcd {prefix.decode()}: " + "; ".join(f"{k.decode()} lease={lease}" for k, lease in records))
+        except (OSError, ValueError, KeyError) as exc:
+            lines.append(f"etcd {prefix.decode()}: not read ({exc})")
+    hosts = {m.split("'", 1)[0] for m in missing}
+    logs = sorted(lab.root.glob("logs/*-conductor.log")) + [
+        p for h in sorted(hosts) for p in sorted(lab.root.glob(f"logs/{h}-*.log"))
+    ]
+    theirs = [h.address for h in lab.hosts if h.name in hosts]
+    for path in logs:  # what the missing hosts asked, and every other line
+        said = [
+            line
+            for line in path.read_text(errors="replace").splitlines()
+            if "aiohttp.access" not in line or any(f"{a} " in line for a in theirs)
+        ]
+        lines += [f"--- {path.name}", *said[-25:]]
+    return "\n".join(lines)
+
+
 async def _until_put(store: AsyncStore, name: str, value: bytes, timeout: float = 30.0) -> None:
     """An upsert, tried again while its outcome is unknown (its connection to the old owner broke)."""
     deadline = time.monotonic() + timeout
@@ -152,6 +189,7 @@ async def _one(fault: str, lab: LabProcess, nemesis: Nemesis, load: Load, report
     missing, whole_at = await whole
     if missing:  # served again, but not every host's processes are members: not recovered
         recovery = None
+        progress(await _diagnosis(lab, missing))
     elif recovery is not None:
         recovery = max(recovery, whole_at - healed)
     await kv.read_back()

@@ -262,3 +262,14 @@ def _etcd_call(host: Host, call: str, body: dict | None = None) -> dict:
     )
     with urllib.request.urlopen(request, timeout=2) as resp:
         return json.loads(resp.read())
+
+
+def etcd_range(host: Host, prefix: bytes) -> list[tuple[bytes, int]]:
+    """Every key under ``prefix`` in ``host``'s etcd member, with the lease it is under."""
+    import base64
+
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    found = _etcd_call(
+        host, "kv/range", {"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()}
+    )
+    return [(base64.b64decode(kv["key"]), int(kv.get("lease", 0))) for kv in found.get("kvs", [])]
