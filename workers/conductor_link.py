@@ -1,5 +1,6 @@
-"""A node's link to the conductor: registration under a kept-alive lease, reports of every block that
-appears in or leaves the node's store, pins applied to the store, and replication tasks carried out.
+"""A node's link to the conductor: registration under a kept-alive lease, and reports of every block
+that appears in or leaves the node's store; what the leader asks in its answers (pins, replication
+tasks, flushes, eviction settings) is carried out by ``LeaderOrders`` (``leader_orders.py``).
 
 What is reported comes from a ``HeldBlocks``: the store itself, or, for an engine whose cache tiercake
 does not own (vLLM's prefix cache), the engine's account of it; pins, flushes, eviction settings and
@@ -27,17 +28,15 @@ from typing import Protocol
 from tiercake.blocks import is_object_tenant
 from tiercake.conductor.client import Client, ConductorError
 from tiercake.messages import (
-    ClusterSettings,
-    EvictionSpec,
     KeepAliveReply,
     MemberInfo,
     MemberStats,
-    ReplicationTask,
     TierStats,
 )
-from tiercake.policies import create_eviction
-from tiercake.tiers import BlockChange, StoreError, TieredStore
-from tiercake.transfer import BlockLoc, Transfer, TransferEngine
+from tiercake.tiers import BlockChange, TieredStore
+from tiercake.transfer import TransferEngine
+
+from .leader_orders import LeaderOrders
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +72,9 @@ class ConductorLink:
         # what is reported; None: a member, but what it holds is not indexed (nobody is routed by it)
         self.reported: HeldBlocks | None = (held if held is not None else store) if report else None
         self.ttl = ttl
-        self.engine = engine  # for replication pulls; None: tasks to copy are ignored
         self.flush_interval = flush_interval
         self.lease = 0
         self.registrations = 0
-        self.pins: set[tuple[str, bytes]] = set()
-        self._pins_version = -1
         # (tenant, key, tier) -> (added, nbytes): the latest change of each copy not yet reported
         self._changes: dict[tuple[str, bytes, str], tuple[bool, int]] = {}
         # the same, acknowledged in the last RECENT_S: (tenant, key, tier) -> (when, added, nbytes),
@@ -90,9 +86,7 @@ class ConductorLink:
         self._wakeup = asyncio.Event()
         self._sending = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
-        self._acting: asyncio.Task | None = None  # acting on the latest keep-alive's answer
-        self._flush_epoch: int | None = None  # learnt at the first registration: a joining node does not flush
-        self._eviction: dict[str, EvictionSpec] = {}
+        self.orders = LeaderOrders(client, member.node_id, store, engine, self.send_reports)
         self._term = 0  # the leader's term the volatile tiers were reported in
         # told of every registration (a new lease) and every keep-alive that succeeded, with the time
         # it was sent: the key-value store's owner of slots serves only while its lease is surely alive
@@ -121,10 +115,11 @@ class ConductorLink:
         if self.reported is not None:
             with contextlib.suppress(ValueError):
                 self.reported.listeners.remove(self._on_change)
-        for task in list(self._tasks):  # a flush confirmation leaves the list when it ends
+        for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.orders.close()
         if leave and self.lease:
             with contextlib.suppress(ConductorError):
                 await self.client.leave(self.member.node_id, self.lease)
@@ -134,14 +129,14 @@ class ConductorLink:
     async def _register(self) -> None:
         self.lease = await self.client.register(self.member, self.ttl)
         self.registrations += 1
-        self._pins_version = -1
+        self.orders.pins_version = -1  # fetched again: the leader may have changed them meanwhile
         for listener in self.on_registered:
             listener()
-        if self._flush_epoch is None or self.on_keepalive:
+        if self.orders.flush_epoch is None or self.on_keepalive:
             sent = time.monotonic()
             answer = await self.client.keep_alive(self.member.node_id, self.lease, timeout=self.attempt_s)
-            if self._flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
-                self._flush_epoch = answer.settings.flush.epoch
+            if self.orders.flush_epoch is None:  # what the cluster has flushed so far is not for us to flush
+                self.orders.flush_epoch = answer.settings.flush.epoch
                 self._term = answer.term
             self._kept_alive(sent, answer)
         # everything held goes out again: the old lease took the node's placements with it
@@ -163,11 +158,7 @@ class ConductorLink:
                 log.exception("node %s: a keep-alive failed; the next one goes on", self.member.node_id)
 
     async def _keep_alive_once(self) -> None:
-        """One keep-alive; its answer acted on (pins, replication tasks, settings) off this loop, one
-        answer at a time: a replication pull from a peer cut off waits out its deadline, and a lease
-        of a few seconds must not lapse behind it. An answer that comes while the last one is still
-        acted on is skipped: the next one carries the same pins and settings, and the leader hands
-        a task out again once its deadline passes."""
+        """One keep-alive; what its answer asks is carried out off this loop (``LeaderOrders``)."""
         sent = time.monotonic()
         try:
             answer = await self.client.keep_alive(
@@ -182,23 +173,7 @@ class ConductorLink:
             return
         self._kept_alive(sent, answer)
         self._note_term(answer)
-        if self._acting is None or self._acting.done():
-            self._acting = asyncio.get_running_loop().create_task(self._act_on(answer))
-            self._tasks.append(self._acting)
-            self._acting.add_done_callback(self._forget_task)
-
-    async def _act_on(self, answer: KeepAliveReply) -> None:
-        try:
-            if self.store is not None:  # else nothing here to pin or copy into
-                if answer.pins_version != self._pins_version:
-                    await self._sync_pins(self.store)
-                if answer.tasks:
-                    await self._run_tasks(self.store, answer.tasks)
-            await self._apply_settings(answer.settings)
-        except ConductorError as exc:
-            log.warning("node %s: %s", self.member.node_id, exc)
-        except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad answer
-            log.exception("node %s: acting on the keep-alive answer failed", self.member.node_id)
+        self.orders.take(answer)
 
     async def _register_again(self) -> None:
         """A registration after the lease lapsed. Whatever it meets, the keep-alive loop goes on and
@@ -325,90 +300,8 @@ class ConductorLink:
                 await asyncio.sleep(0.5)
                 self._wakeup.set()
 
-    # Settings -------------------------------------------------------------------------------------
-
     def _stats(self) -> MemberStats:
         return member_stats(self.store) if self.store is not None else MemberStats()
-
-    async def _apply_settings(self, settings: ClusterSettings) -> None:
-        flush = settings.flush
-        epoch, known = flush.epoch, self._flush_epoch  # (known from the registration on)
-        if known is not None and epoch > known:
-            tiers, store = flush.tiers, self.store
-            mine = None if tiers is None or store is None else [t.name for t in store.tiers if t.name in tiers]
-            if store is not None and (mine is None or mine):
-                removed = await store.flush(mine)
-                log.info("node %s: flushed %d blocks (%s)", self.member.node_id, removed, mine or "every tier")
-            self._flush_epoch = epoch
-            # confirmed off the keep-alive loop: a confirmation retried through a leader change must
-            # not delay the next keep-alive past the lease
-            confirm = asyncio.get_running_loop().create_task(self._flushed(epoch))
-            self._tasks.append(confirm)
-            confirm.add_done_callback(self._forget_task)
-        eviction = settings.eviction
-        if eviction != self._eviction and self.store is not None:
-            names = {t.name for t in self.store.tiers}
-            for tier, spec in eviction.items():
-                if tier in names and spec != self._eviction.get(tier):
-                    try:
-                        self.store.set_eviction(tier, create_eviction(spec.policy, spec.params))
-                    except (LookupError, TypeError, ValueError) as exc:
-                        log.warning(
-                            "node %s: eviction policy %s for %s refused: %s", self.member.node_id, spec, tier, exc
-                        )
-            self._eviction = eviction
-
-    def _forget_task(self, task: asyncio.Task) -> None:
-        if task in self._tasks:
-            self._tasks.remove(task)
-
-    async def _flushed(self, epoch: int) -> None:
-        """Tell the leader the flush is applied, once what it removed is reported (an operator waiting
-        on a synchronous flush then finds the index without those copies)."""
-        try:
-            await self.send_reports()
-            await self.client.flush_applied(self.member.node_id, epoch)
-        except ConductorError as exc:  # a synchronous flush then names this member as late
-            log.warning("node %s: could not confirm flush %d: %s", self.member.node_id, epoch, exc)
-
-    # Pins and replication -------------------------------------------------------------------------
-
-    async def _sync_pins(self, store: TieredStore) -> None:
-        version, pins = await self.client.node_pins(self.member.node_id)
-        wanted = set(pins)
-        for _tenant, key in wanted - self.pins:
-            with contextlib.suppress(StoreError):  # gone meanwhile: the next report says so
-                store.pin(key, hard=True)
-        for _tenant, key in self.pins - wanted:
-            with contextlib.suppress(StoreError):
-                store.unpin(key)
-        self.pins = wanted
-        self._pins_version = version
-
-    async def _run_tasks(self, store: TieredStore, tasks: list[ReplicationTask]) -> None:
-        copies = [t for t in tasks if t.source and not store.contains(bytes.fromhex(t.key))]
-        for task in tasks:
-            if task.source is None:
-                with contextlib.suppress(StoreError):  # leased or pinned here: it stays
-                    await store.remove(bytes.fromhex(task.key))
-        if not copies or self.engine is None:
-            return
-        members = {m.node_id: m for m in await self.client.members()}
-        batch = []
-        for task in copies:
-            source = members.get(task.source) if task.source else None
-            if source is None:
-                continue
-            self.engine.ensure_peer(source.node_id, source.host, source.port)
-            key = bytes.fromhex(task.key)
-            batch.append(
-                Transfer(
-                    BlockLoc(source.node_id, key), BlockLoc(self.member.node_id, key, tenant=task.tenant), task.size
-                )
-            )
-        for result in await self.engine.transfer(batch, timeout=self.engine.deadline_for(sum(t.length for t in batch))):
-            if not result.ok:
-                log.warning("node %s: replication pull failed: %s", self.member.node_id, result.error)
 
 
 def member_stats(store: TieredStore) -> MemberStats:

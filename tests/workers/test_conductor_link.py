@@ -87,7 +87,7 @@ async def test_the_keep_alives_go_on_while_an_answer_is_acted_on_and_after_any_f
                     raise RuntimeError("a fault of the test")
                 return real_stats()
 
-            link._apply_settings = slow_settings  # type: ignore[method-assign]
+            link.orders.apply_settings = slow_settings  # type: ignore[method-assign]
             link._stats = stats  # type: ignore[method-assign]
             await asyncio.sleep(4)
             assert acted and failed, (acted, failed)
