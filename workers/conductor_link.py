@@ -156,6 +156,14 @@ class ConductorLink:
                 await self._keep_alive_once()
             except Exception:  # noqa: BLE001 - the membership must outlive any one failure
                 log.exception("node %s: a keep-alive failed; the next one goes on", self.member.node_id)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the link is closing
+                # a cancellation nobody asked of this task, leaked by a library's timeout
+                log.exception(
+                    "node %s: a keep-alive was cancelled from within; the next one goes on", self.member.node_id
+                )
 
     async def _keep_alive_once(self) -> None:
         """One keep-alive; what its answer asks is carried out off this loop (``LeaderOrders``)."""

@@ -77,20 +77,20 @@ async def test_the_keep_alives_go_on_while_an_answer_is_acted_on_and_after_any_f
 
             async def slow_settings(settings) -> None:
                 acted.append(asyncio.get_running_loop().time())
-                await asyncio.sleep(3)  # three TTLs
+                await asyncio.sleep(2)  # two TTLs
 
             real_stats, failed = link._stats, []
 
-            def stats():
-                if not failed:
+            def stats():  # an error, then a cancellation leaked from within (as a library's timeout can)
+                if len(failed) < 2:
                     failed.append(1)
-                    raise RuntimeError("a fault of the test")
+                    raise RuntimeError("a fault of the test") if len(failed) == 1 else asyncio.CancelledError()
                 return real_stats()
 
             link.orders.apply_settings = slow_settings  # type: ignore[method-assign]
             link._stats = stats  # type: ignore[method-assign]
-            await asyncio.sleep(4)
-            assert acted and failed, (acted, failed)
+            await asyncio.sleep(3)
+            assert acted and len(failed) == 2, (acted, failed)
             assert "busy" in conductor.members.members and link.registrations == 1, link.registrations
         finally:
             await link.close(leave=False)
