@@ -201,3 +201,34 @@ async def test_a_view_follows_on_after_its_watch_fails_in_a_way_nobody_expected(
     finally:
         task.cancel()
     assert seen == [b"/m/a", b"/m/b"] and asked == [5, 6], (seen, asked)
+
+
+async def test_a_view_behind_a_watch_that_stalls_without_failing_asks_again(monkeypatch):
+    """A watch stream that stops delivering without failing (a member cut off from etcd's leader keeps
+    a watch open and silent): the view waited on it for good. A watch quiet for ``QUIET_WATCH_S`` is
+    opened again from the event after the last applied. (One function, its backend faked.)"""
+    from tiercake.conductor import metadata
+    from tiercake.conductor.metadata import WatchEvent
+
+    monkeypatch.setattr(metadata, "QUIET_WATCH_S", 0.2)
+    asked: list[int] = []
+
+    class Backend:
+        async def watch(self, prefix: bytes, start_revision: int = 0):
+            asked.append(start_revision)
+            if len(asked) == 1:
+                yield WatchEvent("put", b"/m/a", b"v", 5)
+                await asyncio.Future()  # stalled: the put of /m/b at 6 never comes on this stream
+            yield WatchEvent("put", b"/m/b", b"v", 6)
+            await asyncio.Future()
+
+    seen: list[bytes] = []
+    task = asyncio.create_task(follow(Backend(), b"/m/", 5, lambda e: seen.append(e.key), "test", present=None))
+    try:
+        for _ in range(300):
+            if len(seen) >= 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert seen == [b"/m/a", b"/m/b"] and asked[:2] == [5, 6], (seen, asked)
