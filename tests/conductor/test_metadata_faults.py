@@ -232,3 +232,29 @@ async def test_a_view_behind_a_watch_that_stalls_without_failing_asks_again(monk
     finally:
         task.cancel()
     assert seen == [b"/m/a", b"/m/b"] and asked[:2] == [5, 6], (seen, asked)
+
+
+async def test_a_watch_on_a_member_that_lost_its_leader_fails_instead_of_going_silent(tmp_path):
+    """A member cut off from etcd's leader keeps a plain watch open and silent until it rejoins; a
+    conductor's view behind it went stale without a word. Our watches require a leader (etcd's
+    ``hasleader`` metadata, clientv3's WithRequireLeader): the member cancels them once it has none,
+    and ``follow`` asks again (through another member where one is reachable)."""
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    try:
+        meta = await EtcdBackend(cluster.endpoints[:1], timeout=2.0).start()  # the first member only
+        await meta.put(b"/w/a", b"1")
+
+        async def first_event() -> None:
+            async for _ in meta.watch(b"/w/", 0):
+                return
+
+        watching = asyncio.create_task(first_event())
+        await asyncio.sleep(0.5)
+        for member in cluster.members[1:]:  # the member left alone: no quorum, no leader
+            member.stop(kill=True)
+        with pytest.raises(MetadataUnavailableError):
+            async with asyncio.timeout(20):
+                await watching
+        await meta.close()
+    finally:
+        cluster.stop()

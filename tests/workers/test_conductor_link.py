@@ -64,33 +64,37 @@ async def test_a_member_whose_leader_stops_answering_stays_a_member_through_a_fo
 async def test_the_keep_alives_go_on_while_an_answer_is_acted_on_and_after_any_failure():
     """Acting on a keep-alive's answer (pins, a replication pull from a peer cut off, a flush) once ran
     inside the keep-alive loop: a pull waiting out its deadline let a lease of a few seconds lapse.
-    And an error no handler expected (here, the store's figures) ended the loop silently: the member
-    left the cluster for good while its process ran. A real conductor; the slow acting and the
-    failing figures are the test's."""
+    And an error no handler expected (here, the store's figures), or a cancellation leaked from
+    within, ended the loop silently: the member left the cluster for good while its process ran. A
+    real conductor; the acting that never ends and the failing figures are the test's."""
     from conductor_helpers import running_conductor
 
     member = MemberInfo(node_id="busy", role="node")
     async with running_conductor() as (url, conductor), Client([url]) as client:
-        link = await ConductorLink(client, member, None, ttl=1, report=False).start()
+        link = await ConductorLink(client, member, None, ttl=2, report=False).start()
         try:
             acted: list[float] = []
 
-            async def slow_settings(settings) -> None:
+            async def stuck_settings(settings) -> None:
                 acted.append(asyncio.get_running_loop().time())
-                await asyncio.sleep(2)  # two TTLs
+                await asyncio.Event().wait()  # never done (cancelled as the link closes)
 
-            real_stats, failed = link._stats, []
+            real_stats, calls = link._stats, []
 
-            def stats():  # an error, then a cancellation leaked from within (as a library's timeout can)
-                if len(failed) < 2:
-                    failed.append(1)
-                    raise RuntimeError("a fault of the test") if len(failed) == 1 else asyncio.CancelledError()
+            def stats():  # the 2nd keep-alive meets an error, the 5th a cancellation from within
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("a fault of the test")
+                if len(calls) == 5:
+                    raise asyncio.CancelledError()
                 return real_stats()
 
-            link.orders.apply_settings = slow_settings  # type: ignore[method-assign]
+            link.orders.apply_settings = stuck_settings  # type: ignore[method-assign]
             link._stats = stats  # type: ignore[method-assign]
-            await asyncio.sleep(3)
-            assert acted and len(failed) == 2, (acted, failed)
+            async with asyncio.timeout(20):  # past both failures, with the acting stuck throughout
+                while len(calls) < 8:
+                    await asyncio.sleep(0.1)
+            assert len(acted) == 1, acted  # one answer acted on at a time: the rest skipped meanwhile
             assert "busy" in conductor.members.members and link.registrations == 1, link.registrations
         finally:
             await link.close(leave=False)
