@@ -17,13 +17,14 @@ from .metadata import (
     CompactedError,
     Delete,
     FencedError,
-    Guard,
+    Guards,
     KeyValue,
     LeaseNotFoundError,
     MetadataBackend,
     Put,
     WatchEvent,
     chunks,
+    guards,
 )
 
 
@@ -121,15 +122,15 @@ class EmbeddedBackend(MetadataBackend):
         self._apply([Delete(key)])
         return True
 
-    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guards = None) -> int:
         revision = self._revision
         for chunk in chunks(ops, TXN_OPS):
-            if guard is not None:
-                held = self._data.get(guard.key)
-                if held is None or held.value != guard.value:
+            for held_by in guards(guard):
+                held = self._data.get(held_by.key)
+                if held is None or held.value != held_by.value:
                     raise FencedError(
-                        f"refused: {guard.key.decode(errors='replace')} no longer holds this "
-                        "writer's record (a new leader was elected)"
+                        f"refused: {held_by.key.decode(errors='replace')} no longer holds what this writer "
+                        "expects (a new leader was elected, or the record changed)"
                     )
             revision = self._apply(chunk)
         return revision

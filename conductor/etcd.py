@@ -25,7 +25,7 @@ from .metadata import (
     CompactedError,
     Delete,
     FencedError,
-    Guard,
+    Guards,
     KeyValue,
     LeaseNotFoundError,
     MetadataBackend,
@@ -34,6 +34,7 @@ from .metadata import (
     Put,
     WatchEvent,
     chunks,
+    guards,
     prefix_end,
 )
 
@@ -157,10 +158,10 @@ class EtcdBackend(MetadataBackend):
         self.writes += 1
         return resp.deleted > 0
 
-    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guards = None) -> int:
         gate = asyncio.Semaphore(max(1, concurrency))
-        compare = [KVService.txn_compare_value(guard.key, guard.value)] if guard is not None else []
-        fence = guard.key.decode(errors="replace") if guard is not None else ""
+        compare = [KVService.txn_compare_value(g.key, g.value) for g in guards(guard)]
+        fence = ", ".join(g.key.decode(errors="replace") for g in guards(guard))
 
         async def one(chunk: Sequence[Put | Delete]) -> int:
             requests = [
@@ -172,7 +173,9 @@ class EtcdBackend(MetadataBackend):
             async with gate:
                 resp = await self._call(_started(self.client.kv).txn, compare, requests, timeout=self.timeout)
             if not resp.succeeded:
-                raise FencedError(f"refused: {fence} no longer holds this writer's record (a new leader was elected)")
+                raise FencedError(
+                    f"refused: {fence}: not what this writer expects (a new leader was elected, or the record changed)"
+                )
             self.writes += len(chunk)
             return resp.header.revision
 

@@ -3,8 +3,10 @@
 Every member registered through a conductor holds its record (``MEMBERS``) and a liveness record
 (``LIVENESS``: its registration's id and TTL) under one etcd lease shared by all of them, the
 *backstop*, which the leader renews every ``BACKSTOP_TTL / 6`` s whatever the fleet's size. A
-keep-alive reaches the leader and sets the member's last-seen time; the leader deletes, fenced by
-its own election key, the records of members silent for their TTL. Before this, each keep-alive
+keep-alive reaches the leader and sets the member's last-seen time; the leader deletes the records
+of members silent for their TTL, fenced by its own election key and by the liveness record of the
+registration it expires (a delete applied late, after an etcd election, once took the records of
+the member's next registration). Before this, each keep-alive
 renewed the member's own etcd lease: a gRPC stream of about a millisecond of the conductor's CPU, 55%
 of the conductors' CPU at 1,000 members (docs/SCALE.md). Mooncake's master, too, keeps its clients'
 heartbeats in memory.
@@ -60,7 +62,6 @@ from .metadata import (
     MetadataUnavailableError,
     Put,
     WatchEvent,
-    chunks,
     follow,
 )
 
@@ -76,9 +77,16 @@ SWEEP_S = 0.25  # how often the leader looks for silent members: a dead one goes
 # the longest turn its own gates allow (a 10^8-block index's busy turns made dead nodes linger)
 STALL_GRACE_S = 1.0
 TERM_READY_S = 5.0  # how long a registration waits for a new term's liveness to be loaded
+DELETES_AT_ONCE = 64  # silent members' deletions in flight at once (one transaction each)
 # how long a gone member's TTL is remembered (``ttl_of``): at least twice the TTL, past the object map
 # keeper's move of its slots (at most its TTL after it went); then forgotten, so ids do not pile up
 TTLS_KEPT_S = 3600.0
+
+
+def _record(lease: int, ttl: int) -> bytes:
+    """A member's liveness record (``LIVENESS``), as written at its registration and compared at its
+    deletion."""
+    return json.dumps({"lease": lease, "ttl": ttl}).encode()
 
 
 class LeaseExpiredError(Exception):
@@ -103,7 +111,7 @@ class Liveness:
         self.guard = guard
         self.backstop = 0  # the lease every record of a kept member is under (this term's)
         self._kept: dict[str, _Kept] = {}
-        self._doomed: dict[str, int] = {}  # node -> the id whose records are to be deleted (retried)
+        self._doomed: dict[str, bytes] = {}  # node -> the liveness record to delete with its others (retried)
         self._ttls: dict[str, int] = {}  # node -> its latest registration's TTL (kept past its expiry)
         self._gone: dict[
             str, float
@@ -233,21 +241,19 @@ class Liveness:
                 record = self.members.members.get(node)
                 if record is not None and record.lease != kept.lease:
                     continue  # registered since under a lease of its own (a conductor of the release before)
-                self._doomed[node] = kept.lease
+                self._doomed[node] = _record(kept.lease, kept.ttl)
                 log.warning("liveness: %s missed its keep-alives for %d s; its records go", node, kept.ttl)
         if self._doomed:
             async with self._changing:
                 doomed, self._doomed = self._doomed, {}
                 try:
-                    await self._delete(list(doomed))
-                    self.expired += len(doomed)
-                    self._gone |= dict.fromkeys(doomed, now)
-                except FencedError:  # deposed meanwhile: the next leader expires them
-                    pass
-                except Exception as exc:
+                    gone, again = await self._delete(doomed)
+                except BaseException:
                     self._doomed = doomed | self._doomed  # tried again at the next sweep
-                    if not isinstance(exc, MetadataUnavailableError):
-                        raise  # logged by the loop
+                    raise  # logged by the loop
+                self.expired += len(gone)
+                self._gone |= dict.fromkeys(gone, now)
+                self._doomed = {node: doomed[node] for node in again} | self._doomed  # tried at the next sweep
         while self._gone:  # oldest first (a node comes back to it only after its registration took it out)
             node, at = next(iter(self._gone.items()))
             if now - at <= max(TTLS_KEPT_S, 2 * self._ttls.get(node, 0)):
@@ -255,10 +261,32 @@ class Liveness:
             del self._gone[node]
             self._ttls.pop(node, None)
 
-    async def _delete(self, nodes: list[str]) -> None:
-        ops = [Delete(prefix + node.encode()) for node in nodes for prefix in (MEMBERS, LIVENESS, RELAYED)]
-        for batch in chunks(ops):
-            await self.meta.commit(batch, guard=self.guard)
+    async def _delete(self, doomed: dict[str, bytes]) -> tuple[list[str], list[str]]:
+        """Delete each member's records while they are still the registration ``doomed`` names (its
+        liveness record as written) and this conductor leads: returns the members whose records went
+        and those to try again (the backend did not answer). A delete whose outcome was unknown (a
+        timeout around an etcd election) could apply later, after the member had registered again,
+        and took its new records with it: the member kept alive and reported into a cluster that no
+        longer listed it. Guarded by the record, such a delete finds a new one and does nothing."""
+        gone: list[str] = []
+        again: list[str] = []
+        nodes = list(doomed)
+        for i in range(0, len(nodes), DELETES_AT_ONCE):
+            batch = nodes[i : i + DELETES_AT_ONCE]
+            outcomes = await asyncio.gather(*(self._delete_one(n, doomed[n]) for n in batch), return_exceptions=True)
+            for node, outcome in zip(batch, outcomes, strict=True):
+                if outcome is None:
+                    gone.append(node)
+                elif not isinstance(outcome, FencedError):  # (fenced: registered again, or deposed)
+                    if not isinstance(outcome, MetadataUnavailableError):
+                        log.error("liveness: deleting %s's records failed (%r); trying again", node, outcome)
+                    again.append(node)
+        return gone, again
+
+    async def _delete_one(self, node: str, record: bytes) -> None:
+        key = node.encode()
+        ops = [Delete(MEMBERS + key), Delete(LIVENESS + key), Delete(RELAYED + key)]
+        await self.meta.commit(ops, guard=(self.guard, Guard(LIVENESS + key, record)))
 
     async def _leading(self) -> None:
         if self._ready.is_set():  # the common case: no timeout to arm (17 us of each keep-alive)
@@ -281,9 +309,8 @@ class Liveness:
         async with self._changing:
             self._doomed.pop(info.node_id, None)  # its new records must not be deleted for the old
             self._gone.pop(info.node_id, None)
-            liveness = json.dumps({"lease": lease, "ttl": ttl}).encode()
             await self.meta.commit(
-                [Put(MEMBERS + node, record, self.backstop), Put(LIVENESS + node, liveness, self.backstop)],
+                [Put(MEMBERS + node, record, self.backstop), Put(LIVENESS + node, _record(lease, ttl), self.backstop)],
                 guard=self.guard,
             )
             self._kept[info.node_id] = _Kept(lease, ttl, time.monotonic())
@@ -342,6 +369,6 @@ class Liveness:
             if kept is None or kept.lease != lease:
                 return False
             del self._kept[node]
-            await self._delete([node])
+            await self._delete_one(node, _record(kept.lease, kept.ttl))
             self._gone[node] = time.monotonic()
         return True

@@ -58,6 +58,13 @@ class Guard:
     value: bytes
 
 
+Guards = Guard | tuple[Guard, ...] | None  # what a commit checks: nothing, one condition, or all of several
+
+
+def guards(guard: Guards) -> tuple[Guard, ...]:
+    return () if guard is None else (guard,) if isinstance(guard, Guard) else guard
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: bytes
@@ -138,12 +145,13 @@ class MetadataBackend(ABC):
         """True when the key existed."""
 
     @abstractmethod
-    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guard | None = None) -> int:
+    async def commit(self, ops: Sequence[Put | Delete], concurrency: int = 1, guard: Guards = None) -> int:
         """Apply a batch in transactions of at most ``TXN_OPS`` operations; each transaction is
         atomic, the batch as a whole is not. With ``concurrency`` above 1, up to that many
-        transactions are in flight and may apply in any order: pass each key once. With ``guard``,
-        a transaction applies only while the guard holds; ``FencedError`` when one did not (those
-        before it applied, under the guard). Returns the highest revision the batch reached."""
+        transactions are in flight and may apply in any order: pass each key once. With ``guard``
+        (one or several), a transaction applies only while every guard holds; ``FencedError`` when
+        one did not (those before it applied, under the guard). Returns the highest revision the
+        batch reached."""
 
     @abstractmethod
     async def create(self, key: bytes, value: bytes, lease: int = 0) -> bool:

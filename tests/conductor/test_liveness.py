@@ -82,11 +82,11 @@ async def test_a_sweep_that_fails_is_tried_again_and_the_silent_member_still_goe
     try:
         real_delete, failed = conductor.liveness._delete, []
 
-        async def fails_once(nodes):
+        async def fails_once(doomed):
             if not failed:
-                failed.append(nodes)
+                failed.append(list(doomed))
                 raise RuntimeError("an unforeseen error")
-            await real_delete(nodes)
+            return await real_delete(doomed)
 
         monkeypatch.setattr(conductor.liveness, "_delete", fails_once)
         silent = f"silent-{uuid.uuid4().hex[:6]}"
@@ -315,4 +315,42 @@ async def test_a_term_whose_take_over_meets_an_error_no_handler_expected_is_load
         lease = await conductor.register(_member(node), ttl=2)
         assert failures and lease and node in conductor.liveness._kept
     finally:
+        await conductor.close()
+
+
+async def test_a_silent_members_delete_applied_late_leaves_its_next_registration_alone(meta, monkeypatch):
+    """The leader expires a silent member; its delete times out around an etcd election but is
+    applied later, after the member has registered again (the lab's split of the conductors). The
+    delete was fenced by the leader's election key only, so it took the new registration's records:
+    the member kept alive (the leader kept it) and reported into a cluster that listed it nowhere.
+    Fenced also by the expired registration's own record, the late delete does nothing."""
+    from tiercake.conductor.metadata import Delete, MetadataUnavailableError
+
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    node = f"late-{uuid.uuid4().hex[:6]}"
+    real_commit, late, go = meta.commit, [], asyncio.Event()
+
+    async def commit(ops, concurrency=1, guard=None):
+        if not late and any(isinstance(op, Delete) and op.key == MEMBERS + node.encode() for op in ops):
+
+            async def applied_later():  # what etcd does with a proposal whose answer timed out
+                await go.wait()
+                return await real_commit(ops, concurrency, guard)
+
+            late.append(asyncio.create_task(applied_later()))
+            raise MetadataUnavailableError("the answer timed out (a fault of the test)")
+        return await real_commit(ops, concurrency, guard)
+
+    monkeypatch.setattr(meta, "commit", commit)
+    try:
+        await conductor.register(_member(node), ttl=1)  # then silent: expired within a second or so
+        await _gone(conductor, node, 10)  # the retried delete went through
+        lease = await conductor.register(_member(node), ttl=5)  # it comes back
+        go.set()
+        await asyncio.gather(*late, return_exceptions=True)  # the first delete lands now
+        record = await meta.get(MEMBERS + node.encode())
+        assert late and record is not None and MemberInfo.model_validate_json(record.value).lease == lease
+        await conductor.keep_alive(node, lease)
+    finally:
+        go.set()
         await conductor.close()
