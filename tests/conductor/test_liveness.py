@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tiercake.conductor.liveness import BACKSTOP, LIVENESS, RELAYED, LeaseExpiredError
+from tiercake.conductor.liveness import BACKSTOP, LIVENESS, RELAYED, SWEEP_S, LeaseExpiredError
 from tiercake.conductor.membership import MEMBERS
 from tiercake.conductor.service import Conductor
 from tiercake.messages import MemberInfo, RegisterRequest
@@ -353,4 +353,36 @@ async def test_a_silent_members_delete_applied_late_leaves_its_next_registration
         await conductor.keep_alive(node, lease)
     finally:
         go.set()
+        await conductor.close()
+
+
+async def test_a_registration_in_flight_as_the_sweep_expires_the_one_before_is_kept(meta, monkeypatch):
+    """What the lab showed: a member registers again (its keep-alive was refused) while the leader
+    still keeps its previous registration; that registration's TTL runs out while the new one's write
+    is slow (an etcd election), so the sweep dooms the old one and waits for the write; the write
+    lands, and the sweep's delete, fenced by the election key only, took the new records with it."""
+    from tiercake.conductor.metadata import Put
+
+    conductor = await _leading(meta, f"c-{uuid.uuid4().hex[:6]}")
+    node = f"again-{uuid.uuid4().hex[:6]}"
+    real_commit, held = meta.commit, []
+
+    async def commit(ops, concurrency=1, guard=None):
+        if held and any(isinstance(op, Put) and op.key == MEMBERS + node.encode() for op in ops):
+            async with asyncio.timeout(10):  # slow: until the sweep has doomed the registration before
+                while node not in conductor.liveness._doomed:
+                    await asyncio.sleep(0.02)
+        return await real_commit(ops, concurrency, guard)
+
+    monkeypatch.setattr(meta, "commit", commit)
+    try:
+        await conductor.register(_member(node), ttl=1)  # then silent
+        held.append(1)
+        lease = await conductor.register(_member(node), ttl=5)  # its write waits out the old one's TTL
+        await asyncio.sleep(SWEEP_S * 4)  # the sweep's delete has come and gone
+        record = await meta.get(MEMBERS + node.encode())
+        assert record is not None and MemberInfo.model_validate_json(record.value).lease == lease
+        assert node in conductor.members.members
+        await conductor.keep_alive(node, lease)
+    finally:
         await conductor.close()
