@@ -18,9 +18,14 @@ def gpu_check(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+def _tails(out) -> str:
+    """Each step's log, its end (they go with the test's temporary folder)."""
+    return "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in sorted(out.glob("*.log")))
+
+
 def test_the_gpu_checks_run_as_printed_on_the_cpu(tmp_path):
     done = gpu_check("--device", "cpu", "--steps", "device,tests", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr + _tails(tmp_path)
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert summary["device"] == "cpu" and sorted(summary["steps"]) == ["device", "tests"]  # tiercake imports here
     assert all(step["exit"] == 0 for step in summary["steps"].values())
