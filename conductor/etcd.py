@@ -82,11 +82,6 @@ class EtcdBackend(MetadataBackend):
         manager.grpc_options = list(options.items())
         self._client._manager = manager
         await self._call(self._client.connect)
-        # watches require a leader (clientv3's WithRequireLeader): a member cut off from etcd's leader
-        # cancels them instead of keeping them open and silent until it rejoins, and ``follow`` asks
-        # again (through another member, where one is reachable): a view is never stale unawares
-        watch = _started(self._client.watch)
-        setattr(watch, "_metadata", (*watch._metadata, ("hasleader", "true")))  # noqa: B010 - the library's own field
         return self
 
     def detached(self) -> EtcdBackend:

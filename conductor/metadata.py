@@ -178,9 +178,6 @@ class MetadataBackend(ABC):
         """Events for keys with ``prefix`` from ``start_revision`` (0: from now), in order."""
 
 
-QUIET_WATCH_S = 30.0  # a watch silent this long is opened again (``follow``)
-
-
 async def follow(
     meta: MetadataBackend,
     prefix: bytes,
@@ -198,13 +195,7 @@ async def follow(
     holds at ``start_revision`` (what the caller's range found); each of them gone is applied as a
     delete, each key there as a put, and the watch goes on from there. ``present=None``: the prefix
     carries news, not state (a relayed keep-alive is only news when it is new): the watch goes on
-    from now, replaying nothing.
-
-    A watch that has said nothing for ``QUIET_WATCH_S`` is opened again from the event after the last
-    one applied: a stream can stall without failing (a member cut off from etcd's leader keeps a
-    watch open and silent until it rejoins, unless asked to require a leader; a stream lost in a
-    library's reconnection fails nothing either), and a view behind a stalled watch is stale,
-    silently, for as long. A quiet prefix costs a new stream that often."""
+    from now, replaying nothing."""
     keys = None if present is None else set(present)
     reread = False
     while True:
@@ -212,18 +203,7 @@ async def follow(
             if reread:
                 start_revision = await _reread(meta, prefix, keys, apply)
                 reread = False
-            events = aiter(meta.watch(prefix, start_revision))
-            while True:
-                try:
-                    async with asyncio.timeout(QUIET_WATCH_S):
-                        event = await anext(events)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:  # asked again from where it stopped: a stalled stream says nothing
-                    log.debug(
-                        "%s: nothing for %.0f s; watching again from revision %d", what, QUIET_WATCH_S, start_revision
-                    )
-                    break
+            async for event in meta.watch(prefix, start_revision):
                 apply(event)
                 start_revision = event.revision + 1
                 if keys is not None:

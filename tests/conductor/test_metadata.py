@@ -246,30 +246,3 @@ async def test_a_follower_whose_history_was_compacted_away_catches_up_with_the_s
         for task in following:
             task.cancel()
         await asyncio.gather(*following, return_exceptions=True)
-
-
-@pytest.mark.cluster
-async def test_a_quiet_watch_opened_again_misses_nothing_and_repeats_nothing(meta, ns, monkeypatch):
-    """``follow`` opens a watch quiet for ``QUIET_WATCH_S`` again from the event after the last it
-    applied (a stalled stream fails nothing): on both backends, changes that come between and after
-    the reopenings are each applied once, in order."""
-    from tiercake.conductor import metadata
-
-    monkeypatch.setattr(metadata, "QUIET_WATCH_S", 0.2)
-    _, revision = await meta.range(ns)
-    seen: list[tuple[bytes, bytes]] = []
-    task = asyncio.create_task(follow(meta, ns, revision + 1, lambda e: seen.append((e.key, e.value)), "t", present=[]))
-    try:
-        wanted = []
-        for i in range(4):
-            await asyncio.sleep(0.5)  # past two reopenings
-            await meta.put(ns + b"k", str(i).encode())
-            wanted.append((ns + b"k", str(i).encode()))
-        async with asyncio.timeout(10):
-            while len(seen) < len(wanted):
-                await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)
-        assert seen == wanted and not task.done(), seen
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
