@@ -71,7 +71,9 @@ async def _fault(lab: LabProcess, fault: str) -> Report:
     report = Report(bench="chaos-lab", machine=machine())
     async with Campaign(lab, quick=True, cold_start=lab.cold_start, progress=print) as campaign:
         await campaign.fault(fault, report)
-    assert failed(report) == [], [f"{f.name}={f.value} {f.params}" for f in report.figures]
+    for f in report.figures:  # whole, in the captured output (an assertion's message is cut short)
+        print(f"{f.name} = {f.value} of {f.limit} {f.params}")
+    assert failed(report) == [], failed(report)
     figures = {f.name.split(".", 2)[2]: f for f in report.figures}
     for zero in ("acked_lost", "stale_reads", "nonlinearizable_keys", "wrong_answers"):
         assert figures[zero].value == 0, figures[zero]
