@@ -136,14 +136,21 @@ async def _diagnosis(lab: LabProcess, missing: list[str]) -> str:
         p for h in sorted(hosts) for p in sorted(lab.root.glob(f"logs/{h}-*.log"))
     ]
     theirs = [h.address for h in lab.hosts if h.name in hosts]
-    for path in logs:  # what the missing hosts asked, and every other line
+    lines += await asyncio.to_thread(_tails, logs, theirs)
+    return "\n".join(lines)
+
+
+def _tails(logs: list[Path], theirs: list[str]) -> list[str]:
+    """Each log's last lines: what the missing hosts (at ``theirs``) asked, and every other line."""
+    lines: list[str] = []
+    for path in logs:
         said = [
             line
             for line in path.read_text(errors="replace").splitlines()
             if "aiohttp.access" not in line or any(f"{a} " in line for a in theirs)
         ]
         lines += [f"--- {path.name}", *said[-25:]]
-    return "\n".join(lines)
+    return lines
 
 
 async def _until_put(store: AsyncStore, name: str, value: bytes, timeout: float = 30.0) -> None:

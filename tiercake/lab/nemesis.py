@@ -268,7 +268,9 @@ def etcd_range(host: Host, prefix: bytes) -> list[tuple[bytes, int]]:
     """Every key under ``prefix`` in ``host``'s etcd member, with the lease it is under."""
     import base64
 
-    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    from tiercake.conductor.metadata import prefix_end
+
+    end = prefix_end(prefix)
     found = _etcd_call(
         host, "kv/range", {"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()}
     )
