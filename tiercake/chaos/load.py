@@ -87,6 +87,10 @@ class Tally:
     last_ok: float = 0.0  # monotonic time of the latest correct answer
     served: list[tuple[float, int, int]] = field(default_factory=list)  # (when, prompt tokens, cached tokens)
 
+    def rate(self, since: float, until: float) -> float:
+        """Correct answers per second in [since, until)."""
+        return sum(since <= at < until for at, _, _ in self.served) / (until - since)
+
     def hit_ratio(self, since: float, until: float) -> float | None:
         """Cached prompt tokens over prompt tokens of the requests answered in [since, until)."""
         window = [(p, c) for at, p, c in self.served if since <= at < until]

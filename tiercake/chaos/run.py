@@ -161,16 +161,19 @@ def _workloads(up: UpProcess, config, secret: str, quick: bool) -> tuple[Load, K
     return Load(up.url, Oracle(config), prompts), kv
 
 
-async def _inject(fault: str, injector: Faults, load: Load, kv: KvLoad, found: _Findings, settle: float, progress):
+async def _inject(
+    fault: str, injector: Faults, load: Load, kv: KvLoad, found: _Findings, quiet_since: float, settle: float, progress
+) -> float:
     """One fault (a serving one, ``Faults``, or the store's, ``StoreFaults``): the rate just before
     it, the fault, what was served meanwhile, how long until the cluster served again, and every
-    object read back."""
+    object read back. It begins ``settle`` s (at least the rate's window) after ``quiet_since``, when
+    the fault before had been read back; it returns when this one has been."""
+    await asyncio.sleep(max(0.0, quiet_since + max(settle, RATE_WINDOW_S) - time.monotonic()))
     before = (load.tally.ok, load.tally.failed, load.tally.wrong)
-    await asyncio.sleep(RATE_WINDOW_S)  # the rate just before, to hold the rate during it against
-    rate_before = (load.tally.ok - before[0]) / RATE_WINDOW_S
     await injector.sample_corrupt()  # before a fault that may restart the node agent
     progress(f"{fault} ... (at {time.monotonic():.1f} s on the monotonic clock)")
     at, ok_at = time.monotonic(), load.tally.ok
+    rate_before = load.tally.rate(at - RATE_WINDOW_S, at)  # to hold the rate during it against
     back = await (getattr(injector, fault, None) or getattr(found.store_faults, fault))()
     lasted = time.monotonic() - at
     if lasted >= 1.0:  # a fault that lasts (a stall, a partition): what the cluster served meanwhile
@@ -179,12 +182,12 @@ async def _inject(fault: str, injector: Faults, load: Load, kv: KvLoad, found: _
     found.recovery[fault] = await recovered(back, load, at, timeout=RECOVERY_TIMEOUT_S)
     await injector.sample_corrupt()
     await kv.read_back()  # every object once more: one a fault lost shows in its history
-    await asyncio.sleep(settle)
     t = load.tally
     progress(
         f"{fault}: recovered in {found.recovery[fault]} s; {t.ok - before[0]} ok, "
         f"{t.failed - before[1]} failed, {t.wrong - before[2]} wrong"
     )
+    return time.monotonic()
 
 
 async def _check_placements(up: UpProcess, injector: Faults, secret: str, found: _Findings, progress) -> None:
@@ -240,15 +243,15 @@ async def run(
             load, kv = _workloads(up, load_config(config_path), secret, quick)
             load.start()
             await kv.start()
-            await asyncio.sleep(settle)
             if "upgrade" in faults and previous is not None:  # (left out without a previous release)
                 upgraded = UpgradedNode(root, up.control_url, up.token or "", secret, previous, progress)
             stall_s = 4.0 if quick else 20.0
             injector = Faults(up, ssd, etcd, load, partition, stall_s=stall_s, progress=progress, upgraded=upgraded)
             found.store_faults = StoreFaults(up, secret, pool, injector.node_pid)
+            quiet_since = time.monotonic()
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
-                await _inject(fault, injector, load, kv, found, settle, progress)
+                quiet_since = await _inject(fault, injector, load, kv, found, quiet_since, settle, progress)
             reached(1 + len(faults), "checking every placement")
             await load.stop()
             await kv.stop()
