@@ -639,3 +639,22 @@ def test_a_standalone_node_agent_removes_its_pool_when_stopped(tmp_path, shm_pat
         siblings = [p.name for p in shm_path.parent.iterdir() if p.name.startswith(shm_path.name + ".")]
         assert (shm_path.exists(), bool(siblings)) == ((True, True) if keep else (False, False)), siblings
         remove_pool(shm_path)
+
+
+@pytest.mark.cluster
+def test_lab_down_takes_an_exited_but_unreaped_lab_up_for_stopped():
+    """A `lab up` that has stopped but that whoever started it has not reaped (a zombie) is not
+    running: `lab down` once waited its whole 30-s deadline for one (every lab test's teardown did)."""
+    import time
+    from pathlib import Path
+
+    from tiercake.cli.lab import _alive
+
+    exited = subprocess.Popen(["true"])
+    try:
+        while Path(f"/proc/{exited.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        assert not _alive(exited.pid)
+    finally:
+        exited.wait()
+    assert _alive(os.getpid()) and not _alive(exited.pid)  # reaped: gone from /proc
