@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import time
@@ -187,17 +188,31 @@ PERF_FIELDS = set(WorkerPerf.model_fields)
 
 def calibrate(engine: ModelRunner, cache: Path | None) -> WorkerPerf:
     """Fit the prefill-time model and measure a decode step on this machine; reuse a persisted fit of
-    the same model, block size and device."""
-    model = engine.model
+    the same model, block size and device. Workers of one data folder (``up --workers N``) take turns:
+    the first measures, the others read its fit. Measured each beside the others, two equal workers
+    fitted different costs, and the router took that noise for a difference between them."""
     ident = hashlib.sha256(
-        json.dumps([model.config.model_dump(), engine.block_size, str(engine.kv.device)]).encode()
+        json.dumps([engine.model.config.model_dump(), engine.block_size, str(engine.kv.device)]).encode()
     ).hexdigest()[:16]
-    path = cache / f"calibration-{ident}.json" if cache else None
-    if path is not None and path.exists():
-        with contextlib.suppress(ValueError, KeyError, TypeError):
+    if cache is None:
+        return _measure(engine)
+    path = cache / f"calibration-{ident}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (and when the process dies)
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             saved = json.loads(path.read_text())
             if set(saved) >= PERF_FIELDS:  # a file from an older version lacks some: measure again
                 return WorkerPerf.model_validate(saved)
+        perf = _measure(engine)
+        part = path.with_suffix(".part")
+        part.write_text(perf.model_dump_json())
+        part.replace(path)
+    return perf
+
+
+def _measure(engine: ModelRunner) -> WorkerPerf:
+    model = engine.model
     bs = engine.block_size
     limit = min(engine.max_context // 2, engine.kv.num_blocks * bs // 2)
     lengths = sorted({max(bs, min(n, limit)) for n in (bs, 4 * bs, 16 * bs, 64 * bs)})
@@ -221,17 +236,13 @@ def calibrate(engine: ModelRunner, cache: Path | None) -> WorkerPerf:
     started = time.perf_counter()
     for i in range(5):
         model.forward_paged([PagedChunk([1], lengths[0] + i, table)], scratch)
-    perf = WorkerPerf(
+    return WorkerPerf(
         prefill_a=fit.a,
         prefill_b=fit.b,
         prefill_q=fit.q,
         decode_step_s=(time.perf_counter() - started) / 5,
         copy_bytes_per_s=_copy_rate(engine.kv.device),
     )
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(perf.model_dump_json())
-    return perf
 
 
 def _copy_rate(device: torch.device) -> float:
