@@ -30,11 +30,13 @@ def pytest_configure(config):
     process_guard.install()
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
     """Files whose tests start processes first, the largest time budget (the sum of their tests'
     timeouts) first, then the rest in their order: ``make test`` hands whole files to its workers in
     this order (``--no-loadscope-reorder``). Ordered by their number of tests, as xdist does by default,
-    the one-test chaos run (three minutes) was handed out late and kept one worker busy alone."""
+    the one-test chaos run (three minutes) was handed out late and kept one worker busy alone. Where
+    no test that starts processes is selected (``make check``), the order stays as it is."""
     default = float(config.getini("timeout") or 0)
     budget: dict[Path, float] = {}
     for item in items:

@@ -299,13 +299,15 @@ async def test_another_instance_on_the_node_loads_from_the_pool(served):
 async def test_blocks_come_back_from_ssd_after_the_node_agent_restarts(served):
     tc, a, _ = served
     tokens = prompt(3)
+    in_pool, on_ssd = await indexed(tc, "pool"), await indexed(tc, "ssd")  # (the module's earlier tests')
     first = await a.complete(tokens)
-    await wait_indexed(tc, "pool", 3 * PROMPT_BLOCKS * BLOCK_BYTES)
+    await wait_indexed(tc, "pool", in_pool + PROMPT_BLOCKS * BLOCK_BYTES)
     async with Client([tc.url], token=TOKEN) as client:
         await client.flush(["pool"])  # down to SSD
-    await wait_indexed(tc, "ssd", 3 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
+    held = on_ssd + in_pool + PROMPT_BLOCKS * BLOCK_BYTES
+    await wait_indexed(tc, "ssd", held, only=True)
     tc.restart_node()  # a new process: the pool is gone, the SSD index is rebuilt from the files
-    await wait_indexed(tc, "ssd", 3 * PROMPT_BLOCKS * BLOCK_BYTES, only=True)
+    await wait_indexed(tc, "ssd", held, only=True)
     await a.reset_prefix_cache()
     again = await a.complete(tokens)
     assert loaded(again) == PROMPT_BLOCKS * BLOCK and cached(again) >= PROMPT_BLOCKS * BLOCK
