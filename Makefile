@@ -5,12 +5,13 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-# Test files run in two processes (pytest-xdist), a file's tests together. Three take 13-14 minutes
-# quiet where two take 15-16 (the suite keeps 1.65 of the 2 cores busy with three), but beside a
-# CPU-bound process three failed three tests that two pass (load 7-12: a 401 lost to the reset of a
-# connection closed with its body unread, a lab recovery past 90 s, a 10 ms lease): two it is.
+# Test files run in two processes (pytest-xdist), a file's tests together, those that start processes
+# first (tests/conftest.py): about 14 minutes quiet (850 s on 2026-12-07). Three processes once took
+# 13-14 minutes where two took 15-16, but beside a CPU-bound process three failed three tests that two
+# pass (load 7-12: a 401 lost to the reset of a connection closed with its body unread, a lab
+# recovery past 90 s, a 10 ms lease): two it is.
 TEST_WORKERS ?= 2
-# The tests start hundreds of Python processes (node agents, conductors, the CLI): where the
+# The tests start many Python processes (node agents, conductors, the CLI): where the
 # environment says PYTHONDONTWRITEBYTECODE (this image does), each compiled every module it imported
 # again, and pytest rewrote every test module again on each run. The tests keep their bytecode.
 # One OpenMP thread for each of torch's processes (vLLM binds its own): the suite runs several at
