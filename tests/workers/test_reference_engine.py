@@ -37,3 +37,28 @@ async def test_workers_of_one_data_folder_share_one_calibration(tmp_path, monkey
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_folder_that_refuses_locks_still_calibrates(tmp_path, monkeypatch, caplog):
+    """Some network file systems answer ``flock`` with ENOLCK: the worker must still start (measuring
+    without the lock, saying so), and its fit is still saved for the next start."""
+    import errno
+    import fcntl
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    measured = []
+    measure = engine._measure
+    monkeypatch.setattr(engine, "_measure", lambda runner: measured.append(runner) or measure(runner))
+    pool = GpuBlockPool(64, LAYOUT.shape, torch.float16, "cpu")
+    store = await TieredStore([Tier(GpuBackend(pool))], payload_nbytes=LAYOUT.nbytes).open()
+    try:
+        runner = ModelRunner(ReferenceModel(MODEL), store, NS, worker_id="w0")
+        first = engine.calibrate(runner, tmp_path)
+        assert "not shared" in caplog.text and len(measured) == 1
+        assert engine.calibrate(runner, tmp_path) == first and len(measured) == 1
+        assert not list(tmp_path.glob("*.part"))
+    finally:
+        await store.close()

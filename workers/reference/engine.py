@@ -9,6 +9,8 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
+import os
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -37,6 +39,8 @@ from ..sessions import SessionNotifier
 from .model import PagedChunk, ReferenceModel
 from .runner import ModelRunner
 from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 class ReferenceEngine(ServingEngine):
@@ -197,17 +201,24 @@ def calibrate(engine: ModelRunner, cache: Path | None) -> WorkerPerf:
     if cache is None:
         return _measure(engine)
     path = cache / f"calibration-{ident}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (and when the process dies)
+    with contextlib.ExitStack() as held:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(path.with_suffix(".lock"), "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (and when the process dies)
+        except OSError as e:  # a folder that refuses locks (ENOLCK on some NFS mounts) or writes
+            log.warning("calibration of %s not shared through %s: %s", ident, path.parent, e)
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             saved = json.loads(path.read_text())
             if set(saved) >= PERF_FIELDS:  # a file from an older version lacks some: measure again
                 return WorkerPerf.model_validate(saved)
         perf = _measure(engine)
-        part = path.with_suffix(".part")
-        part.write_text(perf.model_dump_json())
-        part.replace(path)
+        try:
+            part = path.with_suffix(f".{os.getpid()}.part")  # unlocked, two writers must not share one
+            part.write_text(perf.model_dump_json())
+            part.replace(path)
+        except OSError as e:
+            log.warning("calibration of %s not saved in %s: %s", ident, path.parent, e)
     return perf
 
 
