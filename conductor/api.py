@@ -24,6 +24,7 @@ from tiercake.errors import ApiError, app_runner, bearer, body_reader, error_mid
 from tiercake.heap import freeze_startup_heap
 from tiercake.messages import (
     CONTROL_API,
+    READ_ROLE_HEADER,
     BeginReply,
     BeginRequest,
     BlockBatch,
@@ -95,6 +96,13 @@ def _holdings(found: dict, sizes: bool) -> dict[str, PrefixHolding]:
         n: PrefixHolding(length=p.length, tiers=p.tiers, runs=p.runs(), sizes=p.sizes() if sizes else None)
         for n, p in found.items()
     }
+
+
+def _read_reply(conductor: Conductor, answer: BaseModel) -> web.Response:
+    """A lookup's answer, saying whether clients may send their lookups here (``Conductor.read_role``)."""
+    response = reply(answer)
+    response.headers[READ_ROLE_HEADER] = conductor.read_role
+    return response
 
 
 def _member_families(conductor: Conductor):
@@ -240,13 +248,13 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
         body = await parse(request, LookupRequest)
         with metrics.lookup_seconds.time():
             found = conductor.lookup(body.tenant, body.keys)
-        return reply(LookupReply(nodes=_holdings(found, body.sizes)))
+        return _read_reply(conductor, LookupReply(nodes=_holdings(found, body.sizes)))
 
     async def lookup_many(request: web.Request) -> web.Response:
         body = await parse(request, LookupManyRequest)
         with metrics.lookup_seconds.time():
             found = [conductor.lookup(body.tenant, chain) for chain in body.chains]
-        return reply(LookupManyReply(found=[_holdings(f, body.sizes) for f in found]))
+        return _read_reply(conductor, LookupManyReply(found=[_holdings(f, body.sizes) for f in found]))
 
     async def report(request: web.Request) -> web.Response:
         """A node declares blocks it holds (spilled, promoted, or its SSD tier's after a restart)."""
@@ -274,8 +282,14 @@ def _placement_routes(conductor: Conductor, metrics: _Metrics) -> list:
     async def heat(request: web.Request) -> web.Response:
         body = await _leader_only(request, conductor, HeatRequest)
         keys = _keys([h.key for h in body.hits])
-        conductor.add_heat([((h.tenant, key), h.count) for h, key in zip(body.hits, keys)])
-        return reply(HeatReply(accepted=len(keys)))
+        counts = [((h.tenant, key), h.count) for h, key in zip(body.hits, keys)]
+        for tenant in body.packed:
+            raw = tenant.keys
+            counts += [
+                ((tenant.tenant, raw[i * KEY_BYTES : (i + 1) * KEY_BYTES]), n) for i, n in enumerate(tenant.counts)
+            ]
+        conductor.add_heat(counts)
+        return reply(HeatReply(accepted=len(counts)))
 
     return [
         web.post("/v1/placements/lookup", lookup),

@@ -1,5 +1,12 @@
 """The async Python client of the conductor's HTTP API. It finds the leader by itself: a follower
-that refuses a write names the leader, and a conductor that does not answer is skipped."""
+that refuses a write names the leader, and a conductor that does not answer is skipped.
+
+Lookups go to a follower in step with the leader where there is one: its answers are as fresh (it
+applies the leader's changes within milliseconds of each; a lookup that misses a block costs a
+recompute, never a wrong answer), and it takes none of the members' keep-alives and reports, so its
+lookups wait less (``bench fleet``: p99 2.2-3.2 ms at a follower, 3.5-4.4 ms at the leader, at 1,000
+nodes). Each lookup's answer says what lookups there are worth (``READ_ROLE_HEADER``); a client that
+knows of no follower tries the next conductor with one lookup every ``FOLLOWER_PROBE_S``."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +27,7 @@ from pydantic import BaseModel
 from tiercake import dead_peer
 from tiercake.errors import parse_error
 from tiercake.messages import (
+    READ_ROLE_HEADER,
     BeginReply,
     ClusterView,
     CommitReply,
@@ -55,6 +64,9 @@ from tiercake.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+FOLLOWER_PROBE_S = 10.0  # how often a client that knows no follower in step sends a lookup to look for one
+FOLLOWER_READ_TIMEOUT_S = 1.0  # a lookup at a follower that takes longer is asked of the others
 
 if TYPE_CHECKING:
     from tiercake.transfer import TransferResult
@@ -111,6 +123,8 @@ class Client:
         self.retries = retries
         self._current = 0
         self._down: dict[str, float] = {}  # url -> until when it is not worth a redirect
+        self._reader: str | None = None  # a follower in step that answered a lookup last
+        self._probed_at = -math.inf  # when a lookup last looked for one (monotonic)
         self._session: aiohttp.ClientSession | None = None
         self.hex_keys = False  # the conductor is of the release before, which takes block keys as hex lists
 
@@ -143,18 +157,22 @@ class Client:
         headers: dict | None = None,
         timeout: float | None = None,
         raw: bool = False,
+        read: bool = False,
     ) -> Any:
-        """The JSON answer, parsed (``raw``: its bytes, for a model that parses JSON itself)."""
+        """The JSON answer, parsed (``raw``: its bytes, for a model that parses JSON itself). A
+        ``read`` (a lookup) starts at a follower in step when one is known (``_read_start``)."""
         last = "no conductor answered"
         trail: list[str] = []  # what each attempt met, for the error
         # each call walks the conductors on its own (concurrent calls must not steer each other),
         # starting from the one that answered last
-        index = self._current
+        index = self._read_start() if read else self._current
         for attempt in range(self.retries):
             url = self.urls[index % len(self.urls)]
             try:
                 http = self._http()
                 limit = http.timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
+                if read and index % len(self.urls) != self._current % len(self.urls):
+                    limit = aiohttp.ClientTimeout(total=min(limit.total or math.inf, FOLLOWER_READ_TIMEOUT_S))
                 async with http.request(method, url + path, json=body, headers=headers, timeout=limit) as resp:
                     if raw and resp.status < 400:
                         data = await resp.read()
@@ -162,7 +180,12 @@ class Client:
                         return data
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
-                        self._current = index % len(self.urls)
+                        if not read:
+                            self._current = index % len(self.urls)
+                        elif resp.headers.get(READ_ROLE_HEADER) == "follower":
+                            self._reader = url
+                        elif self._reader == url:  # it leads now, or fell behind
+                            self._reader = None
                         return data
                     trail.append(f"{url} {resp.status}")
                     error = parse_error(data, resp.status)
@@ -183,25 +206,40 @@ class Client:
                 last = f"{url}: {exc!r}"
                 trail.append(f"{url} {type(exc).__name__}")
                 self._down[url] = time.monotonic() + 1.0
+                if url == self._reader:
+                    self._reader, self._probed_at = None, time.monotonic()  # not looked for again at once
             index += 1
             await asyncio.sleep(min(0.05 * 2 ** (attempt // len(self.urls)), 1.0))
         raise ConductorError(503, f"{last} (after {len(trail)} attempts: {', '.join(trail[-6:])})")
 
-    async def _typed(self, model: type[R], method: str, path: str, body: dict | None = None) -> R:
-        return model.model_validate(await self._call(method, path, body))
+    def _read_start(self) -> int:
+        """Where a lookup starts: the follower in step that answered one last; while none is known,
+        once every ``FOLLOWER_PROBE_S``, the conductor after the one that answered last (is it one?);
+        else that one."""
+        now = time.monotonic()
+        if self._reader in self.urls and self._down.get(self._reader, 0.0) <= now:
+            return self.urls.index(self._reader)
+        probe = self.urls[(self._current + 1) % len(self.urls)]
+        if len(self.urls) > 1 and now - self._probed_at >= FOLLOWER_PROBE_S and self._down.get(probe, 0.0) <= now:
+            self._probed_at = now
+            return self._current + 1
+        return self._current
+
+    async def _typed(self, model: type[R], method: str, path: str, body: dict | None = None, read: bool = False) -> R:
+        return model.model_validate(await self._call(method, path, body, read=read))
 
     async def lookup(self, tenant: str, keys: Sequence[bytes], sizes: bool = False) -> dict[str, PrefixHolding]:
         """Node -> how much of the chain it holds (``length`` blocks from the start, by tier; with
         ``sizes``, each held block's size)."""
         body = {"tenant": tenant, "keys": _packed(keys), **({"sizes": True} if sizes else {})}
-        return (await _keyed(self, LookupReply, "/v1/placements/lookup", body)).nodes
+        return (await _keyed(self, LookupReply, "/v1/placements/lookup", body, read=True)).nodes
 
     async def lookup_many(
         self, tenant: str, chains: list[list[bytes]], sizes: bool = False
     ) -> list[dict[str, PrefixHolding]]:
         """``lookup`` of each chain, in one request."""
         body = {"tenant": tenant, "chains": [_packed(chain) for chain in chains], "sizes": sizes}
-        return (await _keyed(self, LookupManyReply, "/v1/placements/lookup-many", body)).found
+        return (await _keyed(self, LookupManyReply, "/v1/placements/lookup-many", body, read=True)).found
 
     async def begin_put(
         self,
@@ -255,9 +293,16 @@ class Client:
         return (await self._typed(PinReply, "POST", "/v1/placements/pin", body)).pinned
 
     async def heat(self, hits: list[tuple[str, bytes, int]]) -> int:
-        """Accesses a follower conductor counted in its lookups, for the leader's hot replication."""
-        body = {"hits": [{"tenant": t, "key": k.hex(), "count": n} for t, k, n in hits]}
-        return (await self._typed(HeatReply, "POST", "/v1/heat", body)).accepted
+        """Accesses a follower conductor counted in its lookups, for the leader's hot replication,
+        packed by tenant (a leader of the release before refuses them: a 400, and its rates miss
+        them until it is upgraded)."""
+        by_tenant: dict[str, tuple[list[bytes], list[int]]] = {}
+        for tenant, key, n in hits:
+            keys, counts = by_tenant.setdefault(tenant, ([], []))
+            keys.append(key)
+            counts.append(n)
+        packed = [{"tenant": t, "keys": _packed(keys), "counts": counts} for t, (keys, counts) in by_tenant.items()]
+        return (await self._typed(HeatReply, "POST", "/v1/heat", {"packed": packed})).accepted
 
     async def feed(self, term: int, after: int, snapshot_row: int | None = None, wait_s: float = 0.0) -> FeedReply:
         """The leader's placement changes for a follower conductor: those after ``after`` in
@@ -456,19 +501,19 @@ def _packed(keys: Sequence[bytes]) -> str:
     return base64.b64encode(b"".join(keys)).decode()
 
 
-async def _keyed(client: Client, model: type[R], path: str, body: dict) -> R:
+async def _keyed(client: Client, model: type[R], path: str, body: dict, read: bool = False) -> R:
     """A request that carries block keys, packed; to a conductor of the release before (it answers
     the packed form with a 400 on ``keys``, ``chains`` or ``blocks``), as hex lists from then on."""
     if not client.hex_keys:
         try:
-            return await client._typed(model, "POST", path, body)
+            return await client._typed(model, "POST", path, body, read=read)
         except ConductorError as exc:
             refused = str(exc)
             if exc.status != 400 or not any(s in refused for s in ("valid array", "valid list", "blocks")):
                 raise
         log.info("the conductor is of an earlier release: block keys go to it as hex lists")
         client.hex_keys = True
-    return await client._typed(model, "POST", path, _hex_keys(body))
+    return await client._typed(model, "POST", path, _hex_keys(body), read=read)
 
 
 def _hex_keys(body: dict) -> dict:

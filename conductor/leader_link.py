@@ -26,10 +26,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FEED_WAIT_S = 2.0  # a follower's long poll for the leader's placement changes
+# A mirror in step had a poll answered at the log's end this recently: the leader holds a poll up to
+# FEED_WAIT_S and answers it at once when a change comes, so past this it lost the leader or fell behind
+IN_STEP_S = FEED_WAIT_S + 1.0
 FEED_POLL_S = 0.5  # its pause after a failed poll, or while it leads
 FEED_GATHER_S = 0.02  # and after an answer with changes, so the next one gathers a batch
 HEAT_FORWARD_S = 1.0  # how often a follower sends its lookups' access counts to the leader
 MAX_HEAT_OUT = 50_000  # distinct blocks a follower keeps counts for between two sends
+# blocks' counts in one request to the leader: it parses and adds a request in one turn of its loop
+# (50,000 in the release before's form took it 180 ms, a stall for every lookup, keep-alive and
+# report behind them)
+HEAT_CHUNK = 2048
 
 
 class LeaderLink:
@@ -39,6 +46,7 @@ class LeaderLink:
         # what that leader asks its members to re-report, and when it said so (monotonic)
         self._followed_window: tuple[float | None, float] = (None, 0.0)
         self._synced_at: float | None = None  # monotonic: when the mirror was last in step with a leader
+        self._at_end: float | None = None  # monotonic: when a poll's answer last reached the log's end
         self._heat_out: dict[tuple[str, bytes], int] = {}
         self._peers: dict[str, Client] = {}  # leader URL -> a client of it
         self._tasks: list[asyncio.Task] = []
@@ -70,6 +78,13 @@ class LeaderLink:
         """Seconds since the mirror of the index was last in step with a leader; None without one."""
         return None if self._synced_at is None else time.monotonic() - self._synced_at
 
+    def in_step(self) -> bool:
+        """Whether the mirror follows the leader's log now (a poll's answer reached the log's end less
+        than ``IN_STEP_S`` ago, and a poll is held meanwhile): clients may send it their lookups."""
+        if self.conductor.is_leader or self._synced_at is None or self._at_end is None:
+            return False
+        return time.monotonic() - self._at_end < IN_STEP_S
+
     def count(self, hits: list[tuple[str, bytes]]) -> None:
         """Accesses a follower's lookup found, for the next send (bounded: past ``MAX_HEAT_OUT``
         distinct blocks, new ones wait for the send after)."""
@@ -98,7 +113,9 @@ class LeaderLink:
             if peer is None:
                 continue
             try:
-                await peer.heat([(t, k, n) for (t, k), n in batch.items()])
+                hits = [(t, k, n) for (t, k), n in batch.items()]
+                for start in range(0, len(hits), HEAT_CHUNK):  # one after another: the leader serves between
+                    await peer.heat(hits[start : start + HEAT_CHUNK])
             except ConductorError as exc:
                 log.warning("conductor %s: access counts not sent to the leader: %s", self.conductor.conductor_id, exc)
 
@@ -161,6 +178,7 @@ class LeaderLink:
                 self._synced_at = began if row is None else None
             elif not answer.more:
                 self._synced_at = sent  # it holds what was acknowledged before this poll
+                self._at_end = time.monotonic()
             term, seq = answer.term, answer.seq
             self.followed_term, self._followed_window = term, (answer.rereport_s, sent)
             if answer.changes and row is None and not answer.more:

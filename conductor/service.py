@@ -257,6 +257,15 @@ class Conductor:
     def is_leader(self) -> bool:
         return self.election.is_leader
 
+    @property
+    def read_role(self) -> str:
+        """What this conductor's lookups are worth to a client choosing where to send them: the
+        leader's (``leader``), a follower's in step with it (``follower``: as good, and it takes no
+        keep-alives or reports), or a follower's that is not (``behind``: ask the leader)."""
+        if self.is_leader:
+            return "leader"
+        return "follower" if self.link.in_step() else "behind"
+
     async def leader(self) -> ConductorInfo | None:
         raw = await self.election.leader()
         return ConductorInfo.model_validate_json(raw) if raw else None

@@ -40,9 +40,10 @@ async def running_conductor(
 
 
 @contextlib.asynccontextmanager
-async def leader_and_follower(token: str = "peer-token"):
+async def leader_and_follower(token: str = "peer-token", runners_too: bool = False):
     """Two conductors on one embedded backend, each behind its HTTP app on a loopback port: yields
-    (leader, follower) once the first leads; they call each other with ``token``."""
+    (leader, follower) once the first leads (``runners_too``: and their apps' runners, to stop one's
+    HTTP); they call each other with ``token``."""
     import socket
 
     meta = await EmbeddedBackend().start()
@@ -60,7 +61,7 @@ async def leader_and_follower(token: str = "peer-token"):
             runners.append(runner)
             if name == "leader":
                 await asyncio.wait_for(conductor.election.leading.wait(), 10)
-        yield started[0], started[1]
+        yield (started[0], started[1], runners) if runners_too else (started[0], started[1])
     finally:
         for runner in runners:
             await runner.cleanup()

@@ -25,6 +25,8 @@ FIGURES = (
     "lookup_p99",
     "lookup_p50_follower",
     "lookup_p99_follower",
+    "lookup_p50_client",
+    "lookup_p99_client",
     "conductor_rss_per_replica",
     "etcd_db_bytes",
     "keepalive_p50",
@@ -55,7 +57,7 @@ def _check(figures: dict) -> None:
     for f in figures.values():
         assert math.isfinite(f["value"]) and f["value"] >= 0 and f["limit"] > 0, f
         assert f["params"]["replicas"] == 12 * 256, f  # the whole fill, within the budget
-    for where in ("", "_follower"):  # the follower's mirror as whole as the leader's index
+    for where in ("", "_follower", "_client"):  # the follower's mirror as whole as the leader's index
         lookups = figures[f"lookup_p50{where}"]["params"]
         assert lookups["found_whole"] == f"{lookups['lookups']}/{lookups['lookups']}"
     assert figures["dead_node_s"]["value"] < TTL_S + 3

@@ -16,8 +16,9 @@ scheduler side does. No block bytes move: this is the control plane alone. Per f
 - ``etcd_writes_per_s``: etcd's revisions per second during the fill (every write it took), against
   the placements per second: placements never reach etcd, so this stays flat in the blocks;
 - ``lookup_p50`` / ``lookup_p99``: a 64-block chain over HTTP from the front, against an empty
-  request to the same conductor (p50) and 1 ms (p99), at the leader and (``_follower``) at the
-  follower, which takes no keep-alives or reports;
+  request to the same conductor (p50) and 1 ms (p99), at the leader, (``_follower``) at the
+  follower, which takes no keep-alives or reports, and (``_client``) where a client given both
+  conductors sends them (a follower in step, where there is one);
 - ``conductor_rss_per_replica``: the leader's RSS growth per replica, against a flat array of 40
   bytes per replica (a 32-byte key, a node and a tier); the follower's beside it;
 - ``etcd_db_bytes``: etcd's database after the fill, against its default 2 GiB quota;
@@ -46,6 +47,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import aiohttp
 
 from tiercake.conductor.etcd_process import EtcdCluster
 from tiercake.up import Child
@@ -304,7 +307,9 @@ async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget
         etcd_revisions=rev1 - rev0,
         limit_name="placements per second (each a write, were they in etcd)",
     )
-    await _lookups(report, fleet, n, size, 2.0 if quick else 10.0, fleet.urls[1 - leader])
+    caught_up = await _mirror_caught_up(fleet, leader)
+    lookups_at = {**size, "follower_caught_up_s": round(caught_up, 2)}
+    await _lookups(report, fleet, n, lookups_at, 2.0 if quick else 10.0, fleet.urls[leader], fleet.urls[1 - leader])
     grown = [max(0, b - a) / max(filled, 1) for a, b in zip(rss0, rss1, strict=True)]
     report.add(
         f"{n}.conductor_rss_per_replica",
@@ -330,18 +335,46 @@ async def _measure(report: Report, fleet: Fleet, nodes: int, blocks: int, budget
     await _failover(report, fleet, n, size, await _wait_leader(fleet), nodes)
 
 
+async def _mirror_caught_up(fleet: Fleet, leader: int, timeout: float = 60.0) -> float:
+    """Seconds after the fill until the follower's mirror holds as many replicas as the leader's
+    index (the lookups measure a steady state: a lookup at a mirror still applying the fill's last
+    changes misses, and costs a recompute)."""
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fleet.token}"}) as http:
+
+        async def replicas(url: str) -> float:
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+            return next(
+                float(line.split()[1]) for line in text.splitlines() if line.startswith("tiercake_index_replicas ")
+            )
+
+        while time.perf_counter() - started < timeout:
+            held = [await replicas(url) for url in (fleet.urls[leader], fleet.urls[1 - leader])]
+            if held[0] == held[1]:
+                break
+            await asyncio.sleep(0.05)
+    return time.perf_counter() - started
+
+
 def _p99(ordered: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: float, follower: str) -> None:
-    """The front's lookups, at the leader (which also takes every keep-alive and report) and at the
-    follower (which serves lookups from its mirror), each beside an empty request to the same one."""
-    for where, url in (("", None), ("_follower", follower)):
-        answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": seconds, "url": url})
-        lookups = sorted(answer["lookup_s"])
-        floor = statistics.median(answer["floor_s"])
-        params = {**size, "lookups": len(lookups), "found_whole": f"{answer['whole']}/{len(lookups)}"}
+async def _lookups(
+    report: Report, fleet: Fleet, n: str, size: dict, seconds: float, leader: str, follower: str
+) -> None:
+    """The front's lookups, at the leader (which also takes every keep-alive and report), at the
+    follower (which serves lookups from its mirror), and (``_client``) where a client given both
+    sends them, taking turns, each beside an empty request to the same one (the follower's for the
+    client)."""
+    series = (("", leader), ("_follower", follower), ("_client", None))
+    targets = [[url, url or follower] for _, url in series]
+    answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": 3 * seconds, "targets": targets})
+    for (where, _), run in zip(series, answer["runs"], strict=True):
+        lookups = sorted(run["lookup_s"])
+        floor = statistics.median(run["floor_s"])
+        params = {**size, "lookups": len(lookups), "found_whole": f"{run['whole']}/{len(lookups)}"}
         report.add(
             f"{n}.lookup_p50{where}",
             lookups[len(lookups) // 2] * 1e3,
@@ -350,7 +383,7 @@ async def _lookups(report: Report, fleet: Fleet, n: str, size: dict, seconds: fl
             **params,
             limit_name="an empty request",
         )
-        p99, floor_p99 = _p99(lookups), _p99(sorted(answer["floor_s"]))
+        p99, floor_p99 = _p99(lookups), _p99(sorted(run["floor_s"]))
         report.add(
             f"{n}.lookup_p99{where}",
             p99 * 1e3,
@@ -376,7 +409,8 @@ async def _keepalives(report: Report, fleet: Fleet, n: str, size: dict, seconds:
     )
     renewals = sum(a["keepalives"] for a in after) - sum(b["keepalives"] for b in before)
     samples = [s for a in after for s in a["keepalive_s"]] or [float("nan")]
-    floor = statistics.median((await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": 0.5}))["floor_s"])
+    empty = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": 0.5, "targets": [[None, fleet.urls[0]]]})
+    floor = statistics.median(empty["runs"][0]["floor_s"])
     report.add(
         f"{n}.keepalive_p50",
         statistics.median(samples) * 1e3,

@@ -197,30 +197,35 @@ class Generator:
         counts = await asyncio.gather(*(n.fill(self.chains, deadline) for n in self.nodes))
         return {"filled": sum(counts), "s": time.perf_counter() - started, "cpu_s": _cpu() - cpu}
 
-    async def lookup(self, seconds: float, url: str | None = None) -> dict:
-        """Closed-loop lookups of a random chain of the fleet, each followed by the empty request."""
-        front = self.front if url is None else Client([url], token=self.token, timeout=30)
-        floor_url = (url or self.urls[0]) + "/health"
-        lookups, floors, whole = [], [], 0
+    async def lookup(self, seconds: float, targets: list[list[str | None]]) -> dict:
+        """Closed-loop lookups of a random chain of the fleet, each followed by the empty request,
+        taking turns between ``targets`` (each [url, the empty request's url]) so that each is timed
+        under the same conditions. A url None: the front's client, given every conductor, picks (as a
+        member's does: a follower in step where there is one). Per target, in order."""
+        fronts = [self.front if url is None else Client([url], token=self.token, timeout=30) for url, _ in targets]
+        runs: list[dict] = [{"lookup_s": [], "floor_s": [], "whole": 0} for _ in targets]
         try:
             async with aiohttp.ClientSession() as http:
-                deadline = time.monotonic() + seconds
+                deadline, turn = time.monotonic() + seconds, 0
                 while time.monotonic() < deadline:
+                    run, front, floor_url = runs[turn], fronts[turn], f"{targets[turn][1]}/health"
+                    turn = (turn + 1) % len(targets)
                     node = self.rng.randrange(self.fleet)
                     keys = chain_keys(node, [self.rng.randrange(self.chains)])
                     started = time.perf_counter()
                     found = await front.lookup(TENANT, keys)
-                    lookups.append(time.perf_counter() - started)
+                    run["lookup_s"].append(time.perf_counter() - started)
                     held = found.get(node_id(node))
-                    whole += held is not None and held.length == CHAIN
+                    run["whole"] += held is not None and held.length == CHAIN
                     started = time.perf_counter()
                     async with http.get(floor_url) as resp:
                         await resp.read()
-                    floors.append(time.perf_counter() - started)
+                    run["floor_s"].append(time.perf_counter() - started)
         finally:
-            if front is not self.front:
-                await front.close()
-        return {"lookup_s": lookups, "floor_s": floors, "whole": whole}
+            for front in fronts:
+                if front is not self.front:
+                    await front.close()
+        return {"runs": runs}
 
     async def holders(self, url: str, nodes: list[int]) -> dict:
         """For one chain of each of ``nodes``: which of them the conductor at ``url`` lists as holding

@@ -60,6 +60,7 @@ from .operator import (
     ServingFigures,
 )
 from .placements import (
+    READ_ROLE_HEADER,
     BeginReply,
     BeginRequest,
     BlockBatch,
@@ -68,6 +69,7 @@ from .placements import (
     ConductorInfo,
     FeedReply,
     FeedRequest,
+    HeatCounts,
     HeatHit,
     HeatReply,
     HeatRequest,
@@ -143,6 +145,7 @@ __all__ = [
     "FlushRequest",
     "FlushSetting",
     "GenerateRequest",
+    "HeatCounts",
     "HeatHit",
     "HeatReply",
     "HeatRequest",
@@ -159,6 +162,7 @@ __all__ = [
     "LookupReply",
     "LookupRequest",
     "MAX_KEYS",
+    "READ_ROLE_HEADER",
     "MAX_SESSION_S",
     "MAX_MEMBER_TTL",
     "MemberInfo",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -46,6 +46,11 @@ class PrefixHolding(Reply):
                 out[tier] = out.get(tier, 0) + hi - lo
             at += n
         return out
+
+
+# The header of a lookup's answer saying what lookups at that conductor are worth: "leader",
+# "follower" (in step with the leader: as good), "behind" (a follower that is not)
+READ_ROLE_HEADER = "X-Tiercake-Read-Role"
 
 
 class LookupReply(Reply):
@@ -133,10 +138,34 @@ class HeatHit(Request):
     count: int = Field(ge=1, le=1_000_000)
 
 
-class HeatRequest(Request):
-    """Accesses a follower conductor counted in its lookups (the leader decides replication)."""
+class HeatCounts(Request):
+    """One tenant's counted blocks, packed: the keys back to back, and each one's count."""
 
-    hits: list[HeatHit] = Field(min_length=1, max_length=MAX_KEYS)
+    tenant: Name
+    keys: PackedKeys
+    counts: list[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(min_length=1, max_length=MAX_KEYS)
+
+    @model_validator(mode="after")
+    def _one_count_a_key(self) -> HeatCounts:
+        if len(self.counts) * KEY_BYTES != len(self.keys):
+            raise ValueError(f"{len(self.keys) // KEY_BYTES} keys but {len(self.counts)} counts")
+        return self
+
+
+class HeatRequest(Request):
+    """Accesses a follower conductor counted in its lookups (the leader decides replication): packed
+    by tenant, or (a follower of the release before) one ``HeatHit`` a block, a model each, which
+    cost the leader 2 us a block to parse where a packed block costs a tenth of it."""
+
+    hits: list[HeatHit] = Field(default=[], max_length=MAX_KEYS)
+    packed: list[HeatCounts] = Field(default=[], max_length=MAX_KEYS)
+
+    @model_validator(mode="after")
+    def _some_within_bounds(self) -> HeatRequest:
+        blocks = len(self.hits) + sum(len(c.counts) for c in self.packed)
+        if not 1 <= blocks <= MAX_KEYS:
+            raise ValueError(f"1 to {MAX_KEYS} counted blocks, got {blocks}")
+        return self
 
 
 class PlacementChange(Reply):
