@@ -35,6 +35,7 @@ from tiercake.messages import (
     FeedReply,
     FlushReply,
     HeatReply,
+    HeatRequest,
     KeepAliveReply,
     LeaderReply,
     LookupManyReply,
@@ -109,24 +110,88 @@ class Session:
         return {name: str(value) for name, value in named.items() if value is not None}
 
 
+class Conductors:
+    """Which conductor a client asks: the one that answered it last (the leader, for writes), a
+    follower in step for lookups when one is known, and those that failed lately (not worth a
+    redirect for a second). Each call walks them from ``start`` on its own: concurrent calls must
+    not steer each other."""
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("at least one conductor URL is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.current = 0  # the index of the one that answered a call other than a lookup last
+        self._down: dict[str, float] = {}  # url -> until when it is not worth a redirect
+        self._reader: str | None = None  # a follower in step that answered a lookup last
+        self._probed_at = -math.inf  # when a lookup last looked for one (monotonic)
+
+    def url(self, index: int) -> str:
+        return self.urls[index % len(self.urls)]
+
+    def start(self, read: bool) -> int:
+        """Where a call starts; for a lookup (``read``), the follower in step that answered one last;
+        while none is known, once every ``FOLLOWER_PROBE_S``, the conductor after the one that
+        answered last (is it one?); else that one."""
+        now = time.monotonic()
+        if not read:
+            return self.current
+        if self._reader in self.urls and self._down.get(self._reader, 0.0) <= now:
+            return self.urls.index(self._reader)
+        probe = self.url(self.current + 1)
+        if len(self.urls) > 1 and now - self._probed_at >= FOLLOWER_PROBE_S and self._down.get(probe, 0.0) <= now:
+            self._probed_at = now
+            return self.current + 1
+        return self.current
+
+    def limit(self, index: int, read: bool, limit: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
+        """A lookup away from the usual conductor waits ``FOLLOWER_READ_TIMEOUT_S`` at most, then asks
+        the others."""
+        if read and index % len(self.urls) != self.current % len(self.urls):
+            return aiohttp.ClientTimeout(total=min(limit.total or math.inf, FOLLOWER_READ_TIMEOUT_S))
+        return limit
+
+    def answered(self, index: int, read: bool, role: str | None) -> None:
+        """The conductor at ``index`` answered; a lookup's answer says what its lookups are worth."""
+        url = self.url(index)
+        if not read:
+            self.current = index % len(self.urls)
+        elif role == "follower":
+            self._reader = url
+        elif self._reader == url:  # it leads now, or fell behind
+            self._reader = None
+
+    def failed(self, url: str) -> None:
+        self._down[url] = time.monotonic() + 1.0
+        if url == self._reader:
+            self._reader, self._probed_at = None, time.monotonic()  # not looked for again at once
+
+    def redirect(self, leader: str, url: str) -> int | None:
+        """The index of the leader a refusal named, unless it names a conductor that just failed us
+        (a dead leader is still named until its lease runs out) or the one that answered (it leads
+        but cannot be sure of its lease yet): then None, wait and ask again."""
+        if not leader or leader == url or self._down.get(leader, 0.0) > time.monotonic():
+            return None
+        if leader not in self.urls:
+            self.urls.append(leader)
+        return self.urls.index(leader)
+
+
 class Client:
     def __init__(
         self, urls: list[str], token: str | None = None, timeout: float = 5.0, retries: int = 20, ssl=None
     ) -> None:
         """``ssl``: an ``ssl.SSLContext`` to verify https servers with (None: the system's CAs)."""
-        if not urls:
-            raise ValueError("at least one conductor URL is needed")
-        self.urls = [u.rstrip("/") for u in urls]
+        self.conductors = Conductors(urls)
         self.token = token
         self.ssl = ssl
         self.timeout = timeout
         self.retries = retries
-        self._current = 0
-        self._down: dict[str, float] = {}  # url -> until when it is not worth a redirect
-        self._reader: str | None = None  # a follower in step that answered a lookup last
-        self._probed_at = -math.inf  # when a lookup last looked for one (monotonic)
         self._session: aiohttp.ClientSession | None = None
         self.hex_keys = False  # the conductor is of the release before, which takes block keys as hex lists
+
+    @property
+    def urls(self) -> list[str]:
+        return self.conductors.urls
 
     async def __aenter__(self) -> Client:
         return self
@@ -160,70 +225,45 @@ class Client:
         read: bool = False,
     ) -> Any:
         """The JSON answer, parsed (``raw``: its bytes, for a model that parses JSON itself). A
-        ``read`` (a lookup) starts at a follower in step when one is known (``_read_start``)."""
+        ``read`` (a lookup) starts at a follower in step when one is known (``Conductors``)."""
         last = "no conductor answered"
         trail: list[str] = []  # what each attempt met, for the error
-        # each call walks the conductors on its own (concurrent calls must not steer each other),
-        # starting from the one that answered last
-        index = self._read_start() if read else self._current
+        conductors = self.conductors
+        index = conductors.start(read)
         for attempt in range(self.retries):
-            url = self.urls[index % len(self.urls)]
+            url = conductors.url(index)
             try:
                 http = self._http()
                 limit = http.timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
-                if read and index % len(self.urls) != self._current % len(self.urls):
-                    limit = aiohttp.ClientTimeout(total=min(limit.total or math.inf, FOLLOWER_READ_TIMEOUT_S))
+                limit = conductors.limit(index, read, limit)
                 async with http.request(method, url + path, json=body, headers=headers, timeout=limit) as resp:
                     if raw and resp.status < 400:
                         data = await resp.read()
-                        self._current = index % len(self.urls)
+                        conductors.answered(index, read, None)
                         return data
                     data = await resp.json(content_type=None)
                     if resp.status < 400:
-                        if not read:
-                            self._current = index % len(self.urls)
-                        elif resp.headers.get(READ_ROLE_HEADER) == "follower":
-                            self._reader = url
-                        elif self._reader == url:  # it leads now, or fell behind
-                            self._reader = None
+                        conductors.answered(index, read, resp.headers.get(READ_ROLE_HEADER))
                         return data
                     trail.append(f"{url} {resp.status}")
                     error = parse_error(data, resp.status)
                     if resp.status == 503:  # a follower, or no leader / backend yet: move on
-                        leader = (resp.headers.get("X-Tiercake-Leader") or error.leader or "").rstrip("/")
                         last = error.message
-                        # follow the hint, unless it names a conductor that just failed us (a dead
-                        # leader is still named until its lease runs out) or the one that answered (it
-                        # leads but cannot be sure of its lease yet): then wait and ask again
-                        if leader and leader != url and self._down.get(leader, 0.0) <= time.monotonic():
-                            if leader not in self.urls:
-                                self.urls.append(leader)
-                            index = self.urls.index(leader)
+                        leader = conductors.redirect(
+                            (resp.headers.get("X-Tiercake-Leader") or error.leader or "").rstrip("/"), url
+                        )
+                        if leader is not None:
+                            index = leader
                             continue
                     else:
                         raise ConductorError(resp.status, error.message, error.code)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # unreachable, cut short, not JSON
                 last = f"{url}: {exc!r}"
                 trail.append(f"{url} {type(exc).__name__}")
-                self._down[url] = time.monotonic() + 1.0
-                if url == self._reader:
-                    self._reader, self._probed_at = None, time.monotonic()  # not looked for again at once
+                conductors.failed(url)
             index += 1
-            await asyncio.sleep(min(0.05 * 2 ** (attempt // len(self.urls)), 1.0))
+            await asyncio.sleep(min(0.05 * 2 ** (attempt // len(conductors.urls)), 1.0))
         raise ConductorError(503, f"{last} (after {len(trail)} attempts: {', '.join(trail[-6:])})")
-
-    def _read_start(self) -> int:
-        """Where a lookup starts: the follower in step that answered one last; while none is known,
-        once every ``FOLLOWER_PROBE_S``, the conductor after the one that answered last (is it one?);
-        else that one."""
-        now = time.monotonic()
-        if self._reader in self.urls and self._down.get(self._reader, 0.0) <= now:
-            return self.urls.index(self._reader)
-        probe = self.urls[(self._current + 1) % len(self.urls)]
-        if len(self.urls) > 1 and now - self._probed_at >= FOLLOWER_PROBE_S and self._down.get(probe, 0.0) <= now:
-            self._probed_at = now
-            return self._current + 1
-        return self._current
 
     async def _typed(self, model: type[R], method: str, path: str, body: dict | None = None, read: bool = False) -> R:
         return model.model_validate(await self._call(method, path, body, read=read))
@@ -296,13 +336,8 @@ class Client:
         """Accesses a follower conductor counted in its lookups, for the leader's hot replication,
         packed by tenant (a leader of the release before refuses them: a 400, and its rates miss
         them until it is upgraded)."""
-        by_tenant: dict[str, tuple[list[bytes], list[int]]] = {}
-        for tenant, key, n in hits:
-            keys, counts = by_tenant.setdefault(tenant, ([], []))
-            keys.append(key)
-            counts.append(n)
-        packed = [{"tenant": t, "keys": _packed(keys), "counts": counts} for t, (keys, counts) in by_tenant.items()]
-        return (await self._typed(HeatReply, "POST", "/v1/heat", {"packed": packed})).accepted
+        body = HeatRequest.packing(hits).model_dump(mode="json", exclude_defaults=True)
+        return (await self._typed(HeatReply, "POST", "/v1/heat", body)).accepted
 
     async def feed(self, term: int, after: int, snapshot_row: int | None = None, wait_s: float = 0.0) -> FeedReply:
         """The leader's placement changes for a follower conductor: those after ``after`` in
@@ -387,7 +422,7 @@ class Client:
         """``/v1/completions`` streamed: each server-sent chunk as a dict, the last one with usage."""
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **extra}
         body |= {"stream": True, "stream_options": {"include_usage": True}}
-        url = self.urls[self._current % len(self.urls)]
+        url = self.conductors.url(self.conductors.current)
         async with self._http().post(
             url + "/v1/completions", json=body, headers=_serving_headers(tenant, session)
         ) as r:

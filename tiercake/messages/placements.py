@@ -160,6 +160,16 @@ class HeatRequest(Request):
     hits: list[HeatHit] = Field(default=[], max_length=MAX_KEYS)
     packed: list[HeatCounts] = Field(default=[], max_length=MAX_KEYS)
 
+    @classmethod
+    def packing(cls, hits: list[tuple[str, bytes, int]]) -> HeatRequest:
+        """(tenant, key, count) of each counted block, packed by tenant."""
+        by_tenant: dict[str, tuple[list[bytes], list[int]]] = {}
+        for tenant, key, n in hits:
+            keys, counts = by_tenant.setdefault(tenant, ([], []))
+            keys.append(key)
+            counts.append(n)
+        return cls(packed=[HeatCounts(tenant=t, keys=b"".join(k), counts=c) for t, (k, c) in by_tenant.items()])
+
     @model_validator(mode="after")
     def _some_within_bounds(self) -> HeatRequest:
         blocks = len(self.hits) + sum(len(c.counts) for c in self.packed)
