@@ -81,7 +81,7 @@ class LeaderLink:
     def in_step(self) -> bool:
         """Whether the mirror follows the leader's log now (a poll's answer reached the log's end less
         than ``IN_STEP_S`` ago, and a poll is held meanwhile): clients may send it their lookups."""
-        if self.conductor.is_leader or self._synced_at is None or self._at_end is None:
+        if self._synced_at is None or self._at_end is None:  # (a leader's role is its own: read_role)
             return False
         return time.monotonic() - self._at_end < IN_STEP_S
 

@@ -808,8 +808,11 @@ async def test_lookups_go_to_a_follower_in_step_and_back_to_the_leader_when_it_i
     them), and its writes to the leader; a follower that falls behind, or stops answering, loses the
     lookups to the leader within one lookup, without an error; found in step again, it gets them back."""
     from tiercake.conductor import client as client_module
+    from tiercake.conductor import leader_link
 
     monkeypatch.setattr(client_module, "FOLLOWER_PROBE_S", 0.0)  # look for a follower at every chance
+    # in step however slowly this machine answers its polls: falling behind is made below, not timed
+    monkeypatch.setattr(leader_link, "IN_STEP_S", 3600.0)
     keys = [k(i) for i in range(4)]
     async with leader_and_follower(runners_too=True) as (leader, follower, runners):
         async with Client([leader.url, follower.url], token="peer-token") as client:
