@@ -33,8 +33,10 @@ def node_config(tmp: Path, name: str, conductor: str, host: str) -> Path:
         f"node_id: {name}\n"
         "store:\n  layout: null\n  tiers:\n"
         f"    - {{kind: pool, capacity: 64MiB, path: {shm_file(f'part-{uuid.uuid4().hex[:12]}')}}}\n"
-        f"conductor: {{urls: [{conductor}], member_ttl: 1}}\n"
-        "objects: {failover_s: 2, bootstrap_s: 0.5, lease_ttl_s: 1}\n"
+        # a TTL of 3 s, not 1: on a busy machine a keep-alive a second late dropped the far node before the
+        # puts, and every object went to the near one
+        f"conductor: {{urls: [{conductor}], member_ttl: 3}}\n"
+        "objects: {failover_s: 3, bootstrap_s: 0.5, lease_ttl_s: 1}\n"
         f"transfer: {{host: {host}}}\n"
     )
     return path
@@ -77,7 +79,7 @@ async def test_a_partitioned_node_stops_serving_its_slots_move_and_replicas_surv
         # the conductor listens on the host's end of the link, reachable from both sides
         conductor_cfg = tmp_path / "conductor.yaml"
         conductor_cfg.write_text(
-            "store: {tiers: [{kind: pool, capacity: 1MiB}]}\nobjects: {failover_s: 2, bootstrap_s: 0.5}\n"
+            "store: {tiers: [{kind: pool, capacity: 1MiB}]}\nobjects: {failover_s: 3, bootstrap_s: 0.5}\n"
         )
         _, info = group.start(
             [
