@@ -37,6 +37,7 @@ conductor: {{member_ttl: 2}}
 serving: {{gpu_blocks: 96, max_context: 320}}
 """
 RATE_WINDOW_S = 4.0  # how long the load's rate is measured before each fault
+QUICK_RATE_WINDOW_S = 2.0  # the quick run's: some 80 requests at its rate, and 15 windows shorter by 2 s
 
 FAULTS = (
     "kill_prefill",
@@ -87,6 +88,12 @@ async def _unservable(up: UpProcess, secret: bytes) -> tuple[int, int]:
         finally:
             await engine.close()
     return listed, lost
+
+
+@dataclass(frozen=True)
+class _Pace:
+    settle: float  # at least this long after a fault was read back before the next one
+    window: float  # the load's rate (and hit ratio) measured over this long just before a fault
 
 
 @dataclass
@@ -162,23 +169,23 @@ def _workloads(up: UpProcess, config, secret: str, quick: bool) -> tuple[Load, K
 
 
 async def _inject(
-    fault: str, injector: Faults, load: Load, kv: KvLoad, found: _Findings, quiet_since: float, settle: float, progress
+    fault: str, injector: Faults, load: Load, kv: KvLoad, found: _Findings, quiet_since: float, pace: _Pace, progress
 ) -> float:
     """One fault (a serving one, ``Faults``, or the store's, ``StoreFaults``): the rate just before
     it, the fault, what was served meanwhile, how long until the cluster served again, and every
-    object read back. It begins ``settle`` s (at least the rate's window) after ``quiet_since``, when
+    object read back. It begins ``pace.settle`` s (at least the rate's window) after ``quiet_since``, when
     the fault before had been read back; it returns when this one has been."""
-    await asyncio.sleep(max(0.0, quiet_since + max(settle, RATE_WINDOW_S) - time.monotonic()))
+    await asyncio.sleep(max(0.0, quiet_since + max(pace.settle, pace.window) - time.monotonic()))
     before = (load.tally.ok, load.tally.failed, load.tally.wrong)
     await injector.sample_corrupt()  # before a fault that may restart the node agent
     progress(f"{fault} ... (at {time.monotonic():.1f} s on the monotonic clock)")
     at, ok_at = time.monotonic(), load.tally.ok
-    rate_before = load.tally.rate(at - RATE_WINDOW_S, at)  # to hold the rate during it against
+    rate_before = load.tally.rate(at - pace.window, at)  # to hold the rate during it against
     back = await (getattr(injector, fault, None) or getattr(found.store_faults, fault))()
     lasted = time.monotonic() - at
     if lasted >= 1.0:  # a fault that lasts (a stall, a partition): what the cluster served meanwhile
         found.during[fault] = ((load.tally.ok - ok_at) / lasted, rate_before, lasted)
-        found.hits[fault] = (load.tally.hit_ratio(at, at + lasted), load.tally.hit_ratio(at - RATE_WINDOW_S, at))
+        found.hits[fault] = (load.tally.hit_ratio(at, at + lasted), load.tally.hit_ratio(at - pace.window, at))
     found.recovery[fault] = await recovered(back, load, at, timeout=RECOVERY_TIMEOUT_S)
     await injector.sample_corrupt()
     await kv.read_back()  # every object once more: one a fault lost shows in its history
@@ -223,7 +230,7 @@ async def run(
     from tiercake.config import load_config
 
     report = Report(bench="chaos", machine=machine())
-    settle = 2.0 if quick else 15.0
+    pace = _Pace(2.0, QUICK_RATE_WINDOW_S) if quick else _Pace(15.0, RATE_WINDOW_S)
     with tempfile.TemporaryDirectory(prefix="tiercake-chaos-") as tmp, ssd_filesystem(Path(tmp)) as ssd_fs:
         root = Path(tmp)
         pool = Path(f"/dev/shm/tiercake-chaos-{os.getpid()}")
@@ -251,7 +258,7 @@ async def run(
             quiet_since = time.monotonic()
             for i, fault in enumerate(faults):
                 reached(1 + i, fault)
-                quiet_since = await _inject(fault, injector, load, kv, found, quiet_since, settle, progress)
+                quiet_since = await _inject(fault, injector, load, kv, found, quiet_since, pace, progress)
             reached(1 + len(faults), "checking every placement")
             await load.stop()
             await kv.stop()
