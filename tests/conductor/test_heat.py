@@ -27,3 +27,13 @@ def test_only_the_hottest_half_is_kept_when_full():
     now = rates._epoch
     rates.add([(f"k{i}", float(i + 1)) for i in range(11)], now=now)
     assert len(rates) == 6 and "k10" in dict(rates.items(now)) and "k0" not in dict(rates.items(now))
+
+
+def test_a_full_table_of_equal_counts_halves_too_and_forgets_what_it_dropped_as_touched():
+    rates = AccessRates(half_life=10.0, max_keys=10)
+    now = rates._epoch
+    rates.add([(f"k{i}", 1.0) for i in range(11)], now=now)  # every count the median
+    kept = dict(rates.items(now))
+    assert len(kept) == 6 and rates.take_touched() == set(kept)
+    rates.add([(f"k{i}", 1.0) for i in range(11, 16)], now=now)  # past max_keys again: halved again
+    assert len(rates) == 6  # 11 again, 6 kept
