@@ -9,8 +9,14 @@ STAMP := $(VENV)/.installed
 # first (tests/conftest.py): about 14 minutes quiet (850 s on 2026-12-07). Three processes once took
 # 13-14 minutes where two took 15-16, but beside a CPU-bound process three failed three tests that two
 # pass (load 7-12: a 401 lost to the reset of a connection closed with its body unread, a lab
-# recovery past 90 s, a 10 ms lease): two it is.
+# recovery past 90 s, a 10 ms lease): two it is. On 2026-12-08: 868 s with two, 804 with three; the
+# suite's processes used 1,319 s of CPU (the two cores' floor: 660 s), some 280 of it vLLM servers
+# (each imports vLLM twice: its CPU platform spawns the engine core).
 TEST_WORKERS ?= 2
+# The unit loop (make check) in three: its tests start no process and wait on little, so a third fills
+# the time the other two wait: 78-82 s where two took 92-94 (bytecode cleared first, 2026-12-08), and
+# 126 s beside two CPU-bound processes, every test passing.
+CHECK_WORKERS ?= 3
 # The tests start many Python processes (node agents, conductors, the CLI): where the
 # environment says PYTHONDONTWRITEBYTECODE (this image does), each compiled every module it imported
 # again, and pytest rewrote every test module again on each run. The tests keep their bytecode.
@@ -58,9 +64,9 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	MYPY=$(abspath $(VENV))/bin/mypy .ci/typecheck
 
-# The loop while you work: every test that starts no process (no etcd, no cluster), 80-110 s
+# The loop while you work: every test that starts no process (no etcd, no cluster), 78-82 s
 check: install
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not cluster" $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q -n $(CHECK_WORKERS) -m "not cluster" $(PYTEST_ARGS)
 
 test: install system-deps
 	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -314,7 +314,7 @@ def test_make_check_selects_the_tests_that_start_no_process():
         [
             "make",
             "check",
-            "TEST_WORKERS=0",
+            "CHECK_WORKERS=0",
             "PYTEST_ARGS=--collect-only -q tests/tiercake/test_blocks.py tests/cluster/test_serving.py",
         ],
         cwd=REPO,
