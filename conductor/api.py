@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from tiercake.config import TiercakeConfig, reachable_host
 from tiercake.credentials import TENANT_READS, tenant_of_token
 from tiercake.errors import ApiError, app_runner, bearer, body_reader, error_middleware, parse_body, require_bearer
-from tiercake.heap import freeze_startup_heap
+from tiercake.heap import collect_less_often, freeze_startup_heap
 from tiercake.messages import (
     CONTROL_API,
     READ_ROLE_HEADER,
@@ -629,6 +629,7 @@ async def serve(full: TiercakeConfig, conductor_id: str | None = None, announce=
             await runner.setup()
             await web.SockSite(runner, bound_sock, ssl_context=tls).start()
         freeze_startup_heap()
+        collect_less_often()
         announced = {"conductor": conductor.conductor_id, "url": url}
         if public_sock is not None:
             host, port = public_sock.getsockname()[:2]

@@ -341,20 +341,22 @@ async def _mirror_caught_up(fleet: Fleet, leader: int, timeout: float = 60.0) ->
     changes misses, and costs a recompute)."""
     started = time.perf_counter()
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fleet.token}"}) as http:
-
-        async def replicas(url: str) -> float:
-            async with http.get(url + "/metrics") as resp:
-                text = await resp.text()
-            return next(
-                float(line.split()[1]) for line in text.splitlines() if line.startswith("tiercake_index_replicas ")
-            )
-
         while time.perf_counter() - started < timeout:
-            held = [await replicas(url) for url in (fleet.urls[leader], fleet.urls[1 - leader])]
+            held = [
+                await _metric(http, url, "tiercake_index_replicas")
+                for url in (fleet.urls[leader], fleet.urls[1 - leader])
+            ]
             if held[0] == held[1]:
                 break
             await asyncio.sleep(0.05)
     return time.perf_counter() - started
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    """One unlabelled metric of a conductor's ``/metrics``."""
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _p99(ordered: list[float]) -> float:
@@ -371,10 +373,18 @@ async def _lookups(
     series = (("", leader), ("_follower", follower), ("_client", None))
     targets = [[url, url or follower] for _, url in series]
     answer = await fleet.ask(fleet.front, {"cmd": "lookup", "seconds": 3 * seconds, "targets": targets})
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fleet.token}"}) as http:
+        # the longest turn of each conductor's loop in the last whole 10 s: what a p99 may have waited behind
+        lags = [await _metric(http, url, "tiercake_loop_lag_seconds") for url in (leader, follower)]
     for (where, _), run in zip(series, answer["runs"], strict=True):
         lookups = sorted(run["lookup_s"])
         floor = statistics.median(run["floor_s"])
-        params = {**size, "lookups": len(lookups), "found_whole": f"{run['whole']}/{len(lookups)}"}
+        params = {
+            **size,
+            "lookups": len(lookups),
+            "found_whole": f"{run['whole']}/{len(lookups)}",
+            "loop_lag_ms": {"leader": round(lags[0] * 1e3, 1), "follower": round(lags[1] * 1e3, 1)},
+        }
         report.add(
             f"{n}.lookup_p50{where}",
             lookups[len(lookups) // 2] * 1e3,
