@@ -78,7 +78,7 @@ class AccessRates:
         """Keep exactly the hottest half, in their order (ties at the median kept first come, so a
         table of equal counts halves too). It runs in the conductor's loop once per ``max_keys / 2``
         new blocks: sorting the keys and deleting the cold ones stalled it 118-126 ms at 200,000; the
-        median of an array and one pass that keeps the rest, 18-20 ms."""
+        median of an array and one pass that keeps the rest, about 25 ms."""
         counts = np.fromiter(self._counts.values(), dtype=np.float64, count=len(self._counts))
         forgotten = len(counts) // 2
         median = np.partition(counts, forgotten)[forgotten]  # one epoch: stored counts compare

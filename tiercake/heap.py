@@ -23,10 +23,11 @@ YOUNG_OBJECTS = 50_000  # allocations between young collections (Python's defaul
 
 def collect_less_often(young: int = YOUNG_OBJECTS) -> tuple[int, int, int]:
     """Collect the young generation every ``young`` allocations, the middle one every 20 of those and
-    the old one every 100 of those; the thresholds it replaced. A conductor at 1,000 nodes makes and
-    drops some 100,000 asyncio objects (tasks, handles, contexts) a second, and at Python's defaults
-    collected every few milliseconds, each collection a pause its lookups waited behind: its lookup
-    p99 under ``bench fleet --nodes 1000`` was 15.4-20.5 ms, 8.1-13.2 with these (four runs each,
+    the old one every 100 of those; the thresholds it replaced. A conductor at 1,000 nodes holds
+    40,000-100,000 tracked objects past its frozen start, most of them asyncio's per-request ones
+    (tasks, handles, contexts) that come and go; at Python's defaults it collected every few
+    seconds for 5-12 ms, and in full for 40-130 ms, pauses its lookups waited behind: its lookup p99
+    under ``bench fleet --nodes 1000`` was 15.4-20.5 ms, 8.1-13.2 with these (four runs each,
     interleaved). Cycles still go, only in larger batches."""
     before = gc.get_threshold()
     gc.set_threshold(young, 20, 100)
